@@ -1,0 +1,91 @@
+"""Prompt rendering (the tokenizer's chat template, or a plain fallback) and UTF-8-safe streaming text."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+ROLES = ("system", "user", "assistant")
+_PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """Check a chat: a list of ``{"role", "content"}`` with known roles, ending with a user message."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}]: content must be a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise ValueError("messages: the last message must be from the user")
+    return out
+
+
+def plain_prompt(messages: Sequence[dict[str, str]]) -> str:
+    """The fallback template for models without a chat template."""
+    parts = [f"{_PLAIN_NAMES[m['role']]}: {m['content'].strip()}\n\n" for m in messages]
+    return "".join(parts) + "Assistant:"
+
+
+def render_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of the whole conversation, ready for the assistant's reply."""
+    messages = validate_messages(messages)
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # BatchEncoding / dict in transformers 5
+            ids = ids["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(plain_prompt(messages))["input_ids"]]
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Raw completion: tokenized as the tokenizer does by default (BOS if it adds one)."""
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+class StreamDecoder:
+    """Incremental detokenization that never emits half a UTF-8 character.
+
+    Decodes a short window of ids (vLLM's prefix/read offsets): the text of ``ids[prefix:]`` minus the
+    text of ``ids[prefix:read]`` is new. Output is held back while it ends in U+FFFD (an incomplete
+    byte sequence) and released once the next token completes it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self._prefix = self._read
+            self._read = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of a reply), replacement characters included."""
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta

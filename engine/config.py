@@ -1,0 +1,127 @@
+"""Frozen configuration objects: what to load, how to cache, how to sample.
+
+Each validates itself in ``__post_init__`` and raises ``ValueError`` with a one-line message, so the CLI,
+the app and tests share one set of rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+CACHE_MODES = ("off", "contiguous", "paged")
+KV_DTYPES = ("auto", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "nf4")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+OVERFLOWS = ("stop", "truncate_middle", "rolling", "policy")
+MAX_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: a local folder, a hub id, or ``"demo"`` (built-in random-weight model)."""
+
+    source: str = "demo"
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CPU is forced to float32
+    quantization: str = "none"
+    device: str = "auto"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    allow_download: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.source or not str(self.source).strip():
+            raise ValueError("model: empty model path or id")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantize: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache of a chat session is kept.
+
+    mode        off (recompute every step) | contiguous (one growing buffer per layer) | paged (page pool)
+    page_size   tokens per page, 1..256 (paged mode)
+    prefix_reuse  keep the cache across turns and prefill only what changed
+    k_dtype / v_dtype  auto (the model's compute dtype) | int8 | int4
+    policy      eviction policy name from ``engine.policies`` ("none", "streaming", "h2o", "priority")
+    policy_params  keyword arguments for the policy's ``Params`` dataclass
+    overflow    what happens when the context or budget is full: stop | truncate_middle | rolling | policy
+    max_pages   cap on the page pool (None: grow as needed up to the model's context)
+    """
+
+    mode: str = "paged"
+    page_size: int = 16
+    prefix_reuse: bool = True
+    k_dtype: str = "auto"
+    v_dtype: str = "auto"
+    policy: str = "none"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    overflow: str = "stop"
+    max_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise ValueError(f"cache mode: {self.mode!r} is not one of {', '.join(CACHE_MODES)}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
+            raise ValueError(f"page size: {self.page_size!r} is not an integer")
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page size: {self.page_size} is outside 1..{MAX_PAGE_SIZE}")
+        for name in ("k_dtype", "v_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"overflow: {self.overflow!r} is not one of {', '.join(OVERFLOWS)}")
+        if self.max_pages is not None and self.max_pages < 1:
+            raise ValueError(f"max pages: {self.max_pages} must be at least 1")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError("policy: empty policy name")
+
+    def replace(self, **changes: Any) -> "CacheConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_dtype != "auto" or self.v_dtype != "auto"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature: {self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top-k: {self.top_k} must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top-p: {self.top_p} must be in (0, 1]")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min-p: {self.min_p} must be in [0, 1)")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition penalty: {self.repetition_penalty} must be > 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max new tokens: {self.max_new_tokens} must be at least 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> "SamplingConfig":
+        return dataclasses.replace(self, **changes)

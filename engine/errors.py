@@ -1,0 +1,39 @@
+"""Typed errors of the engine.
+
+Every error a user can cause carries a one-line, human-readable reason in ``str(err)``. The CLI prints
+that line (no traceback) and exits non-zero; the app shows it in a message.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class: a failure the user can understand and act on."""
+
+
+class ModelNotFoundError(EngineError):
+    """The path does not exist, or the hub id is not in the local cache and cannot be downloaded."""
+
+
+class ModelFormatError(EngineError):
+    """The folder exists but is not a usable model: no config, corrupt or truncated weights, no tokenizer."""
+
+
+class UnsafeModelError(EngineError):
+    """The model needs pickle weights or remote code and the caller did not allow it."""
+
+
+class UnsupportedModelError(EngineError):
+    """The architecture cannot run with this engine (not a causal LM, unknown model type, ...)."""
+
+
+class ContextOverflowError(EngineError):
+    """The request does not fit the model's context window (and the overflow policy is 'stop')."""
+
+
+class CacheCapacityError(EngineError):
+    """The page pool cannot hold the sequence."""
+
+
+class OfflineError(ModelNotFoundError):
+    """A download was needed but the hub cannot be reached."""

@@ -1,0 +1,107 @@
+"""A sequence's logical → physical page list. Plain ints; asks the pool, never touches tensors.
+
+Token ``i`` of the sequence lives in page ``pages[i // P]`` at offset ``i % P``, i.e. physical slot
+``pages[i // P] * P + i % P``.
+
+Copy-on-write rule: full pages are shared between forks by ref count and never written again. A shared
+*partial* last page is copied to a private page just before the first write into it; ``append`` returns
+those ``(src, dst)`` page copies and the caller copies the tensors before writing.
+"""
+
+from __future__ import annotations
+
+from engine.kv.pool import PagePool
+
+
+class BlockTable:
+    def __init__(self, pool: PagePool, session_id: int = -1) -> None:
+        self.pool = pool
+        self.session_id = session_id
+        self.pages: list[int] = []
+        self.num_tokens = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def pages_needed(self, n: int) -> int:
+        """Pages ``append(n)`` would take from the pool (new pages plus a copy-on-write page)."""
+        P = self.page_size
+        total = -(-(self.num_tokens + n) // P)
+        need = max(0, total - len(self.pages))
+        if n > 0 and self.num_tokens % P and self.pool.ref[self.pages[-1]] > 1:
+            need += 1
+        return need
+
+    def can_append(self, n: int) -> bool:
+        return self.pool.can_allocate(self.pages_needed(n))
+
+    def append(self, n: int, owner: int = -1) -> list[tuple[int, int]]:
+        """Reserve slots for ``n`` more tokens; returns the page copies the caller must perform first."""
+        P = self.page_size
+        copies: list[tuple[int, int]] = []
+        if n <= 0:
+            return copies
+        if self.num_tokens % P:
+            last = self.pages[-1]
+            if self.pool.ref[last] > 1:  # shared partial page: copy before writing into it
+                new = self.pool.allocate(1, owner=owner, session=self.session_id)[0]
+                self.pool.fill[new] = self.num_tokens % P
+                self.pool.decref(last)
+                self.pages[-1] = new
+                copies.append((last, new))
+        total = -(-(self.num_tokens + n) // P)
+        if total > len(self.pages):
+            self.pages.extend(self.pool.allocate(total - len(self.pages), owner=owner, session=self.session_id))
+        end = self.num_tokens + n
+        first_page = self.num_tokens // P
+        for i in range(first_page, total):
+            self.pool.fill[self.pages[i]] = min(P, end - i * P)
+        self.num_tokens = end
+        return copies
+
+    def slots(self, start: int, stop: int) -> list[int]:
+        """Physical slot index of each logical token in ``[start, stop)``."""
+        P = self.page_size
+        pages = self.pages
+        return [pages[i // P] * P + i % P for i in range(start, stop)]
+
+    def contiguous_start(self) -> int | None:
+        """First physical slot if the pages are consecutive ids (one contiguous run), else None."""
+        pages = self.pages
+        if not pages:
+            return 0
+        first = pages[0]
+        if pages[-1] - first != len(pages) - 1:
+            return None
+        for i, p in enumerate(pages):
+            if p != first + i:
+                return None
+        return first * self.page_size
+
+    def truncate(self, n: int) -> list[int]:
+        """Keep the first ``n`` tokens; returns the pages released (their refs dropped)."""
+        if n < 0 or n > self.num_tokens:
+            raise ValueError(f"truncate: {n} is outside 0..{self.num_tokens}")
+        P = self.page_size
+        keep = -(-n // P)
+        dropped = self.pages[keep:]
+        for p in reversed(dropped):  # tail first, as vLLM frees
+            self.pool.decref(p)
+        self.pages = self.pages[:keep]
+        self.num_tokens = n
+        if keep and self.pool.ref[self.pages[-1]] == 1:
+            self.pool.fill[self.pages[-1]] = n - (keep - 1) * P
+        return dropped
+
+    def fork(self, session_id: int = -1) -> "BlockTable":
+        """A new table sharing every page (ref count +1 each)."""
+        other = BlockTable(self.pool, session_id)
+        for p in self.pages:
+            self.pool.incref(p)
+        other.pages = list(self.pages)
+        other.num_tokens = self.num_tokens
+        return other
+
+    def free(self) -> None:
+        self.truncate(0)

@@ -1,0 +1,495 @@
+"""KV-cache quantization for pages: int8 (per token per head absmax) and int4 (KIVI-style).
+
+Pure torch functions, no engine state. Every function works on ``[..., T, D]``: the last dim is
+``head_dim`` (D), the one before it the tokens of ONE page (T, normally ``page_size``), and any leading
+dims are free. So the same call quantizes one page ``[H, T, D]``, many pages ``[N, H, P, D]``, or a whole
+layer stored as ``[H, num_slots, D]`` viewed as ``[H, N, P, D]`` (page p = slots [p*P, (p+1)*P)); results
+are bit-identical to quantizing each page alone, and dequantizing a layer's pages is one call.
+
+Schemes (see ``kv-cache-reference.md`` §6)
+
+int8, K and V alike, symmetric: per (…, token) one scale = absmax over head_dim / 127.
+    ``x ≈ codes * scale``; ``codes`` int8 in [-127, 127] ``[..., T, D]``; ``scale`` ``[..., T, 1]``.
+int4, asymmetric (``x ≈ code * scale + zero``, code in 0..15), two codes per uint8 byte:
+    keys   (role "k"): per channel, grouped over the T tokens of the page: ``scale``/``zero`` ``[..., 1, D]``.
+           Quantize a page only once it is full (the cache keeps the partial page in full precision).
+    values (role "v"): per token, in groups of ``g = min(group, D)`` channels along head_dim:
+           ``scale``/``zero`` ``[..., T, G]`` with ``G = ceil(D / g)``.
+    Packing is along head_dim for both roles: ``codes`` uint8 ``[..., T, ceil(D/2)]``, byte j holds channel
+    2j in its low nibble and channel 2j+1 in its high nibble. Odd D: the last high nibble is 0. D not a
+    multiple of g: the last value group is padded internally by repeating the last channel (so its min/max
+    are unchanged); the padding is never stored.
+
+Scales and zeros are stored in ``scale_dtype`` (float16 by default, or float32). The stored values are the
+ones used to compute the codes: scales are rounded UP and int4 zeros DOWN to the storage dtype, so no code
+clips and the round-trip error per element is at most ``stored_scale / 2`` (plus float32 arithmetic
+rounding, plus the rounding of the output dtype). Limits of float16 storage: |x| up to ~8.3e6 (int8) and a
+range ``max - min`` up to ~9.8e5 with ``|min| <= 65504`` (int4); beyond that scales/zeros saturate at the
+float16 maximum (no NaN/inf, but the bound no longer holds): use ``scale_dtype=torch.float32``. Tiny
+groups (int8 absmax below ~7.8e-3) get float16-subnormal scales: the bound still holds, with an absolute
+floor of ~3e-8 per element. Inputs must be finite; float32 subnormal inputs (|x| < 1.2e-38) may flush to 0.
+
+Bytes really held (``.nbytes``; per token: ``bytes_per_token``), s = scale_dtype itemsize, H = kv heads:
+    int8        H * (D + s)
+    int4 keys   H * (ceil(D/2) + 2 * D * s / page_size)
+    int4 values H * (ceil(D/2) + 2 * ceil(D/g) * s)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Sequence, Union
+
+import torch
+from torch import Tensor
+
+KINDS = ("int8", "int4")
+ROLES = ("k", "v")
+SCALE_DTYPES = (torch.float16, torch.float32)
+DEFAULT_GROUP = 32
+INT8_MAX = 127
+INT4_MAX = 15
+
+_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, eq=False)
+class QInt8:
+    """int8 page(s): ``x ≈ codes * scale``.
+
+    codes  int8 ``[..., T, D]`` in [-127, 127]
+    scale  float16/float32 ``[..., T, 1]`` (absmax over D / 127, rounded up; 0 for an all-zero row)
+    """
+
+    codes: Tensor
+    scale: Tensor
+    kind: ClassVar[str] = "int8"
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.int8:
+            raise ValueError(f"int8 codes: dtype {self.codes.dtype} is not torch.int8")
+        if self.codes.dim() < 2 or self.scale.shape != self.codes.shape[:-1] + (1,):
+            raise ValueError(f"int8 scale: shape {tuple(self.scale.shape)} does not fit codes {tuple(self.codes.shape)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per page (T)."""
+        return self.codes.shape[-2]
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dequantized tensor ``[..., T, D]``."""
+        return self.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held: codes + scales."""
+        return _nbytes(self.codes) + _nbytes(self.scale)
+
+    def __getitem__(self, index) -> QInt8:
+        """Select pages along the leading dims only (``q[page_ids]``, ``q[2]``, ``q[:, 1:3]``)."""
+        _check_index(index, self.codes.dim())
+        return QInt8(self.codes[index], self.scale[index])
+
+    def put(self, index, src: QInt8) -> None:
+        """Write ``src`` into these (storage) tensors at leading-dim ``index``, in place."""
+        _check_index(index, self.codes.dim())
+        if not isinstance(src, QInt8) or src.scale.dtype != self.scale.dtype:
+            raise ValueError("put: source is not an int8 page with the same scale dtype")
+        self.codes[index] = src.codes
+        self.scale[index] = src.scale
+
+
+@dataclass(frozen=True, eq=False)
+class QInt4:
+    """int4 page(s), two codes per byte: ``x ≈ code * scale + zero``.
+
+    codes  uint8 ``[..., T, ceil(D/2)]``; byte j = code[2j] | code[2j+1] << 4 (packed along head_dim)
+    scale, zero  float16/float32; role "k": ``[..., 1, D]`` (per channel over the page's T tokens);
+           role "v": ``[..., T, G]`` (per token, G = ceil(D / group) groups along head_dim)
+    role   "k" | "v";  head_dim  D (needed: odd D is padded in ``codes``)
+    group  "v": channels per group along head_dim (min(group, D)); "k": 0 (the group is the whole page)
+    """
+
+    codes: Tensor
+    scale: Tensor
+    zero: Tensor
+    role: str
+    head_dim: int
+    group: int
+    kind: ClassVar[str] = "int4"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"int4 role: {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.codes.dtype != torch.uint8:
+            raise ValueError(f"int4 codes: dtype {self.codes.dtype} is not torch.uint8")
+        if self.codes.dim() < 2 or self.codes.shape[-1] != (self.head_dim + 1) // 2:
+            raise ValueError(f"int4 codes: shape {tuple(self.codes.shape)} does not fit head_dim {self.head_dim}")
+        if self.role == "v" and not 1 <= self.group <= self.head_dim:
+            raise ValueError(f"int4 values: group {self.group} is outside 1..head_dim {self.head_dim}")
+        lead, t = self.codes.shape[:-2], self.codes.shape[-2]
+        want = lead + ((1, self.head_dim) if self.role == "k" else (t, _num_groups(self.head_dim, self.group)))
+        if self.scale.shape != want or self.zero.shape != want or self.zero.dtype != self.scale.dtype:
+            raise ValueError(
+                f"int4 {self.role} scale/zero: shapes {tuple(self.scale.shape)}/{tuple(self.zero.shape)} "
+                f"are not {tuple(want)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per page (T)."""
+        return self.codes.shape[-2]
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dequantized tensor ``[..., T, D]``."""
+        return self.codes.shape[:-1] + (self.head_dim,)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held: packed codes + scales + zeros."""
+        return _nbytes(self.codes) + _nbytes(self.scale) + _nbytes(self.zero)
+
+    def __getitem__(self, index) -> QInt4:
+        """Select pages along the leading dims only (``q[page_ids]``, ``q[2]``, ``q[:, 1:3]``)."""
+        _check_index(index, self.codes.dim())
+        return QInt4(self.codes[index], self.scale[index], self.zero[index], self.role, self.head_dim, self.group)
+
+    def put(self, index, src: QInt4) -> None:
+        """Write ``src`` into these (storage) tensors at leading-dim ``index``, in place."""
+        _check_index(index, self.codes.dim())
+        if (
+            not isinstance(src, QInt4)
+            or (src.role, src.head_dim, src.group) != (self.role, self.head_dim, self.group)
+            or src.scale.dtype != self.scale.dtype
+        ):
+            raise ValueError("put: source is not an int4 page with the same role, head_dim, group and scale dtype")
+        self.codes[index] = src.codes
+        self.scale[index] = src.scale
+        self.zero[index] = src.zero
+
+
+QuantizedPage = Union[QInt8, QInt4]
+
+
+@dataclass(frozen=True)
+class QuantError:
+    """Round-trip error of one quantized tensor (plain floats, for stats panels)."""
+
+    mse: float  # mean((x - x̂)²)
+    max_abs: float  # max |x - x̂|
+    rel_rms: float  # ||x - x̂|| / ||x|| (0 when x is all zero)
+
+
+# ---------------------------------------------------------------------------------------------------- int8
+
+
+def quantize_int8(x: Tensor, scale_dtype: torch.dtype | str = torch.float16) -> QInt8:
+    """Symmetric int8, one scale per (…, token) over head_dim. ``x``: float ``[..., T, D]``."""
+    sdt = _check_input(x, scale_dtype)
+    xf = x.float()  # [..., T, D]
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., T, 1]
+    scale = _round_up(amax / INT8_MAX, sdt)  # [..., T, 1]
+    sf = scale.float()
+    sf = torch.where(sf > 0, sf, torch.ones_like(sf))  # all-zero row: codes 0, no NaN
+    codes = (xf / sf).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # [..., T, D]
+    return QInt8(codes, scale)
+
+
+def dequantize_int8(q: QInt8, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``codes * scale`` as ``dtype`` ``[..., T, D]`` (contiguous)."""
+    if not isinstance(q, QInt8):
+        raise ValueError(f"dequantize_int8: got {type(q).__name__}")
+    if dtype == q.scale.dtype:
+        # |code| <= 127 and the scale are exact in dtype: one rounding, same as the float32 route
+        return q.codes.to(dtype) * q.scale  # [..., T, D]
+    return (q.codes.float() * q.scale.float()).to(dtype)  # [..., T, D]
+
+
+# ---------------------------------------------------------------------------------------------------- int4
+
+
+def quantize_int4_keys(x: Tensor, scale_dtype: torch.dtype | str = torch.float16) -> QInt4:
+    """Asymmetric int4 keys, per channel over the page's tokens (dim -2). ``x``: float ``[..., T, D]``.
+
+    Give it full pages: the statistics are taken over all T tokens of dim -2.
+    """
+    sdt = _check_input(x, scale_dtype)
+    xf = x.float()  # [..., T, D]
+    lo = xf.amin(dim=-2, keepdim=True)  # [..., 1, D]
+    hi = xf.amax(dim=-2, keepdim=True)  # [..., 1, D]
+    zero, scale = _zero_scale(lo, hi, sdt)  # [..., 1, D] each
+    zf, sf = zero.float(), scale.float()
+    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = ((xf - zf) / sf).round_().clamp_(0, INT4_MAX).to(torch.uint8)  # [..., T, D]
+    return QInt4(_pack(codes), scale, zero, "k", x.shape[-1], 0)
+
+
+def quantize_int4_values(
+    x: Tensor, group: int = DEFAULT_GROUP, scale_dtype: torch.dtype | str = torch.float16
+) -> QInt4:
+    """Asymmetric int4 values, per token in groups of ``min(group, D)`` channels. ``x``: float ``[..., T, D]``."""
+    sdt = _check_input(x, scale_dtype)
+    d = x.shape[-1]
+    g = _group(d, group)
+    n_groups = _num_groups(d, g)
+    d_pad = n_groups * g
+    xf = x.float()  # [..., T, D]
+    if d_pad > d:  # repeat the last channel: the last group's min/max do not change
+        xf = torch.cat([xf, xf[..., -1:].expand(*xf.shape[:-1], d_pad - d)], dim=-1)  # [..., T, D_pad]
+    xg = xf.reshape(*xf.shape[:-1], n_groups, g)  # [..., T, G, g]
+    lo = xg.amin(dim=-1)  # [..., T, G]
+    hi = xg.amax(dim=-1)  # [..., T, G]
+    zero, scale = _zero_scale(lo, hi, sdt)  # [..., T, G] each
+    zf, sf = zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)  # [..., T, G, 1]
+    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = ((xg - zf) / sf).round_().clamp_(0, INT4_MAX).to(torch.uint8)  # [..., T, G, g]
+    codes = codes.flatten(-2)[..., :d]  # [..., T, D] (padding dropped)
+    return QInt4(_pack(codes), scale, zero, "v", d, g)
+
+
+def dequantize_int4_keys(q: QInt4, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``code * scale + zero`` (per channel) as ``dtype`` ``[..., T, D]`` (computed in float32)."""
+    if not isinstance(q, QInt4) or q.role != "k":
+        raise ValueError("dequantize_int4_keys: not an int4 key page")
+    codes = _unpack(q.codes, q.head_dim).float()  # [..., T, D]
+    return torch.addcmul(q.zero.float(), codes, q.scale.float()).to(dtype)  # [..., T, D]
+
+
+def dequantize_int4_values(q: QInt4, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``code * scale + zero`` (per token group) as ``dtype`` ``[..., T, D]`` (computed in float32)."""
+    if not isinstance(q, QInt4) or q.role != "v":
+        raise ValueError("dequantize_int4_values: not an int4 value page")
+    d, g = q.head_dim, q.group
+    n_groups = q.scale.shape[-1]
+    codes = _unpack(q.codes, n_groups * g).float()  # [..., T, D_pad]
+    codes = codes.reshape(*codes.shape[:-1], n_groups, g)  # [..., T, G, g]
+    x = torch.addcmul(q.zero.float().unsqueeze(-1), codes, q.scale.float().unsqueeze(-1))  # [..., T, G, g]
+    x = x.flatten(-2)[..., :d]  # [..., T, D]
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ common surface
+
+
+def quantize(
+    kind: str,
+    x: Tensor,
+    role: str,
+    *,
+    scale_dtype: torch.dtype | str = torch.float16,
+    group: int = DEFAULT_GROUP,
+) -> QuantizedPage:
+    """Quantize page(s) ``x`` ``[..., T, D]`` (dim -2 = the tokens of one page) as ``kind`` for ``role``.
+
+    kind  "int8" | "int4";  role  "k" | "v" (int8 treats both alike);  group  int4 values only.
+    One page: ``[H, T, D]``; batched: ``[N, H, P, D]`` (or a layer ``[H, N*P, D]`` viewed as ``[H, N, P, D]``).
+    """
+    _check_kind_role(kind, role)
+    if kind == "int8":
+        return quantize_int8(x, scale_dtype)
+    if role == "k":
+        return quantize_int4_keys(x, scale_dtype)
+    return quantize_int4_values(x, group, scale_dtype)
+
+
+def dequantize(q: QuantizedPage, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Dequantize any page object from :func:`quantize` to ``dtype`` ``[..., T, D]``."""
+    if isinstance(q, QInt8):
+        return dequantize_int8(q, dtype)
+    if isinstance(q, QInt4):
+        return dequantize_int4_keys(q, dtype) if q.role == "k" else dequantize_int4_values(q, dtype)
+    raise ValueError(f"dequantize: {type(q).__name__} is not a quantized page")
+
+
+def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
+    """Stack same-kind page objects along a new leading dim 0 (``[H, T, D]`` × N → ``[N, H, T, D]``)."""
+    if not pages:
+        raise ValueError("stack: no pages")
+    first = pages[0]
+    if isinstance(first, QInt8):
+        if not all(isinstance(p, QInt8) for p in pages):
+            raise ValueError("stack: mixed kinds")
+        return QInt8(torch.stack([p.codes for p in pages]), torch.stack([p.scale for p in pages]))
+    if not all(
+        isinstance(p, QInt4) and (p.role, p.head_dim, p.group) == (first.role, first.head_dim, first.group)
+        for p in pages
+    ):
+        raise ValueError("stack: mixed kinds, roles, head_dims or groups")
+    return QInt4(
+        torch.stack([p.codes for p in pages]),
+        torch.stack([p.scale for p in pages]),
+        torch.stack([p.zero for p in pages]),
+        first.role,
+        first.head_dim,
+        first.group,
+    )
+
+
+def allocate(
+    kind: str,
+    role: str,
+    lead: Sequence[int],
+    page_size: int,
+    head_dim: int,
+    *,
+    scale_dtype: torch.dtype | str = torch.float16,
+    group: int = DEFAULT_GROUP,
+    device: torch.device | str | None = None,
+) -> QuantizedPage:
+    """Zeroed storage for pages of shape ``[*lead, page_size, head_dim]`` (dequantizes to 0); fill with ``put``."""
+    _check_kind_role(kind, role)
+    sdt = _scale_dtype(scale_dtype)
+    lead = tuple(int(n) for n in lead)
+    if page_size < 1 or head_dim < 1:
+        raise ValueError(f"allocate: page_size {page_size} and head_dim {head_dim} must be >= 1")
+    if kind == "int8":
+        return QInt8(
+            torch.zeros(*lead, page_size, head_dim, dtype=torch.int8, device=device),  # [*lead, P, D]
+            torch.zeros(*lead, page_size, 1, dtype=sdt, device=device),  # [*lead, P, 1]
+        )
+    codes = torch.zeros(*lead, page_size, (head_dim + 1) // 2, dtype=torch.uint8, device=device)  # [*lead, P, D/2]
+    if role == "k":
+        sz, g = (*lead, 1, head_dim), 0  # [*lead, 1, D]
+    else:
+        g = _group(head_dim, group)
+        sz = (*lead, page_size, _num_groups(head_dim, g))  # [*lead, P, G]
+    zeros = torch.zeros(sz, dtype=sdt, device=device)
+    return QInt4(codes, zeros, zeros.clone(), role, head_dim, g)
+
+
+def bytes_per_token(
+    kind: str,
+    role: str,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    scale_dtype: torch.dtype | str = torch.float16,
+    group: int = DEFAULT_GROUP,
+) -> float:
+    """Bytes held per token per layer for one of K or V: equals ``quantize(...).nbytes / page_size`` exactly.
+
+    int8: H*(D + s);  int4 k: H*(ceil(D/2) + 2*D*s/page_size);  int4 v: H*(ceil(D/2) + 2*ceil(D/g)*s),
+    s = scale_dtype itemsize, g = min(group, D). Compare with ``H * D * itemsize`` of the model dtype.
+    """
+    _check_kind_role(kind, role)
+    if kv_heads < 1 or head_dim < 1 or page_size < 1:
+        raise ValueError("bytes_per_token: kv_heads, head_dim and page_size must be >= 1")
+    s = torch.empty((), dtype=_scale_dtype(scale_dtype)).element_size()
+    if kind == "int8":
+        return float(kv_heads * (head_dim + s))
+    codes = (head_dim + 1) // 2
+    if role == "k":
+        return kv_heads * (codes * page_size + 2 * head_dim * s) / page_size  # one page's bytes / P
+    return float(kv_heads * (codes + 2 * _num_groups(head_dim, _group(head_dim, group)) * s))
+
+
+def error_stats(x: Tensor, q: QuantizedPage) -> QuantError:
+    """Round-trip error of ``q`` against the original ``x`` (syncs: use on a sampled page)."""
+    if tuple(x.shape) != tuple(q.shape):
+        raise ValueError(f"error_stats: x {tuple(x.shape)} does not match page {tuple(q.shape)}")
+    xf = x.float()
+    err = xf - dequantize(q, torch.float32)  # [..., T, D]
+    if err.numel() == 0:
+        return QuantError(0.0, 0.0, 0.0)
+    norm = float(torch.linalg.vector_norm(xf))
+    return QuantError(
+        mse=float(err.square().mean()),
+        max_abs=float(err.abs().max()),
+        rel_rms=float(torch.linalg.vector_norm(err)) / norm if norm > 0 else 0.0,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _scale_dtype(scale_dtype: torch.dtype | str) -> torch.dtype:
+    sdt = _DTYPE_NAMES.get(scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else scale_dtype
+    if sdt not in SCALE_DTYPES:
+        raise ValueError(f"scale dtype: {scale_dtype!r} is not float16 or float32")
+    return sdt
+
+
+def _check_kind_role(kind: str, role: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kv quantization: {kind!r} is not one of {', '.join(KINDS)}")
+    if role not in ROLES:
+        raise ValueError(f"kv role: {role!r} is not one of {', '.join(ROLES)}")
+
+
+def _check_input(x: Tensor, scale_dtype: torch.dtype | str) -> torch.dtype:
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise ValueError("quantize: input is not a floating-point tensor")
+    if x.dim() < 2 or x.shape[-1] < 1 or x.shape[-2] < 1:
+        raise ValueError(f"quantize: shape {tuple(x.shape)} is not [..., T>=1, D>=1]")
+    return _scale_dtype(scale_dtype)
+
+
+def _check_index(index, ndim: int) -> None:
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(p is Ellipsis or p is None for p in parts) or len(parts) > ndim - 2:
+        raise ValueError("page index: select leading (page/head) dims only, without ... or None")
+
+
+def _group(head_dim: int, group: int) -> int:
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"int4 group: {group!r} is not a positive integer")
+    return min(group, head_dim)
+
+
+def _num_groups(head_dim: int, group: int) -> int:
+    return math.ceil(head_dim / group) if group > 0 else 0
+
+
+def _round_up(s: Tensor, dtype: torch.dtype) -> Tensor:
+    """Smallest ``dtype`` value >= ``s`` (float32, >= 0), saturated at dtype's max."""
+    if dtype == torch.float32:
+        return s
+    r = s.to(dtype)
+    r = torch.where(r.float() < s, torch.nextafter(r, torch.full_like(r, math.inf)), r)
+    return r.clamp_(max=torch.finfo(dtype).max)
+
+
+def _round_down(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """Largest ``dtype`` value <= ``v`` (float32), saturated at dtype's finite range."""
+    if dtype == torch.float32:
+        return v
+    r = v.to(dtype)
+    r = torch.where(r.float() > v, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
+    fmax = torch.finfo(dtype).max
+    return r.clamp_(-fmax, fmax)
+
+
+def _zero_scale(lo: Tensor, hi: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Stored (zero, scale) with zero <= lo and zero + 15*scale >= hi, in ``dtype``."""
+    zero = _round_down(lo, dtype)
+    scale = _round_up((hi - zero.float()) / INT4_MAX, dtype)
+    return zero, scale
+
+
+def _pack(codes: Tensor) -> Tensor:
+    """uint8 codes 0..15 ``[..., D]`` → ``[..., ceil(D/2)]``: low nibble = even channel, high = odd."""
+    if codes.shape[-1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))  # [..., D+1]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., ceil(D/2)]
+
+
+def _unpack(packed: Tensor, n: int) -> Tensor:
+    """``[..., B]`` → uint8 codes ``[..., n]`` (truncated, or zero-padded past 2B)."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)  # [..., 2B]
+    if n > codes.shape[-1]:
+        return torch.nn.functional.pad(codes, (0, n - codes.shape[-1]))  # [..., n]
+    return codes[..., :n]  # [..., n]

@@ -1,0 +1,265 @@
+"""The KV tensors: a contiguous per-layer buffer, or a page arena shared by every session of a model.
+
+Layout (both stores), per layer ``l``:
+
+    K[l], V[l] : [kv_heads, slots, head_dim]
+
+A contiguous store's token ``i`` is slot ``i``. The page arena's page ``p`` owns slots ``[p*P, (p+1)*P)``.
+Putting the token axis in the middle keeps each head's keys contiguous in memory, so a run of
+consecutive pages is read as a strided *view* ``K[l][:, s0:s0+L]`` (no copy); scattered pages are read
+with one ``index_select`` gather. Both give attention the ``[1, kv_heads, L, head_dim]`` tensors
+transformers expects from ``Cache.update`` (never repeated for GQA).
+
+Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``):
+
+    store.begin_forward(q)            # reserve slots for q new tokens
+    store.update(layer, k, v) * L     # write the new K/V, return all K/V of the layer
+    store.end_forward()               # commit: num_tokens += q
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.block_table import BlockTable
+from engine.kv.pool import PagePool
+
+
+class KVStore:
+    """Interface shared by ``ContiguousKV`` and ``PagedKV``."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._n_before = 0  # tokens cached before the running forward
+        self._n_new = 0
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one layer (K and V) at full precision."""
+        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def past_len(self) -> int:
+        return self._n_before
+
+    @property
+    def num_tokens(self) -> int:
+        raise NotImplementedError
+
+    def begin_forward(self, n_new: int, owner: int = -1) -> None:
+        raise NotImplementedError
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def end_forward(self) -> None:
+        self._n_before += self._n_new
+        self._n_new = 0
+
+    def truncate(self, n: int) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        self.truncate(0)
+
+    def bytes_per_layer(self) -> list[int]:
+        raise NotImplementedError
+
+    def capacity_tokens(self) -> int:
+        raise NotImplementedError
+
+    def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached K/V of a layer, ``[kv_heads, num_tokens, head_dim]`` each (for copies and tests)."""
+        raise NotImplementedError
+
+
+class ContiguousKV(KVStore):
+    """One buffer per layer, grown by doubling (one copy per growth, amortised O(1) per token)."""
+
+    def __init__(self, num_layers, kv_heads, head_dim, dtype, device, initial_tokens: int = 256) -> None:
+        super().__init__(num_layers, kv_heads, head_dim, dtype, device)
+        self._cap = max(16, initial_tokens)
+        shape = (kv_heads, self._cap, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._len
+
+    def begin_forward(self, n_new: int, owner: int = -1) -> None:
+        need = self._len + n_new
+        if need > self._cap:
+            cap = self._cap
+            while cap < need:
+                cap *= 2
+            for lst in (self.k, self.v):
+                for i, old in enumerate(lst):
+                    new = torch.zeros((self.kv_heads, cap, self.head_dim), dtype=self.dtype, device=self.device)
+                    new[:, : self._len].copy_(old[:, : self._len])  # [H, len, D]
+                    lst[i] = new
+            self._cap = cap
+        self._n_before = self._len
+        self._n_new = n_new
+
+    def update(self, layer, k, v):
+        s, e = self._n_before, self._n_before + self._n_new
+        self.k[layer][:, s:e].copy_(k[0])  # k: [1, H, q, D] → buffer slots [s, e)
+        self.v[layer][:, s:e].copy_(v[0])
+        return self.k[layer][None, :, :e], self.v[layer][None, :, :e]  # [1, H, e, D] views
+
+    def end_forward(self) -> None:
+        self._len = self._n_before + self._n_new
+        super().end_forward()
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise ValueError(f"truncate: {n} is outside 0..{self._len}")
+        self._len = n
+        self._n_before = n
+
+    def bytes_per_layer(self) -> list[int]:
+        return [self._cap * self.token_bytes] * self.num_layers
+
+    def capacity_tokens(self) -> int:
+        return self._cap
+
+    def read_layer(self, layer):
+        return self.k[layer][:, : self._len], self.v[layer][:, : self._len]
+
+
+class PageArena:
+    """The page pool of one model plus its tensors; every paged session of that model allocates here."""
+
+    def __init__(self, num_layers, kv_heads, head_dim, dtype, device, page_size: int, num_pages: int,
+                 max_pages: int | None = None) -> None:
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.pool = PagePool(num_pages, page_size, max_pages=max_pages)
+        self._slots = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.sync_capacity()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers (K and V)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.page_size * self.head_dim * elem
+
+    def sync_capacity(self) -> None:
+        """Grow the tensors after the pool grew (copying the old slots)."""
+        slots = self.pool.num_pages * self.page_size
+        if slots <= self._slots:
+            return
+        shape = (self.kv_heads, slots, self.head_dim)
+        for lst in (self.k, self.v):
+            for i, old in enumerate(lst):
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                new[:, : self._slots].copy_(old)  # [H, old_slots, D]
+                lst[i] = new
+        if not self.k:
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._slots = slots
+
+    def copy_page(self, src: int, dst: int) -> None:
+        P = self.page_size
+        for lst in (self.k, self.v):
+            for t in lst:
+                t[:, dst * P:(dst + 1) * P].copy_(t[:, src * P:(src + 1) * P])  # [H, P, D]
+
+
+class PagedKV(KVStore):
+    """A session's paged view: a block table in a shared ``PageArena``."""
+
+    def __init__(self, arena: PageArena, session_id: int = -1, table: BlockTable | None = None) -> None:
+        super().__init__(arena.num_layers, arena.kv_heads, arena.head_dim, arena.dtype, arena.device)
+        self.arena = arena
+        self.table = table if table is not None else BlockTable(arena.pool, session_id)
+        self._n_before = self.table.num_tokens
+        self._write: torch.Tensor | None = None  # [q] slot ids, None when the slots are one run
+        self._write_start = 0
+        self._read: torch.Tensor | None = None  # [L] slot ids, None when the pages are one run
+        self._read_start = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.arena.page_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.table.num_tokens
+
+    def begin_forward(self, n_new: int, owner: int = -1) -> None:
+        arena = self.arena
+        self._n_before = self.table.num_tokens
+        copies = self.table.append(n_new, owner=owner)
+        arena.sync_capacity()
+        for src, dst in copies:
+            arena.copy_page(src, dst)
+        self._n_new = n_new
+        start = self.table.contiguous_start()
+        end = self._n_before + n_new
+        if start is not None:
+            self._read, self._read_start = None, start
+            self._write, self._write_start = None, start + self._n_before
+        else:
+            dev = arena.device
+            self._read = torch.tensor(self.table.slots(0, end), dtype=torch.long, device=dev)  # [L]
+            self._write = self._read[self._n_before:end]  # [q]
+
+    def update(self, layer, k, v):
+        kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
+        q = self._n_new
+        L = self._n_before + q
+        if self._write is None:
+            s = self._write_start
+            kl[:, s:s + q].copy_(k[0])  # k: [1, H, q, D] → slots [s, s+q)
+            vl[:, s:s + q].copy_(v[0])
+        else:
+            kl.index_copy_(1, self._write, k[0])  # scatter q tokens into their page slots
+            vl.index_copy_(1, self._write, v[0])
+        if self._read is None:
+            s = self._read_start
+            return kl[None, :, s:s + L], vl[None, :, s:s + L]  # [1, H, L, D] views of one run
+        return kl.index_select(1, self._read)[None], vl.index_select(1, self._read)[None]  # [1, H, L, D]
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        self._n_before = self.table.num_tokens
+
+    def truncate(self, n: int) -> None:
+        self.table.truncate(n)
+        self._n_before = n
+
+    def fork(self, session_id: int = -1) -> "PagedKV":
+        return PagedKV(self.arena, session_id, self.table.fork(session_id))
+
+    def bytes_per_layer(self) -> list[int]:
+        per_page = self.page_size * self.token_bytes
+        return [len(self.table.pages) * per_page] * self.num_layers
+
+    def capacity_tokens(self) -> int:
+        pool = self.arena.pool
+        cap_pages = pool.max_pages if pool.max_pages is not None else pool.num_pages
+        return cap_pages * self.page_size
+
+    def read_layer(self, layer):
+        idx = torch.tensor(self.table.slots(0, self.num_tokens), dtype=torch.long, device=self.arena.device)
+        return self.arena.k[layer].index_select(1, idx), self.arena.v[layer].index_select(1, idx)

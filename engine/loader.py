@@ -1,0 +1,345 @@
+"""Load a model and tokenizer: a local Hugging Face folder, a model in the HF cache, a hub id, or ``demo``.
+
+Safety: safetensors only unless pickle is allowed; remote code refused unless allowed. Every refusal or
+failure is a typed ``EngineError`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.config import ModelSpec
+from engine.errors import (
+    EngineError,
+    ModelFormatError,
+    ModelNotFoundError,
+    OfflineError,
+    UnsafeModelError,
+    UnsupportedModelError,
+)
+from engine.snapshot import ModelInfo
+
+Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
+
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for sessions: the torch module, its tokenizer and the facts the GUI sees."""
+
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    stop_ids: tuple[int, ...]
+    path: str | None = None
+    arenas: dict = field(default_factory=dict)  # page arenas shared by this model's sessions, by key
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return getattr(torch, self.info.kv_dtype)
+
+
+# -- device ----------------------------------------------------------------------------------------------
+def choose_device(requested: str) -> tuple[str, str]:
+    """Resolve ``auto|cpu|cuda|mps`` to a device and the reason, in words, for the status bar."""
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+    if requested == "cuda":
+        if not cuda:
+            raise EngineError("device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        return "cuda", f"CUDA: {torch.cuda.get_device_name(0)} (chosen)"
+    if requested == "mps":
+        if not mps:
+            raise EngineError("device mps: Apple Metal (MPS) is not available on this machine")
+        return "mps", "MPS: Apple GPU (chosen)"
+    if requested == "cpu":
+        return "cpu", "CPU: chosen"
+    if cuda:
+        return "cuda", f"CUDA: {torch.cuda.get_device_name(0)}"
+    if mps:
+        return "mps", "MPS: Apple GPU (no CUDA device)"
+    return "cpu", "CPU: no CUDA or MPS device"
+
+
+# -- resolving a source to a folder -------------------------------------------------------------------------
+def looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~")) and "\\" not in source
+
+
+def resolve_source(spec: ModelSpec, progress: Progress | None = None) -> Path:
+    """A local folder for ``spec.source``: the folder itself, the HF cache snapshot, or a fresh download."""
+    src = os.path.expanduser(spec.source)
+    path = Path(src)
+    if path.exists():
+        if not path.is_dir():
+            raise ModelFormatError(f"{src} is a file: choose the model's folder (with config.json)")
+        return path
+    if not looks_like_hub_id(spec.source):
+        raise ModelNotFoundError(f"model folder not found: {src}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.source, local_files_only=True, allow_patterns=_DOWNLOAD_PATTERNS))
+    except Exception:
+        pass
+    if not spec.allow_download or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise OfflineError(f"{spec.source} is not in the local Hugging Face cache and downloads are off")
+    if progress:
+        progress(f"downloading {spec.source}", -1.0)
+    try:
+        return Path(snapshot_download(spec.source, allow_patterns=_DOWNLOAD_PATTERNS, etag_timeout=10))
+    except Exception as e:  # network errors come in many types; all mean the same to the user
+        name = type(e).__name__
+        if "RepositoryNotFound" in name or "GatedRepo" in name:
+            raise ModelNotFoundError(f"{spec.source}: no such model on the hub (or it is gated)") from None
+        raise OfflineError(
+            f"cannot download {spec.source}: the Hugging Face hub is unreachable ({name}); "
+            "open a local folder or the demo model"
+        ) from None
+
+
+# -- checking files before transformers sees them --------------------------------------------------------
+def check_safetensors(path: Path) -> None:
+    """Validate a .safetensors header and that the file holds every byte the header promises."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelFormatError(f"{path.name} is truncated ({size} bytes): not a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise ModelFormatError(f"{path.name} is corrupt or truncated (header of {n} bytes in a {size}-byte file)")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError):
+        raise ModelFormatError(f"{path.name} is corrupt: its safetensors header is not valid JSON") from None
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise ModelFormatError(f"{path.name} is corrupt: tensor {name!r} has no valid data_offsets") from None
+    if 8 + n + end > size:
+        raise ModelFormatError(
+            f"{path.name} is truncated: {size} bytes on disk, {8 + n + end} expected (re-download the model)"
+        )
+
+
+def check_folder(folder: Path, spec: ModelSpec) -> dict:
+    """Reject what we cannot or must not load; returns the parsed config.json."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelFormatError(f"no config.json in {folder}: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise ModelFormatError(f"{cfg_path} is not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{cfg_path} is not a JSON object")
+    if "auto_map" in cfg and not spec.trust_remote_code:
+        raise UnsafeModelError(
+            f"{folder.name} needs custom code from the model repository (auto_map in config.json); "
+            "it can run anything on your machine: allow remote code only if you trust it (--trust-remote-code)"
+        )
+    safetensors = sorted(folder.glob("*.safetensors"))
+    pickles = [folder / n for n in _PICKLE_WEIGHTS if (folder / n).exists()] + sorted(folder.glob("pytorch_model-*.bin"))
+    if safetensors:
+        for p in safetensors:
+            check_safetensors(p)
+    elif pickles:
+        if not spec.allow_pickle:
+            raise UnsafeModelError(
+                f"{folder.name} has only pickle weights ({pickles[0].name}); loading pickle can run code: "
+                "allow it only if you trust the model (--allow-pickle)"
+            )
+    else:
+        raise ModelFormatError(f"no weights in {folder} (expected *.safetensors)")
+    return cfg
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> LoadedModel:
+    """Load ``spec`` (a ``ModelSpec`` or a source string). Raises ``EngineError`` subclasses."""
+    if isinstance(spec, str):
+        spec = ModelSpec(source=spec)
+    device, reason = choose_device(spec.device)
+    if spec.source == "demo":
+        from engine.demo import build_demo
+
+        if progress:
+            progress("building the demo model", 0.5)
+        model, tok = build_demo()
+        model.to(device)
+        return _finish(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
+
+    folder = resolve_source(spec, progress)
+    cfg = check_folder(folder, spec)
+    if progress:
+        progress(f"loading {folder.name}", 0.1)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
+    except ValueError as e:
+        raise UnsupportedModelError(f"unsupported model type {cfg.get('model_type')!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:
+        raise ModelFormatError(f"cannot read the config in {folder}: {str(e).splitlines()[0]}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not spec.trust_remote_code:
+        raise UnsupportedModelError(
+            f"{folder.name}: model type {config.model_type!r} is not a text-generation (causal LM) architecture"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        raise UnsupportedModelError(
+            f"{folder.name}: layers of type {', '.join(odd)} (sliding/linear attention) are not supported yet"
+        )
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
+    except Exception as e:
+        raise ModelFormatError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0][:200]}") from None
+    if tok is None or not hasattr(tok, "decode"):
+        raise ModelFormatError(f"no usable tokenizer in {folder}")
+
+    dtype = _choose_dtype(spec, config, device)
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        attn_implementation="sdpa",
+        trust_remote_code=spec.trust_remote_code,
+        use_safetensors=None if spec.allow_pickle else True,
+    )
+    if spec.quantization != "none":
+        kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except torch.OutOfMemoryError:
+        raise EngineError(f"out of memory loading {folder.name} on {device}: try 8-bit/4-bit or the CPU") from None
+    except ImportError as e:
+        raise EngineError(f"missing package for {folder.name}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
+    if spec.quantization == "none":
+        model.to(device)
+    if spec.quantization == "nf4" and device == "cpu":
+        _fix_bnb_4bit_cpu(model)
+    model.eval()
+    return _finish(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+
+
+def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
+    if spec.dtype != "auto":
+        return getattr(torch, spec.dtype)
+    if device == "cpu":
+        return torch.float32  # half-precision matmuls are slow or inexact on most CPUs
+    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = getattr(torch, cfg_dtype, None)
+    if cfg_dtype in (torch.float16, torch.bfloat16):
+        return cfg_dtype
+    return torch.float16
+
+
+def _bnb_config(kind: str, compute_dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise EngineError("8-bit/4-bit needs the bitsandbytes package (pip install bitsandbytes)") from None
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+
+
+def _fix_bnb_4bit_cpu(model) -> None:
+    """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
+    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return
+    for mod in model.modules():
+        if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
+            mod.support_avx512bf16_for_cpu = False
+
+
+def weights_bytes(model) -> int:
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _stop_ids(model, tok) -> tuple[int, ...]:
+    ids: list[int] = []
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.extend(int(e) for e in eos if e is not None)
+    if getattr(tok, "eos_token_id", None) is not None and tok.eos_token_id not in ids:
+        ids.append(int(tok.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+def _finish(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
+            is_demo: bool) -> LoadedModel:
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    layers = int(text_cfg.num_hidden_layers)
+    q_heads = int(text_cfg.num_attention_heads)
+    kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or q_heads)
+    head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // q_heads)
+    # K/V come out of the projections in the activations' dtype (bitsandbytes computes in it too)
+    kv_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    if spec.quantization == "nf4":
+        kv_dtype = getattr(model.config, "dtype", None) or kv_dtype
+        if isinstance(kv_dtype, str):
+            kv_dtype = getattr(torch, kv_dtype)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    stop = _stop_ids(model, tok)
+    info = ModelInfo(
+        name=name,
+        source=spec.source,
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        model_type=str(cfg.model_type),
+        num_layers=layers,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=int(text_cfg.hidden_size),
+        vocab_size=int(text_cfg.vocab_size),
+        context_length=int(getattr(text_cfg, "max_position_embeddings", 2048) or 2048),
+        dtype=str(kv_dtype).replace("torch.", ""),
+        kv_dtype=str(kv_dtype).replace("torch.", ""),
+        device=device,
+        device_reason=reason,
+        quantization=spec.quantization,
+        weights_bytes=weights_bytes(model),
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
+        is_demo=is_demo,
+        has_chat_template=bool(getattr(tok, "chat_template", None)),
+        stop_ids=stop,
+    )
+    return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -1,0 +1,174 @@
+"""The frozen objects the GUI sees: ``ModelInfo``, ``CacheSnapshot``, ``TokenEvent`` (and ``StepResult``).
+
+They hold plain Python values and CPU numpy arrays copied out of the engine, never live tensors, so they
+can cross threads and be kept for plots and exports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Page states, as stored in ``CacheSnapshot.page_state`` (int8 codes).
+PAGE_FREE = 0
+PAGE_ACTIVE = 1
+PAGE_SHARED = 2
+PAGE_PINNED = 3
+PAGE_QUANTIZED = 4
+PAGE_OFFLOADED = 5
+PAGE_EVICTED = 6  # freed by an eviction on this step ("just evicted")
+PAGE_STATE_NAMES = ("free", "active", "shared", "pinned", "quantized", "offloaded", "evicted")
+
+# Token states, as stored in ``CacheSnapshot.token_state`` (int8 codes, one per logical position).
+TOKEN_KEPT = 0
+TOKEN_SINK = 1
+TOKEN_EVICTED = 2
+TOKEN_QUANTIZED = 3
+TOKEN_PINNED = 4
+TOKEN_STATE_NAMES = ("kept", "sink", "evicted", "quantized", "pinned")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, and where. ``kv_bytes_per_token`` is for the full-precision cache."""
+
+    name: str
+    source: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    dtype: str
+    kv_dtype: str
+    device: str
+    device_reason: str
+    quantization: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    is_demo: bool = False
+    has_chat_template: bool = False
+    stop_ids: tuple[int, ...] = ()
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_q_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return "GQA"
+
+    def kv_bytes_per_token_as(self, kv_heads: int) -> int:
+        """Bytes per token the same model would need with ``kv_heads`` KV heads (MHA: q heads, MQA: 1)."""
+        return self.kv_bytes_per_token * kv_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["attention_kind"] = self.attention_kind
+        return d
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``phase`` is "prefill" for the first token of a reply, else "decode"."""
+
+    generation_id: int
+    index: int  # 0-based index of this token within the reply
+    token_id: int
+    text_delta: str
+    phase: str
+    step_ms: float
+    tokens_in_step: int  # tokens the forward pass processed (prompt length for prefill, 1 for decode)
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The state of a session's KV cache after one step. Arrays are CPU numpy copies."""
+
+    generation_id: int
+    step: int
+    mode: str
+    policy: str
+    page_size: int
+    num_pages: int
+    pages_used_per_layer: np.ndarray  # [L] int
+    tokens_per_layer: np.ndarray  # [L] int (tokens held per layer; differ under per-layer eviction)
+    bytes_per_layer: np.ndarray  # [L] int (bytes really held: codes + scales for quantized pages)
+    capacity_tokens: int  # tokens the cache can hold per layer now (pool or buffer capacity)
+    page_state: np.ndarray  # [num_pages] int8, PAGE_* codes
+    page_owner: np.ndarray  # [num_pages] int32, turn index that wrote the page, -1 free
+    page_fill: np.ndarray  # [num_pages] int32, tokens in the page
+    page_refcount: np.ndarray  # [num_pages] int32
+    token_state: np.ndarray  # [T] int8, TOKEN_* codes per logical position of the conversation
+    weights_bytes: int
+    kv_bytes: int
+    device_bytes: int  # device memory in use (CUDA), 0 elsewhere
+    reused_tokens: int
+    recomputed_tokens: int
+    first_divergence: int  # position where this turn's prompt left the cached tokens (-1 none cached)
+    seq_len: int  # logical tokens in the conversation so far
+    context_length: int
+    k_dtype: str = "auto"
+    v_dtype: str = "auto"
+    evicted_total: int = 0
+    evicted_positions: tuple[int, ...] = ()  # positions evicted on this step
+    evict_reason: str = ""
+    phase: str = "decode"
+    step_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    offloaded: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def pages_used(self) -> int:
+        return int(np.count_nonzero(self.page_state != PAGE_FREE))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (arrays become lists)."""
+        out: dict[str, Any] = {}
+        for k, v in asdict(self).items():
+            if isinstance(v, np.ndarray):
+                out[k] = v.tolist()
+            elif isinstance(v, tuple):
+                out[k] = list(v)
+            else:
+                out[k] = v
+        return out
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """How one turn used the cache and how fast it ran."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    first_divergence: int
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    stop_reason: str = ""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``ChatSession.step()`` produced. ``event`` is None when the step generated nothing."""
+
+    event: TokenEvent | None
+    snapshot: CacheSnapshot | None
+    done: bool
+    stop_reason: str = ""  # eos | stop_string | max_tokens | cancelled | context_full | budget_full
+    text: str = ""  # the whole reply so far
+    stats: TurnStats | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
