@@ -186,7 +186,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
             progress("building the demo model", 0.5)
         model, tok = build_demo()
         model.to(device)
-        return _finish(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
+        return wrap_model(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
 
     folder = resolve_source(spec, progress)
     cfg = check_folder(folder, spec)
@@ -242,7 +242,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    return _finish(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+    return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
 
 
 def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
@@ -298,13 +298,14 @@ def _stop_ids(model, tok) -> tuple[int, ...]:
         ids.append(eos)
     elif isinstance(eos, (list, tuple)):
         ids.extend(int(e) for e in eos if e is not None)
-    if getattr(tok, "eos_token_id", None) is not None and tok.eos_token_id not in ids:
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None and tok.eos_token_id not in ids:
         ids.append(int(tok.eos_token_id))
     return tuple(dict.fromkeys(ids))
 
 
-def _finish(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
+def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
             is_demo: bool) -> LoadedModel:
+    """Describe a loaded torch model (``ModelInfo``) and bundle it with its tokenizer (None: ids only)."""
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layers = int(text_cfg.num_hidden_layers)
@@ -339,7 +340,7 @@ def _finish(model, tok, spec: ModelSpec, device: str, reason: str, name: str, pa
         weights_bytes=weights_bytes(model),
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
         is_demo=is_demo,
-        has_chat_template=bool(getattr(tok, "chat_template", None)),
+        has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
         stop_ids=stop,
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

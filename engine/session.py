@@ -59,6 +59,18 @@ def arena_for(lm: LoadedModel, cfg: CacheConfig) -> PageArena:
     return arena
 
 
+class _NullDecoder:
+    """Stands in for ``StreamDecoder`` when a model has no tokenizer (benchmark shapes): ids only."""
+
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class ChatSession:
     """A conversation with a model and its own KV cache. Not thread-safe: drive it from one thread."""
 
@@ -182,7 +194,7 @@ class ChatSession:
         self.generation_id = generation_id if generation_id is not None else next(_generation_ids)
         self._sampling = sampling
         self._sampler = Sampler(sampling, self.lm.device)
-        self._decoder = StreamDecoder(self.tokenizer)
+        self._decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else _NullDecoder()
         self._prompt_len = len(ids)
         self._reused = keep
         self._recomputed = len(ids) - keep

@@ -1,0 +1,199 @@
+"""``python -m engine bench``: the engine's cache modes against HF ``generate`` in the same process and run.
+
+Rows: ``{engine, mode, context, new_tokens, ttft_ms, decode_tokens_per_s, kv_bytes}`` with engine "hf"
+(mode "dynamic" = DynamicCache, "no_cache" = ``use_cache=False``) or "kvscope" (mode as ``--cache``).
+TTFT is prompt prefill + first token; decode tok/s is tokens 2..N over their wall time. Modes run
+round-robin per context so the ratios are side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+
+HF_MODES = {"hf-dynamic": "dynamic", "hf-no-cache": "no_cache"}
+ENGINE_MODES = ("off", "contiguous", "paged")
+
+
+def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+class _Clock:
+    """A logits processor that stamps the time each token is chosen (HF calls it once per token)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def run_hf(lm, prompt: list[int], new_tokens: int, use_cache: bool) -> dict[str, Any]:
+    from transformers import LogitsProcessorList
+
+    model = lm.model
+    ids = torch.tensor([prompt], device=lm.device)
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, use_cache=use_cache,
+                             logits_processor=LogitsProcessorList([clock]), pad_token_id=0,
+                             return_dict_in_generate=True)
+    ttft = (clock.stamps[0] - t0) * 1000.0
+    decode_s = clock.stamps[-1] - clock.stamps[0]
+    kv = 0
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if use_cache and cache is not None:
+        for layer in cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    kv += t.numel() * t.element_size()
+    return {"ttft_ms": ttft, "decode_tokens_per_s": (len(clock.stamps) - 1) / decode_s if decode_s > 0 else 0.0,
+            "kv_bytes": kv, "tokens": out.sequences.shape[1] - len(prompt)}
+
+
+def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig) -> dict[str, Any]:
+    from engine.session import ChatSession
+
+    s = ChatSession(lm, cache)
+    try:
+        s.start_ids(prompt, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
+        while not (r := s.step()).done:
+            pass
+        st = r.stats
+        return {"ttft_ms": st.ttft_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
+                "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens}
+    finally:
+        s.close()
+
+
+def run_turn_reuse(lm, history: int, new_user: int, cache: CacheConfig) -> dict[str, float]:
+    """TTFT of a turn after ``history`` cached tokens: prefix reuse vs a full re-prefill."""
+    from engine.session import ChatSession
+
+    base = _prompt(lm.info.vocab_size, history, seed=1)
+    extra = _prompt(lm.info.vocab_size, new_user, seed=2)
+    out = {}
+    for reuse in (True, False):
+        s = ChatSession(lm, cache.replace(prefix_reuse=reuse))
+        try:
+            s.start_ids(base, SamplingConfig(max_new_tokens=1, ignore_eos=True))
+            while not s.step().done:
+                pass
+            prev = s.seq[:-1]
+            s.start_ids(prev + extra, SamplingConfig(max_new_tokens=1, ignore_eos=True))
+            while not (r := s.step()).done:
+                pass
+            out["reuse" if reuse else "full"] = r.stats.ttft_ms
+            out["reused_tokens" if reuse else "full_reused_tokens"] = r.stats.reused_tokens
+        finally:
+            s.close()
+    return out
+
+
+def _load(a):
+    if a.shape:
+        from engine.shapes import build_shape
+
+        return build_shape(a.shape, device=a.device)
+    from engine.config import ModelSpec
+    from engine.loader import load_model
+
+    return load_model(ModelSpec(source=a.model, device=a.device))
+
+
+def run_bench(a) -> int:
+    lm = _load(a)
+    contexts = [int(c) for c in str(a.contexts).split(",") if c.strip()]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in HF_MODES and m not in ENGINE_MODES:
+            raise ValueError(f"bench mode {m!r} is not one of {', '.join(list(HF_MODES) + list(ENGINE_MODES))}")
+    ctx_limit = lm.info.context_length
+    for c in contexts:
+        if c < 1 or c + a.new_tokens > ctx_limit:
+            raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
+    CacheConfig(page_size=a.page_size)  # validate early
+    torch.set_grad_enabled(False)
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
+    name = a.shape or a.model
+    log(f"bench {name}: {lm.info.num_layers} layers, kv heads {lm.info.num_kv_heads}, threads {torch.get_num_threads()}")
+    # warm up every path once (allocator, oneDNN kernels)
+    warm = _prompt(lm.info.vocab_size, 16)
+    run_hf(lm, warm, 2, True)
+    run_engine(lm, warm, 2, CacheConfig(mode="paged", page_size=a.page_size))
+
+    rows: list[dict[str, Any]] = []
+
+    def measure(mode: str, prompt: list[int], n: int) -> dict[str, Any]:
+        if mode in HF_MODES:
+            return run_hf(lm, prompt, n, use_cache=(mode == "hf-dynamic"))
+        return run_engine(lm, prompt, n, CacheConfig(mode=mode, page_size=a.page_size))
+
+    def add_rows(ctx: int, n: int, results: dict[str, list[dict]], kind: str = "") -> None:
+        for mode, rs in results.items():
+            row = {
+                "engine": "hf" if mode in HF_MODES else "kvscope",
+                "mode": HF_MODES.get(mode, mode),
+                "context": ctx,
+                "new_tokens": n,
+                "ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 2),
+                "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rs), 3),
+                "kv_bytes": rs[-1]["kv_bytes"],
+            }
+            if mode == "paged":
+                row["page_size"] = a.page_size
+            if kind:
+                row["kind"] = kind
+            rows.append(row)
+            log(f"  {row['engine']:8s} {row['mode']:10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
+                f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
+
+    for ctx in contexts:
+        prompt = _prompt(lm.info.vocab_size, ctx)
+        results: dict[str, list[dict]] = {m: [] for m in modes}
+        for _ in range(max(1, a.repeats)):
+            for m in modes:
+                results[m].append(measure(m, prompt, a.new_tokens))
+        add_rows(ctx, a.new_tokens, results)
+
+    if a.long:
+        prompt = _prompt(lm.info.vocab_size, 16, seed=3)
+        if 16 + a.long > ctx_limit:
+            raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
+        results = {m: [measure(m, prompt, a.long)] for m in modes}
+        add_rows(16, a.long, results, kind="long")
+
+    extra: dict[str, Any] = {}
+    if a.reuse_history:
+        t = run_turn_reuse(lm, a.reuse_history, 24, CacheConfig(mode="paged", page_size=a.page_size))
+        extra["turn_reuse"] = {"history": a.reuse_history, "new_tokens": 24, "ttft_reuse_ms": round(t["reuse"], 2),
+                               "ttft_full_ms": round(t["full"], 2), "reused_tokens": t["reused_tokens"],
+                               "ratio": round(t["reuse"] / t["full"], 4) if t["full"] else None}
+        log(f"  turn at history {a.reuse_history}: reuse {t['reuse']:.1f} ms vs full {t['full']:.1f} ms")
+
+    out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows, **extra}
+    with open(a.json_file, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    _print_ratios(rows, log)
+    return 0
+
+
+def _print_ratios(rows: list[dict], log) -> None:
+    by = {(r["context"], r["mode"], r.get("kind", "")): r for r in rows}
+    for (ctx, mode, kind), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        hf = by.get((ctx, "dynamic", kind))
+        if r["engine"] == "kvscope" and hf and hf["decode_tokens_per_s"]:
+            log(f"  ratio vs HF dynamic  ctx {ctx:5d} {kind:4s} {mode:10s} decode ×{r['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3f}"
+                f"  ttft ×{r['ttft_ms'] / hf['ttft_ms']:.3f}")

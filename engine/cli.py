@@ -1,0 +1,214 @@
+"""``python -m engine generate|bench`` (DESIGN.md §3).
+
+A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
+one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from engine.config import CACHE_MODES, DEVICES, KV_DTYPES, QUANTIZATIONS, CacheConfig, ModelSpec, SamplingConfig
+from engine.errors import EngineError
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="paged", choices=CACHE_MODES, help="KV cache mode (default paged)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page, 1..256 (default 16)")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every turn from scratch")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="K and V precision")
+    p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K precision (overrides --kv-dtype)")
+    p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V precision (overrides --kv-dtype)")
+    p.add_argument("--policy", default="none", help="eviction policy: none|streaming|h2o|priority")
+    p.add_argument("--sinks", type=int, default=None, help="streaming: attention-sink tokens kept")
+    p.add_argument("--window", type=int, default=None, help="streaming/h2o: recent tokens kept")
+    p.add_argument("--budget", type=int, default=None, help="h2o/priority: token budget")
+    p.add_argument("--overflow", default="stop", help="stop|truncate_middle|rolling|policy")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="bitsandbytes weights")
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin) weights: can run code")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's own code")
+    p.add_argument("--offline", action="store_true", help="never download")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="KV Scope engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with the engine's KV cache")
+    g.add_argument("--model", required=True, help="folder, hub id, or demo")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw completion prompt (no chat template)")
+    src.add_argument("--messages", help="JSON file: a list of {role, content}; each user message is a turn")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    _cache_args(g)
+    _model_args(g)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    b = sub.add_parser("bench", help="speed against HF generate in the same run")
+    m = b.add_mutually_exclusive_group(required=True)
+    m.add_argument("--model", help="folder, hub id, or demo")
+    m.add_argument("--shape", help="random-weight model of a real config: smollm2-135m, qwen2.5-0.5b, ...")
+    b.add_argument("--contexts", default="256,1024,2048", help="prompt lengths, comma separated")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--modes", default="hf-dynamic,hf-no-cache,off,contiguous,paged",
+                   help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged")
+    b.add_argument("--page-size", type=int, default=16)
+    b.add_argument("--repeats", type=int, default=1, help="round-robin repeats (median reported)")
+    b.add_argument("--reuse-history", type=int, default=0,
+                   help="also measure a turn's TTFT with prefix reuse vs a full re-prefill at this history length")
+    b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")
+    b.add_argument("--device", default="auto", choices=DEVICES)
+    b.add_argument("--json", dest="json_file", required=True, help="output file")
+    return parser
+
+
+def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
+    params: dict[str, Any] = {}
+    for name in ("sinks", "window", "budget"):
+        if getattr(a, name, None) is not None:
+            params[name] = getattr(a, name)
+    return CacheConfig(
+        mode=a.cache,
+        page_size=a.page_size,
+        prefix_reuse=not a.no_prefix_reuse,
+        k_dtype=a.k_dtype or a.kv_dtype,
+        v_dtype=a.v_dtype or a.kv_dtype,
+        policy=a.policy,
+        policy_params=params,
+        overflow=a.overflow,
+    )
+
+
+def _read_messages(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"messages file not found: {path}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"messages file {path} is not valid JSON: {e}") from None
+    from engine.chat import validate_messages
+
+    if isinstance(data, list) and data and isinstance(data[-1], dict) and data[-1].get("role") == "assistant":
+        data = data[:-1]  # a trailing assistant message has nothing to answer
+    return validate_messages(data)
+
+
+def _turn_json(session, result, prompt_tokens: int) -> dict[str, Any]:
+    st = result.stats
+    snapshot = result.snapshot
+    return {
+        "token_ids": session.generated_ids,
+        "text": result.text,
+        "prompt_tokens": prompt_tokens,
+        "reused_tokens": st.reused_tokens,
+        "recomputed_tokens": st.recomputed_tokens,
+        "first_divergence": st.first_divergence,
+        "ttft_ms": round(st.ttft_ms, 3),
+        "decode_tokens_per_s": round(st.decode_tokens_per_s, 3),
+        "kv_bytes": snapshot.kv_bytes if snapshot else 0,
+        "pages_used": int(snapshot.pages_used_per_layer[0]) if snapshot is not None and len(snapshot.pages_used_per_layer) else 0,
+        "stop_reason": result.stop_reason,
+    }
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    cache = cache_config_from_args(a)
+    sampling = SamplingConfig(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, seed=a.seed, max_new_tokens=a.max_new_tokens,
+        ignore_eos=a.ignore_eos,
+    )
+    spec = ModelSpec(source=a.model, quantization=a.quantize, device=a.device, dtype=a.dtype,
+                     allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
+                     allow_download=not a.offline)
+    messages = _read_messages(a.messages) if a.messages else None
+    from engine.loader import load_model
+    from engine.session import ChatSession
+
+    lm = load_model(spec)
+    if lm.tokenizer is None:
+        raise EngineError("this model has no tokenizer")
+    session = ChatSession(lm, cache)
+
+    def run_turn() -> Any:
+        while True:
+            r = session.step()
+            if not a.json and r.event is not None and r.event.text_delta:
+                sys.stdout.write(r.event.text_delta)
+                sys.stdout.flush()
+            if r.done:
+                if not a.json:
+                    sys.stdout.write("\n")
+                return r
+
+    if messages is None:
+        stats = session.start_completion(a.prompt, sampling)
+        r = run_turn()
+        out = _turn_json(session, r, stats.prompt_tokens)
+        if a.json:
+            print(json.dumps(out))
+        return 0
+    turns = []
+    history: list[dict] = []
+    for i, m in enumerate(messages):
+        history.append(m)
+        if m["role"] != "user":
+            continue
+        stats = session.start(history, sampling)
+        r = run_turn()
+        turns.append(_turn_json(session, r, stats.prompt_tokens))
+        nxt = messages[i + 1] if i + 1 < len(messages) else None
+        if nxt is None or nxt["role"] != "assistant":
+            history.append({"role": "assistant", "content": r.text})
+    if a.json:
+        print(json.dumps({"turns": turns}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    debug = os.environ.get("KVSCOPE_DEBUG") == "1"
+    try:
+        if a.command == "generate":
+            return cmd_generate(a)
+        if a.command == "bench":
+            from engine.bench import run_bench
+
+            return run_bench(a)
+        parser.error(f"unknown command {a.command}")
+    except (EngineError, ValueError) as e:
+        if debug:
+            raise
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an engine bug: still one line, with the type, unless debugging
+        if debug:
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: internal {type(e).__name__}: {msg} (KVSCOPE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
+    return 0

@@ -1,0 +1,61 @@
+"""Random-weight models of real configurations, for speed measurements without downloads.
+
+``build_shape("smollm2-135m")`` gives a ``LoadedModel`` (no tokenizer: benchmarks feed token ids) with the
+exact layer, head and vocabulary sizes of the named model and seeded random weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelSpec
+from engine.loader import LoadedModel, choose_device, wrap_model
+
+SHAPES: dict[str, dict] = {
+    # HuggingFaceTB/SmolLM2-135M: Llama, GQA 9/3, head_dim 64
+    "smollm2-135m": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
+    # Qwen/Qwen2.5-0.5B: Qwen2, GQA 14/2, head_dim 64, attention biases
+    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, use_sliding_window=False),
+    # small shapes with the same structure, for tests
+    "tiny-llama": dict(arch="llama", vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen2": dict(arch="qwen2", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+}
+
+
+def build_config(name: str):
+    if name not in SHAPES:
+        raise ValueError(f"shape: {name!r} is not one of {', '.join(SHAPES)}")
+    params = dict(SHAPES[name])
+    arch = params.pop("arch")
+    if arch == "llama":
+        from transformers import LlamaConfig as Cfg
+    else:
+        from transformers import Qwen2Config as Cfg
+    cfg = Cfg(**params, attn_implementation="sdpa")
+    cfg.architectures = ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"]
+    return cfg
+
+
+def build_shape(name: str, seed: int = 0, device: str = "auto", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A seeded random-weight model of the named shape, wrapped as a ``LoadedModel`` without tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_config(name)
+    dev, reason = choose_device(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.to(dev).eval()
+    model.generation_config.eos_token_id = None
+    spec = ModelSpec(source=f"shape:{name}", device=device)
+    return wrap_model(model, None, spec, dev, reason, name=f"{name} (random weights)", path=None, is_demo=True)

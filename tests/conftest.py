@@ -1,0 +1,26 @@
+"""Shared test fixtures: the real stories260K model from ../shared (tests may read it; runtime code never)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    assert (STORIES / "config.json").is_file(), f"test model missing: {STORIES}"
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def stories(stories_path):
+    from engine.loader import load_model
+
+    return load_model(str(stories_path))
