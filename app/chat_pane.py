@@ -1,0 +1,256 @@
+"""The chat pane: system prompt, transcript of Markdown bubbles, and the input with Send/Stop.
+
+Enter sends, Shift+Enter inserts a new line, Esc stops. The pane only shows and asks; the window decides
+what a request means for the engine and the history store. Streaming text is buffered by the bubble and
+drawn by ``render()``, which the window calls from its ≤30 Hz refresh timer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeyEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.message_view import MessageView
+
+
+class ChatInput(QPlainTextEdit):
+    """Multi-line input: Enter submits, Shift+Enter inserts a newline."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt name
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
+            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
+        ):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class ChatPane(QWidget):
+    """Transcript + input. Signals carry what the user asked for; slots show what happened."""
+
+    send_requested = Signal(str)
+    stop_requested = Signal()
+    regenerate_requested = Signal()
+    edit_requested = Signal(int, str)  # position of the user message, new text
+    new_chat_requested = Signal()
+    system_prompt_changed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("ChatPane")
+        self.bubbles: list[MessageView] = []
+        self.streaming: MessageView | None = None
+        self.generating = False
+        self._ready = False
+
+        self.title = QLabel("New chat")
+        self.title.setObjectName("chatTitle")
+        self.new_button = QPushButton("New chat")
+        self.system_prompt = QLineEdit()
+        self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
+        self.system_prompt.setObjectName("systemPrompt")
+        self._sys_timer = QTimer(self)
+        self._sys_timer.setSingleShot(True)
+        self._sys_timer.setInterval(400)
+        self._sys_timer.timeout.connect(lambda: self.system_prompt_changed.emit(self.system_prompt.text()))
+        self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
+
+        self.transcript = QWidget()
+        self.transcript.setObjectName("transcript")
+        self.column = QVBoxLayout(self.transcript)
+        self.column.setContentsMargins(12, 12, 12, 12)
+        self.column.setSpacing(10)
+        self.empty_hint = QLabel()
+        self.empty_hint.setObjectName("emptyHint")
+        self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_hint.setWordWrap(True)
+        self.column.addWidget(self.empty_hint)
+        self.column.addStretch(1)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setWidget(self.transcript)
+        self.scroll.setObjectName("transcriptScroll")
+        self._stick_to_bottom = True
+        self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range)
+        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scroll)
+
+        self.input = ChatInput()
+        self.input.setObjectName("chatInput")
+        self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line")
+        self.input.setMaximumHeight(96)
+        self.input.submitted.connect(self.submit)
+        self.send_button = QPushButton("Send")
+        self.send_button.setObjectName("primaryButton")
+        self.send_button.clicked.connect(self.submit)
+        self.stop_button = QPushButton("Stop (Esc)")
+        self.stop_button.setObjectName("stopButton")
+        self.stop_button.clicked.connect(self.stop_requested)
+        self.regen_button = QPushButton("Regenerate")
+        self.regen_button.clicked.connect(self.regenerate_requested)
+        self.new_button.clicked.connect(self.new_chat_requested)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self._on_escape)
+
+        top = QHBoxLayout()
+        top.addWidget(self.title, 1)
+        top.addWidget(self.new_button)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.regen_button)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.input, 1)
+        bottom.addLayout(buttons)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addLayout(top)
+        layout.addWidget(self.system_prompt)
+        layout.addWidget(self.scroll, 1)
+        layout.addLayout(bottom)
+        self.set_ready(False, "Starting the engine…")
+        self.set_generating(False)
+
+    # state ----------------------------------------------------------------------------------------------
+    def set_ready(self, ready: bool, hint: str = "") -> None:
+        """Whether a model is loaded; ``hint`` shows in the empty transcript."""
+        self._ready = ready
+        self.empty_hint.setText(hint)
+        self._update_buttons()
+        self._update_empty()
+
+    def set_generating(self, generating: bool) -> None:
+        self.generating = generating
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        self.send_button.setEnabled(self._ready and not self.generating)
+        self.stop_button.setEnabled(self.generating)
+        has_reply = any(b.role == "assistant" for b in self.bubbles)
+        self.regen_button.setEnabled(self._ready and not self.generating and has_reply)
+        for b in self.bubbles:
+            b.edit_button.setEnabled(self._ready and not self.generating)
+            b.regen_button.setEnabled(self._ready and not self.generating)
+
+    def _update_empty(self) -> None:
+        self.empty_hint.setVisible(not self.bubbles)
+
+    def set_chat(self, title: str, system_prompt: str) -> None:
+        self.title.setText(title)
+        self.system_prompt.setText(system_prompt)
+
+    # transcript -----------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        for b in self.bubbles:
+            b.setParent(None)
+            b.deleteLater()
+        self.bubbles.clear()
+        self.streaming = None
+        self._update_empty()
+        self._update_buttons()
+
+    def set_messages(self, messages: list[Any]) -> None:
+        """Show stored messages (objects with role, content, position, stats)."""
+        self.clear()
+        for m in messages:
+            bubble = self.add_message(m.role, m.content, m.position)
+            if m.stats:
+                bubble.set_stats(m.stats)
+        self._mark_last()
+        self._stick_to_bottom = True
+
+    def add_message(self, role: str, text: str, position: int) -> MessageView:
+        bubble = MessageView(role, text, position)
+        bubble.edit_submitted.connect(self.edit_requested)
+        bubble.regenerate_requested.connect(self.regenerate_requested)
+        self.column.insertWidget(self.column.count() - 1, bubble)
+        self.bubbles.append(bubble)
+        self._update_empty()
+        self._mark_last()
+        self._update_buttons()
+        return bubble
+
+    def truncate_after(self, position: int) -> None:
+        """Drop bubbles after ``position`` (edit-and-resend, regenerate)."""
+        keep = [b for b in self.bubbles if b.position <= position]
+        for b in self.bubbles:
+            if b.position > position:
+                b.setParent(None)
+                b.deleteLater()
+        self.bubbles = keep
+        if self.streaming is not None and self.streaming not in keep:
+            self.streaming = None
+        self._mark_last()
+        self._update_empty()
+        self._update_buttons()
+
+    def begin_reply(self, position: int) -> MessageView:
+        self.streaming = self.add_message("assistant", "", position)
+        self._stick_to_bottom = True
+        return self.streaming
+
+    def append_delta(self, delta: str) -> None:
+        if self.streaming is not None:
+            self.streaming.append(delta)
+
+    def render(self) -> None:
+        """Draw buffered streaming text (called at ≤30 Hz)."""
+        if self.streaming is not None:
+            self.streaming.render()
+
+    def finish_reply(self, text: str | None, stats: dict[str, Any]) -> None:
+        if self.streaming is None:
+            return
+        if text is not None and text != self.streaming.text:
+            self.streaming.set_text(text)
+        self.streaming.render()
+        self.streaming.set_stats(stats)
+        self.streaming = None
+        self._mark_last()
+
+    def show_error(self, message: str) -> None:
+        bubble = MessageView("error", message, position=10**9)
+        self.column.insertWidget(self.column.count() - 1, bubble)
+        self.bubbles.append(bubble)
+        self._update_empty()
+
+    def user_text_at(self, position: int) -> str:
+        return next((b.text for b in self.bubbles if b.position == position and b.role == "user"), "")
+
+    def _mark_last(self) -> None:
+        replies = [b for b in self.bubbles if b.role == "assistant"]
+        for b in replies:
+            b.set_last_reply(b is replies[-1])
+
+    # input ----------------------------------------------------------------------------------------------
+    def submit(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or not self._ready or self.generating:
+            return
+        self.input.clear()
+        self.send_requested.emit(text)
+
+    def _on_escape(self) -> None:
+        if self.generating:
+            self.stop_requested.emit()
+
+    def _on_range(self, _lo: int, hi: int) -> None:
+        if self._stick_to_bottom:
+            self.scroll.verticalScrollBar().setValue(hi)
+
+    def _on_scroll(self, value: int) -> None:
+        bar = self.scroll.verticalScrollBar()
+        self._stick_to_bottom = value >= bar.maximum() - 24

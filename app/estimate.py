@@ -1,0 +1,73 @@
+"""Memory estimate before loading: weights + KV cache at a chosen context, from ``config.json`` and the
+weight files' sizes (no torch). Used by the models dialog for its fit warning."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DEMO = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 128,
+        "torch_dtype": "float32", "max_position_embeddings": 2048}
+DEMO_WEIGHTS_BYTES = 3_042_880
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of weights and of a full-precision KV cache holding ``context`` tokens."""
+
+    weights_bytes: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    context: int
+    max_context: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+    def fits(self, device_bytes: int, headroom: float = 0.9) -> bool:
+        return self.total_bytes <= device_bytes * headroom
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def estimate(config: dict, stored_weights_bytes: int, context: int, quantization: str = "none",
+             device: str = "cpu") -> MemoryEstimate:
+    """Estimate from a parsed ``config.json`` and the size of the stored weights.
+
+    Compute dtype: float32 on CPU (as the engine loads it), the checkpoint's dtype elsewhere. 8-bit weights
+    take ~1 byte per parameter, 4-bit ~0.56 (codes + scales); the KV cache stays in the compute dtype.
+    """
+    c = _text_config(config)
+    stored_dtype = str(c.get("torch_dtype") or c.get("dtype") or "float32").replace("torch.", "")
+    stored_b = _DTYPE_BYTES.get(stored_dtype, 4)
+    compute_b = 4 if device == "cpu" else (stored_b if stored_b <= 2 else 2 if device == "cuda" else stored_b)
+    params = stored_weights_bytes / stored_b
+    per_param = {"none": compute_b, "int8": 1.0, "nf4": 0.56}.get(quantization, compute_b)
+    layers = int(c.get("num_hidden_layers") or c.get("n_layer") or 0)
+    q_heads = int(c.get("num_attention_heads") or c.get("n_head") or 1)
+    kv_heads = int(c.get("num_key_value_heads") or q_heads)
+    hidden = int(c.get("hidden_size") or c.get("n_embd") or 0)
+    head_dim = int(c.get("head_dim") or (hidden // max(q_heads, 1)))
+    per_token = 2 * layers * kv_heads * head_dim * compute_b
+    max_ctx = int(c.get("max_position_embeddings") or c.get("n_positions") or context)
+    ctx = min(context, max_ctx) if max_ctx else context
+    return MemoryEstimate(int(params * per_param), per_token * ctx, per_token, ctx, max_ctx)
+
+
+def estimate_folder(folder: str | Path, context: int, quantization: str = "none", device: str = "cpu") -> MemoryEstimate:
+    """Estimate for a local model folder. Raises ``OSError``/``ValueError`` if it has no readable config."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    if not weights:
+        weights = sum(p.stat().st_size for p in folder.glob("*.bin"))
+    return estimate(config, weights, context, quantization, device)
+
+
+def estimate_demo(context: int, device: str = "cpu") -> MemoryEstimate:
+    return estimate(DEMO, DEMO_WEIGHTS_BYTES, context, "none", device)

@@ -1,0 +1,72 @@
+"""Entry point: ``kvscope [--model DIR|HUB_ID|demo] [--self-test] [--screenshot FILE] [--data-dir DIR]``.
+
+Shows the window first and loads the model afterwards on the worker thread (torch is imported there), so
+the window is visible quickly.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_IMPORT = time.perf_counter()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvscope", description="Chat with a local LLM and watch its KV cache.")
+    p.add_argument("--model", default=None, help="model folder, hub id, or 'demo' (default: the last one used)")
+    p.add_argument("--self-test", action="store_true", help="run the GUI self-test offscreen and exit 0/1")
+    p.add_argument("--screenshot", default=None, metavar="FILE", help="with --self-test: save a PNG of the window")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where settings and chat history live (default: $KVSCOPE_DATA_DIR or the platform data dir)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, t0: float | None = None) -> int:
+    t0 = _T_IMPORT if t0 is None else t0
+    args = parse_args(argv)
+    if args.self_test and "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+    from PySide6.QtCore import QCoreApplication, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    QCoreApplication.setOrganizationName("kvscope")
+    QCoreApplication.setApplicationName("kvscope")
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+
+    from app.settings import default_data_dir
+    from app.theme import apply_theme
+
+    apply_theme(app)
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+
+    if args.self_test:
+        from app.self_test import run_self_test
+
+        return run_self_test(app, model=args.model or "demo", screenshot=args.screenshot, t0=t0,
+                             data_dir=Path(args.data_dir) if args.data_dir else None)
+
+    from app.history import HistoryStore
+    from app.main_window import MainWindow
+    from app.settings import Settings
+
+    settings = Settings.from_data_dir(data_dir)
+    history = HistoryStore.in_data_dir(data_dir)
+    window = MainWindow(settings, history, model=args.model)
+    window.show()
+    QTimer.singleShot(0, window.start)
+    code = app.exec()
+    joined = window.shutdown()
+    history.close()
+    if not joined:  # the worker is inside a long load; nothing is left to save
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

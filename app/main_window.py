@@ -1,0 +1,654 @@
+"""The main window: chat pane in the centre, live panels and controls in docks, status bar below.
+
+The window is the controller between the chat pane, the history store and the engine worker. It keeps
+only the *latest* snapshot and pushes it to the panels from one ≤30 Hz timer; streamed text is appended
+to the store in batches by a second timer. Events whose ``generation_id`` is not the current reply's are
+dropped, so a stopped or replaced reply never writes into the pane.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QProgressBar,
+    QWidget,
+)
+
+from app.chat_list import ChatList
+from app.chat_pane import ChatPane
+from app.controls import CacheControls
+from app.history import HistoryStore
+from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
+from app.sampling_form import SamplingForm
+from app.settings import Settings
+from app.trace import CacheTrace
+from app.worker import EngineBackend, EngineThread
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.snapshot import CacheSnapshot, ModelInfo, TokenEvent
+
+REFRESH_MS = 33  # panels and streaming text: at most ~30 Hz
+DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
+
+
+class MainWindow(QMainWindow):
+    """KV Scope's window. ``start()`` (after ``show()``) begins loading the model on the worker."""
+
+    model_loaded = Signal(object)  # ModelInfo
+    reply_finished = Signal(int, str)  # generation_id, stop_reason
+    error_shown = Signal(str)
+
+    def __init__(self, settings: Settings, history: HistoryStore, model: str | None = None,
+                 backend: EngineBackend | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("MainWindow")
+        self.setWindowTitle("KV Scope")
+        self.settings = settings
+        self.history = history
+        self.model_source = model or settings.get("model/last") or "demo"
+        self.info: ModelInfo | None = None
+        self.environment: dict = {}
+        self.chat_id: int | None = None
+        self.generation_id = 0  # the reply being generated (0: idle)
+        self._next_generation = 0
+        self._reply_message_id: int | None = None
+        self._pending_db = ""
+        self._latest: CacheSnapshot | None = None
+        self._snapshot_dirty = False
+        self._panels_enabled = bool(settings.get("panels/enabled"))
+        self._applied_cache = self._cache_from_settings()
+        self._loading = False
+        self._tokens_in_reply = 0
+        self._reply_t0 = 0.0
+        self._closing = False
+        self.trace = CacheTrace()
+        self.last_stats: dict[str, Any] = {}
+
+        self.chat = ChatPane()
+        self.setCentralWidget(self.chat)
+        self.chat_list = ChatList()
+        self.sampling = SamplingForm()
+        self.sampling.set_sampling(self._sampling_from_settings())
+        self.controls = CacheControls(self._applied_cache)
+        self.occupancy = OccupancyPanel()
+        self.page_map = PageMapPanel()
+        self.timing = TimingPanel()
+        self.memory = MemoryPanel()
+        self.model_card = ModelCardPanel()
+        self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
+        self._build_docks()
+        self._build_status_bar()
+        self._build_menus()
+
+        self.engine = EngineThread(backend, parent=self)
+        w = self.engine.worker
+        w.progress.connect(self._on_progress)
+        w.loaded.connect(self._on_loaded)
+        w.environment.connect(self._on_environment)
+        w.token.connect(self._on_token)
+        w.snapshot.connect(self._on_snapshot)
+        w.finished.connect(self._on_finished)
+        w.failed.connect(self._on_failed)
+        w.applied.connect(self._on_applied)
+
+        self.chat.send_requested.connect(self.send)
+        self.chat.stop_requested.connect(self.stop)
+        self.chat.regenerate_requested.connect(self.regenerate)
+        self.chat.edit_requested.connect(self.edit_and_resend)
+        self.chat.new_chat_requested.connect(self.new_chat)
+        self.chat.system_prompt_changed.connect(self._on_system_prompt)
+        self.chat_list.chat_selected.connect(self.open_chat)
+        self.chat_list.rename_requested.connect(self._rename_chat)
+        self.chat_list.delete_requested.connect(self._delete_chat)
+        self.controls.changed.connect(self.apply_cache_config)
+        self.sampling.changed.connect(self._save_sampling)
+
+        self._refresh = QTimer(self)
+        self._refresh.setInterval(REFRESH_MS)
+        self._refresh.timeout.connect(self._tick)
+        self._refresh.start()
+        self._db_timer = QTimer(self)
+        self._db_timer.setInterval(DB_FLUSH_MS)
+        self._db_timer.timeout.connect(self._flush_db)
+        self._db_timer.start()
+
+        self.resize(1600, 960)
+        self._restore_layout()
+        self._load_chats()
+
+    # -- construction -------------------------------------------------------------------------------------
+    def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(name)
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                         | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+        return dock
+
+    def _build_docks(self) -> None:
+        self.setDockNestingEnabled(True)
+        self.docks: dict[str, QDockWidget] = {
+            "chats": self._dock("Chats", self.chat_list, "dock_chats"),
+            "sampling": self._dock("Sampling", self.sampling, "dock_sampling"),
+            "model": self._dock("Model", self.model_card, "dock_model"),
+            "controls": self._dock("Cache policy", self.controls, "dock_controls"),
+            "occupancy": self._dock("Layer occupancy", self.occupancy, "dock_occupancy"),
+            "page_map": self._dock("Page map", self.page_map, "dock_page_map"),
+            "timing": self._dock("Token timing", self.timing, "dock_timing"),
+            "memory": self._dock("Memory", self.memory, "dock_memory"),
+        }
+        self._default_layout()
+
+    def _default_layout(self) -> None:
+        d = self.docks
+        for dock in d.values():
+            dock.setFloating(False)
+            dock.show()
+        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
+        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        # [chats / sampling] [chat pane] [occupancy / page map / timing / memory] [cache policy / model]
+        self.addDockWidget(left, d["chats"])
+        self.splitDockWidget(d["chats"], d["sampling"], V)
+        self.addDockWidget(right, d["occupancy"])
+        self.splitDockWidget(d["occupancy"], d["controls"], H)
+        self.splitDockWidget(d["controls"], d["model"], V)
+        self.splitDockWidget(d["occupancy"], d["page_map"], V)
+        self.splitDockWidget(d["page_map"], d["timing"], V)
+        self.splitDockWidget(d["timing"], d["memory"], V)
+        self.resizeDocks([d["chats"], d["occupancy"], d["controls"]], [220, 560, 290], H)
+        self.resizeDocks([d["chats"], d["sampling"]], [420, 330], V)
+        self.resizeDocks([d["controls"], d["model"]], [430, 470], V)
+        self.resizeDocks([d["occupancy"], d["page_map"], d["timing"], d["memory"]], [200, 230, 260, 200], V)
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.status_model = QLabel("model: —")
+        self.status_device = QLabel("device: —")
+        self.status_mode = QLabel("cache: —")
+        self.status_context = QLabel("context: —")
+        self.status_speed = QLabel("— tok/s")
+        self.load_progress = QProgressBar()
+        self.load_progress.setMaximumWidth(180)
+        self.load_progress.setTextVisible(False)
+        self.load_progress.setVisible(False)
+        for w in (self.status_model, self.status_device, self.status_mode, self.status_context, self.status_speed):
+            w.setObjectName("statusField")
+            bar.addPermanentWidget(w)
+        bar.addWidget(self.load_progress)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        self.act_models = QAction("&Models…", self, shortcut=QKeySequence("Ctrl+M"), triggered=self.open_models_dialog)
+        self.act_open = QAction("&Open model folder…", self, shortcut=QKeySequence.StandardKey.Open,
+                                triggered=self._open_folder)
+        self.act_new = QAction("&New chat", self, shortcut=QKeySequence.StandardKey.New, triggered=self.new_chat)
+        file_menu.addActions([self.act_models, self.act_open, self.act_new])
+        file_menu.addSeparator()
+        export = file_menu.addMenu("&Export")
+        export.addAction(QAction("Cache trace as &JSON…", self, triggered=lambda: self._export_trace("json")))
+        export.addAction(QAction("Cache trace as &CSV…", self, triggered=lambda: self._export_trace("csv")))
+        export.addAction(QAction("Panels as &PNG…", self, triggered=self._export_pngs))
+        file_menu.addSeparator()
+        file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.StandardKey.Quit, triggered=self.close))
+        view = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view.addAction(dock.toggleViewAction())
+        view.addSeparator()
+        self.act_panels = QAction("Live panels", self, checkable=True, checked=self._panels_enabled,
+                                  toggled=self.set_panels_enabled)
+        view.addAction(self.act_panels)
+        view.addAction(QAction("Reset layout", self, triggered=self._default_layout))
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction(QAction("About KV Scope", self, triggered=self._about))
+
+    # -- settings -----------------------------------------------------------------------------------------
+    def _cache_from_settings(self) -> CacheConfig:
+        s = self.settings
+        try:
+            return CacheConfig(mode=s.get("cache/mode"), page_size=s.get("cache/page_size"),
+                               prefix_reuse=s.get("cache/prefix_reuse"), k_dtype=s.get("cache/k_dtype"),
+                               v_dtype=s.get("cache/v_dtype"), policy=s.get("cache/policy"),
+                               policy_params=s.get("cache/policy_params"), overflow=s.get("cache/overflow"))
+        except ValueError:
+            return CacheConfig()
+
+    def _sampling_from_settings(self) -> SamplingConfig:
+        s = self.settings
+        seed = s.get("sampling/seed")
+        try:
+            return SamplingConfig(temperature=s.get("sampling/temperature"), top_k=s.get("sampling/top_k"),
+                                  top_p=s.get("sampling/top_p"), min_p=s.get("sampling/min_p"),
+                                  repetition_penalty=s.get("sampling/repetition_penalty"),
+                                  seed=None if seed < 0 else seed, max_new_tokens=s.get("sampling/max_new_tokens"))
+        except ValueError:
+            return SamplingConfig()
+
+    def _save_sampling(self) -> None:
+        try:
+            sc = self.sampling.sampling()
+        except ValueError:
+            return
+        for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens"):
+            self.settings.set(f"sampling/{key}", getattr(sc, key))
+        self.settings.set("sampling/seed", -1 if sc.seed is None else sc.seed)
+
+    def _save_cache(self, cfg: CacheConfig) -> None:
+        for key in ("mode", "page_size", "prefix_reuse", "k_dtype", "v_dtype", "policy", "policy_params", "overflow"):
+            self.settings.set(f"cache/{key}", getattr(cfg, key))
+
+    def _restore_layout(self) -> None:
+        geometry, state = self.settings.get("window/geometry"), self.settings.get("window/state")
+        try:
+            if geometry:
+                self.restoreGeometry(QByteArray(geometry))
+            if state and not self.restoreState(QByteArray(state)):
+                self._default_layout()
+        except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
+            self._default_layout()
+
+    def save_layout(self) -> None:
+        self.settings.set("window/geometry", bytes(self.saveGeometry().data()))
+        self.settings.set("window/state", bytes(self.saveState().data()))
+        self.settings.sync()
+
+    # -- model ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin loading the model (call after the window is shown: torch loads on the worker)."""
+        self.load_model(ModelSpec(source=self.model_source, quantization=self.settings.get("model/quantization"),
+                                  device=self.settings.get("model/device")) if self.model_source != "demo"
+                        else ModelSpec(source="demo", device=self.settings.get("model/device")))
+
+    def load_model(self, spec: ModelSpec) -> None:
+        if self.generation_id:
+            self.stop()
+        self._loading = True
+        self._loading_spec = spec
+        self.chat.set_ready(False, f"Loading {spec.source}…")
+        self.load_progress.setRange(0, 0)
+        self.load_progress.setVisible(True)
+        self.status_model.setText(f"loading {Path(spec.source).name or spec.source}…")
+        self.engine.load(spec, self._applied_cache)
+
+    def _on_progress(self, message: str, fraction: float) -> None:
+        self.statusBar().showMessage(message)
+        if fraction >= 0:
+            self.load_progress.setRange(0, 100)
+            self.load_progress.setValue(int(fraction * 100))
+
+    def _on_environment(self, env: dict) -> None:
+        self.environment = dict(env or {})
+
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self._loading = False
+        self.info = info
+        self.load_progress.setVisible(False)
+        self.statusBar().showMessage(f"{info.name} ready", 4000)
+        self.status_model.setText(f"<b>{info.name}</b>")
+        self.status_model.setToolTip(info.source)
+        self.status_device.setText(f"{info.device} · {info.device_reason}")
+        self.model_card.show_model(info)
+        self.memory.clear()
+        self.timing.clear()
+        if not info.is_demo:
+            self.settings.set("model/last", info.source)
+            self.settings.add_recent_model(info.source)
+        hint = ("This is the built-in demo model: random weights, so the text is gibberish, but every cache "
+                "mode, page and timing is real. Open a real model from File ▸ Models…"
+                if info.is_demo else f"{info.name} is ready. Say something.")
+        self.chat.set_ready(True, hint)
+        self.setWindowTitle(f"KV Scope — {info.name}")
+        self.model_loaded.emit(info)
+
+    def _open_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
+        if folder:
+            self.load_model(ModelSpec(source=folder, quantization=self.settings.get("model/quantization"),
+                                      device=self.settings.get("model/device")))
+
+    def open_models_dialog(self) -> None:
+        from app.models_dialog import ModelsDialog
+
+        dlg = ModelsDialog(self.settings, environment=self.environment, current=self.info, parent=self)
+        if dlg.exec() and dlg.spec is not None:
+            self.settings.set("model/quantization", dlg.spec.quantization)
+            self.settings.set("model/device", dlg.spec.device)
+            self.load_model(dlg.spec)
+
+    # -- chats ----------------------------------------------------------------------------------------------
+    def _load_chats(self) -> None:
+        chats = self.history.chats()
+        last = self.settings.get("window/last_chat")
+        chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
+        if chosen is None:
+            chosen = self.history.create_chat()
+            chats = [chosen]
+        self.chat_list.set_chats(chats, chosen.id)
+        self.open_chat(chosen.id)
+
+    def _refresh_chat_list(self) -> None:
+        self.chat_list.set_chats(self.history.chats(), self.chat_id)
+
+    def open_chat(self, chat_id: int) -> None:
+        if chat_id == self.chat_id:
+            return
+        if self.generation_id:
+            self.stop()
+            self._finish_reply_locally("cancelled")
+        chat = self.history.chat(chat_id)
+        if chat is None:
+            return
+        self.chat_id = chat_id
+        self.settings.set("window/last_chat", chat_id)
+        self.chat.set_chat(chat.title, chat.system_prompt)
+        self.chat.set_messages(self.history.messages(chat_id))
+
+    def new_chat(self) -> None:
+        if self.generation_id:
+            self.stop()
+            self._finish_reply_locally("cancelled")
+        chat = self.history.create_chat()
+        self.chat_id = None
+        self._refresh_chat_list_to(chat.id)
+
+    def _refresh_chat_list_to(self, chat_id: int) -> None:
+        self.chat_list.set_chats(self.history.chats(), chat_id)
+        self.open_chat(chat_id)
+
+    def _rename_chat(self, chat_id: int, title: str) -> None:
+        self.history.rename_chat(chat_id, title)
+        if chat_id == self.chat_id:
+            self.chat.title.setText(title)
+        self._refresh_chat_list()
+
+    def _delete_chat(self, chat_id: int) -> None:
+        self.history.delete_chat(chat_id)
+        if chat_id == self.chat_id:
+            self.chat_id = None
+            self._load_chats()
+        else:
+            self._refresh_chat_list()
+
+    def _on_system_prompt(self, text: str) -> None:
+        if self.chat_id is not None:
+            self.history.set_system_prompt(self.chat_id, text)
+
+    # -- replies ----------------------------------------------------------------------------------------------
+    def engine_messages(self) -> list[dict]:
+        """The conversation as the engine sees it: system prompt, then stored user/assistant messages."""
+        chat = self.history.chat(self.chat_id) if self.chat_id is not None else None
+        out = []
+        if chat is not None and chat.system_prompt.strip():
+            out.append({"role": "system", "content": chat.system_prompt.strip()})
+        for m in self.history.messages(self.chat_id) if self.chat_id is not None else []:
+            if m.role in ("user", "assistant") and (m.content or m.role == "user"):
+                out.append({"role": m.role, "content": m.content})
+        return out
+
+    def send(self, text: str) -> None:
+        """Add a user message to the current chat and ask for a reply."""
+        if self.info is None or self.generation_id:
+            return
+        if self.chat_id is None:
+            self.chat_id = self.history.create_chat().id
+        msg = self.history.add_message(self.chat_id, "user", text)
+        if len([m for m in self.history.messages(self.chat_id) if m.role == "user"]) == 1:
+            self.history.rename_chat(self.chat_id, _title_from(text))
+            self.chat.title.setText(_title_from(text))
+            self._refresh_chat_list()
+        self.chat.add_message("user", text, msg.position)
+        self._request_reply()
+
+    def regenerate(self) -> None:
+        """Drop the last reply and ask again (the engine reuses the cached prompt)."""
+        if self.info is None or self.generation_id or self.chat_id is None:
+            return
+        messages = self.history.messages(self.chat_id)
+        users = [m for m in messages if m.role == "user"]
+        if not users:
+            return
+        last_user = users[-1]
+        self.history.truncate_after(self.chat_id, last_user.position)
+        self.chat.truncate_after(last_user.position)
+        self._request_reply()
+
+    def edit_and_resend(self, position: int, text: str) -> None:
+        """Replace a past user message, drop everything after it and ask again (common prefix reused)."""
+        if self.info is None or self.chat_id is None:
+            return
+        if self.generation_id:
+            self.stop()
+            self._finish_reply_locally("cancelled")
+        target = next((m for m in self.history.messages(self.chat_id) if m.position == position), None)
+        if target is None or target.role != "user":
+            return
+        self.history.set_content(target.id, text)
+        self.history.truncate_after(self.chat_id, position)
+        self.chat.truncate_after(position)
+        bubble = next((b for b in self.chat.bubbles if b.position == position), None)
+        if bubble is not None:
+            bubble.set_text(text)
+        self._request_reply()
+
+    def _request_reply(self) -> None:
+        try:
+            sampling = self.sampling.sampling()
+        except ValueError as exc:
+            self.show_error(str(exc))
+            return
+        messages = self.engine_messages()
+        reply = self.history.add_message(self.chat_id, "assistant", "")
+        self._reply_message_id = reply.id
+        self._pending_db = ""
+        self._next_generation += 1
+        self.generation_id = self._next_generation
+        self._tokens_in_reply = 0
+        self._reply_t0 = time.perf_counter()
+        self.trace.begin(self.generation_id)
+        self.timing.begin_reply(self.generation_id, f"cache {self._applied_cache.mode}")
+        self.chat.begin_reply(reply.position)
+        self.chat.set_generating(True)
+        self.engine.submit(self.generation_id, messages, sampling)
+
+    def stop(self) -> None:
+        if self.generation_id:
+            self.engine.cancel(self.generation_id)
+
+    def _on_token(self, event: TokenEvent) -> None:
+        if event.generation_id != self.generation_id or not self.generation_id:
+            return
+        self._tokens_in_reply += 1
+        self.chat.append_delta(event.text_delta)
+        self._pending_db += event.text_delta
+        self.timing.add_token(event)
+
+    def _on_snapshot(self, snap: CacheSnapshot) -> None:
+        if self.generation_id and snap.generation_id != self.generation_id:
+            return
+        self._latest = snap
+        self._snapshot_dirty = True
+        self.trace.add(snap)
+
+    def _flush_db(self) -> None:
+        if self._pending_db and self._reply_message_id is not None:
+            self.history.append_text(self._reply_message_id, self._pending_db)
+            self._pending_db = ""
+
+    def _on_finished(self, generation_id: int, reason: str, stats: Any, text: str) -> None:
+        if generation_id != self.generation_id or not generation_id:
+            return
+        self._flush_db()
+        stats_dict = asdict(stats) if stats is not None else {}
+        stats_dict["mode"] = self._applied_cache.mode
+        stats_dict["stop_reason"] = reason
+        stats_dict.setdefault("generated_tokens", self._tokens_in_reply)
+        self.last_stats = stats_dict
+        if self._reply_message_id is not None:
+            bubble_text = self.chat.streaming.text if self.chat.streaming is not None else None
+            final = text if text else (bubble_text or "")
+            if bubble_text is not None and final != bubble_text:
+                self.history.set_content(self._reply_message_id, final)
+            self.history.set_stats(self._reply_message_id, stats_dict)
+        self.chat.finish_reply(text or None, stats_dict)
+        self._end_reply()
+        if stats_dict.get("decode_tokens_per_s"):
+            self.status_speed.setText(f"{stats_dict['decode_tokens_per_s']:.1f} tok/s")
+        self.reply_finished.emit(generation_id, reason)
+
+    def _finish_reply_locally(self, reason: str) -> None:
+        """Close the current reply in the GUI without waiting for the worker (switching chats)."""
+        self._flush_db()
+        self.chat.finish_reply(None, {"stop_reason": reason, "generated_tokens": self._tokens_in_reply})
+        self._end_reply()
+
+    def _end_reply(self) -> None:
+        self.generation_id = 0
+        self._reply_message_id = None
+        self.chat.set_generating(False)
+
+    def _on_failed(self, generation_id: int, message: str) -> None:
+        if generation_id == -1:  # load failure
+            self._loading = False
+            self.load_progress.setVisible(False)
+            if self.info is None and getattr(self, "_loading_spec", None) is not None \
+                    and self._loading_spec.source != "demo":
+                self.show_error(f"{message}\nOpening the built-in demo model instead.")
+                self.load_model(ModelSpec(source="demo"))
+                return
+            self.show_error(message)
+            if self.info is not None:
+                self.chat.set_ready(True)
+                self.status_model.setText(f"<b>{self.info.name}</b>")
+            else:
+                self.chat.set_ready(False, "No model could be loaded. Open one from File ▸ Models…")
+            return
+        if generation_id and generation_id != self.generation_id:
+            return
+        if not generation_id and not self.generation_id:  # a config that could not be applied while idle
+            self.controls.set_config(self._applied_cache)
+        elif "Cache settings" in message:
+            self.controls.set_config(self._applied_cache)
+        self.show_error(message)
+
+    def show_error(self, message: str) -> None:
+        """Every failure ends here: a red bubble in the transcript and the status bar."""
+        self.chat.show_error(message)
+        self.statusBar().showMessage(message.splitlines()[0], 8000)
+        self.error_shown.emit(message)
+
+    # -- cache policy ---------------------------------------------------------------------------------------
+    def apply_cache_config(self, cfg: CacheConfig) -> None:
+        """Send a new cache configuration; the worker applies it between steps (also mid-reply)."""
+        self.engine.apply_cache_config(cfg)
+
+    def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
+        self._applied_cache = cfg
+        self._save_cache(cfg)
+        self.controls.show_notes(list(notes))
+        self.trace.notes.extend(notes)
+        self.status_mode.setText(self._mode_text(cfg))
+        if notes:
+            self.statusBar().showMessage("; ".join(notes), 6000)
+
+    @staticmethod
+    def _mode_text(cfg: CacheConfig) -> str:
+        text = f"cache: <b>{cfg.mode}</b>"
+        if cfg.mode == "paged":
+            text += f" · page {cfg.page_size}"
+        if cfg.quantized:
+            text += f" · K {cfg.k_dtype} V {cfg.v_dtype}"
+        if cfg.policy != "none":
+            text += f" · {cfg.policy}"
+        return text
+
+    # -- the refresh timer ----------------------------------------------------------------------------------
+    def set_panels_enabled(self, on: bool) -> None:
+        self._panels_enabled = bool(on)
+        self.settings.set("panels/enabled", self._panels_enabled)
+
+    def _tick(self) -> None:
+        self.chat.render()
+        snap = self._latest
+        if snap is None or not self._snapshot_dirty:
+            return
+        self._snapshot_dirty = False
+        if self._panels_enabled:
+            for panel in (self.occupancy, self.page_map, self.memory):
+                panel.show_snapshot(snap)
+            self.timing.refresh()
+        self.status_mode.setText(self._mode_text(self._applied_cache))
+        self.status_context.setText(f"context {snap.seq_len}/{snap.context_length}")
+        if self.generation_id and snap.decode_tokens_per_s:
+            self.status_speed.setText(f"{snap.decode_tokens_per_s:.1f} tok/s")
+
+    # -- export ---------------------------------------------------------------------------------------------
+    def _export_trace(self, kind: str) -> None:
+        if not len(self.trace):
+            self.show_error("No cache trace yet: send a message first.")
+            return
+        path, _ = QFileDialog.getSaveFileName(self, "Export cache trace", f"kvscope-trace.{kind}",
+                                              "JSON (*.json)" if kind == "json" else "CSV (*.csv)")
+        if path:
+            try:
+                self.trace.write_json(path) if kind == "json" else self.trace.write_csv(path)
+                self.statusBar().showMessage(f"wrote {path}", 4000)
+            except OSError as exc:
+                self.show_error(f"Could not write {path}: {exc}")
+
+    def export_panels(self, folder: str | Path) -> list[Path]:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        out = []
+        for panel in self.panels:
+            path = folder / f"{panel.objectName().lower().replace('panel', '')}.png"
+            if panel.export_png(str(path)):
+                out.append(path)
+        return out
+
+    def _export_pngs(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Export panels as PNG into…")
+        if folder:
+            try:
+                paths = self.export_panels(folder)
+                self.statusBar().showMessage(f"wrote {len(paths)} PNG files to {folder}", 4000)
+            except OSError as exc:
+                self.show_error(f"Could not write PNGs: {exc}")
+
+    def _about(self) -> None:
+        QMessageBox.about(self, "About KV Scope",
+                          "<b>KV Scope</b><br>Chat with a local model and watch its KV cache work: per-layer "
+                          "occupancy, the page map, per-token timing and memory, with cache policies you can "
+                          "change while it talks.")
+
+    # -- closing --------------------------------------------------------------------------------------------
+    def shutdown(self, timeout_ms: int = 2000) -> bool:
+        """Stop any reply, join the worker, flush history and save the layout. True if joined in time."""
+        if self._closing:
+            return True
+        self._closing = True
+        self._refresh.stop()
+        self._db_timer.stop()
+        self._flush_db()
+        self.save_layout()
+        return self.engine.shutdown(timeout_ms)
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
+        self.shutdown()
+        super().closeEvent(event)
+
+
+def _title_from(text: str, limit: int = 40) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+

@@ -1,0 +1,177 @@
+"""One message in the chat transcript: role, Markdown body, per-reply stats and cache line, actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.markdown import to_html
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens'."""
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("prefill_tokens_per_s"):
+        parts.append(f"prefill {stats['prefill_tokens_per_s']:.0f} tok/s")
+    if stats.get("decode_tokens_per_s"):
+        parts.append(f"decode {stats['decode_tokens_per_s']:.1f} tok/s")
+    if stats.get("ttft_ms") is not None:
+        parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
+    parts.append(f"{stats.get('generated_tokens', 0)} tokens")
+    if stats.get("mode"):
+        parts.append(f"cache {stats['mode']}")
+    if stats.get("stop_reason") and stats["stop_reason"] not in ("eos", "done"):
+        parts.append(f"stopped: {stats['stop_reason'].replace('_', ' ')}")
+    return " · ".join(parts)
+
+
+def cache_line(stats: dict[str, Any]) -> str:
+    """'reused N tokens, recomputed M, diverged at P'."""
+    if not stats or "reused_tokens" not in stats:
+        return ""
+    div = stats.get("first_divergence", -1)
+    where = f"diverged at {div}" if div is not None and div >= 0 else "nothing cached before"
+    return f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}, {where}"
+
+
+class MessageView(QFrame):
+    """A chat bubble. Assistant bubbles stream: ``append`` buffers text, ``render`` draws it."""
+
+    copy_requested = Signal()
+    edit_submitted = Signal(int, str)  # position, new text
+    regenerate_requested = Signal()
+
+    def __init__(self, role: str, text: str = "", position: int = 0, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.role = role
+        self.position = position
+        self.text = text
+        self.stats: dict[str, Any] = {}
+        self._dirty = True
+        self.setObjectName(f"bubble_{role}")
+        self.setFrameShape(QFrame.Shape.NoFrame)
+
+        self.role_label = QLabel({"user": "You", "assistant": "Model", "error": "Error"}.get(role, role.title()))
+        self.role_label.setObjectName("roleLabel")
+        self.body = QLabel()
+        self.body.setObjectName("messageBody")
+        self.body.setTextFormat(Qt.TextFormat.RichText)
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.body.setOpenExternalLinks(False)
+        self.editor = QPlainTextEdit()
+        self.editor.setVisible(False)
+        self.editor.setMaximumHeight(140)
+        self.stats_label = QLabel("")
+        self.stats_label.setObjectName("statsLine")
+        self.cache_label = QLabel("")
+        self.cache_label.setObjectName("cacheLine")
+        self.stats_label.setVisible(False)
+        self.cache_label.setVisible(False)
+
+        self.copy_button = QPushButton("Copy")
+        self.edit_button = QPushButton("Edit")
+        self.regen_button = QPushButton("Regenerate")
+        self.save_button = QPushButton("Save && resend")
+        self.cancel_button = QPushButton("Cancel")
+        for b in (self.copy_button, self.edit_button, self.regen_button, self.save_button, self.cancel_button):
+            b.setObjectName("flatButton")
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.save_button.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.edit_button.setVisible(role == "user")
+        self.regen_button.setVisible(False)
+        self.copy_button.clicked.connect(self.copy)
+        self.edit_button.clicked.connect(self.begin_edit)
+        self.save_button.clicked.connect(self._save_edit)
+        self.cancel_button.clicked.connect(self.end_edit)
+        self.regen_button.clicked.connect(self.regenerate_requested)
+
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.role_label)
+        head.addStretch(1)
+        for b in (self.copy_button, self.edit_button, self.regen_button, self.save_button, self.cancel_button):
+            head.addWidget(b)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        layout.setSpacing(4)
+        layout.addLayout(head)
+        layout.addWidget(self.body)
+        layout.addWidget(self.editor)
+        layout.addWidget(self.stats_label)
+        layout.addWidget(self.cache_label)
+        self.render()
+
+    # streaming ----------------------------------------------------------------------------------------
+    def append(self, delta: str) -> None:
+        if delta:
+            self.text += delta
+            self._dirty = True
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self._dirty = True
+        self.render()
+
+    def render(self) -> bool:
+        """Redraw the body if text changed. Returns True if it did."""
+        if not self._dirty:
+            return False
+        self._dirty = False
+        if self.role == "error":
+            self.body.setText(f"<span style='color:#ff8080'>{self.text}</span>")
+        elif self.role == "user":
+            self.body.setText(to_html(self.text) if self.text else "")
+        else:
+            self.body.setText(to_html(self.text) if self.text else "<span style='color:#6d7480'>…</span>")
+        return True
+
+    def set_stats(self, stats: dict[str, Any]) -> None:
+        self.stats = dict(stats or {})
+        s, c = stats_line(self.stats), cache_line(self.stats)
+        self.stats_label.setText(s)
+        self.cache_label.setText(c)
+        self.stats_label.setVisible(bool(s))
+        self.cache_label.setVisible(bool(c))
+
+    def set_last_reply(self, is_last: bool) -> None:
+        self.regen_button.setVisible(is_last and self.role == "assistant")
+
+    # actions ------------------------------------------------------------------------------------------
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.text)
+        self.copy_requested.emit()
+
+    def begin_edit(self) -> None:
+        self.editor.setPlainText(self.text)
+        self.editor.setVisible(True)
+        self.body.setVisible(False)
+        for b, on in ((self.save_button, True), (self.cancel_button, True), (self.edit_button, False)):
+            b.setVisible(on)
+        self.editor.setFocus()
+
+    def end_edit(self) -> None:
+        self.editor.setVisible(False)
+        self.body.setVisible(True)
+        for b, on in ((self.save_button, False), (self.cancel_button, False), (self.edit_button, True)):
+            b.setVisible(on)
+
+    def _save_edit(self) -> None:
+        text = self.editor.toPlainText().strip()
+        self.end_edit()
+        if text:
+            self.edit_submitted.emit(self.position, text)

@@ -1,0 +1,69 @@
+"""What every panel shares: the ``show_snapshot`` contract, an update counter, PNG export, theme."""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+BACKGROUND = "#16191f"
+FOREGROUND = "#c3c9d2"
+GRID_ALPHA = 0.15
+
+pg.setConfigOptions(antialias=True, background=BACKGROUND, foreground=FOREGROUND)
+
+
+class Panel(QWidget):
+    """Base for live panels: a caption line on top, the plot below.
+
+    Subclasses implement ``show_snapshot(snapshot)`` using only setters on items made in ``__init__``,
+    and call ``_count()`` so tests and the self-test can see the panel received data.
+    """
+
+    title = "Panel"
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName(self.__class__.__name__)
+        self.updates = 0
+        self.caption = QLabel(" ")
+        self.caption.setObjectName("panelCaption")
+        self.caption.setWordWrap(True)
+        self._layout = QVBoxLayout(self)
+        self._layout.setContentsMargins(6, 4, 6, 6)
+        self._layout.setSpacing(4)
+        self._layout.addWidget(self.caption)
+
+    def show_snapshot(self, snapshot) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Forget data (new model or new chat)."""
+
+    def _count(self) -> None:
+        self.updates += 1
+
+    def export_png(self, path: str) -> bool:
+        """Save the panel as it looks now."""
+        return self.grab().save(str(path), "PNG")
+
+
+def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotItem:
+    plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)
+    if left:
+        plot.setLabel("left", left)
+    if bottom:
+        plot.setLabel("bottom", bottom)
+    plot.setMenuEnabled(False)
+    plot.hideButtons()
+    return plot
+
+
+def legend_row(chips: list[tuple[str, str]]) -> QLabel:
+    """One line of colour chips: [(colour, text), ...]."""
+    html = " &nbsp; ".join(
+        f'<span style="color:{c}; font-size:13px">■</span>&nbsp;{t}' for c, t in chips
+    )
+    label = QLabel(html)
+    label.setObjectName("legendChip")
+    label.setWordWrap(True)
+    return label

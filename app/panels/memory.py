@@ -1,0 +1,123 @@
+"""Memory over time: weights vs KV cache bytes (and device memory in use on CUDA)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QPainter
+from PySide6.QtWidgets import QWidget
+
+from app.format import human_bytes
+from app.panels.base import Panel, styled_plot
+from engine.snapshot import CacheSnapshot
+
+MIB = 1024.0 * 1024.0
+WEIGHTS_COLOUR = "#8a919c"
+KV_COLOUR = "#43c59e"
+HISTORY = 4096  # points kept (ring)
+
+
+class SplitBar(QWidget):
+    """A horizontal bar split into weights and KV cache, to scale."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.weights = 0
+        self.kv = 0
+        self.setFixedHeight(18)
+
+    def set_bytes(self, weights: int, kv: int) -> None:
+        self.weights, self.kv = int(weights), int(kv)
+        self.update()
+
+    def paintEvent(self, _event) -> None:  # noqa: N802 - Qt name
+        p = QPainter(self)
+        r = self.rect().adjusted(0, 1, -1, -1)
+        total = max(self.weights + self.kv, 1)
+        kv_w = int(round(r.width() * self.kv / total))
+        if self.kv and kv_w < 2:
+            kv_w = 2
+        p.fillRect(r, QColor(WEIGHTS_COLOUR))
+        p.fillRect(r.right() - kv_w + 1, r.top(), kv_w, r.height(), QColor(KV_COLOUR))
+        p.setPen(QColor("#101216"))
+        p.drawText(r.adjusted(6, 0, 0, 0), Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft,
+                   f"weights {human_bytes(self.weights)}")
+        p.setPen(QColor("#e8fff7"))
+        p.drawText(r.adjusted(0, 0, -6, 0), Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight,
+                   f"KV {human_bytes(self.kv)}")
+        p.end()
+
+
+class MemoryPanel(Panel):
+    """A weights-vs-KV split bar (to scale), and bytes over time on a log axis: weights (flat line),
+    KV cache (filled), device memory in use on CUDA (dashed)."""
+
+    title = "Memory"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.split = SplitBar()
+        self._layout.addWidget(self.split)
+        self.view = pg.PlotWidget()
+        self.plot = styled_plot(self.view.getPlotItem(), left="MiB (log)", bottom="seconds")
+        self.plot.setLogMode(y=True)
+        legend = self.plot.addLegend(offset=(8, 4), labelTextColor="#c3c9d2", brush=(22, 25, 31, 200))
+        self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5), name="weights")
+        self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5), name="KV cache")
+        self.device = self.plot.plot(pen=pg.mkPen("#ffb347", width=1, style=Qt.PenStyle.DashLine), name="device (CUDA)")
+        legend.removeItem(self.device)
+        self._layout.addWidget(self.view, 1)
+        self.t = np.zeros(HISTORY)
+        self.kv = np.zeros(HISTORY)
+        self.w = np.zeros(HISTORY)
+        self.dev = np.zeros(HISTORY)
+        self.n = 0
+        self._t0: float | None = None
+        self._has_device = False
+
+    def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._t0 is None:
+            self._t0 = now
+        if self.n == HISTORY:  # drop the oldest half
+            half = HISTORY // 2
+            for a in (self.t, self.kv, self.w, self.dev):
+                a[:half] = a[half:]
+            self.n = half
+        i = self.n
+        self.t[i] = now - self._t0
+        self.kv[i] = snap.kv_bytes / MIB
+        self.w[i] = snap.weights_bytes / MIB
+        self.dev[i] = snap.device_bytes / MIB
+        self.n += 1
+        n = self.n
+        self.weights.setData(self.t[:n], self.w[:n])
+        self.total.setData(self.t[:n], np.maximum(self.kv[:n], 1.0 / 1024))  # log axis: floor at 1 KiB
+        self.split.set_bytes(snap.weights_bytes, snap.kv_bytes)
+        if snap.device_bytes and not self._has_device:
+            self._has_device = True
+            self.plot.legend.addItem(self.device, "device (CUDA)")
+        self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None
+        share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)
+        per_token = snap.kv_bytes / max(int(np.max(snap.tokens_per_layer, initial=0)), 1)
+        text = (
+            f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> "
+            f"({100 * share:.1f}% of total) · {human_bytes(per_token)}/token held"
+        )
+        if snap.device_bytes:
+            text += f" · device {human_bytes(snap.device_bytes)}"
+        self.caption.setText(text)
+        self._count()
+
+    def clear(self) -> None:
+        self.n = 0
+        self._t0 = None
+        for item in (self.weights, self.total, self.device):
+            item.setData([], [])
+
+    def series(self) -> dict[str, np.ndarray]:
+        n = self.n
+        return {"t": self.t[:n].copy(), "kv_mib": self.kv[:n].copy(), "weights_mib": self.w[:n].copy()}

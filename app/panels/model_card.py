@@ -1,0 +1,81 @@
+"""The model card: shape of the attention (MHA/GQA/MQA), KV bytes per token, and what the same model would
+need as MHA or MQA, with a bar chart of KV memory at the full context."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtWidgets import QLabel
+
+from app.format import human_bytes, human_count
+from app.panels.base import Panel, styled_plot
+from engine.snapshot import ModelInfo
+
+BAR_COLOURS = ("#8a919c", "#4c9be8", "#43c59e")
+
+
+def kv_comparison(info: ModelInfo) -> dict[str, int]:
+    """KV bytes per token as loaded, as MHA (one KV head per Q head) and as MQA (one KV head)."""
+    return {
+        "MHA": info.kv_bytes_per_token_as(info.num_q_heads),
+        "this model": info.kv_bytes_per_token,
+        "MQA": info.kv_bytes_per_token_as(1),
+    }
+
+
+class ModelCardPanel(Panel):
+    """Static facts about the loaded model; ``show_model(info)`` fills it, snapshots update 'in use'."""
+
+    title = "Model card"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.table = QLabel("No model loaded yet.")
+        self.table.setObjectName("modelCard")
+        self.table.setWordWrap(True)
+        self._layout.addWidget(self.table)
+        self.view = pg.PlotWidget()
+        self.plot = styled_plot(self.view.getPlotItem(), left="KV MiB at full context")
+        self.bars = pg.BarGraphItem(x=[0, 1, 2], height=[0, 0, 0], width=0.6, brushes=list(BAR_COLOURS), pen=None)
+        self.plot.addItem(self.bars)
+        self.plot.getAxis("bottom").setTicks([[(0, "as MHA"), (1, "this model"), (2, "as MQA")]])
+        self.plot.setXRange(-0.6, 2.6, padding=0)
+        self.view.setMinimumHeight(110)
+        self._layout.addWidget(self.view, 1)
+        self.info: ModelInfo | None = None
+        self.caption.setText("<b>Model</b>")
+
+    def show_model(self, info: ModelInfo) -> None:
+        self.info = info
+        comp = kv_comparison(info)
+        ctx = max(info.context_length, 1)
+        heights = np.array([comp["MHA"], comp["this model"], comp["MQA"]], dtype=np.float64) * ctx / 2**20
+        self.bars.setOpts(height=heights)
+        self.plot.setYRange(0, max(heights.max(), 1e-6) * 1.15, padding=0)
+        demo = " <span style='color:#ffb347'>(built-in demo: random weights)</span>" if info.is_demo else ""
+        rows = [
+            ("architecture", f"{info.architecture} ({info.model_type})"),
+            ("layers", info.num_layers),
+            ("attention", f"<b>{info.attention_kind}</b>: {info.num_q_heads} Q heads, {info.num_kv_heads} KV heads"),
+            ("head dim · hidden", f"{info.head_dim} · {info.hidden_size}"),
+            ("context", f"{human_count(info.context_length)} tokens"),
+            ("weights", f"{human_bytes(info.weights_bytes)} · {info.dtype} · {info.quantization}"),
+            ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype})"),
+            ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
+            ("KV at full context", human_bytes(comp["this model"] * ctx)),
+            ("device", f"{info.device} — {html.escape(info.device_reason)}"),
+        ]
+        body = "".join(
+            f"<tr><td style='color:#8a919c; padding-right:10px'>{k}</td><td>{v}</td></tr>" for k, v in rows
+        )
+        self.caption.setText(f"<b>{html.escape(info.name)}</b>{demo}")
+        self.table.setText(f"<table cellspacing='0' cellpadding='1'>{body}</table>")
+        self._count()
+
+    def show_snapshot(self, snapshot) -> None:
+        self._count()
+
+    def bar_heights(self) -> np.ndarray:
+        return np.asarray(self.bars.opts["height"])

@@ -1,0 +1,96 @@
+"""Per-layer cache occupancy: one stacked bar per layer (full precision, quantized, pinned, evicted so far)
+with the cache's capacity drawn as a line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+
+from app.format import human_bytes
+from app.panels.base import Panel, legend_row, styled_plot
+from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
+
+# (name, colour) bottom to top
+SEGMENTS = (
+    ("full", "#4c9be8"),
+    ("quantized", "#a470ff"),
+    ("pinned", "#ffd84a"),
+    ("evicted", "#ff5a5a"),
+)
+
+
+def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
+    """Token counts per layer and segment, ``[L]`` each.
+
+    ``tokens_per_layer`` is what each layer holds. Pinned and quantized counts come from the token strip
+    (shared by all layers) and are clipped to what a layer holds; "evicted" is what the layer no longer
+    holds of the conversation (``seq_len - held``; positive only under eviction or truncation).
+    """
+    held = np.asarray(snap.tokens_per_layer, dtype=np.int64)
+    states = np.asarray(snap.token_state)
+    n_pinned = int(np.count_nonzero(states == TOKEN_PINNED))
+    n_quant = int(np.count_nonzero(states == TOKEN_QUANTIZED))
+    pinned = np.minimum(held, n_pinned)
+    quantized = np.minimum(held - pinned, n_quant)
+    full = held - pinned - quantized
+    evicted = np.maximum(int(snap.seq_len) - held, 0) if snap.mode != "off" else np.zeros_like(held)
+    return {"full": full, "quantized": quantized, "pinned": pinned, "evicted": evicted}
+
+
+class OccupancyPanel(Panel):
+    """Bars per layer stacked by token state; the dashed line is the capacity per layer."""
+
+    title = "Layer occupancy"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.view = pg.PlotWidget()
+        self.plot = styled_plot(self.view.getPlotItem(), left="tokens", bottom="layer")
+        self.bars: dict[str, pg.BarGraphItem] = {}
+        for name, colour in SEGMENTS:
+            bar = pg.BarGraphItem(x=[0], height=[0], y0=[0], width=0.75, brush=colour, pen=None, name=name)
+            self.plot.addItem(bar)
+            self.bars[name] = bar
+        self.capacity = pg.InfiniteLine(
+            pos=0, angle=0, pen=pg.mkPen("#e0e0e0", width=1, style=pg.QtCore.Qt.PenStyle.DashLine),
+        )
+        self.plot.addItem(self.capacity)
+        self.plot.getAxis("bottom").setTickSpacing(major=1, minor=1)
+        self._layout.addWidget(self.view, 1)
+        self._layout.addWidget(legend_row([(c, n) for n, c in SEGMENTS] + [("#e0e0e0", "capacity (dashed line)")]))
+        self.stack: dict[str, np.ndarray] = {}
+        self._num_layers = 0
+
+    def show_snapshot(self, snap: CacheSnapshot) -> None:
+        stack = occupancy_stack(snap)
+        layers = np.arange(len(stack["full"]))
+        bottom = np.zeros(len(layers), dtype=np.int64)
+        for name, _ in SEGMENTS:
+            self.bars[name].setOpts(x=layers, height=stack[name], y0=bottom.copy(), width=0.75)
+            bottom = bottom + stack[name]
+        self.capacity.setValue(snap.capacity_tokens)
+        if len(layers) != self._num_layers:
+            self._num_layers = len(layers)
+            self.plot.setXRange(-0.6, max(len(layers) - 0.4, 0.4), padding=0)
+        # Scale to the bars; show the capacity line only when it is near enough to compare with them.
+        top = max(int(bottom.max()) if len(bottom) else 0, 16)
+        cap = int(snap.capacity_tokens)
+        show_cap = 0 < cap <= top * 4
+        self.capacity.setVisible(show_cap)
+        self.plot.setYRange(0, (max(top, cap) if show_cap else top) * 1.12, padding=0)
+        self.stack = stack
+        total_q = int(stack["quantized"].sum())
+        self.caption.setText(
+            f"<b>{snap.mode}</b> · {int(np.max(snap.tokens_per_layer, initial=0))} tokens held of "
+            f"{snap.seq_len} · capacity {snap.capacity_tokens}/layer · KV {human_bytes(snap.kv_bytes)}"
+            + (f" · {total_q // max(len(layers), 1)} quantized/layer" if total_q else "")
+            + (f" · {snap.evicted_total} evicted" if snap.evicted_total else "")
+        )
+        self._count()
+
+    def bar_heights(self) -> dict[str, np.ndarray]:
+        """The plotted heights per segment (for tests)."""
+        return {name: np.asarray(self.bars[name].opts["height"]) for name, _ in SEGMENTS}
+
+    def bar_bottoms(self) -> dict[str, np.ndarray]:
+        return {name: np.asarray(self.bars[name].opts["y0"]) for name, _ in SEGMENTS}

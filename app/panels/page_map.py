@@ -1,0 +1,200 @@
+"""The page allocation map: every physical page as a cell, coloured by state and owner turn, plus a strip
+of the conversation's tokens (kept / sink / evicted / quantized / pinned).
+
+Active pages take their owner turn's colour; other states have one fixed colour each; brightness shows how
+full a page is. Hover a cell for its page id, tokens, fill, ref count and owner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF
+from PySide6.QtGui import QColor, QCursor
+from PySide6.QtWidgets import QLabel, QToolTip
+
+from app.panels.base import Panel, legend_row
+from engine.snapshot import (
+    PAGE_ACTIVE,
+    PAGE_STATE_NAMES,
+    TOKEN_STATE_NAMES,
+    CacheSnapshot,
+)
+
+STATE_COLOURS = {  # PAGE_* code -> colour; PAGE_ACTIVE is replaced by the owner's turn colour
+    0: "#262a32",  # free
+    1: "#4c9be8",  # active
+    2: "#f0f0f0",  # shared
+    3: "#ffd84a",  # pinned
+    4: "#a470ff",  # quantized
+    5: "#9a7650",  # offloaded
+    6: "#ff4b4b",  # just evicted
+}
+TURN_COLOURS = ("#3d7fd9", "#3fb8a6", "#5c9ded", "#2f9a7c", "#7c8ff0", "#57c3d6")
+TOKEN_COLOURS = ("#4c9be8", "#ffb347", "#ff4b4b", "#a470ff", "#ffd84a")  # kept, sink, evicted, quantized, pinned
+PAD = (16, 18, 23, 255)  # cells past the last page
+
+
+def _rgb(hex_colour: str) -> np.ndarray:
+    c = QColor(hex_colour)
+    return np.array([c.red(), c.green(), c.blue()], dtype=np.float64)
+
+
+def grid_columns(num_pages: int) -> int:
+    """Columns of the map: 16 for small pools, growing so the grid stays roughly 2:1 wide."""
+    return max(16, int(math.ceil(math.sqrt(max(num_pages, 1) * 2) / 8.0)) * 8)
+
+
+def page_grid(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
+    """``[rows, cols]`` PAGE_* codes, row-major by page id; -1 past the last page."""
+    cols = cols or grid_columns(snap.num_pages)
+    rows = max(1, math.ceil(snap.num_pages / cols))
+    grid = np.full(rows * cols, -1, dtype=np.int16)
+    grid[: snap.num_pages] = np.asarray(snap.page_state[: snap.num_pages])
+    return grid.reshape(rows, cols)
+
+
+def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
+    """``[rows, cols, 4]`` uint8 RGBA: state colour (owner turn colour for active pages) scaled by fill."""
+    cols = cols or grid_columns(snap.num_pages)
+    n = snap.num_pages
+    state = np.asarray(snap.page_state[:n]).astype(np.int64)
+    owner = np.asarray(snap.page_owner[:n]).astype(np.int64)
+    fill = np.asarray(snap.page_fill[:n]).astype(np.float64)
+    table = np.stack([_rgb(STATE_COLOURS[i]) for i in range(len(STATE_COLOURS))])  # [S, 3]
+    turns = np.stack([_rgb(c) for c in TURN_COLOURS])  # [K, 3]
+    rgb = table[np.clip(state, 0, len(table) - 1)]  # [n, 3]
+    active = (state == PAGE_ACTIVE) & (owner >= 0)
+    rgb[active] = turns[owner[active] % len(turns)]
+    holds = (state != 0) & (state != 6)  # free and just-evicted pages are not dimmed by fill
+    scale = np.where(holds, 0.45 + 0.55 * np.clip(fill / max(snap.page_size, 1), 0, 1), 1.0)
+    rgb = np.round(rgb * scale[:, None])
+    rows = max(1, math.ceil(n / cols))
+    out = np.empty((rows * cols, 4), dtype=np.uint8)
+    out[:] = PAD
+    out[:n, :3] = rgb.astype(np.uint8)
+    out[:n, 3] = 255
+    return out.reshape(rows, cols, 4)
+
+
+def token_colours(snap: CacheSnapshot) -> np.ndarray:
+    """``[1, T, 4]`` uint8 RGBA for the token strip."""
+    states = np.asarray(snap.token_state).astype(np.int64)
+    table = np.stack([_rgb(c) for c in TOKEN_COLOURS])
+    out = np.full((1, max(len(states), 1), 4), 255, dtype=np.uint8)
+    if len(states):
+        out[0, :, :3] = table[np.clip(states, 0, len(table) - 1)].astype(np.uint8)
+    else:
+        out[0, 0] = PAD
+    return out
+
+
+def cell_pixels(num_pages: int) -> int:
+    """Screen pixels per page cell in the drawn image (one of them is the gap between cells)."""
+    return 6 if num_pages <= 4096 else 3 if num_pages <= 16384 else 1
+
+
+def upscale(colours: np.ndarray, px: int) -> np.ndarray:
+    """``[rows, cols, 4]`` -> ``[rows*px, cols*px, 4]`` with a 1-pixel gap (background) around cells."""
+    if px <= 1:
+        return colours
+    big = np.repeat(np.repeat(colours, px, axis=0), px, axis=1)
+    big[px - 1 :: px, :, :3] = PAD[:3]
+    big[:, px - 1 :: px, :3] = PAD[:3]
+    return big
+
+
+class PageMapPanel(Panel):
+    """Grid of physical pages (row-major by page id) and a strip of token states."""
+
+    title = "Page map"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.view = pg.GraphicsLayoutWidget()
+        self.view.ci.setContentsMargins(2, 2, 2, 2)
+        self.strip_box = self.view.addViewBox(row=0, col=0, enableMouse=False)
+        self.strip_box.setMaximumHeight(16)
+        self.strip = pg.ImageItem(axisOrder="row-major")
+        self.strip_box.addItem(self.strip)
+        self.grid_box = self.view.addViewBox(row=1, col=0, enableMouse=False, invertY=True, lockAspect=True)
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.grid_box.addItem(self.image)
+        self.view.ci.layout.setRowStretchFactor(1, 10)
+        self._layout.addWidget(self.view, 1)
+
+        chips = [(TURN_COLOURS[0], "active (by turn)")]
+        chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in (0, 2, 3, 4, 5, 6)]
+        self._layout.addWidget(legend_row(chips))
+        self.hover = QLabel(" ")
+        self.hover.setObjectName("hoverLine")
+        self._layout.addWidget(self.hover)
+
+        self.snapshot: CacheSnapshot | None = None
+        self.cols = 16
+        self.px = 6
+        self.grid = np.zeros((0, 0), dtype=np.int16)
+        self.colours = np.zeros((0, 0, 4), dtype=np.uint8)
+        self._shape: tuple[int, int] | None = None
+        self._mouse = pg.SignalProxy(self.view.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
+
+    def show_snapshot(self, snap: CacheSnapshot) -> None:
+        self.snapshot = snap
+        self.cols = grid_columns(snap.num_pages)
+        self.grid = page_grid(snap, self.cols)
+        self.colours = page_colours(snap, self.cols)
+        self.px = cell_pixels(snap.num_pages)
+        self.image.setImage(upscale(self.colours, self.px), autoLevels=False, levels=(0, 255))
+        self.strip.setImage(token_colours(snap), autoLevels=False, levels=(0, 255))
+        if self._shape != self.grid.shape:
+            self._shape = self.grid.shape
+            self.grid_box.setRange(xRange=(0, self.cols * self.px), yRange=(0, self.grid.shape[0] * self.px),
+                                   padding=0.02)
+        self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, 1), padding=0)
+        counts = np.bincount(np.asarray(snap.page_state, dtype=np.int64), minlength=len(PAGE_STATE_NAMES))
+        used = snap.num_pages - int(counts[0])
+        parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
+        parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in (2, 3, 4, 5, 6) if counts[i]]
+        if snap.mode != "paged":
+            parts = [f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"]
+        self.caption.setText(" · ".join(parts))
+        self._count()
+
+    def clear(self) -> None:
+        self.snapshot = None
+
+    def describe_page(self, page: int) -> str:
+        """The hover text of one page."""
+        s = self.snapshot
+        if s is None or not 0 <= page < s.num_pages:
+            return ""
+        state = PAGE_STATE_NAMES[int(s.page_state[page])]
+        owner = int(s.page_owner[page])
+        fill = int(s.page_fill[page])
+        return (
+            f"page {page} · {state} · {fill}/{s.page_size} tokens ({100 * fill // max(s.page_size, 1)}% full)"
+            f" · ref count {int(s.page_refcount[page])} · owner {'turn ' + str(owner) if owner >= 0 else '—'}"
+        )
+
+    def page_at(self, x: float, y: float) -> int:
+        """Page id under image pixel coordinates (x right, y down), -1 outside."""
+        col, row = int(math.floor(x / self.px)), int(math.floor(y / self.px))
+        if self.snapshot is None or not (0 <= col < self.cols and 0 <= row < self.grid.shape[0]):
+            return -1
+        page = row * self.cols + col
+        return page if page < self.snapshot.num_pages else -1
+
+    def _on_mouse(self, event) -> None:
+        pos: QPointF = event[0]
+        if not self.image.sceneBoundingRect().contains(pos):
+            self.hover.setText(" ")
+            return
+        p = self.image.mapFromScene(pos)
+        text = self.describe_page(self.page_at(p.x(), p.y()))
+        self.hover.setText(text or " ")
+        if text:
+            QToolTip.showText(QCursor.pos(), text, self.view)
+
+

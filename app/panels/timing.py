@@ -1,0 +1,160 @@
+"""Per-token timing of the current reply: prefill (TTFT) apart from decode, per-token latency, rolling
+tok/s, and the previous reply overlaid, so cache off (latency grows with position: O(n²) for the reply)
+is visibly different from cache on (flat: O(n))."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+
+from app.panels.base import Panel, styled_plot
+from engine.snapshot import TokenEvent
+
+ROLLING = 16  # tokens in the rolling tok/s window
+CURRENT = "#4c9be8"
+PREVIOUS = "#8a919c"
+PREFILL = "#ffb347"
+
+
+class TokenSeries:
+    """Growable arrays of one reply's per-token step times (doubling, so appends stay O(1))."""
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.ms = np.zeros(capacity, dtype=np.float64)
+        self.n = 0
+        self.prefill_ms = 0.0
+        self.prefill_tokens = 0
+        self.label = ""
+
+    def add(self, event: TokenEvent) -> None:
+        if event.phase == "prefill":
+            self.prefill_ms = float(event.step_ms)
+            self.prefill_tokens = int(event.tokens_in_step)
+            return
+        if self.n == len(self.ms):
+            self.ms = np.concatenate([self.ms, np.zeros_like(self.ms)])
+        self.ms[self.n] = event.step_ms
+        self.n += 1
+
+    @property
+    def decode_ms(self) -> np.ndarray:
+        return self.ms[: self.n]
+
+    def x(self) -> np.ndarray:
+        """Token index within the reply of each decode token (the prefill token is index 0)."""
+        return np.arange(1, self.n + 1, dtype=np.float64)
+
+    def rolling_tps(self, window: int = ROLLING) -> np.ndarray:
+        """tok/s over the last ``window`` decode tokens at each position."""
+        ms = self.decode_ms
+        if not len(ms):
+            return ms.copy()
+        c = np.concatenate([[0.0], np.cumsum(ms)])
+        idx = np.arange(1, len(ms) + 1)
+        lo = np.maximum(idx - window, 0)
+        span = c[idx] - c[lo]
+        return np.where(span > 0, 1000.0 * (idx - lo) / np.maximum(span, 1e-9), 0.0)
+
+
+class TimingPanel(Panel):
+    """Left: prefill time (this reply and the previous). Right: decode latency per token and rolling
+    tok/s, with the previous reply dashed. Fed by ``add_token`` (cheap) and drawn by ``refresh``."""
+
+    title = "Token timing"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.view = pg.GraphicsLayoutWidget()
+        self.prefill_plot = styled_plot(self.view.addPlot(row=0, col=0, rowspan=2), left="prefill ms")
+        self.prefill_plot.setFixedWidth(118)
+        self.prefill_plot.getAxis("bottom").setTicks([[(0, "prev"), (1, "now")]])
+        self.prefill_plot.setXRange(-0.7, 1.7, padding=0)
+        self.prefill_bars = pg.BarGraphItem(x=[0, 1], height=[0, 0], width=0.7, brushes=[PREVIOUS, PREFILL], pen=None)
+        self.prefill_plot.addItem(self.prefill_bars)
+        self.ttft_text = pg.TextItem("", color=PREFILL, anchor=(0.5, 1.0))
+        self.prefill_plot.addItem(self.ttft_text)
+
+        self.latency_plot = styled_plot(self.view.addPlot(row=0, col=1), left="ms / token")
+        self.prev_latency = self.latency_plot.plot(pen=pg.mkPen(PREVIOUS, width=1, style=Qt.PenStyle.DashLine))
+        self.latency = self.latency_plot.plot(pen=pg.mkPen(CURRENT, width=1.5))
+        self.tps_plot = styled_plot(self.view.addPlot(row=1, col=1), left="tok/s", bottom="token in reply")
+        self.tps_plot.setXLink(self.latency_plot)
+        self.prev_tps = self.tps_plot.plot(pen=pg.mkPen(PREVIOUS, width=1, style=Qt.PenStyle.DashLine))
+        self.tps = self.tps_plot.plot(pen=pg.mkPen("#43c59e", width=1.5))
+        for plot in (self.latency_plot, self.tps_plot):
+            plot.setClipToView(True)
+            plot.setDownsampling(auto=True, mode="peak")
+            plot.enableAutoRange(y=True)
+        self._layout.addWidget(self.view, 1)
+
+        self.current = TokenSeries()
+        self.previous: TokenSeries | None = None
+        self._dirty = False
+        self._generation_id = 0
+
+    # data in ------------------------------------------------------------------------------------------
+    def begin_reply(self, generation_id: int, label: str) -> None:
+        """A new reply starts: the current one becomes the dashed 'previous'."""
+        if self.current.n or self.current.prefill_ms:
+            self.previous = self.current
+        self.current = TokenSeries()
+        self.current.label = label
+        self._generation_id = generation_id
+        self._dirty = True
+
+    def add_token(self, event: TokenEvent) -> None:
+        if self._generation_id and event.generation_id != self._generation_id:
+            return
+        self.current.add(event)
+        self._dirty = True
+
+    def show_snapshot(self, snapshot) -> None:
+        self.refresh()
+
+    # drawing ------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        cur, prev = self.current, self.previous
+        self.latency.setData(cur.x(), cur.decode_ms)
+        self.tps.setData(cur.x(), cur.rolling_tps())
+        if prev is not None:
+            self.prev_latency.setData(prev.x(), prev.decode_ms)
+            self.prev_tps.setData(prev.x(), prev.rolling_tps())
+        else:
+            self.prev_latency.setData([], [])
+            self.prev_tps.setData([], [])
+        prev_prefill = prev.prefill_ms if prev is not None else 0.0
+        self.prefill_bars.setOpts(x=[0, 1], height=[prev_prefill, cur.prefill_ms])
+        self.ttft_text.setText(f"{cur.prefill_ms:.0f} ms" if cur.prefill_ms else "")
+        self.ttft_text.setPos(1, cur.prefill_ms)
+        top = max(prev_prefill, cur.prefill_ms, 1.0)
+        self.prefill_plot.setYRange(0, top * 1.25, padding=0)
+        decode = cur.decode_ms
+        tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
+        text = (
+            f"<b>{cur.label or 'reply'}</b> · TTFT {cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens)"
+            f" · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
+        )
+        if prev is not None and prev.n:
+            p_dec = prev.decode_ms
+            text += f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {1000 * prev.n / max(p_dec.sum(), 1e-9):.1f} tok/s</span>"
+        self.caption.setText(text)
+        self._count()
+
+    def clear(self) -> None:
+        self.current = TokenSeries()
+        self.previous = None
+        self._dirty = True
+        self.refresh()
+
+    def curves(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Plotted (x, y) per curve (for tests)."""
+        out = {}
+        for name, item in (("latency", self.latency), ("tps", self.tps),
+                           ("prev_latency", self.prev_latency), ("prev_tps", self.prev_tps)):
+            x, y = item.getData()
+            out[name] = (np.asarray(x if x is not None else []), np.asarray(y if y is not None else []))
+        return out

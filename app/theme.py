@@ -1,0 +1,56 @@
+"""The app's look: a dark Fusion palette that matches the plots, plus a small style sheet."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtWidgets import QApplication
+
+BG = "#1b1e24"
+BASE = "#16191f"
+PANEL = "#22262e"
+TEXT = "#d8dce3"
+MUTED = "#8a919c"
+ACCENT = "#4c9be8"
+
+STYLE = f"""
+QMainWindow::separator {{ background: {BG}; width: 4px; height: 4px; }}
+QDockWidget {{ color: {TEXT}; font-weight: 600; }}
+QDockWidget::title {{ background: {PANEL}; padding: 4px 8px; }}
+QLabel#panelCaption, QLabel#hoverLine, QLabel#hint {{ color: {MUTED}; }}
+QLabel#legendChip {{ color: {MUTED}; }}
+QLabel#chatTitle {{ font-size: 15px; font-weight: 600; }}
+QLabel#emptyHint {{ color: {MUTED}; font-size: 14px; padding: 40px; }}
+QLabel#roleLabel {{ color: {MUTED}; font-weight: 600; }}
+QLabel#statsLine {{ color: {MUTED}; font-size: 11px; }}
+QLabel#cacheLine {{ color: #43c59e; font-size: 11px; }}
+QWidget#transcript {{ background: {BASE}; }}
+QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
+QFrame#bubble_assistant {{ background: {PANEL}; border-radius: 10px; }}
+QFrame#bubble_error {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 10px; }}
+QPushButton#flatButton {{ background: transparent; border: none; color: {MUTED}; padding: 0 4px; }}
+QPushButton#flatButton:hover {{ color: {TEXT}; }}
+QPushButton#primaryButton {{ background: {ACCENT}; color: white; border-radius: 4px; padding: 5px 14px; }}
+QPushButton#primaryButton:disabled {{ background: #33465e; color: #9aa3ad; }}
+QLabel#statusField {{ color: {MUTED}; padding: 0 8px; }}
+QLabel#modelCard {{ color: {TEXT}; }}
+QGroupBox {{ font-weight: 600; border: 1px solid #2d323b; border-radius: 6px; margin-top: 8px; padding-top: 6px; }}
+QGroupBox::title {{ subcontrol-origin: margin; left: 8px; padding: 0 4px; color: {MUTED}; }}
+"""
+
+
+def apply_theme(app: QApplication) -> None:
+    app.setStyle("Fusion")
+    p = QPalette()
+    for role, colour in (
+        (QPalette.ColorRole.Window, BG), (QPalette.ColorRole.WindowText, TEXT), (QPalette.ColorRole.Base, BASE),
+        (QPalette.ColorRole.AlternateBase, PANEL), (QPalette.ColorRole.ToolTipBase, PANEL),
+        (QPalette.ColorRole.ToolTipText, TEXT), (QPalette.ColorRole.Text, TEXT), (QPalette.ColorRole.Button, PANEL),
+        (QPalette.ColorRole.ButtonText, TEXT), (QPalette.ColorRole.Highlight, ACCENT),
+        (QPalette.ColorRole.HighlightedText, "#ffffff"), (QPalette.ColorRole.Link, ACCENT),
+        (QPalette.ColorRole.PlaceholderText, MUTED),
+    ):
+        p.setColor(role, QColor(colour))
+    for role in (QPalette.ColorRole.Text, QPalette.ColorRole.ButtonText, QPalette.ColorRole.WindowText):
+        p.setColor(QPalette.ColorGroup.Disabled, role, QColor("#5d636d"))
+    app.setPalette(p)
+    app.setStyleSheet(STYLE)

@@ -1,0 +1,286 @@
+"""The engine's thread: ``EngineWorker`` (a QObject living on a QThread) and ``EngineThread`` (its owner).
+
+The worker owns the loaded model and the ``ChatSession``; the GUI thread never runs torch. Generation runs
+as steps: one ``session.step()`` per turn of the worker's event loop, so queued commands (cancel, a new
+cache config, a new message) are handled between steps and never land in the middle of a forward pass.
+
+Signals (every reply event carries its ``generation_id``; load failures use ``generation_id == -1``)::
+
+    progress(str, float)            load progress, fraction in [0, 1] or -1 when unknown
+    loaded(ModelInfo)
+    environment(dict)               device facts found after torch is imported
+    started(int)                    a reply began
+    token(TokenEvent)
+    snapshot(CacheSnapshot)
+    finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
+    failed(int, str)                generation_id, one-line message
+    applied(object, object)         CacheConfig, list of notes
+
+For one reply the order is strict: ``started``, then ``token``/``snapshot`` events, then (``failed`` if
+something raised) ``finished`` — ``finished`` always fires, so the GUI can always leave "generating".
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
+
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.errors import EngineError
+
+
+def _describe(exc: BaseException) -> str:
+    """One line a user can act on."""
+    if isinstance(exc, (EngineError, ValueError)):
+        return str(exc) or exc.__class__.__name__
+    if isinstance(exc, MemoryError):
+        return "out of memory"
+    name = exc.__class__.__name__
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "out of memory" in text.lower():
+        return f"out of memory: {text}"
+    return f"{name}: {text}" if text else name
+
+
+@dataclass
+class EngineBackend:
+    """How the worker reaches the engine. Injected in tests; the default imports torch lazily."""
+
+    load: Callable[[ModelSpec, Callable[..., None]], Any]
+    make_session: Callable[[Any, CacheConfig], Any]
+    probe: Callable[[], dict] = lambda: {}
+
+
+def default_backend() -> EngineBackend:
+    """The real engine. Imports torch/transformers on the calling (worker) thread."""
+
+    def load(spec: ModelSpec, progress: Callable[..., None]) -> Any:
+        from engine.loader import load_model
+
+        return load_model(spec, progress=progress)
+
+    def make_session(loaded: Any, cache: CacheConfig) -> Any:
+        from engine.session import ChatSession
+
+        return ChatSession(loaded, cache)
+
+    def probe() -> dict:
+        import torch
+
+        info: dict[str, Any] = {"cuda": bool(torch.cuda.is_available()), "device_total_bytes": 0}
+        if info["cuda"]:
+            free, total = torch.cuda.mem_get_info()
+            info.update(device_total_bytes=int(total), device_free_bytes=int(free),
+                        device_name=torch.cuda.get_device_name(0))
+        return info
+
+    return EngineBackend(load=load, make_session=make_session, probe=probe)
+
+
+class EngineWorker(QObject):
+    """Owns the engine on its thread. Use through :class:`EngineThread`; slots are called queued."""
+
+    progress = Signal(str, float)
+    loaded = Signal(object)
+    environment = Signal(object)
+    started = Signal(int)
+    token = Signal(object)
+    snapshot = Signal(object)
+    finished = Signal(int, str, object, str)
+    failed = Signal(int, str)
+    applied = Signal(object, object)
+
+    def __init__(self, backend: EngineBackend | None = None) -> None:
+        super().__init__()
+        self._backend = backend or default_backend()
+        self._loaded: Any = None
+        self._session: Any = None
+        self._cache = CacheConfig()
+        self._gen_id = 0  # the reply being generated, 0 when idle
+        self._text = ""
+        self._cancel_flag = threading.Event()  # set from any thread; checked between steps
+        self._timer = QTimer(self)  # moves with the worker; pumps one step per event-loop turn
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._pump)
+
+    # -- commands (queued slots) ------------------------------------------------------------------------
+    @Slot(object, object)
+    def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
+        self._abort_running()
+        if cache is not None:
+            self._cache = cache
+        try:
+            self.progress.emit("starting the engine (torch, transformers)", -1.0)
+
+            def report(*args: Any, **kwargs: Any) -> None:
+                msg = next((a for a in args if isinstance(a, str)), kwargs.get("message", "loading"))
+                frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
+                self.progress.emit(str(msg), frac)
+
+            loaded = self._backend.load(spec, report)
+            try:
+                self.environment.emit(self._backend.probe())
+            except Exception:  # noqa: BLE001 - facts are optional
+                pass
+            session = self._backend.make_session(loaded, self._cache)
+            self._loaded, self._session = loaded, session
+            self.loaded.emit(getattr(loaded, "info", None))
+            self._emit_idle_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
+            traceback.print_exc()
+            self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
+
+    @Slot(int, object, object)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+        self._abort_running()
+        self._cancel_flag.clear()
+        self.started.emit(generation_id)
+        if self._session is None:
+            self.failed.emit(generation_id, "No model is loaded yet.")
+            self.finished.emit(generation_id, "error", None, "")
+            return
+        try:
+            self._session.start(messages, sampling, generation_id)
+        except BaseException as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.failed.emit(generation_id, _describe(exc))
+            self.finished.emit(generation_id, "error", None, "")
+            return
+        self._gen_id = generation_id
+        self._text = ""
+        self._timer.start()
+
+    @Slot(int)
+    def cancel(self, generation_id: int = 0) -> None:
+        """Stop the reply ``generation_id`` (0: whatever is running)."""
+        if self._gen_id and generation_id in (0, self._gen_id):
+            self._cancel_flag.set()
+
+    def request_cancel(self) -> None:
+        """Thread-safe: ask the running reply to stop at the next step boundary."""
+        self._cancel_flag.set()
+
+    @Slot(object)
+    def apply_cache_config(self, cache: CacheConfig) -> None:
+        self._cache = cache
+        if self._session is None:
+            self.applied.emit(cache, [])
+            return
+        try:
+            notes = list(self._session.apply(cache) or [])
+        except BaseException as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.failed.emit(self._gen_id or 0, f"Cache settings not applied: {_describe(exc)}")
+            return
+        self.applied.emit(cache, notes)
+        if not self._gen_id:
+            self._emit_idle_snapshot()
+
+    # -- the step pump ----------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        gen = self._gen_id
+        if not gen:
+            return
+        if self._cancel_flag.is_set():
+            try:
+                self._session.cancel()
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            self._cancel_flag.clear()
+        try:
+            result = self._session.step()
+        except BaseException as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self._gen_id = 0
+            self.failed.emit(gen, _describe(exc))
+            self.finished.emit(gen, "error", None, self._text)
+            return
+        if result.event is not None:
+            self.token.emit(result.event)
+        if result.snapshot is not None:
+            self.snapshot.emit(result.snapshot)
+        self._text = result.text or self._text
+        if result.done:
+            self._end(gen, result.stop_reason or "done", result.stats, self._text)
+        else:
+            self._timer.start()
+
+    def _abort_running(self) -> None:
+        """End the running reply (if any) as cancelled, so the session is free for the next command."""
+        gen = self._gen_id
+        if not gen:
+            return
+        stats = None
+        try:
+            self._session.cancel()
+            result = self._session.step()
+            stats = result.stats
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        self._end(gen, "cancelled", stats, self._text)
+
+    def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
+        self._gen_id = 0
+        self._timer.stop()
+        self.finished.emit(gen, reason, stats, text)
+
+    def _emit_idle_snapshot(self) -> None:
+        try:
+            snap = self._session.snapshot() if self._session is not None else None
+        except BaseException:  # noqa: BLE001 - an idle snapshot is a nicety
+            snap = None
+        if snap is not None:
+            self.snapshot.emit(snap)
+
+
+class EngineThread(QObject):
+    """Owns the QThread and the worker; the GUI talks to the engine only through this object.
+
+    Requests are signals connected (queued) to the worker's slots, wired before the thread starts.
+    ``shutdown()`` stops any reply and joins the thread.
+    """
+
+    _load = Signal(object, object)
+    _submit = Signal(int, object, object)
+    _cancel = Signal(int)
+    _apply = Signal(object)
+
+    def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("kvscope-engine")
+        self.worker = EngineWorker(backend)
+        self.worker.moveToThread(self.thread)
+        self._load.connect(self.worker.load)
+        self._submit.connect(self.worker.submit)
+        self._cancel.connect(self.worker.cancel)
+        self._apply.connect(self.worker.apply_cache_config)
+        self.thread.start()
+
+    def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
+        self._load.emit(spec, cache)
+
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+        self._submit.emit(generation_id, messages, sampling)
+
+    def cancel(self, generation_id: int = 0) -> None:
+        # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.
+        if generation_id in (0, self.worker._gen_id):
+            self.worker.request_cancel()
+        self._cancel.emit(generation_id)
+
+    def apply_cache_config(self, cache: CacheConfig) -> None:
+        self._apply.emit(cache)
+
+    def shutdown(self, timeout_ms: int = 2000) -> bool:
+        """Cancel any reply, stop the thread's loop and join it. True if the thread ended in time."""
+        if not self.thread.isRunning():
+            return True
+        self.worker.request_cancel()
+        self.thread.quit()
+        return self.thread.wait(timeout_ms)
