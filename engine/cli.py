@@ -42,9 +42,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true", help="never download")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line (no usage dump), exit code 2."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="KV Scope engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="python -m engine", description="KV Scope engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text with the engine's KV cache")
     g.add_argument("--model", required=True, help="folder, hub id, or demo")

@@ -195,6 +195,8 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    quiet_transformers()
+
     try:
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
     except ValueError as e:
@@ -245,6 +247,14 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
     return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
 
 
+def quiet_transformers() -> None:
+    """No progress bars or advice on stderr: the CLI prints one line per problem, the app its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
     if spec.dtype != "auto":
         return getattr(torch, spec.dtype)
@@ -282,10 +292,8 @@ def _fix_bnb_4bit_cpu(model) -> None:
 
 
 def weights_bytes(model) -> int:
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        total += t.numel() * t.element_size()
-    return total
+    """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once)."""
+    return sum(t.numel() * t.element_size() for t in model.parameters())
 
 
 def _stop_ids(model, tok) -> tuple[int, ...]:

@@ -24,3 +24,10 @@ def stories(stories_path):
     from engine.loader import load_model
 
     return load_model(str(stories_path))
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    from engine.loader import load_model
+
+    return load_model("demo")

@@ -1,0 +1,53 @@
+"""Switching the cache between two decode steps, in the middle of a reply."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.session import ChatSession
+
+N = 80
+
+
+def reply(lm, cache, switches: dict[int, CacheConfig]):
+    s = ChatSession(lm, cache)
+    s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    notes, step, snaps = [], 0, []
+    while True:
+        if step in switches:
+            notes += s.apply(switches[step])
+        r = s.step()
+        snaps.append(r.snapshot)
+        step += 1
+        if r.done:
+            return s.generated_ids, notes, snaps
+
+
+@pytest.mark.parametrize("start,switches", [
+    (CacheConfig(mode="contiguous"), {10: CacheConfig(mode="paged", page_size=4)}),
+    (CacheConfig(mode="paged", page_size=16), {5: CacheConfig(mode="contiguous"), 30: CacheConfig(mode="paged", page_size=3)}),
+    (CacheConfig(mode="paged", page_size=1), {20: CacheConfig(mode="paged", page_size=256)}),
+    (CacheConfig(mode="paged", page_size=8), {15: CacheConfig(mode="off"), 25: CacheConfig(mode="paged", page_size=8)}),
+], ids=["contig-paged", "paged-contig-paged", "page1-page256", "paged-off-paged"])
+def test_lossless_switch_mid_reply_gives_unswitched_tokens(stories, start, switches):
+    ref, _, _ = reply(stories, CacheConfig(mode="contiguous"), {})
+    got, notes, snaps = reply(stories, start, switches)
+    assert got == ref
+    assert notes  # every switch says what it did
+    last_switch = max(switches)
+    after = snaps[last_switch]
+    assert after.mode == switches[last_switch].mode
+    if after.mode == "paged":
+        assert after.page_size == switches[last_switch].page_size
+
+
+def test_switch_reports_copy_and_reprefill(stories):
+    _, notes, snaps = reply(stories, CacheConfig(mode="paged", page_size=8),
+                            {10: CacheConfig(mode="contiguous"), 20: CacheConfig(mode="off"),
+                             30: CacheConfig(mode="paged", page_size=8)})
+    assert any("copied" in n and "paged → contiguous" in n for n in notes)
+    assert any("recomputed every step" in n for n in notes)
+    assert any("re-prefilled" in n for n in notes)
+    assert snaps[20].mode == "off" and snaps[20].kv_bytes == 0
+    assert snaps[30].mode == "paged" and snaps[30].tokens_per_layer[0] == snaps[30].seq_len - 1 > 30

@@ -1,0 +1,148 @@
+"""Every bad input: a typed error from the API, and from the CLI a non-zero exit with one line, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import errors
+from engine.cli import main as cli_main
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.loader import load_model
+
+
+def _copy(stories_path, dst, skip=()):
+    dst.mkdir()
+    for f in stories_path.iterdir():
+        if f.name not in skip:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture()
+def bad_models(tmp_path, stories_path):
+    m = {}
+    m["missing"] = tmp_path / "does-not-exist"
+    m["no_config"] = tmp_path / "empty"
+    m["no_config"].mkdir()
+    m["corrupt"] = _copy(stories_path, tmp_path / "corrupt")
+    (m["corrupt"] / "model.safetensors").write_bytes(b"\x07" * 4096)
+    m["truncated"] = _copy(stories_path, tmp_path / "truncated")
+    data = (stories_path / "model.safetensors").read_bytes()
+    (m["truncated"] / "model.safetensors").write_bytes(data[: len(data) // 2])
+    m["pickle"] = _copy(stories_path, tmp_path / "pickle", skip=("model.safetensors",))
+    from safetensors.torch import load_file
+
+    torch.save(load_file(stories_path / "model.safetensors"), m["pickle"] / "pytorch_model.bin")
+    m["remote"] = _copy(stories_path, tmp_path / "remote")
+    cfg = json.loads((stories_path / "config.json").read_text())
+    cfg.update(model_type="my_custom_llm", auto_map={"AutoModelForCausalLM": "modeling_custom.MyModel"})
+    (m["remote"] / "config.json").write_text(json.dumps(cfg))
+    m["unsupported"] = _copy(stories_path, tmp_path / "unsupported")
+    (m["unsupported"] / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    m["unknown_type"] = _copy(stories_path, tmp_path / "unknown_type")
+    (m["unknown_type"] / "config.json").write_text(json.dumps({"model_type": "totally_new_arch"}))
+    m["no_tokenizer"] = _copy(stories_path, tmp_path / "no_tokenizer",
+                              skip=("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return m
+
+
+API_CASES = [
+    ("missing", errors.ModelNotFoundError, "not found"),
+    ("no_config", errors.ModelFormatError, "no config.json"),
+    ("corrupt", errors.ModelFormatError, "corrupt"),
+    ("truncated", errors.ModelFormatError, "truncated"),
+    ("pickle", errors.UnsafeModelError, "pickle"),
+    ("remote", errors.UnsafeModelError, "remote code"),
+    ("unsupported", errors.UnsupportedModelError, "not a text-generation"),
+    ("unknown_type", errors.UnsupportedModelError, "unsupported model type"),
+    ("no_tokenizer", errors.ModelFormatError, "tokenizer"),
+]
+
+
+@pytest.mark.parametrize("case,exc,words", API_CASES, ids=[c[0] for c in API_CASES])
+def test_api_raises_typed_error(bad_models, case, exc, words):
+    with pytest.raises(exc) as info:
+        load_model(ModelSpec(source=str(bad_models[case]), allow_download=False))
+    msg = str(info.value)
+    assert words in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("case,exc,words", API_CASES, ids=[c[0] for c in API_CASES])
+def test_cli_exits_nonzero_with_one_line(bad_models, capsys, case, exc, words):
+    rc = cli_main(["generate", "--model", str(bad_models[case]), "--prompt", "hi", "--offline"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: ") and words in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_pickle_loads_when_allowed(bad_models, stories):
+    lm = load_model(ModelSpec(source=str(bad_models["pickle"]), allow_pickle=True))
+    ids = stories.tokenizer("Once upon a time")["input_ids"]
+    x = torch.tensor([ids])
+    assert torch.equal(lm.model(x).logits, stories.model(x).logits)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--page-size", "0"], "page size: 0 is outside 1..256"),
+    (["--page-size", "300"], "page size: 300 is outside 1..256"),
+    (["--cache", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--max-new-tokens", "600"], "exceeds the model's context of 512"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top-p"),
+])
+def test_cli_bad_settings(stories_path, capsys, argv, words):
+    with pytest.raises(SystemExit) if "invalid choice" in words else _nullcontext() as ex:
+        rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "hi", *argv])
+    if ex is not None and hasattr(ex, "value"):
+        rc = ex.value.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_api_config_validation():
+    with pytest.raises(ValueError, match="page size"):
+        CacheConfig(page_size=0)
+    with pytest.raises(ValueError, match="cache mode"):
+        CacheConfig(mode="turbo")
+    with pytest.raises(ValueError, match="max new tokens"):
+        SamplingConfig(max_new_tokens=0)
+
+
+def test_api_context_overflow_is_never_silent(stories):
+    from engine.session import ChatSession
+
+    s = ChatSession(stories, CacheConfig())
+    with pytest.raises(errors.ContextOverflowError, match="exceeds the model's context of 512"):
+        s.start_completion("Once", SamplingConfig(max_new_tokens=511))
+    long_prompt = "Once upon a time " * 200
+    with pytest.raises(errors.ContextOverflowError, match="the prompt has"):
+        s.start_completion(long_prompt, SamplingConfig(max_new_tokens=1))
+    # the session is still usable
+    s.start_completion("Once", SamplingConfig(max_new_tokens=3))
+    while not (r := s.step()).done:
+        pass
+    assert r.stop_reason == "max_tokens"
+
+
+def test_cli_subprocess_missing_model_has_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(tmp_path / "nope"),
+                        "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith("error: model folder not found")
+    assert "Traceback" not in p.stderr and p.stdout == ""

@@ -1,0 +1,79 @@
+"""Sampling pipeline: filters by exact values, seeded repeatability, repetition penalty semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.sampling import Sampler, apply_repetition_penalty, sampling_probs
+from engine.session import ChatSession
+
+LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+
+
+def test_greedy_is_argmax():
+    assert Sampler(SamplingConfig())(torch.tensor([0.1, 3.0, 2.0])) == 1
+
+
+def test_top_k_keeps_k_largest():
+    p = sampling_probs(LOGITS, SamplingConfig(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    p = sampling_probs(LOGITS, SamplingConfig(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    p = sampling_probs(LOGITS, SamplingConfig(temperature=1.0, top_p=0.01))
+    assert torch.allclose(p, torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def test_min_p_is_relative_to_the_top_token():
+    p = sampling_probs(LOGITS, SamplingConfig(temperature=1.0, min_p=0.3))  # keep p >= 0.15
+    assert torch.allclose(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+
+
+def test_temperature_sharpens():
+    p = sampling_probs(LOGITS, SamplingConfig(temperature=0.5))
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2
+    assert torch.allclose(p, q / q.sum())
+
+
+def test_repetition_penalty_matches_hf():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.tensor([2.0, -1.0, 0.5, -3.0, 1.0])
+    seen = torch.tensor([0, 1, 1, 3])
+    ours = apply_repetition_penalty(logits, seen, 1.3)
+    hf = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits[None].clone())[0]
+    assert torch.allclose(ours, hf)
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(stories):
+    def run(seed):
+        s = ChatSession(stories, CacheConfig())
+        s.start_completion("Once upon a time", SamplingConfig(temperature=1.0, top_p=0.95, seed=seed,
+                                                              max_new_tokens=40, ignore_eos=True))
+        while not s.step().done:
+            pass
+        return s.generated_ids
+
+    a, b, c = run(1), run(1), run(2)
+    assert a == b and a != c
+
+
+def test_cancel_between_steps(stories):
+    s = ChatSession(stories, CacheConfig())
+    s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=100, ignore_eos=True))
+    for _ in range(5):
+        s.step()
+    s.cancel()
+    r = s.step()
+    assert r.done and r.stop_reason == "cancelled" and r.event is None
+    assert len(s.generated_ids) == 5
+    assert not s.generating
+    with pytest.raises(Exception, match="no reply in progress"):
+        s.step()
+    # the session goes on: the next turn reuses what was cached
+    st = s.start_ids(s.seq, SamplingConfig(max_new_tokens=2))
+    assert st.reused_tokens == len(s.seq) - 1
