@@ -9,7 +9,7 @@ BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"
 GRID_ALPHA = 0.15
 
-pg.setConfigOptions(antialias=True, background=BACKGROUND, foreground=FOREGROUND)
+pg.setConfigOptions(antialias=False, background=BACKGROUND, foreground=FOREGROUND)
 
 
 class Panel(QWidget):
@@ -45,6 +45,29 @@ class Panel(QWidget):
     def export_png(self, path: str) -> bool:
         """Save the panel as it looks now."""
         return self.grab().save(str(path), "PNG")
+
+
+class StickyRange:
+    """An axis range that only grows in steps (and shrinks on ``reset``), so axes are not re-laid out on
+    every frame: re-drawing tick labels is the most expensive part of a live pyqtgraph plot."""
+
+    def __init__(self, setter, minimum: float = 1.0, grow: float = 1.5) -> None:
+        self._set = setter
+        self.minimum = minimum
+        self.grow = grow
+        self.top = 0.0
+
+    def fit(self, needed: float) -> bool:
+        """Make sure ``needed`` is inside the range. Returns True if the range changed."""
+        needed = max(float(needed), self.minimum)
+        if self.top and needed <= self.top and needed >= self.top / (self.grow * self.grow * 2):
+            return False
+        self.top = needed * self.grow
+        self._set(self.top)
+        return True
+
+    def reset(self) -> None:
+        self.top = 0.0
 
 
 def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotItem:

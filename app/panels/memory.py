@@ -11,7 +11,7 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QWidget
 
 from app.format import human_bytes
-from app.panels.base import Panel, styled_plot
+from app.panels.base import Panel, StickyRange, styled_plot
 from engine.snapshot import CacheSnapshot
 
 MIB = 1024.0 * 1024.0
@@ -64,6 +64,9 @@ class MemoryPanel(Panel):
         self.view = pg.PlotWidget()
         self.plot = styled_plot(self.view.getPlotItem(), left="MiB (log)", bottom="seconds")
         self.plot.setLogMode(y=True)
+        self.plot.disableAutoRange()
+        self.x_range = StickyRange(lambda top: self.plot.setXRange(0, top, padding=0), minimum=10, grow=1.5)
+        self._decades: tuple[int, int] | None = None
         legend = self.plot.addLegend(offset=(8, 4), labelTextColor="#c3c9d2", brush=(22, 25, 31, 200))
         self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5), name="weights")
         self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5), name="KV cache")
@@ -97,6 +100,12 @@ class MemoryPanel(Panel):
         self.weights.setData(self.t[:n], self.w[:n])
         self.total.setData(self.t[:n], np.maximum(self.kv[:n], 1.0 / 1024))  # log axis: floor at 1 KiB
         self.split.set_bytes(snap.weights_bytes, snap.kv_bytes)
+        self.x_range.fit(self.t[n - 1])
+        values = np.concatenate([self.w[:n], np.maximum(self.kv[:n], 1.0 / 1024), self.dev[:n][self.dev[:n] > 0]])
+        decades = (int(np.floor(np.log10(values.min()))), int(np.ceil(np.log10(values.max() * 1.2))))
+        if decades != self._decades:  # y is log10(MiB): whole decades, so the axis rarely changes
+            self._decades = decades
+            self.plot.setYRange(decades[0], max(decades[1], decades[0] + 1), padding=0)
         if snap.device_bytes and not self._has_device:
             self._has_device = True
             self.plot.legend.addItem(self.device, "device (CUDA)")
@@ -113,6 +122,8 @@ class MemoryPanel(Panel):
         self._count()
 
     def clear(self) -> None:
+        self.x_range.reset()
+        self._decades = None
         self.n = 0
         self._t0 = None
         for item in (self.weights, self.total, self.device):

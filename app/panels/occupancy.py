@@ -7,8 +7,8 @@ import numpy as np
 import pyqtgraph as pg
 
 from app.format import human_bytes
-from app.panels.base import Panel, legend_row, styled_plot
-from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
+from app.panels.base import Panel, StickyRange, legend_row, styled_plot
+from engine.snapshot import TOKEN_EVICTED, TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
 # (name, colour) bottom to top
 SEGMENTS = (
@@ -23,8 +23,8 @@ def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     """Token counts per layer and segment, ``[L]`` each.
 
     ``tokens_per_layer`` is what each layer holds. Pinned and quantized counts come from the token strip
-    (shared by all layers) and are clipped to what a layer holds; "evicted" is what the layer no longer
-    holds of the conversation (``seq_len - held``; positive only under eviction or truncation).
+    (shared by all layers) and are clipped to what a layer holds; "evicted" counts positions marked
+    evicted in the strip plus what a layer holds less than the fullest layer (per-layer budgets).
     """
     held = np.asarray(snap.tokens_per_layer, dtype=np.int64)
     states = np.asarray(snap.token_state)
@@ -33,7 +33,9 @@ def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     pinned = np.minimum(held, n_pinned)
     quantized = np.minimum(held - pinned, n_quant)
     full = held - pinned - quantized
-    evicted = np.maximum(int(snap.seq_len) - held, 0) if snap.mode != "off" else np.zeros_like(held)
+    n_evicted = int(np.count_nonzero(states == TOKEN_EVICTED))
+    fullest = int(held.max()) if len(held) else 0
+    evicted = n_evicted + (fullest - held) if snap.mode != "off" else np.zeros_like(held)
     return {"full": full, "quantized": quantized, "pinned": pinned, "evicted": evicted}
 
 
@@ -59,6 +61,7 @@ class OccupancyPanel(Panel):
         self._layout.addWidget(self.view, 1)
         self._layout.addWidget(legend_row([(c, n) for n, c in SEGMENTS] + [("#e0e0e0", "capacity (dashed line)")]))
         self.stack: dict[str, np.ndarray] = {}
+        self.y_range = StickyRange(lambda top: self.plot.setYRange(0, top, padding=0), minimum=16, grow=1.25)
         self._num_layers = 0
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
@@ -77,7 +80,7 @@ class OccupancyPanel(Panel):
         cap = int(snap.capacity_tokens)
         show_cap = 0 < cap <= top * 4
         self.capacity.setVisible(show_cap)
-        self.plot.setYRange(0, (max(top, cap) if show_cap else top) * 1.12, padding=0)
+        self.y_range.fit(max(top, cap) if show_cap else top)
         self.stack = stack
         total_q = int(stack["quantized"].sum())
         self.caption.setText(

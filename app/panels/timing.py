@@ -8,7 +8,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 
-from app.panels.base import Panel, styled_plot
+from app.panels.base import Panel, StickyRange, styled_plot
 from engine.snapshot import TokenEvent
 
 ROLLING = 16  # tokens in the rolling tok/s window
@@ -85,7 +85,12 @@ class TimingPanel(Panel):
         for plot in (self.latency_plot, self.tps_plot):
             plot.setClipToView(True)
             plot.setDownsampling(auto=True, mode="peak")
-            plot.enableAutoRange(y=True)
+            plot.disableAutoRange()
+        # Ranges grow in steps (x is linked: the tok/s plot follows the latency plot).
+        self.x_range = StickyRange(lambda top: self.latency_plot.setXRange(0, top, padding=0), minimum=32, grow=1.5)
+        self.y_latency = StickyRange(lambda top: self.latency_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
+        self.y_tps = StickyRange(lambda top: self.tps_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
+        self.y_prefill = StickyRange(lambda top: self.prefill_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
         self._layout.addWidget(self.view, 1)
 
         self.current = TokenSeries()
@@ -130,9 +135,12 @@ class TimingPanel(Panel):
         self.prefill_bars.setOpts(x=[0, 1], height=[prev_prefill, cur.prefill_ms])
         self.ttft_text.setText(f"{cur.prefill_ms:.0f} ms" if cur.prefill_ms else "")
         self.ttft_text.setPos(1, cur.prefill_ms)
-        top = max(prev_prefill, cur.prefill_ms, 1.0)
-        self.prefill_plot.setYRange(0, top * 1.25, padding=0)
+        self.y_prefill.fit(max(prev_prefill, cur.prefill_ms))
         decode = cur.decode_ms
+        n_max = max(cur.n, prev.n if prev is not None else 0)
+        self.x_range.fit(n_max + 1)
+        self._fit_y(self.y_latency, [cur.decode_ms] + ([prev.decode_ms] if prev is not None else []))
+        self._fit_y(self.y_tps, [cur.rolling_tps()] + ([prev.rolling_tps()] if prev is not None else []))
         tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
         text = (
             f"<b>{cur.label or 'reply'}</b> · TTFT {cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens)"
@@ -144,7 +152,16 @@ class TimingPanel(Panel):
         self.caption.setText(text)
         self._count()
 
+    @staticmethod
+    def _fit_y(rng: StickyRange, arrays: list[np.ndarray]) -> None:
+        # the 98th percentile, so one slow outlier token does not flatten the curve
+        data = np.concatenate([a for a in arrays if len(a)]) if any(len(a) for a in arrays) else None
+        if data is not None:
+            rng.fit(float(np.percentile(data, 98)) * 1.05)
+
     def clear(self) -> None:
+        for rng in (self.x_range, self.y_latency, self.y_tps, self.y_prefill):
+            rng.reset()
         self.current = TokenSeries()
         self.previous = None
         self._dirty = True

@@ -1,0 +1,43 @@
+"""Qt test setup: offscreen platform (set before Qt is imported), temp data dirs, the real tiny model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import app  # noqa: E402,F401 - applies the PySide6 refcount fix before any Qt call
+import pytest  # noqa: E402
+
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+if not STORIES.exists():
+    STORIES = Path("/work/shared/models/stories260K")
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> str:
+    if not (STORIES / "config.json").exists():
+        pytest.skip("stories260K model not available")
+    return str(STORIES)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _theme(qapp):
+    from app.theme import apply_theme
+
+    apply_theme(qapp)
+    yield

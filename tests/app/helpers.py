@@ -1,0 +1,70 @@
+"""Shared helpers for the app tests: synthetic snapshots and a window on the real engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import SamplingConfig
+from engine.snapshot import CacheSnapshot, ModelInfo
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=40)
+
+
+def make_snapshot(**over) -> CacheSnapshot:
+    """A small paged-cache snapshot: 3 layers, 8 pages of 4 tokens; override any field."""
+    base = dict(
+        generation_id=1, step=3, mode="paged", policy="none", page_size=4, num_pages=8,
+        pages_used_per_layer=np.array([3, 3, 3]), tokens_per_layer=np.array([10, 10, 10]),
+        bytes_per_layer=np.array([640, 640, 640]), capacity_tokens=32,
+        page_state=np.array([1, 1, 2, 0, 3, 4, 6, 0], dtype=np.int8),
+        page_owner=np.array([0, 1, 0, -1, 1, 2, -1, -1], dtype=np.int32),
+        page_fill=np.array([4, 2, 4, 0, 4, 4, 0, 0], dtype=np.int32),
+        page_refcount=np.array([1, 1, 2, 0, 1, 1, 0, 0], dtype=np.int32),
+        token_state=np.zeros(11, dtype=np.int8), weights_bytes=1 << 20, kv_bytes=1920, device_bytes=0,
+        reused_tokens=0, recomputed_tokens=11, first_divergence=-1, seq_len=11, context_length=512,
+    )
+    base.update(over)
+    return CacheSnapshot(**base)
+
+
+def make_info(**over) -> ModelInfo:
+    base = dict(name="tiny", source="tiny", architecture="LlamaForCausalLM", model_type="llama", num_layers=4,
+                num_q_heads=8, num_kv_heads=2, head_dim=16, hidden_size=128, vocab_size=100, context_length=1024,
+                dtype="float32", kv_dtype="float32", device="cpu", device_reason="CPU: no CUDA device",
+                quantization="none", weights_bytes=4 << 20, kv_bytes_per_token=2 * 4 * 2 * 16 * 4)
+    base.update(over)
+    return ModelInfo(**base)
+
+
+def open_window(qtbot, data_dir: Path, model: str, timeout_ms: int = 120_000, backend=None,
+                sampling: SamplingConfig | None = GREEDY):
+    """A shown MainWindow with ``model`` loaded on the real engine (or ``backend``)."""
+    from app.history import HistoryStore
+    from app.main_window import MainWindow
+    from app.settings import Settings
+
+    settings = Settings.from_data_dir(data_dir)
+    history = HistoryStore.in_data_dir(data_dir)
+    window = MainWindow(settings, history, model=model, backend=backend)
+    qtbot.addWidget(window)
+    window.sampling_override = sampling
+    window.show()
+    with qtbot.waitSignal(window.model_loaded, timeout=timeout_ms):
+        window.start()
+    return window
+
+
+def close_window(window) -> None:
+    window.shutdown()
+    window.history.close()
+
+
+def wait_reply(qtbot, window, timeout_ms: int = 60_000):
+    """Wait for the current reply to finish; returns (generation_id, stop_reason)."""
+    if not window.generation_id:
+        return None
+    with qtbot.waitSignal(window.reply_finished, timeout=timeout_ms) as blocker:
+        pass
+    return tuple(blocker.args)

@@ -1,0 +1,157 @@
+"""Panels fed synthetic snapshots: bar heights, page-map image values and timing curves are exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
+from app.panels.occupancy import occupancy_stack
+from app.panels.page_map import PAD, STATE_COLOURS, TURN_COLOURS, _rgb, page_colours, page_grid, upscale
+from engine.snapshot import TOKEN_EVICTED, TOKEN_PINNED, TOKEN_QUANTIZED, TokenEvent
+from tests.app.helpers import make_info, make_snapshot
+
+
+def test_occupancy_bars_stack_by_state(qtbot):
+    tokens = np.zeros(12, dtype=np.int8)
+    tokens[[0, 1]] = TOKEN_PINNED
+    tokens[2:6] = TOKEN_QUANTIZED
+    tokens[6:8] = TOKEN_EVICTED
+    snap = make_snapshot(tokens_per_layer=np.array([10, 9, 7]), token_state=tokens, seq_len=12, capacity_tokens=16)
+    panel = OccupancyPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    h = panel.bar_heights()
+    np.testing.assert_array_equal(h["pinned"], [2, 2, 2])
+    np.testing.assert_array_equal(h["quantized"], [4, 4, 4])
+    np.testing.assert_array_equal(h["full"], [4, 3, 1])
+    np.testing.assert_array_equal(h["evicted"], [2, 3, 5])  # 2 marked + what each layer holds less than the fullest
+    y0 = panel.bar_bottoms()
+    np.testing.assert_array_equal(y0["full"], [0, 0, 0])
+    np.testing.assert_array_equal(y0["quantized"], [4, 3, 1])
+    np.testing.assert_array_equal(y0["pinned"], [8, 7, 5])
+    np.testing.assert_array_equal(y0["evicted"], [10, 9, 7])
+    assert panel.capacity.value() == 16 and panel.capacity.isVisible()
+    assert panel.updates == 1
+
+
+def test_occupancy_off_mode_has_no_evicted():
+    stack = occupancy_stack(make_snapshot(mode="off", tokens_per_layer=np.array([0, 0, 0]), num_pages=0))
+    np.testing.assert_array_equal(stack["evicted"], [0, 0, 0])
+
+
+def test_page_map_grid_and_colours(qtbot):
+    snap = make_snapshot()
+    grid = page_grid(snap, cols=4)
+    np.testing.assert_array_equal(grid, [[1, 1, 2, 0], [3, 4, 6, 0]])
+    rgba = page_colours(snap, cols=4)
+    assert rgba.shape == (2, 4, 4) and rgba.dtype == np.uint8
+    full = lambda hex_: np.round(_rgb(hex_)).astype(np.uint8)  # noqa: E731
+    half = lambda hex_, f: np.round(_rgb(hex_) * (0.45 + 0.55 * f)).astype(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(rgba[0, 0, :3], full(TURN_COLOURS[0]))  # active, turn 0, full page
+    np.testing.assert_array_equal(rgba[0, 1, :3], half(TURN_COLOURS[1], 0.5))  # active, turn 1, half full
+    np.testing.assert_array_equal(rgba[0, 2, :3], full(STATE_COLOURS[2]))  # shared
+    np.testing.assert_array_equal(rgba[0, 3, :3], full(STATE_COLOURS[0]))  # free (not dimmed)
+    np.testing.assert_array_equal(rgba[1, 0, :3], full(STATE_COLOURS[3]))  # pinned
+    np.testing.assert_array_equal(rgba[1, 1, :3], full(STATE_COLOURS[4]))  # quantized
+    np.testing.assert_array_equal(rgba[1, 2, :3], full(STATE_COLOURS[6]))  # just evicted
+    assert (rgba[..., 3] == 255).all()
+
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    assert panel.cols == 16
+    np.testing.assert_array_equal(panel.grid[0, :8], snap.page_state)
+    assert (panel.grid[0, 8:] == -1).all()
+    np.testing.assert_array_equal(panel.colours[0, 8], PAD)
+    drawn = panel.image.image
+    np.testing.assert_array_equal(drawn, upscale(panel.colours, panel.px))
+    assert "page 1 · active · 2/4 tokens (50% full) · ref count 1 · owner turn 1" == panel.describe_page(1)
+    assert panel.page_at(1 * panel.px + 1, 1) == 1
+    assert panel.page_at(9 * panel.px + 1, 1) == -1  # past the last page
+    assert "free" in panel.describe_page(3) and "owner —" in panel.describe_page(3)
+
+
+def test_page_map_token_strip(qtbot):
+    tokens = np.array([1, 0, 0, 2, 3, 4], dtype=np.int8)
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(make_snapshot(token_state=tokens))
+    strip = panel.strip.image
+    assert strip.shape == (1, 6, 4)
+    np.testing.assert_array_equal(strip[0, 3, :3], np.round(_rgb("#ff4b4b")).astype(np.uint8))
+
+
+def _event(i: int, ms: float, phase: str = "decode", gen: int = 1, n: int = 1) -> TokenEvent:
+    return TokenEvent(gen, i, 5, "x", phase, ms, n)
+
+
+def test_timing_curves_and_previous_overlay(qtbot):
+    panel = TimingPanel()
+    qtbot.addWidget(panel)
+    panel.begin_reply(1, "cache off")
+    panel.add_token(_event(0, 50.0, "prefill", n=20))
+    for i, ms in enumerate([10.0, 20.0, 30.0, 40.0], start=1):
+        panel.add_token(_event(i, ms))
+    panel.add_token(_event(9, 999.0, gen=7))  # another reply's token is ignored
+    panel.refresh()
+    c = panel.curves()
+    np.testing.assert_array_equal(c["latency"][0], [1, 2, 3, 4])
+    np.testing.assert_array_equal(c["latency"][1], [10, 20, 30, 40])
+    np.testing.assert_allclose(c["tps"][1], [100.0, 2000 / 30, 3000 / 60, 4000 / 100])
+    assert len(c["prev_latency"][1]) == 0
+    np.testing.assert_array_equal(panel.prefill_bars.opts["height"], [0, 50.0])
+
+    panel.begin_reply(2, "cache paged")
+    panel.add_token(_event(0, 30.0, "prefill", gen=2))
+    for i in range(1, 4):
+        panel.add_token(_event(i, 5.0, gen=2))
+    panel.refresh()
+    c = panel.curves()
+    np.testing.assert_array_equal(c["latency"][1], [5, 5, 5])
+    np.testing.assert_array_equal(c["prev_latency"][1], [10, 20, 30, 40])  # previous reply overlaid
+    np.testing.assert_array_equal(panel.prefill_bars.opts["height"], [50.0, 30.0])
+    assert "cache off" in panel.caption.text()
+
+
+def test_rolling_tps_window():
+    from app.panels.timing import TokenSeries
+
+    s = TokenSeries(capacity=2)  # grows past its capacity
+    for i in range(40):
+        s.add(_event(i + 1, 10.0))
+    assert s.n == 40
+    np.testing.assert_allclose(s.rolling_tps(window=16), np.full(40, 100.0))
+
+
+def test_memory_series(qtbot):
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    for i, kv in enumerate([0, 1 << 20, 2 << 20]):
+        panel.show_snapshot(make_snapshot(kv_bytes=kv, weights_bytes=8 << 20), now=100.0 + i)
+    s = panel.series()
+    np.testing.assert_array_equal(s["t"], [0, 1, 2])
+    np.testing.assert_array_equal(s["kv_mib"], [0, 1, 2])
+    np.testing.assert_array_equal(s["weights_mib"], [8, 8, 8])
+    assert (panel.split.weights, panel.split.kv) == (8 << 20, 2 << 20)
+
+
+@pytest.mark.parametrize("kv_heads,kind", [(8, "MHA"), (2, "GQA"), (1, "MQA")])
+def test_model_card(qtbot, kv_heads, kind):
+    per_token = 2 * 4 * kv_heads * 16 * 4
+    info = make_info(num_kv_heads=kv_heads, kv_bytes_per_token=per_token)
+    panel = ModelCardPanel()
+    qtbot.addWidget(panel)
+    panel.show_model(info)
+    mha, mqa = 2 * 4 * 8 * 16 * 4, 2 * 4 * 1 * 16 * 4
+    np.testing.assert_allclose(panel.bar_heights(), np.array([mha, per_token, mqa]) * 1024 / 2**20)
+    assert f"<b>{kind}</b>" in panel.table.text()
+
+
+def test_panels_export_png(qtbot, tmp_path):
+    panel = OccupancyPanel()
+    qtbot.addWidget(panel)
+    panel.resize(400, 200)
+    panel.show_snapshot(make_snapshot())
+    path = tmp_path / "occ.png"
+    assert panel.export_png(str(path)) and path.stat().st_size > 1000
