@@ -181,6 +181,14 @@ class EngineWorker(QObject):
         if not self._gen_id:
             self._emit_idle_snapshot()
 
+    @Slot()
+    def stop(self) -> None:
+        """Last command: stop the pump and end the thread's event loop (runs on the worker thread, so the
+        timer is stopped by its own thread)."""
+        self._timer.stop()
+        self._gen_id = 0
+        QThread.currentThread().quit()
+
     # -- the step pump ----------------------------------------------------------------------------------
     def _pump(self) -> None:
         gen = self._gen_id
@@ -249,6 +257,7 @@ class EngineThread(QObject):
     _submit = Signal(int, object, object)
     _cancel = Signal(int)
     _apply = Signal(object)
+    _stop = Signal()
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -260,6 +269,8 @@ class EngineThread(QObject):
         self._submit.connect(self.worker.submit)
         self._cancel.connect(self.worker.cancel)
         self._apply.connect(self.worker.apply_cache_config)
+        self._stop.connect(self.worker.stop)
+        self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
     def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
@@ -282,5 +293,5 @@ class EngineThread(QObject):
         if not self.thread.isRunning():
             return True
         self.worker.request_cancel()
-        self.thread.quit()
+        self._stop.emit()  # queued behind at most one step
         return self.thread.wait(timeout_ms)

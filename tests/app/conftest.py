@@ -16,17 +16,6 @@ if str(REPO) not in sys.path:
 import app  # noqa: E402,F401 - applies the PySide6 refcount fix before any Qt call
 import pytest  # noqa: E402
 
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
-if not STORIES.exists():
-    STORIES = Path("/work/shared/models/stories260K")
-
-
-@pytest.fixture(scope="session")
-def stories_path() -> str:
-    if not (STORIES / "config.json").exists():
-        pytest.skip("stories260K model not available")
-    return str(STORIES)
-
 
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:

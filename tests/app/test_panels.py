@@ -9,7 +9,7 @@ from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel
 from app.panels.occupancy import occupancy_stack
 from app.panels.page_map import PAD, STATE_COLOURS, TURN_COLOURS, _rgb, page_colours, page_grid, upscale
 from engine.snapshot import TOKEN_EVICTED, TOKEN_PINNED, TOKEN_QUANTIZED, TokenEvent
-from tests.app.helpers import make_info, make_snapshot
+from app_helpers import make_info, make_snapshot
 
 
 def test_occupancy_bars_stack_by_state(qtbot):

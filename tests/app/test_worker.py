@@ -1,0 +1,154 @@
+"""EngineWorker on its QThread, with the real engine on stories260K (a fake only for the raising case)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app.worker import EngineBackend, EngineThread
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
+
+SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+
+
+@pytest.fixture
+def engine(qtbot, stories_path):
+    thread = EngineThread()
+    with qtbot.waitSignal(thread.worker.loaded, timeout=120_000) as blocker:
+        thread.load(ModelSpec(source=str(stories_path)), CacheConfig(mode="paged", page_size=4))
+    assert blocker.args[0].name == "stories260K"
+    yield thread
+    assert thread.shutdown(2000)
+
+
+def _record(w) -> list[tuple]:
+    events: list[tuple] = []
+    w.started.connect(lambda g: events.append(("started", g)))
+    w.token.connect(lambda e: events.append(("token", e.generation_id, e)))
+    w.snapshot.connect(lambda s: events.append(("snapshot", s.generation_id, s)))
+    w.failed.connect(lambda g, m: events.append(("failed", g, m)))
+    w.finished.connect(lambda g, r, st, t: events.append(("finished", g, r, st, t)))
+    return events
+
+
+def test_reply_signals_in_strict_order(qtbot, engine):
+    w = engine.worker
+    events = _record(w)
+    with qtbot.waitSignal(w.finished, timeout=60_000):
+        engine.submit(7, MESSAGES, SAMPLING)
+    kinds = [e[0] for e in events]
+    # started, then (token, snapshot) per step, then finished; nothing else, nothing after
+    assert kinds == ["started"] + ["token", "snapshot"] * 12 + ["finished"]
+    assert all(e[1] == 7 for e in events)
+    tokens = [e[2] for e in events if e[0] == "token"]
+    assert [t.index for t in tokens] == list(range(12))
+    assert tokens[0].phase == "prefill" and all(t.phase == "decode" for t in tokens[1:])
+    _, gen, reason, stats, text = events[-1]
+    assert (gen, reason) == (7, "max_tokens")
+    assert stats.generated_tokens == 12 and text == "".join(t.text_delta for t in tokens)
+    qtbot.wait(100)
+    assert len(events) == 26
+
+
+def test_cancel_stops_output(qtbot, engine):
+    w = engine.worker
+    tokens = []
+    w.token.connect(tokens.append)
+    with qtbot.waitSignal(w.token, timeout=60_000):
+        engine.submit(1, MESSAGES, SAMPLING.replace(max_new_tokens=400))
+    with qtbot.waitSignal(w.finished, timeout=10_000) as blocker:
+        engine.cancel(1)
+    assert blocker.args[0] == 1 and blocker.args[1] == "cancelled"
+    n = len(tokens)
+    assert n < 400
+    qtbot.wait(200)
+    assert len(tokens) == n  # nothing after finished
+
+
+def test_apply_mid_reply_changes_the_cache(qtbot, engine):
+    w = engine.worker
+    snaps, notes = [], []
+    w.snapshot.connect(snaps.append)
+    w.applied.connect(lambda cfg, n: notes.extend(n))
+    with qtbot.waitSignal(w.token, timeout=60_000):
+        engine.submit(3, MESSAGES, SAMPLING.replace(max_new_tokens=30))
+    engine.apply_cache_config(CacheConfig(mode="contiguous"))
+    with qtbot.waitSignal(w.finished, timeout=60_000) as blocker:
+        pass
+    assert blocker.args[1] == "max_tokens"
+    assert snaps[0].mode == "paged" and snaps[-1].mode == "contiguous"
+    assert any("contiguous" in n for n in notes)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class RaisingSession:
+    """The only fake: a session whose third step raises."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def start(self, messages, sampling, generation_id):
+        self.steps = 0
+
+    def step(self):
+        from engine.snapshot import StepResult, TokenEvent
+
+        self.steps += 1
+        if self.steps == 3:
+            raise Boom("kernel exploded")
+        return StepResult(TokenEvent(9, self.steps - 1, 1, "a", "decode", 1.0, 1), None, False, text="a" * self.steps)
+
+    def cancel(self):
+        pass
+
+    def apply(self, cfg):
+        return []
+
+    def snapshot(self):
+        return None
+
+
+def test_raising_engine_becomes_failed_then_finished(qtbot):
+    backend = EngineBackend(load=lambda spec, progress: type("L", (), {"info": None})(),
+                            make_session=lambda loaded, cache: RaisingSession())
+    thread = EngineThread(backend)
+    try:
+        with qtbot.waitSignal(thread.worker.loaded, timeout=10_000):
+            thread.load(ModelSpec(source="demo"))
+        w = thread.worker
+        events = _record(w)
+        with qtbot.waitSignal(w.finished, timeout=10_000):
+            thread.submit(9, MESSAGES, SAMPLING)
+        assert [e[0] for e in events] == ["started", "token", "token", "failed", "finished"]
+        assert events[3][1:] == (9, "Boom: kernel exploded")
+        assert events[4][1:3] == (9, "error")
+        # the worker still works after a failure
+        with qtbot.waitSignal(w.failed, timeout=10_000):
+            thread.submit(10, MESSAGES, SAMPLING)
+    finally:
+        assert thread.shutdown(2000)
+
+
+def test_load_failure_is_a_message(qtbot, tmp_path):
+    thread = EngineThread()
+    try:
+        with qtbot.waitSignal(thread.worker.failed, timeout=120_000) as blocker:
+            thread.load(ModelSpec(source=str(tmp_path / "missing")))
+        gen, message = blocker.args
+        assert gen == -1 and "missing" in message and "\n" not in message
+    finally:
+        assert thread.shutdown(2000)
+
+
+def test_shutdown_during_reply_joins_fast(qtbot, engine):
+    with qtbot.waitSignal(engine.worker.token, timeout=60_000):
+        engine.submit(5, MESSAGES, SAMPLING.replace(max_new_tokens=400))
+    t = time.perf_counter()
+    assert engine.shutdown(2000)
+    assert time.perf_counter() - t < 2.0
+    assert not engine.thread.isRunning()
