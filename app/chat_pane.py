@@ -29,8 +29,12 @@ class ChatInput(QPlainTextEdit):
     """Multi-line input: Enter submits, Shift+Enter inserts a newline."""
 
     submitted = Signal()
+    escape_pressed = Signal()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt name
+        if event.key() == Qt.Key.Key_Escape:
+            self.escape_pressed.emit()
+            return
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
             event.modifiers() & Qt.KeyboardModifier.ShiftModifier
         ):
@@ -94,6 +98,7 @@ class ChatPane(QWidget):
         self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line")
         self.input.setMaximumHeight(96)
         self.input.submitted.connect(self.submit)
+        self.input.escape_pressed.connect(self._on_escape)
         self.send_button = QPushButton("Send")
         self.send_button.setObjectName("primaryButton")
         self.send_button.clicked.connect(self.submit)

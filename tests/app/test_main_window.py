@@ -1,0 +1,220 @@
+"""The main window end to end on the real engine with stories260K."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from PySide6.QtCore import Qt
+
+from app_helpers import GREEDY, close_window, open_window, wait_reply
+from engine.config import SamplingConfig
+
+LONG = SamplingConfig(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+
+
+def _type_and_send(qtbot, window, text: str) -> None:
+    qtbot.keyClicks(window.chat.input, text)
+    qtbot.keyClick(window.chat.input, Qt.Key.Key_Return)
+
+
+def test_send_streams_tokens_and_every_panel_changes(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
+    try:
+        assert w.info.name == "stories260K"
+        assert "stories260K" in w.status_model.text() and "CPU" in w.status_device.text()
+        before = {p.objectName(): p.updates for p in w.panels}
+        assert w.model_card.info is not None
+        _type_and_send(qtbot, w, "Once upon a time")
+        assert w.chat.input.toPlainText() == ""  # Enter sent it
+        assert w.generation_id
+        qtbot.waitUntil(lambda: w.chat.streaming is not None and len(w.chat.streaming.text) > 5, timeout=30_000)
+        assert w.chat.streaming.body.text()  # rendered while streaming
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "max_tokens"
+        qtbot.wait(300)  # let the round-robin refresh reach every panel
+        after = {p.objectName(): p.updates for p in w.panels}
+        for name in ("OccupancyPanel", "PageMapPanel", "TimingPanel", "MemoryPanel"):
+            assert after[name] > before[name], name
+        assert sum(int(v.sum()) for v in w.occupancy.stack.values()) > 0
+        assert (w.page_map.grid == 1).any()  # active pages
+        assert len(w.timing.curves()["latency"][1]) == 59  # 60 tokens: one prefill + 59 decode
+        assert w.memory.n > 0 and w.memory.series()["kv_mib"][-1] > 0
+        bubble = w.chat.bubbles[-1]
+        msgs = w.history.messages(w.chat_id)
+        assert [m.role for m in msgs] == ["user", "assistant"]
+        assert msgs[1].content == bubble.text and bubble.text
+        assert "decode" in bubble.stats_label.text() and "TTFT" in bubble.stats_label.text()
+        assert bubble.cache_label.text().startswith("reused 0 tokens, recomputed")
+        assert "context" in w.status_context.text() and "tok/s" in w.status_speed.text()
+        assert len(w.trace) >= 59
+    finally:
+        close_window(w)
+
+
+def test_switch_mode_and_page_size_mid_reply(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
+    try:
+        modes = []
+        w.engine.worker.snapshot.connect(lambda s: modes.append((s.mode, s.page_size)))
+        w.send("The little dog")
+        qtbot.waitUntil(lambda: w._tokens_in_reply >= 3, timeout=30_000)
+        w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))  # as the user does
+        qtbot.waitUntil(lambda: w._applied_cache.mode == "contiguous", timeout=10_000)
+        w.controls.mode.setCurrentIndex(w.controls.mode.findData("paged"))
+        w.controls.page_size.setValue(8)
+        qtbot.waitUntil(lambda: w._applied_cache.mode == "paged" and w._applied_cache.page_size == 8, timeout=10_000)
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "max_tokens"
+        assert ("paged", 16) in modes and ("contiguous", 0) in modes and modes[-1] == ("paged", 8)
+        assert w.chat.bubbles[-1].stats["generated_tokens"] == 60
+        assert "page 8" in w.status_mode.text()
+        assert w.settings.get("cache/page_size") == 8  # persisted
+    finally:
+        close_window(w)
+
+
+def test_stop_regenerate_and_edit_reuse_the_prefix(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=GREEDY)
+    try:
+        # stop
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+        w.send("A cat sat")
+        qtbot.waitUntil(lambda: w._tokens_in_reply >= 2, timeout=30_000)
+        assert w.chat.stop_button.isEnabled()
+        qtbot.keyClick(w.chat.input, Qt.Key.Key_Escape)
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "cancelled" and not w.chat.stop_button.isEnabled()
+        stopped = w.chat.bubbles[-1].stats["generated_tokens"]
+        assert 0 < stopped < 400
+
+        # regenerate: the prompt is reused from the cache
+        w.sampling_override = GREEDY
+        qtbot.mouseClick(w.chat.regen_button, Qt.MouseButton.LeftButton)
+        wait_reply(qtbot, w)
+        assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
+        assert w.last_stats["reused_tokens"] > 0
+        first_reply = w.history.messages(w.chat_id)[1].content
+
+        # a second turn, then edit it: everything up to the edit is reused
+        w.send("The dog ran")
+        wait_reply(qtbot, w)
+        second_user = w.history.messages(w.chat_id)[2]
+        prompt_before = w.last_stats["prompt_tokens"]
+        user_bubble = next(b for b in w.chat.bubbles if b.position == second_user.position)
+        user_bubble.begin_edit()
+        user_bubble.editor.setPlainText("The bird flew")
+        qtbot.mouseClick(user_bubble.save_button, Qt.MouseButton.LeftButton)
+        wait_reply(qtbot, w)
+        msgs = w.history.messages(w.chat_id)
+        assert [m.content for m in msgs[:3]] == [msgs[0].content, first_reply, "The bird flew"] and len(msgs) == 4
+        stats = w.last_stats
+        assert 0 < stats["reused_tokens"] < prompt_before and stats["first_divergence"] == stats["reused_tokens"]
+        line = w.chat.bubbles[-1].cache_label.text()
+        assert line == (f"reused {stats['reused_tokens']} tokens, recomputed {stats['recomputed_tokens']}, "
+                        f"diverged at {stats['first_divergence']}")
+    finally:
+        close_window(w)
+
+
+def test_history_survives_a_restart(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    w.chat.system_prompt.setText("You tell short stories.")
+    w.chat.system_prompt.textEdited.emit("You tell short stories.")
+    w.send("Tell me about a frog")
+    wait_reply(qtbot, w)
+    text = w.chat.bubbles[-1].text
+    chat_id = w.chat_id
+    qtbot.wait(500)
+    close_window(w)
+    w.close()
+
+    w2 = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        assert w2.chat_id == chat_id
+        assert [b.role for b in w2.chat.bubbles] == ["user", "assistant"]
+        assert w2.chat.bubbles[1].text == text and w2.chat.bubbles[1].cache_label.text().startswith("reused")
+        assert w2.chat.system_prompt.text() == "You tell short stories."
+        assert w2.chat_list.count() == 1 and w2.chat_list.item(0).text() == "Tell me about a frog"
+        assert w2.settings.get("model/last") == str(stories_path)
+    finally:
+        close_window(w2)
+
+
+def test_new_chat_and_switching(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w.send("First chat")
+        wait_reply(qtbot, w)
+        first = w.chat_id
+        w.new_chat()
+        assert w.chat_id != first and w.chat.bubbles == [] and w.chat_list.count() == 2
+        w.send("Second chat")
+        wait_reply(qtbot, w)
+        w.open_chat(first)
+        assert [b.text for b in w.chat.bubbles][0] == "First chat"
+    finally:
+        close_window(w)
+
+
+def test_close_during_a_reply_joins_the_worker_fast(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True))
+    w.send("Once")
+    qtbot.waitUntil(lambda: w._tokens_in_reply >= 2, timeout=30_000)
+    t = time.perf_counter()
+    w.close()
+    assert time.perf_counter() - t < 2.0
+    assert not w.engine.thread.isRunning()
+    assert w.history.messages(w.chat_id)[-1].content  # what streamed so far was saved
+    w.history.close()
+
+
+def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w.send("Export me")
+        wait_reply(qtbot, w)
+        w.trace.write_json(tmp_path / "t.json")
+        w.trace.write_csv(tmp_path / "t.csv")
+        data = json.loads((tmp_path / "t.json").read_text())
+        assert len(data["snapshots"]) == len(w.trace) > 0
+        assert isinstance(data["snapshots"][0]["page_state"], list)
+        rows = (tmp_path / "t.csv").read_text().splitlines()
+        assert rows[0].startswith("generation_id,step") and len(rows) == len(w.trace) + 1
+        paths = w.export_panels(tmp_path / "png")
+        assert len(paths) == 5 and all(p.stat().st_size > 1000 for p in paths)
+    finally:
+        close_window(w)
+
+
+def test_layout_is_restored(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    w.docks["memory"].hide()
+    close_window(w)
+    w.close()
+    w2 = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        assert not w2.docks["memory"].isVisible() and w2.docks["timing"].isVisible()
+    finally:
+        close_window(w2)
+
+
+def test_sampling_form_round_trip(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=None)
+    try:
+        f = w.sampling
+        f.temperature.setValue(0.0)
+        f.top_k.setValue(5)
+        f.seed.setValue(42)
+        f.max_new_tokens.setValue(16)
+        s = f.sampling()
+        assert (s.temperature, s.top_k, s.seed, s.max_new_tokens) == (0.0, 5, 42, 16)
+        assert w.settings.get("sampling/seed") == 42
+        w.send("Seeded")
+        wait_reply(qtbot, w)
+        assert w.last_stats["generated_tokens"] <= 16
+    finally:
+        close_window(w)
+
+
