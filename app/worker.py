@@ -33,6 +33,12 @@ from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError
 
 
+def _log(exc: BaseException) -> None:
+    """Print the traceback of unexpected failures (user errors are just messages)."""
+    if not isinstance(exc, (EngineError, ValueError)):
+        traceback.print_exception(exc)
+
+
 def _describe(exc: BaseException) -> str:
     """One line a user can act on."""
     if isinstance(exc, (EngineError, ValueError)):
@@ -132,7 +138,7 @@ class EngineWorker(QObject):
             self.loaded.emit(getattr(loaded, "info", None))
             self._emit_idle_snapshot()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
-            traceback.print_exc()
+            _log(exc)
             self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
 
     @Slot(int, object, object)
@@ -147,7 +153,7 @@ class EngineWorker(QObject):
         try:
             self._session.start(messages, sampling, generation_id)
         except BaseException as exc:  # noqa: BLE001
-            traceback.print_exc()
+            _log(exc)
             self.failed.emit(generation_id, _describe(exc))
             self.finished.emit(generation_id, "error", None, "")
             return
@@ -174,7 +180,7 @@ class EngineWorker(QObject):
         try:
             notes = list(self._session.apply(cache) or [])
         except BaseException as exc:  # noqa: BLE001
-            traceback.print_exc()
+            _log(exc)
             self.failed.emit(self._gen_id or 0, f"Cache settings not applied: {_describe(exc)}")
             return
         self.applied.emit(cache, notes)
@@ -203,7 +209,7 @@ class EngineWorker(QObject):
         try:
             result = self._session.step()
         except BaseException as exc:  # noqa: BLE001
-            traceback.print_exc()
+            _log(exc)
             self._gen_id = 0
             self.failed.emit(gen, _describe(exc))
             self.finished.emit(gen, "error", None, self._text)

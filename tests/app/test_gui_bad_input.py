@@ -1,0 +1,183 @@
+"""Bad input never kills the window: a missing or corrupt model folder, a remote-code model, a raising
+engine and a failed download each show a message and leave the app usable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from app.worker import EngineBackend
+from app_helpers import close_window, open_window, wait_reply
+from engine.config import ModelSpec
+
+
+def _copy(src, dst, skip=()):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture
+def bad_folders(tmp_path, stories_path):
+    corrupt = _copy(stories_path, tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"\x07" * 4096)
+    remote = _copy(stories_path, tmp_path / "remote")
+    cfg = json.loads((stories_path / "config.json").read_text())
+    cfg.update(auto_map={"AutoModelForCausalLM": "modeling_custom.MyModel"})
+    (remote / "config.json").write_text(json.dumps(cfg))
+    return {"missing": (tmp_path / "nope", "not found"), "corrupt": (corrupt, "corrupt"),
+            "remote": (remote, "remote code")}
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "remote"])
+def test_bad_model_shows_a_message_and_keeps_the_loaded_one(qtbot, data_dir, stories_path, bad_folders, case):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        folder, words = bad_folders[case]
+        with qtbot.waitSignal(w.error_shown, timeout=60_000) as blocker:
+            w.load_model(ModelSpec(source=str(folder)))
+        assert words in blocker.args[0]
+        error = w.chat.bubbles[-1]
+        assert error.role == "error" and words in error.text
+        qtbot.waitUntil(lambda: error.isVisibleTo(w), timeout=2_000)
+        assert w.info.name == "stories260K" and w.chat.send_button.isEnabled()
+        w.send("Still here?")
+        gen, reason = wait_reply(qtbot, w)
+        assert reason in ("max_tokens", "eos")
+    finally:
+        close_window(w)
+
+
+def test_bad_model_at_first_launch_falls_back_to_demo(qtbot, data_dir, bad_folders):
+    from app.history import HistoryStore
+    from app.main_window import MainWindow
+    from app.settings import Settings
+
+    errors = []
+    w = MainWindow(Settings.from_data_dir(data_dir), HistoryStore.in_data_dir(data_dir),
+                   model=str(bad_folders["corrupt"][0]))
+    qtbot.addWidget(w)
+    w.error_shown.connect(errors.append)
+    w.show()
+    with qtbot.waitSignal(w.model_loaded, timeout=120_000):
+        w.start()
+    try:
+        assert w.info.is_demo and errors and "corrupt" in errors[0] and "demo" in errors[0]
+        assert "demo" in w.chat.empty_hint.text() or w.chat.bubbles
+    finally:
+        close_window(w)
+
+
+class _Raising:
+    def start(self, messages, sampling, generation_id):
+        pass
+
+    def step(self):
+        raise MemoryError()
+
+    def cancel(self):
+        pass
+
+    def apply(self, cfg):
+        raise ValueError("page size: 999 is outside 1..256")
+
+    def snapshot(self):
+        return None
+
+
+def test_raising_engine_becomes_a_message_and_the_window_keeps_working(qtbot, data_dir):
+    from app_helpers import make_info
+
+    backend = EngineBackend(load=lambda spec, progress: type("L", (), {"info": make_info()})(),
+                            make_session=lambda loaded, cache: _Raising())
+    w = open_window(qtbot, data_dir, "demo", backend=backend)
+    try:
+        with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
+            w.send("hello")
+        assert "out of memory" in blocker.args[0]
+        qtbot.waitUntil(lambda: not w.generation_id, timeout=5_000)
+        assert w.chat.send_button.isEnabled() and not w.chat.stop_button.isEnabled()
+        # a config the engine rejects is reported and the controls go back to what is applied
+        before = w.controls.config()
+        with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
+            w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))
+        assert "page size" in blocker.args[0]
+        assert w.controls.config() == before
+        with qtbot.waitSignal(w.error_shown, timeout=10_000):
+            w.send("again")  # still responsive
+    finally:
+        close_window(w)
+
+
+def test_failed_download_shows_a_message(qtbot, data_dir, monkeypatch):
+    from app.models_dialog import ModelsDialog
+    from app.settings import Settings
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    dlg = ModelsDialog(Settings.from_data_dir(data_dir))
+    qtbot.addWidget(dlg)
+    dlg.hub_id.setText("someone/some-model")
+    dlg.download()
+    qtbot.waitUntil(lambda: dlg.download_button.isEnabled(), timeout=30_000)
+    assert "Offline" in dlg.message.text() or "cannot" in dlg.message.text()
+    assert not dlg.cancel_download_button.isEnabled()
+    # still usable: choose the demo and accept
+    dlg.list.setCurrentRow(0)
+    dlg.accept_choice()
+    assert dlg.spec is not None and dlg.spec.source == "demo"
+
+
+def test_download_cancel(qtbot, data_dir, monkeypatch):
+    """Cancel raises inside the progress callback; simulated with a slow fake hub call."""
+    import time
+
+    import huggingface_hub
+
+    from app.models_dialog import ModelsDialog
+    from app.settings import Settings
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, tqdm_class=None, **kw):
+        bar = tqdm_class(total=100)
+        for _ in range(200):
+            time.sleep(0.02)
+            bar.update(1)
+        return "/nowhere"
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    dlg = ModelsDialog(Settings.from_data_dir(data_dir))
+    qtbot.addWidget(dlg)
+    dlg.hub_id.setText("someone/slow-model")
+    dlg.download()
+    qtbot.waitUntil(lambda: dlg.download_bar.value() > 0, timeout=10_000)
+    dlg.cancel_download()
+    qtbot.waitUntil(lambda: dlg.download_button.isEnabled(), timeout=10_000)
+    assert "cancelled" in dlg.message.text()
+
+
+def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
+    from app.models_dialog import ModelsDialog
+    from app.settings import Settings
+
+    s = Settings.from_data_dir(data_dir)
+    s.add_recent_model(str(stories_path))
+    dlg = ModelsDialog(s, environment={"cuda": True, "device_total_bytes": 512 << 10})
+    qtbot.addWidget(dlg)
+    assert "demo" in dlg.list.item(0).text().lower()
+    assert "Recent" in dlg.list.item(1).text()
+    dlg.list.setCurrentRow(1)
+    dlg.device.setCurrentIndex(dlg.device.findData("cuda"))
+    dlg.context.setValue(512)
+    est = dlg.estimate()
+    # stories260K: K and V x 5 layers x 4 KV heads x head dim 8; the float32 checkpoint runs in float16 on CUDA
+    assert est.kv_bytes_per_token == 2 * 5 * 4 * 8 * 2 and est.context == 512
+    assert "Will not fit" in dlg.estimate_label.text()  # 512 KiB of "GPU memory"
+    dlg.quantization.setCurrentIndex(dlg.quantization.findData("int8"))
+    dlg.accept_choice()
+    assert dlg.spec.source == str(stories_path) and dlg.spec.quantization == "int8" and dlg.spec.device == "cuda"
