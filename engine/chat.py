@@ -8,8 +8,10 @@ ROLES = ("system", "user", "assistant")
 _PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
-def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """Check a chat: a list of ``{"role", "content"}`` with known roles, ending with a user message."""
+def validate_messages(messages: Sequence[dict[str, Any]], for_reply: bool = True) -> list[dict[str, Any]]:
+    """Check a chat: a list of ``{"role", "content"}`` with known roles, ending with a user message.
+
+    Optional keys kept: ``pinned`` (bool) and ``priority`` (0..100) for the priority eviction policy."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: expected a non-empty list of {role, content} objects")
     out = []
@@ -20,8 +22,15 @@ def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
             raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}]: content must be a string")
-        out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] != "user":
+        item = {"role": m["role"], "content": m["content"]}
+        if m.get("pinned"):
+            item["pinned"] = True
+        if "priority" in m and m["priority"] is not None:
+            if not isinstance(m["priority"], int) or not 0 <= m["priority"] <= 100:
+                raise ValueError(f"messages[{i}]: priority must be an integer 0..100")
+            item["priority"] = m["priority"]
+        out.append(item)
+    if for_reply and out[-1]["role"] != "user":
         raise ValueError("messages: the last message must be from the user")
     return out
 
@@ -32,17 +41,31 @@ def plain_prompt(messages: Sequence[dict[str, str]]) -> str:
     return "".join(parts) + "Assistant:"
 
 
-def render_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of the whole conversation, ready for the assistant's reply."""
-    messages = validate_messages(messages)
+def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool = True) -> list[int]:
+    """Token ids of the whole conversation, ready for the assistant's reply (``for_reply``), or as a
+    prefix of a longer chat (no generation prompt: used to find where each message ends)."""
+    messages = validate_messages(messages, for_reply)
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=for_reply, tokenize=True)
         if hasattr(ids, "keys"):  # BatchEncoding / dict in transformers 5
             ids = ids["input_ids"]
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(plain_prompt(messages))["input_ids"]]
+    text = plain_prompt(messages) if for_reply else "".join(
+        f"{_PLAIN_NAMES[m['role']]}: {m['content'].strip()}\n\n" for m in messages)
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def message_spans(tokenizer, messages: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Token range ``[start, end)`` of each message in the rendered chat (ends found by rendering prefixes)."""
+    spans, start = [], 0
+    for i in range(len(messages)):
+        end = len(render_chat(tokenizer, messages[: i + 1], for_reply=False))
+        spans.append((start, max(start, end)))
+        start = max(start, end)
+    return spans
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -36,9 +36,9 @@ class _StoreLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         store = self._cache.store
         k, v = store.update(self._idx, key_states, value_states)  # [1, kv_heads, past + q, head_dim]
-        hook = self._cache.layer_hook
-        if hook is not None:
-            hook(self._idx, k, v, kwargs)
+        sink = self._cache.score_sink
+        if sink is not None and isinstance(kwargs.get("kwargs"), dict):
+            kwargs["kwargs"]["kvscope_sink"] = sink  # the attention function receives this dict next
         return k, v
 
     def get_seq_length(self) -> int:
@@ -59,5 +59,5 @@ class KVCache(Cache):
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self.layer_hook = None  # optional fn(layer_idx, k, v, kwargs): statistics, attention scores
+        self.score_sink = None  # optional fn(layer_idx, probs [1, Hq, q, L]) for attention scores
         super().__init__(layers=[_StoreLayer(self, i) for i in range(store.num_layers)])

@@ -82,6 +82,34 @@ class KVStore:
         """All cached K/V of a layer, ``[kv_heads, num_tokens, head_dim]`` each (for copies and tests)."""
         raise NotImplementedError
 
+    # -- compaction (eviction) -------------------------------------------------------------------------
+    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
+        """Start replacing the whole content with ``n`` tokens per layer (written by ``rewrite_layer``)."""
+        raise NotImplementedError
+
+    def rewrite_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``, ``v``: [kv_heads, n, head_dim], the layer's new content (must not alias the store)."""
+        raise NotImplementedError
+
+    def end_rewrite(self) -> None:
+        raise NotImplementedError
+
+    def compact(self, keep: list[torch.Tensor], rotate=None, owners: list[int] | None = None) -> None:
+        """Keep, per layer, the cached tokens at indices ``keep[l]`` ([n_keep] ascending, same n_keep for
+        every layer), packed to the front in that order. ``rotate(layer, k, keep_idx) -> k`` may re-rotate
+        moved keys. Layers are processed one at a time (one layer's K/V copied at once)."""
+        n_keep = int(keep[0].numel())
+        self.begin_rewrite(n_keep, owners)
+        for layer in range(self.num_layers):
+            k, v = self.read_layer(layer)  # [H, n, D]
+            idx = keep[layer].to(k.device)
+            k = k.index_select(1, idx)  # [H, n_keep, D] copies
+            v = v.index_select(1, idx)
+            if rotate is not None:
+                k = rotate(layer, k, idx)
+            self.rewrite_layer(layer, k, v)
+        self.end_rewrite()
+
 
 class ContiguousKV(KVStore):
     """One buffer per layer, grown by doubling (one copy per growth, amortised O(1) per token)."""
@@ -138,12 +166,25 @@ class ContiguousKV(KVStore):
     def read_layer(self, layer):
         return self.k[layer][:, : self._len], self.v[layer][:, : self._len]
 
+    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
+        self._rewrite_n = n
+
+    def rewrite_layer(self, layer, k, v):
+        n = self._rewrite_n
+        self.k[layer][:, :n].copy_(k)  # [H, n, D]
+        self.v[layer][:, :n].copy_(v)
+
+    def end_rewrite(self) -> None:
+        self._len = self._n_before = self._rewrite_n
+
 
 class PageArena:
     """The page pool of one model plus its tensors; every paged session of that model allocates here."""
 
     def __init__(self, num_layers, kv_heads, head_dim, dtype, device, page_size: int, num_pages: int,
-                 max_pages: int | None = None) -> None:
+                 max_pages: int | None = None, k_kind: str = "auto", v_kind: str = "auto") -> None:
+        self.kinds = {"k": k_kind, "v": v_kind}
+        self.q: dict[str, list] = {"k": [], "v": []}  # quantized page storage per role: [N, H, P, ...] per layer
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -157,25 +198,60 @@ class PageArena:
         self.sync_capacity()
 
     @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def quantized(self) -> bool:
+        return self.kinds["k"] != "auto" or self.kinds["v"] != "auto"
+
+    def role_page_bytes(self, role: str, quantized: bool) -> int:
+        """Bytes one page of one layer holds for K or V (codes + scales when quantized)."""
+        if quantized and self.kinds[role] != "auto":
+            from engine.kv import quant
+
+            per_tok = quant.bytes_per_token(self.kinds[role], role, self.kv_heads, self.head_dim, self.page_size)
+            return int(round(per_tok * self.page_size))
+        return self.kv_heads * self.page_size * self.head_dim * self.elem_bytes
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.page_size * self.head_dim * elem
+        """Bytes of one full page across all layers (K and V), as stored."""
+        return self.num_layers * (self.role_page_bytes("k", True) + self.role_page_bytes("v", True))
 
     def sync_capacity(self) -> None:
-        """Grow the tensors after the pool grew (copying the old slots)."""
-        slots = self.pool.num_pages * self.page_size
+        """Grow the tensors after the pool grew (copying the old pages)."""
+        pages = self.pool.num_pages
+        slots = pages * self.page_size
         if slots <= self._slots:
             return
+        old_pages = self._slots // self.page_size
         shape = (self.kv_heads, slots, self.head_dim)
-        for lst in (self.k, self.v):
+        for role, lst in (("k", self.k), ("v", self.v)):
+            if self.kinds[role] != "auto":
+                continue  # a quantized role keeps no full-precision pages
+            if not lst:
+                lst.extend(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers))
+                continue
             for i, old in enumerate(lst):
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 new[:, : self._slots].copy_(old)  # [H, old_slots, D]
                 lst[i] = new
-        if not self.k:
-            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for role in ("k", "v"):
+            kind = self.kinds[role]
+            if kind == "auto":
+                continue
+            from engine.kv import quant
+
+            store = self.q[role]
+            for i in range(self.num_layers):
+                new = quant.allocate(kind, role, (pages, self.kv_heads), self.page_size, self.head_dim,
+                                     device=self.device)  # [N, H, P, ...]
+                if i < len(store):
+                    new.put(slice(0, old_pages), store[i][:old_pages])
+                    store[i] = new
+                else:
+                    store.append(new)
         self._slots = slots
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -183,6 +259,9 @@ class PageArena:
         for lst in (self.k, self.v):
             for t in lst:
                 t[:, dst * P:(dst + 1) * P].copy_(t[:, src * P:(src + 1) * P])  # [H, P, D]
+        for store in self.q.values():
+            for q in store:
+                q.put(dst, q[src])
 
 
 class PagedKV(KVStore):
@@ -193,7 +272,7 @@ class PagedKV(KVStore):
         self.arena = arena
         self.table = table if table is not None else BlockTable(arena.pool, session_id)
         self._n_before = self.table.num_tokens
-        self._write: torch.Tensor | None = None  # [q] slot ids, None when the slots are one run
+        self._wslots: torch.Tensor | None = None  # [q] slot ids, None when the slots are one run
         self._write_start = 0
         self._read: torch.Tensor | None = None  # [L] slot ids, None when the pages are one run
         self._read_start = 0
@@ -214,27 +293,34 @@ class PagedKV(KVStore):
         for src, dst in copies:
             arena.copy_page(src, dst)
         self._n_new = n_new
+        self._plan_slots()
+
+    def _plan_slots(self) -> None:
         start = self.table.contiguous_start()
-        end = self._n_before + n_new
+        end = self._n_before + self._n_new
         if start is not None:
             self._read, self._read_start = None, start
-            self._write, self._write_start = None, start + self._n_before
+            self._wslots, self._write_start = None, start + self._n_before
         else:
-            dev = arena.device
+            dev = self.arena.device
             self._read = torch.tensor(self.table.slots(0, end), dtype=torch.long, device=dev)  # [L]
-            self._write = self._read[self._n_before:end]  # [q]
+            self._wslots = self._read[self._n_before:end]  # [q]
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``, ``v``: [H, q, D] for the reserved slots."""
+        kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
+        if self._wslots is None:
+            s, q = self._write_start, self._n_new
+            kl[:, s:s + q].copy_(k)  # slots [s, s+q) of one run
+            vl[:, s:s + q].copy_(v)
+        else:
+            kl.index_copy_(1, self._wslots, k)  # scatter q tokens into their page slots
+            vl.index_copy_(1, self._wslots, v)
 
     def update(self, layer, k, v):
+        self._write(layer, k[0], v[0])  # k: [1, H, q, D]
         kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
-        q = self._n_new
-        L = self._n_before + q
-        if self._write is None:
-            s = self._write_start
-            kl[:, s:s + q].copy_(k[0])  # k: [1, H, q, D] → slots [s, s+q)
-            vl[:, s:s + q].copy_(v[0])
-        else:
-            kl.index_copy_(1, self._write, k[0])  # scatter q tokens into their page slots
-            vl.index_copy_(1, self._write, v[0])
+        L = self._n_before + self._n_new
         if self._read is None:
             s = self._read_start
             return kl[None, :, s:s + L], vl[None, :, s:s + L]  # [1, H, L, D] views of one run
@@ -263,3 +349,24 @@ class PagedKV(KVStore):
     def read_layer(self, layer):
         idx = torch.tensor(self.table.slots(0, self.num_tokens), dtype=torch.long, device=self.arena.device)
         return self.arena.k[layer].index_select(1, idx), self.arena.v[layer].index_select(1, idx)
+
+    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
+        """Write the new content into fresh pages (so pages shared with a fork are never overwritten)."""
+        self._old_table = self.table
+        self.table = BlockTable(self.arena.pool, self._old_table.session_id)
+        self.table.append(n)
+        if owners:
+            pool = self.arena.pool
+            for i, p in enumerate(self.table.pages):
+                pool.owner[p] = owners[min(i, len(owners) - 1)]
+        self.arena.sync_capacity()
+        self._n_before, self._n_new = 0, n
+        self._plan_slots()
+
+    def rewrite_layer(self, layer, k, v):
+        self._write(layer, k, v)
+
+    def end_rewrite(self) -> None:
+        self._old_table.free()
+        self._old_table = None
+        self._n_before, self._n_new = self.table.num_tokens, 0

@@ -46,7 +46,7 @@ def test_switch_reports_copy_and_reprefill(stories):
     _, notes, snaps = reply(stories, CacheConfig(mode="paged", page_size=8),
                             {10: CacheConfig(mode="contiguous"), 20: CacheConfig(mode="off"),
                              30: CacheConfig(mode="paged", page_size=8)})
-    assert any("copied" in n and "paged → contiguous" in n for n in notes)
+    assert any("moved" in n and "paged/8 → contiguous" in n for n in notes)
     assert any("recomputed every step" in n for n in notes)
     assert any("re-prefilled" in n for n in notes)
     assert snaps[20].mode == "off" and snaps[20].kv_bytes == 0

@@ -1,0 +1,96 @@
+"""Attention that also reports its probabilities (for H2O's accumulated-attention scores), and RoPE
+re-rotation of cached keys (for StreamingLLM's in-cache positions).
+
+``kvscope_scores`` is registered with transformers' ``AttentionInterface`` (and ``sdpa_mask`` as its mask
+builder, so prefix-reuse turns get a correct causal mask). It computes softmax explicitly, so it is only
+selected while a policy needs scores; otherwise models run stock ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORES_IMPL = "kvscope_scores"
+_registered = False
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)  # [B, H*rep, n, D]
+
+
+def scores_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention; hands the probabilities to ``kwargs["kvscope_sink"](layer_idx, probs)``.
+
+    query [1, Hq, q, D]; key/value [1, Hkv, L, D] (what the cache returned). Returns ([1, q, Hq, D], None).
+    """
+    n_rep = module.num_key_value_groups
+    q_len, kv_len = query.shape[2], key.shape[2]
+    k = _repeat_kv(key, n_rep)  # [1, Hq, L, D]
+    v = _repeat_kv(value, n_rep)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    w = torch.matmul(query.float(), k.float().transpose(2, 3)) * scale  # [1, Hq, q, L]
+    if attention_mask is not None:
+        m = attention_mask[..., :kv_len]
+        w = w.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else w + m.float()
+    elif q_len > 1:  # causal, aligned bottom-right: query i sees keys <= L - q + i
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=w.device).tril(kv_len - q_len)
+        w = w.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(w, dim=-1)  # [1, Hq, q, L]
+    sink = kwargs.get("kvscope_sink")
+    if sink is not None:
+        sink(module.layer_idx, probs)
+    out = torch.matmul(probs.to(v.dtype), v)  # [1, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SCORES_IMPL, scores_attention)
+    AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
+    _registered = True
+
+
+def use_attention(model, impl: str) -> None:
+    """Select ``impl`` ("sdpa" or ``SCORES_IMPL``) on a model if it is not already selected."""
+    if getattr(model.config, "_attn_implementation", None) == impl:
+        return
+    if impl == SCORES_IMPL:
+        register()
+    model.set_attn_implementation(impl)
+
+
+class Rerotator:
+    """Moves cached (post-RoPE) keys to new positions: ``k' = k·cos(Δθ) + rotate_half(k)·sin(Δθ)``."""
+
+    def __init__(self, model) -> None:
+        rot = None
+        for mod in model.modules():
+            if hasattr(mod, "inv_freq") and type(mod).__name__.endswith("RotaryEmbedding"):
+                rot = mod
+                break
+        if rot is None:
+            raise ValueError("this model has no rotary position embedding: in-cache positions need RoPE")
+        rope_type = getattr(rot, "rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError("dynamic-NTK RoPE changes its frequencies with length: keys cannot be re-rotated")
+        self.inv_freq = rot.inv_freq.detach().float()  # [D/2]
+
+    def __call__(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``k``: [H, n, D]; ``delta``: [n] position change of each token (new - old)."""
+        if not bool((delta != 0).any()):
+            return k
+        freqs = delta.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).to(k.device)  # [n, D]
+        cos, sin = emb.cos()[None], emb.sin()[None]  # [1, n, D]
+        kf = k.float()
+        half = kf.shape[-1] // 2
+        rot_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)  # [H, n, D]
+        return (kf * cos + rot_half * sin).to(k.dtype)
