@@ -1,0 +1,461 @@
+#!/usr/bin/env python3
+"""Build KV Scope's one-folder bundle (and the Linux .deb), then prove it by running the frozen self-test.
+
+    python packaging/build.py                 # dist/kvscope/ + frozen self-test
+    python packaging/build.py --deb           # ... + kvscope_<version>_<arch>.deb, installed into a
+                                              #     temporary root (dpkg-deb -x) and self-tested there
+    python packaging/build.py --deb --model ../shared/models/stories260K   # + bundle check on a real model
+
+Everything goes under --out (default packaging/build-out/, git-ignored): build/ (PyInstaller's work dir),
+dist/kvscope/ (the bundle), the .deb, self-test screenshots and report.json (sizes, times, outputs).
+The build uses the Python that runs this script (sys.executable) and pip-installs PyInstaller and
+pyinstaller-hooks-contrib into it when they are missing. Exit status 0 only if every step and check passed.
+
+Frozen runs happen from another directory under a scrubbed environment (PATH, a throw-away HOME,
+QT_QPA_PLATFORM=offscreen, HF_HUB_OFFLINE=1): what a fresh user account has, nothing from the build env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NAME = "kvscope"
+MIN_PYINSTALLER = (6, 11)  # torch hooks need >= 6.11 (bindepend symlink suppression for torch/lib)
+
+# Shared libraries the bundle needs from the system, by soname -> Debian package. PyInstaller never
+# bundles glibc, libGL/libEGL/libdrm/libxcb/libwayland (they must match the system's driver stack) and cannot
+# bundle what the build machine lacks. Everything Qt's xcb platform plugin links is listed, bundled or not:
+# a build host without them would otherwise ship a bundle that aborts on a real X display
+# ("could not load the Qt platform plugin xcb"), and Qt names the wrong library (xcb-cursor0) when that happens.
+SONAME_PACKAGES = {
+    "libc.so.6": "libc6", "libm.so.6": "libc6", "libdl.so.2": "libc6", "libpthread.so.0": "libc6",
+    "librt.so.1": "libc6", "libresolv.so.2": "libc6", "ld-linux-x86-64.so.2": "libc6",
+    "ld-linux-aarch64.so.1": "libc6", "libutil.so.1": "libc6",
+    "libGL.so.1": "libgl1", "libEGL.so.1": "libegl1", "libOpenGL.so.0": "libopengl0", "libdrm.so.2": "libdrm2",
+    "libxcb.so.1": "libxcb1", "libX11-xcb.so.1": "libx11-xcb1", "libX11.so.6": "libx11-6",
+    "libxcb-cursor.so.0": "libxcb-cursor0", "libxcb-icccm.so.4": "libxcb-icccm4",
+    "libxcb-image.so.0": "libxcb-image0", "libxcb-keysyms.so.1": "libxcb-keysyms1",
+    "libxcb-randr.so.0": "libxcb-randr0", "libxcb-render-util.so.0": "libxcb-render-util0",
+    "libxcb-render.so.0": "libxcb-render0", "libxcb-shape.so.0": "libxcb-shape0", "libxcb-shm.so.0": "libxcb-shm0",
+    "libxcb-sync.so.1": "libxcb-sync1", "libxcb-xfixes.so.0": "libxcb-xfixes0", "libxcb-xkb.so.1": "libxcb-xkb1",
+    "libxcb-xinput.so.0": "libxcb-xinput0", "libxcb-util.so.1": "libxcb-util1",
+    "libxkbcommon.so.0": "libxkbcommon0", "libxkbcommon-x11.so.0": "libxkbcommon-x11-0",
+    "libfontconfig.so.1": "libfontconfig1", "libfreetype.so.6": "libfreetype6", "libdbus-1.so.3": "libdbus-1-3",
+    "libglib-2.0.so.0": "libglib2.0-0", "libgthread-2.0.so.0": "libglib2.0-0",
+    "libwayland-client.so.0": "libwayland-client0", "libwayland-cursor.so.0": "libwayland-cursor0",
+    "libwayland-egl.so.1": "libwayland-egl1",
+}
+# Always declared (the Qt 6 xcb platform plugin's requirements, see above)
+QT_XCB_DEPENDS = [
+    "libgl1", "libegl1", "libxcb1", "libx11-xcb1", "libxcb-cursor0", "libxcb-icccm4", "libxcb-image0",
+    "libxcb-keysyms1", "libxcb-randr0", "libxcb-render-util0", "libxcb-shape0", "libxcb-xfixes0", "libxcb-xkb1",
+    "libxkbcommon0", "libxkbcommon-x11-0", "libfontconfig1", "libfreetype6", "libdbus-1-3",
+]
+# Qt plugins that are optional at run time: their missing libraries are Recommends, not Depends
+# (platformthemes/libqgtk3 needs GTK 3 for native dialogs; Qt falls back to its own without it).
+OPTIONAL_PLUGIN_DIRS = ("platformthemes", "egldeviceintegrations")
+RECOMMENDS = {"libgtk-3.so.0": "libgtk-3-0", "libgdk-3.so.0": "libgtk-3-0"}
+
+
+def log(msg: str) -> None:
+    print(f"[build] {msg}", flush=True)
+
+
+def fail(msg: str) -> None:
+    print(f"[build] FAILED: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+# -- environment ------------------------------------------------------------------------------------------
+def ensure_pyinstaller(install: bool) -> str:
+    def version() -> str | None:
+        r = subprocess.run([sys.executable, "-c", "import PyInstaller, _pyinstaller_hooks_contrib as h;"
+                            "print(PyInstaller.__version__, h.__version__)"], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    v = version()
+    if v is None:
+        if not install:
+            fail(f"PyInstaller is not installed in {sys.executable} (pip install pyinstaller pyinstaller-hooks-contrib)")
+        log(f"installing pyinstaller and pyinstaller-hooks-contrib into {sys.executable}")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "pyinstaller>=6.11",
+                        "pyinstaller-hooks-contrib"], check=True)
+        v = version()
+        if v is None:
+            fail("PyInstaller still not importable after pip install")
+    pyi = tuple(int(x) for x in re.findall(r"\d+", v.split()[0])[:2])
+    if pyi < MIN_PYINSTALLER:
+        fail(f"PyInstaller {v.split()[0]} is too old: need >= {'.'.join(map(str, MIN_PYINSTALLER))}")
+    return v
+
+
+def check_build_env() -> dict:
+    """What is being frozen; refuse the known traps (packaging-notes.md)."""
+    code = ("import importlib.util as u, json, torch, transformers, PySide6, pyqtgraph, bitsandbytes;"
+            "print(json.dumps({'python': __import__('sys').version.split()[0], 'torch': torch.__version__,"
+            "'cuda': torch.version.cuda, 'transformers': transformers.__version__, 'pyside6': PySide6.__version__,"
+            "'pyqtgraph': pyqtgraph.__version__, 'bitsandbytes': bitsandbytes.__version__,"
+            "'kernels': u.find_spec('kernels') is not None}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"the build env cannot import the app's dependencies:\n{r.stderr[-2000:]}")
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    if info.pop("kernels"):
+        fail("the 'kernels' package is installed: bitsandbytes then downloads CPU kernels from the Hugging Face "
+             "hub at import. Uninstall it (pip uninstall kernels) before building.")
+    return info
+
+
+def clean_env(home: Path) -> dict:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "QT_QPA_PLATFORM": "offscreen",
+        "HF_HUB_OFFLINE": "1",  # the self-test uses the built-in demo model: never reach for the network
+        "XDG_RUNTIME_DIR": str(home / "run"),
+    }
+    (home / "run").mkdir(parents=True, exist_ok=True, mode=0o700)
+    for k in ("SYSTEMROOT", "TEMP", "TMP"):  # needed by Python on Windows
+        if k in os.environ:
+            env[k] = os.environ[k]
+    return env
+
+
+def run_frozen(exe: Path, args: list[str], scratch: Path, timeout: int = 600) -> dict:
+    home = Path(tempfile.mkdtemp(prefix="home-", dir=scratch))
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([str(exe), *args], cwd=home, env=clean_env(home), capture_output=True, text=True,
+                           timeout=timeout)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -9, f"{(e.stdout or b'').decode(errors='replace')}\nTIMEOUT after {timeout} s"
+    return {"cmd": [str(exe), *args], "rc": rc, "seconds": round(time.perf_counter() - t, 2), "output": out}
+
+
+def show(result: dict, what: str) -> None:
+    lines = [ln for ln in result["output"].splitlines() if not ln.startswith("[transformers]")]
+    log(f"{what}: rc={result['rc']} in {result['seconds']} s")
+    for ln in lines[-40:]:
+        print("    " + ln, flush=True)
+
+
+# -- PyInstaller ------------------------------------------------------------------------------------------
+def pyinstaller(src: Path, out: Path, clean: bool, extra_env: dict) -> float:
+    spec = src / "packaging" / "kvscope.spec"
+    cmd = [sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN",
+           "--distpath", str(out / "dist"), "--workpath", str(out / "build"), str(spec)]
+    if clean:
+        cmd.insert(4, "--clean")
+    env = dict(os.environ, KVSCOPE_SRC=str(src), **extra_env)
+    env.pop("PYTHONPATH", None)  # freeze what the env has installed + the source tree, nothing else
+    log(" ".join(cmd))
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=src, env=env)
+    if r.returncode != 0:
+        fail(f"PyInstaller exited with {r.returncode}")
+    return time.perf_counter() - t
+
+
+def du(path: Path) -> int:
+    if path.is_file() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def size_report(bundle: Path) -> dict:
+    internal = bundle / "_internal" if (bundle / "_internal").is_dir() else bundle
+    parts = {p.name: du(p) for p in internal.iterdir()}
+    top = sorted(parts.items(), key=lambda kv: -kv[1])[:12]
+    files = sorted((p for p in bundle.rglob("*") if p.is_file() and not p.is_symlink()),
+                   key=lambda p: -p.stat().st_size)[:10]
+    return {
+        "total_mb": round(du(bundle) / 1e6, 1),
+        "by_package_mb": {k: round(v / 1e6, 1) for k, v in top},
+        "largest_files_mb": {str(p.relative_to(bundle)): round(p.stat().st_size / 1e6, 1) for p in files},
+    }
+
+
+# -- ELF: which system libraries does the bundle need -----------------------------------------------------
+def elf_needed(path: Path) -> list[str] | None:
+    """DT_NEEDED sonames of an ELF file (None if it is not a 64-bit little-endian ELF)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    dyn = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+    if dyn is None:
+        return []
+    strtab = sections[dyn[6]]  # sh_link -> .dynstr
+    names = []
+    for off in range(dyn[4], dyn[4] + dyn[5], 16):
+        tag, val = struct.unpack_from("<qQ", data, off)
+        if tag == 0:
+            break
+        if tag == 1:  # DT_NEEDED
+            start = strtab[4] + val
+            names.append(data[start:data.index(b"\0", start)].decode())
+    return names
+
+
+def system_dependencies(bundle: Path) -> dict:
+    """Sonames the bundle needs but does not carry, mapped to packages; glibc version from symbol versions."""
+    bundled = {p.name for p in bundle.rglob("*")}
+    needed: dict[str, set[str]] = {}
+    optional: dict[str, set[str]] = {}
+    glibc = (2, 17)
+    for p in bundle.rglob("*"):
+        if not p.is_file() or p.is_symlink():
+            continue
+        names = elf_needed(p)
+        if names is None:
+            continue
+        rel = str(p.relative_to(bundle))
+        is_optional = any(f"/plugins/{d}/" in "/" + rel for d in OPTIONAL_PLUGIN_DIRS)
+        for n in names:
+            if n not in bundled:
+                (optional if is_optional else needed).setdefault(n, set()).add(rel)
+        for m in re.finditer(rb"GLIBC_2\.(\d+)", p.read_bytes()):
+            glibc = max(glibc, (2, int(m.group(1))))
+    unknown = sorted(n for n in needed if n not in SONAME_PACKAGES)
+    depends = {SONAME_PACKAGES[n] for n in needed if n in SONAME_PACKAGES} | set(QT_XCB_DEPENDS)
+    depends.discard("libc6")
+    recommends = sorted({RECOMMENDS.get(n) or SONAME_PACKAGES.get(n) for n in optional} - {None} - depends
+                        - {"libc6"})
+    return {
+        "glibc": f"{glibc[0]}.{glibc[1]}",
+        "depends": [f"libc6 (>= {glibc[0]}.{glibc[1]})"] + sorted(depends),
+        "recommends": recommends,
+        "unbundled_sonames": sorted(needed),
+        "unknown_sonames": {n: sorted(needed[n])[:3] for n in unknown},
+    }
+
+
+# -- .deb -------------------------------------------------------------------------------------------------
+def find_icon(src: Path) -> Path | None:
+    icons = src / "resources" / "icons"
+    for ext in ("svg", "png"):
+        for stem in ("kvscope", "app", "icon"):
+            if (icons / f"{stem}.{ext}").is_file():
+                return icons / f"{stem}.{ext}"
+    found = sorted((p for p in icons.rglob("*") if p.suffix in (".svg", ".png")),
+                   key=lambda p: (p.suffix != ".svg", -p.stat().st_size)) if icons.is_dir() else []
+    return found[0] if found else None
+
+
+def png_size(path: Path) -> int:
+    w, h = struct.unpack(">II", path.read_bytes()[16:24])
+    return max(w, h)
+
+
+def project_version(src: Path) -> str:
+    text = (src / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(r'(?m)^version\s*=\s*"([^"]+)"', text)
+    return m.group(1) if m else "0.0.0"
+
+
+def build_deb(src: Path, bundle: Path, out: Path, deps: dict, compression: str) -> Path:
+    version = project_version(src)
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    root = out / "deb-root"
+    shutil.rmtree(root, ignore_errors=True)
+    opt = root / "opt" / NAME
+    opt.parent.mkdir(parents=True)
+    # hard links when possible: the bundle is ~850 MB and dpkg-deb only reads it
+    try:
+        shutil.copytree(bundle, opt, symlinks=True, copy_function=os.link)
+    except OSError:
+        shutil.rmtree(opt, ignore_errors=True)
+        shutil.copytree(bundle, opt, symlinks=True)
+    (root / "usr" / "bin").mkdir(parents=True)
+    # relative, so it also resolves inside a dpkg -x root; the bootloader finds _internal via /proc/self/exe
+    os.symlink(f"../../opt/{NAME}/{NAME}", root / "usr" / "bin" / NAME)
+
+    icon = find_icon(src)
+    if icon is None:
+        fail(f"no icon in {src / 'resources' / 'icons'} (expected kvscope.svg or kvscope.png) for the .deb")
+    if icon.suffix == ".svg":
+        icon_dest = root / "usr/share/icons/hicolor/scalable/apps" / f"{NAME}.svg"
+    else:
+        n = png_size(icon)
+        icon_dest = root / f"usr/share/icons/hicolor/{n}x{n}/apps" / f"{NAME}.png"
+    icon_dest.parent.mkdir(parents=True)
+    shutil.copyfile(icon, icon_dest)
+    apps = root / "usr/share/applications"
+    apps.mkdir(parents=True)
+    shutil.copyfile(HERE / "linux" / f"{NAME}.desktop", apps / f"{NAME}.desktop")
+    doc = root / "usr/share/doc" / NAME
+    doc.mkdir(parents=True)
+    shutil.copyfile(HERE / "linux" / "copyright", doc / "copyright")
+
+    installed_kb = (du(root) + 1023) // 1024
+    control = (HERE / "linux" / "control.in").read_text(encoding="utf-8").format(
+        version=version, arch=arch, installed_size=installed_kb, depends=", ".join(deps["depends"]),
+        recommends=", ".join(deps["recommends"]) or "libgtk-3-0",
+    )
+    (root / "DEBIAN").mkdir()
+    (root / "DEBIAN" / "control").write_text(control, encoding="utf-8")
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        d.chmod(0o755)  # mktemp-style 0700 dirs would make /opt/kvscope unreadable to users
+    for f in (root / "usr/share").rglob("*"):
+        if f.is_file():
+            f.chmod(0o644)
+    (root / "DEBIAN" / "control").chmod(0o644)
+
+    deb = out / f"{NAME}_{version}_{arch}.deb"
+    level = {"zstd": ["-Zzstd", "-z3"], "xz": ["-Zxz", "-z1"], "gzip": ["-Zgzip", "-z6"], "none": ["-Znone"]}
+    cmd = ["dpkg-deb", "--root-owner-group", *level[compression], "--build", str(root), str(deb)]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    shutil.rmtree(root)
+    return deb
+
+
+def check_deb(deb: Path, out: Path, deps: dict) -> dict:
+    """Unpack the .deb into a temporary root and check its files; returns {root, exe, info}."""
+    root = out / "deb-installed"
+    shutil.rmtree(root, ignore_errors=True)
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    info = subprocess.run(["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True).stdout
+    launcher = root / "usr" / "bin" / NAME
+    problems = []
+    if not launcher.is_symlink() or not launcher.resolve().is_file():
+        problems.append("/usr/bin/kvscope does not resolve to /opt/kvscope/kvscope")
+    desktop = root / "usr/share/applications" / f"{NAME}.desktop"
+    text = desktop.read_text(encoding="utf-8") if desktop.is_file() else ""
+    if f"Exec={NAME}" not in text or f"Icon={NAME}" not in text:
+        problems.append("kvscope.desktop lacks Exec=kvscope / Icon=kvscope")
+    if not list((root / "usr/share/icons/hicolor").rglob(f"{NAME}.*")):
+        problems.append("no icon in /usr/share/icons/hicolor")
+    if shutil.which("desktop-file-validate"):
+        r = subprocess.run(["desktop-file-validate", str(desktop)], capture_output=True, text=True)
+        if r.returncode != 0 or "error" in r.stdout.lower():
+            problems.append(f"desktop-file-validate: {r.stdout.strip()}")
+    # every library the extracted bundle cannot find on this machine must be covered by Depends
+    missing = set()
+    for p in (root / "opt" / NAME).rglob("*.so*"):
+        if any(f"/plugins/{d}/" in str(p) for d in OPTIONAL_PLUGIN_DIRS) or not p.is_file():
+            continue
+        r = subprocess.run(["ldd", str(p)], capture_output=True, text=True)
+        missing.update(m.group(1) for m in re.finditer(r"^\s*(\S+) => not found", r.stdout, re.M))
+    declared = {d.split()[0] for d in deps["depends"]}
+    uncovered = sorted(n for n in missing if SONAME_PACKAGES.get(n) not in declared)
+    if uncovered:
+        problems.append(f"libraries neither bundled, on this system, nor in Depends: {uncovered}")
+    if problems:
+        fail("the .deb is broken: " + "; ".join(problems))
+    return {"root": root, "exe": launcher, "control": info, "missing_here_covered_by_depends": sorted(missing)}
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--src", type=Path, default=HERE.parent, help="source tree to freeze (default: this checkout)")
+    p.add_argument("--out", type=Path, default=HERE / "build-out", help="where build/, dist/ and the .deb go")
+    p.add_argument("--deb", action="store_true", help="also build the .deb and self-test it from a dpkg -x root")
+    p.add_argument("--deb-compression", default="zstd", choices=("zstd", "xz", "gzip", "none"),
+                   help="zstd: ~2 s, ~240 MB; xz -z1: slower, smaller (default zstd)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="also run the frozen --bundle-check on this local model folder (float32 and NF4)")
+    p.add_argument("--skip-self-test", action="store_true", help="build only (the bundle is NOT verified)")
+    p.add_argument("--clean", action="store_true", help="pass --clean to PyInstaller (no cached analysis)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install PyInstaller when it is missing")
+    args = p.parse_args(argv)
+
+    src, out = args.src.resolve(), args.out.resolve()
+    if not (src / "packaging" / "kvscope.spec").is_file():
+        fail(f"{src} has no packaging/kvscope.spec")
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="kvscope-run-"))
+    report: dict = {"src": str(src), "out": str(out), "python": sys.executable}
+    t_all = time.perf_counter()
+    try:
+        report["pyinstaller"] = ensure_pyinstaller(install=not args.no_install)
+        report["env"] = check_build_env()
+        log(f"freezing {src} with {report['env']} (PyInstaller, hooks-contrib {report['pyinstaller']})")
+        extra = {k: v for k, v in os.environ.items() if k.startswith("KVSCOPE_")}
+        report["build_seconds"] = round(pyinstaller(src, out, args.clean, extra), 1)
+        bundle = out / "dist" / NAME
+        exe = bundle / (NAME + ".exe" if os.name == "nt" else NAME)
+        if not exe.is_file():
+            fail(f"PyInstaller produced no {exe}")
+        report["size"] = size_report(bundle)
+        log(f"bundle {bundle}: {report['size']['total_mb']} MB, built in {report['build_seconds']} s")
+        log(f"by package (MB): {report['size']['by_package_mb']}")
+
+        checks: list[tuple[str, dict]] = []
+        if not args.skip_self_test:
+            shot = out / "self-test.png"
+            r = run_frozen(exe, ["--self-test", "--screenshot", str(shot)], scratch)
+            show(r, "frozen self-test (dist)")
+            report["self_test"] = r
+            checks.append(("frozen self-test", r))
+            if r["rc"] == 0 and not shot.is_file():
+                r["rc"] = 1
+                r["output"] += "\n(no screenshot was written)"
+            bc_args = ["--bundle-check", "--json", str(out / "bundle-check.json")]
+            if args.model:
+                bc_args += ["--model", str(args.model.resolve())]
+            r = run_frozen(exe, bc_args, scratch)
+            show(r, "frozen bundle check (dist)")
+            report["bundle_check"] = r
+            checks.append(("frozen bundle check", r))
+
+        if args.deb:
+            if sys.platform != "linux" or not shutil.which("dpkg-deb"):
+                fail("--deb needs Linux with dpkg-deb")
+            deps = system_dependencies(bundle)
+            report["deb_dependencies"] = deps
+            if deps["unknown_sonames"]:
+                log(f"warning: system libraries with no known package (add them to SONAME_PACKAGES): "
+                    f"{deps['unknown_sonames']}")
+            t = time.perf_counter()
+            deb = build_deb(src, bundle, out, deps, args.deb_compression)
+            report["deb"] = {"path": str(deb), "mb": round(deb.stat().st_size / 1e6, 1),
+                             "seconds": round(time.perf_counter() - t, 1), "compression": args.deb_compression}
+            log(f"{deb.name}: {report['deb']['mb']} MB in {report['deb']['seconds']} s; "
+                f"Depends: {', '.join(deps['depends'])}")
+            installed = check_deb(deb, out, deps)
+            report["deb"]["control"] = installed["control"]
+            report["deb"]["missing_here_covered_by_depends"] = installed["missing_here_covered_by_depends"]
+            if not args.skip_self_test:
+                r = run_frozen(installed["exe"], ["--self-test", "--screenshot", str(out / "self-test-deb.png")],
+                               scratch)
+                show(r, "frozen self-test (from the .deb, via /usr/bin/kvscope)")
+                report["deb_self_test"] = r
+                checks.append(("self-test from the .deb", r))
+            shutil.rmtree(installed["root"], ignore_errors=True)
+
+        report["total_seconds"] = round(time.perf_counter() - t_all, 1)
+        bad = [name for name, r in checks if r["rc"] != 0]
+        report["ok"] = not bad
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        if bad:
+            fail(f"{', '.join(bad)} failed (see above; report in {out / 'report.json'})")
+        log(f"OK in {report['total_seconds']} s: {bundle}" + (f", {report['deb']['path']}" if args.deb else ""))
+        return 0
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

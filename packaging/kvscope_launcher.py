@@ -1,0 +1,271 @@
+"""The script PyInstaller freezes into the ``kvscope`` executable (see kvscope.spec).
+
+It does three things the app itself should not have to know about:
+
+* ``multiprocessing.freeze_support()`` first, so a frozen child process (torch DataLoader workers,
+  pyqtgraph's multiprocess helpers) runs its task instead of a second copy of the app;
+* in a Windows *windowed* build ``sys.stdout``/``sys.stderr`` are ``None``: they are pointed at a log file
+  (``%TEMP%\\kvscope.log``, or ``$KVSCOPE_LOG``) so that prints and ``--self-test`` output do not crash;
+* ``kvscope --bundle-check [--model DIR] [--json FILE]``: a packaging probe that is independent of the app's
+  GUI. It proves, inside the frozen bundle, what the installer needs: resources are found via
+  ``sys._MEIPASS``, torch and bitsandbytes load their native libraries, transformers' lazily imported
+  model classes for every architecture in ``ARCHITECTURES`` build and generate through the engine's paged
+  KV cache, and (with ``--model``) a real checkpoint loads in float32 and bitsandbytes NF4.
+
+Everything else goes to ``app.main:main`` (``KVSCOPE_APP_MODULE`` at build time can name another module
+with a ``main(argv=None, t0=None)``; packaging/README.md explains why that exists).
+
+Keep the module importable without torch or Qt: kvscope.spec imports ``ARCHITECTURES`` from it.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+# Architectures the app supports and the bundle is verified with (the engine loads any causal LM with
+# full attention; these are the ones the frozen --bundle-check builds and runs). kvscope.spec adds their
+# transformers packages as hidden imports. (model_type, tokenizer class names that configs name for it)
+ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaTokenizer", "LlamaTokenizerFast"),
+    "mistral": ("LlamaTokenizer", "TokenizersBackend"),
+    "qwen2": ("Qwen2Tokenizer", "Qwen2TokenizerFast"),
+    "qwen3": ("Qwen2Tokenizer",),
+    "phi3": ("LlamaTokenizer", "TokenizersBackend"),
+    "gemma": ("GemmaTokenizer", "GemmaTokenizerFast"),
+}
+
+# The module whose main() runs the app; kvscope.spec rewrites this line in its build copy when
+# KVSCOPE_APP_MODULE is set (development builds only).
+APP_MODULE = "app.main"
+
+
+def bundle_root() -> str:
+    """Where the bundle's files are: ``sys._MEIPASS`` frozen, the source tree otherwise."""
+    if getattr(sys, "frozen", False):
+        return getattr(sys, "_MEIPASS", os.path.dirname(sys.executable))
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _process_start_t0() -> float:
+    """``time.perf_counter()`` at the moment the process started (Linux: from /proc; else at this
+    module's import), so the app's "time to visible window" includes the bootloader and interpreter start."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, ticks after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+        if 0.0 <= age < 120.0:
+            return time.perf_counter() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return _T0
+
+
+def _fix_windowed_streams() -> None:
+    if sys.stdout is not None and sys.stderr is not None:
+        return
+    import tempfile
+
+    path = os.environ.get("KVSCOPE_LOG") or os.path.join(tempfile.gettempdir(), "kvscope.log")
+    try:
+        log = open(path, "a", encoding="utf-8", buffering=1)
+    except OSError:
+        log = open(os.devnull, "w", encoding="utf-8")
+    if sys.stdout is None:
+        sys.stdout = log
+    if sys.stderr is None:
+        sys.stderr = log
+
+
+# -- bundle check ------------------------------------------------------------------------------------------
+def _tiny_config(arch: str):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        arch, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return cfg
+
+
+def _run_session(lm, prompt_ids=None, prompt: str | None = None, new_tokens: int = 6) -> list[int]:
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.session import ChatSession
+
+    out: list[list[int]] = []
+    for mode in ("off", "paged"):
+        s = ChatSession(lm, CacheConfig(mode=mode, page_size=4))
+        sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
+        if prompt is not None:
+            s.start_completion(prompt, sampling)
+        else:
+            s.start_ids(prompt_ids, sampling)
+        while not s.step().done:
+            pass
+        ids = s.generated_ids() if callable(s.generated_ids) else s.generated_ids
+        out.append([int(i) for i in ids])
+        s.close()
+    if out[0] != out[1]:
+        raise AssertionError(f"cache off and paged disagree: {out[0]} vs {out[1]}")
+    return out[1]
+
+
+def bundle_check(argv: list[str]) -> int:
+    import argparse
+    import importlib.util
+    import json
+    import traceback
+
+    p = argparse.ArgumentParser(prog="kvscope --bundle-check")
+    p.add_argument("--model", default=None, help="a local model folder to load in float32 and nf4")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    p.add_argument("--no-gui", action="store_true", help="skip the Qt/pyqtgraph check")
+    args = p.parse_args(argv)
+    results: dict = {"frozen": bool(getattr(sys, "frozen", False)), "root": bundle_root()}
+    failures: list[str] = []
+
+    def check(name, fn):
+        t = time.perf_counter()
+        try:
+            results[name] = fn()
+            status = "ok"
+        except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the others
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            failures.append(name)
+            status = "FAIL"
+            traceback.print_exc()
+        print(f"[{status}] {name} ({time.perf_counter() - t:.2f} s): {json.dumps(results[name])[:300]}",
+              flush=True)
+
+    def resources():
+        res = os.path.join(bundle_root(), "resources")
+        if not os.path.isdir(res):
+            raise FileNotFoundError(f"no resources folder at {res}")
+        files = sorted(os.path.relpath(os.path.join(d, f), res) for d, _, fs in os.walk(res) for f in fs)
+        if not files:
+            raise FileNotFoundError(f"{res} is empty")
+        # the app's own way: <package>/../resources, which PyInstaller maps under sys._MEIPASS too
+        import engine
+
+        via_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__))), "resources")
+        if os.path.realpath(via_file) != os.path.realpath(res):
+            raise FileNotFoundError(f"Path(engine.__file__).parent.parent / 'resources' is {via_file}, not {res}")
+        return {"dir": res, "files": len(files), "sample": files[:8]}
+
+    def torch_check():
+        import torch
+
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        return {"version": torch.__version__, "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
+                "matmul": float((x @ x.T).sum())}
+
+    def bnb_check():
+        import bitsandbytes
+        import bitsandbytes.functional as F
+
+        lib = type(F.lib).__name__
+        if lib != "BNBNativeLibrary":  # the CPU/CUDA library did not load: bnb silently changed code path
+            raise RuntimeError(f"bitsandbytes native library not loaded ({lib})")
+        if importlib.util.find_spec("kernels") is not None:
+            raise RuntimeError("the 'kernels' package is bundled: bitsandbytes would fetch kernels from the hub")
+        return {"version": bitsandbytes.__version__, "lib": lib}
+
+    def gui_check():
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+        import pyqtgraph as pg
+        from PySide6.QtWidgets import QApplication
+
+        app = QApplication.instance() or QApplication(sys.argv[:1])
+        w = pg.PlotWidget()
+        w.plot([0, 1, 2], [1, 3, 2])
+        w.resize(200, 120)
+        w.show()
+        app.processEvents()
+        img = w.grab().toImage()
+        w.close()
+        return {"platform": app.platformName(), "grab": [img.width(), img.height()], "pyqtgraph": pg.__version__}
+
+    def arch_check(arch: str, tok_names: tuple[str, ...]):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+        from engine.config import ModelSpec
+        from engine.loader import wrap_model
+
+        cfg = _tiny_config(arch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        lm = wrap_model(model, None, ModelSpec(source=f"bundle-check:{arch}", device="cpu"), "cpu", "cpu",
+                        name=arch, path=None, is_demo=True)
+        ids = _run_session(lm, prompt_ids=[1, 5, 7, 9, 11])
+        toks = {}
+        for n in tok_names:
+            cls = tokenizer_class_from_name(n)
+            if cls is None:
+                raise ImportError(f"tokenizer class {n} not found")
+            toks[n] = cls.__module__
+        return {"model": type(model).__name__, "ids": ids, "tokenizers": toks}
+
+    def demo_check():
+        from engine.loader import load_model
+
+        lm = load_model("demo")
+        return {"name": lm.info.name, "ids": _run_session(lm, prompt="Once upon a time")}
+
+    def model_check(quantization: str):
+        from engine.config import ModelSpec
+        from engine.loader import load_model
+
+        lm = load_model(ModelSpec(source=args.model, quantization=quantization, device="cpu",
+                                  allow_download=False))
+        ids = _run_session(lm, prompt="Once upon a time", new_tokens=12)
+        return {"name": lm.info.name, "architecture": lm.info.architecture, "ids": ids,
+                "text": lm.tokenizer.decode(ids)}
+
+    check("resources", resources)
+    check("torch", torch_check)
+    check("bitsandbytes", bnb_check)
+    if not args.no_gui:
+        check("gui", gui_check)
+    check("demo", demo_check)
+    for arch, toks in ARCHITECTURES.items():
+        check(f"arch:{arch}", lambda a=arch, t=toks: arch_check(a, t))
+    if args.model:
+        check("model:float32", lambda: model_check("none"))
+        check("model:nf4", lambda: model_check("nf4"))
+    results["failures"] = failures
+    results["seconds"] = round(time.perf_counter() - _T0, 2)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    print(f"bundle-check {'OK' if not failures else 'FAILED: ' + ', '.join(failures)} "
+          f"({results['seconds']} s)", flush=True)
+    return 0 if not failures else 1
+
+
+def main() -> int:
+    import multiprocessing
+
+    multiprocessing.freeze_support()
+    _fix_windowed_streams()
+    argv = sys.argv[1:]
+    if argv[:1] == ["--bundle-check"]:
+        return bundle_check(argv[1:])
+    import importlib
+
+    t0 = _process_start_t0()
+    app_main = importlib.import_module(APP_MODULE)
+    return app_main.main(argv, t0=t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
