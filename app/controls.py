@@ -80,12 +80,14 @@ class PolicyParamsForm(QWidget):
                 editor.toggled.connect(self.edited)
             elif kind is int:
                 editor = QSpinBox()
-                editor.setRange(0, 1_000_000)
+                lo, hi = f.metadata.get("min"), f.metadata.get("max")
+                editor.setRange(int(lo) if lo is not None else 0, min(int(hi) if hi is not None else 1 << 30, 2**31 - 1))
                 editor.setValue(int(default or 0))
                 editor.valueChanged.connect(self.edited)
             elif kind is float:
                 editor = QDoubleSpinBox()
-                editor.setRange(0.0, 1e6)
+                lo, hi = f.metadata.get("min"), f.metadata.get("max")
+                editor.setRange(float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 1e6)
                 editor.setDecimals(3)
                 editor.setValue(float(default or 0.0))
                 editor.valueChanged.connect(self.edited)
@@ -95,6 +97,7 @@ class PolicyParamsForm(QWidget):
                 )
                 editor.editingFinished.connect(self.edited)
             editor.setObjectName(f"param_{f.name}")
+            editor.setToolTip(str(f.metadata.get("help", "")))
             self._editors[f.name] = (kind, editor)
             self.form.addRow(f.name.replace("_", " "), editor)
 

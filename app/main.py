@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     if args.self_test:
         from app.self_test import run_self_test
 
-        return run_self_test(app, model=args.model or "demo", screenshot=args.screenshot, t0=t0,
+        code = run_self_test(app, model=args.model or "demo", screenshot=args.screenshot, t0=t0,
                              data_dir=Path(args.data_dir) if args.data_dir else None)
+        _exit_now(code)
 
     from app.history import HistoryStore
     from app.main_window import MainWindow
@@ -61,11 +62,22 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     window.show()
     QTimer.singleShot(0, window.start)
     code = app.exec()
-    joined = window.shutdown()
+    window.shutdown()  # joins the worker (or gives up after 2 s inside a long model load)
     history.close()
-    if not joined:  # the worker is inside a long load; nothing is left to save
-        os._exit(code)
+    _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """Leave without tearing down Qt and torch objects in interpreter-finalization order.
+
+    Everything worth keeping is saved by then (settings synced, history closed). Letting Python finalize
+    PySide6 widgets, pyqtgraph items and a worker that may still be inside a model load can crash at exit,
+    which would turn a clean quit (or a passing self-test) into a non-zero exit status.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import sys
 from typing import Any
 
 
@@ -17,8 +16,6 @@ def _registry() -> dict[str, Any]:
         mod = importlib.import_module("engine.policies")
     except Exception:  # noqa: BLE001 - an absent or broken registry just means "none"
         return {}
-    if "torch" in sys.modules and not getattr(_registry, "_allow_torch", False):
-        pass  # the worker may already have imported torch; that is fine here
     for attr in ("registry", "REGISTRY", "POLICIES"):
         reg = getattr(mod, attr, None)
         if reg is None:
@@ -68,5 +65,8 @@ def field_default(f: dataclasses.Field) -> Any:
 
 def policy_doc(name: str) -> str:
     cls = _registry().get(name)
+    label = getattr(cls, "label", "")
+    if label:
+        return str(label)
     doc = (getattr(cls, "__doc__", "") or "").strip()
     return doc.splitlines()[0] if doc else ""
