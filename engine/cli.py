@@ -90,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
     params: dict[str, Any] = {}
-    for name in ("sinks", "window", "budget"):
-        if getattr(a, name, None) is not None:
-            params[name] = getattr(a, name)
+    # --window is the recent window of every policy: "window" for streaming, "recent" for h2o/priority
+    names = {"sinks": "sinks", "window": "window" if a.policy == "streaming" else "recent", "budget": "budget"}
+    for flag, name in names.items():
+        if getattr(a, flag, None) is not None:
+            params[name] = getattr(a, flag)
     return CacheConfig(
         mode=a.cache,
         page_size=a.page_size,

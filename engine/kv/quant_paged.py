@@ -135,20 +135,25 @@ class QuantPagedKV(PagedKV):
             self.arena.pool.set_flag(self.table.pages[-1], FLAG_QUANTIZED, False)
 
     def read_layer(self, layer):
-        n = self.num_tokens
-        self._pages_t = torch.tensor(self.table.pages, dtype=torch.long, device=self.arena.device)
-        start = self.table.contiguous_start()
+        table = self._source_table
+        n = table.num_tokens
+        dev = self.arena.device
+        saved = self._pages_t, self._read, self._read_start
+        self._pages_t = torch.tensor(table.pages, dtype=torch.long, device=dev)
+        start = table.contiguous_start()
         if start is not None:
             self._read, self._read_start = None, start
         else:
-            self._read = torch.tensor(self.table.slots(0, n), dtype=torch.long, device=self.arena.device)
-        out = []
-        for role in ROLES:
-            if self.kinds[role] == "auto":
-                out.append(self._read_fp(role, layer, n).clone())
-            else:
-                out.append(self._read_role(role, layer, n))
-        self._pages_t = None
+            self._read = torch.tensor(table.slots(0, n), dtype=torch.long, device=dev)
+        try:
+            out = []
+            for role in ROLES:
+                if self.kinds[role] == "auto":
+                    out.append(self._read_fp(role, layer, n).clone())
+                else:
+                    out.append(self._read_role(role, layer, n))
+        finally:
+            self._pages_t, self._read, self._read_start = saved
         return out[0], out[1]
 
     def begin_rewrite(self, n: int, owners=None) -> None:

@@ -346,8 +346,15 @@ class PagedKV(KVStore):
         cap_pages = pool.max_pages if pool.max_pages is not None else pool.num_pages
         return cap_pages * self.page_size
 
+    @property
+    def _source_table(self) -> BlockTable:
+        """The table holding the current content (the old one while a rewrite is in progress)."""
+        old = getattr(self, "_old_table", None)
+        return old if old is not None else self.table
+
     def read_layer(self, layer):
-        idx = torch.tensor(self.table.slots(0, self.num_tokens), dtype=torch.long, device=self.arena.device)
+        table = self._source_table
+        idx = torch.tensor(table.slots(0, table.num_tokens), dtype=torch.long, device=self.arena.device)
         return self.arena.k[layer].index_select(1, idx), self.arena.v[layer].index_select(1, idx)
 
     def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:

@@ -6,9 +6,9 @@ reporting. The GUI builds its controls from each policy's ``Params`` dataclass (
 """
 
 from engine.policies.base import EvictionPolicy, PolicyState, get_policy, policy_names, registry
+from engine.policies.streaming import StreamingPolicy  # noqa: I001  (registry order = menu order)
 from engine.policies.h2o import H2OPolicy
 from engine.policies.priority import PriorityPolicy
-from engine.policies.streaming import StreamingPolicy
 
 __all__ = ["EvictionPolicy", "PolicyState", "get_policy", "policy_names", "registry", "StreamingPolicy",
            "H2OPolicy", "PriorityPolicy"]
