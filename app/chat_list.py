@@ -20,6 +20,9 @@ class ChatList(QListWidget):
         self.setObjectName("ChatList")
         self._filling = False
         self.currentItemChanged.connect(self._on_current)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.setUniformItemSizes(True)
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
 

@@ -69,6 +69,7 @@ class MainWindow(QMainWindow):
         self._applied_cache = self._cache_from_settings()
         self._loading = False
         self._turn = 0
+        self._reply_modes: list[str] = []
         self._shown: dict[str, CacheSnapshot] = {}  # the snapshot each live panel drew last
         self._tokens_in_reply = 0
         self._reply_t0 = 0.0
@@ -458,6 +459,7 @@ class MainWindow(QMainWindow):
         self._tokens_in_reply = 0
         self._reply_t0 = time.perf_counter()
         self.trace.begin(self.generation_id)
+        self._reply_modes = [self._applied_cache.mode]
         self.timing.begin_reply(self.generation_id, f"cache {self._applied_cache.mode}")
         self.chat.begin_reply(reply.position)
         self.chat.set_generating(True)
@@ -492,7 +494,7 @@ class MainWindow(QMainWindow):
             return
         self._flush_db()
         stats_dict = asdict(stats) if stats is not None else {}
-        stats_dict["mode"] = self._applied_cache.mode
+        stats_dict["mode"] = " → ".join(self._reply_modes)
         stats_dict["stop_reason"] = reason
         stats_dict.setdefault("generated_tokens", self._tokens_in_reply)
         self.last_stats = stats_dict
@@ -556,6 +558,9 @@ class MainWindow(QMainWindow):
 
     def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
         self._applied_cache = cfg
+        if self.generation_id and cfg.mode != self._reply_modes[-1]:
+            self._reply_modes.append(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
+            self.timing.current.label = "cache " + " → ".join(self._reply_modes)
         self._save_cache(cfg)
         self.controls.show_notes(list(notes))
         self.trace.notes.extend(notes)

@@ -79,6 +79,9 @@ class MessageView(QFrame):
         self.stats_label.setObjectName("statsLine")
         self.cache_label = QLabel("")
         self.cache_label.setObjectName("cacheLine")
+        for label in (self.stats_label, self.cache_label):
+            label.setWordWrap(True)
+            label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.stats_label.setVisible(False)
         self.cache_label.setVisible(False)
 

@@ -78,6 +78,8 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
         plot.setLabel("bottom", bottom)
     plot.setMenuEnabled(False)
     plot.hideButtons()
+    for side in ("left", "bottom"):
+        plot.getAxis(side).enableAutoSIPrefix(False)
     return plot
 
 

@@ -67,6 +67,9 @@ class MemoryPanel(Panel):
         self.plot.disableAutoRange()
         self.x_range = StickyRange(lambda top: self.plot.setXRange(0, top, padding=0), minimum=10, grow=1.5)
         self._decades: tuple[int, int] | None = None
+        self.x_range.fit(10)
+        self.plot.setYRange(-3, 1, padding=0)
+        self.caption.setText("Weights and KV cache bytes over time.")
         legend = self.plot.addLegend(offset=(8, 4), labelTextColor="#c3c9d2", brush=(22, 25, 31, 200))
         self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5), name="weights")
         self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5), name="KV cache")

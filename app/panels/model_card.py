@@ -42,6 +42,7 @@ class ModelCardPanel(Panel):
         self.plot.addItem(self.bars)
         self.plot.getAxis("bottom").setTicks([[(0, "as MHA"), (1, "this model"), (2, "as MQA")]])
         self.plot.setXRange(-0.6, 2.6, padding=0)
+        self.plot.setYRange(0, 1, padding=0)
         self.view.setMinimumHeight(110)
         self._layout.addWidget(self.view, 1)
         self.info: ModelInfo | None = None

@@ -62,6 +62,9 @@ class OccupancyPanel(Panel):
         self._layout.addWidget(legend_row([(c, n) for n, c in SEGMENTS] + [("#e0e0e0", "capacity (dashed line)")]))
         self.stack: dict[str, np.ndarray] = {}
         self.y_range = StickyRange(lambda top: self.plot.setYRange(0, top, padding=0), minimum=16, grow=1.25)
+        self.y_range.fit(16)
+        self.plot.setXRange(-0.6, 3.6, padding=0)
+        self.caption.setText("Tokens each layer holds, by state. Waiting for the model…")
         self._num_layers = 0
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:

@@ -138,6 +138,7 @@ class PageMapPanel(Panel):
         self.grid = np.zeros((0, 0), dtype=np.int16)
         self.colours = np.zeros((0, 0, 4), dtype=np.uint8)
         self._shape: tuple[int, int] | None = None
+        self.caption.setText("Physical pages of the paged cache. Waiting for the model…")
         self._mouse = pg.SignalProxy(self.view.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:

@@ -67,7 +67,7 @@ class TimingPanel(Panel):
         super().__init__(parent)
         self.view = pg.GraphicsLayoutWidget()
         self.prefill_plot = styled_plot(self.view.addPlot(row=0, col=0, rowspan=2), left="prefill ms")
-        self.prefill_plot.setFixedWidth(118)
+        self.prefill_plot.setFixedWidth(136)
         self.prefill_plot.getAxis("bottom").setTicks([[(0, "prev"), (1, "now")]])
         self.prefill_plot.setXRange(-0.7, 1.7, padding=0)
         self.prefill_bars = pg.BarGraphItem(x=[0, 1], height=[0, 0], width=0.7, brushes=[PREVIOUS, PREFILL], pen=None)
@@ -91,6 +91,9 @@ class TimingPanel(Panel):
         self.y_latency = StickyRange(lambda top: self.latency_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
         self.y_tps = StickyRange(lambda top: self.tps_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
         self.y_prefill = StickyRange(lambda top: self.prefill_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
+        for rng, start in ((self.x_range, 32), (self.y_latency, 1), (self.y_tps, 1), (self.y_prefill, 1)):
+            rng.fit(start)
+        self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
         self._layout.addWidget(self.view, 1)
 
         self.current = TokenSeries()
