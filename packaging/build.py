@@ -118,13 +118,20 @@ def check_build_env() -> dict:
 
 
 def clean_env(home: Path) -> dict:
+    if os.name == "nt":
+        sysroot = os.environ.get("SYSTEMROOT", r"C:\Windows")
+        path = f"{sysroot}\\System32;{sysroot}"
+    else:
+        path = "/usr/local/bin:/usr/bin:/bin"
     env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": path,
         "HOME": str(home),
         "LANG": "C.UTF-8",
         "QT_QPA_PLATFORM": "offscreen",
         "HF_HUB_OFFLINE": "1",  # the self-test uses the built-in demo model: never reach for the network
         "XDG_RUNTIME_DIR": str(home / "run"),
+        # a windowed Windows exe has no stdout: the launcher writes its output here instead
+        "KVSCOPE_LOG": str(home / "kvscope.log"),
     }
     (home / "run").mkdir(parents=True, exist_ok=True, mode=0o700)
     for k in ("SYSTEMROOT", "TEMP", "TMP"):  # needed by Python on Windows
@@ -142,6 +149,8 @@ def run_frozen(exe: Path, args: list[str], scratch: Path, timeout: int = 600) ->
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = -9, f"{(e.stdout or b'').decode(errors='replace')}\nTIMEOUT after {timeout} s"
+    if (home / "kvscope.log").is_file():
+        out += (home / "kvscope.log").read_text(encoding="utf-8", errors="replace")
     return {"cmd": [str(exe), *args], "rc": rc, "seconds": round(time.perf_counter() - t, 2), "output": out}
 
 
@@ -412,6 +421,13 @@ def main(argv: list[str] | None = None) -> int:
             if r["rc"] == 0 and not shot.is_file():
                 r["rc"] = 1
                 r["output"] += "\n(no screenshot was written)"
+            app_exe = out / "dist" / "KV Scope.app" / "Contents" / "MacOS" / NAME
+            if sys.platform == "darwin":  # the BUNDLE section's .app wraps the same tree: test it too
+                r = run_frozen(app_exe, ["--self-test"], scratch) if app_exe.is_file() else {
+                    "rc": 1, "seconds": 0, "output": f"no {app_exe}", "cmd": []}
+                show(r, "frozen self-test (KV Scope.app)")
+                report["app_self_test"] = r
+                checks.append(("self-test of KV Scope.app", r))
             bc_args = ["--bundle-check", "--json", str(out / "bundle-check.json")]
             if args.model:
                 bc_args += ["--model", str(args.model.resolve())]

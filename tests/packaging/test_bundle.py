@@ -123,7 +123,8 @@ def test_bundle_layout_and_size_cuts(built):
     for mod in ("QtOpenGL", "QtOpenGLWidgets", "QtSvg"):
         assert list((internal / "PySide6").glob(f"{mod}.*")), mod
     for gone in ("PyQt5", "PyQt6", "tkinter", "_tkinter", "pytest", "hypothesis", "kernels"):
-        assert not list(internal.glob(f"{gone}*")), gone
+        # (*.dist-info folders may stay: the transformers hook copies metadata of its optional dependencies)
+        assert not [p for p in internal.glob(f"{gone}*") if not p.name.endswith(".dist-info")], gone
     assert built["report"]["size"]["total_mb"] < 1000
 
 
