@@ -85,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")
     b.add_argument("--device", default="auto", choices=DEVICES)
     b.add_argument("--json", dest="json_file", required=True, help="output file")
+
+    q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
+    q.add_argument("--model", required=True, help="folder, hub id, or demo")
+    q.add_argument("--text", help="UTF-8 text file (default: a built-in short story)")
+    q.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="score only this K and V precision")
+    q.add_argument("--k-dtype", default=None, choices=KV_DTYPES)
+    q.add_argument("--v-dtype", default=None, choices=KV_DTYPES)
+    q.add_argument("--policy", default="none", help="score only this policy (with --sinks/--window/--budget)")
+    q.add_argument("--sinks", type=int, default=None)
+    q.add_argument("--window", type=int, default=None)
+    q.add_argument("--budget", type=int, default=None)
+    q.add_argument("--page-size", type=int, default=16)
+    q.add_argument("--device", default="auto", choices=DEVICES)
+    q.add_argument("--json", dest="json_file", required=True, help="output file")
     return parser
 
 
@@ -96,14 +110,14 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
         if getattr(a, flag, None) is not None:
             params[name] = getattr(a, flag)
     return CacheConfig(
-        mode=a.cache,
+        mode=getattr(a, "cache", "paged"),
         page_size=a.page_size,
-        prefix_reuse=not a.no_prefix_reuse,
+        prefix_reuse=not getattr(a, "no_prefix_reuse", False),
         k_dtype=a.k_dtype or a.kv_dtype,
         v_dtype=a.v_dtype or a.kv_dtype,
         policy=a.policy,
         policy_params=params,
-        overflow=a.overflow,
+        overflow=getattr(a, "overflow", "stop"),
     )
 
 
@@ -205,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.bench import run_bench
 
             return run_bench(a)
+        if a.command == "quality":
+            from engine.quality import run_quality
+
+            return run_quality(a)
         parser.error(f"unknown command {a.command}")
     except (EngineError, ValueError) as e:
         if debug:

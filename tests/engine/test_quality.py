@@ -1,0 +1,43 @@
+"""``python -m engine quality``: the reference matches HF's own loss; lossy rows are scored."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from engine.cli import main
+from engine.quality import DEFAULT_TEXT
+
+
+def test_quality_cli_reference_equals_hf_loss_and_scores_int8(stories, stories_path, tmp_path):
+    text = DEFAULT_TEXT[:400]
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    out = tmp_path / "q.json"
+    assert main(["quality", "--model", str(stories_path), "--text", str(f), "--kv-dtype", "int8",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    ids = torch.tensor([stories.tokenizer(text)["input_ids"]])
+    with torch.inference_mode():
+        hf_loss = stories.model(ids, labels=ids).loss.item()
+    assert abs(data["reference"]["perplexity"] - math.exp(hf_loss)) < 1e-3
+    (row,) = data["rows"]
+    assert row["kv_dtype"] == "int8" and row["policy"] == "none"
+    assert 0.99 < row["perplexity_ratio"] < 1.01
+    assert row["top1_agreement"] >= 0.97
+    assert row["kv_bytes_per_token_ratio"] < 0.5  # float32 model: int8 codes + fp16 scales
+    assert 0 <= row["greedy_match_tokens"] <= row["greedy_tokens"]
+
+
+def test_quality_streaming_row(stories_path, tmp_path):
+    out = tmp_path / "q.json"
+    f = tmp_path / "t.txt"
+    f.write_text(DEFAULT_TEXT[:600])
+    assert main(["quality", "--model", str(stories_path), "--text", str(f), "--policy", "streaming", "--sinks", "4",
+                 "--window", "60", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["policy"] == "streaming" and row["params"] == {"sinks": 4, "window": 60}
+    assert row["kv_tokens_held"] <= 64
+    assert row["perplexity"] > 0
