@@ -160,3 +160,26 @@ def test_deb_installed_runs_through_path(built, tmp_path):
     assert r.returncode == 0 and "self-test: OK" in r.stdout, _tail(r.stdout + r.stderr)
     assert shot.stat().st_size > 10_000
     print(_tail(r.stdout, 40))
+
+
+def test_deb_on_a_real_x_server(built, tmp_path):
+    """Qt's real xcb platform plugin (not offscreen) under Xvfb, from the dpkg -x root. Needs xvfb-run and the
+    .deb's Depends installed (``apt-get install xvfb xauth libxcb-icccm4 libxcb-keysyms1 ...``, or
+    ``apt-get install ./kvscope_*.deb``); skipped otherwise."""
+    assert built["rc"] == 0, _tail(built["log"])
+    if not shutil.which("xvfb-run"):
+        pytest.skip("xvfb-run is not installed (apt-get install xvfb xauth)")
+    root = tmp_path / "root"
+    subprocess.run(["dpkg-deb", "-x", built["report"]["deb"]["path"], str(root)], check=True)
+    xcb = root / "opt/kvscope/_internal/PySide6/Qt/plugins/platforms/libqxcb.so"
+    ldd = subprocess.run(["ldd", str(xcb)], capture_output=True, text=True).stdout
+    if "not found" in ldd:
+        missing = sorted({ln.split()[0] for ln in ldd.splitlines() if "not found" in ln})
+        pytest.skip(f"the .deb's Depends are not installed here: {missing}")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{root / 'usr' / 'bin'}:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+           "QT_QPA_PLATFORM": "xcb", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(["xvfb-run", "-a", "-s", "-screen 0 1600x1000x24", "kvscope", "--self-test"], cwd=home,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "self-test: OK" in r.stdout, _tail(r.stdout + r.stderr)
