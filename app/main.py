@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     from app.theme import apply_theme
 
     apply_theme(app)
+    from app.resources import app_icon
+
+    app.setWindowIcon(app_icon())
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
 
     if args.self_test:

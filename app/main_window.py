@@ -506,6 +506,7 @@ class MainWindow(QMainWindow):
             self.history.set_stats(self._reply_message_id, stats_dict)
         self.chat.finish_reply(text or None, stats_dict)
         self._end_reply()
+        QTimer.singleShot(0, self._refresh_all)  # every panel shows the reply's final state
         if stats_dict.get("decode_tokens_per_s"):
             self.status_speed.setText(f"{stats_dict['decode_tokens_per_s']:.1f} tok/s")
         self.reply_finished.emit(generation_id, reason)
@@ -578,6 +579,15 @@ class MainWindow(QMainWindow):
         if cfg.policy != "none":
             text += f" · {cfg.policy}"
         return text
+
+    def _refresh_all(self) -> None:
+        snap = self._latest
+        if snap is None or not self._panels_enabled:
+            return
+        for panel in (self.occupancy, self.page_map, self.timing, self.memory):
+            if self._shown.get(panel.objectName()) is not snap:
+                self._shown[panel.objectName()] = snap
+                panel.show_snapshot(snap)
 
     def panels_by_name(self) -> dict[str, Any]:
         return {p.objectName(): p for p in self.panels}

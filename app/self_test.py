@@ -145,6 +145,7 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
     check(r["finished"] and r["reason"] not in ("error", "timeout") and window._applied_cache.page_size == 8,
           "switch contiguous → paged (page size 8) mid-reply")
 
+    wait_until(lambda: False, 0.2)  # the final refresh
     p = window
     check(p.occupancy.updates > 0 and int(sum(v.sum() for v in p.occupancy.stack.values())) > 0, "occupancy panel has bars")
     check(p.page_map.updates > 0 and p.page_map.grid.size > 0 and bool((p.page_map.grid > 0).any()),

@@ -76,3 +76,11 @@ def test_pyside_none_refcount_fix():
     gc.collect()
     # With the fix None's refcount is huge, so the leak (if any) can never reach zero.
     assert sys.getrefcount(None) > 1 << 39 or abs(sys.getrefcount(None) - before) < 10
+
+
+def test_app_icon_is_found(qapp):
+    from app.resources import app_icon, resources_dir
+
+    assert (resources_dir() / "icons" / "kvscope.svg").exists()
+    icon = app_icon()
+    assert not icon.isNull() and len(icon.availableSizes()) == 6
