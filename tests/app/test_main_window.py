@@ -218,3 +218,50 @@ def test_sampling_form_round_trip(qtbot, data_dir, stories_path):
         close_window(w)
 
 
+
+
+def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import REPO
+
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        import app
+        from PySide6.QtWidgets import QApplication
+        qa = QApplication([])
+        from app.history import HistoryStore
+        from app.main_window import MainWindow
+        from app.self_test import wait_until
+        from app.settings import Settings
+        from engine.config import SamplingConfig
+        d = {str(data_dir)!r}
+        w = MainWindow(Settings.from_data_dir(d), HistoryStore.in_data_dir(d), model={str(stories_path)!r})
+        w.show(); w.start()
+        wait_until(lambda: w.info is not None, 120)
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+        w.send("Before the crash")
+        wait_until(lambda: w._tokens_in_reply >= 20, 60)
+        wait_until(lambda: False, 0.6)  # at least two batch flushes
+        print(len(w.chat.streaming.text), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    streamed = int(proc.stdout.split()[-1])
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        assert [b.role for b in w.chat.bubbles] == ["user", "assistant"]
+        assert w.chat.bubbles[0].text == "Before the crash"
+        assert 0 < len(w.chat.bubbles[1].text) <= streamed
+        w.send("And after")  # the chat continues
+        wait_reply(qtbot, w)
+        assert len(w.history.messages(w.chat_id)) == 4
+    finally:
+        close_window(w)
