@@ -83,9 +83,9 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
     return plot
 
 
-def legend_row(chips: list[tuple[str, str]]) -> QLabel:
-    """One line of colour chips: [(colour, text), ...]."""
-    html = " &nbsp; ".join(
+def legend_row(chips: list[tuple[str, str]], prefix: str = "") -> QLabel:
+    """One line of colour chips: [(colour, text), ...], after an optional plain ``prefix``."""
+    html = (prefix + " &nbsp; " if prefix else "") + " &nbsp; ".join(
         f'<span style="color:{c}; font-size:13px">■</span>&nbsp;{t}' for c, t in chips
     )
     label = QLabel(html)

@@ -127,7 +127,9 @@ class PageMapPanel(Panel):
 
         chips = [(TURN_COLOURS[0], "active (by turn)")]
         chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in (0, 2, 3, 4, 5, 6)]
-        self._layout.addWidget(legend_row(chips))
+        self._layout.addWidget(legend_row(chips, prefix="pages:"))
+        strip = [(c, n) for c, n in zip(TOKEN_COLOURS, TOKEN_STATE_NAMES)]
+        self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
         self.hover = QLabel(" ")
         self.hover.setObjectName("hoverLine")
         self._layout.addWidget(self.hover)
