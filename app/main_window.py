@@ -197,7 +197,10 @@ class MainWindow(QMainWindow):
         self.act_open = QAction("&Open model folder…", self, shortcut=QKeySequence.StandardKey.Open,
                                 triggered=self._open_folder)
         self.act_new = QAction("&New chat", self, shortcut=QKeySequence.StandardKey.New, triggered=self.new_chat)
-        file_menu.addActions([self.act_models, self.act_open, self.act_new])
+        file_menu.addActions([self.act_models, self.act_open])
+        self.recent_menu = file_menu.addMenu("&Recent models")
+        self.recent_menu.aboutToShow.connect(self._fill_recent_menu)
+        file_menu.addAction(self.act_new)
         file_menu.addSeparator()
         export = file_menu.addMenu("&Export")
         export.addAction(QAction("Cache trace as &JSON…", self, triggered=lambda: self._export_trace("json")))
@@ -319,6 +322,14 @@ class MainWindow(QMainWindow):
         if folder:
             self.load_model(ModelSpec(source=folder, quantization=self.settings.get("model/quantization"),
                                       device=self.settings.get("model/device")))
+
+    def _fill_recent_menu(self) -> None:
+        self.recent_menu.clear()
+        self.recent_menu.addAction("demo (built-in, random weights)", lambda: self.load_model(ModelSpec(source="demo")))
+        for source in self.settings.get("model/recent"):
+            self.recent_menu.addAction(source, lambda s=source: self.load_model(
+                ModelSpec(source=s, quantization=self.settings.get("model/quantization"),
+                          device=self.settings.get("model/device"))))
 
     def open_models_dialog(self) -> None:
         from app.models_dialog import ModelsDialog

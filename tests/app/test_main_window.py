@@ -265,3 +265,18 @@ def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
         assert len(w.history.messages(w.chat_id)) == 4
     finally:
         close_window(w)
+
+
+def test_recent_models_menu(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w._fill_recent_menu()
+        texts = [a.text() for a in w.recent_menu.actions()]
+        assert texts[0].startswith("demo") and str(stories_path) in texts
+        with qtbot.waitSignal(w.model_loaded, timeout=120_000) as blocker:
+            w.recent_menu.actions()[0].trigger()
+        assert blocker.args[0].is_demo and "demo" in w.status_model.text()
+        w.send("hi demo")
+        assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")
+    finally:
+        close_window(w)
