@@ -302,13 +302,17 @@ def build_deb(src: Path, bundle: Path, out: Path, deps: dict, compression: str) 
     icon = find_icon(src)
     if icon is None:
         fail(f"no icon in {src / 'resources' / 'icons'} (expected kvscope.svg or kvscope.png) for the .deb")
+    hicolor = root / "usr/share/icons/hicolor"
     if icon.suffix == ".svg":
-        icon_dest = root / "usr/share/icons/hicolor/scalable/apps" / f"{NAME}.svg"
-    else:
-        n = png_size(icon)
-        icon_dest = root / f"usr/share/icons/hicolor/{n}x{n}/apps" / f"{NAME}.png"
-    icon_dest.parent.mkdir(parents=True)
-    shutil.copyfile(icon, icon_dest)
+        (hicolor / "scalable/apps").mkdir(parents=True)
+        shutil.copyfile(icon, hicolor / "scalable/apps" / f"{NAME}.svg")
+    # every square PNG size the app ships (kvscope-48.png, ...): menus and docks prefer exact sizes
+    pngs = [p for p in icon.parent.glob(f"{NAME}*.png")] + ([icon] if icon.suffix == ".png" else [])
+    for png in pngs:
+        n = png_size(png)
+        dest = hicolor / f"{n}x{n}/apps" / f"{NAME}.png"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, dest)
     apps = root / "usr/share/applications"
     apps.mkdir(parents=True)
     shutil.copyfile(HERE / "linux" / f"{NAME}.desktop", apps / f"{NAME}.desktop")

@@ -189,7 +189,16 @@ def bundle_check(argv: list[str]) -> int:
         app.processEvents()
         img = w.grab().toImage()
         w.close()
-        return {"platform": app.platformName(), "grab": [img.width(), img.height()], "pyqtgraph": pg.__version__}
+        out = {"platform": app.platformName(), "grab": [img.width(), img.height()], "pyqtgraph": pg.__version__}
+        try:
+            from app.resources import app_icon  # the app's own resource lookup, when it has one
+        except ImportError:
+            return out
+        icon = app_icon()
+        if icon.isNull():
+            raise FileNotFoundError("app.resources.app_icon() found no icon files in the bundle")
+        out["app_icon_sizes"] = [s.width() for s in icon.availableSizes()]
+        return out
 
     def arch_check(arch: str, tok_names: tuple[str, ...]):
         import torch
