@@ -30,6 +30,7 @@ class QuantPagedKV(PagedKV):
                          for _ in range(arena.num_layers)] if self.kinds[r] != "auto" else []
                      for r in ROLES}
         self._pages_t: torch.Tensor | None = None
+        self._buf: dict[str, torch.Tensor] = {}  # one layer's dequantized K or V: [H, capacity, D], reused
 
     # -- writing -----------------------------------------------------------------------------------------
     def begin_forward(self, n_new: int, owner: int = -1) -> None:
@@ -42,7 +43,7 @@ class QuantPagedKV(PagedKV):
         P = arena.page_size
         kind = self.kinds[role]
         tail = self.tail[role][layer]  # [H, P, D]
-        store = arena.q[role][layer]  # [N, H, P, ...]
+        store = arena.q[role][layer]  # [H, N, P, ...]
         pool = arena.pool
         pos, q, i = self._n_before, x.shape[1], 0
         while i < q:
@@ -50,9 +51,9 @@ class QuantPagedKV(PagedKV):
             page = self.table.pages[(pos + i) // P]
             if off == 0 and q - i >= P:  # whole pages straight from x, quantized in one call
                 m = (q - i) // P
-                block = x[:, i:i + m * P].reshape(x.shape[0], m, P, x.shape[2]).transpose(0, 1)  # [m, H, P, D]
+                block = x[:, i:i + m * P].reshape(x.shape[0], m, P, x.shape[2])  # [H, m, P, D]
                 ids = self._pages_t[(pos + i) // P:(pos + i) // P + m]
-                store.put(ids, quant.quantize(kind, block, role))
+                store.put((slice(None), ids), quant.quantize(kind, block, role))
                 for p in ids.tolist():
                     pool.set_flag(p, FLAG_QUANTIZED)
                 i += m * P
@@ -61,25 +62,37 @@ class QuantPagedKV(PagedKV):
             tail[:, off:off + take].copy_(x[:, i:i + take])  # [H, take, D]
             i += take
             if off + take == P:  # the tail page is complete: quantize it
-                store.put(page, quant.quantize(kind, tail, role))
+                store.put((slice(None), page), quant.quantize(kind, tail, role))
                 pool.set_flag(page, FLAG_QUANTIZED)
 
     def _read_role(self, role: str, layer: int, n: int) -> torch.Tensor:
-        """All ``n`` tokens of a role in a layer, dequantized: [H, n, D]."""
+        """All ``n`` tokens of a role in a layer, dequantized: [H, n, D] (a view of a reused buffer)."""
         arena = self.arena
-        P = arena.page_size
+        P, H, D = arena.page_size, arena.kv_heads, arena.head_dim
         full, fill = divmod(n, P)
-        parts = []
+        buf = self._buf.get(role)
+        if buf is None or buf.shape[1] < n:
+            cap = max(n, 2 * (buf.shape[1] if buf is not None else P))
+            with torch.inference_mode(False):  # a normal tensor: also written by switches outside a forward
+                buf = torch.empty((H, -(-cap // P) * P, D), dtype=arena.dtype, device=arena.device)
+            self._buf[role] = buf
         if full:
-            ids = self._pages_t[:full] if self._pages_t is not None and len(self._pages_t) >= full else \
-                torch.tensor(self.table.pages[:full], dtype=torch.long, device=arena.device)
-            x = quant.dequantize(arena.q[role][layer][ids], arena.dtype)  # [full, H, P, D]
-            parts.append(x.transpose(0, 1).reshape(arena.kv_heads, full * P, arena.head_dim))  # [H, full*P, D]
+            store = arena.q[role][layer]  # [H, N, P, ...]
+            pages = self._pages_t[:full]
+            first = int(pages[0])
+            if int(pages[-1]) - first == full - 1:  # one run of pages: views, no gather
+                q = store[:, first:first + full]
+            else:
+                q = store[:, pages]  # [H, full, P, ...] gathered
+            dst = buf[:, :full * P]  # [H, full*P, D]
+            if isinstance(q, quant.QInt8):
+                scale = q.scale.reshape(H, full * P, 1).to(arena.dtype)  # [H, full*P, 1] (small)
+                torch.mul(q.codes.reshape(H, full * P, D), scale, out=dst)  # codes × scale in one pass
+            else:
+                dst.copy_(quant.dequantize(q, arena.dtype).reshape(H, full * P, D))
         if fill:
-            parts.append(self.tail[role][layer][:, :fill])  # [H, fill, D]
-        if not parts:
-            return torch.zeros((arena.kv_heads, 0, arena.head_dim), dtype=arena.dtype, device=arena.device)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            buf[:, full * P:n].copy_(self.tail[role][layer][:, :fill])  # [H, fill, D]
+        return buf[:, :n]
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for role, x in (("k", k), ("v", v)):
@@ -129,7 +142,8 @@ class QuantPagedKV(PagedKV):
                 if self.kinds[role] == "auto":
                     continue
                 for layer in range(self.num_layers):
-                    self.tail[role][layer].copy_(quant.dequantize(self.arena.q[role][layer][page], self.arena.dtype))
+                    page_q = self.arena.q[role][layer][:, page]  # [H, P, ...]
+                    self.tail[role][layer].copy_(quant.dequantize(page_q, self.arena.dtype))
         super().truncate(n)
         if n % P and self.table.pages and self.arena.pool.ref[self.table.pages[-1]] == 1:
             self.arena.pool.set_flag(self.table.pages[-1], FLAG_QUANTIZED, False)
@@ -151,7 +165,7 @@ class QuantPagedKV(PagedKV):
                 if self.kinds[role] == "auto":
                     out.append(self._read_fp(role, layer, n).clone())
                 else:
-                    out.append(self._read_role(role, layer, n))
+                    out.append(self._read_role(role, layer, n).clone())
         finally:
             self._pages_t, self._read, self._read_start = saved
         return out[0], out[1]

@@ -184,7 +184,7 @@ class PageArena:
     def __init__(self, num_layers, kv_heads, head_dim, dtype, device, page_size: int, num_pages: int,
                  max_pages: int | None = None, k_kind: str = "auto", v_kind: str = "auto") -> None:
         self.kinds = {"k": k_kind, "v": v_kind}
-        self.q: dict[str, list] = {"k": [], "v": []}  # quantized page storage per role: [N, H, P, ...] per layer
+        self.q: dict[str, list] = {"k": [], "v": []}  # quantized page storage per role: [H, N, P, ...] per layer
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -245,10 +245,10 @@ class PageArena:
 
             store = self.q[role]
             for i in range(self.num_layers):
-                new = quant.allocate(kind, role, (pages, self.kv_heads), self.page_size, self.head_dim,
-                                     device=self.device)  # [N, H, P, ...]
+                new = quant.allocate(kind, role, (self.kv_heads, pages), self.page_size, self.head_dim,
+                                     device=self.device)  # [H, N, P, ...]: a run of pages is one view per head
                 if i < len(store):
-                    new.put(slice(0, old_pages), store[i][:old_pages])
+                    new.put((slice(None), slice(0, old_pages)), store[i][:, :old_pages])
                     store[i] = new
                 else:
                     store.append(new)
@@ -261,7 +261,7 @@ class PageArena:
                 t[:, dst * P:(dst + 1) * P].copy_(t[:, src * P:(src + 1) * P])  # [H, P, D]
         for store in self.q.values():
             for q in store:
-                q.put(dst, q[src])
+                q.put((slice(None), dst), q[:, src])  # [H, P, ...]
 
 
 class PagedKV(KVStore):
