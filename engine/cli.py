@@ -136,10 +136,12 @@ def _read_messages(path: str) -> list[dict]:
     return validate_messages(data)
 
 
-def _turn_json(session, result, prompt_tokens: int) -> dict[str, Any]:
+def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None = None) -> dict[str, Any]:
     st = result.stats
     snapshot = result.snapshot
     return {
+        "evicted_tokens": sum(len(e["positions"]) for e in evictions or []),
+        "evictions": evictions or [],
         "token_ids": session.generated_ids,
         "text": result.text,
         "prompt_tokens": prompt_tokens,
@@ -173,9 +175,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EngineError("this model has no tokenizer")
     session = ChatSession(lm, cache)
 
+    evictions: list[dict] = []
+
     def run_turn() -> Any:
+        evictions.clear()
         while True:
             r = session.step()
+            if r.snapshot is not None and r.snapshot.evicted_positions:
+                evictions.append({"step": r.snapshot.step, "reason": r.snapshot.evict_reason,
+                                  "positions": list(r.snapshot.evicted_positions)})
             if not a.json and r.event is not None and r.event.text_delta:
                 sys.stdout.write(r.event.text_delta)
                 sys.stdout.flush()
@@ -187,7 +195,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if messages is None:
         stats = session.start_completion(a.prompt, sampling)
         r = run_turn()
-        out = _turn_json(session, r, stats.prompt_tokens)
+        out = _turn_json(session, r, stats.prompt_tokens, evictions)
         if a.json:
             print(json.dumps(out))
         return 0
@@ -199,7 +207,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             continue
         stats = session.start(history, sampling)
         r = run_turn()
-        turns.append(_turn_json(session, r, stats.prompt_tokens))
+        turns.append(_turn_json(session, r, stats.prompt_tokens, list(evictions)))
         nxt = messages[i + 1] if i + 1 < len(messages) else None
         if nxt is None or nxt["role"] != "assistant":
             history.append({"role": "assistant", "content": r.text})

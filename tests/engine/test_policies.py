@@ -186,3 +186,18 @@ def test_enable_policy_mid_reply_evicts_now_and_disable_restores(stories):
     while not (r := s.step()).done:
         pass
     assert r.stop_reason == "max_tokens"
+
+
+def test_cli_json_reports_every_eviction(stories_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    rc = main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-new-tokens", "60",
+               "--policy", "streaming", "--sinks", "4", "--window", "24", "--page-size", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["stop_reason"] == "max_tokens"
+    positions = [p for e in out["evictions"] for p in e["positions"]]
+    assert all(e["reason"] == "streaming" for e in out["evictions"])
+    assert positions == list(range(4, 4 + len(positions)))  # oldest after the sinks, in order, each once
+    assert out["evicted_tokens"] == len(positions) == 5 + 59 - 28
