@@ -161,7 +161,7 @@ def test_close_during_a_reply_joins_the_worker_fast(qtbot, data_dir, stories_pat
     w = open_window(qtbot, data_dir, str(stories_path),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True))
     w.send("Once")
-    qtbot.waitUntil(lambda: w.chat.streaming is not None and w.chat.streaming.text.strip(), timeout=30_000)
+    qtbot.waitUntil(lambda: w.chat.streaming is not None and bool(w.chat.streaming.text.strip()), timeout=30_000)
     t = time.perf_counter()
     w.close()
     assert time.perf_counter() - t < 2.0
