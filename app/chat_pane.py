@@ -226,6 +226,17 @@ class ChatPane(QWidget):
         self.streaming = None
         self._mark_last()
 
+    def drop_reply(self) -> None:
+        """Remove the streaming bubble (a reply that failed before producing any text)."""
+        bubble, self.streaming = self.streaming, None
+        if bubble is not None:
+            self.bubbles.remove(bubble)
+            bubble.setParent(None)
+            bubble.deleteLater()
+            self._mark_last()
+            self._update_empty()
+            self._update_buttons()
+
     def show_error(self, message: str) -> None:
         bubble = MessageView("error", message, position=10**9)
         self.column.insertWidget(self.column.count() - 1, bubble)

@@ -143,6 +143,9 @@ class HistoryStore:
     def set_stats(self, message_id: int, stats: dict[str, Any]) -> None:
         self._db.execute("UPDATE messages SET stats = ? WHERE id = ?", (json.dumps(stats), message_id))
 
+    def delete_message(self, message_id: int) -> None:
+        self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
     def truncate_after(self, chat_id: int, position: int) -> None:
         """Delete every message after ``position`` (edit-and-resend, regenerate)."""
         self._db.execute("DELETE FROM messages WHERE chat_id = ? AND position > ?", (chat_id, position))

@@ -509,6 +509,15 @@ class MainWindow(QMainWindow):
         stats_dict["stop_reason"] = reason
         stats_dict.setdefault("generated_tokens", self._tokens_in_reply)
         self.last_stats = stats_dict
+        streamed = self.chat.streaming.text if self.chat.streaming is not None else ""
+        if reason == "error" and not (text or streamed):
+            # nothing was generated: keep no empty reply (the error bubble says what happened)
+            if self._reply_message_id is not None:
+                self.history.delete_message(self._reply_message_id)
+            self.chat.drop_reply()
+            self._end_reply()
+            self.reply_finished.emit(generation_id, reason)
+            return
         if self._reply_message_id is not None:
             bubble_text = self.chat.streaming.text if self.chat.streaming is not None else None
             final = text if text else (bubble_text or "")

@@ -101,6 +101,9 @@ def test_raising_engine_becomes_a_message_and_the_window_keeps_working(qtbot, da
         assert "out of memory" in blocker.args[0]
         qtbot.waitUntil(lambda: not w.generation_id, timeout=5_000)
         assert w.chat.send_button.isEnabled() and not w.chat.stop_button.isEnabled()
+        # no empty reply is kept: the transcript shows the message and the error
+        assert [b.role for b in w.chat.bubbles] == ["user", "error"]
+        assert [m.role for m in w.history.messages(w.chat_id)] == ["user"]
         # a config the engine rejects is reported and the controls go back to what is applied
         before = w.controls.config()
         with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
