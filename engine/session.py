@@ -60,6 +60,8 @@ def arena_for(lm: LoadedModel, cfg: CacheConfig) -> PageArena:
     key = (cfg.page_size, cfg.max_pages, cfg.k_dtype, cfg.v_dtype)
     arena = lm.arenas.get(key)
     if arena is None:
+        for k in [k for k, a in lm.arenas.items() if a.pool.num_used == 0]:
+            del lm.arenas[k]  # an arena no session uses any more gives its memory back
         info = lm.info
         tokens = min(info.context_length, 2048)
         arena = PageArena(info.num_layers, info.num_kv_heads, info.head_dim, lm.kv_dtype, lm.device,
