@@ -118,8 +118,11 @@ def run_bench(a) -> int:
     contexts = [int(c) for c in str(a.contexts).split(",") if c.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in HF_MODES and m not in ENGINE_MODES:
-            raise ValueError(f"bench mode {m!r} is not one of {', '.join(list(HF_MODES) + list(ENGINE_MODES))}")
+        base, _, kv = m.partition(":")
+        if m not in HF_MODES and (base not in ENGINE_MODES or kv not in ("", "int8", "int4") or
+                                  (kv and base != "paged")):
+            raise ValueError(f"bench mode {m!r} is not one of {', '.join(list(HF_MODES) + list(ENGINE_MODES))}"
+                             " (or paged:int8, paged:int4)")
     ctx_limit = lm.info.context_length
     for c in contexts:
         if c < 1 or c + a.new_tokens > ctx_limit:
@@ -139,25 +142,30 @@ def run_bench(a) -> int:
     def measure(mode: str, prompt: list[int], n: int) -> dict[str, Any]:
         if mode in HF_MODES:
             return run_hf(lm, prompt, n, use_cache=(mode == "hf-dynamic"))
-        return run_engine(lm, prompt, n, CacheConfig(mode=mode, page_size=a.page_size))
+        base, _, kv = mode.partition(":")
+        kv = kv or "auto"
+        return run_engine(lm, prompt, n, CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv))
 
     def add_rows(ctx: int, n: int, results: dict[str, list[dict]], kind: str = "") -> None:
         for mode, rs in results.items():
+            base, _, kv = mode.partition(":")
             row = {
                 "engine": "hf" if mode in HF_MODES else "kvscope",
-                "mode": HF_MODES.get(mode, mode),
+                "mode": HF_MODES.get(mode, base),
                 "context": ctx,
                 "new_tokens": n,
                 "ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 2),
                 "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rs), 3),
                 "kv_bytes": rs[-1]["kv_bytes"],
             }
-            if mode == "paged":
+            if base == "paged":
                 row["page_size"] = a.page_size
+            if kv:
+                row["kv_dtype"] = kv
             if kind:
                 row["kind"] = kind
             rows.append(row)
-            log(f"  {row['engine']:8s} {row['mode']:10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
+            log(f"  {row['engine']:8s} {HF_MODES.get(mode, mode):10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
                 f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
 
     for ctx in contexts:
@@ -191,7 +199,8 @@ def run_bench(a) -> int:
 
 
 def _print_ratios(rows: list[dict], log) -> None:
-    by = {(r["context"], r["mode"], r.get("kind", "")): r for r in rows}
+    by = {(r["context"], r["mode"] + (":" + r["kv_dtype"] if "kv_dtype" in r else ""), r.get("kind", "")): r
+          for r in rows}
     for (ctx, mode, kind), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         hf = by.get((ctx, "dynamic", kind))
         if r["engine"] == "kvscope" and hf and hf["decode_tokens_per_s"]:

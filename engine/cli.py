@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", default="256,1024,2048", help="prompt lengths, comma separated")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--modes", default="hf-dynamic,hf-no-cache,off,contiguous,paged",
-                   help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged")
+                   help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged, paged:int8, paged:int4")
     b.add_argument("--page-size", type=int, default=16)
     b.add_argument("--repeats", type=int, default=1, help="round-robin repeats (median reported)")
     b.add_argument("--reuse-history", type=int, default=0,
