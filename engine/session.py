@@ -604,6 +604,10 @@ class ChatSession:
         if cfg == old:
             return []
         policy = self._make_policy(cfg)  # validates
+        if cfg.mode == "off" and len(self.seq) >= self.context_length:
+            raise ContextOverflowError(
+                f"cache off recomputes the whole conversation ({len(self.seq)} tokens), which is longer than "
+                f"the model's context ({self.context_length}): keep a cache with an eviction policy")
         notes: list[str] = []
         if self._host is not None:
             self.swap_in()
