@@ -8,8 +8,6 @@ dropped, so a stopped or replaced reply never writes into the pane.
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
+from app.conversation import Conversation
 from app.controls import CacheControls
 from app.history import HistoryStore
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
@@ -35,7 +34,7 @@ from app.settings import Settings
 from app.trace import CacheTrace
 from app.worker import EngineBackend, EngineThread
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.snapshot import CacheSnapshot, ModelInfo, TokenEvent
+from engine.snapshot import CacheSnapshot, ModelInfo
 
 REFRESH_MS = 25  # streaming text at 40 Hz; the four live panels take turns, so each redraws at ≤10 Hz
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
@@ -58,24 +57,15 @@ class MainWindow(QMainWindow):
         self.model_source = model or settings.get("model/last") or "demo"
         self.info: ModelInfo | None = None
         self.environment: dict = {}
-        self.chat_id: int | None = None
-        self.generation_id = 0  # the reply being generated (0: idle)
-        self._next_generation = 0
-        self._reply_message_id: int | None = None
-        self._pending_db = ""
         self._latest: CacheSnapshot | None = None
         self._snapshot_dirty = False
         self._panels_enabled = bool(settings.get("panels/enabled"))
         self._applied_cache = self._cache_from_settings()
         self._loading = False
         self._turn = 0
-        self._reply_modes: list[str] = []
         self._shown: dict[str, CacheSnapshot] = {}  # the snapshot each live panel drew last
-        self._tokens_in_reply = 0
-        self._reply_t0 = 0.0
         self._closing = False
         self.trace = CacheTrace()
-        self.last_stats: dict[str, Any] = {}
         self.sampling_override: SamplingConfig | None = None  # self-test and benchmarks: fixed sampling
 
         self.chat = ChatPane()
@@ -99,21 +89,19 @@ class MainWindow(QMainWindow):
         w.progress.connect(self._on_progress)
         w.loaded.connect(self._on_loaded)
         w.environment.connect(self._on_environment)
-        w.token.connect(self._on_token)
         w.snapshot.connect(self._on_snapshot)
-        w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
         w.applied.connect(self._on_applied)
 
-        self.chat.send_requested.connect(self.send)
-        self.chat.stop_requested.connect(self.stop)
-        self.chat.regenerate_requested.connect(self.regenerate)
-        self.chat.edit_requested.connect(self.edit_and_resend)
-        self.chat.new_chat_requested.connect(self.new_chat)
-        self.chat.system_prompt_changed.connect(self._on_system_prompt)
-        self.chat_list.chat_selected.connect(self.open_chat)
-        self.chat_list.rename_requested.connect(self._rename_chat)
-        self.chat_list.delete_requested.connect(self._delete_chat)
+        self.conversation = Conversation(
+            history, settings, self.chat, self.chat_list, self.engine,
+            sampling=lambda: self.sampling_override or self.sampling.sampling(),
+            cache_mode=lambda: self._applied_cache.mode, parent=self)
+        c = self.conversation
+        c.reply_started.connect(self._on_reply_started)
+        c.token.connect(self.timing.add_token)
+        c.reply_finished.connect(self._on_reply_finished)
+        c.error.connect(self.show_error)
         self.controls.changed.connect(self.apply_cache_config)
         self.sampling.changed.connect(self._save_sampling)
 
@@ -123,12 +111,12 @@ class MainWindow(QMainWindow):
         self._refresh.start()
         self._db_timer = QTimer(self)
         self._db_timer.setInterval(DB_FLUSH_MS)
-        self._db_timer.timeout.connect(self._flush_db)
+        self._db_timer.timeout.connect(self.conversation.flush)
         self._db_timer.start()
 
         self.resize(1600, 960)
         self._restore_layout()
-        self._load_chats()
+        self.conversation.load_chats()
 
     # -- construction -------------------------------------------------------------------------------------
     def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
@@ -313,6 +301,7 @@ class MainWindow(QMainWindow):
         hint = ("This is the built-in demo model: random weights, so the text is gibberish, but every cache "
                 "mode, page and timing is real. Open a real model from File ▸ Models…"
                 if info.is_demo else f"{info.name} is ready. Say something.")
+        self.conversation.ready = True
         self.chat.set_ready(True, hint)
         self.setWindowTitle(f"KV Scope — {info.name}")
         self.model_loaded.emit(info)
@@ -340,207 +329,50 @@ class MainWindow(QMainWindow):
             self.settings.set("model/device", dlg.spec.device)
             self.load_model(dlg.spec)
 
-    # -- chats ----------------------------------------------------------------------------------------------
-    def _load_chats(self) -> None:
-        chats = self.history.chats()
-        last = self.settings.get("window/last_chat")
-        chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
-        if chosen is None:
-            chosen = self.history.create_chat()
-            chats = [chosen]
-        self.chat_list.set_chats(chats, chosen.id)
-        self.open_chat(chosen.id)
+    # -- the conversation (see app.conversation) -------------------------------------------------------
+    @property
+    def generation_id(self) -> int:
+        """The reply in flight (0 when idle)."""
+        return self.conversation.generation_id
 
-    def _refresh_chat_list(self) -> None:
-        self.chat_list.set_chats(self.history.chats(), self.chat_id)
+    @property
+    def chat_id(self) -> int | None:
+        return self.conversation.chat_id
 
-    def open_chat(self, chat_id: int) -> None:
-        if chat_id == self.chat_id:
-            return
-        if self.generation_id:
-            self.stop()
-            self._finish_reply_locally("cancelled")
-        chat = self.history.chat(chat_id)
-        if chat is None:
-            return
-        self.chat_id = chat_id
-        self.settings.set("window/last_chat", chat_id)
-        self.chat.set_chat(chat.title, chat.system_prompt)
-        self.chat.set_messages(self.history.messages(chat_id))
-
-    def new_chat(self) -> None:
-        if self.generation_id:
-            self.stop()
-            self._finish_reply_locally("cancelled")
-        chat = self.history.create_chat()
-        self.chat_id = None
-        self._refresh_chat_list_to(chat.id)
-
-    def _refresh_chat_list_to(self, chat_id: int) -> None:
-        self.chat_list.set_chats(self.history.chats(), chat_id)
-        self.open_chat(chat_id)
-
-    def _rename_chat(self, chat_id: int, title: str) -> None:
-        self.history.rename_chat(chat_id, title)
-        if chat_id == self.chat_id:
-            self.chat.title.setText(title)
-        self._refresh_chat_list()
-
-    def _delete_chat(self, chat_id: int) -> None:
-        self.history.delete_chat(chat_id)
-        if chat_id == self.chat_id:
-            self.chat_id = None
-            self._load_chats()
-        else:
-            self._refresh_chat_list()
-
-    def _on_system_prompt(self, text: str) -> None:
-        if self.chat_id is not None:
-            self.history.set_system_prompt(self.chat_id, text)
-
-    # -- replies ----------------------------------------------------------------------------------------------
-    def engine_messages(self) -> list[dict]:
-        """The conversation as the engine sees it: system prompt, then stored user/assistant messages."""
-        chat = self.history.chat(self.chat_id) if self.chat_id is not None else None
-        out = []
-        if chat is not None and chat.system_prompt.strip():
-            out.append({"role": "system", "content": chat.system_prompt.strip()})
-        for m in self.history.messages(self.chat_id) if self.chat_id is not None else []:
-            if m.role in ("user", "assistant") and (m.content or m.role == "user"):
-                out.append({"role": m.role, "content": m.content})
-        return out
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return self.conversation.last_stats
 
     def send(self, text: str) -> None:
-        """Add a user message to the current chat and ask for a reply."""
-        if self.info is None or self.generation_id:
-            return
-        if self.chat_id is None:
-            self.chat_id = self.history.create_chat().id
-        msg = self.history.add_message(self.chat_id, "user", text)
-        if len([m for m in self.history.messages(self.chat_id) if m.role == "user"]) == 1:
-            self.history.rename_chat(self.chat_id, _title_from(text))
-            self.chat.title.setText(_title_from(text))
-            self._refresh_chat_list()
-        self.chat.add_message("user", text, msg.position)
-        self._request_reply()
-
-    def regenerate(self) -> None:
-        """Drop the last reply and ask again (the engine reuses the cached prompt)."""
-        if self.info is None or self.generation_id or self.chat_id is None:
-            return
-        messages = self.history.messages(self.chat_id)
-        users = [m for m in messages if m.role == "user"]
-        if not users:
-            return
-        last_user = users[-1]
-        self.history.truncate_after(self.chat_id, last_user.position)
-        self.chat.truncate_after(last_user.position)
-        self._request_reply()
-
-    def edit_and_resend(self, position: int, text: str) -> None:
-        """Replace a past user message, drop everything after it and ask again (common prefix reused)."""
-        if self.info is None or self.chat_id is None:
-            return
-        if self.generation_id:
-            self.stop()
-            self._finish_reply_locally("cancelled")
-        target = next((m for m in self.history.messages(self.chat_id) if m.position == position), None)
-        if target is None or target.role != "user":
-            return
-        self.history.set_content(target.id, text)
-        self.history.truncate_after(self.chat_id, position)
-        self.chat.truncate_after(position)
-        bubble = next((b for b in self.chat.bubbles if b.position == position), None)
-        if bubble is not None:
-            bubble.set_text(text)
-        self._request_reply()
-
-    def _request_reply(self) -> None:
-        try:
-            sampling = self.sampling_override or self.sampling.sampling()
-        except ValueError as exc:
-            self.show_error(str(exc))
-            return
-        messages = self.engine_messages()
-        reply = self.history.add_message(self.chat_id, "assistant", "")
-        self._reply_message_id = reply.id
-        self._pending_db = ""
-        self._next_generation += 1
-        self.generation_id = self._next_generation
-        self._tokens_in_reply = 0
-        self._reply_t0 = time.perf_counter()
-        self.trace.begin(self.generation_id)
-        self._reply_modes = [self._applied_cache.mode]
-        self.timing.begin_reply(self.generation_id, f"cache {self._applied_cache.mode}")
-        self.chat.begin_reply(reply.position)
-        self.chat.set_generating(True)
-        self.engine.submit(self.generation_id, messages, sampling)
+        self.conversation.send(text)
 
     def stop(self) -> None:
-        if self.generation_id:
-            self.engine.cancel(self.generation_id)
+        self.conversation.stop()
 
-    def _on_token(self, event: TokenEvent) -> None:
-        if event.generation_id != self.generation_id or not self.generation_id:
-            return
-        self._tokens_in_reply += 1
-        self.chat.append_delta(event.text_delta)
-        self._pending_db += event.text_delta
-        self.timing.add_token(event)
+    def new_chat(self) -> None:
+        self.conversation.new_chat()
+
+    def open_chat(self, chat_id: int) -> None:
+        self.conversation.open_chat(chat_id)
+
+    def _on_reply_started(self, generation_id: int, mode: str) -> None:
+        self.trace.begin(generation_id)
+        self.timing.begin_reply(generation_id, f"cache {mode}")
+
+    def _on_reply_finished(self, generation_id: int, reason: str) -> None:
+        QTimer.singleShot(0, self._refresh_all)  # every panel shows the reply's final state
+        speed = self.conversation.last_stats.get("decode_tokens_per_s")
+        if speed:
+            self.status_speed.setText(f"{speed:.1f} tok/s")
+        self.reply_finished.emit(generation_id, reason)
 
     def _on_snapshot(self, snap: CacheSnapshot) -> None:
-        if self.generation_id and snap.generation_id != self.generation_id:
+        gen = self.conversation.generation_id
+        if gen and snap.generation_id != gen:
             return
         self._latest = snap
         self._snapshot_dirty = True
         self.trace.add(snap)
-
-    def _flush_db(self) -> None:
-        if self._pending_db and self._reply_message_id is not None:
-            self.history.append_text(self._reply_message_id, self._pending_db)
-            self._pending_db = ""
-
-    def _on_finished(self, generation_id: int, reason: str, stats: Any, text: str) -> None:
-        if generation_id != self.generation_id or not generation_id:
-            return
-        self._flush_db()
-        stats_dict = asdict(stats) if stats is not None else {}
-        stats_dict["mode"] = " → ".join(self._reply_modes)
-        stats_dict["stop_reason"] = reason
-        stats_dict.setdefault("generated_tokens", self._tokens_in_reply)
-        self.last_stats = stats_dict
-        streamed = self.chat.streaming.text if self.chat.streaming is not None else ""
-        if reason == "error" and not (text or streamed):
-            # nothing was generated: keep no empty reply (the error bubble says what happened)
-            if self._reply_message_id is not None:
-                self.history.delete_message(self._reply_message_id)
-            self.chat.drop_reply()
-            self._end_reply()
-            self.reply_finished.emit(generation_id, reason)
-            return
-        if self._reply_message_id is not None:
-            bubble_text = self.chat.streaming.text if self.chat.streaming is not None else None
-            final = text if text else (bubble_text or "")
-            if bubble_text is not None and final != bubble_text:
-                self.history.set_content(self._reply_message_id, final)
-            self.history.set_stats(self._reply_message_id, stats_dict)
-        self.chat.finish_reply(text or None, stats_dict)
-        self._end_reply()
-        QTimer.singleShot(0, self._refresh_all)  # every panel shows the reply's final state
-        if stats_dict.get("decode_tokens_per_s"):
-            self.status_speed.setText(f"{stats_dict['decode_tokens_per_s']:.1f} tok/s")
-        self.reply_finished.emit(generation_id, reason)
-
-    def _finish_reply_locally(self, reason: str) -> None:
-        """Close the current reply in the GUI without waiting for the worker (switching chats)."""
-        self._flush_db()
-        self.chat.finish_reply(None, {"stop_reason": reason, "generated_tokens": self._tokens_in_reply})
-        self._end_reply()
-
-    def _end_reply(self) -> None:
-        self.generation_id = 0
-        self._reply_message_id = None
-        self.chat.set_generating(False)
 
     def _on_failed(self, generation_id: int, message: str) -> None:
         if generation_id == -1:  # load failure
@@ -579,9 +411,9 @@ class MainWindow(QMainWindow):
 
     def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
         self._applied_cache = cfg
-        if self.generation_id and cfg.mode != self._reply_modes[-1]:
-            self._reply_modes.append(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
-            self.timing.current.label = "cache " + " → ".join(self._reply_modes)
+        if self.generation_id:
+            self.conversation.note_mode(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
+            self.timing.current.label = "cache " + " → ".join(self.conversation.modes)
         self._save_cache(cfg)
         self.controls.show_notes(list(notes))
         self.trace.notes.extend(notes)
@@ -691,17 +523,11 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._refresh.stop()
         self._db_timer.stop()
-        self._flush_db()
+        self.conversation.flush()
         self.save_layout()
         return self.engine.shutdown(timeout_ms)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
         self.shutdown()
         super().closeEvent(event)
-
-
-def _title_from(text: str, limit: int = 40) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
-
 

@@ -109,7 +109,7 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
         window.chat.input.setPlainText(text)
         window.chat.submit()
         if during is not None:
-            wait_until(lambda: window._tokens_in_reply >= at_token or bool(done), 120)
+            wait_until(lambda: window.conversation.tokens_in_reply >= at_token or bool(done), 120)
             if not done:
                 during()
         wait_until(lambda: bool(done), 300)

@@ -58,7 +58,7 @@ def test_switch_mode_and_page_size_mid_reply(qtbot, data_dir, stories_path):
         modes = []
         w.engine.worker.snapshot.connect(lambda s: modes.append((s.mode, s.page_size)))
         w.send("The little dog")
-        qtbot.waitUntil(lambda: w._tokens_in_reply >= 3, timeout=30_000)
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))  # as the user does
         qtbot.waitUntil(lambda: w._applied_cache.mode == "contiguous", timeout=10_000)
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("paged"))
@@ -80,7 +80,7 @@ def test_stop_regenerate_and_edit_reuse_the_prefix(qtbot, data_dir, stories_path
         # stop
         w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)
         w.send("A cat sat")
-        qtbot.waitUntil(lambda: w._tokens_in_reply >= 2, timeout=30_000)
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 2, timeout=30_000)
         assert w.chat.stop_button.isEnabled()
         qtbot.keyClick(w.chat.input, Qt.Key.Key_Escape)
         gen, reason = wait_reply(qtbot, w)
@@ -246,7 +246,7 @@ def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
         wait_until(lambda: w.info is not None, 120)
         w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)
         w.send("Before the crash")
-        wait_until(lambda: w._tokens_in_reply >= 20, 60)
+        wait_until(lambda: w.conversation.tokens_in_reply >= 20, 60)
         wait_until(lambda: False, 0.6)  # at least two batch flushes
         print(len(w.chat.streaming.text), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
