@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -63,6 +64,7 @@ class ChatPane(QWidget):
 
         self.title = QLabel("New chat")
         self.title.setObjectName("chatTitle")
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the pane
         self.new_button = QPushButton("New chat")
         self.system_prompt = QLineEdit()
         self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")

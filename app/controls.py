@@ -145,7 +145,9 @@ class CacheControls(QWidget):
         self.page_size = QSpinBox()
         self.page_size.setRange(1, MAX_PAGE_SIZE)
         self.page_size.setSuffix(" tokens")
-        self.prefix_reuse = QCheckBox("reuse the common prefix across turns")
+        self.prefix_reuse = QCheckBox("reuse common prefix")
+        self.prefix_reuse.setToolTip("Keep the cache across turns and prefill only what changed "
+                                     "(regenerate and edit reuse the shared prefix)")
         self.k_dtype = QComboBox()
         self.v_dtype = QComboBox()
         for box in (self.k_dtype, self.v_dtype):
@@ -159,6 +161,9 @@ class CacheControls(QWidget):
         self.overflow = QComboBox()
         for o in OVERFLOWS:
             self.overflow.addItem(OVERFLOW_HELP[o], o)
+        for box in (self.mode, self.k_dtype, self.v_dtype, self.policy, self.overflow):
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            box.setMinimumContentsLength(8)
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")

@@ -158,10 +158,26 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(d["occupancy"], d["page_map"], V)
         self.splitDockWidget(d["page_map"], d["timing"], V)
         self.splitDockWidget(d["timing"], d["memory"], V)
-        self.resizeDocks([d["chats"], d["occupancy"], d["controls"]], [220, 560, 290], H)
-        self.resizeDocks([d["chats"], d["sampling"]], [420, 330], V)
-        self.resizeDocks([d["controls"], d["model"]], [430, 470], V)
-        self.resizeDocks([d["occupancy"], d["page_map"], d["timing"], d["memory"]], [200, 230, 260, 200], V)
+        self._sized = False
+        if self.isVisible():
+            self._size_docks()
+
+    def _size_docks(self) -> None:
+        """Default dock sizes as fractions of the window (chat pane gets what is left, about a third)."""
+        d, W, Hh = self.docks, max(self.width(), 800), max(self.height(), 600)
+        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        self.resizeDocks([d["chats"], d["occupancy"], d["controls"]],
+                         [int(W * 0.14), int(W * 0.35), int(W * 0.19)], H)
+        self.resizeDocks([d["chats"], d["sampling"]], [int(Hh * 0.5), int(Hh * 0.4)], V)
+        self.resizeDocks([d["controls"], d["model"]], [int(Hh * 0.45), int(Hh * 0.5)], V)
+        self.resizeDocks([d["occupancy"], d["page_map"], d["timing"], d["memory"]],
+                         [int(Hh * f) for f in (0.21, 0.25, 0.27, 0.21)], V)
+        self._sized = True
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().showEvent(event)
+        if not self._sized and not self._restored:
+            QTimer.singleShot(0, self._size_docks)
 
     def _build_status_bar(self) -> None:
         bar = self.statusBar()
@@ -244,11 +260,14 @@ class MainWindow(QMainWindow):
 
     def _restore_layout(self) -> None:
         geometry, state = self.settings.get("window/geometry"), self.settings.get("window/state")
+        self._restored = False
         try:
             if geometry:
                 self.restoreGeometry(QByteArray(geometry))
-            if state and not self.restoreState(QByteArray(state)):
-                self._default_layout()
+            if state:
+                self._restored = bool(self.restoreState(QByteArray(state)))
+                if not self._restored:
+                    self._default_layout()
         except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
             self._default_layout()
 

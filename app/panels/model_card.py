@@ -57,7 +57,7 @@ class ModelCardPanel(Panel):
         self.plot.setYRange(0, max(heights.max(), 1e-6) * 1.15, padding=0)
         demo = " <span style='color:#ffb347'>(built-in demo: random weights)</span>" if info.is_demo else ""
         rows = [
-            ("architecture", f"{info.architecture} ({info.model_type})"),
+            ("architecture", f"{info.architecture}"),
             ("layers", info.num_layers),
             ("attention", f"<b>{info.attention_kind}</b>: {info.num_q_heads} Q heads, {info.num_kv_heads} KV heads"),
             ("head dim · hidden", f"{info.head_dim} · {info.hidden_size}"),
@@ -66,7 +66,7 @@ class ModelCardPanel(Panel):
             ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype})"),
             ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
             ("KV at full context", human_bytes(comp["this model"] * ctx)),
-            ("device", f"{info.device} — {html.escape(info.device_reason)}"),
+            ("device", f"{info.device}<br><span style='color:#8a919c'>{html.escape(info.device_reason)}</span>"),
         ]
         body = "".join(
             f"<tr><td style='color:#8a919c; padding-right:10px'>{k}</td><td>{v}</td></tr>" for k, v in rows

@@ -42,9 +42,9 @@ def _rgb(hex_colour: str) -> np.ndarray:
     return np.array([c.red(), c.green(), c.blue()], dtype=np.float64)
 
 
-def grid_columns(num_pages: int) -> int:
-    """Columns of the map: 16 for small pools, growing so the grid stays roughly 2:1 wide."""
-    return max(16, int(math.ceil(math.sqrt(max(num_pages, 1) * 2) / 8.0)) * 8)
+def grid_columns(num_pages: int, aspect: float = 2.0) -> int:
+    """Columns of the map: at least 16, a multiple of 8, so the grid's width:height is about ``aspect``."""
+    return max(16, int(math.ceil(math.sqrt(max(num_pages, 1) * max(aspect, 0.25)) / 8.0)) * 8)
 
 
 def page_grid(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
@@ -145,7 +145,7 @@ class PageMapPanel(Panel):
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.snapshot = snap
-        self.cols = grid_columns(snap.num_pages)
+        self.cols = grid_columns(snap.num_pages, self._aspect())
         self.grid = page_grid(snap, self.cols)
         self.colours = page_colours(snap, self.cols)
         self.px = cell_pixels(snap.num_pages)
@@ -164,6 +164,11 @@ class PageMapPanel(Panel):
             parts = [f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"]
         self.caption.setText(" · ".join(parts))
         self._count()
+
+    def _aspect(self) -> float:
+        """Width:height of the grid's box, in steps of 0.5 so the grid does not jitter while resizing."""
+        w, h = self.grid_box.width(), self.grid_box.height()
+        return 2.0 if w <= 0 or h <= 0 else max(0.5, round(2 * w / h) / 2)
 
     def clear(self) -> None:
         self.snapshot = None
