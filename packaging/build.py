@@ -178,6 +178,23 @@ def pyinstaller(src: Path, out: Path, clean: bool, extra_env: dict) -> float:
     return time.perf_counter() - t
 
 
+def check_frozen_sources(src: Path, out: Path) -> dict:
+    """The app and engine modules in the bundle must come from --src, not from an installed copy (an
+    editable ``pip install -e`` of another checkout, a stale wheel in site-packages)."""
+    toc = (out / "build" / NAME / "PYZ-00.toc").read_text(encoding="utf-8")
+    found = {}
+    for mod in ("app.main", "engine.loader"):
+        m = re.search(rf"\('{re.escape(mod)}',\s*'([^']+)'", toc)
+        if not m:
+            fail(f"{mod} is not in the bundle's PYZ (PyInstaller did not find the app)")
+        path = Path(m.group(1)).resolve()
+        if src not in path.parents:
+            fail(f"{mod} was frozen from {path}, not from {src}: another copy of the app is importable in "
+                 f"{sys.executable} (uninstall it or build from that checkout)")
+        found[mod] = str(path)
+    return found
+
+
 def du(path: Path) -> int:
     if path.is_file() or path.is_symlink():
         return path.lstat().st_size
@@ -411,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         exe = bundle / (NAME + ".exe" if os.name == "nt" else NAME)
         if not exe.is_file():
             fail(f"PyInstaller produced no {exe}")
+        report["frozen_sources"] = check_frozen_sources(src, out)
         report["size"] = size_report(bundle)
         log(f"bundle {bundle}: {report['size']['total_mb']} MB, built in {report['build_seconds']} s")
         log(f"by package (MB): {report['size']['by_package_mb']}")
@@ -465,15 +483,16 @@ def main(argv: list[str] | None = None) -> int:
                 checks.append(("self-test from the .deb", r))
             shutil.rmtree(installed["root"], ignore_errors=True)
 
-        report["total_seconds"] = round(time.perf_counter() - t_all, 1)
         bad = [name for name, r in checks if r["rc"] != 0]
         report["ok"] = not bad
-        (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
         if bad:
             fail(f"{', '.join(bad)} failed (see above; report in {out / 'report.json'})")
-        log(f"OK in {report['total_seconds']} s: {bundle}" + (f", {report['deb']['path']}" if args.deb else ""))
+        log(f"OK in {time.perf_counter() - t_all:.0f} s: {bundle}" + (f", {report['deb']['path']}" if args.deb else ""))
         return 0
     finally:
+        report.setdefault("ok", False)  # a fail() above leaves it unset
+        report["total_seconds"] = round(time.perf_counter() - t_all, 1)
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
         shutil.rmtree(scratch, ignore_errors=True)
 
 
