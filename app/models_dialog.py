@@ -39,12 +39,12 @@ CURATED = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", 
 ROLE = Qt.ItemDataRole.UserRole
 
 
-def scan_hf_cache() -> list[tuple[str, str]]:
+def scan_hf_cache(cache_dir: str | None = None) -> list[tuple[str, str]]:
     """(repo id, snapshot folder) of model repos in the local HF cache that have a config.json."""
     try:
         from huggingface_hub import scan_cache_dir
 
-        info = scan_cache_dir()
+        info = scan_cache_dir(cache_dir)
     except Exception:  # noqa: BLE001 - no cache, unreadable cache: nothing to list
         return []
     out = []

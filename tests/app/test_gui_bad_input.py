@@ -184,3 +184,20 @@ def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
     dlg.quantization.setCurrentIndex(dlg.quantization.findData("int8"))
     dlg.accept_choice()
     assert dlg.spec.source == str(stories_path) and dlg.spec.quantization == "int8" and dlg.spec.device == "cuda"
+
+
+def test_hf_cache_scan_lists_model_snapshots(tmp_path):
+    from app.models_dialog import scan_hf_cache
+
+    repo = tmp_path / "hub" / "models--someone--tiny-llm"
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "blobs").mkdir()
+    blob = repo / "blobs" / "cafe"
+    blob.write_text("{}")
+    (snap / "config.json").symlink_to(blob)
+    (tmp_path / "hub" / "models--other--no-config" / "snapshots" / "1").mkdir(parents=True)
+    assert scan_hf_cache(str(tmp_path / "hub")) == [("someone/tiny-llm", str(snap))]
+    assert scan_hf_cache(str(tmp_path / "missing")) == []

@@ -155,3 +155,18 @@ def test_panels_export_png(qtbot, tmp_path):
     panel.show_snapshot(make_snapshot())
     path = tmp_path / "occ.png"
     assert panel.export_png(str(path)) and path.stat().st_size > 1000
+
+
+def test_page_map_hover_shows_the_page(qtbot):
+    from PySide6.QtCore import QPointF
+
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.resize(420, 260)
+    panel.show()
+    panel.show_snapshot(make_snapshot())
+    qtbot.wait(50)
+    inside = panel.image.mapToScene(QPointF(panel.px * 2 + 1, 1))  # page 2 (shared)
+    panel._on_mouse((inside,))
+    assert panel.hover.text() == panel.describe_page(2) and "shared" in panel.hover.text()
+    assert "ref count 2" in panel.hover.text()

@@ -84,3 +84,10 @@ def test_app_icon_is_found(qapp):
     assert (resources_dir() / "icons" / "kvscope.svg").exists()
     icon = app_icon()
     assert not icon.isNull() and len(icon.availableSizes()) == 6
+
+
+def test_panel_demo_runs_headless():
+    proc = subprocess.run([sys.executable, "-m", "app.panels.demo", "--frames", "40"], capture_output=True,
+                          text=True, timeout=120, cwd=str(REPO), env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
+    assert proc.returncode == 0, proc.stderr
+    assert "40 frames, panels updated: True" in proc.stdout
