@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QLabel, QVBoxLayout, QWidget
 
 BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"
@@ -70,6 +70,15 @@ class StickyRange:
         self.top = 0.0
 
 
+def cache_axes(plot: pg.PlotItem) -> None:
+    """Let Qt keep each axis (tick labels and grid lines) as a pixmap, repainted only when its ticks change.
+
+    Without this every data update repaints the axes' text, which is most of a live plot's paint time.
+    """
+    for side in ("left", "bottom", "right", "top"):
+        plot.getAxis(side).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+
+
 def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotItem:
     plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)
     if left:
@@ -80,6 +89,7 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
     plot.hideButtons()
     for side in ("left", "bottom"):
         plot.getAxis(side).enableAutoSIPrefix(False)
+    cache_axes(plot)
     return plot
 
 
