@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGraphicsItem, QLabel, QVBoxLayout, QWidget
 
 BACKGROUND = "#16191f"
@@ -28,6 +29,9 @@ class Panel(QWidget):
         self.caption = QLabel(" ")
         self.caption.setObjectName("panelCaption")
         self.caption.setWordWrap(True)
+        # A fixed two-line caption: text that changes every token must never re-lay out the plot below.
+        self.caption.setFixedHeight(2 * self.caption.fontMetrics().lineSpacing() + 4)
+        self.caption.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(6, 4, 6, 6)
         self._layout.setSpacing(4)
