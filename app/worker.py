@@ -134,7 +134,10 @@ class EngineWorker(QObject):
             except Exception:  # noqa: BLE001 - facts are optional
                 pass
             session = self._backend.make_session(loaded, self._cache)
+            old = self._session
             self._loaded, self._session = loaded, session
+            if old is not None and hasattr(old, "close"):
+                old.close()  # the previous model's pages go back; its tensors go with the last reference
             self.loaded.emit(getattr(loaded, "info", None))
             self._emit_idle_snapshot()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
