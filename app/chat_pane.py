@@ -25,6 +25,8 @@ from PySide6.QtWidgets import (
 
 from app.message_view import MessageView
 
+SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
+
 
 class ChatInput(QPlainTextEdit):
     """Multi-line input: Enter submits, Shift+Enter inserts a newline."""
@@ -85,6 +87,16 @@ class ChatPane(QWidget):
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_hint.setWordWrap(True)
         self.column.addWidget(self.empty_hint)
+        self.suggestions = QWidget()
+        row = QVBoxLayout(self.suggestions)
+        row.setAlignment(Qt.AlignmentFlag.AlignHCenter)
+        for prompt in SUGGESTIONS:
+            b = QPushButton(prompt)
+            b.setObjectName("suggestion")
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+            b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))
+            row.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
+        self.column.addWidget(self.suggestions)
         self.column.addStretch(1)
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
@@ -154,6 +166,11 @@ class ChatPane(QWidget):
 
     def _update_empty(self) -> None:
         self.empty_hint.setVisible(not self.bubbles)
+        self.suggestions.setVisible(not self.bubbles and self._ready)
+
+    def _suggest(self, prompt: str) -> None:
+        if self._ready and not self.generating:
+            self.send_requested.emit(prompt)
 
     def set_chat(self, title: str, system_prompt: str) -> None:
         self.title.setText(title)

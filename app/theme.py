@@ -31,6 +31,9 @@ QPushButton#flatButton {{ background: transparent; border: none; color: {MUTED};
 QPushButton#flatButton:hover {{ color: {TEXT}; }}
 QPushButton#primaryButton {{ background: {ACCENT}; color: white; border-radius: 4px; padding: 5px 14px; }}
 QPushButton#primaryButton:disabled {{ background: #33465e; color: #9aa3ad; }}
+QPushButton#suggestion {{ background: {PANEL}; border: 1px solid #2d323b; border-radius: 14px; padding: 6px 14px;
+    color: {TEXT}; }}
+QPushButton#suggestion:hover {{ border-color: {ACCENT}; }}
 QLabel#statusField {{ color: {MUTED}; padding: 0 8px; }}
 QLabel#modelCard {{ color: {TEXT}; }}
 QGroupBox {{ font-weight: 600; border: 1px solid #2d323b; border-radius: 6px; margin-top: 8px; padding-top: 6px; }}

@@ -55,7 +55,7 @@ class ModelCardPanel(Panel):
         heights = np.array([comp["MHA"], comp["this model"], comp["MQA"]], dtype=np.float64) * ctx / 2**20
         self.bars.setOpts(height=heights)
         self.plot.setYRange(0, max(heights.max(), 1e-6) * 1.15, padding=0)
-        demo = " <span style='color:#ffb347'>(built-in demo: random weights)</span>" if info.is_demo else ""
+        demo = " <span style='color:#ffb347'>built-in, no download</span>" if info.is_demo else ""
         rows = [
             ("architecture", f"{info.architecture}"),
             ("layers", info.num_layers),

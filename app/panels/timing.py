@@ -145,6 +145,10 @@ class TimingPanel(Panel):
         self._fit_y(self.y_latency, [cur.decode_ms] + ([prev.decode_ms] if prev is not None else []))
         self._fit_y(self.y_tps, [cur.rolling_tps()] + ([prev.rolling_tps()] if prev is not None else []))
         tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
+        if not cur.n and not cur.prefill_ms and prev is None:
+            self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
+            self._count()
+            return
         text = (
             f"<b>{cur.label or 'reply'}</b> · TTFT {cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens)"
             f" · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"

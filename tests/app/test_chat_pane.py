@@ -60,3 +60,17 @@ def test_streaming_copy_and_edit(qtbot):
     assert blocker.args == [0, "hello again"]
     pane.truncate_after(0)
     assert [b.role for b in pane.bubbles] == ["user"]
+
+
+def test_suggestions_on_an_empty_chat(qtbot):
+    pane = _pane(qtbot)
+    qtbot.waitUntil(lambda: pane.suggestions.isVisible(), timeout=1000)
+    button = pane.suggestions.findChildren(type(pane.send_button))[0]
+    with qtbot.waitSignal(pane.send_requested, timeout=1000) as blocker:
+        qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    assert blocker.args == [button.text()]
+    pane.add_message("user", button.text(), 0)
+    assert not pane.suggestions.isVisible()
+    pane.set_ready(False, "loading")
+    pane.clear()
+    assert not pane.suggestions.isVisible()
