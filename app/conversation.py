@@ -116,7 +116,10 @@ class Conversation(QObject):
         self._refresh_list()
 
     def delete_chat(self, chat_id: int) -> None:
+        if chat_id == self.chat_id:
+            self._abandon_reply()
         self.history.delete_chat(chat_id)
+        self.engine.forget_chat(chat_id)
         if chat_id == self.chat_id:
             self.chat_id = None
             self.load_chats()
@@ -207,7 +210,7 @@ class Conversation(QObject):
         self.pane.begin_reply(reply.position)
         self.pane.set_generating(True)
         self.reply_started.emit(self.generation_id, self.modes[0])
-        self.engine.submit(self.generation_id, messages, sampling)
+        self.engine.submit(self.generation_id, messages, sampling, self.chat_id)
 
     # -- engine events ----------------------------------------------------------------------------------------
     def _on_token(self, event: TokenEvent) -> None:

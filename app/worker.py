@@ -59,6 +59,8 @@ class EngineBackend:
     load: Callable[[ModelSpec, Callable[..., None]], Any]
     make_session: Callable[[Any, CacheConfig], Any]
     probe: Callable[[], dict] = lambda: {}
+    # One session per chat (``engine.session_pool.SessionPool``); None: one session for every chat.
+    make_pool: Callable[[Any, CacheConfig], Any] | None = None
 
 
 def default_backend() -> EngineBackend:
@@ -74,6 +76,11 @@ def default_backend() -> EngineBackend:
 
         return ChatSession(loaded, cache)
 
+    def make_pool(loaded: Any, cache: CacheConfig) -> Any:
+        from engine.session_pool import SessionPool
+
+        return SessionPool(loaded, cache)
+
     def probe() -> dict:
         import torch
 
@@ -84,7 +91,7 @@ def default_backend() -> EngineBackend:
                         device_name=torch.cuda.get_device_name(0))
         return info
 
-    return EngineBackend(load=load, make_session=make_session, probe=probe)
+    return EngineBackend(load=load, make_session=make_session, probe=probe, make_pool=make_pool)
 
 
 class EngineWorker(QObject):
@@ -104,7 +111,8 @@ class EngineWorker(QObject):
         super().__init__()
         self._backend = backend or default_backend()
         self._loaded: Any = None
-        self._session: Any = None
+        self._session: Any = None  # the active chat's session
+        self._pool: Any = None  # sessions by chat (when the backend has a pool)
         self._cache = CacheConfig()
         self._gen_id = 0  # the reply being generated, 0 when idle
         self._text = ""
@@ -133,9 +141,13 @@ class EngineWorker(QObject):
                 self.environment.emit(self._backend.probe())
             except Exception:  # noqa: BLE001 - facts are optional
                 pass
-            session = self._backend.make_session(loaded, self._cache)
-            old = self._session
-            self._loaded, self._session = loaded, session
+            old = self._pool if self._pool is not None else self._session
+            if self._backend.make_pool is not None:
+                pool = self._backend.make_pool(loaded, self._cache)
+                session, _ = pool.activate(0)  # chat 0: the session shown before any chat is active
+            else:
+                pool, session = None, self._backend.make_session(loaded, self._cache)
+            self._loaded, self._pool, self._session = loaded, pool, session
             if old is not None and hasattr(old, "close"):
                 old.close()  # the previous model's pages go back; its tensors go with the last reference
             self.loaded.emit(getattr(loaded, "info", None))
@@ -144,8 +156,9 @@ class EngineWorker(QObject):
             _log(exc)
             self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
 
-    @Slot(int, object, object)
-    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+    @Slot(int, object, object, object)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
+        """Start a reply in ``chat``'s session (each chat keeps its own cache; idle ones go to host memory)."""
         self._abort_running()
         self._cancel_flag.clear()
         self.started.emit(generation_id)
@@ -154,6 +167,10 @@ class EngineWorker(QObject):
             self.finished.emit(generation_id, "error", None, "")
             return
         try:
+            if self._pool is not None and chat is not None:
+                self._session, notes = self._pool.activate(chat)
+                if notes:
+                    self.applied.emit(self._cache, list(notes))
             self._session.start(messages, sampling, generation_id)
         except BaseException as exc:  # noqa: BLE001
             _log(exc)
@@ -181,7 +198,8 @@ class EngineWorker(QObject):
             self.applied.emit(cache, [])
             return
         try:
-            notes = list(self._session.apply(cache) or [])
+            target = self._pool if self._pool is not None else self._session
+            notes = list(target.apply(cache) or [])
         except BaseException as exc:  # noqa: BLE001
             _log(exc)
             self.failed.emit(self._gen_id or 0, f"Cache settings not applied: {_describe(exc)}")
@@ -189,6 +207,14 @@ class EngineWorker(QObject):
         self.applied.emit(cache, notes)
         if not self._gen_id:
             self._emit_idle_snapshot()
+
+    @Slot(object)
+    def forget_chat(self, chat: Any) -> None:
+        """A chat was deleted: free its session's cache."""
+        if self._pool is not None and chat in self._pool:
+            if self._session is self._pool.get(chat):
+                self._abort_running()
+            self._pool.drop(chat)
 
     @Slot()
     def stop(self) -> None:
@@ -263,7 +289,8 @@ class EngineThread(QObject):
     """
 
     _load = Signal(object, object)
-    _submit = Signal(int, object, object)
+    _submit = Signal(int, object, object, object)
+    _forget = Signal(object)
     _cancel = Signal(int)
     _apply = Signal(object)
     _stop = Signal()
@@ -279,14 +306,18 @@ class EngineThread(QObject):
         self._cancel.connect(self.worker.cancel)
         self._apply.connect(self.worker.apply_cache_config)
         self._stop.connect(self.worker.stop)
+        self._forget.connect(self.worker.forget_chat)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
     def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
         self._load.emit(spec, cache)
 
-    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
-        self._submit.emit(generation_id, messages, sampling)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
+        self._submit.emit(generation_id, messages, sampling, chat)
+
+    def forget_chat(self, chat: Any) -> None:
+        self._forget.emit(chat)
 
     def cancel(self, generation_id: int = 0) -> None:
         # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.

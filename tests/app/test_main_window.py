@@ -153,6 +153,9 @@ def test_new_chat_and_switching(qtbot, data_dir, stories_path):
         wait_reply(qtbot, w)
         w.open_chat(first)
         assert [b.text for b in w.chat.bubbles][0] == "First chat"
+        w.send("Back to the first chat")
+        wait_reply(qtbot, w)
+        assert w.last_stats["reused_tokens"] > 0  # its own session kept its cache while chat 2 ran
     finally:
         close_window(w)
 

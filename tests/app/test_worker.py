@@ -37,7 +37,8 @@ def test_reply_signals_in_strict_order(qtbot, engine):
     w = engine.worker
     events = _record(w)
     with qtbot.waitSignal(w.finished, timeout=60_000):
-        engine.submit(7, MESSAGES, SAMPLING)
+        engine.submit(7, MESSAGES, SAMPLING, "chat-a")
+    events[:] = [e for e in events if e[1] == 7]  # the idle snapshot after loading belongs to no reply
     kinds = [e[0] for e in events]
     # started, then (token, snapshot) per step, then finished; nothing else, nothing after
     assert kinds == ["started"] + ["token", "snapshot"] * 12 + ["finished"]
@@ -49,7 +50,25 @@ def test_reply_signals_in_strict_order(qtbot, engine):
     assert (gen, reason) == (7, "max_tokens")
     assert stats.generated_tokens == 12 and text == "".join(t.text_delta for t in tokens)
     qtbot.wait(100)
-    assert len(events) == 26
+    assert len([e for e in events if e[1] == 7]) == 26
+
+
+def test_each_chat_keeps_its_own_cache(qtbot, engine):
+    """Chats get their own sessions: going back to chat A reuses A's cache although B ran in between."""
+    w = engine.worker
+    finished = []
+    w.finished.connect(lambda g, r, st, t: finished.append(st))
+    a1 = [{"role": "user", "content": "Once upon a time"}]
+    for gen, chat, msgs in ((1, "A", a1), (2, "B", [{"role": "user", "content": "The dog"}])):
+        with qtbot.waitSignal(w.finished, timeout=60_000):
+            engine.submit(gen, msgs, SAMPLING, chat)
+    a2 = a1 + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "More"}]
+    with qtbot.waitSignal(w.finished, timeout=60_000):
+        engine.submit(3, a2, SAMPLING, "A")
+    assert finished[2].reused_tokens > 0  # chat A's prefix was still cached (swapped back in)
+    engine.forget_chat("B")
+    qtbot.wait(50)
+    assert "B" not in w._pool and "A" in w._pool
 
 
 def test_cancel_stops_output(qtbot, engine):
