@@ -53,6 +53,7 @@ class ChatPane(QWidget):
     stop_requested = Signal()
     regenerate_requested = Signal()
     edit_requested = Signal(int, str)  # position of the user message, new text
+    pin_requested = Signal(int, bool)  # position of the message, pinned
     new_chat_requested = Signal()
     system_prompt_changed = Signal(str)
 
@@ -193,6 +194,7 @@ class ChatPane(QWidget):
             bubble = self.add_message(m.role, m.content, m.position)
             if m.stats:
                 bubble.set_stats(m.stats)
+                bubble.set_pinned(bool(m.stats.get("pinned")))
         self._mark_last()
         self._stick_to_bottom = True
 
@@ -200,6 +202,7 @@ class ChatPane(QWidget):
         bubble = MessageView(role, text, position)
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
+        bubble.pin_toggled.connect(self.pin_requested)
         self.column.insertWidget(self.column.count() - 1, bubble)
         self.bubbles.append(bubble)
         self._update_empty()

@@ -66,6 +66,7 @@ class Conversation(QObject):
         pane.stop_requested.connect(self.stop)
         pane.regenerate_requested.connect(self.regenerate)
         pane.edit_requested.connect(self.edit_and_resend)
+        pane.pin_requested.connect(self.set_pinned)
         pane.new_chat_requested.connect(self.new_chat)
         pane.system_prompt_changed.connect(self._on_system_prompt)
         chat_list.chat_selected.connect(self.open_chat)
@@ -141,8 +142,25 @@ class Conversation(QObject):
             out.append({"role": "system", "content": chat.system_prompt.strip()})
         for m in self.history.messages(self.chat_id):
             if m.role == "user" or (m.role == "assistant" and m.content):
-                out.append({"role": m.role, "content": m.content})
+                item = {"role": m.role, "content": m.content}
+                if m.stats.get("pinned"):
+                    item["pinned"] = True  # the priority policy never evicts it
+                out.append(item)
         return out
+
+    def set_pinned(self, position: int, pinned: bool) -> None:
+        """Pin (or unpin) the stored message at ``position``; it takes effect from the next reply."""
+        if self.chat_id is None:
+            return
+        for m in self.history.messages(self.chat_id):
+            if m.position == position:
+                stats = dict(m.stats)
+                if pinned:
+                    stats["pinned"] = True
+                else:
+                    stats.pop("pinned", None)
+                self.history.set_stats(m.id, stats)
+                return
 
     def send(self, text: str) -> None:
         """Add a user message and ask for a reply."""

@@ -53,6 +53,7 @@ class MessageView(QFrame):
     copy_requested = Signal()
     edit_submitted = Signal(int, str)  # position, new text
     regenerate_requested = Signal()
+    pin_toggled = Signal(int, bool)  # position, pinned
 
     def __init__(self, role: str, text: str = "", position: int = 0, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -86,11 +87,18 @@ class MessageView(QFrame):
         self.cache_label.setVisible(False)
 
         self.copy_button = QPushButton("Copy")
+        self.pin_button = QPushButton("Pin")
+        self.pin_button.setCheckable(True)
+        self.pin_button.setVisible(role in ("user", "assistant"))
+        self.pin_button.setToolTip("Pinned messages are never evicted by the priority policy "
+                                   "(the system prompt always is)")
+        self.pin_button.toggled.connect(self._on_pin)
         self.edit_button = QPushButton("Edit")
         self.regen_button = QPushButton("Regenerate")
         self.save_button = QPushButton("Save && resend")
         self.cancel_button = QPushButton("Cancel")
-        for b in (self.copy_button, self.edit_button, self.regen_button, self.save_button, self.cancel_button):
+        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
+                  self.cancel_button):
             b.setObjectName("flatButton")
             b.setCursor(Qt.CursorShape.PointingHandCursor)
         self.save_button.setVisible(False)
@@ -107,7 +115,8 @@ class MessageView(QFrame):
         head.setContentsMargins(0, 0, 0, 0)
         head.addWidget(self.role_label)
         head.addStretch(1)
-        for b in (self.copy_button, self.edit_button, self.regen_button, self.save_button, self.cancel_button):
+        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
+                  self.cancel_button):
             head.addWidget(b)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 8)
@@ -155,6 +164,21 @@ class MessageView(QFrame):
         self.regen_button.setVisible(is_last and self.role == "assistant")
 
     # actions ------------------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> bool:
+        return self.pin_button.isChecked()
+
+    def set_pinned(self, pinned: bool) -> None:
+        """Show the stored pin state without emitting ``pin_toggled``."""
+        self.pin_button.blockSignals(True)
+        self.pin_button.setChecked(bool(pinned))
+        self.pin_button.blockSignals(False)
+        self.pin_button.setText("Pinned" if pinned else "Pin")
+
+    def _on_pin(self, on: bool) -> None:
+        self.pin_button.setText("Pinned" if on else "Pin")
+        self.pin_toggled.emit(self.position, on)
+
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text)
         self.copy_requested.emit()

@@ -283,3 +283,41 @@ def test_recent_models_menu(qtbot, data_dir, stories_path):
         assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")
     finally:
         close_window(w)
+
+
+def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stories_path):
+    """Pin → stored with the message, passed to the engine, and kept when the priority policy evicts."""
+    from engine.chat import message_spans
+    from engine.config import CacheConfig
+
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=30, ignore_eos=True))
+    try:
+        w.send("Tell me a story.")
+        wait_reply(qtbot, w)
+        w.send("Remember: the dog is named Max.")
+        wait_reply(qtbot, w)
+        pinned = w.chat.bubbles[2]
+        assert pinned.role == "user" and not pinned.pinned
+        pinned.pin_button.click()
+        assert pinned.pinned and pinned.pin_button.text() == "Pinned"
+        msgs = w.history.messages(w.chat_id)
+        assert msgs[2].stats.get("pinned") is True and not msgs[0].stats.get("pinned")
+        em = w.conversation.engine_messages()
+        assert em[2] == {"role": "user", "content": "Remember: the dog is named Max.", "pinned": True}
+        with qtbot.waitSignal(w.engine.worker.applied, timeout=30_000):
+            w.apply_cache_config(CacheConfig(mode="paged", page_size=4, policy="priority",
+                                             policy_params={"budget": 60, "recent": 8}))
+        w.send("And then?")
+        wait_reply(qtbot, w)
+        session = w.engine.worker._pool.get(w.chat_id)  # read after the reply: the worker is idle
+        em = w.conversation.engine_messages()
+        spans = message_spans(session.tokenizer, em)
+        kept = set(session._log[0].tolist())
+        assert session.evicted_total > 0
+        assert set(range(*spans[2])) <= kept  # the pinned message
+        assert not set(range(*spans[1])) <= kept  # the first reply (not pinned) lost tokens
+        close_window(w)
+        w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
+        assert w.chat.bubbles[2].pinned  # the pin survives a restart
+    finally:
+        close_window(w)
