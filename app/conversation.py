@@ -61,6 +61,7 @@ class Conversation(QObject):
         self.last_stats: dict[str, Any] = {}
         self._reply_message_id: int | None = None
         self._pending = ""
+        self.closed = False  # set at shutdown: signals still queued from the worker are ignored
 
         pane.send_requested.connect(self.send)
         pane.stop_requested.connect(self.stop)
@@ -232,7 +233,7 @@ class Conversation(QObject):
 
     # -- engine events ----------------------------------------------------------------------------------------
     def _on_token(self, event: TokenEvent) -> None:
-        if not self.generation_id or event.generation_id != self.generation_id:
+        if self.closed or not self.generation_id or event.generation_id != self.generation_id:
             return
         self.tokens_in_reply += 1
         self.pane.append_delta(event.text_delta)
@@ -246,7 +247,7 @@ class Conversation(QObject):
             self._pending = ""
 
     def _on_finished(self, generation_id: int, reason: str, stats: Any, text: str) -> None:
-        if not generation_id or generation_id != self.generation_id:
+        if self.closed or not generation_id or generation_id != self.generation_id:
             return
         self.flush()
         info = asdict(stats) if stats is not None else {}

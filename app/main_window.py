@@ -545,9 +545,11 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._refresh.stop()
         self._db_timer.stop()
-        self.conversation.flush()
+        joined = self.engine.shutdown(timeout_ms)
+        self.conversation.flush()  # after the worker stopped: everything that streamed is saved
+        self.conversation.closed = True  # a cancelled reply's queued signals must not touch closed history
         self.save_layout()
-        return self.engine.shutdown(timeout_ms)
+        return joined
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name
         self.shutdown()
