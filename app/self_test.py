@@ -125,7 +125,14 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
               f"reply with cache {mode}: {r.get('generated_tokens', 0)} tokens, "
               f"decode {r.get('decode_tokens_per_s', 0):.1f} tok/s, TTFT {r.get('ttft_ms', 0):.0f} ms, "
               f"reused {r.get('reused_tokens', 0)}")
-        moved = [name for name, n in before.items() if window.panels_by_name()[name].updates > n]
+
+        def updated_panels() -> list[str]:
+            return [name for name, n in before.items() if window.panels_by_name()[name].updates > n]
+
+        # The window refreshes every panel with the reply's final state just after the reply ends (a
+        # zero-delay timer), so a reply shorter than one round-robin refresh cycle shows there.
+        wait_until(lambda: len(updated_panels()) >= 4, 5)
+        moved = updated_panels()
         check(len(moved) >= 4, f"panels updated during the {mode} reply ({', '.join(moved) or 'none'})")
 
     switched: list[str] = []

@@ -371,10 +371,6 @@ class ChatSession:
                 self._evict(policy.budget - policy.slack(self._page_size()), policy.name)
         return logits
 
-    def _limit(self) -> int | None:
-        """Most tokens a layer may hold after a forward (policy budget), None for no limit."""
-        return self.policy.budget if self.policy is not None else None
-
     def _page_size(self) -> int:
         return self.cache_config.page_size if self.cache_config.mode == "paged" else 16
 
@@ -502,7 +498,6 @@ class ChatSession:
             pool = self.store.arena.pool
             owners = [pool.owner[old_pages[i // P]] for i in keep_idx[0][::P].tolist()]
         keep_t = [torch.from_numpy(k) for k in keep_idx]
-        new_rope = self._rope.copy()
         rerotate = None
         if rotate:
             if self._rerotator is None:
@@ -518,7 +513,7 @@ class ChatSession:
             self._rope = np.broadcast_to(np.arange(n_keep), (L, n_keep)).copy()
             self._next_rope = n_keep
         else:
-            self._rope = np.stack([new_rope[layer][keep_idx[layer]] for layer in range(L)])
+            self._rope = np.stack([self._rope[layer][keep_idx[layer]] for layer in range(L)])
         if self._scores is not None:
             self._scores = [s[:, torch.from_numpy(keep_idx[i]).to(s.device)] for i, s in enumerate(self._scores)]
         self._evicted_now = tuple(sorted(int(p) for p in evicted_everywhere))
