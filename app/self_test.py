@@ -143,14 +143,22 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
         window.controls.set_config(cfg)
         window.apply_cache_config(cfg)
 
+    # Long enough replies that the switch lands mid-reply even at hundreds of tokens per second; the
+    # reply's stats name every mode it ran under ("paged → contiguous"), which proves it did.
+    window.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=max(8 * new_tokens, 160),
+                                              ignore_eos=True)
     apply(CacheConfig(mode="paged", page_size=16))
     r = reply("Switch the cache while you talk.", during=switch)
     check(bool(switched) and r["finished"] and r["reason"] not in ("error", "timeout")
-          and window._applied_cache.mode == "contiguous",
-          f"switch paged → contiguous mid-reply: reply finished ({r['reason']}, {r.get('generated_tokens', 0)} tokens)")
+          and r.get("mode") == "paged → contiguous",
+          f"switch paged → contiguous mid-reply: reply finished ({r['reason']}, {r.get('generated_tokens', 0)} "
+          f"tokens, cache {r.get('mode')})")
     r = reply("And once more, back to pages.", during=lambda: apply(CacheConfig(mode="paged", page_size=8)))
-    check(r["finished"] and r["reason"] not in ("error", "timeout") and window._applied_cache.page_size == 8,
-          "switch contiguous → paged (page size 8) mid-reply")
+    check(r["finished"] and r["reason"] not in ("error", "timeout") and r.get("mode") == "contiguous → paged"
+          and window._applied_cache.page_size == 8,
+          f"switch contiguous → paged (page size 8) mid-reply ({r.get('generated_tokens', 0)} tokens, "
+          f"cache {r.get('mode')})")
+    window.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
 
     wait_until(lambda: False, 0.2)  # the final refresh
     p = window
