@@ -27,6 +27,7 @@ from app.chat_list import ChatList
 from app.chat_pane import ChatPane
 from app.conversation import Conversation
 from app.controls import CacheControls
+from app.gc_guard import MainThreadGC
 from app.history import HistoryStore
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.sampling_form import SamplingForm
@@ -51,6 +52,7 @@ class MainWindow(QMainWindow):
     def __init__(self, settings: Settings, history: HistoryStore, model: str | None = None,
                  backend: EngineBackend | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        MainThreadGC.acquire()  # from now on only this (GUI) thread collects cyclic garbage
         self.setObjectName("MainWindow")
         self.setWindowTitle("KV Scope")
         self.settings = settings
@@ -549,6 +551,8 @@ class MainWindow(QMainWindow):
         self.conversation.flush()  # after the worker stopped: everything that streamed is saved
         self.conversation.closed = True  # a cancelled reply's queued signals must not touch closed history
         self.save_layout()
+        if joined:  # a worker still running must not start collections (see app/gc_guard.py)
+            MainThreadGC.release()
         return joined
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt name

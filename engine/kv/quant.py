@@ -8,8 +8,16 @@ are bit-identical to quantizing each page alone, and dequantizing a layer's page
 
 Schemes (see ``kv-cache-reference.md`` §6)
 
-int8, K and V alike, symmetric: per (…, token) one scale = absmax over head_dim / 127.
-    ``x ≈ codes * scale``; ``codes`` int8 in [-127, 127] ``[..., T, D]``; ``scale`` ``[..., T, 1]``.
+int8, symmetric, per token (values always; keys when pages are short, see below): per (…, token) one
+    scale = absmax over head_dim / 127. ``x ≈ codes * scale``; ``codes`` int8 in [-127, 127]
+    ``[..., T, D]``; ``scale`` ``[..., T, 1]`` (llama.cpp's q8_0 with one block per head).
+int8 keys, per channel (KIVI's key grouping at 8 bits), asymmetric: per (…, channel) over the page's T
+    tokens one scale and one zero: ``x ≈ code * scale + zero``, ``codes`` uint8 0..255 ``[..., T, D]``,
+    ``scale``/``zero`` ``[..., 1, D]``. Keys carry per-channel outliers and offsets that a per-token scale
+    spreads over every channel (stories260K: keys' channel absmax 4.4 to 28, per-token int8 keys flip 1.2%
+    of top-1 tokens, per-channel ones none). It costs ``2*D*s/T`` bytes per token for scales against the
+    per-token layout's ``s``, so ``int8_key_layout`` picks it whenever it is no dearer: page_size >= 2 *
+    head_dim (stories260K: 16 >= 2*8; a 64-wide head needs pages of 128). Never more bytes than q8_0.
 int4, asymmetric (``x ≈ code * scale + zero``, code in 0..15), two codes per uint8 byte:
     keys   (role "k"): per channel, grouped over the T tokens of the page: ``scale``/``zero`` ``[..., 1, D]``.
            Quantize a page only once it is full (the cache keeps the partial page in full precision).
@@ -30,7 +38,7 @@ groups (int8 absmax below ~7.8e-3) get float16-subnormal scales: the bound still
 floor of ~3e-8 per element. Inputs must be finite; float32 subnormal inputs (|x| < 1.2e-38) may flush to 0.
 
 Bytes really held (``.nbytes``; per token: ``bytes_per_token``), s = scale_dtype itemsize, H = kv heads:
-    int8        H * (D + s)
+    int8        H * (D + s); int8 keys per channel: H * (D + 2 * D * s / page_size)
     int4 keys   H * (ceil(D/2) + 2 * D * s / page_size)
     int4 values H * (ceil(D/2) + 2 * ceil(D/g) * s)
 """
@@ -50,6 +58,7 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 DEFAULT_GROUP = 32
 INT8_MAX = 127
 INT4_MAX = 15
+UINT8_MAX = 255
 
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -106,6 +115,62 @@ class QInt8:
             raise ValueError("put: source is not an int8 page with the same scale dtype")
         self.codes[index] = src.codes
         self.scale[index] = src.scale
+
+
+@dataclass(frozen=True, eq=False)
+class QInt8Keys:
+    """int8 key page(s), per channel over the page: ``x ≈ code * scale + zero``.
+
+    codes  uint8 ``[..., T, D]`` in 0..255
+    scale, zero  float16/float32 ``[..., 1, D]`` (zero <= the channel's min, zero + 255 * scale >= its max)
+    """
+
+    codes: Tensor
+    scale: Tensor
+    zero: Tensor
+    kind: ClassVar[str] = "int8"
+    role: ClassVar[str] = "k"
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.uint8:
+            raise ValueError(f"int8 key codes: dtype {self.codes.dtype} is not torch.uint8")
+        want = self.codes.shape[:-2] + (1, self.codes.shape[-1]) if self.codes.dim() >= 2 else None
+        if want is None or self.scale.shape != want or self.zero.shape != want or self.zero.dtype != self.scale.dtype:
+            raise ValueError(f"int8 key scale/zero: shapes {tuple(self.scale.shape)}/{tuple(self.zero.shape)} "
+                             f"do not fit codes {tuple(self.codes.shape)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per page (T)."""
+        return self.codes.shape[-2]
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the dequantized tensor ``[..., T, D]``."""
+        return self.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held: codes + scales + zeros."""
+        return _nbytes(self.codes) + _nbytes(self.scale) + _nbytes(self.zero)
+
+    def __getitem__(self, index) -> QInt8Keys:
+        """Select pages along the leading dims only (``q[page_ids]``, ``q[2]``, ``q[:, 1:3]``)."""
+        _check_index(index, self.codes.dim())
+        return QInt8Keys(self.codes[index], self.scale[index], self.zero[index])
+
+    def put(self, index, src: QInt8Keys) -> None:
+        """Write ``src`` into these (storage) tensors at leading-dim ``index``, in place."""
+        _check_index(index, self.codes.dim())
+        if not isinstance(src, QInt8Keys) or src.scale.dtype != self.scale.dtype:
+            raise ValueError("put: source is not a per-channel int8 key page with the same scale dtype")
+        self.codes[index] = src.codes
+        self.scale[index] = src.scale
+        self.zero[index] = src.zero
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,7 +243,7 @@ class QInt4:
         self.zero[index] = src.zero
 
 
-QuantizedPage = Union[QInt8, QInt4]
+QuantizedPage = Union[QInt8, QInt8Keys, QInt4]
 
 
 @dataclass(frozen=True)
@@ -213,6 +278,36 @@ def dequantize_int8(q: QInt8, dtype: torch.dtype = torch.float32) -> Tensor:
         # |code| <= 127 and the scale are exact in dtype: one rounding, same as the float32 route
         return q.codes.to(dtype) * q.scale  # [..., T, D]
     return (q.codes.float() * q.scale.float()).to(dtype)  # [..., T, D]
+
+
+def int8_key_layout(head_dim: int, page_size: int) -> str:
+    """"channel" when per-channel int8 keys cost no more bytes than per-token ones (page_size >= 2 * head_dim),
+    else "token". Scales and zeros are the same dtype in both layouts, so the rule does not depend on it."""
+    return "channel" if page_size >= 2 * head_dim else "token"
+
+
+def quantize_int8_keys(x: Tensor, scale_dtype: torch.dtype | str = torch.float16) -> QInt8Keys:
+    """Asymmetric int8 keys, per channel over the page's tokens (dim -2). ``x``: float ``[..., T, D]``.
+
+    Give it full pages: the statistics are taken over all T tokens of dim -2.
+    """
+    sdt = _check_input(x, scale_dtype)
+    xf = x.float()  # [..., T, D]
+    lo = xf.amin(dim=-2, keepdim=True)  # [..., 1, D]
+    hi = xf.amax(dim=-2, keepdim=True)  # [..., 1, D]
+    zero, scale = _zero_scale(lo, hi, sdt, UINT8_MAX)  # [..., 1, D] each
+    zf, sf = zero.float(), scale.float()
+    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = (xf - zf).div_(sf).round_().clamp_(0, UINT8_MAX).to(torch.uint8)  # [..., T, D]
+    return QInt8Keys(codes, scale, zero)
+
+
+def dequantize_int8_keys(q: QInt8Keys, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``code * scale + zero`` (per channel) as ``dtype`` ``[..., T, D]`` (computed in float32, contiguous)."""
+    if not isinstance(q, QInt8Keys):
+        raise ValueError(f"dequantize_int8_keys: got {type(q).__name__}")
+    x = q.codes.float().mul_(q.scale.float()).add_(q.zero.float())  # [..., T, D] * [..., 1, D] + [..., 1, D]
+    return x.to(dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------- int4
@@ -292,11 +387,14 @@ def quantize(
 ) -> QuantizedPage:
     """Quantize page(s) ``x`` ``[..., T, D]`` (dim -2 = the tokens of one page) as ``kind`` for ``role``.
 
-    kind  "int8" | "int4";  role  "k" | "v" (int8 treats both alike);  group  int4 values only.
+    kind  "int8" | "int4";  role  "k" | "v";  group  int4 values only.
+    int8 keys use ``int8_key_layout(D, T)``: per channel over the page when that is no dearer, else per token.
     One page: ``[H, T, D]``; batched: ``[N, H, P, D]`` (or a layer ``[H, N*P, D]`` viewed as ``[H, N, P, D]``).
     """
     _check_kind_role(kind, role)
     if kind == "int8":
+        if role == "k" and int8_key_layout(x.shape[-1], x.shape[-2]) == "channel":
+            return quantize_int8_keys(x, scale_dtype)
         return quantize_int8(x, scale_dtype)
     if role == "k":
         return quantize_int4_keys(x, scale_dtype)
@@ -307,6 +405,8 @@ def dequantize(q: QuantizedPage, dtype: torch.dtype = torch.float32) -> Tensor:
     """Dequantize any page object from :func:`quantize` to ``dtype`` ``[..., T, D]``."""
     if isinstance(q, QInt8):
         return dequantize_int8(q, dtype)
+    if isinstance(q, QInt8Keys):
+        return dequantize_int8_keys(q, dtype)
     if isinstance(q, QInt4):
         return dequantize_int4_keys(q, dtype) if q.role == "k" else dequantize_int4_values(q, dtype)
     raise ValueError(f"dequantize: {type(q).__name__} is not a quantized page")
@@ -321,6 +421,11 @@ def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
         if not all(isinstance(p, QInt8) for p in pages):
             raise ValueError("stack: mixed kinds")
         return QInt8(torch.stack([p.codes for p in pages]), torch.stack([p.scale for p in pages]))
+    if isinstance(first, QInt8Keys):
+        if not all(isinstance(p, QInt8Keys) for p in pages):
+            raise ValueError("stack: mixed kinds")
+        return QInt8Keys(torch.stack([p.codes for p in pages]), torch.stack([p.scale for p in pages]),
+                         torch.stack([p.zero for p in pages]))
     if not all(
         isinstance(p, QInt4) and (p.role, p.head_dim, p.group) == (first.role, first.head_dim, first.group)
         for p in pages
@@ -353,6 +458,10 @@ def allocate(
     lead = tuple(int(n) for n in lead)
     if page_size < 1 or head_dim < 1:
         raise ValueError(f"allocate: page_size {page_size} and head_dim {head_dim} must be >= 1")
+    if kind == "int8" and role == "k" and int8_key_layout(head_dim, page_size) == "channel":
+        zeros = torch.zeros(*lead, 1, head_dim, dtype=sdt, device=device)  # [*lead, 1, D]
+        return QInt8Keys(torch.zeros(*lead, page_size, head_dim, dtype=torch.uint8, device=device),  # [*lead, P, D]
+                         zeros, zeros.clone())
     if kind == "int8":
         return QInt8(
             torch.zeros(*lead, page_size, head_dim, dtype=torch.int8, device=device),  # [*lead, P, D]
@@ -379,13 +488,16 @@ def bytes_per_token(
 ) -> float:
     """Bytes held per token per layer for one of K or V: equals ``quantize(...).nbytes / page_size`` exactly.
 
-    int8: H*(D + s);  int4 k: H*(ceil(D/2) + 2*D*s/page_size);  int4 v: H*(ceil(D/2) + 2*ceil(D/g)*s),
+    int8: H*(D + s), int8 k per channel (page_size >= 2*D): H*(D + 2*D*s/page_size);
+    int4 k: H*(ceil(D/2) + 2*D*s/page_size);  int4 v: H*(ceil(D/2) + 2*ceil(D/g)*s),
     s = scale_dtype itemsize, g = min(group, D). Compare with ``H * D * itemsize`` of the model dtype.
     """
     _check_kind_role(kind, role)
     if kv_heads < 1 or head_dim < 1 or page_size < 1:
         raise ValueError("bytes_per_token: kv_heads, head_dim and page_size must be >= 1")
     s = torch.empty((), dtype=_scale_dtype(scale_dtype)).element_size()
+    if kind == "int8" and role == "k" and int8_key_layout(head_dim, page_size) == "channel":
+        return kv_heads * (head_dim * page_size + 2 * head_dim * s) / page_size  # one page's bytes / P
     if kind == "int8":
         return float(kv_heads * (head_dim + s))
     codes = (head_dim + 1) // 2
@@ -474,10 +586,10 @@ def _round_down(v: Tensor, dtype: torch.dtype) -> Tensor:
     return r.clamp_(-fmax, fmax)
 
 
-def _zero_scale(lo: Tensor, hi: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Stored (zero, scale) with zero <= lo and zero + 15*scale >= hi, in ``dtype``."""
+def _zero_scale(lo: Tensor, hi: Tensor, dtype: torch.dtype, top: int = INT4_MAX) -> tuple[Tensor, Tensor]:
+    """Stored (zero, scale) with zero <= lo and zero + top*scale >= hi, in ``dtype``."""
     zero = _round_down(lo, dtype)
-    scale = _round_up((hi - zero.float()) / INT4_MAX, dtype)
+    scale = _round_up((hi - zero.float()) / top, dtype)
     return zero, scale
 
 

@@ -2,8 +2,8 @@
 
 The page being filled (the *tail*) stays in full precision in a small per-session buffer
 ``[kv_heads, page_size, head_dim]`` per layer and role; the moment it is full it is quantized into the
-arena's page storage (KIVI's residual: int4 keys are grouped per channel over a whole page, so a key page
-can only be quantized once complete). Reads dequantize one layer at a time: the pages of that layer in one
+arena's page storage (KIVI's residual: int4 keys, and int8 keys where that is no dearer, are grouped per
+channel over a whole page, so a key page can only be quantized once complete). Reads dequantize one layer at a time: the pages of that layer in one
 batched call, then the tail, so the transient full-precision copy is one layer's K or V, never the cache.
 
 A role left at ``auto`` is stored exactly as ``PagedKV`` stores it.
@@ -88,7 +88,10 @@ class QuantPagedKV(PagedKV):
             if isinstance(q, quant.QInt8):
                 scale = q.scale.reshape(H, full * P, 1).to(arena.dtype)  # [H, full*P, 1] (small)
                 torch.mul(q.codes.reshape(H, full * P, D), scale, out=dst)  # codes × scale in one pass
-            else:
+            elif isinstance(q, quant.QInt8Keys) and arena.dtype == torch.float32:
+                dst4 = dst.view(H, full, P, D)  # [H, full, P, D]
+                torch.mul(q.codes, q.scale.float(), out=dst4).add_(q.zero.float())  # × [H, full, 1, D] + zero
+            else:  # computed in float32, one rounding to the cache dtype
                 dst.copy_(quant.dequantize(q, arena.dtype).reshape(H, full * P, D))
         if fill:
             buf[:, full * P:n].copy_(self.tail[role][layer][:, :fill])  # [H, fill, D]
