@@ -8,6 +8,7 @@ dropped, so a stopped or replaced reply never writes into the pane.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.snapshot import CacheSnapshot, ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz
-PANEL_EVERY = 2  # one live panel every other refresh (12.5 Hz in all): each panel redraws at ~3 Hz
+PANEL_INTERVAL_S = 0.08  # one live panel at most every 80 ms (12.5 Hz in all): each panel redraws at ~3 Hz
+PANEL_BUDGET = 0.04  # ...and live panels (update + paint) get at most 4% of the GUI thread's time
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
 
 
@@ -66,7 +68,8 @@ class MainWindow(QMainWindow):
         self._applied_cache = self._cache_from_settings()
         self._loading = False
         self._turn = 0
-        self._ticks = 0
+        self._panel_next = 0.0  # perf_counter() time the next live panel may redraw
+        self.panel_seconds = 0.0  # time spent updating and painting live panels (self-test, benchmarks)
         self._shown: dict[str, CacheSnapshot] = {}  # the snapshot each live panel drew last
         self._closing = False
         self.trace = CacheTrace()
@@ -473,17 +476,19 @@ class MainWindow(QMainWindow):
         self.settings.set("panels/enabled", self._panels_enabled)
 
     def _tick(self) -> None:
-        """One refresh: streamed text, then ONE live panel (round robin) gets the latest snapshot.
+        """One refresh: streamed text, then at most ONE live panel (round robin) gets the latest snapshot.
 
         Spreading the panels over ticks keeps each tick short, so the event loop stays responsive while
-        the worker thread (which competes for the GIL) streams tokens.
+        the worker thread (which competes for the GIL) streams tokens. The panel is painted right away and
+        the time it took sets when the next one may draw (``PANEL_BUDGET``): on a slow or busy machine the
+        panels redraw less often instead of slowing the reply down.
         """
         self.chat.render()
         snap = self._latest
         if snap is None:
             return
-        self._ticks += 1
-        if self._panels_enabled and self._ticks % PANEL_EVERY == 0:
+        now = time.perf_counter()
+        if self._panels_enabled and now >= self._panel_next:
             live = (self.occupancy, self.page_map, self.timing, self.memory)
             for _ in range(len(live)):
                 self._turn = (self._turn + 1) % len(live)
@@ -491,6 +496,10 @@ class MainWindow(QMainWindow):
                 if panel.isVisible() and self._shown.get(panel.objectName()) is not snap:  # hidden docks skip
                     self._shown[panel.objectName()] = snap
                     panel.show_snapshot(snap)
+                    panel.repaint()  # paint now, so its cost is counted here and not in a later event
+                    spent = time.perf_counter() - now
+                    self.panel_seconds += spent
+                    self._panel_next = now + max(PANEL_INTERVAL_S, spent / PANEL_BUDGET)
                     break
         if not self._snapshot_dirty:
             return
