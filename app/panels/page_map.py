@@ -7,6 +7,7 @@ full a page is. Hover a cell for its page id, tokens, fill, ref count and owner.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -56,6 +57,13 @@ def page_grid(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     return grid.reshape(rows, cols)
 
 
+@functools.cache
+def _tables() -> tuple[np.ndarray, np.ndarray]:
+    """RGB rows of the page-state colours ``[S, 3]`` and of the turn colours ``[K, 3]`` (made once)."""
+    return (np.stack([_rgb(STATE_COLOURS[i]) for i in range(len(STATE_COLOURS))]),
+            np.stack([_rgb(c) for c in TURN_COLOURS]))
+
+
 def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     """``[rows, cols, 4]`` uint8 RGBA: state colour (owner turn colour for active pages) scaled by fill."""
     cols = cols or grid_columns(snap.num_pages)
@@ -63,8 +71,7 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     state = np.asarray(snap.page_state[:n]).astype(np.int64)
     owner = np.asarray(snap.page_owner[:n]).astype(np.int64)
     fill = np.asarray(snap.page_fill[:n]).astype(np.float64)
-    table = np.stack([_rgb(STATE_COLOURS[i]) for i in range(len(STATE_COLOURS))])  # [S, 3]
-    turns = np.stack([_rgb(c) for c in TURN_COLOURS])  # [K, 3]
+    table, turns = _tables()  # [S, 3], [K, 3]
     rgb = table[np.clip(state, 0, len(table) - 1)]  # [n, 3]
     active = (state == PAGE_ACTIVE) & (owner >= 0)
     rgb[active] = turns[owner[active] % len(turns)]

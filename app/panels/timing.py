@@ -17,6 +17,14 @@ PREVIOUS = "#8a919c"
 PREFILL = "#ffb347"
 
 
+def _p98(a: np.ndarray) -> float:
+    """98th percentile (nearest rank) by one partial sort: cheaper than np.percentile on every redraw."""
+    if not len(a):
+        return 0.0
+    k = min(len(a) - 1, int(0.98 * len(a)))
+    return float(np.partition(a, k)[k])
+
+
 class TokenSeries:
     """Growable arrays of one reply's per-token step times (doubling, so appends stay O(1))."""
 
@@ -100,6 +108,8 @@ class TimingPanel(Panel):
         self.previous: TokenSeries | None = None
         self._dirty = False
         self._generation_id = 0
+        self._prev_drawn: TokenSeries | None = None  # the previous reply never changes: drawn once
+        self._prev_top = (0.0, 0.0)  # its 98th-percentile latency and tok/s
 
     # data in ------------------------------------------------------------------------------------------
     def begin_reply(self, generation_id: int, label: str) -> None:
@@ -126,14 +136,20 @@ class TimingPanel(Panel):
             return
         self._dirty = False
         cur, prev = self.current, self.previous
-        self.latency.setData(cur.x(), cur.decode_ms)
-        self.tps.setData(cur.x(), cur.rolling_tps())
-        if prev is not None:
-            self.prev_latency.setData(prev.x(), prev.decode_ms)
-            self.prev_tps.setData(prev.x(), prev.rolling_tps())
-        else:
-            self.prev_latency.setData([], [])
-            self.prev_tps.setData([], [])
+        x, cur_tps = cur.x(), cur.rolling_tps()
+        self.latency.setData(x, cur.decode_ms)
+        self.tps.setData(x, cur_tps)
+        if prev is not self._prev_drawn:
+            self._prev_drawn = prev
+            if prev is not None:
+                prev_tps = prev.rolling_tps()
+                self.prev_latency.setData(prev.x(), prev.decode_ms)
+                self.prev_tps.setData(prev.x(), prev_tps)
+                self._prev_top = (_p98(prev.decode_ms), _p98(prev_tps))
+            else:
+                self.prev_latency.setData([], [])
+                self.prev_tps.setData([], [])
+                self._prev_top = (0.0, 0.0)
         prev_prefill = prev.prefill_ms if prev is not None else 0.0
         self.prefill_bars.setOpts(x=[0, 1], height=[prev_prefill, cur.prefill_ms])
         self.ttft_text.setText(f"{cur.prefill_ms:.0f} ms" if cur.prefill_ms else "")
@@ -142,8 +158,9 @@ class TimingPanel(Panel):
         decode = cur.decode_ms
         n_max = max(cur.n, prev.n if prev is not None else 0)
         self.x_range.fit(n_max + 1)
-        self._fit_y(self.y_latency, [cur.decode_ms] + ([prev.decode_ms] if prev is not None else []))
-        self._fit_y(self.y_tps, [cur.rolling_tps()] + ([prev.rolling_tps()] if prev is not None else []))
+        # the 98th percentile, so one slow outlier token does not flatten the curve
+        self.y_latency.fit(max(_p98(decode), self._prev_top[0]) * 1.05)
+        self.y_tps.fit(max(_p98(cur_tps), self._prev_top[1]) * 1.05)
         tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
         if not cur.n and not cur.prefill_ms and prev is None:
             self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
@@ -158,13 +175,6 @@ class TimingPanel(Panel):
             text += f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {1000 * prev.n / max(p_dec.sum(), 1e-9):.1f} tok/s</span>"
         self.caption.setText(text)
         self._count()
-
-    @staticmethod
-    def _fit_y(rng: StickyRange, arrays: list[np.ndarray]) -> None:
-        # the 98th percentile, so one slow outlier token does not flatten the curve
-        data = np.concatenate([a for a in arrays if len(a)]) if any(len(a) for a in arrays) else None
-        if data is not None:
-            rng.fit(float(np.percentile(data, 98)) * 1.05)
 
     def clear(self) -> None:
         for rng in (self.x_range, self.y_latency, self.y_tps, self.y_prefill):
