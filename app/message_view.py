@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
@@ -145,7 +147,8 @@ class MessageView(QFrame):
             return False
         self._dirty = False
         if self.role == "error":
-            self.body.setText(f"<span style='color:#ff8080'>{self.text}</span>")
+            lines = html.escape(self.text).replace("\n", "<br>")  # plain text: escaped, line breaks kept
+            self.body.setText(f"<span style='color:#ff8080'>{lines}</span>")
         elif self.role == "user":
             self.body.setText(to_html(self.text) if self.text else "")
         else:
