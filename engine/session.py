@@ -37,7 +37,7 @@ from engine.errors import ContextOverflowError, EngineError
 from engine.kv.attention import SCORES_IMPL, Rerotator, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.pool import FLAG_OFFLOADED, FLAG_PINNED, FLAG_QUANTIZED
-from engine.kv.storage import ContiguousKV, KVStore, PageArena, PagedKV
+from engine.kv.storage import ContiguousKV, HostKV, KVStore, PageArena, PagedKV
 from engine.loader import LoadedModel
 from engine.policies import EvictionPolicy, PolicyState, StreamingPolicy, get_policy
 from engine.sampling import Sampler
@@ -105,8 +105,7 @@ class ChatSession:
         self._next_rope = 0
         self._scores: list[torch.Tensor] | None = None  # per layer [Hkv, n_phys] accumulated attention
         self._rerotator: Rerotator | None = None
-        self._host: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # swapped-out K/V per layer
-        self._host_owner: list[int] = []
+        self._host: HostKV | None = None  # swapped-out K/V (swap_out / swap_in)
         self.protected = 0  # logical [0, protected): system prompt + first message
         self._priorities: np.ndarray | None = None
         self.evicted_total = 0
@@ -675,36 +674,18 @@ class ChatSession:
             raise EngineError("cannot swap out during a reply")
         if self.store is None or self._host is not None or self.n_phys == 0:
             return 0
-        pin = self.lm.device.type == "cuda"
-        host = []
-        moved = 0
-        for layer in range(self.info.num_layers):
-            k, v = self.store.read_layer(layer)  # [H, n, D]
-            hk = torch.empty(k.shape, dtype=k.dtype, device="cpu", pin_memory=pin)
-            hv = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
-            hk.copy_(k)
-            hv.copy_(v)
-            host.append((hk, hv))
-            moved += hk.numel() * hk.element_size() * 2
-        if isinstance(self.store, PagedKV):
-            pool = self.store.arena.pool
-            self._host_owner = [pool.owner[p] for p in self.store.table.pages]
-        self._host_len = self.n_phys
+        # Quantized pages travel as they are held (codes + scales), so a swapped int8 chat costs int8 bytes.
+        host = self.store.to_host(pin=self.lm.device.type == "cuda")
         self.store.free()
         self._host = host
-        return moved
+        return host.nbytes
 
     def swap_in(self) -> None:
         """Bring swapped-out K/V back into the cache (called automatically before the next turn)."""
         if self._host is None:
             return
         host, self._host = self._host, None
-        n = self._host_len
-        dev = self.lm.device
-        self.store.begin_rewrite(n, owners=self._host_owner or None)
-        for layer, (hk, hv) in enumerate(host):
-            self.store.rewrite_layer(layer, hk.to(dev, non_blocking=True), hv.to(dev, non_blocking=True))
-        self.store.end_rewrite()
+        self.store.from_host(host)
 
     def fork(self) -> "ChatSession":
         """A new session with the same conversation; paged caches share full pages (copy-on-write)."""
@@ -773,10 +754,11 @@ class ChatSession:
             fill = np.asarray(pool.fill, dtype=np.int32)
             if self._host is not None:  # swapped out: its pages live in host memory, shown after the pool
                 P = store.page_size
-                host_pages = -(-self._host_len // P)
+                host_len = self._host.n
+                host_pages = -(-host_len // P)
                 state = np.concatenate([state, np.full(host_pages, snap.PAGE_OFFLOADED, dtype=np.int8)])
-                owner = np.concatenate([owner, np.asarray(self._host_owner[:host_pages], dtype=np.int32)])
-                fill = np.concatenate([fill, np.asarray([min(P, self._host_len - i * P) for i in range(host_pages)],
+                owner = np.concatenate([owner, np.asarray(self._host.owners[:host_pages], dtype=np.int32)])
+                fill = np.concatenate([fill, np.asarray([min(P, host_len - i * P) for i in range(host_pages)],
                                                         dtype=np.int32)])
                 ref = np.concatenate([ref, np.ones(host_pages, dtype=np.int32)])
             num_pages = len(state)
@@ -789,9 +771,8 @@ class ChatSession:
             ref = np.zeros(0, dtype=np.int32)
             pages_used = np.zeros(L, dtype=np.int64)
         if self._host is not None:
-            per = sum(hk.numel() * hk.element_size() * 2 for hk, _ in self._host[:1])
-            bytes_per_layer = np.full(L, per, dtype=np.int64)
-            tokens_per_layer = np.full(L, self._host_len, dtype=np.int64)
+            bytes_per_layer = np.full(L, self._host.nbytes // L, dtype=np.int64)  # host bytes, all layers alike
+            tokens_per_layer = np.full(L, self._host.n, dtype=np.int64)
         else:
             bytes_per_layer = np.asarray(store.bytes_per_layer() if store is not None else [0] * L, dtype=np.int64)
             tokens_per_layer = np.full(L, n_phys, dtype=np.int64)

@@ -441,6 +441,17 @@ def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
     )
 
 
+def map_tensors(q: QuantizedPage, fn) -> QuantizedPage:
+    """The same page object with ``fn`` applied to each of its tensors (``lambda t: t.to("cpu")``, ...)."""
+    if isinstance(q, QInt8):
+        return QInt8(fn(q.codes), fn(q.scale))
+    if isinstance(q, QInt8Keys):
+        return QInt8Keys(fn(q.codes), fn(q.scale), fn(q.zero))
+    if isinstance(q, QInt4):
+        return QInt4(fn(q.codes), fn(q.scale), fn(q.zero), q.role, q.head_dim, q.group)
+    raise ValueError(f"map_tensors: {type(q).__name__} is not a quantized page")
+
+
 def allocate(
     kind: str,
     role: str,

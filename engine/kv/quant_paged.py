@@ -15,7 +15,7 @@ import torch
 
 from engine.kv import quant
 from engine.kv.pool import FLAG_QUANTIZED
-from engine.kv.storage import PageArena, PagedKV
+from engine.kv.storage import HostKV, PageArena, PagedKV, host_copy
 
 ROLES = ("k", "v")
 
@@ -180,6 +180,49 @@ class QuantPagedKV(PagedKV):
     def end_rewrite(self) -> None:
         super().end_rewrite()
         self._pages_t = None
+
+    # -- swap: quantized pages travel as they are held (codes + scales), the tail in full precision -------
+    def to_host(self, pin: bool = False) -> HostKV:
+        n = self.num_tokens
+        full, fill = divmod(n, self.arena.page_size)
+        pages = torch.tensor(self.table.pages[:full], dtype=torch.long, device=self.arena.device)
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            fp = self.read_layer(layer) if "auto" in self.kinds.values() else None  # [H, n, D] each
+            entry = {}
+            for i, role in enumerate(ROLES):
+                if self.kinds[role] == "auto":
+                    entry[role] = host_copy(fp[i], pin)
+                    nbytes += entry[role].numel() * entry[role].element_size()
+                    continue
+                q = quant.map_tensors(self.arena.q[role][layer][:, pages], lambda t: host_copy(t, pin))
+                tail = host_copy(self.tail[role][layer][:, :fill], pin)  # [H, fill, D]
+                entry[role] = (q, tail)
+                nbytes += q.nbytes + tail.numel() * tail.element_size()
+            layers.append(entry)
+        owners = [self.arena.pool.owner[p] for p in self.table.pages]
+        return HostKV(n, layers, nbytes, owners)
+
+    def from_host(self, host: HostKV) -> None:
+        arena, dev = self.arena, self.arena.device
+        full, fill = divmod(host.n, arena.page_size)
+        self.begin_rewrite(host.n, owners=host.owners or None)
+        ids = self._pages_t[:full]
+        for layer, entry in enumerate(host.layers):
+            for role in ROLES:
+                if self.kinds[role] == "auto":
+                    self._write_fp(role, layer, entry[role].to(dev, non_blocking=True))
+                    continue
+                q, tail = entry[role]
+                if full:
+                    arena.q[role][layer].put((slice(None), ids),
+                                             quant.map_tensors(q, lambda t: t.to(dev, non_blocking=True)))
+                if fill:
+                    self.tail[role][layer][:, :fill].copy_(tail)
+        if any(kind != "auto" for kind in self.kinds.values()):
+            for p in self.table.pages[:full]:
+                arena.pool.set_flag(p, FLAG_QUANTIZED)
+        self.end_rewrite()
 
     def fork(self, session_id: int = -1) -> "QuantPagedKV":
         other = QuantPagedKV(self.arena, session_id, self.table.fork(session_id))

@@ -19,10 +19,32 @@ Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from engine.kv.block_table import BlockTable
 from engine.kv.pool import PagePool
+
+
+@dataclass
+class HostKV:
+    """A session's K/V moved to host memory by ``KVStore.to_host``; ``from_host`` of the same kind of store
+    brings it back. ``layers`` is per layer whatever that store keeps (full-precision tensors, or quantized
+    pages exactly as held: codes and scales, never dequantized)."""
+
+    n: int  # tokens per layer
+    layers: list[Any]
+    nbytes: int  # host bytes held, all layers
+    owners: list[int] = field(default_factory=list)  # paged stores: owner turn of each page
+
+
+def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` copied into a new host tensor (page-locked when ``pin``, so the copy back can be asynchronous)."""
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    h.copy_(t)
+    return h
 
 
 class KVStore:
@@ -81,6 +103,24 @@ class KVStore:
     def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached K/V of a layer, ``[kv_heads, num_tokens, head_dim]`` each (for copies and tests)."""
         raise NotImplementedError
+
+    # -- swap ------------------------------------------------------------------------------------------
+    def to_host(self, pin: bool = False) -> HostKV:
+        """Copy every layer's K/V to host memory (the store itself is left as is: ``free()`` it after)."""
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            k, v = self.read_layer(layer)  # [H, n, D]
+            hk, hv = host_copy(k, pin), host_copy(v, pin)
+            layers.append((hk, hv))
+            nbytes += hk.numel() * hk.element_size() + hv.numel() * hv.element_size()
+        return HostKV(self.num_tokens, layers, nbytes)
+
+    def from_host(self, host: HostKV) -> None:
+        """Replace the content with what ``to_host`` saved."""
+        self.begin_rewrite(host.n, owners=host.owners or None)
+        for layer, (hk, hv) in enumerate(host.layers):
+            self.rewrite_layer(layer, hk.to(self.device, non_blocking=True), hv.to(self.device, non_blocking=True))
+        self.end_rewrite()
 
     # -- compaction (eviction) -------------------------------------------------------------------------
     def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
@@ -351,6 +391,11 @@ class PagedKV(KVStore):
         """The table holding the current content (the old one while a rewrite is in progress)."""
         old = getattr(self, "_old_table", None)
         return old if old is not None else self.table
+
+    def to_host(self, pin: bool = False) -> HostKV:
+        host = super().to_host(pin)
+        host.owners = [self.arena.pool.owner[p] for p in self.table.pages]
+        return host
 
     def read_layer(self, layer):
         table = self._source_table

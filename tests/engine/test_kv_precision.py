@@ -96,8 +96,10 @@ def test_lossy_switch_mid_reply_completes_and_shows_new_mode(stories):
     assert snaps[70].kv_bytes > snaps[69].kv_bytes  # dequantized back to float32
 
 
-@pytest.mark.parametrize("cache", [CacheConfig(mode="paged", page_size=4), CacheConfig(mode="contiguous")],
-                         ids=["paged", "contiguous"])
+@pytest.mark.parametrize("cache", [CacheConfig(mode="paged", page_size=4), CacheConfig(mode="contiguous"),
+                                   CacheConfig(mode="paged", page_size=16, k_dtype="int8", v_dtype="int8"),
+                                   CacheConfig(mode="paged", page_size=16, k_dtype="int4", v_dtype="int4")],
+                         ids=["paged", "contiguous", "paged-int8", "paged-int4"])
 def test_swap_out_and_back_gives_identical_tokens(stories, cache):
     msgs = [{"role": "user", "content": "Tell me a story."}]
 
@@ -128,3 +130,32 @@ def test_swap_out_and_back_gives_identical_tokens(stories, cache):
     assert swapped.offloaded and swapped.kv_bytes == 0
     if cache.mode == "paged":
         assert (swapped.page_state == snap.PAGE_OFFLOADED).sum() == swapped.pages_used_per_layer[0] > 0
+
+
+@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4", "int4"), ("int8", "auto"), ("auto", "int4")])
+def test_swap_keeps_quantized_pages_as_held(stories, k, v):
+    """A quantized chat swaps out at its quantized size (codes + scales + the full-precision tail page, the
+    bytes its snapshot showed) and comes back bit for bit, not re-quantized from a dequantized copy."""
+    s = ChatSession(stories, CacheConfig(mode="paged", page_size=16, k_dtype=k, v_dtype=v))
+    s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=45, ignore_eos=True))
+    while not s.step().done:
+        pass
+    held = s.snapshot().kv_bytes
+    n = s.n_phys
+    assert n % 16 and n > 32  # full pages and a partial tail
+    before = [tuple(t.clone() for t in s.store.read_layer(layer)) for layer in range(s.info.num_layers)]
+    arena = s.store.arena
+    full, fill = divmod(n, 16)
+    token_fp = arena.kv_heads * arena.head_dim * arena.elem_bytes  # one token of K or V, float32
+    want = s.info.num_layers * sum(
+        n * token_fp if kind == "auto" else full * arena.role_page_bytes(role, True) + fill * token_fp
+        for role, kind in (("k", k), ("v", v)))
+    moved = s.swap_out()
+    assert moved == want and moved < held  # the cache holds whole pages; the host only the tokens
+    assert s.snapshot().bytes_per_layer.sum() == moved
+    s.swap_in()
+    assert s.snapshot().kv_bytes == held
+    for layer, (bk, bv) in enumerate(before):
+        ak, av = s.store.read_layer(layer)
+        assert torch.equal(ak, bk) and torch.equal(av, bv)
+    s.close()
