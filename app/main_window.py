@@ -21,13 +21,14 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QProgressBar,
+    QToolButton,
     QWidget,
 )
 
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
-from app.conversation import Conversation
 from app.controls import CacheControls
+from app.conversation import Conversation
 from app.gc_guard import MainThreadGC
 from app.history import HistoryStore
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
@@ -200,7 +201,15 @@ class MainWindow(QMainWindow):
         for w in (self.status_model, self.status_device, self.status_mode, self.status_context, self.status_speed):
             w.setObjectName("statusField")
             bar.addPermanentWidget(w)
-        bar.addWidget(self.load_progress)
+        self.load_cancel = QToolButton()
+        self.load_cancel.setText("Cancel")
+        self.load_cancel.setToolTip("Stop loading this model (the model loaded before stays in use)")
+        self.load_cancel.setVisible(False)
+        self.load_cancel.clicked.connect(self.cancel_load)
+        # Permanent widgets: a normal status-bar widget is hidden while a message shows, and every
+        # progress step of a load is a message.
+        bar.insertPermanentWidget(0, self.load_progress)
+        bar.insertPermanentWidget(1, self.load_cancel)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
@@ -297,9 +306,19 @@ class MainWindow(QMainWindow):
         self._loading_spec = spec
         self.chat.set_ready(False, f"Loading {spec.source}…")
         self.load_progress.setRange(0, 0)
-        self.load_progress.setVisible(True)
+        self._show_loading(True)
         self.status_model.setText(f"loading {Path(spec.source).name or spec.source}…")
         self.engine.load(spec, self._applied_cache)
+
+    def cancel_load(self) -> None:
+        """Stop the model load in progress; the chat goes on with the model loaded before (or the demo)."""
+        if self._loading:
+            self.statusBar().showMessage("cancelling the load…")
+            self.engine.cancel_load()
+
+    def _show_loading(self, on: bool) -> None:
+        self.load_progress.setVisible(on)
+        self.load_cancel.setVisible(on)
 
     def _on_progress(self, message: str, fraction: float) -> None:
         self.statusBar().showMessage(message)
@@ -313,7 +332,7 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, info: ModelInfo) -> None:
         self._loading = False
         self.info = info
-        self.load_progress.setVisible(False)
+        self._show_loading(False)
         self.statusBar().showMessage(f"{info.name} ready", 4000)
         self.status_model.setText(f"<b>{info.name}</b>")
         self.status_model.setToolTip(info.source)
@@ -403,7 +422,7 @@ class MainWindow(QMainWindow):
     def _on_failed(self, generation_id: int, message: str) -> None:
         if generation_id == -1:  # load failure
             self._loading = False
-            self.load_progress.setVisible(False)
+            self._show_loading(False)
             if self.info is None and getattr(self, "_loading_spec", None) is not None \
                     and self._loading_spec.source != "demo":
                 self.show_error(f"{message}\nOpening the built-in demo model instead.")

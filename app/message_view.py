@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal

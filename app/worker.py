@@ -30,7 +30,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, LoadCancelled
 
 
 def _log(exc: BaseException) -> None:
@@ -56,7 +56,7 @@ def _describe(exc: BaseException) -> str:
 class EngineBackend:
     """How the worker reaches the engine. Injected in tests; the default imports torch lazily."""
 
-    load: Callable[[ModelSpec, Callable[..., None]], Any]
+    load: Callable[[ModelSpec, Callable[..., None], threading.Event], Any]  # (spec, progress, cancel)
     make_session: Callable[[Any, CacheConfig], Any]
     probe: Callable[[], dict] = lambda: {}
     # One session per chat (``engine.session_pool.SessionPool``); None: one session for every chat.
@@ -66,10 +66,10 @@ class EngineBackend:
 def default_backend() -> EngineBackend:
     """The real engine. Imports torch/transformers on the calling (worker) thread."""
 
-    def load(spec: ModelSpec, progress: Callable[..., None]) -> Any:
+    def load(spec: ModelSpec, progress: Callable[..., None], cancel: threading.Event) -> Any:
         from engine.loader import load_model
 
-        return load_model(spec, progress=progress)
+        return load_model(spec, progress=progress, cancel=cancel)
 
     def make_session(loaded: Any, cache: CacheConfig) -> Any:
         from engine.session import ChatSession
@@ -110,6 +110,7 @@ class EngineWorker(QObject):
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
         self._backend = backend or default_backend()
+        self.load_cancel = threading.Event()  # set from the GUI thread: the running load stops at its next tensor
         self._loaded: Any = None
         self._session: Any = None  # the active chat's session
         self._pool: Any = None  # sessions by chat (when the backend has a pool)
@@ -136,7 +137,8 @@ class EngineWorker(QObject):
                 frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
                 self.progress.emit(str(msg), frac)
 
-            loaded = self._backend.load(spec, report)
+            self.load_cancel.clear()  # a cancel meant for an earlier load does not stop this one
+            loaded = self._backend.load(spec, report, self.load_cancel)
             try:
                 self.environment.emit(self._backend.probe())
             except Exception:  # noqa: BLE001 - facts are optional
@@ -154,7 +156,10 @@ class EngineWorker(QObject):
             self._emit_idle_snapshot()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
             _log(exc)
-            self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
+            if isinstance(exc, LoadCancelled):
+                self.failed.emit(-1, f"Loading {spec.source} was cancelled.")
+            else:
+                self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
 
     @Slot(int, object, object, object)
     def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
@@ -328,10 +333,16 @@ class EngineThread(QObject):
     def apply_cache_config(self, cache: CacheConfig) -> None:
         self._apply.emit(cache)
 
+    def cancel_load(self) -> None:
+        """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
+        loaded before, if any, stays in use."""
+        self.worker.load_cancel.set()
+
     def shutdown(self, timeout_ms: int = 2000) -> bool:
         """Cancel any reply, stop the thread's loop and join it. True if the thread ended in time."""
         if not self.thread.isRunning():
             return True
         self.worker.request_cancel()
+        self.worker.load_cancel.set()  # a load in progress ends at its next tensor, not after the whole model
         self._stop.emit()  # queued behind at most one step
         return self.thread.wait(timeout_ms)

@@ -37,3 +37,7 @@ class CacheCapacityError(EngineError):
 
 class OfflineError(ModelNotFoundError):
     """A download was needed but the hub cannot be reached."""
+
+
+class LoadCancelled(EngineError):
+    """The caller cancelled a model load (the previously loaded model, if any, stays in use)."""

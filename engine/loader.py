@@ -6,9 +6,11 @@ failure is a typed ``EngineError`` with a one-line reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +20,7 @@ import torch
 from engine.config import ModelSpec
 from engine.errors import (
     EngineError,
+    LoadCancelled,
     ModelFormatError,
     ModelNotFoundError,
     OfflineError,
@@ -174,10 +177,22 @@ def check_folder(folder: Path, spec: ModelSpec) -> dict:
 
 
 # -- loading ----------------------------------------------------------------------------------------------
-def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> LoadedModel:
-    """Load ``spec`` (a ``ModelSpec`` or a source string). Raises ``EngineError`` subclasses."""
+def load_model(spec: ModelSpec | str, progress: Progress | None = None,
+               cancel: threading.Event | None = None) -> LoadedModel:
+    """Load ``spec`` (a ``ModelSpec`` or a source string). Raises ``EngineError`` subclasses.
+
+    ``progress(message, fraction)`` is called at each stage and while the weights load (per tensor);
+    setting ``cancel`` (from any thread) stops the load at the next stage or tensor with ``LoadCancelled``,
+    and what was loaded so far is released.
+    """
     if isinstance(spec, str):
         spec = ModelSpec(source=spec)
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled(f"loading {spec.source} was cancelled")
+
+    check()
     device, reason = choose_device(spec.device)
     if spec.source == "demo":
         from engine.demo import build_demo
@@ -189,6 +204,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
         return wrap_model(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
 
     folder = resolve_source(spec, progress)
+    check()
     cfg = check_folder(folder, spec)
     if progress:
         progress(f"loading {folder.name}", 0.1)
@@ -221,6 +237,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
     if tok is None or not hasattr(tok, "decode"):
         raise ModelFormatError(f"no usable tokenizer in {folder}")
 
+    check()
     dtype = _choose_dtype(spec, config, device)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -232,19 +249,54 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None) -> Loade
         kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        with _weights_progress(folder.name, progress, check):
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except LoadCancelled:
+        raise
     except torch.OutOfMemoryError:
         raise EngineError(f"out of memory loading {folder.name} on {device}: try 8-bit/4-bit or the CPU") from None
     except ImportError as e:
         raise EngineError(f"missing package for {folder.name}: {str(e).splitlines()[0]}") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
+    check()
+    if progress:
+        progress(f"moving {folder.name} to {device}", 0.97)
     if spec.quantization == "none":
         model.to(device)
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
     return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+
+
+@contextlib.contextmanager
+def _weights_progress(name: str, progress: Progress | None, check: Callable[[], None]):
+    """While transformers loads weights: report ``progress`` per tensor (fractions 0.15..0.95) and call
+    ``check`` (which raises ``LoadCancelled``) before each one, through transformers' public tqdm hook."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        bar = factory(*args, **kwargs)
+        if kwargs.get("desc") != "Loading weights" or not args or not hasattr(args[0], "__len__"):
+            return bar
+        items, total = args[0], max(len(args[0]), 1)
+        every = max(1, total // 50)
+
+        def tensors():
+            for i, item in enumerate(items):
+                check()
+                if progress and i % every == 0:
+                    progress(f"loading {name}: tensor {i + 1} of {total}", 0.15 + 0.8 * i / total)
+                yield item
+
+        return tensors()
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
 
 
 def quiet_transformers() -> None:

@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--frames", type=int, default=0, help="quit after N frames (0: run until closed)")
     ns = args.parse_args(argv)
-    import app  # noqa: F401 - PySide6 fix
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication, QGridLayout, QWidget
 
+    import app  # noqa: F401 - PySide6 fix
     from app.panels import MemoryPanel, OccupancyPanel, PageMapPanel, TimingPanel
     from app.theme import apply_theme
 

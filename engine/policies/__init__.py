@@ -5,6 +5,7 @@ reporting. The GUI builds its controls from each policy's ``Params`` dataclass (
 ``metadata={"min", "max", "help"}``).
 """
 
+# ruff: noqa: I001 - the import order is the registry order, which is the GUI menu order
 from engine.policies.base import EvictionPolicy, PolicyState, get_policy, policy_names, registry
 from engine.policies.streaming import StreamingPolicy  # noqa: I001  (registry order = menu order)
 from engine.policies.h2o import H2OPolicy

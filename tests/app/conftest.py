@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import app  # noqa: E402,F401 - applies the PySide6 refcount fix before any Qt call
 import pytest  # noqa: E402
+
+import app  # noqa: E402,F401 - applies the PySide6 refcount fix before any Qt call
 
 
 @pytest.fixture

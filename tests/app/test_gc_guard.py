@@ -6,8 +6,9 @@ import gc
 import threading
 import weakref
 
-from app.gc_guard import MainThreadGC
 from app_helpers import close_window, open_window
+
+from app.gc_guard import MainThreadGC
 
 
 class _Node:

@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
+from app_helpers import close_window, open_window, wait_reply
 
 from app.worker import EngineBackend
-from app_helpers import close_window, open_window, wait_reply
 from engine.config import ModelSpec
 
 
@@ -92,7 +92,7 @@ class _Raising:
 def test_raising_engine_becomes_a_message_and_the_window_keeps_working(qtbot, data_dir):
     from app_helpers import make_info
 
-    backend = EngineBackend(load=lambda spec, progress: type("L", (), {"info": make_info()})(),
+    backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": make_info()})(),
                             make_session=lambda loaded, cache: _Raising())
     w = open_window(qtbot, data_dir, "demo", backend=backend)
     try:
@@ -201,3 +201,40 @@ def test_hf_cache_scan_lists_model_snapshots(tmp_path):
     (tmp_path / "hub" / "models--other--no-config" / "snapshots" / "1").mkdir(parents=True)
     assert scan_hf_cache(str(tmp_path / "hub")) == [("someone/tiny-llm", str(snap))]
     assert scan_hf_cache(str(tmp_path / "missing")) == []
+
+
+def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
+    """File ▸ Models picks a big model; the user presses Cancel in the status bar while its weights load:
+    the load stops, the message says so, and the chat goes on with the model loaded before."""
+    import threading
+
+    from app_helpers import make_info
+
+    from engine.config import ModelSpec
+    from engine.errors import LoadCancelled
+
+    started = threading.Event()
+
+    def load(spec, progress, cancel):
+        if spec.source == "demo":
+            return type("L", (), {"info": make_info(name="first")})()
+        started.set()
+        progress("loading big: tensor 1 of 500", 0.2)
+        if not cancel.wait(30):
+            raise AssertionError("the cancel never reached the worker")
+        raise LoadCancelled("loading big was cancelled")
+
+    backend = EngineBackend(load=load, make_session=lambda loaded, cache: _Raising())
+    w = open_window(qtbot, data_dir, "demo", backend=backend)
+    try:
+        w.load_model(ModelSpec(source="/models/big"))
+        qtbot.waitUntil(started.is_set, timeout=5_000)
+        qtbot.waitUntil(lambda: w.load_progress.value() == 20, timeout=5_000)
+        assert w.load_cancel.isVisible() and w.load_progress.isVisible()
+        with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
+            w.load_cancel.click()
+        assert blocker.args[0] == "Loading /models/big was cancelled."
+        assert w.info.name == "first" and not w.load_cancel.isVisible() and not w._loading
+        assert w.chat.send_button.isEnabled()
+    finally:
+        close_window(w)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from app.history import HistoryStore
-
 from conftest import REPO
+
+from app.history import HistoryStore
 
 
 def test_chats_messages_and_incremental_append(tmp_path):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from app_helpers import make_info, make_snapshot
 
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.panels.occupancy import occupancy_stack
 from app.panels.page_map import PAD, STATE_COLOURS, TURN_COLOURS, _rgb, page_colours, page_grid, upscale
 from engine.snapshot import TOKEN_EVICTED, TOKEN_PINNED, TOKEN_QUANTIZED, TokenEvent
-from app_helpers import make_info, make_snapshot
 
 
 def test_occupancy_bars_stack_by_state(qtbot):

@@ -133,7 +133,7 @@ class RaisingSession:
 
 
 def test_raising_engine_becomes_failed_then_finished(qtbot):
-    backend = EngineBackend(load=lambda spec, progress: type("L", (), {"info": None})(),
+    backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": None})(),
                             make_session=lambda loaded, cache: RaisingSession())
     thread = EngineThread(backend)
     try:

@@ -197,3 +197,29 @@ def test_bench_writes_rows_for_every_mode(tmp_path, capsys):
     hf64 = next(r for r in data["rows"] if r["mode"] == "dynamic" and r["context"] == 64)
     assert hf64["kv_bytes"] == (64 + 5) * 2 * 3 * 2 * 16 * 4  # HF keeps L+N-1 positions
     assert data["turn_reuse"]["reused_tokens"] == 120
+
+
+def test_load_reports_per_tensor_progress_and_can_be_cancelled_mid_weights(stories_path):
+    import threading
+
+    seen: list[tuple[str, float]] = []
+    cancel = threading.Event()
+
+    def progress(message: str, fraction: float) -> None:
+        seen.append((message, fraction))
+        if sum("tensor" in m for m, _ in seen) == 3:
+            cancel.set()  # from the callback here; the app sets it from the GUI thread
+
+    with pytest.raises(errors.LoadCancelled, match="cancelled"):
+        load_model(str(stories_path), progress=progress, cancel=cancel)
+    tensors = [(m, f) for m, f in seen if "tensor" in m]
+    assert [m for m, _ in tensors] == [f"loading stories260K: tensor {i} of 47" for i in (1, 2, 3)]
+    assert [f for _, f in tensors] == sorted(f for _, f in tensors) and 0.1 < tensors[0][1] < tensors[-1][1] < 0.95
+    # the hook is gone afterwards: a normal load runs to the end and reports the last stages
+    seen.clear()
+    lm = load_model(str(stories_path), progress=progress)
+    assert lm.info.name == "stories260K" and seen[-1][1] == pytest.approx(0.97)
+    already = threading.Event()
+    already.set()
+    with pytest.raises(errors.LoadCancelled):
+        load_model(str(stories_path), cancel=already)

@@ -74,7 +74,7 @@ def test_regenerate_and_edit_reuse_exactly_the_common_prefix(stories):
     s = ChatSession(stories, CacheConfig(mode="paged", page_size=4))
     msgs = [{"role": "user", "content": "Tell me a story about a dog."}]
     s.start(msgs, SAMPLING)
-    while not (r1 := s.step()).done:
+    while not s.step().done:
         pass
     first_ids = s.generated_ids
     # regenerate: the same messages again → everything but the last prompt token is reused
