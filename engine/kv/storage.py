@@ -185,6 +185,8 @@ class ContiguousKV(KVStore):
         s, e = self._n_before, self._n_before + self._n_new
         self.k[layer][:, s:e].copy_(k[0])  # k: [1, H, q, D] → buffer slots [s, e)
         self.v[layer][:, s:e].copy_(v[0])
+        if s == 0:
+            return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
         return self.k[layer][None, :, :e], self.v[layer][None, :, :e]  # [1, H, e, D] views
 
     def end_forward(self) -> None:
@@ -359,6 +361,8 @@ class PagedKV(KVStore):
 
     def update(self, layer, k, v):
         self._write(layer, k[0], v[0])  # k: [1, H, q, D]
+        if self._n_before == 0:
+            return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
         kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
         L = self._n_before + self._n_new
         if self._read is None:
