@@ -42,6 +42,13 @@ from engine.snapshot import CacheSnapshot, ModelInfo
 REFRESH_MS = 40  # streaming text at 25 Hz
 PANEL_INTERVAL_S = 0.08  # one live panel at most every 80 ms (12.5 Hz in all): each panel redraws at ~3 Hz
 PANEL_BUDGET = 0.04  # ...and live panels (update + paint) get at most 4% of the GUI thread's time
+CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
+CONTEXT_OVERFLOW_TEXT = {
+    "stop": "the reply stops with a message saying so; nothing is dropped",
+    "truncate_middle": "the middle of the chat is dropped, keeping the system prompt and the first message",
+    "rolling": "the oldest tokens are dropped (a rolling window)",
+    "policy": "the eviction policy chooses which tokens to drop",
+}
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
 
 
@@ -226,6 +233,7 @@ class MainWindow(QMainWindow):
         export.addAction(QAction("Cache trace as &JSON…", self, triggered=lambda: self._export_trace("json")))
         export.addAction(QAction("Cache trace as &CSV…", self, triggered=lambda: self._export_trace("csv")))
         export.addAction(QAction("Panels as &PNG…", self, triggered=self._export_pngs))
+        export.addAction(QAction("Chat as &Markdown…", self, triggered=self._export_chat))
         file_menu.addSeparator()
         file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.StandardKey.Quit, triggered=self.close))
         view = self.menuBar().addMenu("&View")
@@ -524,9 +532,21 @@ class MainWindow(QMainWindow):
             return
         self._snapshot_dirty = False
         self.status_mode.setText(self._mode_text(self._applied_cache))
-        self.status_context.setText(f"context {snap.seq_len}/{snap.context_length}")
+        self._show_context(snap.seq_len, snap.context_length)
         if self.generation_id and snap.decode_tokens_per_s:
             self.status_speed.setText(f"{snap.decode_tokens_per_s:.1f} tok/s")
+
+    def _show_context(self, used: int, total: int) -> None:
+        """'context used/total', amber from 75% and red from 90%, with what happens when it is full."""
+        frac = used / total if total else 0.0
+        colour = CONTEXT_FULL if frac >= 0.9 else CONTEXT_FILLING if frac >= 0.75 else ""
+        text = f"context {used}/{total}"
+        self.status_context.setText(f"<span style='color:{colour}'>{text}</span>" if colour else text)
+        overflow = self._applied_cache.overflow
+        self.status_context.setToolTip(
+            f"{used} of the model's {total} context tokens are in use ({100 * frac:.0f}%).\n"
+            f"When it is full: {CONTEXT_OVERFLOW_TEXT.get(overflow, overflow)} "
+            "(Cache policy ▸ when full). Every dropped token shows in the page map and the occupancy panel.")
 
     # -- export ---------------------------------------------------------------------------------------------
     def _export_trace(self, kind: str) -> None:
@@ -560,6 +580,33 @@ class MainWindow(QMainWindow):
                 self.statusBar().showMessage(f"wrote {len(paths)} PNG files to {folder}", 4000)
             except OSError as exc:
                 self.show_error(f"Could not write PNGs: {exc}")
+
+    def export_chat_markdown(self, path: str | Path) -> Path:
+        """Write the open chat as Markdown (messages, and each reply's stats and cache line)."""
+        from app.chat_export import chat_markdown
+
+        self.conversation.flush()  # what streamed so far is in history
+        chat = self.history.chat(self.chat_id) if self.chat_id is not None else None
+        if chat is None:
+            raise ValueError("no chat is open")
+        path = Path(path)
+        model = self.info.name if self.info is not None else ""
+        path.write_text(chat_markdown(chat, self.history.messages(chat.id), model), encoding="utf-8")
+        return path
+
+    def _export_chat(self) -> None:
+        if self.chat_id is None or not self.history.messages(self.chat_id):
+            self.show_error("Nothing to export yet: this chat has no messages.")
+            return
+        title = (self.history.chat(self.chat_id).title or "chat").strip()
+        safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title)[:60].strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat as Markdown", f"{safe}.md", "Markdown (*.md)")
+        if path:
+            try:
+                self.export_chat_markdown(path)
+                self.statusBar().showMessage(f"wrote {path}", 4000)
+            except OSError as exc:
+                self.show_error(f"Could not write {path}: {exc}")
 
     def _about(self) -> None:
         QMessageBox.about(self, "About KV Scope",

@@ -193,6 +193,28 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
         assert rows[0].startswith("generation_id,step") and len(rows) == len(w.trace) + 1
         paths = w.export_panels(tmp_path / "png")
         assert len(paths) == 5 and all(p.stat().st_size > 1000 for p in paths)
+        md = w.export_chat_markdown(tmp_path / "chat.md").read_text(encoding="utf-8")
+        reply = w.history.messages(w.chat_id)[1].content
+        assert md.startswith("# ") and "model stories260K" in md
+        assert "## You\n\nExport me\n" in md and f"## Model\n\n{reply.rstrip()}\n" in md
+        assert "> prefill" in md and "reused 0 tokens, recomputed" in md
+    finally:
+        close_window(w)
+
+
+def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path):
+    from app.main_window import CONTEXT_FILLING, CONTEXT_FULL
+
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w._show_context(100, 512)
+        assert w.status_context.text() == "context 100/512" and "stops" in w.status_context.toolTip()
+        w._show_context(400, 512)
+        assert CONTEXT_FILLING in w.status_context.text() and "78%" in w.status_context.toolTip()
+        w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("truncate_middle"))
+        qtbot.waitUntil(lambda: w._applied_cache.overflow == "truncate_middle", timeout=10_000)
+        w._show_context(470, 512)
+        assert CONTEXT_FULL in w.status_context.text() and "first message" in w.status_context.toolTip()
     finally:
         close_window(w)
 
