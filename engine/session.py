@@ -633,6 +633,8 @@ class ChatSession:
                              "tokens re-prefilled on the next step")
         self.cache_config = cfg
         old_policy, self.policy = self.policy, policy
+        if rebuild and cfg.mode == "paged" and cfg.k_dtype == "int8":
+            notes.append(_int8_key_note(self.info.head_dim, cfg.page_size))
         if cfg.prefix_reuse != old.prefix_reuse:
             notes.append("prefix reuse " + ("on" if cfg.prefix_reuse else "off") + " from the next turn")
         if self.store is not None and self._log is not None and (policy is None or not _same_kind(old_policy, policy)):
@@ -856,6 +858,17 @@ class ChatSession:
             pinned = np.nonzero(self._priorities[:T] >= 100)[0]
             state[pinned[state[pinned] != snap.TOKEN_EVICTED]] = snap.TOKEN_PINNED
         return state
+
+
+def _int8_key_note(head_dim: int, page_size: int) -> str:
+    """How int8 keys are grouped at this page size, and why (``engine.kv.quant.int8_key_layout``)."""
+    from engine.kv.quant import int8_key_layout
+
+    if int8_key_layout(head_dim, page_size) == "channel":
+        return (f"int8 keys: per channel over each {page_size}-token page (KIVI), no dearer than per token "
+                f"at head dim {head_dim}")
+    return (f"int8 keys: one scale per token (q8_0-like); pages of {2 * head_dim}+ tokens would group them per "
+            f"channel at no extra cost, which keeps more precision")
 
 
 def _describe(cfg: CacheConfig) -> str:

@@ -159,3 +159,14 @@ def test_swap_keeps_quantized_pages_as_held(stories, k, v):
         ak, av = s.store.read_layer(layer)
         assert torch.equal(ak, bk) and torch.equal(av, bv)
     s.close()
+
+
+def test_switching_to_int8_keys_says_how_they_are_grouped(stories):
+    """stories260K's head dim is 8: pages of 16+ tokens group int8 keys per channel; shorter pages per token."""
+    s = ChatSession(stories, CacheConfig(mode="paged", page_size=16))
+    notes = s.apply(CacheConfig(mode="paged", page_size=16, k_dtype="int8", v_dtype="int8"))
+    assert any(n.startswith("int8 keys: per channel over each 16-token page") for n in notes)
+    notes = s.apply(CacheConfig(mode="paged", page_size=8, k_dtype="int8", v_dtype="int8"))
+    assert any(n.startswith("int8 keys: one scale per token") and "pages of 16+ tokens" in n for n in notes)
+    assert not any("int8 keys" in n for n in s.apply(CacheConfig(mode="paged", page_size=8, v_dtype="int8")))
+    s.close()
