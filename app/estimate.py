@@ -13,6 +13,23 @@ DEMO = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads":
 DEMO_WEIGHTS_BYTES = 3_042_880
 
 
+SCALE_BYTES = 2  # the engine keeps quantization scales and zeros in float16
+INT4_VALUE_GROUP = 32
+
+
+def quantized_bytes_per_token(kind: str, role: str, kv_heads: int, head_dim: int, page_size: int = 16) -> float:
+    """Bytes one token's K or V takes in one layer as int8/int4 pages: the engine's formula
+    (``engine.kv.quant.bytes_per_token``, float16 scales) without importing torch; a test keeps them equal."""
+    d, p, s = head_dim, page_size, SCALE_BYTES
+    if kind == "int8":
+        per_channel_keys = role == "k" and p >= 2 * d  # engine.kv.quant.int8_key_layout
+        return kv_heads * (d + 2 * d * s / p if per_channel_keys else d + s)
+    codes = (d + 1) // 2
+    if role == "k":
+        return kv_heads * (codes + 2 * d * s / p)
+    return kv_heads * (codes + 2 * -(-d // min(INT4_VALUE_GROUP, d)) * s)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes of weights and of a full-precision KV cache holding ``context`` tokens."""
@@ -22,10 +39,19 @@ class MemoryEstimate:
     kv_bytes_per_token: int
     context: int
     max_context: int
+    layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_bytes
+
+    def kv_bytes_as(self, kind: str, page_size: int = 16) -> int:
+        """KV bytes at ``context`` tokens with K and V held as ``kind`` (int8 / int4) pages."""
+        per_token = sum(quantized_bytes_per_token(kind, role, self.kv_heads, self.head_dim, page_size)
+                        for role in ("k", "v"))
+        return int(self.layers * per_token * self.context)
 
     def fits(self, device_bytes: int, headroom: float = 0.9) -> bool:
         return self.total_bytes <= device_bytes * headroom
@@ -56,7 +82,7 @@ def estimate(config: dict, stored_weights_bytes: int, context: int, quantization
     per_token = 2 * layers * kv_heads * head_dim * compute_b
     max_ctx = int(c.get("max_position_embeddings") or c.get("n_positions") or context)
     ctx = min(context, max_ctx) if max_ctx else context
-    return MemoryEstimate(int(params * per_param), per_token * ctx, per_token, ctx, max_ctx)
+    return MemoryEstimate(int(params * per_param), per_token * ctx, per_token, ctx, max_ctx, layers, kv_heads, head_dim)
 
 
 def estimate_folder(folder: str | Path, context: int, quantization: str = "none", device: str = "cpu") -> MemoryEstimate:

@@ -181,6 +181,9 @@ def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
     # stories260K: K and V x 5 layers x 4 KV heads x head dim 8; the float32 checkpoint runs in float16 on CUDA
     assert est.kv_bytes_per_token == 2 * 5 * 4 * 8 * 2 and est.context == 512
     assert "Will not fit" in dlg.estimate_label.text()  # 512 KiB of "GPU memory"
+    # int8 at pages of 16: per-channel keys (16 >= 2 x 8) 8 + 2 B, per-token values 8 + 2 B per head and token
+    assert est.kv_bytes_as("int8") == 5 * 4 * (10 + 10) * 512
+    assert "as int8 pages 200.0 KiB" in dlg.estimate_label.text()
     dlg.quantization.setCurrentIndex(dlg.quantization.findData("int8"))
     dlg.accept_choice()
     assert dlg.spec.source == str(stories_path) and dlg.spec.quantization == "int8" and dlg.spec.device == "cuda"
