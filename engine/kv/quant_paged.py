@@ -3,8 +3,9 @@
 The page being filled (the *tail*) stays in full precision in a small per-session buffer
 ``[kv_heads, page_size, head_dim]`` per layer and role; the moment it is full it is quantized into the
 arena's page storage (KIVI's residual: int4 keys, and int8 keys where that is no dearer, are grouped per
-channel over a whole page, so a key page can only be quantized once complete). Reads dequantize one layer at a time: the pages of that layer in one
-batched call, then the tail, so the transient full-precision copy is one layer's K or V, never the cache.
+channel over a whole page, so a key page can only be quantized once complete). Reads dequantize one layer
+at a time: the pages of that layer in one batched call, then the tail, so the transient full-precision
+copy is one layer's K or V, never the cache.
 
 A role left at ``auto`` is stored exactly as ``PagedKV`` stores it.
 """
