@@ -244,6 +244,10 @@ class MainWindow(QMainWindow):
                                   toggled=self.set_panels_enabled)
         view.addAction(self.act_panels)
         view.addAction(QAction("Reset layout", self, triggered=self._default_layout))
+        tools = self.menuBar().addMenu("&Tools")
+        self.act_compare = QAction("&Compare cache settings on this chat…", self, shortcut=QKeySequence("Ctrl+K"),
+                                   triggered=self.open_compare)
+        tools.addAction(self.act_compare)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction(QAction("About KV Scope", self, triggered=self._about))
 
@@ -607,6 +611,31 @@ class MainWindow(QMainWindow):
                 self.statusBar().showMessage(f"wrote {path}", 4000)
             except OSError as exc:
                 self.show_error(f"Could not write {path}: {exc}")
+
+    def open_compare(self) -> Any:
+        """Generate this chat's next reply once per cache setting and show them side by side (a dialog).
+        Returns the dialog, or None with a message when there is nothing to compare yet."""
+        from app.compare_dialog import CompareDialog
+
+        if self.info is None or self._loading:
+            self.show_error("Load a model first.")
+            return None
+        if self.generation_id:
+            self.show_error("Wait for the reply to finish (or stop it) before comparing cache settings.")
+            return None
+        messages = self.conversation.engine_messages()
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        if last_user < 0:
+            self.show_error("Send a message first: the comparison regenerates the reply to it.")
+            return None
+        try:
+            sampling = self.sampling_override or self.sampling.sampling()
+        except ValueError as exc:
+            self.show_error(str(exc))
+            return None
+        dialog = CompareDialog(self.engine, messages[:last_user + 1], sampling, self)
+        dialog.show()
+        return dialog
 
     def _about(self) -> None:
         QMessageBox.about(self, "About KV Scope",

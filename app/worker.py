@@ -61,6 +61,9 @@ class EngineBackend:
     probe: Callable[[], dict] = lambda: {}
     # One session per chat (``engine.session_pool.SessionPool``); None: one session for every chat.
     make_pool: Callable[[Any, CacheConfig], Any] | None = None
+    # (loaded, messages, sampling, on_row(dict), cancel) -> None: the chat's next reply under each cache
+    # setting (``engine.compare``); None: comparing is not offered.
+    compare: Callable[..., None] | None = None
 
 
 def default_backend() -> EngineBackend:
@@ -81,6 +84,12 @@ def default_backend() -> EngineBackend:
 
         return SessionPool(loaded, cache)
 
+    def compare(loaded: Any, messages: list[dict], sampling: SamplingConfig, on_row: Callable[[dict], None],
+                cancel: threading.Event) -> None:
+        from engine.compare import compare_settings
+
+        compare_settings(loaded, messages, sampling, on_row=lambda row: on_row(row.as_dict()), cancel=cancel)
+
     def probe() -> dict:
         import torch
 
@@ -91,7 +100,7 @@ def default_backend() -> EngineBackend:
                         device_name=torch.cuda.get_device_name(0))
         return info
 
-    return EngineBackend(load=load, make_session=make_session, probe=probe, make_pool=make_pool)
+    return EngineBackend(load=load, make_session=make_session, probe=probe, make_pool=make_pool, compare=compare)
 
 
 class EngineWorker(QObject):
@@ -106,11 +115,14 @@ class EngineWorker(QObject):
     finished = Signal(int, str, object, str)
     failed = Signal(int, str)
     applied = Signal(object, object)
+    compared = Signal(object)  # one row (a dict) of a cache-settings comparison
+    compare_finished = Signal(str)  # "done", "cancelled", or why it failed
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
         self._backend = backend or default_backend()
         self.load_cancel = threading.Event()  # set from the GUI thread: the running load stops at its next tensor
+        self.compare_cancel = threading.Event()  # likewise for a running comparison (at its next step)
         self._loaded: Any = None
         self._session: Any = None  # the active chat's session
         self._pool: Any = None  # sessions by chat (when the backend has a pool)
@@ -221,6 +233,21 @@ class EngineWorker(QObject):
                 self._abort_running()
             self._pool.drop(chat)
 
+    @Slot(object, object)
+    def compare(self, messages: list[dict], sampling: SamplingConfig) -> None:
+        """Generate the chat's next reply once per cache setting, in fresh sessions (the chats' own sessions
+        and caches are untouched); rows arrive one by one through ``compared``."""
+        self.compare_cancel.clear()
+        if self._loaded is None or self._backend.compare is None:
+            self.compare_finished.emit("no model is loaded" if self._loaded is None else "comparing is not available")
+            return
+        try:
+            self._backend.compare(self._loaded, messages, sampling, self.compared.emit, self.compare_cancel)
+            self.compare_finished.emit("cancelled" if self.compare_cancel.is_set() else "done")
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
+            _log(exc)
+            self.compare_finished.emit(_describe(exc))
+
     @Slot()
     def stop(self) -> None:
         """Last command: stop the pump and end the thread's event loop (runs on the worker thread, so the
@@ -298,6 +325,7 @@ class EngineThread(QObject):
     _forget = Signal(object)
     _cancel = Signal(int)
     _apply = Signal(object)
+    _compare = Signal(object, object)
     _stop = Signal()
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
@@ -310,6 +338,7 @@ class EngineThread(QObject):
         self._submit.connect(self.worker.submit)
         self._cancel.connect(self.worker.cancel)
         self._apply.connect(self.worker.apply_cache_config)
+        self._compare.connect(self.worker.compare)
         self._stop.connect(self.worker.stop)
         self._forget.connect(self.worker.forget_chat)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
@@ -333,6 +362,13 @@ class EngineThread(QObject):
     def apply_cache_config(self, cache: CacheConfig) -> None:
         self._apply.emit(cache)
 
+    def compare(self, messages: list[dict], sampling: SamplingConfig) -> None:
+        self._compare.emit(messages, sampling)
+
+    def cancel_compare(self) -> None:
+        """Stop a running comparison at its next step (thread-safe)."""
+        self.worker.compare_cancel.set()
+
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
         loaded before, if any, stays in use."""
@@ -344,5 +380,6 @@ class EngineThread(QObject):
             return True
         self.worker.request_cancel()
         self.worker.load_cancel.set()  # a load in progress ends at its next tensor, not after the whole model
+        self.worker.compare_cancel.set()
         self._stop.emit()  # queued behind at most one step
         return self.thread.wait(timeout_ms)

@@ -348,3 +348,33 @@ def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stori
         assert w.chat.bubbles[2].pinned  # the pin survives a restart
     finally:
         close_window(w)
+
+
+def test_compare_cache_settings_on_this_chat(qtbot, data_dir, stories_path):
+    from app.compare_dialog import COLUMNS
+
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        assert w.open_compare() is None  # nothing sent yet: a message says so
+        w.send("Tell me about a cat")
+        wait_reply(qtbot, w)
+        qtbot.waitUntil(lambda: not w.generation_id, timeout=30_000)
+        before = [(m.role, m.content) for m in w.history.messages(w.chat_id)]
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+        dlg = w.open_compare()
+        qtbot.addWidget(dlg)
+        qtbot.waitUntil(lambda: dlg.finished_reason == "done", timeout=60_000)
+        assert dlg.table.rowCount() == 5 and dlg.table.columnCount() == len(COLUMNS)
+        cells = [[dlg.table.item(r, c).text() for c in range(len(COLUMNS))] for r in range(5)]
+        assert [row[0] for row in cells] == ["paged (reference)", "contiguous", "paged, KV int8", "paged, KV int4",
+                                             "cache off"]
+        assert all(cells[r][4] == "30/30 (identical)" for r in (0, 1, 4))  # lossless settings
+        assert "Done: 5 settings" in dlg.status.text()
+        # the chat itself is untouched, and its next reply still reuses its own cache
+        assert [(m.role, m.content) for m in w.history.messages(w.chat_id)] == before
+        dlg.close()
+        w.send("And a dog?")
+        wait_reply(qtbot, w)
+        assert w.last_stats["reused_tokens"] > 0
+    finally:
+        close_window(w)

@@ -1,0 +1,119 @@
+"""Chat ▸ Compare cache settings: the chat's next reply generated once per cache setting, side by side.
+
+Rows arrive from the worker one by one (``EngineWorker.compared``, plain dicts); the chat's own sessions
+and caches are not touched, so the conversation goes on exactly where it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import human_bytes
+
+COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "same tokens as reference", "stopped")
+
+
+def row_cells(row: dict[str, Any], reference_tokens: int) -> list[str]:
+    """The table cells of one comparison row."""
+    if row.get("error"):
+        return [row["label"], "—", "—", "—", "—", "error: " + row["error"]]
+    same = f"{row['same_tokens']}/{row['generated_tokens']}"
+    if row["same_tokens"] == row["generated_tokens"] == reference_tokens:
+        same += " (identical)"
+    return [row["label"], f"{row['ttft_ms']:.0f}", f"{row['decode_tokens_per_s']:.1f}", human_bytes(row["kv_bytes"]),
+            same, row["stop_reason"].replace("_", " ")]
+
+
+class CompareDialog(QDialog):
+    """Shows rows as they arrive; Stop cancels the comparison (the rows so far stay)."""
+
+    def __init__(self, engine, messages: list[dict], sampling, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Compare cache settings on this chat")
+        self.resize(860, 330)
+        self.engine = engine
+        self.rows: list[dict[str, Any]] = []
+        self.finished_reason = ""
+        intro = QLabel(
+            f"The reply to this chat ({len(messages)} message{'s' if len(messages) != 1 else ''}), generated "
+            "once per cache setting with greedy "
+            f"sampling and up to {sampling.max_new_tokens} new tokens, each in a fresh session (so each pays its "
+            "own prefill). The first row is the reference: lossless settings give identical tokens; lossy ones "
+            "show where they diverge. Cache off runs last: it recomputes the whole chat for every token. Your chat "
+            "and its cache are not changed.")
+        intro.setWordWrap(True)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        self.status = QLabel("Running…")
+        buttons = QDialogButtonBox()
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.clicked.connect(self.stop)
+        buttons.addButton(self.stop_button, QDialogButtonBox.ButtonRole.ActionRole)
+        close = buttons.addButton(QDialogButtonBox.StandardButton.Close)
+        close.clicked.connect(self.close)
+        layout = QVBoxLayout(self)
+        layout.addWidget(intro)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.status)
+        layout.addWidget(buttons)
+        engine.worker.compared.connect(self._on_row)
+        engine.worker.compare_finished.connect(self._on_finished)
+        engine.compare(messages, sampling)
+
+    def _on_row(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        reference = self.rows[0].get("generated_tokens", 0)
+        r = self.table.rowCount()
+        self.table.insertRow(r)
+        for c, text in enumerate(row_cells(row, reference)):
+            item = QTableWidgetItem(text)
+            if c:
+                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            self.table.setItem(r, c, item)
+        self.status.setText(f"Running… {len(self.rows)} done")
+
+    def _on_finished(self, reason: str) -> None:
+        self.finished_reason = reason
+        self.stop_button.setEnabled(False)
+        if reason == "done":
+            self.status.setText(f"Done: {len(self.rows)} settings.")
+        elif reason == "cancelled":
+            self.status.setText(f"Stopped after {len(self.rows)} settings.")
+        else:
+            self.status.setText(f"Could not compare: {reason}")
+        self._disconnect()
+
+    def stop(self) -> None:
+        self.engine.cancel_compare()
+
+    def _disconnect(self) -> None:
+        for signal, slot in ((self.engine.worker.compared, self._on_row),
+                             (self.engine.worker.compare_finished, self._on_finished)):
+            try:
+                signal.disconnect(slot)
+            except (RuntimeError, TypeError):
+                pass
+
+    def closeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        if not self.finished_reason:
+            self.engine.cancel_compare()  # rows that would still come have nowhere to go
+            self._disconnect()
+        super().closeEvent(event)
