@@ -171,6 +171,19 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
     check(len(p.trace) > 0, f"cache trace recorded ({len(p.trace)} snapshots)")
     lines.append(f"event-loop latency while streaming: p95 {probe.p95():.1f} ms over {len(probe.samples)} ticks")
 
+    # Tools ▸ Compare cache settings: the same reply under each setting; the lossless ones are identical.
+    window.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    dialog = window.open_compare()
+    done = dialog is not None and wait_until(lambda: bool(dialog.finished_reason), 120)
+    rows = dialog.rows if dialog is not None else []
+    lossless = [r for r in rows if r.get("label") in ("paged (reference)", "contiguous", "cache off")]
+    check(done and dialog.finished_reason == "done" and len(rows) == 5 and len(lossless) == 3
+          and all(r["same_tokens"] == r["generated_tokens"] == new_tokens for r in lossless),
+          "compare cache settings: " + ", ".join(f"{r.get('label')} {r.get('same_tokens')}/{r.get('generated_tokens')}"
+                                                 for r in rows))
+    if dialog is not None:
+        dialog.close()
+
     if measure_panels:
         # Three alternating pairs of longer replies; medians, since other jobs on a shared CPU add noise.
         window.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=max(4 * new_tokens, 96),
