@@ -4,7 +4,7 @@ Each setting gets a fresh ``ChatSession`` of the already-loaded model (so every 
 the way a new chat would) and the same greedy sampling, so the rows differ only by the cache: time to
 first token, decode speed, KV bytes held at the end, and how many tokens stay identical to the first
 row's reply (the reference; lossless settings match it exactly, lossy ones show where they diverge).
-Nobody else shows this on the user's own chat (``../shared/docs/peers.md`` §5).
+No other local-LLM chat app shows this on the user's own chat.
 """
 
 from __future__ import annotations

@@ -66,23 +66,13 @@ _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "float32": torc
 # ----------------------------------------------------------------------------------------------- results
 
 
-@dataclass(frozen=True, eq=False)
-class QInt8:
-    """int8 page(s): ``x ≈ codes * scale``.
+class _FullWidthPage:
+    """What the two int8 layouts share: codes ``[..., T, D]`` (one per element, no packing) and tensors
+    that are all indexed by the same leading (page/head) dims, named in ``_tensors``."""
 
-    codes  int8 ``[..., T, D]`` in [-127, 127]
-    scale  float16/float32 ``[..., T, 1]`` (absmax over D / 127, rounded up; 0 for an all-zero row)
-    """
-
+    _tensors: ClassVar[tuple[str, ...]]
     codes: Tensor
     scale: Tensor
-    kind: ClassVar[str] = "int8"
-
-    def __post_init__(self) -> None:
-        if self.codes.dtype != torch.int8:
-            raise ValueError(f"int8 codes: dtype {self.codes.dtype} is not torch.int8")
-        if self.codes.dim() < 2 or self.scale.shape != self.codes.shape[:-1] + (1,):
-            raise ValueError(f"int8 scale: shape {tuple(self.scale.shape)} does not fit codes {tuple(self.codes.shape)}")
 
     @property
     def head_dim(self) -> int:
@@ -100,25 +90,45 @@ class QInt8:
 
     @property
     def nbytes(self) -> int:
-        """Bytes really held: codes + scales."""
-        return _nbytes(self.codes) + _nbytes(self.scale)
+        """Bytes really held: codes + scales (+ zeros)."""
+        return sum(_nbytes(getattr(self, name)) for name in self._tensors)
 
-    def __getitem__(self, index) -> QInt8:
+    def __getitem__(self, index):
         """Select pages along the leading dims only (``q[page_ids]``, ``q[2]``, ``q[:, 1:3]``)."""
         _check_index(index, self.codes.dim())
-        return QInt8(self.codes[index], self.scale[index])
+        return type(self)(*(getattr(self, name)[index] for name in self._tensors))
 
-    def put(self, index, src: QInt8) -> None:
+    def put(self, index, src) -> None:
         """Write ``src`` into these (storage) tensors at leading-dim ``index``, in place."""
         _check_index(index, self.codes.dim())
-        if not isinstance(src, QInt8) or src.scale.dtype != self.scale.dtype:
-            raise ValueError("put: source is not an int8 page with the same scale dtype")
-        self.codes[index] = src.codes
-        self.scale[index] = src.scale
+        if type(src) is not type(self) or src.scale.dtype != self.scale.dtype:
+            raise ValueError(f"put: source is not a {self.kind} page of the same layout and scale dtype")
+        for name in self._tensors:
+            getattr(self, name)[index] = getattr(src, name)
 
 
 @dataclass(frozen=True, eq=False)
-class QInt8Keys:
+class QInt8(_FullWidthPage):
+    """int8 page(s): ``x ≈ codes * scale``.
+
+    codes  int8 ``[..., T, D]`` in [-127, 127]
+    scale  float16/float32 ``[..., T, 1]`` (absmax over D / 127, rounded up; 0 for an all-zero row)
+    """
+
+    codes: Tensor
+    scale: Tensor
+    kind: ClassVar[str] = "int8"
+    _tensors: ClassVar[tuple[str, ...]] = ("codes", "scale")
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.int8:
+            raise ValueError(f"int8 codes: dtype {self.codes.dtype} is not torch.int8")
+        if self.codes.dim() < 2 or self.scale.shape != self.codes.shape[:-1] + (1,):
+            raise ValueError(f"int8 scale: shape {tuple(self.scale.shape)} does not fit codes {tuple(self.codes.shape)}")
+
+
+@dataclass(frozen=True, eq=False)
+class QInt8Keys(_FullWidthPage):
     """int8 key page(s), per channel over the page: ``x ≈ code * scale + zero``.
 
     codes  uint8 ``[..., T, D]`` in 0..255
@@ -130,6 +140,7 @@ class QInt8Keys:
     zero: Tensor
     kind: ClassVar[str] = "int8"
     role: ClassVar[str] = "k"
+    _tensors: ClassVar[tuple[str, ...]] = ("codes", "scale", "zero")
 
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.uint8:
@@ -138,39 +149,6 @@ class QInt8Keys:
         if want is None or self.scale.shape != want or self.zero.shape != want or self.zero.dtype != self.scale.dtype:
             raise ValueError(f"int8 key scale/zero: shapes {tuple(self.scale.shape)}/{tuple(self.zero.shape)} "
                              f"do not fit codes {tuple(self.codes.shape)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.codes.shape[-1]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens per page (T)."""
-        return self.codes.shape[-2]
-
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the dequantized tensor ``[..., T, D]``."""
-        return self.codes.shape
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes really held: codes + scales + zeros."""
-        return _nbytes(self.codes) + _nbytes(self.scale) + _nbytes(self.zero)
-
-    def __getitem__(self, index) -> QInt8Keys:
-        """Select pages along the leading dims only (``q[page_ids]``, ``q[2]``, ``q[:, 1:3]``)."""
-        _check_index(index, self.codes.dim())
-        return QInt8Keys(self.codes[index], self.scale[index], self.zero[index])
-
-    def put(self, index, src: QInt8Keys) -> None:
-        """Write ``src`` into these (storage) tensors at leading-dim ``index``, in place."""
-        _check_index(index, self.codes.dim())
-        if not isinstance(src, QInt8Keys) or src.scale.dtype != self.scale.dtype:
-            raise ValueError("put: source is not a per-channel int8 key page with the same scale dtype")
-        self.codes[index] = src.codes
-        self.scale[index] = src.scale
-        self.zero[index] = src.zero
 
 
 @dataclass(frozen=True, eq=False)
@@ -417,15 +395,10 @@ def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
     if not pages:
         raise ValueError("stack: no pages")
     first = pages[0]
-    if isinstance(first, QInt8):
-        if not all(isinstance(p, QInt8) for p in pages):
+    if isinstance(first, _FullWidthPage):
+        if not all(type(p) is type(first) for p in pages):
             raise ValueError("stack: mixed kinds")
-        return QInt8(torch.stack([p.codes for p in pages]), torch.stack([p.scale for p in pages]))
-    if isinstance(first, QInt8Keys):
-        if not all(isinstance(p, QInt8Keys) for p in pages):
-            raise ValueError("stack: mixed kinds")
-        return QInt8Keys(torch.stack([p.codes for p in pages]), torch.stack([p.scale for p in pages]),
-                         torch.stack([p.zero for p in pages]))
+        return type(first)(*(torch.stack([getattr(p, name) for p in pages]) for name in first._tensors))
     if not all(
         isinstance(p, QInt4) and (p.role, p.head_dim, p.group) == (first.role, first.head_dim, first.group)
         for p in pages
@@ -443,10 +416,8 @@ def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
 
 def map_tensors(q: QuantizedPage, fn) -> QuantizedPage:
     """The same page object with ``fn`` applied to each of its tensors (``lambda t: t.to("cpu")``, ...)."""
-    if isinstance(q, QInt8):
-        return QInt8(fn(q.codes), fn(q.scale))
-    if isinstance(q, QInt8Keys):
-        return QInt8Keys(fn(q.codes), fn(q.scale), fn(q.zero))
+    if isinstance(q, _FullWidthPage):
+        return type(q)(*(fn(getattr(q, name)) for name in q._tensors))
     if isinstance(q, QInt4):
         return QInt4(fn(q.codes), fn(q.scale), fn(q.zero), q.role, q.head_dim, q.group)
     raise ValueError(f"map_tensors: {type(q).__name__} is not a quantized page")
