@@ -277,9 +277,8 @@ def _weights_progress(name: str, progress: Progress | None, check: Callable[[], 
     from transformers.utils import logging as hf_logging
 
     def hook(factory, args, kwargs):
-        bar = factory(*args, **kwargs)
         if kwargs.get("desc") != "Loading weights" or not args or not hasattr(args[0], "__len__"):
-            return bar
+            return factory(*args, **kwargs)  # any other progress bar: as transformers would make it
         items, total = args[0], max(len(args[0]), 1)
         every = max(1, total // 50)
 

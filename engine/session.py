@@ -31,12 +31,19 @@ import numpy as np
 import torch
 
 from engine import snapshot as snap
-from engine.chat import StreamDecoder, encode_prompt, message_spans, render_chat, validate_messages
+from engine.chat import (
+    StreamDecoder,
+    encode_prompt,
+    message_spans,
+    render_chat,
+    validate_messages,
+)
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import ContextOverflowError, EngineError
 from engine.kv.attention import SCORES_IMPL, Rerotator, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.pool import FLAG_OFFLOADED, FLAG_PINNED, FLAG_QUANTIZED
+from engine.kv.quant import int8_key_layout
 from engine.kv.storage import ContiguousKV, HostKV, KVStore, PageArena, PagedKV
 from engine.loader import LoadedModel
 from engine.policies import EvictionPolicy, PolicyState, StreamingPolicy, get_policy
@@ -633,7 +640,8 @@ class ChatSession:
                              "tokens re-prefilled on the next step")
         self.cache_config = cfg
         old_policy, self.policy = self.policy, policy
-        if rebuild and cfg.mode == "paged" and cfg.k_dtype == "int8":
+        keys_regrouped = cfg.k_dtype != old.k_dtype or cfg.page_size != old.page_size or old.mode != "paged"
+        if rebuild and cfg.mode == "paged" and cfg.k_dtype == "int8" and keys_regrouped:
             notes.append(_int8_key_note(self.info.head_dim, cfg.page_size))
         if cfg.prefix_reuse != old.prefix_reuse:
             notes.append("prefix reuse " + ("on" if cfg.prefix_reuse else "off") + " from the next turn")
@@ -862,8 +870,6 @@ class ChatSession:
 
 def _int8_key_note(head_dim: int, page_size: int) -> str:
     """How int8 keys are grouped at this page size, and why (``engine.kv.quant.int8_key_layout``)."""
-    from engine.kv.quant import int8_key_layout
-
     if int8_key_layout(head_dim, page_size) == "channel":
         return (f"int8 keys: per channel over each {page_size}-token page (KIVI), no dearer than per token "
                 f"at head dim {head_dim}")

@@ -269,14 +269,7 @@ def quantize_int8_keys(x: Tensor, scale_dtype: torch.dtype | str = torch.float16
 
     Give it full pages: the statistics are taken over all T tokens of dim -2.
     """
-    sdt = _check_input(x, scale_dtype)
-    xf = x.float()  # [..., T, D]
-    lo = xf.amin(dim=-2, keepdim=True)  # [..., 1, D]
-    hi = xf.amax(dim=-2, keepdim=True)  # [..., 1, D]
-    zero, scale = _zero_scale(lo, hi, sdt, UINT8_MAX)  # [..., 1, D] each
-    zf, sf = zero.float(), scale.float()
-    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
-    codes = (xf - zf).div_(sf).round_().clamp_(0, UINT8_MAX).to(torch.uint8)  # [..., T, D]
+    codes, scale, zero = _per_channel(x, scale_dtype, UINT8_MAX)
     return QInt8Keys(codes, scale, zero)
 
 
@@ -296,14 +289,7 @@ def quantize_int4_keys(x: Tensor, scale_dtype: torch.dtype | str = torch.float16
 
     Give it full pages: the statistics are taken over all T tokens of dim -2.
     """
-    sdt = _check_input(x, scale_dtype)
-    xf = x.float()  # [..., T, D]
-    lo = xf.amin(dim=-2, keepdim=True)  # [..., 1, D]
-    hi = xf.amax(dim=-2, keepdim=True)  # [..., 1, D]
-    zero, scale = _zero_scale(lo, hi, sdt)  # [..., 1, D] each
-    zf, sf = zero.float(), scale.float()
-    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
-    codes = (xf - zf).div_(sf).round_().clamp_(0, INT4_MAX).to(torch.uint8)  # [..., T, D]
+    codes, scale, zero = _per_channel(x, scale_dtype, INT4_MAX)
     return QInt4(_pack(codes), scale, zero, "k", x.shape[-1], 0)
 
 
@@ -566,6 +552,20 @@ def _round_down(v: Tensor, dtype: torch.dtype) -> Tensor:
     r = torch.where(r.float() > v, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
     fmax = torch.finfo(dtype).max
     return r.clamp_(-fmax, fmax)
+
+
+def _per_channel(x: Tensor, scale_dtype: torch.dtype | str, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric codes 0..``top`` per channel over the page's tokens (dim -2), the key grouping of both int8
+    and int4. ``x``: float ``[..., T, D]`` → codes uint8 ``[..., T, D]`` (unpacked), scale, zero ``[..., 1, D]``."""
+    sdt = _check_input(x, scale_dtype)
+    xf = x.float()  # [..., T, D]
+    lo = xf.amin(dim=-2, keepdim=True)  # [..., 1, D]
+    hi = xf.amax(dim=-2, keepdim=True)  # [..., 1, D]
+    zero, scale = _zero_scale(lo, hi, sdt, top)  # [..., 1, D] each
+    zf, sf = zero.float(), scale.float()
+    sf = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = (xf - zf).div_(sf).round_().clamp_(0, top).to(torch.uint8)  # [..., T, D]
+    return codes, scale, zero
 
 
 def _zero_scale(lo: Tensor, hi: Tensor, dtype: torch.dtype, top: int = INT4_MAX) -> tuple[Tensor, Tensor]:

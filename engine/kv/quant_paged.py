@@ -186,14 +186,16 @@ class QuantPagedKV(PagedKV):
     def to_host(self, pin: bool = False) -> HostKV:
         n = self.num_tokens
         full, fill = divmod(n, self.arena.page_size)
-        pages = torch.tensor(self.table.pages[:full], dtype=torch.long, device=self.arena.device)
+        dev = self.arena.device
+        pages = torch.tensor(self.table.pages[:full], dtype=torch.long, device=dev)
+        slots = torch.tensor(self.table.slots(0, n), dtype=torch.long, device=dev)  # a role kept in full precision
         layers, nbytes = [], 0
         for layer in range(self.num_layers):
-            fp = self.read_layer(layer) if "auto" in self.kinds.values() else None  # [H, n, D] each
             entry = {}
-            for i, role in enumerate(ROLES):
+            for role in ROLES:
                 if self.kinds[role] == "auto":
-                    entry[role] = host_copy(fp[i], pin)
+                    store = (self.arena.k if role == "k" else self.arena.v)[layer]  # [H, S, D]
+                    entry[role] = host_copy(store.index_select(1, slots), pin)  # [H, n, D]
                     nbytes += entry[role].numel() * entry[role].element_size()
                     continue
                 q = quant.map_tensors(self.arena.q[role][layer][:, pages], lambda t: host_copy(t, pin))
