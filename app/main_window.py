@@ -634,6 +634,8 @@ class MainWindow(QMainWindow):
             self.show_error(str(exc))
             return None
         dialog = CompareDialog(self.engine, messages[:last_user + 1], sampling, self)
+        # Window-modal: a message sent meanwhile would wait behind the comparison on the worker thread.
+        dialog.setWindowModality(Qt.WindowModality.WindowModal)
         dialog.show()
         return dialog
 
