@@ -32,7 +32,20 @@ class ContextOverflowError(EngineError):
 
 
 class CacheCapacityError(EngineError):
-    """The page pool cannot hold the sequence."""
+    """The page pool cannot hold the sequence (its page limit or memory limit is reached)."""
+
+
+class OutOfMemoryError(CacheCapacityError):
+    """The device (or host) ran out of memory while the KV cache grew; the cache is left as it was."""
+
+
+class SessionClosedError(EngineError):
+    """The session was closed (its chat was deleted or the model unloaded): start a new one."""
+
+
+class InternalError(EngineError):
+    """An unexpected failure inside the engine (a bug). The operation was ended and the state rolled back;
+    ``__cause__`` holds the original exception."""
 
 
 class OfflineError(ModelNotFoundError):
