@@ -103,20 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
-    params: dict[str, Any] = {}
-    # --window is the recent window of every policy: "window" for streaming, "recent" for h2o/priority
-    names = {"sinks": "sinks", "window": "window" if a.policy == "streaming" else "recent", "budget": "budget"}
-    for flag, name in names.items():
-        if getattr(a, flag, None) is not None:
-            params[name] = getattr(a, flag)
-    return CacheConfig(
+    """The ``CacheConfig`` of parsed cache flags (policy flags go where the policy's ``Params`` say)."""
+    return CacheConfig.from_flags(
+        policy=a.policy,
+        flags={"sinks": getattr(a, "sinks", None), "window": getattr(a, "window", None),
+               "budget": getattr(a, "budget", None)},
         mode=getattr(a, "cache", "paged"),
         page_size=a.page_size,
         prefix_reuse=not getattr(a, "no_prefix_reuse", False),
         k_dtype=a.k_dtype or a.kv_dtype,
         v_dtype=a.v_dtype or a.kv_dtype,
-        policy=a.policy,
-        policy_params=params,
         overflow=getattr(a, "overflow", "stop"),
     )
 

@@ -44,11 +44,23 @@ class LoadedModel:
     info: ModelInfo
     stop_ids: tuple[int, ...]
     path: str | None = None
-    arenas: dict = field(default_factory=dict)  # page arenas shared by this model's sessions, by key
+    arenas: Any = None  # engine.kv.arena.ArenaRegistry, made on first use (``kv_arenas``)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def kv_arenas(self):
+        """The page arenas this model's paged sessions share, with their common memory limit."""
+        if self.arenas is None:
+            from engine.kv.arena import ArenaRegistry
+            from engine.kv.roles import KVShape
+
+            info = self.info
+            shape = KVShape(info.num_layers, info.num_kv_heads, info.head_dim, self.kv_dtype, self.device)
+            self.arenas = ArenaRegistry(shape, info.context_length)
+        return self.arenas
 
     @property
     def kv_dtype(self) -> torch.dtype:

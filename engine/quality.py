@@ -62,14 +62,9 @@ def teacher_forced(lm, setting: Setting, ids: list[int]) -> tuple[torch.Tensor, 
     from engine.session import ChatSession
 
     s = ChatSession(lm, setting.cache())
-    s.seq = [ids[0]]
-    s.n_fed = 0
-    rows = []
     try:
-        for i in range(1, len(ids)):
-            logits = s._advance()  # feeds the one token the cache lacks (evicting as the policy says)
-            rows.append(logits.float().cpu())
-            s.seq.append(ids[i])
+        # one token at a time through the cache, evicting and quantizing as during a reply
+        rows = [logits.float().cpu() for logits in s.teacher_force(ids[:-1])]
         snap = s.snapshot()
         return torch.stack(rows), snap.kv_bytes, int(snap.tokens_per_layer.max())
     finally:
@@ -167,11 +162,9 @@ def run_quality(a) -> int:
     if len(ids) < 16:
         raise ValueError(f"text too short ({len(ids)} tokens): give at least 16")
     if a.kv_dtype or a.k_dtype or a.v_dtype or a.policy != "none":
-        from engine.cli import cache_config_from_args
-
-        a.cache = "paged"
-        a.kv_dtype = a.kv_dtype or "auto"
-        cfg = cache_config_from_args(a)
+        cfg = CacheConfig.from_flags(policy=a.policy, flags={"sinks": a.sinks, "window": a.window, "budget": a.budget},
+                                     page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
+                                     v_dtype=a.v_dtype or a.kv_dtype or "auto")
         settings = [Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)]
     else:
         settings = default_settings(len(ids), ctx)

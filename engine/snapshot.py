@@ -6,20 +6,22 @@ can cross threads and be kept for plots and exports.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-# Page states, as stored in ``CacheSnapshot.page_state`` (int8 codes).
-PAGE_FREE = 0
-PAGE_ACTIVE = 1
-PAGE_SHARED = 2
-PAGE_PINNED = 3
-PAGE_QUANTIZED = 4
-PAGE_OFFLOADED = 5
-PAGE_EVICTED = 6  # freed by an eviction on this step ("just evicted")
-PAGE_STATE_NAMES = ("free", "active", "shared", "pinned", "quantized", "offloaded", "evicted")
+# Page states, as stored in ``CacheSnapshot.page_state`` (int8 codes; defined with the pool that owns them).
+from engine.kv.pool import (  # noqa: E402,F401 - re-exported for the GUI (plain ints, no torch)
+    PAGE_ACTIVE,
+    PAGE_EVICTED,
+    PAGE_FREE,
+    PAGE_OFFLOADED,
+    PAGE_PINNED,
+    PAGE_QUANTIZED,
+    PAGE_SHARED,
+    PAGE_STATE_NAMES,
+)
 
 # Token states, as stored in ``CacheSnapshot.token_state`` (int8 codes, one per logical position).
 TOKEN_KEPT = 0
@@ -27,7 +29,8 @@ TOKEN_SINK = 1
 TOKEN_EVICTED = 2
 TOKEN_QUANTIZED = 3
 TOKEN_PINNED = 4
-TOKEN_STATE_NAMES = ("kept", "sink", "evicted", "quantized", "pinned")
+TOKEN_NOT_CACHED = 5  # cache off, or not fed yet (a prefill in chunks, the token just sampled)
+TOKEN_STATE_NAMES = ("kept", "sink", "evicted", "quantized", "pinned", "not cached")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,16 @@ class CacheSnapshot:
     decode_tokens_per_s: float = 0.0
     offloaded: bool = False
     notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)
+        # can never change what another one sees.
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.ndarray):
+                a = np.array(v, copy=True)
+                a.flags.writeable = False
+                object.__setattr__(self, f.name, a)
 
     @property
     def pages_used(self) -> int:

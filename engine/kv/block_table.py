@@ -10,7 +10,54 @@ those ``(src, dst)`` page copies and the caller copies the tensors before writin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 from engine.kv.pool import PagePool
+
+
+def page_run(pages: Sequence[int]) -> int | None:
+    """The first page id when ``pages`` are consecutive ids ``p, p+1, ...`` (one run), else None.
+
+    The one place that decides it, and it checks every page: ``[0, 3, 2]`` starts at 0 and ends at 2
+    like a three-page run, but is not one (reading it as one would put page 1's tokens where page 3's
+    belong). An empty list is no run.
+    """
+    if not pages:
+        return None
+    first = pages[0]
+    if pages[-1] - first != len(pages) - 1:
+        return None
+    for i, p in enumerate(pages):
+        if p != first + i:
+            return None
+    return first
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where tokens ``[0, end)`` of a table live: decided once (per forward, read or rewrite) and handed to
+    the stores, so no store guesses.
+
+    run_start  first physical slot when the pages covering the tokens form one run (read as a view)
+    full_run   first page id when the *full* pages ``[0, end // P)`` form one run (quantized page reads)
+    """
+
+    end: int
+    page_size: int
+    pages: tuple[int, ...]  # page ids covering [0, end)
+    run_start: int | None
+    full_run: int | None
+
+    @property
+    def full_pages(self) -> int:
+        return self.end // self.page_size
+
+    def slots(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """Physical slot of each token in ``[start, stop)`` (default: to ``end``)."""
+        P, pages = self.page_size, self.pages
+        stop = self.end if stop is None else stop
+        return [pages[i // P] * P + i % P for i in range(start, stop)]
 
 
 class BlockTable:
@@ -34,6 +81,7 @@ class BlockTable:
         return need
 
     def can_append(self, n: int) -> bool:
+        """True if the pool has the free pages ``append(n)`` needs now (without growing)."""
         return self.pool.can_allocate(self.pages_needed(n))
 
     def append(self, n: int, owner: int = -1) -> list[tuple[int, int]]:
@@ -67,17 +115,36 @@ class BlockTable:
         return [pages[i // P] * P + i % P for i in range(start, stop)]
 
     def contiguous_start(self) -> int | None:
-        """First physical slot if the pages are consecutive ids (one contiguous run), else None."""
-        pages = self.pages
-        if not pages:
+        """First physical slot if the pages are one run (``page_run``), else None; 0 when empty."""
+        if not self.pages:
             return 0
-        first = pages[0]
-        if pages[-1] - first != len(pages) - 1:
-            return None
-        for i, p in enumerate(pages):
-            if p != first + i:
-                return None
-        return first * self.page_size
+        first = page_run(self.pages)
+        return None if first is None else first * self.page_size
+
+    def plan(self, end: int | None = None) -> SlotPlan:
+        """Where tokens ``[0, end)`` live (default: every token of the table)."""
+        end = self.num_tokens if end is None else end
+        P = self.page_size
+        pages = tuple(self.pages[:-(-end // P)])
+        run = page_run(pages)
+        full = end // P
+        full_run = run if full == len(pages) else page_run(pages[:full])
+        return SlotPlan(end, P, pages, None if run is None else run * P, full_run)
+
+    def shared_pages(self, start: int, stop: int) -> int:
+        """How many of ``pages[start:stop]`` are shared with another table (ref > 1)."""
+        return sum(1 for p in self.pages[start:stop] if self.pool.ref[p] > 1)
+
+    def make_private(self, start: int, stop: int) -> None:
+        """Give ``pages[start:stop]`` that are shared fresh private pages, contents NOT copied: for a caller
+        that rewrites those tokens (compaction). The other tables keep the old pages."""
+        for i in range(start, min(stop, len(self.pages))):
+            old = self.pages[i]
+            if self.pool.ref[old] > 1:
+                new = self.pool.allocate(1, owner=self.pool.owner[old], session=self.session_id)[0]
+                self.pool.fill[new] = self.pool.fill[old]
+                self.pool.decref(old)
+                self.pages[i] = new
 
     def truncate(self, n: int) -> list[int]:
         """Keep the first ``n`` tokens; returns the pages released (their refs dropped)."""

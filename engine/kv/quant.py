@@ -52,6 +52,8 @@ from typing import ClassVar, Sequence, Union
 import torch
 from torch import Tensor
 
+from engine.kv import sizes
+
 KINDS = ("int8", "int4")
 ROLES = ("k", "v")
 SCALE_DTYPES = (torch.float16, torch.float32)
@@ -260,8 +262,8 @@ def dequantize_int8(q: QInt8, dtype: torch.dtype = torch.float32) -> Tensor:
 
 def int8_key_layout(head_dim: int, page_size: int) -> str:
     """"channel" when per-channel int8 keys cost no more bytes than per-token ones (page_size >= 2 * head_dim),
-    else "token". Scales and zeros are the same dtype in both layouts, so the rule does not depend on it."""
-    return "channel" if page_size >= 2 * head_dim else "token"
+    else "token" (``engine.kv.sizes``: one rule for the engine and the app's estimate)."""
+    return sizes.int8_key_layout(head_dim, page_size)
 
 
 def quantize_int8_keys(x: Tensor, scale_dtype: torch.dtype | str = torch.float16) -> QInt8Keys:
@@ -454,24 +456,10 @@ def bytes_per_token(
     scale_dtype: torch.dtype | str = torch.float16,
     group: int = DEFAULT_GROUP,
 ) -> float:
-    """Bytes held per token per layer for one of K or V: equals ``quantize(...).nbytes / page_size`` exactly.
-
-    int8: H*(D + s), int8 k per channel (page_size >= 2*D): H*(D + 2*D*s/page_size);
-    int4 k: H*(ceil(D/2) + 2*D*s/page_size);  int4 v: H*(ceil(D/2) + 2*ceil(D/g)*s),
-    s = scale_dtype itemsize, g = min(group, D). Compare with ``H * D * itemsize`` of the model dtype.
-    """
-    _check_kind_role(kind, role)
-    if kv_heads < 1 or head_dim < 1 or page_size < 1:
-        raise ValueError("bytes_per_token: kv_heads, head_dim and page_size must be >= 1")
+    """Bytes held per token per layer for one of K or V: equals ``quantize(...).nbytes / page_size`` exactly
+    (the torch-free formulas of ``engine.kv.sizes``, with this scale dtype's item size)."""
     s = torch.empty((), dtype=_scale_dtype(scale_dtype)).element_size()
-    if kind == "int8" and role == "k" and int8_key_layout(head_dim, page_size) == "channel":
-        return kv_heads * (head_dim * page_size + 2 * head_dim * s) / page_size  # one page's bytes / P
-    if kind == "int8":
-        return float(kv_heads * (head_dim + s))
-    codes = (head_dim + 1) // 2
-    if role == "k":
-        return kv_heads * (codes * page_size + 2 * head_dim * s) / page_size  # one page's bytes / P
-    return float(kv_heads * (codes + 2 * _num_groups(head_dim, _group(head_dim, group)) * s))
+    return sizes.bytes_per_token(kind, role, kv_heads, head_dim, page_size, scale_bytes=s, group=group)
 
 
 def error_stats(x: Tensor, q: QuantizedPage) -> QuantError:

@@ -1,41 +1,42 @@
-"""The KV tensors: a contiguous per-layer buffer, or a page arena shared by every session of a model.
+"""A session's KV tensors: ``ContiguousKV`` (one buffer per layer) or ``PagedKV`` (a block table in a
+model's shared ``PageArena``, its K and V kept by two composed roles, ``engine.kv.roles``).
 
-Layout (both stores), per layer ``l``:
+Layout, per layer: ``[kv_heads, slots, head_dim]``; attention gets ``[1, kv_heads, L, head_dim]`` (never
+repeated for GQA).
 
-    K[l], V[l] : [kv_heads, slots, head_dim]
+Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``), "can I?" before "do it"::
 
-A contiguous store's token ``i`` is slot ``i``. The page arena's page ``p`` owns slots ``[p*P, (p+1)*P)``.
-Putting the token axis in the middle keeps each head's keys contiguous in memory, so a run of
-consecutive pages is read as a strided *view* ``K[l][:, s0:s0+L]`` (no copy); scattered pages are read
-with one ``index_select`` gather. Both give attention the ``[1, kv_heads, L, head_dim]`` tensors
-transformers expects from ``Cache.update`` (never repeated for GQA).
-
-Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``):
-
-    store.begin_forward(q)            # reserve slots for q new tokens
+    store.can_reserve(q)              # pages (or memory) for q more tokens?
+    store.reserve(q, owner)           # take them: raises a typed error and changes nothing if it cannot
     store.update(layer, k, v) * L     # write the new K/V, return all K/V of the layer
-    store.end_forward()               # commit: num_tokens += q
+    store.commit()                    # the forward finished: num_tokens += q
+    store.rollback()                  # ... or it failed: back to exactly the state before reserve
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
+from engine.errors import OutOfMemoryError
+from engine.kv.arena import PageArena, is_oom
 from engine.kv.block_table import BlockTable
-from engine.kv.pool import PagePool
+from engine.kv.pool import FLAG_QUANTIZED
+from engine.kv.roles import DevicePlan
+
+ROLES = ("k", "v")
+Rotate = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]  # (layer, k [H, m, D], kept idx) -> k
 
 
 @dataclass
 class HostKV:
-    """A session's K/V moved to host memory by ``KVStore.to_host``; ``from_host`` of the same kind of store
-    brings it back. ``layers`` is per layer whatever that store keeps (full-precision tensors, or quantized
-    pages exactly as held: codes and scales, never dequantized)."""
+    """A session's K/V in host memory (``to_host``); ``from_host`` of the same kind of store restores it."""
 
     n: int  # tokens per layer
-    layers: list[Any]
+    layers: list[Any]  # per layer what the store keeps (full-precision tensors, or pages as held)
     nbytes: int  # host bytes held, all layers
     owners: list[int] = field(default_factory=list)  # paged stores: owner turn of each page
 
@@ -48,22 +49,13 @@ def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class KVStore:
-    """Interface shared by ``ContiguousKV`` and ``PagedKV``."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
+    """What ``ContiguousKV`` and ``PagedKV`` share: the forward protocol and the counters."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        self.num_layers = num_layers
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
         self._n_before = 0  # tokens cached before the running forward
-        self._n_new = 0
+        self._n_new = 0  # tokens reserved by it
 
     @property
     def token_bytes(self) -> int:
@@ -78,77 +70,14 @@ class KVStore:
     def num_tokens(self) -> int:
         raise NotImplementedError
 
-    def begin_forward(self, n_new: int, owner: int = -1) -> None:
-        raise NotImplementedError
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def end_forward(self) -> None:
-        self._n_before += self._n_new
-        self._n_new = 0
-
-    def truncate(self, n: int) -> None:
-        raise NotImplementedError
-
     def free(self) -> None:
         self.truncate(0)
 
-    def bytes_per_layer(self) -> list[int]:
+    def compact(self, keep: list[np.ndarray], rotate: Rotate | None = None, start: int = 0) -> list[int]:
+        """Keep, per layer, the cached tokens at indices ``keep[l]`` (ascending, the same count in every layer),
+        packed to the front in that order, in place. Tokens before ``start`` are kept where they are in every
+        layer. ``rotate`` may re-rotate the moved keys. Returns the pages freed."""
         raise NotImplementedError
-
-    def capacity_tokens(self) -> int:
-        raise NotImplementedError
-
-    def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All cached K/V of a layer, ``[kv_heads, num_tokens, head_dim]`` each (for copies and tests)."""
-        raise NotImplementedError
-
-    # -- swap ------------------------------------------------------------------------------------------
-    def to_host(self, pin: bool = False) -> HostKV:
-        """Copy every layer's K/V to host memory (the store itself is left as is: ``free()`` it after)."""
-        layers, nbytes = [], 0
-        for layer in range(self.num_layers):
-            k, v = self.read_layer(layer)  # [H, n, D]
-            hk, hv = host_copy(k, pin), host_copy(v, pin)
-            layers.append((hk, hv))
-            nbytes += hk.numel() * hk.element_size() + hv.numel() * hv.element_size()
-        return HostKV(self.num_tokens, layers, nbytes)
-
-    def from_host(self, host: HostKV) -> None:
-        """Replace the content with what ``to_host`` saved."""
-        self.begin_rewrite(host.n, owners=host.owners or None)
-        for layer, (hk, hv) in enumerate(host.layers):
-            self.rewrite_layer(layer, hk.to(self.device, non_blocking=True), hv.to(self.device, non_blocking=True))
-        self.end_rewrite()
-
-    # -- compaction (eviction) -------------------------------------------------------------------------
-    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
-        """Start replacing the whole content with ``n`` tokens per layer (written by ``rewrite_layer``)."""
-        raise NotImplementedError
-
-    def rewrite_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``, ``v``: [kv_heads, n, head_dim], the layer's new content (must not alias the store)."""
-        raise NotImplementedError
-
-    def end_rewrite(self) -> None:
-        raise NotImplementedError
-
-    def compact(self, keep: list[torch.Tensor], rotate=None, owners: list[int] | None = None) -> None:
-        """Keep, per layer, the cached tokens at indices ``keep[l]`` ([n_keep] ascending, same n_keep for
-        every layer), packed to the front in that order. ``rotate(layer, k, keep_idx) -> k`` may re-rotate
-        moved keys. Layers are processed one at a time (one layer's K/V copied at once)."""
-        n_keep = int(keep[0].numel())
-        self.begin_rewrite(n_keep, owners)
-        for layer in range(self.num_layers):
-            k, v = self.read_layer(layer)  # [H, n, D]
-            idx = keep[layer].to(k.device)
-            k = k.index_select(1, idx)  # [H, n_keep, D] copies
-            v = v.index_select(1, idx)
-            if rotate is not None:
-                k = rotate(layer, k, idx)
-            self.rewrite_layer(layer, k, v)
-        self.end_rewrite()
 
 
 class ContiguousKV(KVStore):
@@ -156,30 +85,43 @@ class ContiguousKV(KVStore):
 
     def __init__(self, num_layers, kv_heads, head_dim, dtype, device, initial_tokens: int = 256) -> None:
         super().__init__(num_layers, kv_heads, head_dim, dtype, device)
-        self._cap = max(16, initial_tokens)
-        shape = (kv_heads, self._cap, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._cap = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._grow(max(16, initial_tokens))
         self._len = 0
 
     @property
     def num_tokens(self) -> int:
         return self._len
 
-    def begin_forward(self, n_new: int, owner: int = -1) -> None:
-        need = self._len + n_new
+    def _grow(self, cap: int) -> None:
+        """All layers' new buffers first, then the copy: a failed allocation changes nothing."""
+        shape = (self.kv_heads, cap, self.head_dim)
+        try:
+            new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            raise OutOfMemoryError(f"out of memory growing the contiguous KV cache to {cap} tokens: use the paged "
+                                   "cache with KV int8/int4, or an eviction policy") from None
+        n = getattr(self, "_len", 0)
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:, :n].copy_(old[:, :n])  # [H, n, D]
+        self.k, self.v, self._cap = new_k, new_v, cap
+
+    def can_reserve(self, q: int) -> bool:
+        return True  # grows on demand; an allocation failure is reported by reserve
+
+    def reserve(self, q: int, owner: int = -1) -> None:
+        need = self._len + q
         if need > self._cap:
             cap = self._cap
             while cap < need:
                 cap *= 2
-            for lst in (self.k, self.v):
-                for i, old in enumerate(lst):
-                    new = torch.zeros((self.kv_heads, cap, self.head_dim), dtype=self.dtype, device=self.device)
-                    new[:, : self._len].copy_(old[:, : self._len])  # [H, len, D]
-                    lst[i] = new
-            self._cap = cap
-        self._n_before = self._len
-        self._n_new = n_new
+            self._grow(cap)
+        self._n_before, self._n_new = self._len, q
 
     def update(self, layer, k, v):
         s, e = self._n_before, self._n_before + self._n_new
@@ -189,15 +131,17 @@ class ContiguousKV(KVStore):
             return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
         return self.k[layer][None, :, :e], self.v[layer][None, :, :e]  # [1, H, e, D] views
 
-    def end_forward(self) -> None:
-        self._len = self._n_before + self._n_new
-        super().end_forward()
+    def commit(self) -> None:
+        self._len = self._n_before = self._n_before + self._n_new
+        self._n_new = 0
+
+    def rollback(self) -> None:
+        self._n_before, self._n_new = self._len, 0
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:
             raise ValueError(f"truncate: {n} is outside 0..{self._len}")
-        self._len = n
-        self._n_before = n
+        self._len = self._n_before = n
 
     def bytes_per_layer(self) -> list[int]:
         return [self._cap * self.token_bytes] * self.num_layers
@@ -206,118 +150,52 @@ class ContiguousKV(KVStore):
         return self._cap
 
     def read_layer(self, layer):
-        return self.k[layer][:, : self._len], self.v[layer][:, : self._len]
+        return self.k[layer][:, :self._len], self.v[layer][:, :self._len]  # [H, n, D] views
 
-    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
-        self._rewrite_n = n
+    def compact(self, keep, rotate=None, start=0) -> list[int]:
+        n_keep = len(keep[0])
+        for layer in range(self.num_layers):
+            idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
+            k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
+            v = self.v[layer][:, :self._len].index_select(1, idx)
+            if rotate is not None:
+                k = rotate(layer, k, keep[layer][start:])
+            self.k[layer][:, start:n_keep].copy_(k)
+            self.v[layer][:, start:n_keep].copy_(v)
+        self._len = self._n_before = n_keep
+        return []
 
-    def rewrite_layer(self, layer, k, v):
-        n = self._rewrite_n
-        self.k[layer][:, :n].copy_(k)  # [H, n, D]
-        self.v[layer][:, :n].copy_(v)
+    def to_host(self, pin: bool = False) -> HostKV:
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            hk, hv = (host_copy(t, pin) for t in self.read_layer(layer))
+            layers.append((hk, hv))
+            nbytes += 2 * hk.numel() * hk.element_size()
+        return HostKV(self._len, layers, nbytes)
 
-    def end_rewrite(self) -> None:
-        self._len = self._n_before = self._rewrite_n
+    def can_restore(self, host: HostKV) -> bool:
+        return True
 
-
-class PageArena:
-    """The page pool of one model plus its tensors; every paged session of that model allocates here."""
-
-    def __init__(self, num_layers, kv_heads, head_dim, dtype, device, page_size: int, num_pages: int,
-                 max_pages: int | None = None, k_kind: str = "auto", v_kind: str = "auto") -> None:
-        self.kinds = {"k": k_kind, "v": v_kind}
-        self.q: dict[str, list] = {"k": [], "v": []}  # quantized page storage per role: [H, N, P, ...] per layer
-        self.num_layers = num_layers
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.page_size = page_size
-        self.pool = PagePool(num_pages, page_size, max_pages=max_pages)
-        self._slots = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.sync_capacity()
-
-    @property
-    def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def quantized(self) -> bool:
-        return self.kinds["k"] != "auto" or self.kinds["v"] != "auto"
-
-    def role_page_bytes(self, role: str, quantized: bool) -> int:
-        """Bytes one page of one layer holds for K or V (codes + scales when quantized)."""
-        if quantized and self.kinds[role] != "auto":
-            from engine.kv import quant
-
-            per_tok = quant.bytes_per_token(self.kinds[role], role, self.kv_heads, self.head_dim, self.page_size)
-            return int(round(per_tok * self.page_size))
-        return self.kv_heads * self.page_size * self.head_dim * self.elem_bytes
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one full page across all layers (K and V), as stored."""
-        return self.num_layers * (self.role_page_bytes("k", True) + self.role_page_bytes("v", True))
-
-    def sync_capacity(self) -> None:
-        """Grow the tensors after the pool grew (copying the old pages)."""
-        pages = self.pool.num_pages
-        slots = pages * self.page_size
-        if slots <= self._slots:
-            return
-        old_pages = self._slots // self.page_size
-        shape = (self.kv_heads, slots, self.head_dim)
-        for role, lst in (("k", self.k), ("v", self.v)):
-            if self.kinds[role] != "auto":
-                continue  # a quantized role keeps no full-precision pages
-            if not lst:
-                lst.extend(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers))
-                continue
-            for i, old in enumerate(lst):
-                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                new[:, : self._slots].copy_(old)  # [H, old_slots, D]
-                lst[i] = new
-        for role in ("k", "v"):
-            kind = self.kinds[role]
-            if kind == "auto":
-                continue
-            from engine.kv import quant
-
-            store = self.q[role]
-            for i in range(self.num_layers):
-                new = quant.allocate(kind, role, (self.kv_heads, pages), self.page_size, self.head_dim,
-                                     device=self.device)  # [H, N, P, ...]: a run of pages is one view per head
-                if i < len(store):
-                    new.put((slice(None), slice(0, old_pages)), store[i][:, :old_pages])
-                    store[i] = new
-                else:
-                    store.append(new)
-        self._slots = slots
-
-    def copy_page(self, src: int, dst: int) -> None:
-        P = self.page_size
-        for lst in (self.k, self.v):
-            for t in lst:
-                t[:, dst * P:(dst + 1) * P].copy_(t[:, src * P:(src + 1) * P])  # [H, P, D]
-        for store in self.q.values():
-            for q in store:
-                q.put((slice(None), dst), q[:, src])  # [H, P, ...]
+    def from_host(self, host: HostKV) -> None:
+        if host.n > self._cap:
+            self._grow(host.n)
+        for layer, (hk, hv) in enumerate(host.layers):
+            self.k[layer][:, :host.n].copy_(hk)
+            self.v[layer][:, :host.n].copy_(hv)
+        self._len = self._n_before = host.n
 
 
 class PagedKV(KVStore):
-    """A session's paged view: a block table in a shared ``PageArena``."""
+    """A session's pages in a shared ``PageArena``: a block table, and a view of each role (K, V)."""
 
     def __init__(self, arena: PageArena, session_id: int = -1, table: BlockTable | None = None) -> None:
-        super().__init__(arena.num_layers, arena.kv_heads, arena.head_dim, arena.dtype, arena.device)
+        s = arena.shape
+        super().__init__(s.num_layers, s.kv_heads, s.head_dim, s.dtype, s.device)
         self.arena = arena
         self.table = table if table is not None else BlockTable(arena.pool, session_id)
+        self.views = {r: arena.roles[r].view() for r in ROLES}
         self._n_before = self.table.num_tokens
-        self._wslots: torch.Tensor | None = None  # [q] slot ids, None when the slots are one run
-        self._write_start = 0
-        self._read: torch.Tensor | None = None  # [L] slot ids, None when the pages are one run
-        self._read_start = 0
+        self._dp: DevicePlan | None = None
 
     @property
     def page_size(self) -> int:
@@ -327,102 +205,158 @@ class PagedKV(KVStore):
     def num_tokens(self) -> int:
         return self.table.num_tokens
 
-    def begin_forward(self, n_new: int, owner: int = -1) -> None:
-        arena = self.arena
+    def _plan(self, n: int | None = None) -> DevicePlan:
+        return DevicePlan.of(self.table.plan(n), self.device)
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def can_reserve(self, q: int) -> bool:
+        return self.arena.can_provide(self.table.pages_needed(q))
+
+    def reserve(self, q: int, owner: int = -1) -> None:
+        self.arena.ensure_free(self.table.pages_needed(q))  # typed error, nothing changed, if it cannot
         self._n_before = self.table.num_tokens
-        copies = self.table.append(n_new, owner=owner)
-        arena.sync_capacity()
-        for src, dst in copies:
-            arena.copy_page(src, dst)
-        self._n_new = n_new
-        self._plan_slots()
-
-    def _plan_slots(self) -> None:
-        start = self.table.contiguous_start()
-        end = self._n_before + self._n_new
-        if start is not None:
-            self._read, self._read_start = None, start
-            self._wslots, self._write_start = None, start + self._n_before
-        else:
-            dev = self.arena.device
-            self._read = torch.tensor(self.table.slots(0, end), dtype=torch.long, device=dev)  # [L]
-            self._wslots = self._read[self._n_before:end]  # [q]
-
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``, ``v``: [H, q, D] for the reserved slots."""
-        kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
-        if self._wslots is None:
-            s, q = self._write_start, self._n_new
-            kl[:, s:s + q].copy_(k)  # slots [s, s+q) of one run
-            vl[:, s:s + q].copy_(v)
-        else:
-            kl.index_copy_(1, self._wslots, k)  # scatter q tokens into their page slots
-            vl.index_copy_(1, self._wslots, v)
+        for src, dst in self.table.append(q, owner=owner):
+            self.arena.copy_page(src, dst)  # copy-on-write of a shared partial page
+        self._n_new = q
+        for view in self.views.values():
+            view.begin(self._n_before, q)
+        self._dp = self._plan()
 
     def update(self, layer, k, v):
-        self._write(layer, k[0], v[0])  # k: [1, H, q, D]
-        if self._n_before == 0:
+        start, dp, pool = self._n_before, self._dp, self.arena.pool
+        self.views["k"].write(layer, k[0], start, dp, pool)  # k: [1, H, q, D]
+        self.views["v"].write(layer, v[0], start, dp, pool)
+        if start == 0:
             return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
-        kl, vl = self.arena.k[layer], self.arena.v[layer]  # [H, S, D]
-        L = self._n_before + self._n_new
-        if self._read is None:
-            s = self._read_start
-            return kl[None, :, s:s + L], vl[None, :, s:s + L]  # [1, H, L, D] views of one run
-        return kl.index_select(1, self._read)[None], vl.index_select(1, self._read)[None]  # [1, H, L, D]
+        n = start + self._n_new
+        return self.views["k"].read(layer, n, dp)[None], self.views["v"].read(layer, n, dp)[None]  # [1, H, n, D]
 
-    def end_forward(self) -> None:
-        super().end_forward()
-        self._n_before = self.table.num_tokens
+    def commit(self) -> None:
+        self._n_before, self._n_new, self._dp = self.table.num_tokens, 0, None
 
+    def rollback(self) -> None:
+        start = self._n_before
+        for view in self.views.values():
+            view.rollback(start)
+        self._n_new, self._dp = 0, None
+        self.truncate(start)
+
+    # -- table changes ---------------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
+        old = self.table.num_tokens
+        if not 0 <= n <= old:
+            raise ValueError(f"truncate: {n} is outside 0..{old}")
+        if n < old:
+            dp = self._plan(old)
+            for view in self.views.values():
+                view.truncate(old, n, dp)
         self.table.truncate(n)
+        self._unflag_tail()
         self._n_before = n
 
-    def fork(self, session_id: int = -1) -> "PagedKV":
-        return PagedKV(self.arena, session_id, self.table.fork(session_id))
+    def _unflag_tail(self) -> None:
+        """A partial last page is held in full precision (the quantized roles' tail)."""
+        pages, P = self.table.pages, self.page_size
+        if pages and self.table.num_tokens % P and self.arena.pool.ref[pages[-1]] == 1:
+            self.arena.pool.set_flag(pages[-1], FLAG_QUANTIZED, False)
 
+    def free(self) -> None:
+        self.truncate(0)
+        self.arena.trim()
+
+    def fork(self, session_id: int = -1) -> "PagedKV":
+        other = PagedKV(self.arena, session_id, self.table.fork(session_id))
+        for role in ROLES:
+            other.views[role].copy_from(self.views[role])
+        return other
+
+    def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached K/V of a layer as new tensors ``[H, n, D]``."""
+        n = self.table.num_tokens
+        dp = self._plan(n)
+        return tuple(self.views[r].read(layer, n, dp).clone() for r in ROLES)
+
+    def compact(self, keep, rotate=None, start=0) -> list[int]:
+        n, n_keep, P = self.table.num_tokens, len(keep[0]), self.page_size
+        s = (start // P) * P  # rewrite whole pages from here
+        first, last = s // P, -(-n_keep // P)
+        self.arena.ensure_free(self.table.shared_pages(first, last))  # before any change
+        old = self._plan(n)
+        self.table.make_private(first, last)  # pages shared with a fork are never written
+        new = self._plan(n)
+        pool = self.arena.pool
+        try:
+            for layer in range(self.num_layers):
+                idx = np.asarray(keep[layer][s:], dtype=np.int64)
+                idx_t = torch.from_numpy(idx).to(self.device)
+                for role in ROLES:
+                    x = self.views[role].read(layer, n, old).index_select(1, idx_t)  # [H, n_keep - s, D] copy
+                    if role == "k" and rotate is not None:
+                        x = rotate(layer, x, idx)
+                    self.views[role].write(layer, x, s, new, pool)
+        except BaseException:
+            self.truncate(0)  # half the layers rewritten: drop the cache rather than keep it inconsistent
+            raise
+        before = set(self.table.pages)
+        self.table.truncate(n_keep)
+        self._unflag_tail()
+        self._n_before = n_keep
+        kept = set(self.table.pages)
+        return sorted(p for p in before - kept if pool.ref[p] == 0)
+
+    # -- swap ------------------------------------------------------------------------------------------
+    def to_host(self, pin: bool = False) -> HostKV:
+        """Every layer's pages as held (quantized pages stay codes + scales) in host memory."""
+        n = self.table.num_tokens
+        dp = self._plan(n)
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            entry = {}
+            for role in ROLES:
+                entry[role], size = self.views[role].to_host(layer, n, dp, lambda t: host_copy(t, pin))
+                nbytes += size
+            layers.append(entry)
+        return HostKV(n, layers, nbytes, [self.arena.pool.owner[p] for p in self.table.pages])
+
+    def can_restore(self, host: HostKV) -> bool:
+        return self.table.num_tokens == 0 and self.arena.can_provide(-(-host.n // self.page_size))
+
+    def from_host(self, host: HostKV) -> None:
+        """Pages for ``host.n`` tokens (typed error and no change if there are none), then the copy back."""
+        self.arena.ensure_free(-(-host.n // self.page_size))
+        self.table.append(host.n)
+        pool = self.arena.pool
+        for i, p in enumerate(self.table.pages):
+            pool.owner[p] = host.owners[min(i, len(host.owners) - 1)] if host.owners else -1
+        dp = self._plan(host.n)
+        for layer, entry in enumerate(host.layers):
+            for role in ROLES:
+                self.views[role].from_host(layer, entry[role], dp, pool)
+        self._n_before = host.n
+
+    # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_layer(self) -> list[int]:
-        per_page = self.page_size * self.token_bytes
-        return [len(self.table.pages) * per_page] * self.num_layers
+        n, pages = self.table.num_tokens, len(self.table.pages)
+        return [sum(self.views[r].bytes_held(n, pages) for r in ROLES)] * self.num_layers
 
     def capacity_tokens(self) -> int:
-        pool = self.arena.pool
-        cap_pages = pool.max_pages if pool.max_pages is not None else pool.num_pages
-        return cap_pages * self.page_size
+        arena = self.arena
+        return max(arena.pool.num_pages, min(arena.cap_pages(), 1 << 30)) * self.page_size
 
-    @property
-    def _source_table(self) -> BlockTable:
-        """The table holding the current content (the old one while a rewrite is in progress)."""
-        old = getattr(self, "_old_table", None)
-        return old if old is not None else self.table
 
-    def to_host(self, pin: bool = False) -> HostKV:
-        host = super().to_host(pin)
-        host.owners = [self.arena.pool.owner[p] for p in self.table.pages]
-        return host
-
-    def read_layer(self, layer):
-        table = self._source_table
-        idx = torch.tensor(table.slots(0, table.num_tokens), dtype=torch.long, device=self.arena.device)
-        return self.arena.k[layer].index_select(1, idx), self.arena.v[layer].index_select(1, idx)
-
-    def begin_rewrite(self, n: int, owners: list[int] | None = None) -> None:
-        """Write the new content into fresh pages (so pages shared with a fork are never overwritten)."""
-        self._old_table = self.table
-        self.table = BlockTable(self.arena.pool, self._old_table.session_id)
-        self.table.append(n)
-        if owners:
-            pool = self.arena.pool
-            for i, p in enumerate(self.table.pages):
-                pool.owner[p] = owners[min(i, len(owners) - 1)]
-        self.arena.sync_capacity()
-        self._n_before, self._n_new = 0, n
-        self._plan_slots()
-
-    def rewrite_layer(self, layer, k, v):
-        self._write(layer, k, v)
-
-    def end_rewrite(self) -> None:
-        self._old_table.free()
-        self._old_table = None
-        self._n_before, self._n_new = self.table.num_tokens, 0
+def copy_kv(src: KVStore, dst: KVStore, owner: int = -1) -> int:
+    """Copy every cached token of ``src`` into the empty store ``dst`` (a mode, page size or precision
+    switch: quantized on the way in, dequantized on the way out). Returns the tokens copied."""
+    n = src.num_tokens
+    if not n:
+        return 0
+    dst.reserve(n, owner=owner)
+    try:
+        for layer in range(src.num_layers):
+            k, v = src.read_layer(layer)  # [H, n, D]
+            dst.update(layer, k[None], v[None])
+    except BaseException:
+        dst.rollback()
+        raise
+    dst.commit()
+    return n

@@ -1,4 +1,10 @@
-"""The policy interface and registry."""
+"""The policy interface and registry.
+
+A policy answers "which cached tokens go?" (``select``) and knows everything else about itself: its
+parameters (the ``Params`` dataclass the GUI builds its form from and the CLI its flags from), which tokens
+it shows as attention sinks, the default priority of unmarked tokens. The session never asks a policy's
+name; ``engine.eviction`` does the evicting, compaction and reporting.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ import numpy as np
 
 registry: dict[str, type["EvictionPolicy"]] = {}
 
+PINNED = 100  # priority of the system prompt and pinned messages (TensorRT-LLM's top retention priority)
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+
 
 @dataclass
 class PolicyState:
@@ -18,7 +27,7 @@ class PolicyState:
     positions  [L, n] logical position of each cached token, per layer (ascending)
     scores     [L, n] accumulated attention each cached token received (H2O), or None
     protected  logical positions ``[0, protected)`` hold the system prompt / first message
-    priorities [T] int 0..100 per logical position (priority policy), or None
+    priorities [T] int 0..100 per logical position (the policy's default filled in), or None
     page_size  of the store (streaming evicts whole pages when it can)
     """
 
@@ -31,10 +40,17 @@ class PolicyState:
 
 
 class EvictionPolicy:
-    """Base class. Subclasses set ``name``, a ``Params`` dataclass and implement ``select``."""
+    """Base class. Subclasses set ``name``, a ``Params`` dataclass and implement ``select``.
+
+    ``select`` contract: for every layer, indices into the n cached tokens to drop so that exactly
+    ``min(n, target)`` stay, for any ``target >= 1``. When what the policy protects (sinks, the protected
+    prompt, pinned messages, the recent window) is more than ``target``, it protects less instead of
+    failing; ``engine.eviction`` tells the user.
+    """
 
     name: ClassVar[str] = "none"
     label: ClassVar[str] = "No eviction"
+    listed: ClassVar[bool] = True  # offered in the GUI and the CLI (overflow helpers are not)
     needs_scores: ClassVar[bool] = False  # accumulate attention scores (explicit softmax)
     rope_in_cache: ClassVar[bool] = False  # compaction re-rotates keys: positions are in-cache indices
 
@@ -55,18 +71,19 @@ class EvictionPolicy:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        if cls.name != "none":
+        if cls.name != "none" and cls.__dict__.get("listed", True):
             registry[cls.name] = cls
 
     def validate(self) -> None:
         for f in dataclasses.fields(self.params):
             v = getattr(self.params, f.name)
             lo, hi = f.metadata.get("min"), f.metadata.get("max")
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                if lo is not None and v < lo:
-                    raise ValueError(f"policy {self.name}: {f.name} {v} must be >= {lo}")
-                if hi is not None and v > hi:
-                    raise ValueError(f"policy {self.name}: {f.name} {v} must be <= {hi}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"policy {self.name}: {f.name} {v!r} is not an integer")
+            if lo is not None and v < lo:
+                raise ValueError(f"policy {self.name}: {f.name} {v} must be >= {lo}")
+            if hi is not None and v > hi:
+                raise ValueError(f"policy {self.name}: {f.name} {v} must be <= {hi}")
 
     @property
     def budget(self) -> int:
@@ -74,16 +91,29 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def slack(self, page_size: int) -> int:
-        """Evict this many extra tokens at once, so compaction runs every few steps, not every step."""
+        """Evict this many extra tokens at once, so compaction runs every few steps, not every step; never
+        so many that what the policy always keeps would not fit."""
         return max(1, min(page_size, self.budget // 8))
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
-        """Per layer, the *indices into the cached tokens* (0..n-1) to evict so that n - len == target."""
         raise NotImplementedError
+
+    def sink_count(self, n_tokens: int) -> int:
+        """Leading tokens shown as attention sinks in the token strip (StreamingLLM's)."""
+        return 0
+
+    def default_priority(self) -> int | None:
+        """Priority of tokens no message marked (None: this policy does not use priorities)."""
+        return None
 
     def describe(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.params).items())
         return f"{self.name}({args})"
+
+    @classmethod
+    def flag_names(cls) -> dict[str, str]:
+        """CLI flag (without ``--``) → ``Params`` field, from each field's ``flag`` metadata."""
+        return {f.metadata["flag"]: f.name for f in dataclasses.fields(cls.Params) if f.metadata.get("flag")}
 
 
 class NoPolicy(EvictionPolicy):
@@ -94,16 +124,27 @@ def policy_names() -> list[str]:
     return ["none", *registry]
 
 
-def get_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPolicy | None:
-    """The policy called ``name`` built from ``params`` (None for "none"). ``ValueError`` if unknown."""
+def get_policy_class(name: str) -> type[EvictionPolicy] | None:
+    """The class registered as ``name`` (None for "none"); ``ValueError`` if unknown."""
     if name == "none":
         return None
     cls = registry.get(name)
     if cls is None:
         raise ValueError(f"policy: {name!r} is not one of {', '.join(policy_names())}")
-    return cls(**(params or {}))
+    return cls
 
 
-def param_field(default: Any, *, min: Any = None, max: Any = None, help: str = "") -> Any:  # noqa: A002
-    """A ``Params`` field with the metadata the GUI builds a control from."""
-    return field(default=default, metadata={"min": min, "max": max, "help": help})
+def get_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPolicy | None:
+    """The policy called ``name`` built from ``params`` (None for "none"). ``ValueError`` if unknown."""
+    cls = get_policy_class(name)
+    return None if cls is None else cls(**(params or {}))
+
+
+def param_field(default: Any, *, min: Any = None, max: Any = None, help: str = "", flag: str = "") -> Any:  # noqa: A002
+    """A ``Params`` field with the metadata the GUI builds a control from and the CLI flag that sets it."""
+    return field(default=default, metadata={"min": min, "max": max, "help": help, "flag": flag})
+
+
+def drop_in_order(order: np.ndarray, n: int, target: int) -> np.ndarray:
+    """The first ``n - target`` indices of ``order`` (a preference order over all n slots), sorted."""
+    return np.sort(order[:max(0, n - target)]).astype(np.int64)

@@ -4,6 +4,7 @@ window, under a token budget.
 Scores are the attention probability each cached token has accumulated over all steps, summed over the
 query heads of each KV head (kept per layer and KV head for display); eviction is per layer, ranking by the
 sum over a layer's KV heads, so layers keep different tokens. Original positions are kept (no re-rotation).
+Tokens cached before H2O was switched on start with no score (they are ranked oldest first).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.policies.base import EvictionPolicy, PolicyState, param_field
+from engine.policies.base import EvictionPolicy, PolicyState, drop_in_order, param_field
 
 
 class H2OPolicy(EvictionPolicy):
@@ -22,8 +23,8 @@ class H2OPolicy(EvictionPolicy):
 
     @dataclass(frozen=True)
     class Params:
-        budget: int = param_field(256, min=2, max=1 << 20, help="tokens kept per layer")
-        recent: int = param_field(64, min=1, max=1 << 20, help="most recent tokens always kept")
+        budget: int = param_field(256, min=2, max=1 << 20, help="tokens kept per layer", flag="budget")
+        recent: int = param_field(64, min=1, max=1 << 20, help="most recent tokens always kept", flag="window")
 
     def validate(self) -> None:
         super().validate()
@@ -34,20 +35,20 @@ class H2OPolicy(EvictionPolicy):
     def budget(self) -> int:
         return self.params.budget
 
+    def slack(self, page_size: int) -> int:
+        return max(1, min(page_size, self.budget // 8, self.budget - self.params.recent - 1))
+
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
-        if state.scores is None:
-            raise ValueError("h2o needs attention scores")
+        """Drop order per layer: unprotected older tokens by score (lowest first, ties oldest first), then
+        the protected prefix (same order), then the recent window (oldest first)."""
         out = []
         for layer, pos in enumerate(state.positions):
             n = len(pos)
-            drop = max(0, n - target)
-            if drop == 0:
-                out.append(np.zeros(0, dtype=np.int64))
-                continue
-            old = n - min(self.params.recent, n)  # candidates: everything before the recent window
-            protected = int(np.searchsorted(pos, state.protected))  # never evict the protected prefix
-            cand = np.arange(min(protected, old), old)
-            s = state.scores[layer][cand]
-            order = np.lexsort((cand, s))  # lowest score first, ties: oldest first
-            out.append(np.sort(cand[order[:drop]]).astype(np.int64))
+            scores = state.scores[layer] if state.scores is not None else np.zeros(n)
+            recent_from = n - min(self.params.recent, n)
+            idx = np.arange(n)
+            tier = np.where(idx >= recent_from, 2, np.where(pos < state.protected, 1, 0))
+            rank = np.where(tier == 2, idx, scores)  # the recent window goes oldest first, if ever
+            order = np.lexsort((idx, rank, tier))
+            out.append(drop_in_order(order, n, target))
         return out

@@ -1,6 +1,7 @@
 """Priority retention (TensorRT-LLM's KV cache retention config): token ranges carry a priority 0..100
 (default 35); under the budget the lowest priority goes first, then the least recently used (oldest).
-Priority 100 is never evicted: the system prompt and pinned messages get it.
+Priority 100 (the system prompt, the first message and pinned messages) goes only when the budget cannot
+hold it all (and the user is told).
 """
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.policies.base import EvictionPolicy, PolicyState, param_field
-
-PINNED = 100
+from engine.policies.base import DEFAULT_PRIORITY, PINNED, EvictionPolicy, PolicyState, drop_in_order, param_field
 
 
 class PriorityPolicy(EvictionPolicy):
@@ -20,13 +19,18 @@ class PriorityPolicy(EvictionPolicy):
 
     @dataclass(frozen=True)
     class Params:
-        budget: int = param_field(256, min=2, max=1 << 20, help="tokens kept per layer")
-        default_priority: int = param_field(35, min=0, max=99, help="priority of unpinned tokens")
-        recent: int = param_field(16, min=0, max=1 << 20, help="most recent tokens kept at priority 99")
+        budget: int = param_field(256, min=2, max=1 << 20, help="tokens kept per layer", flag="budget")
+        default_priority: int = param_field(DEFAULT_PRIORITY, min=0, max=PINNED - 1,
+                                            help="priority of unpinned tokens")
+        recent: int = param_field(16, min=0, max=1 << 20, help="most recent tokens kept at priority 99",
+                                  flag="window")
 
     @property
     def budget(self) -> int:
         return self.params.budget
+
+    def default_priority(self) -> int:
+        return self.params.default_priority
 
     def token_priorities(self, state: PolicyState, positions: np.ndarray) -> np.ndarray:
         pri = np.full(len(positions), self.params.default_priority, dtype=np.int64)
@@ -35,16 +39,13 @@ class PriorityPolicy(EvictionPolicy):
             pri[known] = state.priorities[positions[known]]
         pri[positions < state.protected] = PINNED
         if self.params.recent:
-            pri[-self.params.recent:] = np.maximum(pri[-self.params.recent:], 99)
+            pri[-self.params.recent:] = np.maximum(pri[-self.params.recent:], PINNED - 1)
         return pri
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
         out = []
         for pos in state.positions:
-            n = len(pos)
-            drop = max(0, n - target)
             pri = self.token_priorities(state, pos)
-            cand = np.nonzero(pri < PINNED)[0]
-            order = np.lexsort((pos[cand], pri[cand]))  # lowest priority, then oldest
-            out.append(np.sort(cand[order[:drop]]).astype(np.int64))
+            order = np.lexsort((pos, pri))  # lowest priority, then oldest; pinned last
+            out.append(drop_in_order(order, len(pos), target))
         return out

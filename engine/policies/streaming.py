@@ -1,4 +1,5 @@
-"""StreamingLLM (Xiao et al., 2023): attention sinks + a recent window.
+"""StreamingLLM (Xiao et al., 2023): attention sinks + a recent window; and the context-overflow modes
+("truncate the middle", "rolling window"), which are the same eviction with other sinks.
 
 Positions: keys are cached after RoPE, so when the middle is dropped the kept window is *re-rotated* by the
 number of positions it moves (``k·cos Δ + rotate_half(k)·sin Δ``, as HF's old SinkCache did). Every cached
@@ -23,18 +24,42 @@ class StreamingPolicy(EvictionPolicy):
 
     @dataclass(frozen=True)
     class Params:
-        sinks: int = param_field(4, min=0, max=1024, help="first tokens always kept (attention sinks)")
-        window: int = param_field(256, min=1, max=1 << 20, help="most recent tokens kept")
+        sinks: int = param_field(4, min=0, max=1024, help="first tokens always kept (attention sinks)",
+                                 flag="sinks")
+        window: int = param_field(256, min=1, max=1 << 20, help="most recent tokens kept", flag="window")
 
     @property
     def budget(self) -> int:
         return self.params.sinks + self.params.window
+
+    def slack(self, page_size: int) -> int:
+        return max(1, min(page_size, self.budget // 8, self.params.window - 1))
+
+    def sink_count(self, n_tokens: int) -> int:
+        return min(self.params.sinks, n_tokens)
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
         out = []
         for pos in state.positions:
             n = len(pos)
             drop = max(0, n - target)
-            sinks = min(self.params.sinks, n)
+            sinks = min(self.params.sinks, max(0, target - 1))  # at least the newest token stays
             out.append(np.arange(sinks, sinks + drop, dtype=np.int64))  # oldest non-sink tokens
         return out
+
+
+class OverflowPolicy(StreamingPolicy):
+    """What ``CacheConfig.overflow`` does when the context is full and no eviction policy is set:
+    ``truncate_middle`` keeps the protected prompt (system + first message) as its sinks, ``rolling`` the
+    first token (BOS); both keep the most recent tokens. Not offered as a policy of its own."""
+
+    name = "overflow"
+    listed = False
+
+    @classmethod
+    def for_mode(cls, mode: str, target: int, protected: int) -> "OverflowPolicy":
+        if mode not in ("truncate_middle", "rolling"):
+            raise ValueError(f"overflow {mode!r} does not evict")
+        sinks = protected if mode == "truncate_middle" else 1
+        sinks = max(0, min(sinks, target - 1, 1024))
+        return cls(sinks=sinks, window=max(1, target - sinks))

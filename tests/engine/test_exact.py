@@ -58,12 +58,11 @@ def test_stories_exact(stories, stories_ref, cache):
 
 def test_stories_exact_with_scattered_pages(stories, stories_ref):
     """Another session holds every other page, so this one's pages are not consecutive (gather path)."""
-    from engine.session import arena_for
-
     ids, ref = stories_ref
     cache = CacheConfig(mode="paged", page_size=3, max_pages=None)
-    arena = arena_for(stories, cache)
+    arena = stories.kv_arenas.get(3, None, "auto", "auto")
     pool = arena.pool
+    arena.ensure_free(40)
     held = pool.allocate(40)
     for p in held[::2]:
         pool.decref(p)

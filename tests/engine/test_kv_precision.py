@@ -8,8 +8,9 @@ import torch
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.kv import quant
-from engine.kv.quant_paged import QuantPagedKV
-from engine.kv.storage import PageArena
+from engine.kv.arena import PageArena
+from engine.kv.roles import KVShape
+from engine.kv.storage import PagedKV
 from engine.session import ChatSession
 
 
@@ -17,16 +18,16 @@ from engine.session import ChatSession
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 50])
 def test_store_round_trip_and_bytes_formula(kind, n):
     H, D, P, L = 4, 64, 16, 2
-    arena = PageArena(L, H, D, torch.float32, "cpu", page_size=P, num_pages=2, k_kind=kind, v_kind=kind)
-    store = QuantPagedKV(arena)
+    arena = PageArena(KVShape(L, H, D, torch.float32, torch.device("cpu")), P, 2, k_kind=kind, v_kind=kind)
+    store = PagedKV(arena)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, H, n, D, generator=g)
     v = torch.randn(1, H, n, D, generator=g)
-    store.begin_forward(n)
+    store.reserve(n)
     for layer in range(L):
         kk, vv = store.update(layer, k, v)
         assert kk.shape == (1, H, n, D)
-    store.end_forward()
+    store.commit()
     full, fill = divmod(n, P)
     for layer in range(L):
         rk, rv = store.read_layer(layer)
@@ -146,9 +147,9 @@ def test_swap_keeps_quantized_pages_as_held(stories, k, v):
     before = [tuple(t.clone() for t in s.store.read_layer(layer)) for layer in range(s.info.num_layers)]
     arena = s.store.arena
     full, fill = divmod(n, 16)
-    token_fp = arena.kv_heads * arena.head_dim * arena.elem_bytes  # one token of K or V, float32
+    token_fp = arena.shape.kv_heads * arena.shape.head_dim * arena.shape.elem_bytes  # one token of K or V, float32
     want = s.info.num_layers * sum(
-        n * token_fp if kind == "auto" else full * arena.role_page_bytes(role, True) + fill * token_fp
+        n * token_fp if kind == "auto" else full * arena.roles[role].page_bytes() + fill * token_fp
         for role, kind in (("k", k), ("v", v)))
     moved = s.swap_out()
     assert moved == want and moved < held  # the cache holds whole pages; the host only the tokens

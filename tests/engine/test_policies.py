@@ -85,17 +85,17 @@ def test_streaming_session_keeps_sinks_and_window_and_reports_evictions(stories)
                                            policy_params={"sinks": 4, "window": 32}), 120)
     budget = 36
     assert all(sn.tokens_per_layer.max() <= budget for sn in snaps)
-    log = s._log[0]
+    log = s.index.log[0]
     assert log[:4].tolist() == [0, 1, 2, 3]  # sinks never evicted
-    assert log[4:].tolist() == list(range(s.n_fed - (len(log) - 4), s.n_fed))  # the most recent window
+    assert log[4:].tolist() == list(range(s.index.next_pos - (len(log) - 4), s.index.next_pos))  # the most recent window
     ev = [sn for sn in snaps if sn.evicted_positions]
     assert ev and ev[0].evict_reason == "streaming"
     assert ev[0].evicted_positions[0] == 4  # the oldest token after the sinks goes first
     total = sum(len(sn.evicted_positions) for sn in snaps)
-    assert total == s.evicted_total == s.n_fed - s.n_phys
+    assert total == s.evicted_total == s.index.next_pos - s.n_phys
     last = snaps[-1]
     assert (last.token_state[:4] == snap.TOKEN_SINK).all()
-    assert (last.token_state[4:s.n_fed - len(log) + 4] == snap.TOKEN_EVICTED).all()
+    assert (last.token_state[4:s.index.next_pos - len(log) + 4] == snap.TOKEN_EVICTED).all()
     assert np.count_nonzero(last.token_state == snap.TOKEN_EVICTED) == s.evicted_total
     assert any((sn.page_state == snap.PAGE_EVICTED).any() for sn in ev)  # "just evicted" pages shown
 
@@ -109,7 +109,7 @@ def test_streaming_generates_4000_tokens_past_a_512_context_with_flat_kv(stories
     full = kv[600:]  # after the window filled
     assert full.max() <= 256 * stories.info.kv_bytes_per_token
     assert full.max() - full.min() <= 16 * stories.info.kv_bytes_per_token  # flat: within one page
-    assert s._next_rope <= 256  # RoPE positions never pass sinks + window
+    assert s.index.next_rope <= 256  # RoPE positions never pass sinks + window
     words = r.text.split()
     assert len(set(words[-200:])) > 20  # still text, not a single repeated token
 
@@ -119,13 +119,13 @@ def test_h2o_session_budget_and_per_layer_choice(stories):
                                            policy_params={"budget": 64, "recent": 16}), 150)
     assert all(sn.tokens_per_layer.max() <= 64 for sn in snaps)
     assert s.evicted_total > 0
-    logs = [set(s._log[layer].tolist()) for layer in range(stories.info.num_layers)]
+    logs = [set(s.index.log[layer].tolist()) for layer in range(stories.info.num_layers)]
     assert any(logs[0] != other for other in logs[1:])  # layers kept different tokens
-    recent = set(range(s.n_fed - 16, s.n_fed))
+    recent = set(range(s.index.next_pos - 16, s.index.next_pos))
     assert all(recent <= kept for kept in logs)
     assert s.model.config._attn_implementation == "kvscope_scores"
     # the accumulated scores rank what was kept above what was evicted in at least the first layer
-    assert s._scores[0].shape[1] == s.n_phys
+    assert s.evictor.scores.t[0].shape[1] == s.n_phys
 
 
 def test_priority_session_keeps_system_prompt_and_pinned_message(stories):
@@ -140,13 +140,13 @@ def test_priority_session_keeps_system_prompt_and_pinned_message(stories):
     spans = message_spans(stories.tokenizer, msgs)
     s, r, snaps = run(stories, CacheConfig(mode="paged", page_size=4, policy="priority",
                                            policy_params={"budget": 80, "recent": 8}), 60, messages=msgs)
-    kept = set(s._log[0].tolist())
+    kept = set(s.index.log[0].tolist())
     system = set(range(*spans[0]))
     pinned = set(range(*spans[3]))
     assert system <= kept and pinned <= kept
     assert s.evicted_total > 0 and all(sn.tokens_per_layer.max() <= 80 for sn in snaps)
     assert (snaps[-1].token_state[list(pinned)] == snap.TOKEN_PINNED).all()
-    evicted = set(range(s.n_fed)) - kept
+    evicted = set(range(s.index.next_pos)) - kept
     assert min(evicted) >= spans[1][0]  # evicted tokens come after the system prompt
 
 
@@ -157,7 +157,7 @@ def test_context_overflow_choices_keep_generating(stories, overflow):
     assert all(sn.tokens_per_layer.max() <= 512 for sn in snaps)
     assert any(sn.evict_reason == overflow for sn in snaps)
     if overflow == "rolling":
-        assert s._log[0][0] == 0  # the first (BOS) token stays
+        assert s.index.log[0][0] == 0  # the first (BOS) token stays
 
 
 def test_context_overflow_stop_is_reported(stories):
@@ -200,4 +200,6 @@ def test_cli_json_reports_every_eviction(stories_path, capsys):
     positions = [p for e in out["evictions"] for p in e["positions"]]
     assert all(e["reason"] == "streaming" for e in out["evictions"])
     assert positions == list(range(4, 4 + len(positions)))  # oldest after the sinks, in order, each once
-    assert out["evicted_tokens"] == len(positions) == 5 + 59 - 28
+    # 5 prompt + 59 fed tokens under a budget of 28, evicted 3 at a time (slack) when the budget is reached
+    assert out["evicted_tokens"] == len(positions)
+    assert 5 + 59 - 28 <= len(positions) <= 5 + 59 - 28 + 3

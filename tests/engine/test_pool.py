@@ -23,16 +23,22 @@ def test_allocate_lowest_ids_first_and_reuse_freed_in_order():
     pool.check()
 
 
-def test_pool_grows_by_doubling_and_respects_cap():
-    pool = PagePool(2, page_size=4, max_pages=5)
+def test_pool_never_grows_by_itself_and_shrinks_its_free_tail():
+    pool = PagePool(2, page_size=4)
     assert pool.allocate(2) == [0, 1]
-    assert pool.allocate(1) == [2]
-    assert pool.num_pages == 4
-    assert pool.can_allocate(2) and not pool.can_allocate(3)
-    assert pool.allocate(2) == [3, 4]
-    assert pool.num_pages == 5
+    assert not pool.can_allocate(1)
     with pytest.raises(CacheCapacityError, match="KV cache full"):
         pool.allocate(1)
+    assert pool.num_pages == 2  # nothing taken, nothing grown: growing is the arena's call
+    pool.grow_to(5)
+    assert pool.allocate(2) == [2, 3] and pool.num_free == 1
+    pool.decref(3)
+    pool.decref(2)
+    assert pool.highest_used() == 1
+    pool.shrink_to(2)
+    assert pool.num_pages == 2 and pool.num_free == 0
+    with pytest.raises(ValueError):
+        pool.shrink_to(1)  # page 1 is in use
     pool.check()
 
 
@@ -83,7 +89,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(4, page_size=3, max_pages=40)
+        self.pool = PagePool(40, page_size=3)
         self.tables: list[BlockTable] = []
 
     @rule(n=st.integers(0, 10))

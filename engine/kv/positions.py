@@ -1,0 +1,126 @@
+"""The cache index: what every cached slot holds, per layer. numpy only; the one owner of that state.
+
+For layer ``l`` and slot ``i`` (``0 <= i < n``, the same ``n`` in every layer):
+
+- ``log[l, i]``: the logical position in the conversation of the token in that slot (ascending per layer);
+- ``rope[l, i]``: the RoPE position its key was rotated to (equal to ``log`` until StreamingLLM-style
+  compaction re-rotates the kept keys to their in-cache index).
+
+Plus two counters: ``next_pos``, the logical position of the next token to feed (every token before it was
+fed once; those no slot holds were evicted or skipped), and ``next_rope``, the RoPE position it will get.
+
+``intact`` is the length of the leading run of slots where ``log == rope == slot index``: the part of the
+cache a new turn can reuse as a prefix. Arrays grow by doubling, so ``append`` costs O(L*q) per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CacheIndex:
+    def __init__(self, num_layers: int, capacity: int = 64) -> None:
+        self.num_layers = num_layers
+        self._log = np.zeros((num_layers, max(1, capacity)), dtype=np.int64)
+        self._rope = np.zeros_like(self._log)
+        self.n = 0
+        self.next_pos = 0
+        self.next_rope = 0
+        self.intact = 0
+
+    # -- reading ---------------------------------------------------------------------------------------
+    @property
+    def log(self) -> np.ndarray:
+        """``[L, n]`` logical positions (a read-only view)."""
+        v = self._log[:, :self.n]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def rope(self) -> np.ndarray:
+        """``[L, n]`` RoPE positions (a read-only view)."""
+        v = self._rope[:, :self.n]
+        v.flags.writeable = False
+        return v
+
+    def held(self, upto: int) -> np.ndarray:
+        """``[upto]`` bool: logical positions ``< upto`` that at least one layer holds."""
+        out = np.zeros(upto, dtype=bool)
+        log = self._log[:, :self.n]
+        out[log[log < upto]] = True
+        return out
+
+    def evicted_count(self) -> int:
+        """Tokens fed but held by no layer (evicted or skipped)."""
+        return self.next_pos - int(np.count_nonzero(self.held(self.next_pos)))
+
+    # -- changes ---------------------------------------------------------------------------------------
+    def append(self, q: int) -> None:
+        """``q`` tokens fed: logical ``next_pos..``, RoPE ``next_rope..``, into slots ``n..n+q``."""
+        if self.n + q > self._log.shape[1]:
+            cap = max(self.n + q, 2 * self._log.shape[1])
+            for name in ("_log", "_rope"):
+                old = getattr(self, name)
+                new = np.zeros((self.num_layers, cap), dtype=np.int64)
+                new[:, :self.n] = old[:, :self.n]
+                setattr(self, name, new)
+        was_intact = self.intact == self.n == self.next_pos == self.next_rope
+        self._log[:, self.n:self.n + q] = np.arange(self.next_pos, self.next_pos + q)
+        self._rope[:, self.n:self.n + q] = np.arange(self.next_rope, self.next_rope + q)
+        self.n += q
+        self.next_pos += q
+        self.next_rope += q
+        if was_intact:
+            self.intact = self.n
+
+    def skip(self, m: int) -> None:
+        """``m`` tokens are passed over without being fed (dropped to fit the context)."""
+        self.next_pos += m
+
+    def keep(self, keep: list[np.ndarray]) -> None:
+        """Keep, per layer, the slots at indices ``keep[l]`` (ascending, the same count in every layer)."""
+        m = len(keep[0])
+        if any(len(k) != m for k in keep) or len(keep) != self.num_layers:
+            raise ValueError("keep: every layer must keep the same number of slots")
+        for layer, idx in enumerate(keep):
+            self._log[layer, :m] = self._log[layer, idx]
+            self._rope[layer, :m] = self._rope[layer, idx]
+        self.n = m
+        self._recount()
+
+    def rerotate(self) -> None:
+        """Every kept key now sits at RoPE position = its slot index; the next token continues from ``n``."""
+        self._rope[:, :self.n] = np.arange(self.n)
+        self.next_rope = self.n
+        self._recount()
+
+    def truncate(self, m: int) -> None:
+        """Keep the first ``m`` slots; only within the intact prefix (so positions restart at ``m``)."""
+        if not 0 <= m <= self.intact:
+            raise ValueError(f"truncate: {m} is outside the intact prefix 0..{self.intact}")
+        self.n = self.next_pos = self.next_rope = self.intact = m
+
+    def reset(self) -> None:
+        self.n = self.next_pos = self.next_rope = self.intact = 0
+
+    def copy(self) -> "CacheIndex":
+        other = CacheIndex(self.num_layers, self._log.shape[1])
+        other._log[:, :self.n] = self._log[:, :self.n]
+        other._rope[:, :self.n] = self._rope[:, :self.n]
+        other.n, other.next_pos, other.next_rope, other.intact = self.n, self.next_pos, self.next_rope, self.intact
+        return other
+
+    def _recount(self) -> None:
+        ident = np.arange(self.n)
+        ok = (self._log[:, :self.n] == ident).all(axis=0) & (self._rope[:, :self.n] == ident).all(axis=0)
+        bad = np.nonzero(~ok)[0]
+        self.intact = int(bad[0]) if len(bad) else self.n
+
+    def check(self) -> None:
+        """Raise AssertionError if an invariant is broken (tests)."""
+        log, rope = self._log[:, :self.n], self._rope[:, :self.n]
+        assert (np.diff(log, axis=1) > 0).all(), "logical positions not ascending"
+        assert self.n == 0 or log.max() < self.next_pos, "a slot holds a token not fed yet"
+        assert self.n == 0 or rope.max() < self.next_rope, "a key rotated past the next RoPE position"
+        ident = np.arange(self.intact)
+        assert (log[:, :self.intact] == ident).all() and (rope[:, :self.intact] == ident).all()

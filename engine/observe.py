@@ -1,0 +1,122 @@
+"""Building the ``CacheSnapshot`` a session shows: from its cache index, the page pool and this step's
+evictions, never from raw lists the session keeps on the side.
+
+What a snapshot promises (tested after every step of a random walk through every setting):
+
+- ``len(token_state) == seq_len``; a token is *kept* (or sink / quantized / pinned) iff some layer holds it,
+  *evicted* iff it was fed and no layer holds it, *not cached* otherwise (cache off, or still to be fed);
+- ``evicted_total`` is the number of evicted tokens in the strip;
+- tokens per layer never exceed ``capacity_tokens``;
+- ``pages_used_per_layer`` is exactly the number of pages in the session's block table, and the page map's
+  "just evicted" pages are the pages this step's eviction gave back (still free).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine import snapshot as snap
+from engine.snapshot import CacheSnapshot
+
+
+def page_map(session) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(state, owner, fill, refcount, pages of this session) over the pool, plus host pages when swapped."""
+    store = session.store
+    pool = store.arena.pool
+    state = np.asarray(pool.page_states(), dtype=np.int8)
+    freed = {p for e in session.evictions for p in e.freed_pages}
+    for p in freed:
+        if p < len(state) and state[p] == snap.PAGE_FREE:
+            state[p] = snap.PAGE_EVICTED
+    owner = np.asarray(pool.owner, dtype=np.int32)
+    fill = np.asarray(pool.fill, dtype=np.int32)
+    ref = np.asarray(pool.ref, dtype=np.int32)
+    host = session.host
+    if host is None:
+        return state, owner, fill, ref, len(store.table.pages)
+    P = store.page_size
+    pages = -(-host.n // P)  # swapped out: its pages live in host memory, shown after the pool
+    state = np.concatenate([state, np.full(pages, snap.PAGE_OFFLOADED, dtype=np.int8)])
+    owner = np.concatenate([owner, np.asarray((host.owners + [-1] * pages)[:pages], dtype=np.int32)])
+    fill = np.concatenate([fill, np.asarray([min(P, host.n - i * P) for i in range(pages)], dtype=np.int32)])
+    ref = np.concatenate([ref, np.ones(pages, dtype=np.int32)])
+    return state, owner, fill, ref, pages
+
+
+def token_state(session) -> np.ndarray:
+    """Per logical position of the conversation: TOKEN_* codes (layer 0's view for "quantized")."""
+    T = len(session.seq)
+    state = np.full(T, snap.TOKEN_NOT_CACHED, dtype=np.int8)
+    if session.store is None:
+        return state
+    index = session.index
+    fed = min(index.next_pos, T)
+    held = index.held(T)
+    state[:fed] = snap.TOKEN_EVICTED
+    state[held] = snap.TOKEN_KEPT
+    cfg = session.cache_config
+    if cfg.quantized and cfg.mode == "paged":
+        full = (index.n // cfg.page_size) * cfg.page_size
+        q = index.log[0][:full]
+        state[q[q < T]] = snap.TOKEN_QUANTIZED
+    if session.policy is not None:
+        sinks = session.policy.sink_count(T)
+        state[:sinks][held[:sinks]] = snap.TOKEN_SINK
+    if session.priorities is not None:
+        from engine.policies import PINNED
+
+        pri = session.priorities[:T]
+        pinned = np.nonzero((pri >= PINNED) & held[:len(pri)])[0]
+        state[pinned] = snap.TOKEN_PINNED
+    return state
+
+
+def capacity(session) -> int:
+    """Tokens the cache may hold per layer now: a policy's budget, else the store (or pool limit) and the
+    context, whichever is lower."""
+    if session.store is None:
+        return 0
+    cap = min(session.store.capacity_tokens(), session.context_length)
+    return min(cap, session.policy.budget) if session.policy is not None else cap
+
+
+def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
+    """A frozen picture of ``session``'s cache now (read-only numpy copies)."""
+    info, cfg, store, t = session.info, session.cache_config, session.store, session.turn_state
+    L = info.num_layers
+    if cfg.mode == "paged" and store is not None:
+        state, owner, fill, ref, pages = page_map(session)
+    else:
+        state, owner, fill, ref, pages = (np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32),
+                                          np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), 0)
+    held = session.index.n if store is not None else 0
+    if session.host is not None:
+        per_layer = [session.host.nbytes // L] * L  # host bytes, all layers alike
+    else:
+        per_layer = store.bytes_per_layer() if store is not None else [0] * L
+    n_decode = max(0, len(t.generated) - 1)
+    evs = session.evictions
+    return CacheSnapshot(
+        generation_id=session.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
+        page_size=cfg.page_size if cfg.mode == "paged" else 0, num_pages=len(state),
+        pages_used_per_layer=np.full(L, pages, dtype=np.int64),
+        tokens_per_layer=np.full(L, held, dtype=np.int64),
+        bytes_per_layer=np.asarray(per_layer, dtype=np.int64),
+        capacity_tokens=capacity(session),
+        page_state=state, page_owner=owner, page_fill=fill, page_refcount=ref,
+        token_state=token_state(session),
+        weights_bytes=info.weights_bytes,
+        kv_bytes=int(sum(per_layer)) if session.host is None else 0,
+        device_bytes=int(torch.cuda.memory_allocated()) if session.lm.device.type == "cuda" else 0,
+        reused_tokens=t.reused, recomputed_tokens=t.recomputed, first_divergence=t.divergence,
+        seq_len=len(session.seq), context_length=session.context_length,
+        k_dtype=cfg.k_dtype, v_dtype=cfg.v_dtype,
+        evicted_total=session.index.evicted_count() if store is not None else 0,
+        evicted_positions=tuple(sorted({p for e in evs for p in e.positions})),
+        evict_reason=evs[-1].reason if evs else "",
+        phase=phase, step_ms=step_ms, prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms,
+        decode_tokens_per_s=(n_decode / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
+        offloaded=session.host is not None,
+        notes=tuple(session.notes),
+    )

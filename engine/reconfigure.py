@@ -1,0 +1,169 @@
+"""Cache settings against a model: ``validate`` a ``CacheConfig``, build its store, and ``apply`` a new one to a
+live session (between two steps, also in the middle of a reply).
+
+``apply`` asks before it acts: the setting is validated, the new store is built and filled before the old
+one is freed, and a policy switched on evicts before it is installed, so any refusal (a typed error) leaves
+the session exactly as it was, still on its old setting.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.config import CacheConfig
+from engine.errors import CacheCapacityError, ContextOverflowError
+from engine.kv.quant import int8_key_layout
+from engine.kv.storage import ContiguousKV, KVStore, PagedKV, copy_kv
+from engine.policies import EvictionPolicy, get_policy
+
+OVERFLOW_EVICTS = ("truncate_middle", "rolling")
+
+
+def validate(cfg: CacheConfig, info) -> EvictionPolicy | None:
+    """The policy ``cfg`` asks for, if ``cfg`` can run on this model; ``ValueError`` says why not."""
+    policy = get_policy(cfg.policy, cfg.policy_params)
+    if cfg.mode == "off" and (policy is not None or cfg.quantized):
+        raise ValueError("cache off: KV precision and eviction policies need a cache (contiguous or paged)")
+    if cfg.quantized and cfg.mode != "paged":
+        raise ValueError("KV int8/int4 is kept per page: choose the paged cache mode")
+    if cfg.overflow == "policy" and policy is None:
+        raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o or priority)")
+    if cfg.mode == "off" and cfg.overflow in OVERFLOW_EVICTS:
+        raise ValueError(f"cache off: overflow '{cfg.overflow}' evicts from a cache; choose contiguous or paged")
+    if policy is not None and policy.budget >= info.context_length:
+        what = "sinks + window" if policy.rope_in_cache else "budget"
+        raise ValueError(f"policy {policy.name}: {what} {policy.budget} must be below the model's context of "
+                         f"{info.context_length}")
+    return policy
+
+
+def make_store(lm, cfg: CacheConfig, session_id: int) -> KVStore | None:
+    """An empty store for ``cfg`` (None for cache off). Typed error (nothing allocated) if memory is short."""
+    info = lm.info
+    if cfg.mode == "off":
+        return None
+    if cfg.mode == "contiguous":
+        return ContiguousKV(info.num_layers, info.num_kv_heads, info.head_dim, lm.kv_dtype, lm.device,
+                            initial_tokens=256)
+    arena = lm.kv_arenas.get(cfg.page_size, cfg.max_pages, cfg.k_dtype, cfg.v_dtype)
+    return PagedKV(arena, session_id)
+
+
+def describe(cfg: CacheConfig) -> str:
+    if cfg.mode != "paged":
+        return cfg.mode
+    out = f"paged/{cfg.page_size}"
+    if cfg.quantized:
+        out += f" K:{cfg.k_dtype} V:{cfg.v_dtype}"
+    return out
+
+
+def apply(session, cfg: CacheConfig) -> list[str]:
+    """Move ``session`` to ``cfg``; returns notes saying what happened and what it cost."""
+    old = session.cache_config
+    if cfg == old:
+        return []
+    session.check_open()
+    policy = validate(cfg, session.info)
+    if cfg.mode == "off" and len(session.seq) >= session.context_length:
+        raise ContextOverflowError(
+            f"cache off recomputes the whole conversation ({len(session.seq)} tokens), which is longer than "
+            f"the model's context ({session.context_length}): keep a cache with an eviction policy")
+    if session.host is not None:
+        session.swap_in()
+    notes: list[str] = []
+    if session.store is not None and session.index.n and not _keeps_evicted(session.policy, policy):
+        notes += _restore_evicted(session)
+    evicted = _evict_for(session, policy)
+    notes += evicted
+    if _needs_new_store(old, cfg):
+        notes += _move_store(session, old, cfg)
+    old_policy = session.policy
+    session.cache_config, session.policy = cfg, policy
+    if policy is None or not policy.needs_scores:
+        session.evictor.scores.stop()
+    if policy is not None and not evicted and (old_policy is None or old_policy.describe() != policy.describe()):
+        notes.append(f"{policy.describe()} on")
+    regrouped = cfg.k_dtype != old.k_dtype or cfg.page_size != old.page_size or old.mode != "paged"
+    if cfg.mode == "paged" and cfg.k_dtype == "int8" and regrouped:
+        notes.append(int8_key_note(session.info.head_dim, cfg.page_size))
+    if cfg.prefix_reuse != old.prefix_reuse:
+        notes.append("prefix reuse " + ("on" if cfg.prefix_reuse else "off") + " from the next turn")
+    return notes
+
+
+def _needs_new_store(old: CacheConfig, cfg: CacheConfig) -> bool:
+    return (cfg.mode != old.mode or cfg.k_dtype != old.k_dtype or cfg.v_dtype != old.v_dtype or
+            (cfg.mode == "paged" and (cfg.page_size != old.page_size or cfg.max_pages != old.max_pages)))
+
+
+def _keeps_evicted(old: EvictionPolicy | None, new: EvictionPolicy | None) -> bool:
+    """True if switching from ``old`` to ``new`` may keep what ``old`` evicted (same policy, budget not larger)."""
+    return old is None or (new is not None and old.name == new.name and new.budget <= old.budget)
+
+
+def _restore_evicted(session) -> list[str]:
+    """Drop the cache back to its intact prefix so the evicted tokens are re-prefilled from the text."""
+    index = session.index
+    if index.intact == index.n == index.next_pos:
+        return []  # nothing was evicted
+    total = index.next_pos
+    if total > session.context_length - 1:
+        return [f"{total - index.n} evicted tokens cannot be restored: the conversation ({total} tokens) is longer "
+                f"than the model's context ({session.context_length}); the kept window stays"]
+    kept = index.intact
+    session.truncate_cache(kept)
+    return [f"restoring evicted tokens: {total - kept} tokens re-prefilled from the text on the next step"]
+
+
+def _evict_for(session, policy: EvictionPolicy | None) -> list[str]:
+    """A policy switched on (or tightened) evicts now, in the current store, before it is installed."""
+    if policy is None or session.store is None or session.index.n <= policy.budget:
+        return []
+    before = session.index.n
+    cx = session.eviction_context()
+    session.evictions += session.evictor.evict_now(session.store, session.index, policy, policy.budget, cx)
+    session.add_notes(cx.notes)
+    return [f"{policy.describe()}: evicted {before - session.index.n} tokens now"]
+
+
+def _move_store(session, old: CacheConfig, cfg: CacheConfig) -> list[str]:
+    """Build the new store, copy the cached K/V into it, and only then free the old one."""
+    t0 = time.perf_counter()
+    src = session.store
+    n = session.index.n if src is not None else 0
+    dst = make_store(session.lm, cfg, session.session_id)
+    try:
+        if dst is not None and n and not dst.can_reserve(n):
+            raise CacheCapacityError(
+                f"{describe(cfg)} cannot hold this chat's {n} cached tokens within its limits: raise the page "
+                "limit, close other chats, or choose an eviction policy first")
+        copied = copy_kv(src, dst, owner=session.turn) if dst is not None and n else 0
+    except BaseException:
+        if dst is not None:
+            dst.free()
+        raise
+    if src is not None:
+        src.free()
+    session.set_store(dst)
+    ms = (time.perf_counter() - t0) * 1000.0
+    if dst is None:
+        session.index.reset()
+        session.evictor.scores.stop()
+        return [f"cache off: {len(session.seq)} tokens will be recomputed every step"]
+    if copied:
+        return [f"{describe(old)} → {describe(cfg)}: moved {copied} tokens of KV in {ms:.1f} ms"]
+    session.index.reset()
+    if session.seq:
+        pending = len(session.seq) - (0 if session.generating else 1)
+        return [f"{describe(old)} → {describe(cfg)}: {pending} tokens re-prefilled on the next step"]
+    return []
+
+
+def int8_key_note(head_dim: int, page_size: int) -> str:
+    """How int8 keys are grouped at this page size, and why (``engine.kv.sizes.int8_key_layout``)."""
+    if int8_key_layout(head_dim, page_size) == "channel":
+        return (f"int8 keys: per channel over each {page_size}-token page (KIVI), no dearer than per token "
+                f"at head dim {head_dim}")
+    return (f"int8 keys: one scale per token (q8_0-like); pages of {2 * head_dim}+ tokens would group them per "
+            f"channel at no extra cost, which keeps more precision")

@@ -1,0 +1,286 @@
+"""Every transition a user can make on chats, as a hypothesis state machine over real ``ChatSession`` objects on
+the real stories260K model: new turn / regenerate / edit, steps, cache settings switched mid-reply and between
+turns (every mode, page sizes 1-64, every precision pair, every policy with small budgets, page caps),
+fork, swap out / in, cancel, close. After every rule the snapshot promises and the page bookkeeping are
+checked; any error must be typed, and after one the chat must still take a new turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine import snapshot as snap
+from engine.config import CacheConfig, SamplingConfig
+from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
+from engine.session import ChatSession
+
+WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the sun one day "
+         "saw big red ball park tim dog max ran fast happy").split()
+REFUSALS = (ContextOverflowError, CacheCapacityError)  # typed answers to requests that cannot fit
+_MODEL: dict = {}
+STORIES_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+
+
+def stories_model(path):
+    if "lm" not in _MODEL:
+        from engine.loader import load_model
+
+        _MODEL["lm"] = load_model(str(path))
+    return _MODEL["lm"]
+
+
+@st.composite
+def cache_configs(draw) -> CacheConfig:
+    mode = draw(st.sampled_from(["off", "contiguous", "paged", "paged", "paged"]))
+    page = draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 33, 64]))
+    kinds = ["auto", "int8", "int4"] if mode == "paged" else ["auto"]
+    k, v = draw(st.sampled_from(kinds)), draw(st.sampled_from(kinds))
+    policy = "none" if mode == "off" else draw(st.sampled_from(["none", "streaming", "h2o", "priority"]))
+    params: dict = {}
+    if policy == "streaming":
+        params = {"sinks": draw(st.integers(0, 8)), "window": draw(st.integers(2, 96))}
+    elif policy == "h2o":
+        budget = draw(st.integers(8, 120))
+        params = {"budget": budget, "recent": draw(st.integers(1, budget - 1))}
+    elif policy == "priority":
+        budget = draw(st.integers(8, 120))
+        params = {"budget": budget, "recent": draw(st.integers(0, 16)),
+                  "default_priority": draw(st.integers(0, 99))}
+    overflows = ["stop"] if mode == "off" else ["stop", "truncate_middle", "rolling"]
+    overflow = draw(st.sampled_from(overflows + (["policy"] if policy != "none" else [])))
+    max_pages = draw(st.one_of(st.none(), st.none(), st.integers(2, 48))) if mode == "paged" else None
+    return CacheConfig(mode=mode, page_size=page, k_dtype=k, v_dtype=v, policy=policy, policy_params=params,
+                       overflow=overflow, max_pages=max_pages, prefix_reuse=draw(st.booleans()))
+
+
+@dataclass
+class Chat:
+    session: ChatSession
+    history: list[dict] = field(default_factory=list)  # finished messages (ends with an assistant reply)
+    asked: list[dict] | None = None  # the messages of the reply in progress
+
+
+class ChatMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = dataclasses.replace(stories_model(STORIES_PATH), arenas=None)  # its own page arenas
+        self.chats: list[Chat] = [Chat(ChatSession(self.lm, CacheConfig()))]
+
+    def _chat(self, i: int) -> Chat:
+        return self.chats[i % len(self.chats)]
+
+    # -- rules ---------------------------------------------------------------------------------------
+    @rule(i=st.integers(0, 99), kind=st.sampled_from(["new", "new", "regenerate", "edit"]),
+          words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=90), n=st.integers(1, 40),
+          system=st.booleans(), pinned=st.booleans(), ignore_eos=st.booleans())
+    def start(self, i, kind, words, n, system, pinned, ignore_eos):
+        chat = self._chat(i)
+        text = " ".join(words)
+        hist = list(chat.history)
+        if kind == "new" or not hist:
+            msgs = hist + [{"role": "user", "content": text, "pinned": pinned}]
+            if system and not hist:
+                msgs.insert(0, {"role": "system", "content": "You tell short stories about " + words[0] + "."})
+        elif kind == "regenerate":
+            msgs = hist[:-1]
+        else:
+            msgs = hist[:-2] + [{"role": "user", "content": text}]
+        sampling = SamplingConfig(max_new_tokens=n, ignore_eos=ignore_eos)
+        if chat.session.generating:
+            with pytest.raises(EngineError, match="already in progress"):
+                chat.session.start(msgs, sampling)
+            return
+        try:
+            chat.session.start(msgs, sampling)
+        except REFUSALS:
+            chat.history = []  # the user starts over (the chat no longer fits this setting)
+            assert not chat.session.generating
+            return
+        chat.asked = msgs
+
+    @rule(i=st.integers(0, 99), n=st.integers(1, 12))
+    def step(self, i, n):
+        chat = self._chat(i)
+        if not chat.session.generating:
+            with pytest.raises(EngineError, match="no reply in progress"):
+                chat.session.step()
+            return
+        for _ in range(n):
+            if not self._one_step(chat):
+                return
+
+    @rule(i=st.integers(0, 99))
+    def finish(self, i):
+        chat = self._chat(i)
+        for _ in range(400):
+            if not chat.session.generating or not self._one_step(chat):
+                break
+        assert not chat.session.generating
+
+    def _one_step(self, chat: Chat) -> bool:
+        """One step; False once the reply ended (normally or with a typed error, then proven not wedged)."""
+        try:
+            r = chat.session.step()
+        except EngineError as e:
+            assert not chat.session.generating, f"{type(e).__name__} left the reply running"
+            self._prove_not_wedged(chat)
+            return False
+        assert r.snapshot is not None
+        if r.event is None:
+            assert not r.done and r.snapshot.phase == "prefill"
+        if r.done:
+            assert r.stop_reason in ("eos", "stop_string", "max_tokens", "cancelled", "context_full")
+            chat.history = chat.asked + [{"role": "assistant", "content": r.text}]
+            chat.asked = None
+            return False
+        return True
+
+    def _prove_not_wedged(self, chat: Chat) -> None:
+        s = chat.session
+        s.apply(CacheConfig(mode="paged", page_size=16))
+        s.start([{"role": "user", "content": "Hi."}], SamplingConfig(max_new_tokens=3))
+        while not (r := s.step()).done:
+            pass
+        chat.history, chat.asked = [], None
+
+    @rule(i=st.integers(0, 99), cfg=cache_configs())
+    def apply(self, i, cfg):
+        s = self._chat(i).session
+        old = s.cache_config
+        try:
+            notes = s.apply(cfg)
+        except (ValueError, *REFUSALS) as e:
+            assert s.cache_config == old, f"refused ({e}) but the setting changed"
+            return
+        assert s.cache_config == cfg and isinstance(notes, list)
+
+    @rule(i=st.integers(0, 99))
+    def apply_invalid(self, i):
+        s = self._chat(i).session
+        old = s.cache_config
+        with pytest.raises(ValueError):
+            s.apply(CacheConfig(mode="contiguous", k_dtype="int8"))
+        assert s.cache_config == old
+
+    @precondition(lambda self: len(self.chats) < 5)
+    @rule(i=st.integers(0, 99))
+    def fork(self, i):
+        chat = self._chat(i)
+        if chat.session.generating:
+            with pytest.raises(EngineError):
+                chat.session.fork()
+            return
+        try:
+            other = chat.session.fork()
+        except REFUSALS:
+            return
+        assert other.seq == chat.session.seq
+        self.chats.append(Chat(other, list(chat.history)))
+
+    @rule(i=st.integers(0, 99))
+    def swap_out(self, i):
+        s = self._chat(i).session
+        if s.generating:
+            with pytest.raises(EngineError):
+                s.swap_out()
+            return
+        held = s.n_phys
+        moved = s.swap_out()
+        assert (moved > 0) == (held > 0 and s.store is not None) or s.offloaded
+
+    @rule(i=st.integers(0, 99))
+    def cancel(self, i):
+        chat = self._chat(i)
+        chat.session.cancel()
+        if chat.session.generating:
+            r = chat.session.step()
+            assert r.done and r.stop_reason == "cancelled"
+            chat.history, chat.asked = chat.asked + [{"role": "assistant", "content": r.text}], None
+
+    @precondition(lambda self: len(self.chats) > 1)
+    @rule(i=st.integers(0, 99))
+    def close(self, i):
+        chat = self.chats.pop(i % len(self.chats))
+        was = chat.session.generating
+        chat.session.close()
+        if was:
+            with pytest.raises(SessionClosedError):
+                chat.session.step()
+
+    @precondition(lambda self: len(self.chats) < 5)
+    @rule(cfg=cache_configs())
+    def new_chat(self, cfg):
+        self.chats.append(Chat(ChatSession(self.lm, cfg)))
+
+    # -- invariants ----------------------------------------------------------------------------------
+    @invariant()
+    def snapshots_tell_the_truth(self):
+        for chat in self.chats:
+            check_snapshot(chat.session)
+
+    @invariant()
+    def pages_are_conserved(self):
+        check_pages(self.lm, [c.session for c in self.chats])
+
+    def teardown(self):
+        for chat in self.chats:
+            chat.session.close()
+        if self.lm.arenas is not None:
+            for arena in self.lm.arenas:
+                assert arena.pool.num_used == 0, "pages still held after every session closed"
+                arena.pool.check()
+
+
+def check_snapshot(s: ChatSession) -> None:
+    sn = s.snapshot()
+    for f in dataclasses.fields(sn):
+        v = getattr(sn, f.name)
+        if isinstance(v, np.ndarray):
+            assert not v.flags.writeable, f"snapshot.{f.name} is writable"
+    assert len(sn.token_state) == sn.seq_len == len(s.seq)
+    states = sn.token_state
+    if s.store is None:
+        assert (states == snap.TOKEN_NOT_CACHED).all() and sn.kv_bytes == 0 and sn.tokens_per_layer.max() == 0
+        return
+    s.index.check()
+    assert sn.evicted_total == int(np.count_nonzero(states == snap.TOKEN_EVICTED))
+    assert not set(sn.evicted_positions) & set(np.nonzero(states != snap.TOKEN_EVICTED)[0].tolist())
+    if s.offloaded:
+        assert s.host.n == s.index.n and s.store.num_tokens == 0
+        return
+    assert s.store.num_tokens == s.index.n == sn.tokens_per_layer.max()
+    assert sn.tokens_per_layer.max() <= sn.capacity_tokens, (sn.tokens_per_layer.max(), sn.capacity_tokens)
+    if sn.mode == "paged":
+        pages = s.store.table.pages
+        assert sn.pages_used_per_layer[0] == len(pages) == -(-s.index.n // sn.page_size)
+        assert all(s.store.arena.pool.ref[p] >= 1 for p in pages)
+        assert (sn.page_state[pages] != snap.PAGE_FREE).all()
+
+
+def check_pages(lm, sessions: list[ChatSession]) -> None:
+    if lm.arenas is None:
+        return
+    for arena in lm.arenas:
+        pool = arena.pool
+        pool.check()
+        counts = [0] * pool.num_pages
+        for s in sessions:
+            store = s.store
+            if getattr(store, "arena", None) is arena:
+                for p in store.table.pages:
+                    counts[p] += 1
+        assert counts == pool.ref, "page reference counts do not match the block tables"
+        assert pool.num_free + sum(1 for c in counts if c) == pool.num_pages
+
+
+TestChatMachine = ChatMachine.TestCase
+TestChatMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                    suppress_health_check=list(HealthCheck))
