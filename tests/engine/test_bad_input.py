@@ -96,6 +96,10 @@ def test_pickle_loads_when_allowed(bad_models, stories):
     (["--max-new-tokens", "600"], "exceeds the model's context of 512"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
+    (["--temperature", "nan"], "temperature: nan is not a finite number"),
+    (["--top-p", "nan"], "top-p: nan is not a finite number"),
+    (["--min-p", "inf"], "min-p: inf is not a finite number"),
+    (["--repetition-penalty=-inf"], "repetition penalty: -inf is not a finite number"),
 ])
 def test_cli_bad_settings(stories_path, capsys, argv, words):
     with pytest.raises(SystemExit) if "invalid choice" in words else _nullcontext() as ex:
@@ -122,6 +126,38 @@ def test_api_config_validation():
         CacheConfig(mode="turbo")
     with pytest.raises(ValueError, match="max new tokens"):
         SamplingConfig(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name,label", [("temperature", "temperature"), ("top_p", "top-p"), ("min_p", "min-p"),
+                                        ("repetition_penalty", "repetition penalty")])
+def test_sampling_refuses_non_finite_values(name, label, value):
+    """NaN passes every ``<`` range check; inf is no better (inf temperature is uniform noise)."""
+    with pytest.raises(ValueError) as info:
+        SamplingConfig(**{name: value})
+    assert str(info.value) == f"{label}: {value} is not a finite number"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"max_new_tokens": 2.5}, "max new tokens: 2.5 is not an integer"),
+    ({"max_new_tokens": True}, "max new tokens: True is not an integer"),
+    ({"max_new_tokens": "8"}, "max new tokens: '8' is not an integer"),
+    ({"top_k": 1.5}, "top-k: 1.5 is not an integer"),
+    ({"top_k": False}, "top-k: False is not an integer"),
+    ({"seed": 1.5}, "seed: 1.5 is not an integer"),
+    ({"temperature": "0.5"}, "temperature: '0.5' is not a number"),
+    ({"top_p": None}, "top-p: None is not a number"),
+    ({"repetition_penalty": True}, "repetition penalty: True is not a number"),
+])
+def test_sampling_refuses_wrong_types(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        SamplingConfig(**kwargs)
+    assert str(info.value) == words
+
+
+def test_sampling_accepts_ints_for_floats():
+    s = SamplingConfig(temperature=1, top_p=1, min_p=0, repetition_penalty=2, top_k=5, seed=3, max_new_tokens=4)
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (1, 1, 5, 4) and not s.greedy
 
 
 def test_api_context_overflow_is_never_silent(stories):
