@@ -123,11 +123,20 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
 
 def _read_messages(path: str) -> list[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))  # decoded whole, so an error's position is the file's
     except FileNotFoundError:
         raise ValueError(f"messages file not found: {path}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise ValueError(f"messages file {path} is a directory: give a JSON file") from None
+    except OSError as e:
+        raise ValueError(f"cannot read messages file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"messages file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
+                         f"{e.start}): save it as UTF-8") from None
+    except RecursionError:  # the json module recurses once per nested [ or {
+        raise ValueError(f"messages file {path} is nested too deeply: expected a list of {{role, content}}") from None
+    except ValueError as e:
         raise ValueError(f"messages file {path} is not valid JSON: {e}") from None
     from engine.chat import validate_messages
 
@@ -167,6 +176,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
                      allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                      allow_download=not a.offline)
     messages = _read_messages(a.messages) if a.messages else None
+    if a.prompt is not None:
+        from engine.chat import check_text
+
+        check_text(a.prompt, "prompt")  # before the model loads
     from engine.loader import load_model
     from engine.session import ChatSession
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -182,3 +184,83 @@ def test_cli_subprocess_missing_model_has_no_traceback(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error: model folder not found")
     assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+# -- --messages FILE and --prompt text ------------------------------------------------------------------------
+def _cli_generate_error(stories_path, capsys, *argv) -> str:
+    rc = cli_main(["generate", "--model", str(stories_path), "--max-new-tokens", "4", *argv])
+    cap = capsys.readouterr()
+    assert rc == 2, cap.err
+    assert cap.out == "" and cap.err.startswith("error: ") and cap.err.count("\n") == 1
+    assert "internal" not in cap.err and "Traceback" not in cap.err
+    return cap.err
+
+
+def _deep(path):
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _surrogate(path):
+    path.write_text('[{"role": "user", "content": "hi \\ud800 there"}]')  # valid JSON, invalid Unicode
+
+
+def _not_utf8(path):
+    path.write_bytes(b'[{"role": "user", "content": "caf\xe9"}]')  # Latin-1
+
+
+MESSAGE_FILES = {
+    "deep": (_deep, "is nested too deeply"),
+    "surrogate": (_surrogate, r"messages[0] content: invalid character '\ud800' at position 3"),
+    "not_utf8": (_not_utf8, "is not UTF-8 text (byte 0xe9 at position 33): save it as UTF-8"),
+    "directory": (lambda path: path.mkdir(), "is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MESSAGE_FILES))
+def test_cli_bad_messages_file(stories_path, tmp_path, capsys, case):
+    path = tmp_path / "chat.json"
+    make, words = MESSAGE_FILES[case]
+    make(path)
+    err = _cli_generate_error(stories_path, capsys, "--messages", str(path))
+    assert words in err
+
+
+def test_cli_unreadable_messages_file(stories_path, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "chat.json"
+    path.write_text('[{"role": "user", "content": "hi"}]')
+    path.chmod(0)
+    if os.geteuid() == 0:  # root reads anything: make open() answer as it would for anyone else
+        real_open = builtins.open
+
+        def no_permission(file, *a, **kw):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *a, **kw)
+
+        monkeypatch.setattr(builtins, "open", no_permission)
+    err = _cli_generate_error(stories_path, capsys, "--messages", str(path))
+    assert f"cannot read messages file {path}: Permission denied" in err
+
+
+def test_api_refuses_lone_surrogates(stories):
+    from engine.chat import validate_messages
+    from engine.session import ChatSession
+
+    with pytest.raises(ValueError, match=r"messages\[1\] content: invalid character '\\udcff' at position 0"):
+        validate_messages([{"role": "user", "content": "ok"}, {"role": "user", "content": "\udcff"}])
+    s = ChatSession(stories, CacheConfig())
+    with pytest.raises(ValueError, match=r"prompt: invalid character '\\ud800' at position 5"):
+        s.start_completion("Once \ud800", SamplingConfig(max_new_tokens=2))
+
+
+def test_cli_prompt_with_lone_surrogate(stories_path, capsys):
+    """Bytes that are not UTF-8 in argv arrive as lone surrogates (surrogateescape)."""
+    err = _cli_generate_error(stories_path, capsys, "--prompt", "caf\udce9")
+    assert r"prompt: invalid character '\udce9' at position 3" in err
+
+
+def test_cli_subprocess_prompt_not_utf8(stories_path):
+    p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(stories_path),
+                        "--prompt", b"caf\xe9", "--max-new-tokens", "2"], capture_output=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == b""
+    assert p.stderr.decode().startswith("error: prompt: invalid character") and p.stderr.count(b"\n") == 1
