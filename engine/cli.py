@@ -145,6 +145,23 @@ def _read_messages(path: str) -> list[dict]:
     return validate_messages(data)
 
 
+def _check_output_path(path: str) -> None:
+    """Fail before a long run, not at its end: the ``--json`` file must be creatable or writable. Leaves
+    no file behind (a new one is created and removed; an existing one is opened to append, not changed)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--json {path} is a directory: give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--json {path}: the folder {parent} does not exist")
+    existed = os.path.exists(path)
+    try:
+        open(path, "ab" if existed else "xb").close()
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        os.unlink(path)
+
+
 def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None = None) -> dict[str, Any]:
     st = result.stats
     snapshot = result.snapshot
@@ -234,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     debug = os.environ.get("KVSCOPE_DEBUG") == "1"
     try:
+        if a.command in ("bench", "quality"):
+            _check_output_path(a.json_file)
         if a.command == "generate":
             return cmd_generate(a)
         if a.command == "bench":

@@ -264,3 +264,53 @@ def test_cli_subprocess_prompt_not_utf8(stories_path):
                         "--prompt", b"caf\xe9", "--max-new-tokens", "2"], capture_output=True, timeout=120)
     assert p.returncode == 2 and p.stdout == b""
     assert p.stderr.decode().startswith("error: prompt: invalid character") and p.stderr.count(b"\n") == 1
+
+
+# -- bench/quality --json PATH is checked before any work ----------------------------------------------------------
+def _read_only_target(tmp_path):
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        return ro / "out.json"
+    if not os.path.isdir("/sys"):
+        pytest.skip("root writes anywhere on this system: no read-only place to try")
+    return "/sys/kvscope-out.json"  # sysfs refuses new files even to root
+
+
+@pytest.mark.parametrize("command", ["bench", "quality"])
+@pytest.mark.parametrize("case,words", [
+    ("directory", "is a directory: give a file name"),
+    ("missing_parent", "does not exist"),
+    ("read_only", "cannot write there (Permission denied)"),
+])
+def test_cli_unwritable_json_fails_before_any_work(stories_path, tmp_path, capsys, monkeypatch, command, case, words):
+    import engine.bench
+    import engine.loader
+    import engine.quality
+
+    calls = []
+    monkeypatch.setattr(engine.loader, "load_model", lambda *a, **k: calls.append("load_model"))
+    monkeypatch.setattr(engine.bench, "run_bench", lambda a: calls.append("run_bench") or 0)
+    monkeypatch.setattr(engine.quality, "run_quality", lambda a: calls.append("run_quality") or 0)
+    target = {"directory": tmp_path, "missing_parent": tmp_path / "no" / "such" / "out.json",
+              "read_only": _read_only_target(tmp_path)}[case]
+    rc = cli_main([command, "--model", str(stories_path), "--json", str(target)])
+    err = capsys.readouterr().err
+    assert rc == 2 and calls == []
+    assert words in err
+    assert err.startswith(f"error: --json {target}") and err.count("\n") == 1
+
+
+def test_cli_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsys, monkeypatch):
+    import engine.bench
+
+    seen = []
+    monkeypatch.setattr(engine.bench, "run_bench", lambda a: seen.append(os.path.exists(a.json_file)) or 0)
+    new = tmp_path / "new.json"
+    assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(new)]) == 0
+    assert seen == [False]  # the check made no empty file that a failed run would leave behind
+    old = tmp_path / "old.json"
+    old.write_text('{"rows": []}')
+    assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(old)]) == 0
+    assert old.read_text() == '{"rows": []}'
