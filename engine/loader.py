@@ -23,7 +23,6 @@ from engine.errors import (
     ModelFormatError,
     ModelNotFoundError,
     OfflineError,
-    UnsafeModelError,
     UnsupportedModelError,
 )
 from engine.model_files import (  # noqa: F401  (check_safetensors, check_folder: public from here too)

@@ -39,9 +39,17 @@ def _rewrite_header(path, edit):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
 
 
-def _set(name, key, value):
+def _edit(name, **fields):
     def edit(h):
-        h[name][key] = value
+        h[name].update(fields)
+        return h
+    return edit
+
+
+def _offsets(name, move):
+    """New data_offsets for tensor ``name``: ``move(start, end)``."""
+    def edit(h):
+        h[name]["data_offsets"] = move(*h[name]["data_offsets"])
         return h
     return edit
 
@@ -69,20 +77,20 @@ HEADER_CASES = {
     "header_number": (lambda h: 42, "header is a number, not a JSON object"),
     "metadata_list": (_entry("__metadata__", ["pt"]), "__metadata__ is not an object of strings"),
     "entry_not_object": (_entry(NORM, [0, 256]), f"entry of tensor {NORM!r} is not an object"),
-    "unknown_dtype": (_set(NORM, "dtype", "Q7"), "unknown dtype 'Q7'"),
-    "offsets_one": (_set(NORM, "data_offsets", [0]), "invalid data_offsets [0]"),
-    "offsets_negative": (_set(NORM, "data_offsets", [-256, 0]), "invalid data_offsets [-256, 0]"),
-    "offsets_strings": (_set(NORM, "data_offsets", ["0", "256"]), "invalid data_offsets ['0', '256']"),
-    "offsets_reversed": (lambda h: _set(NORM, "data_offsets", h[NORM]["data_offsets"][::-1])(h), "the end before the start"),
-    "offsets_beyond": (lambda h: _set(NORM, "data_offsets", [h[NORM]["data_offsets"][0] + 4096,
-                                                             h[NORM]["data_offsets"][1] + 4096])(h),
-                       "is truncated: "),
-    "offsets_size": (_set(NORM, "shape", [65]), "shape [65] of F32 needs 260"),
-    "offsets_overlap": (lambda h: _set(EMBED, "shape", [513, 64])(_set(EMBED, "data_offsets", [0, 131328])(h)),
-                        "overlap"),
-    "shape_string": (_set(NORM, "shape", "64"), "invalid shape '64'"),
-    "shape_negative": (_set(NORM, "shape", [-64]), "invalid shape [-64]"),
-    "shape_float": (_set(NORM, "shape", [64.0]), "invalid shape [64.0]"),
+    "unknown_dtype": (_edit(NORM, dtype="Q7"), "unknown dtype 'Q7'"),
+    "offsets_one": (_edit(NORM, data_offsets=[0]), "invalid data_offsets [0]"),
+    "offsets_negative": (_edit(NORM, data_offsets=[-256, 0]), "invalid data_offsets [-256, 0]"),
+    "offsets_strings": (_edit(NORM, data_offsets=["0", "256"]), "invalid data_offsets ['0', '256']"),
+    "offsets_reversed": (_offsets(NORM, lambda s, e: [e, s]), "the end before the start"),
+    "offsets_beyond": (_offsets(NORM, lambda s, e: [s + 4096, e + 4096]), "is truncated: "),
+    "offsets_size": (_edit(NORM, shape=[65]), "shape [65] of F32 needs 260"),
+    # one embedding row more or less: the next tensor's bytes are shared, or some bytes belong to none
+    "offsets_overlap": (_edit(EMBED, shape=[513, 64], data_offsets=[0, 131328]), "overlap (bytes 131072..131328)"),
+    "offsets_gap": (_edit(EMBED, shape=[511, 64], data_offsets=[0, 130816]),
+                    "256 unused bytes before tensor 'model.layers.0.input_layernorm.weight'"),
+    "shape_string": (_edit(NORM, shape="64"), "invalid shape '64'"),
+    "shape_negative": (_edit(NORM, shape=[-64]), "invalid shape [-64]"),
+    "shape_float": (_edit(NORM, shape=[64.0]), "invalid shape [64.0]"),
 }
 
 
