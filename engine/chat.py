@@ -8,6 +8,17 @@ ROLES = ("system", "user", "assistant")
 _PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
+def check_text(text: str, what: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate: from ``"\\ud800"`` in JSON, or non-UTF-8
+    bytes in argv): tokenizers fail on it deep inside, with an error that names nothing the user wrote."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: invalid character {ascii(text[e.start])} at position {e.start} "
+                         "(a lone surrogate, not valid Unicode): use UTF-8 text") from None
+    return text
+
+
 def validate_messages(messages: Sequence[dict[str, Any]], for_reply: bool = True) -> list[dict[str, Any]]:
     """Check a chat: a list of ``{"role", "content"}`` with known roles, ending with a user message.
 
@@ -22,6 +33,7 @@ def validate_messages(messages: Sequence[dict[str, Any]], for_reply: bool = True
             raise ValueError(f"messages[{i}]: role {m['role']!r} is not one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}]: content must be a string")
+        check_text(m["content"], f"messages[{i}] content")
         item = {"role": m["role"], "content": m["content"]}
         if m.get("pinned"):
             item["pinned"] = True
@@ -70,6 +82,7 @@ def message_spans(tokenizer, messages: Sequence[dict[str, Any]]) -> list[tuple[i
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Raw completion: tokenized as the tokenizer does by default (BOS if it adds one)."""
+    check_text(text, "prompt")
     return [int(t) for t in tokenizer(text)["input_ids"]]
 
 

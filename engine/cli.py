@@ -119,17 +119,43 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
 
 def _read_messages(path: str) -> list[dict]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))  # decoded whole, so an error's position is the file's
     except FileNotFoundError:
         raise ValueError(f"messages file not found: {path}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise ValueError(f"messages file {path} is a directory: give a JSON file") from None
+    except OSError as e:
+        raise ValueError(f"cannot read messages file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"messages file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
+                         f"{e.start}): save it as UTF-8") from None
+    except RecursionError:  # the json module recurses once per nested [ or {
+        raise ValueError(f"messages file {path} is nested too deeply: expected a list of {{role, content}}") from None
+    except ValueError as e:
         raise ValueError(f"messages file {path} is not valid JSON: {e}") from None
     from engine.chat import validate_messages
 
     if isinstance(data, list) and data and isinstance(data[-1], dict) and data[-1].get("role") == "assistant":
         data = data[:-1]  # a trailing assistant message has nothing to answer
     return validate_messages(data)
+
+
+def _check_output_path(path: str) -> None:
+    """Fail before a long run, not at its end: the ``--json`` file must be creatable or writable. Leaves
+    no file behind (a new one is created and removed; an existing one is opened to append, not changed)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--json {path} is a directory: give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--json {path}: the folder {parent} does not exist")
+    existed = os.path.exists(path)
+    try:
+        open(path, "ab" if existed else "xb").close()
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None = None) -> dict[str, Any]:
@@ -163,6 +189,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
                      allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
                      allow_download=not a.offline)
     messages = _read_messages(a.messages) if a.messages else None
+    if a.prompt is not None:
+        from engine.chat import check_text
+
+        check_text(a.prompt, "prompt")  # before the model loads
     from engine.loader import load_model
     from engine.session import ChatSession
 
@@ -217,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     debug = os.environ.get("KVSCOPE_DEBUG") == "1"
     try:
+        if a.command in ("bench", "quality"):
+            _check_output_path(a.json_file)
         if a.command == "generate":
             return cmd_generate(a)
         if a.command == "bench":

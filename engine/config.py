@@ -7,6 +7,7 @@ the app and tests share one set of rules.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,18 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # types first: NaN passes every ``<`` check below, and a str or None would raise TypeError there
+        for name, label in (("temperature", "temperature"), ("top_p", "top-p"), ("min_p", "min-p"),
+                            ("repetition_penalty", "repetition penalty")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{label}: {value!r} is not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"{label}: {value} is not a finite number")
+        for name, label in (("top_k", "top-k"), ("max_new_tokens", "max new tokens"), ("seed", "seed")):
+            value = getattr(self, name)
+            if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{label}: {value!r} is not an integer")
         if self.temperature < 0:
             raise ValueError(f"temperature: {self.temperature} must be >= 0")
         if self.top_k < 0:

@@ -7,9 +7,8 @@ failure is a typed ``EngineError`` with a one-line reason.
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +23,19 @@ from engine.errors import (
     ModelFormatError,
     ModelNotFoundError,
     OfflineError,
-    UnsafeModelError,
     UnsupportedModelError,
+)
+from engine.model_files import (  # noqa: F401  (check_safetensors, check_folder: public from here too)
+    check_folder,
+    check_loading_info,
+    check_safetensors,
+    check_shapes,
+    check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
 
-_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
@@ -127,67 +131,6 @@ def resolve_source(spec: ModelSpec, progress: Progress | None = None) -> Path:
         ) from None
 
 
-# -- checking files before transformers sees them --------------------------------------------------------
-def check_safetensors(path: Path) -> None:
-    """Validate a .safetensors header and that the file holds every byte the header promises."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelFormatError(f"{path.name} is truncated ({size} bytes): not a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100_000_000:
-                raise ModelFormatError(f"{path.name} is corrupt or truncated (header of {n} bytes in a {size}-byte file)")
-            header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError):
-        raise ModelFormatError(f"{path.name} is corrupt: its safetensors header is not valid JSON") from None
-    end = 0
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            end = max(end, int(meta["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise ModelFormatError(f"{path.name} is corrupt: tensor {name!r} has no valid data_offsets") from None
-    if 8 + n + end > size:
-        raise ModelFormatError(
-            f"{path.name} is truncated: {size} bytes on disk, {8 + n + end} expected (re-download the model)"
-        )
-
-
-def check_folder(folder: Path, spec: ModelSpec) -> dict:
-    """Reject what we cannot or must not load; returns the parsed config.json."""
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelFormatError(f"no config.json in {folder}: not a Hugging Face model folder")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise ModelFormatError(f"{cfg_path} is not valid JSON") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{cfg_path} is not a JSON object")
-    if "auto_map" in cfg and not spec.trust_remote_code:
-        raise UnsafeModelError(
-            f"{folder.name} needs custom code from the model repository (auto_map in config.json); "
-            "it can run anything on your machine: allow remote code only if you trust it (--trust-remote-code)"
-        )
-    safetensors = sorted(folder.glob("*.safetensors"))
-    pickles = [folder / n for n in _PICKLE_WEIGHTS if (folder / n).exists()] + sorted(folder.glob("pytorch_model-*.bin"))
-    if safetensors:
-        for p in safetensors:
-            check_safetensors(p)
-    elif pickles:
-        if not spec.allow_pickle:
-            raise UnsafeModelError(
-                f"{folder.name} has only pickle weights ({pickles[0].name}); loading pickle can run code: "
-                "allow it only if you trust the model (--allow-pickle)"
-            )
-    else:
-        raise ModelFormatError(f"no weights in {folder} (expected *.safetensors)")
-    return cfg
-
-
 # -- loading ----------------------------------------------------------------------------------------------
 def load_model(spec: ModelSpec | str, progress: Progress | None = None,
                cancel: threading.Event | None = None) -> LoadedModel:
@@ -220,6 +163,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     cfg = check_folder(folder, spec)
     if progress:
         progress(f"loading {folder.name}", 0.1)
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -250,27 +194,31 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         raise ModelFormatError(f"no usable tokenizer in {folder}")
 
     check()
+    _check_against_model(folder, config, tok, spec)
     dtype = _choose_dtype(spec, config, device)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         attn_implementation="sdpa",
         trust_remote_code=spec.trust_remote_code,
         use_safetensors=None if spec.allow_pickle else True,
+        output_loading_info=True,  # missing / unexpected / mis-shaped weights, checked below
+        ignore_mismatched_sizes=True,  # so a wrong shape is reported there, by name, not raised as prose
     )
     if spec.quantization != "none":
         kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
         kwargs["device_map"] = {"": device}
     try:
         with _weights_progress(folder.name, progress, check):
-            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except LoadCancelled:
         raise
     except torch.OutOfMemoryError:
         raise EngineError(f"out of memory loading {folder.name} on {device}: try 8-bit/4-bit or the CPU") from None
     except ImportError as e:
         raise EngineError(f"missing package for {folder.name}: {str(e).splitlines()[0]}") from None
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
+    _check_coverage(folder.name, model, loading_info)
     check()
     if progress:
         progress(f"moving {folder.name} to {device}", 0.97)
@@ -280,6 +228,28 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         _fix_bnb_4bit_cpu(model)
     model.eval()
     return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+
+
+def _check_against_model(folder: Path, config, tok, spec: ModelSpec) -> None:
+    """Before any weight is read: the files' tensor shapes and the tokenizer's ids against the model this
+    config builds, on the meta device (no memory, milliseconds even for billions of parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+        rows = getattr(skeleton.get_input_embeddings(), "num_embeddings", None)
+    except Exception:  # some models cannot be built on meta; the checks after loading still apply
+        return
+    check_shapes(folder.name, {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, folder)
+    check_tokenizer_fits(folder.name, tok, rows)
+
+
+def _check_coverage(name: str, model, loading_info: dict) -> None:
+    """Refuse weights that leave part of the model at its random initialisation (or carry extra tensors)."""
+    names = {n for n, _ in model.named_parameters()}  # a tied tensor once, under its first name
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    check_loading_info(name, loading_info, names, tied)
 
 
 @contextlib.contextmanager
@@ -332,11 +302,16 @@ def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
 
 
 def _bnb_config(kind: str, compute_dtype: torch.dtype):
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its CPU backend warns at import about an optional kernel: not one line
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
     except ImportError:
         raise EngineError("8-bit/4-bit needs the bitsandbytes package (pip install bitsandbytes)") from None
+    finally:
+        log.setLevel(level)
     if kind == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)

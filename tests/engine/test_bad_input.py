@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -96,6 +98,10 @@ def test_pickle_loads_when_allowed(bad_models, stories):
     (["--max-new-tokens", "600"], "exceeds the model's context of 512"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
+    (["--temperature", "nan"], "temperature: nan is not a finite number"),
+    (["--top-p", "nan"], "top-p: nan is not a finite number"),
+    (["--min-p", "inf"], "min-p: inf is not a finite number"),
+    (["--repetition-penalty=-inf"], "repetition penalty: -inf is not a finite number"),
 ])
 def test_cli_bad_settings(stories_path, capsys, argv, words):
     with pytest.raises(SystemExit) if "invalid choice" in words else _nullcontext() as ex:
@@ -124,6 +130,38 @@ def test_api_config_validation():
         SamplingConfig(max_new_tokens=0)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name,label", [("temperature", "temperature"), ("top_p", "top-p"), ("min_p", "min-p"),
+                                        ("repetition_penalty", "repetition penalty")])
+def test_sampling_refuses_non_finite_values(name, label, value):
+    """NaN passes every ``<`` range check; inf is no better (inf temperature is uniform noise)."""
+    with pytest.raises(ValueError) as info:
+        SamplingConfig(**{name: value})
+    assert str(info.value) == f"{label}: {value} is not a finite number"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"max_new_tokens": 2.5}, "max new tokens: 2.5 is not an integer"),
+    ({"max_new_tokens": True}, "max new tokens: True is not an integer"),
+    ({"max_new_tokens": "8"}, "max new tokens: '8' is not an integer"),
+    ({"top_k": 1.5}, "top-k: 1.5 is not an integer"),
+    ({"top_k": False}, "top-k: False is not an integer"),
+    ({"seed": 1.5}, "seed: 1.5 is not an integer"),
+    ({"temperature": "0.5"}, "temperature: '0.5' is not a number"),
+    ({"top_p": None}, "top-p: None is not a number"),
+    ({"repetition_penalty": True}, "repetition penalty: True is not a number"),
+])
+def test_sampling_refuses_wrong_types(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        SamplingConfig(**kwargs)
+    assert str(info.value) == words
+
+
+def test_sampling_accepts_ints_for_floats():
+    s = SamplingConfig(temperature=1, top_p=1, min_p=0, repetition_penalty=2, top_k=5, seed=3, max_new_tokens=4)
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (1, 1, 5, 4) and not s.greedy
+
+
 def test_api_context_overflow_is_never_silent(stories):
     from engine.session import ChatSession
 
@@ -146,3 +184,133 @@ def test_cli_subprocess_missing_model_has_no_traceback(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error: model folder not found")
     assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+# -- --messages FILE and --prompt text ------------------------------------------------------------------------
+def _cli_generate_error(stories_path, capsys, *argv) -> str:
+    rc = cli_main(["generate", "--model", str(stories_path), "--max-new-tokens", "4", *argv])
+    cap = capsys.readouterr()
+    assert rc == 2, cap.err
+    assert cap.out == "" and cap.err.startswith("error: ") and cap.err.count("\n") == 1
+    assert "internal" not in cap.err and "Traceback" not in cap.err
+    return cap.err
+
+
+def _deep(path):
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _surrogate(path):
+    path.write_text('[{"role": "user", "content": "hi \\ud800 there"}]')  # valid JSON, invalid Unicode
+
+
+def _not_utf8(path):
+    path.write_bytes(b'[{"role": "user", "content": "caf\xe9"}]')  # Latin-1
+
+
+MESSAGE_FILES = {
+    "deep": (_deep, "is nested too deeply"),
+    "surrogate": (_surrogate, r"messages[0] content: invalid character '\ud800' at position 3"),
+    "not_utf8": (_not_utf8, "is not UTF-8 text (byte 0xe9 at position 33): save it as UTF-8"),
+    "directory": (lambda path: path.mkdir(), "is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MESSAGE_FILES))
+def test_cli_bad_messages_file(stories_path, tmp_path, capsys, case):
+    path = tmp_path / "chat.json"
+    make, words = MESSAGE_FILES[case]
+    make(path)
+    err = _cli_generate_error(stories_path, capsys, "--messages", str(path))
+    assert words in err
+
+
+def test_cli_unreadable_messages_file(stories_path, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "chat.json"
+    path.write_text('[{"role": "user", "content": "hi"}]')
+    path.chmod(0)
+    if os.geteuid() == 0:  # root reads anything: make open() answer as it would for anyone else
+        real_open = builtins.open
+
+        def no_permission(file, *a, **kw):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *a, **kw)
+
+        monkeypatch.setattr(builtins, "open", no_permission)
+    err = _cli_generate_error(stories_path, capsys, "--messages", str(path))
+    assert f"cannot read messages file {path}: Permission denied" in err
+
+
+def test_api_refuses_lone_surrogates(stories):
+    from engine.chat import validate_messages
+    from engine.session import ChatSession
+
+    with pytest.raises(ValueError, match=r"messages\[1\] content: invalid character '\\udcff' at position 0"):
+        validate_messages([{"role": "user", "content": "ok"}, {"role": "user", "content": "\udcff"}])
+    s = ChatSession(stories, CacheConfig())
+    with pytest.raises(ValueError, match=r"prompt: invalid character '\\ud800' at position 5"):
+        s.start_completion("Once \ud800", SamplingConfig(max_new_tokens=2))
+
+
+def test_cli_prompt_with_lone_surrogate(stories_path, capsys):
+    """Bytes that are not UTF-8 in argv arrive as lone surrogates (surrogateescape)."""
+    err = _cli_generate_error(stories_path, capsys, "--prompt", "caf\udce9")
+    assert r"prompt: invalid character '\udce9' at position 3" in err
+
+
+def test_cli_subprocess_prompt_not_utf8(stories_path):
+    p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(stories_path),
+                        "--prompt", b"caf\xe9", "--max-new-tokens", "2"], capture_output=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == b""
+    assert p.stderr.decode().startswith("error: prompt: invalid character") and p.stderr.count(b"\n") == 1
+
+
+# -- bench/quality --json PATH is checked before any work ----------------------------------------------------------
+def _read_only_target(tmp_path):
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        return ro / "out.json"
+    if not os.path.isdir("/sys"):
+        pytest.skip("root writes anywhere on this system: no read-only place to try")
+    return "/sys/kvscope-out.json"  # sysfs refuses new files even to root
+
+
+@pytest.mark.parametrize("command", ["bench", "quality"])
+@pytest.mark.parametrize("case,words", [
+    ("directory", "is a directory: give a file name"),
+    ("missing_parent", "does not exist"),
+    ("read_only", "cannot write there (Permission denied)"),
+])
+def test_cli_unwritable_json_fails_before_any_work(stories_path, tmp_path, capsys, monkeypatch, command, case, words):
+    import engine.bench
+    import engine.loader
+    import engine.quality
+
+    calls = []
+    monkeypatch.setattr(engine.loader, "load_model", lambda *a, **k: calls.append("load_model"))
+    monkeypatch.setattr(engine.bench, "run_bench", lambda a: calls.append("run_bench") or 0)
+    monkeypatch.setattr(engine.quality, "run_quality", lambda a: calls.append("run_quality") or 0)
+    target = {"directory": tmp_path, "missing_parent": tmp_path / "no" / "such" / "out.json",
+              "read_only": _read_only_target(tmp_path)}[case]
+    rc = cli_main([command, "--model", str(stories_path), "--json", str(target)])
+    err = capsys.readouterr().err
+    assert rc == 2 and calls == []
+    assert words in err
+    assert err.startswith(f"error: --json {target}") and err.count("\n") == 1
+
+
+def test_cli_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsys, monkeypatch):
+    import engine.bench
+
+    seen = []
+    monkeypatch.setattr(engine.bench, "run_bench", lambda a: seen.append(os.path.exists(a.json_file)) or 0)
+    new = tmp_path / "new.json"
+    assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(new)]) == 0
+    assert seen == [False]  # the check made no empty file that a failed run would leave behind
+    old = tmp_path / "old.json"
+    old.write_text('{"rows": []}')
+    assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(old)]) == 0
+    assert old.read_text() == '{"rows": []}'
