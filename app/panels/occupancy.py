@@ -1,5 +1,6 @@
-"""Per-layer cache occupancy: one stacked bar per layer (full precision, quantized, pinned, evicted so far)
-with the cache's capacity drawn as a line."""
+"""Per-layer cache occupancy: one stacked bar per layer (full precision, quantized, pinned) with the cache's
+capacity drawn as a line. The bars are what each layer holds, so they never rise above the capacity; what
+was evicted is counted in the caption (the same count as the red cells of the page map's token strip)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,21 @@ import pyqtgraph as pg
 
 from app.format import human_bytes
 from app.panels.base import Panel, StickyRange, legend_row, styled_plot
-from engine.snapshot import TOKEN_EVICTED, TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
+from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
 # (name, colour) bottom to top
 SEGMENTS = (
     ("full", "#4c9be8"),
     ("quantized", "#a470ff"),
     ("pinned", "#ffd84a"),
-    ("evicted", "#ff5a5a"),
 )
 
 
 def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     """Token counts per layer and segment, ``[L]`` each.
 
-    ``tokens_per_layer`` is what each layer holds. Pinned and quantized counts come from the token strip
-    (shared by all layers) and are clipped to what a layer holds; "evicted" counts positions marked
-    evicted in the strip plus what a layer holds less than the fullest layer (per-layer budgets).
+    ``tokens_per_layer`` is what each layer holds; the segments add up to it. Pinned and quantized counts
+    come from the token strip (shared by all layers) and are clipped to what a layer holds.
     """
     held = np.asarray(snap.tokens_per_layer, dtype=np.int64)
     states = np.asarray(snap.token_state)
@@ -33,10 +32,7 @@ def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     pinned = np.minimum(held, n_pinned)
     quantized = np.minimum(held - pinned, n_quant)
     full = held - pinned - quantized
-    n_evicted = int(np.count_nonzero(states == TOKEN_EVICTED))
-    fullest = int(held.max()) if len(held) else 0
-    evicted = n_evicted + (fullest - held) if snap.mode != "off" else np.zeros_like(held)
-    return {"full": full, "quantized": quantized, "pinned": pinned, "evicted": evicted}
+    return {"full": full, "quantized": quantized, "pinned": pinned}
 
 
 class OccupancyPanel(Panel):

@@ -1,5 +1,5 @@
 """The page allocation map: every physical page as a cell, coloured by state and owner turn, plus a strip
-of the conversation's tokens (kept / sink / evicted / quantized / pinned).
+of the conversation's tokens (kept / sink / evicted / quantized / pinned / not cached).
 
 Active pages take their owner turn's colour; other states have one fixed colour each; brightness shows how
 full a page is. Hover a cell for its page id, tokens, fill, ref count and owner.
@@ -17,24 +17,27 @@ from PySide6.QtGui import QColor, QCursor
 from PySide6.QtWidgets import QLabel, QToolTip
 
 from app.panels.base import Panel, legend_row
-from engine.snapshot import (
-    PAGE_ACTIVE,
-    PAGE_STATE_NAMES,
-    TOKEN_STATE_NAMES,
-    CacheSnapshot,
-)
+from engine import snapshot as S
+from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
 
 STATE_COLOURS = {  # PAGE_* code -> colour; PAGE_ACTIVE is replaced by the owner's turn colour
-    0: "#262a32",  # free
-    1: "#4c9be8",  # active
-    2: "#f0f0f0",  # shared
-    3: "#ffd84a",  # pinned
-    4: "#a470ff",  # quantized
-    5: "#9a7650",  # offloaded
-    6: "#ff4b4b",  # just evicted
+    S.PAGE_FREE: "#262a32",
+    S.PAGE_ACTIVE: "#4c9be8",
+    S.PAGE_SHARED: "#f0f0f0",
+    S.PAGE_PINNED: "#ffd84a",
+    S.PAGE_QUANTIZED: "#a470ff",
+    S.PAGE_OFFLOADED: "#9a7650",
+    S.PAGE_EVICTED: "#ff4b4b",  # just evicted
 }
 TURN_COLOURS = ("#3d7fd9", "#3fb8a6", "#5c9ded", "#2f9a7c", "#7c8ff0", "#57c3d6")
-TOKEN_COLOURS = ("#4c9be8", "#ffb347", "#ff4b4b", "#a470ff", "#ffd84a")  # kept, sink, evicted, quantized, pinned
+TOKEN_COLOURS = {  # TOKEN_* code -> colour
+    S.TOKEN_KEPT: "#4c9be8",
+    S.TOKEN_SINK: "#ffb347",
+    S.TOKEN_EVICTED: "#ff4b4b",
+    S.TOKEN_QUANTIZED: "#a470ff",
+    S.TOKEN_PINNED: "#ffd84a",
+    S.TOKEN_NOT_CACHED: "#5a606b",
+}
 PAD = (16, 18, 23, 255)  # cells past the last page
 
 
@@ -73,9 +76,9 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     fill = np.asarray(snap.page_fill[:n]).astype(np.float64)
     table, turns = _tables()  # [S, 3], [K, 3]
     rgb = table[np.clip(state, 0, len(table) - 1)]  # [n, 3]
-    active = (state == PAGE_ACTIVE) & (owner >= 0)
+    active = (state == S.PAGE_ACTIVE) & (owner >= 0)
     rgb[active] = turns[owner[active] % len(turns)]
-    holds = (state != 0) & (state != 6)  # free and just-evicted pages are not dimmed by fill
+    holds = (state != S.PAGE_FREE) & (state != S.PAGE_EVICTED)  # free and just-evicted pages: not dimmed by fill
     scale = np.where(holds, 0.45 + 0.55 * np.clip(fill / max(snap.page_size, 1), 0, 1), 1.0)
     rgb = np.round(rgb * scale[:, None])
     rows = max(1, math.ceil(n / cols))
@@ -89,7 +92,7 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
 def token_colours(snap: CacheSnapshot) -> np.ndarray:
     """``[1, T, 4]`` uint8 RGBA for the token strip."""
     states = np.asarray(snap.token_state).astype(np.int64)
-    table = np.stack([_rgb(c) for c in TOKEN_COLOURS])
+    table = np.stack([_rgb(TOKEN_COLOURS[i]) for i in range(len(TOKEN_COLOURS))])
     out = np.full((1, max(len(states), 1), 4), 255, dtype=np.uint8)
     if len(states):
         out[0, :, :3] = table[np.clip(states, 0, len(table) - 1)].astype(np.uint8)
@@ -133,9 +136,9 @@ class PageMapPanel(Panel):
         self._layout.addWidget(self.view, 1)
 
         chips = [(TURN_COLOURS[0], "active (by turn)")]
-        chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in (0, 2, 3, 4, 5, 6)]
+        chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
         self._layout.addWidget(legend_row(chips, prefix="pages:"))
-        strip = [(c, n) for c, n in zip(TOKEN_COLOURS, TOKEN_STATE_NAMES)]
+        strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
         self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
         self.hover = QLabel(" ")
         self.hover.setObjectName("hoverLine")
@@ -164,9 +167,10 @@ class PageMapPanel(Panel):
                                    padding=0.02)
         self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, 1), padding=0)
         counts = np.bincount(np.asarray(snap.page_state, dtype=np.int64), minlength=len(PAGE_STATE_NAMES))
-        used = snap.num_pages - int(counts[0])
+        used = snap.num_pages - int(counts[S.PAGE_FREE]) - int(counts[S.PAGE_EVICTED])
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
-        parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in (2, 3, 4, 5, 6) if counts[i]]
+        parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
+                  if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
         if snap.mode != "paged":
             parts = [f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"]
         self.caption.setText(" · ".join(parts))
