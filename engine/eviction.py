@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.errors import CacheCapacityError, ContextOverflowError, InternalError
+from engine.errors import ContextOverflowError, InternalError
 from engine.kv.attention import Rerotator
 from engine.kv.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
@@ -142,18 +142,13 @@ class Evictor:
         return []
 
     def _evict_for_pages(self, store, index, policy, cx) -> list[Eviction]:
-        """The page pool (its limit, or the memory limit) is full: evict half the cache if a policy or the
-        overflow setting allows it, else say what to change."""
-        if policy is None and cx.overflow not in ("truncate_middle", "rolling") or index.n < 2:
-            raise CacheCapacityError(
-                "KV cache full: no free pages for this chat within the cache's limits; close other chats, "
-                "raise the page limit, use KV int8/int4, or choose an eviction policy or overflow setting")
-        done = self._evict(store, index, policy, index.n // 2, self._reason(policy, cx), cx,
+        """The page pool (its page limit, or the memory limit) is full: evict half the cache if a policy or the
+        overflow setting allows it. If that is not allowed or not enough, ``store.reserve`` refuses next with
+        the arena's typed error (which limit, and what to change) before anything is written."""
+        if (policy is None and cx.overflow not in ("truncate_middle", "rolling")) or index.n < 2:
+            return []
+        return self._evict(store, index, policy, index.n // 2, self._reason(policy, cx), cx,
                            force_rotate=policy is None)
-        if not store.can_reserve(1):
-            raise CacheCapacityError("KV cache full: even after evicting half of this chat's cache there is no "
-                                     "free page; close other chats or raise the cache's limits")
-        return done
 
     @staticmethod
     def _overflow_target(policy: EvictionPolicy | None, cx: EvictionContext) -> int:
