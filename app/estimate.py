@@ -7,27 +7,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.kv import sizes  # the engine's own formulas, torch-free
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DEMO = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 128,
         "torch_dtype": "float32", "max_position_embeddings": 2048}
 DEMO_WEIGHTS_BYTES = 3_042_880
-
-
-SCALE_BYTES = 2  # the engine keeps quantization scales and zeros in float16
-INT4_VALUE_GROUP = 32
-
-
-def quantized_bytes_per_token(kind: str, role: str, kv_heads: int, head_dim: int, page_size: int = 16) -> float:
-    """Bytes one token's K or V takes in one layer as int8/int4 pages: the engine's formula
-    (``engine.kv.quant.bytes_per_token``, float16 scales) without importing torch; a test keeps them equal."""
-    d, p, s = head_dim, page_size, SCALE_BYTES
-    if kind == "int8":
-        per_channel_keys = role == "k" and p >= 2 * d  # engine.kv.quant.int8_key_layout
-        return kv_heads * (d + 2 * d * s / p if per_channel_keys else d + s)
-    codes = (d + 1) // 2
-    if role == "k":
-        return kv_heads * (codes + 2 * d * s / p)
-    return kv_heads * (codes + 2 * -(-d // min(INT4_VALUE_GROUP, d)) * s)
 
 
 @dataclass(frozen=True)
@@ -49,7 +34,7 @@ class MemoryEstimate:
 
     def kv_bytes_as(self, kind: str, page_size: int = 16) -> int:
         """KV bytes at ``context`` tokens with K and V held as ``kind`` (int8 / int4) pages."""
-        per_token = sum(quantized_bytes_per_token(kind, role, self.kv_heads, self.head_dim, page_size)
+        per_token = sum(sizes.bytes_per_token(kind, role, self.kv_heads, self.head_dim, page_size)
                         for role in ("k", "v"))
         return int(self.layers * per_token * self.context)
 

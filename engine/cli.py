@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from engine.config import CACHE_MODES, DEVICES, KV_DTYPES, QUANTIZATIONS, CacheConfig, ModelSpec, SamplingConfig
+from engine.config import CACHE_MODES, DEVICES, KV_DTYPES, OVERFLOWS, QUANTIZATIONS, CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError
 
 EXIT_BAD_INPUT = 2
@@ -26,11 +26,24 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="K and V precision")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K precision (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V precision (overrides --kv-dtype)")
-    p.add_argument("--policy", default="none", help="eviction policy: none|streaming|h2o|priority")
-    p.add_argument("--sinks", type=int, default=None, help="streaming: attention-sink tokens kept")
-    p.add_argument("--window", type=int, default=None, help="streaming/h2o: recent tokens kept")
-    p.add_argument("--budget", type=int, default=None, help="h2o/priority: token budget")
-    p.add_argument("--overflow", default="stop", help="stop|truncate_middle|rolling|policy")
+    _policy_args(p)
+    p.add_argument("--overflow", default="stop", choices=OVERFLOWS, help="what happens when the context is full")
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    """``--policy`` and the policy flags, as the policy classes declare them (``Params`` ``flag`` metadata)."""
+    from engine.policies import policy_flags, policy_names
+
+    p.add_argument("--policy", default="none", choices=policy_names(), help="eviction policy")
+    for flag, texts in policy_flags().items():
+        p.add_argument(f"--{flag}", type=int, default=None, help="; ".join(texts))
+
+
+def policy_flag_values(a: argparse.Namespace) -> dict[str, Any]:
+    """The policy flags given on the command line (None where not given)."""
+    from engine.policies import policy_flags
+
+    return {flag: getattr(a, flag, None) for flag in policy_flags()}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="score only this K and V precision")
     q.add_argument("--k-dtype", default=None, choices=KV_DTYPES)
     q.add_argument("--v-dtype", default=None, choices=KV_DTYPES)
-    q.add_argument("--policy", default="none", help="score only this policy (with --sinks/--window/--budget)")
-    q.add_argument("--sinks", type=int, default=None)
-    q.add_argument("--window", type=int, default=None)
-    q.add_argument("--budget", type=int, default=None)
+    _policy_args(q)  # score only this policy
     q.add_argument("--page-size", type=int, default=16)
     q.add_argument("--device", default="auto", choices=DEVICES)
     q.add_argument("--json", dest="json_file", required=True, help="output file")
@@ -106,8 +116,7 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
     """The ``CacheConfig`` of parsed cache flags (policy flags go where the policy's ``Params`` say)."""
     return CacheConfig.from_flags(
         policy=a.policy,
-        flags={"sinks": getattr(a, "sinks", None), "window": getattr(a, "window", None),
-               "budget": getattr(a, "budget", None)},
+        flags=policy_flag_values(a),
         mode=getattr(a, "cache", "paged"),
         page_size=a.page_size,
         prefix_reuse=not getattr(a, "no_prefix_reuse", False),

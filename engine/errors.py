@@ -54,3 +54,28 @@ class OfflineError(ModelNotFoundError):
 
 class LoadCancelled(EngineError):
     """The caller cancelled a model load (the previously loaded model, if any, stays in use)."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for the ways torch reports an allocation failure (CUDA, MPS, CPU), without importing torch."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text
+                                              or "not enough memory" in text)
+
+
+def as_engine_error(exc: BaseException, during: str = "the reply") -> BaseException:
+    """The typed error to raise for ``exc`` after an operation was ended and rolled back: engine errors as
+    they are, out of memory as ``OutOfMemoryError``, ``ValueError`` as ``EngineError``, anything else (a bug)
+    as ``InternalError`` (the caller chains the original). Non-``Exception``s (KeyboardInterrupt) pass."""
+    if isinstance(exc, EngineError) or not isinstance(exc, Exception):
+        return exc
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    if is_oom(exc):
+        return OutOfMemoryError(f"out of memory during {during} ({first[:160]}): close other chats, use a smaller "
+                                "model, KV int8/int4 or a shorter context")
+    if isinstance(exc, ValueError):
+        return EngineError(first or type(exc).__name__)
+    return InternalError(f"internal error in {during} ({type(exc).__name__}: {first}); {during} was stopped "
+                         "and the chat can go on")

@@ -191,7 +191,13 @@ class Evictor:
         old_rope = np.array(index.rope)
         start = _unchanged_prefix(keep, old_rope if rotate else None)
         held_before = index.held(index.next_pos)
-        freed = store.compact(keep, rotate=self._rotate_fn(old_rope, n_keep) if rotate else None, start=start)
+        try:
+            freed = store.compact(keep, rotate=self._rotate_fn(old_rope, n_keep) if rotate else None, start=start)
+        except BaseException:
+            if store.num_tokens != index.n:  # the store dropped a half-compacted cache: so does the index
+                index.truncate(0)
+                self.scores.truncate(0)
+            raise
         index.keep(keep)
         if rotate:
             index.rerotate()
@@ -252,7 +258,8 @@ def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPoli
         notes.append(f"{policy.name}: the budget is smaller than the protected prompt (system + first message, "
                      f"{state.protected} tokens): {lost} of them evicted; raise the budget to keep them all")
     if state.priorities is not None:
-        pinned = int(np.count_nonzero(state.priorities[gone[gone < len(state.priorities)]] >= PINNED)) - lost
+        rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]
+        pinned = int(np.count_nonzero(state.priorities[rest] >= PINNED))
         if pinned > 0:
             notes.append(f"{policy.name}: {pinned} pinned tokens evicted: the budget cannot hold every pinned "
                          "message; raise it or unpin some")

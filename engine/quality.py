@@ -162,7 +162,9 @@ def run_quality(a) -> int:
     if len(ids) < 16:
         raise ValueError(f"text too short ({len(ids)} tokens): give at least 16")
     if a.kv_dtype or a.k_dtype or a.v_dtype or a.policy != "none":
-        cfg = CacheConfig.from_flags(policy=a.policy, flags={"sinks": a.sinks, "window": a.window, "budget": a.budget},
+        from engine.policies import policy_flags
+
+        cfg = CacheConfig.from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
                                      page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
                                      v_dtype=a.v_dtype or a.kv_dtype or "auto")
         settings = [Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)]

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -30,60 +29,19 @@ import torch
 from engine import observe, reconfigure
 from engine.chat import StreamDecoder, encode_prompt, message_spans, render_chat, validate_messages
 from engine.config import CacheConfig, SamplingConfig
-from engine.errors import ContextOverflowError, EngineError, InternalError, OutOfMemoryError, SessionClosedError
+from engine.errors import ContextOverflowError, EngineError, SessionClosedError, as_engine_error
 from engine.eviction import Eviction, EvictionContext, Evictor
-from engine.kv.arena import is_oom
 from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
 from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.loader import LoadedModel
-from engine.policies import PINNED
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
+from engine.turn import NullDecoder, TurnState, check_fits, common_prefix, protection
 
 _session_ids = itertools.count(1)
 _generation_ids = itertools.count(1)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class _NullDecoder:
-    """Stands in for ``StreamDecoder`` when a model has no tokenizer (benchmark shapes): ids only."""
-
-    text = ""
-
-    def push(self, token_id: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-@dataclass
-class TurnState:
-    """One reply's sampling, text and timings (replaced at every ``start``)."""
-
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    sampler: Sampler | None = None
-    decoder: Any = None
-    generated: list[int] = field(default_factory=list)
-    cancel: bool = False
-    step: int = 0
-    t_start: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    prompt_len: int = 0
-    reused: int = 0
-    recomputed: int = 0
-    divergence: int = -1
 
 
 class ChatSession:
@@ -201,59 +159,31 @@ class ChatSession:
         return self.store is not None and (self.policy is not None or
                                            self.cache_config.overflow in reconfigure.OVERFLOW_EVICTS)
 
-    def _check_fits(self, ids: list[int], sampling: SamplingConfig) -> None:
-        ctx = self.context_length
-        if self._can_overflow():
-            return
-        if len(ids) >= ctx:
-            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: "
-                                       "shorten the chat, start a new one, or choose an overflow policy")
-        if len(ids) + sampling.max_new_tokens > ctx:
-            raise ContextOverflowError(
-                f"prompt {len(ids)} + max new tokens {sampling.max_new_tokens} = {len(ids) + sampling.max_new_tokens}"
-                f" tokens exceeds the model's context of {ctx}: lower max new tokens to {ctx - len(ids)} or less, "
-                "or choose an overflow policy")
-
     def _begin(self, ids: list[int], sampling: SamplingConfig, generation_id: int | None,
                messages: Sequence[dict] | None = None, spans: Sequence[tuple[int, int]] = ()) -> TurnStats:
         self.check_open()
         if self.generating:
             raise EngineError("a reply is already in progress: cancel it or wait for it to finish")
-        self._check_fits(ids, sampling)
+        if not self._can_overflow():
+            check_fits(len(ids), sampling.max_new_tokens, self.context_length)
         if self.host is not None:
             self.swap_in()  # typed error, nothing changed, if there is no room
         cached = self.index.n if self.store is not None else 0
-        common = _common_prefix(self.seq[:self.index.intact], ids)
+        common = common_prefix(self.seq[:self.index.intact], ids)
         keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse and self.store is not None else 0
         if self.store is not None:
             self.truncate_cache(keep)
         self.seq = list(ids)
         self.turn += 1
-        self._set_protection(messages, spans, len(ids))
+        self.protected, self.priorities = protection(messages, spans, len(ids))
         self.generation_id = generation_id if generation_id is not None else next(_generation_ids)
-        decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else _NullDecoder()
+        decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder()
         self.turn_state = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), decoder=decoder,
                                     t_start=time.perf_counter(), prompt_len=len(ids), reused=keep,
                                     recomputed=len(ids) - keep, divergence=common if cached > 0 else -1)
         self.evictions = []
         self.generating = True
         return self._stats("")
-
-    def _set_protection(self, messages, spans, n: int) -> None:
-        self.protected = 0
-        self.priorities = None
-        if not messages or not spans:
-            return
-        # protect the system prompt(s) and the first user message (what "truncate the middle" keeps)
-        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-        if first_user is not None:
-            self.protected = min(spans[first_user][1], n)
-        pri = np.full(n, -1, dtype=np.int64)  # -1: the policy's default
-        for m, (a, b) in zip(messages, spans):
-            p = PINNED if (m["role"] == "system" or m.get("pinned")) else m.get("priority")
-            if p is not None:
-                pri[a:min(b, n)] = p
-        self.priorities = pri
 
     def cancel(self) -> None:
         """Ask the reply to stop; the next ``step()`` ends it with stop_reason ``cancelled``."""
@@ -322,16 +252,7 @@ class ChatSession:
         self.generating = False
         self.turn_state.cancel = False
         self.last_stats = self._stats("error")
-        if isinstance(exc, EngineError) or not isinstance(exc, Exception):
-            return exc  # typed already (or KeyboardInterrupt and the like: not ours to wrap)
-        if is_oom(exc):
-            return OutOfMemoryError(f"out of memory during the reply ({str(exc).splitlines()[0][:160]}): close "
-                                    "other chats, use a smaller model, KV int8/int4 or a shorter context")
-        if isinstance(exc, ValueError):
-            return EngineError(str(exc))
-        text = str(exc).splitlines()[0][:200] if str(exc) else ""
-        return InternalError(f"internal error in the reply ({type(exc).__name__}: {text}); the reply was "
-                             "stopped and the chat can go on")
+        return as_engine_error(exc)
 
     def _advance(self) -> torch.Tensor | None:
         """Feed the next chunk of ``seq[next_pos:]``; the last position's logits once all is fed, else None."""
@@ -401,16 +322,7 @@ class ChatSession:
                           warnings=notes)
 
     def _stats(self, reason: str) -> TurnStats:
-        t = self.turn_state
-        n = len(t.generated)
-        return TurnStats(
-            prompt_tokens=t.prompt_len, reused_tokens=t.reused, recomputed_tokens=t.recomputed,
-            first_divergence=t.divergence, generated_tokens=n, ttft_ms=t.ttft_ms, prefill_ms=t.prefill_ms,
-            decode_ms=t.decode_ms,
-            decode_tokens_per_s=(max(0, n - 1) / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
-            prefill_tokens_per_s=(t.recomputed / (t.prefill_ms / 1000.0)) if t.prefill_ms > 0 else 0.0,
-            stop_reason=reason,
-        )
+        return self.turn_state.stats(reason)
 
     # -- teacher forcing (quality scoring) ------------------------------------------------------------------
     def teacher_force(self, ids: Sequence[int]) -> Iterator[torch.Tensor]:

@@ -24,22 +24,13 @@ from typing import Callable
 
 import torch
 
-from engine.errors import CacheCapacityError, OutOfMemoryError
+from engine.errors import CacheCapacityError, OutOfMemoryError, is_oom
 from engine.kv.pool import PagePool
 from engine.kv.roles import KVShape, make_role
 
 GPU_SHARE = 0.8
 CPU_SHARE = 0.5
 MiB = 1 << 20
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for the ways torch reports an allocation failure (CUDA, MPS, CPU)."""
-    if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text
-                                              or "not enough memory" in text)
 
 
 def default_memory_limit(device: torch.device) -> int | None:

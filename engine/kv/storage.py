@@ -21,8 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from engine.errors import OutOfMemoryError
-from engine.kv.arena import PageArena, is_oom
+from engine.errors import OutOfMemoryError, is_oom
+from engine.kv.arena import PageArena
 from engine.kv.block_table import BlockTable
 from engine.kv.pool import FLAG_QUANTIZED
 from engine.kv.roles import DevicePlan
@@ -154,14 +154,18 @@ class ContiguousKV(KVStore):
 
     def compact(self, keep, rotate=None, start=0) -> list[int]:
         n_keep = len(keep[0])
-        for layer in range(self.num_layers):
-            idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
-            k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
-            v = self.v[layer][:, :self._len].index_select(1, idx)
-            if rotate is not None:
-                k = rotate(layer, k, keep[layer][start:])
-            self.k[layer][:, start:n_keep].copy_(k)
-            self.v[layer][:, start:n_keep].copy_(v)
+        try:
+            for layer in range(self.num_layers):
+                idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
+                k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
+                v = self.v[layer][:, :self._len].index_select(1, idx)
+                if rotate is not None:
+                    k = rotate(layer, k, keep[layer][start:])
+                self.k[layer][:, start:n_keep].copy_(k)
+                self.v[layer][:, start:n_keep].copy_(v)
+        except BaseException:
+            self.truncate(0)  # some layers rewritten: drop the cache rather than keep it inconsistent
+            raise
         self._len = self._n_before = n_keep
         return []
 

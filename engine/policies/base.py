@@ -140,6 +140,16 @@ def get_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPolic
     return None if cls is None else cls(**(params or {}))
 
 
+def policy_flags() -> dict[str, list[str]]:
+    """Every CLI flag the listed policies declare → "policy: help" lines (for ``--help``)."""
+    out: dict[str, list[str]] = {}
+    for name, cls in registry.items():
+        for f in dataclasses.fields(cls.Params):
+            if f.metadata.get("flag"):
+                out.setdefault(f.metadata["flag"], []).append(f"{name}: {f.metadata.get('help') or f.name}")
+    return out
+
+
 def param_field(default: Any, *, min: Any = None, max: Any = None, help: str = "", flag: str = "") -> Any:  # noqa: A002
     """A ``Params`` field with the metadata the GUI builds a control from and the CLI flag that sets it."""
     return field(default=default, metadata={"min": min, "max": max, "help": help, "flag": flag})

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from app.estimate import quantized_bytes_per_token
-from engine.kv import quant
+import subprocess
+import sys
+
+import torch
+
+from engine.kv import sizes
+from engine.kv.schemes import scheme_for
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("role", ["k", "v"])
 @pytest.mark.parametrize("head_dim", [7, 8, 64, 80, 128])
 @pytest.mark.parametrize("page_size", [1, 8, 16, 128, 256])
-def test_quantized_bytes_per_token_equals_the_engines(kind, role, head_dim, page_size):
-    assert quantized_bytes_per_token(kind, role, 3, head_dim, page_size) == quant.bytes_per_token(
-        kind, role, 3, head_dim, page_size)
+def test_pages_hold_what_the_torch_free_formula_says(kind, role, head_dim, page_size):
+    """The estimate (app) and the cache (engine) share ``engine.kv.sizes``; the real pages agree with it."""
+    scheme = scheme_for(kind, role, head_dim, page_size)
+    q = scheme.quantize(torch.randn(3, page_size, head_dim))  # [H, P, D]: one page of 3 heads
+    assert q.nbytes / page_size == sizes.bytes_per_token(kind, role, 3, head_dim, page_size)
+    assert scheme.bytes_per_token(3) == sizes.bytes_per_token(kind, role, 3, head_dim, page_size)
+
+
+def test_the_estimate_imports_no_torch():
+    code = "import sys, app.estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.session import ChatSession
@@ -51,3 +53,36 @@ def test_switch_reports_copy_and_reprefill(stories):
     assert any("re-prefilled" in n for n in notes)
     assert snaps[20].mode == "off" and snaps[20].kv_bytes == 0
     assert snaps[30].mode == "paged" and snaps[30].tokens_per_layer[0] == snaps[30].seq_len - 1 > 30
+
+
+LOSSLESS = st.one_of(st.just(CacheConfig(mode="off")), st.just(CacheConfig(mode="contiguous")),
+                     st.builds(lambda p: CacheConfig(mode="paged", page_size=p), st.integers(1, 64)))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(stories):
+    from test_exact import hf_greedy
+
+    ids = stories.tokenizer("Once upon a time")["input_ids"]
+    return ids, hf_greedy(stories, ids, 120)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(start=LOSSLESS, switches=st.lists(st.tuples(st.integers(0, 119), LOSSLESS), max_size=6))
+def test_random_lossless_switches_mid_reply_give_exactly_hf_greedy_tokens(stories, hf_reference, start, switches):
+    """Only lossless settings (off, contiguous, paged at any page size), switched at random steps of the reply:
+    the tokens are exactly those of HF's own greedy ``generate``."""
+    ids, ref = hf_reference
+    s = ChatSession(stories, start)
+    s.start_ids(ids, SamplingConfig(max_new_tokens=120, ignore_eos=True))
+    at = dict(switches)
+    step = 0
+    while True:
+        if step in at:
+            s.apply(at[step])
+        r = s.step()
+        step += 1
+        if r.done:
+            break
+    s.close()
+    assert s.generated_ids == ref

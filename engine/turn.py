@@ -1,0 +1,98 @@
+"""One reply's bookkeeping, apart from the cache: its sampling and timings (``TurnState``), which tokens of
+the chat are protected from eviction and at what priority (``protection``), and the shared prefix that
+prefix reuse keeps (``common_prefix``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.config import SamplingConfig
+from engine.errors import ContextOverflowError
+from engine.policies import PINNED
+from engine.sampling import Sampler
+from engine.snapshot import TurnStats
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class NullDecoder:
+    """Stands in for ``StreamDecoder`` when a model has no tokenizer (benchmark shapes): ids only."""
+
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class TurnState:
+    """One reply's sampling, text and timings (replaced at every ``start``)."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampler: Sampler | None = None
+    decoder: Any = None
+    generated: list[int] = field(default_factory=list)
+    cancel: bool = False
+    step: int = 0
+    t_start: float = 0.0
+    prefill_ms: float = 0.0  # every chunk of the prefill and the forward that gave the first token
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prompt_len: int = 0
+    reused: int = 0
+    recomputed: int = 0
+    divergence: int = -1
+
+    def stats(self, reason: str) -> TurnStats:
+        n = len(self.generated)
+        return TurnStats(
+            prompt_tokens=self.prompt_len, reused_tokens=self.reused, recomputed_tokens=self.recomputed,
+            first_divergence=self.divergence, generated_tokens=n, ttft_ms=self.ttft_ms,
+            prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
+            decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
+            prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
+            stop_reason=reason,
+        )
+
+
+def protection(messages: Sequence[dict] | None, spans: Sequence[tuple[int, int]],
+               n: int) -> tuple[int, np.ndarray | None]:
+    """(protected, priorities) of a chat of ``n`` tokens: the system prompt(s) and the first user message are
+    protected (what "truncate the middle" keeps); system and pinned messages get ``PINNED``, messages with a
+    ``priority`` get it, the rest -1 (the policy's default)."""
+    if not messages or not spans:
+        return 0, None
+    protected = 0
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is not None:
+        protected = min(spans[first_user][1], n)
+    pri = np.full(n, -1, dtype=np.int64)
+    for m, (a, b) in zip(messages, spans):
+        p = PINNED if (m["role"] == "system" or m.get("pinned")) else m.get("priority")
+        if p is not None:
+            pri[a:min(b, n)] = p
+    return protected, pri
+
+
+def check_fits(prompt: int, max_new: int, ctx: int) -> None:
+    """``ContextOverflowError`` (with what to change) when a reply cannot fit the context and nothing may evict."""
+    if prompt >= ctx:
+        raise ContextOverflowError(f"the prompt has {prompt} tokens but the model's context is {ctx}: "
+                                   "shorten the chat, start a new one, or choose an overflow policy")
+    if prompt + max_new > ctx:
+        raise ContextOverflowError(
+            f"prompt {prompt} + max new tokens {max_new} = {prompt + max_new} tokens exceeds the model's context "
+            f"of {ctx}: lower max new tokens to {ctx - prompt} or less, or choose an overflow policy")
