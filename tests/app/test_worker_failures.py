@@ -3,64 +3,15 @@ token-less prefill steps, and notes sent once per reply."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from app_helpers import make_snapshot
+from app_helpers import ScriptedSession
 
 from app.failure import Failure
 from app.worker import EngineBackend, EngineThread
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.errors import ContextOverflowError, InternalError, OutOfMemoryError, SessionClosedError
-from engine.snapshot import StepResult, TokenEvent
+from engine.errors import OutOfMemoryError
 
 SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=2)
-
-
-class ScriptedSession:
-    """``chunks`` token-less prefill steps, then ``tokens`` tokens. From step 2 every snapshot repeats the
-    pending note "dropped 120"; the last step warns "dropped 120" and "context full". A user message
-    naming an exception makes ``start`` (``start:NAME``) or the first step (``step:NAME``) raise it."""
-
-    def __init__(self, chunks: int = 3, tokens: int = 2, delay_s: float = 0.0) -> None:
-        self.chunks, self.tokens, self.delay_s = chunks, tokens, delay_s
-        self.closed = False
-
-    def start(self, messages, sampling, generation_id):
-        self.gen, self.n, self.cancelled = generation_id, 0, False
-        self.script = messages[-1]["content"]
-        if self.script == "start:overflow":
-            raise ContextOverflowError("the prompt has 600 tokens but the model's context is 512: shorten the chat")
-
-    def step(self):
-        time.sleep(self.delay_s)
-        if self.script == "step:internal":
-            raise InternalError("an unexpected error ended the reply") from RuntimeError("injected")
-        if self.script == "step:closed":
-            raise SessionClosedError("the session was closed: start a new one")
-        self.n += 1
-        snap = make_snapshot(generation_id=self.gen, step=self.n, notes=("dropped 120",) if self.n >= 2 else ())
-        if self.cancelled:
-            return StepResult(None, snap, True, "cancelled", "")
-        if self.n <= self.chunks:
-            return StepResult(None, snap, False)
-        i = self.n - self.chunks - 1
-        done = i + 1 == self.tokens
-        return StepResult(TokenEvent(self.gen, i, 5, "x", "prefill" if i == 0 else "decode", 1.0, 1), snap, done,
-                          "max_tokens" if done else "", text="x" * (i + 1),
-                          warnings=("dropped 120", "context full") if done else ())
-
-    def cancel(self):
-        self.cancelled = True
-
-    def apply(self, cfg):
-        raise ValueError("page size: 999 is outside 1..256")
-
-    def snapshot(self):
-        return None
-
-    def close(self):
-        self.closed = True
 
 
 def _thread(qtbot, make_session, make_pool=None) -> EngineThread:
@@ -192,3 +143,85 @@ def test_a_failed_chat_switch_is_the_swap_stage(qtbot):
 def test_untyped_exceptions_become_one_line(exc, message):
     failure = Failure.from_exception(3, "step", exc)
     assert (failure.message, failure.recoverable, failure.ends_reply) == (message, False, True)
+
+
+class Row(dict):
+    def as_dict(self) -> dict:
+        return dict(self)
+
+
+class ScriptedComparison:
+    """``settings`` rows of ``steps`` steps each; raises at step ``raise_at`` (0: never)."""
+
+    def __init__(self, settings: int = 2, steps: int = 3, raise_at: int = 0) -> None:
+        self.settings, self.steps, self.raise_at = settings, steps, raise_at
+        self.n, self.rows, self.cancelled, self.closed = 0, [], False, False
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or len(self.rows) == self.settings
+
+    def step(self):
+        self.n += 1
+        if self.n == self.raise_at:
+            raise RuntimeError("comparison exploded")
+        if self.n % self.steps:
+            return None
+        self.rows.append(Row(label=f"setting {len(self.rows)}", step=self.n))
+        return self.rows[-1]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_comparisons_are_tagged_replaced_and_cancelled_by_id(qtbot):
+    from app_helpers import make_info
+
+    made: list[ScriptedComparison] = []
+
+    def make_comparison(loaded, messages, sampling):
+        made.append(ScriptedComparison(steps=10**6 if messages == "forever" else 3,
+                                       raise_at=2 if messages == "raise" else 0))
+        return made[-1]
+
+    backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": make_info()})(),
+                            make_session=lambda loaded, cache: ScriptedSession(), make_comparison=make_comparison)
+    thread = EngineThread(backend)
+    events: list[tuple] = []
+    w = thread.worker
+    w.compared.connect(lambda cid, row: events.append(("row", cid, row["label"], row["step"])))
+    w.compare_finished.connect(lambda cid, reason: events.append(("end", cid, reason)))
+    w.failed.connect(lambda f: events.append(("failed", f.stage, f.message, f.generation_id)))
+    try:
+        with qtbot.waitSignal(w.loaded, timeout=10_000):
+            thread.load(ModelSpec(source="demo"))
+        with qtbot.waitSignal(w.compare_finished, timeout=10_000):
+            thread.compare(1, "chat", SAMPLING)
+        assert events == [("row", 1, "setting 0", 3), ("row", 1, "setting 1", 6), ("end", 1, "done")]
+        assert made[0].closed
+
+        events.clear()
+        thread.compare(2, "forever", SAMPLING)
+        thread.cancel_compare(99)  # not this comparison: nothing happens
+        with qtbot.waitSignal(w.compare_finished, timeout=10_000):
+            thread.compare(3, "chat", SAMPLING)  # replaces comparison 2
+        qtbot.waitUntil(lambda: ("end", 3, "done") in events, timeout=10_000)
+        assert events[0] == ("end", 2, "cancelled") and made[1].closed
+        assert [e for e in events if e[0] == "row"] == [("row", 3, "setting 0", 3), ("row", 3, "setting 1", 6)]
+
+        events.clear()
+        thread.compare(4, "forever", SAMPLING)
+        with qtbot.waitSignal(w.compare_finished, timeout=10_000):
+            thread.cancel_compare(4)
+        assert events == [("end", 4, "cancelled")] and made[3].cancelled
+
+        events.clear()
+        with qtbot.waitSignal(w.compare_finished, timeout=10_000):
+            thread.compare(5, "raise", SAMPLING)
+        assert events == [("failed", "compare", "RuntimeError: comparison exploded", 0),
+                          ("end", 5, "RuntimeError: comparison exploded")]
+    finally:
+        assert thread.shutdown(2000)
