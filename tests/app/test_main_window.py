@@ -354,6 +354,7 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
     """Tools ▸ Compare runs next to the chat: a message sent while it runs is answered at once (one step of
     each per worker turn), correctly, and the comparison's rows are still right."""
     from app.compare_dialog import COLUMNS
+    from engine.config import CacheConfig
     from engine.session import ChatSession
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=30, ignore_eos=True))
@@ -372,8 +373,17 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         # the reply did not wait for the comparison: 5 settings x 120 tokens are still running
         assert reason == "max_tokens" and dlg.running and len(dlg.rows) < 5
         assert w.last_stats["generated_tokens"] == 20 and w.last_stats["reused_tokens"] > 0
-        # the same reply as a session that never saw a comparison (greedy, two turns)
-        ref = ChatSession(stories, w._applied_cache)
+        # cache settings apply, and Stop stops, while it runs
+        w.apply_cache_config(CacheConfig(mode="contiguous"))
+        qtbot.waitUntil(lambda: w._applied_cache.mode == "contiguous", timeout=10_000)
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)  # context 512
+        w.send("And a bird?")
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 2, timeout=30_000)
+        w.stop()
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "cancelled" and w.last_stats["generated_tokens"] < 300 and dlg.running
+        # the second reply is the one a session that never saw a comparison gives (greedy, two turns)
+        ref = ChatSession(stories, CacheConfig())
         msgs = w.conversation.engine_messages()
         for turn, n in ((msgs[:1], 30), (msgs[:3], 20)):
             ref.start(turn, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True))
@@ -381,8 +391,7 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
             while not result.done:
                 result = ref.step()
         ref.close()
-        assert msgs[1]["content"] == w.history.messages(w.chat_id)[1].content
-        assert w.chat.bubbles[-1].text == result.text
+        assert msgs[3]["content"] == result.text
 
         qtbot.waitUntil(lambda: dlg.finished_reason == "done", timeout=120_000)
         assert dlg.table.rowCount() == 5 and dlg.table.columnCount() == len(COLUMNS)

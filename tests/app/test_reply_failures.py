@@ -111,6 +111,29 @@ def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_
         close_window(w)
 
 
+def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir, stories_path):
+    """The real engine refuses a reply longer than stories260K's 512-token context (overflow "stop"): the
+    typed failure ends that reply, with the engine's own reason; the next message is answered."""
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=600))
+    try:
+        failures: list = []
+        w.engine.worker.failed.connect(failures.append)
+        w.send("Once upon a time")
+        assert wait_reply(qtbot, w)[1] == "error"
+        (failure,) = failures
+        assert (failure.stage, failure.type, failure.recoverable) == ("start", "ContextOverflowError", True)
+        reply = w.chat.bubbles[-1]
+        assert reply.error_label.text() == f"Error: {failure.message}" and "context" in failure.message
+        assert reply.text == "" and "no text" in reply.body.text()
+        assert w.history.messages(w.chat_id)[1].stats["error"] == failure.message
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+        w.send("The dog ran")
+        assert wait_reply(qtbot, w)[1] == "max_tokens" and w.last_stats["generated_tokens"] == 10
+        assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant", "user", "assistant"]
+    finally:
+        close_window(w)
+
+
 def test_notes_show_under_the_reply_once_and_are_saved(qtbot, data_dir):
     """Notes from snapshots (pending, repeated every step) and the last step's warnings: each shown once,
     under the reply while it streams and after, in the status bar and trace, and saved with the reply.
