@@ -19,13 +19,15 @@ REPLY_STAGES = ("start", "swap", "step")  # failures at these stages end the rep
 class Failure:
     """One failure, as the GUI sees it.
 
-    generation_id  the reply it ended (0 for none: an apply while idle, a comparison; -1 for a load)
+    generation_id  the reply running when it happened (0: none, or a comparison; -1: a load); only a
+                   failure at a reply stage (``ends_reply``) ended that reply
     stage          "load" | "start" | "swap" | "step" | "apply" | "compare"
     message        one line a user can act on
     type           the exception's class name ("ContextOverflowError", "InternalError", "RuntimeError", ...)
     recoverable    the engine state the failure touched is intact: a typed engine error (the engine rolled
-                   back) or a bad value. False for an untyped exception escaping the engine, after which
-                   the worker discards the chat's session (its next message re-reads the chat).
+                   back) or a bad value. False for an untyped exception escaping the engine, or a closed
+                   session; the worker then discards the chat's session (its next message re-reads the
+                   chat into a fresh one).
     """
 
     generation_id: int
