@@ -35,8 +35,8 @@ PRECISION_SWITCHES = (  # KV auto → int8 → int4 → auto
     CacheConfig(mode="paged", page_size=16, k_dtype="int4", v_dtype="int4"),
     CacheConfig(mode="paged", page_size=16),
 )
-SWITCH_EVERY = 16  # tokens between two mid-reply switches
-SWITCH_REPLY = 200  # tokens in a reply that switches: the last switch lands well before its end even on a GPU
+SWITCH_EVERY = 16  # tokens between two mid-reply switches, and after the last one before Stop
+SWITCH_REPLY = 400  # at most: room for every switch to land mid-reply even at GPU speed (Stop ends it earlier)
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, step_ms: int = 10) -> bool:
@@ -115,17 +115,22 @@ class SelfTest:
         return dict(w.last_stats, finished=bool(done), reason=done[0] if done else "timeout")
 
     def reply_switching(self, text: str, configs: Sequence[CacheConfig]) -> tuple[dict, int]:
-        """A reply during which each of ``configs`` is applied, ``SWITCH_EVERY`` tokens apart. Returns the
-        reply's stats and how many switches landed while it streamed."""
-        landed = []
+        """A reply during which each of ``configs`` is applied, ``SWITCH_EVERY`` tokens apart, then stopped
+        ``SWITCH_EVERY`` tokens after the last (what follows would only repeat the last setting). Returns
+        the reply's stats and how many switches landed while it streamed."""
+        w, landed = self.window, []
+
+        def streamed(n: int) -> bool:
+            return wait_until(lambda: w.conversation.tokens_in_reply >= n or not w.generation_id, 120)
 
         def switch() -> None:
             for i, cfg in enumerate(configs):
-                at = (i + 1) * SWITCH_EVERY
-                wait_until(lambda: self.window.conversation.tokens_in_reply >= at or not self.window.generation_id, 120)
-                if not self.window.generation_id or not self.apply(cfg) or not self.window.generation_id:
+                streamed((i + 1) * SWITCH_EVERY)
+                if not w.generation_id or not self.apply(cfg) or not w.generation_id:
                     return
                 landed.append(cfg)
+            streamed(w.conversation.tokens_in_reply + SWITCH_EVERY)
+            w.stop()
 
         return self.reply(text, during=switch, at_token=1), len(landed)
 
