@@ -1,8 +1,9 @@
 """The chat pane: system prompt, transcript of Markdown bubbles, and the input with Send/Stop.
 
 Enter sends, Shift+Enter inserts a new line, Esc stops. The pane only shows and asks; the window decides
-what a request means for the engine and the history store. Streaming text is buffered by the bubble and
-drawn by ``render()``, which the window calls from its ≤30 Hz refresh timer.
+what a request means for the engine and the history store. The transcript holds only what is saved with
+the chat; anything else shows in the notice bar above it (``app.notice``). Streaming text is buffered by
+the bubble and drawn by ``render()``, which the window calls from its ≤30 Hz refresh timer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.message_view import MessageView
+from app.notice import NoticeBar
 
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
 
@@ -77,6 +79,7 @@ class ChatPane(QWidget):
         self._sys_timer.setInterval(400)
         self._sys_timer.timeout.connect(lambda: self.system_prompt_changed.emit(self.system_prompt.text()))
         self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
+        self.notice = NoticeBar()  # what is not part of the chat (a failed load, refused settings)
 
         self.transcript = QWidget()
         self.transcript.setObjectName("transcript")
@@ -139,6 +142,7 @@ class ChatPane(QWidget):
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addLayout(top)
         layout.addWidget(self.system_prompt)
+        layout.addWidget(self.notice)
         layout.addWidget(self.scroll, 1)
         layout.addLayout(bottom)
         self.set_ready(False, "Starting the engine…")
@@ -238,6 +242,11 @@ class ChatPane(QWidget):
         if self.streaming is not None:
             self.streaming.render()
 
+    def show_reply_notes(self, notes: list[str]) -> None:
+        """Notes of the reply in flight, under it while it streams (``finish_reply`` keeps them)."""
+        if self.streaming is not None:
+            self.streaming.set_notes(notes)
+
     def finish_reply(self, text: str | None, stats: dict[str, Any]) -> None:
         if self.streaming is None:
             return
@@ -247,23 +256,6 @@ class ChatPane(QWidget):
         self.streaming.set_stats(stats)
         self.streaming = None
         self._mark_last()
-
-    def drop_reply(self) -> None:
-        """Remove the streaming bubble (a reply that failed before producing any text)."""
-        bubble, self.streaming = self.streaming, None
-        if bubble is not None:
-            self.bubbles.remove(bubble)
-            bubble.setParent(None)
-            bubble.deleteLater()
-            self._mark_last()
-            self._update_empty()
-            self._update_buttons()
-
-    def show_error(self, message: str) -> None:
-        bubble = MessageView("error", message, position=10**9)
-        self.column.insertWidget(self.column.count() - 1, bubble)
-        self.bubbles.append(bubble)
-        self._update_empty()
 
     def user_text_at(self, position: int) -> str:
         return next((b.text for b in self.bubbles if b.position == position and b.role == "user"), "")

@@ -1,11 +1,13 @@
-"""Chat ▸ Compare cache settings: the chat's next reply generated once per cache setting, side by side.
+"""Tools ▸ Compare cache settings: the chat's next reply generated once per cache setting, side by side.
 
-Rows arrive from the worker one by one (``EngineWorker.compared``, plain dicts); the chat's own sessions
-and caches are not touched, so the conversation goes on exactly where it was.
+Rows arrive from the worker one by one (``EngineWorker.compared``, plain dicts, tagged with the
+comparison's id); the chat's own sessions and caches are not touched, and the worker runs the comparison
+one step at a time next to the chat's reply, so the dialog is not modal: the chat goes on meanwhile.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from PySide6.QtCore import Qt
@@ -23,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes
 
+_ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
 COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "same tokens as reference", "stopped")
 
 
@@ -38,13 +41,14 @@ def row_cells(row: dict[str, Any], reference_tokens: int) -> list[str]:
 
 
 class CompareDialog(QDialog):
-    """Shows rows as they arrive; Stop cancels the comparison (the rows so far stay)."""
+    """Shows rows as they arrive; Stop cancels the comparison (the rows so far stay). Not modal."""
 
     def __init__(self, engine, messages: list[dict], sampling, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Compare cache settings on this chat")
         self.resize(860, 330)
         self.engine = engine
+        self.comparison_id = next(_ids)
         self.rows: list[dict[str, Any]] = []
         self.finished_reason = ""
         intro = QLabel(
@@ -53,7 +57,8 @@ class CompareDialog(QDialog):
             f"sampling and up to {sampling.max_new_tokens} new tokens, each in a fresh session (so each pays its "
             "own prefill). The first row is the reference: lossless settings give identical tokens; lossy ones "
             "show where they diverge. Cache off runs last: it recomputes the whole chat for every token. Your chat "
-            "and its cache are not changed.")
+            "and its cache are not changed, and you can go on chatting meanwhile (the timings then share the "
+            "machine with your chat).")
         intro.setWordWrap(True)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
@@ -76,9 +81,15 @@ class CompareDialog(QDialog):
         layout.addWidget(buttons)
         engine.worker.compared.connect(self._on_row)
         engine.worker.compare_finished.connect(self._on_finished)
-        engine.compare(messages, sampling)
+        engine.compare(self.comparison_id, messages, sampling)
 
-    def _on_row(self, row: dict[str, Any]) -> None:
+    @property
+    def running(self) -> bool:
+        return not self.finished_reason
+
+    def _on_row(self, comparison_id: int, row: dict[str, Any]) -> None:
+        if comparison_id != self.comparison_id:
+            return
         self.rows.append(row)
         reference = self.rows[0].get("generated_tokens", 0)
         r = self.table.rowCount()
@@ -90,7 +101,9 @@ class CompareDialog(QDialog):
             self.table.setItem(r, c, item)
         self.status.setText(f"Running… {len(self.rows)} done")
 
-    def _on_finished(self, reason: str) -> None:
+    def _on_finished(self, comparison_id: int, reason: str) -> None:
+        if comparison_id != self.comparison_id:
+            return
         self.finished_reason = reason
         self.stop_button.setEnabled(False)
         if reason == "done":
@@ -102,7 +115,7 @@ class CompareDialog(QDialog):
         self._disconnect()
 
     def stop(self) -> None:
-        self.engine.cancel_compare()
+        self.engine.cancel_compare(self.comparison_id)
 
     def _disconnect(self) -> None:
         for signal, slot in ((self.engine.worker.compared, self._on_row),
@@ -114,6 +127,7 @@ class CompareDialog(QDialog):
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt name
         if not self.finished_reason:
-            self.engine.cancel_compare()  # rows that would still come have nowhere to go
+            self.engine.cancel_compare(self.comparison_id)  # rows that would still come have nowhere to go
+            self.finished_reason = "cancelled"
             self._disconnect()
         super().closeEvent(event)

@@ -16,6 +16,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
+from app.failure import Failure
 from app.history import HistoryStore
 from app.settings import Settings
 from app.worker import EngineThread
@@ -33,11 +34,17 @@ class Conversation(QObject):
     """Chats and replies. ``generation_id`` is the reply in flight (0 when idle).
 
     Signals: ``reply_started(generation_id, cache_mode)``, ``token(TokenEvent)`` (current reply only),
-    ``reply_finished(generation_id, stop_reason)``, ``error(message)``.
+    ``noted(list[str])`` (new notes of the current reply), ``reply_finished(generation_id, stop_reason)``,
+    ``error(message)`` (a request that could not be made; nothing was saved).
+
+    A reply an engine error ended keeps its bubble and its row in the history: its stats hold
+    ``stop_reason "error"`` and ``error`` (the reason), so the chat says why after a restart too; the
+    reply's notes are saved in its stats as ``notes``.
     """
 
     reply_started = Signal(int, str)
     token = Signal(object)
+    noted = Signal(object)
     reply_finished = Signal(int, str)
     error = Signal(str)
 
@@ -58,6 +65,8 @@ class Conversation(QObject):
         self._next_generation = 0
         self.tokens_in_reply = 0
         self.modes: list[str] = []  # cache modes the current reply ran under, in order
+        self.notes: list[str] = []  # what the engine told the user during the current reply
+        self._failure: Failure | None = None  # what ended the current reply, if an error did
         self.last_stats: dict[str, Any] = {}
         self._reply_message_id: int | None = None
         self._pending = ""
@@ -75,6 +84,8 @@ class Conversation(QObject):
         chat_list.delete_requested.connect(self.delete_chat)
         w = engine.worker
         w.token.connect(self._on_token)
+        w.noted.connect(self._on_noted)
+        w.failed.connect(self._on_failed)
         w.finished.connect(self._on_finished)
 
     # -- chats ----------------------------------------------------------------------------------------------
@@ -167,6 +178,7 @@ class Conversation(QObject):
         """Add a user message and ask for a reply."""
         if not self.ready or self.generation_id:
             return
+        self.pane.notice.clear()  # the user moved on from whatever it said
         if self.chat_id is None:
             self.chat_id = self.history.create_chat().id
         msg = self.history.add_message(self.chat_id, "user", text)
@@ -226,6 +238,8 @@ class Conversation(QObject):
         self.generation_id = self._next_generation
         self.tokens_in_reply = 0
         self.modes = [self._cache_mode()]
+        self.notes = []
+        self._failure = None
         self.pane.begin_reply(reply.position)
         self.pane.set_generating(True)
         self.reply_started.emit(self.generation_id, self.modes[0])
@@ -246,6 +260,18 @@ class Conversation(QObject):
             self.history.append_text(self._reply_message_id, self._pending)
             self._pending = ""
 
+    def _on_noted(self, generation_id: int, notes: list) -> None:
+        if self.closed or not self.generation_id or generation_id != self.generation_id:
+            return
+        self.notes.extend(notes)
+        self.pane.show_reply_notes(self.notes)
+        self.noted.emit(list(notes))
+
+    def _on_failed(self, failure: Failure) -> None:
+        """Keep the failure that ends the current reply; ``_on_finished`` (always next) shows and saves it."""
+        if not self.closed and failure.ends_reply and failure.generation_id == self.generation_id:
+            self._failure = failure
+
     def _on_finished(self, generation_id: int, reason: str, stats: Any, text: str) -> None:
         if self.closed or not generation_id or generation_id != self.generation_id:
             return
@@ -253,19 +279,17 @@ class Conversation(QObject):
         info = asdict(stats) if stats is not None else {}
         info.update(mode=" → ".join(self.modes), stop_reason=reason)
         info.setdefault("generated_tokens", self.tokens_in_reply)
+        if reason == "error" and self._failure is not None:
+            info["error"] = self._failure.message
+        if self.notes:
+            info["notes"] = list(self.notes)
         self.last_stats = info
         streamed = self.pane.streaming.text if self.pane.streaming is not None else ""
-        if reason == "error" and not (text or streamed):
-            # nothing was generated: keep no empty reply (the error bubble says what happened)
-            if self._reply_message_id is not None:
-                self.history.delete_message(self._reply_message_id)
-            self.pane.drop_reply()
-        else:
-            if self._reply_message_id is not None:
-                if text and text != streamed:
-                    self.history.set_content(self._reply_message_id, text)
-                self.history.set_stats(self._reply_message_id, info)
-            self.pane.finish_reply(text or None, info)
+        if self._reply_message_id is not None:
+            if text and text != streamed:
+                self.history.set_content(self._reply_message_id, text)
+            self.history.set_stats(self._reply_message_id, info)
+        self.pane.finish_reply(text or None, info)
         self._end_reply()
         self.reply_finished.emit(generation_id, reason)
 

@@ -9,14 +9,12 @@ dropped, so a stopped or replaced reply never writes into the pane.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
-    QFileDialog,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -29,14 +27,17 @@ from app.chat_list import ChatList
 from app.chat_pane import ChatPane
 from app.controls import CacheControls
 from app.conversation import Conversation
+from app.exports import ExportActions
+from app.failure import Failure
 from app.gc_guard import MainThreadGC
 from app.history import HistoryStore
+from app.model_actions import ModelActions
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.sampling_form import SamplingForm
 from app.settings import Settings
 from app.trace import CacheTrace
 from app.worker import EngineBackend, EngineThread
-from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.config import CacheConfig, SamplingConfig
 from engine.snapshot import CacheSnapshot, ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz
@@ -52,7 +53,7 @@ CONTEXT_OVERFLOW_TEXT = {
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
 
 
-class MainWindow(QMainWindow):
+class MainWindow(ModelActions, ExportActions, QMainWindow):
     """KV Scope's window. ``start()`` (after ``show()``) begins loading the model on the worker."""
 
     model_loaded = Signal(object)  # ModelInfo
@@ -82,6 +83,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self.trace = CacheTrace()
         self.sampling_override: SamplingConfig | None = None  # self-test and benchmarks: fixed sampling
+        self._compare_dialog: Any = None  # Tools ▸ Compare: the last dialog opened
 
         self.chat = ChatPane()
         self.setCentralWidget(self.chat)
@@ -117,6 +119,7 @@ class MainWindow(QMainWindow):
         c.token.connect(self.timing.add_token)
         c.reply_finished.connect(self._on_reply_finished)
         c.error.connect(self.show_error)
+        c.noted.connect(self._on_reply_notes)
         self.controls.changed.connect(self.apply_cache_config)
         self.sampling.changed.connect(self._save_sampling)
 
@@ -304,88 +307,6 @@ class MainWindow(QMainWindow):
         self.settings.set("window/state", bytes(self.saveState().data()))
         self.settings.sync()
 
-    # -- model ----------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Begin loading the model (call after the window is shown: torch loads on the worker)."""
-        self.load_model(ModelSpec(source=self.model_source, quantization=self.settings.get("model/quantization"),
-                                  device=self.settings.get("model/device")) if self.model_source != "demo"
-                        else ModelSpec(source="demo", device=self.settings.get("model/device")))
-
-    def load_model(self, spec: ModelSpec) -> None:
-        if self.generation_id:
-            self.stop()
-        self._loading = True
-        self._loading_spec = spec
-        self.chat.set_ready(False, f"Loading {spec.source}…")
-        self.load_progress.setRange(0, 0)
-        self._show_loading(True)
-        self.status_model.setText(f"loading {Path(spec.source).name or spec.source}…")
-        self.engine.load(spec, self._applied_cache)
-
-    def cancel_load(self) -> None:
-        """Stop the model load in progress; the chat goes on with the model loaded before (or the demo)."""
-        if self._loading:
-            self.statusBar().showMessage("cancelling the load…")
-            self.engine.cancel_load()
-
-    def _show_loading(self, on: bool) -> None:
-        self.load_progress.setVisible(on)
-        self.load_cancel.setVisible(on)
-
-    def _on_progress(self, message: str, fraction: float) -> None:
-        self.statusBar().showMessage(message)
-        if fraction >= 0:
-            self.load_progress.setRange(0, 100)
-            self.load_progress.setValue(int(fraction * 100))
-
-    def _on_environment(self, env: dict) -> None:
-        self.environment = dict(env or {})
-
-    def _on_loaded(self, info: ModelInfo) -> None:
-        self._loading = False
-        self.info = info
-        self._show_loading(False)
-        self.statusBar().showMessage(f"{info.name} ready", 4000)
-        self.status_model.setText(f"<b>{info.name}</b>")
-        self.status_model.setToolTip(info.source)
-        self.status_device.setText(f"{info.device} · {info.device_reason}")
-        self.model_card.show_model(info)
-        self.memory.clear()
-        self.timing.clear()
-        if not info.is_demo:
-            self.settings.set("model/last", info.source)
-            self.settings.add_recent_model(info.source)
-        hint = ("This is the built-in demo model: random weights, so the text is gibberish, but every cache "
-                "mode, page and timing is real. Open a real model from File ▸ Models…"
-                if info.is_demo else f"{info.name} is ready. Say something.")
-        self.conversation.ready = True
-        self.chat.set_ready(True, hint)
-        self.setWindowTitle(f"KV Scope — {info.name}")
-        self.model_loaded.emit(info)
-
-    def _open_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
-        if folder:
-            self.load_model(ModelSpec(source=folder, quantization=self.settings.get("model/quantization"),
-                                      device=self.settings.get("model/device")))
-
-    def _fill_recent_menu(self) -> None:
-        self.recent_menu.clear()
-        self.recent_menu.addAction("demo (built-in, random weights)", lambda: self.load_model(ModelSpec(source="demo")))
-        for source in self.settings.get("model/recent"):
-            self.recent_menu.addAction(source, lambda s=source: self.load_model(
-                ModelSpec(source=s, quantization=self.settings.get("model/quantization"),
-                          device=self.settings.get("model/device"))))
-
-    def open_models_dialog(self) -> None:
-        from app.models_dialog import ModelsDialog
-
-        dlg = ModelsDialog(self.settings, environment=self.environment, current=self.info, parent=self)
-        if dlg.exec() and dlg.spec is not None:
-            self.settings.set("model/quantization", dlg.spec.quantization)
-            self.settings.set("model/device", dlg.spec.device)
-            self.load_model(dlg.spec)
-
     # -- the conversation (see app.conversation) -------------------------------------------------------
     @property
     def generation_id(self) -> int:
@@ -431,35 +352,33 @@ class MainWindow(QMainWindow):
         self._snapshot_dirty = True
         self.trace.add(snap)
 
-    def _on_failed(self, generation_id: int, message: str) -> None:
-        if generation_id == -1:  # load failure
-            self._loading = False
-            self._show_loading(False)
-            if self.info is None and getattr(self, "_loading_spec", None) is not None \
-                    and self._loading_spec.source != "demo":
-                self.show_error(f"{message}\nOpening the built-in demo model instead.")
-                self.load_model(ModelSpec(source="demo"))
-                return
-            self.show_error(message)
-            if self.info is not None:
-                self.chat.set_ready(True)
-                self.status_model.setText(f"<b>{self.info.name}</b>")
-            else:
-                self.chat.set_ready(False, "No model could be loaded. Open one from File ▸ Models…")
-            return
-        if generation_id and generation_id != self.generation_id:
-            return
-        if not generation_id and not self.generation_id:  # a config that could not be applied while idle
-            self.controls.set_config(self._applied_cache)
-        elif "Cache settings" in message:
-            self.controls.set_config(self._applied_cache)
-        self.show_error(message)
+    def _on_failed(self, failure: Failure) -> None:
+        """Route a worker failure by its stage: a reply's failure shows in that reply (the conversation saves
+        it with the chat); the others leave the chat alone and show in the message area above it."""
+        if failure.stage == "load":
+            self._on_load_failed(failure)
+        elif failure.ends_reply:
+            if failure.generation_id == self.generation_id:  # a stale reply's failure is not news
+                self.show_error(failure.message, notice=False)
+        elif failure.stage == "compare":
+            self.show_error(failure.message, notice=False)  # the comparison's dialog says it
+        else:
+            if failure.stage == "apply":
+                self.controls.set_config(self._applied_cache)  # the controls show what is really applied
+            self.show_error(failure.message)
 
-    def show_error(self, message: str) -> None:
-        """Every failure ends here: a red bubble in the transcript and the status bar."""
-        self.chat.show_error(message)
+    def show_error(self, message: str, notice: bool = True) -> None:
+        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript.
+        Nothing here is saved; a reply's own failure is shown and saved with the reply."""
+        if notice:
+            self.chat.notice.show_message(message)
         self.statusBar().showMessage(message.splitlines()[0], 8000)
         self.error_shown.emit(message)
+
+    def _on_reply_notes(self, notes: list) -> None:
+        """Notes of the reply in flight (also shown under it): like applied notes, in the status bar and trace."""
+        self.trace.notes.extend(notes)
+        self.statusBar().showMessage("; ".join(notes), 6000)
 
     # -- cache policy ---------------------------------------------------------------------------------------
     def apply_cache_config(self, cfg: CacheConfig) -> None:
@@ -552,76 +471,21 @@ class MainWindow(QMainWindow):
             f"When it is full: {CONTEXT_OVERFLOW_TEXT.get(overflow, overflow)} "
             "(Cache policy ▸ when full). Every dropped token shows in the page map and the occupancy panel.")
 
-    # -- export ---------------------------------------------------------------------------------------------
-    def _export_trace(self, kind: str) -> None:
-        if not len(self.trace):
-            self.show_error("No cache trace yet: send a message first.")
-            return
-        path, _ = QFileDialog.getSaveFileName(self, "Export cache trace", f"kvscope-trace.{kind}",
-                                              "JSON (*.json)" if kind == "json" else "CSV (*.csv)")
-        if path:
-            try:
-                self.trace.write_json(path) if kind == "json" else self.trace.write_csv(path)
-                self.statusBar().showMessage(f"wrote {path}", 4000)
-            except OSError as exc:
-                self.show_error(f"Could not write {path}: {exc}")
-
-    def export_panels(self, folder: str | Path) -> list[Path]:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        out = []
-        for panel in self.panels:
-            path = folder / f"{panel.objectName().lower().replace('panel', '')}.png"
-            if panel.export_png(str(path)):
-                out.append(path)
-        return out
-
-    def _export_pngs(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Export panels as PNG into…")
-        if folder:
-            try:
-                paths = self.export_panels(folder)
-                self.statusBar().showMessage(f"wrote {len(paths)} PNG files to {folder}", 4000)
-            except OSError as exc:
-                self.show_error(f"Could not write PNGs: {exc}")
-
-    def export_chat_markdown(self, path: str | Path) -> Path:
-        """Write the open chat as Markdown (messages, and each reply's stats and cache line)."""
-        from app.chat_export import chat_markdown
-
-        self.conversation.flush()  # what streamed so far is in history
-        chat = self.history.chat(self.chat_id) if self.chat_id is not None else None
-        if chat is None:
-            raise ValueError("no chat is open")
-        path = Path(path)
-        model = self.info.name if self.info is not None else ""
-        path.write_text(chat_markdown(chat, self.history.messages(chat.id), model), encoding="utf-8")
-        return path
-
-    def _export_chat(self) -> None:
-        if self.chat_id is None or not self.history.messages(self.chat_id):
-            self.show_error("Nothing to export yet: this chat has no messages.")
-            return
-        title = (self.history.chat(self.chat_id).title or "chat").strip()
-        safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in title)[:60].strip() or "chat"
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat as Markdown", f"{safe}.md", "Markdown (*.md)")
-        if path:
-            try:
-                self.export_chat_markdown(path)
-                self.statusBar().showMessage(f"wrote {path}", 4000)
-            except OSError as exc:
-                self.show_error(f"Could not write {path}: {exc}")
-
+    # -- tools ----------------------------------------------------------------------------------------------
     def open_compare(self) -> Any:
-        """Generate this chat's next reply once per cache setting and show them side by side (a dialog).
-        Returns the dialog, or None with a message when there is nothing to compare yet."""
+        """Generate this chat's next reply once per cache setting and show them side by side in a non-modal
+        dialog; the comparison runs on the worker step by step next to the chat, so the chat goes on
+        meanwhile. Returns the dialog (the running one, raised, if there is one), or None with a message
+        when there is nothing to compare yet."""
         from app.compare_dialog import CompareDialog
 
+        running = self._compare_dialog
+        if running is not None and running.running:
+            running.raise_()
+            running.activateWindow()
+            return running
         if self.info is None or self._loading:
             self.show_error("Load a model first.")
-            return None
-        if self.generation_id:
-            self.show_error("Wait for the reply to finish (or stop it) before comparing cache settings.")
             return None
         messages = self.conversation.engine_messages()
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
@@ -633,11 +497,9 @@ class MainWindow(QMainWindow):
         except ValueError as exc:
             self.show_error(str(exc))
             return None
-        dialog = CompareDialog(self.engine, messages[:last_user + 1], sampling, self)
-        # Window-modal: a message sent meanwhile would wait behind the comparison on the worker thread.
-        dialog.setWindowModality(Qt.WindowModality.WindowModal)
-        dialog.show()
-        return dialog
+        self._compare_dialog = CompareDialog(self.engine, messages[:last_user + 1], sampling, self)
+        self._compare_dialog.show()
+        return self._compare_dialog
 
     def _about(self) -> None:
         QMessageBox.about(self, "About KV Scope",

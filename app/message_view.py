@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
@@ -34,9 +33,22 @@ def stats_line(stats: dict[str, Any]) -> str:
     parts.append(f"{stats.get('generated_tokens', 0)} tokens")
     if stats.get("mode"):
         parts.append(f"cache {stats['mode']}")
-    if stats.get("stop_reason") and stats["stop_reason"] not in ("eos", "done"):
-        parts.append(f"stopped: {stats['stop_reason'].replace('_', ' ')}")
+    reason = stats.get("stop_reason")
+    if reason == "error":
+        parts.append("stopped by an error")
+    elif reason and reason not in ("eos", "done"):
+        parts.append(f"stopped: {reason.replace('_', ' ')}")
     return " · ".join(parts)
+
+
+def error_line(stats: dict[str, Any]) -> str:
+    """'Error: <why the reply stopped>' for a reply an error ended (saved with it), else ''."""
+    return f"Error: {stats['error']}" if stats and stats.get("error") else ""
+
+
+def note_lines(stats: dict[str, Any]) -> list[str]:
+    """What the engine told the user during the reply ("the oldest 120 tokens were dropped ...")."""
+    return [str(n) for n in (stats or {}).get("notes", ())]
 
 
 def cache_line(stats: dict[str, Any]) -> str:
@@ -66,7 +78,7 @@ class MessageView(QFrame):
         self.setObjectName(f"bubble_{role}")
         self.setFrameShape(QFrame.Shape.NoFrame)
 
-        self.role_label = QLabel({"user": "You", "assistant": "Model", "error": "Error"}.get(role, role.title()))
+        self.role_label = QLabel({"user": "You", "assistant": "Model"}.get(role, role.title()))
         self.role_label.setObjectName("roleLabel")
         self.body = QLabel()
         self.body.setObjectName("messageBody")
@@ -81,11 +93,15 @@ class MessageView(QFrame):
         self.stats_label.setObjectName("statsLine")
         self.cache_label = QLabel("")
         self.cache_label.setObjectName("cacheLine")
-        for label in (self.stats_label, self.cache_label):
+        self.error_label = QLabel("")  # why an error stopped the reply
+        self.error_label.setObjectName("errorLine")
+        self.notes_label = QLabel("")  # notes the engine sent during the reply
+        self.notes_label.setObjectName("noteLine")
+        for label in (self.stats_label, self.cache_label, self.error_label, self.notes_label):
             label.setWordWrap(True)
+            label.setTextFormat(Qt.TextFormat.PlainText)
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.stats_label.setVisible(False)
-        self.cache_label.setVisible(False)
+            label.setVisible(False)
 
         self.copy_button = QPushButton("Copy")
         self.pin_button = QPushButton("Pin")
@@ -125,6 +141,8 @@ class MessageView(QFrame):
         layout.addLayout(head)
         layout.addWidget(self.body)
         layout.addWidget(self.editor)
+        layout.addWidget(self.error_label)
+        layout.addWidget(self.notes_label)
         layout.addWidget(self.stats_label)
         layout.addWidget(self.cache_label)
         self.render()
@@ -145,22 +163,28 @@ class MessageView(QFrame):
         if not self._dirty:
             return False
         self._dirty = False
-        if self.role == "error":
-            lines = html.escape(self.text).replace("\n", "<br>")  # plain text: escaped, line breaks kept
-            self.body.setText(f"<span style='color:#ff8080'>{lines}</span>")
-        elif self.role == "user":
+        if self.role == "user":
             self.body.setText(to_html(self.text) if self.text else "")
-        else:
-            self.body.setText(to_html(self.text) if self.text else "<span style='color:#6d7480'>…</span>")
+        else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
+            empty = "no text" if self.stats else "…"
+            self.body.setText(to_html(self.text) if self.text else f"<span style='color:#6d7480'>{empty}</span>")
         return True
 
     def set_stats(self, stats: dict[str, Any]) -> None:
+        """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
         self.stats = dict(stats or {})
-        s, c = stats_line(self.stats), cache_line(self.stats)
-        self.stats_label.setText(s)
-        self.cache_label.setText(c)
-        self.stats_label.setVisible(bool(s))
-        self.cache_label.setVisible(bool(c))
+        for label, text in ((self.stats_label, stats_line(self.stats)), (self.cache_label, cache_line(self.stats)),
+                            (self.error_label, error_line(self.stats))):
+            label.setText(text)
+            label.setVisible(bool(text))
+        self.set_notes(note_lines(self.stats))
+        self._dirty = True
+        self.render()
+
+    def set_notes(self, notes: list[str]) -> None:
+        """Show the reply's notes, one per line (also while it streams)."""
+        self.notes_label.setText("\n".join(f"• {n}" for n in notes))
+        self.notes_label.setVisible(bool(notes))
 
     def set_last_reply(self, is_last: bool) -> None:
         self.regen_button.setVisible(is_last and self.role == "assistant")

@@ -23,10 +23,13 @@ QLabel#emptyHint {{ color: {MUTED}; font-size: 14px; padding: 40px; }}
 QLabel#roleLabel {{ color: {MUTED}; font-weight: 600; }}
 QLabel#statsLine {{ color: {MUTED}; font-size: 11px; }}
 QLabel#cacheLine {{ color: #43c59e; font-size: 11px; }}
+QLabel#errorLine {{ color: #ff8080; }}
+QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
+QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 6px; }}
+QLabel#noticeText {{ color: #ffb0b0; }}
 QWidget#transcript {{ background: {BASE}; }}
 QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
 QFrame#bubble_assistant {{ background: {PANEL}; border-radius: 10px; }}
-QFrame#bubble_error {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 10px; }}
 QPushButton#flatButton {{ background: transparent; border: none; color: {MUTED}; padding: 0 4px; }}
 QPushButton#flatButton:hover {{ color: {TEXT}; }}
 QPushButton#primaryButton {{ background: {ACCENT}; color: white; border-radius: 4px; padding: 5px 14px; }}

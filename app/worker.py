@@ -1,106 +1,45 @@
 """The engine's thread: ``EngineWorker`` (a QObject living on a QThread) and ``EngineThread`` (its owner).
 
-The worker owns the loaded model and the ``ChatSession``; the GUI thread never runs torch. Generation runs
-as steps: one ``session.step()`` per turn of the worker's event loop, so queued commands (cancel, a new
-cache config, a new message) are handled between steps and never land in the middle of a forward pass.
+The worker owns the loaded model, the chats' sessions and at most one cache-settings comparison; the GUI
+thread never runs torch. Work runs as steps from one zero-delay timer: each turn of the worker's event
+loop runs one ``session.step()`` of the reply (if one runs) and one step of the comparison (if one runs),
+so queued commands (stop, a new cache config, a new message) are handled between steps and never land in
+the middle of a forward pass, and a comparison never makes a message wait.
 
-Signals (every reply event carries its ``generation_id``; load failures use ``generation_id == -1``)::
+Signals (every reply event carries its ``generation_id``)::
 
     progress(str, float)            load progress, fraction in [0, 1] or -1 when unknown
     loaded(ModelInfo)
     environment(dict)               device facts found after torch is imported
     started(int)                    a reply began
-    token(TokenEvent)
+    token(TokenEvent)               a step that produced a token (a prefill chunk produces none)
     snapshot(CacheSnapshot)
+    noted(int, list[str])           generation_id, notes the user must see (each once per reply)
     finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
-    failed(int, str)                generation_id, one-line message
+    failed(Failure)                 what raised, at which stage (see ``app.failure``)
     applied(object, object)         CacheConfig, list of notes
+    compared(int, dict)             comparison id, one row
+    compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
 
-For one reply the order is strict: ``started``, then ``token``/``snapshot`` events, then (``failed`` if
-something raised) ``finished`` — ``finished`` always fires, so the GUI can always leave "generating".
+For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
+(``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
+"generating". Every exception becomes ``failed``.
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
+from app.backend import EngineBackend, default_backend
+from app.failure import Failure, log
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, LoadCancelled
 
-
-def _log(exc: BaseException) -> None:
-    """Print the traceback of unexpected failures (user errors are just messages)."""
-    if not isinstance(exc, (EngineError, ValueError)):
-        traceback.print_exception(exc)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line a user can act on."""
-    if isinstance(exc, (EngineError, ValueError)):
-        return str(exc) or exc.__class__.__name__
-    if isinstance(exc, MemoryError):
-        return "out of memory"
-    name = exc.__class__.__name__
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if "out of memory" in text.lower():
-        return f"out of memory: {text}"
-    return f"{name}: {text}" if text else name
-
-
-@dataclass
-class EngineBackend:
-    """How the worker reaches the engine. Injected in tests; the default imports torch lazily."""
-
-    load: Callable[[ModelSpec, Callable[..., None], threading.Event], Any]  # (spec, progress, cancel)
-    make_session: Callable[[Any, CacheConfig], Any]
-    probe: Callable[[], dict] = lambda: {}
-    # One session per chat (``engine.session_pool.SessionPool``); None: one session for every chat.
-    make_pool: Callable[[Any, CacheConfig], Any] | None = None
-    # (loaded, messages, sampling, on_row(dict), cancel) -> None: the chat's next reply under each cache
-    # setting (``engine.compare``); None: comparing is not offered.
-    compare: Callable[..., None] | None = None
-
-
-def default_backend() -> EngineBackend:
-    """The real engine. Imports torch/transformers on the calling (worker) thread."""
-
-    def load(spec: ModelSpec, progress: Callable[..., None], cancel: threading.Event) -> Any:
-        from engine.loader import load_model
-
-        return load_model(spec, progress=progress, cancel=cancel)
-
-    def make_session(loaded: Any, cache: CacheConfig) -> Any:
-        from engine.session import ChatSession
-
-        return ChatSession(loaded, cache)
-
-    def make_pool(loaded: Any, cache: CacheConfig) -> Any:
-        from engine.session_pool import SessionPool
-
-        return SessionPool(loaded, cache)
-
-    def compare(loaded: Any, messages: list[dict], sampling: SamplingConfig, on_row: Callable[[dict], None],
-                cancel: threading.Event) -> None:
-        from engine.compare import compare_settings
-
-        compare_settings(loaded, messages, sampling, on_row=lambda row: on_row(row.as_dict()), cancel=cancel)
-
-    def probe() -> dict:
-        import torch
-
-        info: dict[str, Any] = {"cuda": bool(torch.cuda.is_available()), "device_total_bytes": 0}
-        if info["cuda"]:
-            free, total = torch.cuda.mem_get_info()
-            info.update(device_total_bytes=int(total), device_free_bytes=int(free),
-                        device_name=torch.cuda.get_device_name(0))
-        return info
-
-    return EngineBackend(load=load, make_session=make_session, probe=probe, make_pool=make_pool, compare=compare)
+__all__ = ["EngineBackend", "EngineThread", "EngineWorker", "default_backend"]
 
 
 class EngineWorker(QObject):
@@ -112,25 +51,29 @@ class EngineWorker(QObject):
     started = Signal(int)
     token = Signal(object)
     snapshot = Signal(object)
+    noted = Signal(int, object)
     finished = Signal(int, str, object, str)
-    failed = Signal(int, str)
+    failed = Signal(object)
     applied = Signal(object, object)
-    compared = Signal(object)  # one row (a dict) of a cache-settings comparison
-    compare_finished = Signal(str)  # "done", "cancelled", or why it failed
+    compared = Signal(int, object)
+    compare_finished = Signal(int, str)
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
         self._backend = backend or default_backend()
         self.load_cancel = threading.Event()  # set from the GUI thread: the running load stops at its next tensor
-        self.compare_cancel = threading.Event()  # likewise for a running comparison (at its next step)
         self._loaded: Any = None
-        self._session: Any = None  # the active chat's session
+        self._session: Any = None  # the active chat's session; None until needed (made on the next submit)
         self._pool: Any = None  # sessions by chat (when the backend has a pool)
         self._cache = CacheConfig()
         self._gen_id = 0  # the reply being generated, 0 when idle
+        self._chat: Any = None  # the chat of that reply
         self._text = ""
+        self._noted: set[str] = set()  # notes already sent for this reply
+        self._comparison: Any = None
+        self._comparison_id = 0
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
-        self._timer = QTimer(self)  # moves with the worker; pumps one step per event-loop turn
+        self._timer = QTimer(self)  # moves with the worker; pumps one step of each job per event-loop turn
         self._timer.setSingleShot(True)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._pump)
@@ -143,14 +86,8 @@ class EngineWorker(QObject):
             self._cache = cache
         try:
             self.progress.emit("starting the engine (torch, transformers)", -1.0)
-
-            def report(*args: Any, **kwargs: Any) -> None:
-                msg = next((a for a in args if isinstance(a, str)), kwargs.get("message", "loading"))
-                frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
-                self.progress.emit(str(msg), frac)
-
             self.load_cancel.clear()  # a cancel meant for an earlier load does not stop this one
-            loaded = self._backend.load(spec, report, self.load_cancel)
+            loaded = self._backend.load(spec, self._report_progress, self.load_cancel)
             try:
                 self.environment.emit(self._backend.probe())
             except Exception:  # noqa: BLE001 - facts are optional
@@ -161,42 +98,53 @@ class EngineWorker(QObject):
                 session, _ = pool.activate(0)  # chat 0: the session shown before any chat is active
             else:
                 pool, session = None, self._backend.make_session(loaded, self._cache)
+            self._close_comparison("cancelled")  # it ran on the model being replaced
             self._loaded, self._pool, self._session = loaded, pool, session
             if old is not None and hasattr(old, "close"):
                 old.close()  # the previous model's pages go back; its tensors go with the last reference
             self.loaded.emit(getattr(loaded, "info", None))
             self._emit_idle_snapshot()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
-            _log(exc)
+            log(exc)
             if isinstance(exc, LoadCancelled):
-                self.failed.emit(-1, f"Loading {spec.source} was cancelled.")
+                self.failed.emit(Failure(-1, "load", f"Loading {spec.source} was cancelled.", "LoadCancelled"))
             else:
-                self.failed.emit(-1, f"Could not load {spec.source}: {_describe(exc)}")
+                self.failed.emit(Failure.from_exception(-1, "load", exc, f"Could not load {spec.source}"))
+        finally:
+            self._kick()  # a comparison the load interrupted goes on
+
+    def _report_progress(self, *args: Any, **kwargs: Any) -> None:
+        msg = next((a for a in args if isinstance(a, str)), kwargs.get("message", "loading"))
+        frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
+        self.progress.emit(str(msg), frac)
 
     @Slot(int, object, object, object)
     def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
         """Start a reply in ``chat``'s session (each chat keeps its own cache; idle ones go to host memory)."""
         self._abort_running()
         self._cancel_flag.clear()
+        self._noted = set()
+        self._chat = chat
         self.started.emit(generation_id)
-        if self._session is None:
-            self.failed.emit(generation_id, "No model is loaded yet.")
-            self.finished.emit(generation_id, "error", None, "")
+        if self._loaded is None:
+            self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
             return
+        stage = "swap"
         try:
-            if self._pool is not None and chat is not None:
-                self._session, notes = self._pool.activate(chat)
+            if self._pool is not None and (chat is not None or self._session is None):
+                self._session, notes = self._pool.activate(chat if chat is not None else 0)
                 if notes:
                     self.applied.emit(self._cache, list(notes))
+            elif self._session is None:
+                self._session = self._backend.make_session(self._loaded, self._cache)
+            stage = "start"
             self._session.start(messages, sampling, generation_id)
         except BaseException as exc:  # noqa: BLE001
-            _log(exc)
-            self.failed.emit(generation_id, _describe(exc))
-            self.finished.emit(generation_id, "error", None, "")
+            self._fail_reply(generation_id, stage, exc)
             return
         self._gen_id = generation_id
         self._text = ""
-        self._timer.start()
+        self._kick()
 
     @Slot(int)
     def cancel(self, generation_id: int = 0) -> None:
@@ -211,15 +159,15 @@ class EngineWorker(QObject):
     @Slot(object)
     def apply_cache_config(self, cache: CacheConfig) -> None:
         self._cache = cache
-        if self._session is None:
+        target = self._pool if self._pool is not None else self._session
+        if target is None:
             self.applied.emit(cache, [])
             return
         try:
-            target = self._pool if self._pool is not None else self._session
             notes = list(target.apply(cache) or [])
         except BaseException as exc:  # noqa: BLE001
-            _log(exc)
-            self.failed.emit(self._gen_id or 0, f"Cache settings not applied: {_describe(exc)}")
+            log(exc)
+            self.failed.emit(Failure.from_exception(self._gen_id or 0, "apply", exc, "Cache settings not applied"))
             return
         self.applied.emit(cache, notes)
         if not self._gen_id:
@@ -231,22 +179,32 @@ class EngineWorker(QObject):
         if self._pool is not None and chat in self._pool:
             if self._session is self._pool.get(chat):
                 self._abort_running()
+                self._session = None  # the next reply activates its own chat's session
             self._pool.drop(chat)
 
-    @Slot(object, object)
-    def compare(self, messages: list[dict], sampling: SamplingConfig) -> None:
+    @Slot(int, object, object)
+    def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
         """Generate the chat's next reply once per cache setting, in fresh sessions (the chats' own sessions
-        and caches are untouched); rows arrive one by one through ``compared``."""
-        self.compare_cancel.clear()
-        if self._loaded is None or self._backend.compare is None:
-            self.compare_finished.emit("no model is loaded" if self._loaded is None else "comparing is not available")
+        and caches are untouched), one step per event-loop turn next to the chat's reply; rows arrive one by
+        one through ``compared``. A new comparison replaces one still running."""
+        self._close_comparison("cancelled")
+        if self._loaded is None or self._backend.make_comparison is None:
+            reason = "no model is loaded" if self._loaded is None else "comparing is not available"
+            self.compare_finished.emit(comparison_id, reason)
             return
+        self._comparison_id = comparison_id
         try:
-            self._backend.compare(self._loaded, messages, sampling, self.compared.emit, self.compare_cancel)
-            self.compare_finished.emit("cancelled" if self.compare_cancel.is_set() else "done")
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
-            _log(exc)
-            self.compare_finished.emit(_describe(exc))
+            self._comparison = self._backend.make_comparison(self._loaded, messages, sampling)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail_comparison(exc)
+            return
+        self._kick()
+
+    @Slot(int)
+    def cancel_compare(self, comparison_id: int = 0) -> None:
+        """Stop comparison ``comparison_id`` (0: whichever runs) after its current step; its rows so far stay."""
+        if self._comparison is not None and comparison_id in (0, self._comparison_id):
+            self._comparison.cancel()
 
     @Slot()
     def stop(self) -> None:
@@ -254,13 +212,24 @@ class EngineWorker(QObject):
         timer is stopped by its own thread)."""
         self._timer.stop()
         self._gen_id = 0
+        self._close_comparison("cancelled")
         QThread.currentThread().quit()
 
     # -- the step pump ----------------------------------------------------------------------------------
+    def _kick(self) -> None:
+        if (self._gen_id or self._comparison is not None) and not self._timer.isActive():
+            self._timer.start()
+
     def _pump(self) -> None:
+        if self._gen_id:
+            self._reply_step()
+        if self._comparison is not None:
+            self._comparison_step()
+        self._kick()
+
+    def _reply_step(self) -> None:
+        """One step of the reply. A step without a token (a chunk of a long prefill) is progress only."""
         gen = self._gen_id
-        if not gen:
-            return
         if self._cancel_flag.is_set():
             try:
                 self._session.cancel()
@@ -270,20 +239,74 @@ class EngineWorker(QObject):
         try:
             result = self._session.step()
         except BaseException as exc:  # noqa: BLE001
-            _log(exc)
-            self._gen_id = 0
-            self.failed.emit(gen, _describe(exc))
-            self.finished.emit(gen, "error", None, self._text)
+            self._fail_reply(gen, "step", exc)
             return
         if result.event is not None:
             self.token.emit(result.event)
         if result.snapshot is not None:
             self.snapshot.emit(result.snapshot)
+            self._note(gen, getattr(result.snapshot, "notes", ()))
         self._text = result.text or self._text
         if result.done:
+            self._note(gen, result.warnings)
             self._end(gen, result.stop_reason or "done", result.stats, self._text)
-        else:
-            self._timer.start()
+
+    def _note(self, gen: int, notes: Any) -> None:
+        """Send the notes not sent yet for this reply (a snapshot repeats the pending ones every step)."""
+        new = [n for n in dict.fromkeys(notes or ()) if n not in self._noted]
+        if new:
+            self._noted.update(new)
+            self.noted.emit(gen, new)
+
+    def _fail_reply(self, gen: int, stage: str, exc: BaseException) -> None:
+        """End reply ``gen`` with ``failed`` then ``finished``; a session left in an unknown state is dropped."""
+        log(exc)
+        failure = Failure.from_exception(gen, stage, exc)
+        self._gen_id = 0
+        if not failure.recoverable and self._loaded is not None:
+            self._discard_session()
+        self.failed.emit(failure)
+        self.finished.emit(gen, "error", None, self._text if stage == "step" else "")
+
+    def _discard_session(self) -> None:
+        """Close the session that raised an untyped exception; its chat gets a fresh session (which re-reads
+        the chat) with the next message, instead of going on from a cache nobody vouches for."""
+        session, self._session = self._session, None
+        try:
+            if self._pool is not None:
+                self._pool.drop(self._chat if self._chat is not None else self._pool.active)
+            elif hasattr(session, "close"):
+                session.close()
+        except BaseException:  # noqa: BLE001 - it is being thrown away
+            traceback.print_exc()
+
+    def _comparison_step(self) -> None:
+        comparison = self._comparison
+        try:
+            row = comparison.step()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail_comparison(exc)
+            return
+        if row is not None:
+            self.compared.emit(self._comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
+        if comparison.done:
+            self._close_comparison("cancelled" if comparison.cancelled else "done")
+
+    def _fail_comparison(self, exc: BaseException) -> None:
+        log(exc)
+        failure = Failure.from_exception(0, "compare", exc)
+        self.failed.emit(failure)
+        self._close_comparison(failure.message)
+
+    def _close_comparison(self, reason: str) -> None:
+        comparison, self._comparison = self._comparison, None
+        if comparison is None:
+            return
+        try:
+            comparison.close()
+        except BaseException:  # noqa: BLE001 - closing frees memory; a failure there changes no result
+            traceback.print_exc()
+        self.compare_finished.emit(self._comparison_id, reason)
 
     def _abort_running(self) -> None:
         """End the running reply (if any) as cancelled, so the session is free for the next command."""
@@ -301,7 +324,6 @@ class EngineWorker(QObject):
 
     def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
         self._gen_id = 0
-        self._timer.stop()
         self.finished.emit(gen, reason, stats, text)
 
     def _emit_idle_snapshot(self) -> None:
@@ -325,7 +347,8 @@ class EngineThread(QObject):
     _forget = Signal(object)
     _cancel = Signal(int)
     _apply = Signal(object)
-    _compare = Signal(object, object)
+    _compare = Signal(int, object, object)
+    _cancel_compare = Signal(int)
     _stop = Signal()
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
@@ -339,6 +362,7 @@ class EngineThread(QObject):
         self._cancel.connect(self.worker.cancel)
         self._apply.connect(self.worker.apply_cache_config)
         self._compare.connect(self.worker.compare)
+        self._cancel_compare.connect(self.worker.cancel_compare)
         self._stop.connect(self.worker.stop)
         self._forget.connect(self.worker.forget_chat)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
@@ -362,12 +386,13 @@ class EngineThread(QObject):
     def apply_cache_config(self, cache: CacheConfig) -> None:
         self._apply.emit(cache)
 
-    def compare(self, messages: list[dict], sampling: SamplingConfig) -> None:
-        self._compare.emit(messages, sampling)
+    def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+        """Start comparison ``comparison_id`` (its rows and end carry that id); it replaces one running."""
+        self._compare.emit(comparison_id, messages, sampling)
 
-    def cancel_compare(self) -> None:
-        """Stop a running comparison at its next step (thread-safe)."""
-        self.worker.compare_cancel.set()
+    def cancel_compare(self, comparison_id: int = 0) -> None:
+        """Stop comparison ``comparison_id`` (0: whichever runs) at its next step."""
+        self._cancel_compare.emit(comparison_id)
 
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
@@ -380,6 +405,5 @@ class EngineThread(QObject):
             return True
         self.worker.request_cancel()
         self.worker.load_cancel.set()  # a load in progress ends at its next tensor, not after the whole model
-        self.worker.compare_cancel.set()
-        self._stop.emit()  # queued behind at most one step
+        self._stop.emit()  # queued behind at most one step of the reply and one of a comparison
         return self.thread.wait(timeout_ms)

@@ -46,6 +46,119 @@ class ComparisonRow:
                 "same_tokens": self.same_tokens, "stop_reason": self.stop_reason, "error": self.error}
 
 
+class Comparison:
+    """A comparison run as steps, so a caller with its own loop (the app's worker) can interleave it with
+    other work: every ``step()`` runs at most one ``ChatSession.step()`` (one model forward).
+
+    Order of work: one untimed warm-up reply of one token in the first setting (one-off costs must not land
+    on the first row), then each setting in turn in a fresh session. ``step()`` returns the setting's
+    ``ComparisonRow`` on the step that finished it, else None; ``done`` is True once every setting ran or
+    ``cancel()`` took effect. A setting that fails with an engine error (say, cache off past the context)
+    gives a row with ``error`` and the comparison goes on; any other exception closes the comparison and
+    propagates. Opening a setting and its prefill run in the same step, so its TTFT is not stretched by
+    whatever the caller does between steps. ``close()`` frees the session in flight (idempotent).
+    """
+
+    def __init__(self, lm, messages: Sequence[dict], sampling: SamplingConfig,
+                 settings: Sequence[tuple[str, CacheConfig]] = DEFAULT_SETTINGS) -> None:
+        self.lm = lm
+        self.messages = list(messages)
+        self.greedy = replace(sampling, temperature=0.0)
+        self.settings = tuple(settings)
+        self.rows: list[ComparisonRow] = []
+        self._reference: list[int] | None = None  # the first row's token ids
+        self._next = 0  # index of the next setting to open
+        self._warming = bool(self.settings)
+        self._session = None  # the session in flight (warm-up or a setting)
+        self._current: tuple[str, CacheConfig] | None = None
+        self._stopped = False  # cancelled or closed: no further setting opens
+
+    @property
+    def cancelled(self) -> bool:
+        """``cancel()`` (or ``close()``) was called: the rows stop short of every setting."""
+        return self._stopped
+
+    @property
+    def done(self) -> bool:
+        return self._session is None and (self._stopped or (not self._warming and self._next >= len(self.settings)))
+
+    def cancel(self) -> None:
+        """Stop after the current step: the setting in flight ends as ``cancelled`` (its row still comes)."""
+        self._stopped = True
+        if self._session is not None:
+            self._session.cancel()
+
+    def close(self) -> None:
+        """Free the session in flight; no row comes for it."""
+        self._stopped = True
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def step(self) -> ComparisonRow | None:
+        """Run one step; the finished setting's row, or None."""
+        if self.done:
+            return None
+        try:
+            if self._session is None:
+                row = self._open()
+                if row is not None or self._session is None:
+                    return row
+            try:
+                result = self._session.step()
+            except (EngineError, ValueError) as e:
+                return self._end(None, str(e))
+            return self._end(result, "") if result.done else None
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> ComparisonRow | None:
+        """Start the warm-up or the next setting; a row when the setting cannot even start."""
+        from engine.session import ChatSession
+
+        if self._warming:
+            label, cfg = self.settings[0]
+            sampling = replace(self.greedy, max_new_tokens=1)
+        else:
+            label, cfg = self.settings[self._next]
+            self._next += 1
+            sampling = self.greedy
+        self._current = (label, cfg)
+        try:
+            self._session = ChatSession(self.lm, cfg)
+            self._session.start(list(self.messages), sampling)
+        except (EngineError, ValueError) as e:
+            return self._end(None, str(e))
+        return None
+
+    def _end(self, result, error: str) -> ComparisonRow | None:
+        """Close the session in flight and measure its row (none for the warm-up)."""
+        session, self._session = self._session, None
+        label, cfg = self._current
+        try:
+            if self._warming:
+                self._warming = False  # a failing warm-up is reported by the first row
+                return None
+            if error:
+                row = ComparisonRow(label, cfg, 0, 0, 0.0, 0.0, 0, 0, "error", error=error)
+            else:
+                ids = list(session.generated_ids)
+                stats = result.stats
+                if self._reference is None:
+                    self._reference = ids
+                ref = self._reference
+                same = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+                row = ComparisonRow(label, cfg, stats.prompt_tokens, stats.generated_tokens, stats.ttft_ms,
+                                    stats.decode_tokens_per_s, int(session.snapshot().kv_bytes), same,
+                                    stats.stop_reason)
+        finally:
+            if session is not None:
+                session.close()
+        self.rows.append(row)
+        return row
+
+
 def compare_settings(lm, messages: Sequence[dict], sampling: SamplingConfig,
                      settings: Sequence[tuple[str, CacheConfig]] = DEFAULT_SETTINGS,
                      on_row: Callable[[ComparisonRow], None] | None = None,
@@ -54,58 +167,16 @@ def compare_settings(lm, messages: Sequence[dict], sampling: SamplingConfig,
 
     ``on_row`` receives each row as soon as it is measured; setting ``cancel`` stops after the current
     step (the rows so far are returned). A setting that fails (say, cache off past the context) gives a
-    row with ``error`` and the comparison goes on.
+    row with ``error`` and the comparison goes on. A loop over :class:`Comparison`.
     """
-    from engine.session import ChatSession
-
-    greedy = replace(sampling, temperature=0.0)
-    rows: list[ComparisonRow] = []
-    reference: list[int] | None = None
-    if settings and not (cancel is not None and cancel.is_set()):
-        _warm_up(lm, messages, greedy, settings[0][1])  # one-off costs must not land on the first row
-    for label, cfg in settings:
-        if cancel is not None and cancel.is_set():
-            break
-        session = None
-        try:
-            session = ChatSession(lm, cfg)
-            stats = session.start(list(messages), greedy)
-            result = session.step()
-            while not result.done:
-                if cancel is not None and cancel.is_set():
-                    session.cancel()
-                result = session.step()
-            ids = list(session.generated_ids)
-            stats = result.stats or stats
-            snap = session.snapshot()
-            if reference is None:
-                reference = ids
-            same = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
-            row = ComparisonRow(label, cfg, stats.prompt_tokens, stats.generated_tokens, stats.ttft_ms,
-                                stats.decode_tokens_per_s, int(snap.kv_bytes), same, stats.stop_reason)
-        except (EngineError, ValueError) as e:
-            row = ComparisonRow(label, cfg, 0, 0, 0.0, 0.0, 0, 0, "error", error=str(e))
-        finally:
-            if session is not None:
-                session.close()
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-    return rows
-
-
-def _warm_up(lm, messages: Sequence[dict], greedy: SamplingConfig, cfg: CacheConfig) -> None:
-    """One untimed prefill + token in the first setting (kernels, allocator and page pool warmed)."""
-    from engine.session import ChatSession
-
-    session = None
+    comparison = Comparison(lm, messages, sampling, settings)
     try:
-        session = ChatSession(lm, cfg)
-        session.start(list(messages), replace(greedy, max_new_tokens=1))
-        while not session.step().done:
-            pass
-    except (EngineError, ValueError):
-        pass  # the first row reports it
+        while not comparison.done:
+            if cancel is not None and cancel.is_set():
+                comparison.cancel()
+            row = comparison.step()
+            if row is not None and on_row is not None:
+                on_row(row)
     finally:
-        if session is not None:
-            session.close()
+        comparison.close()
+    return comparison.rows

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from engine.config import SamplingConfig
-from engine.snapshot import CacheSnapshot, ModelInfo
+from engine.errors import ContextOverflowError, InternalError, SessionClosedError
+from engine.snapshot import CacheSnapshot, ModelInfo, StepResult, TokenEvent
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=40)
 
@@ -68,3 +70,49 @@ def wait_reply(qtbot, window, timeout_ms: int = 60_000):
     with qtbot.waitSignal(window.reply_finished, timeout=timeout_ms) as blocker:
         pass
     return tuple(blocker.args)
+
+
+class ScriptedSession:
+    """``chunks`` token-less prefill steps, then ``tokens`` tokens. From step 2 every snapshot repeats the
+    pending note "dropped 120"; the last step warns "dropped 120" and "context full". A user message
+    naming an exception makes ``start`` (``start:NAME``) or the first step (``step:NAME``) raise it."""
+
+    def __init__(self, chunks: int = 3, tokens: int = 2, delay_s: float = 0.0) -> None:
+        self.chunks, self.tokens, self.delay_s = chunks, tokens, delay_s
+        self.closed = False
+
+    def start(self, messages, sampling, generation_id):
+        self.gen, self.n, self.cancelled = generation_id, 0, False
+        self.script = messages[-1]["content"]
+        if self.script == "start:overflow":
+            raise ContextOverflowError("the prompt has 600 tokens but the model's context is 512: shorten the chat")
+
+    def step(self):
+        time.sleep(self.delay_s)
+        if self.script == "step:internal":
+            raise InternalError("an unexpected error ended the reply") from RuntimeError("injected")
+        if self.script == "step:closed":
+            raise SessionClosedError("the session was closed: start a new one")
+        self.n += 1
+        snap = make_snapshot(generation_id=self.gen, step=self.n, notes=("dropped 120",) if self.n >= 2 else ())
+        if self.cancelled:
+            return StepResult(None, snap, True, "cancelled", "")
+        if self.n <= self.chunks:
+            return StepResult(None, snap, False)
+        i = self.n - self.chunks - 1
+        done = i + 1 == self.tokens
+        return StepResult(TokenEvent(self.gen, i, 5, "x", "prefill" if i == 0 else "decode", 1.0, 1), snap, done,
+                          "max_tokens" if done else "", text="x" * (i + 1),
+                          warnings=("dropped 120", "context full") if done else ())
+
+    def cancel(self):
+        self.cancelled = True
+
+    def apply(self, cfg):
+        raise ValueError("page size: 999 is outside 1..256")
+
+    def snapshot(self):
+        return None
+
+    def close(self):
+        self.closed = True

@@ -41,11 +41,12 @@ def test_bad_model_shows_a_message_and_keeps_the_loaded_one(qtbot, data_dir, sto
         with qtbot.waitSignal(w.error_shown, timeout=60_000) as blocker:
             w.load_model(ModelSpec(source=str(folder)))
         assert words in blocker.args[0]
-        error = w.chat.bubbles[-1]
-        assert error.role == "error" and words in error.text
-        qtbot.waitUntil(lambda: error.isVisibleTo(w), timeout=2_000)
+        # not part of the chat (nothing saved): the message area above the transcript, not a bubble
+        assert w.chat.bubbles == [] and words in w.chat.notice.text
+        qtbot.waitUntil(lambda: w.chat.notice.isVisibleTo(w), timeout=2_000)
         assert w.info.name == "stories260K" and w.chat.send_button.isEnabled()
         w.send("Still here?")
+        assert not w.chat.notice.isVisibleTo(w)  # sending moves on from it
         gen, reason = wait_reply(qtbot, w)
         assert reason in ("max_tokens", "eos")
     finally:
@@ -67,7 +68,8 @@ def test_bad_model_at_first_launch_falls_back_to_demo(qtbot, data_dir, bad_folde
         w.start()
     try:
         assert w.info.is_demo and errors and "corrupt" in errors[0] and "demo" in errors[0]
-        assert "demo" in w.chat.empty_hint.text() or w.chat.bubbles
+        assert "corrupt" in w.chat.notice.text and "demo model instead" in w.chat.notice.text
+        assert w.chat.bubbles == [] and w.chat.notice.isVisibleTo(w)
     finally:
         close_window(w)
 
@@ -96,22 +98,28 @@ def test_raising_engine_becomes_a_message_and_the_window_keeps_working(qtbot, da
                             make_session=lambda loaded, cache: _Raising())
     w = open_window(qtbot, data_dir, "demo", backend=backend)
     try:
+        # a config the engine rejects is reported above the chat and the controls go back to what is applied
+        before = w.controls.config()
+        with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
+            w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))
+        assert blocker.args[0] == "Cache settings not applied: page size: 999 is outside 1..256"
+        assert w.chat.notice.text == blocker.args[0] and w.chat.bubbles == []
+        assert w.controls.config() == before
         with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
             w.send("hello")
         assert "out of memory" in blocker.args[0]
         qtbot.waitUntil(lambda: not w.generation_id, timeout=5_000)
         assert w.chat.send_button.isEnabled() and not w.chat.stop_button.isEnabled()
-        # no empty reply is kept: the transcript shows the message and the error
-        assert [b.role for b in w.chat.bubbles] == ["user", "error"]
-        assert [m.role for m in w.history.messages(w.chat_id)] == ["user"]
-        # a config the engine rejects is reported and the controls go back to what is applied
-        before = w.controls.config()
-        with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
-            w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))
-        assert "page size" in blocker.args[0]
-        assert w.controls.config() == before
+        # the reply stays, saying an error stopped it and why (saved with the chat); the notice is gone
+        assert [b.role for b in w.chat.bubbles] == ["user", "assistant"]
+        reply = w.chat.bubbles[1]
+        assert reply.error_label.text() == "Error: out of memory" and "stopped by an error" in reply.stats_label.text()
+        assert "no text" in reply.body.text() and not w.chat.notice.isVisibleTo(w)
+        msgs = w.history.messages(w.chat_id)
+        assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].stats["error"] == "out of memory"
         with qtbot.waitSignal(w.error_shown, timeout=10_000):
             w.send("again")  # still responsive
+        assert len(w.history.messages(w.chat_id)) == 4
     finally:
         close_window(w)
 
@@ -236,7 +244,7 @@ def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
         assert w.load_cancel.isVisible() and w.load_progress.isVisible()
         with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
             w.load_cancel.click()
-        assert blocker.args[0] == "Loading /models/big was cancelled."
+        assert blocker.args[0] == "Loading /models/big was cancelled." == w.chat.notice.text
         assert w.info.name == "first" and not w.load_cancel.isVisible() and not w._loading
         assert w.chat.send_button.isEnabled()
     finally:

@@ -350,31 +350,58 @@ def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stori
         close_window(w)
 
 
-def test_compare_cache_settings_on_this_chat(qtbot, data_dir, stories_path):
+def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, stories):
+    """Tools ▸ Compare runs next to the chat: a message sent while it runs is answered at once (one step of
+    each per worker turn), correctly, and the comparison's rows are still right."""
     from app.compare_dialog import COLUMNS
+    from engine.config import CacheConfig
+    from engine.session import ChatSession
 
-    w = open_window(qtbot, data_dir, str(stories_path))
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=30, ignore_eos=True))
     try:
         assert w.open_compare() is None  # nothing sent yet: a message says so
         w.send("Tell me about a cat")
         wait_reply(qtbot, w)
-        qtbot.waitUntil(lambda: not w.generation_id, timeout=30_000)
-        before = [(m.role, m.content) for m in w.history.messages(w.chat_id)]
-        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=120, ignore_eos=True)
         dlg = w.open_compare()
         qtbot.addWidget(dlg)
-        qtbot.waitUntil(lambda: dlg.finished_reason == "done", timeout=60_000)
+        assert not dlg.isModal() and dlg.windowModality() == Qt.WindowModality.NonModal
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+        w.send("And a dog?")  # while the comparison runs
+        assert dlg.running and w.open_compare() is dlg  # one comparison at a time: the running one is raised
+        gen, reason = wait_reply(qtbot, w)
+        # the reply did not wait for the comparison: 5 settings x 120 tokens are still running
+        assert reason == "max_tokens" and dlg.running and len(dlg.rows) < 5
+        assert w.last_stats["generated_tokens"] == 20 and w.last_stats["reused_tokens"] > 0
+        # cache settings apply, and Stop stops, while it runs
+        w.apply_cache_config(CacheConfig(mode="contiguous"))
+        qtbot.waitUntil(lambda: w._applied_cache.mode == "contiguous", timeout=10_000)
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)  # context 512
+        w.send("And a bird?")
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 2, timeout=30_000)
+        w.stop()
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "cancelled" and w.last_stats["generated_tokens"] < 300 and dlg.running
+        # the second reply is the one a session that never saw a comparison gives (greedy, two turns)
+        ref = ChatSession(stories, CacheConfig())
+        msgs = w.conversation.engine_messages()
+        for turn, n in ((msgs[:1], 30), (msgs[:3], 20)):
+            ref.start(turn, SamplingConfig(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+            result = ref.step()
+            while not result.done:
+                result = ref.step()
+        ref.close()
+        assert msgs[3]["content"] == result.text
+
+        qtbot.waitUntil(lambda: dlg.finished_reason == "done", timeout=120_000)
         assert dlg.table.rowCount() == 5 and dlg.table.columnCount() == len(COLUMNS)
         cells = [[dlg.table.item(r, c).text() for c in range(len(COLUMNS))] for r in range(5)]
         assert [row[0] for row in cells] == ["paged (reference)", "contiguous", "paged, KV int8", "paged, KV int4",
                                              "cache off"]
-        assert all(cells[r][4] == "30/30 (identical)" for r in (0, 1, 4))  # lossless settings
+        assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 4))  # lossless settings
+        assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only
         assert "Done: 5 settings" in dlg.status.text()
-        # the chat itself is untouched, and its next reply still reuses its own cache
-        assert [(m.role, m.content) for m in w.history.messages(w.chat_id)] == before
         dlg.close()
-        w.send("And a dog?")
-        wait_reply(qtbot, w)
-        assert w.last_stats["reused_tokens"] > 0
+        assert w.open_compare() is not dlg  # a finished comparison makes way for a new one
     finally:
         close_window(w)

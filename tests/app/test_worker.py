@@ -28,7 +28,8 @@ def _record(w) -> list[tuple]:
     w.started.connect(lambda g: events.append(("started", g)))
     w.token.connect(lambda e: events.append(("token", e.generation_id, e)))
     w.snapshot.connect(lambda s: events.append(("snapshot", s.generation_id, s)))
-    w.failed.connect(lambda g, m: events.append(("failed", g, m)))
+    w.failed.connect(lambda f: events.append(("failed", f.generation_id, f)))
+    w.noted.connect(lambda g, n: events.append(("noted", g, n)))
     w.finished.connect(lambda g, r, st, t: events.append(("finished", g, r, st, t)))
     return events
 
@@ -133,8 +134,11 @@ class RaisingSession:
 
 
 def test_raising_engine_becomes_failed_then_finished(qtbot):
+    from app.failure import Failure
+
+    sessions = []
     backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": None})(),
-                            make_session=lambda loaded, cache: RaisingSession())
+                            make_session=lambda loaded, cache: sessions.append(RaisingSession()) or sessions[-1])
     thread = EngineThread(backend)
     try:
         with qtbot.waitSignal(thread.worker.loaded, timeout=10_000):
@@ -144,11 +148,13 @@ def test_raising_engine_becomes_failed_then_finished(qtbot):
         with qtbot.waitSignal(w.finished, timeout=10_000):
             thread.submit(9, MESSAGES, SAMPLING)
         assert [e[0] for e in events] == ["started", "token", "token", "failed", "finished"]
-        assert events[3][1:] == (9, "Boom: kernel exploded")
-        assert events[4][1:3] == (9, "error")
-        # the worker still works after a failure
-        with qtbot.waitSignal(w.failed, timeout=10_000):
+        # an untyped exception: not recoverable, so the worker drops that session
+        assert events[3][2] == Failure(9, "step", "Boom: kernel exploded", "Boom", recoverable=False)
+        assert events[4][1:3] == (9, "error") and events[4][4] == "aa"  # the text streamed so far
+        # the worker still works after a failure, in a fresh session (the raising one is never used again)
+        with qtbot.waitSignal(w.failed, timeout=10_000) as blocker:
             thread.submit(10, MESSAGES, SAMPLING)
+        assert blocker.args[0].generation_id == 10 and len(sessions) == 2 and sessions[0].steps == 3
     finally:
         assert thread.shutdown(2000)
 
@@ -158,8 +164,9 @@ def test_load_failure_is_a_message(qtbot, tmp_path):
     try:
         with qtbot.waitSignal(thread.worker.failed, timeout=120_000) as blocker:
             thread.load(ModelSpec(source=str(tmp_path / "missing")))
-        gen, message = blocker.args
-        assert gen == -1 and "missing" in message and "\n" not in message
+        (failure,) = blocker.args
+        assert (failure.generation_id, failure.stage, failure.type) == (-1, "load", "ModelNotFoundError")
+        assert "missing" in failure.message and "\n" not in failure.message and failure.recoverable
     finally:
         assert thread.shutdown(2000)
 

@@ -40,3 +40,45 @@ def test_a_failing_setting_is_a_row_and_cancel_stops(stories):
     rows = compare_settings(stories, MSGS, SamplingConfig(max_new_tokens=40, ignore_eos=True),
                             on_row=lambda r: cancel.set(), cancel=cancel)
     assert len(rows) == 1  # the first row finished, then the comparison stopped
+
+
+def test_a_comparison_runs_one_forward_per_step_and_matches_compare_settings(stories, monkeypatch):
+    from engine.compare import Comparison
+
+    settings = [("paged", CacheConfig(mode="paged")), ("contiguous", CacheConfig(mode="contiguous"))]
+    sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
+    calls = []
+    forward = stories.model.forward
+    monkeypatch.setattr(stories.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    comparison = Comparison(stories, MSGS, sampling, settings)
+    rows, steps = [], 0
+    while not comparison.done:
+        before = len(calls)
+        row = comparison.step()
+        steps += 1
+        assert len(calls) - before <= 1  # never more than one forward: a caller can interleave other work
+        if row is not None:
+            rows.append(row)
+    # one warm-up step (a one-token reply), then 12 steps per setting, its row on its last step
+    assert steps == 1 + 2 * 12 and len(calls) == steps and comparison.step() is None
+    assert rows == comparison.rows and [r.label for r in rows] == ["paged", "contiguous"]
+    assert all(r.same_tokens == r.generated_tokens == 12 and r.stop_reason == "max_tokens" for r in rows)
+    assert [r.same_tokens for r in compare_settings(stories, MSGS, sampling, settings)] == [12, 12]
+
+
+def test_cancel_ends_the_setting_in_flight_and_close_frees_it(stories):
+    from engine.compare import Comparison
+
+    sampling = SamplingConfig(max_new_tokens=50, ignore_eos=True)
+    comparison = Comparison(stories, MSGS, sampling)
+    for _ in range(5):  # the warm-up, then 4 tokens of the first setting
+        assert comparison.step() is None
+    comparison.cancel()
+    row = comparison.step()
+    assert comparison.done and comparison.cancelled and row.stop_reason == "cancelled" and row.generated_tokens == 4
+    assert comparison.step() is None and comparison.rows == [row]
+    other = Comparison(stories, MSGS, sampling)
+    other.step()
+    other.step()  # the first setting's prefill: a session in flight
+    other.close()  # frees it; no row comes for it
+    assert other.done and other.cancelled and other.step() is None and other.rows == []
