@@ -97,6 +97,10 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         per_layer = store.bytes_per_layer() if store is not None else [0] * L
     n_decode = max(0, len(t.generated) - 1)
     evs = session.evictions
+    tokens = token_state(session)
+    # positions this step evicted that are still evicted (a switch since may have restored them)
+    evicted_now = tuple(sorted(p for p in {p for e in evs for p in e.positions}
+                               if p < len(tokens) and tokens[p] == snap.TOKEN_EVICTED))
     return CacheSnapshot(
         generation_id=session.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
         page_size=cfg.page_size if cfg.mode == "paged" else 0, num_pages=len(state),
@@ -105,7 +109,7 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         bytes_per_layer=np.asarray(per_layer, dtype=np.int64),
         capacity_tokens=capacity(session),
         page_state=state, page_owner=owner, page_fill=fill, page_refcount=ref,
-        token_state=token_state(session),
+        token_state=tokens,
         weights_bytes=info.weights_bytes,
         kv_bytes=int(sum(per_layer)) if session.host is None else 0,
         device_bytes=int(torch.cuda.memory_allocated()) if session.lm.device.type == "cuda" else 0,
@@ -113,7 +117,7 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         seq_len=len(session.seq), context_length=session.context_length,
         k_dtype=cfg.k_dtype, v_dtype=cfg.v_dtype,
         evicted_total=session.index.evicted_count() if store is not None else 0,
-        evicted_positions=tuple(sorted({p for e in evs for p in e.positions})),
+        evicted_positions=evicted_now,
         evict_reason=evs[-1].reason if evs else "",
         phase=phase, step_ms=step_ms, prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms,
         decode_tokens_per_s=(n_decode / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
