@@ -251,16 +251,17 @@ def _priorities(policy: EvictionPolicy, cx: EvictionContext) -> np.ndarray | Non
 
 
 def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPolicy) -> list[str]:
-    """Say so when the budget was too small for what should have stayed (the policy protected less)."""
+    """Say so when the budget was too small for what should have stayed (the policy protected less). The
+    text does not change from one eviction to the next, so a reply carries it once."""
     notes = []
-    lost = int(np.count_nonzero(gone < state.protected))
-    if lost:
-        notes.append(f"{policy.name}: the budget is smaller than the protected prompt (system + first message, "
-                     f"{state.protected} tokens): {lost} of them evicted; raise the budget to keep them all")
+    budget = getattr(policy, "budget", 0)
+    if np.count_nonzero(gone < state.protected):
+        notes.append(f"{policy.name}: the budget ({budget}) is smaller than the protected prompt (system + first "
+                     f"message, {state.protected} tokens): its oldest tokens are evicted too; raise the budget to "
+                     "keep it all")
     if state.priorities is not None:
         rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]
-        pinned = int(np.count_nonzero(state.priorities[rest] >= PINNED))
-        if pinned > 0:
-            notes.append(f"{policy.name}: {pinned} pinned tokens evicted: the budget cannot hold every pinned "
-                         "message; raise it or unpin some")
+        if np.count_nonzero(state.priorities[rest] >= PINNED):
+            notes.append(f"{policy.name}: the budget ({budget}) cannot hold every pinned message: some pinned "
+                         "tokens were evicted; raise the budget or unpin some")
     return notes

@@ -84,7 +84,6 @@ def test_an_engine_error_mid_reply_shows_its_reason_and_survives_a_restart(qtbot
         close_window(w2)
 
 
-@pytest.mark.xfail(reason="needs the engine restructure", strict=False)
 def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_dir, stories_path, stories):
     from engine.session import ChatSession
 

@@ -59,22 +59,12 @@ def test_self_test_cli_passes_and_writes_a_screenshot(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "app", "--self-test", "--screenshot", str(shot),
                            "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=400,
                           cwd=str(REPO), env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
-    if proc.returncode and _only_the_known_h2o_to_priority_crash(proc.stdout):
-        pytest.xfail("today's engine crashes when a reply switches h2o → priority (IndexError on stale attention "
-                     "scores in ChatSession._evict); every other self-test check passed")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "kvscope self-test: OK" in out and "time to visible window" in out and "p95" in out
     assert "FAIL" not in out
     assert shot.stat().st_size > 10_000
 
-
-def _only_the_known_h2o_to_priority_crash(report: str) -> bool:
-    """The self-test's only failing check is the eviction switches, ended by the known engine IndexError.
-    Delete with the engine restructure, which fixes it: from then on this test passes or fails outright."""
-    fails = [line.strip() for line in report.splitlines() if line.strip().startswith("FAIL")]
-    return (len(fails) == 1 and fails[0].startswith("FAIL eviction none → streaming → h2o → priority → none")
-            and "IndexError" in fails[0])
 
 def test_pyside_none_refcount_fix():
     """Void Qt calls must not drain None's refcount (PySide6 6.12 on Python < 3.12)."""
