@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -163,11 +163,27 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     cfg = check_folder(folder, spec)
     if progress:
         progress(f"loading {folder.name}", 0.1)
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     quiet_transformers()
+    config = _load_config(folder, cfg, spec)
+    tok = _load_tokenizer(folder, spec)
+    check()
+    _check_against_model(folder, config, tok, spec)
+    model = _load_weights(folder, config, spec, device, progress, check)
+    check()
+    if progress:
+        progress(f"moving {folder.name} to {device}", 0.97)
+    if spec.quantization == "none":
+        model.to(device)
+    if spec.quantization == "nf4" and device == "cpu":
+        _fix_bnb_4bit_cpu(model)
+    model.eval()
+    return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+
+
+def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
+    """transformers' config of a causal LM this engine can run; typed errors otherwise."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
@@ -185,6 +201,11 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         raise UnsupportedModelError(
             f"{folder.name}: layers of type {', '.join(odd)} (sliding/linear attention) are not supported yet"
         )
+    return config
+
+
+def _load_tokenizer(folder: Path, spec: ModelSpec):
+    from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
@@ -192,9 +213,15 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         raise ModelFormatError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0][:200]}") from None
     if tok is None or not hasattr(tok, "decode"):
         raise ModelFormatError(f"no usable tokenizer in {folder}")
+    return tok
 
-    check()
-    _check_against_model(folder, config, tok, spec)
+
+def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: Progress | None,
+                  check: Callable[[], None]):
+    """The model with its weights (per-tensor progress and cancel), refused unless they cover it."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
     dtype = _choose_dtype(spec, config, device)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -219,15 +246,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
     _check_coverage(folder.name, model, loading_info)
-    check()
-    if progress:
-        progress(f"moving {folder.name} to {device}", 0.97)
-    if spec.quantization == "none":
-        model.to(device)
-    if spec.quantization == "nf4" and device == "cpu":
-        _fix_bnb_4bit_cpu(model)
-    model.eval()
-    return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+    return model
 
 
 def _check_against_model(folder: Path, config, tok, spec: ModelSpec) -> None:

@@ -27,9 +27,20 @@ import numpy as np
 import torch
 
 from engine import observe, reconfigure
-from engine.chat import StreamDecoder, encode_prompt, message_spans, render_chat, validate_messages
+from engine.chat import (
+    StreamDecoder,
+    encode_prompt,
+    message_spans,
+    render_chat,
+    validate_messages,
+)
 from engine.config import CacheConfig, SamplingConfig
-from engine.errors import ContextOverflowError, EngineError, SessionClosedError, as_engine_error
+from engine.errors import (
+    ContextOverflowError,
+    EngineError,
+    SessionClosedError,
+    as_engine_error,
+)
 from engine.eviction import Eviction, EvictionContext, Evictor
 from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache

@@ -6,7 +6,6 @@ thread: the model's forward raises ``RuntimeError("injected")`` on its Nth call 
 
 from __future__ import annotations
 
-import pytest
 from app_helpers import ScriptedSession, close_window, make_info, open_window, wait_reply
 
 from app.worker import EngineBackend

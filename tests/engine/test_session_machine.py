@@ -148,7 +148,7 @@ class ChatMachine(RuleBasedStateMachine):
         s = chat.session
         s.apply(CacheConfig(mode="paged", page_size=16))
         s.start([{"role": "user", "content": "Hi."}], SamplingConfig(max_new_tokens=3))
-        while not (r := s.step()).done:
+        while not s.step().done:
             pass
         chat.history, chat.asked = [], None
 
