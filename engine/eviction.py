@@ -24,7 +24,6 @@ from engine.kv.attention import Rerotator
 from engine.kv.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
 
-MAX_CHUNK = 512  # tokens per prefill forward: Stop acts between chunks (~0.1-1 s each on a laptop CPU)
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,7 @@ class EvictionContext:
     seq_len: int = 0
     overflow: str = "stop"
     context_length: int = 0
+    max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.turn.prefill_chunk``)
     notes: list[str] = field(default_factory=list)
 
 
@@ -111,7 +111,7 @@ class Evictor:
         may be evicted) before anything changed."""
         done: list[Eviction] = []
         ctx = cx.context_length
-        chunk = min(todo, MAX_CHUNK)
+        chunk = min(todo, cx.max_chunk)
         if policy is not None:
             if index.n >= policy.budget:
                 done += self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)

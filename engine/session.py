@@ -49,7 +49,7 @@ from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.loader import LoadedModel
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
-from engine.turn import NullDecoder, TurnState, check_fits, common_prefix, protection
+from engine.turn import NullDecoder, TurnState, check_fits, common_prefix, prefill_chunk, protection
 
 _session_ids = itertools.count(1)
 _generation_ids = itertools.count(1)
@@ -82,6 +82,7 @@ class ChatSession:
         self.generation_id = 0
         self.turn_state = TurnState()
         self.last_stats: TurnStats | None = None
+        self.prefill_chunk = prefill_chunk(sum(p.numel() for p in self.model.parameters()), loaded.device.type)
 
     # -- plumbing used by engine.reconfigure / engine.eviction ---------------------------------------------
     def set_store(self, store: KVStore | None) -> None:
@@ -96,7 +97,8 @@ class ChatSession:
         cfg = self.cache_config
         return EvictionContext(protected=self.protected, priorities=self.priorities,
                                page_size=cfg.page_size if cfg.mode == "paged" else 16, seq_len=len(self.seq),
-                               overflow=cfg.overflow, context_length=self.context_length)
+                               overflow=cfg.overflow, context_length=self.context_length,
+                               max_chunk=self.prefill_chunk)
 
     def add_notes(self, notes: Sequence[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]

@@ -87,6 +87,23 @@ def protection(messages: Sequence[dict] | None, spans: Sequence[tuple[int, int]]
     return protected, pri
 
 
+CHUNK_FLOPS_CPU = 3e11  # ~1.5 s of prefill on a 2-core laptop CPU (SmolLM2-135M prefills ~700 tok/s here)
+CHUNK_FLOPS_GPU = 5e12  # the same wait on a consumer GPU (a few ms per token of a 1B model)
+MIN_CHUNK, MAX_CHUNK = 64, 2048
+
+
+def prefill_chunk(num_params: int, device_type: str) -> int:
+    """Tokens per prefill forward, so that Stop acts within about a second or two: ~2 FLOPs per parameter per
+    token, rounded down to a power of two in 64..2048. A fixed number per model and device, so chunking
+    never depends on timing (and a prompt that fits one chunk is prefilled exactly as HF does)."""
+    budget = CHUNK_FLOPS_CPU if device_type == "cpu" else CHUNK_FLOPS_GPU
+    tokens = budget / max(1, 2 * num_params)
+    chunk = MIN_CHUNK
+    while chunk * 2 <= min(tokens, MAX_CHUNK):
+        chunk *= 2
+    return chunk
+
+
 def check_fits(prompt: int, max_new: int, ctx: int) -> None:
     """``ContextOverflowError`` (with what to change) when a reply cannot fit the context and nothing may evict."""
     if prompt >= ctx:

@@ -13,7 +13,6 @@ import torch
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError, EngineError, OutOfMemoryError, SessionClosedError
-from engine.eviction import MAX_CHUNK
 from engine.kv.arena import ArenaRegistry, PageArena
 from engine.kv.roles import FullRole, KVShape
 from engine.kv.storage import PagedKV
@@ -157,7 +156,7 @@ def test_a_5mb_message_is_fed_in_chunks_and_stop_works_between_them(stories, mon
     s.start([{"role": "user", "content": text}], SamplingConfig(max_new_tokens=4))
     seen = count_forward_tokens(lm, monkeypatch)
     r = s.step()
-    assert seen and max(seen) <= MAX_CHUNK  # one bounded forward per step
+    assert seen and max(seen) <= s.prefill_chunk  # one bounded forward per step
     if cache.policy == "streaming":
         assert r.event is None and not r.done  # still prefilling: Stop can act now
         s.cancel()
@@ -166,7 +165,7 @@ def test_a_5mb_message_is_fed_in_chunks_and_stop_works_between_them(stories, mon
     else:
         while not r.done:
             r = s.step()
-        assert r.stop_reason in ("max_tokens", "eos") and max(seen) <= MAX_CHUNK
+        assert r.stop_reason in ("max_tokens", "eos") and max(seen) <= s.prefill_chunk
         assert any("dropped to fit the context" in w for w in r.warnings)
         assert r.snapshot.evicted_total > 1_000_000
     assert reply(s, "Hi.").stop_reason in ("max_tokens", "eos", "context_full")
@@ -250,4 +249,33 @@ def test_any_exception_in_a_step_ends_the_turn_typed_and_the_next_start_works(st
     assert isinstance(err.value.__cause__, RuntimeError) and not s.generating
     assert s.n_phys == held == s.store.num_tokens  # the failed forward left nothing behind
     assert reply(s, "Again.").stop_reason in ("max_tokens", "eos")
+    s.close()
+
+
+def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, monkeypatch):
+    from engine.turn import prefill_chunk
+    from test_exact import hf_greedy
+
+    assert [prefill_chunk(n, "cpu") for n in (260_000, 135_000_000, 494_000_000, 8_000_000_000)] == [2048, 1024, 256, 64]
+    assert prefill_chunk(494_000_000, "cuda") == 2048
+    ids = stories.tokenizer("Once upon a time, there was a little girl named Lily. " * 20)["input_ids"][:300]
+    ref = hf_greedy(stories, ids, 20)
+    s = ChatSession(stories)
+    s.prefill_chunk = 64  # as for a model of a few billion parameters
+    seen = count_forward_tokens(stories, monkeypatch)
+    s.start_ids(ids, SamplingConfig(max_new_tokens=20, ignore_eos=True))
+    results = [s.step() for _ in range(4)]
+    assert [r.event is None for r in results] == [True, True, True, True] and seen == [64] * 4
+    assert all(r.snapshot.phase == "prefill" and not r.done for r in results)
+    while not (r := s.step()).done:
+        pass
+    assert seen[:5] == [64, 64, 64, 64, 44] and s.generated_ids == ref  # chunked, still HF's tokens
+    s.start_ids(ids, SamplingConfig(max_new_tokens=20, ignore_eos=True))  # a prefix hit: nothing to chunk
+    s.cancel()
+    assert s.step().stop_reason == "cancelled"
+    s.prefill_chunk = 64
+    s.start_ids(ids[:1] + ids[2:], SamplingConfig(max_new_tokens=20, ignore_eos=True))
+    assert s.step().event is None  # re-prefill after the edit goes in chunks too
+    s.cancel()
+    assert s.step().stop_reason == "cancelled" and not s.generating
     s.close()
