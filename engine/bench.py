@@ -113,8 +113,8 @@ def _load(a):
     return load_model(ModelSpec(source=a.model, device=a.device))
 
 
-def run_bench(a) -> int:
-    lm = _load(a)
+def _check_args(a, lm) -> tuple[list[int], list[str]]:
+    """Contexts and modes of the command line, refused (ValueError, one line) before any work."""
     contexts = [int(c) for c in str(a.contexts).split(",") if c.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:
@@ -127,70 +127,76 @@ def run_bench(a) -> int:
     for c in contexts:
         if c < 1 or c + a.new_tokens > ctx_limit:
             raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
+    if a.long and 16 + a.long > ctx_limit:
+        raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
     CacheConfig(page_size=a.page_size)  # validate early
+    return contexts, modes
+
+
+def _measure(lm, a, mode: str, prompt: list[int], n: int) -> dict[str, Any]:
+    if mode in HF_MODES:
+        return run_hf(lm, prompt, n, use_cache=(mode == "hf-dynamic"))
+    base, _, kv = mode.partition(":")
+    kv = kv or "auto"
+    return run_engine(lm, prompt, n, CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv))
+
+
+def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = "") -> list[dict[str, Any]]:
+    """One row per mode: medians over the repeats."""
+    rows = []
+    for mode, rs in results.items():
+        base, _, kv = mode.partition(":")
+        row = {
+            "engine": "hf" if mode in HF_MODES else "kvscope",
+            "mode": HF_MODES.get(mode, base),
+            "context": ctx,
+            "new_tokens": n,
+            "ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 2),
+            "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rs), 3),
+            "kv_bytes": rs[-1]["kv_bytes"],
+        }
+        if base == "paged":
+            row["page_size"] = a.page_size
+        if kv:
+            row["kv_dtype"] = kv
+        if kind:
+            row["kind"] = kind
+        rows.append(row)
+        log(f"  {row['engine']:8s} {HF_MODES.get(mode, mode):10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
+            f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
+    return rows
+
+
+def _turn_reuse(lm, a, log) -> dict[str, Any]:
+    t = run_turn_reuse(lm, a.reuse_history, 24, CacheConfig(mode="paged", page_size=a.page_size))
+    log(f"  turn at history {a.reuse_history}: reuse {t['reuse']:.1f} ms vs full {t['full']:.1f} ms")
+    return {"history": a.reuse_history, "new_tokens": 24, "ttft_reuse_ms": round(t["reuse"], 2),
+            "ttft_full_ms": round(t["full"], 2), "reused_tokens": t["reused_tokens"],
+            "ratio": round(t["reuse"] / t["full"], 4) if t["full"] else None}
+
+
+def run_bench(a) -> int:
+    lm = _load(a)
+    contexts, modes = _check_args(a, lm)
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     name = a.shape or a.model
     log(f"bench {name}: {lm.info.num_layers} layers, kv heads {lm.info.num_kv_heads}, threads {torch.get_num_threads()}")
-    # warm up every path once (allocator, oneDNN kernels)
-    warm = _prompt(lm.info.vocab_size, 16)
+    warm = _prompt(lm.info.vocab_size, 16)  # warm up every path once (allocator, oneDNN kernels)
     run_hf(lm, warm, 2, True)
     run_engine(lm, warm, 2, CacheConfig(mode="paged", page_size=a.page_size))
-
     rows: list[dict[str, Any]] = []
-
-    def measure(mode: str, prompt: list[int], n: int) -> dict[str, Any]:
-        if mode in HF_MODES:
-            return run_hf(lm, prompt, n, use_cache=(mode == "hf-dynamic"))
-        base, _, kv = mode.partition(":")
-        kv = kv or "auto"
-        return run_engine(lm, prompt, n, CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv))
-
-    def add_rows(ctx: int, n: int, results: dict[str, list[dict]], kind: str = "") -> None:
-        for mode, rs in results.items():
-            base, _, kv = mode.partition(":")
-            row = {
-                "engine": "hf" if mode in HF_MODES else "kvscope",
-                "mode": HF_MODES.get(mode, base),
-                "context": ctx,
-                "new_tokens": n,
-                "ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 2),
-                "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rs), 3),
-                "kv_bytes": rs[-1]["kv_bytes"],
-            }
-            if base == "paged":
-                row["page_size"] = a.page_size
-            if kv:
-                row["kv_dtype"] = kv
-            if kind:
-                row["kind"] = kind
-            rows.append(row)
-            log(f"  {row['engine']:8s} {HF_MODES.get(mode, mode):10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
-                f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
-
     for ctx in contexts:
         prompt = _prompt(lm.info.vocab_size, ctx)
         results: dict[str, list[dict]] = {m: [] for m in modes}
-        for _ in range(max(1, a.repeats)):
+        for _ in range(max(1, a.repeats)):  # round robin, so drifting load hits every mode alike
             for m in modes:
-                results[m].append(measure(m, prompt, a.new_tokens))
-        add_rows(ctx, a.new_tokens, results)
-
+                results[m].append(_measure(lm, a, m, prompt, a.new_tokens))
+        rows += _rows(a, ctx, a.new_tokens, results, log)
     if a.long:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
-        if 16 + a.long > ctx_limit:
-            raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
-        results = {m: [measure(m, prompt, a.long)] for m in modes}
-        add_rows(16, a.long, results, kind="long")
-
-    extra: dict[str, Any] = {}
-    if a.reuse_history:
-        t = run_turn_reuse(lm, a.reuse_history, 24, CacheConfig(mode="paged", page_size=a.page_size))
-        extra["turn_reuse"] = {"history": a.reuse_history, "new_tokens": 24, "ttft_reuse_ms": round(t["reuse"], 2),
-                               "ttft_full_ms": round(t["full"], 2), "reused_tokens": t["reused_tokens"],
-                               "ratio": round(t["reuse"] / t["full"], 4) if t["full"] else None}
-        log(f"  turn at history {a.reuse_history}: reuse {t['reuse']:.1f} ms vs full {t['full']:.1f} ms")
-
+        rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
+    extra: dict[str, Any] = {"turn_reuse": _turn_reuse(lm, a, log)} if a.reuse_history else {}
     out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows, **extra}
     with open(a.json_file, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)

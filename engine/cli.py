@@ -184,6 +184,7 @@ def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None
         "kv_bytes": snapshot.kv_bytes if snapshot else 0,
         "pages_used": int(snapshot.pages_used_per_layer[0]) if snapshot is not None and len(snapshot.pages_used_per_layer) else 0,
         "stop_reason": result.stop_reason,
+        "warnings": list(result.warnings),
     }
 
 
@@ -209,30 +210,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if lm.tokenizer is None:
         raise EngineError("this model has no tokenizer")
     session = ChatSession(lm, cache)
-
-    evictions: list[dict] = []
-
-    def run_turn() -> Any:
-        evictions.clear()
-        while True:
-            r = session.step()
-            if r.snapshot is not None and r.snapshot.evicted_positions:
-                evictions.append({"step": r.snapshot.step, "reason": r.snapshot.evict_reason,
-                                  "positions": list(r.snapshot.evicted_positions)})
-            if not a.json and r.event is not None and r.event.text_delta:
-                sys.stdout.write(r.event.text_delta)
-                sys.stdout.flush()
-            if r.done:
-                if not a.json:
-                    sys.stdout.write("\n")
-                return r
-
     if messages is None:
         stats = session.start_completion(a.prompt, sampling)
-        r = run_turn()
-        out = _turn_json(session, r, stats.prompt_tokens, evictions)
+        r, evictions = _run_turn(session, a)
         if a.json:
-            print(json.dumps(out))
+            print(json.dumps(_turn_json(session, r, stats.prompt_tokens, evictions)))
         return 0
     turns = []
     history: list[dict] = []
@@ -241,14 +223,35 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if m["role"] != "user":
             continue
         stats = session.start(history, sampling)
-        r = run_turn()
-        turns.append(_turn_json(session, r, stats.prompt_tokens, list(evictions)))
+        r, evictions = _run_turn(session, a)
+        turns.append(_turn_json(session, r, stats.prompt_tokens, evictions))
         nxt = messages[i + 1] if i + 1 < len(messages) else None
         if nxt is None or nxt["role"] != "assistant":
             history.append({"role": "assistant", "content": r.text})
     if a.json:
         print(json.dumps({"turns": turns}))
     return 0
+
+
+def _run_turn(session, a: argparse.Namespace) -> tuple[Any, list[dict]]:
+    """Step one reply to its end, streaming text unless ``--json``; the last result and every eviction.
+    What the engine tells the user (tokens dropped to fit the context, ...) goes to stderr as notes."""
+    evictions: list[dict] = []
+    while True:
+        r = session.step()
+        if r.snapshot is not None and r.snapshot.evicted_positions:
+            evictions.append({"step": r.snapshot.step, "reason": r.snapshot.evict_reason,
+                              "positions": list(r.snapshot.evicted_positions)})
+        if not a.json and r.event is not None and r.event.text_delta:
+            sys.stdout.write(r.event.text_delta)
+            sys.stdout.flush()
+        if r.done:
+            break
+    if not a.json:
+        sys.stdout.write("\n")
+        for note in r.warnings:
+            print(f"note: {note}", file=sys.stderr)
+    return r, evictions
 
 
 def main(argv: list[str] | None = None) -> int:
