@@ -222,7 +222,7 @@ class Evictor:
         def rotate(layer: int, k: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
             # k: [H, m, D], the last m kept keys (old slots idx); after compaction RoPE = slot index
             new = np.arange(n_keep - len(idx), n_keep)
-            return rerotator(k, torch.from_numpy(new - old_rope[layer][idx]))
+            return rerotator(layer, k, torch.from_numpy(new - old_rope[layer][idx]))
 
         return rotate
 

@@ -83,8 +83,9 @@ class Rerotator:
             raise ValueError("dynamic-NTK RoPE changes its frequencies with length: keys cannot be re-rotated")
         self.inv_freq = rot.inv_freq.detach().float()  # [D/2]
 
-    def __call__(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """``k``: [H, n, D]; ``delta``: [n] position change of each token (new - old)."""
+    def __call__(self, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``k``: [H, n, D] cached keys of model layer ``layer``; ``delta``: [n] position change of each token
+        (new - old)."""
         if not bool((delta != 0).any()):
             return k
         freqs = delta.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [n, D/2]
