@@ -55,15 +55,21 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
     @property
+    def kv_shape(self):
+        """What the model's attention layers cache (``engine.kv.roles.KVShape``), from its probe."""
+        from engine.kv.roles import KVShape
+
+        i = self.info
+        return KVShape(i.num_layers, i.k_heads or i.num_kv_heads, i.k_dim or i.head_dim, self.kv_dtype, self.device,
+                       i.v_heads, i.v_dim)
+
+    @property
     def kv_arenas(self):
         """The page arenas this model's paged sessions share, with their common memory limit."""
         if self.arenas is None:
             from engine.kv.arena import ArenaRegistry
-            from engine.kv.roles import KVShape
 
-            info = self.info
-            shape = KVShape(info.num_layers, info.num_kv_heads, info.head_dim, self.kv_dtype, self.device)
-            self.arenas = ArenaRegistry(shape, info.context_length)
+            self.arenas = ArenaRegistry(self.kv_shape, self.info.context_length)
         return self.arenas
 
     @property
@@ -177,7 +183,10 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    return wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+    lm = wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+    if lm.info.unsupported:
+        raise UnsupportedModelError(f"{folder.name}: {lm.info.unsupported}")
+    return lm
 
 
 def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
@@ -194,12 +203,6 @@ def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not spec.trust_remote_code:
         raise UnsupportedModelError(
             f"{folder.name}: model type {config.model_type!r} is not a text-generation (causal LM) architecture"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t != "full_attention"})
-    if odd:
-        raise UnsupportedModelError(
-            f"{folder.name}: layers of type {', '.join(odd)} (sliding/linear attention) are not supported yet"
         )
     return config
 
@@ -236,7 +239,13 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
         kwargs["device_map"] = {"": device}
     try:
         with _weights_progress(folder.name, progress, check):
-            model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            try:
+                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            except ValueError as e:
+                if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
+                    raise
+                kwargs["attn_implementation"] = "eager"  # transformers has no sdpa for this class (softcap, sinks)
+                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except LoadCancelled:
         raise
     except torch.OutOfMemoryError:
@@ -370,13 +379,13 @@ def _stop_ids(model, tok) -> tuple[int, ...]:
 
 def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
             is_demo: bool) -> LoadedModel:
-    """Describe a loaded torch model (``ModelInfo``) and bundle it with its tokenizer (None: ids only)."""
+    """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.arch.probe``) and
+    bundle it with its tokenizer (None: ids only)."""
+    from engine.arch import attention_impl, info_fields, probe
+
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    layers = int(text_cfg.num_hidden_layers)
     q_heads = int(text_cfg.num_attention_heads)
-    kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or q_heads)
-    head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // q_heads)
     # K/V come out of the projections in the activations' dtype (bitsandbytes computes in it too)
     kv_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     if spec.quantization == "nf4":
@@ -384,16 +393,20 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         if isinstance(kv_dtype, str):
             kv_dtype = getattr(torch, kv_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()
+    impl = attention_impl(model)
+    try:
+        facts = probe(model)
+    except Exception as e:  # noqa: BLE001 - a model that cannot even run three tokens
+        raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
     stop = _stop_ids(model, tok)
     info = ModelInfo(
         name=name,
         source=spec.source,
         architecture=(cfg.architectures or [type(model).__name__])[0],
         model_type=str(cfg.model_type),
-        num_layers=layers,
+        num_layers=len(facts) or int(text_cfg.num_hidden_layers),
         num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
         hidden_size=int(text_cfg.hidden_size),
         vocab_size=int(text_cfg.vocab_size),
         context_length=int(getattr(text_cfg, "max_position_embeddings", 2048) or 2048),
@@ -403,9 +416,10 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         device_reason=reason,
         quantization=spec.quantization,
         weights_bytes=weights_bytes(model),
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem,
         is_demo=is_demo,
         has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
         stop_ids=stop,
+        attn_impl=impl,
+        **info_fields(facts, elem),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from engine.config import CacheConfig
-from engine.errors import CacheCapacityError, ContextOverflowError
+from engine.errors import CacheCapacityError, ContextOverflowError, UnsupportedModelError
 from engine.kv.quant import int8_key_layout
 from engine.kv.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.policies import EvictionPolicy, get_policy
@@ -21,6 +21,8 @@ OVERFLOW_EVICTS = ("truncate_middle", "rolling")
 
 def validate(cfg: CacheConfig, info) -> EvictionPolicy | None:
     """The policy ``cfg`` asks for, if ``cfg`` can run on this model; ``ValueError`` says why not."""
+    if info.unsupported:
+        raise UnsupportedModelError(f"{info.name}: {info.unsupported}")
     policy = get_policy(cfg.policy, cfg.policy_params)
     if cfg.mode == "off" and (policy is not None or cfg.quantized):
         raise ValueError("cache off: KV precision and eviction policies need a cache (contiguous or paged)")
@@ -43,8 +45,7 @@ def make_store(lm, cfg: CacheConfig, session_id: int) -> KVStore | None:
     if cfg.mode == "off":
         return None
     if cfg.mode == "contiguous":
-        return ContiguousKV(info.num_layers, info.num_kv_heads, info.head_dim, lm.kv_dtype, lm.device,
-                            initial_tokens=256)
+        return ContiguousKV(lm.kv_shape, initial_tokens=256)
     arena = lm.kv_arenas.get(cfg.page_size, cfg.max_pages, cfg.k_dtype, cfg.v_dtype)
     return PagedKV(arena, session_id)
 

@@ -283,7 +283,7 @@ class ChatSession:
 
     def _forward_off(self) -> torch.Tensor:
         dev = self.lm.device
-        use_attention(self.model, "sdpa")
+        use_attention(self.model, self.info.attn_impl)
         with torch.inference_mode():
             ids = torch.tensor([self.seq], dtype=torch.long, device=dev)  # [1, n]
             pos = torch.arange(len(self.seq), device=dev)[None]  # [1, n]
@@ -296,7 +296,7 @@ class ChatSession:
         dev, store, index, scores = self.lm.device, self.store, self.index, self.evictor.scores
         q = len(feed)
         needs_scores = self.policy is not None and self.policy.needs_scores
-        use_attention(self.model, SCORES_IMPL if needs_scores else "sdpa")
+        use_attention(self.model, SCORES_IMPL if needs_scores else self.info.attn_impl)
         if needs_scores and not scores.tracking:
             scores.start(index.n)
         elif not needs_scores:

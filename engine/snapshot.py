@@ -58,6 +58,54 @@ class ModelInfo:
     is_demo: bool = False
     has_chat_template: bool = False
     stop_ids: tuple[int, ...] = ()
+    # per layer, what it caches (``engine.arch``): "full" | "sliding" | "state" | "none", and sliding windows
+    layer_kinds: tuple[str, ...] = ()
+    windows: tuple[int, ...] = ()
+    k_heads: int = 0  # what attention layers cache, from the tensors the model produced
+    k_dim: int = 0
+    v_heads: int = 0
+    v_dim: int = 0
+    state_bytes: int = 0  # recurrent / convolution state of all state layers, per chat
+    attn_impl: str = "sdpa"
+    unsupported: str = ""  # why chat sessions cannot run this model (one line), "" when they can
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """Bytes one token takes in one attention layer (K and V) at the model's precision."""
+        if self.k_heads:
+            return self.kv_bytes_per_token // max(1, self.attention_layers)
+        return self.kv_bytes_per_token // max(1, self.num_layers)
+
+    @property
+    def attention_layers(self) -> int:
+        return sum(1 for k in self.layer_kinds if k in ("full", "sliding")) if self.layer_kinds else self.num_layers
+
+    def kv_bytes_at(self, tokens: int) -> int:
+        """Bytes of the cache holding ``tokens`` tokens: full layers hold all of them, sliding layers at most
+        their window; plus the fixed state of state layers."""
+        if not self.layer_kinds:
+            return self.kv_bytes_per_token * tokens
+        per = self.layer_bytes_per_token
+        held = sum(tokens if k == "full" else min(tokens, w) if k == "sliding" else 0
+                   for k, w in zip(self.layer_kinds, self.windows))
+        return per * held + self.state_bytes
+
+    @property
+    def layer_summary(self) -> str:
+        """E.g. "26 layers: 22 sliding (window 512) · 4 full"."""
+        if not self.layer_kinds:
+            return f"{self.num_layers} layers: {self.num_layers} full"
+        labels = {"full": "full", "sliding": "sliding", "state": "state (recurrent/conv)", "none": "no cache"}
+        parts = []
+        for kind, label in labels.items():
+            n = self.layer_kinds.count(kind)
+            if not n:
+                continue
+            if kind == "sliding":
+                ws = sorted({w for k, w in zip(self.layer_kinds, self.windows) if k == "sliding"})
+                label += f" (window {', '.join(str(w) for w in ws)})"
+            parts.append(f"{n} {label}")
+        return f"{len(self.layer_kinds)} layers: " + " · ".join(parts)
 
     @property
     def attention_kind(self) -> str:

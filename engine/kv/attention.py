@@ -21,24 +21,33 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)  # [B, H*rep, n, D]
 
 
-def scores_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention; hands the probabilities to ``kwargs["kvscope_sink"](layer_idx, probs)``.
+def scores_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                     s_aux=None, **kwargs):
+    """Eager attention, as the model's own eager path computes it (Gemma 2's logit ``softcap``, gpt-oss's
+    learned attention sinks ``s_aux``); hands the probabilities to ``kwargs["kvscope_sink"](layer_idx, probs)``.
 
-    query [1, Hq, q, D]; key/value [1, Hkv, L, D] (what the cache returned). Returns ([1, q, Hq, D], None).
+    query [1, Hq, q, D]; key/value [1, Hkv, L, D] / [1, Hkv, L, Dv] (what the cache returned).
+    Returns ([1, q, Hq, Dv], None).
     """
     n_rep = module.num_key_value_groups
     q_len, kv_len = query.shape[2], key.shape[2]
     k = _repeat_kv(key, n_rep)  # [1, Hq, L, D]
-    v = _repeat_kv(value, n_rep)
+    v = _repeat_kv(value, n_rep)  # [1, Hq, L, Dv]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     w = torch.matmul(query.float(), k.float().transpose(2, 3)) * scale  # [1, Hq, q, L]
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
     if attention_mask is not None:
         m = attention_mask[..., :kv_len]
         w = w.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else w + m.float()
     elif q_len > 1:  # causal, aligned bottom-right: query i sees keys <= L - q + i
         causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=w.device).tril(kv_len - q_len)
         w = w.masked_fill(~causal, float("-inf"))
-    probs = torch.softmax(w, dim=-1)  # [1, Hq, q, L]
+    if s_aux is not None:  # a learned sink logit per head takes part in the softmax, then is dropped
+        sinks = s_aux.float().reshape(1, -1, 1, 1).expand(1, w.shape[1], q_len, 1)  # [1, Hq, q, 1]
+        probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1]  # [1, Hq, q, L]
+    else:
+        probs = torch.softmax(w, dim=-1)  # [1, Hq, q, L]
     sink = kwargs.get("kvscope_sink")
     if sink is not None:
         sink(module.layer_idx, probs)

@@ -161,6 +161,17 @@ class BlockTable:
             self.pool.fill[self.pages[-1]] = n - (keep - 1) * P
         return dropped
 
+    def drop_front(self, pages: int) -> list[int]:
+        """Forget the first ``pages`` pages (whole pages of tokens that left a sliding window): their refs are
+        dropped and token ``i`` is now token ``i - pages * P``. Returns the pages released."""
+        pages = max(0, min(pages, len(self.pages) - 1))  # never the page still being written
+        dropped = self.pages[:pages]
+        for p in dropped:
+            self.pool.decref(p)
+        self.pages = self.pages[pages:]
+        self.num_tokens -= pages * self.page_size
+        return dropped
+
     def fork(self, session_id: int = -1) -> "BlockTable":
         """A new table sharing every page (ref count +1 each)."""
         other = BlockTable(self.pool, session_id)

@@ -45,15 +45,32 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class KVShape:
+    """What a group of layers caches: K ``[k_heads, T, k_dim]`` and V ``[v_heads, T, v_dim]`` per layer (MLA
+    caches keys wider than values; ``v_heads``/``v_dim`` default to the keys')."""
+
     num_layers: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: int  # K heads
+    head_dim: int  # K width
     dtype: torch.dtype
     device: torch.device
+    v_heads: int = 0  # 0: as K
+    v_dim: int = 0
 
     @property
     def elem_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def of(self, role: str) -> tuple[int, int]:
+        """(heads, width) of ``role`` "k" or "v"."""
+        if role == "k":
+            return self.kv_heads, self.head_dim
+        return self.v_heads or self.kv_heads, self.v_dim or self.head_dim
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one layer, K and V, at full precision."""
+        (hk, dk), (hv, dv) = self.of("k"), self.of("v")
+        return (hk * dk + hv * dv) * self.elem_bytes
 
 
 # -------------------------------------------------------------------------------------- full precision
@@ -64,18 +81,18 @@ class FullRole:
 
     quantized = False
 
-    def __init__(self, shape: KVShape, page_size: int) -> None:
+    def __init__(self, shape: KVShape, page_size: int, role: str = "k") -> None:
         self.shape, self.page_size = shape, page_size
+        self.heads, self.dim = shape.of(role)
         self.layers: list[Tensor] = []
 
     def page_bytes(self) -> int:
         """Bytes one page of one layer holds."""
-        s = self.shape
-        return s.kv_heads * self.page_size * s.head_dim * s.elem_bytes
+        return self.heads * self.page_size * self.dim * self.shape.elem_bytes
 
     def allocate(self, num_pages: int) -> list[Tensor]:
         s = self.shape
-        return [torch.zeros((s.kv_heads, num_pages * self.page_size, s.head_dim), dtype=s.dtype, device=s.device)
+        return [torch.zeros((self.heads, num_pages * self.page_size, self.dim), dtype=s.dtype, device=s.device)
                 for _ in range(s.num_layers)]
 
     def install(self, new: list[Tensor], keep_pages: int) -> None:
@@ -148,21 +165,20 @@ class QuantRole:
 
     quantized = True
 
-    def __init__(self, shape: KVShape, page_size: int, scheme: Scheme) -> None:
+    def __init__(self, shape: KVShape, page_size: int, scheme: Scheme, role: str = "k") -> None:
         self.shape, self.page_size, self.scheme = shape, page_size, scheme
+        self.heads, self.dim = shape.of(role)
         self.layers: list[quant.QuantizedPage] = []
 
     def page_bytes(self) -> int:
-        return int(round(self.scheme.bytes_per_token(self.shape.kv_heads) * self.page_size))
+        return int(round(self.scheme.bytes_per_token(self.heads) * self.page_size))
 
     def full_page_bytes(self) -> int:
         """Bytes of a page still being filled (the session's full-precision tail)."""
-        s = self.shape
-        return s.kv_heads * self.page_size * s.head_dim * s.elem_bytes
+        return self.heads * self.page_size * self.dim * self.shape.elem_bytes
 
     def allocate(self, num_pages: int) -> list[quant.QuantizedPage]:
-        s = self.shape
-        return [self.scheme.allocate((s.kv_heads, num_pages), s.device) for _ in range(s.num_layers)]
+        return [self.scheme.allocate((self.heads, num_pages), self.shape.device) for _ in range(self.shape.num_layers)]
 
     def install(self, new: list, keep_pages: int) -> None:
         for old, q in zip(self.layers, new):
@@ -184,7 +200,7 @@ class QuantView:
         self.role = role
         s = role.shape
         # full-precision tail page per layer: [H, P, D]
-        self.tail = [torch.zeros((s.kv_heads, role.page_size, s.head_dim), dtype=s.dtype, device=s.device)
+        self.tail = [torch.zeros((role.heads, role.page_size, role.dim), dtype=s.dtype, device=s.device)
                      for _ in range(s.num_layers)]
         self._saved: list[Tensor] | None = None  # the tail before a forward that may overwrite it
         self._buf: Tensor | None = None  # one layer dequantized: [H, capacity, D], reused
@@ -240,7 +256,7 @@ class QuantView:
         if buf is None or buf.shape[1] < n:
             cap = max(n, 2 * (buf.shape[1] if buf is not None else P))
             with torch.inference_mode(False):  # a normal tensor: also written by switches outside a forward
-                buf = torch.empty((s.kv_heads, -(-cap // P) * P, s.head_dim), dtype=s.dtype, device=s.device)
+                buf = torch.empty((role.heads, -(-cap // P) * P, role.dim), dtype=s.dtype, device=s.device)
             self._buf = buf
         if full:
             store = role.layers[layer]  # [H, N, P, ...]
@@ -289,7 +305,7 @@ class QuantView:
 def make_role(kind: str, shape: KVShape, page_size: int, role: str):
     """The arena half of a role: ``kind`` "auto" (model precision) or a quantized kind."""
     if kind == "auto":
-        return FullRole(shape, page_size)
+        return FullRole(shape, page_size, role)
     from engine.kv.schemes import scheme_for
 
-    return QuantRole(shape, page_size, scheme_for(kind, role, shape.head_dim, page_size))
+    return QuantRole(shape, page_size, scheme_for(kind, role, shape.of(role)[1], page_size), role)

@@ -25,7 +25,7 @@ from engine.errors import OutOfMemoryError, is_oom
 from engine.kv.arena import PageArena
 from engine.kv.block_table import BlockTable
 from engine.kv.pool import FLAG_QUANTIZED
-from engine.kv.roles import DevicePlan
+from engine.kv.roles import DevicePlan, KVShape
 
 ROLES = ("k", "v")
 Rotate = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]  # (layer, k [H, m, D], kept idx) -> k
@@ -51,16 +51,16 @@ def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 class KVStore:
     """What ``ContiguousKV`` and ``PagedKV`` share: the forward protocol and the counters."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, shape: KVShape) -> None:
+        self.shape = shape
+        self.num_layers, self.dtype, self.device = shape.num_layers, shape.dtype, torch.device(shape.device)
         self._n_before = 0  # tokens cached before the running forward
         self._n_new = 0  # tokens reserved by it
 
     @property
     def token_bytes(self) -> int:
         """Bytes one token takes in one layer (K and V) at full precision."""
-        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.shape.token_bytes
 
     @property
     def past_len(self) -> int:
@@ -83,8 +83,8 @@ class KVStore:
 class ContiguousKV(KVStore):
     """One buffer per layer, grown by doubling (one copy per growth, amortised O(1) per token)."""
 
-    def __init__(self, num_layers, kv_heads, head_dim, dtype, device, initial_tokens: int = 256) -> None:
-        super().__init__(num_layers, kv_heads, head_dim, dtype, device)
+    def __init__(self, shape: KVShape, initial_tokens: int = 256) -> None:
+        super().__init__(shape)
         self._cap = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -97,10 +97,10 @@ class ContiguousKV(KVStore):
 
     def _grow(self, cap: int) -> None:
         """All layers' new buffers first, then the copy: a failed allocation changes nothing."""
-        shape = (self.kv_heads, cap, self.head_dim)
+        (hk, dk), (hv, dv) = self.shape.of("k"), self.shape.of("v")
         try:
-            new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_k = [torch.zeros((hk, cap, dk), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_v = [torch.zeros((hv, cap, dv), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
@@ -193,8 +193,7 @@ class PagedKV(KVStore):
     """A session's pages in a shared ``PageArena``: a block table, and a view of each role (K, V)."""
 
     def __init__(self, arena: PageArena, session_id: int = -1, table: BlockTable | None = None) -> None:
-        s = arena.shape
-        super().__init__(s.num_layers, s.kv_heads, s.head_dim, s.dtype, s.device)
+        super().__init__(arena.shape)
         self.arena = arena
         self.table = table if table is not None else BlockTable(arena.pool, session_id)
         self.views = {r: arena.roles[r].view() for r in ROLES}

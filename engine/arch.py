@@ -1,0 +1,120 @@
+"""What a model hands to its cache, per layer: found by asking it, not by reading config names.
+
+``probe(model)`` runs the model once on three tokens with transformers' own ``DynamicCache`` (built from the
+model's config, so every layer gets the cache layer class transformers gives its type) and reads back, per
+layer, what it cached:
+
+- ``full``: a ``DynamicLayer`` (keys and values grow with the sequence);
+- ``sliding``: a ``DynamicSlidingWindowLayer`` (sliding or chunked attention: only the last ``window`` tokens
+  matter);
+- ``state``: a linear-attention / convolution / state-space layer (a fixed-size state, whatever the length);
+- ``none``: a layer that caches nothing (KV shared with another layer, MLP-only layers).
+
+K and V widths come from the tensors the model produced: Falcon-7B names its KV-head count
+``num_kv_heads``, DeepSeek's MLA caches keys and values of different widths (a rotary part is concatenated
+to the keys), and a config can say anything; the tensors cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FULL, SLIDING, STATE, NONE = "full", "sliding", "state", "none"
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    kind: str  # FULL | SLIDING | STATE | NONE, or the cache layer class name when unknown
+    window: int = 0  # sliding layers: tokens a query may see (itself included)
+    k_heads: int = 0
+    k_dim: int = 0
+    v_heads: int = 0
+    v_dim: int = 0
+    state_bytes: int = 0  # state layers: bytes of their fixed-size state (batch 1)
+
+    @property
+    def attention(self) -> bool:
+        return self.kind in (FULL, SLIDING)
+
+
+def _tensor_bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in x)
+    return 0
+
+
+def _classify(layer) -> LayerFacts:
+    name = type(layer).__name__
+    if name in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+        k, v = layer.keys, layer.values  # [1, heads, T, dim]
+        if k is None or k.dim() != 4:
+            return LayerFacts(NONE)
+        window = int(getattr(layer, "sliding_window", 0) or 0) if name == "DynamicSlidingWindowLayer" else 0
+        return LayerFacts(SLIDING if window else FULL, window, k.shape[1], k.shape[3], v.shape[1], v.shape[3])
+    if name == "LinearAttentionLayer":
+        state = _tensor_bytes(getattr(layer, "conv_states", None)) + _tensor_bytes(getattr(layer, "recurrent_states", None))
+        return LayerFacts(STATE, state_bytes=state)
+    if name == "DummyLayer":
+        return LayerFacts(NONE)
+    return LayerFacts(name)
+
+
+def probe(model) -> tuple[LayerFacts, ...]:
+    """Per layer, what the model caches (one three-token forward with transformers' ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=config)
+    ids = torch.tensor([[1, 2, 3]], dtype=torch.long, device=device)  # [1, 3]
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=torch.arange(3, device=device)[None], cache=cache, use_cache=True)
+    return tuple(_classify(layer) for layer in cache.layers)
+
+
+def refusal(facts: tuple[LayerFacts, ...]) -> str | None:
+    """Why this engine cannot run a model with these layers (one line), or None."""
+    kinds = sorted({f.kind for f in facts})
+    unknown = [k for k in kinds if k not in (FULL, SLIDING, STATE, NONE)]
+    if unknown:
+        return f"layers cached as {', '.join(unknown)} are not supported"
+    attn = [f for f in facts if f.attention]
+    if not attn:
+        return "no attention layer caches keys and values: nothing for the KV cache to hold"
+    shapes = {(f.k_heads, f.k_dim, f.v_heads, f.v_dim) for f in attn}
+    if len(shapes) > 1:
+        return f"attention layers cache keys/values of {len(shapes)} different shapes: not supported yet"
+    if SLIDING in kinds:
+        return "sliding-window layers are not supported yet"
+    if STATE in kinds:
+        return "layers with a recurrent or convolution state (hybrid models) are not supported yet"
+    return None
+
+
+def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int) -> dict:
+    """``ModelInfo`` fields from the probe: layer kinds, windows, real K/V widths, bytes per token, state."""
+    attn = [f for f in facts if f.attention]
+    first = attn[0] if attn else LayerFacts(NONE)
+    return dict(
+        layer_kinds=tuple(f.kind for f in facts),
+        windows=tuple(f.window for f in facts),
+        k_heads=first.k_heads, k_dim=first.k_dim, v_heads=first.v_heads, v_dim=first.v_dim,
+        state_bytes=sum(f.state_bytes for f in facts),
+        num_kv_heads=first.k_heads,
+        head_dim=first.k_dim,
+        kv_bytes_per_token=sum((f.k_heads * f.k_dim + f.v_heads * f.v_dim) * elem_bytes for f in attn),
+        unsupported=refusal(facts) or "",
+    )
+
+
+def attention_impl(model) -> str:
+    """The attention the model runs with when no policy needs scores: what it was loaded with ("sdpa" where
+    transformers supports it for the class; "eager" for e.g. Gemma 2's softcapping, gpt-oss's sinks)."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    return impl if impl in ("sdpa", "eager") else "eager"
