@@ -149,7 +149,7 @@ def _analyse(model) -> list[LayerRope | None] | str:
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
     rot = _rotary_module(decoder)
     if rot is None:
-        return _no_rope_reason(model)
+        return _no_rope_reason(model, decoder)
     if isinstance(rot, str):
         return _unreadable(mt, rot)
     if not hasattr(rot, "rope_type"):  # e.g. gpt-j's own sin/cos table with rotate_every_two
@@ -189,15 +189,20 @@ def _rotary_module(decoder):
     return None
 
 
-def _no_rope_reason(model) -> str:
+def _no_rope_reason(model, decoder) -> str:
     cfg = model.config
     attn_cfg = getattr(cfg, "attn_config", None)
     alibi = (cfg.model_type == "bloom" or bool(getattr(cfg, "alibi", False))
              or bool(getattr(attn_cfg, "alibi", False))
              or (isinstance(attn_cfg, dict) and bool(attn_cfg.get("alibi"))))
-    kind = "ALiBi attention biases" if alibi else "absolute position embeddings"
-    return (f"{cfg.model_type} has no rotary position embedding (it uses {kind}): its cached keys cannot be "
-            "moved to new positions")
+    if alibi:
+        kind = "it uses ALiBi attention biases"
+    elif any(n == "wpe" or "pos" in n for n, _ in decoder.named_children()):  # gpt2 wpe, opt embed_positions
+        kind = "it uses absolute position embeddings"
+    else:
+        kind = "its attention has no position encoding"
+    return (f"{cfg.model_type} has no rotary position embedding ({kind}): its cached keys cannot be moved to new "
+            "positions")
 
 
 def _layer_rope(i: int, layer, rot, layer_type: str | None, probed: dict) -> LayerRope | None | str:
@@ -249,7 +254,8 @@ def _probe(rot, layer_type: str | None, apply_fn: Callable, width: int) -> Layer
     cos, sin = cos.double().cpu().reshape(-1), sin.double().cpu().reshape(-1)  # [R]
     inv64 = inv.detach().double().cpu()  # [R/2]
     r = 2 * inv64.numel()
-    if cos.numel() != r or r > width or k_out.shape != (1, width):
+    # cos/sin come per channel (R: cat or repeat_interleave of the angles) or per pair (R/2: gpt-oss)
+    if cos.numel() not in (r, r // 2) or r > width or k_out.shape != (1, width):
         return f"its rotary module gives {cos.numel()} angles for {inv64.numel()} frequencies (head size {width})"
     scale = torch.hypot(cos[0], sin[0])  # attention_scaling, already multiplied into cached keys
     angles = _PROBE_POS * inv64[None]  # [1, R/2]
