@@ -27,8 +27,8 @@ import ast
 import inspect
 import textwrap
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -100,7 +100,7 @@ class Rerotator:
     def __init__(self, model) -> None:
         layout = rope_layout_or_reason(model)
         if isinstance(layout, str):
-            raise ValueError(layout)
+            raise ValueError(layout)  # noqa: TRY004 - the model is refused, not the argument's type
         self.layers: list[LayerRope | None] = layout
 
     def __call__(self, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -355,7 +355,8 @@ def _eval_condition(expr: ast.expr, attn) -> bool | None:
     for n in ast.walk(tree):
         if not isinstance(n, _SAFE_NODES) or (isinstance(n, ast.Name) and n.id != "self"):
             return None
+    code = compile(tree, "<rope condition>", "eval")  # only `self.<attr>` reads and comparisons, checked above
     try:
-        return bool(eval(compile(tree, "<rope condition>", "eval"), {"__builtins__": {}}, {"self": attn}))  # noqa: S307
+        return bool(eval(code, {"__builtins__": {}}, {"self": attn}))
     except Exception:  # noqa: BLE001 - a missing attribute: cannot tell
         return None

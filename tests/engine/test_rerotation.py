@@ -16,8 +16,9 @@ import torch
 from engine.kv.attention import Rerotator as RerotatorFromAttention
 from engine.kv.rope import Rerotator, rerotation_refusal, rope_layout_or_reason
 
-BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "max_position_embeddings": 512}
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 # model type -> (config overrides, what the layout must be: (rotary_dim, interleaved) per layer, None = no RoPE)
@@ -92,7 +93,7 @@ def check_sequence(model, p0: int, delta: int, n: int = 7) -> None:
     d = torch.full((n,), delta, dtype=torch.int64)
     for layer, (kp, kq) in enumerate(zip(at_p, at_q)):
         got = rr(layer, kp[0], d)  # [H, n, D]
-        torch.testing.assert_close(got, kq[0], atol=1e-5, rtol=1e-5, msg=lambda m: f"layer {layer}: {m}")
+        torch.testing.assert_close(got, kq[0], atol=1e-5, rtol=1e-5, msg=lambda m, layer=layer: f"layer {layer}: {m}")
 
 
 def check_per_token(model, n: int = 6, atol: float = 1e-5, far: int = 511) -> None:
@@ -108,7 +109,7 @@ def check_per_token(model, n: int = 6, atol: float = 1e-5, far: int = 511) -> No
         got = rr(layer, ko[:, :, 0].transpose(0, 1), delta)  # [n, H, 1, D] -> [H, n, D]
         assert got.dtype == ko.dtype
         torch.testing.assert_close(got.float(), kn[:, :, 0].transpose(0, 1).float(), atol=atol, rtol=atol,
-                                   msg=lambda m: f"layer {layer}: {m}")
+                                   msg=lambda m, layer=layer: f"layer {layer}: {m}")
 
 
 @pytest.mark.parametrize("model_type", list(ROTARY))
