@@ -1,5 +1,6 @@
 """Attention that also reports its probabilities (for H2O's accumulated-attention scores), and RoPE
-re-rotation of cached keys (for StreamingLLM's in-cache positions).
+re-rotation of cached keys (for StreamingLLM's in-cache positions; ``Rerotator`` and ``rerotation_refusal``
+live in ``engine.kv.rope`` and are re-exported here).
 
 ``kvscope_scores`` is registered with transformers' ``AttentionInterface`` (and ``sdpa_mask`` as its mask
 builder, so prefix-reuse turns get a correct causal mask). It computes softmax explicitly, so it is only
@@ -9,6 +10,8 @@ selected while a policy needs scores; otherwise models run stock ``sdpa``.
 from __future__ import annotations
 
 import torch
+
+from engine.kv.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
 _registered = False
@@ -74,33 +77,3 @@ def use_attention(model, impl: str) -> None:
     if impl == SCORES_IMPL:
         register()
     model.set_attn_implementation(impl)
-
-
-class Rerotator:
-    """Moves cached (post-RoPE) keys to new positions: ``k' = k·cos(Δθ) + rotate_half(k)·sin(Δθ)``."""
-
-    def __init__(self, model) -> None:
-        rot = None
-        for mod in model.modules():
-            if hasattr(mod, "inv_freq") and type(mod).__name__.endswith("RotaryEmbedding"):
-                rot = mod
-                break
-        if rot is None:
-            raise ValueError("this model has no rotary position embedding: in-cache positions need RoPE")
-        rope_type = getattr(rot, "rope_type", "default")
-        if rope_type == "dynamic":
-            raise ValueError("dynamic-NTK RoPE changes its frequencies with length: keys cannot be re-rotated")
-        self.inv_freq = rot.inv_freq.detach().float()  # [D/2]
-
-    def __call__(self, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """``k``: [H, n, D] cached keys of model layer ``layer``; ``delta``: [n] position change of each token
-        (new - old)."""
-        if not bool((delta != 0).any()):
-            return k
-        freqs = delta.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]  # [n, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).to(k.device)  # [n, D]
-        cos, sin = emb.cos()[None], emb.sin()[None]  # [1, n, D]
-        kf = k.float()
-        half = kf.shape[-1] // 2
-        rot_half = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)  # [H, n, D]
-        return (kf * cos + rot_half * sin).to(k.dtype)
