@@ -64,10 +64,27 @@ def estimate(config: dict, stored_weights_bytes: int, context: int, quantization
     kv_heads = int(c.get("num_key_value_heads") or q_heads)
     hidden = int(c.get("hidden_size") or c.get("n_embd") or 0)
     head_dim = int(c.get("head_dim") or (hidden // max(q_heads, 1)))
-    per_token = 2 * layers * kv_heads * head_dim * compute_b
     max_ctx = int(c.get("max_position_embeddings") or c.get("n_positions") or context)
     ctx = min(context, max_ctx) if max_ctx else context
-    return MemoryEstimate(int(params * per_param), per_token * ctx, per_token, ctx, max_ctx, layers, kv_heads, head_dim)
+    full, sliding, window = _layer_counts(c, layers)
+    per_layer = 2 * kv_heads * head_dim * compute_b
+    per_token = per_layer * (full + sliding)
+    kv = per_layer * (full * ctx + sliding * min(ctx, window))  # sliding layers hold only their window
+    return MemoryEstimate(int(params * per_param), kv, per_token, ctx, max_ctx, full + sliding, kv_heads, head_dim)
+
+
+def _layer_counts(c: dict, layers: int) -> tuple[int, int, int]:
+    """(full-attention layers, sliding-window layers, window) from ``layer_types`` as transformers reads it;
+    recurrent / convolution layers of hybrid models hold no KV."""
+    types = c.get("layer_types")
+    window = int(c.get("sliding_window") or c.get("attention_chunk_size") or 0)
+    if not isinstance(types, list) or not types:
+        return layers, 0, 0
+    sliding = sum(1 for t in types if t in ("sliding_attention", "chunked_attention")) if window else 0
+    full = sum(1 for t in types if t == "full_attention") + (0 if window else
+                                                             sum(1 for t in types if t.endswith("_attention")
+                                                                 and t != "full_attention"))
+    return full, sliding, window
 
 
 def estimate_folder(folder: str | Path, context: int, quantization: str = "none", device: str = "cpu") -> MemoryEstimate:

@@ -90,10 +90,8 @@ def refusal(facts: tuple[LayerFacts, ...]) -> str | None:
     shapes = {(f.k_heads, f.k_dim, f.v_heads, f.v_dim) for f in attn}
     if len(shapes) > 1:
         return f"attention layers cache keys/values of {len(shapes)} different shapes: not supported yet"
-    if SLIDING in kinds:
-        return "sliding-window layers are not supported yet"
-    if STATE in kinds:
-        return "layers with a recurrent or convolution state (hybrid models) are not supported yet"
+    if NONE in kinds:
+        return "some layers cache nothing of their own (keys and values shared with another layer): not supported yet"
     return None
 
 

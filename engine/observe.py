@@ -20,9 +20,22 @@ from engine import snapshot as snap
 from engine.snapshot import CacheSnapshot
 
 
-def page_map(session) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """(state, owner, fill, refcount, pages of this session) over the pool, plus host pages when swapped."""
-    store = session.store
+def page_map(session) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, tuple]:
+    """(state, owner, fill, refcount, pages of this session, groups) over every pool the session's layers use
+    (one for plain models; full layers then each sliding window for models whose layers differ), plus host
+    pages when swapped. ``groups``: (label, pages) in that order, for the page map's captions."""
+    parts = session.store.page_groups() if hasattr(session.store, "page_groups") else [("", session.store)]
+    if not parts:  # no paged part (contiguous full layers, state layers)
+        empty = np.zeros(0, dtype=np.int32)
+        return np.zeros(0, dtype=np.int8), empty, empty, empty, 0, ()
+    if len(parts) == 1 and parts[0][0] == "":
+        return (*_one_pool(session, parts[0][1], session.host), ())
+    maps = [_one_pool(session, store, None) for _, store in parts]  # swapped: its pages are simply free
+    groups = tuple((label, len(m[0])) for (label, _), m in zip(parts, maps))
+    return (*(np.concatenate([m[i] for m in maps]) for i in range(4)), sum(m[4] for m in maps), groups)
+
+
+def _one_pool(session, store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     pool = store.arena.pool
     state = np.asarray(pool.page_states(), dtype=np.int8)
     freed = {p for e in session.evictions for p in e.freed_pages}
@@ -32,7 +45,6 @@ def page_map(session) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, i
     owner = np.asarray(pool.owner, dtype=np.int32)
     fill = np.asarray(pool.fill, dtype=np.int32)
     ref = np.asarray(pool.ref, dtype=np.int32)
-    host = session.host
     if host is None:
         return state, owner, fill, ref, len(store.table.pages)
     P = store.page_size
@@ -53,10 +65,12 @@ def token_state(session) -> np.ndarray:
     index = session.index
     fed = min(index.next_pos, T)
     held = index.held(T)
+    for a, b in getattr(session.store, "held_ranges", list)():  # what the sliding windows still show
+        held[a:min(b, T)] = True
     state[:fed] = snap.TOKEN_EVICTED
     state[held] = snap.TOKEN_KEPT
     cfg = session.cache_config
-    if cfg.quantized and cfg.mode == "paged":
+    if cfg.quantized and cfg.mode == "paged" and index.num_layers:
         full = (index.n // cfg.page_size) * cfg.page_size
         q = index.log[0][:full]
         state[q[q < T]] = snap.TOKEN_QUANTIZED
@@ -85,12 +99,14 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
     """A frozen picture of ``session``'s cache now (read-only numpy copies)."""
     info, cfg, store, t = session.info, session.cache_config, session.store, session.turn_state
     L = info.num_layers
-    if cfg.mode == "paged" and store is not None:
-        state, owner, fill, ref, pages = page_map(session)
+    paged = store is not None and (cfg.mode == "paged" or hasattr(store, "page_groups"))
+    if paged:
+        state, owner, fill, ref, pages, groups = page_map(session)
     else:
-        state, owner, fill, ref, pages = (np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32),
-                                          np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), 0)
+        state, owner, fill, ref, pages, groups = (np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32),
+                                                  np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), 0, ())
     held = session.index.n if store is not None else 0
+    per_layer_tokens = store.layer_tokens() if hasattr(store, "layer_tokens") else [held] * L
     if session.host is not None:
         per_layer = [session.host.nbytes // L] * L  # host bytes, all layers alike
     else:
@@ -104,8 +120,9 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
     return CacheSnapshot(
         generation_id=session.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
         page_size=cfg.page_size if cfg.mode == "paged" else 0, num_pages=len(state),
-        pages_used_per_layer=np.full(L, pages, dtype=np.int64),
-        tokens_per_layer=np.full(L, held, dtype=np.int64),
+        pages_used_per_layer=np.asarray(store.layer_pages() if hasattr(store, "layer_pages") else [pages] * L,
+                                        dtype=np.int64),
+        tokens_per_layer=np.asarray(per_layer_tokens, dtype=np.int64),
         bytes_per_layer=np.asarray(per_layer, dtype=np.int64),
         capacity_tokens=capacity(session),
         page_state=state, page_owner=owner, page_fill=fill, page_refcount=ref,
@@ -116,11 +133,12 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         reused_tokens=t.reused, recomputed_tokens=t.recomputed, first_divergence=t.divergence,
         seq_len=len(session.seq), context_length=session.context_length,
         k_dtype=cfg.k_dtype, v_dtype=cfg.v_dtype,
-        evicted_total=session.index.evicted_count() if store is not None else 0,
+        evicted_total=int(np.count_nonzero(tokens == snap.TOKEN_EVICTED)),
         evicted_positions=evicted_now,
         evict_reason=evs[-1].reason if evs else "",
         phase=phase, step_ms=step_ms, prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms,
         decode_tokens_per_s=(n_decode / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
         offloaded=session.host is not None,
         notes=tuple(session.notes),
+        page_groups=groups,
     )

@@ -8,19 +8,24 @@ the session exactly as it was, still on its old setting.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError, ContextOverflowError, UnsupportedModelError
 from engine.kv.quant import int8_key_layout
+from engine.kv.grouped import GroupedKV, Layout
 from engine.kv.storage import ContiguousKV, KVStore, PagedKV, copy_kv
+from engine.kv.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
 
 OVERFLOW_EVICTS = ("truncate_middle", "rolling")
 
 
-def validate(cfg: CacheConfig, info) -> EvictionPolicy | None:
-    """The policy ``cfg`` asks for, if ``cfg`` can run on this model; ``ValueError`` says why not."""
+def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
+    """The policy ``cfg`` asks for, if ``cfg`` can run on this model (a ``LoadedModel``); ``ValueError`` says
+    why not, before anything changes."""
+    info = lm.info
     if info.unsupported:
         raise UnsupportedModelError(f"{info.name}: {info.unsupported}")
     policy = get_policy(cfg.policy, cfg.policy_params)
@@ -30,6 +35,23 @@ def validate(cfg: CacheConfig, info) -> EvictionPolicy | None:
         raise ValueError("KV int8/int4 is kept per page: choose the paged cache mode")
     if cfg.overflow == "policy" and policy is None:
         raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o or priority)")
+    layout = Layout(info.layer_kinds, info.windows)
+    if info.layer_kinds and not layout.plain and cfg.mode != "off":
+        rotates = (policy is not None and policy.rope_in_cache) or cfg.overflow in OVERFLOW_EVICTS
+        if rotates:
+            raise ValueError(f"{policy.name if policy is not None and policy.rope_in_cache else cfg.overflow}: "
+                             "re-rotating keys to in-cache positions would desynchronise this model's sliding-window or "
+                             "state layers; use H2O or priority, or stop at the context limit")
+        if policy is not None and not layout.full:
+            raise ValueError(f"policy {policy.name}: every layer of this model slides; its windows already bound the "
+                             "cache")
+    elif cfg.mode != "off" and ((policy is not None and policy.rope_in_cache) or cfg.overflow in OVERFLOW_EVICTS):
+        from engine.kv.rope import rerotation_refusal
+
+        why = rerotation_refusal(lm.model)  # cached per model
+        if why:
+            what = f"policy {policy.name}" if policy is not None and policy.rope_in_cache else f"overflow {cfg.overflow}"
+            raise ValueError(f"{what} moves kept keys to new positions, but {why}")
     if cfg.mode == "off" and cfg.overflow in OVERFLOW_EVICTS:
         raise ValueError(f"cache off: overflow '{cfg.overflow}' evicts from a cache; choose contiguous or paged")
     if policy is not None and policy.budget >= info.context_length:
@@ -44,10 +66,38 @@ def make_store(lm, cfg: CacheConfig, session_id: int) -> KVStore | None:
     info = lm.info
     if cfg.mode == "off":
         return None
+    layout = Layout(info.layer_kinds, info.windows)
+    if info.layer_kinds and not layout.plain:
+        return _grouped_store(lm, cfg, layout, session_id)
     if cfg.mode == "contiguous":
         return ContiguousKV(lm.kv_shape, initial_tokens=256)
     arena = lm.kv_arenas.get(cfg.page_size, cfg.max_pages, cfg.k_dtype, cfg.v_dtype)
     return PagedKV(arena, session_id)
+
+
+def _grouped_store(lm, cfg: CacheConfig, layout: Layout, session_id: int) -> GroupedKV:
+    """Full layers as ``cfg`` says; each sliding window in pages of its own (in every mode: that is how a
+    window gives memory back), at ``cfg``'s page size and precision; the states of state layers."""
+    from engine.kv.states import StateLayers
+
+    shape = lm.kv_shape
+    page = cfg.page_size if cfg.mode == "paged" else 16
+    full = None
+    if layout.full:
+        group_shape = dataclasses.replace(shape, num_layers=len(layout.full))
+        if cfg.mode == "contiguous":
+            full = ContiguousKV(group_shape, initial_tokens=256)
+        else:
+            full = PagedKV(lm.kv_arenas.get(page, cfg.max_pages, cfg.k_dtype, cfg.v_dtype, "full", group_shape),
+                           session_id)
+    windows = {}
+    for w, layers in layout.window_groups().items():
+        arena = lm.kv_arenas.get(page, cfg.max_pages, cfg.k_dtype, cfg.v_dtype, f"sliding{w}",
+                                 dataclasses.replace(shape, num_layers=len(layers)), tokens=4 * (w + page))
+        windows[w] = WindowKV(arena, w, session_id)
+    config = lm.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return GroupedKV(layout, full, windows, StateLayers(text, layout.states))
 
 
 def describe(cfg: CacheConfig) -> str:
@@ -65,7 +115,7 @@ def apply(session, cfg: CacheConfig) -> list[str]:
     if cfg == old:
         return []
     session.check_open()
-    policy = validate(cfg, session.info)
+    policy = validate(cfg, session.lm)
     if cfg.mode == "off" and len(session.seq) >= session.context_length:
         raise ContextOverflowError(
             f"cache off recomputes the whole conversation ({len(session.seq)} tokens), which is longer than "
@@ -112,7 +162,7 @@ def _restore_evicted(session) -> list[str]:
     if total > session.context_length - 1:
         return [f"{total - index.n} evicted tokens cannot be restored: the conversation ({total} tokens) is longer "
                 f"than the model's context ({session.context_length}); the kept window stays"]
-    kept = index.intact
+    kept = session.store.reusable(index.intact)
     session.truncate_cache(kept)
     return [f"restoring evicted tokens: {total - kept} tokens re-prefilled from the text on the next step"]
 
@@ -135,11 +185,15 @@ def _move_store(session, old: CacheConfig, cfg: CacheConfig) -> list[str]:
     n = session.index.n if src is not None else 0
     dst = make_store(session.lm, cfg, session.session_id)
     try:
-        if dst is not None and n and not dst.can_reserve(n):
+        target = dst.full if isinstance(dst, GroupedKV) else dst  # windows hold their window, whatever n is
+        if target is not None and n and not target.can_reserve(n):
             raise CacheCapacityError(
                 f"{describe(cfg)} cannot hold this chat's {n} cached tokens within its limits: raise the page "
                 "limit, close other chats, or choose an eviction policy first")
-        copied = copy_kv(src, dst, owner=session.turn) if dst is not None and n else 0
+        if isinstance(src, GroupedKV) and isinstance(dst, GroupedKV):
+            copied = src.copy_into(dst, owner=session.turn) if n else 0
+        else:
+            copied = copy_kv(src, dst, owner=session.turn) if dst is not None and n else 0
     except BaseException:
         if dst is not None:
             dst.free()

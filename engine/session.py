@@ -45,7 +45,7 @@ from engine.eviction import Eviction, EvictionContext, Evictor
 from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
-from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
+from engine.kv.storage import HostKV, KVStore, copy_kv
 from engine.loader import LoadedModel
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
@@ -62,12 +62,14 @@ class ChatSession:
         self.lm, self.model, self.tokenizer, self.info = loaded, loaded.model, loaded.tokenizer, loaded.info
         self.session_id = next(_session_ids)
         cfg = cache or CacheConfig()
-        self.policy = reconfigure.validate(cfg, self.info)
+        self.policy = reconfigure.validate(cfg, loaded)
         self.cache_config = cfg
         self.store: KVStore | None = None
         self._kv: KVCache | None = None
         self.set_store(reconfigure.make_store(loaded, cfg, self.session_id))
-        L = self.info.num_layers
+        L = self.info.num_layers  # the cache index and the scores follow the full-attention layers
+        if self.info.layer_kinds:
+            L = sum(1 for k in self.info.layer_kinds if k == "full")
         self.index = CacheIndex(L)
         self.evictor = Evictor(self.model, L, self.info.num_kv_heads, loaded.device)
         self.seq: list[int] = []
@@ -119,7 +121,9 @@ class ChatSession:
     @property
     def evicted_total(self) -> int:
         """Tokens fed so far that no layer holds any more (evicted, or dropped to fit the context)."""
-        return self.index.evicted_count() if self.store is not None else 0
+        from engine.snapshot import TOKEN_EVICTED
+
+        return int(np.count_nonzero(observe.token_state(self) == TOKEN_EVICTED))
 
     @property
     def context_length(self) -> int:
@@ -185,6 +189,7 @@ class ChatSession:
         common = common_prefix(self.seq[:self.index.intact], ids)
         keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse and self.store is not None else 0
         if self.store is not None:
+            keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
             self.truncate_cache(keep)
         self.seq = list(ids)
         self.turn += 1
@@ -311,6 +316,8 @@ class ChatSession:
                 out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True, logits_to_keep=1)
         except BaseException:
             store.rollback()
+            if store.num_tokens != index.n:  # the store could not undo it (a recurrent state): start over
+                index.truncate(0)
             scores.truncate(index.n)
             raise
         store.commit()
@@ -403,13 +410,13 @@ class ChatSession:
         if self.host is not None:
             self.swap_in()
         other = ChatSession(self.lm, CacheConfig(mode="off"))
-        if isinstance(self.store, PagedKV):
+        if hasattr(self.store, "fork"):
             other.set_store(self.store.fork(other.session_id))
         elif self.store is not None:
             store = reconfigure.make_store(self.lm, self.cache_config, other.session_id)
             copy_kv(self.store, store, owner=self.turn)
             other.set_store(store)
-        other.cache_config, other.policy = self.cache_config, reconfigure.validate(self.cache_config, self.info)
+        other.cache_config, other.policy = self.cache_config, reconfigure.validate(self.cache_config, self.lm)
         other.index = self.index.copy()
         if self.evictor.scores.tracking:
             other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]

@@ -177,6 +177,7 @@ class CacheSnapshot:
     decode_tokens_per_s: float = 0.0
     offloaded: bool = False
     notes: tuple[str, ...] = ()
+    page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

@@ -25,6 +25,13 @@ def kv_comparison(info: ModelInfo) -> dict[str, int]:
     }
 
 
+def _widths(info: ModelInfo) -> str:
+    """Head dims (K and V apart when they differ, as in MLA) and the hidden size."""
+    if info.v_dim and info.v_dim != info.k_dim:
+        return f"K {info.k_dim} / V {info.v_dim} · {info.hidden_size}"
+    return f"{info.head_dim} · {info.hidden_size}"
+
+
 class ModelCardPanel(Panel):
     """Static facts about the loaded model; ``show_model(info)`` fills it, snapshots update 'in use'."""
 
@@ -52,20 +59,22 @@ class ModelCardPanel(Panel):
         self.info = info
         comp = kv_comparison(info)
         ctx = max(info.context_length, 1)
-        heights = np.array([comp["MHA"], comp["this model"], comp["MQA"]], dtype=np.float64) * ctx / 2**20
+        at_ctx = info.kv_bytes_at(ctx)  # sliding layers hold only their window, state layers a fixed size
+        scale = at_ctx / max(1, comp["this model"] * ctx)
+        heights = np.array([comp["MHA"], comp["this model"], comp["MQA"]], dtype=np.float64) * ctx * scale / 2**20
         self.bars.setOpts(height=heights)
         self.plot.setYRange(0, max(heights.max(), 1e-6) * 1.15, padding=0)
         demo = " <span style='color:#ffb347'>built-in, no download</span>" if info.is_demo else ""
         rows = [
-            ("architecture", f"{info.architecture}"),
-            ("layers", info.num_layers),
+            ("architecture", f"{info.architecture} · attention {info.attn_impl}"),
+            ("layers", html.escape(info.layer_summary)),
             ("attention", f"<b>{info.attention_kind}</b>: {info.num_q_heads} Q heads, {info.num_kv_heads} KV heads"),
-            ("head dim · hidden", f"{info.head_dim} · {info.hidden_size}"),
+            ("head dim · hidden", _widths(info)),
             ("context", f"{human_count(info.context_length)} tokens"),
             ("weights", f"{human_bytes(info.weights_bytes)} · {info.dtype} · {info.quantization}"),
             ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype})"),
             ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
-            ("KV at full context", human_bytes(comp["this model"] * ctx)),
+            ("KV at full context", human_bytes(at_ctx)),
             ("device", f"{info.device}<br><span style='color:#8a919c'>{html.escape(info.device_reason)}</span>"),
         ]
         body = "".join(

@@ -185,15 +185,18 @@ class ArenaRegistry:
             return None
         return self.memory_limit - sum(a.nbytes for a in self._arenas.values() if a is not arena)
 
-    def get(self, page_size: int, max_pages: int | None, k_kind: str, v_kind: str) -> PageArena:
-        """The arena for these settings, made on first use (arenas nobody uses are dropped first)."""
-        key = (page_size, max_pages, k_kind, v_kind)
+    def get(self, page_size: int, max_pages: int | None, k_kind: str, v_kind: str, group: str = "full",
+            shape: KVShape | None = None, tokens: int | None = None) -> PageArena:
+        """The arena for these settings, made on first use (arenas nobody uses are dropped first). ``group``
+        names a set of layers with their own pages (a sliding window), ``shape`` their K/V shape, ``tokens``
+        how many tokens the first pages should hold."""
+        key = (group, page_size, max_pages, k_kind, v_kind)
         arena = self._arenas.get(key)
         if arena is None:
             for k in [k for k, a in self._arenas.items() if a.pool.num_used == 0]:
                 del self._arenas[k]  # an arena no session uses gives its memory back
-            tokens = min(self.context_length, 2048)
-            arena = PageArena(self.shape, page_size, -(-tokens // page_size), max_pages, k_kind, v_kind,
+            tokens = tokens or min(self.context_length, 2048)
+            arena = PageArena(shape or self.shape, page_size, -(-tokens // page_size), max_pages, k_kind, v_kind,
                               budget=self.budget)
             self._arenas[key] = arena
         return arena

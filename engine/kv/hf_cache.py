@@ -1,51 +1,58 @@
 """The only file that knows transformers' Cache API (5.x).
 
-``KVCache`` is a ``transformers.cache_utils.Cache`` whose layers delegate to a ``KVStore``. transformers
-applies RoPE, calls ``cache.update(k, v, layer_idx)`` and runs its stock attention (sdpa/eager) on what
-``update`` returns, with stock masks. That is exact as long as ``get_seq_length`` and ``get_mask_sizes``
-describe what ``update`` returns: ``past`` physical tokens before the forward, ``past + q`` after.
+``KVCache`` is a ``transformers.cache_utils.Cache`` whose attention layers delegate to a ``KVStore``.
+transformers applies RoPE, calls ``cache.update(k, v, layer_idx)`` and runs its stock attention (sdpa/eager) on
+what ``update`` returns, with stock masks. That is exact as long as ``get_seq_length`` and ``get_mask_sizes``
+describe what ``update`` returns: for a full-attention layer ``past`` physical tokens before the forward and
+``past + q`` after; for a sliding-window layer (``engine.kv.window``) the logical position of the first key
+it returns, so the model's own sliding mask hides what left the window. Recurrent / convolution layers of
+hybrid models are transformers' own layer objects, held by the store (``engine.kv.states``).
 
 Positions are never derived from the cache: the session always passes ``position_ids`` explicitly.
 """
 
 from __future__ import annotations
 
-import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from engine.kv.storage import KVStore
 
 
 class _StoreLayer(CacheLayerMixin):
-    is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: "KVCache", layer_idx: int) -> None:
+    def __init__(self, cache: "KVCache", layer_idx: int, sliding: bool = False, score_idx: int | None = None) -> None:
         super().__init__()
         self._cache = cache
         self._idx = layer_idx
+        self.is_sliding = sliding
+        self._score_idx = score_idx  # row of the attention scores (full layers), None: not tracked
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # key_states, value_states: [1, kv_heads, q, head_dim], post-RoPE
+        # key_states [1, k_heads, q, k_dim], value_states [1, v_heads, q, v_dim]: post-RoPE
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store = self._cache.store
-        k, v = store.update(self._idx, key_states, value_states)  # [1, kv_heads, past + q, head_dim]
+        k, v = self._cache.store.update(self._idx, key_states, value_states)  # [1, heads, past + q, dim]
         sink = self._cache.score_sink
-        if sink is not None and isinstance(kwargs.get("kwargs"), dict):
-            kwargs["kwargs"]["kvscope_sink"] = sink  # the attention function receives this dict next
+        if sink is not None and self._score_idx is not None and isinstance(kwargs.get("kwargs"), dict):
+            row = self._score_idx
+            kwargs["kwargs"]["kvscope_sink"] = lambda _layer, probs: sink(row, probs)  # the attention gets it next
         return k, v
 
     def get_seq_length(self) -> int:
-        return self._cache.store.past_len
+        store = self._cache.store
+        return store.layer_seq_length(self._idx) if self._cache.grouped else store.past_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.store.past_len + query_length, 0
+        store = self._cache.store
+        if self._cache.grouped:
+            return store.layer_mask_sizes(self._idx, query_length)
+        return store.past_len + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -55,9 +62,19 @@ class _StoreLayer(CacheLayerMixin):
 
 
 class KVCache(Cache):
-    """A transformers ``Cache`` over one of our stores. Build one per forward or keep it per session."""
+    """A transformers ``Cache`` over one of our stores (plain, or ``GroupedKV`` for models whose layers differ)."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self.score_sink = None  # optional fn(layer_idx, probs [1, Hq, q, L]) for attention scores
-        super().__init__(layers=[_StoreLayer(self, i) for i in range(store.num_layers)])
+        self.score_sink = None  # optional fn(score row, probs [1, Hq, q, L]) for attention scores
+        routes = getattr(store, "routes", None)
+        self.grouped = routes is not None
+        layers = []
+        for i in range(store.num_layers):
+            route = routes[i] if routes is not None else ("full", i)
+            if route[0] == "state":
+                layers.append(store.states.layers[i])  # transformers' own recurrent / conv layer object
+            else:
+                layers.append(_StoreLayer(self, i, sliding=route[0] == "window",
+                                          score_idx=route[1] if route[0] == "full" else None))
+        super().__init__(layers=layers)

@@ -16,6 +16,7 @@ class StateLayers:
     def __init__(self, config, layer_ids: list[int]) -> None:
         from transformers import DynamicCache
 
+        self.config = config
         self.layer_ids = list(layer_ids)
         cache = DynamicCache(config=config)  # the layer classes (and their arguments) transformers uses
         self.layers = {i: cache.layers[i] for i in self.layer_ids}

@@ -73,6 +73,10 @@ class KVStore:
     def free(self) -> None:
         self.truncate(0)
 
+    def reusable(self, k: int) -> int:
+        """The longest prefix ``<= k`` this store can be cut back to (any, for keys and values of full layers)."""
+        return k
+
     def compact(self, keep: list[np.ndarray], rotate: Rotate | None = None, start: int = 0) -> list[int]:
         """Keep, per layer, the cached tokens at indices ``keep[l]`` (ascending, the same count in every layer),
         packed to the front in that order, in place. Tokens before ``start`` are kept where they are in every

@@ -28,3 +28,16 @@ def test_pages_hold_what_the_torch_free_formula_says(kind, role, head_dim, page_
 def test_the_estimate_imports_no_torch():
     code = "import sys, app.estimate; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_estimate_counts_sliding_windows_and_state_layers():
+    from app.estimate import estimate
+
+    gemma3 = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+              "hidden_size": 1152, "sliding_window": 512, "max_position_embeddings": 32768,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "torch_dtype": "bfloat16"}
+    est = estimate(gemma3, 2_000_000_000, 4096, device="cuda")
+    per_layer = 2 * 1 * 256 * 2
+    assert est.kv_bytes == per_layer * (1 * 4096 + 5 * 512)  # not 6 × 4096
+    hybrid = dict(gemma3, layer_types=["conv", "full_attention"] * 3, sliding_window=None)
+    assert estimate(hybrid, 2_000_000_000, 4096, device="cuda").kv_bytes == per_layer * 3 * 4096
