@@ -32,7 +32,7 @@ def scores_attention(module, query, key, value, attention_mask, scaling=None, dr
     query [1, Hq, q, D]; key/value [1, Hkv, L, D] / [1, Hkv, L, Dv] (what the cache returned).
     Returns ([1, q, Hq, Dv], None).
     """
-    n_rep = module.num_key_value_groups
+    n_rep = query.shape[1] // key.shape[1]  # GQA groups (not every attention class names them)
     q_len, kv_len = query.shape[2], key.shape[2]
     k = _repeat_kv(key, n_rep)  # [1, Hq, L, D]
     v = _repeat_kv(value, n_rep)  # [1, Hq, L, Dv]

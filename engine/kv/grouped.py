@@ -203,6 +203,7 @@ class GroupedKV(KVStore):
             other = dst.windows[w]
             other.base = win.base
             copy_kv(win.inner, other.inner, owner)
+            other.slide()  # at the new page size, whole pages may now lie before the window
         if self.states:
             dst.states.restore(self.states.snapshot())  # dst's own objects: the source is freed next
         dst._fed = self._fed
@@ -223,10 +224,10 @@ class GroupedKV(KVStore):
     def to_host(self, pin: bool = False) -> HostKV:
         parts = {"full": self.full.to_host(pin) if self.full is not None else None,
                  "windows": {w: win.to_host(pin) for w, win in self.windows.items()},
-                 "states": self.states.snapshot("cpu") if self.states else None}
+                 "states": self.states.snapshot("cpu") if self.states else None, "fed": self._fed}
         nbytes = (parts["full"].nbytes if parts["full"] else 0) + sum(h.nbytes for _, h in parts["windows"].values())
         nbytes += self.states.nbytes_of(parts["states"]) if self.states else 0
-        return HostKV(self._fed, [parts], nbytes, parts["full"].owners if parts["full"] else [])
+        return HostKV(self.num_tokens, [parts], nbytes, parts["full"].owners if parts["full"] else [])
 
     def can_restore(self, host: HostKV) -> bool:
         parts = host.layers[0]
@@ -241,7 +242,7 @@ class GroupedKV(KVStore):
             self.windows[w].from_host(h)
         if self.states and parts["states"] is not None:
             self.states.restore(parts["states"])
-        self._fed = host.n
+        self._fed = parts["fed"]
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_layer(self) -> list[int]:

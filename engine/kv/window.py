@@ -67,12 +67,12 @@ class WindowKV:
 
     def commit(self) -> None:
         self.inner.commit()
-        self._slide()
+        self.slide()
 
     def rollback(self) -> None:
         self.inner.rollback()
 
-    def _slide(self) -> None:
+    def slide(self) -> None:
         """Give back whole pages whose tokens no future query can see (before ``end - window + 1``)."""
         P = self.arena.page_size
         expired = (self.end - self.window + 1 - self.base) // P
