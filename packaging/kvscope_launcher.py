@@ -27,9 +27,10 @@ _T0 = time.perf_counter()
 import os  # noqa: E402
 import sys  # noqa: E402
 
-# Architectures the app supports and the bundle is verified with (the engine loads any causal LM with
-# full attention; these are the ones the frozen --bundle-check builds and runs). kvscope.spec adds their
-# transformers packages as hidden imports. (model_type, tokenizer class names that configs name for it)
+# Architectures the bundle is verified with, one of each layer kind the engine handles (full attention;
+# sliding windows: gemma3_text, and gpt_oss with learned sinks on eager attention; short-convolution state:
+# lfm2). The frozen --bundle-check builds and runs each; kvscope.spec adds their transformers packages as
+# hidden imports. (model_type, tokenizer class names that configs name for it)
 ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "llama": ("LlamaTokenizer", "LlamaTokenizerFast"),
     "mistral": ("LlamaTokenizer", "TokenizersBackend"),
@@ -37,6 +38,17 @@ ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "qwen3": ("Qwen2Tokenizer",),
     "phi3": ("LlamaTokenizer", "TokenizersBackend"),
     "gemma": ("GemmaTokenizer", "GemmaTokenizerFast"),
+    "gemma3_text": ("GemmaTokenizer",),
+    "gpt_oss": ("TokenizersBackend",),
+    "lfm2": ("TokenizersBackend",),
+}
+# What a tiny config of these needs beyond the common sizes: windows shorter than the check's reply, so the
+# sliding pages really go back to the pool; every kind of layer present.
+_LAYERS = {
+    "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], num_local_experts=2,
+                    num_experts_per_tok=1),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
 }
 
 # The module whose main() runs the app; kvscope.spec rewrites this line in its build copy when
@@ -89,7 +101,7 @@ def _tiny_config(arch: str):
     cfg = AutoConfig.for_model(
         arch, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **_LAYERS.get(arch, {}),
     )
     return cfg
 
@@ -211,18 +223,22 @@ def bundle_check(argv: list[str]) -> int:
         cfg = _tiny_config(arch)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+            try:
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+            except ValueError:  # no sdpa for this class (gpt-oss's sinks)
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
         model.generation_config.eos_token_id = None
         lm = wrap_model(model, None, ModelSpec(source=f"bundle-check:{arch}", device="cpu"), "cpu", "cpu",
                         name=arch, path=None, is_demo=True)
         ids = _run_session(lm, prompt_ids=[1, 5, 7, 9, 11])
+        kinds = lm.info.layer_summary
         toks = {}
         for n in tok_names:
             cls = tokenizer_class_from_name(n)
             if cls is None:
                 raise ImportError(f"tokenizer class {n} not found")
             toks[n] = cls.__module__
-        return {"model": type(model).__name__, "ids": ids, "tokenizers": toks}
+        return {"model": type(model).__name__, "layers": kinds, "ids": ids, "tokenizers": toks}
 
     def demo_check():
         from engine.loader import load_model
