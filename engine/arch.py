@@ -90,12 +90,18 @@ def refusal(facts: tuple[LayerFacts, ...]) -> str | None:
     shapes = {(f.k_heads, f.k_dim, f.v_heads, f.v_dim) for f in attn}
     if len(shapes) > 1:
         return f"attention layers cache keys/values of {len(shapes)} different shapes: not supported yet"
-    if NONE in kinds:
-        return "some layers cache nothing of their own (keys and values shared with another layer): not supported yet"
     return None
 
 
-def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int) -> dict:
+def sharing_refusal(config) -> str | None:
+    """Layers that read another layer's keys and values (Gemma 3n's KV sharing) need that layer's cache
+    object as transformers builds it: not supported yet. MLP-only layers (which cache nothing) are fine."""
+    if int(getattr(config, "num_kv_shared_layers", 0) or 0) > 0:
+        return "some layers reuse another layer's keys and values (KV sharing): not supported yet"
+    return None
+
+
+def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int, config=None) -> dict:
     """``ModelInfo`` fields from the probe: layer kinds, windows, real K/V widths, bytes per token, state."""
     attn = [f for f in facts if f.attention]
     first = attn[0] if attn else LayerFacts(NONE)
@@ -107,7 +113,7 @@ def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int) -> dict:
         num_kv_heads=first.k_heads,
         head_dim=first.k_dim,
         kv_bytes_per_token=sum((f.k_heads * f.k_dim + f.v_heads * f.v_dim) * elem_bytes for f in attn),
-        unsupported=refusal(facts) or "",
+        unsupported=refusal(facts) or (sharing_refusal(config) if config is not None else None) or "",
     )
 
 

@@ -420,6 +420,6 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
         stop_ids=stop,
         attn_impl=impl,
-        **info_fields(facts, elem),
+        **info_fields(facts, elem, text_cfg),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -13,7 +13,7 @@ Positions are never derived from the cache: the session always passes ``position
 
 from __future__ import annotations
 
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from engine.kv.storage import KVStore
 
@@ -74,6 +74,8 @@ class KVCache(Cache):
             route = routes[i] if routes is not None else ("full", i)
             if route[0] == "state":
                 layers.append(store.states.layers[i])  # transformers' own recurrent / conv layer object
+            elif route[0] == "none":
+                layers.append(DummyLayer())  # an MLP-only layer: caches nothing
             else:
                 layers.append(_StoreLayer(self, i, sliding=route[0] == "window",
                                           score_idx=route[1] if route[0] == "full" else None))

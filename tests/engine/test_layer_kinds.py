@@ -205,7 +205,7 @@ def test_models_that_cannot_run_say_why_in_one_line():
     from engine.arch import LayerFacts, refusal
 
     assert "different shapes" in refusal((LayerFacts("full", 0, 2, 16, 2, 16), LayerFacts("full", 0, 4, 16, 4, 16)))
-    assert "shared with another layer" in refusal((LayerFacts("full", 0, 2, 16, 2, 16), LayerFacts("none")))
+    assert refusal((LayerFacts("full", 0, 2, 16, 2, 16), LayerFacts("none"))) is None  # MLP-only layers
     assert "not supported" in refusal((LayerFacts("DynamicIndexedLayer"),))
     _, lm = tiny("gemma3_text")
     bad = dataclasses.replace(lm, info=dataclasses.replace(lm.info, unsupported="some reason"), arenas=None)
