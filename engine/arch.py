@@ -8,6 +8,7 @@ layer, what it cached:
 - ``sliding``: a ``DynamicSlidingWindowLayer`` (sliding or chunked attention: only the last ``window`` tokens
   matter);
 - ``state``: a linear-attention / convolution / state-space layer (a fixed-size state, whatever the length);
+- ``full+state`` / ``sliding+state``: both in one layer (attention and a state side by side: Falcon-H1);
 - ``none``: a layer that caches nothing (KV shared with another layer, MLP-only layers).
 
 K and V widths come from the tensors the model produced: Falcon-7B names its KV-head count
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 FULL, SLIDING, STATE, NONE = "full", "sliding", "state", "none"
+WITH_STATE = "+state"  # an attention layer that also holds a recurrent / conv state (Falcon-H1, Zamba2)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,12 @@ class LayerFacts:
 
     @property
     def attention(self) -> bool:
-        return self.kind in (FULL, SLIDING)
+        return base_kind(self.kind) in (FULL, SLIDING)
+
+
+def base_kind(kind: str) -> str:
+    """"full" for "full+state", and so on."""
+    return kind[:-len(WITH_STATE)] if kind.endswith(WITH_STATE) else kind
 
 
 def _tensor_bytes(x) -> int:
@@ -49,16 +56,21 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
+_ATTENTION = ("DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionAndFullAttentionLayer",
+              "LinearAttentionAndSlidingWindowAttentionLayer")
+
+
 def _classify(layer) -> LayerFacts:
     name = type(layer).__name__
-    if name in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+    state = _tensor_bytes(getattr(layer, "conv_states", None)) + _tensor_bytes(getattr(layer, "recurrent_states", None))
+    if name in _ATTENTION:
         k, v = layer.keys, layer.values  # [1, heads, T, dim]
         if k is None or k.dim() != 4:
             return LayerFacts(NONE)
-        window = int(getattr(layer, "sliding_window", 0) or 0) if name == "DynamicSlidingWindowLayer" else 0
-        return LayerFacts(SLIDING if window else FULL, window, k.shape[1], k.shape[3], v.shape[1], v.shape[3])
+        window = int(getattr(layer, "sliding_window", 0) or 0) if "Sliding" in name else 0
+        kind = (SLIDING if window else FULL) + (WITH_STATE if name.startswith("LinearAttention") else "")
+        return LayerFacts(kind, window, k.shape[1], k.shape[3], v.shape[1], v.shape[3], state)
     if name == "LinearAttentionLayer":
-        state = _tensor_bytes(getattr(layer, "conv_states", None)) + _tensor_bytes(getattr(layer, "recurrent_states", None))
         return LayerFacts(STATE, state_bytes=state)
     if name == "DummyLayer":
         return LayerFacts(NONE)
@@ -81,7 +93,7 @@ def probe(model) -> tuple[LayerFacts, ...]:
 def refusal(facts: tuple[LayerFacts, ...]) -> str | None:
     """Why this engine cannot run a model with these layers (one line), or None."""
     kinds = sorted({f.kind for f in facts})
-    unknown = [k for k in kinds if k not in (FULL, SLIDING, STATE, NONE)]
+    unknown = [k for k in kinds if base_kind(k) not in (FULL, SLIDING, STATE, NONE)]
     if unknown:
         return f"layers cached as {', '.join(unknown)} are not supported"
     attn = [f for f in facts if f.attention]

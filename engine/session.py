@@ -69,7 +69,7 @@ class ChatSession:
         self.set_store(reconfigure.make_store(loaded, cfg, self.session_id))
         L = self.info.num_layers  # the cache index and the scores follow the full-attention layers
         if self.info.layer_kinds:
-            L = sum(1 for k in self.info.layer_kinds if k == "full")
+            L = sum(1 for k in self.info.layer_kinds if k.split("+")[0] == "full")
         self.index = CacheIndex(L)
         self.evictor = Evictor(self.model, L, self.info.num_kv_heads, loaded.device)
         self.seq: list[int] = []

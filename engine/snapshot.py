@@ -78,7 +78,8 @@ class ModelInfo:
 
     @property
     def attention_layers(self) -> int:
-        return sum(1 for k in self.layer_kinds if k in ("full", "sliding")) if self.layer_kinds else self.num_layers
+        return (sum(1 for k in self.layer_kinds if k.split("+")[0] in ("full", "sliding")) if self.layer_kinds
+                else self.num_layers)
 
     def kv_bytes_at(self, tokens: int) -> int:
         """Bytes of the cache holding ``tokens`` tokens: full layers hold all of them, sliding layers at most
@@ -86,7 +87,7 @@ class ModelInfo:
         if not self.layer_kinds:
             return self.kv_bytes_per_token * tokens
         per = self.layer_bytes_per_token
-        held = sum(tokens if k == "full" else min(tokens, w) if k == "sliding" else 0
+        held = sum(tokens if k.startswith("full") else min(tokens, w) if k.startswith("sliding") else 0
                    for k, w in zip(self.layer_kinds, self.windows))
         return per * held + self.state_bytes
 
@@ -95,14 +96,15 @@ class ModelInfo:
         """E.g. "26 layers: 22 sliding (window 512) · 4 full"."""
         if not self.layer_kinds:
             return f"{self.num_layers} layers: {self.num_layers} full"
-        labels = {"full": "full", "sliding": "sliding", "state": "state (recurrent/conv)", "none": "no cache"}
+        labels = {"full": "full", "sliding": "sliding", "state": "state (recurrent/conv)", "full+state": "full + state",
+                  "sliding+state": "sliding + state", "none": "no cache"}
         parts = []
         for kind, label in labels.items():
             n = self.layer_kinds.count(kind)
             if not n:
                 continue
-            if kind == "sliding":
-                ws = sorted({w for k, w in zip(self.layer_kinds, self.windows) if k == "sliding"})
+            if kind.startswith("sliding"):
+                ws = sorted({w for k, w in zip(self.layer_kinds, self.windows) if k == kind})
                 label += f" (window {', '.join(str(w) for w in ws)})"
             parts.append(f"{n} {label}")
         return f"{len(self.layer_kinds)} layers: " + " · ".join(parts)

@@ -26,17 +26,18 @@ class Layout:
 
     @property
     def full(self) -> list[int]:
-        return [i for i, k in enumerate(self.kinds) if k == "full"]
+        return [i for i, k in enumerate(self.kinds) if k.split("+")[0] == "full"]
 
     @property
     def states(self) -> list[int]:
-        return [i for i, k in enumerate(self.kinds) if k == "state"]
+        """Layers with a recurrent / conv state (alone, or beside attention: "full+state")."""
+        return [i for i, k in enumerate(self.kinds) if k == "state" or k.endswith("+state")]
 
     def window_groups(self) -> dict[int, list[int]]:
         """Window size → the sliding layers with that window."""
         out: dict[int, list[int]] = {}
         for i, (k, w) in enumerate(zip(self.kinds, self.windows)):
-            if k == "sliding":
+            if k.split("+")[0] == "sliding":
                 out.setdefault(w, []).append(i)
         return out
 
@@ -50,13 +51,17 @@ class Layout:
         local = {m: (w, i) for w, layers in self.window_groups().items() for i, m in enumerate(layers)}
         out = []
         for m, kind in enumerate(self.kinds):
-            if kind == "full":
+            base = kind.split("+")[0]
+            if base == "full":
                 out.append(("full", full[m]))
-            elif kind == "sliding":
+            elif base == "sliding":
                 out.append(("window", *local[m]))
             else:
                 out.append((kind,))
         return out
+
+    def has_state(self, m: int) -> bool:
+        return self.kinds[m] == "state" or self.kinds[m].endswith("+state")
 
 
 class GroupedKV(KVStore):
@@ -253,10 +258,10 @@ class GroupedKV(KVStore):
                 out.append(full)
             elif route[0] == "window":
                 out.append(self.windows[route[1]].bytes_held())
-            elif route[0] == "state":
-                out.append(self.states.layer_bytes(i))
             else:
                 out.append(0)
+            if self.layout.has_state(i):
+                out[-1] += self.states.layer_bytes(i)
         return out
 
     def capacity_tokens(self) -> int:

@@ -61,6 +61,15 @@ class _StoreLayer(CacheLayerMixin):
         pass
 
 
+def _with_state(hf_layer, ours: _StoreLayer):
+    """A layer with attention and a recurrent / conv state side by side (Falcon-H1): transformers' own object
+    keeps the state (its ``update_conv_state`` and friends), its attention goes to our store."""
+    for name in ("update", "get_seq_length", "get_mask_sizes", "get_max_length"):
+        setattr(hf_layer, name, getattr(ours, name))
+    hf_layer.is_sliding = ours.is_sliding
+    return hf_layer
+
+
 class KVCache(Cache):
     """A transformers ``Cache`` over one of our stores (plain, or ``GroupedKV`` for models whose layers differ)."""
 
@@ -77,6 +86,9 @@ class KVCache(Cache):
             elif route[0] == "none":
                 layers.append(DummyLayer())  # an MLP-only layer: caches nothing
             else:
-                layers.append(_StoreLayer(self, i, sliding=route[0] == "window",
-                                          score_idx=route[1] if route[0] == "full" else None))
+                ours = _StoreLayer(self, i, sliding=route[0] == "window",
+                                   score_idx=route[1] if route[0] == "full" else None)
+                if self.grouped and store.layout.has_state(i):
+                    ours = _with_state(store.states.layers[i], ours)
+                layers.append(ours)
         super().__init__(layers=layers)
