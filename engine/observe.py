@@ -141,4 +141,5 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         offloaded=session.host is not None,
         notes=tuple(session.notes),
         page_groups=groups,
+        layer_kinds=tuple(info.layer_kinds),
     )

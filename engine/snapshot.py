@@ -180,6 +180,7 @@ class CacheSnapshot:
     offloaded: bool = False
     notes: tuple[str, ...] = ()
     page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
+    layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

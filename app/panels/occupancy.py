@@ -16,6 +16,7 @@ SEGMENTS = (
     ("full", "#4c9be8"),
     ("quantized", "#a470ff"),
     ("pinned", "#ffd84a"),
+    ("state", "#8a919c"),
 )
 
 
@@ -32,7 +33,26 @@ def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     pinned = np.minimum(held, n_pinned)
     quantized = np.minimum(held - pinned, n_quant)
     full = held - pinned - quantized
-    return {"full": full, "quantized": quantized, "pinned": pinned}
+    return {"full": full, "quantized": quantized, "pinned": pinned, "state": state_tokens(snap)}
+
+
+def state_tokens(snap: CacheSnapshot) -> np.ndarray:
+    """The fixed state of recurrent / conv layers, drawn in tokens' worth of KV (its bytes over what one
+    token costs a KV layer of this snapshot), so it stands as a constant bar beside the growing ones."""
+    kinds = snap.layer_kinds
+    out = np.zeros(len(snap.tokens_per_layer), dtype=np.int64)
+    if not kinds or not any("state" in k for k in kinds):
+        return out
+    held = np.asarray(snap.tokens_per_layer, dtype=np.int64)
+    per_layer = np.asarray(snap.bytes_per_layer, dtype=np.int64)
+    kv = [i for i, k in enumerate(kinds) if k in ("full", "sliding") and held[i] > 0]
+    if not kv:
+        return out
+    per_token = max(1, int(per_layer[kv[0]] // held[kv[0]]))
+    for i, k in enumerate(kinds):
+        if k == "state":
+            out[i] = per_layer[i] // per_token
+    return out
 
 
 class OccupancyPanel(Panel):
@@ -82,11 +102,17 @@ class OccupancyPanel(Panel):
         self.y_range.fit(max(top, cap) if show_cap else top)
         self.stack = stack
         total_q = int(stack["quantized"].sum())
+        kinds = snap.layer_kinds
+        extra = ""
+        if any(k.startswith("sliding") for k in kinds):
+            extra += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window"
+        if any("state" in k for k in kinds):
+            extra += f" · {sum('state' in k for k in kinds)} layers hold a fixed state (grey)"
         self.caption.setText(
             f"<b>{snap.mode}</b> · {int(np.max(snap.tokens_per_layer, initial=0))} tokens held of "
             f"{snap.seq_len} · capacity {snap.capacity_tokens}/layer · KV {human_bytes(snap.kv_bytes)}"
             + (f" · {total_q // max(len(layers), 1)} quantized/layer" if total_q else "")
-            + (f" · {snap.evicted_total} evicted" if snap.evicted_total else "")
+            + (f" · {snap.evicted_total} evicted" if snap.evicted_total else "") + extra
         )
         self._count()
 

@@ -101,6 +101,15 @@ def token_colours(snap: CacheSnapshot) -> np.ndarray:
     return out
 
 
+def _group_spans(groups) -> list[tuple[str, int, int]]:
+    """(label, first page, pages) of each pool in the map, in order."""
+    out, start = [], 0
+    for label, n in groups:
+        out.append((label, start, n))
+        start += n
+    return out
+
+
 def cell_pixels(num_pages: int) -> int:
     """Screen pixels per page cell in the drawn image (one of them is the gap between cells)."""
     return 6 if num_pages <= 4096 else 3 if num_pages <= 16384 else 1
@@ -171,7 +180,10 @@ class PageMapPanel(Panel):
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
-        if snap.mode != "paged":
+        if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
+            parts.insert(1, " · ".join(f"{label}: pages {start}–{start + n - 1}" for label, start, n in
+                                       _group_spans(snap.page_groups)))
+        elif snap.mode != "paged":
             parts = [f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"]
         self.caption.setText(" · ".join(parts))
         self._count()

@@ -169,3 +169,19 @@ def test_page_map_hover_shows_the_page(qtbot):
     panel._on_mouse((inside,))
     assert panel.hover.text() == panel.describe_page(2) and "shared" in panel.hover.text()
     assert "ref count 2" in panel.hover.text()
+
+
+def test_state_layers_stand_as_a_constant_bar_and_pools_are_labelled(qtbot):
+    snap = make_snapshot(tokens_per_layer=np.array([10, 0, 10]), bytes_per_layer=np.array([640, 320, 640]),
+                         layer_kinds=("full", "state", "sliding"), page_groups=(("full", 5), ("sliding 8", 3)))
+    panel = OccupancyPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    h = panel.bar_heights()
+    np.testing.assert_array_equal(h["state"], [0, 5, 0])  # 320 B of state = 5 tokens' worth at 64 B/token
+    np.testing.assert_array_equal(h["full"], [10, 0, 10])
+    assert "fixed state" in panel.caption.text() and "sliding layers keep only their window" in panel.caption.text()
+    pages = PageMapPanel()
+    qtbot.addWidget(pages)
+    pages.show_snapshot(snap)
+    assert "full: pages 0–4" in pages.caption.text() and "sliding 8: pages 5–7" in pages.caption.text()
