@@ -34,6 +34,8 @@ class _Clock:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda:  # the stamp must follow the forward, not its launch (HF syncs once per step anyway)
+            torch.cuda.synchronize(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 
@@ -106,11 +108,12 @@ def _load(a):
     if a.shape:
         from engine.shapes import build_shape
 
-        return build_shape(a.shape, device=a.device)
+        dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.float32
+        return build_shape(a.shape, device=a.device, dtype=dtype)
     from engine.config import ModelSpec
     from engine.loader import load_model
 
-    return load_model(ModelSpec(source=a.model, device=a.device))
+    return load_model(ModelSpec(source=a.model, device=a.device, dtype=a.dtype))
 
 
 def _check_args(a, lm) -> tuple[list[int], list[str]]:
@@ -197,7 +200,9 @@ def run_bench(a) -> int:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
         rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
     extra: dict[str, Any] = {"turn_reuse": _turn_reuse(lm, a, log)} if a.reuse_history else {}
-    out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows, **extra}
+    device = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else lm.device.type
+    out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
+           "dtype": str(lm.kv_dtype).removeprefix("torch."), "rows": rows, **extra}
     with open(a.json_file, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     _print_ratios(rows, log)

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure a turn's TTFT with prefix reuse vs a full re-prefill at this history length")
     b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")
     b.add_argument("--device", default="auto", choices=DEVICES)
+    b.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="weights and KV dtype (auto: float32 for --shape, the checkpoint's for --model)")
     b.add_argument("--json", dest="json_file", required=True, help="output file")
 
     q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+# KVSCOPE_STORIES: another copy of the model (a GPU machine gets the repository without ../shared)
+STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT.parent / "shared" / "models" / "stories260K")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
