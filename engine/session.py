@@ -345,15 +345,17 @@ class ChatSession:
         return self.turn_state.stats(reason)
 
     # -- teacher forcing (quality scoring) ------------------------------------------------------------------
-    def teacher_force(self, ids: Sequence[int]) -> Iterator[torch.Tensor]:
+    def teacher_force(self, ids: Sequence[int], prefill: int = 0) -> Iterator[torch.Tensor]:
         """Feed ``ids`` one token at a time through this session's cache (evicting and quantizing exactly as
-        during a reply) and yield, after each, the logits predicting the next token. Starts a new text."""
+        during a reply) and yield, after each, the logits predicting the next token. Starts a new text.
+        The first ``prefill`` tokens go in as a prompt does (in chunks), with one yield after them."""
         self.check_open()
         if self.generating:
             raise EngineError("a reply is in progress: teacher forcing needs an idle session")
         self.reset()
-        for token in ids:
-            self.seq.append(int(token))
+        ids = [int(t) for t in ids]
+        for group in ([ids[:prefill]] if prefill > 0 else []) + [[t] for t in ids[max(prefill, 0):]]:
+            self.seq.extend(group)
             try:
                 logits = None
                 while logits is None:

@@ -67,7 +67,10 @@ def build_shape(name: str, seed: int = 0, device: str = "auto", dtype: torch.dty
 
     cfg = build_config(name)
     dev, reason = choose_device(device)
-    with torch.random.fork_rng(devices=[]):
+    # Built on the GPU itself when there is one: initialising a 1B model's random weights on the host took
+    # most of a minute of a GPU check. (CPU and CUDA generators differ: a shape's weights depend on where
+    # it was built, its structure does not.)
+    with torch.random.fork_rng(devices=[]), torch.device(dev if dev == "cuda" else "cpu"):
         torch.manual_seed(seed)
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")

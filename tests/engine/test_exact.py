@@ -89,3 +89,18 @@ def test_random_gqa_models_exact(shape, mode, page):
     ids = torch.randint(0, lm.info.vocab_size, (37,), generator=g).tolist()
     ref = hf_greedy(lm, ids, 120)
     assert engine_greedy(lm, ids, 120, CacheConfig(mode=mode, page_size=page)) == ref
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(mode="paged", page_size=16), CacheConfig(mode="contiguous")],
+                         ids=lambda c: c.mode)
+def test_teacher_force_with_a_prefilled_prompt(stories, stories_ref, cache):
+    """``teacher_force(ids, prefill=n)``: one yield for the prompt, then one per token, each the logits HF's
+    greedy run chose its token from (the first 60 tokens of the published story, prompt as one prefill)."""
+    ids, ref = stories_ref
+    s = ChatSession(stories, cache)
+    rows = list(s.teacher_force(ids + ref[:59], prefill=len(ids)))
+    s.close()
+    assert len(rows) == 60
+    assert [int(r.argmax()) for r in rows] == ref[:60]
+    one_by_one = list(ChatSession(stories, cache).teacher_force(ids + ref[:59]))[len(ids) - 1:]
+    assert max(float((a - b).abs().max()) for a, b in zip(rows, one_by_one)) < 1e-4

@@ -20,7 +20,7 @@ SHAPE = os.environ.get("KVSCOPE_GPU_TEST_SHAPE", "qwen2.5-0.5b")
 N_STORIES = 300
 N_AGREE = 256  # tokens compared for top-1 agreement (the issue's figure)
 AGREE_MIN = 0.999  # top-1 agreement, ties within the numeric noise not counted (see ``agreement``)
-AGREE_RAW_MIN = 0.99  # counting them
+NOISE_MAX = 0.05  # largest logit difference from HF, relative to the largest logit (bf16 through 24 layers)
 
 
 def hf_generate(lm, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -50,11 +50,8 @@ def agreement(lm, prompt: list[int], cache: CacheConfig) -> dict:
     """Teacher-force HF's greedy continuation through our cache; compare top-1 at each of its tokens."""
     ref, hf_logits = hf_generate(lm, prompt, N_AGREE)
     s = ChatSession(lm, cache)
-    ours = []
     with torch.inference_mode():
-        for i, logits in enumerate(s.teacher_force(prompt + ref[:-1])):
-            if i >= len(prompt) - 1:
-                ours.append(logits.float().reshape(-1))
+        ours = [x.float().reshape(-1) for x in s.teacher_force(prompt + ref[:-1], prefill=len(prompt))]
     s.close()
     ours_t = torch.stack(ours)  # [n, vocab]
     top = ours_t.argmax(-1).tolist()
@@ -111,7 +108,7 @@ def test_bf16_paged_top1_agreement(qwen_bf16, record):
     for cache in (CacheConfig(mode="paged", page_size=16), CacheConfig(mode="contiguous")):
         a = agreement(qwen_bf16, prompt, cache)
         record("top1-bf16", mode=cache.mode, **a)
-        assert a["agree"] >= AGREE_MIN and a["agree_raw"] >= AGREE_RAW_MIN, a
+        assert a["agree"] >= AGREE_MIN and a["max_abs_logit_diff"] <= NOISE_MAX * a["logit_scale"], a
 
 
 def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path, record):
@@ -131,7 +128,7 @@ def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path
 
     est = estimate_folder(folder, 4096, "nf4", device=DEVICE)
     record("top1-nf4", weights_bytes=weights, estimated_weights_bytes=est.weights_bytes, **a)
-    assert a["agree"] >= AGREE_MIN and a["agree_raw"] >= AGREE_RAW_MIN, a
+    assert a["agree"] >= AGREE_MIN and a["max_abs_logit_diff"] <= NOISE_MAX * a["logit_scale"], a
     assert abs(est.weights_bytes - weights) <= 0.15 * weights, (est.weights_bytes, weights)
     del lm
     if cuda:
@@ -152,7 +149,7 @@ def test_memory_readout_and_fit(qwen_bf16, record):
         pass
     snap = r.snapshot
     torch.cuda.synchronize()
-    assert snap.device_bytes > 0 and snap.device_bytes <= torch.cuda.memory_allocated()
+    assert 0 < snap.device_bytes <= torch.cuda.max_memory_allocated()
     assert snap.weights_bytes + snap.kv_bytes <= snap.device_bytes
     config = qwen_bf16.model.config.to_dict()
     est = estimate(config, snap.weights_bytes, 4096, "none", device=DEVICE)
@@ -168,11 +165,11 @@ def test_memory_readout_and_fit(qwen_bf16, record):
 
 
 def test_swap_pinned_bit_for_bit(qwen_bf16, record):
-    """Swap a chat's pages to pinned host memory and back: the same K/V bits and the same next tokens."""
+    """Swap a bf16 chat's pages to pinned host memory and back: the same K/V bits, pages given back and
+    taken again. (Its next tokens are compared in float32 below: in bf16, where the pages land decides which
+    attention kernel runs, and random weights have near-ties that such differences flip.)"""
     prompt = _prompt(qwen_bf16.info.vocab_size, 300, seed=5)
-    cache = CacheConfig(mode="paged", page_size=16)
-    ref = engine_greedy(qwen_bf16, prompt, 48, cache)
-    s = ChatSession(qwen_bf16, cache)
+    s = ChatSession(qwen_bf16, CacheConfig(mode="paged", page_size=16))
     s.start_ids(prompt, SamplingConfig(max_new_tokens=16, ignore_eos=True))
     while not s.step().done:
         pass
@@ -180,16 +177,32 @@ def test_swap_pinned_bit_for_bit(qwen_bf16, record):
     moved = s.swap_out()
     host_tensors = [t for layer in s.host.layers for t in _tensors(layer)]
     assert moved > 0 and host_tensors and all(t.is_pinned() == (DEVICE == "cuda") for t in host_tensors)
+    assert s.snapshot().kv_bytes == 0
     s.swap_in()
     after = s.store.to_host()
     same = all(torch.equal(a, b) for a, b in zip(_all(before), _all(after)))
-    s.start_ids(list(s.seq), SamplingConfig(max_new_tokens=32, ignore_eos=True))
-    while not s.step().done:
-        pass
-    record("swap-pinned", bytes=moved, bit_for_bit=same, tokens_equal=s.seq[len(prompt):] == ref)
-    assert same
-    assert s.seq[len(prompt):len(prompt) + 48] == ref
+    record("swap-pinned", bytes=moved, bit_for_bit=same)
+    assert same and len(_all(before)) == len(_all(after))
     s.close()
+
+
+def test_swap_continues_exactly(stories_gpu, record):
+    """float32: a chat swapped out and back between turns goes on with the tokens of one never swapped."""
+    prompt = stories_gpu.tokenizer("Once upon a time")["input_ids"]
+    runs = []
+    for swap in (False, True):
+        s = ChatSession(stories_gpu, CacheConfig(mode="paged", page_size=16))
+        for n in (40, 60):
+            if swap and s.seq:
+                s.swap_out()
+                s.swap_in()
+            s.start_ids(list(s.seq) or prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+            while not s.step().done:
+                pass
+        runs.append(s.seq[len(prompt):])
+        s.close()
+    record("swap-float32", tokens_equal=runs[0] == runs[1])
+    assert runs[0] == runs[1] and len(runs[0]) == 100
 
 
 def _tensors(x):
@@ -259,7 +272,7 @@ def test_sliding_window_model_on_cuda(record):
     prompt = _prompt(lm.info.vocab_size, 700, seed=11)
     a = agreement(lm, prompt, CacheConfig(mode="paged", page_size=16))
     record("top1-gemma3-bf16", **a)
-    assert a["agree"] >= AGREE_MIN and a["agree_raw"] >= AGREE_RAW_MIN, a
+    assert a["agree"] >= AGREE_MIN and a["max_abs_logit_diff"] <= NOISE_MAX * a["logit_scale"], a
     del lm
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
