@@ -72,7 +72,9 @@ def open_writable(path: Path) -> sqlite3.Connection:
     when it cannot be written (read-only file or folder) or is damaged (``is_damage``)."""
     if path.exists():  # SQLite would make -wal/-shm read-only like the file, and they outlive the attempt
         os.close(os.open(path, os.O_RDWR))  # PermissionError for a read-only file: nothing created
-    db = sqlite3.connect(str(path), isolation_level=None)  # autocommit; the store runs explicit transactions
+    # Autocommit: the store runs explicit transactions. A write lock held elsewhere (another KV Scope)
+    # blocks the GUI thread at most 200 ms (Python's default is 5 s); then the write waits in memory.
+    db = sqlite3.connect(str(path), isolation_level=None, timeout=0.2)
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -232,8 +234,9 @@ def _padded_copy(path: Path, copy: Path) -> bool:
 
 
 def move_aside(path: Path, label: str) -> Path:
-    """Rename ``path`` (and its ``-wal``/``-shm``) to ``<name>.<label>-YYYYMMDD-HHMM[-n]``; returns the new
-    path. Raises ``OSError`` (a read-only folder) with nothing moved."""
+    """Rename ``path`` (and a ``-wal`` with frames in it) to ``<name>.<label>-YYYYMMDD-HHMM[-n]``; returns
+    the new path. Raises ``OSError`` (a read-only folder) with nothing moved. An empty ``-wal`` and the
+    ``-shm`` (an index SQLite rebuilds) are deleted instead."""
     stamp = time.strftime("%Y%m%d-%H%M")
     target = path.with_name(f"{path.name}.{label}-{stamp}")
     n = 2
@@ -241,13 +244,12 @@ def move_aside(path: Path, label: str) -> Path:
         target = path.with_name(f"{path.name}.{label}-{stamp}-{n}")
         n += 1
     os.replace(path, target)
-    for suffix in _SIDE_FILES:
-        side = Path(str(path) + suffix)
-        if side.exists():
-            try:
-                os.replace(side, Path(str(target) + suffix))
-            except OSError:
-                pass  # the main file moved; a stale -wal must still not meet the fresh file (below)
+    wal = Path(str(path) + "-wal")
+    try:
+        if wal.stat().st_size > 0:
+            os.replace(wal, Path(str(target) + "-wal"))
+    except OSError:
+        pass  # no -wal, or it cannot move: it must still not meet the fresh file (below)
     remove_side_files(path)
     return target
 

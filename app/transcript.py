@@ -43,7 +43,8 @@ class Transcript(QScrollArea):
         self._unsaved: set[int] = set()  # positions of messages that are not in the history file yet
         self._unsaved_text = ""
         self._stick_to_bottom = True
-        self._from_bottom: int | None = None  # after building older bubbles: keep the view this far from the end
+        self._anchor: tuple[MessageView, int] | None = None  # after building older bubbles: (bubble, its y
+        # in the view) that stays in place while they lay out, until the user scrolls
         self._adjusting = False  # the scroll value is being set here, not by the user
         self._reveal_queued = False
 
@@ -102,7 +103,7 @@ class Transcript(QScrollArea):
         ``FIRST_PAGE``; the view goes to the bottom."""
         self.clear()
         self._older = [(r.role, r.content, r.position, dict(r.stats or {})) for r in records]
-        self._stick_to_bottom, self._from_bottom = True, None
+        self._stick_to_bottom, self._anchor = True, None
         self._build_older(FIRST_PAGE)
 
     def append(self, bubble: MessageView) -> None:
@@ -127,14 +128,16 @@ class Transcript(QScrollArea):
             self._build_older(FIRST_PAGE - len(self.bubbles))
 
     def scroll_to_bottom(self) -> None:
-        self._stick_to_bottom, self._from_bottom = True, None
+        self._stick_to_bottom, self._anchor = True, None
         self._set_value(self.verticalScrollBar().maximum())
 
     def reveal_older(self, count: int = PAGE) -> int:
-        """Build up to ``count`` bubbles before the first one, keeping the view where it is (it keeps its
-        distance to the bottom while they lay out). Returns how many were built."""
-        bar = self.verticalScrollBar()
-        self._stick_to_bottom, self._from_bottom = False, bar.maximum() - bar.value()
+        """Build up to ``count`` bubbles before the first one, keeping the view where it is (the bubble
+        that was first stays where it is on screen while they lay out). Returns how many were built."""
+        if self.bubbles:
+            first = self.bubbles[0]
+            self._stick_to_bottom = False
+            self._anchor = (first, first.y() - self.verticalScrollBar().value())
         return self._build_older(count)
 
     def _build_older(self, count: int) -> int:
@@ -197,14 +200,16 @@ class Transcript(QScrollArea):
     def _on_range(self, _lo: int, hi: int) -> None:
         if self._stick_to_bottom:
             self._set_value(hi)
-        elif self._from_bottom is not None:
-            self._set_value(hi - self._from_bottom)
+        elif self._anchor is not None:
+            self.inner.layout().activate()  # the bubbles' positions after the change, not before it
+            bubble, offset = self._anchor
+            self._set_value(bubble.y() - offset)
 
     def _on_scroll(self, value: int) -> None:
         if self._adjusting:
             return
         bar = self.verticalScrollBar()
-        self._from_bottom = None  # the user scrolled: the view stays where they put it
+        self._anchor = None  # the user scrolled: the view stays where they put it
         self._stick_to_bottom = value >= bar.maximum() - BOTTOM_PX
         if value <= bar.minimum() + TOP_PX and self._older and not self._reveal_queued:
             self._reveal_queued = True  # built from the event loop, not inside the scroll bar's signal

@@ -6,6 +6,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
 from app.chat_pane import ChatPane
+from app.history import Message
+from app.transcript import FIRST_PAGE, PAGE
 
 
 def _pane(qtbot) -> ChatPane:
@@ -74,3 +76,40 @@ def test_suggestions_on_an_empty_chat(qtbot):
     pane.set_ready(False, "loading")
     pane.clear()
     assert not pane.suggestions.isVisible()
+
+
+def _records(n: int) -> list[Message]:
+    return [Message(i + 1, 1, i, "user" if i % 2 == 0 else "assistant", f"m{i}",
+                    {"pinned": True} if i == 3 else {"generated_tokens": 4} if i % 2 else {}) for i in range(n)]
+
+
+def test_a_long_chat_gets_bubbles_for_its_newest_messages_and_the_rest_on_demand(qtbot):
+    """(``isHidden``: new bubbles are shown by the event loop, their labels' own state is what is set.)"""
+    pane = _pane(qtbot)
+    pane.set_messages(_records(300))
+    assert [b.position for b in pane.bubbles] == list(range(300 - FIRST_PAGE, 300))
+    assert pane.scroll.older_count == 300 - FIRST_PAGE
+    assert [not b.regen_button.isHidden() for b in pane.bubbles].count(True) == 1
+    assert not pane.bubbles[-1].regen_button.isHidden() and pane.regen_button.isEnabled()
+    assert pane.user_text_at(2) == "m2" and pane.user_text_at(3) == ""  # no bubble yet; 3 is a reply
+    pane.set_text_at(2, "edited")
+    assert pane.scroll.reveal_older() == PAGE and pane.bubbles[0].position == 300 - FIRST_PAGE - PAGE
+    pane.set_generating(True)  # the buttons of every bubble follow, built or not
+    assert not any(b.edit_button.isEnabled() for b in pane.bubbles)
+    pane.truncate_after(10)  # fewer than a first page left: the older ones get bubbles again
+    pane.set_generating(False)
+    assert [b.position for b in pane.bubbles] == list(range(11)) and pane.scroll.older_count == 0
+    assert pane.bubbles[2].text == "edited" and pane.bubbles[3].pinned
+    assert all(b.edit_button.isEnabled() for b in pane.bubbles)
+    assert not pane.bubbles[9].regen_button.isHidden() and pane.bubbles[7].regen_button.isHidden()
+
+
+def test_unsaved_messages_say_so_until_they_are_saved(qtbot):
+    pane = _pane(qtbot)
+    pane.set_messages(_records(4))
+    pane.set_unsaved({3, 4})  # 4 has no bubble yet: it is marked when it comes
+    reply = pane.add_message("assistant", "new", 4)
+    assert [not b.save_label.isHidden() for b in pane.bubbles] == [False, False, False, True, True]
+    assert reply.save_label.text() == "not saved — retrying"
+    pane.set_unsaved(set())
+    assert all(b.save_label.isHidden() for b in pane.bubbles)
