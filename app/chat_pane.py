@@ -62,7 +62,6 @@ class ChatPane(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("ChatPane")
-        self.streaming: MessageView | None = None
         self.generating = False
         self._ready = False
 
@@ -157,9 +156,18 @@ class ChatPane(QWidget):
 
     @property
     def bubbles(self) -> list[MessageView]:
-        """The bubbles shown, oldest first: the newest messages (older ones get bubbles as the view scrolls
-        up, see ``app.transcript``)."""
+        """The bubbles built, oldest first: a window of consecutive messages, the newest ones unless the
+        view was scrolled far up (see ``app.transcript``)."""
         return self.scroll.bubbles
+
+    @property
+    def streaming(self) -> MessageView | None:
+        """The reply being streamed (the transcript's ``live`` bubble), or None."""
+        return self.scroll.live
+
+    @streaming.setter
+    def streaming(self, bubble: MessageView | None) -> None:
+        self.scroll.live = bubble
 
     def _suggest(self, prompt: str) -> None:
         if self._ready and not self.generating:
@@ -172,13 +180,11 @@ class ChatPane(QWidget):
     # transcript -----------------------------------------------------------------------------------------
     def clear(self) -> None:
         self.scroll.clear()
-        self.streaming = None
         self._update_empty()
         self._update_buttons()
 
     def set_messages(self, messages: list[Any]) -> None:
         """Show stored messages (objects with role, content, position, stats; oldest first)."""
-        self.streaming = None
         self.scroll.set_records(messages)
         self._update_empty()
         self._update_buttons()
@@ -201,8 +207,6 @@ class ChatPane(QWidget):
     def truncate_after(self, position: int) -> None:
         """Drop the messages after ``position`` (edit-and-resend, regenerate)."""
         self.scroll.truncate_after(position)
-        if self.streaming is not None and self.streaming not in self.bubbles:
-            self.streaming = None
         self._update_empty()
         self._update_buttons()
 
@@ -216,7 +220,7 @@ class ChatPane(QWidget):
 
     def begin_reply(self, position: int) -> MessageView:
         self.streaming = self.add_message("assistant", "", position)
-        self.scroll.scroll_to_bottom()
+        self.scroll.show_newest()
         return self.streaming
 
     def append_delta(self, delta: str) -> None:

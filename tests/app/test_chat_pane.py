@@ -7,7 +7,7 @@ from PySide6.QtGui import QGuiApplication
 
 from app.chat_pane import ChatPane
 from app.history import Message
-from app.transcript import FIRST_PAGE, PAGE
+from app.transcript import FIRST_PAGE, MAX_BUILT, PAGE
 
 
 def _pane(qtbot) -> ChatPane:
@@ -113,3 +113,31 @@ def test_unsaved_messages_say_so_until_they_are_saved(qtbot):
     assert reply.save_label.text() == "not saved — retrying"
     pane.set_unsaved(set())
     assert all(b.save_label.isHidden() for b in pane.bubbles)
+
+
+def test_scrolling_far_keeps_a_bounded_window_of_bubbles(qtbot):
+    pane = _pane(qtbot)
+    pane.set_messages(_records(400))
+    pane.bubbles[-2].pin_button.click()  # a state the bubble holds, kept when it goes back to a record
+    while pane.scroll.older_count:
+        pane.scroll.reveal_older()
+        assert len(pane.bubbles) <= MAX_BUILT
+        positions = [b.position for b in pane.bubbles]
+        assert positions == list(range(positions[0], positions[0] + len(positions)))  # consecutive
+    assert pane.bubbles[0].position == 0 and pane.scroll.newer_count == 400 - MAX_BUILT
+    assert not any(not b.regen_button.isHidden() for b in pane.bubbles)  # the last reply is not built
+    assert pane.regen_button.isEnabled() and pane.user_text_at(398) == "m398"
+    while pane.scroll.newer_count:
+        pane.scroll.reveal_newer()
+        assert len(pane.bubbles) <= MAX_BUILT
+    assert pane.bubbles[-1].position == 399 and not pane.bubbles[-1].regen_button.isHidden()
+    assert pane.bubbles[-2].pinned
+    pane.scroll.reveal_older()  # far up again, then a new message: the newest come back first
+    pane.scroll.reveal_older()
+    assert pane.scroll.newer_count
+    pane.begin_reply(400)
+    assert pane.scroll.newer_count == 0 and [b.position for b in pane.bubbles][-2:] == [399, 400]
+    assert pane.streaming is pane.bubbles[-1] and not pane.bubbles[-1].regen_button.isHidden()
+    while pane.scroll.older_count:  # the streaming reply is never turned back into a record
+        pane.scroll.reveal_older()
+    assert pane.streaming is pane.bubbles[-1] and pane.streaming.parent() is not None

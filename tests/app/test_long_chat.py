@@ -15,7 +15,7 @@ from history_files import stored_messages, write_history
 from app.history import HistoryStore
 from app.main_window import MainWindow
 from app.settings import Settings
-from app.transcript import FIRST_PAGE, PAGE
+from app.transcript import FIRST_PAGE, MAX_BUILT, PAGE
 from app.worker import EngineBackend
 
 N = 5000
@@ -41,10 +41,10 @@ def _on_screen(w, bubble) -> bool:
 
 
 def _scroll_to_top_and_wait(qtbot, w) -> None:
-    before, bar = len(w.chat.bubbles), w.chat.scroll.verticalScrollBar()
+    first, bar = w.chat.bubbles[0].position, w.chat.scroll.verticalScrollBar()
     bar.setValue(0)  # as a wheel or a drag to the top does
     # built, laid out, and the view kept on what it showed: no longer at the top
-    qtbot.waitUntil(lambda: len(w.chat.bubbles) > before and bar.value() > 0, timeout=10_000)
+    qtbot.waitUntil(lambda: w.chat.bubbles[0].position < first and bar.value() > 0, timeout=10_000)
 
 
 def test_a_5000_message_chat_opens_with_the_newest_bubbles_and_builds_older_ones_on_scroll(qtbot, data_dir):
@@ -70,8 +70,12 @@ def test_a_5000_message_chat_opens_with_the_newest_bubbles_and_builds_older_ones
         top_after = first.mapTo(w.chat.scroll.viewport(), first.rect().topLeft()).y()
         assert abs(top_after - top_before) < 30, (top_before, top_after)
         assert bar.value() > 0
-        _scroll_to_top_and_wait(qtbot, w)
-        assert w.chat.bubbles[0].position == N - FIRST_PAGE - 2 * PAGE and len(w.chat.bubbles) <= 200
+        for _ in range(3):
+            _scroll_to_top_and_wait(qtbot, w)
+        assert w.chat.bubbles[0].position == N - FIRST_PAGE - 4 * PAGE and len(w.chat.bubbles) == MAX_BUILT
+        bar.setValue(bar.maximum())  # back down: the newer ones are built again
+        qtbot.waitUntil(lambda: w.chat.bubbles[-1].position == N - FIRST_PAGE - 4 * PAGE + MAX_BUILT - 1 + PAGE,
+                        timeout=10_000)
     finally:
         close_window(w)
 
@@ -87,9 +91,10 @@ def test_a_long_chat_regenerates_edits_and_pins_like_a_short_one(qtbot, data_dir
         w.chat.regen_button.click()
         assert wait_reply(qtbot, w)[1] == "max_tokens"
         assert w.chat.bubbles[-1].text == "xxx" and len(w.chat.bubbles) <= FIRST_PAGE + 1
-        while w.chat.scroll.older_count:  # everything can be reached by scrolling up
+        while w.chat.scroll.older_count:  # everything can be reached by scrolling up...
             _scroll_to_top_and_wait(qtbot, w)
-        assert [b.position for b in w.chat.bubbles] == list(range(300))
+            assert len(w.chat.bubbles) <= MAX_BUILT  # ...while the bubbles furthest down go back to records
+        assert [b.position for b in w.chat.bubbles] == list(range(MAX_BUILT))
         w.chat.bubbles[10].begin_edit()
         w.chat.bubbles[10].editor.setPlainText("edited far up")
         w.chat.bubbles[10].save_button.click()
