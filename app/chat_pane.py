@@ -18,7 +18,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPlainTextEdit,
     QPushButton,
-    QScrollArea,
     QSizePolicy,
     QVBoxLayout,
     QWidget,
@@ -26,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.message_view import MessageView
 from app.notice import NoticeBar
+from app.transcript import Transcript
 
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
 
@@ -62,8 +62,6 @@ class ChatPane(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("ChatPane")
-        self.bubbles: list[MessageView] = []
-        self.streaming: MessageView | None = None
         self.generating = False
         self._ready = False
 
@@ -81,16 +79,10 @@ class ChatPane(QWidget):
         self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
         self.notice = NoticeBar()  # what is not part of the chat (a failed load, refused settings)
 
-        self.transcript = QWidget()
-        self.transcript.setObjectName("transcript")
-        self.column = QVBoxLayout(self.transcript)
-        self.column.setContentsMargins(12, 12, 12, 12)
-        self.column.setSpacing(10)
         self.empty_hint = QLabel()
         self.empty_hint.setObjectName("emptyHint")
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_hint.setWordWrap(True)
-        self.column.addWidget(self.empty_hint)
         self.suggestions = QWidget()
         row = QVBoxLayout(self.suggestions)
         row.setAlignment(Qt.AlignmentFlag.AlignHCenter)
@@ -100,16 +92,7 @@ class ChatPane(QWidget):
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))
             row.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
-        self.column.addWidget(self.suggestions)
-        self.column.addStretch(1)
-        self.scroll = QScrollArea()
-        self.scroll.setWidgetResizable(True)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.scroll.setWidget(self.transcript)
-        self.scroll.setObjectName("transcriptScroll")
-        self._stick_to_bottom = True
-        self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range)
-        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scroll)
+        self.scroll = Transcript(self._bubble, (self.empty_hint, self.suggestions))  # owns the bubbles
 
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
@@ -161,17 +144,30 @@ class ChatPane(QWidget):
         self._update_buttons()
 
     def _update_buttons(self) -> None:
-        self.send_button.setEnabled(self._ready and not self.generating)
+        idle = self._ready and not self.generating
+        self.send_button.setEnabled(idle)
         self.stop_button.setEnabled(self.generating)
-        has_reply = any(b.role == "assistant" for b in self.bubbles)
-        self.regen_button.setEnabled(self._ready and not self.generating and has_reply)
-        for b in self.bubbles:
-            b.edit_button.setEnabled(self._ready and not self.generating)
-            b.regen_button.setEnabled(self._ready and not self.generating)
+        self.regen_button.setEnabled(idle and self.scroll.has_reply)
+        self.scroll.set_actions_enabled(idle)
 
     def _update_empty(self) -> None:
         self.empty_hint.setVisible(not self.bubbles)
         self.suggestions.setVisible(not self.bubbles and self._ready)
+
+    @property
+    def bubbles(self) -> list[MessageView]:
+        """The bubbles built, oldest first: a window of consecutive messages, the newest ones unless the
+        view was scrolled far up (see ``app.transcript``)."""
+        return self.scroll.bubbles
+
+    @property
+    def streaming(self) -> MessageView | None:
+        """The reply being streamed (the transcript's ``live`` bubble), or None."""
+        return self.scroll.live
+
+    @streaming.setter
+    def streaming(self, bubble: MessageView | None) -> None:
+        self.scroll.live = bubble
 
     def _suggest(self, prompt: str) -> None:
         if self._ready and not self.generating:
@@ -183,54 +179,48 @@ class ChatPane(QWidget):
 
     # transcript -----------------------------------------------------------------------------------------
     def clear(self) -> None:
-        for b in self.bubbles:
-            b.setParent(None)
-            b.deleteLater()
-        self.bubbles.clear()
-        self.streaming = None
+        self.scroll.clear()
         self._update_empty()
         self._update_buttons()
 
     def set_messages(self, messages: list[Any]) -> None:
-        """Show stored messages (objects with role, content, position, stats)."""
-        self.clear()
-        for m in messages:
-            bubble = self.add_message(m.role, m.content, m.position)
-            if m.stats:
-                bubble.set_stats(m.stats)
-                bubble.set_pinned(bool(m.stats.get("pinned")))
-        self._mark_last()
-        self._stick_to_bottom = True
+        """Show stored messages (objects with role, content, position, stats; oldest first)."""
+        self.scroll.set_records(messages)
+        self._update_empty()
+        self._update_buttons()
 
     def add_message(self, role: str, text: str, position: int) -> MessageView:
+        """Add the newest message's bubble."""
+        bubble = self._bubble(role, text, position)
+        self.scroll.append(bubble)
+        self._update_empty()
+        self._update_buttons()
+        return bubble
+
+    def _bubble(self, role: str, text: str, position: int) -> MessageView:
         bubble = MessageView(role, text, position)
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
-        self.column.insertWidget(self.column.count() - 1, bubble)
-        self.bubbles.append(bubble)
-        self._update_empty()
-        self._mark_last()
-        self._update_buttons()
         return bubble
 
     def truncate_after(self, position: int) -> None:
-        """Drop bubbles after ``position`` (edit-and-resend, regenerate)."""
-        keep = [b for b in self.bubbles if b.position <= position]
-        for b in self.bubbles:
-            if b.position > position:
-                b.setParent(None)
-                b.deleteLater()
-        self.bubbles = keep
-        if self.streaming is not None and self.streaming not in keep:
-            self.streaming = None
-        self._mark_last()
+        """Drop the messages after ``position`` (edit-and-resend, regenerate)."""
+        self.scroll.truncate_after(position)
         self._update_empty()
         self._update_buttons()
 
+    def set_text_at(self, position: int, text: str) -> None:
+        """Show new text for the message at ``position`` (an edited message)."""
+        self.scroll.set_text_at(position, text)
+
+    def set_unsaved(self, positions: set[int], text: str = "not saved — retrying") -> None:
+        """Mark the messages at ``positions`` as not in the history file yet; unmark the others."""
+        self.scroll.set_unsaved(positions, text)
+
     def begin_reply(self, position: int) -> MessageView:
         self.streaming = self.add_message("assistant", "", position)
-        self._stick_to_bottom = True
+        self.scroll.show_newest()
         return self.streaming
 
     def append_delta(self, delta: str) -> None:
@@ -255,15 +245,9 @@ class ChatPane(QWidget):
         self.streaming.render()
         self.streaming.set_stats(stats)
         self.streaming = None
-        self._mark_last()
 
     def user_text_at(self, position: int) -> str:
-        return next((b.text for b in self.bubbles if b.position == position and b.role == "user"), "")
-
-    def _mark_last(self) -> None:
-        replies = [b for b in self.bubbles if b.role == "assistant"]
-        for b in replies:
-            b.set_last_reply(b is replies[-1])
+        return self.scroll.text_at(position, "user")
 
     # input ----------------------------------------------------------------------------------------------
     def submit(self) -> None:
@@ -276,11 +260,3 @@ class ChatPane(QWidget):
     def _on_escape(self) -> None:
         if self.generating:
             self.stop_requested.emit()
-
-    def _on_range(self, _lo: int, hi: int) -> None:
-        if self._stick_to_bottom:
-            self.scroll.verticalScrollBar().setValue(hi)
-
-    def _on_scroll(self, value: int) -> None:
-        bar = self.scroll.verticalScrollBar()
-        self._stick_to_bottom = value >= bar.maximum() - 24

@@ -35,7 +35,11 @@ class Conversation(QObject):
 
     Signals: ``reply_started(generation_id, cache_mode)``, ``token(TokenEvent)`` (current reply only),
     ``noted(list[str])`` (new notes of the current reply), ``reply_finished(generation_id, stop_reason)``,
-    ``error(message)`` (a request that could not be made; nothing was saved).
+    ``error(message)`` (a request that could not be made; nothing was saved), ``failed(Failure)`` (stage
+    "history": the history file is damaged, read-only, gone or cannot be written; see ``app.history``).
+
+    While the history file cannot be written, the messages not in it yet say so under them, and the
+    notice about it stays above the chat until it is resolved or dismissed.
 
     A reply an engine error ended keeps its bubble and its row in the history: its stats hold
     ``stop_reason "error"`` and ``error`` (the reason), so the chat says why after a restart too; the
@@ -47,6 +51,7 @@ class Conversation(QObject):
     noted = Signal(object)
     reply_finished = Signal(int, str)
     error = Signal(str)
+    failed = Signal(object)  # Failure
 
     def __init__(self, history: HistoryStore, settings: Settings, pane: ChatPane, chat_list: ChatList,
                  engine: EngineThread, sampling: Callable[[], SamplingConfig], cache_mode: Callable[[], str],
@@ -71,6 +76,8 @@ class Conversation(QObject):
         self._reply_message_id: int | None = None
         self._pending = ""
         self.closed = False  # set at shutdown: signals still queued from the worker are ignored
+        self._history_notice = ""  # the notice shown about a standing history problem
+        history.on_change = self._on_history_change
 
         pane.send_requested.connect(self.send)
         pane.stop_requested.connect(self.stop)
@@ -91,6 +98,7 @@ class Conversation(QObject):
     # -- chats ----------------------------------------------------------------------------------------------
     def load_chats(self) -> None:
         """Show the chat list and open the last chat (or a new one)."""
+        self._on_history_change()  # what opening the history file found
         chats = self.history.chats()
         last = self.settings.get("window/last_chat")
         chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
@@ -114,6 +122,7 @@ class Conversation(QObject):
         self.settings.set("window/last_chat", chat_id)
         self.pane.set_chat(chat.title, chat.system_prompt)
         self.pane.set_messages(self.history.messages(chat_id))
+        self._show_unsaved()
 
     def new_chat(self) -> None:
         self._abandon_reply()
@@ -178,7 +187,8 @@ class Conversation(QObject):
         """Add a user message and ask for a reply."""
         if not self.ready or self.generation_id:
             return
-        self.pane.notice.clear()  # the user moved on from whatever it said
+        if not (self.history.problem and self.pane.notice.text == self._history_notice):
+            self.pane.notice.clear()  # the user moved on from whatever it said (a history problem stays)
         if self.chat_id is None:
             self.chat_id = self.history.create_chat().id
         msg = self.history.add_message(self.chat_id, "user", text)
@@ -210,9 +220,7 @@ class Conversation(QObject):
         self.history.set_content(target.id, text)
         self.history.truncate_after(self.chat_id, position)
         self.pane.truncate_after(position)
-        bubble = next((b for b in self.pane.bubbles if b.position == position), None)
-        if bubble is not None:
-            bubble.set_text(text)
+        self.pane.set_text_at(position, text)
         self._request_reply()
 
     def stop(self) -> None:
@@ -255,10 +263,33 @@ class Conversation(QObject):
         self.token.emit(event)
 
     def flush(self) -> None:
-        """Append the streamed text received since the last flush to the reply's row."""
+        """Append the streamed text received since the last flush to the reply's row; let the history
+        notice a deleted file and retry failed writes (the window calls this every 250 ms)."""
         if self._pending and self._reply_message_id is not None:
             self.history.append_text(self._reply_message_id, self._pending)
             self._pending = ""
+        self.history.tick()
+
+    # -- the history file -------------------------------------------------------------------------------
+    def _on_history_change(self) -> None:
+        """Say what happened to the history file (``failed``, stage "history") and mark unsaved messages."""
+        if self.closed:
+            return
+        notices = self.history.take_notices()
+        problems = [n for n in notices if n.kind != "saved"]
+        if problems:
+            text = "\n".join(n.message for n in problems)
+            self._history_notice = text if self.history.problem else ""
+            kind = "".join(w.title() for w in problems[-1].kind.split("_"))
+            self.failed.emit(Failure(0, "history", text, f"History{kind}"))
+        elif notices and self._history_notice and self.pane.notice.text == self._history_notice:
+            self._history_notice = ""
+            self.pane.notice.show_message(notices[-1].message)  # "saved again" replaces the problem
+        self._show_unsaved()
+
+    def _show_unsaved(self) -> None:
+        if self.chat_id is not None:
+            self.pane.set_unsaved(self.history.unsaved_positions(self.chat_id))
 
     def _on_noted(self, generation_id: int, notes: list) -> None:
         if self.closed or not self.generation_id or generation_id != self.generation_id:

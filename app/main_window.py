@@ -119,6 +119,7 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
         c.token.connect(self.timing.add_token)
         c.reply_finished.connect(self._on_reply_finished)
         c.error.connect(self.show_error)
+        c.failed.connect(self._on_failed)  # the history file's troubles (stage "history")
         c.noted.connect(self._on_reply_notes)
         self.controls.changed.connect(self.apply_cache_config)
         self.sampling.changed.connect(self._save_sampling)
