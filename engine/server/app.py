@@ -140,7 +140,8 @@ async def _generate(request: Request, parse) -> Response:
     _check_key(request)
     req = parse(parse_body(await _read_body(request, server.max_body)))
     check_model(req, server.model_ids)
-    job = server.scheduler.submit(req, asyncio.get_running_loop())
+    shape = Shape(req.kind, server.model_id)
+    job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id)
     try:
         kind, data = await job.next()
     except BaseException:
@@ -148,7 +149,6 @@ async def _generate(request: Request, parse) -> Response:
         raise
     if kind == "error":
         raise data
-    shape = Shape(req.kind, server.model_id)
     if req.stream:
         return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
     return await _collect(job, shape, request)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.server.errors import ApiError, bad_request, from_exception
+from engine.errors import CacheCapacityError
+from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
 from engine.server.sessions import IdleSessions
@@ -36,6 +37,7 @@ class JobRecord:
     """How a finished request used the engine (kept for tests, tools and the app)."""
 
     job_id: int
+    request_id: str  # the response's id (chatcmpl-..., cmpl-...)
     session_id: int
     prompt_tokens: int
     reused_tokens: int
@@ -48,14 +50,16 @@ class Job:
     """One request on its way through the engine. Events: ("start", info), ("delta", text),
     ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> None:
         self.id = next(_job_ids)
+        self.request_id = request_id
         self.req = req
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.finished = False  # set by the engine thread after the last event
         self.session = None
+        self.sampling: SamplingConfig | None = None
         self.stats = None  # TurnStats of start()
         self.trim = StopTrimmer(req.stop)
         self.scheduler: Scheduler | None = None
@@ -110,9 +114,9 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> Job:
         """Queue a request; 429 when ``max_waiting`` are queued already, 503 once the server stops."""
-        job = Job(req, loop)
+        job = Job(req, loop, request_id)
         job.scheduler = self
         with self._cond:
             if self._stopping or not self.thread.is_alive():
@@ -197,7 +201,7 @@ class Scheduler:
             fn(job)
         except Exception as e:  # noqa: BLE001
             if not isinstance(e, ApiError):
-                log.error("request %d failed: %s: %s", job.id, type(e).__name__, str(e).splitlines()[:1])
+                log.warning("request %d failed: %s: %s", job.id, type(e).__name__, one_line(e))
             self._end_failed(job, from_exception(e))
 
     def _end_failed(self, job: Job, err: ApiError) -> None:
@@ -255,27 +259,37 @@ class Scheduler:
             return
         req = job.req
         ids = self._prompt_ids(req)
-        sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
-        session, shared = self.idle.take(ids)
-        job.session = session
-        if req.kind == "chat":
-            stats = session.start(list(req.messages), sampling)
-        elif req.prompt is not None:
-            stats = session.start_completion(req.prompt, sampling)
-        else:
-            stats = session.start_ids(ids, sampling)
-        job.stats = stats
+        job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                      max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
+        job.session, _ = self.idle.take(ids)
+        self._start_turn(job)
         self._running.append(job)
-        self.metrics.request_started(stats.prompt_tokens, stats.reused_tokens)
-        job.post("start", {"prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.reused_tokens})
+        self.metrics.request_started(job.stats.prompt_tokens, job.stats.reused_tokens)
+        job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
+
+    @staticmethod
+    def _start_turn(job: Job) -> None:
+        s, req = job.session, job.req
+        if req.kind == "chat":
+            job.stats = s.start(list(req.messages), job.sampling)
+        elif req.prompt is not None:
+            job.stats = s.start_completion(req.prompt, job.sampling)
+        else:
+            job.stats = s.start_ids(list(req.prompt_ids), job.sampling)
 
     def _step(self, job: Job) -> None:
         s = job.session
         if job.cancelled:
             self._end(job, "cancelled", None)
             return
-        r = s.step()
+        try:
+            r = s.step()
+        except CacheCapacityError:
+            if s.turn_state.generated or not len(self.idle):
+                raise
+            self.idle.close(evicted=True)  # idle conversations give their pages to a request that needs them
+            self._start_turn(job)  # the prompt again (nothing was sent yet); its cached prefix is intact
+            return
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:
@@ -299,7 +313,7 @@ class Scheduler:
             self.idle.put(s)
         stats = job.stats
         completion = len(s.turn_state.generated)
-        self.records.append(JobRecord(job.id, s.session_id, stats.prompt_tokens, stats.reused_tokens,
+        self.records.append(JobRecord(job.id, job.request_id, s.session_id, stats.prompt_tokens, stats.reused_tokens,
                                       stats.recomputed_tokens, completion, finish))
         job.finished = True
         self.metrics.outcome(finish)

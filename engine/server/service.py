@@ -174,7 +174,10 @@ def serve(a, cache: CacheConfig, spec) -> int:
     server.start()
     try:
         uv.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it stopped on: the normal way to stop a server
+        pass
     finally:
         server.close()
+    print("KV Scope server stopped", flush=True)
     return 0
 

@@ -3,8 +3,8 @@
 A client of the OpenAI API sends the whole conversation every time: the previous messages, the reply it
 got, and a new user message. ``IdleSessions.take`` picks the idle session whose tokens share the longest
 prefix with the new prompt; its ``start()`` then prefills only the rest (``TurnStats.reused_tokens``).
-A prompt that shares less than ``min_shared`` tokens with every idle session gets a new session, so one
-conversation's cache is not thrown away for another's. At most ``max_idle`` sessions are kept; the least
+A prompt that shares less than ``min_shared`` tokens with every idle session (and does not extend one
+whole) gets a new session, so one conversation's cache is not thrown away for another's. At most ``max_idle`` sessions are kept; the least
 recently used is closed first (its pages go back to the pool).
 
 Runs on the engine thread only (no locks).
@@ -37,12 +37,13 @@ class IdleSessions:
     def take(self, ids: Sequence[int]):
         """(session, shared): the idle session sharing the longest prefix with ``ids`` (removed from the idle
         list), or a new session and 0."""
-        best, shared = None, 0
+        best, shared, whole = None, 0, False
         for s in self._idle:
-            n = common_prefix(s.seq[:s.index.intact], ids)
+            cached = s.seq[:s.index.intact]
+            n = common_prefix(cached, ids)
             if n > shared:
-                best, shared = s, n
-        if best is not None and shared >= min(self.min_shared, len(ids) - 1):
+                best, shared, whole = s, n, n == len(cached)
+        if best is not None and (shared >= self.min_shared or whole):
             self._idle.remove(best)
             return best, shared
         from engine.session import ChatSession
@@ -58,7 +59,10 @@ class IdleSessions:
             self._idle.pop(0).close()
             self.on_evict()
 
-    def close(self) -> None:
+    def close(self, evicted: bool = False) -> None:
+        """Close every idle session (``evicted``: counted as evictions, to make room)."""
         for s in self._idle:
             s.close()
+            if evicted:
+                self.on_evict()
         self._idle.clear()
