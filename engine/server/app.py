@@ -142,16 +142,31 @@ async def _generate(request: Request, parse) -> Response:
     check_model(req, server.model_ids)
     shape = Shape(req.kind, server.model_id)
     job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        kind, data = await job.next()
+        kind, data = await _next(job, gone)  # the start, or an error (the request never started)
+        if kind == "error":
+            raise data
+        if req.stream:
+            gone.cancel()  # from here on sse-starlette watches the connection
+            return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
+        while kind != "done":
+            kind, data = await _next(job, gone)
+            if kind == "error":
+                raise data
+        return JSONResponse(shape.whole(data))
+    except ClientGone:
+        job.cancel()
+        return Response(status_code=499)
     except BaseException:
         job.cancel()
         raise
-    if kind == "error":
-        raise data
-    if req.stream:
-        return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
-    return await _collect(job, shape, request)
+    finally:
+        gone.cancel()
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its reply was complete."""
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -161,27 +176,14 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(job, shape: "Shape", request: Request) -> Response:
-    """The whole reply as one response; a client that goes away meanwhile cancels the request."""
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        while True:
-            nxt = asyncio.ensure_future(job.next())
-            done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                nxt.cancel()
-                job.cancel()
-                return Response(status_code=499)
-            kind, data = nxt.result()
-            if kind == "error":
-                raise data
-            if kind == "done":
-                return JSONResponse(shape.whole(data))
-    except BaseException:
-        job.cancel()
-        raise
-    finally:
-        gone.cancel()
+async def _next(job, gone: asyncio.Future) -> tuple[str, Any]:
+    """The job's next event, or ``ClientGone`` if the client leaves first (queued or generating)."""
+    nxt = asyncio.ensure_future(job.next())
+    done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if nxt in done:
+        return nxt.result()
+    nxt.cancel()
+    raise ClientGone
 
 
 async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dict]:

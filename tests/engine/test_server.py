@@ -248,6 +248,31 @@ def test_disconnect_mid_stream_frees_the_requests_pages(served):
     assert after["kvscope_generation_tokens_total"] < before["kvscope_generation_tokens_total"] + 300
 
 
+def test_client_leaving_while_queued_cancels_its_request(served):
+    """A plain (not streamed) request whose client closes the connection before it starts is dropped."""
+    import socket
+    from urllib.parse import urlsplit
+
+    server, url = served
+    sched = server.scheduler
+    before = parse_metrics(httpx.get(url + "/metrics").text)
+    body = json.dumps({"model": MODEL, "messages": USER, "max_tokens": 5}).encode()
+    u = urlsplit(url)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    sched.pause()
+    try:
+        with socket.create_connection((u.hostname, u.port)) as sock:
+            sock.sendall(head + body)
+            wait_for(lambda: sched.waiting == 1, "the request to queue")
+        wait_for(lambda: sched.waiting == 0, "the queued request to be dropped")
+    finally:
+        sched.resume()
+    after = parse_metrics(httpx.get(url + "/metrics").text)
+    assert after['kvscope_requests_total{outcome="cancelled"}'] == before['kvscope_requests_total{outcome="cancelled"}'] + 1
+    assert after["kvscope_prompt_tokens_total"] == before["kvscope_prompt_tokens_total"]  # never started
+
+
 def test_metrics_count_tokens_and_prefix_hits(served, client):
     server, url = served
     before = parse_metrics(httpx.get(url + "/metrics").text)
