@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine.server.errors import SERVER, ApiError, from_exception
+from engine.server.errors import ApiError, from_exception
 from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion
 
 log = logging.getLogger("kvscope.server")
@@ -267,4 +267,4 @@ def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
     return app
 
 
-__all__ = ["build_app", "error_response", "SERVER"]
+__all__ = ["build_app", "error_response"]
