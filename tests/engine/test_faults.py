@@ -117,11 +117,11 @@ def test_sessions_without_limit_meet_a_typed_memory_limit_and_give_memory_back(s
     page_bytes = i.num_layers * 2 * 16 * i.num_kv_heads * i.head_dim * 4  # float32 K+V of one 16-token page
     lm = own_arenas(stories, memory_limit=100 * page_bytes)
     sessions, error = [], None
-    for _ in range(200):
+    for n in range(200):
         s = ChatSession(lm)
         sessions.append(s)
-        try:
-            reply(s, "Tell me a story about a dog and a cat.")
+        try:  # prompts that differ from their first tokens: no session shares another's pages (prefix cache)
+            reply(s, f"{n} Tell me a story about a dog and a cat.")
         except CacheCapacityError as e:
             error = e
             break
