@@ -278,8 +278,14 @@ def test_eviction_policy_switched_on_drops_names_of_rewritten_pages(stories):
     assert named >= 5
     a.apply(CacheConfig(page_size=8, policy="streaming", policy_params={"sinks": 4, "window": 20}))
     pool.check()
+    intact = a.index.intact // 8
+    rewritten = a.store.table.pages[intact:]
+    assert intact == 0 and len(rewritten) == 3  # sinks + window packed to the front of pages 0..2
+    assert all(pool.hash[p] is None for p in rewritten)
     b = ChatSession(lm, CacheConfig(page_size=8))
     st, _ = reply(b, chat("Tim had a dog."), n=N_NEW)
+    assert not set(rewritten) & set(b.store.table.pages)
+    assert st.shared_tokens == 0  # page 0 (the chain's first) was rewritten: no chain to follow
     from engine.chat import render_chat
 
     assert b.generated_ids == hf_greedy(lm, render_chat(lm.tokenizer, chat("Tim had a dog.")), N_NEW)

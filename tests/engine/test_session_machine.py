@@ -369,9 +369,13 @@ def check_pages(lm, sessions: list[ChatSession]) -> None:
                 continue
             P = pool.page_size
             chain = extend_chain([], s.seq, P, s.index.intact // P)
-            for j, p in enumerate(store.table.pages):
-                if pool.hash[p] is not None:
-                    assert j < len(chain) and chain[j] == pool.hash[p], f"page {p} named for other tokens"
+            pages = store.table.pages
+            for j, p in enumerate(pages):
+                if pool.hash[p] is None:
+                    continue
+                if j == len(pages) - 1 and store.num_tokens % P and pool.ref[p] > 1:
+                    continue  # cut back into a page another table holds whole: copied before it is written
+                assert j < len(chain) and chain[j] == pool.hash[p], f"page {p} named for other tokens"
 
 
 TestChatMachine = ChatMachine.TestCase
