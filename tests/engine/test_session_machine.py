@@ -373,8 +373,8 @@ def check_pages(lm, sessions: list[ChatSession]) -> None:
             for j, p in enumerate(pages):
                 if pool.hash[p] is None:
                     continue
-                if j == len(pages) - 1 and store.num_tokens % P and pool.ref[p] > 1:
-                    continue  # cut back into a page another table holds whole: copied before it is written
+                if j == len(pages) - 1 and store.num_tokens % P:
+                    continue  # cut back into a named page: still whole; unnamed (or copied, if shared) before a write
                 assert j < len(chain) and chain[j] == pool.hash[p], f"page {p} named for other tokens"
 
 
