@@ -131,3 +131,28 @@ class CompareDialog(QDialog):
             self.finished_reason = "cancelled"
             self._disconnect()
         super().closeEvent(event)
+
+
+def open_compare(parent: QWidget, engine, running: "CompareDialog | None", ready: bool, messages: list[dict],
+                 sampling, show_error) -> "CompareDialog | None":
+    """Tools ▸ Compare: the running comparison's dialog (raised), or a new one for the chat's last user
+    message; None with a message (``show_error``) when there is nothing to compare yet."""
+    if running is not None and running.running:
+        running.raise_()
+        running.activateWindow()
+        return running
+    if not ready:
+        show_error("Load a model first.")
+        return None
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if last_user < 0:
+        show_error("Send a message first: the comparison regenerates the reply to it.")
+        return None
+    try:
+        cfg = sampling()
+    except ValueError as exc:
+        show_error(str(exc))
+        return None
+    dialog = CompareDialog(engine, messages[:last_user + 1], cfg, parent)
+    dialog.show()
+    return dialog

@@ -1,0 +1,151 @@
+"""The window's docks: which exist, where they go, how big they start, and how they come back.
+
+Two default arrangements, chosen by the window's width when it is laid out (View ▸ Reset layout):
+
+* **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / sampling / model on
+  the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
+  timing / memory below). Nothing is squeezed below its size hint at 1280×720.
+* **wide**: chats and sampling on the left, the four panels in a 2×2 grid, cache policy and model on the
+  far right.
+
+Sizes are fractions of the window. When the window grows a lot (say from a small screen to a large one,
+or out of a maximised-then-restored state) the fractions are applied again, so docks never keep the
+crushed sizes of a smaller window.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QByteArray, QSize, Qt, QTimer
+from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QTabWidget, QWidget
+
+DOCKS = (  # key, title
+    ("chats", "Chats"), ("controls", "Cache policy"), ("sampling", "Sampling"), ("model", "Model"),
+    ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
+)
+SCROLLED = ("controls", "sampling", "model")  # forms that scroll rather than force the window's height
+WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
+REFIT_GROWTH = 1.15  # re-apply the default sizes when the window grew by this factor since the last time
+
+
+def scrolled(widget: QWidget) -> QScrollArea:
+    """``widget`` in a scroll area that scrolls vertically and gives it its full width."""
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.Shape.NoFrame)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    area.setWidget(widget)
+    area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
+    hint = widget.sizeHint()
+    area.sizeHint = lambda: QSize(hint.width() + 16, hint.height())  # type: ignore[method-assign]
+    return area
+
+
+class DockLayout:
+    """Creates the docks of ``window`` around ``widgets`` (keyed as in ``DOCKS``) and lays them out."""
+
+    def __init__(self, window: QMainWindow, widgets: dict[str, QWidget]) -> None:
+        self.window = window
+        window.setDockNestingEnabled(True)
+        window.setTabPosition(Qt.DockWidgetArea.AllDockWidgetAreas, QTabWidget.TabPosition.North)
+        self.docks: dict[str, QDockWidget] = {}
+        for key, title in DOCKS:
+            dock = QDockWidget(title, window)
+            dock.setObjectName(f"dock_{key}")
+            dock.setWidget(scrolled(widgets[key]) if key in SCROLLED else widgets[key])
+            dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                             | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                             | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+            self.docks[key] = dock
+        self.restored = False
+        self._fitted = QSize(0, 0)  # the window size the default sizes were applied for
+        self._refit = QTimer(window)
+        self._refit.setSingleShot(True)
+        self._refit.setInterval(150)
+        self._refit.timeout.connect(self.fit)
+
+    @property
+    def wide(self) -> bool:
+        return self.window.width() >= WIDE_PX
+
+    def arrange(self) -> None:
+        """The default arrangement for the window's width (View ▸ Reset layout)."""
+        for dock in self.docks.values():
+            self.window.removeDockWidget(dock)
+            dock.setFloating(False)
+        self._wide() if self.wide else self._compact()
+        for dock in self.docks.values():
+            dock.show()
+        for key in ("controls", "occupancy", "timing"):
+            self.docks[key].raise_()  # the first tab of each group
+        self._fitted = QSize(0, 0)
+        if self.window.isVisible():
+            QTimer.singleShot(0, self.fit)
+
+    def _compact(self) -> None:
+        d, w = self.docks, self.window
+        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
+        w.addDockWidget(left, d["chats"])
+        w.splitDockWidget(d["chats"], d["controls"], Qt.Orientation.Vertical)
+        w.tabifyDockWidget(d["controls"], d["sampling"])
+        w.tabifyDockWidget(d["sampling"], d["model"])
+        w.addDockWidget(right, d["occupancy"])
+        w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
+        w.tabifyDockWidget(d["occupancy"], d["page_map"])
+        w.tabifyDockWidget(d["timing"], d["memory"])
+
+    def _wide(self) -> None:
+        d, w = self.docks, self.window
+        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
+        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        w.addDockWidget(left, d["chats"])
+        w.splitDockWidget(d["chats"], d["sampling"], V)
+        w.addDockWidget(right, d["occupancy"])
+        w.splitDockWidget(d["occupancy"], d["controls"], H)
+        w.splitDockWidget(d["controls"], d["model"], V)
+        w.splitDockWidget(d["occupancy"], d["page_map"], H)
+        w.splitDockWidget(d["occupancy"], d["timing"], V)
+        w.splitDockWidget(d["page_map"], d["memory"], V)
+
+    def fit(self) -> None:
+        """Default sizes as fractions of the window; the chat in the middle gets what is left."""
+        d, w = self.docks, self.window
+        W, Hh = max(w.width(), 800), max(w.height(), 500)
+        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        if self.wide:
+            w.resizeDocks([d["chats"], d["occupancy"], d["page_map"], d["controls"]],
+                          [int(W * f) for f in (0.13, 0.22, 0.22, 0.16)], H)
+            w.resizeDocks([d["chats"], d["sampling"]], [int(Hh * 0.55), int(Hh * 0.45)], V)
+            w.resizeDocks([d["controls"], d["model"]], [int(Hh * 0.55), int(Hh * 0.45)], V)
+            w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+            w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+        else:
+            left = max(int(W * 0.22), self.docks["controls"].widget().minimumWidth() + 12)
+            w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.42)], H)
+            w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
+            w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+        self._fitted = w.size()
+
+    def window_resized(self) -> None:
+        """Call from the window's resize event: a much larger window gets the default sizes again."""
+        size, fitted = self.window.size(), self._fitted
+        if fitted.isEmpty() or (size.width() > fitted.width() * REFIT_GROWTH
+                                or size.height() > fitted.height() * REFIT_GROWTH):
+            self._refit.start()
+        elif size.width() < fitted.width() or size.height() < fitted.height():
+            self._fitted = size  # shrinking lowers the mark: growing back to it refits
+
+    def restore(self, geometry: bytes, state: bytes) -> None:
+        """The saved geometry and dock state, or the default arrangement if there is none (or it is bad)."""
+        self.restored = False
+        try:
+            if geometry:
+                self.window.restoreGeometry(QByteArray(geometry))
+            if state:
+                self.restored = bool(self.window.restoreState(QByteArray(state)))
+        except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
+            self.restored = False
+        if not self.restored:
+            self.arrange()
+
+    def save(self) -> tuple[bytes, bytes]:
+        return bytes(self.window.saveGeometry().data()), bytes(self.window.saveState().data())
