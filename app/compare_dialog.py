@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QDialogButtonBox,
     QHeaderView,
     QLabel,
+    QProgressBar,
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
@@ -27,6 +28,15 @@ from app.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
 COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "same tokens as reference", "stopped")
+
+
+def eta_text(seconds: float) -> str:
+    """'45 s', '3 min', '1 h 20 min'."""
+    if seconds < 60:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    return f"{int(seconds // 3600)} h {round(seconds % 3600 / 60)} min"
 
 
 def row_cells(row: dict[str, Any], reference_tokens: int) -> list[str]:
@@ -55,7 +65,8 @@ class CompareDialog(QDialog):
             f"The reply to this chat ({len(messages)} message{'s' if len(messages) != 1 else ''}), generated "
             "once per cache setting with greedy "
             f"sampling and up to {sampling.max_new_tokens} new tokens, each in a fresh session (so each pays its "
-            "own prefill). The first row is the reference: lossless settings give identical tokens; lossy ones "
+            "own prefill). Every setting is warmed up first with a one-token reply, so every row is timed the "
+            "same way. The first row is the reference: lossless settings give identical tokens; lossy ones "
             "show where they diverge. Cache off runs last: it recomputes the whole chat for every token. Your chat "
             "and its cache are not changed, and you can go on chatting meanwhile (the timings then share the "
             "machine with your chat).")
@@ -68,6 +79,9 @@ class CompareDialog(QDialog):
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
         self.status = QLabel("Running…")
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(False)
         buttons = QDialogButtonBox()
         self.stop_button = QPushButton("Stop")
         self.stop_button.clicked.connect(self.stop)
@@ -77,9 +91,11 @@ class CompareDialog(QDialog):
         layout = QVBoxLayout(self)
         layout.addWidget(intro)
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.progress)
         layout.addWidget(self.status)
         layout.addWidget(buttons)
         engine.worker.compared.connect(self._on_row)
+        engine.worker.compare_progress.connect(self._on_progress)
         engine.worker.compare_finished.connect(self._on_finished)
         engine.compare(self.comparison_id, messages, sampling)
 
@@ -99,13 +115,22 @@ class CompareDialog(QDialog):
             if c:
                 item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self.table.setItem(r, c, item)
-        self.status.setText(f"Running… {len(self.rows)} done")
+
+    def _on_progress(self, comparison_id: int, progress: tuple) -> None:
+        """Progress bar and words: what runs now, how far, and about how long is left."""
+        if comparison_id != self.comparison_id or self.finished_reason:
+            return
+        fraction, left, doing = progress
+        self.progress.setValue(int(fraction * 1000))
+        eta = f" · about {eta_text(left)} left" if left is not None else ""
+        self.status.setText(f"Running: {doing} · {100 * fraction:.0f}%{eta}")
 
     def _on_finished(self, comparison_id: int, reason: str) -> None:
         if comparison_id != self.comparison_id:
             return
         self.finished_reason = reason
         self.stop_button.setEnabled(False)
+        self.progress.setValue(1000 if reason == "done" else self.progress.value())
         if reason == "done":
             self.status.setText(f"Done: {len(self.rows)} settings.")
         elif reason == "cancelled":
@@ -119,6 +144,7 @@ class CompareDialog(QDialog):
 
     def _disconnect(self) -> None:
         for signal, slot in ((self.engine.worker.compared, self._on_row),
+                             (self.engine.worker.compare_progress, self._on_progress),
                              (self.engine.worker.compare_finished, self._on_finished)):
             try:
                 signal.disconnect(slot)

@@ -181,10 +181,8 @@ class CacheControls(QWidget):
         self.overflow = QComboBox()
         fill_combo(self.overflow, OVERFLOWS, glossary.OVERFLOWS, "overflow")
         for box in (self.mode, self.k_dtype, self.v_dtype, self.policy, self.overflow):
-            # Narrow in the form (the chosen name is shortened), full names in the list that opens.
-            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-            box.setMinimumContentsLength(14)
-            box.view().setMinimumWidth(box.view().sizeHintForColumn(0) + 24)
+            # As wide as the longest name: a name is never cut (the dock is at least this wide).
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")
@@ -202,9 +200,8 @@ class CacheControls(QWidget):
         layout.addWidget(cache_box)
         policy_box = QGroupBox("Eviction and overflow")
         pform = QVBoxLayout(policy_box)
-        row = QFormLayout()
-        row.addRow(CONTROLS["policy"].name, self.policy)
-        pform.addLayout(row)
+        pform.addWidget(QLabel(CONTROLS["policy"].name))
+        pform.addWidget(self.policy)
         pform.addWidget(self.policy_help)
         pform.addWidget(self.params)
         pform.addWidget(QLabel(CONTROLS["overflow"].name))

@@ -8,9 +8,9 @@ Two default arrangements, chosen by the window's width when it is laid out (View
 * **wide**: chats and sampling on the left, the four panels in a 2×2 grid, cache policy and model on the
   far right.
 
-Sizes are fractions of the window. When the window grows a lot (say from a small screen to a large one,
-or out of a maximised-then-restored state) the fractions are applied again, so docks never keep the
-crushed sizes of a smaller window.
+Sizes are fractions of the window. When the window's size changes a lot (moved to another screen,
+maximised, restored) the fractions are applied again, so docks never keep the crushed sizes of a smaller
+window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for the new width.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DOCKS = (  # key, title
 )
 SCROLLED = ("controls", "sampling", "model")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
-REFIT_GROWTH = 1.15  # re-apply the default sizes when the window grew by this factor since the last time
+REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
 
 
 def scrolled(widget: QWidget) -> QScrollArea:
@@ -57,11 +57,12 @@ class DockLayout:
                              | QDockWidget.DockWidgetFeature.DockWidgetClosable)
             self.docks[key] = dock
         self.restored = False
+        self.arrangement = ""  # "compact" or "wide" (a default one), "restored" (the user's saved one)
         self._fitted = QSize(0, 0)  # the window size the default sizes were applied for
         self._refit = QTimer(window)
         self._refit.setSingleShot(True)
         self._refit.setInterval(150)
-        self._refit.timeout.connect(self.fit)
+        self._refit.timeout.connect(self._settled)
 
     @property
     def wide(self) -> bool:
@@ -73,6 +74,7 @@ class DockLayout:
             self.window.removeDockWidget(dock)
             dock.setFloating(False)
         self._wide() if self.wide else self._compact()
+        self.arrangement = "wide" if self.wide else "compact"
         for dock in self.docks.values():
             dock.show()
         for key in ("controls", "occupancy", "timing"):
@@ -119,20 +121,27 @@ class DockLayout:
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
             w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         else:
-            left = max(int(W * 0.22), self.docks["controls"].widget().minimumWidth() + 12)
-            w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.42)], H)
+            left = max(int(W * 0.2), self.docks["controls"].widget().minimumWidth() + 12)
+            w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.37)], H)
             w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         self._fitted = w.size()
 
     def window_resized(self) -> None:
-        """Call from the window's resize event: a much larger window gets the default sizes again."""
+        """Call from the window's resize event: a much larger or smaller window gets the default sizes
+        again (after the size settles)."""
         size, fitted = self.window.size(), self._fitted
-        if fitted.isEmpty() or (size.width() > fitted.width() * REFIT_GROWTH
-                                or size.height() > fitted.height() * REFIT_GROWTH):
+        changed = fitted.isEmpty() or any(
+            new > old * REFIT_CHANGE or new * REFIT_CHANGE < old
+            for new, old in ((size.width(), fitted.width()), (size.height(), fitted.height())))
+        if changed and self.window.isVisible():
             self._refit.start()
-        elif size.width() < fitted.width() or size.height() < fitted.height():
-            self._fitted = size  # shrinking lowers the mark: growing back to it refits
+
+    def _settled(self) -> None:
+        if self.arrangement in ("compact", "wide") and self.arrangement != ("wide" if self.wide else "compact"):
+            self.arrange()
+        else:
+            self.fit()
 
     def restore(self, geometry: bytes, state: bytes) -> None:
         """The saved geometry and dock state, or the default arrangement if there is none (or it is bad)."""
@@ -144,7 +153,10 @@ class DockLayout:
                 self.restored = bool(self.window.restoreState(QByteArray(state)))
         except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
             self.restored = False
-        if not self.restored:
+        if self.restored:
+            self.arrangement = "restored"
+            self._fitted = self.window.size()  # the user's sizes stand until the window changes a lot
+        else:
             self.arrange()
 
     def save(self) -> tuple[bytes, bytes]:

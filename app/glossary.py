@@ -38,8 +38,8 @@ MODES = {
 }
 
 KV_DTYPES = {
-    "auto": Term("Full precision (model dtype)", "full precision",
-                 "Stores this half of the cache at the model's own precision.\n"
+    "auto": Term("Full precision", "full precision",
+                 "Stores this half of the cache at the model's own precision (its dtype).\n"
                  "Memory: the most.  Speed: the fastest.  Quality: exact."),
     "int8": Term("8-bit (int8)", "8-bit",
                  "Stores full pages as 8-bit codes with a scale per token (keys per channel where cheaper).\n"
@@ -73,11 +73,11 @@ OVERFLOWS = {
     "stop": Term("Stop the reply", "stops when full",
                  "When the context is full the reply stops and says so; nothing is dropped.\n"
                  "Start a new chat, shorten this one, or choose another option to go on."),
-    "truncate_middle": Term("Drop the middle (keep system prompt + first message)", "drops the middle",
+    "truncate_middle": Term("Drop the middle", "drops the middle",
                             "When the context is full, the middle of the chat is dropped; the system prompt and "
                             "the first message stay.\nMemory: stays at the context.  Quality: the model forgets "
                             "the middle."),
-    "rolling": Term("Rolling window (drop the oldest)", "drops the oldest",
+    "rolling": Term("Drop the oldest (rolling window)", "drops the oldest",
                     "When the context is full, the oldest tokens are dropped, like a rolling window.\n"
                     "Memory: stays at the context.  Quality: the model forgets the start."),
     "policy": Term("Let the eviction policy decide", "policy decides",

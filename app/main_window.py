@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QTimer, Signal
-from PySide6.QtGui import QCloseEvent
+from PySide6.QtCore import QSize, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
 from app import help as app_help
@@ -50,7 +50,17 @@ from engine.snapshot import CacheSnapshot, ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
-MIN_SIZE = (960, 640)  # fits a 1280×720 or 1366×768 laptop screen with room for the desktop's bars
+DEFAULT_SIZE = QSize(1600, 960)
+
+
+def initial_size(window: QWidget) -> QSize:
+    """The first size of the window: 92% of the screen's free area (at most 2200×1300). Screens under
+    1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): they get 1600×960."""
+    screen = window.screen() or QGuiApplication.primaryScreen()
+    free = screen.availableGeometry().size() if screen is not None else QSize(0, 0)
+    if free.width() < 1000:
+        return DEFAULT_SIZE
+    return QSize(min(int(free.width() * 0.92), 2200), min(int(free.height() * 0.92), 1300))
 
 
 class MainWindow(QMainWindow):
@@ -80,8 +90,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self.menu_actions = build_menus(self)
         self._start_timers()
-        self.setMinimumSize(*MIN_SIZE)
-        self.resize(1600, 960)
+        self.resize(initial_size(self))
         self.layout_docks.restore(settings.get("window/geometry"), settings.get("window/state"))
         self.conversation.load_chats()
 
@@ -111,7 +120,7 @@ class MainWindow(QMainWindow):
         self.conversation = Conversation(
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
-            cache_mode=lambda: self.cache.applied.mode, parent=self)
+            cache=lambda: self.cache.applied, parent=self)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -121,6 +130,7 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         w = self.engine.worker
         w.snapshot.connect(self._on_snapshot)
+        w.described.connect(self._on_described)
         w.failed.connect(self._on_failed)
         self.models.loaded.connect(self._on_loaded)
         self.models.ready_changed.connect(self._on_ready)
@@ -131,6 +141,7 @@ class MainWindow(QMainWindow):
         c.reply_finished.connect(self._on_reply_finished)
         c.error.connect(self.show_error)
         c.noted.connect(self._on_reply_notes)
+        c.chat_opened.connect(self._on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
 
     def _start_timers(self) -> None:
@@ -244,13 +255,40 @@ class MainWindow(QMainWindow):
     # -- events ---------------------------------------------------------------------------------------------
     def _on_loaded(self, info: ModelInfo) -> None:
         self.model_card.show_model(info)
-        self.scheduler.clear()
+        self.conversation.check.context_length = info.context_length
         self.setWindowTitle(f"KV Scope — {info.name}")
+        self._describe_chat()
         self.model_loaded.emit(info)
 
     def _on_ready(self, ready: bool, hint: str) -> None:
+        if not ready and self.models.loading:
+            self.conversation.interrupt("another model was loaded")
         self.conversation.ready = ready
         self.chat.set_ready(ready, hint)
+
+    def _on_chat_opened(self, chat_id: int) -> None:
+        """Another chat is on screen: the panels, the trace and the context readout start over for it."""
+        self.trace.reset()
+        self.scheduler.clear()
+        if not self.generation_id:  # else the reply running in it sends its own snapshots
+            self._describe_chat()
+
+    def _describe_chat(self) -> None:
+        """Ask the worker for the chat on screen's cache and token count (``_on_described``)."""
+        if self.chat_id is not None and self.info is not None:
+            self.engine.describe_chat(self.chat_id, self.conversation.engine_messages())
+
+    def _on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
+        if chat_id != self.chat_id or self.generation_id:
+            return  # another chat is on screen by now, or its own reply's snapshots describe it
+        if snap is not None:
+            self.scheduler.offer(snap)
+            self.scheduler.refresh_all()
+        else:
+            self.scheduler.clear()
+            total = self.info.context_length if self.info is not None else 0
+            self.status.show_context(max(tokens, 0), total, self.cache.applied.overflow)
+            self.conversation.check.chat_tokens = max(tokens, 0)
 
     def _on_failed(self, failure: Failure) -> None:
         """Route a worker failure by its stage: a reply's failure shows in that reply (the conversation saves
@@ -268,16 +306,21 @@ class MainWindow(QMainWindow):
             self.show_error(failure.message)
 
     def _on_snapshot(self, snap: CacheSnapshot) -> None:
+        """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
+        described by ``_on_described``)."""
         gen = self.conversation.generation_id
-        if gen and snap.generation_id != gen:
+        if not gen or snap.generation_id != gen:
             return
         self.scheduler.offer(snap)
         self.trace.add(snap)
+        self.conversation.check.chat_tokens = snap.seq_len - snap.evicted_total
 
     def _on_frame(self, snap: CacheSnapshot) -> None:
         """The panels' new frame: the status bar describes the same moment."""
-        self.status.show_context(max(snap.seq_len - snap.evicted_total, 0), snap.context_length,
-                                 self.cache.applied.overflow, snap.evicted_total)
+        used = max(snap.seq_len - snap.evicted_total, 0)
+        self.status.show_context(used, snap.context_length, self.cache.applied.overflow, snap.evicted_total)
+        if not self.generation_id:
+            self.conversation.check.chat_tokens = used
         if self.generation_id and snap.decode_tokens_per_s:
             self.status.show_speed(snap.decode_tokens_per_s)
 
@@ -304,6 +347,8 @@ class MainWindow(QMainWindow):
         self.trace.notes.extend(notes)
         if notes:
             self.status.message("; ".join(notes), 6000)
+        if not self.generation_id:
+            self._describe_chat()  # the chat on screen under the new settings
 
     def _save_sampling(self) -> None:
         try:
@@ -331,8 +376,9 @@ class MainWindow(QMainWindow):
         self._refresh.stop()
         self._db_timer.stop()
         joined = self.engine.shutdown(timeout_ms)
-        self.conversation.flush()  # after the worker stopped: everything that streamed is saved
-        self.conversation.closed = True  # a cancelled reply's queued signals must not touch closed history
+        # After the worker stopped: everything that streamed is saved, a reply cut short says the app
+        # closed, and signals still queued from the worker no longer touch the (closing) history.
+        self.conversation.close()
         self.save_layout()
         if joined:  # a worker still running must not start collections (see app/gc_guard.py)
             MainThreadGC.release()
