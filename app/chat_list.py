@@ -10,7 +10,7 @@ import re
 import time
 from collections import Counter
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QMessageBox, QWidget
 
 from app.history import Chat
@@ -61,6 +61,9 @@ class ChatList(QListWidget):
         self.setUniformItemSizes(True)
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        return QSize(220, 140)  # four or five chats; the list scrolls
 
     def set_busy(self, chat_id: int | None) -> None:
         """Mark the chat whose reply is being written (None: no reply runs)."""

@@ -5,8 +5,7 @@ Two default arrangements, chosen by the window's width when it is laid out (View
 * **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / sampling / model on
   the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
   timing / memory below). Nothing is squeezed below its size hint at 1280×720.
-* **wide**: chats and sampling on the left, the four panels in a 2×2 grid, cache policy and model on the
-  far right.
+* **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab).
 
 Sizes are fractions of the window. When the window's size changes a lot (moved to another screen,
 maximised, restored) the fractions are applied again, so docks never keep the crushed sizes of a smaller
@@ -15,7 +14,7 @@ window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for 
 
 from __future__ import annotations
 
-from PySide6.QtCore import QByteArray, QSize, Qt, QTimer
+from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QTabWidget, QWidget
 
 DOCKS = (  # key, title
@@ -35,9 +34,18 @@ def scrolled(widget: QWidget) -> QScrollArea:
     area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     area.setWidget(widget)
     area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
-    hint = widget.sizeHint()
-    area.sizeHint = lambda: QSize(hint.width() + 16, hint.height())  # type: ignore[method-assign]
+    hint = widget.sizeHint()  # a form: wider than its minimum helps nothing, so that is its preferred width
+    area.sizeHint = lambda: QSize(area.minimumWidth(), hint.height())  # type: ignore[method-assign]
     return area
+
+
+def on_screen(widget: QWidget) -> bool:
+    """Shown and not behind another tab (Qt keeps a tabbed dock's hidden page "visible", moved outside the
+    window)."""
+    if not widget.isVisible():
+        return False
+    window = widget.window()
+    return window.rect().intersects(QRect(widget.mapTo(window, QPoint(0, 0)), widget.size()))
 
 
 class DockLayout:
@@ -83,47 +91,42 @@ class DockLayout:
         if self.window.isVisible():
             QTimer.singleShot(0, self.fit)
 
-    def _compact(self) -> None:
+    def _left_column(self) -> None:
         d, w = self.docks, self.window
-        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
-        w.addDockWidget(left, d["chats"])
+        w.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, d["chats"])
         w.splitDockWidget(d["chats"], d["controls"], Qt.Orientation.Vertical)
         w.tabifyDockWidget(d["controls"], d["sampling"])
         w.tabifyDockWidget(d["sampling"], d["model"])
-        w.addDockWidget(right, d["occupancy"])
+
+    def _compact(self) -> None:
+        d, w = self.docks, self.window
+        self._left_column()
+        w.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, d["occupancy"])
         w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
         w.tabifyDockWidget(d["occupancy"], d["page_map"])
         w.tabifyDockWidget(d["timing"], d["memory"])
 
     def _wide(self) -> None:
         d, w = self.docks, self.window
-        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
-        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
-        w.addDockWidget(left, d["chats"])
-        w.splitDockWidget(d["chats"], d["sampling"], V)
-        w.addDockWidget(right, d["occupancy"])
-        w.splitDockWidget(d["occupancy"], d["controls"], H)
-        w.splitDockWidget(d["controls"], d["model"], V)
-        w.splitDockWidget(d["occupancy"], d["page_map"], H)
-        w.splitDockWidget(d["occupancy"], d["timing"], V)
-        w.splitDockWidget(d["page_map"], d["memory"], V)
+        self._left_column()
+        w.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, d["occupancy"])
+        w.splitDockWidget(d["occupancy"], d["page_map"], Qt.Orientation.Horizontal)
+        w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
+        w.splitDockWidget(d["page_map"], d["memory"], Qt.Orientation.Vertical)
 
     def fit(self) -> None:
         """Default sizes as fractions of the window; the chat in the middle gets what is left."""
         d, w = self.docks, self.window
         W, Hh = max(w.width(), 800), max(w.height(), 500)
         H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        left = max(int(W * (0.19 if self.wide else 0.2)), self.docks["controls"].widget().minimumWidth() + 12)
+        w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
         if self.wide:
-            w.resizeDocks([d["chats"], d["occupancy"], d["page_map"], d["controls"]],
-                          [int(W * f) for f in (0.13, 0.22, 0.22, 0.16)], H)
-            w.resizeDocks([d["chats"], d["sampling"]], [int(Hh * 0.55), int(Hh * 0.45)], V)
-            w.resizeDocks([d["controls"], d["model"]], [int(Hh * 0.55), int(Hh * 0.45)], V)
+            w.resizeDocks([d["chats"], d["occupancy"], d["page_map"]], [left, int(W * 0.21), int(W * 0.21)], H)
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
             w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         else:
-            left = max(int(W * 0.2), self.docks["controls"].widget().minimumWidth() + 12)
             w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.37)], H)
-            w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         self._fitted = w.size()
 

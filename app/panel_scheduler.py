@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from app.docks import on_screen
 from app.panels.base import Panel
 from engine.snapshot import CacheSnapshot
 
@@ -57,7 +58,7 @@ class PanelScheduler:
             self.refresh_all()
 
     def _pending(self, panel: Panel) -> bool:
-        return panel.isVisible() and self._shown.get(panel.objectName()) is not self.frame
+        return on_screen(panel) and self._shown.get(panel.objectName()) is not self.frame
 
     def _advance(self) -> None:
         """Take the latest snapshot as the frame once every visible panel drew the current one."""

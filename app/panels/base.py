@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
 BACKGROUND = "#16191f"
@@ -62,6 +62,10 @@ class Panel(QWidget):
         b.setAutoRaise(True)
         b.setObjectName("panelTool")
         return b
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        """A chart reads well from about this size (a laptop's tab of panels is larger)."""
+        return QSize(360, 260)
 
     def show_snapshot(self, snapshot) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
