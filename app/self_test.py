@@ -104,9 +104,10 @@ class SelfTest:
     def reply(self, text: str, during: Callable[[], None] | None = None, at_token: int = 4) -> dict:
         """Send ``text`` and wait for the reply; ``during()`` runs once ``at_token`` tokens streamed."""
         w, done = self.window, []
-        w.reply_finished.connect(lambda _g, reason: done.append(reason))
         w.chat.input.setPlainText(text)
         w.chat.submit()
+        gen = w.generation_id
+        w.reply_finished.connect(lambda g, reason: done.append(reason) if g == gen else None)
         if during is not None:
             wait_until(lambda: w.conversation.tokens_in_reply >= at_token or bool(done), 120)
             if not done:
