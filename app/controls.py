@@ -187,6 +187,12 @@ class CacheControls(QWidget):
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")
 
+        self._lay_out()
+        self.refresh_policies()
+        self.set_config(config or CacheConfig())
+        self._connect()
+
+    def _lay_out(self) -> None:
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         cache_box = QGroupBox("Cache")
@@ -210,8 +216,7 @@ class CacheControls(QWidget):
         layout.addWidget(self.notes)
         layout.addStretch(1)
 
-        self.refresh_policies()
-        self.set_config(config or CacheConfig())
+    def _connect(self) -> None:
         self.mode.currentIndexChanged.connect(self._on_mode)
         self.page_size.valueChanged.connect(self._later)
         self.prefix_reuse.toggled.connect(self._now)

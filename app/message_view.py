@@ -124,6 +124,32 @@ class MessageView(QFrame):
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             label.setVisible(False)
 
+        self._make_buttons(role)
+
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.role_label)
+        head.addStretch(1)
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(False)
+            head.addWidget(w)
+        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
+                  self.cancel_button):
+            head.addWidget(b)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        layout.setSpacing(4)
+        layout.addLayout(head)
+        layout.addWidget(self.body)
+        layout.addWidget(self.editor)
+        layout.addWidget(self.error_label)
+        layout.addWidget(self.notes_label)
+        layout.addWidget(self.stats_label)
+        layout.addWidget(self.cache_label)
+        self.render()
+
+    def _make_buttons(self, role: str) -> None:
+        """The header's buttons: versions, copy, pin, edit, regenerate, save / cancel of an edit."""
         self.version_prev = QPushButton("‹")
         self.version_label = QLabel("")
         self.version_label.setObjectName("versionLabel")
@@ -137,7 +163,7 @@ class MessageView(QFrame):
         self._copied = QTimer(self)  # puts "Copy" back (a child: it goes with the bubble)
         self._copied.setSingleShot(True)
         self._copied.setInterval(COPIED_MS)
-        self._copied.timeout.connect(lambda: self.copy_button.setText("Copy"))
+        self._copied.timeout.connect(self._uncopied)
         self.pin_button = QPushButton("Pin")
         self.pin_button.setCheckable(True)
         self.pin_button.setVisible(role in ("user", "assistant"))
@@ -164,28 +190,6 @@ class MessageView(QFrame):
         self.save_button.clicked.connect(self._save_edit)
         self.cancel_button.clicked.connect(self.end_edit)
         self.regen_button.clicked.connect(self.regenerate_requested)
-
-        head = QHBoxLayout()
-        head.setContentsMargins(0, 0, 0, 0)
-        head.addWidget(self.role_label)
-        head.addStretch(1)
-        for w in (self.version_prev, self.version_label, self.version_next):
-            w.setVisible(False)
-            head.addWidget(w)
-        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
-                  self.cancel_button):
-            head.addWidget(b)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 8, 12, 8)
-        layout.setSpacing(4)
-        layout.addLayout(head)
-        layout.addWidget(self.body)
-        layout.addWidget(self.editor)
-        layout.addWidget(self.error_label)
-        layout.addWidget(self.notes_label)
-        layout.addWidget(self.stats_label)
-        layout.addWidget(self.cache_label)
-        self.render()
 
     # streaming ----------------------------------------------------------------------------------------
     def append(self, delta: str) -> None:
@@ -290,6 +294,9 @@ class MessageView(QFrame):
         self.copy_button.setText("Copied ✓")
         self._copied.start()
         self.copy_requested.emit()
+
+    def _uncopied(self) -> None:
+        self.copy_button.setText("Copy")
 
     def begin_edit(self) -> None:
         self.editor.setPlainText(self.text)
