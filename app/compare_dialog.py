@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -86,6 +87,10 @@ class CompareDialog(QDialog):
         self.stop_button = QPushButton("Stop")
         self.stop_button.clicked.connect(self.stop)
         buttons.addButton(self.stop_button, QDialogButtonBox.ButtonRole.ActionRole)
+        self.copy_button = QPushButton("Copy as Markdown")
+        self.copy_button.setToolTip("Copy the table (a Markdown table) to paste into a chat, a note or a report")
+        self.copy_button.clicked.connect(self.copy_markdown)
+        buttons.addButton(self.copy_button, QDialogButtonBox.ButtonRole.ActionRole)
         close = buttons.addButton(QDialogButtonBox.StandardButton.Close)
         close.clicked.connect(self.close)
         layout = QVBoxLayout(self)
@@ -141,6 +146,17 @@ class CompareDialog(QDialog):
 
     def stop(self) -> None:
         self.engine.cancel_compare(self.comparison_id)
+
+    def markdown(self) -> str:
+        """The table so far as a Markdown table."""
+        reference = self.rows[0].get("generated_tokens", 0) if self.rows else 0
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(row_cells(r, reference)) + " |" for r in self.rows]
+        return "\n".join(lines) + "\n"
+
+    def copy_markdown(self) -> None:
+        QGuiApplication.clipboard().setText(self.markdown())
+        self.copy_button.setText("Copied ✓")
 
     def _disconnect(self) -> None:
         for signal, slot in ((self.engine.worker.compared, self._on_row),

@@ -403,7 +403,8 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
                                              "cache off"]
         assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 4))  # lossless settings
         assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only
-        assert "Done: 5 settings" in dlg.status.text()
+        assert "Done: 5 settings" in dlg.status.text() and dlg.progress.value() == dlg.progress.maximum()
+        assert dlg.markdown().count("\n") == 7 and "| paged (reference) |" in dlg.markdown()
         dlg.close()
         assert w.open_compare() is not dlg  # a finished comparison makes way for a new one
     finally:
