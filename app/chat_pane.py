@@ -18,7 +18,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPlainTextEdit,
     QPushButton,
-    QScrollArea,
     QSizePolicy,
     QVBoxLayout,
     QWidget,
@@ -26,9 +25,9 @@ from PySide6.QtWidgets import (
 
 from app.message_view import MessageView
 from app.notice import NoticeBar
+from app.transcript import Transcript
 from app.widgets import WordLabel
 
-MAX_LINE_PX = 760  # the transcript's widest column: long lines stay readable on wide screens
 MIN_CHAT_PX = 340  # the chat pane never gets narrower than a bubble's buttons (so bubbles wrap, never clip)
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
 
@@ -67,14 +66,12 @@ class ChatPane(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("ChatPane")
-        self.bubbles: list[MessageView] = []
-        self.streaming: MessageView | None = None
         self.generating = False
         self._ready = False
 
-        self.title = WordLabel("New chat")  # shortened at a word with "…" (never widens the pane)
+        self.title = WordLabel("New chat")  # shortened at a word with "…"
         self.title.setObjectName("chatTitle")
-        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the pane
         self.new_button = QPushButton("New chat")
         self.new_button.setToolTip("Start a new chat (Ctrl+N); this one stays in the list")
         self.system_prompt = QLineEdit()
@@ -89,23 +86,10 @@ class ChatPane(QWidget):
         self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
         self.notice = NoticeBar()  # what is not part of the chat (a failed load, refused settings)
 
-        self.transcript = QWidget()
-        self.transcript.setObjectName("transcript")
-        self.column_widget = QWidget()  # the bubbles' column: centred, at most MAX_LINE_PX wide
-        self.column_widget.setMaximumWidth(MAX_LINE_PX)
-        centred = QHBoxLayout(self.transcript)
-        centred.setContentsMargins(0, 0, 0, 0)
-        centred.addStretch(1)
-        centred.addWidget(self.column_widget, 1000)
-        centred.addStretch(1)
-        self.column = QVBoxLayout(self.column_widget)
-        self.column.setContentsMargins(12, 12, 12, 12)
-        self.column.setSpacing(10)
         self.empty_hint = QLabel()
         self.empty_hint.setObjectName("emptyHint")
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_hint.setWordWrap(True)
-        self.column.addWidget(self.empty_hint)
         self.suggestions = QWidget()
         row = QVBoxLayout(self.suggestions)
         row.setAlignment(Qt.AlignmentFlag.AlignHCenter)
@@ -115,17 +99,8 @@ class ChatPane(QWidget):
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))
             row.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
-        self.column.addWidget(self.suggestions)
-        self.column.addStretch(1)
-        self.scroll = QScrollArea()
-        self.scroll.setWidgetResizable(True)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)  # never clip
+        self.scroll = Transcript(self._bubble, (self.empty_hint, self.suggestions))  # owns the bubbles
         self.scroll.setMinimumWidth(MIN_CHAT_PX)
-        self.scroll.setWidget(self.transcript)
-        self.scroll.setObjectName("transcriptScroll")
-        self._stick_to_bottom = True
-        self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range)
-        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scroll)
 
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
@@ -181,18 +156,30 @@ class ChatPane(QWidget):
         self._update_buttons()
 
     def _update_buttons(self) -> None:
-        self.send_button.setEnabled(self._ready and not self.generating)
+        idle = self._ready and not self.generating
+        self.send_button.setEnabled(idle)
         self.stop_button.setEnabled(self.generating)
-        has_reply = any(b.role == "assistant" for b in self.bubbles)
-        self.regen_button.setEnabled(self._ready and not self.generating and has_reply)
-        for b in self.bubbles:
-            b.edit_button.setEnabled(self._ready and not self.generating)
-            b.regen_button.setEnabled(self._ready and not self.generating)
-            b.enable_versions(not self.generating)
+        self.regen_button.setEnabled(idle and self.scroll.has_reply)
+        self.scroll.set_actions_enabled(idle)
 
     def _update_empty(self) -> None:
         self.empty_hint.setVisible(not self.bubbles)
         self.suggestions.setVisible(not self.bubbles and self._ready)
+
+    @property
+    def bubbles(self) -> list[MessageView]:
+        """The bubbles built, oldest first: a window of consecutive messages, the newest ones unless the
+        view was scrolled far up (see ``app.transcript``)."""
+        return self.scroll.bubbles
+
+    @property
+    def streaming(self) -> MessageView | None:
+        """The reply being streamed (the transcript's ``live`` bubble), or None."""
+        return self.scroll.live
+
+    @streaming.setter
+    def streaming(self, bubble: MessageView | None) -> None:
+        self.scroll.live = bubble
 
     def _suggest(self, prompt: str) -> None:
         if self._ready and not self.generating:
@@ -204,63 +191,58 @@ class ChatPane(QWidget):
 
     # transcript -----------------------------------------------------------------------------------------
     def clear(self) -> None:
-        for b in self.bubbles:
-            b.setParent(None)
-            b.deleteLater()
-        self.bubbles.clear()
-        self.streaming = None
+        self.scroll.clear()
         self._update_empty()
         self._update_buttons()
 
     def set_messages(self, messages: list[Any]) -> None:
-        """Show stored messages (objects with role, content, position, stats)."""
-        self.clear()
-        for m in messages:
-            bubble = self.add_message(m.role, m.content, m.position)
-            if m.stats:
-                bubble.set_stats(m.stats)
-                bubble.set_pinned(bool(m.stats.get("pinned")))
-        self._mark_last()
-        self._stick_to_bottom = True
+        """Show stored messages (objects with role, content, position, stats; oldest first)."""
+        self.scroll.set_records(messages)
+        self._update_empty()
+        self._update_buttons()
 
     def add_message(self, role: str, text: str, position: int) -> MessageView:
+        """Add the newest message's bubble."""
+        bubble = self._bubble(role, text, position)
+        self.scroll.append(bubble)
+        self._update_empty()
+        self._update_buttons()
+        return bubble
+
+    def _bubble(self, role: str, text: str, position: int) -> MessageView:
         bubble = MessageView(role, text, position)
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
         bubble.version_requested.connect(self.version_requested)
-        self.column.insertWidget(self.column.count() - 1, bubble)
-        self.bubbles.append(bubble)
-        self._update_empty()
-        self._mark_last()
-        self._update_buttons()
         return bubble
 
     def truncate_after(self, position: int) -> None:
-        """Drop bubbles after ``position`` (edit-and-resend, regenerate)."""
-        keep = [b for b in self.bubbles if b.position <= position]
-        for b in self.bubbles:
-            if b.position > position:
-                b.setParent(None)
-                b.deleteLater()
-        self.bubbles = keep
-        if self.streaming is not None and self.streaming not in keep:
-            self.streaming = None
-        self._mark_last()
+        """Drop the messages after ``position`` (edit-and-resend, regenerate)."""
+        self.scroll.truncate_after(position)
         self._update_empty()
         self._update_buttons()
+
+    def set_text_at(self, position: int, text: str) -> None:
+        """Show new text for the message at ``position`` (an edited message)."""
+        self.scroll.set_text_at(position, text)
+
+    def set_unsaved(self, positions: set[int], text: str = "not saved — retrying") -> None:
+        """Mark the messages at ``positions`` as not in the history file yet; unmark the others."""
+        self.scroll.set_unsaved(positions, text)
 
     def begin_reply(self, position: int, earlier_versions: int = 0) -> MessageView:
         """A new reply's bubble (``earlier_versions``: versions it was regenerated from, shown as 'n / n')."""
         self.streaming = self.add_message("assistant", "", position)
         if earlier_versions:
             self.streaming.set_versions([{}] * earlier_versions, earlier_versions)
-        self._stick_to_bottom = True
+        self.scroll.show_newest()
         return self.streaming
 
     def resume_reply(self, position: int, pending: str, notes: list[str]) -> None:
         """The chat of a reply still being written is back on screen: its bubble (saved text so far) goes on
         streaming, with the text not saved yet and its notes."""
+        self.scroll.show_newest()
         bubble = next((b for b in self.bubbles if b.position == position), None)
         if bubble is None:
             bubble = self.add_message("assistant", "", position)
@@ -269,17 +251,19 @@ class ChatPane(QWidget):
         bubble.append(pending)
         bubble.set_notes(notes)
         bubble.render()
-        self._stick_to_bottom = True
+
+    def _bubble_at(self, position: int) -> MessageView | None:
+        return next((b for b in self.bubbles if b.position == position), None)
 
     def show_version(self, position: int, text: str, stats: dict[str, Any]) -> None:
         """Show another version of the reply at ``position``."""
-        bubble = next((b for b in self.bubbles if b.position == position), None)
+        bubble = self._bubble_at(position)
         if bubble is not None:
             bubble.set_text(text)
             bubble.set_stats(stats)
 
     def show_pinned_tokens(self, position: int, tokens: int) -> None:
-        bubble = next((b for b in self.bubbles if b.position == position), None)
+        bubble = self._bubble_at(position)
         if bubble is not None:
             bubble.set_pinned_tokens(tokens)
 
@@ -305,15 +289,9 @@ class ChatPane(QWidget):
         self.streaming.render()
         self.streaming.set_stats(stats)
         self.streaming = None
-        self._mark_last()
 
     def user_text_at(self, position: int) -> str:
-        return next((b.text for b in self.bubbles if b.position == position and b.role == "user"), "")
-
-    def _mark_last(self) -> None:
-        replies = [b for b in self.bubbles if b.role == "assistant"]
-        for b in replies:
-            b.set_last_reply(b is replies[-1])
+        return self.scroll.text_at(position, "user")
 
     # input ----------------------------------------------------------------------------------------------
     def submit(self) -> None:
@@ -326,11 +304,3 @@ class ChatPane(QWidget):
     def _on_escape(self) -> None:
         if self.generating:
             self.stop_requested.emit()
-
-    def _on_range(self, _lo: int, hi: int) -> None:
-        if self._stick_to_bottom:
-            self.scroll.verticalScrollBar().setValue(hi)
-
-    def _on_scroll(self, value: int) -> None:
-        bar = self.scroll.verticalScrollBar()
-        self._stick_to_bottom = value >= bar.maximum() - 24

@@ -19,6 +19,7 @@ from app.chat_list import ChatList, title_from
 from app.chat_pane import ChatPane
 from app.failure import Failure
 from app.history import HistoryStore
+from app.history_notice import HistoryNotices
 from app.replies import Reply, interrupted, pick_version, versions_of
 from app.send_check import SendCheck
 from app.settings import Settings
@@ -32,7 +33,10 @@ class Conversation(QObject):
 
     Signals: ``reply_started(generation_id, cache_mode)``, ``token(TokenEvent)`` (the reply on screen only),
     ``noted(list[str])`` (new notes of that reply), ``reply_finished(generation_id, stop_reason)`` (any
-    reply), ``error(message)`` (a request that could not be made; nothing was saved), ``chat_opened(id)``.
+    reply), ``error(message)`` (a request that could not be made; nothing was saved), ``chat_opened(id)``,
+    ``failed(Failure)`` (stage "history": the history file is damaged, read-only, gone or cannot be
+    written; see ``app.history``). While the history file cannot be written, the messages not in it yet say
+    so under them, and the notice about it stays above the chat until it is resolved or dismissed.
     """
 
     reply_started = Signal(int, str)
@@ -41,6 +45,7 @@ class Conversation(QObject):
     reply_finished = Signal(int, str)
     error = Signal(str)
     chat_opened = Signal(int)
+    failed = Signal(object)  # Failure
 
     def __init__(self, history: HistoryStore, settings: Settings, pane: ChatPane, chat_list: ChatList,
                  engine: EngineThread, sampling: Callable[[], SamplingConfig], cache: Callable[[], CacheConfig],
@@ -62,6 +67,7 @@ class Conversation(QObject):
         self.last_stats: dict[str, Any] = {}
         self.closed = False  # set at shutdown: signals still queued from the worker are ignored
         self.check = SendCheck(self, pane, engine, cache)
+        self.notices = HistoryNotices(history, pane, self.failed.emit, lambda: self.chat_id, lambda: self.closed)
         pane.send_requested.connect(self.send)
         pane.stop_requested.connect(self.stop)
         pane.regenerate_requested.connect(self.regenerate)
@@ -105,6 +111,7 @@ class Conversation(QObject):
     # -- chats ----------------------------------------------------------------------------------------------
     def load_chats(self) -> None:
         """Show the chat list and open the last chat (or a new one)."""
+        self.notices.changed()  # what opening the history file found
         chats = self.history.chats()
         last = self.settings.get("window/last_chat")
         chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
@@ -127,9 +134,10 @@ class Conversation(QObject):
         self.flush()
         self.chat_id = chat_id
         self.settings.set("window/last_chat", chat_id)
-        self.pane.notice.clear()
+        self.notices.clear_notice()
         self.pane.set_chat(chat.title, chat.system_prompt)
         self.pane.set_messages(self._mark_unfinished(chat_id))
+        self.notices.show_unsaved()
         reply = self.reply
         if reply is not None:  # its bubble streams again from what is saved plus what is pending
             self.pane.resume_reply(reply.position, reply.pending, reply.notes)
@@ -242,7 +250,7 @@ class Conversation(QObject):
             return
         if not checked and not self.check.fits(text):
             return  # the check sends it, or warns and gives the text back to the input
-        self.pane.notice.clear()  # the user moved on from whatever it said
+        self.notices.clear_notice()  # the user moved on from whatever it said
         if self.chat_id is None:
             self.chat_id = self.history.create_chat().id
         msg = self.history.add_message(self.chat_id, "user", text)
@@ -277,9 +285,7 @@ class Conversation(QObject):
         self.history.set_content(target.id, text)
         self.history.truncate_after(self.chat_id, position)
         self.pane.truncate_after(position)
-        bubble = next((b for b in self.pane.bubbles if b.position == position), None)
-        if bubble is not None:
-            bubble.set_text(text)
+        self.pane.set_text_at(position, text)
         if target.id == first.id:
             self._retitle(first.content, text)
         self._request_reply()
@@ -336,11 +342,11 @@ class Conversation(QObject):
             self.token.emit(event)
 
     def flush(self) -> None:
-        """Append the streamed text received since the last flush to each reply's row."""
+        """Append the streamed text received since the last flush to each reply's row; let the history
+        notice a deleted file and retry failed writes (the window calls this every 250 ms)."""
         for reply in self.replies.values():
-            if reply.pending:
-                self.history.append_text(reply.message_id, reply.pending)
-                reply.pending = ""
+            self.flush_reply(reply)
+        self.history.tick()
 
     def _on_noted(self, generation_id: int, notes: list) -> None:
         reply = self.replies.get(generation_id)

@@ -73,7 +73,7 @@ def estimate(config: dict, stored_weights_bytes: int, context: int, quantization
     full, sliding, window = _layer_counts(c, layers)
     per_layer = 2 * kv_heads * head_dim * compute_b
     per_token = per_layer * (full + sliding)
-    kv = per_layer * (full * ctx + sliding * min(ctx, window))  # sliding layers hold only their window
+    kv = per_layer * (full * ctx + sliding * min(ctx, window - 1))  # sliding layers: the window less the query
     return MemoryEstimate(int(embed * compute_b + (params - embed) * per_param), kv, per_token, ctx, max_ctx, full + sliding, kv_heads, head_dim)
 
 

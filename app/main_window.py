@@ -140,6 +140,7 @@ class MainWindow(QMainWindow):
         c.token.connect(self.timing.add_token)
         c.reply_finished.connect(self._on_reply_finished)
         c.error.connect(self.show_error)
+        c.failed.connect(self._on_failed)  # the history file's troubles (stage "history")
         c.noted.connect(self._on_reply_notes)
         c.chat_opened.connect(self._on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)

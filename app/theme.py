@@ -25,6 +25,7 @@ QLabel#statsLine {{ color: {MUTED}; font-size: 11px; }}
 QLabel#cacheLine {{ color: #43c59e; font-size: 11px; }}
 QLabel#errorLine {{ color: #ff8080; }}
 QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
+QLabel#saveLine {{ color: #ffb347; font-size: 11px; }}
 QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 6px; }}
 QLabel#noticeText {{ color: #ffb0b0; }}
 QWidget#transcript {{ background: {BASE}; }}

@@ -77,17 +77,48 @@ def _classify(layer) -> LayerFacts:
     return LayerFacts(name)
 
 
-def probe(model) -> tuple[LayerFacts, ...]:
-    """Per layer, what the model caches (one three-token forward with transformers' ``DynamicCache``)."""
+PROBE_TOKENS = 3
+
+
+def probe(model) -> tuple[tuple[LayerFacts, ...], str | None]:
+    """Per layer, what the model caches (one three-token forward with transformers' ``DynamicCache``), and
+    why the cache would not be the whole story (one line), if it is not."""
     from transformers import DynamicCache
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     device = next(model.parameters()).device
     cache = DynamicCache(config=config)
-    ids = torch.tensor([[1, 2, 3]], dtype=torch.long, device=device)  # [1, 3]
+    planned = len(cache.layers)
+    before = _module_tensors(model)
+    ids = torch.tensor([[1, 2, 3]], dtype=torch.long, device=device)  # [1, PROBE_TOKENS]
     with torch.inference_mode():
-        model(input_ids=ids, position_ids=torch.arange(3, device=device)[None], cache=cache, use_cache=True)
-    return tuple(_classify(layer) for layer in cache.layers)
+        model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=device)[None], cache=cache,
+              use_cache=True)
+    facts = tuple(_classify(layer) for layer in cache.layers)
+    return facts, _probe_refusal(model, cache, planned, before, facts)
+
+
+def _module_tensors(model) -> dict[str, int]:
+    """Plain tensor attributes of modules (not parameters or buffers), by id: where some models keep state."""
+    return {f"{n}.{a}": id(v) for n, m in model.named_modules() for a, v in vars(m).items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _probe_refusal(model, cache, planned: int, before: dict[str, int], facts) -> str | None:
+    """What the forward did outside the cache layers transformers planned for (each seen in a model of
+    transformers 5.24: a looped model that runs its layers twice, RecurrentGemma's state in module
+    attributes, CPM-Ant's learned prompt tokens cached in front of the text)."""
+    if planned and len(cache.layers) != planned:
+        return (f"the forward cached {len(cache.layers)} layers where the configuration plans {planned} "
+                "(layers run more than once): not supported yet")
+    new = sorted(n for n, i in _module_tensors(model).items() if before.get(n) != i)
+    if new:
+        return f"the model keeps state in its modules ({new[0]}), outside the cache: not supported yet"
+    held = {int(layer.keys.shape[2]) for layer, f in zip(cache.layers, facts) if f.kind.startswith(FULL)}
+    if held - {PROBE_TOKENS}:
+        return (f"the model caches {max(held)} tokens for {PROBE_TOKENS} it was given (tokens of its own in "
+                "front of the text): not supported yet")
+    return None
 
 
 def refusal(facts: tuple[LayerFacts, ...]) -> str | None:
@@ -113,7 +144,7 @@ def sharing_refusal(config) -> str | None:
     return None
 
 
-def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int, config=None) -> dict:
+def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int, config=None, probe_refusal: str | None = None) -> dict:
     """``ModelInfo`` fields from the probe: layer kinds, windows, real K/V widths, bytes per token, state."""
     attn = [f for f in facts if f.attention]
     first = attn[0] if attn else LayerFacts(NONE)
@@ -125,7 +156,8 @@ def info_fields(facts: tuple[LayerFacts, ...], elem_bytes: int, config=None) -> 
         num_kv_heads=first.k_heads,
         head_dim=first.k_dim,
         kv_bytes_per_token=sum((f.k_heads * f.k_dim + f.v_heads * f.v_dim) * elem_bytes for f in attn),
-        unsupported=refusal(facts) or (sharing_refusal(config) if config is not None else None) or "",
+        unsupported=(probe_refusal or refusal(facts) or (sharing_refusal(config) if config is not None else None)
+                     or ""),
     )
 
 

@@ -1,4 +1,4 @@
-"""``python -m engine generate|bench`` (DESIGN.md §3).
+"""``python -m engine generate|bench|quality|serve`` (DESIGN.md §3).
 
 A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
 one).
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and KV dtype (auto: float32 for --shape, the checkpoint's for --model)")
     b.add_argument("--json", dest="json_file", required=True, help="output file")
 
+    _serve_parser(sub)
+
     q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
     q.add_argument("--model", required=True, help="folder, hub id, or demo")
     q.add_argument("--text", help="UTF-8 text file (default: a built-in short story)")
@@ -112,6 +114,45 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", choices=DEVICES)
     q.add_argument("--json", dest="json_file", required=True, help="output file")
     return parser
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model with the OpenAI API (chat and text completions)")
+    s.add_argument("--model", required=True, help="folder, hub id, or demo")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other "
+                   "needs --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KVSCOPE_API_KEY)")
+    s.add_argument("--cors", action="append", metavar="ORIGIN", help="allow browser requests from this origin "
+                   "(repeatable; default: none)")
+    s.add_argument("--max-running", type=int, default=8, help="requests generated in turn (default 8)")
+    s.add_argument("--max-queued", type=int, default=32, help="requests waiting beyond those; more get 429")
+    s.add_argument("--max-idle", type=int, default=4, help="finished conversations kept with their cache")
+    s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    _cache_args(s)
+    _model_args(s)
+
+
+def _model_spec(a: argparse.Namespace) -> ModelSpec:
+    return ModelSpec(source=a.model, quantization=a.quantize, device=a.device, dtype=a.dtype,
+                     allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
+                     allow_download=not a.offline)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port} is outside 0..65535")
+    for name in ("max_running", "max_idle", "max_body"):
+        if getattr(a, name) < (1 if name != "max_idle" else 0):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} is too small")
+    if a.max_queued < 0:
+        raise ValueError(f"--max-queued {a.max_queued} must be at least 0")
+    cache = cache_config_from_args(a)
+    spec = _model_spec(a)
+    from engine.server.service import serve
+
+    return serve(a, cache, spec)
 
 
 def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
@@ -197,9 +238,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         repetition_penalty=a.repetition_penalty, seed=a.seed, max_new_tokens=a.max_new_tokens,
         ignore_eos=a.ignore_eos,
     )
-    spec = ModelSpec(source=a.model, quantization=a.quantize, device=a.device, dtype=a.dtype,
-                     allow_pickle=a.allow_pickle, trust_remote_code=a.trust_remote_code,
-                     allow_download=not a.offline)
+    spec = _model_spec(a)
     messages = _read_messages(a.messages) if a.messages else None
     if a.prompt is not None:
         from engine.chat import check_text
@@ -265,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             _check_output_path(a.json_file)
         if a.command == "generate":
             return cmd_generate(a)
+        if a.command == "serve":
+            return cmd_serve(a)
         if a.command == "bench":
             from engine.bench import run_bench
 

@@ -377,6 +377,15 @@ def _stop_ids(model, tok) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _config_int(config, name: str) -> int:
+    """A size from the configuration, 0 where it has none or only per-layer values (transformers raises for
+    those: e.g. head counts that differ between layers)."""
+    try:
+        return int(getattr(config, name, 0) or 0)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and kin
+        return 0
+
+
 def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
             is_demo: bool) -> LoadedModel:
     """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.arch.probe``) and
@@ -385,7 +394,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
 
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    q_heads = int(text_cfg.num_attention_heads)
+    q_heads = _config_int(text_cfg, "num_attention_heads")  # 0: none (Mamba, RWKV) or per layer: the probe says
     # K/V come out of the projections in the activations' dtype (bitsandbytes computes in it too)
     kv_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     if spec.quantization == "nf4":
@@ -395,7 +404,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     elem = torch.empty((), dtype=kv_dtype).element_size()
     impl = attention_impl(model)
     try:
-        facts = probe(model)
+        facts, probe_refusal = probe(model)
     except Exception as e:  # noqa: BLE001 - a model that cannot even run three tokens
         raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
                                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
@@ -405,10 +414,10 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         source=spec.source,
         architecture=(cfg.architectures or [type(model).__name__])[0],
         model_type=str(cfg.model_type),
-        num_layers=len(facts) or int(text_cfg.num_hidden_layers),
+        num_layers=len(facts) or _config_int(text_cfg, "num_hidden_layers"),
         num_q_heads=q_heads,
-        hidden_size=int(text_cfg.hidden_size),
-        vocab_size=int(text_cfg.vocab_size),
+        hidden_size=_config_int(text_cfg, "hidden_size"),
+        vocab_size=_config_int(text_cfg, "vocab_size"),
         context_length=int(getattr(text_cfg, "max_position_embeddings", 2048) or 2048),
         dtype=str(kv_dtype).replace("torch.", ""),
         kv_dtype=str(kv_dtype).replace("torch.", ""),
@@ -420,6 +429,6 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
         stop_ids=stop,
         attn_impl=impl,
-        **info_fields(facts, elem, text_cfg),
+        **info_fields(facts, elem, text_cfg, probe_refusal),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -181,8 +181,7 @@ class ChatSession:
         self.check_open()
         if self.generating:
             raise EngineError("a reply is already in progress: cancel it or wait for it to finish")
-        if not self._can_overflow():
-            check_fits(len(ids), sampling.max_new_tokens, self.context_length)
+        room_note = "" if self._can_overflow() else check_fits(len(ids), sampling.max_new_tokens, self.context_length)
         if self.host is not None:
             self.swap_in()  # typed error, nothing changed, if there is no room
         cached = self.index.n if self.store is not None else 0
@@ -201,6 +200,8 @@ class ChatSession:
                                     recomputed=len(ids) - keep, divergence=common if cached > 0 else -1)
         self.evictions = []
         self.generating = True
+        if room_note:
+            self.add_notes([room_note])
         return self._stats("")
 
     def cancel(self) -> None:
@@ -258,8 +259,8 @@ class ChatSession:
             stop = "max_tokens"
         elif self.store is None and len(self.seq) >= self.context_length:
             stop = "context_full"
-        elif self.store is not None and self.index.next_rope >= self.context_length and not self._can_overflow():
-            stop = "context_full"
+        elif self.store is not None and self.index.next_rope + 1 >= self.context_length and not self._can_overflow():
+            stop = "context_full"  # this token takes the context's last position: the text is C tokens, as HF's
         event = TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in)
         if stop:
             return self._finish(stop, event)

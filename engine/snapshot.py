@@ -83,11 +83,12 @@ class ModelInfo:
 
     def kv_bytes_at(self, tokens: int) -> int:
         """Bytes of the cache holding ``tokens`` tokens: full layers hold all of them, sliding layers at most
-        their window; plus the fixed state of state layers."""
+        ``window - 1`` (what the next query needs besides itself, as HF's cache keeps); plus the fixed state
+        of state layers."""
         if not self.layer_kinds:
             return self.kv_bytes_per_token * tokens
         per = self.layer_bytes_per_token
-        held = sum(tokens if k.startswith("full") else min(tokens, w) if k.startswith("sliding") else 0
+        held = sum(tokens if k.startswith("full") else min(tokens, w - 1) if k.startswith("sliding") else 0
                    for k, w in zip(self.layer_kinds, self.windows))
         return per * held + self.state_bytes
 

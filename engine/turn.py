@@ -107,12 +107,15 @@ def prefill_chunk(num_params: int, device_type: str) -> int:
     return chunk
 
 
-def check_fits(prompt: int, max_new: int, ctx: int) -> None:
-    """``ContextOverflowError`` (with what to change) when a reply cannot fit the context and nothing may evict."""
+def check_fits(prompt: int, max_new: int, ctx: int) -> str:
+    """``ContextOverflowError`` (with what to change) when not even one token fits after the prompt; else a note
+    when the reply may reach the context's end (it then stops there, stop reason ``context_full``), or "".
+    A chat app's second turn on a 512-token model must not be refused because max new tokens says 256."""
     if prompt >= ctx:
         raise ContextOverflowError(f"the prompt has {prompt} tokens but the model's context is {ctx}: "
                                    "shorten the chat, start a new one, or choose an overflow policy")
     if prompt + max_new > ctx:
-        raise ContextOverflowError(
-            f"prompt {prompt} + max new tokens {max_new} = {prompt + max_new} tokens exceeds the model's context "
-            f"of {ctx}: lower max new tokens to {ctx - prompt} or less, or choose an overflow policy")
+        return (f"the context of {ctx} tokens leaves room for {ctx - prompt} new tokens after this {prompt}-token "
+                f"prompt (max new tokens {max_new}): the reply stops when the context is full; start a new chat or "
+                "choose an overflow policy to go on")
+    return ""

@@ -38,6 +38,6 @@ def test_estimate_counts_sliding_windows_and_state_layers():
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "torch_dtype": "bfloat16"}
     est = estimate(gemma3, 2_000_000_000, 4096, device="cuda")
     per_layer = 2 * 1 * 256 * 2
-    assert est.kv_bytes == per_layer * (1 * 4096 + 5 * 512)  # not 6 × 4096
+    assert est.kv_bytes == per_layer * (1 * 4096 + 5 * 511)  # not 6 × 4096; a window holds 511 besides the query
     hybrid = dict(gemma3, layer_types=["conv", "full_attention"] * 3, sliding_window=None)
     assert estimate(hybrid, 2_000_000_000, 4096, device="cuda").kv_bytes == per_layer * 3 * 4096

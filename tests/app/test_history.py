@@ -1,15 +1,20 @@
-"""Chat history in SQLite (WAL), written incrementally; a killed process keeps what it committed."""
+"""Chat history in SQLite (WAL), written incrementally; a killed process keeps what it committed; a damaged,
+locked or deleted file loses nothing (the window side: test_history_file.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 from conftest import REPO
+from history_files import corrupt_index, stored_messages, write_history
 
+from app import history_recover
 from app.history import HistoryStore
 
 
@@ -60,3 +65,56 @@ def test_killed_process_keeps_history(tmp_path):
     assert [m.content for m in store.messages(chat.id)] == ["hi", "partial reply"]
     store.close()
     assert os.path.exists(db)
+
+
+def test_a_damaged_file_is_moved_aside_and_everything_readable_is_kept_with_its_ids(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    write_history(path, 50, chats=2)
+    corrupt_index(path)
+    store = HistoryStore(path)
+    (notice,) = store.take_notices()
+    assert notice.kind == "damaged" and "2 chat(s) and 100 message(s) were recovered" in notice.message
+    assert store.writable and store.problem == "" and len(list(tmp_path.glob("h.sqlite3.damaged-*"))) == 1
+    ids = [m.id for m in store.messages(1)]
+    store.add_message(1, "user", "new")
+    store.close()
+    again = HistoryStore(path)  # the fresh file holds all of it, under the same ids
+    assert again.take_notices() == [] and [m.id for m in again.messages(1)][:50] == ids
+    assert [m.content for m in again.messages(1)][-1] == "new" and len(again.messages(2)) == 50
+    again.close()
+
+
+def test_writes_that_fail_wait_in_memory_and_go_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(history_recover, "RETRY_S", 0.05)
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    chat = store.create_chat("c")
+    lock = sqlite3.connect(str(path), isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    reply = store.add_message(chat.id, "assistant")
+    for piece in ("a", "b", "c"):
+        store.append_text(reply.id, piece)
+    assert store.unsaved_positions(chat.id) == {0} and "database is locked" in store.problem
+    assert [n.kind for n in store.take_notices()] == ["write_failed"]  # said once, not once per write
+    lock.execute("ROLLBACK")
+    time.sleep(0.06)
+    store.tick()
+    assert store.unsaved_positions(chat.id) == set() and store.problem == ""
+    assert [n.kind for n in store.take_notices()] == ["saved"]
+    assert stored_messages(path) == [(chat.id, 0, "abc")]
+    store.close()
+    lock.close()
+
+
+def test_a_file_deleted_while_open_is_written_again_from_memory(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    write_history(path, 20, chats=3)
+    store = HistoryStore(path)
+    store.add_message(3, "user", "in memory and in the old file")
+    store.delete_chat(2)  # deleted in memory stays deleted
+    for f in tmp_path.glob("h.sqlite3*"):
+        f.unlink()
+    store.tick()
+    assert [n.kind for n in store.take_notices()] == ["deleted"] and path.exists()
+    assert sorted({m[0] for m in stored_messages(path)}) == [1, 3] and len(stored_messages(path)) == 41
+    store.close()

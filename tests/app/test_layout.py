@@ -87,7 +87,7 @@ def test_laptop_screens_fit_and_bubbles_wrap(qtbot, data_dir, stories_path, size
 
 
 def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(qtbot, data_dir, stories_path):
-    from app.chat_pane import MAX_LINE_PX
+    from app.transcript import MAX_LINE_PX
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
@@ -102,8 +102,8 @@ def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(
         assert max(b.width() for b in w.chat.bubbles) <= MAX_LINE_PX
         _settle(qtbot, w, (2560, 1440))
         assert w.chat.width() > MAX_LINE_PX + 100 and max(b.width() for b in w.chat.bubbles) <= MAX_LINE_PX
-        column = w.chat.column_widget.geometry()  # centred in the wider pane
-        assert abs(column.left() - (w.chat.transcript.width() - column.right())) <= 4
+        column = w.chat.scroll.column_widget.geometry()  # centred in the wider pane
+        assert abs(column.left() - (w.chat.scroll.inner.width() - column.right())) <= 4
         _settle(qtbot, w, (1280, 720))
         assert w.layout_docks.arrangement == "compact" and _squashed(w) == []
     finally:

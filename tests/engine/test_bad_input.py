@@ -95,7 +95,6 @@ def test_pickle_loads_when_allowed(bad_models, stories):
     (["--page-size", "0"], "page size: 0 is outside 1..256"),
     (["--page-size", "300"], "page size: 300 is outside 1..256"),
     (["--cache", "sometimes"], "invalid choice: 'sometimes'"),
-    (["--max-new-tokens", "600"], "exceeds the model's context of 512"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
     (["--temperature", "nan"], "temperature: nan is not a finite number"),
@@ -166,8 +165,6 @@ def test_api_context_overflow_is_never_silent(stories):
     from engine.session import ChatSession
 
     s = ChatSession(stories, CacheConfig())
-    with pytest.raises(errors.ContextOverflowError, match="exceeds the model's context of 512"):
-        s.start_completion("Once", SamplingConfig(max_new_tokens=511))
     long_prompt = "Once upon a time " * 200
     with pytest.raises(errors.ContextOverflowError, match="the prompt has"):
         s.start_completion(long_prompt, SamplingConfig(max_new_tokens=1))
@@ -314,3 +311,30 @@ def test_cli_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsy
     old.write_text('{"rows": []}')
     assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(old)]) == 0
     assert old.read_text() == '{"rows": []}'
+
+
+def test_reply_longer_than_the_context_stops_there_and_says_so(stories):
+    """A reply whose max new tokens pass the context is not refused: it gets the tokens that fit, stop reason
+    context_full, and a note saying how much room there was and what to do."""
+    from engine.session import ChatSession
+
+    s = ChatSession(stories, CacheConfig())
+    s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=600, ignore_eos=True))
+    prompt = len(s.seq)
+    while not (r := s.step()).done:
+        pass
+    assert r.stop_reason == "context_full"
+    assert len(s.seq) == 512 and len(s.generated_ids) == 512 - prompt
+    assert any(f"room for {512 - prompt} new tokens" in w and "start a new chat" in w for w in r.warnings)
+    s.start_completion("Once", SamplingConfig(max_new_tokens=3))  # the session goes on
+    while not (r := s.step()).done:
+        pass
+    assert r.stop_reason == "max_tokens" and not r.warnings
+
+
+def test_cli_reply_past_the_context_is_reported(stories_path, capsys):
+    rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-new-tokens",
+                   "600", "--ignore-eos", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["stop_reason"] == "context_full" and len(out["token_ids"]) == 512 - out["prompt_tokens"]
+    assert any("the reply stops when the context is full" in w for w in out["warnings"])

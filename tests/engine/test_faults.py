@@ -267,7 +267,7 @@ def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, 
     results = [s.step() for _ in range(4)]
     assert [r.event is None for r in results] == [True, True, True, True] and seen == [64] * 4
     assert all(r.snapshot.phase == "prefill" and not r.done for r in results)
-    while not (r := s.step()).done:
+    while not s.step().done:
         pass
     assert seen[:5] == [64, 64, 64, 64, 44] and s.generated_ids == ref  # chunked, still HF's tokens
     s.start_ids(ids, SamplingConfig(max_new_tokens=20, ignore_eos=True))  # a prefix hit: nothing to chunk

@@ -162,10 +162,10 @@ def test_context_overflow_choices_keep_generating(stories, overflow):
 
 def test_context_overflow_stop_is_reported(stories):
     s = ChatSession(stories, CacheConfig(mode="paged"))
-    from engine.errors import ContextOverflowError
-
-    with pytest.raises(ContextOverflowError):
-        s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=600))
+    s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=600, ignore_eos=True))
+    while not (r := s.step()).done:
+        pass
+    assert r.stop_reason == "context_full" and len(s.seq) == 512 and r.warnings
 
 
 def test_enable_policy_mid_reply_evicts_now_and_disable_restores(stories):

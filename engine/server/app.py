@@ -1,0 +1,270 @@
+"""The HTTP routes (Starlette): ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/health``,
+``/metrics``. Request handling only; the engine runs on the scheduler's thread (``engine.server.scheduler``).
+
+Every error is OpenAI-shaped JSON (``engine.server.errors``): the route's own, Starlette's 404/405, and any
+bug (500, no traceback). ``/v1/*`` needs ``Authorization: Bearer KEY`` when the server has a key;
+``/health`` and ``/metrics`` do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from engine.server.errors import ApiError, from_exception
+from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion
+
+log = logging.getLogger("kvscope.server")
+METRICS_WAIT_S = 10.0
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)  # type: ignore[arg-type]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", "") or "error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return error_response(ApiError(status, f"{detail}: {request.method} {request.url.path}", "invalid_request_error",
+                                   None, code))
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, str(exc)[:200])
+    return error_response(from_exception(exc))
+
+
+def _check_key(request: Request) -> None:
+    key = request.app.state.server.api_key
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'" if given else
+                       "Missing API key: send it as 'Authorization: Bearer KEY'", "invalid_request_error", None,
+                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, 413 past ``limit`` bytes (told by Content-Length or found while reading)."""
+    too_big = ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error", None,
+                       "request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def api(fn):
+    """A route whose every failure is an OpenAI-shaped response (a bug: 500, one line in the log)."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except ApiError as e:
+            return error_response(e)
+        except Exception as e:  # noqa: BLE001 - a bug: one line in the log, no traceback to the client
+            return await _bug(request, e)
+
+    route.__name__ = fn.__name__
+    return route
+
+
+@api
+async def models(request: Request) -> Response:
+    _check_key(request)
+    server = request.app.state.server
+    info = server.lm.info
+    return JSONResponse({"object": "list", "data": [{
+        "id": server.model_id, "object": "model", "created": server.created, "owned_by": "kvscope",
+        "max_model_len": info.context_length}]})
+
+
+async def health(request: Request) -> Response:
+    server = request.app.state.server
+    ok = server.scheduler.alive
+    return JSONResponse({"status": "ok" if ok else "stopped", "model": server.model_id,
+                         "running": server.scheduler.running, "waiting": server.scheduler.waiting},
+                        status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    server = request.app.state.server
+    try:
+        gauges = await asyncio.wait_for(asyncio.wrap_future(server.scheduler.call(server.scheduler.kv_gauges)),
+                                        METRICS_WAIT_S)
+        server.last_gauges = gauges
+    except (asyncio.TimeoutError, RuntimeError, asyncio.CancelledError):
+        gauges = dict(server.last_gauges, running=server.scheduler.running, waiting=server.scheduler.waiting)
+    return PlainTextResponse(server.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+
+@api
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat)
+
+
+@api
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion)
+
+
+async def _generate(request: Request, parse) -> Response:
+    server = request.app.state.server
+    _check_key(request)
+    req = parse(parse_body(await _read_body(request, server.max_body)))
+    check_model(req, server.model_ids)
+    shape = Shape(req.kind, server.model_id)
+    job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        kind, data = await _next(job, gone)  # the start, or an error (the request never started)
+        if kind == "error":
+            raise data
+        if req.stream:
+            gone.cancel()  # from here on sse-starlette watches the connection
+            return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
+        while kind != "done":
+            kind, data = await _next(job, gone)
+            if kind == "error":
+                raise data
+        return JSONResponse(shape.whole(data))
+    except ClientGone:
+        job.cancel()
+        return Response(status_code=499)
+    except BaseException:
+        job.cancel()
+        raise
+    finally:
+        gone.cancel()
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its reply was complete."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next(job, gone: asyncio.Future) -> tuple[str, Any]:
+    """The job's next event, or ``ClientGone`` if the client leaves first (queued or generating)."""
+    nxt = asyncio.ensure_future(job.next())
+    done, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if nxt in done:
+        return nxt.result()
+    nxt.cancel()
+    raise ClientGone
+
+
+async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dict]:
+    """Server-sent events of a streamed reply (the SSE framing is sse-starlette's)."""
+    try:
+        if shape.kind == "chat":
+            yield {"data": json.dumps(shape.chunk({"role": "assistant", "content": ""}, None))}
+        while True:
+            kind, data = await job.next()
+            if kind == "delta":
+                yield {"data": json.dumps(shape.chunk(data, None))}
+            elif kind == "error":
+                yield {"data": json.dumps(data.body())}
+                return
+            elif kind == "done":
+                yield {"data": json.dumps(shape.chunk("" if shape.kind == "completion" else {}, data["finish_reason"]))}
+                if include_usage:
+                    yield {"data": json.dumps(shape.usage_chunk(data))}
+                yield {"data": "[DONE]"}
+                return
+    finally:
+        if not job.finished:
+            job.cancel()  # the client went away (or the server stops): free the request's pages
+
+
+class Shape:
+    """The JSON shapes of one reply: chat (``chat.completion``) or text (``text_completion``)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(data: dict) -> dict[str, Any]:
+        p, c = data["prompt_tokens"], data["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": data["cached_tokens"]}}
+
+    def whole(self, data: dict) -> dict[str, Any]:
+        fr = data["finish_reason"]
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": None,
+                      "finish_reason": fr}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)}
+        choice = {"index": 0, "text": data["text"], "logprobs": None, "finish_reason": fr}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}
+
+    def chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            if isinstance(delta, str):
+                delta = {"content": delta}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, data: dict) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(data)}
+
+
+def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
+    """The ASGI app of ``server`` (``engine.server.service.KVServer``)."""
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"])] if cors else []
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _bug}
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+    app.state.server = server
+    return app
+
+
+__all__ = ["build_app", "error_response"]

@@ -1,0 +1,110 @@
+"""Counters of the server and their Prometheus text exposition (format 0.0.4).
+
+Counters are bumped by the engine thread and read by the HTTP thread under one lock; the KV gauges are
+measured on the engine thread when ``/metrics`` asks (``Scheduler.kv_gauges``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+RATE_WINDOW_S = 10.0
+OUTCOMES = ("stop", "length", "cancelled", "error", "rejected")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_queries = 0  # prompt tokens looked up in a session's cache
+        self.prefix_hits = 0  # prompt tokens found there (not prefilled again)
+        self.evicted_tokens = 0  # tokens a cache policy or the context limit dropped
+        self.session_evictions = 0  # idle sessions closed to keep the idle pool small
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+
+    def request_started(self, prompt_tokens: int, reused_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.prefix_queries += prompt_tokens
+            self.prefix_hits += reused_tokens
+
+    def tokens(self, n: int, evicted: int = 0) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.generation_tokens += n
+            self.evicted_tokens += evicted
+            if n:
+                self._recent.append((now, n))
+            self._trim(now)
+
+    def outcome(self, name: str) -> None:
+        with self._lock:
+            self.outcomes[name] = self.outcomes.get(name, 0) + 1
+
+    def session_evicted(self) -> None:
+        with self._lock:
+            self.session_evictions += 1
+
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def tokens_per_s(self) -> float:
+        with self._lock:
+            self._trim(time.monotonic())
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def render(self, gauges: dict[str, float]) -> str:
+        """Prometheus text: the counters here plus ``gauges`` (running, waiting, KV bytes and pages, ...)."""
+        rate = self.tokens_per_s()
+        with self._lock:
+            rows = [
+                ("kvscope_requests_running", "gauge", "Requests being generated", gauges.get("running", 0)),
+                ("kvscope_requests_waiting", "gauge", "Requests queued for the engine", gauges.get("waiting", 0)),
+                ("kvscope_sessions_idle", "gauge", "Finished conversations kept with their KV cache",
+                 gauges.get("idle_sessions", 0)),
+                ("kvscope_kv_bytes_used", "gauge", "KV cache bytes held by the server's sessions",
+                 gauges.get("kv_bytes_used", 0)),
+                ("kvscope_kv_bytes_allocated", "gauge", "Bytes of the model's page arenas",
+                 gauges.get("kv_bytes_allocated", 0)),
+                ("kvscope_kv_pages_used", "gauge", "Pages in use in the model's page pools", gauges.get("kv_pages_used", 0)),
+                ("kvscope_kv_pages_total", "gauge", "Pages in the model's page pools", gauges.get("kv_pages_total", 0)),
+                ("kvscope_prompt_tokens_total", "counter", "Prompt tokens of started requests", self.prompt_tokens),
+                ("kvscope_generation_tokens_total", "counter", "Tokens generated", self.generation_tokens),
+                ("kvscope_generation_tokens_per_second", "gauge",
+                 f"Tokens generated per second over the last {RATE_WINDOW_S:g} s", round(rate, 3)),
+                ("kvscope_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache",
+                 self.prefix_queries),
+                ("kvscope_prefix_cache_hits_total", "counter", "Prompt tokens taken from the prefix cache",
+                 self.prefix_hits),
+                ("kvscope_kv_evicted_tokens_total", "counter", "Tokens evicted from the KV cache by its policy",
+                 self.evicted_tokens),
+                ("kvscope_session_evictions_total", "counter", "Idle sessions closed (least recently used first)",
+                 self.session_evictions),
+            ]
+            outcomes = dict(self.outcomes)
+        out = []
+        for name, kind, text, value in rows:
+            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
+        out += ["# HELP kvscope_requests_total Requests by outcome (finish reason, cancelled, error, rejected)",
+                "# TYPE kvscope_requests_total counter"]
+        out += [f'kvscope_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
+        return "\n".join(out) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def parse(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text page (``name`` or ``name{labels}`` → value): for tests and tools."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

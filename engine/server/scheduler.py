@@ -1,0 +1,345 @@
+"""The engine thread: requests queue FIFO, the running ones are stepped round-robin, one step each per round.
+
+Torch is only ever called from this thread (``Scheduler._loop``); the HTTP side submits ``Job``s and reads
+their events from an asyncio queue (``Job.next``). A job is admitted when fewer than ``max_running`` run;
+``max_waiting`` queued jobs more get 429. A cancelled job (the client went away) has its session closed,
+so its pages go back to the pool at once; a finished one leaves its session idle for the next request of
+the same conversation (``IdleSessions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.errors import CacheCapacityError
+from engine.server.errors import ApiError, bad_request, from_exception, one_line
+from engine.server.metrics import Metrics
+from engine.server.schemas import GenRequest
+from engine.server.sessions import IdleSessions
+from engine.server.stops import StopTrimmer
+
+log = logging.getLogger("kvscope.server")
+_job_ids = itertools.count(1)
+FINISH = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "context_full": "length",
+          "budget_full": "length", "cancelled": "cancelled"}
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """How a finished request used the engine (kept for tests, tools and the app)."""
+
+    job_id: int
+    request_id: str  # the response's id (chatcmpl-..., cmpl-...)
+    session_id: int
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class Job:
+    """One request on its way through the engine. Events: ("start", info), ("delta", text),
+    ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
+
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> None:
+        self.id = next(_job_ids)
+        self.request_id = request_id
+        self.req = req
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.finished = False  # set by the engine thread after the last event
+        self.session = None
+        self.sampling: SamplingConfig | None = None
+        self.stats = None  # TurnStats of start()
+        self.trim = StopTrimmer(req.stop)
+        self.scheduler: Scheduler | None = None
+
+    def post(self, kind: str, data: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    async def next(self) -> tuple[str, Any]:
+        return await self.events.get()
+
+    def cancel(self) -> None:
+        """Stop this request (from any thread): between two steps its session is closed."""
+        if not self.cancelled and not self.finished and self.scheduler is not None:
+            self.cancelled = True
+            self.scheduler.cancelled(self)
+
+
+class Scheduler:
+    def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 8,
+                 max_waiting: int = 32, max_idle: int = 4) -> None:
+        self.lm = lm
+        self.cache = cache
+        self.metrics = metrics or Metrics()
+        self.max_running = max(1, max_running)
+        self.max_waiting = max(0, max_waiting)
+        self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
+        self.records: deque[JobRecord] = deque(maxlen=1024)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._paused = False
+        self._stopping = False
+        self.thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
+
+    # -- the HTTP side (any thread) ---------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> Job:
+        """Queue a request; 429 when ``max_waiting`` are queued already, 503 once the server stops."""
+        job = Job(req, loop, request_id)
+        job.scheduler = self
+        with self._cond:
+            if self._stopping or not self.thread.is_alive():
+                raise ApiError(503, "the server is shutting down", "server_error", None, "shutting_down")
+            if len(self._waiting) >= self.max_waiting:
+                self.metrics.outcome("rejected")
+                raise ApiError(429, f"too many requests queued ({len(self._waiting)} waiting, {len(self._running)} "
+                               "running): try again later", "rate_limit_error", None, "queue_full",
+                               headers={"Retry-After": "1"})
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def cancelled(self, job: Job) -> None:
+        with self._cond:
+            if job in self._waiting:  # never started: gone at once
+                self._waiting.remove(job)
+                job.finished = True
+                self.metrics.outcome("cancelled")
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two rounds (also while paused); its result as a future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def pause(self) -> None:
+        """Hold every request where it is (nothing admitted, nothing stepped) until ``resume``."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the engine thread: running requests end with an error, idle sessions are closed."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._calls and (
+                        self._paused or (not self._waiting and not self._running)):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+                admit = []
+                while not self._paused and self._waiting and len(self._running) + len(admit) < self.max_running:
+                    admit.append(self._waiting.popleft())
+                paused = self._paused
+            for fn, fut in calls:
+                self._run_call(fn, fut)
+            for job in admit:
+                self._guard(self._begin, job)
+            if not paused:
+                for job in list(self._running):
+                    self._guard(self._step, job)
+        self._shutdown()
+
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
+
+    def _guard(self, fn: Callable[[Job], None], job: Job) -> None:
+        """Run one job's begin or step; whatever it raises ends that job only (the server goes on)."""
+        try:
+            fn(job)
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, ApiError):
+                log.warning("request %d failed: %s: %s", job.id, type(e).__name__, one_line(e))
+            self._end_failed(job, from_exception(e))
+
+    def _end_failed(self, job: Job, err: ApiError) -> None:
+        s = job.session
+        if job in self._running:
+            self._running.remove(job)
+        if s is not None:
+            s.close()  # whatever state a failure left, its pages go back
+        job.finished = True
+        self.metrics.outcome("error")
+        job.post("error", err)
+
+    def _prompt_ids(self, req: GenRequest) -> list[int]:
+        from engine.chat import encode_prompt, render_chat
+
+        tok = self.lm.tokenizer
+        if tok is None:
+            raise ApiError(503, "this model has no tokenizer", "server_error", None, "no_tokenizer")
+        if req.kind == "chat":
+            return render_chat(tok, list(req.messages))
+        if req.prompt is not None:
+            ids = encode_prompt(tok, req.prompt)
+            if not ids:
+                raise bad_request("prompt: empty after tokenization (nothing to complete)", "prompt")
+            return ids
+        vocab = self.lm.info.vocab_size
+        if max(req.prompt_ids) >= vocab:
+            raise bad_request(f"prompt: token id {max(req.prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
+                              "prompt", "invalid_value")
+        return list(req.prompt_ids)
+
+    def _max_new(self, req: GenRequest, n: int) -> int:
+        """Tokens this reply may generate: ``max_tokens``, checked against the context (400 with the numbers)."""
+        ctx = self.lm.info.context_length
+        bounded = self.cache.policy == "none" and self.cache.overflow == "stop"
+        param = "messages" if req.kind == "chat" else "prompt"
+        what = "messages" if req.kind == "chat" else "prompt"
+        if bounded and n >= ctx:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your {what} "
+                              f"resulted in {n} tokens. Please reduce the length of the {what}.", param,
+                              "context_length_exceeded")
+        if req.max_tokens is None:
+            return max(1, ctx - n) if bounded else ctx
+        if bounded and n + req.max_tokens > ctx:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                              f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the completion). "
+                              f"Please reduce the length of the {what} or completion.", "max_tokens",
+                              "context_length_exceeded")
+        return req.max_tokens
+
+    def _begin(self, job: Job) -> None:
+        if job.cancelled:
+            job.finished = True
+            self.metrics.outcome("cancelled")
+            return
+        req = job.req
+        ids = self._prompt_ids(req)
+        job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                      max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
+        job.session, _ = self.idle.take(ids)
+        self._start_turn(job)
+        self._running.append(job)
+        self.metrics.request_started(job.stats.prompt_tokens, job.stats.reused_tokens)
+        job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
+
+    @staticmethod
+    def _start_turn(job: Job) -> None:
+        s, req = job.session, job.req
+        if req.kind == "chat":
+            job.stats = s.start(list(req.messages), job.sampling)
+        elif req.prompt is not None:
+            job.stats = s.start_completion(req.prompt, job.sampling)
+        else:
+            job.stats = s.start_ids(list(req.prompt_ids), job.sampling)
+
+    def _step(self, job: Job) -> None:
+        s = job.session
+        if job.cancelled:
+            self._end(job, "cancelled", None)
+            return
+        try:
+            r = s.step()
+        except CacheCapacityError:
+            if s.turn_state.generated or not len(self.idle):
+                raise
+            self.idle.close(evicted=True)  # idle conversations give their pages to a request that needs them
+            self._start_turn(job)  # the prompt again (nothing was sent yet); its cached prefix is intact
+            return
+        evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
+        self.metrics.tokens(1 if r.event is not None else 0, evicted)
+        if r.event is not None:
+            delta = job.trim.push(r.event.text_delta)
+            if delta:
+                job.post("delta", delta)
+        if r.done:
+            self._end(job, r.stop_reason, r)
+
+    def _end(self, job: Job, reason: str, result) -> None:
+        s = job.session
+        self._running.remove(job)
+        finish = FINISH.get(reason, "stop")
+        if reason == "cancelled" or result is None:
+            s.close()  # the client is gone: free its pages now
+            finish = "cancelled"
+        else:
+            tail = job.trim.finish()
+            if tail:
+                job.post("delta", tail)
+            self.idle.put(s)
+        stats = job.stats
+        completion = len(s.turn_state.generated)
+        self.records.append(JobRecord(job.id, job.request_id, s.session_id, stats.prompt_tokens, stats.reused_tokens,
+                                      stats.recomputed_tokens, completion, finish))
+        job.finished = True
+        self.metrics.outcome(finish)
+        job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
+                          "completion_tokens": completion, "cached_tokens": stats.reused_tokens})
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            jobs = list(self._running) + list(self._waiting)
+            self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for job in jobs:
+            self._end_failed(job, ApiError(503, "the server is shutting down", "server_error", None,
+                                           "shutting_down"))
+        for fn, fut in calls:
+            fut.cancel()
+        self.idle.close()
+
+    # -- measurements (engine thread: through ``call``) -----------------------------------------------------
+    def kv_gauges(self) -> dict[str, float]:
+        """KV bytes and pages in use now, with running / waiting / idle counts."""
+        sessions = [j.session for j in self._running if j.session is not None] + list(self.idle)
+        used = sum(sum(s.store.bytes_per_layer()) for s in sessions if s.store is not None and not s.closed)
+        arenas = list(self.lm.arenas) if self.lm.arenas is not None else []
+        return {"running": len(self._running), "waiting": len(self._waiting), "idle_sessions": len(self.idle),
+                "kv_bytes_used": used, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
+                "kv_pages_used": sum(a.pool.num_used for a in arenas),
+                "kv_pages_total": sum(a.pool.num_pages for a in arenas)}

@@ -1,0 +1,183 @@
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, checked into a ``GenRequest``.
+
+Only what the engine can honour is accepted: one choice (``n`` 1), text content, the roles system /
+developer (taken as system) / user / assistant. Fields OpenAI clients send that change nothing here
+(``user``, ``logit_bias`` empty, ...) are ignored; a field given with the wrong type is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine.server.errors import ApiError, bad_request
+
+ROLE_ALIASES = {"developer": "system"}
+KNOWN_ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One generation request, checked. ``messages`` for chat, ``prompt`` (text) or ``prompt_ids`` otherwise."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    messages: tuple[dict, ...] = ()
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body (400 when it is not one)."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8 text") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"{name}: {v!r} is not a number", name, "invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad_request(f"{name}: {v} is outside {rng}", name, "invalid_value")
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{name}: {v!r} is not an integer", name, "invalid_type")
+    if lo is not None and v < lo:
+        raise bad_request(f"{name}: {v} must be at least {lo}", name, "invalid_value")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("stop: expected a string or a list of strings", "stop", "invalid_type")
+    if len(items) > MAX_STOP:
+        raise bad_request(f"stop: at most {MAX_STOP} sequences ({len(items)} given)", "stop", "invalid_value")
+    if any(s == "" for s in items):
+        raise bad_request("stop: empty stop sequence", "stop", "invalid_value")
+    return tuple(dict.fromkeys(items))
+
+
+def _common(body: dict, kind: str) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model: required (a string, see GET /v1/models)", "model",
+                          "missing_required_parameter" if model is None else "invalid_type")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad_request(f"n: only 1 choice per request is supported ({n!r} given)", "n", "invalid_value")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream: {stream!r} is not a boolean", "stream", "invalid_type")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad_request("stream_options: expected an object", "stream_options", "invalid_type")
+    mct = _int(body, "max_completion_tokens", 1)
+    mt = _int(body, "max_tokens", 1)
+    return dict(kind=kind, model=model, stream=stream, include_usage=bool(opts.get("include_usage")),
+                max_tokens=mct if mct is not None else mt,
+                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                seed=_int(body, "seed"), stop=_stop(body))
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if c is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(c, list):  # content parts: text only
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise bad_request(f"messages[{i}].content: only text parts are supported ({kind!r} given)",
+                                  f"messages[{i}].content", "invalid_value")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content: expected a string or a list of text parts",
+                      f"messages[{i}].content", "invalid_type")
+
+
+def parse_chat(body: dict[str, Any]) -> GenRequest:
+    common = _common(body, "chat")
+    if "messages" not in body:
+        raise bad_request("messages: required (a list of {role, content})", "messages", "missing_required_parameter")
+    msgs = body["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages: expected a non-empty list of {role, content}", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}]: expected an object with role and content", f"messages[{i}]",
+                              "invalid_type")
+        role = m.get("role")
+        if role not in KNOWN_ROLES:
+            raise bad_request(f"messages[{i}].role: {role!r} is not supported (one of {', '.join(KNOWN_ROLES)})",
+                              f"messages[{i}].role", "invalid_value")
+        out.append({"role": ROLE_ALIASES.get(role, role), "content": _content(m, i)})
+    if out[-1]["role"] != "user":
+        raise bad_request(f"messages[{len(out) - 1}]: the last message must be from the user (role "
+                          f"{out[-1]['role']!r} given)", f"messages[{len(out) - 1}].role", "invalid_value")
+    return GenRequest(messages=tuple(out), **common)
+
+
+def parse_completion(body: dict[str, Any]) -> GenRequest:
+    common = _common(body, "completion")
+    if "prompt" not in body:
+        raise bad_request("prompt: required (a string)", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt in a list
+    if isinstance(p, str):
+        if not p:
+            raise bad_request("prompt: empty (nothing to complete)", "prompt", "invalid_value")
+        return GenRequest(prompt=p, **common)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+        return GenRequest(prompt_ids=tuple(p), **common)
+    if isinstance(p, list) and not p:
+        raise bad_request("prompt: empty (nothing to complete)", "prompt", "invalid_value")
+    if isinstance(p, list) and all(isinstance(x, (str, list)) for x in p):
+        raise bad_request(f"prompt: one prompt per request ({len(p)} given)", "prompt", "invalid_value")
+    raise bad_request("prompt: expected a string or a list of token ids", "prompt", "invalid_type")
+
+
+def check_model(req: GenRequest, served: tuple[str, ...]) -> None:
+    """404 unless ``req.model`` names the served model."""
+    if req.model not in served:
+        raise ApiError(404, f"The model `{req.model}` does not exist: this server serves `{served[0]}`",
+                       "invalid_request_error", "model", "model_not_found")

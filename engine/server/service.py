@@ -1,0 +1,183 @@
+"""``KVServer``: one loaded model behind the OpenAI API, and the ways to run it (``ServerThread`` for tests
+and the app, ``serve`` for ``python -m engine serve``).
+
+Security: the server listens on 127.0.0.1 unless told otherwise, and any other address needs an API key
+(``check_bind``); the key is compared in constant time; no CORS headers unless origins are given.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import CacheConfig
+from engine.server.app import build_app
+from engine.server.metrics import Metrics
+from engine.server.scheduler import Scheduler
+
+DEFAULT_MAX_BODY = 4 << 20
+API_KEY_ENV = "KVSCOPE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors: tuple[str, ...] = field(default_factory=tuple)
+    max_body: int = DEFAULT_MAX_BODY  # bytes of a request body (413 beyond)
+    max_running: int = 8  # requests stepped in turn
+    max_waiting: int = 32  # requests queued beyond those (429 beyond)
+    max_idle: int = 4  # finished conversations kept with their cache
+    access_log: bool = False
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """``ValueError`` (one line) for a non-loopback address without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(f"--host {host} is reachable from other machines: give --api-key KEY (or set "
+                         f"{API_KEY_ENV}), or serve on 127.0.0.1")
+
+
+def model_id(lm, source: str | None) -> str:
+    """The name clients use: ``demo``, a hub id as given, or a local folder's name."""
+    if lm.info.is_demo:
+        return "demo"
+    if source and not Path(source).exists():
+        return source
+    return Path(lm.path or source or lm.info.name).name or lm.info.name
+
+
+class KVServer:
+    """The model, its scheduler (engine thread) and the ASGI app. ``start()`` starts the engine thread."""
+
+    def __init__(self, lm, cache: CacheConfig | None = None, options: ServerOptions | None = None,
+                 source: str | None = None) -> None:
+        self.lm = lm
+        self.cache = cache or CacheConfig()
+        self.options = options or ServerOptions()
+        self.api_key = self.options.api_key or None
+        self.max_body = self.options.max_body
+        self.model_id = model_id(lm, source)
+        self.model_ids = tuple(dict.fromkeys(x for x in (self.model_id, source, lm.info.name) if x))
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        o = self.options
+        self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle)
+        self.last_gauges: dict[str, float] = {}
+        self.app = build_app(self, tuple(o.cors))
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound socket (port 0: a free one); ``ValueError`` with one line when the address cannot be used."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(server: KVServer, on_ready):
+    """A uvicorn server for ``server.app`` that calls ``on_ready()`` once it listens."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                on_ready()
+
+    config = uvicorn.Config(server.app, log_level="warning", access_log=server.options.access_log,
+                            lifespan="off", timeout_graceful_shutdown=5)
+    return _Server(config)
+
+
+class ServerThread:
+    """Serve ``server`` from a background thread (tests, the app): ``start()`` returns the base URL."""
+
+    def __init__(self, server: KVServer, host: str = "127.0.0.1", port: int = 0) -> None:
+        check_bind(host, server.api_key)
+        self.server = server
+        self.sock = listen_socket(host, port)
+        self.url = url_of(self.sock)
+        self._ready = threading.Event()
+        self._uv = _uvicorn_server(server, self._ready.set)
+        self._thread = threading.Thread(target=self._run, name="kvscope-http", daemon=True)
+
+    def _run(self) -> None:
+        self._uv.run(sockets=[self.sock])
+        self._ready.set()
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.server.start()
+        self._thread.start()
+        self._ready.wait(timeout)
+        if not self._uv.started:
+            self.stop()
+            raise RuntimeError(f"the server did not start on {self.url}")
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._uv.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.server.close()
+        self.sock.close()
+
+
+def serve(a, cache: CacheConfig, spec) -> int:
+    """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
+    api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
+    check_bind(a.host, api_key)  # before anything is loaded
+    options = ServerOptions(host=a.host, port=a.port, api_key=api_key, cors=tuple(a.cors or ()),
+                            max_body=a.max_body, max_running=a.max_running, max_waiting=a.max_queued,
+                            max_idle=a.max_idle, access_log=a.access_log)
+    sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
+    from engine.loader import load_model
+
+    lm = load_model(spec)
+    if lm.tokenizer is None:
+        raise ValueError("this model has no tokenizer: the server needs one")
+    server = KVServer(lm, cache, options, source=a.model)
+    url = url_of(sock)
+    uv = _uvicorn_server(server, lambda: print(f"KV Scope serves {server.model_id} at {url}/v1 (OpenAI API; "
+                                               f"metrics at {url}/metrics; Ctrl+C stops)", flush=True))
+    server.start()
+    try:
+        uv.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it stopped on: the normal way to stop a server
+        pass
+    finally:
+        server.close()
+    print("KV Scope server stopped", flush=True)
+    return 0
+

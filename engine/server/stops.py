@@ -1,0 +1,49 @@
+"""Stop sequences as the OpenAI API has them: the text ends before the first stop sequence, and a stream
+never shows a piece of one (text that could begin a stop sequence is held back until it cannot)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class StopTrimmer:
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # the reply so far, cut before the first stop sequence
+        self.sent = 0  # characters of ``text`` handed out
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Add generated text; returns what can be shown now."""
+        if self.stopped or not delta:
+            return ""
+        self.text += delta
+        if not self.stops:
+            return self._release(len(self.text))
+        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped = True
+            self.text = self.text[:min(cuts)]
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._held())
+
+    def finish(self) -> str:
+        """What is left to show at the end of the reply."""
+        return self._release(len(self.text))
+
+    def _held(self) -> int:
+        """Length of the longest end of ``text`` that is the start of a stop sequence."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent:upto]
+        self.sent = upto
+        return out
