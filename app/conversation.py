@@ -11,6 +11,7 @@ batches (``flush``), never as a rewrite of the chat.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -134,7 +135,8 @@ class Conversation(QObject):
         self.flush()
         self.chat_id = chat_id
         self.settings.set("window/last_chat", chat_id)
-        self.notices.clear_notice()
+        if self.pane.notice.action_buttons:  # a question about the chat left behind (send anyway?)
+            self.pane.notice.clear()
         self.pane.set_chat(chat.title, chat.system_prompt)
         self.pane.set_messages(self._mark_unfinished(chat_id))
         self.notices.show_unsaved()
@@ -149,11 +151,13 @@ class Conversation(QObject):
         being written) is saved as interrupted, so it says why it stopped."""
         messages = self.history.messages(chat_id)
         running = self.running.message_id if self.running is not None else None
+        out = []
         for m in messages:
             if m.role == "assistant" and "stop_reason" not in m.stats and m.id != running:
-                m.stats = interrupted(m.content, m.stats)
+                m = replace(m, stats=interrupted(m.content, m.stats))
                 self.history.set_stats(m.id, m.stats)
-        return messages
+            out.append(m)
+        return out
 
     def new_chat(self) -> None:
         chat = self.history.create_chat()

@@ -215,3 +215,21 @@ def test_chat_titles_are_plain_follow_an_edit_and_are_told_apart(qtbot, data_dir
         assert len(texts) == 2 and len(set(texts)) == 2 and all(t.startswith("A story about frogs") for t in texts)
     finally:
         close_window(w)
+
+
+def test_a_second_turn_past_the_context_gets_what_fits_and_says_so(qtbot, data_dir, stories_path):
+    """Issue 10, item 1: on a 512-token model, after a 256-token reply, the next reply is not refused: it
+    gets the tokens that fit and stops with reason "context full", saying what to do."""
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=256, ignore_eos=True))
+    try:
+        w.send("Once upon a time")
+        assert wait_reply(qtbot, w)[1] == "max_tokens"
+        w.send("And then what happened to the little dog in the park?")
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "context_full" and 0 < w.last_stats["generated_tokens"] < 256
+        line = w.chat.bubbles[-1].stats_label.text()
+        assert line.endswith("stopped: context full — start a new chat, shorten it, or choose an overflow policy")
+        assert w.history.messages(w.chat_id)[-1].stats["stop_reason"] == "context_full"
+    finally:
+        close_window(w)
