@@ -57,7 +57,7 @@ class CompareDialog(QDialog):
     def __init__(self, engine, messages: list[dict], sampling, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Compare cache settings on this chat")
-        self.resize(860, 330)
+        self.resize(860, 400)
         self.engine = engine
         self.comparison_id = next(_ids)
         self.rows: list[dict[str, Any]] = []

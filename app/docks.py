@@ -21,7 +21,7 @@ DOCKS = (  # key, title
     ("chats", "Chats"), ("controls", "Cache policy"), ("sampling", "Sampling"), ("model", "Model"),
     ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
 )
-SCROLLED = ("controls", "sampling", "model")  # forms that scroll rather than force the window's height
+SCROLLED = ("controls", "sampling")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
 REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
 

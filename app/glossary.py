@@ -128,7 +128,7 @@ STOP_REASONS = {  # stop_reason -> the mark under a reply ("" for a reply that s
     "eos": "",
     "done": "",
     "stop_string": "",
-    "max_tokens": "stopped: reached max new tokens (Sampling ▸ Max new tokens)",
+    "max_tokens": "stopped: max new tokens reached",
     "cancelled": "stopped by you",
     "context_full": "stopped: context full — start a new chat, shorten it, or choose an overflow policy",
     "budget_full": "stopped: the cache budget is full — raise the budget or choose an eviction policy",

@@ -67,6 +67,9 @@ class PanelScheduler:
         if self.frame is None or not self.enabled or not any(self._pending(p) for p in self.panels):
             self.frame = self.latest
             self.frame_taken(self.frame)
+            for panel in self.panels:  # a series behind a tab keeps its points (the memory chart)
+                if hasattr(panel, "record") and not on_screen(panel):
+                    panel.record(self.frame)
 
     def tick(self) -> None:
         """Draw at most one panel (the next one in turn that has not drawn the frame)."""

@@ -40,8 +40,10 @@ class SendCheck(QObject):
         engine.worker.measured.connect(self._on_measured)
 
     def _evicts(self) -> bool:
+        """The cache makes room itself (as ``ChatSession`` decides: an eviction policy or an overflow mode
+        that drops tokens, on a cache that is on), so the reply never stops at the context."""
         cfg = self._cache()
-        return cfg.overflow in ("truncate_middle", "rolling") or (cfg.overflow == "policy" and cfg.policy != "none")
+        return cfg.mode != "off" and (cfg.policy != "none" or cfg.overflow in ("truncate_middle", "rolling"))
 
     def fits(self, text: str) -> bool:
         """True: send now. False: the count was asked for; ``_on_measured`` sends or warns."""
@@ -87,11 +89,14 @@ class SendCheck(QObject):
             self.pane.input.clear()
             self.conv.send(text, checked=True)
 
+        if tokens >= ctx:
+            room = f"more than the model's context of {ctx:,}: it cannot read them all"
+        else:
+            room = (f"of the model's {ctx:,} context tokens, leaving {left:,} ({100 * left / max(ctx, 1):.0f}%) for "
+                    "the reply, which stops when the context is full")
         self.pane.notice.show_message(
-            f"Not sent yet: the chat and this message take {tokens:,} of the model's {ctx:,} context tokens, "
-            f"leaving {left:,} ({100 * left / max(ctx, 1):.0f}%) for the reply, which stops when the context is "
-            "full. Start a new chat, shorten the message, or choose an overflow policy (Cache policy ▸ When the "
-            "context is full).",
+            f"Not sent yet: the chat and this message take {tokens:,} tokens, {room}. Start a new chat, shorten "
+            "the message, or choose an overflow policy (Cache policy ▸ When the context is full).",
             actions=[("Send anyway", send_anyway), ("New chat", self.conv.new_chat)])
 
     def _save_pinned(self, chat_id: int, message_id: int, position: int, tokens: int) -> None:

@@ -99,7 +99,11 @@ class MemoryPanel(Panel):
         self.t[i], self.kv[i], self.w[i], self.dev[i] = t, kv, w, dev
         self.n += 1
 
-    def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
+    def record(self, snap: CacheSnapshot, now: float | None = None) -> None:
+        """Add the snapshot's bytes to the series without drawing (the panel is behind another tab, and
+        the series must not miss that time)."""
+        if snap is self.last_snapshot:
+            return
         now = time.monotonic() if now is None else now
         if self._t0 is None:
             self._t0 = now
@@ -111,11 +115,18 @@ class MemoryPanel(Panel):
             self._append(t - 1e-3, self.kv[j], self.w[j], self.dev[j])
         self._append(t, snap.kv_bytes / MIB, snap.weights_bytes / MIB, snap.device_bytes / MIB)
         self.last_snapshot = snap
+
+    def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
+        self.record(snap, now)
         self._draw(snap)
         self._count()
 
     def _draw(self, snap: CacheSnapshot) -> None:
         n = self.n
+        symbol = "o" if n < 3 else None  # one or two points draw no line: show them as dots
+        for item in (self.weights, self.total):
+            item.setSymbol(symbol)
+            item.setSymbolSize(5)
         self.weights.setData(self.t[:n], self.w[:n])
         self.total.setData(self.t[:n], np.maximum(self.kv[:n], 1.0 / 1024))  # log axis: floor at 1 KiB
         self.split.set_bytes(snap.weights_bytes, snap.kv_bytes)
@@ -129,10 +140,9 @@ class MemoryPanel(Panel):
         self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None
         share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)
         held = int(np.max(snap.tokens_per_layer, initial=0))
-        text = (f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> "
-                f"({100 * share:.1f}% of all) for {held} cached tokens")
-        if held:
-            text += f" ({human_bytes(snap.kv_bytes / held)} each, unfilled page slots included)"
+        text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> ({100 * share:.1f}%)"
+        if held:  # bytes held over tokens held: the last page's empty slots count, so a bit over the model card's
+            text += f" · {human_bytes(snap.kv_bytes / held)} per cached token"
         if snap.device_bytes:
             text += f" · device {human_bytes(snap.device_bytes)}"
         self.caption.setText(text)
