@@ -26,12 +26,15 @@ from PySide6.QtWidgets import (
 from app.message_view import MessageView
 from app.notice import NoticeBar
 from app.transcript import Transcript
+from app.widgets import WordLabel
 
+MIN_CHAT_PX = 340  # the chat pane never gets narrower than a bubble's buttons (so bubbles wrap, never clip)
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
 
 
 class ChatInput(QPlainTextEdit):
-    """Multi-line input: Enter submits, Shift+Enter inserts a newline."""
+    """Multi-line input: Enter (or Ctrl+Enter) submits, Shift+Enter inserts a newline, Tab moves the focus
+    on (to Send and the controls) instead of typing a tab."""
 
     submitted = Signal()
     escape_pressed = Signal()
@@ -56,6 +59,7 @@ class ChatPane(QWidget):
     regenerate_requested = Signal()
     edit_requested = Signal(int, str)  # position of the user message, new text
     pin_requested = Signal(int, bool)  # position of the message, pinned
+    version_requested = Signal(int, int)  # position of the reply, version to show
     new_chat_requested = Signal()
     system_prompt_changed = Signal(str)
 
@@ -65,13 +69,16 @@ class ChatPane(QWidget):
         self.generating = False
         self._ready = False
 
-        self.title = QLabel("New chat")
+        self.title = WordLabel("New chat")  # shortened at a word with "…"
         self.title.setObjectName("chatTitle")
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the pane
         self.new_button = QPushButton("New chat")
+        self.new_button.setToolTip("Start a new chat (Ctrl+N); this one stays in the list")
         self.system_prompt = QLineEdit()
         self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
         self.system_prompt.setObjectName("systemPrompt")
+        self.system_prompt.setToolTip("Instructions the model sees before the chat. Under Priority pinning it is "
+                                      "never dropped from the cache.")
         self._sys_timer = QTimer(self)
         self._sys_timer.setSingleShot(True)
         self._sys_timer.setInterval(400)
@@ -93,20 +100,25 @@ class ChatPane(QWidget):
             b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))
             row.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
         self.scroll = Transcript(self._bubble, (self.empty_hint, self.suggestions))  # owns the bubbles
+        self.scroll.setMinimumWidth(MIN_CHAT_PX)
 
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
         self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line")
+        self.input.setTabChangesFocus(True)
         self.input.setMaximumHeight(96)
         self.input.submitted.connect(self.submit)
         self.input.escape_pressed.connect(self._on_escape)
         self.send_button = QPushButton("Send")
+        self.send_button.setToolTip("Send the message (Enter or Ctrl+Enter)")
         self.send_button.setObjectName("primaryButton")
         self.send_button.clicked.connect(self.submit)
         self.stop_button = QPushButton("Stop (Esc)")
+        self.stop_button.setToolTip("Stop the reply; what it wrote so far stays, marked as stopped")
         self.stop_button.setObjectName("stopButton")
         self.stop_button.clicked.connect(self.stop_requested)
         self.regen_button = QPushButton("Regenerate")
+        self.regen_button.setToolTip("Ask for another reply (Ctrl+R); the current one stays as a version")
         self.regen_button.clicked.connect(self.regenerate_requested)
         self.new_button.clicked.connect(self.new_chat_requested)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self._on_escape)
@@ -202,6 +214,7 @@ class ChatPane(QWidget):
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
+        bubble.version_requested.connect(self.version_requested)
         return bubble
 
     def truncate_after(self, position: int) -> None:
@@ -218,10 +231,41 @@ class ChatPane(QWidget):
         """Mark the messages at ``positions`` as not in the history file yet; unmark the others."""
         self.scroll.set_unsaved(positions, text)
 
-    def begin_reply(self, position: int) -> MessageView:
+    def begin_reply(self, position: int, earlier_versions: int = 0) -> MessageView:
+        """A new reply's bubble (``earlier_versions``: versions it was regenerated from, shown as 'n / n')."""
         self.streaming = self.add_message("assistant", "", position)
+        if earlier_versions:
+            self.streaming.set_versions([{}] * earlier_versions, earlier_versions)
         self.scroll.show_newest()
         return self.streaming
+
+    def resume_reply(self, position: int, pending: str, notes: list[str]) -> None:
+        """The chat of a reply still being written is back on screen: its bubble (saved text so far) goes on
+        streaming, with the text not saved yet and its notes."""
+        self.scroll.show_newest()
+        bubble = next((b for b in self.bubbles if b.position == position), None)
+        if bubble is None:
+            bubble = self.add_message("assistant", "", position)
+        self.streaming = bubble
+        bubble.stats = {}
+        bubble.append(pending)
+        bubble.set_notes(notes)
+        bubble.render()
+
+    def _bubble_at(self, position: int) -> MessageView | None:
+        return next((b for b in self.bubbles if b.position == position), None)
+
+    def show_version(self, position: int, text: str, stats: dict[str, Any]) -> None:
+        """Show another version of the reply at ``position``."""
+        bubble = self._bubble_at(position)
+        if bubble is not None:
+            bubble.set_text(text)
+            bubble.set_stats(stats)
+
+    def show_pinned_tokens(self, position: int, tokens: int) -> None:
+        bubble = self._bubble_at(position)
+        if bubble is not None:
+            bubble.set_pinned_tokens(tokens)
 
     def append_delta(self, delta: str) -> None:
         if self.streaming is not None:

@@ -24,20 +24,39 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import policies
+from app import glossary, policies
+from app.glossary import CONTROLS, Term
 from engine.config import CACHE_MODES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
 
-MODE_HELP = {
-    "off": "off — recompute the whole context every token (O(n²) per reply)",
-    "contiguous": "contiguous — one growing buffer per layer",
-    "paged": "paged — fixed-size pages from a pool, shared prefixes",
-}
-OVERFLOW_HELP = {
-    "stop": "stop at the limit",
-    "truncate_middle": "truncate middle (keep system + first message)",
-    "rolling": "rolling window (drop oldest)",
-    "policy": "let the eviction policy decide",
-}
+TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole
+
+
+def fill_combo(box: QComboBox, ids, table: dict[str, Term], control: str) -> None:
+    """Items with plain names (ids as data) and each item's tooltip; the box's own tooltip follows the
+    chosen item (``follow_tip``)."""
+    for key in ids:
+        term = table.get(key)
+        box.addItem(term.name if term else key, key)
+        box.setItemData(box.count() - 1, term.tip if term else key, TOOLTIP_ROLE)
+    box.setProperty("control", control)
+    box.currentIndexChanged.connect(lambda _i, b=box: follow_tip(b))
+    follow_tip(box)
+
+
+def follow_tip(box: QComboBox) -> None:
+    """The combo's tooltip: what the control is for, then what the chosen item does."""
+    head = CONTROLS[box.property("control")].tip
+    item = box.currentData(TOOLTIP_ROLE) or ""
+    box.setToolTip(f"{head}\n\n{box.currentText()}: {item}" if item else head)
+
+
+def param_label(name: str) -> str:
+    return glossary.PARAMS.get(name, (name.replace("_", " ").capitalize(), ""))[0]
+
+
+def param_tip(name: str, help_text: str) -> str:
+    extra = glossary.PARAMS.get(name, ("", ""))[1]
+    return "\n".join(t for t in (help_text, extra) if t) or name.replace("_", " ")
 
 
 def _base_type(annotation: Any, default: Any) -> type:
@@ -63,6 +82,7 @@ class PolicyParamsForm(QWidget):
         super().__init__(parent)
         self.form = QFormLayout(self)
         self.form.setContentsMargins(0, 0, 0, 0)
+        self.form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         self._editors: dict[str, tuple[type, QWidget]] = {}
 
     def build(self, name: str, values: dict[str, Any] | None = None) -> None:
@@ -97,9 +117,10 @@ class PolicyParamsForm(QWidget):
                 )
                 editor.editingFinished.connect(self.edited)
             editor.setObjectName(f"param_{f.name}")
-            editor.setToolTip(str(f.metadata.get("help", "")))
+            editor.setToolTip(param_tip(f.name, str(f.metadata.get("help", ""))))
+            editor.setMinimumWidth(editor.sizeHint().width())  # every digit visible, never squashed
             self._editors[f.name] = (kind, editor)
-            self.form.addRow(f.name.replace("_", " "), editor)
+            self.form.addRow(param_label(f.name), editor)
 
     def values(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -139,61 +160,63 @@ class CacheControls(QWidget):
         self._debounce.timeout.connect(self._emit)
 
         self.mode = QComboBox()
-        for m in CACHE_MODES:
-            self.mode.addItem(MODE_HELP[m].split(" — ")[0], m)
-            self.mode.setItemData(self.mode.count() - 1, MODE_HELP[m], 3)  # tooltip role
+        fill_combo(self.mode, CACHE_MODES, glossary.MODES, "mode")
         self.page_size = QSpinBox()
         self.page_size.setRange(1, MAX_PAGE_SIZE)
         self.page_size.setSuffix(" tokens")
-        self.prefix_reuse = QCheckBox("reuse common prefix")
-        self.prefix_reuse.setToolTip("Keep the cache across turns and prefill only what changed "
-                                     "(regenerate and edit reuse the shared prefix)")
+        self.page_size.setToolTip(CONTROLS["page_size"].tip)
+        self.prefix_reuse = QCheckBox(CONTROLS["prefix_reuse"].name)
+        self.prefix_reuse.setToolTip(CONTROLS["prefix_reuse"].tip)
         self.k_dtype = QComboBox()
         self.v_dtype = QComboBox()
-        for box in (self.k_dtype, self.v_dtype):
-            for d in KV_DTYPES:
-                box.addItem({"auto": "full (model dtype)"}.get(d, d), d)
+        fill_combo(self.k_dtype, KV_DTYPES, glossary.KV_DTYPES, "k_dtype")
+        fill_combo(self.v_dtype, KV_DTYPES, glossary.KV_DTYPES, "v_dtype")
         self.policy = QComboBox()
+        self.policy.setProperty("control", "policy")
+        self.policy.currentIndexChanged.connect(lambda _i: follow_tip(self.policy))
         self.params = PolicyParamsForm()
         self.policy_help = QLabel("")
         self.policy_help.setWordWrap(True)
         self.policy_help.setObjectName("hint")
         self.overflow = QComboBox()
-        for o in OVERFLOWS:
-            self.overflow.addItem(OVERFLOW_HELP[o], o)
+        fill_combo(self.overflow, OVERFLOWS, glossary.OVERFLOWS, "overflow")
         for box in (self.mode, self.k_dtype, self.v_dtype, self.policy, self.overflow):
-            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-            box.setMinimumContentsLength(8)
+            # As wide as the longest name: a name is never cut (the dock is at least this wide).
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")
 
+        self._lay_out()
+        self.refresh_policies()
+        self.set_config(config or CacheConfig())
+        self._connect()
+
+    def _lay_out(self) -> None:
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         cache_box = QGroupBox("Cache")
         form = QFormLayout(cache_box)
-        form.addRow("mode", self.mode)
-        form.addRow("page size", self.page_size)
-        form.addRow("", self.prefix_reuse)
-        form.addRow("K precision", self.k_dtype)
-        form.addRow("V precision", self.v_dtype)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        form.addRow(CONTROLS["mode"].name, self.mode)
+        form.addRow(CONTROLS["page_size"].name, self.page_size)
+        form.addRow(self.prefix_reuse)
+        form.addRow(CONTROLS["k_dtype"].name, self.k_dtype)
+        form.addRow(CONTROLS["v_dtype"].name, self.v_dtype)
         layout.addWidget(cache_box)
         policy_box = QGroupBox("Eviction and overflow")
         pform = QVBoxLayout(policy_box)
-        row = QFormLayout()
-        row.addRow("policy", self.policy)
-        pform.addLayout(row)
+        pform.addWidget(QLabel(CONTROLS["policy"].name))
+        pform.addWidget(self.policy)
         pform.addWidget(self.policy_help)
         pform.addWidget(self.params)
-        row2 = QFormLayout()
-        row2.addRow("when full", self.overflow)
-        pform.addLayout(row2)
+        pform.addWidget(QLabel(CONTROLS["overflow"].name))
+        pform.addWidget(self.overflow)
         layout.addWidget(policy_box)
         layout.addWidget(self.notes)
         layout.addStretch(1)
 
-        self.refresh_policies()
-        self.set_config(config or CacheConfig())
+    def _connect(self) -> None:
         self.mode.currentIndexChanged.connect(self._on_mode)
         self.page_size.valueChanged.connect(self._later)
         self.prefix_reuse.toggled.connect(self._now)
@@ -208,9 +231,11 @@ class CacheControls(QWidget):
         self._building = True
         self.policy.clear()
         for name in policies.policy_names():
-            self.policy.addItem(name, name)
+            self.policy.addItem(glossary.name_of(glossary.POLICIES, name), name)
+            self.policy.setItemData(self.policy.count() - 1, policies.policy_tip(name), TOOLTIP_ROLE)
         idx = self.policy.findData(current) if current else 0
         self.policy.setCurrentIndex(max(idx, 0))
+        follow_tip(self.policy)
         self._building = False
 
     def set_config(self, cfg: CacheConfig) -> None:
@@ -223,10 +248,10 @@ class CacheControls(QWidget):
             self.k_dtype.setCurrentIndex(max(self.k_dtype.findData(cfg.k_dtype), 0))
             self.v_dtype.setCurrentIndex(max(self.v_dtype.findData(cfg.v_dtype), 0))
             if self.policy.findData(cfg.policy) < 0:
-                self.policy.addItem(cfg.policy, cfg.policy)
+                self.policy.addItem(glossary.name_of(glossary.POLICIES, cfg.policy), cfg.policy)
             self.policy.setCurrentIndex(self.policy.findData(cfg.policy))
             self.params.build(cfg.policy, cfg.policy_params)
-            self.policy_help.setText(policies.policy_doc(cfg.policy))
+            self.policy_help.setText(policies.policy_summary(cfg.policy))
             self.overflow.setCurrentIndex(max(self.overflow.findData(cfg.overflow), 0))
             self._sync_enabled()
         finally:
@@ -262,7 +287,7 @@ class CacheControls(QWidget):
             return
         name = self.policy.currentData() or "none"
         self.params.build(name)
-        self.policy_help.setText(policies.policy_doc(name))
+        self.policy_help.setText(policies.policy_summary(name))
         self._now()
 
     def _later(self) -> None:

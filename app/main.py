@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvscope", description="Chat with a local LLM and watch its KV cache.")
     p.add_argument("--model", default=None, help="model folder, hub id, or 'demo' (default: the last one used)")
     p.add_argument("--self-test", action="store_true", help="run the GUI self-test offscreen and exit 0/1")
-    p.add_argument("--screenshot", default=None, metavar="FILE", help="with --self-test: save a PNG of the window")
+    p.add_argument("--screenshot", default=None, metavar="FILE", help="with --self-test: save the window as FILE at 1280x720 and as FILE-1920x1080 at 1920x1080")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where settings and chat history live (default: $KVSCOPE_DATA_DIR or the platform data dir)")
     return p.parse_args(argv)

@@ -1,59 +1,69 @@
-"""The main window: chat pane in the centre, live panels and controls in docks, status bar below.
+"""The main window: the chat in the centre, panels and controls in docks, the status bar below — and the
+wiring between the parts that do the work:
 
-The window is the controller between the chat pane, the history store and the engine worker. It keeps
-only the *latest* snapshot and pushes it to the panels from one ≤30 Hz timer; streamed text is appended
-to the store in batches by a second timer. Events whose ``generation_id`` is not the current reply's are
-dropped, so a stopped or replaced reply never writes into the pane.
+=====================  ==================================================================================
+``Conversation``       chats and replies: history store ↔ chat pane ↔ engine worker (``app.conversation``)
+``ModelController``    loading models, fallback to the demo (``app.model_controller``)
+``CacheController``    the cache settings in force (``app.cache_controller``)
+``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
+``StatusBar``          the status bar in words (``app.status_bar``)
+``Exporter``           File ▸ Export (``app.exports``)
+``DockLayout``         docks, default arrangements and sizes (``app.docks``)
+=====================  ==================================================================================
+
+Snapshots of any reply but the one on screen are dropped, so panels, captions and the status bar always
+describe the chat on screen.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import (
-    QDockWidget,
-    QLabel,
-    QMainWindow,
-    QMessageBox,
-    QProgressBar,
-    QToolButton,
-    QWidget,
-)
+from PySide6.QtCore import QSize, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QGuiApplication
+from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
+from app import help as app_help
+from app.cache_controller import CacheController
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
+from app.compare_dialog import open_compare
+from app.config_settings import sampling_from_settings, save_sampling
 from app.controls import CacheControls
 from app.conversation import Conversation
-from app.exports import ExportActions
+from app.docks import DockLayout
+from app.exports import Exporter
 from app.failure import Failure
 from app.gc_guard import MainThreadGC
 from app.history import HistoryStore
-from app.model_actions import ModelActions
+from app.menus import build_menus
+from app.model_controller import ModelController
+from app.panel_scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.sampling_form import SamplingForm
 from app.settings import Settings
+from app.status_bar import StatusBar
 from app.trace import CacheTrace
 from app.worker import EngineBackend, EngineThread
-from engine.config import CacheConfig, SamplingConfig
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.snapshot import CacheSnapshot, ModelInfo
 
-REFRESH_MS = 40  # streaming text at 25 Hz
-PANEL_INTERVAL_S = 0.08  # one live panel at most every 80 ms (12.5 Hz in all): each panel redraws at ~3 Hz
-PANEL_BUDGET = 0.04  # ...and live panels (update + paint) get at most 4% of the GUI thread's time
-CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
-CONTEXT_OVERFLOW_TEXT = {
-    "stop": "the reply stops with a message saying so; nothing is dropped",
-    "truncate_middle": "the middle of the chat is dropped, keeping the system prompt and the first message",
-    "rolling": "the oldest tokens are dropped (a rolling window)",
-    "policy": "the eviction policy chooses which tokens to drop",
-}
+REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
+DEFAULT_SIZE = QSize(1600, 960)
 
 
-class MainWindow(ModelActions, ExportActions, QMainWindow):
+def initial_size(window: QWidget) -> QSize:
+    """The first size of the window: 92% of the screen's free area (at most 2200×1300). Screens under
+    1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): they get 1600×960."""
+    screen = window.screen() or QGuiApplication.primaryScreen()
+    free = screen.availableGeometry().size() if screen is not None else QSize(0, 0)
+    if free.width() < 1000:
+        return DEFAULT_SIZE
+    return QSize(min(int(free.width() * 0.92), 2200), min(int(free.height() * 0.92), 1300))
+
+
+class MainWindow(QMainWindow):
     """KV Scope's window. ``start()`` (after ``show()``) begins loading the model on the worker."""
 
     model_loaded = Signal(object)  # ModelInfo
@@ -69,51 +79,62 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
         self.settings = settings
         self.history = history
         self.model_source = model or settings.get("model/last") or "demo"
-        self.info: ModelInfo | None = None
-        self.environment: dict = {}
-        self._latest: CacheSnapshot | None = None
-        self._snapshot_dirty = False
-        self._panels_enabled = bool(settings.get("panels/enabled"))
-        self._applied_cache = self._cache_from_settings()
-        self._loading = False
-        self._turn = 0
-        self._panel_next = 0.0  # perf_counter() time the next live panel may redraw
-        self.panel_seconds = 0.0  # time spent updating and painting live panels (self-test, benchmarks)
-        self._shown: dict[str, CacheSnapshot] = {}  # the snapshot each live panel drew last
-        self._closing = False
-        self.trace = CacheTrace()
         self.sampling_override: SamplingConfig | None = None  # self-test and benchmarks: fixed sampling
+        self.trace = CacheTrace()
         self._compare_dialog: Any = None  # Tools ▸ Compare: the last dialog opened
+        self._closing = False
+        self._build_widgets()
+        self.status = StatusBar(self.statusBar())
+        self.engine = EngineThread(backend, parent=self)
+        self._build_parts()
+        self._connect()
+        self.menu_actions = build_menus(self)
+        self._start_timers()
+        self.resize(initial_size(self))
+        self.layout_docks.restore(settings.get("window/geometry"), settings.get("window/state"))
+        self.conversation.load_chats()
 
+    # -- construction -------------------------------------------------------------------------------------
+    def _build_widgets(self) -> None:
         self.chat = ChatPane()
         self.setCentralWidget(self.chat)
         self.chat_list = ChatList()
         self.sampling = SamplingForm()
-        self.sampling.set_sampling(self._sampling_from_settings())
-        self.controls = CacheControls(self._applied_cache)
+        self.sampling.set_sampling(sampling_from_settings(self.settings))
+        self.controls = CacheControls()
         self.occupancy = OccupancyPanel()
         self.page_map = PageMapPanel()
         self.timing = TimingPanel()
         self.memory = MemoryPanel()
         self.model_card = ModelCardPanel()
         self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
-        self._build_docks()
-        self._build_status_bar()
-        self._build_menus()
+        self.layout_docks = DockLayout(self, {
+            "chats": self.chat_list, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
+            "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory})
+        self.docks = self.layout_docks.docks
 
-        self.engine = EngineThread(backend, parent=self)
-        w = self.engine.worker
-        w.progress.connect(self._on_progress)
-        w.loaded.connect(self._on_loaded)
-        w.environment.connect(self._on_environment)
-        w.snapshot.connect(self._on_snapshot)
-        w.failed.connect(self._on_failed)
-        w.applied.connect(self._on_applied)
-
+    def _build_parts(self) -> None:
+        self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self)
+        self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
+                                      self.show_error)
         self.conversation = Conversation(
-            history, settings, self.chat, self.chat_list, self.engine,
+            self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
-            cache_mode=lambda: self._applied_cache.mode, parent=self)
+            cache=lambda: self.cache.applied, parent=self)
+        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
+        self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
+        self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
+                                 chat=lambda: (self.chat_id, self.info.name if self.info else ""),
+                                 flush=self.conversation.flush, show_error=self.show_error)
+
+    def _connect(self) -> None:
+        w = self.engine.worker
+        w.snapshot.connect(self._on_snapshot)
+        w.described.connect(self._on_described)
+        w.failed.connect(self._on_failed)
+        self.models.loaded.connect(self._on_loaded)
+        self.models.ready_changed.connect(self._on_ready)
+        self.cache.changed.connect(self._on_cache_applied)
         c = self.conversation
         c.reply_started.connect(self._on_reply_started)
         c.token.connect(self.timing.add_token)
@@ -121,9 +142,10 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
         c.error.connect(self.show_error)
         c.failed.connect(self._on_failed)  # the history file's troubles (stage "history")
         c.noted.connect(self._on_reply_notes)
-        self.controls.changed.connect(self.apply_cache_config)
+        c.chat_opened.connect(self._on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
 
+    def _start_timers(self) -> None:
         self._refresh = QTimer(self)
         self._refresh.setInterval(REFRESH_MS)
         self._refresh.timeout.connect(self._tick)
@@ -133,182 +155,27 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
         self._db_timer.timeout.connect(self.conversation.flush)
         self._db_timer.start()
 
-        self.resize(1600, 960)
-        self._restore_layout()
-        self.conversation.load_chats()
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().resizeEvent(event)
+        self.layout_docks.window_resized()
 
-    # -- construction -------------------------------------------------------------------------------------
-    def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
-        dock = QDockWidget(title, self)
-        dock.setObjectName(name)
-        dock.setWidget(widget)
-        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
-                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable
-                         | QDockWidget.DockWidgetFeature.DockWidgetClosable)
-        return dock
+    # -- the parts' state, for callers and tests ------------------------------------------------------------
+    @property
+    def info(self) -> ModelInfo | None:
+        return self.models.info
 
-    def _build_docks(self) -> None:
-        self.setDockNestingEnabled(True)
-        self.docks: dict[str, QDockWidget] = {
-            "chats": self._dock("Chats", self.chat_list, "dock_chats"),
-            "sampling": self._dock("Sampling", self.sampling, "dock_sampling"),
-            "model": self._dock("Model", self.model_card, "dock_model"),
-            "controls": self._dock("Cache policy", self.controls, "dock_controls"),
-            "occupancy": self._dock("Layer occupancy", self.occupancy, "dock_occupancy"),
-            "page_map": self._dock("Page map", self.page_map, "dock_page_map"),
-            "timing": self._dock("Token timing", self.timing, "dock_timing"),
-            "memory": self._dock("Memory", self.memory, "dock_memory"),
-        }
-        self._default_layout()
+    @property
+    def _loading(self) -> bool:
+        return self.models.loading
 
-    def _default_layout(self) -> None:
-        d = self.docks
-        for dock in d.values():
-            dock.setFloating(False)
-            dock.show()
-        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
-        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
-        # [chats / sampling] [chat pane] [occupancy / page map / timing / memory] [cache policy / model]
-        self.addDockWidget(left, d["chats"])
-        self.splitDockWidget(d["chats"], d["sampling"], V)
-        self.addDockWidget(right, d["occupancy"])
-        self.splitDockWidget(d["occupancy"], d["controls"], H)
-        self.splitDockWidget(d["controls"], d["model"], V)
-        self.splitDockWidget(d["occupancy"], d["page_map"], V)
-        self.splitDockWidget(d["page_map"], d["timing"], V)
-        self.splitDockWidget(d["timing"], d["memory"], V)
-        self._sized = False
-        if self.isVisible():
-            self._size_docks()
+    @property
+    def _applied_cache(self) -> CacheConfig:
+        return self.cache.applied
 
-    def _size_docks(self) -> None:
-        """Default dock sizes as fractions of the window (chat pane gets what is left, about a third)."""
-        d, W, Hh = self.docks, max(self.width(), 800), max(self.height(), 600)
-        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
-        self.resizeDocks([d["chats"], d["occupancy"], d["controls"]],
-                         [int(W * 0.14), int(W * 0.35), int(W * 0.19)], H)
-        self.resizeDocks([d["chats"], d["sampling"]], [int(Hh * 0.5), int(Hh * 0.4)], V)
-        self.resizeDocks([d["controls"], d["model"]], [int(Hh * 0.45), int(Hh * 0.5)], V)
-        self.resizeDocks([d["occupancy"], d["page_map"], d["timing"], d["memory"]],
-                         [int(Hh * f) for f in (0.21, 0.25, 0.27, 0.21)], V)
-        self._sized = True
+    @property
+    def panel_seconds(self) -> float:
+        return self.scheduler.seconds
 
-    def showEvent(self, event) -> None:  # noqa: N802 - Qt name
-        super().showEvent(event)
-        if not self._sized and not self._restored:
-            QTimer.singleShot(0, self._size_docks)
-
-    def _build_status_bar(self) -> None:
-        bar = self.statusBar()
-        self.status_model = QLabel("model: —")
-        self.status_device = QLabel("device: —")
-        self.status_mode = QLabel("cache: —")
-        self.status_context = QLabel("context: —")
-        self.status_speed = QLabel("— tok/s")
-        self.load_progress = QProgressBar()
-        self.load_progress.setMaximumWidth(180)
-        self.load_progress.setTextVisible(False)
-        self.load_progress.setVisible(False)
-        for w in (self.status_model, self.status_device, self.status_mode, self.status_context, self.status_speed):
-            w.setObjectName("statusField")
-            bar.addPermanentWidget(w)
-        self.load_cancel = QToolButton()
-        self.load_cancel.setText("Cancel")
-        self.load_cancel.setToolTip("Stop loading this model (the model loaded before stays in use)")
-        self.load_cancel.setVisible(False)
-        self.load_cancel.clicked.connect(self.cancel_load)
-        # Permanent widgets: a normal status-bar widget is hidden while a message shows, and every
-        # progress step of a load is a message.
-        bar.insertPermanentWidget(0, self.load_progress)
-        bar.insertPermanentWidget(1, self.load_cancel)
-
-    def _build_menus(self) -> None:
-        file_menu = self.menuBar().addMenu("&File")
-        self.act_models = QAction("&Models…", self, shortcut=QKeySequence("Ctrl+M"), triggered=self.open_models_dialog)
-        self.act_open = QAction("&Open model folder…", self, shortcut=QKeySequence.StandardKey.Open,
-                                triggered=self._open_folder)
-        self.act_new = QAction("&New chat", self, shortcut=QKeySequence.StandardKey.New, triggered=self.new_chat)
-        file_menu.addActions([self.act_models, self.act_open])
-        self.recent_menu = file_menu.addMenu("&Recent models")
-        self.recent_menu.aboutToShow.connect(self._fill_recent_menu)
-        file_menu.addAction(self.act_new)
-        file_menu.addSeparator()
-        export = file_menu.addMenu("&Export")
-        export.addAction(QAction("Cache trace as &JSON…", self, triggered=lambda: self._export_trace("json")))
-        export.addAction(QAction("Cache trace as &CSV…", self, triggered=lambda: self._export_trace("csv")))
-        export.addAction(QAction("Panels as &PNG…", self, triggered=self._export_pngs))
-        export.addAction(QAction("Chat as &Markdown…", self, triggered=self._export_chat))
-        file_menu.addSeparator()
-        file_menu.addAction(QAction("&Quit", self, shortcut=QKeySequence.StandardKey.Quit, triggered=self.close))
-        view = self.menuBar().addMenu("&View")
-        for dock in self.docks.values():
-            view.addAction(dock.toggleViewAction())
-        view.addSeparator()
-        self.act_panels = QAction("Live panels", self, checkable=True, checked=self._panels_enabled,
-                                  toggled=self.set_panels_enabled)
-        view.addAction(self.act_panels)
-        view.addAction(QAction("Reset layout", self, triggered=self._default_layout))
-        tools = self.menuBar().addMenu("&Tools")
-        self.act_compare = QAction("&Compare cache settings on this chat…", self, shortcut=QKeySequence("Ctrl+K"),
-                                   triggered=self.open_compare)
-        tools.addAction(self.act_compare)
-        help_menu = self.menuBar().addMenu("&Help")
-        help_menu.addAction(QAction("About KV Scope", self, triggered=self._about))
-
-    # -- settings -----------------------------------------------------------------------------------------
-    def _cache_from_settings(self) -> CacheConfig:
-        s = self.settings
-        try:
-            return CacheConfig(mode=s.get("cache/mode"), page_size=s.get("cache/page_size"),
-                               prefix_reuse=s.get("cache/prefix_reuse"), k_dtype=s.get("cache/k_dtype"),
-                               v_dtype=s.get("cache/v_dtype"), policy=s.get("cache/policy"),
-                               policy_params=s.get("cache/policy_params"), overflow=s.get("cache/overflow"))
-        except ValueError:
-            return CacheConfig()
-
-    def _sampling_from_settings(self) -> SamplingConfig:
-        s = self.settings
-        seed = s.get("sampling/seed")
-        try:
-            return SamplingConfig(temperature=s.get("sampling/temperature"), top_k=s.get("sampling/top_k"),
-                                  top_p=s.get("sampling/top_p"), min_p=s.get("sampling/min_p"),
-                                  repetition_penalty=s.get("sampling/repetition_penalty"),
-                                  seed=None if seed < 0 else seed, max_new_tokens=s.get("sampling/max_new_tokens"))
-        except ValueError:
-            return SamplingConfig()
-
-    def _save_sampling(self) -> None:
-        try:
-            sc = self.sampling.sampling()
-        except ValueError:
-            return
-        for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens"):
-            self.settings.set(f"sampling/{key}", getattr(sc, key))
-        self.settings.set("sampling/seed", -1 if sc.seed is None else sc.seed)
-
-    def _save_cache(self, cfg: CacheConfig) -> None:
-        for key in ("mode", "page_size", "prefix_reuse", "k_dtype", "v_dtype", "policy", "policy_params", "overflow"):
-            self.settings.set(f"cache/{key}", getattr(cfg, key))
-
-    def _restore_layout(self) -> None:
-        geometry, state = self.settings.get("window/geometry"), self.settings.get("window/state")
-        self._restored = False
-        try:
-            if geometry:
-                self.restoreGeometry(QByteArray(geometry))
-            if state:
-                self._restored = bool(self.restoreState(QByteArray(state)))
-                if not self._restored:
-                    self._default_layout()
-        except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
-            self._default_layout()
-
-    def save_layout(self) -> None:
-        self.settings.set("window/geometry", bytes(self.saveGeometry().data()))
-        self.settings.set("window/state", bytes(self.saveState().data()))
-        self.settings.sync()
-
-    # -- the conversation (see app.conversation) -------------------------------------------------------
     @property
     def generation_id(self) -> int:
         """The reply in flight (0 when idle)."""
@@ -322,6 +189,17 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
     def last_stats(self) -> dict[str, Any]:
         return self.conversation.last_stats
 
+    def panels_by_name(self) -> dict[str, Any]:
+        return {p.objectName(): p for p in self.panels}
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin loading the model (call after the window is shown: torch loads on the worker)."""
+        self.models.start(self.model_source)
+
+    def load_model(self, spec: ModelSpec) -> None:
+        self.models.load(spec)
+
     def send(self, text: str) -> None:
         self.conversation.send(text)
 
@@ -334,30 +212,90 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
     def open_chat(self, chat_id: int) -> None:
         self.conversation.open_chat(chat_id)
 
-    def _on_reply_started(self, generation_id: int, mode: str) -> None:
-        self.trace.begin(generation_id)
-        self.timing.begin_reply(generation_id, f"cache {mode}")
+    def apply_cache_config(self, cfg: CacheConfig) -> None:
+        self.cache.apply(cfg)
 
-    def _on_reply_finished(self, generation_id: int, reason: str) -> None:
-        QTimer.singleShot(0, self._refresh_all)  # every panel shows the reply's final state
-        speed = self.conversation.last_stats.get("decode_tokens_per_s")
-        if speed:
-            self.status_speed.setText(f"{speed:.1f} tok/s")
-        self.reply_finished.emit(generation_id, reason)
+    def set_panels_enabled(self, on: bool) -> None:
+        self.scheduler.set_enabled(on)
+        self.settings.set("panels/enabled", bool(on))
 
-    def _on_snapshot(self, snap: CacheSnapshot) -> None:
-        gen = self.conversation.generation_id
-        if gen and snap.generation_id != gen:
-            return
-        self._latest = snap
-        self._snapshot_dirty = True
-        self.trace.add(snap)
+    def export_panels(self, folder) -> list:
+        return self.exporter.export_panels(folder)
+
+    def export_chat_markdown(self, path):
+        return self.exporter.export_chat_markdown(path)
+
+    def open_compare(self) -> Any:
+        """Generate this chat's next reply once per cache setting, side by side, in a non-modal dialog."""
+        self._compare_dialog = open_compare(
+            self, self.engine, self._compare_dialog, self.info is not None and not self.models.loading,
+            self.conversation.engine_messages(), lambda: self.sampling_override or self.sampling.sampling(),
+            self.show_error)
+        return self._compare_dialog
+
+    def show_help(self) -> None:
+        app_help.show_all_help(self)
+
+    def show_shortcuts(self) -> None:
+        app_help.show_shortcuts(self)
+
+    def about(self) -> None:
+        QMessageBox.about(self, "About KV Scope",
+                          "<b>KV Scope</b><br>Chat with a local model and watch its KV cache work: per-layer "
+                          "occupancy, the page map, per-token timing and memory, with cache policies you can "
+                          "change while it talks.")
+
+    def show_error(self, message: str, notice: bool = True) -> None:
+        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript.
+        Nothing here is saved; a reply's own failure is shown and saved with the reply."""
+        if notice:
+            self.chat.notice.show_message(message)
+        self.status.message(message.splitlines()[0], 8000)
+        self.error_shown.emit(message)
+
+    # -- events ---------------------------------------------------------------------------------------------
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self.model_card.show_model(info)
+        self.conversation.check.context_length = info.context_length
+        self.setWindowTitle(f"KV Scope — {info.name}")
+        self._describe_chat()
+        self.model_loaded.emit(info)
+
+    def _on_ready(self, ready: bool, hint: str) -> None:
+        if not ready and self.models.loading:
+            self.conversation.interrupt("another model was loaded")
+        self.conversation.ready = ready
+        self.chat.set_ready(ready, hint)
+
+    def _on_chat_opened(self, chat_id: int) -> None:
+        """Another chat is on screen: the panels, the trace and the context readout start over for it."""
+        self.trace.reset()
+        self.scheduler.clear()
+        if not self.generation_id:  # else the reply running in it sends its own snapshots
+            self._describe_chat()
+
+    def _describe_chat(self) -> None:
+        """Ask the worker for the chat on screen's cache and token count (``_on_described``)."""
+        if self.chat_id is not None and self.info is not None:
+            self.engine.describe_chat(self.chat_id, self.conversation.engine_messages())
+
+    def _on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
+        if chat_id != self.chat_id or self.generation_id:
+            return  # another chat is on screen by now, or its own reply's snapshots describe it
+        if snap is not None:
+            self.scheduler.offer(snap)
+            self.scheduler.refresh_all()
+        else:
+            self.scheduler.clear()
+            total = self.info.context_length if self.info is not None else 0
+            self.status.show_context(max(tokens, 0), total, self.cache.applied.overflow)
+            self.conversation.check.chat_tokens = max(tokens, 0)
 
     def _on_failed(self, failure: Failure) -> None:
         """Route a worker failure by its stage: a reply's failure shows in that reply (the conversation saves
         it with the chat); the others leave the chat alone and show in the message area above it."""
         if failure.stage == "load":
-            self._on_load_failed(failure)
+            self.models.on_failed(failure)
         elif failure.ends_reply:
             if failure.generation_id == self.generation_id:  # a stale reply's failure is not news
                 self.show_error(failure.message, notice=False)
@@ -365,150 +303,72 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
             self.show_error(failure.message, notice=False)  # the comparison's dialog says it
         else:
             if failure.stage == "apply":
-                self.controls.set_config(self._applied_cache)  # the controls show what is really applied
+                self.cache.refused()
             self.show_error(failure.message)
 
-    def show_error(self, message: str, notice: bool = True) -> None:
-        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript.
-        Nothing here is saved; a reply's own failure is shown and saved with the reply."""
-        if notice:
-            self.chat.notice.show_message(message)
-        self.statusBar().showMessage(message.splitlines()[0], 8000)
-        self.error_shown.emit(message)
+    def _on_snapshot(self, snap: CacheSnapshot) -> None:
+        """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
+        described by ``_on_described``)."""
+        gen = self.conversation.generation_id
+        if not gen or snap.generation_id != gen:
+            return
+        self.scheduler.offer(snap)
+        self.trace.add(snap)
+        self.conversation.check.chat_tokens = snap.seq_len - snap.evicted_total
+
+    def _on_frame(self, snap: CacheSnapshot) -> None:
+        """The panels' new frame: the status bar describes the same moment."""
+        used = max(snap.seq_len - snap.evicted_total, 0)
+        self.status.show_context(used, snap.context_length, self.cache.applied.overflow, snap.evicted_total)
+        if not self.generation_id:
+            self.conversation.check.chat_tokens = used
+        if self.generation_id and snap.decode_tokens_per_s:
+            self.status.show_speed(snap.decode_tokens_per_s)
+
+    def _on_reply_started(self, generation_id: int, mode: str) -> None:
+        self.trace.begin(generation_id)
+        self.timing.begin_reply(generation_id, f"cache {mode}")
+
+    def _on_reply_finished(self, generation_id: int, reason: str) -> None:
+        QTimer.singleShot(0, self.scheduler.refresh_all)  # every panel shows the reply's final state
+        speed = self.conversation.last_stats.get("decode_tokens_per_s")
+        if speed:
+            self.status.show_speed(speed)
+        self.reply_finished.emit(generation_id, reason)
 
     def _on_reply_notes(self, notes: list) -> None:
-        """Notes of the reply in flight (also shown under it): like applied notes, in the status bar and trace."""
+        """Notes of the reply in flight (also shown under it): in the status bar and the trace."""
         self.trace.notes.extend(notes)
-        self.statusBar().showMessage("; ".join(notes), 6000)
+        self.status.message("; ".join(notes), 6000)
 
-    # -- cache policy ---------------------------------------------------------------------------------------
-    def apply_cache_config(self, cfg: CacheConfig) -> None:
-        """Send a new cache configuration; the worker applies it between steps (also mid-reply)."""
-        self.engine.apply_cache_config(cfg)
-
-    def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
-        self._applied_cache = cfg
+    def _on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
         if self.generation_id:
             self.conversation.note_mode(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
             self.timing.current.label = "cache " + " → ".join(self.conversation.modes)
-        self._save_cache(cfg)
-        self.controls.show_notes(list(notes))
         self.trace.notes.extend(notes)
-        self.status_mode.setText(self._mode_text(cfg))
         if notes:
-            self.statusBar().showMessage("; ".join(notes), 6000)
+            self.status.message("; ".join(notes), 6000)
+        if not self.generation_id:
+            self._describe_chat()  # the chat on screen under the new settings
 
-    @staticmethod
-    def _mode_text(cfg: CacheConfig) -> str:
-        text = f"cache: <b>{cfg.mode}</b>"
-        if cfg.mode == "paged":
-            text += f" · page {cfg.page_size}"
-        if cfg.quantized:
-            text += f" · K {cfg.k_dtype} V {cfg.v_dtype}"
-        if cfg.policy != "none":
-            text += f" · {cfg.policy}"
-        return text
-
-    def _refresh_all(self) -> None:
-        snap = self._latest
-        if snap is None or not self._panels_enabled:
-            return
-        for panel in (self.occupancy, self.page_map, self.timing, self.memory):
-            if self._shown.get(panel.objectName()) is not snap:
-                self._shown[panel.objectName()] = snap
-                panel.show_snapshot(snap)
-
-    def panels_by_name(self) -> dict[str, Any]:
-        return {p.objectName(): p for p in self.panels}
-
-    # -- the refresh timer ----------------------------------------------------------------------------------
-    def set_panels_enabled(self, on: bool) -> None:
-        self._panels_enabled = bool(on)
-        self.settings.set("panels/enabled", self._panels_enabled)
+    def _save_sampling(self) -> None:
+        try:
+            save_sampling(self.settings, self.sampling.sampling())
+        except ValueError:
+            pass
 
     def _tick(self) -> None:
-        """One refresh: streamed text, then at most ONE live panel (round robin) gets the latest snapshot.
-
-        Spreading the panels over ticks keeps each tick short, so the event loop stays responsive while
-        the worker thread (which competes for the GIL) streams tokens. The panel is painted right away and
-        the time it took sets when the next one may draw (``PANEL_BUDGET``): on a slow or busy machine the
-        panels redraw less often instead of slowing the reply down.
-        """
+        """One refresh: streamed text, then the scheduler's turn (at most one live panel)."""
         self.chat.render()
-        snap = self._latest
-        if snap is None:
-            return
-        now = time.perf_counter()
-        if self._panels_enabled and now >= self._panel_next:
-            live = (self.occupancy, self.page_map, self.timing, self.memory)
-            for _ in range(len(live)):
-                self._turn = (self._turn + 1) % len(live)
-                panel = live[self._turn]
-                if panel.isVisible() and self._shown.get(panel.objectName()) is not snap:  # hidden docks skip
-                    self._shown[panel.objectName()] = snap
-                    panel.show_snapshot(snap)
-                    panel.repaint()  # paint now, so its cost is counted here and not in a later event
-                    spent = time.perf_counter() - now
-                    self.panel_seconds += spent
-                    self._panel_next = now + max(PANEL_INTERVAL_S, spent / PANEL_BUDGET)
-                    break
-        if not self._snapshot_dirty:
-            return
-        self._snapshot_dirty = False
-        self.status_mode.setText(self._mode_text(self._applied_cache))
-        self._show_context(snap.seq_len, snap.context_length)
-        if self.generation_id and snap.decode_tokens_per_s:
-            self.status_speed.setText(f"{snap.decode_tokens_per_s:.1f} tok/s")
-
-    def _show_context(self, used: int, total: int) -> None:
-        """'context used/total', amber from 75% and red from 90%, with what happens when it is full."""
-        frac = used / total if total else 0.0
-        colour = CONTEXT_FULL if frac >= 0.9 else CONTEXT_FILLING if frac >= 0.75 else ""
-        text = f"context {used}/{total}"
-        self.status_context.setText(f"<span style='color:{colour}'>{text}</span>" if colour else text)
-        overflow = self._applied_cache.overflow
-        self.status_context.setToolTip(
-            f"{used} of the model's {total} context tokens are in use ({100 * frac:.0f}%).\n"
-            f"When it is full: {CONTEXT_OVERFLOW_TEXT.get(overflow, overflow)} "
-            "(Cache policy ▸ when full). Every dropped token shows in the page map and the occupancy panel.")
-
-    # -- tools ----------------------------------------------------------------------------------------------
-    def open_compare(self) -> Any:
-        """Generate this chat's next reply once per cache setting and show them side by side in a non-modal
-        dialog; the comparison runs on the worker step by step next to the chat, so the chat goes on
-        meanwhile. Returns the dialog (the running one, raised, if there is one), or None with a message
-        when there is nothing to compare yet."""
-        from app.compare_dialog import CompareDialog
-
-        running = self._compare_dialog
-        if running is not None and running.running:
-            running.raise_()
-            running.activateWindow()
-            return running
-        if self.info is None or self._loading:
-            self.show_error("Load a model first.")
-            return None
-        messages = self.conversation.engine_messages()
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-        if last_user < 0:
-            self.show_error("Send a message first: the comparison regenerates the reply to it.")
-            return None
-        try:
-            sampling = self.sampling_override or self.sampling.sampling()
-        except ValueError as exc:
-            self.show_error(str(exc))
-            return None
-        self._compare_dialog = CompareDialog(self.engine, messages[:last_user + 1], sampling, self)
-        self._compare_dialog.show()
-        return self._compare_dialog
-
-    def _about(self) -> None:
-        QMessageBox.about(self, "About KV Scope",
-                          "<b>KV Scope</b><br>Chat with a local model and watch its KV cache work: per-layer "
-                          "occupancy, the page map, per-token timing and memory, with cache policies you can "
-                          "change while it talks.")
+        self.scheduler.tick()
 
     # -- closing --------------------------------------------------------------------------------------------
+    def save_layout(self) -> None:
+        geometry, state = self.layout_docks.save()
+        self.settings.set("window/geometry", geometry)
+        self.settings.set("window/state", state)
+        self.settings.sync()
+
     def shutdown(self, timeout_ms: int = 2000) -> bool:
         """Stop any reply, join the worker, flush history and save the layout. True if joined in time."""
         if self._closing:
@@ -517,8 +377,9 @@ class MainWindow(ModelActions, ExportActions, QMainWindow):
         self._refresh.stop()
         self._db_timer.stop()
         joined = self.engine.shutdown(timeout_ms)
-        self.conversation.flush()  # after the worker stopped: everything that streamed is saved
-        self.conversation.closed = True  # a cancelled reply's queued signals must not touch closed history
+        # After the worker stopped: everything that streamed is saved, a reply cut short says the app
+        # closed, and signals still queued from the worker no longer touch the (closing) history.
+        self.conversation.close()
         self.save_layout()
         if joined:  # a worker still running must not start collections (see app/gc_guard.py)
             MainThreadGC.release()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
@@ -16,12 +16,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.glossary import stop_mark
 from app.markdown import to_html
+
+COPIED_MS = 1500  # how long "Copied" shows on the button
 
 
 def stats_line(stats: dict[str, Any]) -> str:
-    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens'."""
-    if not stats:
+    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens · cache paged', then how it
+    stopped when it did not simply end ('stopped: context full — ...'). Empty for a message that is not
+    a finished reply (a pinned user message shows ``pin_line``)."""
+    if not stats or ("stop_reason" not in stats and "generated_tokens" not in stats):
         return ""
     parts = []
     if stats.get("prefill_tokens_per_s"):
@@ -33,12 +38,19 @@ def stats_line(stats: dict[str, Any]) -> str:
     parts.append(f"{stats.get('generated_tokens', 0)} tokens")
     if stats.get("mode"):
         parts.append(f"cache {stats['mode']}")
-    reason = stats.get("stop_reason")
-    if reason == "error":
-        parts.append("stopped by an error")
-    elif reason and reason not in ("eos", "done"):
-        parts.append(f"stopped: {reason.replace('_', ' ')}")
+    mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))
+    if mark:
+        parts.append(mark)
     return " · ".join(parts)
+
+
+def pin_line(stats: dict[str, Any]) -> str:
+    """'pinned · 12 tokens kept by priority pinning' for a pinned message ('' otherwise)."""
+    if not stats or not stats.get("pinned"):
+        return ""
+    tokens = stats.get("tokens")
+    return "pinned" + (f" · {tokens} tokens kept by Priority pinning" if tokens is not None else
+                       " · kept by Priority pinning")
 
 
 def error_line(stats: dict[str, Any]) -> str:
@@ -60,6 +72,11 @@ def cache_line(stats: dict[str, Any]) -> str:
     return f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}, {where}"
 
 
+def shown_is_stored(versions: list, shown: int) -> bool:
+    """The version on screen is one of the stored ones (not a reply still being written)."""
+    return 0 <= shown < len(versions)
+
+
 class MessageView(QFrame):
     """A chat bubble. Assistant bubbles stream: ``append`` buffers text, ``render`` draws it."""
 
@@ -67,6 +84,7 @@ class MessageView(QFrame):
     edit_submitted = Signal(int, str)  # position, new text
     regenerate_requested = Signal()
     pin_toggled = Signal(int, bool)  # position, pinned
+    version_requested = Signal(int, int)  # position, version index
 
     def __init__(self, role: str, text: str = "", position: int = 0, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -89,6 +107,9 @@ class MessageView(QFrame):
         self.editor: QPlainTextEdit | None = None  # made on the first edit: 0.7 of a bubble's 3.5 ms
         self.stats_label = QLabel("")
         self.stats_label.setObjectName("statsLine")
+        self.versions: list[dict[str, Any]] = []
+        self.version = 0
+        self.is_last = False
         self.cache_label = QLabel("")
         self.cache_label.setObjectName("cacheLine")
         self.error_label = QLabel("")  # why an error stopped the reply
@@ -103,35 +124,15 @@ class MessageView(QFrame):
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             label.setVisible(False)
 
-        self.copy_button = QPushButton("Copy")
-        self.pin_button = QPushButton("Pin")
-        self.pin_button.setCheckable(True)
-        self.pin_button.setVisible(role in ("user", "assistant"))
-        self.pin_button.setToolTip("Pinned messages are never evicted by the priority policy "
-                                   "(the system prompt always is)")
-        self.pin_button.toggled.connect(self._on_pin)
-        self.edit_button = QPushButton("Edit")
-        self.regen_button = QPushButton("Regenerate")
-        self.save_button = QPushButton("Save && resend")
-        self.cancel_button = QPushButton("Cancel")
-        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
-                  self.cancel_button):
-            b.setObjectName("flatButton")
-            b.setCursor(Qt.CursorShape.PointingHandCursor)
-        self.save_button.setVisible(False)
-        self.cancel_button.setVisible(False)
-        self.edit_button.setVisible(role == "user")
-        self.regen_button.setVisible(False)
-        self.copy_button.clicked.connect(self.copy)
-        self.edit_button.clicked.connect(self.begin_edit)
-        self.save_button.clicked.connect(self._save_edit)
-        self.cancel_button.clicked.connect(self.end_edit)
-        self.regen_button.clicked.connect(self.regenerate_requested)
+        self._make_buttons(role)
 
         head = QHBoxLayout()
         head.setContentsMargins(0, 0, 0, 0)
         head.addWidget(self.role_label)
         head.addStretch(1)
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(False)
+            head.addWidget(w)
         for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
                   self.cancel_button):
             head.addWidget(b)
@@ -146,6 +147,49 @@ class MessageView(QFrame):
         layout.addWidget(self.cache_label)
         layout.addWidget(self.save_label)
         self.render()
+
+    def _make_buttons(self, role: str) -> None:
+        """The header's buttons: versions, copy, pin, edit, regenerate, save / cancel of an edit."""
+        self.version_prev = QPushButton("‹")
+        self.version_label = QLabel("")
+        self.version_label.setObjectName("versionLabel")
+        self.version_next = QPushButton("›")
+        self.version_prev.setToolTip("Show the previous version of this reply (Regenerate keeps every version)")
+        self.version_next.setToolTip("Show the next version of this reply")
+        self.version_prev.clicked.connect(lambda: self._step_version(-1))
+        self.version_next.clicked.connect(lambda: self._step_version(1))
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setToolTip("Copy this message's text (Markdown) to the clipboard")
+        self._copied = QTimer(self)  # puts "Copy" back (a child: it goes with the bubble)
+        self._copied.setSingleShot(True)
+        self._copied.setInterval(COPIED_MS)
+        self._copied.timeout.connect(self._uncopied)
+        self.pin_button = QPushButton("Pin")
+        self.pin_button.setCheckable(True)
+        self.pin_button.setVisible(role in ("user", "assistant"))
+        self.pin_button.setToolTip("Pinned messages are never dropped by the Priority pinning policy (nor is the "
+                                   "system prompt). Memory: pinned tokens count against its budget.")
+        self.pin_button.toggled.connect(self._on_pin)
+        self.edit_button = QPushButton("Edit")
+        self.edit_button.setToolTip("Change this message and ask again (what came after it is replaced)")
+        self.regen_button = QPushButton("Regenerate")
+        self.regen_button.setToolTip("Ask for another reply (Ctrl+R); this one stays as a version you can go "
+                                     "back to")
+        self.save_button = QPushButton("Save && resend")
+        self.cancel_button = QPushButton("Cancel")
+        for b in (self.version_prev, self.version_next, self.copy_button, self.pin_button, self.edit_button,
+                  self.regen_button, self.save_button, self.cancel_button):
+            b.setObjectName("flatButton")
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.save_button.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.edit_button.setVisible(role == "user")
+        self.regen_button.setVisible(False)
+        self.copy_button.clicked.connect(self.copy)
+        self.edit_button.clicked.connect(self.begin_edit)
+        self.save_button.clicked.connect(self._save_edit)
+        self.cancel_button.clicked.connect(self.end_edit)
+        self.regen_button.clicked.connect(self.regenerate_requested)
 
     # streaming ----------------------------------------------------------------------------------------
     def append(self, delta: str) -> None:
@@ -173,13 +217,33 @@ class MessageView(QFrame):
     def set_stats(self, stats: dict[str, Any]) -> None:
         """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
         self.stats = dict(stats or {})
-        for label, text in ((self.stats_label, stats_line(self.stats)), (self.cache_label, cache_line(self.stats)),
+        line = stats_line(self.stats) or pin_line(self.stats)
+        for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
                             (self.error_label, error_line(self.stats))):
             label.setText(text)
             label.setVisible(bool(text))
         self.set_notes(note_lines(self.stats))
+        self.set_versions(self.stats.get("versions") or [], self.stats.get("version", 0))
         self._dirty = True
         self.render()
+
+    def set_versions(self, versions: list[dict[str, Any]], shown: int) -> None:
+        """'‹ 2 / 3 ›' when the reply has more than one version (switching only on the last reply)."""
+        self.versions, self.version = list(versions), shown
+        many = len(versions) > 1 or (bool(versions) and shown >= len(versions))
+        total = max(len(versions), shown + 1)
+        self.version_label.setText(f"{shown + 1} / {total}")
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(many)
+        self.enable_versions(True)
+
+    def enable_versions(self, on: bool) -> None:
+        ok = on and self.is_last and shown_is_stored(self.versions, self.version)
+        self.version_prev.setEnabled(ok and self.version > 0)
+        self.version_next.setEnabled(ok and self.version < len(self.versions) - 1)
+
+    def _step_version(self, step: int) -> None:
+        self.version_requested.emit(self.position, self.version + step)
 
     def set_notes(self, notes: list[str]) -> None:
         """Show the reply's notes, one per line (also while it streams)."""
@@ -192,7 +256,9 @@ class MessageView(QFrame):
         self.save_label.setVisible(bool(text))
 
     def set_last_reply(self, is_last: bool) -> None:
+        self.is_last = is_last
         self.regen_button.setVisible(is_last and self.role == "assistant")
+        self.enable_versions(True)
 
     # actions ------------------------------------------------------------------------------------------
     @property
@@ -206,13 +272,36 @@ class MessageView(QFrame):
         self.pin_button.blockSignals(False)
         self.pin_button.setText("Pinned" if pinned else "Pin")
 
+    def set_pinned_tokens(self, tokens: int) -> None:
+        """The pinned message's token count (saved with it)."""
+        self.stats["tokens"] = tokens
+        self._show_pin_line()
+
+    def _show_pin_line(self) -> None:
+        if self.role == "user":
+            line = pin_line(self.stats)
+            self.stats_label.setText(line)
+            self.stats_label.setVisible(bool(line))
+
     def _on_pin(self, on: bool) -> None:
         self.pin_button.setText("Pinned" if on else "Pin")
+        if on:
+            self.stats["pinned"] = True
+        else:
+            self.stats.pop("pinned", None)
+            self.stats.pop("tokens", None)
+        self._show_pin_line()
         self.pin_toggled.emit(self.position, on)
 
     def copy(self) -> None:
+        """Copy the text, and say so on the button for a moment."""
         QGuiApplication.clipboard().setText(self.text)
+        self.copy_button.setText("Copied ✓")
+        self._copied.start()
         self.copy_requested.emit()
+
+    def _uncopied(self) -> None:
+        self.copy_button.setText("Copy")
 
     def begin_edit(self) -> None:
         if self.editor is None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import html
 
+from typing import Callable, Sequence
+
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QToolButton, QVBoxLayout, QWidget
 
 
 class NoticeBar(QFrame):
-    """One dismissible message (plain text; line breaks kept). Hidden when empty."""
+    """One dismissible message (plain text; line breaks kept), with optional action buttons that each close
+    it. Hidden when empty."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -31,19 +34,41 @@ class NoticeBar(QFrame):
         self.close_button.setObjectName("flatButton")
         self.close_button.setToolTip("Dismiss")
         self.close_button.clicked.connect(self.clear)
+        self.actions_row = QHBoxLayout()
+        self.actions_row.setContentsMargins(0, 0, 0, 0)
+        self.action_buttons: list[QPushButton] = []
+        body = QVBoxLayout()
+        body.addWidget(self.label)
+        body.addLayout(self.actions_row)
         row = QHBoxLayout(self)
         row.setContentsMargins(10, 6, 6, 6)
-        row.addWidget(self.label, 1)
+        row.addLayout(body, 1)
         row.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
         self.setVisible(False)
 
-    def show_message(self, text: str) -> None:
-        """Show ``text`` in place of any earlier message."""
+    def show_message(self, text: str, actions: Sequence[tuple[str, Callable[[], None]]] = ()) -> None:
+        """Show ``text`` in place of any earlier message, with a button per (label, action)."""
+        self._clear_actions()
         self.text = text
         self.label.setText(html.escape(text).replace("\n", "<br>"))
+        for label, action in actions:
+            button = QPushButton(label)
+            button.clicked.connect(lambda _=False, a=action: (self.clear(), a()))
+            self.actions_row.addWidget(button)
+            self.action_buttons.append(button)
+        if actions:
+            self.actions_row.addStretch(1)
         self.setVisible(True)
 
+    def _clear_actions(self) -> None:
+        while self.actions_row.count():
+            item = self.actions_row.takeAt(0)
+            if item.widget() is not None:
+                item.widget().deleteLater()
+        self.action_buttons = []
+
     def clear(self) -> None:
+        self._clear_actions()
         self.text = ""
         self.label.setText("")
         self.setVisible(False)

@@ -70,3 +70,16 @@ def policy_doc(name: str) -> str:
         return str(label)
     doc = (getattr(cls, "__doc__", "") or "").strip()
     return doc.splitlines()[0] if doc else ""
+
+
+def policy_tip(name: str) -> str:
+    """What the policy does to memory, speed and quality (the glossary's words, else its own label)."""
+    from app.glossary import POLICIES
+
+    term = POLICIES.get(name)
+    return term.tip if term else policy_doc(name) or name
+
+
+def policy_summary(name: str) -> str:
+    """One line under the policy list: what it keeps."""
+    return policy_tip(name).splitlines()[0] if name != "none" else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QSpinBox, QWidget
 
+from app.glossary import CONTROLS
 from engine.config import SamplingConfig
 
 
@@ -44,11 +45,12 @@ class SamplingForm(QWidget):
         self.seed = ispin(-1, 2**31 - 1)
         self.seed.setSpecialValueText("random")
         self.max_new_tokens = ispin(1, 32768)
-        for label, w in (("temperature", self.temperature), ("top-k", self.top_k), ("top-p", self.top_p),
-                         ("min-p", self.min_p), ("repetition penalty", self.repetition_penalty),
-                         ("seed", self.seed), ("max new tokens", self.max_new_tokens)):
-            w.setObjectName(label.replace(" ", "_").replace("-", "_"))
-            form.addRow(label, w)
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens"):
+            w, term = getattr(self, name), CONTROLS[name]
+            w.setObjectName(name)
+            w.setToolTip(term.tip)
+            w.setMinimumWidth(w.sizeHint().width())  # every digit visible
+            form.addRow(term.name, w)
         self.set_sampling(SamplingConfig())
 
     def set_sampling(self, s: SamplingConfig) -> None:

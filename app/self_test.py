@@ -36,6 +36,7 @@ PRECISION_SWITCHES = (  # KV auto → int8 → int4 → auto
     CacheConfig(mode="paged", page_size=16),
 )
 SWITCH_EVERY = 16  # tokens between two mid-reply switches, and after the last one before Stop
+SHOT_SIZES = ((1280, 720), (1920, 1080))  # --screenshot: a laptop and a desktop screen
 SWITCH_REPLY = 400  # at most: room for every switch to land mid-reply even at GPU speed (Stop ends it earlier)
 
 
@@ -103,9 +104,10 @@ class SelfTest:
     def reply(self, text: str, during: Callable[[], None] | None = None, at_token: int = 4) -> dict:
         """Send ``text`` and wait for the reply; ``during()`` runs once ``at_token`` tokens streamed."""
         w, done = self.window, []
-        w.reply_finished.connect(lambda _g, reason: done.append(reason))
         w.chat.input.setPlainText(text)
         w.chat.submit()
+        gen = w.generation_id
+        w.reply_finished.connect(lambda g, reason: done.append(reason) if g == gen else None)
         if during is not None:
             wait_until(lambda: w.conversation.tokens_in_reply >= at_token or bool(done), 120)
             if not done:
@@ -319,13 +321,30 @@ def _measure_panels(t: SelfTest) -> None:
                        f"{100.0 * float(np.median(share)):.1f}% of the GUI thread)")
 
 
+def screenshot_paths(screenshot: str) -> list[tuple[tuple[int, int], Path]]:
+    """FILE at 1280×720 (a laptop), and FILE with "-1920x1080" before its suffix at 1920×1080."""
+    path = Path(screenshot)
+    return [(SHOT_SIZES[0], path)] + [((w, h), path.with_name(f"{path.stem}-{w}x{h}{path.suffix or '.png'}"))
+                                      for w, h in SHOT_SIZES[1:]]
+
+
+def _screenshots(window, screenshot: str, lines: list[str]) -> bool:
+    """The window at each of ``SHOT_SIZES``, after its docks settled at that size."""
+    ok = True
+    for (w, h), path in screenshot_paths(screenshot):
+        window.resize(w, h)
+        wait_until(lambda: False, 0.6)  # the dock layout refits 150 ms after the size settles
+        size = (window.width(), window.height())
+        saved = window.grab().save(str(path), "PNG")
+        lines.append(("PASS " if saved and size == (w, h) else "FAIL ") + f"screenshot {path} at {size[0]}×{size[1]}")
+        ok = ok and saved and size == (w, h)
+    return ok
+
+
 def _finish(window, history, tmp, lines: list[str], ok: bool, probe: LatencyProbe, screenshot: str | None) -> int:
     probe.stop()
     if screenshot:
-        wait_until(lambda: False, 0.2)
-        saved = window.grab().save(str(screenshot), "PNG")
-        lines.append(("PASS " if saved else "FAIL ") + f"screenshot {screenshot}")
-        ok = ok and saved
+        ok = _screenshots(window, screenshot, lines) and ok
     t = time.perf_counter()
     joined = window.shutdown()
     lines.append(("PASS " if joined else "FAIL ") + f"worker joined in {(time.perf_counter() - t) * 1000:.0f} ms")

@@ -6,12 +6,15 @@ Add a setting by adding one ``Setting`` line to ``SETTINGS``; reading or writing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, QStandardPaths
+
+from engine.config import CacheConfig, SamplingConfig
 
 SCHEMA_VERSION = 1
 
@@ -25,6 +28,29 @@ class Setting:
     default: Any
 
 
+# The app's defaults for new chats where they differ from SamplingConfig's (which are the CLI's: greedy).
+SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
+CACHE_SKIP = ("max_pages",)  # engine-only (tests, benchmarks): not a user setting
+SAMPLING_SKIP = ("ignore_eos", "stop_strings")  # per request, not persisted
+
+
+def dataclass_settings(prefix: str, cls: type, skip: tuple[str, ...] = (),
+                       defaults: dict[str, Any] | None = None) -> tuple[Setting, ...]:
+    """One ``Setting`` per field of the config dataclass ``cls`` (``prefix/field``), typed by its default,
+    so a field added to ``CacheConfig`` or ``SamplingConfig`` is persisted without another list to edit.
+    An ``Optional[int]`` field whose default is None (the seed) is stored as -1."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING
+                                       else f.default_factory())  # type: ignore[misc]
+        if default is None:
+            default = -1
+        out.append(Setting(f"{prefix}/{f.name}", type(default), default))
+    return tuple(out)
+
+
 SETTINGS: tuple[Setting, ...] = (
     # model
     Setting("model/last", str, "demo"),
@@ -32,28 +58,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model/quantization", str, "none"),
     Setting("model/device", str, "auto"),
     Setting("model/context", int, 2048),
-    # cache policy (mirrors engine.config.CacheConfig)
-    Setting("cache/mode", str, "paged"),
-    Setting("cache/page_size", int, 16),
-    Setting("cache/prefix_reuse", bool, True),
-    Setting("cache/k_dtype", str, "auto"),
-    Setting("cache/v_dtype", str, "auto"),
-    Setting("cache/policy", str, "none"),
-    Setting("cache/policy_params", dict, {}),
-    Setting("cache/overflow", str, "stop"),
-    # sampling defaults for new chats (mirrors engine.config.SamplingConfig)
-    Setting("sampling/temperature", float, 0.7),
-    Setting("sampling/top_k", int, 40),
-    Setting("sampling/top_p", float, 0.95),
-    Setting("sampling/min_p", float, 0.05),
-    Setting("sampling/repetition_penalty", float, 1.1),
-    Setting("sampling/seed", int, -1),  # -1: random
-    Setting("sampling/max_new_tokens", int, 256),
+    *dataclass_settings("cache", CacheConfig, CACHE_SKIP),
+    *dataclass_settings("sampling", SamplingConfig, SAMPLING_SKIP, SAMPLING_DEFAULTS),
     # window
     Setting("window/geometry", bytes, b""),
     Setting("window/state", bytes, b""),
     Setting("window/last_chat", int, -1),
     Setting("panels/enabled", bool, True),
+    Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
     Setting("meta/schema_version", int, SCHEMA_VERSION),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}

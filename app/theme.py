@@ -18,6 +18,9 @@ QDockWidget {{ color: {TEXT}; font-weight: 600; }}
 QDockWidget::title {{ background: {PANEL}; padding: 4px 8px; }}
 QLabel#panelCaption, QLabel#hoverLine, QLabel#hint {{ color: {MUTED}; }}
 QLabel#legendChip {{ color: {MUTED}; }}
+QLabel#pausedLabel {{ color: #ffb347; font-weight: 600; padding: 0 4px; }}
+QToolButton#panelTool {{ color: {MUTED}; font-weight: 600; }}
+QLabel#versionLabel {{ color: {MUTED}; }}
 QLabel#chatTitle {{ font-size: 15px; font-weight: 600; }}
 QLabel#emptyHint {{ color: {MUTED}; font-size: 14px; padding: 40px; }}
 QLabel#roleLabel {{ color: {MUTED}; font-weight: 600; }}

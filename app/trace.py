@@ -1,4 +1,5 @@
-"""The current reply's cache trace: every snapshot of one generation, exportable as JSON or CSV."""
+"""The open chat's cache trace: every snapshot of every reply in the chat since it was opened, exportable
+as JSON or CSV."""
 
 from __future__ import annotations
 
@@ -19,21 +20,33 @@ CSV_FIELDS = (
 
 
 class CacheTrace:
-    """Snapshots of one reply, in arrival order (capped at ``limit``; the oldest decode steps go first)."""
+    """Snapshots of the chat's replies, in arrival order (capped at ``limit``; the oldest steps go first,
+    except the very first, which shows where the chat started)."""
 
     def __init__(self, limit: int = 20000) -> None:
         self.limit = limit
-        self.generation_id = 0
+        self.generation_ids: list[int] = []
         self.snapshots: list[CacheSnapshot] = []
         self.notes: list[str] = []
 
-    def begin(self, generation_id: int) -> None:
-        self.generation_id = generation_id
+    @property
+    def generation_id(self) -> int:
+        """The latest reply (0 before the first)."""
+        return self.generation_ids[-1] if self.generation_ids else 0
+
+    def reset(self) -> None:
+        """Another chat is open: its trace starts empty."""
+        self.generation_ids = []
         self.snapshots = []
         self.notes = []
 
+    def begin(self, generation_id: int) -> None:
+        """A reply of this chat starts: its snapshots are added to the chat's."""
+        if generation_id not in self.generation_ids:
+            self.generation_ids.append(generation_id)
+
     def add(self, snap: CacheSnapshot) -> None:
-        if snap.generation_id != self.generation_id:
+        if snap.generation_id not in self.generation_ids:
             return
         if len(self.snapshots) >= self.limit:
             del self.snapshots[1 : 1 + self.limit // 10]
@@ -53,7 +66,7 @@ class CacheTrace:
 
     def write_json(self, path: str | Path) -> None:
         data = {
-            "generation_id": self.generation_id,
+            "generation_ids": self.generation_ids,
             "notes": self.notes,
             "snapshots": [s.to_dict() for s in self.snapshots],
         }

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QScrollArea, QVBoxLayout, QWidget
 
 from app.message_view import MessageView
 
@@ -25,6 +25,7 @@ PAGE = 40  # bubbles built each time the view reaches the top (or the bottom) of
 MAX_BUILT = FIRST_PAGE + 2 * PAGE  # bubbles alive at once: 120 × ≥55 px = 6,600 px around the view
 EDGE_PX = 40  # "the top" / "the bottom": the scroll bar within 40 px of its end
 STICK_PX = 24  # the view follows new text while it is within 24 px of the bottom
+MAX_LINE_PX = 760  # the bubbles' column at its widest: long lines stay readable on wide screens
 
 Record = tuple[str, str, int, dict]  # role, text, position, stats of a message without a bubble
 
@@ -58,7 +59,14 @@ class Transcript(QScrollArea):
 
         self.inner = QWidget()
         self.inner.setObjectName("transcript")
-        self.column = QVBoxLayout(self.inner)
+        self.column_widget = QWidget()  # the bubbles' column: centred, at most MAX_LINE_PX wide
+        self.column_widget.setMaximumWidth(MAX_LINE_PX)
+        centred = QHBoxLayout(self.inner)
+        centred.setContentsMargins(0, 0, 0, 0)
+        centred.addStretch(1)
+        centred.addWidget(self.column_widget, 1000)
+        centred.addStretch(1)
+        self.column = QVBoxLayout(self.column_widget)
         self.column.setContentsMargins(12, 12, 12, 12)
         self.column.setSpacing(10)
         self._header = 0
@@ -67,7 +75,9 @@ class Transcript(QScrollArea):
             self._header += 1
         self.column.addStretch(1)
         self.setWidgetResizable(True)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        # As needed: the pane is never narrower than a bubble (ChatPane), so this never shows; if it did,
+        # a bubble would scroll rather than be cut off.
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.setWidget(self.inner)
         self.setObjectName("transcriptScroll")
         self.verticalScrollBar().rangeChanged.connect(self._on_range)
@@ -201,7 +211,7 @@ class Transcript(QScrollArea):
     def _build(self, record: Record) -> MessageView:
         role, text, position, stats = record
         bubble = self._make(role, text, position)
-        if stats and role == "assistant":
+        if stats:  # a reply's stats and versions; a pinned message's token count
             bubble.set_stats(stats)
         bubble.set_pinned(bool(stats.get("pinned")))
         self._apply(bubble)
@@ -228,6 +238,7 @@ class Transcript(QScrollArea):
             for b in self.bubbles:
                 b.edit_button.setEnabled(enabled)
                 b.regen_button.setEnabled(enabled)
+                b.enable_versions(enabled)
 
     def set_unsaved(self, positions: set[int], text: str) -> None:
         """Mark the messages at ``positions`` with ``text`` ("not saved — retrying"); unmark the others."""
@@ -240,6 +251,7 @@ class Transcript(QScrollArea):
     def _apply(self, bubble: MessageView) -> None:
         bubble.edit_button.setEnabled(self._actions_enabled)
         bubble.regen_button.setEnabled(self._actions_enabled)
+        bubble.enable_versions(self._actions_enabled)
         if bubble.position in self._unsaved:
             bubble.set_unsaved(self._unsaved_text)
 

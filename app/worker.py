@@ -19,7 +19,10 @@ Signals (every reply event carries its ``generation_id``)::
     failed(Failure)                 what raised, at which stage (see ``app.failure``)
     applied(object, object)         CacheConfig, list of notes
     compared(int, dict)             comparison id, one row
+    compare_progress(int, tuple)    comparison id, (fraction done, seconds left or None, what runs now)
     compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
+    described(object, object, int)  chat, its session's snapshot (None: nothing cached), its token count
+    measured(int, int)              request id, token count (-1: no model, or it could not be counted)
 
 For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
 (``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
@@ -29,17 +32,19 @@ For one reply the order is strict: ``started``, then ``token``/``snapshot``/``no
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.backend import EngineBackend, default_backend
+from app.compare_run import WarmedComparison
 from app.failure import Failure, log
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, LoadCancelled
 
-__all__ = ["EngineBackend", "EngineThread", "EngineWorker", "default_backend"]
+__all__ = ["EngineBackend", "EngineThread", "EngineWorker", "default_backend"]  # EngineThread: at the end
 
 
 class EngineWorker(QObject):
@@ -56,7 +61,10 @@ class EngineWorker(QObject):
     failed = Signal(object)
     applied = Signal(object, object)
     compared = Signal(int, object)
+    compare_progress = Signal(int, object)
     compare_finished = Signal(int, str)
+    described = Signal(object, object, int)
+    measured = Signal(int, int)
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
@@ -72,6 +80,7 @@ class EngineWorker(QObject):
         self._noted: set[str] = set()  # notes already sent for this reply
         self._comparison: Any = None
         self._comparison_id = 0
+        self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
         self._timer = QTimer(self)  # moves with the worker; pumps one step of each job per event-loop turn
         self._timer.setSingleShot(True)
@@ -182,6 +191,44 @@ class EngineWorker(QObject):
                 self._session = None  # the next reply activates its own chat's session
             self._pool.drop(chat)
 
+    @Slot(object, object)
+    def describe_chat(self, chat: Any, messages: list[dict]) -> None:
+        """The chat now on screen: its session's snapshot (None if it has no cache yet, or if the reply
+        running in it sends its own) and its token count, so the panels and the context readout describe
+        it."""
+        snap = None
+        session = self._pool.get(chat) if self._pool is not None else None
+        if session is not None and not (self._gen_id and self._chat == chat):
+            try:
+                snap = session.snapshot() if getattr(session, "cached_tokens", 1) else None
+            except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
+                traceback.print_exc()
+        self.described.emit(chat, snap, self._count(messages, -2))
+
+    @Slot(int, object, int)
+    def measure(self, request: int, messages: list[dict], index: int = -1) -> None:
+        """Count tokens: the prompt a reply to ``messages`` would have (``index`` -1), or the tokens of the
+        message at ``index`` as it sits in the rendered chat."""
+        self.measured.emit(request, self._count(messages, index))
+
+    def _count(self, messages: list[dict], index: int) -> int:
+        """-1: the whole chat ready for a reply; -2: the chat as it is; n >= 0: message n's span."""
+        tokenizer = getattr(self._loaded, "tokenizer", None)
+        if tokenizer is None:
+            return -1
+        if not messages:
+            return 0
+        try:
+            from engine.chat import message_spans, render_chat
+
+            if index >= 0:
+                start, end = message_spans(tokenizer, messages)[index]
+                return end - start
+            return len(render_chat(tokenizer, messages, for_reply=index == -1))
+        except BaseException:  # noqa: BLE001 - a count is a nicety: unknown, never a failure
+            traceback.print_exc()
+            return -1
+
     @Slot(int, object, object)
     def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
         """Generate the chat's next reply once per cache setting, in fresh sessions (the chats' own sessions
@@ -194,7 +241,9 @@ class EngineWorker(QObject):
             return
         self._comparison_id = comparison_id
         try:
-            self._comparison = self._backend.make_comparison(self._loaded, messages, sampling)
+            inner = self._backend.make_comparison(self._loaded, messages, sampling)
+            loaded, make = self._loaded, self._backend.make_session
+            self._comparison = WarmedComparison(inner, lambda cfg: make(loaded, cfg))
         except BaseException as exc:  # noqa: BLE001
             self._fail_comparison(exc)
             return
@@ -289,6 +338,10 @@ class EngineWorker(QObject):
             return
         if row is not None:
             self.compared.emit(self._comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
+        now = time.monotonic()
+        if now - self._progress_sent > 0.25 or row is not None:  # a few times a second is enough for a bar
+            self._progress_sent = now
+            self.compare_progress.emit(self._comparison_id, comparison.progress())
         if comparison.done:
             self._close_comparison("cancelled" if comparison.cancelled else "done")
 
@@ -335,75 +388,6 @@ class EngineWorker(QObject):
             self.snapshot.emit(snap)
 
 
-class EngineThread(QObject):
-    """Owns the QThread and the worker; the GUI talks to the engine only through this object.
-
-    Requests are signals connected (queued) to the worker's slots, wired before the thread starts.
-    ``shutdown()`` stops any reply and joins the thread.
-    """
-
-    _load = Signal(object, object)
-    _submit = Signal(int, object, object, object)
-    _forget = Signal(object)
-    _cancel = Signal(int)
-    _apply = Signal(object)
-    _compare = Signal(int, object, object)
-    _cancel_compare = Signal(int)
-    _stop = Signal()
-
-    def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self.thread = QThread()
-        self.thread.setObjectName("kvscope-engine")
-        self.worker = EngineWorker(backend)
-        self.worker.moveToThread(self.thread)
-        self._load.connect(self.worker.load)
-        self._submit.connect(self.worker.submit)
-        self._cancel.connect(self.worker.cancel)
-        self._apply.connect(self.worker.apply_cache_config)
-        self._compare.connect(self.worker.compare)
-        self._cancel_compare.connect(self.worker.cancel_compare)
-        self._stop.connect(self.worker.stop)
-        self._forget.connect(self.worker.forget_chat)
-        self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
-        self.thread.start()
-
-    def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
-        self._load.emit(spec, cache)
-
-    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
-        self._submit.emit(generation_id, messages, sampling, chat)
-
-    def forget_chat(self, chat: Any) -> None:
-        self._forget.emit(chat)
-
-    def cancel(self, generation_id: int = 0) -> None:
-        # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.
-        if generation_id in (0, self.worker._gen_id):
-            self.worker.request_cancel()
-        self._cancel.emit(generation_id)
-
-    def apply_cache_config(self, cache: CacheConfig) -> None:
-        self._apply.emit(cache)
-
-    def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
-        """Start comparison ``comparison_id`` (its rows and end carry that id); it replaces one running."""
-        self._compare.emit(comparison_id, messages, sampling)
-
-    def cancel_compare(self, comparison_id: int = 0) -> None:
-        """Stop comparison ``comparison_id`` (0: whichever runs) at its next step."""
-        self._cancel_compare.emit(comparison_id)
-
-    def cancel_load(self) -> None:
-        """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
-        loaded before, if any, stays in use."""
-        self.worker.load_cancel.set()
-
-    def shutdown(self, timeout_ms: int = 2000) -> bool:
-        """Cancel any reply, stop the thread's loop and join it. True if the thread ended in time."""
-        if not self.thread.isRunning():
-            return True
-        self.worker.request_cancel()
-        self.worker.load_cancel.set()  # a load in progress ends at its next tensor, not after the whole model
-        self._stop.emit()  # queued behind at most one step of the reply and one of a comparison
-        return self.thread.wait(timeout_ms)
+# The GUI side of the thread lives in its own file; importing it from here keeps ``app.worker`` the one
+# place callers (and tests) import both from.
+from app.engine_thread import EngineThread  # noqa: E402

@@ -108,9 +108,10 @@ def _probe_refusal(model, cache, planned: int, before: dict[str, int], facts) ->
     """What the forward did outside the cache layers transformers planned for (each seen in a model of
     transformers 5.24: a looped model that runs its layers twice, RecurrentGemma's state in module
     attributes, CPM-Ant's learned prompt tokens cached in front of the text)."""
-    if planned and len(cache.layers) != planned:
+    states = any(base_kind(f.kind) == STATE or f.kind.endswith(WITH_STATE) for f in facts)
+    if states and planned and len(cache.layers) != planned:  # state layers are rebuilt from the config's plan
         return (f"the forward cached {len(cache.layers)} layers where the configuration plans {planned} "
-                "(layers run more than once): not supported yet")
+                "(layers run more than once) and some hold a recurrent state: not supported yet")
     new = sorted(n for n, i in _module_tensors(model).items() if before.get(n) != i)
     if new:
         return f"the model keeps state in its modules ({new[0]}), outside the cache: not supported yet"

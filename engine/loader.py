@@ -391,6 +391,8 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.arch.probe``) and
     bundle it with its tokenizer (None: ids only)."""
     from engine.arch import attention_impl, info_fields, probe
+    from engine.threads import apply as apply_threads
+    from engine.threads import choose as choose_threads
 
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -409,6 +411,8 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
                                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
     stop = _stop_ids(model, tok)
+    threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
+    apply_threads(threads)
     info = ModelInfo(
         name=name,
         source=spec.source,
@@ -429,6 +433,8 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
         stop_ids=stop,
         attn_impl=impl,
+        threads=threads,
+        threads_reason=threads_reason,
         **info_fields(facts, elem, text_cfg, probe_refusal),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -50,6 +50,7 @@ from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.loader import LoadedModel
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
+from engine.threads import apply as apply_threads
 from engine.turn import NullDecoder, TurnState, check_fits, common_prefix, prefill_chunk, protection
 
 _session_ids = itertools.count(1)
@@ -258,6 +259,9 @@ class ChatSession:
                                     recomputed=len(ids) - keep, divergence=common if cached > 0 else -1,
                                     shared=shared)
         self.evictions = []
+        if self.lm.device.type == "cpu":  # another model may have changed it since this one was loaded
+            apply_threads(self.info.threads)
+            self.turn_state.threads = self.info.threads
         self.generating = True
         if room_note:
             self.add_notes([room_note])

@@ -69,6 +69,8 @@ class ModelInfo:
     state_bytes: int = 0  # recurrent / convolution state of all state layers, per chat
     attn_impl: str = "sdpa"
     unsupported: str = ""  # why chat sessions cannot run this model (one line), "" when they can
+    threads: int = 0  # CPU threads torch uses for it (``engine.threads``), and why
+    threads_reason: str = ""
 
     @property
     def layer_bytes_per_token(self) -> int:
@@ -227,6 +229,7 @@ class TurnStats:
     prefill_tokens_per_s: float = 0.0
     stop_reason: str = ""
     shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
+    threads: int = 0  # CPU threads torch used (0: not on the CPU)
 
 
 @dataclass(frozen=True)

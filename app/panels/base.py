@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QGraphicsItem, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
 BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"
@@ -14,10 +14,12 @@ pg.setConfigOptions(antialias=False, background=BACKGROUND, foreground=FOREGROUN
 
 
 class Panel(QWidget):
-    """Base for live panels: a caption line on top, the plot below.
+    """Base for live panels: a caption line with "paused", fit and help buttons on top, the plot below.
 
     Subclasses implement ``show_snapshot(snapshot)`` using only setters on items made in ``__init__``,
-    and call ``_count()`` so tests and the self-test can see the panel received data.
+    call ``_count()`` so tests and the self-test can see the panel received data, list their
+    ``StickyRange``s in ``ranges`` (the fit button resets them) and their plots in ``plots``. Charts never
+    zoom or pan with the mouse: the wheel over a chart changes nothing, and their ranges follow the data.
     """
 
     title = "Panel"
@@ -26,22 +28,76 @@ class Panel(QWidget):
         super().__init__(parent)
         self.setObjectName(self.__class__.__name__)
         self.updates = 0
+        self.ranges: list[StickyRange] = []
+        self.last_snapshot = None
         self.caption = QLabel(" ")
         self.caption.setObjectName("panelCaption")
         self.caption.setWordWrap(True)
         # A fixed two-line caption: text that changes every token must never re-lay out the plot below.
         self.caption.setFixedHeight(2 * self.caption.fontMetrics().lineSpacing() + 4)
         self.caption.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+        self.paused_label = QLabel("paused")
+        self.paused_label.setObjectName("pausedLabel")
+        self.paused_label.setToolTip("Live panels are off (View ▸ Live panels): this shows an earlier moment")
+        self.paused_label.setVisible(False)
+        self.fit_button = self._tool_button("⟲", "Fit the chart to its data again")
+        self.fit_button.clicked.connect(self.reset_view)
+        self.help_button = self._tool_button("?", "What am I seeing? A short explanation and the colour legend")
+        self.help_button.clicked.connect(self.show_help)
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.caption, 1)
+        for w in (self.paused_label, self.fit_button, self.help_button):
+            head.addWidget(w, 0, Qt.AlignmentFlag.AlignTop)
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(6, 4, 6, 6)
         self._layout.setSpacing(4)
-        self._layout.addWidget(self.caption)
+        self._layout.addLayout(head)
+
+    @staticmethod
+    def _tool_button(text: str, tip: str) -> QToolButton:
+        b = QToolButton()
+        b.setText(text)
+        b.setToolTip(tip)
+        b.setAutoRaise(True)
+        b.setObjectName("panelTool")
+        return b
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        """A chart reads well from about this size (a laptop's tab of panels is larger)."""
+        return QSize(360, 260)
 
     def show_snapshot(self, snapshot) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def clear(self) -> None:
-        """Forget data (new model or new chat)."""
+        """Forget data (new model, or a chat with nothing cached yet)."""
+
+    def set_paused(self, paused: bool) -> None:
+        """Say that the panel shows an earlier moment (live panels off)."""
+        self.paused_label.setVisible(paused)
+
+    def reset_view(self) -> None:
+        """Fit every axis to the data shown (the one-click way back from any stale range)."""
+        for rng in self.ranges:
+            rng.reset()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def show_help(self) -> None:
+        from app.help import show_panel_help  # the help texts import the panels' colours
+
+        show_panel_help(self)
+
+    def view_ranges(self) -> list:
+        """Each chart's [[x0, x1], [y0, y1]] (for tests: the wheel must not change them)."""
+        return [box.viewRange() for box in self.view_boxes()]
+
+    def view_boxes(self) -> list:
+        boxes = []
+        for view in self.findChildren(pg.GraphicsView):
+            boxes += [item for item in view.scene().items() if isinstance(item, pg.ViewBox)]
+        return boxes
 
     def _count(self) -> None:
         self.updates += 1
@@ -91,6 +147,9 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
         plot.setLabel("bottom", bottom)
     plot.setMenuEnabled(False)
     plot.hideButtons()
+    # No zoom or pan by wheel or drag: a chart that stays zoomed hides the next reply, and ranges follow
+    # the data anyway (the panel's fit button resets them).
+    plot.getViewBox().setMouseEnabled(x=False, y=False)
     for side in ("left", "bottom"):
         plot.getAxis(side).enableAutoSIPrefix(False)
     cache_axes(plot)

@@ -11,12 +11,14 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QWidget
 
 from app.format import human_bytes
-from app.panels.base import Panel, StickyRange, styled_plot
+from app.panels.base import Panel, StickyRange, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 
 MIB = 1024.0 * 1024.0
 WEIGHTS_COLOUR = "#8a919c"
 KV_COLOUR = "#43c59e"
+DEVICE_COLOUR = "#ffb347"
+IDLE_GAP_S = 1.0  # a longer pause between snapshots is idle time (drawn flat)
 HISTORY = 4096  # points kept (ring)
 
 
@@ -53,7 +55,8 @@ class SplitBar(QWidget):
 
 class MemoryPanel(Panel):
     """A weights-vs-KV split bar (to scale), and bytes over time on a log axis: weights (flat line),
-    KV cache (filled), device memory in use on CUDA (dashed)."""
+    KV cache, device memory in use on CUDA (dashed). Time between replies is drawn flat (nothing changes
+    while the chat is idle), and the legend sits under the chart, never over the data."""
 
     title = "Memory"
 
@@ -66,16 +69,18 @@ class MemoryPanel(Panel):
         self.plot.setLogMode(y=True)
         self.plot.disableAutoRange()
         self.x_range = StickyRange(lambda top: self.plot.setXRange(0, top, padding=0), minimum=10, grow=1.5)
+        self.ranges = [self.x_range]
         self._decades: tuple[int, int] | None = None
         self.x_range.fit(10)
         self.plot.setYRange(-3, 1, padding=0)
         self.caption.setText("Weights and KV cache bytes over time.")
-        legend = self.plot.addLegend(offset=(8, 4), labelTextColor="#c3c9d2", brush=(22, 25, 31, 200))
-        self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5), name="weights")
-        self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5), name="KV cache")
-        self.device = self.plot.plot(pen=pg.mkPen("#ffb347", width=1, style=Qt.PenStyle.DashLine), name="device (CUDA)")
-        legend.removeItem(self.device)
+        self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5))
+        self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5))
+        self.device = self.plot.plot(pen=pg.mkPen(DEVICE_COLOUR, width=1, style=Qt.PenStyle.DashLine))
         self._layout.addWidget(self.view, 1)
+        self.legend = legend_row([(WEIGHTS_COLOUR, "weights"), (KV_COLOUR, "KV cache"),
+                                  (DEVICE_COLOUR, "device memory in use (CUDA only)")])
+        self._layout.addWidget(self.legend)
         self.t = np.zeros(HISTORY)
         self.kv = np.zeros(HISTORY)
         self.w = np.zeros(HISTORY)
@@ -84,22 +89,44 @@ class MemoryPanel(Panel):
         self._t0: float | None = None
         self._has_device = False
 
-    def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if self._t0 is None:
-            self._t0 = now
+    def _append(self, t: float, kv: float, w: float, dev: float) -> None:
         if self.n == HISTORY:  # drop the oldest half
             half = HISTORY // 2
             for a in (self.t, self.kv, self.w, self.dev):
                 a[:half] = a[half:]
             self.n = half
         i = self.n
-        self.t[i] = now - self._t0
-        self.kv[i] = snap.kv_bytes / MIB
-        self.w[i] = snap.weights_bytes / MIB
-        self.dev[i] = snap.device_bytes / MIB
+        self.t[i], self.kv[i], self.w[i], self.dev[i] = t, kv, w, dev
         self.n += 1
+
+    def record(self, snap: CacheSnapshot, now: float | None = None) -> None:
+        """Add the snapshot's bytes to the series without drawing (the panel is behind another tab, and
+        the series must not miss that time)."""
+        if snap is self.last_snapshot:
+            return
+        now = time.monotonic() if now is None else now
+        if self._t0 is None:
+            self._t0 = now
+        t = now - self._t0
+        if self.n and t - self.t[self.n - 1] > IDLE_GAP_S:
+            # Idle time: the bytes held did not change, so hold the last values until now (a flat line and
+            # a step) instead of letting the line slope across the gap.
+            j = self.n - 1
+            self._append(t - 1e-3, self.kv[j], self.w[j], self.dev[j])
+        self._append(t, snap.kv_bytes / MIB, snap.weights_bytes / MIB, snap.device_bytes / MIB)
+        self.last_snapshot = snap
+
+    def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
+        self.record(snap, now)
+        self._draw(snap)
+        self._count()
+
+    def _draw(self, snap: CacheSnapshot) -> None:
         n = self.n
+        symbol = "o" if n < 3 else None  # one or two points draw no line: show them as dots
+        for item in (self.weights, self.total):
+            item.setSymbol(symbol)
+            item.setSymbolSize(5)
         self.weights.setData(self.t[:n], self.w[:n])
         self.total.setData(self.t[:n], np.maximum(self.kv[:n], 1.0 / 1024))  # log axis: floor at 1 KiB
         self.split.set_bytes(snap.weights_bytes, snap.kv_bytes)
@@ -109,28 +136,34 @@ class MemoryPanel(Panel):
         if decades != self._decades:  # y is log10(MiB): whole decades, so the axis rarely changes
             self._decades = decades
             self.plot.setYRange(decades[0], max(decades[1], decades[0] + 1), padding=0)
-        if snap.device_bytes and not self._has_device:
-            self._has_device = True
-            self.plot.legend.addItem(self.device, "device (CUDA)")
+        self._has_device = self._has_device or bool(snap.device_bytes)
         self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None
         share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)
-        per_token = snap.kv_bytes / max(int(np.max(snap.tokens_per_layer, initial=0)), 1)
-        text = (
-            f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> "
-            f"({100 * share:.1f}% of total) · {human_bytes(per_token)}/token held"
-        )
+        held = int(np.max(snap.tokens_per_layer, initial=0))
+        text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> ({100 * share:.1f}%)"
+        if held:  # bytes held over tokens held: the last page's empty slots count, so a bit over the model card's
+            text += f" · {human_bytes(snap.kv_bytes / held)} per cached token"
         if snap.device_bytes:
             text += f" · device {human_bytes(snap.device_bytes)}"
         self.caption.setText(text)
-        self._count()
+
+    def reset_view(self) -> None:
+        self.x_range.reset()
+        self._decades = None
+        if self.n and self.last_snapshot is not None:
+            self._draw(self.last_snapshot)
 
     def clear(self) -> None:
         self.x_range.reset()
+        self.x_range.fit(10)
         self._decades = None
         self.n = 0
         self._t0 = None
+        self.last_snapshot = None
         for item in (self.weights, self.total, self.device):
             item.setData([], [])
+        self.split.set_bytes(0, 0)
+        self.caption.setText("Weights and KV cache bytes over time.")
 
     def series(self) -> dict[str, np.ndarray]:
         n = self.n

@@ -7,6 +7,7 @@ import html
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import QSize
 from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes, human_count
@@ -83,6 +84,9 @@ class ModelCardPanel(Panel):
         self.caption.setText(f"<b>{html.escape(info.name)}</b>{demo}")
         self.table.setText(f"<table cellspacing='0' cellpadding='1'>{body}</table>")
         self._count()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        return QSize(280, 340)
 
     def show_snapshot(self, snapshot) -> None:
         self._count()

@@ -55,6 +55,31 @@ def state_tokens(snap: CacheSnapshot) -> np.ndarray:
     return out
 
 
+EMPTY_CAPTION = "Tokens each layer holds, by state. Waiting for the model…"
+
+
+def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
+    """'paged · 275 tokens cached (+1 just generated) · room for 2048 per layer · KV 272 KiB · ...'."""
+    held = int(np.max(snap.tokens_per_layer, initial=0))
+    layers = max(len(snap.tokens_per_layer), 1)
+    waiting = snap.seq_len - held - snap.evicted_total
+    text = f"<b>{snap.mode}</b> · {held} tokens cached"
+    if waiting == 1:  # the token just generated is fed (and cached) by the next step: not a lost token
+        text += " (+1 just generated)"
+    text += f" · room for {snap.capacity_tokens} per layer · KV {human_bytes(snap.kv_bytes)}"
+    total_q = int(stack["quantized"].sum())
+    if total_q:
+        text += f" · {total_q // layers} quantized per layer"
+    if snap.evicted_total:
+        text += f" · {snap.evicted_total} evicted"
+    kinds = snap.layer_kinds
+    if any(k.startswith("sliding") for k in kinds):
+        text += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window"
+    if any("state" in k for k in kinds):
+        text += f" · {sum('state' in k for k in kinds)} layers hold a fixed state (grey)"
+    return text
+
+
 class OccupancyPanel(Panel):
     """Bars per layer stacked by token state; the dashed line is the capacity per layer."""
 
@@ -79,11 +104,21 @@ class OccupancyPanel(Panel):
         self.stack: dict[str, np.ndarray] = {}
         self.y_range = StickyRange(lambda top: self.plot.setYRange(0, top, padding=0), minimum=16, grow=1.25)
         self.y_range.fit(16)
+        self.ranges = [self.y_range]
         self.plot.setXRange(-0.6, 3.6, padding=0)
-        self.caption.setText("Tokens each layer holds, by state. Waiting for the model…")
+        self.caption.setText(EMPTY_CAPTION)
         self._num_layers = 0
 
+    def clear(self) -> None:
+        for bar in self.bars.values():
+            bar.setOpts(x=[0], height=[0], y0=[0], width=0.75)
+        self.capacity.setVisible(False)
+        self.stack = {}
+        self.last_snapshot = None
+        self.caption.setText("Nothing cached for this chat yet: the bars fill when you send a message.")
+
     def show_snapshot(self, snap: CacheSnapshot) -> None:
+        self.last_snapshot = snap
         stack = occupancy_stack(snap)
         layers = np.arange(len(stack["full"]))
         bottom = np.zeros(len(layers), dtype=np.int64)
@@ -101,19 +136,7 @@ class OccupancyPanel(Panel):
         self.capacity.setVisible(show_cap)
         self.y_range.fit(max(top, cap) if show_cap else top)
         self.stack = stack
-        total_q = int(stack["quantized"].sum())
-        kinds = snap.layer_kinds
-        extra = ""
-        if any(k.startswith("sliding") for k in kinds):
-            extra += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window"
-        if any("state" in k for k in kinds):
-            extra += f" · {sum('state' in k for k in kinds)} layers hold a fixed state (grey)"
-        self.caption.setText(
-            f"<b>{snap.mode}</b> · {int(np.max(snap.tokens_per_layer, initial=0))} tokens held of "
-            f"{snap.seq_len} · capacity {snap.capacity_tokens}/layer · KV {human_bytes(snap.kv_bytes)}"
-            + (f" · {total_q // max(len(layers), 1)} quantized/layer" if total_q else "")
-            + (f" · {snap.evicted_total} evicted" if snap.evicted_total else "") + extra
-        )
+        self.caption.setText(occupancy_caption(snap, stack))
         self._count()
 
     def bar_heights(self) -> dict[str, np.ndarray]:

@@ -164,7 +164,7 @@ class PageMapPanel(Panel):
         self._mouse = pg.SignalProxy(self.view.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
-        self.snapshot = snap
+        self.snapshot = self.last_snapshot = snap
         self.cols = grid_columns(snap.num_pages, self._aspect())
         self.grid = page_grid(snap, self.cols)
         self.colours = page_colours(snap, self.cols)
@@ -195,7 +195,15 @@ class PageMapPanel(Panel):
         return 2.0 if w <= 0 or h <= 0 else max(0.5, round(2 * w / h) / 2)
 
     def clear(self) -> None:
-        self.snapshot = None
+        self.snapshot = self.last_snapshot = None
+        self.grid = np.zeros((0, 0), dtype=np.int16)
+        self.image.clear()
+        self.strip.clear()
+        self.caption.setText("Nothing cached for this chat yet: pages appear when you send a message.")
+
+    def reset_view(self) -> None:
+        self._shape = None  # the grid's range is set again from its shape
+        super().reset_view()
 
     def describe_page(self, page: int) -> str:
         """The hover text of one page."""

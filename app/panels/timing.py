@@ -99,7 +99,8 @@ class TimingPanel(Panel):
         self.y_latency = StickyRange(lambda top: self.latency_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
         self.y_tps = StickyRange(lambda top: self.tps_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
         self.y_prefill = StickyRange(lambda top: self.prefill_plot.setYRange(0, top, padding=0), minimum=1, grow=1.3)
-        for rng, start in ((self.x_range, 32), (self.y_latency, 1), (self.y_tps, 1), (self.y_prefill, 1)):
+        self.ranges = [self.x_range, self.y_latency, self.y_tps, self.y_prefill]
+        for rng, start in zip(self.ranges, (32, 1, 1, 1)):
             rng.fit(start)
         self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
         self._layout.addWidget(self.view, 1)
@@ -176,8 +177,14 @@ class TimingPanel(Panel):
         self.caption.setText(text)
         self._count()
 
+    def reset_view(self) -> None:
+        for rng in self.ranges:
+            rng.reset()
+        self._dirty = True
+        self.refresh()
+
     def clear(self) -> None:
-        for rng in (self.x_range, self.y_latency, self.y_tps, self.y_prefill):
+        for rng in self.ranges:
             rng.reset()
         self.current = TokenSeries()
         self.previous = None

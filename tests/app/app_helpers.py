@@ -65,9 +65,11 @@ def close_window(window) -> None:
 
 def wait_reply(qtbot, window, timeout_ms: int = 60_000):
     """Wait for the current reply to finish; returns (generation_id, stop_reason)."""
-    if not window.generation_id:
+    gen = window.generation_id
+    if not gen:
         return None
-    with qtbot.waitSignal(window.reply_finished, timeout=timeout_ms) as blocker:
+    with qtbot.waitSignal(window.reply_finished, timeout=timeout_ms,
+                          check_params_cb=lambda g, _reason: g == gen) as blocker:  # not a background reply's
         pass
     return tuple(blocker.args)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -31,3 +32,12 @@ def _theme(qapp):
 
     apply_theme(qapp)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _collect_on_the_gui_thread():
+    """Widgets a test made and left in reference cycles are collected here, on the GUI thread, after the
+    test's own cleanup; left for later, a worker thread of another test could collect them and deadlock
+    on Qt's object mutex (see app/gc_guard.py)."""
+    yield
+    gc.collect()

@@ -47,7 +47,7 @@ def test_params_form_is_built_from_the_dataclass(qtbot, monkeypatch):
     assert cfg.policy == "fake"
     assert cfg.policy_params == {"sinks": 4, "window": 256, "ratio": 0.5, "keep_system": True, "pinned": (0, 8)}
     sinks = c.findChild(QSpinBox, "param_sinks")
-    assert (sinks.minimum(), sinks.maximum(), sinks.toolTip()) == (0, 64, "kept first tokens")
+    assert (sinks.minimum(), sinks.maximum()) == (0, 64) and sinks.toolTip().startswith("kept first tokens")
     assert c.policy_help.text() == "Fake policy for tests"
     with qtbot.waitSignal(c.changed, timeout=2000) as blocker:
         sinks.setValue(8)

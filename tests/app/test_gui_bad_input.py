@@ -240,12 +240,12 @@ def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
     try:
         w.load_model(ModelSpec(source="/models/big"))
         qtbot.waitUntil(started.is_set, timeout=5_000)
-        qtbot.waitUntil(lambda: w.load_progress.value() == 20, timeout=5_000)
-        assert w.load_cancel.isVisible() and w.load_progress.isVisible()
+        qtbot.waitUntil(lambda: w.status.progress.value() == 20, timeout=5_000)
+        assert w.status.cancel.isVisible() and w.status.progress.isVisible()
         with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
-            w.load_cancel.click()
+            w.status.cancel.click()
         assert blocker.args[0] == "Loading /models/big was cancelled." == w.chat.notice.text
-        assert w.info.name == "first" and not w.load_cancel.isVisible() and not w._loading
+        assert w.info.name == "first" and not w.status.cancel.isVisible() and not w._loading
         assert w.chat.send_button.isEnabled()
     finally:
         close_window(w)

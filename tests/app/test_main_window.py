@@ -24,7 +24,7 @@ def test_send_streams_tokens_and_every_panel_changes(qtbot, data_dir, stories_pa
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True))
     try:
         assert w.info.name == "stories260K"
-        assert "stories260K" in w.status_model.text() and "CPU" in w.status_device.text()
+        assert "stories260K" in w.status.model.text() and "CPU" in w.status.device.text()
         before = {p.objectName(): p.updates for p in w.panels}
         assert w.model_card.info is not None
         _type_and_send(qtbot, w, "Once upon a time")
@@ -48,7 +48,7 @@ def test_send_streams_tokens_and_every_panel_changes(qtbot, data_dir, stories_pa
         assert msgs[1].content == bubble.text and bubble.text
         assert "decode" in bubble.stats_label.text() and "TTFT" in bubble.stats_label.text()
         assert bubble.cache_label.text().startswith("reused 0 tokens, recomputed")
-        assert "context" in w.status_context.text() and "tok/s" in w.status_speed.text()
+        assert "Context" in w.status.context.text() and "tokens/s" in w.status.speed.text()
         assert len(w.trace) >= 299
     finally:
         close_window(w)
@@ -74,7 +74,7 @@ def test_switch_mode_and_page_size_mid_reply(qtbot, data_dir, stories_path):
         assert ("paged", 16) in modes and ("contiguous", 0) in modes and modes[-1] == ("paged", 8)
         assert w.chat.bubbles[-1].stats["generated_tokens"] == 440
         assert w.last_stats["mode"] == "paged → contiguous → paged"
-        assert "page 8" in w.status_mode.text()
+        assert "8-token pages" in w.status.cache.text()
         assert w.settings.get("cache/page_size") == 8  # persisted
     finally:
         close_window(w)
@@ -203,18 +203,20 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
 
 
 def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path):
-    from app.main_window import CONTEXT_FILLING, CONTEXT_FULL
+    from app.status_bar import CONTEXT_FILLING, CONTEXT_FULL
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
-        w._show_context(100, 512)
-        assert w.status_context.text() == "context 100/512" and "stops" in w.status_context.toolTip()
-        w._show_context(400, 512)
-        assert CONTEXT_FILLING in w.status_context.text() and "78%" in w.status_context.toolTip()
+        field = w.status.context
+        w.status.show_context(100, 512, w._applied_cache.overflow)
+        assert field.text() == "Context: 100 of 512 tokens" and "stops" in field.toolTip()
+        assert field.level == "" and CONTEXT_FILLING not in field.styleSheet()
+        w.status.show_context(400, 512, w._applied_cache.overflow)
+        assert field.level == "filling" and CONTEXT_FILLING in field.styleSheet() and "78%" in field.toolTip()
         w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("truncate_middle"))
         qtbot.waitUntil(lambda: w._applied_cache.overflow == "truncate_middle", timeout=10_000)
-        w._show_context(470, 512)
-        assert CONTEXT_FULL in w.status_context.text() and "first message" in w.status_context.toolTip()
+        w.status.show_context(470, 512, w._applied_cache.overflow)
+        assert field.level == "full" and CONTEXT_FULL in field.styleSheet() and "first message" in field.toolTip()
     finally:
         close_window(w)
 
@@ -300,12 +302,13 @@ def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
 def test_recent_models_menu(qtbot, data_dir, stories_path):
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
-        w._fill_recent_menu()
-        texts = [a.text() for a in w.recent_menu.actions()]
+        recent = w.menu_actions["recent"]
+        w.models.fill_recent_menu(recent)
+        texts = [a.text() for a in recent.actions()]
         assert texts[0].startswith("demo") and str(stories_path) in texts
         with qtbot.waitSignal(w.model_loaded, timeout=120_000) as blocker:
-            w.recent_menu.actions()[0].trigger()
-        assert blocker.args[0].is_demo and "demo" in w.status_model.text()
+            recent.actions()[0].trigger()
+        assert blocker.args[0].is_demo and "demo" in w.status.model.text()
         w.send("hi demo")
         assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")
     finally:
@@ -400,7 +403,8 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
                                              "cache off"]
         assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 4))  # lossless settings
         assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only
-        assert "Done: 5 settings" in dlg.status.text()
+        assert "Done: 5 settings" in dlg.status.text() and dlg.progress.value() == dlg.progress.maximum()
+        assert dlg.markdown().count("\n") == 7 and "| paged (reference) |" in dlg.markdown()
         dlg.close()
         assert w.open_compare() is not dlg  # a finished comparison makes way for a new one
     finally:

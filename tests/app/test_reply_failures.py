@@ -119,13 +119,16 @@ def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_
 
 
 def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir, stories_path):
-    """The real engine refuses a reply longer than stories260K's 512-token context (overflow "stop"): the
-    typed failure ends that reply, with the engine's own reason; the next message is answered."""
+    """A prompt longer than stories260K's 512-token context (overflow "stop"): the app asks first; sent
+    anyway, the engine's typed refusal ends that reply with its own reason; the chat goes on once the
+    message is shortened (a reply that merely would pass the context is not refused: it stops when full)."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=600))
     try:
         failures: list = []
         w.engine.worker.failed.connect(failures.append)
-        w.send("Once upon a time")
+        w.send("the cat sat on the mat and " * 60)  # about 620 tokens
+        qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
+        w.chat.notice.action_buttons[0].click()  # Send anyway
         assert wait_reply(qtbot, w)[1] == "error"
         (failure,) = failures
         assert (failure.stage, failure.type, failure.recoverable) == ("start", "ContextOverflowError", True)
@@ -134,9 +137,9 @@ def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir
         assert reply.text == "" and "no text" in reply.body.text()
         assert w.history.messages(w.chat_id)[1].stats["error"] == failure.message
         w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-        w.send("The dog ran")
+        w.conversation.edit_and_resend(0, "The dog ran")
         assert wait_reply(qtbot, w)[1] == "max_tokens" and w.last_stats["generated_tokens"] == 10
-        assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant", "user", "assistant"]
+        assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
     finally:
         close_window(w)
 

@@ -62,7 +62,8 @@ def test_self_test_cli_passes_and_writes_a_screenshot(tmp_path):
     out = proc.stdout
     assert "kvscope self-test: OK" in out and "time to visible window" in out and "p95" in out
     assert "FAIL" not in out
-    assert shot.stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000 and (tmp_path / "shot-1920x1080.png").stat().st_size > 10_000
+    assert "at 1280×720" in out and "at 1920×1080" in out
 
 
 def test_pyside_none_refcount_fix():

@@ -1,0 +1,51 @@
+"""The cache settings in force: what the controls ask for, what the worker applied, what is saved and shown.
+
+A change goes from the controls to the worker (applied between two decode steps, also mid-reply); only
+the worker's ``applied`` makes it the setting in force, which is then saved and shown. A refused change
+puts the controls back to the setting in force.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+
+from app.config_settings import cache_from_settings, save_cache
+from app.controls import CacheControls
+from app.settings import Settings
+from app.status_bar import StatusBar
+from app.worker import EngineThread
+from engine.config import CacheConfig
+
+
+class CacheController(QObject):
+    """``applied`` is the ``CacheConfig`` in force; ``changed(cfg, notes)`` fires when the worker applied one."""
+
+    changed = Signal(object, object)
+
+    def __init__(self, settings: Settings, controls: CacheControls, engine: EngineThread, status: StatusBar,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.settings = settings
+        self.controls = controls
+        self.engine = engine
+        self.status = status
+        self.applied: CacheConfig = cache_from_settings(settings)
+        controls.set_config(self.applied)
+        status.show_cache(self.applied)
+        controls.changed.connect(self.apply)
+        engine.worker.applied.connect(self._on_applied)
+
+    def apply(self, cfg: CacheConfig) -> None:
+        """Send a new cache configuration; the worker applies it between steps (also mid-reply)."""
+        self.engine.apply_cache_config(cfg)
+
+    def refused(self) -> None:
+        """The worker refused the last change: the controls show what is really applied."""
+        self.controls.set_config(self.applied)
+
+    def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
+        self.applied = cfg
+        save_cache(self.settings, cfg)
+        self.controls.show_notes(list(notes))
+        self.status.show_cache(cfg)
+        self.changed.emit(cfg, list(notes))

@@ -1,0 +1,166 @@
+"""The window's docks: which exist, where they go, how big they start, and how they come back.
+
+Two default arrangements, chosen by the window's width when it is laid out (View ▸ Reset layout):
+
+* **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / sampling / model on
+  the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
+  timing / memory below). Nothing is squeezed below its size hint at 1280×720.
+* **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab).
+
+Sizes are fractions of the window. When the window's size changes a lot (moved to another screen,
+maximised, restored) the fractions are applied again, so docks never keep the crushed sizes of a smaller
+window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for the new width.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
+from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QTabWidget, QWidget
+
+DOCKS = (  # key, title
+    ("chats", "Chats"), ("controls", "Cache policy"), ("sampling", "Sampling"), ("model", "Model"),
+    ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
+)
+SCROLLED = ("controls", "sampling")  # forms that scroll rather than force the window's height
+WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
+REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
+
+
+def scrolled(widget: QWidget) -> QScrollArea:
+    """``widget`` in a scroll area that scrolls vertically and gives it its full width."""
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.Shape.NoFrame)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    area.setWidget(widget)
+    area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
+    hint = widget.sizeHint()  # a form: wider than its minimum helps nothing, so that is its preferred width
+    area.sizeHint = lambda: QSize(area.minimumWidth(), hint.height())  # type: ignore[method-assign]
+    return area
+
+
+def on_screen(widget: QWidget) -> bool:
+    """Shown and not behind another tab (Qt keeps a tabbed dock's hidden page "visible", moved outside the
+    window)."""
+    if not widget.isVisible():
+        return False
+    window = widget.window()
+    return window.rect().intersects(QRect(widget.mapTo(window, QPoint(0, 0)), widget.size()))
+
+
+class DockLayout:
+    """Creates the docks of ``window`` around ``widgets`` (keyed as in ``DOCKS``) and lays them out."""
+
+    def __init__(self, window: QMainWindow, widgets: dict[str, QWidget]) -> None:
+        self.window = window
+        window.setDockNestingEnabled(True)
+        window.setTabPosition(Qt.DockWidgetArea.AllDockWidgetAreas, QTabWidget.TabPosition.North)
+        self.docks: dict[str, QDockWidget] = {}
+        for key, title in DOCKS:
+            dock = QDockWidget(title, window)
+            dock.setObjectName(f"dock_{key}")
+            dock.setWidget(scrolled(widgets[key]) if key in SCROLLED else widgets[key])
+            dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                             | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                             | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+            self.docks[key] = dock
+        self.restored = False
+        self.arrangement = ""  # "compact" or "wide" (a default one), "restored" (the user's saved one)
+        self._fitted = QSize(0, 0)  # the window size the default sizes were applied for
+        self._refit = QTimer(window)
+        self._refit.setSingleShot(True)
+        self._refit.setInterval(150)
+        self._refit.timeout.connect(self._settled)
+
+    @property
+    def wide(self) -> bool:
+        return self.window.width() >= WIDE_PX
+
+    def arrange(self) -> None:
+        """The default arrangement for the window's width (View ▸ Reset layout)."""
+        for dock in self.docks.values():
+            self.window.removeDockWidget(dock)
+            dock.setFloating(False)
+        self._wide() if self.wide else self._compact()
+        self.arrangement = "wide" if self.wide else "compact"
+        for dock in self.docks.values():
+            dock.show()
+        for key in ("controls", "occupancy", "timing"):
+            self.docks[key].raise_()  # the first tab of each group
+        self._fitted = QSize(0, 0)
+        if self.window.isVisible():
+            QTimer.singleShot(0, self.fit)
+
+    def _left_column(self) -> None:
+        d, w = self.docks, self.window
+        w.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, d["chats"])
+        w.splitDockWidget(d["chats"], d["controls"], Qt.Orientation.Vertical)
+        w.tabifyDockWidget(d["controls"], d["sampling"])
+        w.tabifyDockWidget(d["sampling"], d["model"])
+
+    def _compact(self) -> None:
+        d, w = self.docks, self.window
+        self._left_column()
+        w.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, d["occupancy"])
+        w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
+        w.tabifyDockWidget(d["occupancy"], d["page_map"])
+        w.tabifyDockWidget(d["timing"], d["memory"])
+
+    def _wide(self) -> None:
+        d, w = self.docks, self.window
+        self._left_column()
+        w.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, d["occupancy"])
+        w.splitDockWidget(d["occupancy"], d["page_map"], Qt.Orientation.Horizontal)
+        w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
+        w.splitDockWidget(d["page_map"], d["memory"], Qt.Orientation.Vertical)
+
+    def fit(self) -> None:
+        """Default sizes as fractions of the window; the chat in the middle gets what is left."""
+        d, w = self.docks, self.window
+        W, Hh = max(w.width(), 800), max(w.height(), 500)
+        H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        left = max(int(W * (0.19 if self.wide else 0.2)), self.docks["controls"].widget().minimumWidth() + 12)
+        w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
+        if self.wide:
+            w.resizeDocks([d["chats"], d["occupancy"], d["page_map"]], [left, int(W * 0.21), int(W * 0.21)], H)
+            w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+            w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+        else:
+            w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.37)], H)
+            w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+        self._fitted = w.size()
+
+    def window_resized(self) -> None:
+        """Call from the window's resize event: a much larger or smaller window gets the default sizes
+        again (after the size settles)."""
+        size, fitted = self.window.size(), self._fitted
+        changed = fitted.isEmpty() or any(
+            new > old * REFIT_CHANGE or new * REFIT_CHANGE < old
+            for new, old in ((size.width(), fitted.width()), (size.height(), fitted.height())))
+        if changed and self.window.isVisible():
+            self._refit.start()
+
+    def _settled(self) -> None:
+        if self.arrangement in ("compact", "wide") and self.arrangement != ("wide" if self.wide else "compact"):
+            self.arrange()
+        else:
+            self.fit()
+
+    def restore(self, geometry: bytes, state: bytes) -> None:
+        """The saved geometry and dock state, or the default arrangement if there is none (or it is bad)."""
+        self.restored = False
+        try:
+            if geometry:
+                self.window.restoreGeometry(QByteArray(geometry))
+            if state:
+                self.restored = bool(self.window.restoreState(QByteArray(state)))
+        except Exception:  # noqa: BLE001 - a bad saved layout must never stop the app
+            self.restored = False
+        if self.restored:
+            self.arrangement = "restored"
+            self._fitted = self.window.size()  # the user's sizes stand until the window changes a lot
+        else:
+            self.arrange()
+
+    def save(self) -> tuple[bytes, bytes]:
+        return bytes(self.window.saveGeometry().data()), bytes(self.window.saveState().data())

@@ -1,0 +1,174 @@
+"""Every user-facing name and description, in one table.
+
+The cache controls, their tooltips, the status bar, the context readout, the stop marks under replies and
+the help dialogs all read these entries, so a setting is called the same thing everywhere and its tooltip
+says what it does to memory, speed and quality. Engine ids ("streaming", "truncate_middle", ...) never
+reach the user except in brackets after a plain name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Term:
+    """One choice or control: ``name`` (controls, help), ``short`` (status bar), ``tip`` (tooltip: what it
+    does to memory, speed and quality)."""
+
+    name: str
+    short: str
+    tip: str
+
+
+MODES = {
+    "paged": Term("Paged", "paged cache",
+                  "Keeps keys and values in fixed-size pages from a pool shared by your chats.\n"
+                  "Memory: grows one page at a time; chats that start alike share pages.\n"
+                  "Speed: as fast as contiguous.  Quality: exact (lossless)."),
+    "contiguous": Term("Contiguous", "contiguous cache",
+                       "Keeps keys and values in one growing buffer per layer.\n"
+                       "Memory: the whole buffer, no sharing between chats.\n"
+                       "Speed: fast, constant work per token.  Quality: exact (lossless)."),
+    "off": Term("Off (recompute everything)", "no cache",
+                "Keeps nothing: every new token recomputes the whole conversation.\n"
+                "Memory: none for the cache.  Speed: gets slower with every token (quadratic).\n"
+                "Quality: exact. Useful to see what a cache saves."),
+}
+
+KV_DTYPES = {
+    "auto": Term("Full precision", "full precision",
+                 "Stores this half of the cache at the model's own precision (its dtype).\n"
+                 "Memory: the most.  Speed: the fastest.  Quality: exact."),
+    "int8": Term("8-bit (int8)", "8-bit",
+                 "Stores full pages as 8-bit codes with a scale per token (keys per channel where cheaper).\n"
+                 "Memory: about a third of float32, half of float16.  Speed: a little slower (decoding the codes).\n"
+                 "Quality: near-exact (usually the same words)."),
+    "int4": Term("4-bit (int4, KIVI)", "4-bit",
+                 "Stores full pages as 4-bit codes (KIVI: keys per channel, values per token); the page being "
+                 "filled stays exact.\nMemory: about a quarter of float32.  Speed: slower (decoding the codes).\n"
+                 "Quality: small drift; long replies may diverge."),
+}
+
+POLICIES = {
+    "none": Term("Keep everything", "keeps every token",
+                 "Never drops a token: the chat stops growing at the model's context.\n"
+                 "Memory: grows with the chat.  Quality: exact."),
+    "streaming": Term("Attention sinks + recent window (StreamingLLM)", "sinks + recent window",
+                      "Keeps the first few tokens (attention sinks) and the most recent window; drops the middle.\n"
+                      "Memory: fixed.  Speed: constant per token, and the chat can go on past the context.\n"
+                      "Quality: the model forgets what was dropped."),
+    "h2o": Term("Heavy hitters (H2O)", "heavy hitters",
+                "Keeps the tokens that received the most attention so far, plus a recent window.\n"
+                "Memory: fixed budget per layer.  Speed: a little slower (attention scores are collected).\n"
+                "Quality: usually close to the full cache at half the budget."),
+    "priority": Term("Priority pinning", "priority pinning",
+                     "Keeps the system prompt and pinned messages; drops the lowest priority, then the oldest.\n"
+                     "Memory: fixed budget.  Speed: unchanged.\n"
+                     "Quality: what you pinned is never forgotten; the rest may be."),
+}
+
+OVERFLOWS = {
+    "stop": Term("Stop the reply", "stops when full",
+                 "When the context is full the reply stops and says so; nothing is dropped.\n"
+                 "Start a new chat, shorten this one, or choose another option to go on."),
+    "truncate_middle": Term("Drop the middle", "drops the middle",
+                            "When the context is full, the middle of the chat is dropped; the system prompt and "
+                            "the first message stay.\nMemory: stays at the context.  Quality: the model forgets "
+                            "the middle."),
+    "rolling": Term("Drop the oldest (rolling window)", "drops the oldest",
+                    "When the context is full, the oldest tokens are dropped, like a rolling window.\n"
+                    "Memory: stays at the context.  Quality: the model forgets the start."),
+    "policy": Term("Let the eviction policy decide", "policy decides",
+                   "When the context is full, the eviction policy above chooses what to drop.\n"
+                   "With 'Keep everything' this stops the reply."),
+}
+
+CONTROLS = {  # the other controls, by CacheConfig / SamplingConfig field name
+    "mode": Term("Cache", "cache", "How the keys and values of past tokens are kept between steps."),
+    "page_size": Term("Page size", "page",
+                      "Tokens per page of the paged cache.\nMemory: small pages waste less on the last, "
+                      "partly filled page; large pages need fewer lookups.\nSpeed: large pages are read in "
+                      "fewer pieces.  Quality: unchanged."),
+    "prefix_reuse": Term("Reuse the shared start of the chat", "prefix reuse",
+                         "Keeps the cache between turns and computes only what changed (regenerate and edit "
+                         "reuse what stayed the same).\nMemory: unchanged.  Speed: a much faster first token "
+                         "in long chats.  Quality: exact."),
+    "k_dtype": Term("Key precision", "keys", "Precision of the cached keys (the half attention compares with)."),
+    "v_dtype": Term("Value precision", "values", "Precision of the cached values (the half attention mixes)."),
+    "policy": Term("Eviction", "eviction", "Which tokens the cache drops to stay within a budget."),
+    "overflow": Term("When the context is full", "when full", "What happens when the chat reaches the "
+                     "model's context."),
+    "temperature": Term("Temperature", "temperature",
+                        "Randomness of the next word: 0 always picks the most likely one (greedy, repeatable); "
+                        "higher is more varied.\nMemory and speed: unchanged."),
+    "top_k": Term("Top-k", "top-k", "Samples only among the k most likely tokens (off: all of them)."),
+    "top_p": Term("Top-p", "top-p", "Samples only among the most likely tokens that together reach this "
+                  "probability (1: all)."),
+    "min_p": Term("Min-p", "min-p", "Drops tokens less likely than this fraction of the most likely one (off: 0)."),
+    "repetition_penalty": Term("Repetition penalty", "repetition penalty",
+                               "Makes tokens already in the chat less likely (1: no penalty)."),
+    "seed": Term("Seed", "seed", "Fixes the random numbers, so the same settings give the same reply "
+                 "(random: a new seed each time)."),
+    "max_new_tokens": Term("Max new tokens", "max new tokens",
+                           "The longest reply, in tokens. A reply that would pass the model's context gets the "
+                           "tokens that fit.\nMemory: the cache grows by this much per reply at most."),
+}
+
+PARAMS = {  # policy parameters: plain names (the Params field's own help is the tooltip's first line)
+    "sinks": ("First tokens kept (sinks)", "Memory: each kept token costs the same as any other."),
+    "window": ("Recent tokens kept", "Memory: a larger window costs more; the model remembers more."),
+    "budget": ("Tokens kept per layer", "Memory: the cache holds at most this many tokens per layer."),
+    "recent": ("Recent tokens always kept", "Kept on top of the heavy hitters / priorities."),
+    "default_priority": ("Priority of unpinned tokens", "0-99; pinned messages and the system prompt get 100."),
+}
+
+STOP_REASONS = {  # stop_reason -> the mark under a reply ("" for a reply that simply ended)
+    "eos": "",
+    "done": "",
+    "stop_string": "",
+    "max_tokens": "stopped: max new tokens reached",
+    "cancelled": "stopped by you",
+    "context_full": "stopped: context full — start a new chat, shorten it, or choose an overflow policy",
+    "budget_full": "stopped: the cache budget is full — raise the budget or choose an eviction policy",
+    "error": "stopped by an error",
+    "interrupted": "stopped: the app closed before this reply finished",
+    "switched": "stopped: a message was sent in another chat",
+}
+
+
+def stop_mark(reason: str, detail: str = "") -> str:
+    """The words under a reply for its stop reason (``detail`` overrides the generic words)."""
+    if detail:
+        return f"stopped: {detail}"
+    if reason in STOP_REASONS:
+        return STOP_REASONS[reason]
+    return f"stopped: {reason.replace('_', ' ')}" if reason else ""
+
+
+def name_of(table: dict[str, Term], key: str) -> str:
+    """The plain name of ``key`` in ``table`` (the key itself for an id the table does not know)."""
+    term = table.get(key)
+    return term.name if term else key
+
+
+def describe_cache(cfg: Any) -> str:
+    """The cache settings in words, for the status bar: 'paged cache, 16-token pages · keys 8-bit ·
+    heavy hitters, 256 per layer'. Only what differs from the defaults after the mode is named."""
+    mode = MODES.get(cfg.mode)
+    parts = [mode.short if mode else cfg.mode]
+    if cfg.mode == "paged":
+        parts[0] += f", {cfg.page_size}-token pages"
+    if cfg.mode != "off":
+        if cfg.k_dtype == cfg.v_dtype and cfg.k_dtype != "auto":
+            parts.append(f"keys and values {KV_DTYPES[cfg.k_dtype].short}")
+        else:
+            parts += [f"{role} {KV_DTYPES[d].short}" for role, d in (("keys", cfg.k_dtype), ("values", cfg.v_dtype))
+                      if d != "auto" and d in KV_DTYPES]
+        if cfg.policy != "none":
+            policy = POLICIES.get(cfg.policy)
+            text = policy.short if policy else cfg.policy
+            budget = (cfg.policy_params or {}).get("budget")
+            parts.append(f"{text}, {budget} per layer" if budget else text)
+    return " · ".join(parts)

@@ -1,0 +1,138 @@
+"""Help ▸ What am I seeing?: a short text and a colour legend per panel, and the keyboard shortcuts.
+
+Small non-modal dialogs (not a web page), opened from each panel's "?" button and from the Help menu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QScrollArea, QVBoxLayout, QWidget
+
+from app.panels import memory, occupancy, page_map, timing
+from engine import snapshot as S
+
+
+@dataclass(frozen=True)
+class PanelHelp:
+    """What one panel shows: a few sentences and (colour, meaning) pairs."""
+
+    title: str
+    text: str
+    legend: tuple[tuple[str, str], ...] = ()
+
+
+PANEL_HELP = {
+    "OccupancyPanel": PanelHelp(
+        "Layer occupancy",
+        "One bar per layer of the model: how many tokens that layer keeps in the KV cache right now. The dashed "
+        "line is how many it has room for. Bars are flat across layers unless an eviction policy drops "
+        "different tokens per layer (H2O), or the model has sliding-window or state layers. The caption counts "
+        "tokens the cache dropped (evicted) and the token just generated, which the next step caches.",
+        tuple((c, n) for n, c in occupancy.SEGMENTS) + (("#e0e0e0", "capacity (dashed line)"),)),
+    "PageMapPanel": PanelHelp(
+        "Page map",
+        "Every square is one page of the paged cache (page size tokens each), in page-id order. Pages of the "
+        "chat are coloured by the turn that wrote them and are brighter the fuller they are; shared pages "
+        "belong to more than one chat (or to a regenerated reply). The strip on top is the chat's tokens from "
+        "first to last: which are kept, kept as attention sinks, quantized, pinned, or evicted. Hover a page "
+        "for its details. Only the paged cache has pages.",
+        ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),)
+        + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS
+                if c != S.PAGE_ACTIVE)
+        + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)),
+    "TimingPanel": PanelHelp(
+        "Token timing",
+        "Left: the time to read the prompt before the first token (prefill, TTFT), for this reply and the "
+        "previous one. Right, top: milliseconds per generated token; bottom: tokens per second over the last "
+        f"{timing.ROLLING} tokens. With a cache the time per token stays flat; with the cache off it grows with "
+        "every token, because the whole chat is recomputed. The previous reply is dashed, so you can compare "
+        "settings.",
+        ((timing.PREFILL, "prefill of this reply"), (timing.PREVIOUS, "previous reply (dashed)"),
+         (timing.CURRENT, "ms per token"), ("#43c59e", "tokens per second"))),
+    "MemoryPanel": PanelHelp(
+        "Memory",
+        "The bar compares the model's weights with the KV cache, to scale. The chart shows both over time on a "
+        "log scale (each grid line is 10× the one below). The KV cache grows with the chat; quantization, "
+        "eviction and smaller pages make it smaller. Time while the chat is idle is drawn flat.",
+        ((memory.WEIGHTS_COLOUR, "weights"), (memory.KV_COLOUR, "KV cache"),
+         (memory.DEVICE_COLOUR, "device memory in use (CUDA only)"))),
+    "ModelCardPanel": PanelHelp(
+        "Model card",
+        "Facts about the loaded model: its layers, how many key/value heads its attention has (MHA: one per "
+        "query head; GQA: shared by groups; MQA: one), and so how many bytes each token costs in the KV cache. "
+        "The chart shows the KV memory at the full context as loaded, and what it would be as MHA or MQA."),
+}
+
+SHORTCUTS = (
+    ("Enter or Ctrl+Enter", "send the message"),
+    ("Shift+Enter", "new line in the message"),
+    ("Esc", "stop the reply"),
+    ("Tab / Shift+Tab", "move to the next / previous control"),
+    ("Ctrl+N", "new chat"),
+    ("Ctrl+M", "choose a model"),
+    ("Ctrl+O", "open a model folder"),
+    ("Ctrl+K", "compare cache settings on this chat"),
+    ("Ctrl+R", "regenerate the last reply"),
+    ("Ctrl+L", "move to the message box"),
+    ("F1", "what am I seeing? (help for every panel)"),
+    ("Ctrl+Q", "quit"),
+)
+
+
+def legend_html(legend: tuple[tuple[str, str], ...]) -> str:
+    rows = "".join(f"<tr><td style='color:{c}; font-size:15px; padding-right:6px'>■</td><td>{t}</td></tr>"
+                   for c, t in legend)
+    return f"<table cellspacing='0' cellpadding='1'>{rows}</table>" if legend else ""
+
+
+def help_html(entry: PanelHelp) -> str:
+    return f"<p>{entry.text}</p>" + legend_html(entry.legend)
+
+
+def _dialog(parent: QWidget | None, title: str, html: str, name: str) -> QDialog:
+    dlg = QDialog(parent)
+    dlg.setObjectName(name)
+    dlg.setWindowTitle(title)
+    dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    body = QLabel(html)
+    body.setObjectName("helpText")
+    body.setWordWrap(True)
+    body.setTextFormat(Qt.TextFormat.RichText)
+    body.setContentsMargins(8, 8, 8, 8)
+    scroll = QScrollArea()  # long help scrolls: the dialog fits a 720-pixel screen
+    scroll.setWidgetResizable(True)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    scroll.setWidget(body)
+    buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+    buttons.rejected.connect(dlg.close)
+    layout = QVBoxLayout(dlg)
+    layout.addWidget(scroll, 1)
+    layout.addWidget(buttons)
+    dlg.resize(520, min(560, body.heightForWidth(500) + 80))
+    return dlg
+
+
+def show_panel_help(panel: QWidget) -> QDialog:
+    """The "What am I seeing?" dialog of one panel (non-modal)."""
+    entry = PANEL_HELP.get(panel.objectName(), PanelHelp(panel.objectName(), ""))
+    dlg = _dialog(panel.window(), f"What am I seeing? — {entry.title}", help_html(entry), "panelHelp")
+    dlg.show()
+    return dlg
+
+
+def show_all_help(parent: QWidget) -> QDialog:
+    """Every panel's help in one dialog (Help ▸ What am I seeing?)."""
+    html = "".join(f"<h3>{e.title}</h3>" + help_html(e) for e in PANEL_HELP.values())
+    dlg = _dialog(parent, "What am I seeing?", html, "panelHelp")
+    dlg.show()
+    return dlg
+
+
+def show_shortcuts(parent: QWidget) -> QDialog:
+    rows = "".join(f"<tr><td style='padding-right:14px'><b>{k}</b></td><td>{v}</td></tr>" for k, v in SHORTCUTS)
+    dlg = _dialog(parent, "Keyboard shortcuts", f"<table cellspacing='0' cellpadding='2'>{rows}</table>",
+                  "shortcutsHelp")
+    dlg.show()
+    return dlg

@@ -1,0 +1,122 @@
+"""Loading models: the start-up load, File ▸ Models, Open folder, Recent models, Cancel in the status bar, and
+what a failed load leaves behind (the model loaded before, or the built-in demo at first launch).
+
+The controller owns the load's state (``info``, ``loading``) and the status bar's model fields; what a
+loaded model means for the rest of the window (panels, chat pane, title) is the window's ``loaded`` slot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QFileDialog, QMenu, QWidget
+
+from app.config_settings import model_spec
+from app.failure import Failure
+from app.settings import Settings
+from app.status_bar import StatusBar
+from app.worker import EngineThread
+from engine.config import CacheConfig, ModelSpec
+from engine.snapshot import ModelInfo
+
+
+class ModelController(QObject):
+    """``loaded(ModelInfo)`` after a load; ``ready_changed(ready, hint)`` whenever a chat can (or cannot)
+    be had, with the chat pane's hint; load failures go to ``show_error``."""
+
+    loaded = Signal(object)
+    ready_changed = Signal(bool, str)
+
+    def __init__(self, window: QWidget, engine: EngineThread, settings: Settings, status: StatusBar,
+                 cache: Callable[[], CacheConfig], show_error: Callable[[str], None]) -> None:
+        super().__init__(window)
+        self.window = window
+        self.engine = engine
+        self.settings = settings
+        self.status = status
+        self._cache = cache
+        self._show_error = show_error
+        self.info: ModelInfo | None = None
+        self.loading = False
+        self.spec: ModelSpec | None = None
+        self.environment: dict = {}
+        w = engine.worker
+        w.progress.connect(self._on_progress)
+        w.loaded.connect(self._on_loaded)
+        w.environment.connect(lambda env: setattr(self, "environment", dict(env or {})))
+        status.cancel_requested.connect(self.cancel)
+
+    def start(self, source: str) -> None:
+        """Begin loading ``source`` (call after the window is shown: torch loads on the worker)."""
+        self.load(model_spec(self.settings, source))
+
+    def load(self, spec: ModelSpec) -> None:
+        self.loading = True
+        self.spec = spec
+        self.ready_changed.emit(False, f"Loading {spec.source}…")
+        self.status.set_loading(True, Path(spec.source).name or spec.source)
+        self.engine.load(spec, self._cache())
+
+    def cancel(self) -> None:
+        """Stop the model load in progress; the chat goes on with the model loaded before (or the demo)."""
+        if self.loading:
+            self.status.message("Cancelling the load…")
+            self.engine.cancel_load()
+
+    def _on_progress(self, message: str, fraction: float) -> None:
+        self.status.message(message)
+        self.status.set_progress(fraction)
+
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self.loading = False
+        self.info = info
+        self.status.set_loading(False)
+        self.status.message(f"{info.name} is ready", 4000)
+        self.status.show_model(info.name, info.source, info.device, info.device_reason)
+        if not info.is_demo:
+            self.settings.set("model/last", info.source)
+            self.settings.add_recent_model(info.source)
+        self.loaded.emit(info)
+        hint = ("This is the built-in demo model: random weights, so the text is gibberish, but every cache "
+                "mode, page and timing is real. Open a real model from File ▸ Models…"
+                if info.is_demo else f"{info.name} is ready. Say something.")
+        self.ready_changed.emit(True, hint)
+
+    def on_failed(self, failure: Failure) -> None:
+        """A load failed or was cancelled: the model loaded before stays; at first launch the demo opens."""
+        self.loading = False
+        self.status.set_loading(False)
+        if self.info is None and self.spec is not None and self.spec.source != "demo":
+            self._show_error(f"{failure.message}\nOpening the built-in demo model instead.")
+            self.load(model_spec(self.settings, "demo"))
+            return
+        self._show_error(failure.message)
+        if self.info is not None:
+            self.status.show_model(self.info.name, self.info.source)
+            self.ready_changed.emit(True, "")  # the chat goes on with it
+        else:
+            self.status.model.setText("No model")
+            self.ready_changed.emit(False, "No model could be loaded. Open one from File ▸ Models…")
+
+    # -- menus and dialogs ------------------------------------------------------------------------------
+    def open_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder")
+        if folder:
+            self.load(model_spec(self.settings, folder))
+
+    def fill_recent_menu(self, menu: QMenu) -> None:
+        menu.clear()
+        menu.addAction("demo (built-in, random weights)", lambda: self.load(model_spec(self.settings, "demo")))
+        for source in self.settings.get("model/recent"):
+            menu.addAction(source, lambda s=source: self.load(model_spec(self.settings, s)))
+
+    def open_models_dialog(self) -> None:
+        from app.models_dialog import ModelsDialog
+
+        dlg = ModelsDialog(self.settings, environment=self.environment, current=self.info, parent=self.window)
+        if dlg.exec() and dlg.spec is not None:
+            self.settings.set("model/quantization", dlg.spec.quantization)
+            self.settings.set("model/device", dlg.spec.device)
+            self.load(dlg.spec)

@@ -1,0 +1,90 @@
+"""The status bar in words: model, device, cache settings, context used, decode speed, load progress.
+
+Fields are ``WordLabel``s: when the bar is narrow they drop whole words and end in "…" (the full text is
+in the tooltip), so nothing is ever cut mid-word; the context field keeps its full width because it is the
+one that warns.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QProgressBar, QStatusBar, QToolButton
+
+from app.glossary import OVERFLOWS, describe_cache
+from app.widgets import WordLabel
+from engine.config import CacheConfig
+
+CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
+
+
+class StatusBar:
+    """Owns the fields of the window's ``QStatusBar``; ``cancel_requested`` is the Cancel button's signal."""
+
+    def __init__(self, bar: QStatusBar) -> None:
+        self.bar = bar
+        self.model = WordLabel("No model yet")
+        self.device = WordLabel("")
+        self.cache = WordLabel("")
+        self.context = WordLabel("Context: —")
+        self.speed = WordLabel("")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(160)
+        self.progress.setTextVisible(False)
+        self.cancel = QToolButton()
+        self.cancel.setText("Cancel")
+        self.cancel.setToolTip("Stop loading this model (the model loaded before stays in use)")
+        self.cancel_requested = self.cancel.clicked
+        # Permanent widgets: a normal status-bar widget is hidden while a message shows, and every progress
+        # step of a load is a message. Stretch: the model and cache fields give way first.
+        bar.addPermanentWidget(self.progress)
+        bar.addPermanentWidget(self.cancel)
+        for field, stretch in ((self.model, 2), (self.device, 1), (self.cache, 4), (self.context, 0),
+                               (self.speed, 0)):
+            field.setObjectName("statusField")
+            bar.addPermanentWidget(field, stretch)
+        self.context.setMinimumWidth(self.context.fontMetrics().horizontalAdvance("Context: 99,999 of 99,999 tokens"))
+        self.set_loading(False)
+
+    def message(self, text: str, ms: int = 0) -> None:
+        self.bar.showMessage(text, ms)
+
+    def set_loading(self, on: bool, source: str = "") -> None:
+        self.progress.setVisible(on)
+        self.cancel.setVisible(on)
+        if on:
+            self.progress.setRange(0, 0)
+            self.model.setText(f"Loading {source}…")
+
+    def set_progress(self, fraction: float) -> None:
+        if fraction >= 0:
+            self.progress.setRange(0, 100)
+            self.progress.setValue(int(fraction * 100))
+
+    def show_model(self, name: str, source: str = "", device: str = "", reason: str = "") -> None:
+        self.model.setText(f"Model: {name}")
+        self.model.set_tip(source)
+        if device:
+            self.device.setText(f"on {device.upper() if device in ('cpu', 'mps') else device}")
+            self.device.set_tip(reason)
+
+    def show_cache(self, cfg: CacheConfig) -> None:
+        self.cache.setText(describe_cache(cfg))
+        self.cache.set_tip("Cache settings (Cache policy panel): " + describe_cache(cfg))
+
+    def show_speed(self, tokens_per_s: float) -> None:
+        self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")
+        self.speed.set_tip("Decode speed of the last reply")
+
+    def show_context(self, used: int, total: int, overflow: str, dropped: int = 0) -> None:
+        """'Context: used of total tokens', amber from 75% and red from 90%; the tooltip says what
+        happens when it is full."""
+        frac = used / total if total else 0.0
+        colour = CONTEXT_FULL if frac >= 0.9 else CONTEXT_FILLING if frac >= 0.75 else ""
+        text = f"Context: {used:,} of {total:,} tokens" if total else "Context: —"
+        self.context.setText(text + (f" ({dropped:,} dropped)" if dropped else ""))
+        self.context.setStyleSheet(f"color: {colour}" if colour else "")
+        self.context.level = "full" if colour == CONTEXT_FULL else "filling" if colour else ""
+        when_full = OVERFLOWS[overflow].tip.splitlines()[0] if overflow in OVERFLOWS else overflow
+        self.context.set_tip(
+            f"{used:,} of the model's {total:,} context tokens are in use ({100 * frac:.0f}%).\n"
+            f"{when_full} (Cache policy ▸ When the context is full). Every dropped token shows in the page map "
+            "and the occupancy panel.")

@@ -1,0 +1,49 @@
+"""How many CPU threads torch uses for a model, chosen per model size and machine load.
+
+Measured on this project's 2-core machine with other work running (tok/s, 1 thread vs 2):
+stories260K 224-239 vs 20-32, the 0.8M demo model 241-265 vs 13-19, SmolLM2-135M 7.1-7.2 vs 1.0-1.5.
+Small models are per-op overhead, which threads only add to (OpenMP wakes and syncs them ~900 times per
+token); a busy core makes every thread wait for the slowest. So: one thread below ``SMALL_PARAMS``, else
+the cores the machine has idle, and never more than it has. ``OMP_NUM_THREADS`` / ``KVSCOPE_THREADS`` win.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SMALL_PARAMS = 50_000_000  # below this a model's step is op overhead, not arithmetic
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def choose(num_params: int, device_type: str) -> tuple[int, str]:
+    """(threads, why in words) for a model of ``num_params`` parameters running on ``device_type``."""
+    for var in ("KVSCOPE_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"{value} ({var})"
+    n = cores()
+    if device_type != "cpu":
+        return torch.get_num_threads(), f"{torch.get_num_threads()} (the model runs on {device_type})"
+    if num_params < SMALL_PARAMS:
+        return 1, f"1 (a model under {SMALL_PARAMS // 1_000_000}M parameters: threads only add overhead)"
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    idle = max(1, min(n, int(n - busy + 0.5)))
+    return idle, f"{idle} of {n} cores (load {busy:.1f})"
+
+
+def apply(threads: int) -> None:
+    """Use ``threads`` for torch's CPU work from now on (process-wide; cheap when unchanged)."""
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

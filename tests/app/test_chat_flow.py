@@ -1,0 +1,235 @@
+"""The chat as a user lives it, on the real engine (stories260K): switching chats, replies that finish in
+the background or say why they stopped, versions, pins, the context readout, a nearly full context."""
+
+from __future__ import annotations
+
+from app_helpers import close_window, open_window, wait_reply
+
+from engine.config import SamplingConfig
+
+LONG = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+SHORT = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+
+def _context(w) -> str:
+    return w.status.context.text()
+
+
+def _session_tokens(w, chat_id) -> int:
+    snap = w.engine.worker._pool.get(chat_id).snapshot()  # read while the worker is idle
+    return snap.seq_len - snap.evicted_total
+
+
+def test_the_context_readout_follows_the_chat_on_screen(qtbot, data_dir, stories_path, stories):
+    from engine.chat import render_chat
+
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        w.send("A long first chat about a cat.")
+        wait_reply(qtbot, w)
+        w.send("And then what happened?")
+        wait_reply(qtbot, w)
+        first = w.chat_id
+        w.new_chat()
+        qtbot.waitUntil(lambda: _context(w) == "Context: 0 of 512 tokens", timeout=10_000)
+        assert w.occupancy.stack == {}  # the new chat has no cache: the panels say so
+        w.send("Dog")
+        wait_reply(qtbot, w)
+        second = w.chat_id
+        a, b = _session_tokens(w, first), _session_tokens(w, second)
+        assert a != b
+        w.open_chat(first)
+        qtbot.waitUntil(lambda: _context(w) == f"Context: {a} of 512 tokens", timeout=10_000)
+        qtbot.waitUntil(lambda: w.occupancy.last_snapshot is not None
+                        and w.occupancy.last_snapshot.seq_len == a, timeout=10_000)
+        w.open_chat(second)
+        qtbot.waitUntil(lambda: _context(w) == f"Context: {b} of 512 tokens", timeout=10_000)
+        w.open_chat(first)
+        messages = w.conversation.engine_messages()
+    finally:
+        close_window(w)
+    w.close()
+    w = open_window(qtbot, data_dir, str(stories_path))  # after a restart: nothing cached, the chat counted
+    try:
+        assert w.chat_id == first
+        expected = len(render_chat(stories.tokenizer, messages, for_reply=False))
+        qtbot.waitUntil(lambda: _context(w) == f"Context: {expected} of 512 tokens", timeout=10_000)
+    finally:
+        close_window(w)
+
+
+def test_a_reply_goes_on_in_the_background_and_a_stopped_one_says_why(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
+    try:
+        finished: list = []
+        w.reply_finished.connect(lambda g, r: finished.append((g, r)))
+        w.send("Once upon a time")
+        first, gen = w.chat_id, w.generation_id
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
+        w.new_chat()  # the reply goes on in the background
+        assert w.generation_id == 0 and w.chat.send_button.isEnabled()
+        assert w.chat_list.item(1).text().endswith("replying…")
+        w.open_chat(first)  # back while it still streams: the bubble streams again
+        assert w.generation_id == gen and w.chat.streaming is not None
+        w.open_chat(w.chat_list.chat_ids()[0])
+        qtbot.waitUntil(lambda: (gen, "max_tokens") in finished, timeout=60_000)
+        reply = w.history.messages(first)[-1]
+        assert reply.stats["stop_reason"] == "max_tokens" and reply.stats["generated_tokens"] == 300
+        assert len(reply.content) > 100 and not any(w.chat_list.item(i).text().endswith("replying…")
+                                                    for i in range(w.chat_list.count()))
+
+        # a message sent in another chat stops a background reply: it says so, in its chat
+        w.new_chat()
+        first = w.chat_id
+        w.send("Tell me more")
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
+        w.new_chat()
+        w.sampling_override = SHORT
+        w.send("Something else")
+        assert wait_reply(qtbot, w)[1] == "max_tokens"
+        stopped = w.history.messages(first)[-1]
+        assert stopped.stats["stop_reason"] == "cancelled" and stopped.content
+        assert stopped.stats["stop_detail"] == "a message was sent in another chat"
+        w.open_chat(first)
+        assert "stopped: a message was sent in another chat" in w.chat.bubbles[-1].stats_label.text()
+    finally:
+        close_window(w)
+
+
+def test_regenerate_keeps_both_versions(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=1.0, seed=1, max_new_tokens=24, ignore_eos=True))
+    try:
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        first = w.chat.bubbles[-1].text
+        w.sampling_override = SamplingConfig(temperature=1.0, seed=2, max_new_tokens=24, ignore_eos=True)
+        w.chat.regen_button.click()
+        wait_reply(qtbot, w)
+        second = w.chat.bubbles[-1].text
+        assert first != second
+        bubble = w.chat.bubbles[-1]
+        assert bubble.version_label.text() == "2 / 2" and bubble.version_prev.isEnabled()
+        stored = w.history.messages(w.chat_id)
+        assert len(stored) == 2 and [v["content"] for v in stored[1].stats["versions"]] == [first, second]
+        bubble.version_prev.click()
+        assert w.chat.bubbles[-1].text == first and w.chat.bubbles[-1].version_label.text() == "1 / 2"
+        assert w.history.messages(w.chat_id)[1].content == first
+        assert w.conversation.engine_messages()[-1]["content"] == first  # the chat goes on from version 1
+        assert "decode" in w.chat.bubbles[-1].stats_label.text()  # its own stats came back too
+        w.chat.bubbles[-1].version_next.click()
+        assert w.history.messages(w.chat_id)[1].content == second
+    finally:
+        close_window(w)
+
+
+def test_a_pinned_message_keeps_its_token_count_after_reopening(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        w.send("Remember: the dog is named Max.")
+        wait_reply(qtbot, w)
+        w.chat.bubbles[0].pin_button.click()
+        qtbot.waitUntil(lambda: "tokens" in w.history.messages(w.chat_id)[0].stats, timeout=10_000)
+        tokens = w.history.messages(w.chat_id)[0].stats["tokens"]
+        assert 5 < tokens < 40
+        assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
+    finally:
+        close_window(w)
+    w.close()
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        assert w.chat.bubbles[0].pinned
+        assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
+    finally:
+        close_window(w)
+
+
+def test_a_reply_the_app_did_not_finish_says_why_after_a_restart(qtbot, data_dir, stories_path):
+    from app.history import HistoryStore
+
+    store = HistoryStore.in_data_dir(data_dir)
+    chat = store.create_chat("Crashed")
+    store.add_message(chat.id, "user", "Tell me a story")
+    store.add_message(chat.id, "assistant", "Once upon a ti")  # streamed, never finished: no stats
+    store.close()
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        reply = w.chat.bubbles[1]
+        assert reply.text == "Once upon a ti"
+        assert "stopped: the app closed before this reply finished" in reply.stats_label.text()
+        assert w.history.messages(w.chat_id)[1].stats["stop_reason"] == "interrupted"
+    finally:
+        close_window(w)
+
+
+def test_closing_during_a_reply_marks_it(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
+    w.send("Once")
+    qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
+    chat = w.chat_id
+    close_window(w)
+    w.close()
+    from app.history import HistoryStore
+
+    store = HistoryStore.in_data_dir(data_dir)
+    try:
+        stats = store.messages(chat)[-1].stats
+        assert stats["stop_reason"] == "interrupted" and stats["stop_detail"] == "the app was closed"
+    finally:
+        store.close()
+
+
+def test_a_message_that_leaves_no_room_asks_first(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        text = "the cat sat on the mat and " * 46  # 476 of stories260K's 512 tokens: 7% left
+        w.chat.input.setPlainText(text)
+        w.chat.submit()
+        qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
+        assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()  # kept
+        assert "Not sent yet" in w.chat.notice.text and "leaving" in w.chat.notice.text
+        w.chat.notice.action_buttons[0].click()  # Send anyway
+        assert w.generation_id and w.chat.input.toPlainText() == ""
+        gen, reason = wait_reply(qtbot, w)
+        assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
+    finally:
+        close_window(w)
+
+
+def test_chat_titles_are_plain_follow_an_edit_and_are_told_apart(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        w.send("# A **bold** `story`")
+        wait_reply(qtbot, w)
+        assert w.history.chat(w.chat_id).title == "A bold story" and w.chat.title.text() == "A bold story"
+        user = w.chat.bubbles[0]
+        user.begin_edit()
+        user.editor.setPlainText("A story about *frogs*")
+        user.save_button.click()
+        wait_reply(qtbot, w)
+        assert w.history.chat(w.chat_id).title == "A story about frogs"
+        w.new_chat()
+        w.send("A story about frogs")
+        wait_reply(qtbot, w)
+        texts = [w.chat_list.item(i).text() for i in range(w.chat_list.count())]
+        assert len(texts) == 2 and len(set(texts)) == 2 and all(t.startswith("A story about frogs") for t in texts)
+    finally:
+        close_window(w)
+
+
+def test_a_second_turn_past_the_context_gets_what_fits_and_says_so(qtbot, data_dir, stories_path):
+    """Issue 10, item 1: on a 512-token model, after a 256-token reply, the next reply is not refused: it
+    gets the tokens that fit and stops with reason "context full", saying what to do."""
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=256, ignore_eos=True))
+    try:
+        w.send("Once upon a time")
+        assert wait_reply(qtbot, w)[1] == "max_tokens"
+        w.send("And then what happened to the little dog in the park?")
+        gen, reason = wait_reply(qtbot, w)
+        assert reason == "context_full" and 0 < w.last_stats["generated_tokens"] < 256
+        line = w.chat.bubbles[-1].stats_label.text()
+        assert line.endswith("stopped: context full — start a new chat, shorten it, or choose an overflow policy")
+        assert w.history.messages(w.chat_id)[-1].stats["stop_reason"] == "context_full"
+    finally:
+        close_window(w)
