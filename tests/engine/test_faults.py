@@ -260,7 +260,7 @@ def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, 
     assert prefill_chunk(8_000_000_000, "cuda") == 1024
     ids = stories.tokenizer("Once upon a time, there was a little girl named Lily. " * 20)["input_ids"][:300]
     ref = hf_greedy(stories, ids, 20)
-    s = ChatSession(stories)
+    s = ChatSession(own_arenas(stories))  # no pages other tests left in the prefix cache
     s.prefill_chunk = 64  # as for a model of a few billion parameters
     seen = count_forward_tokens(stories, monkeypatch)
     s.start_ids(ids, SamplingConfig(max_new_tokens=20, ignore_eos=True))
