@@ -86,6 +86,15 @@ class ChatList(QListWidget):
                 self.setCurrentItem(item)
         self._filling = False
 
+    def select(self, chat_id: int) -> None:
+        """Show ``chat_id`` as the chat on screen (without asking to open it)."""
+        self._current = chat_id
+        ids = self.chat_ids()
+        if chat_id in ids and self.currentRow() != ids.index(chat_id):
+            self._filling = True
+            self.setCurrentRow(ids.index(chat_id))
+            self._filling = False
+
     def chat_ids(self) -> list[int]:
         return [self.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.count())]
 
@@ -100,7 +109,8 @@ class ChatList(QListWidget):
 
     def _on_current(self, item: QListWidgetItem | None, _prev) -> None:
         if item is not None and not self._filling:
-            self.chat_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))
+            self._current = int(item.data(Qt.ItemDataRole.UserRole))  # kept when the list is filled again
+            self.chat_selected.emit(self._current)
 
     def _menu(self, pos) -> None:
         item = self.itemAt(pos)

@@ -134,6 +134,7 @@ class Conversation(QObject):
             return
         self.flush()
         self.chat_id = chat_id
+        self.chat_list.select(chat_id)
         self.settings.set("window/last_chat", chat_id)
         if self.pane.notice.action_buttons:  # a question about the chat left behind (send anyway?)
             self.pane.notice.clear()

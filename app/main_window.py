@@ -327,7 +327,10 @@ class MainWindow(QMainWindow):
 
     def _on_reply_started(self, generation_id: int, mode: str) -> None:
         self.trace.begin(generation_id)
-        self.timing.begin_reply(generation_id, f"cache {mode}")
+        info = self.info
+        threads = f" · {info.threads} CPU thread{'s' if info.threads > 1 else ''}" if (
+            info is not None and info.device == "cpu" and info.threads) else ""
+        self.timing.begin_reply(generation_id, f"cache {mode}{threads}")  # the timing caption says both
 
     def _on_reply_finished(self, generation_id: int, reason: str) -> None:
         QTimer.singleShot(0, self.scheduler.refresh_all)  # every panel shows the reply's final state

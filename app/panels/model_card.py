@@ -77,6 +77,8 @@ class ModelCardPanel(Panel):
             ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
             ("KV at full context", human_bytes(at_ctx)),
             ("device", f"{info.device}<br><span style='color:#8a919c'>{html.escape(info.device_reason)}</span>"),
+            *([("CPU threads", html.escape(info.threads_reason))] if info.device == "cpu" and info.threads_reason
+              else []),
         ]
         body = "".join(
             f"<tr><td style='color:#8a919c; padding-right:10px'>{k}</td><td>{v}</td></tr>" for k, v in rows

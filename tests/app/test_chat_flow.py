@@ -4,6 +4,7 @@ the background or say why they stopped, versions, pins, the context readout, a n
 from __future__ import annotations
 
 from app_helpers import close_window, open_window, wait_reply
+from PySide6.QtCore import Qt
 
 from engine.config import SamplingConfig
 
@@ -71,8 +72,11 @@ def test_a_reply_goes_on_in_the_background_and_a_stopped_one_says_why(qtbot, dat
         assert w.chat_list.item(1).text().endswith("replying…")
         w.open_chat(first)  # back while it still streams: the bubble streams again
         assert w.generation_id == gen and w.chat.streaming is not None
-        w.open_chat(w.chat_list.chat_ids()[0])
+        other = next(c for c in w.chat_list.chat_ids() if c != first)
+        w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(other))  # the new chat, clicked in the list
+        assert w.chat_id == other
         qtbot.waitUntil(lambda: (gen, "max_tokens") in finished, timeout=60_000)
+        assert w.chat_list.currentItem().data(Qt.ItemDataRole.UserRole) == other  # still the chat on screen
         reply = w.history.messages(first)[-1]
         assert reply.stats["stop_reason"] == "max_tokens" and reply.stats["generated_tokens"] == 300
         assert len(reply.content) > 100 and not any(w.chat_list.item(i).text().endswith("replying…")

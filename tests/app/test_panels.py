@@ -161,6 +161,9 @@ def test_model_card(qtbot, kv_heads, kind):
     mha, mqa = 2 * 4 * 8 * 16 * 4, 2 * 4 * 1 * 16 * 4
     np.testing.assert_allclose(panel.bar_heights(), np.array([mha, per_token, mqa]) * 1024 / 2**20)
     assert f"<b>{kind}</b>" in panel.table.text()
+    assert "CPU threads" not in panel.table.text()  # no reason given: no row
+    panel.show_model(make_info(threads=1, threads_reason="1 (a model under 50M parameters: threads only add overhead)"))
+    assert "CPU threads" in panel.table.text() and "under 50M" in panel.table.text()
 
 
 def test_panels_export_png(qtbot, tmp_path):
