@@ -68,7 +68,7 @@ def run_hf(lm, prompt: list[int], new_tokens: int, use_cache: bool) -> dict[str,
 def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig) -> dict[str, Any]:
     from engine.session import ChatSession
 
-    s = ChatSession(lm, cache)
+    s = ChatSession(lm, cache.replace(prefix_reuse=False))  # a cold prefill: no pages of earlier repeats
     try:
         s.start_ids(prompt, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
         while not (r := s.step()).done:

@@ -126,7 +126,8 @@ class Comparison:
             sampling = self.greedy
         self._current = (label, cfg)
         try:
-            self._session = ChatSession(self.lm, cfg)
+            # cold, as its own chat would be: no pages from the prefix cache (the chat's own are named there)
+            self._session = ChatSession(self.lm, cfg.replace(prefix_reuse=False))
             self._session.start(list(self.messages), sampling)
         except (EngineError, ValueError) as e:
             return self._end(None, str(e))

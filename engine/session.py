@@ -45,7 +45,8 @@ from engine.eviction import Eviction, EvictionContext, Evictor
 from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
-from engine.kv.storage import HostKV, KVStore, copy_kv
+from engine.kv.prefix import cached_run, extend_chain
+from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.loader import LoadedModel
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
@@ -74,6 +75,7 @@ class ChatSession:
         self.index = CacheIndex(L)
         self.evictor = Evictor(self.model, L, self.info.num_kv_heads, loaded.device)
         self.seq: list[int] = []
+        self._chain: list[bytes] = []  # prefix-cache names of seq's first full pages (engine.kv.prefix)
         self.host: HostKV | None = None  # swapped-out K/V (swap_out / swap_in)
         self.protected = 0  # logical [0, protected): system prompt + first message
         self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
@@ -105,6 +107,50 @@ class ChatSession:
 
     def add_notes(self, notes: Sequence[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]
+
+    def prefix_cache_store(self) -> PagedKV | None:
+        """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
+        a plain paged store (not a model with sliding-window or state layers) at the model's own K/V precision
+        and no eviction policy. Its pages are registered while the cache index is intact (every cached token at
+        its own logical and RoPE position), and a new prompt takes the pages named by its tokens."""
+        store = self.store
+        if type(store) is not PagedKV or self.policy is not None:
+            return None
+        if store.arena.kinds != {"k": "auto", "v": "auto"}:
+            return None
+        return store
+
+    def _register_pages(self, before: int) -> None:
+        """Put the pages that became full since ``before`` cached tokens into the prefix cache (intact ones)."""
+        store = self.prefix_cache_store()
+        if store is None:
+            return
+        P = store.page_size
+        first, last = before // P, self.index.intact // P
+        if last <= first:
+            return
+        extend_chain(self._chain, self.seq, P, last)
+        pool, pages = store.arena.pool, store.table.pages
+        for j in range(first, min(last, len(self._chain))):
+            pool.register(pages[j], self._chain[j])
+
+    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
+        """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
+        page index), empty when they would not cover more than ``keep`` tokens. At least one token of ``ids`` is
+        left to prefill (its logits give the first reply token)."""
+        store = self.prefix_cache_store()
+        self._chain = []
+        if store is None or not self.cache_config.prefix_reuse or self.host is not None:
+            return [], 0
+        P = store.page_size
+        limit, base = (len(ids) - 1) // P, keep // P
+        if limit <= base:
+            return [], base
+        extend_chain(self._chain, ids, P, limit)
+        run = cached_run(store.arena.pool, self._chain, base)
+        if (base + len(run)) * P <= keep:
+            return [], base
+        return run, base
 
     def truncate_cache(self, n: int) -> None:
         """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
@@ -190,15 +236,28 @@ class ChatSession:
         keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse and self.store is not None else 0
         if self.store is not None:
             keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
+        self._chain = []
+        shared_pages, base = self._take_cached(ids, keep) if self.store is not None else ([], 0)
+        if shared_pages:
+            keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
+        if self.store is not None:
             self.truncate_cache(keep)
         self.seq = list(ids)
         self.turn += 1
+        shared = 0
+        if shared_pages:
+            shared = len(shared_pages) * self.store.page_size
+            self.store.adopt(shared_pages, owner=self.turn)  # ref + 1 each: as if this session had prefilled them
+            self.index.append(shared)
+            self.evictor.scores.grow(shared)
+            keep += shared
         self.protected, self.priorities = protection(messages, spans, len(ids))
         self.generation_id = generation_id if generation_id is not None else next(_generation_ids)
         decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder()
         self.turn_state = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), decoder=decoder,
                                     t_start=time.perf_counter(), prompt_len=len(ids), reused=keep,
-                                    recomputed=len(ids) - keep, divergence=common if cached > 0 else -1)
+                                    recomputed=len(ids) - keep, divergence=common if cached > 0 else -1,
+                                    shared=shared)
         self.evictions = []
         if self.lm.device.type == "cpu":  # another model may have changed it since this one was loaded
             apply_threads(self.info.threads)
@@ -327,6 +386,7 @@ class ChatSession:
             raise
         store.commit()
         index.append(q)
+        self._register_pages(index.n - q)
         return out.logits[0, -1]  # [vocab]
 
     # -- finishing ---------------------------------------------------------------------------------------
@@ -441,6 +501,7 @@ class ChatSession:
         self.index.reset()
         self.evictor.scores.stop()
         self.seq = []
+        self._chain = []
         self.evictions = []
         self.generating = False
         self.turn = -1

@@ -14,6 +14,7 @@ import numpy as np
 # Page states, as stored in ``CacheSnapshot.page_state`` (int8 codes; defined with the pool that owns them).
 from engine.kv.pool import (  # noqa: E402,F401 - re-exported for the GUI (plain ints, no torch)
     PAGE_ACTIVE,
+    PAGE_CACHED,
     PAGE_EVICTED,
     PAGE_FREE,
     PAGE_OFFLOADED,
@@ -197,7 +198,7 @@ class CacheSnapshot:
 
     @property
     def pages_used(self) -> int:
-        return int(np.count_nonzero(self.page_state != PAGE_FREE))
+        return int(np.count_nonzero((self.page_state != PAGE_FREE) & (self.page_state != PAGE_CACHED)))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (arrays become lists)."""
@@ -227,6 +228,7 @@ class TurnStats:
     decode_tokens_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     stop_reason: str = ""
+    shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
     threads: int = 0  # CPU threads torch used (0: not on the CPU)
 
 

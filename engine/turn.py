@@ -55,6 +55,7 @@ class TurnState:
     reused: int = 0
     recomputed: int = 0
     divergence: int = -1
+    shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     threads: int = 0
 
     def stats(self, reason: str) -> TurnStats:
@@ -65,7 +66,7 @@ class TurnState:
             prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
-            stop_reason=reason, threads=self.threads,
+            stop_reason=reason, shared_tokens=self.shared, threads=self.threads,
         )
 
 

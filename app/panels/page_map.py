@@ -28,6 +28,7 @@ STATE_COLOURS = {  # PAGE_* code -> colour; PAGE_ACTIVE is replaced by the owner
     S.PAGE_QUANTIZED: "#a470ff",
     S.PAGE_OFFLOADED: "#9a7650",
     S.PAGE_EVICTED: "#ff4b4b",  # just evicted
+    S.PAGE_CACHED: "#6f8f72",  # no chat holds it: kept in the prefix cache for the next prompt that starts alike
 }
 TURN_COLOURS = ("#3d7fd9", "#3fb8a6", "#5c9ded", "#2f9a7c", "#7c8ff0", "#57c3d6")
 TOKEN_COLOURS = {  # TOKEN_* code -> colour
@@ -176,7 +177,7 @@ class PageMapPanel(Panel):
                                    padding=0.02)
         self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, 1), padding=0)
         counts = np.bincount(np.asarray(snap.page_state, dtype=np.int64), minlength=len(PAGE_STATE_NAMES))
-        used = snap.num_pages - int(counts[S.PAGE_FREE]) - int(counts[S.PAGE_EVICTED])
+        used = snap.num_pages - int(counts[S.PAGE_FREE]) - int(counts[S.PAGE_EVICTED]) - int(counts[S.PAGE_CACHED])
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]

@@ -5,7 +5,9 @@ Token ``i`` of the sequence lives in page ``pages[i // P]`` at offset ``i % P``,
 
 Copy-on-write rule: full pages are shared between forks by ref count and never written again. A shared
 *partial* last page is copied to a private page just before the first write into it; ``append`` returns
-those ``(src, dst)`` page copies and the caller copies the tensors before writing.
+those ``(src, dst)`` page copies and the caller copies the tensors before writing. A page in the prefix cache
+(hashed, ``PagePool.register``) is never written while it keeps its hash: a table cut back into it, or
+rewriting it, drops the hash first when it holds the page alone (else copies it, as above).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class BlockTable:
                 self.pool.decref(last)
                 self.pages[-1] = new
                 copies.append((last, new))
+            else:
+                self.pool.unhash(last)  # a cached prefix page cut back and written again: no longer that prefix
         total = -(-(self.num_tokens + n) // P)
         if total > len(self.pages):
             self.pages.extend(self.pool.allocate(total - len(self.pages), owner=owner, session=self.session_id))
@@ -145,6 +149,8 @@ class BlockTable:
                 self.pool.fill[new] = self.pool.fill[old]
                 self.pool.decref(old)
                 self.pages[i] = new
+            else:
+                self.pool.unhash(old)  # rewritten in place: out of the prefix cache
 
     def truncate(self, n: int) -> list[int]:
         """Keep the first ``n`` tokens; returns the pages released (their refs dropped)."""
@@ -158,6 +164,8 @@ class BlockTable:
         self.pages = self.pages[:keep]
         self.num_tokens = n
         if keep and self.pool.ref[self.pages[-1]] == 1:
+            if n % P:
+                self.pool.unhash(self.pages[-1])  # partial now: it will be written again
             self.pool.fill[self.pages[-1]] = n - (keep - 1) * P
         return dropped
 
@@ -171,6 +179,16 @@ class BlockTable:
         self.pages = self.pages[pages:]
         self.num_tokens -= pages * self.page_size
         return dropped
+
+    def adopt(self, pages: Sequence[int], owner: int = -1) -> None:
+        """Append full pages found in the prefix cache (``PagePool.take`` each: shared or taken back from the
+        LRU). The table must end on a page boundary."""
+        if self.num_tokens % self.page_size:
+            raise ValueError("adopt: the table ends inside a page")
+        for p in pages:
+            self.pool.take(p, owner=owner, session=self.session_id)
+        self.pages.extend(pages)
+        self.num_tokens += len(pages) * self.page_size
 
     def fork(self, session_id: int = -1) -> "BlockTable":
         """A new table sharing every page (ref count +1 each)."""

@@ -8,6 +8,14 @@ increasing order. A sequence that grows alone therefore gets physically consecut
 storage read it as one contiguous view instead of a gather (vLLM's "contiguous runs"). It also keeps the
 used pages low, so the free tail can be given back (``shrink_to``) when sessions close.
 
+Prefix cache (automatic prefix caching across sessions, as vLLM v1's block pool): a *full* page whose
+tokens are known can be registered under the hash of its token chain (``engine.kv.prefix``). When no
+table holds it any more (ref 0) it is not free but *cached*: kept, with its hash, in an LRU, so another
+session whose prompt starts with the same tokens takes it back (``take``) instead of recomputing it.
+``allocate`` takes truly free pages first (lowest ids), then evicts cached pages least recently used
+first, dropping their hashes. Cached pages count as free (``num_free``): the pool never grows for them.
+A hashed page is never written again while it keeps its hash; a writer drops the hash first (``unhash``).
+
 The pool never grows by itself: its owner (``engine.kv.arena.PageArena``) first makes room for the tensors,
 all or nothing, then calls ``grow_to``. ``allocate`` past the free pages is a ``CacheCapacityError``.
 """
@@ -15,6 +23,7 @@ all or nothing, then calls ``grow_to``. ``allocate`` past the free pages is a ``
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.errors import CacheCapacityError
@@ -31,7 +40,8 @@ PAGE_PINNED = 3
 PAGE_QUANTIZED = 4
 PAGE_OFFLOADED = 5
 PAGE_EVICTED = 6  # freed by an eviction on this step ("just evicted"): set by the observer, not the pool
-PAGE_STATE_NAMES = ("free", "active", "shared", "pinned", "quantized", "offloaded", "evicted")
+PAGE_CACHED = 7  # no table holds it, kept in the prefix cache with its hash (reusable, evicted LRU first)
+PAGE_STATE_NAMES = ("free", "active", "shared", "pinned", "quantized", "offloaded", "evicted", "cached")
 
 
 @dataclass
@@ -40,13 +50,15 @@ class PoolStats:
     free: int
     used: int
     shared: int
+    cached: int = 0
 
 
 class PagePool:
     """Reference-counted pages ``0 .. num_pages-1``.
 
-    Invariants (checked by ``check()``): every page is either free (ref 0, in the free heap exactly once)
-    or used (ref >= 1, not in the heap); ``free + used == num_pages``.
+    Invariants (checked by ``check()``): every page is exactly one of free (ref 0, no hash, in the free
+    heap once), cached (ref 0, hashed, in the LRU once) or used (ref >= 1, in neither);
+    ``free + cached + used == num_pages``; the hash table maps each hash to the one page that carries it.
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -61,21 +73,39 @@ class PagePool:
         self.fill: list[int] = []  # tokens written in the page
         self.flags: list[int] = []
         self.session: list[int] = []  # session id holding the page (-1 free)
-        self._free: list[int] = []  # min-heap of free page ids
+        self.hash: list[bytes | None] = []  # prefix-cache hash of a full page's token chain (None: not cached)
+        self._free: list[int] = []  # min-heap of free page ids (no hash)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 hashed pages, least recently used first
+        self._by_hash: dict[bytes, int] = {}
+        self.cache_evictions = 0  # cached pages dropped for an allocation (or a shrink)
         self.grow_to(num_pages)
 
     # -- queries ---------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages ``allocate`` can hand out: truly free ones and cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some table holds (ref >= 1)."""
+        return self.num_pages - self.num_free
 
     def can_allocate(self, n: int) -> bool:
-        """True if ``n`` pages are free now (growing is the arena's decision)."""
-        return n <= len(self._free)
+        """True if ``n`` pages are free or cached now (growing is the arena's decision)."""
+        return n <= self.num_free
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The page registered under ``digest`` (held or cached), or None."""
+        return self._by_hash.get(digest)
+
+    def cached_pages(self) -> list[int]:
+        """The cached (ref 0) pages, least recently used first: the order ``allocate`` evicts them."""
+        return list(self._cached)
 
     def highest_used(self) -> int:
         """The highest page id in use, -1 when every page is free."""
@@ -85,9 +115,9 @@ class PagePool:
         """``PAGE_*`` code of every page: free, or held (shared when ref > 1; pinned / quantized /
         offloaded flags win over shared, in that order of precedence)."""
         out = []
-        for ref, flags in zip(self.ref, self.flags):
+        for ref, flags, h in zip(self.ref, self.flags, self.hash):
             if ref == 0:
-                out.append(PAGE_FREE)
+                out.append(PAGE_FREE if h is None else PAGE_CACHED)
             elif flags & FLAG_OFFLOADED:
                 out.append(PAGE_OFFLOADED)
             elif flags & FLAG_PINNED:
@@ -100,21 +130,29 @@ class PagePool:
 
     def stats(self) -> PoolStats:
         shared = sum(1 for r in self.ref if r > 1)
-        return PoolStats(self.num_pages, self.num_free, self.num_used, shared)
+        return PoolStats(self.num_pages, self.num_free, self.num_used, shared, len(self._cached))
 
     # -- mutations -------------------------------------------------------------------------------------
     def allocate(self, n: int, owner: int = -1, session: int = -1) -> list[int]:
-        """Take ``n`` free pages (lowest ids first, increasing), each with ref count 1 and fill 0.
+        """Take ``n`` pages, each with ref count 1 and fill 0: the free ones first (lowest ids first,
+        increasing), then cached ones, least recently used first (their hashes are dropped).
 
-        ``CacheCapacityError`` (and nothing taken) when fewer than ``n`` are free: ask ``can_allocate``
-        first, or let the arena grow the pool.
+        ``CacheCapacityError`` (and nothing taken) when fewer than ``n`` are free or cached: ask
+        ``can_allocate`` first, or let the arena grow the pool.
         """
         if n < 0:
             raise ValueError("allocate: negative page count")
-        if n > len(self._free):
-            raise CacheCapacityError(f"KV cache full: {n} more pages needed, {len(self._free)} free of "
+        if n > self.num_free:
+            raise CacheCapacityError(f"KV cache full: {n} more pages needed, {self.num_free} free of "
                                      f"{self.num_pages} pages of {self.page_size} tokens")
-        pages = [heapq.heappop(self._free) for _ in range(n)]
+        k = min(n, len(self._free))
+        pages = [heapq.heappop(self._free) for _ in range(k)]
+        for _ in range(n - k):
+            p, _ = self._cached.popitem(last=False)  # least recently used cached page
+            del self._by_hash[self.hash[p]]
+            self.hash[p] = None
+            self.cache_evictions += 1
+            pages.append(p)
         for p in pages:
             self.ref[p] = 1
             self.owner[p] = owner
@@ -129,6 +167,44 @@ class PagePool:
             raise RuntimeError(f"page {page} is free: cannot share it")
         self.ref[page] += 1
 
+    def take(self, page: int, owner: int = -1, session: int = -1) -> None:
+        """Hold a hashed page found by ``lookup``: a held one is shared (ref + 1), a cached one leaves the LRU
+        with ref 1 (and this owner / session)."""
+        if self.hash[page] is None:
+            raise RuntimeError(f"page {page} is not in the prefix cache")
+        if self.ref[page] == 0:
+            del self._cached[page]
+            self.ref[page] = 1
+            self.owner[page] = owner
+            self.session[page] = session
+            self.fill[page] = self.page_size
+            self.flags[page] = 0
+        else:
+            self.ref[page] += 1
+
+    def register(self, page: int, digest: bytes) -> bool:
+        """Put a full, held page in the prefix cache under ``digest``. False (nothing changed) if the page has
+        a hash already or another page carries ``digest`` (the first page computed keeps it)."""
+        if self.ref[page] < 1:
+            raise RuntimeError(f"page {page} is free: cannot register it")
+        if self.hash[page] is not None or digest in self._by_hash:
+            return False
+        self.hash[page] = digest
+        self._by_hash[digest] = page
+        return True
+
+    def unhash(self, page: int) -> None:
+        """Take a page out of the prefix cache before it is written again (a cached one becomes free)."""
+        h = self.hash[page]
+        if h is None:
+            return
+        del self._by_hash[h]
+        self.hash[page] = None
+        if self.ref[page] == 0:
+            del self._cached[page]
+            self.fill[page] = 0
+            heapq.heappush(self._free, page)
+
     def decref(self, page: int) -> bool:
         """Drop one reference; returns True if the page became free."""
         if self.ref[page] < 1:
@@ -137,9 +213,12 @@ class PagePool:
         if self.ref[page] == 0:
             self.owner[page] = -1
             self.session[page] = -1
-            self.fill[page] = 0
             self.flags[page] = 0
-            heapq.heappush(self._free, page)
+            if self.hash[page] is not None:  # kept for the prefix cache, most recently used last
+                self._cached[page] = None
+            else:
+                self.fill[page] = 0
+                heapq.heappush(self._free, page)
             return True
         return False
 
@@ -160,19 +239,25 @@ class PagePool:
         self.fill.extend([0] * extra)
         self.flags.extend([0] * extra)
         self.session.extend([-1] * extra)
+        self.hash.extend([None] * extra)
         for p in range(old, n):
             heapq.heappush(self._free, p)
         self.num_pages = n
 
     def shrink_to(self, n: int) -> None:
-        """Drop pages ``n ..`` (all free: the caller checked ``highest_used() < n``)."""
+        """Drop pages ``n ..`` (free or cached: the caller checked ``highest_used() < n``); cached pages among
+        them leave the prefix cache."""
         if n >= self.num_pages:
             return
         if n < 1 or self.highest_used() >= n:
             raise ValueError(f"shrink_to {n}: pages at or above it are in use")
         self._free = [p for p in self._free if p < n]
         heapq.heapify(self._free)
-        for lst in (self.ref, self.owner, self.fill, self.flags, self.session):
+        for p in [p for p in self._cached if p >= n]:
+            del self._cached[p]
+            del self._by_hash[self.hash[p]]
+            self.cache_evictions += 1
+        for lst in (self.ref, self.owner, self.fill, self.flags, self.session, self.hash):
             del lst[n:]
         self.num_pages = n
 
@@ -181,9 +266,18 @@ class PagePool:
         """Raise AssertionError if an invariant is broken (used by tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is in the free list twice"
+        assert not free & set(self._cached), "a page is both free and cached"
         for p in range(self.num_pages):
             if p in free:
                 assert self.ref[p] == 0, f"free page {p} has ref {self.ref[p]}"
+                assert self.hash[p] is None, f"free page {p} has a hash"
+            elif p in self._cached:
+                assert self.ref[p] == 0, f"cached page {p} has ref {self.ref[p]}"
+                assert self.hash[p] is not None, f"cached page {p} has no hash"
             else:
                 assert self.ref[p] >= 1, f"used page {p} has ref {self.ref[p]}"
+        assert len(self._by_hash) == sum(1 for h in self.hash if h is not None), "hash table out of step"
+        for h, p in self._by_hash.items():
+            assert self.hash[p] == h, f"hash table points at page {p}, which carries another hash"
+            assert self.fill[p] == self.page_size, f"hashed page {p} is not full"
         assert self.num_free + self.num_used == self.num_pages

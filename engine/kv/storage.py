@@ -261,6 +261,12 @@ class PagedKV(KVStore):
         self._unflag_tail()
         self._n_before = n
 
+    def adopt(self, pages: list[int], owner: int = -1) -> None:
+        """Append full pages found in the prefix cache (computed by this or another session of the arena), as if
+        their tokens had been prefilled here; the table must end on a page boundary."""
+        self.table.adopt(pages, owner=owner)
+        self._n_before = self.table.num_tokens
+
     def _unflag_tail(self) -> None:
         """A partial last page is held in full precision (the quantized roles' tail)."""
         pages, P = self.table.pages, self.page_size

@@ -73,6 +73,8 @@ class Metrics:
                  gauges.get("kv_bytes_allocated", 0)),
                 ("kvscope_kv_pages_used", "gauge", "Pages in use in the model's page pools", gauges.get("kv_pages_used", 0)),
                 ("kvscope_kv_pages_total", "gauge", "Pages in the model's page pools", gauges.get("kv_pages_total", 0)),
+                ("kvscope_kv_pages_cached", "gauge", "Pages no session holds, kept in the prefix cache",
+                 gauges.get("kv_pages_cached", 0)),
                 ("kvscope_prompt_tokens_total", "counter", "Prompt tokens of started requests", self.prompt_tokens),
                 ("kvscope_generation_tokens_total", "counter", "Tokens generated", self.generation_tokens),
                 ("kvscope_generation_tokens_per_second", "gauge",

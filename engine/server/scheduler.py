@@ -342,4 +342,5 @@ class Scheduler:
         return {"running": len(self._running), "waiting": len(self._waiting), "idle_sessions": len(self.idle),
                 "kv_bytes_used": used, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
                 "kv_pages_used": sum(a.pool.num_used for a in arenas),
+                "kv_pages_cached": sum(a.pool.num_cached for a in arenas),
                 "kv_pages_total": sum(a.pool.num_pages for a in arenas)}

@@ -71,6 +71,22 @@ def test_page_map_grid_and_colours(qtbot):
     assert "free" in panel.describe_page(3) and "owner —" in panel.describe_page(3)
 
 
+def test_page_map_shows_prefix_cache_pages_as_cached_not_used(qtbot):
+    from engine.snapshot import PAGE_CACHED
+
+    snap = make_snapshot(page_state=np.array([1, 1, 2, 0, 3, 4, PAGE_CACHED, PAGE_CACHED], dtype=np.int8),
+                         page_fill=np.array([4, 2, 4, 0, 4, 4, 4, 4], dtype=np.int32))
+    rgba = page_colours(snap, cols=4)
+    np.testing.assert_array_equal(rgba[1, 2, :3], np.round(_rgb(STATE_COLOURS[PAGE_CACHED])).astype(np.uint8))
+    assert snap.pages_used == 5
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    cap = panel.caption.text()
+    assert "<b>5</b>/8 pages used" in cap and "2 cached" in cap
+    assert "page 6 · cached · 4/4 tokens" in panel.describe_page(6)
+
+
 def test_page_map_token_strip(qtbot):
     tokens = np.array([1, 0, 0, 2, 3, 4], dtype=np.int8)
     panel = PageMapPanel()

@@ -117,11 +117,11 @@ def test_sessions_without_limit_meet_a_typed_memory_limit_and_give_memory_back(s
     page_bytes = i.num_layers * 2 * 16 * i.num_kv_heads * i.head_dim * 4  # float32 K+V of one 16-token page
     lm = own_arenas(stories, memory_limit=100 * page_bytes)
     sessions, error = [], None
-    for _ in range(200):
+    for n in range(200):
         s = ChatSession(lm)
         sessions.append(s)
-        try:
-            reply(s, "Tell me a story about a dog and a cat.")
+        try:  # prompts that differ from their first tokens: no session shares another's pages (prefix cache)
+            reply(s, f"{n} Tell me a story about a dog and a cat.")
         except CacheCapacityError as e:
             error = e
             break
@@ -260,7 +260,7 @@ def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, 
     assert prefill_chunk(8_000_000_000, "cuda") == 1024
     ids = stories.tokenizer("Once upon a time, there was a little girl named Lily. " * 20)["input_ids"][:300]
     ref = hf_greedy(stories, ids, 20)
-    s = ChatSession(stories)
+    s = ChatSession(own_arenas(stories))  # no pages other tests left in the prefix cache
     s.prefill_chunk = 64  # as for a model of a few billion parameters
     seen = count_forward_tokens(stories, monkeypatch)
     s.start_ids(ids, SamplingConfig(max_new_tokens=20, ignore_eos=True))

@@ -175,6 +175,31 @@ def test_second_turn_reuses_the_first_turns_cache(served, client, stories):
     assert r2.choices[0].message.content == text and r2.usage.completion_tokens == len(ids)
 
 
+def test_a_new_conversation_takes_a_closed_ones_system_prompt_pages(served, client, stories):
+    """Prefix caching across sessions: the first conversation's session is closed (its pages stay cached);
+    a new conversation with the same system prompt gets a new session that takes them by reference."""
+    server, _ = served
+    system = {"role": "system", "content": "You tell short stories about a little girl named Lily and her dog "
+                                           "Max who loved to play in the park on sunny days."}
+    conv1 = [system, {"role": "user", "content": "Lily found a ball."}]
+    r1 = client.chat.completions.create(model=MODEL, messages=conv1, temperature=0, max_tokens=8)
+    on_engine(server, lambda: server.scheduler.idle.close())  # no idle session to go on with
+    conv2 = [system, {"role": "user", "content": "Max ran away."}]
+    r2 = client.chat.completions.create(model=MODEL, messages=conv2, temperature=0, max_tokens=30)
+    from engine.chat import render_chat
+    from engine.turn import common_prefix
+
+    tok = stories.tokenizer
+    full = common_prefix(render_chat(tok, conv1), render_chat(tok, conv2)) // PAGE * PAGE
+    assert full >= 2 * PAGE
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    rec1, rec2 = record(server, r1.id), record(server, r2.id)
+    assert rec2.session_id != rec1.session_id and cached == rec2.reused_tokens == full
+    assert rec2.recomputed_tokens == r2.usage.prompt_tokens - full
+    text, ids, _ = reference(stories, conv2, max_tokens=30)
+    assert r2.choices[0].message.content == text and r2.usage.completion_tokens == len(ids)
+
+
 def test_four_concurrent_clients_get_their_sequential_replies(served, client, stories):
     server, _ = served
     prompts = ["Lily went to the park.", "Ben found a shiny rock.", "The cat sat on the mat.", "Mia baked a cake."]

@@ -20,12 +20,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
+from engine.kv.prefix import extend_chain
 from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
 from engine.session import ChatSession
 
 WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the sun one day "
          "saw big red ball park tim dog max ran fast happy").split()
-REFUSALS = (ContextOverflowError, CacheCapacityError)  # typed answers to requests that cannot fit
+REFUSALS = (ContextOverflowError, CacheCapacityError)
+SHARED_SYSTEM = ("You tell short stories about a little girl named Lily who loved to play outside in the sun with her "
+                 "dog Max. ") * 2  # typed answers to requests that cannot fit
 _MODEL: dict = {}
 STORIES_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 
@@ -106,6 +109,27 @@ class ChatMachine(RuleBasedStateMachine):
             assert not chat.session.generating
             return
         chat.asked = msgs
+
+    @rule(i=st.integers(0, 99), words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=12),
+          n=st.integers(1, 20), new=st.booleans(), page=st.sampled_from([16, 16, 4]))
+    def start_shared(self, i, words, n, new, page):
+        """A reply to a chat that starts with the one long system prompt every such chat shares (prefix cache):
+        in a new chat of default settings, or in an existing one (whatever its settings)."""
+        if new and len(self.chats) < 5:
+            self.chats.append(Chat(ChatSession(self.lm, CacheConfig(page_size=page))))
+            i = len(self.chats) - 1
+        chat = self._chat(i)
+        if chat.session.generating:
+            return
+        msgs = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": " ".join(words)}]
+        try:
+            st_ = chat.session.start(msgs, SamplingConfig(max_new_tokens=n))
+        except REFUSALS:
+            chat.history = []
+            return
+        assert 0 <= st_.shared_tokens <= st_.reused_tokens < st_.prompt_tokens
+        chat.asked = msgs
+        self._one_step(chat)  # the prefill: its full pages are named now
 
     @rule(i=st.integers(0, 99), n=st.integers(1, 12))
     def step(self, i, n):
@@ -330,6 +354,28 @@ def check_pages(lm, sessions: list[ChatSession]) -> None:
                         counts[p] += 1
         assert counts == pool.ref, "page reference counts do not match the block tables"
         assert pool.num_free + sum(1 for c in counts if c) == pool.num_pages
+        cached = set(pool.cached_pages())
+        for p in range(pool.num_pages):  # free, cached with no owner, or held by exactly `ref` tables
+            if counts[p] == 0:
+                assert (pool.hash[p] is None) != (p in cached), f"page {p}: neither free nor cached"
+                assert pool.session[p] == -1 and pool.owner[p] == -1
+            else:
+                assert p not in cached and pool.ref[p] == counts[p]
+            if pool.hash[p] is not None:
+                assert pool.lookup(pool.hash[p]) == p and pool.fill[p] == pool.page_size
+        for s in sessions:  # a held page's name is the chain of the tokens this session holds there, intact
+            store = s.store
+            if getattr(store, "arena", None) is not arena or not hasattr(store, "table"):
+                continue
+            P = pool.page_size
+            chain = extend_chain([], s.seq, P, s.index.intact // P)
+            pages = store.table.pages
+            for j, p in enumerate(pages):
+                if pool.hash[p] is None:
+                    continue
+                if j == len(pages) - 1 and store.num_tokens % P:
+                    continue  # cut back into a named page: still whole; unnamed (or copied, if shared) before a write
+                assert j < len(chain) and chain[j] == pool.hash[p], f"page {p} named for other tokens"
 
 
 TestChatMachine = ChatMachine.TestCase
