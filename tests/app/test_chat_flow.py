@@ -237,3 +237,16 @@ def test_a_second_turn_past_the_context_gets_what_fits_and_says_so(qtbot, data_d
         assert w.history.messages(w.chat_id)[-1].stats["stop_reason"] == "context_full"
     finally:
         close_window(w)
+
+
+def test_the_timing_caption_says_how_many_cpu_threads_ran_the_reply(qtbot, data_dir):
+    w = open_window(qtbot, data_dir, "demo")
+    try:
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        w.timing.refresh()
+        n = w.info.threads
+        assert n >= 1 and f"{n} CPU thread" in w.timing.caption.text()
+        assert "CPU threads" in w.model_card.table.text()
+    finally:
+        close_window(w)
