@@ -203,6 +203,7 @@ def run_bench(a) -> int:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
         rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
     extra: dict[str, Any] = {"turn_reuse": _turn_reuse(lm, a, log)} if a.reuse_history else {}
+    extra.update(_scenarios(lm, a, log))
     device = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else lm.device.type
     out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
            "dtype": str(lm.kv_dtype).removeprefix("torch."), "rows": rows, **extra}
@@ -210,6 +211,27 @@ def run_bench(a) -> int:
         json.dump(out, f, indent=1)
     _print_ratios(rows, log)
     return 0
+
+
+def _scenarios(lm, a, log) -> dict[str, Any]:
+    """``--prefix-cache N`` and ``--server`` (engine.bench_scenarios)."""
+    from engine import bench_scenarios as sc
+
+    out: dict[str, Any] = {}
+    if getattr(a, "prefix_cache", 0):
+        p = sc.prefix_cache(lm, a.prefix_cache, a.shared_prompt, min(a.new_tokens, 16), a.page_size)
+        log(f"  prefix cache, {p['requests']} requests sharing {p['shared_prompt']} tokens: TTFT {p['ttft_ms']} ms "
+            f"(rest / first ×{p['ttft_rest_over_first']}), pages {p['pages_all_requests']} vs one request's "
+            f"{p['pages_one_request']} (×{p['pages_ratio']})")
+        out["prefix_cache"] = p
+    if getattr(a, "server", False):
+        if lm.tokenizer is None:
+            raise ValueError("--server needs a model with a tokenizer (--model DIR or demo), not --shape")
+        o = sc.server_overhead(lm, "Once upon a time, there was a little girl", a.new_tokens)
+        log(f"  server: {o['api_tokens_per_s']} tok/s through the API vs {o['direct_tokens_per_s']} direct "
+            f"(×{o['ratio']})")
+        out["server"] = o
+    return out
 
 
 def _print_ratios(rows: list[dict], log) -> None:

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reuse-history", type=int, default=0,
                    help="also measure a turn's TTFT with prefix reuse vs a full re-prefill at this history length")
     b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")
+    b.add_argument("--prefix-cache", type=int, default=0, metavar="N",
+                   help="also run N requests sharing one system prompt (automatic prefix caching)")
+    b.add_argument("--shared-prompt", type=int, default=1000, help="tokens of that system prompt")
+    b.add_argument("--server", action="store_true",
+                   help="also measure decode tokens/s through the OpenAI API against the engine (needs a tokenizer)")
     b.add_argument("--device", default="auto", choices=DEVICES)
     b.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="weights and KV dtype (auto: float32 for --shape, the checkpoint's for --model)")

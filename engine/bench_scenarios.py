@@ -1,0 +1,109 @@
+"""Benchmark scenarios beyond one prompt: requests sharing a system prompt (automatic prefix caching) and
+the OpenAI server's overhead against the engine called directly.
+
+``python -m engine bench --prefix-cache 8 --shared-prompt 1000`` and ``--server`` (a model with a tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+
+QUESTION_TOKENS = 24
+
+
+def _ids(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _pages_in_use(lm) -> int:
+    """Pages held by sessions in every arena of the model (cached pages nobody holds are free to take)."""
+    return sum(arena.pool.num_used for arena in lm.kv_arenas)
+
+
+def prefix_cache(lm, requests: int, shared: int, new_tokens: int, page_size: int) -> dict[str, Any]:
+    """``requests`` sessions, alive together as a server's would be, each a ``shared``-token system prompt
+    plus its own question: time to first token of each, and the pages they hold against one request's."""
+    from engine.session import ChatSession
+
+    system = _ids(lm.info.vocab_size, shared, seed=11)
+    cache = CacheConfig(mode="paged", page_size=page_size)
+    sessions, ttft, reused, pages_one = [], [], [], 0
+    try:
+        for i in range(requests):
+            s = ChatSession(lm, cache)
+            sessions.append(s)
+            s.start_ids(system + _ids(lm.info.vocab_size, QUESTION_TOKENS, seed=100 + i),
+                        SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
+            while not (r := s.step()).done:
+                pass
+            ttft.append(r.stats.ttft_ms)
+            reused.append(r.stats.reused_tokens)
+            if i == 0:
+                pages_one = _pages_in_use(lm)
+        pages_all = _pages_in_use(lm)
+    finally:
+        for s in sessions:
+            s.close()
+    rest = statistics.median(ttft[1:]) if len(ttft) > 1 else 0.0
+    return {"requests": requests, "shared_prompt": shared, "question": QUESTION_TOKENS, "new_tokens": new_tokens,
+            "ttft_ms": [round(t, 2) for t in ttft], "reused_tokens": reused,
+            "ttft_rest_over_first": round(rest / ttft[0], 4) if ttft and ttft[0] else None,
+            "pages_one_request": pages_one, "pages_all_requests": pages_all,
+            "pages_ratio": round(pages_all / pages_one, 3) if pages_one else None}
+
+
+def server_overhead(lm, prompt: str, new_tokens: int, repeats: int = 3) -> dict[str, Any]:
+    """Decode tokens/s streamed through the OpenAI API (a real HTTP client on 127.0.0.1) against the same
+    completion run on a session directly, alternating; medians."""
+    import httpx
+
+    from engine.server.service import KVServer, ServerThread
+    from engine.session import ChatSession
+
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)  # greedy: both stop at the same token
+    thread = ServerThread(KVServer(lm, CacheConfig(prefix_reuse=False)))
+    url = thread.start()
+    api, direct = [], []
+    try:
+        for _ in range(repeats):
+            api.append(_stream_rate(httpx, url, lm.info.name, prompt, new_tokens))
+            s = ChatSession(lm, CacheConfig(prefix_reuse=False))
+            s.start_completion(prompt, sampling)
+            while not (r := s.step()).done:
+                pass
+            s.close()
+            direct.append(r.stats.decode_tokens_per_s)
+    finally:
+        thread.stop()
+    a, d = statistics.median(api), statistics.median(direct)
+    return {"new_tokens": new_tokens, "api_tokens_per_s": round(a, 2), "direct_tokens_per_s": round(d, 2),
+            "ratio": round(a / d, 4) if d else None}
+
+
+def _stream_rate(httpx, url: str, model: str, prompt: str, n: int) -> float:
+    """Decode tokens per second of one streamed completion: the tokens after the first (``usage``) over the
+    time from the first text to the last."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    first = last = 0.0
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0

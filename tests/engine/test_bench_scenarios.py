@@ -1,0 +1,23 @@
+"""``bench --prefix-cache N`` and ``--server``: the scenario's figures are the engine's own counts."""
+
+from __future__ import annotations
+
+import json
+
+from engine.cli import main as cli_main
+
+
+def test_prefix_cache_and_server_scenarios(stories_path, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = cli_main(["bench", "--model", str(stories_path), "--contexts", "", "--modes", "paged", "--new-tokens", "8",
+                   "--prefix-cache", "4", "--shared-prompt", "64", "--server", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    p = d["prefix_cache"]
+    assert p["requests"] == 4 and len(p["ttft_ms"]) == 4
+    assert p["reused_tokens"][0] == 0 and all(r == 64 for r in p["reused_tokens"][1:])  # 4 full pages of 16
+    # each later request holds only its own pages: 4 shared + 2 (24 question + 8 generated tokens)
+    assert p["pages_one_request"] == 6 and p["pages_all_requests"] == 4 + 4 * 2
+    s = d["server"]
+    assert s["api_tokens_per_s"] > 0 and s["direct_tokens_per_s"] > 0 and s["ratio"] > 0
+    assert "prefix cache, 4 requests sharing 64 tokens" in capsys.readouterr().err
