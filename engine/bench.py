@@ -228,7 +228,7 @@ def _scenarios(lm, a, log) -> dict[str, Any]:
         if lm.tokenizer is None:
             raise ValueError("--server needs a model with a tokenizer (--model DIR or demo), not --shape")
         o = sc.server_overhead(lm, "Once upon a time, there was a little girl", a.new_tokens)
-        log(f"  server: {o['api_tokens_per_s']} tok/s through the API vs {o['direct_tokens_per_s']} direct "
+        log(f"  server: {o['api_tokens_per_s']} tok/s through the API (whole completions) vs {o['direct_tokens_per_s']} direct "
             f"(×{o['ratio']})")
         out["server"] = o
     return out
