@@ -154,7 +154,6 @@ class MainWindow(QMainWindow):
         self.sampling.changed.connect(self._save_sampling)
         srv = self.server
         srv.serving.connect(self._on_serving)
-        srv.conversations.connect(self.api_list.set_conversations)
         srv.snapshot.connect(self._on_api_snapshot)
         self.api_list.conversation_selected.connect(self._on_api_selected)
 

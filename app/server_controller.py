@@ -132,11 +132,13 @@ def _snapshot(scheduler, session_id: int):
 
 class ServerController(QObject):
     """Starts and stops the server on the worker's model. ``serving(url)`` ("" once stopped);
-    ``conversations(rows)`` and ``snapshot(session_id, CacheSnapshot)`` arrive on the GUI thread."""
+    ``conversations(rows)`` (the list is filled already) on the GUI thread; ``snapshot(session_id, CacheSnapshot)``
+is emitted on the server's engine thread (connect it to a QObject's method: it is queued)."""
 
     serving = Signal(str)
     conversations = Signal(object)
     snapshot = Signal(int, object)
+    _listed_rows = Signal(object)
 
     def __init__(self, parent: QObject, engine, settings, status, models, cache: Callable[[], CacheConfig],
                  show_error: Callable[[str], None], set_ready: Callable[[bool, str], None],
@@ -158,6 +160,7 @@ class ServerController(QObject):
         self._poll.setInterval(POLL_MS)
         self._poll.timeout.connect(self.refresh)
         engine.worker.lent.connect(self._on_lent)
+        self._listed_rows.connect(self._on_listed)  # emitted on the server's engine thread: queued to this one
         self.api_list.conversation_selected.connect(self._on_selected)
 
     @property
@@ -249,7 +252,12 @@ class ServerController(QObject):
     def _listed(self, fut) -> None:
         self._polling = False
         if not fut.cancelled() and fut.exception() is None:
-            self.conversations.emit(fut.result())
+            self._listed_rows.emit(fut.result())
+
+    def _on_listed(self, rows: list) -> None:
+        if self.thread is not None:  # a list that arrives after Stop is stale
+            self.api_list.set_conversations(rows)
+            self.conversations.emit(rows)
 
     def request_snapshot(self, session_id: int) -> None:
         if self.thread is None:

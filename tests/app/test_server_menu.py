@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import httpx
@@ -57,6 +58,10 @@ def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, st
         assert w.api_list.isVisible()
         assert not w.conversation.ready and "is serving API requests at " + url in w.chat.empty_hint.text()
         assert not w.menu_actions["serve_start"].isEnabled() and w.menu_actions["serve_stop"].isEnabled()
+        # the worker has lent the model: it refuses work that would run torch next to the server's thread
+        with qtbot.waitSignal(w.error_shown, timeout=DEADLINE_MS) as refused:
+            w.apply_cache_config(dataclasses.replace(w.cache.applied, page_size=w.cache.applied.page_size * 2))
+        assert "serving API requests" in refused.args[0]
 
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"model": "stories260K", "messages": MESSAGES, "temperature": 0,
