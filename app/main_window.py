@@ -7,6 +7,7 @@ wiring between the parts that do the work:
 ``CacheController``    the cache settings in force (``app.cache_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
 ``StatusBar``          the status bar in words (``app.status_bar``)
+``ServerController``   Server ▸ Start / Stop serving: the model lent to the API server (``app.server_controller``)
 ``Exporter``           File ▸ Export (``app.exports``)
 ``DockLayout``         docks, default arrangements and sizes (``app.docks``)
 =====================  ==================================================================================
@@ -41,6 +42,7 @@ from app.model_controller import ModelController
 from app.panel_scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.sampling_form import SamplingForm
+from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
 from app.status_bar import StatusBar
 from app.trace import CacheTrace
@@ -69,6 +71,7 @@ class MainWindow(QMainWindow):
     model_loaded = Signal(object)  # ModelInfo
     reply_finished = Signal(int, str)  # generation_id, stop_reason
     error_shown = Signal(str)
+    api_snapshot_shown = Signal(int, object)  # session_id, CacheSnapshot: an API conversation in the panels
 
     def __init__(self, settings: Settings, history: HistoryStore, model: str | None = None,
                  backend: EngineBackend | None = None, parent: QWidget | None = None) -> None:
@@ -99,6 +102,8 @@ class MainWindow(QMainWindow):
         self.chat = ChatPane()
         self.setCentralWidget(self.chat)
         self.chat_list = ChatList()
+        self.api_list = ApiList()
+        self.chats_box = ChatsBox(self.chat_list, self.api_list)
         self.sampling = SamplingForm()
         self.sampling.set_sampling(sampling_from_settings(self.settings))
         self.controls = CacheControls()
@@ -109,7 +114,7 @@ class MainWindow(QMainWindow):
         self.model_card = ModelCardPanel()
         self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
         self.layout_docks = DockLayout(self, {
-            "chats": self.chat_list, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
+            "chats": self.chats_box, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
             "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory})
         self.docks = self.layout_docks.docks
 
@@ -121,6 +126,9 @@ class MainWindow(QMainWindow):
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
             cache=lambda: self.cache.applied, parent=self)
+        self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
+                                       lambda: self.cache.applied, self.show_error, self._on_ready,
+                                       api_list=self.api_list)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -144,6 +152,10 @@ class MainWindow(QMainWindow):
         c.noted.connect(self._on_reply_notes)
         c.chat_opened.connect(self._on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
+        srv = self.server
+        srv.serving.connect(self._on_serving)
+        srv.snapshot.connect(self._on_api_snapshot)
+        self.api_list.conversation_selected.connect(self._on_api_selected)
 
     def _start_timers(self) -> None:
         self._refresh = QTimer(self)
@@ -263,12 +275,14 @@ class MainWindow(QMainWindow):
 
     def _on_ready(self, ready: bool, hint: str) -> None:
         if not ready and self.models.loading:
+            self.server.stop(ready_again=False)  # before the load reaches the worker: it gets its model back first
             self.conversation.interrupt("another model was loaded")
         self.conversation.ready = ready
         self.chat.set_ready(ready, hint)
 
     def _on_chat_opened(self, chat_id: int) -> None:
         """Another chat is on screen: the panels, the trace and the context readout start over for it."""
+        self.api_list.deselect()
         self.trace.reset()
         self.scheduler.clear()
         if not self.generation_id:  # else the reply running in it sends its own snapshots
@@ -280,7 +294,7 @@ class MainWindow(QMainWindow):
             self.engine.describe_chat(self.chat_id, self.conversation.engine_messages())
 
     def _on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
-        if chat_id != self.chat_id or self.generation_id:
+        if chat_id != self.chat_id or self.generation_id or self.api_list.selected:
             return  # another chat is on screen by now, or its own reply's snapshots describe it
         if snap is not None:
             self.scheduler.offer(snap)
@@ -354,6 +368,28 @@ class MainWindow(QMainWindow):
         if not self.generation_id:
             self._describe_chat()  # the chat on screen under the new settings
 
+    def _on_serving(self, url: str) -> None:
+        self.chats_box.set_serving(bool(url))
+        self.menu_actions["serve_start"].setEnabled(not url)
+        self.menu_actions["serve_stop"].setEnabled(bool(url))
+        if not url:
+            self._on_api_selected(0)
+
+    def _on_api_selected(self, session_id: int) -> None:
+        """An API conversation was selected (0: none): the panels wait for its snapshot, or go back to the
+        chat on screen."""
+        self.trace.reset()
+        self.scheduler.clear()
+        if not session_id:
+            self._describe_chat()
+
+    def _on_api_snapshot(self, session_id: int, snap: CacheSnapshot) -> None:
+        """A snapshot of an API conversation (taken on the server's engine thread): drawn while selected."""
+        if session_id and session_id == self.api_list.selected:
+            self.scheduler.offer(snap)
+            self.scheduler.refresh_all()
+            self.api_snapshot_shown.emit(session_id, snap)
+
     def _save_sampling(self) -> None:
         try:
             save_sampling(self.settings, self.sampling.sampling())
@@ -379,6 +415,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._refresh.stop()
         self._db_timer.stop()
+        self.server.stop(ready_again=False)  # its engine thread ends before the worker's
         joined = self.engine.shutdown(timeout_ms)
         # After the worker stopped: everything that streamed is saved, a reply cut short says the app
         # closed, and signals still queued from the worker no longer touch the (closing) history.

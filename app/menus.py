@@ -24,7 +24,7 @@ def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) 
 
 
 def build_menus(window) -> dict[str, Any]:
-    """File, View, Tools and Help for ``window`` (a ``MainWindow``); returns the actions tests and the
+    """File, View, Tools, Server and Help for ``window`` (a ``MainWindow``); returns the actions tests and the
     window use, by name."""
     bar = window.menuBar()
     a: dict[str, Any] = {}
@@ -62,6 +62,13 @@ def build_menus(window) -> dict[str, Any]:
     tools.addAction(a["compare"])
     a["regenerate"] = _action(window, "&Regenerate the last reply", window.conversation.regenerate, "Ctrl+R")
     tools.addAction(a["regenerate"])
+
+    server = bar.addMenu("&Server")
+    a["serve_start"] = _action(window, "&Start serving", window.server.start,
+                               tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port)")
+    a["serve_stop"] = _action(window, "S&top serving", lambda: window.server.stop(), tip="Stop the API server")
+    a["serve_stop"].setEnabled(False)
+    server.addActions([a["serve_start"], a["serve_stop"]])
 
     help_menu = bar.addMenu("&Help")
     a["what"] = _action(window, "What am I seeing?", window.show_help, "F1")

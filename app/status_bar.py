@@ -26,6 +26,7 @@ class StatusBar:
         self.cache = WordLabel("")
         self.context = WordLabel("Context: —")
         self.speed = WordLabel("")
+        self.server = WordLabel("")  # "Serving at URL" while Server ▸ Start serving runs
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(160)
         self.progress.setTextVisible(False)
@@ -37,12 +38,13 @@ class StatusBar:
         # step of a load is a message. Stretch: the model and cache fields give way first.
         bar.addPermanentWidget(self.progress)
         bar.addPermanentWidget(self.cancel)
-        for field, stretch in ((self.model, 2), (self.device, 1), (self.cache, 4), (self.context, 0),
-                               (self.speed, 0)):
+        for field, stretch in ((self.server, 0), (self.model, 2), (self.device, 1), (self.cache, 4),
+                               (self.context, 0), (self.speed, 0)):
             field.setObjectName("statusField")
             bar.addPermanentWidget(field, stretch)
         self.context.setMinimumWidth(self.context.fontMetrics().horizontalAdvance("Context: 99,999 of 99,999 tokens"))
         self.set_loading(False)
+        self.server.setVisible(False)
 
     def message(self, text: str, ms: int = 0) -> None:
         self.bar.showMessage(text, ms)
@@ -69,6 +71,12 @@ class StatusBar:
     def show_cache(self, cfg: CacheConfig) -> None:
         self.cache.setText(describe_cache(cfg))
         self.cache.set_tip("Cache settings (Cache policy panel): " + describe_cache(cfg))
+
+    def show_server(self, url: str, model_id: str = "") -> None:
+        """'Serving at URL' while the server runs ("" hides it)."""
+        self.server.setText(f"Serving at {url}" if url else "")
+        self.server.set_tip(f"OpenAI API at {url} (model “{model_id}”); Server ▸ Stop serving ends it" if url else "")
+        self.server.setVisible(bool(url))
 
     def show_speed(self, tokens_per_s: float) -> None:
         self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")

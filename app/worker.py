@@ -23,6 +23,7 @@ Signals (every reply event carries its ``generation_id``)::
     compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
     described(object, object, int)  chat, its session's snapshot (None: nothing cached), its token count
     measured(int, int)              request id, token count (-1: no model, or it could not be counted)
+    lent(object)                    the loaded model, handed to the API server (``lend``); None: no model
 
 For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
 (``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
@@ -43,6 +44,8 @@ from app.compare_run import WarmedComparison
 from app.failure import Failure, log
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, LoadCancelled
+
+SERVING = "The model is serving API requests: Server ▸ Stop serving to chat with it."
 
 __all__ = ["EngineBackend", "EngineThread", "EngineWorker", "default_backend"]  # EngineThread: at the end
 
@@ -65,6 +68,7 @@ class EngineWorker(QObject):
     compare_finished = Signal(int, str)
     described = Signal(object, object, int)
     measured = Signal(int, int)
+    lent = Signal(object)
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
@@ -82,6 +86,8 @@ class EngineWorker(QObject):
         self._comparison_id = 0
         self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
+        self._lent = False  # the model is lent to the API server: this thread runs no torch (see ``lend``)
+        self._dropped_while_lent: list = []  # chats deleted while lent: their sessions are freed on ``reclaim``
         self._timer = QTimer(self)  # moves with the worker; pumps one step of each job per event-loop turn
         self._timer.setSingleShot(True)
         self._timer.setInterval(0)
@@ -138,6 +144,9 @@ class EngineWorker(QObject):
         if self._loaded is None:
             self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
             return
+        if self._lent:
+            self._fail_reply(generation_id, "start", EngineError(SERVING))
+            return
         stage = "swap"
         try:
             if self._pool is not None and (chat is not None or self._session is None):
@@ -167,6 +176,10 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def apply_cache_config(self, cache: CacheConfig) -> None:
+        if self._lent:
+            self.failed.emit(Failure(0, "apply", "Cache settings cannot change while the model is serving API "
+                                     "requests: Server ▸ Stop serving first.", "EngineError"))
+            return
         self._cache = cache
         target = self._pool if self._pool is not None else self._session
         if target is None:
@@ -184,7 +197,10 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def forget_chat(self, chat: Any) -> None:
-        """A chat was deleted: free its session's cache."""
+        """A chat was deleted: free its session's cache (after ``reclaim`` while the model is lent)."""
+        if self._lent:
+            self._dropped_while_lent.append(chat)
+            return
         if self._pool is not None and chat in self._pool:
             if self._session is self._pool.get(chat):
                 self._abort_running()
@@ -198,7 +214,7 @@ class EngineWorker(QObject):
         it."""
         snap = None
         session = self._pool.get(chat) if self._pool is not None else None
-        if session is not None and not (self._gen_id and self._chat == chat):
+        if session is not None and not self._lent and not (self._gen_id and self._chat == chat):
             try:
                 snap = session.snapshot() if getattr(session, "cached_tokens", 1) else None
             except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
@@ -235,8 +251,9 @@ class EngineWorker(QObject):
         and caches are untouched), one step per event-loop turn next to the chat's reply; rows arrive one by
         one through ``compared``. A new comparison replaces one still running."""
         self._close_comparison("cancelled")
-        if self._loaded is None or self._backend.make_comparison is None:
-            reason = "no model is loaded" if self._loaded is None else "comparing is not available"
+        if self._loaded is None or self._backend.make_comparison is None or self._lent:
+            reason = ("no model is loaded" if self._loaded is None else "the model is serving API requests"
+                      if self._lent else "comparing is not available")
             self.compare_finished.emit(comparison_id, reason)
             return
         self._comparison_id = comparison_id
@@ -256,6 +273,24 @@ class EngineWorker(QObject):
             self._comparison.cancel()
 
     @Slot()
+    def lend(self) -> None:
+        """Hand the loaded model to the API server (Server ▸ Start serving): the running reply ends as
+        cancelled, a comparison stops, and until ``reclaim`` this thread runs no torch (replies, comparisons
+        and cache changes are refused, chat descriptions carry no snapshot). ``lent`` carries the model."""
+        self._abort_running()
+        self._close_comparison("cancelled")
+        self._lent = self._loaded is not None
+        self.lent.emit(self._loaded)
+
+    @Slot()
+    def reclaim(self) -> None:
+        """The server stopped (its engine thread is joined): the model is this thread's again."""
+        self._lent = False
+        dropped, self._dropped_while_lent = self._dropped_while_lent, []
+        for chat in dropped:
+            self.forget_chat(chat)
+
+    @Slot()
     def stop(self) -> None:
         """Last command: stop the pump and end the thread's event loop (runs on the worker thread, so the
         timer is stopped by its own thread)."""
@@ -266,6 +301,8 @@ class EngineWorker(QObject):
 
     # -- the step pump ----------------------------------------------------------------------------------
     def _kick(self) -> None:
+        if self._lent:
+            return
         if (self._gen_id or self._comparison is not None) and not self._timer.isActive():
             self._timer.start()
 

@@ -334,6 +334,13 @@ class Scheduler:
         self.idle.close()
 
     # -- measurements (engine thread: through ``call``) -----------------------------------------------------
+    def conversations(self) -> list[tuple[Any, bool]]:
+        """(session, running) for every conversation holding a cache now: running requests first, then the
+        idle ones (most recently used last). Engine thread only (the app's Server list reads it through
+        ``call``)."""
+        running = [(j.session, True) for j in self._running if j.session is not None and not j.session.closed]
+        return running + [(s, False) for s in self.idle if not s.closed]
+
     def kv_gauges(self) -> dict[str, float]:
         """KV bytes and pages in use now, with running / waiting / idle counts."""
         sessions = [j.session for j in self._running if j.session is not None] + list(self.idle)

@@ -1,0 +1,147 @@
+"""Server ▸ Start / Stop serving on the real window and engine (stories260K), with a real HTTP client."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import httpx
+from app_helpers import close_window, open_window
+
+from engine.config import CacheConfig, SamplingConfig
+
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+MAX_TOKENS = 24
+DEADLINE_MS = 60_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(stories_path) -> tuple[str, int]:
+    """The engine's own greedy reply and its conversation's length (prompt + reply tokens)."""
+    from engine.loader import load_model
+    from engine.session import ChatSession
+
+    lm = load_model(str(stories_path))
+    s = ChatSession(lm, CacheConfig())
+    s.start(MESSAGES, SamplingConfig(temperature=0.0, max_new_tokens=MAX_TOKENS))
+    while not (r := s.step()).done:
+        pass
+    out = r.text, len(s.seq)
+    s.close()
+    return out
+
+
+def start_serving(qtbot, w) -> str:
+    with qtbot.waitSignal(w.server.serving, timeout=DEADLINE_MS) as blocker:
+        w.menu_actions["serve_start"].trigger()
+    url = blocker.args[0]
+    assert url
+    return url
+
+
+def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, stories_path):
+    expected_text, expected_len = reference(stories_path)
+    w = open_window(qtbot, data_dir, str(stories_path))
+    port = free_port()
+    w.settings.set("server/port", port)
+    try:
+        assert not w.api_list.isVisible()
+        chats = [w.chat_list.item(i).text() for i in range(w.chat_list.count())]
+        url = start_serving(qtbot, w)
+        assert url == f"http://127.0.0.1:{port}"
+        assert w.status.server.text() == f"Serving at {url}/v1" and w.status.server.isVisible()
+        assert w.api_list.isVisible()
+        assert not w.conversation.ready and "is serving API requests at " + url in w.chat.empty_hint.text()
+        assert not w.menu_actions["serve_start"].isEnabled() and w.menu_actions["serve_stop"].isEnabled()
+        # the worker has lent the model: it refuses work that would run torch next to the server's thread
+        with qtbot.waitSignal(w.error_shown, timeout=DEADLINE_MS) as refused:
+            w.apply_cache_config(dataclasses.replace(w.cache.applied, page_size=w.cache.applied.page_size * 2))
+        assert "serving API requests" in refused.args[0]
+
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": "stories260K", "messages": MESSAGES, "temperature": 0,
+                             "max_tokens": MAX_TOKENS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == expected_text  # greedy: the engine's own reply
+        usage = body["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] >= expected_len - 1
+
+        qtbot.waitUntil(lambda: w.api_list.count() == 1, timeout=DEADLINE_MS)
+        # the user's chats are apart: the API's conversation is not one of them
+        assert [w.chat_list.item(i).text() for i in range(w.chat_list.count())] == chats
+        assert "API #" in w.api_list.item(0).text()
+        sid = w.api_list.session_ids()[0]
+        with qtbot.waitSignal(w.api_snapshot_shown, timeout=DEADLINE_MS) as shown:
+            w.api_list.setCurrentRow(0)
+        got_sid, snap = shown.args
+        assert got_sid == sid
+        assert snap.seq_len == expected_len  # that conversation's tokens: the prompt and the reply
+        assert w.scheduler.frame is snap  # the panels draw it
+        assert sum(int(v.sum()) for v in w.occupancy.stack.values()) > 0
+
+        with qtbot.waitSignal(w.server.serving, timeout=DEADLINE_MS) as stopped:
+            w.menu_actions["serve_stop"].trigger()
+        assert stopped.args[0] == ""
+        assert not w.status.server.isVisible() and w.api_list.count() == 0
+        assert w.conversation.ready
+        with socket.socket() as s:  # the port is free again
+            s.bind(("127.0.0.1", port))
+
+        url2 = start_serving(qtbot, w)  # a second start works on the same port
+        assert url2 == url
+        r2 = httpx.post(url + "/v1/chat/completions", timeout=60,
+                        json={"model": "stories260K", "messages": MESSAGES, "temperature": 0,
+                              "max_tokens": MAX_TOKENS})
+        assert r2.json()["choices"][0]["message"]["content"] == expected_text
+    finally:
+        close_window(w)
+    assert w.server.thread is None  # quitting stopped it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_busy_port_is_told_and_the_chat_goes_on(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    w.settings.set("server/port", port)
+    try:
+        with qtbot.waitSignal(w.error_shown, timeout=DEADLINE_MS) as err:
+            w.menu_actions["serve_start"].trigger()
+        assert f"127.0.0.1:{port}" in err.args[0] and "server/port" in err.args[0]
+        assert w.chat.notice.isVisible()
+        assert w.server.thread is None and w.menu_actions["serve_start"].isEnabled()
+        # the worker has its model back: a chat reply still works
+        with qtbot.waitSignal(w.reply_finished, timeout=DEADLINE_MS):
+            w.send("Hello")
+        assert w.chat.bubbles[-1].text
+    finally:
+        holder.close()
+        close_window(w)
+
+
+def test_loading_another_model_stops_the_server(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    port = free_port()
+    w.settings.set("server/port", port)
+    try:
+        start_serving(qtbot, w)
+        with qtbot.waitSignal(w.model_loaded, timeout=120_000):
+            with qtbot.waitSignal(w.server.serving, timeout=DEADLINE_MS) as stopped:
+                w.start()  # loads the same model again
+            assert stopped.args[0] == ""
+        assert w.server.thread is None
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        with qtbot.waitSignal(w.reply_finished, timeout=DEADLINE_MS):
+            w.send("Hello")
+    finally:
+        close_window(w)
