@@ -235,8 +235,32 @@ def test_four_concurrent_clients_get_their_sequential_replies(served, client, st
     assert [got[i] for i in range(4)] == refs
 
 
+class _Slow:
+    """The model's forward made ``seconds`` slower, so a 300-token reply lasts long enough for the test to hold
+    it mid-stream on a busy machine (stories260K alone decodes ~400 tokens/s: it could end before ``pause``)."""
+
+    def __init__(self, model, seconds: float) -> None:
+        self.model, self.seconds, self._forward = model, seconds, model.forward
+        model.forward = self  # an instance attribute: nn.Module.__call__ finds it before the method
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self._forward(*args, **kwargs)
+
+    def undo(self) -> None:
+        del self.model.forward
+
+
 def test_disconnect_mid_stream_frees_the_requests_pages(served):
     server, url = served
+    slow = _Slow(server.lm.model, 0.02)
+    try:
+        _disconnect_mid_stream(server, url)
+    finally:
+        slow.undo()
+
+
+def _disconnect_mid_stream(server, url):
     sched = server.scheduler
     before = parse_metrics(httpx.get(url + "/metrics").text)
     idle_before = on_engine(server, lambda: [s.session_id for s in sched.idle])
