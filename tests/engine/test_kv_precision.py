@@ -127,7 +127,10 @@ def test_swap_out_and_back_gives_identical_tokens(stories, cache):
 
     ids_a, st_a, _ = chat(False)
     ids_b, st_b, swapped = chat(True)
-    assert ids_a == ids_b and st_a.reused_tokens == st_b.reused_tokens > 0
+    assert ids_a == ids_b
+    # the swapped chat reuses at least as much: its own cache, plus pages the first chat's second turn
+    # computed (the automatic prefix cache names them by their tokens)
+    assert st_b.reused_tokens >= st_a.reused_tokens > 0 and st_a.shared_tokens == 0
     assert swapped.offloaded and swapped.kv_bytes == 0
     if cache.mode == "paged":
         assert (swapped.page_state == snap.PAGE_OFFLOADED).sum() == swapped.pages_used_per_layer[0] > 0

@@ -3,6 +3,7 @@ estimate, pinned swap bit for bit. Run by ``tests/gpu/run.sh`` (skipped without 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,10 +18,29 @@ from engine.shapes import build_shape
 # A dry run of these checks on the CPU: KVSCOPE_GPU_TEST_DEVICE=cpu KVSCOPE_GPU_TEST_SHAPE=tiny-qwen2
 DEVICE = os.environ.get("KVSCOPE_GPU_TEST_DEVICE", "cuda")
 SHAPE = os.environ.get("KVSCOPE_GPU_TEST_SHAPE", "qwen2.5-0.5b")
+# No conftest.py here: a second ``conftest`` module would shadow tests/app's ``from conftest import ...``
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                                  reason="no CUDA device (torch.cuda.is_available() is False)")]
 N_STORIES = 300
 N_AGREE = 256  # tokens compared for top-1 agreement (the issue's figure)
 AGREE_MIN = 0.999  # top-1 agreement, ties within the numeric noise not counted (see ``agreement``)
 NOISE_MAX = 0.05  # largest logit difference from HF, relative to the largest logit (bf16 through 24 layers)
+
+
+@pytest.fixture(scope="module")
+def record():
+    """``record(name, **figures)``: keep a measured figure for the report (JSON lines in
+    ``$KVSCOPE_GPU_FIGURES``, and printed)."""
+    path = os.environ.get("KVSCOPE_GPU_FIGURES")
+
+    def write(name: str, **figures) -> None:
+        line = json.dumps({"check": name, **figures})
+        print(line)
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+    return write
 
 
 def hf_generate(lm, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
