@@ -341,10 +341,14 @@ class MainWindow(QMainWindow):
 
     def _on_reply_started(self, generation_id: int, mode: str) -> None:
         self.trace.begin(generation_id)
+        self.timing.begin_reply(generation_id, self._timing_label([mode]))
+
+    def _timing_label(self, modes: list[str]) -> str:
+        """The timing caption's name of a reply: its cache mode(s) and, on a CPU, the threads it ran on."""
         info = self.info
         threads = f" · {info.threads} CPU thread{'s' if info.threads > 1 else ''}" if (
             info is not None and info.device == "cpu" and info.threads) else ""
-        self.timing.begin_reply(generation_id, f"cache {mode}{threads}")  # the timing caption says both
+        return "cache " + " → ".join(modes) + threads
 
     def _on_reply_finished(self, generation_id: int, reason: str) -> None:
         QTimer.singleShot(0, self.scheduler.refresh_all)  # every panel shows the reply's final state
@@ -361,7 +365,7 @@ class MainWindow(QMainWindow):
     def _on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
         if self.generation_id:
             self.conversation.note_mode(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
-            self.timing.current.label = "cache " + " → ".join(self.conversation.modes)
+            self.timing.current.label = self._timing_label(self.conversation.modes)
         self.trace.notes.extend(notes)
         if notes:
             self.status.message("; ".join(notes), 6000)

@@ -68,7 +68,11 @@ def cache_line(stats: dict[str, Any]) -> str:
     if not stats or "reused_tokens" not in stats:
         return ""
     div = stats.get("first_divergence", -1)
-    where = f"diverged at {div}" if div is not None and div >= 0 else "nothing cached before"
+    where = f"diverged at {div}" if div is not None and div >= 0 else ""
+    shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
+    if shared:
+        where = f"{shared} from another chat's cache" + (f", {where}" if where else "")
+    where = where or "nothing cached before"
     return f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}, {where}"
 
 

@@ -197,3 +197,14 @@ def test_every_setting_is_warmed_before_any_row_is_timed():
             rows.append(row)
     assert log[:2] == [("warm", "A", 1), ("warm", "B", 1)] and all(e[0] == "timed" for e in log[2:])
     assert [r["label"] for r in rows] == ["a", "b"] and progress == sorted(progress) and progress[-1] == 1.0
+
+
+def test_the_cache_line_says_where_reused_tokens_came_from():
+    from app.message_view import cache_line
+
+    assert cache_line({"reused_tokens": 0, "recomputed_tokens": 7, "first_divergence": -1}) == \
+        "reused 0 tokens, recomputed 7, nothing cached before"
+    assert cache_line({"reused_tokens": 16, "recomputed_tokens": 7, "first_divergence": -1, "shared_tokens": 16}) == \
+        "reused 16 tokens, recomputed 7, 16 from another chat's cache"
+    assert cache_line({"reused_tokens": 40, "recomputed_tokens": 3, "first_divergence": 40, "shared_tokens": 16}) == \
+        "reused 40 tokens, recomputed 3, 16 from another chat's cache, diverged at 40"
