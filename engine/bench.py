@@ -132,6 +132,11 @@ def _check_args(a, lm) -> tuple[list[int], list[str]]:
             raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
     if a.long and 16 + a.long > ctx_limit:
         raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
+    if getattr(a, "prefix_cache", 0) < 0:
+        raise ValueError(f"--prefix-cache {a.prefix_cache}: the number of requests cannot be negative")
+    if getattr(a, "prefix_cache", 0) and not 1 <= a.shared_prompt <= ctx_limit - 24 - 16:
+        raise ValueError(f"--shared-prompt {a.shared_prompt}: with a 24-token question and 16 new tokens it must be "
+                         f"1..{ctx_limit - 40} for the model's context of {ctx_limit}")
     CacheConfig(page_size=a.page_size)  # validate early
     return contexts, modes
 

@@ -21,3 +21,13 @@ def test_prefix_cache_and_server_scenarios(stories_path, tmp_path, capsys):
     s = d["server"]
     assert s["api_tokens_per_s"] > 0 and s["direct_tokens_per_s"] > 0 and s["ratio"] > 0
     assert "prefix cache, 4 requests sharing 64 tokens" in capsys.readouterr().err
+
+
+def test_scenario_flags_out_of_range_are_refused_in_one_line(stories_path, tmp_path, capsys):
+    base = ["bench", "--model", str(stories_path), "--contexts", "", "--modes", "paged", "--json", str(tmp_path / "b.json")]
+    for flags, words in ((["--prefix-cache", "-1"], "cannot be negative"),
+                         (["--prefix-cache", "2", "--shared-prompt", "500"], "must be 1..472")):
+        assert cli_main(base + flags) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "b.json").exists()
