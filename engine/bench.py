@@ -132,6 +132,9 @@ def _check_args(a, lm) -> tuple[list[int], list[str]]:
             raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
     if a.long and 16 + a.long > ctx_limit:
         raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
+    levels = _levels(a)
+    if any(n < 1 or n > 64 for n in levels):
+        raise ValueError(f"--concurrency {a.concurrency}: each level must be 1..64 sessions")
     if getattr(a, "prefix_cache", 0) < 0:
         raise ValueError(f"--prefix-cache {a.prefix_cache}: the number of requests cannot be negative")
     if getattr(a, "prefix_cache", 0) and not 1 <= a.shared_prompt <= ctx_limit - 24 - 16:
@@ -139,6 +142,32 @@ def _check_args(a, lm) -> tuple[list[int], list[str]]:
                          f"1..{ctx_limit - 40} for the model's context of {ctx_limit}")
     CacheConfig(page_size=a.page_size)  # validate early
     return contexts, modes
+
+
+def _levels(a) -> list[int]:
+    raw = str(getattr(a, "concurrency", "") or "")
+    try:
+        return [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency {raw!r}: a comma list of session counts, e.g. 1,4") from None
+
+
+def _concurrency_rows(lm, a, contexts: list[int], log) -> list[dict[str, Any]]:
+    """Rows with ``concurrency`` N: N sessions at each context decoding together (engine.bench_scenarios)."""
+    from engine import bench_scenarios as sc
+
+    rows = []
+    for ctx in contexts:
+        base = None
+        for n in _levels(a):
+            r = sc.concurrency(lm, n, ctx, a.new_tokens, a.page_size)
+            base = base or r["throughput_tokens_per_s"]
+            r.update(engine="kvscope", mode="paged", page_size=a.page_size,
+                     throughput_over_one=round(r["throughput_tokens_per_s"] / base, 3) if base else None)
+            log(f"  kvscope  paged x{n:<3d}  ctx {ctx:5d}  throughput {r['throughput_tokens_per_s']:8.2f} tok/s "
+                f"(decode {r['decode_throughput_tokens_per_s']:8.2f}, ×{r['throughput_over_one']} one session's)")
+            rows.append(r)
+    return rows
 
 
 def _measure(lm, a, mode: str, prompt: list[int], n: int) -> dict[str, Any]:
@@ -204,6 +233,8 @@ def run_bench(a) -> int:
             for m in modes:
                 results[m].append(_measure(lm, a, m, prompt, a.new_tokens))
         rows += _rows(a, ctx, a.new_tokens, results, log)
+    if _levels(a):
+        rows += _concurrency_rows(lm, a, contexts, log)
     if a.long:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
         rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
@@ -241,7 +272,7 @@ def _scenarios(lm, a, log) -> dict[str, Any]:
 
 def _print_ratios(rows: list[dict], log) -> None:
     by = {(r["context"], r["mode"] + (":" + r["kv_dtype"] if "kv_dtype" in r else ""), r.get("kind", "")): r
-          for r in rows}
+          for r in rows if "concurrency" not in r}
     for (ctx, mode, kind), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         hf = by.get((ctx, "dynamic", kind))
         if r["engine"] == "kvscope" and hf and hf["decode_tokens_per_s"]:

@@ -1,7 +1,8 @@
-"""Benchmark scenarios beyond one prompt: requests sharing a system prompt (automatic prefix caching) and
-the OpenAI server's overhead against the engine called directly.
+"""Benchmark scenarios beyond one prompt: several sessions generating at once (batched decoding), requests
+sharing a system prompt (automatic prefix caching) and the OpenAI server's overhead against the engine.
 
-``python -m engine bench --prefix-cache 8 --shared-prompt 1000`` and ``--server`` (a model with a tokenizer).
+``python -m engine bench --concurrency 1,4``, ``--prefix-cache 8 --shared-prompt 1000`` and ``--server``
+(a model with a tokenizer).
 """
 
 from __future__ import annotations
@@ -26,6 +27,46 @@ def _ids(vocab: int, n: int, seed: int) -> list[int]:
 def _pages_in_use(lm) -> int:
     """Pages held by sessions in every arena of the model (cached pages nobody holds are free to take)."""
     return sum(arena.pool.num_used for arena in lm.kv_arenas)
+
+
+def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batched: bool = True) -> dict[str, Any]:
+    """``n`` sessions, each with its own ``context``-token prompt, generating ``new_tokens`` at once as a
+    server's requests do: every prompt is prefilled, then all decode together (``engine.batch.step_all``, or one
+    session after another per round when not ``batched``). Throughput = all sessions' tokens over wall time."""
+    from engine import batch
+    from engine.session import ChatSession
+
+    sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    sessions = [ChatSession(lm, CacheConfig(mode="paged", page_size=page_size, prefix_reuse=False)) for _ in range(n)]
+    ttft = []
+    try:
+        t0 = time.perf_counter()
+        for i, s in enumerate(sessions):
+            s.start_ids(_ids(lm.info.vocab_size, context, seed=200 + i), sampling)
+            while s.step().event is None:  # prefill chunks, then the first token
+                pass
+            ttft.append(s.turn_state.ttft_ms)
+        t1 = time.perf_counter()
+        while live := [s for s in sessions if s.generating]:
+            for r in (batch.step_all(live) if batched else [_step(s) for s in live]):
+                if isinstance(r, BaseException):
+                    raise r
+        t2 = time.perf_counter()
+        tokens = sum(len(s.generated_ids) for s in sessions)
+    finally:
+        for s in sessions:
+            s.close()
+    return {"concurrency": n, "context": context, "new_tokens": new_tokens, "batched": batched,
+            "throughput_tokens_per_s": round(tokens / (t2 - t0), 3),
+            "decode_throughput_tokens_per_s": round((tokens - n) / (t2 - t1), 3) if t2 > t1 else 0.0,
+            "ttft_ms_median": round(statistics.median(ttft), 2), "batch_refused": lm.batch_refused or None}
+
+
+def _step(s):
+    try:
+        return s.step()
+    except BaseException as e:  # noqa: BLE001
+        return e
 
 
 def prefix_cache(lm, requests: int, shared: int, new_tokens: int, page_size: int) -> dict[str, Any]:

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reuse-history", type=int, default=0,
                    help="also measure a turn's TTFT with prefix reuse vs a full re-prefill at this history length")
     b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")
+    b.add_argument("--concurrency", default="", metavar="N,M",
+                   help="also run N (then M...) sessions generating at once, decoded together: aggregate tokens/s")
     b.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                    help="also run N requests sharing one system prompt (automatic prefix caching)")
     b.add_argument("--shared-prompt", type=int, default=1000, help="tokens of that system prompt")

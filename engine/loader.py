@@ -49,6 +49,7 @@ class LoadedModel:
     stop_ids: tuple[int, ...]
     path: str | None = None
     arenas: Any = None  # engine.kv.arena.ArenaRegistry, made on first use (``kv_arenas``)
+    batch_refused: str = ""  # why sessions of this model cannot decode in one forward, once found (engine.batch)
 
     @property
     def device(self) -> torch.device:

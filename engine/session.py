@@ -46,7 +46,7 @@ from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
 from engine.kv.prefix import cached_run, extend_chain
-from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
+from engine.kv.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.loader import LoadedModel
 from engine.sampling import Sampler
 from engine.snapshot import CacheSnapshot, StepResult, TokenEvent, TurnStats
@@ -340,15 +340,22 @@ class ChatSession:
         """Feed the next chunk of ``seq[next_pos:]``; the last position's logits once all is fed, else None."""
         if self.store is None:
             return self._forward_off()
-        todo = len(self.seq) - self.index.next_pos
+        chunk, cx = self.plan_forward(len(self.seq) - self.index.next_pos)
+        start = self.index.next_pos
+        logits = self._forward(self.seq[start:start + chunk])
+        self.after_forward(cx)
+        return logits if self.index.next_pos >= len(self.seq) else None
+
+    def plan_forward(self, todo: int) -> tuple[int, EvictionContext]:
+        """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
         cx = self.eviction_context()
         chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
         self.evictions += done
-        start = self.index.next_pos
-        logits = self._forward(self.seq[start:start + chunk])
+        return chunk, cx
+
+    def after_forward(self, cx: EvictionContext) -> None:
         self.evictions += self.evictor.after_forward(self.store, self.index, self.policy, cx)
         self.add_notes(cx.notes)
-        return logits if self.index.next_pos >= len(self.seq) else None
 
     def _forward_off(self) -> torch.Tensor:
         dev = self.lm.device
@@ -362,32 +369,86 @@ class ChatSession:
     def _forward(self, feed: list[int]) -> torch.Tensor:
         """One forward over ``feed`` (the next tokens of ``seq``); returns the last position's logits.
         All or nothing: if it fails, the store, the index and the scores are as before."""
-        dev, store, index, scores = self.lm.device, self.store, self.index, self.evictor.scores
+        dev, index = self.lm.device, self.index
         q = len(feed)
-        needs_scores = self.policy is not None and self.policy.needs_scores
+        self.open_forward(q)
+        needs_scores = self._kv.score_sink is not None
         use_attention(self.model, SCORES_IMPL if needs_scores else self.info.attn_impl)
-        if needs_scores and not scores.tracking:
-            scores.start(index.n)
-        elif not needs_scores:
-            scores.stop()
-        self._kv.score_sink = scores.add if needs_scores else None
-        store.reserve(q, owner=self.turn)  # typed error, nothing changed, if there is no room
         ids = torch.tensor([feed], dtype=torch.long, device=dev)  # [1, q]
         pos = torch.arange(index.next_rope, index.next_rope + q, device=dev)[None]  # [1, q] RoPE positions
         try:
-            scores.grow(q)
             with torch.inference_mode():
                 out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True, logits_to_keep=1)
         except BaseException:
-            store.rollback()
-            if store.num_tokens != index.n:  # the store could not undo it (a recurrent state): start over
-                index.truncate(0)
-            scores.truncate(index.n)
+            self.undo_forward()
             raise
-        store.commit()
-        index.append(q)
-        self._register_pages(index.n - q)
+        self.close_forward(q)
         return out.logits[0, -1]  # [vocab]
+
+    def open_forward(self, q: int) -> None:
+        """Take room for ``q`` tokens before a forward (typed error, nothing changed, if there is none)."""
+        scores = self.evictor.scores
+        needs_scores = self.policy is not None and self.policy.needs_scores
+        if needs_scores and not scores.tracking:
+            scores.start(self.index.n)
+        elif not needs_scores:
+            scores.stop()
+        self._kv.score_sink = scores.add if needs_scores else None
+        self.store.reserve(q, owner=self.turn)
+        try:
+            scores.grow(q)
+        except BaseException:
+            self.store.rollback()
+            raise
+
+    def undo_forward(self) -> None:
+        """The forward failed: store, index and scores back to where ``open_forward`` found them."""
+        self.store.rollback()
+        if self.store.num_tokens != self.index.n:  # the store could not undo it (a recurrent state): start over
+            self.index.truncate(0)
+        self.evictor.scores.truncate(self.index.n)
+
+    def close_forward(self, q: int) -> None:
+        """The forward wrote ``q`` tokens' K/V: count them as cached."""
+        self.store.commit()
+        self.index.append(q)
+        self._register_pages(self.index.n - q)
+
+    # -- batched decoding (engine.batch) ------------------------------------------------------------------
+    def batchable(self) -> bool:
+        """Can this session's next step join a forward with other sessions (``engine.batch``)? A reply with
+        exactly one token to feed, a plain store (paged or contiguous, any K/V precision) and no policy that
+        reads attention scores."""
+        t = self.turn_state
+        return (self.generating and not t.cancel and self.host is None and not self.closed
+                and type(self.store) in (PagedKV, ContiguousKV)
+                and (self.policy is None or not self.policy.needs_scores)
+                and len(self.seq) - self.index.next_pos == 1)
+
+    def next_input(self) -> tuple[int, int]:
+        """(token id, RoPE position) the next one-token forward feeds."""
+        return self.seq[self.index.next_pos], self.index.next_rope
+
+    def take_token(self, logits: torch.Tensor, t0: float) -> StepResult:
+        """Sample from the logits of a forward this session took part in, then finish its step."""
+        t = self.turn_state
+        try:
+            ctx_ids = torch.tensor(self.seq, dtype=torch.long) if t.sampling.repetition_penalty != 1.0 else None
+            token = t.sampler(logits, ctx_ids)
+        except BaseException as e:
+            raise self._fail(e) from e
+        return self._after_token(token, t0, 1)
+
+    def end_context_full(self, exc: BaseException) -> StepResult:
+        self.add_notes([str(exc)])
+        return self._finish("context_full", None)
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """End the turn after ``exc`` (already rolled back); the typed error to report."""
+        return self._fail(exc)
+
+    def finish_cancelled(self) -> StepResult:
+        return self._finish("cancelled", None)
 
     # -- finishing ---------------------------------------------------------------------------------------
     def _finish(self, reason: str, event: TokenEvent | None) -> StepResult:

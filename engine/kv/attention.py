@@ -14,6 +14,7 @@ import torch
 from engine.kv.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
+RAGGED_IMPL = "kvscope_ragged"
 _registered = False
 
 
@@ -58,6 +59,28 @@ def scores_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of a batched decode: query row b attends to session b's own cached K/V (lengths differ, no
+    padding, no mask: one new token sees everything its session caches), each with torch's SDPA as the
+    model's own ``sdpa`` path calls it. query [B, Hq, 1, D]; ``kwargs["kvscope_ragged"]``: B pairs of
+    [1, Hkv, n_b, D] / [1, Hkv, n_b, Dv]. Returns ([B, 1, Hq, Dv], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.kv.hf_cache import RAGGED_KEY, RaggedUnsupported
+
+    parts = kwargs.pop(RAGGED_KEY, None)
+    if parts is None or len(parts) != query.shape[0] or query.shape[2] != 1:
+        raise RaggedUnsupported("batched decode: the attention did not get one session's K/V per query row")
+    outs = []
+    for b, (k, v) in enumerate(parts):
+        if k.shape[-1] != query.shape[-1] or query.shape[1] % k.shape[1]:
+            raise RaggedUnsupported(f"batched decode: cached keys {tuple(k.shape)} do not match queries "
+                                    f"{tuple(query.shape)} (the model transforms what it caches)")
+        o, _ = sdpa_attention_forward(module, query[b:b + 1], k, v, None, dropout=dropout, scaling=scaling, **kwargs)
+        outs.append(o)  # [1, 1, Hq, Dv]
+    return torch.cat(outs, 0), None  # [B, 1, Hq, Dv]
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -66,14 +89,15 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(SCORES_IMPL, scores_attention)
+    AttentionInterface.register(RAGGED_IMPL, ragged_attention)  # no mask function: it needs no mask
     AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
     _registered = True
 
 
 def use_attention(model, impl: str) -> None:
-    """Select ``impl`` ("sdpa" or ``SCORES_IMPL``) on a model if it is not already selected."""
+    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL`` or ``RAGGED_IMPL``) on a model if it is not already selected."""
     if getattr(model.config, "_attn_implementation", None) == impl:
         return
-    if impl == SCORES_IMPL:
+    if impl in (SCORES_IMPL, RAGGED_IMPL):
         register()
     model.set_attn_implementation(impl)

@@ -92,3 +92,59 @@ class KVCache(Cache):
                     ours = _with_state(store.states.layers[i], ours)
                 layers.append(ours)
         super().__init__(layers=layers)
+
+
+RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each session's K/V of a batched decode
+
+
+class _BatchLayer(CacheLayerMixin):
+    """One layer of a batched decode: row b of the new K/V goes to session b's store; the attention reads each
+    session's own K/V (``kwargs[RAGGED_KEY]``), so lengths may differ and nothing is padded."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: "BatchCache", layer_idx: int) -> None:
+        super().__init__()
+        self._cache, self._idx = cache, layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states [B, k_heads, 1, k_dim], value_states [B, v_heads, 1, v_dim]: post-RoPE, row b = session b
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        attn_kwargs = kwargs.get("kwargs")
+        if not isinstance(attn_kwargs, dict):
+            raise RaggedUnsupported("this model's attention does not hand its arguments to the cache")
+        parts = [store.update(self._idx, key_states[b:b + 1], value_states[b:b + 1])  # [1, H, n_b, D] each
+                 for b, store in enumerate(self._cache.stores)]
+        attn_kwargs[RAGGED_KEY] = parts
+        return key_states, value_states  # not read: the ragged attention takes the parts
+
+    def get_seq_length(self) -> int:
+        return max(s.past_len for s in self._cache.stores)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+
+class RaggedUnsupported(RuntimeError):
+    """The model cannot run a batched decode over separate stores (its attention bypasses what the cache returns)."""
+
+
+class BatchCache(Cache):
+    """A transformers ``Cache`` over several sessions' plain stores, for one decode forward of them together."""
+
+    def __init__(self, stores: list[KVStore]) -> None:
+        self.stores = stores
+        super().__init__(layers=[_BatchLayer(self, i) for i in range(stores[0].num_layers)])

@@ -1,4 +1,5 @@
-"""The engine thread: requests queue FIFO, the running ones are stepped round-robin, one step each per round.
+"""The engine thread: requests queue FIFO, the running ones are stepped round-robin, one step each per round;
+those decoding on plain stores take their step together in one batched forward (``engine.batch``).
 
 Torch is only ever called from this thread (``Scheduler._loop``); the HTTP side submits ``Job``s and reads
 their events from an asyncio queue (``Job.next``). A job is admitted when fewer than ``max_running`` run;
@@ -18,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine import batch
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
@@ -184,8 +186,7 @@ class Scheduler:
             for job in admit:
                 self._guard(self._begin, job)
             if not paused:
-                for job in list(self._running):
-                    self._guard(self._step, job)
+                self._step_running()
         self._shutdown()
 
     @staticmethod
@@ -277,6 +278,20 @@ class Scheduler:
         else:
             job.stats = s.start_ids(list(req.prompt_ids), job.sampling)
 
+    def _step_running(self) -> None:
+        """One step of every running request: those decoding on plain stores in one batched forward
+        (``engine.batch``), the others (prefill chunks, score-reading policies) one by one."""
+        jobs = list(self._running)
+        group = {id(s) for s in batch.batchable([j.session for j in jobs if not j.cancelled])}
+        together = [j for j in jobs if id(j.session) in group]
+        if together:
+            self.metrics.batched(len(together))
+            for job, r in zip(together, batch.step_batch([j.session for j in together])):
+                self._guard(lambda j, r=r: self._emit(j, r), job)
+        for job in jobs:
+            if id(job.session) not in group:
+                self._guard(self._step, job)
+
     def _step(self, job: Job) -> None:
         s = job.session
         if job.cancelled:
@@ -290,6 +305,12 @@ class Scheduler:
             self.idle.close(evicted=True)  # idle conversations give their pages to a request that needs them
             self._start_turn(job)  # the prompt again (nothing was sent yet); its cached prefix is intact
             return
+        self._emit(job, r)
+
+    def _emit(self, job: Job, r) -> None:
+        """Hand a step's token to the client; end the request when the step ended the reply."""
+        if isinstance(r, BaseException):
+            raise r
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:

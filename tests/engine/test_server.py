@@ -221,7 +221,9 @@ def test_four_concurrent_clients_get_their_sequential_replies(served, client, st
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    server.scheduler.pause()  # all four queue up, then run together, stepped in turn
+    m = server.scheduler.metrics
+    forwards0, tokens0 = m.batched_forwards, m.batched_tokens
+    server.scheduler.pause()  # all four queue up, then run together, decoded in one forward per step
     try:
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
         for t in threads:
@@ -233,6 +235,8 @@ def test_four_concurrent_clients_get_their_sequential_replies(served, client, st
         t.join(DEADLINE_S)
     assert not errors, errors
     assert [got[i] for i in range(4)] == refs
+    forwards, tokens = m.batched_forwards - forwards0, m.batched_tokens - tokens0
+    assert forwards >= 40 and tokens >= 3 * forwards  # most steps decoded three or four replies together
 
 
 class _Slow:
