@@ -106,10 +106,14 @@ def _forward(lm, sessions: list) -> torch.Tensor:
     feed = [s.next_input() for s in sessions]
     ids = torch.tensor([[tok] for tok, _ in feed], dtype=torch.long, device=dev)  # [B, 1]
     pos = torch.tensor([[p] for _, p in feed], dtype=torch.long, device=dev)  # [B, 1] RoPE positions
+    before = lm.model.config._attn_implementation
     use_attention(lm.model, RAGGED_IMPL)
-    with torch.inference_mode():
-        out = lm.model(input_ids=ids, cache=BatchCache([s.store for s in sessions]), position_ids=pos,
-                       use_cache=True, logits_to_keep=1)
+    try:
+        with torch.inference_mode():
+            out = lm.model(input_ids=ids, cache=BatchCache([s.store for s in sessions]), position_ids=pos,
+                           use_cache=True, logits_to_keep=1)
+    finally:  # whoever calls the model next (HF generate, a session) finds it as it was (~0.3 ms each way)
+        use_attention(lm.model, before)
     return out.logits[:, -1]  # [B, vocab]
 
 

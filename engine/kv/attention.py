@@ -89,7 +89,8 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(SCORES_IMPL, scores_attention)
-    AttentionInterface.register(RAGGED_IMPL, ragged_attention)  # no mask function: it needs no mask
+    # looked up at each call (tests replace it); no mask function: one new token per row needs no mask
+    AttentionInterface.register(RAGGED_IMPL, lambda *a, **k: ragged_attention(*a, **k))
     AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
     _registered = True
 

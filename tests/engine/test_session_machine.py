@@ -1,7 +1,7 @@
 """Every transition a user can make on chats, as a hypothesis state machine over real ``ChatSession`` objects on
 the real stories260K model: new turn / regenerate / edit, steps, cache settings switched mid-reply and between
 turns (every mode, page sizes 1-64, every precision pair, every policy with small budgets, page caps),
-fork, swap out / in, cancel, close. After every rule the snapshot promises and the page bookkeeping are
+fork, swap out / in, cancel, close, several chats stepped together (batched decoding). After every rule the snapshot promises and the page bookkeeping are
 checked; any error must be typed, and after one the chat must still take a new turn.
 """
 
@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine import batch
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.kv.prefix import extend_chain
@@ -155,9 +156,16 @@ class ChatMachine(RuleBasedStateMachine):
         try:
             r = chat.session.step()
         except EngineError as e:
-            assert not chat.session.generating, f"{type(e).__name__} left the reply running"
+            r = e
+        return self._take(chat, r)
+
+    def _take(self, chat: Chat, r) -> bool:
+        if isinstance(r, EngineError):
+            assert not chat.session.generating, f"{type(r).__name__} left the reply running"
             self._prove_not_wedged(chat)
             return False
+        if isinstance(r, BaseException):
+            raise r
         assert r.snapshot is not None
         if r.event is None:
             assert not r.done and r.snapshot.phase == "prefill"
@@ -175,6 +183,16 @@ class ChatMachine(RuleBasedStateMachine):
         while not s.step().done:
             pass
         chat.history, chat.asked = [], None
+
+    @rule(n=st.integers(1, 8))
+    def step_together(self, n):
+        """Every chat with a reply in progress takes ``n`` steps; those that can, in one batched forward."""
+        for _ in range(n):
+            live = [c for c in self.chats if c.session.generating]
+            if not live:
+                return
+            for chat, r in zip(live, batch.step_all([c.session for c in live])):
+                self._take(chat, r)
 
     @rule(i=st.integers(0, 99), cfg=cache_configs())
     def apply(self, i, cfg):

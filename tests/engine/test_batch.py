@@ -1,0 +1,185 @@
+"""Batched decoding (``engine.batch``): sessions decoded in one forward get exactly their own tokens, their own
+cache settings and policies, and their own errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import batch
+from engine.config import CacheConfig, SamplingConfig
+from engine.errors import CacheCapacityError, EngineError
+from engine.kv import attention
+from engine.kv.hf_cache import RaggedUnsupported
+from engine.session import ChatSession
+from test_exact import hf_greedy
+
+PROMPTS = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park. They", "A big red ball"]
+
+
+@pytest.fixture()
+def lm(stories):
+    return dataclasses.replace(stories, arenas=None, batch_refused="")  # its own arenas and batch verdict
+
+
+def _start(lm, cfgs, n, prompts=PROMPTS):
+    sessions = [ChatSession(lm, c) for c in cfgs]
+    for s, p in zip(sessions, prompts):
+        s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    return sessions
+
+
+def _run(sessions, counts=None):
+    """Step all until done; returns per session its results; ``counts`` gets the batch size of each step."""
+    out = {id(s): [] for s in sessions}
+    while live := [s for s in sessions if s.generating]:
+        if counts is not None:
+            counts.append(len(batch.batchable(live)))
+        for s, r in zip(live, batch.step_all(live)):
+            out[id(s)].append(r)
+    return out
+
+
+def test_four_sessions_with_different_settings_decode_together_exactly(lm):
+    n = 300
+    cfgs = [CacheConfig(mode="paged", page_size=16), CacheConfig(mode="paged", page_size=3),
+            CacheConfig(mode="contiguous"), CacheConfig(mode="paged", page_size=1)]
+    sessions = _start(lm, cfgs, n)
+    counts: list[int] = []
+    _run(sessions, counts)
+    assert counts.count(4) >= n - 2  # after the prefills every step decoded all four together
+    for s, p in zip(sessions, PROMPTS):
+        assert s.generated_ids == hf_greedy(lm, lm.tokenizer(p)["input_ids"], n)
+        assert s.last_stats.stop_reason == "max_tokens"
+
+
+def test_lossy_and_policy_sessions_get_what_they_get_alone(lm):
+    """int8 K/V and StreamingLLM (no attention scores) join the batch; H2O (scores) steps alone; each reply is
+    the one its session gives when it runs by itself."""
+    cfgs = [CacheConfig(mode="paged", page_size=4, k_dtype="int8", v_dtype="int8"),
+            CacheConfig(mode="paged", page_size=8, policy="streaming", policy_params={"sinks": 4, "window": 24}),
+            CacheConfig(mode="paged", page_size=8, policy="h2o", policy_params={"budget": 32, "recent": 8}),
+            CacheConfig(mode="paged", page_size=16)]
+    n = 80
+    alone = []
+    for c, p in zip(cfgs, PROMPTS):
+        (s,) = _start(lm, [c], n, [p])
+        _run([s])
+        alone.append(s.generated_ids)
+    sessions = _start(lm, cfgs, n)
+    counts: list[int] = []
+    _run(sessions, counts)
+    assert max(counts) == 3  # H2O never joined
+    assert [s.generated_ids for s in sessions] == alone
+    assert sessions[1].evicted_total > 0  # the window moved while batched
+
+
+def test_replies_of_different_lengths_and_a_cancel(lm):
+    sessions = _start(lm, [CacheConfig()] * 3, 40)
+    sessions[1].turn_state.sampling = dataclasses.replace(sessions[1].turn_state.sampling, max_new_tokens=7)
+    results = {id(s): [] for s in sessions}
+    for step in range(60):
+        live = [s for s in sessions if s.generating]
+        if not live:
+            break
+        if step == 12:
+            sessions[2].cancel()
+        for s, r in zip(live, batch.step_all(live)):
+            results[id(s)].append(r)
+    assert [s.last_stats.stop_reason for s in sessions] == ["max_tokens", "max_tokens", "cancelled"]
+    assert len(sessions[1].generated_ids) == 7
+    ref = hf_greedy(lm, lm.tokenizer(PROMPTS[0])["input_ids"], 40)
+    assert sessions[0].generated_ids == ref
+    mine = results[id(sessions[0])]
+    assert "".join(r.event.text_delta for r in mine if r.event is not None) == mine[-1].text != ""
+
+
+def test_a_session_without_room_fails_alone(lm):
+    """Pages of 4, four in the arena: the 8-token prompt's session needs a third page for its next token and
+    gets a typed error; the 6-token one has room in its second page and goes on; both can start again."""
+    cfg = CacheConfig(mode="paged", page_size=4, max_pages=4, prefix_reuse=False)
+    a, b = ChatSession(lm, cfg), ChatSession(lm, cfg)
+    a.start_ids(list(range(10, 18)), SamplingConfig(max_new_tokens=5, ignore_eos=True))
+    b.start_ids(list(range(30, 36)), SamplingConfig(max_new_tokens=2, ignore_eos=True))
+    for s in (a, b):
+        while s.step().event is None:
+            pass
+    ra, rb = batch.step_all([a, b])
+    assert isinstance(ra, CacheCapacityError) and not a.generating
+    assert not isinstance(rb, BaseException) and rb.event is not None and rb.done
+    assert a.n_phys == 8 and b.n_phys == 7  # a's failed token left nothing behind
+    b.close()
+    a.start_ids(list(range(10, 18)), SamplingConfig(max_new_tokens=3, ignore_eos=True))
+    while not (r := a.step()).done:
+        pass
+    assert r.stop_reason == "max_tokens"
+
+
+def test_a_failed_forward_ends_every_reply_it_carried_and_wedges_none(lm, monkeypatch):
+    sessions = _start(lm, [CacheConfig(), CacheConfig(mode="contiguous")], 20)
+    for _ in range(6):
+        batch.step_all(sessions)
+    before = [(s.n_phys, len(s.seq)) for s in sessions]
+    real = attention.ragged_attention  # the registered function looks it up at each call
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(attention, "ragged_attention", broken)
+    results = batch.step_all(sessions)
+    monkeypatch.setattr(attention, "ragged_attention", real)
+    assert all(isinstance(r, EngineError) for r in results)
+    assert [(s.n_phys, len(s.seq)) for s in sessions] == before and not any(s.generating for s in sessions)
+    for s, p in zip(sessions, PROMPTS):  # the next turn works and is exact
+        s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=10, ignore_eos=True))
+    _run(sessions)
+    assert [s.generated_ids for s in sessions] == [hf_greedy(lm, lm.tokenizer(p)["input_ids"], 10)
+                                                  for p in PROMPTS[:2]]
+
+
+def test_a_model_that_cannot_batch_steps_one_by_one(lm, monkeypatch):
+    def refuse(*a, **k):
+        raise RaggedUnsupported("simulated: cached keys do not match")
+
+    monkeypatch.setattr(attention, "ragged_attention", refuse)
+    sessions = _start(lm, [CacheConfig()] * 2, 12)
+    counts: list[int] = []
+    _run(sessions, counts)
+    assert "simulated" in lm.batch_refused and batch.batch_refusal(lm) == lm.batch_refused
+    assert counts.count(0) >= 10  # once refused, never tried again
+    assert [s.generated_ids for s in sessions] == [hf_greedy(lm, lm.tokenizer(p)["input_ids"], 12)
+                                                  for p in PROMPTS[:2]]
+
+
+def test_random_weights_batched_logits_match_single(lm):
+    """A random-weight Llama with a wider layer (the batched linear takes another BLAS path): the batched
+    forward's logits agree with one session's to float32 rounding."""
+    from engine.shapes import build_shape
+
+    big = build_shape("tiny-llama", device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, big.info.vocab_size, (n,), generator=g).tolist() for n in (9, 23, 17)]
+    solo = []
+    for p in prompts:
+        s = ChatSession(big, CacheConfig())
+        s.start_ids(p, SamplingConfig(max_new_tokens=2, ignore_eos=True))
+        while s.step().event is None:
+            pass
+        tok, pos = s.next_input()
+        logits = s._forward([tok])
+        solo.append(logits)
+        s.close()
+    sessions = [ChatSession(big, CacheConfig()) for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        s.start_ids(p, SamplingConfig(max_new_tokens=2, ignore_eos=True))
+        while s.step().event is None:
+            pass
+    for s in sessions:
+        s.open_forward(1)
+    batched = batch._forward(big, sessions)
+    for s in sessions:
+        s.close_forward(1)
+    for b, ref in enumerate(solo):
+        assert torch.allclose(batched[b], ref, atol=1e-4, rtol=1e-4), (batched[b] - ref).abs().max()
