@@ -76,14 +76,29 @@ def step_batch(sessions: Sequence) -> list[StepResult | BaseException]:
             s.undo_forward()
             results[i] = s.fail(e)
         return results
+    for _, s, _ in joined:
+        s.close_forward(1)
+    _share_written([s for _, s, _ in joined])
     for b, (i, s, cx) in enumerate(joined):
         try:
-            s.close_forward(1)
             s.after_forward(cx)
             results[i] = s.take_token(logits[b], t0)
         except BaseException as e:  # noqa: BLE001 - this session's own error (already typed by take_token)
             results[i] = e
     return results
+
+
+def _share_written(sessions: list) -> None:
+    """Each session's snapshot shows every page the forward wrote in its pool, and how many it decoded."""
+    by_pool: dict[int, set[int]] = {}
+    for s in sessions:
+        arena = getattr(s.store, "arena", None)
+        if arena is not None:
+            by_pool.setdefault(id(arena), set()).update(s.written)
+    for s in sessions:
+        arena = getattr(s.store, "arena", None)
+        s.written = tuple(sorted(by_pool.get(id(arena), ()))) if arena is not None else ()
+        s.batch_size = len(sessions)
 
 
 def _open(s):

@@ -142,4 +142,6 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         notes=tuple(session.notes),
         page_groups=groups,
         layer_kinds=tuple(info.layer_kinds),
+        written_pages=tuple(p for p in session.written if p < len(state)) if paged else (),
+        batch_size=session.batch_size,
     )

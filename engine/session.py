@@ -80,6 +80,8 @@ class ChatSession:
         self.protected = 0  # logical [0, protected): system prompt + first message
         self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
         self.evictions: list[Eviction] = []  # what this step evicted
+        self.written: tuple[int, ...] = ()  # pages the last forward wrote (with a batch: its other sessions' too)
+        self.batch_size = 1  # sessions that forward decoded (engine.batch)
         self.notes: list[str] = []  # for the user, handed out with the reply's last step
         self.turn = -1
         self.generating = False
@@ -413,6 +415,15 @@ class ChatSession:
         self.store.commit()
         self.index.append(q)
         self._register_pages(self.index.n - q)
+        self.written, self.batch_size = self.pages_written(q), 1
+
+    def pages_written(self, q: int) -> tuple[int, ...]:
+        """Pages holding the last ``q`` cached tokens (a plain paged store; else none)."""
+        store, n = self.store, self.index.n
+        if type(store) is not PagedKV or q <= 0 or n <= 0:
+            return ()
+        P = store.page_size
+        return tuple(store.table.pages[(n - q) // P:(n - 1) // P + 1])
 
     # -- batched decoding (engine.batch) ------------------------------------------------------------------
     def batchable(self) -> bool:

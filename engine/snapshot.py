@@ -185,6 +185,8 @@ class CacheSnapshot:
     notes: tuple[str, ...] = ()
     page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
+    written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
+    batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

@@ -126,6 +126,19 @@ def upscale(colours: np.ndarray, px: int) -> np.ndarray:
     return big
 
 
+def mark_written(big: np.ndarray, pages, cols: int, px: int) -> np.ndarray:
+    """A white dot in the middle of each cell the last forward wrote (``big`` from ``upscale``, changed in place):
+    with batched decoding, several chats' pages light up in the same step."""
+    d = max(1, px // 3)  # 2x2 in a 6-pixel cell
+    o = max(0, (px - 1 - d) // 2)
+    for p in pages:
+        r, c = divmod(int(p), cols)
+        y, x = r * px + o, c * px + o
+        if y + d <= big.shape[0] and x + d <= big.shape[1]:
+            big[y:y + d, x:x + d, :3] = 255
+    return big
+
+
 class PageMapPanel(Panel):
     """Grid of physical pages (row-major by page id) and a strip of token states."""
 
@@ -169,7 +182,8 @@ class PageMapPanel(Panel):
         self.grid = page_grid(snap, self.cols)
         self.colours = page_colours(snap, self.cols)
         self.px = cell_pixels(snap.num_pages)
-        self.image.setImage(upscale(self.colours, self.px), autoLevels=False, levels=(0, 255))
+        big = mark_written(upscale(self.colours, self.px), snap.written_pages, self.cols, self.px)
+        self.image.setImage(big, autoLevels=False, levels=(0, 255))
         self.strip.setImage(token_colours(snap), autoLevels=False, levels=(0, 255))
         if self._shape != self.grid.shape:
             self._shape = self.grid.shape
@@ -181,6 +195,9 @@ class PageMapPanel(Panel):
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
+        if snap.written_pages:
+            parts.append(f"dots: {len(snap.written_pages)} written this step"
+                         + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
         if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
             parts.insert(1, " · ".join(f"{label}: pages {start}–{start + n - 1}" for label, start, n in
                                        _group_spans(snap.page_groups)))

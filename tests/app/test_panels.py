@@ -204,3 +204,16 @@ def test_state_layers_stand_as_a_constant_bar_and_pools_are_labelled(qtbot):
     qtbot.addWidget(pages)
     pages.show_snapshot(snap)
     assert "full: pages 0–4" in pages.caption.text() and "sliding 8: pages 5–7" in pages.caption.text()
+
+
+def test_page_map_dots_the_pages_a_batched_step_wrote(qtbot):
+    snap = make_snapshot(written_pages=(1, 4), batch_size=3)
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    px, drawn = panel.px, panel.image.image
+    base = upscale(panel.colours, px)
+    changed = np.argwhere((drawn[..., :3] != base[..., :3]).any(axis=-1))  # [pixels, (y, x)]
+    cells = {(int(y) // px) * panel.cols + int(x) // px for y, x in changed}
+    assert cells == {1, 4} and (drawn[changed[:, 0], changed[:, 1], :3] == 255).all()
+    assert "2 written this step (3 chats decoded together)" in panel.caption.text()

@@ -183,3 +183,18 @@ def test_random_weights_batched_logits_match_single(lm):
         s.close_forward(1)
     for b, ref in enumerate(solo):
         assert torch.allclose(batched[b], ref, atol=1e-4, rtol=1e-4), (batched[b] - ref).abs().max()
+
+
+def test_snapshots_show_every_page_the_batched_forward_wrote(lm):
+    sessions = _start(lm, [CacheConfig(mode="paged", page_size=4)] * 2 + [CacheConfig(mode="contiguous")], 6)
+    for s in sessions:
+        while s.step().event is None:
+            pass
+    results = batch.step_all(sessions)
+    last = [s.store.table.pages[(s.n_phys - 1) // 4] for s in sessions[:2]]
+    assert last[0] != last[1]
+    for r in results[:2]:
+        assert r.snapshot.batch_size == 3 and set(r.snapshot.written_pages) == set(last)
+    assert results[2].snapshot.written_pages == () and results[2].snapshot.batch_size == 3
+    (r,) = batch.step_all(sessions[:1])  # alone: its own page only
+    assert r.snapshot.batch_size == 1 and r.snapshot.written_pages == (sessions[0].store.table.pages[-1],)
