@@ -122,6 +122,31 @@ def test_stories_exact_on_cuda(stories_gpu, record):
         assert got == ref, f"{cache.mode}: first divergence at token {first}"
 
 
+def test_batched_decoding_exact_on_cuda(stories_gpu, record):
+    """Four chats decoded in one forward per step on the GPU (float32): each gets HF's greedy ids."""
+    from engine import batch
+    from engine.session import ChatSession
+
+    lm = stories_gpu
+    prompts = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park. They", "A big red ball"]
+    n = 120
+    sessions = [ChatSession(lm, c) for c in (CacheConfig(mode="paged", page_size=16), CacheConfig(mode="paged", page_size=3),
+                                              CacheConfig(mode="contiguous"), CacheConfig(mode="paged", page_size=16))]
+    for s, p in zip(sessions, prompts):
+        s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    together = 0
+    while live := [s for s in sessions if s.generating]:
+        together = max(together, len(batch.batchable(live)))
+        for r in batch.step_all(live):
+            assert not isinstance(r, BaseException), r
+    firsts = []
+    for s, p in zip(sessions, prompts):
+        ref, _ = hf_generate(lm, lm.tokenizer(p)["input_ids"], n)
+        firsts.append(next((i for i, (a, b) in enumerate(zip(s.generated_ids, ref)) if a != b), None))
+    record("batched-exact-cuda", sessions=4, decoded_together=together, first_divergence=firsts)
+    assert together == 4 and firsts == [None] * 4
+
+
 def test_bf16_paged_top1_agreement(qwen_bf16, record):
     """Qwen2.5-0.5B shape in bf16: our paged decode picks HF's top-1 at ≥ 99.9% of 256 tokens."""
     prompt = _prompt(qwen_bf16.info.vocab_size, 64)
