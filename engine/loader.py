@@ -97,7 +97,28 @@ def choose_device(requested: str) -> tuple[str, str]:
         return "cuda", f"CUDA: {torch.cuda.get_device_name(0)}"
     if mps:
         return "mps", "MPS: Apple GPU (no CUDA device)"
-    return "cpu", "CPU: no CUDA or MPS device"
+    return "cpu", no_gpu_reason()
+
+
+def no_gpu_reason() -> str:
+    """Why the CPU runs the model, in words: a CUDA build of torch without the NVIDIA driver (its
+    ``libcuda.so.1`` / ``nvcuda.dll`` belongs to the driver and is never bundled), a driver without a usable GPU,
+    or a CPU-only torch on a machine with an NVIDIA driver."""
+    import ctypes
+    import sys
+
+    cuda = torch.version.cuda
+    if cuda:
+        lib = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        try:
+            ctypes.CDLL(lib)
+        except OSError:
+            return f"CPU: no NVIDIA driver found ({lib} is missing; this build uses CUDA {cuda})"
+        return (f"CPU: the NVIDIA driver offers no usable GPU (no GPU, or a driver older than CUDA {cuda} needs: "
+                "update it)")
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return "CPU: an NVIDIA driver is installed but this torch is a CPU-only build (install the CUDA build)"
+    return "CPU: no CUDA or MPS device"
 
 
 # -- resolving a source to a folder -------------------------------------------------------------------------

@@ -223,3 +223,16 @@ def test_load_reports_per_tensor_progress_and_can_be_cancelled_mid_weights(stori
     already.set()
     with pytest.raises(errors.LoadCancelled):
         load_model(str(stories_path), cancel=already)
+
+
+def test_cpu_fallback_says_why(monkeypatch):
+    """A CUDA build of torch on a machine without the NVIDIA driver (this one: no libcuda.so.1) says so."""
+    import torch
+
+    from engine.loader import choose_device, no_gpu_reason
+
+    assert choose_device("auto") == ("cpu", no_gpu_reason())
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert no_gpu_reason() == "CPU: no NVIDIA driver found (libcuda.so.1 is missing; this build uses CUDA 13.0)"
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert no_gpu_reason() == "CPU: no CUDA or MPS device"
