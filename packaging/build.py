@@ -66,6 +66,9 @@ QT_XCB_DEPENDS = [
 # (platformthemes/libqgtk3 needs GTK 3 for native dialogs; Qt falls back to its own without it).
 OPTIONAL_PLUGIN_DIRS = ("platformthemes", "egldeviceintegrations")
 RECOMMENDS = {"libgtk-3.so.0": "libgtk-3-0", "libgdk-3.so.0": "libgtk-3-0"}
+# The NVIDIA driver's own libraries: a CUDA bundle must never carry them (they must match the installed kernel
+# module) and must start without them (torch then reports no GPU and the app runs on the CPU, saying why).
+DRIVER_SONAMES = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 
 def log(msg: str) -> None:
@@ -298,8 +301,11 @@ def project_version(src: Path) -> str:
     return m.group(1) if m else "0.0.0"
 
 
-def build_deb(src: Path, bundle: Path, out: Path, deps: dict, compression: str) -> Path:
-    version = project_version(src)
+def build_deb(src: Path, bundle: Path, out: Path, deps: dict, compression: str, cuda: str | None = None) -> Path:
+    """The .deb of ``bundle``. A bundle frozen with a CUDA build of torch (``cuda``: its CUDA version) is
+    versioned ``<version>+cu<NNN>`` (same package: it replaces the CPU build and back) and says in its
+    description that the GPU needs the NVIDIA driver."""
+    version = project_version(src) + (f"+cu{cuda.replace('.', '')}" if cuda else "")
     arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
                           check=True).stdout.strip()
     root = out / "deb-root"
@@ -341,6 +347,10 @@ def build_deb(src: Path, bundle: Path, out: Path, deps: dict, compression: str) 
     control = (HERE / "linux" / "control.in").read_text(encoding="utf-8").format(
         version=version, arch=arch, installed_size=installed_kb, depends=", ".join(deps["depends"]),
         recommends=", ".join(deps["recommends"]) or "libgtk-3-0",
+        torch_build=f"PyTorch with the CUDA {cuda} runtime" if cuda else "PyTorch CPU",
+        gpu_note=(f"\n .\n This build runs models on an NVIDIA GPU through the installed NVIDIA driver\n"
+                  f" (CUDA {cuda} runtime bundled, the driver is not); without the driver it\n"
+                  " runs on the CPU and says why.") if cuda else "",
     )
     (root / "DEBIAN").mkdir()
     (root / "DEBIAN" / "control").write_text(control, encoding="utf-8")
@@ -388,12 +398,36 @@ def check_deb(deb: Path, out: Path, deps: dict) -> dict:
         r = subprocess.run(["ldd", str(p)], capture_output=True, text=True)
         missing.update(m.group(1) for m in re.finditer(r"^\s*(\S+) => not found", r.stdout, re.M))
     declared = {d.split()[0] for d in deps["depends"]}
-    uncovered = sorted(n for n in missing if SONAME_PACKAGES.get(n) not in declared)
+    # a library bundled in another folder than the one asking (bitsandbytes' CUDA library wants torch's
+    # libcublas): the loader finds it by soname once torch, always imported first, has loaded it
+    bundled = {p.name for p in (root / "opt" / NAME).rglob("*.so*")}
+    driver = sorted(n for n in missing if n in DRIVER_SONAMES)
+    by_soname = sorted(n for n in missing if n in bundled)
+    uncovered = sorted(n for n in missing - set(driver) - set(by_soname) if SONAME_PACKAGES.get(n) not in declared)
     if uncovered:
         problems.append(f"libraries neither bundled, on this system, nor in Depends: {uncovered}")
+    carried = sorted(n for n in bundled if n.split(".so")[0] + ".so.1" in DRIVER_SONAMES)
+    if carried:
+        problems.append(f"the NVIDIA driver's libraries are bundled (they must come from the installed driver): {carried}")
     if problems:
         fail("the .deb is broken: " + "; ".join(problems))
-    return {"root": root, "exe": launcher, "control": info, "missing_here_covered_by_depends": sorted(missing)}
+    return {"root": root, "exe": launcher, "control": info, "missing_here_covered_by_depends": sorted(missing),
+            "from_the_nvidia_driver": driver, "bundled_resolved_by_soname": by_soname}
+
+
+def expect_device(r: dict) -> None:
+    """A CUDA bundle's self-test must name its device: the GPU where the NVIDIA driver is, else the CPU with
+    the reason (no driver here: ``libcuda.so.1`` is the driver's, never bundled)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        expect = "on cuda (CUDA:"
+    except OSError:
+        expect = "on cpu (CPU: no NVIDIA driver found"
+    if expect not in r["output"]:
+        r["rc"] = 1
+        r["output"] += f"\n(the CUDA build's self-test did not report {expect!r})"
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -440,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             show(r, "frozen self-test (dist)")
             report["self_test"] = r
             checks.append(("frozen self-test", r))
+            if report["env"].get("cuda") and r["rc"] == 0:
+                expect_device(r)
             if r["rc"] == 0 and not shot.is_file():
                 r["rc"] = 1
                 r["output"] += "\n(no screenshot was written)"
@@ -467,14 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"warning: system libraries with no known package (add them to SONAME_PACKAGES): "
                     f"{deps['unknown_sonames']}")
             t = time.perf_counter()
-            deb = build_deb(src, bundle, out, deps, args.deb_compression)
+            deb = build_deb(src, bundle, out, deps, args.deb_compression, report["env"].get("cuda"))
             report["deb"] = {"path": str(deb), "mb": round(deb.stat().st_size / 1e6, 1),
                              "seconds": round(time.perf_counter() - t, 1), "compression": args.deb_compression}
             log(f"{deb.name}: {report['deb']['mb']} MB in {report['deb']['seconds']} s; "
                 f"Depends: {', '.join(deps['depends'])}")
             installed = check_deb(deb, out, deps)
             report["deb"]["control"] = installed["control"]
-            report["deb"]["missing_here_covered_by_depends"] = installed["missing_here_covered_by_depends"]
+            for key in ("missing_here_covered_by_depends", "from_the_nvidia_driver", "bundled_resolved_by_soname"):
+                report["deb"][key] = installed[key]
             if not args.skip_self_test:
                 r = run_frozen(installed["exe"], ["--self-test", "--screenshot", str(out / "self-test-deb.png")],
                                scratch)
