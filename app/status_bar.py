@@ -65,7 +65,7 @@ class StatusBar:
         self.model.setText(f"Model: {name}")
         self.model.set_tip(source)
         if device:
-            self.device.setText(f"on {device.upper() if device in ('cpu', 'mps') else device}")
+            self.device.setText(f"on {device.upper() if device in ('cpu', 'mps') else device}{fallback_note(reason)}")
             self.device.set_tip(reason)
 
     def show_cache(self, cfg: CacheConfig) -> None:
@@ -96,3 +96,11 @@ class StatusBar:
             f"{used:,} of the model's {total:,} context tokens are in use ({100 * frac:.0f}%).\n"
             f"{when_full} (Cache policy ▸ When the context is full). Every dropped token shows in the page map "
             "and the occupancy panel.")
+
+
+def fallback_note(reason: str) -> str:
+    """" — <why>" when the model runs on the CPU although a GPU was meant to be there (a CUDA build without the
+    NVIDIA driver, ...): in view, not only in the tooltip. Nothing for a machine that simply has no GPU."""
+    if not reason.startswith("CPU: ") or reason in ("CPU: chosen", "CPU: no CUDA or MPS device"):
+        return ""
+    return " — " + reason[5:].split(" (")[0]
