@@ -474,6 +474,7 @@ class ChatSession:
         text = t.decoder.text if t.decoder is not None else ""
         phase = event.phase if event is not None else "decode"
         snapshot = self.snapshot(phase, event.step_ms if event else 0.0)
+        self.written, self.batch_size = (), 1  # an idle chat's picture shows no page as being written
         notes, self.notes = tuple(self.notes), []
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=text, stats=stats,
                           warnings=notes)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
+import threading
+import time
 
 import httpx
 from app_helpers import close_window, open_window
@@ -144,4 +147,66 @@ def test_loading_another_model_stops_the_server(qtbot, data_dir, stories_path):
         with qtbot.waitSignal(w.reply_finished, timeout=DEADLINE_MS):
             w.send("Hello")
     finally:
+        close_window(w)
+
+
+class _Slow:
+    """The served model's forward made ``seconds`` slower, so four replies last while the panels are looked at."""
+
+    def __init__(self, model, seconds: float) -> None:
+        self.model, self.seconds, self._forward = model, seconds, model.forward
+        model.forward = self  # an instance attribute: nn.Module.__call__ finds it before the method
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self._forward(*args, **kwargs)
+
+    def undo(self) -> None:
+        del self.model.forward
+
+
+def test_four_api_requests_decode_together_and_the_page_map_shows_it(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    w.settings.set("server/port", free_port())
+    prompts = ["Once upon a time", "Ben found a shiny rock.", "The cat sat on the mat.", "Mia baked a cake."]
+    replies: dict[int, int] = {}
+    slow = None
+
+    def ask(i: int) -> None:
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": "stories260K", "messages": [{"role": "user", "content": prompts[i]}],
+                             "temperature": 0, "max_tokens": 150})
+        replies[i] = r.status_code
+
+    try:
+        url = start_serving(qtbot, w)
+        server = w.server.thread.server
+        slow = _Slow(server.lm.model, 0.03)  # ~5 s per reply: the panels poll twice a second
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        qtbot.waitUntil(lambda: w.api_list.count() == 4, timeout=DEADLINE_MS)
+        w.api_list.setCurrentRow(0)
+        qtbot.waitUntil(lambda: (w.page_map.snapshot is not None and w.page_map.snapshot.batch_size >= 2
+                                 and len(w.page_map.snapshot.written_pages) >= 2), timeout=DEADLINE_MS)
+        snap = w.page_map.snapshot
+        assert f"{len(snap.written_pages)} written this step ({snap.batch_size} chats decoded together)" in \
+            w.page_map.caption.text()
+        if os.environ.get("KVSCOPE_SCREENSHOTS"):
+            from PySide6.QtWidgets import QDockWidget
+
+            dock = w.page_map.parent()
+            while dock is not None and not isinstance(dock, QDockWidget):
+                dock = dock.parent()
+            if dock is not None:
+                dock.raise_()
+            qtbot.wait(700)  # a poll or two more: the map redrawn on its tab
+            w.grab().save(os.path.join(os.environ["KVSCOPE_SCREENSHOTS"], "api-batched.png"))
+        for t in threads:
+            t.join(120)
+        assert replies == {0: 200, 1: 200, 2: 200, 3: 200}
+        assert server.scheduler.metrics.batched_forwards >= 50
+    finally:
+        if slow is not None:
+            slow.undo()
         close_window(w)
