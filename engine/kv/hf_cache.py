@@ -18,20 +18,33 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from engine.kv.storage import KVStore
 
 
-class _StoreLayer(CacheLayerMixin):
+class _OurLayer(CacheLayerMixin):
+    """What our layer objects share: the session owns their lifetime, transformers only reads and updates."""
+
     is_compileable = False
     is_croppable = False
+    is_sliding = False
 
-    def __init__(self, cache: "KVCache", layer_idx: int, sliding: bool = False, score_idx: int | None = None) -> None:
+    def __init__(self, cache, layer_idx: int) -> None:
         super().__init__()
-        self._cache = cache
-        self._idx = layer_idx
-        self.is_sliding = sliding
-        self._score_idx = score_idx  # row of the attention scores (full layers), None: not tracked
+        self._cache, self._idx = cache, layer_idx
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # transformers may call it; the session owns the lifetime instead
+        pass
+
+
+class _StoreLayer(_OurLayer):
+    def __init__(self, cache: "KVCache", layer_idx: int, sliding: bool = False, score_idx: int | None = None) -> None:
+        super().__init__(cache, layer_idx)
+        self.is_sliding = sliding
+        self._score_idx = score_idx  # row of the attention scores (full layers), None: not tracked
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states [1, k_heads, q, k_dim], value_states [1, v_heads, q, v_dim]: post-RoPE
@@ -53,12 +66,6 @@ class _StoreLayer(CacheLayerMixin):
         if self._cache.grouped:
             return store.layer_mask_sizes(self._idx, query_length)
         return store.past_len + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:  # transformers may call it; the session owns the lifetime instead
-        pass
 
 
 def _with_state(hf_layer, ours: _StoreLayer):
@@ -97,21 +104,9 @@ class KVCache(Cache):
 RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each session's K/V of a batched decode
 
 
-class _BatchLayer(CacheLayerMixin):
+class _BatchLayer(_OurLayer):
     """One layer of a batched decode: row b of the new K/V goes to session b's store; the attention reads each
     session's own K/V (``kwargs[RAGGED_KEY]``), so lengths may differ and nothing is padded."""
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-
-    def __init__(self, cache: "BatchCache", layer_idx: int) -> None:
-        super().__init__()
-        self._cache, self._idx = cache, layer_idx
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states [B, k_heads, 1, k_dim], value_states [B, v_heads, 1, v_dim]: post-RoPE, row b = session b
@@ -130,12 +125,6 @@ class _BatchLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        pass
 
 
 class RaggedUnsupported(RuntimeError):

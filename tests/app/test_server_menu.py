@@ -6,12 +6,12 @@ import dataclasses
 import os
 import socket
 import threading
-import time
 
 import httpx
 from app_helpers import close_window, open_window
 
 from engine.config import CacheConfig, SamplingConfig
+from slow_forward import SlowForward
 
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
 MAX_TOKENS = 24
@@ -150,21 +150,6 @@ def test_loading_another_model_stops_the_server(qtbot, data_dir, stories_path):
         close_window(w)
 
 
-class _Slow:
-    """The served model's forward made ``seconds`` slower, so four replies last while the panels are looked at."""
-
-    def __init__(self, model, seconds: float) -> None:
-        self.model, self.seconds, self._forward = model, seconds, model.forward
-        model.forward = self  # an instance attribute: nn.Module.__call__ finds it before the method
-
-    def __call__(self, *args, **kwargs):
-        time.sleep(self.seconds)
-        return self._forward(*args, **kwargs)
-
-    def undo(self) -> None:
-        del self.model.forward
-
-
 def test_four_api_requests_decode_together_and_the_page_map_shows_it(qtbot, data_dir, stories_path):
     w = open_window(qtbot, data_dir, str(stories_path))
     w.settings.set("server/port", free_port())
@@ -181,7 +166,7 @@ def test_four_api_requests_decode_together_and_the_page_map_shows_it(qtbot, data
     try:
         url = start_serving(qtbot, w)
         server = w.server.thread.server
-        slow = _Slow(server.lm.model, 0.03)  # ~5 s per reply: the panels poll twice a second
+        slow = SlowForward(server.lm.model, 0.03)  # ~5 s per reply: the panels poll twice a second
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()

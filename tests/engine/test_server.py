@@ -19,6 +19,7 @@ import pytest
 from engine.config import CacheConfig, SamplingConfig
 from engine.server import KVServer, ServerOptions, ServerThread
 from engine.server.metrics import parse as parse_metrics
+from slow_forward import SlowForward
 
 KEY = "test-key-123"
 MODEL = "stories260K"
@@ -239,25 +240,9 @@ def test_four_concurrent_clients_get_their_sequential_replies(served, client, st
     assert forwards >= 40 and tokens >= 3 * forwards  # most steps decoded three or four replies together
 
 
-class _Slow:
-    """The model's forward made ``seconds`` slower, so a 300-token reply lasts long enough for the test to hold
-    it mid-stream on a busy machine (stories260K alone decodes ~400 tokens/s: it could end before ``pause``)."""
-
-    def __init__(self, model, seconds: float) -> None:
-        self.model, self.seconds, self._forward = model, seconds, model.forward
-        model.forward = self  # an instance attribute: nn.Module.__call__ finds it before the method
-
-    def __call__(self, *args, **kwargs):
-        time.sleep(self.seconds)
-        return self._forward(*args, **kwargs)
-
-    def undo(self) -> None:
-        del self.model.forward
-
-
 def test_disconnect_mid_stream_frees_the_requests_pages(served):
     server, url = served
-    slow = _Slow(server.lm.model, 0.02)
+    slow = SlowForward(server.lm.model, 0.02)
     try:
         _disconnect_mid_stream(server, url)
     finally:
