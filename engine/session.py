@@ -95,6 +95,7 @@ class ChatSession:
     def set_store(self, store: KVStore | None) -> None:
         self.store = store
         self._kv = KVCache(store) if store is not None else None
+        self._chain = []  # page names depend on the page size: a new store names its pages afresh
 
     def check_open(self) -> None:
         if self.closed:

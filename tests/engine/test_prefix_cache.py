@@ -292,3 +292,21 @@ def test_eviction_policy_switched_on_drops_names_of_rewritten_pages(stories):
     a.close()
     b.close()
     pool.check()
+
+
+def test_a_page_size_switch_before_the_prefill_names_pages_for_the_new_size(stories):
+    """The prompt's page names were computed for pages of 16 when the reply started; switched to pages of 1
+    before its first step, every page the prefill registers is named by its own tokens (hypothesis found pages
+    named with the 16-token chain)."""
+    from test_session_machine import check_pages
+
+    lm = fresh(stories)
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=16))
+    s.start(chat("Once upon a time there was a little girl named Lily who loved to play outside"),
+            SamplingConfig(max_new_tokens=4, ignore_eos=True))
+    s.apply(CacheConfig(mode="paged", page_size=1, prefix_reuse=False))
+    while not s.step().done:
+        pass
+    check_pages(lm, [s])  # every cached / held page's name equals the chain of the tokens it holds
+    pool = s.store.arena.pool
+    assert sum(1 for h in pool.hash if h is not None) >= len(s.seq) - 2
