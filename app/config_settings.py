@@ -56,8 +56,22 @@ def save_sampling(settings: Settings, cfg: SamplingConfig) -> None:
 
 
 def model_spec(settings: Settings, source: str) -> ModelSpec:
-    """What to load for ``source`` with the saved quantization and device (the demo is never quantized)."""
+    """What to load for ``source`` with the saved weights choice and device (the demo is never quantized)."""
     device = settings.get("model/device")
     if source == "demo":
         return ModelSpec(source="demo", device=device)
-    return ModelSpec(source=source, quantization=settings.get("model/quantization"), device=device)
+    return spec_for(source, settings.get("model/quantization"), device)
+
+
+def spec_for(source: str, weights: str, device: str) -> ModelSpec:
+    """A ``ModelSpec`` from the models dialog's "weights" choice: none / int8 / nf4 (bitsandbytes), or "bf16"
+    (no quantization, computed in bfloat16: half float32's bytes; prompts ~3x faster where the CPU has native
+    bf16)."""
+    if weights == "bf16":
+        return ModelSpec(source=source, quantization="none", dtype="bfloat16", device=device)
+    return ModelSpec(source=source, quantization=weights, device=device)
+
+
+def weights_choice(spec: ModelSpec) -> str:
+    """The "weights" choice that gives ``spec`` (``spec_for``'s inverse), as saved in the settings."""
+    return "bf16" if spec.dtype == "bfloat16" and spec.quantization == "none" else spec.quantization

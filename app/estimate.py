@@ -50,13 +50,16 @@ def estimate(config: dict, stored_weights_bytes: int, context: int, quantization
              device: str = "cpu") -> MemoryEstimate:
     """Estimate from a parsed ``config.json`` and the size of the stored weights.
 
-    Compute dtype as the engine's loader picks it: float32 on CPU, else the checkpoint's half type or float16. 8-bit weights
+    Compute dtype as the engine's loader picks it: float32 on CPU, else the checkpoint's half type or float16;
+    ``quantization`` "bf16" (the weights choice "bfloat16") computes in bfloat16 everywhere. 8-bit weights
     take ~1 byte per parameter, 4-bit ~0.56 (codes + scales); the KV cache stays in the compute dtype.
     """
     c = _text_config(config)
     stored_dtype = str(c.get("torch_dtype") or c.get("dtype") or "float32").replace("torch.", "")
     stored_b = _DTYPE_BYTES.get(stored_dtype, 4)
     compute_b = 4 if device == "cpu" else min(stored_b, 2)  # as the loader: fp32 on CPU, else fp16/bf16
+    if quantization == "bf16":  # the weights choice "bfloat16": weights and KV in bf16 on any device
+        compute_b = 2
     params = stored_weights_bytes / stored_b
     per_param = {"none": compute_b, "int8": 1.0, "nf4": 0.56}.get(quantization, compute_b)
     layers = int(c.get("num_hidden_layers") or c.get("n_layer") or 0)

@@ -13,7 +13,7 @@ from typing import Callable
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMenu, QWidget
 
-from app.config_settings import model_spec
+from app.config_settings import model_spec, weights_choice
 from app.failure import Failure
 from app.settings import Settings
 from app.status_bar import StatusBar
@@ -117,6 +117,6 @@ class ModelController(QObject):
 
         dlg = ModelsDialog(self.settings, environment=self.environment, current=self.info, parent=self.window)
         if dlg.exec() and dlg.spec is not None:
-            self.settings.set("model/quantization", dlg.spec.quantization)
+            self.settings.set("model/quantization", weights_choice(dlg.spec))
             self.settings.set("model/device", dlg.spec.device)
             self.load(dlg.spec)

@@ -28,12 +28,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.config_settings import spec_for
 from app.estimate import MemoryEstimate, estimate_demo, estimate_folder
 from app.format import human_bytes
 from app.settings import Settings
 from engine.config import ModelSpec
 
-QUANT_CHOICES = (("none (full precision)", "none"), ("8-bit (bitsandbytes)", "int8"), ("4-bit NF4 (bitsandbytes)", "nf4"))
+QUANT_CHOICES = (("none (full precision)", "none"), ("bfloat16 (half the bytes)", "bf16"),
+                 ("8-bit (bitsandbytes)", "int8"), ("4-bit NF4 (bitsandbytes)", "nf4"))
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 CURATED = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct")
 ROLE = Qt.ItemDataRole.UserRole
@@ -362,8 +364,7 @@ class ModelsDialog(QDialog):
             if source == "demo":
                 self.spec = ModelSpec(source="demo", device=self.device.currentData())
             else:
-                self.spec = ModelSpec(source=source, quantization=self.quantization.currentData(),
-                                      device=self.device.currentData())
+                self.spec = spec_for(source, self.quantization.currentData(), self.device.currentData())
         except ValueError as exc:
             self.message.setText(str(exc))
             return

@@ -415,6 +415,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     from engine.arch import attention_impl, info_fields, probe
     from engine.threads import apply as apply_threads
     from engine.threads import choose as choose_threads
+    from engine.threads import cpu_features
 
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -457,6 +458,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         attn_impl=impl,
         threads=threads,
         threads_reason=threads_reason,
+        cpu_features=cpu_features() if device == "cpu" else "",
         **info_fields(facts, elem, text_cfg, probe_refusal),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

@@ -71,6 +71,7 @@ class ModelInfo:
     unsupported: str = ""  # why chat sessions cannot run this model (one line), "" when they can
     threads: int = 0  # CPU threads torch uses for it (``engine.threads``), and why
     threads_reason: str = ""
+    cpu_features: str = ""  # the CPU's vector level and native bf16 (``engine.threads.cpu_features``), CPU only
 
     @property
     def layer_bytes_per_token(self) -> int:

@@ -47,3 +47,26 @@ def apply(threads: int) -> None:
     """Use ``threads`` for torch's CPU work from now on (process-wide; cheap when unchanged)."""
     if threads > 0 and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def cpu_features() -> str:
+    """What this CPU offers the model's arithmetic, in words: torch's vector level and native bf16 (AMX /
+    AVX512-BF16, from /proc/cpuinfo on Linux). Native bf16 is where loading a model in bfloat16 pays: half the
+    weight bytes and hardware dot products (this project's 2-core machine: AVX512, AMX-BF16)."""
+    try:
+        level = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - an old torch: no level to report
+        level = ""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    bf16 = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    parts = [f"{level} vector units"] if level else []
+    parts.append(f"native bf16 ({', '.join(bf16)})" if bf16 else ("no native bf16" if flags else ""))
+    return " · ".join(p for p in parts if p)

@@ -249,3 +249,32 @@ def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
         assert w.chat.send_button.isEnabled()
     finally:
         close_window(w)
+
+
+def test_bfloat16_weights_choice_halves_the_estimate_and_loads_in_bf16(qtbot, data_dir, stories_path):
+    """The "bfloat16" weights choice on the CPU: weights and KV at 2 bytes in the estimate, a spec the loader runs in
+    bfloat16, and the choice saved and read back from the settings."""
+    from app.config_settings import model_spec, weights_choice
+    from app.models_dialog import ModelsDialog
+    from app.settings import Settings
+    from engine.loader import load_model
+
+    s = Settings.from_data_dir(data_dir)
+    s.add_recent_model(str(stories_path))
+    dlg = ModelsDialog(s, environment={"cuda": False})
+    qtbot.addWidget(dlg)
+    dlg.list.setCurrentRow(1)
+    dlg.device.setCurrentIndex(dlg.device.findData("cpu"))
+    full = dlg.estimate()
+    dlg.quantization.setCurrentIndex(dlg.quantization.findData("bf16"))
+    half = dlg.estimate()
+    assert full.kv_bytes_per_token == 2 * 5 * 4 * 8 * 4 and half.kv_bytes_per_token == full.kv_bytes_per_token // 2
+    assert half.weights_bytes == full.weights_bytes // 2
+    dlg.accept_choice()
+    assert (dlg.spec.dtype, dlg.spec.quantization, dlg.spec.device) == ("bfloat16", "none", "cpu")
+    s.set("model/quantization", weights_choice(dlg.spec))
+    s.set("model/device", dlg.spec.device)
+    assert model_spec(s, str(stories_path)) == dlg.spec
+    lm = load_model(dlg.spec)
+    assert lm.info.dtype == lm.info.kv_dtype == "bfloat16"
+    assert abs(lm.info.weights_bytes - half.weights_bytes) <= 0.01 * half.weights_bytes  # the file's header aside

@@ -164,6 +164,11 @@ def test_model_card(qtbot, kv_heads, kind):
     assert "CPU threads" not in panel.table.text()  # no reason given: no row
     panel.show_model(make_info(threads=1, threads_reason="1 (a model under 50M parameters: threads only add overhead)"))
     assert "CPU threads" in panel.table.text() and "under 50M" in panel.table.text()
+    bf16_cpu = "AVX512 vector units · native bf16 (AMX, AVX512-BF16)"
+    panel.show_model(make_info(cpu_features=bf16_cpu))
+    assert bf16_cpu + ": weights “bfloat16” (File ▸ Models) halve the bytes" in panel.table.text()
+    panel.show_model(make_info(cpu_features=bf16_cpu, dtype="bfloat16", kv_dtype="bfloat16"))
+    assert bf16_cpu in panel.table.text() and "halve" not in panel.table.text()  # already bf16: no hint
 
 
 def test_panels_export_png(qtbot, tmp_path):
