@@ -56,6 +56,22 @@ def _one_pool(session, store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return state, owner, fill, ref, pages
 
 
+def own_pages(session, num_pages: int, groups: tuple) -> np.ndarray:
+    """[num_pages] bool over the page map: the pages this session's block tables hold (its swapped-out pages,
+    shown after the pool, too). The rest of a shared pool's held pages belong to other chats."""
+    mine = np.zeros(num_pages, dtype=bool)
+    parts = session.store.page_groups() if hasattr(session.store, "page_groups") else [("", session.store)]
+    sizes = [n for _, n in groups] if groups else [num_pages]
+    offset = 0
+    for (_, store), size in zip(parts, sizes):
+        pages = np.asarray(store.table.pages, dtype=np.int64)
+        mine[offset + pages[pages < size]] = True
+        offset += size
+    if session.host is not None and not groups and parts:
+        mine[parts[0][1].arena.pool.num_pages:] = True
+    return mine
+
+
 def token_state(session) -> np.ndarray:
     """Per logical position of the conversation: TOKEN_* codes (layer 0's view for "quantized")."""
     T = len(session.seq)
@@ -143,5 +159,6 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         page_groups=groups,
         layer_kinds=tuple(info.layer_kinds),
         written_pages=tuple(p for p in session.written if p < len(state)) if paged else (),
+        page_mine=own_pages(session, len(state), groups) if paged else None,
         batch_size=session.batch_size,
     )

@@ -188,6 +188,7 @@ class CacheSnapshot:
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
     written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
     batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
+    page_mine: np.ndarray | None = None  # [num_pages] bool: held by this chat (else: free, cached, other chats')
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

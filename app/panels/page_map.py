@@ -30,6 +30,7 @@ STATE_COLOURS = {  # PAGE_* code -> colour; PAGE_ACTIVE is replaced by the owner
     S.PAGE_EVICTED: "#ff4b4b",  # just evicted
     S.PAGE_CACHED: "#6f8f72",  # no chat holds it: kept in the prefix cache for the next prompt that starts alike
 }
+OTHER_COLOUR = "#59647a"  # pages other chats hold in the same pool (API requests, other chats of the model)
 TURN_COLOURS = ("#3d7fd9", "#3fb8a6", "#5c9ded", "#2f9a7c", "#7c8ff0", "#57c3d6")
 TOKEN_COLOURS = {  # TOKEN_* code -> colour
     S.TOKEN_KEPT: "#4c9be8",
@@ -79,6 +80,10 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     rgb = table[np.clip(state, 0, len(table) - 1)]  # [n, 3]
     active = (state == S.PAGE_ACTIVE) & (owner >= 0)
     rgb[active] = turns[owner[active] % len(turns)]
+    mine = snap.page_mine
+    if mine is not None and len(mine) >= n:  # another chat's pages: one muted colour, whatever their turn
+        other = (state == S.PAGE_ACTIVE) & ~np.asarray(mine[:n], dtype=bool)
+        rgb[other] = _rgb(OTHER_COLOUR)
     holds = (state != S.PAGE_FREE) & (state != S.PAGE_EVICTED)  # free and just-evicted pages: not dimmed by fill
     scale = np.where(holds, 0.45 + 0.55 * np.clip(fill / max(snap.page_size, 1), 0, 1), 1.0)
     rgb = np.round(rgb * scale[:, None])
@@ -158,7 +163,7 @@ class PageMapPanel(Panel):
         self.view.ci.layout.setRowStretchFactor(1, 10)
         self._layout.addWidget(self.view, 1)
 
-        chips = [(TURN_COLOURS[0], "active (by turn)")]
+        chips = [(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
         chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
         self._layout.addWidget(legend_row(chips, prefix="pages:"))
         strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
@@ -228,6 +233,8 @@ class PageMapPanel(Panel):
         if s is None or not 0 <= page < s.num_pages:
             return ""
         state = PAGE_STATE_NAMES[int(s.page_state[page])]
+        if s.page_mine is not None and page < len(s.page_mine) and not s.page_mine[page] and state == "active":
+            state = "another chat's"
         owner = int(s.page_owner[page])
         fill = int(s.page_fill[page])
         return (

@@ -222,3 +222,18 @@ def test_page_map_dots_the_pages_a_batched_step_wrote(qtbot):
     cells = {(int(y) // px) * panel.cols + int(x) // px for y, x in changed}
     assert cells == {1, 4} and (drawn[changed[:, 0], changed[:, 1], :3] == 255).all()
     assert "2 written this step (3 chats decoded together)" in panel.caption.text()
+
+
+def test_page_map_draws_other_chats_pages_in_one_muted_colour(qtbot):
+    from app.panels.page_map import OTHER_COLOUR
+
+    mine = np.array([True, False, True, False, True, True, False, False])  # page 1: active, another chat's
+    snap = make_snapshot(page_mine=mine)
+    rgba = page_colours(snap, cols=4)
+    half = np.round(_rgb(OTHER_COLOUR) * (0.45 + 0.55 * 0.5)).astype(np.uint8)  # page 1 is half full
+    np.testing.assert_array_equal(rgba[0, 1, :3], half)
+    np.testing.assert_array_equal(rgba[0, 0, :3], np.round(_rgb(TURN_COLOURS[0])).astype(np.uint8))  # this chat's
+    panel = PageMapPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(snap)
+    assert panel.describe_page(1).startswith("page 1 · another chat's ·")

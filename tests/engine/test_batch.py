@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,8 +194,10 @@ def test_snapshots_show_every_page_the_batched_forward_wrote(lm):
     results = batch.step_all(sessions)
     last = [s.store.table.pages[(s.n_phys - 1) // 4] for s in sessions[:2]]
     assert last[0] != last[1]
-    for r in results[:2]:
+    for i, r in enumerate(results[:2]):
         assert r.snapshot.batch_size == 3 and set(r.snapshot.written_pages) == set(last)
+        mine = set(np.flatnonzero(r.snapshot.page_mine).tolist())
+        assert mine == set(sessions[i].store.table.pages) and last[1 - i] not in mine  # the other's: not mine
     assert results[2].snapshot.written_pages == () and results[2].snapshot.batch_size == 3
     (r,) = batch.step_all(sessions[:1])  # alone: its own page only
     assert r.snapshot.batch_size == 1 and r.snapshot.written_pages == (sessions[0].store.table.pages[-1],)

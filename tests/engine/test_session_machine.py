@@ -351,6 +351,7 @@ def check_snapshot(s: ChatSession) -> None:
         assert sn.pages_used_per_layer[0] == len(pages) == -(-s.index.n // sn.page_size)
         assert all(s.store.arena.pool.ref[p] >= 1 for p in pages)
         assert (sn.page_state[pages] != snap.PAGE_FREE).all()
+        assert set(np.flatnonzero(sn.page_mine).tolist()) == set(pages)  # "this chat's" pages are its own
     for w, win in getattr(s.store, "windows", {}).items():  # a window holds its window, from whole pages
         page = win.arena.page_size
         assert win.held <= w - 1 + page - 1 or win.base == 0, (w, page, win.base, win.held)
