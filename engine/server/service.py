@@ -7,6 +7,8 @@ Security: the server listens on 127.0.0.1 unless told otherwise, and any other a
 
 from __future__ import annotations
 
+import asyncio
+
 import ipaddress
 import os
 import socket
@@ -116,6 +118,12 @@ def _uvicorn_server(server: KVServer, on_ready):
             if self.started:
                 on_ready()
 
+        async def shutdown(self, sockets=None) -> None:
+            # Ctrl+C or stop(): end the running requests first (the engine thread joins in a worker thread, so
+            # this loop goes on sending their last events), then uvicorn has no open stream to wait for
+            await asyncio.get_running_loop().run_in_executor(None, server.close)
+            await super().shutdown(sockets=sockets)
+
     config = uvicorn.Config(server.app, log_level="warning", access_log=server.options.access_log,
                             lifespan="off", timeout_graceful_shutdown=5)
     return _Server(config)
@@ -147,10 +155,12 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._uv.should_exit = True
+        """End the running requests first (each stream finishes with "the server is shutting down"), then the
+        HTTP server: its graceful shutdown then has no open stream to wait for (it waited up to 5 s and cut them)."""
+        self._uv.should_exit = True  # its shutdown closes the scheduler first (``_uvicorn_server``)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.server.close()
+        self.server.close()  # also when uvicorn never ran
         self.sock.close()
 
 

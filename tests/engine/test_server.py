@@ -504,3 +504,37 @@ def test_serve_command_prints_its_url_and_stops_on_ctrl_c(stories_path):
         finally:
             p.kill() if p.poll() is None else None
     assert rc == 0, p.stderr.read()
+
+
+def test_stop_with_a_stream_in_flight_ends_it_at_once(stories_path):
+    """Stopping the server while a reply streams ends that request first (the client's stream finishes with the
+    shutdown error), so the HTTP server does not wait for the reply: the app's Server ▸ Stop does not hang."""
+    from engine.loader import load_model
+
+    lm = load_model(str(stories_path))
+    thread = ServerThread(KVServer(lm, CacheConfig(page_size=PAGE)))
+    url = thread.start()
+    slow = SlowForward(lm.model, 0.05)  # 300 tokens: ~15 s if it ran to the end
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+                lines.extend(r.iter_lines())
+        except httpx.HTTPError as e:  # the connection cut before the server said why
+            lines.append(f"cut: {e}")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        wait_for(lambda: sum(1 for ln in lines if ln.startswith("data: ")) >= 3 or
+                 thread.server.scheduler.metrics.generation_tokens >= 3, "a stream under way")
+        thread.stop()
+        reader.join(DEADLINE_S)
+    finally:
+        slow.undo()
+    assert not reader.is_alive()
+    # the request was ended by the server (its stream says why), not cut by the HTTP server's shutdown timeout
+    assert any("shutting down" in ln for ln in lines), lines[-3:]
+    assert sum(1 for ln in lines if ln.startswith("data: {")) < 300
