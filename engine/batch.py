@@ -77,13 +77,17 @@ def step_batch(sessions: Sequence) -> list[StepResult | BaseException]:
             results[i] = s.fail(e)
         return results
     for _, s, _ in joined:
-        s.close_forward(1)
+        s.close_forward(1)  # plain bookkeeping: counts the token every session's store now holds
     _share_written([s for _, s, _ in joined])
     for b, (i, s, cx) in enumerate(joined):
         try:
             s.after_forward(cx)
+        except BaseException as e:  # noqa: BLE001 - this session's eviction failed: its reply ends, typed
+            results[i] = s.fail(e)
+            continue
+        try:
             results[i] = s.take_token(logits[b], t0)
-        except BaseException as e:  # noqa: BLE001 - this session's own error (already typed by take_token)
+        except BaseException as e:  # noqa: BLE001 - typed by take_token, which ended the reply
             results[i] = e
     return results
 

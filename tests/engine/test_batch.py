@@ -201,3 +201,24 @@ def test_snapshots_show_every_page_the_batched_forward_wrote(lm):
     assert results[2].snapshot.written_pages == () and results[2].snapshot.batch_size == 3
     (r,) = batch.step_all(sessions[:1])  # alone: its own page only
     assert r.snapshot.batch_size == 1 and r.snapshot.written_pages == (sessions[0].store.table.pages[-1],)
+
+
+def test_an_eviction_failure_after_the_forward_ends_that_reply_only(lm, monkeypatch):
+    sessions = _start(lm, [CacheConfig()] * 3, 12)
+    for _ in range(3):
+        batch.step_all(sessions)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated eviction bug")
+
+    monkeypatch.setattr(sessions[1].evictor, "after_forward", broken)
+    results = batch.step_all(sessions)
+    assert isinstance(results[1], EngineError) and not sessions[1].generating
+    assert all(not isinstance(r, BaseException) for r in (results[0], results[2]))
+    monkeypatch.undo()
+    _run([sessions[0], sessions[2]])
+    assert [sessions[i].generated_ids for i in (0, 2)] == [hf_greedy(lm, lm.tokenizer(PROMPTS[i])["input_ids"], 12)
+                                                          for i in (0, 2)]
+    sessions[1].start_ids(lm.tokenizer(PROMPTS[1])["input_ids"], SamplingConfig(max_new_tokens=5, ignore_eos=True))
+    _run([sessions[1]])
+    assert sessions[1].generated_ids == hf_greedy(lm, lm.tokenizer(PROMPTS[1])["input_ids"], 5)
