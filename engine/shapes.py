@@ -42,7 +42,7 @@ SHAPES: dict[str, dict] = {
     "tiny-llama": dict(arch="llama", vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tiny-qwen2": dict(arch="qwen2", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    "tiny-qwen2": dict(arch="qwen2", vocab_size=576, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
 }
