@@ -81,6 +81,7 @@ class ChatSession:
         self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
         self.evictions: list[Eviction] = []  # what this step evicted
         self.written: tuple[int, ...] = ()  # pages the last forward wrote (with a batch: its other sessions' too)
+        self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.batch_size = 1  # sessions that forward decoded (engine.batch)
         self.notes: list[str] = []  # for the user, handed out with the reply's last step
         self.turn = -1
@@ -535,13 +536,31 @@ class ChatSession:
         (the K/V stay in host memory) when the cache has no room."""
         if self.host is None:
             return
-        if not self.store.can_restore(self.host):
+        adopt = self._cached_pages_of_host()  # only a plain paged store has any (other stores take one argument)
+        if not (self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)):
             from engine.errors import CacheCapacityError
 
             raise CacheCapacityError(f"no room to bring this chat's {self.host.n} cached tokens back: close other "
                                      "chats or raise the cache's limits")
-        self.store.from_host(self.host)
+        if adopt:
+            self.store.from_host(self.host, adopt)
+        else:
+            self.store.from_host(self.host)
+        self.swapped_in_pages = len(adopt)
         self.host = None
+
+    def _cached_pages_of_host(self) -> list[int]:
+        """Full pages of the swapped-out tokens still in the prefix cache (named by the same tokens from the
+        start, in this arena): swap-in takes them back instead of copying their K/V again."""
+        store = self.prefix_cache_store()
+        if store is None or self.host is None:
+            return []
+        P = store.page_size
+        chain: list[bytes] = []
+        extend_chain(chain, self.seq, P, min(self.host.n, self.index.intact) // P)
+        pages = cached_run(store.arena.pool, chain, 0)
+        self._chain = chain[:len(pages)]
+        return pages
 
     def fork(self) -> "ChatSession":
         """A new session with the same conversation; paged caches share full pages (copy-on-write)."""

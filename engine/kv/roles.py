@@ -156,8 +156,10 @@ class FullView:
         t = host(self.read(layer, n, dp))  # [H, n, D]
         return t, t.numel() * t.element_size()
 
-    def from_host(self, layer: int, data: Tensor, dp: DevicePlan, pool: PagePool) -> None:
-        self.write(layer, data.to(self.role.shape.device, non_blocking=True), 0, dp)
+    def from_host(self, layer: int, data: Tensor, dp: DevicePlan, pool: PagePool, start: int = 0) -> None:
+        """Tokens ``[start, n)`` of ``data`` [H, n, D] back into the pages (those before ``start`` were taken back
+        from the prefix cache)."""
+        self.write(layer, data[:, start:].to(self.role.shape.device, non_blocking=True), start, dp)
 
     def copy_from(self, other: "FullView") -> None:
         pass
@@ -292,7 +294,9 @@ class QuantView:
         tail = host(self.tail[layer][:, :fill])  # [H, fill, D]
         return (q, tail), q.nbytes + tail.numel() * tail.element_size()
 
-    def from_host(self, layer: int, data: tuple, dp: DevicePlan, pool: PagePool) -> None:
+    def from_host(self, layer: int, data: tuple, dp: DevicePlan, pool: PagePool, start: int = 0) -> None:
+        if start:
+            raise ValueError("quantized pages are never taken back from the prefix cache")
         q, tail = data
         full = dp.plan.full_pages
         dev = self.role.shape.device

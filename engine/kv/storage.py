@@ -16,7 +16,7 @@ Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``), "can I?" 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -181,10 +181,12 @@ class ContiguousKV(KVStore):
             nbytes += 2 * hk.numel() * hk.element_size()
         return HostKV(self._len, layers, nbytes)
 
-    def can_restore(self, host: HostKV) -> bool:
+    def can_restore(self, host: HostKV, adopt: Sequence[int] = ()) -> bool:
         return True
 
-    def from_host(self, host: HostKV) -> None:
+    def from_host(self, host: HostKV, adopt: Sequence[int] = ()) -> None:
+        if adopt:
+            raise ValueError("a contiguous cache has no pages to take back")
         if host.n > self._cap:
             self._grow(host.n)
         for layer, (hk, hv) in enumerate(host.layers):
@@ -331,20 +333,33 @@ class PagedKV(KVStore):
             layers.append(entry)
         return HostKV(n, layers, nbytes, [self.arena.pool.owner[p] for p in self.table.pages])
 
-    def can_restore(self, host: HostKV) -> bool:
-        return self.table.num_tokens == 0 and self.arena.can_provide(-(-host.n // self.page_size))
+    def can_restore(self, host: HostKV, adopt: Sequence[int] = ()) -> bool:
+        # adopted pages the LRU holds stop counting as free once taken; new pages are needed for the rest
+        unheld = sum(1 for p in adopt if self.arena.pool.ref[p] == 0)
+        need = -(-host.n // self.page_size) - len(adopt) + unheld
+        return self.table.num_tokens == 0 and self.arena.can_provide(need)
 
-    def from_host(self, host: HostKV) -> None:
-        """Pages for ``host.n`` tokens (typed error and no change if there are none), then the copy back."""
-        self.arena.ensure_free(-(-host.n // self.page_size))
-        self.table.append(host.n)
+    def from_host(self, host: HostKV, adopt: Sequence[int] = ()) -> None:
+        """Pages for ``host.n`` tokens (typed error and no change if there are none), then the copy back.
+        ``adopt``: full pages of the prefix cache that hold the first tokens exactly (same tokens from the start,
+        same arena): taken back as they are, only the tokens after them are copied (full precision only)."""
+        P = self.page_size
+        start = len(adopt) * P
+        if adopt:
+            self.table.adopt(adopt)  # first: making room for the rest must not drop them from the LRU
+        try:
+            self.arena.ensure_free(-(-host.n // P) - len(adopt))
+        except BaseException:
+            self.truncate(0)  # the adopted pages go back to the prefix cache
+            raise
+        self.table.append(host.n - start)
         pool = self.arena.pool
         for i, p in enumerate(self.table.pages):
             pool.owner[p] = host.owners[min(i, len(host.owners) - 1)] if host.owners else -1
         dp = self._plan(host.n)
         for layer, entry in enumerate(host.layers):
             for role in ROLES:
-                self.views[role].from_host(layer, entry[role], dp, pool)
+                self.views[role].from_host(layer, entry[role], dp, pool, start)
         self._n_before = host.n
 
     # -- accounting ------------------------------------------------------------------------------------

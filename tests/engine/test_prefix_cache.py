@@ -310,3 +310,43 @@ def test_a_page_size_switch_before_the_prefill_names_pages_for_the_new_size(stor
     check_pages(lm, [s])  # every cached / held page's name equals the chain of the tokens it holds
     pool = s.store.arena.pool
     assert sum(1 for h in pool.hash if h is not None) >= len(s.seq) - 2
+
+
+def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
+    """A chat swapped out leaves its full pages in the prefix cache; swapping it back in takes those pages
+    back as they are (same page ids, no copy) and copies only the partial last page. When another chat has
+    taken the pages meanwhile, everything comes back from host memory. Either way the next turn is exact."""
+    from engine.chat import render_chat
+
+    lm = fresh(stories)
+    cfg = CacheConfig(mode="paged", page_size=16, max_pages=24)
+    msgs = chat("Once upon a time there was a little girl")
+    s = ChatSession(lm, cfg)
+    _, r = reply(s, msgs, n=40)
+    follow = msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "What happened next?"}]
+    expected_ids = render_chat(lm.tokenizer, follow)
+    ref = ChatSession(lm, CacheConfig(mode="paged", page_size=16, prefix_reuse=False))
+    ref.start_ids(expected_ids, SamplingConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    while not ref.step().done:
+        pass
+    expected = ref.generated_ids
+    ref.close()
+
+    pages, n = list(s.store.table.pages), s.n_phys
+    full = n // 16
+    s.swap_out()
+    s.swap_in()
+    assert s.swapped_in_pages == full and s.store.table.pages[:full] == pages[:full]
+    _, r2 = reply(s, follow)
+    assert s.generated_ids == expected
+
+    s.swap_out()  # now another chat takes every page the pool has, cached ones included
+    other = ChatSession(lm, cfg)
+    other.start_ids(list(range(5, 5 + 24 * 16 - 1)), SamplingConfig(max_new_tokens=1, ignore_eos=True))
+    while not other.step().done:
+        pass
+    other.close()
+    s.swap_in()
+    assert s.swapped_in_pages == 0
+    _, r3 = reply(s, follow)
+    assert s.generated_ids == expected
