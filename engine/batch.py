@@ -102,7 +102,7 @@ def _share_written(sessions: list) -> None:
     for s in sessions:
         arena = getattr(s.store, "arena", None)
         s.written = tuple(sorted(by_pool.get(id(arena), ()))) if arena is not None else ()
-        s.batch_size = len(sessions)
+        s.batch_size, s.step_path = len(sessions), "batched"
 
 
 def _open(s):

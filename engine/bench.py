@@ -71,11 +71,13 @@ def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig) -> di
     s = ChatSession(lm, cache.replace(prefix_reuse=False))  # a cold prefill: no pages of earlier repeats
     try:
         s.start_ids(prompt, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
+        compiled = 0
         while not (r := s.step()).done:
-            pass
+            compiled += r.event is not None and r.event.path == "compiled"
+        compiled += r.event is not None and r.event.path == "compiled"
         st = r.stats
         return {"ttft_ms": st.ttft_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
-                "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens}
+                "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens, "compiled_tokens": compiled}
     finally:
         s.close()
 
@@ -194,6 +196,7 @@ def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = 
         }
         if base == "paged":
             row["page_size"] = a.page_size
+            row["compiled_tokens"] = rs[-1].get("compiled_tokens", 0)  # decode tokens the compiled step gave
         if kv:
             row["kv_dtype"] = kv
         if kind:
@@ -202,6 +205,21 @@ def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = 
         log(f"  {row['engine']:8s} {HF_MODES.get(mode, mode):10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
             f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
     return rows
+
+
+def _fast_step(lm, a, log) -> dict[str, Any]:
+    """The decode step the engine rows use: compiled (``engine.fast_step``, waited for here, so no timed token
+    is eager for want of it) unless ``--eager`` or ``KVSCOPE_FAST_STEP=off``."""
+    from engine.fast_step import env_mode
+
+    fast = lm.fast
+    fast.set_mode("off" if getattr(a, "eager", False) or env_mode() == "off" else "on")
+    if fast.state == "idle":
+        log("  compiling the decode step ...")
+        fast.start()
+        fast.wait()
+    log(f"  decode step: {fast.describe()}" + (f" (compiled in {fast.compile_s:.1f} s)" if fast.compile_s else ""))
+    return {"state": fast.state, "reason": fast.reason, "compile_s": round(fast.compile_s, 2)}
 
 
 def _turn_reuse(lm, a, log) -> dict[str, Any]:
@@ -219,6 +237,7 @@ def run_bench(a) -> int:
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     name = a.shape or a.model
     log(f"bench {name}: {lm.info.num_layers} layers, kv heads {lm.info.num_kv_heads}, threads {torch.get_num_threads()}")
+    step = _fast_step(lm, a, log)
     warm = _prompt(lm.info.vocab_size, 16)  # warm up every path once (allocator, oneDNN kernels)
     run_hf(lm, warm, 2, True)
     run_engine(lm, warm, 2, CacheConfig(mode="paged", page_size=a.page_size))
@@ -242,7 +261,7 @@ def run_bench(a) -> int:
     extra.update(_scenarios(lm, a, log))
     device = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else lm.device.type
     out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
-           "dtype": str(lm.kv_dtype).removeprefix("torch."), "rows": rows, **extra}
+           "dtype": str(lm.kv_dtype).removeprefix("torch."), "rows": rows, "step": step, **extra}
     with open(a.json_file, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     _print_ratios(rows, log)

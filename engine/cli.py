@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged, paged:int8, paged:int4")
     b.add_argument("--page-size", type=int, default=16)
     b.add_argument("--repeats", type=int, default=1, help="round-robin repeats (median reported)")
+    b.add_argument("--eager", action="store_true",
+                   help="measure the engine without its compiled decode step (engine.fast_step)")
     b.add_argument("--reuse-history", type=int, default=0,
                    help="also measure a turn's TTFT with prefix reuse vs a full re-prefill at this history length")
     b.add_argument("--long", type=int, default=0, help="also run one generation of this many tokens per mode")

@@ -50,6 +50,7 @@ class LoadedModel:
     path: str | None = None
     arenas: Any = None  # engine.kv.arena.ArenaRegistry, made on first use (``kv_arenas``)
     batch_refused: str = ""  # why sessions of this model cannot decode in one forward, once found (engine.batch)
+    fast_step: Any = None  # engine.fast_step.FastStep, made on first use (``fast``)
 
     @property
     def device(self) -> torch.device:
@@ -72,6 +73,15 @@ class LoadedModel:
 
             self.arenas = ArenaRegistry(self.kv_shape, self.info.context_length)
         return self.arenas
+
+    @property
+    def fast(self):
+        """This model's compiled decode step (``engine.fast_step``): its state, setting and measurements."""
+        if self.fast_step is None:
+            from engine.fast_step import FastStep
+
+            self.fast_step = FastStep(self)
+        return self.fast_step
 
     @property
     def kv_dtype(self) -> torch.dtype:

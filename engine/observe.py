@@ -161,4 +161,6 @@ def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot
         written_pages=tuple(p for p in session.written if p < len(state)) if paged else (),
         page_mine=own_pages(session, len(state), groups) if paged else None,
         batch_size=session.batch_size,
+        step_path=session.step_path,
+        fast_step=session.lm.fast_step.describe() if session.lm.fast_step is not None else "",
     )

@@ -83,6 +83,7 @@ class ChatSession:
         self.written: tuple[int, ...] = ()  # pages the last forward wrote (with a batch: its other sessions' too)
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.batch_size = 1  # sessions that forward decoded (engine.batch)
+        self.step_path = "eager"  # what ran the last forward: eager | compiled | batched (TokenEvent.path)
         self.notes: list[str] = []  # for the user, handed out with the reply's last step
         self.turn = -1
         self.generating = False
@@ -328,7 +329,7 @@ class ChatSession:
             stop = "context_full"
         elif self.store is not None and self.index.next_rope + 1 >= self.context_length and not self._can_overflow():
             stop = "context_full"  # this token takes the context's last position: the text is C tokens, as HF's
-        event = TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in)
+        event = TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in, self.step_path)
         if stop:
             return self._finish(stop, event)
         return StepResult(event=event, snapshot=self.snapshot(phase, dt_ms), done=False, text=t.decoder.text)
@@ -364,6 +365,7 @@ class ChatSession:
     def _forward_off(self) -> torch.Tensor:
         dev = self.lm.device
         use_attention(self.model, self.info.attn_impl)
+        self.step_path = "eager"
         with torch.inference_mode():
             ids = torch.tensor([self.seq], dtype=torch.long, device=dev)  # [1, n]
             pos = torch.arange(len(self.seq), device=dev)[None]  # [1, n]
@@ -378,16 +380,37 @@ class ChatSession:
         self.open_forward(q)
         needs_scores = self._kv.score_sink is not None
         use_attention(self.model, SCORES_IMPL if needs_scores else self.info.attn_impl)
-        ids = torch.tensor([feed], dtype=torch.long, device=dev)  # [1, q]
-        pos = torch.arange(index.next_rope, index.next_rope + q, device=dev)[None]  # [1, q] RoPE positions
+        fast = self.lm.fast
+        path = fast.choose(self) if q == 1 and not needs_scores else ""
+        t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True, logits_to_keep=1)
+            logits = self._forward_compiled(feed[0]) if path == "compiled" else None
+            if logits is None:
+                ids = torch.tensor([feed], dtype=torch.long, device=dev)  # [1, q]
+                pos = torch.arange(index.next_rope, index.next_rope + q, device=dev)[None]  # [1, q] RoPE positions
+                with torch.inference_mode():
+                    out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True,
+                                     logits_to_keep=1)
+                logits, path = out.logits[0, -1], path and "eager"  # [vocab]
         except BaseException:
             self.undo_forward()
             raise
+        if path:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the trial times the forward, not its launch
+            fast.record(path, (time.perf_counter() - t0) * 1000.0)
+        self.step_path = path or "eager"
         self.close_forward(q)
-        return out.logits[0, -1]  # [vocab]
+        return logits
+
+    def _forward_compiled(self, token: int) -> torch.Tensor | None:
+        """The model's compiled decode step (``engine.fast_step``); None if it failed (the eager forward then
+        runs instead: nothing was written)."""
+        try:
+            return self.lm.fast.forward(self, token, self.index.next_rope)
+        except Exception as e:  # noqa: BLE001 - the eager path answers; the reason is kept and shown
+            self.lm.fast.fail(e)
+            return None
 
     def open_forward(self, q: int) -> None:
         """Take room for ``q`` tokens before a forward (typed error, nothing changed, if there is none)."""

@@ -143,6 +143,7 @@ class TokenEvent:
     phase: str
     step_ms: float
     tokens_in_step: int  # tokens the forward pass processed (prompt length for prefill, 1 for decode)
+    path: str = "eager"  # what ran the forward: eager | compiled (engine.fast_step) | batched (engine.batch)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,8 @@ class CacheSnapshot:
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
     written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
     batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
+    step_path: str = "eager"  # what ran that forward: eager | compiled | batched (TokenEvent.path)
+    fast_step: str = ""  # the model's compiled decode step in words (engine.fast_step.FastStep.describe)
     page_mine: np.ndarray | None = None  # [num_pages] bool: held by this chat (else: free, cached, other chats')
 
     def __post_init__(self) -> None:

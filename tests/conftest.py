@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT.parent / "shared" / "models" / "stories260K")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The compiled decode step (engine.fast_step) compiles in the background on a model's first decode: ~25 s of
+# CPU for each model a test loads. Off unless a test turns it on (tests/engine/test_fast_step.py).
+os.environ.setdefault("KVSCOPE_FAST_STEP", "off")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ is visibly different from cache on (flat: O(n))."""
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
@@ -34,6 +36,7 @@ class TokenSeries:
         self.prefill_ms = 0.0
         self.prefill_tokens = 0
         self.label = ""
+        self.paths: dict[str, int] = {}  # decode tokens per path that ran their forward (TokenEvent.path)
 
     def add(self, event: TokenEvent) -> None:
         if event.phase == "prefill":
@@ -44,6 +47,8 @@ class TokenSeries:
             self.ms = np.concatenate([self.ms, np.zeros_like(self.ms)])
         self.ms[self.n] = event.step_ms
         self.n += 1
+        path = getattr(event, "path", "eager")
+        self.paths[path] = self.paths.get(path, 0) + 1
 
     @property
     def decode_ms(self) -> np.ndarray:
@@ -63,6 +68,20 @@ class TokenSeries:
         lo = np.maximum(idx - window, 0)
         span = c[idx] - c[lo]
         return np.where(span > 0, 1000.0 * (idx - lo) / np.maximum(span, 1e-9), 0.0)
+
+
+def step_text(paths: dict[str, int], n: int, fast: str) -> str:
+    """The caption's words on what ran this reply's decode steps: compiled / batched counts, or why eager."""
+    if not n:
+        return ""
+    parts = [f"{paths[p]} {p}" for p in ("compiled", "batched") if paths.get(p)]
+    if parts:
+        text = f" · step: {' + '.join(parts)} of {n}"
+    else:
+        text = " · step: eager"
+    if fast and fast != "compiled step in use":
+        text += f" <span style='color:{PREVIOUS}'>(compiled step: {html.escape(fast)})</span>"
+    return text
 
 
 class TimingPanel(Panel):
@@ -111,6 +130,7 @@ class TimingPanel(Panel):
         self._generation_id = 0
         self._prev_drawn: TokenSeries | None = None  # the previous reply never changes: drawn once
         self._prev_top = (0.0, 0.0)  # its 98th-percentile latency and tok/s
+        self._fast = ""  # the model's compiled decode step in words (CacheSnapshot.fast_step)
 
     # data in ------------------------------------------------------------------------------------------
     def begin_reply(self, generation_id: int, label: str) -> None:
@@ -129,6 +149,9 @@ class TimingPanel(Panel):
         self._dirty = True
 
     def show_snapshot(self, snapshot) -> None:
+        fast = getattr(snapshot, "fast_step", "")
+        if fast != self._fast:
+            self._fast, self._dirty = fast, True
         self.refresh()
 
     # drawing ------------------------------------------------------------------------------------------
@@ -171,6 +194,7 @@ class TimingPanel(Panel):
             f"<b>{cur.label or 'reply'}</b> · TTFT {cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens)"
             f" · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
         )
+        text += step_text(cur.paths, cur.n, self._fast)
         if prev is not None and prev.n:
             p_dec = prev.decode_ms
             text += f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {1000 * prev.n / max(p_dec.sum(), 1e-9):.1f} tok/s</span>"

@@ -13,6 +13,7 @@ Positions are never derived from the cache: the session always passes ``position
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from engine.kv.storage import KVStore
@@ -137,3 +138,44 @@ class BatchCache(Cache):
     def __init__(self, stores: list[KVStore]) -> None:
         self.stores = stores
         super().__init__(layers=[_BatchLayer(self, i) for i in range(stores[0].num_layers)])
+
+
+class _StepLayer(_OurLayer):
+    """One layer of a compiled decode step (``engine.fast_step``): the past K/V are gathered from the session's
+    pages (whole pages, the unused tail hidden by the step's mask), the new token's K/V appended. Nothing is
+    written inside the step: the new K/V are kept here and written to the pages after it, so the compiled
+    graph has no side effects and a failed step changes nothing."""
+
+    is_compileable = True
+
+    def __init__(self, cache: "StepCache", layer_idx: int, k, v) -> None:
+        super().__init__(cache, layer_idx)
+        self.k, self.v = k, v  # this layer's page tensors: [Hk, S, Dk], [Hv, S, Dv] (S = pages * P)
+        self.is_initialized = True
+        self.new = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states [1, Hk, 1, Dk], value_states [1, Hv, 1, Dv]: post-RoPE, the one new token
+        self.new = (key_states, value_states)
+        slots = self._cache.slots
+        k, v = (t.index_select(1, slots)[None] for t in (self.k, self.v))  # [1, H, n_slots, D]
+        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [1, H, n_slots + 1, D]
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are passed explicitly and the step brings its own 4D mask
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise RaggedUnsupported("a compiled step brings its own mask")
+
+
+class StepCache(Cache):
+    """A transformers ``Cache`` for one compiled decode step over a plain paged store's page tensors."""
+
+    def __init__(self, ks: list, vs: list, slots) -> None:
+        self.slots = slots  # [n_pages * P] long: the slots of the pages holding the past (whole pages; the
+        # step's mask hides the unused ones), so one compiled graph serves every page size
+        super().__init__(layers=[_StepLayer(self, i, k, v) for i, (k, v) in enumerate(zip(ks, vs))])
+
+    def new_kv(self) -> tuple[list, list]:
+        """The new token's K and V of every layer, as the model computed them: [1, H, 1, D] each."""
+        return [layer.new[0] for layer in self.layers], [layer.new[1] for layer in self.layers]

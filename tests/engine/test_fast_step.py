@@ -1,0 +1,206 @@
+"""The compiled decode step (engine.fast_step): exact against HF, compiled in the background while eager answers,
+kept only where it pays, refused where it cannot run, and a failed compiled call costs nothing but speed.
+
+Each model here is compiled once (~20 s of CPU on the project's 2-core machine; inductor's disk cache makes
+later runs cheaper), so the tests share module-scoped models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.fast_step import TRIAL_STEPS, FastStep
+from engine.session import ChatSession
+
+
+@pytest.fixture(scope="module")
+def lm(stories_path):
+    from engine.loader import load_model
+
+    m = load_model(str(stories_path))
+    m.fast_step = FastStep(m, mode="on")
+    return m
+
+
+def _hf_greedy(lm, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _reply(lm, ids, n, cache=None, each=None):
+    """Greedy reply of ``n`` tokens; (token ids, path of each token's forward)."""
+    s = ChatSession(lm, cache or CacheConfig())
+    try:
+        s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=0.0))
+        paths = []
+        while True:
+            r = s.step()
+            if r.event is not None:
+                paths.append(r.event.path)
+                if each is not None:
+                    each(s, len(paths))
+            if r.done:
+                return s.seq[len(ids):], paths
+    finally:
+        s.close()
+
+
+def _prompt(lm) -> list[int]:
+    return lm.tokenizer("Once upon a time, there was a little girl")["input_ids"]
+
+
+def test_the_first_reply_answers_eager_while_the_step_compiles_then_switches(lm):
+    assert lm.fast.state == "idle"
+    ids = _prompt(lm)
+
+    def wait_after_five(s, k):
+        if k == 5:
+            assert lm.fast.state in ("compiling", "on")  # the first decode started it, in the background
+            assert lm.fast.wait(300), "the compile did not end in 300 s"
+
+    got, paths = _reply(lm, ids, 60, each=wait_after_five)
+    assert lm.fast.state == "on", lm.fast.describe()
+    assert lm.fast.compile_s > 0
+    assert paths[:5] == ["eager"] * 5  # answered at once, on the eager path
+    assert paths[5:] == ["compiled"] * 55
+    assert got == _hf_greedy(lm, ids, 60)
+
+
+def test_compiled_step_gives_hf_greedy_ids_for_300_tokens(lm):
+    lm.fast.start()
+    assert lm.fast.wait(300) and lm.fast.state == "on"
+    ids = _prompt(lm)
+    got, paths = _reply(lm, ids, 300)
+    assert paths[0] == "eager"  # the prompt's prefill
+    assert paths[1:] == ["compiled"] * 299
+    assert got == _hf_greedy(lm, ids, 300)
+
+
+def test_page_growth_and_a_page_size_switch_mid_reply_stay_compiled_and_exact(lm):
+    """The arena's tensors grow (new sizes) and a page-size switch makes another arena: one graph serves them
+    all (its lengths are dynamic), so no call recompiles or falls back."""
+    lm.fast.start()
+    assert lm.fast.wait(300)
+    ids = _prompt(lm)
+
+    def switch(s, k):
+        if k == 100:
+            s.apply(CacheConfig(page_size=8))
+
+    got, paths = _reply(lm, ids, 200, cache=CacheConfig(page_size=1), each=switch)
+    assert lm.fast.state == "on", lm.fast.describe()
+    assert paths.count("compiled") == 199
+    assert got == _hf_greedy(lm, ids, 200)
+
+
+@pytest.mark.parametrize("cache, why", [
+    (CacheConfig(k_dtype="int8", v_dtype="int8"), "int8"),
+    (CacheConfig(mode="contiguous"), "paged"),
+    (CacheConfig(policy="h2o", policy_params={"budget": 64, "recent": 16}), "scores"),
+])
+def test_chats_the_step_cannot_run_stay_eager(lm, cache, why):
+    lm.fast.start()
+    assert lm.fast.wait(300)
+    s = ChatSession(lm, cache)
+    try:
+        assert why in lm.fast.refusal(s)
+    finally:
+        s.close()
+    _, paths = _reply(lm, _prompt(lm), 20, cache=cache)
+    assert set(paths) == {"eager"}
+    assert lm.fast.state == "on"  # other chats keep it
+
+
+def test_a_failed_compiled_call_falls_back_to_eager_exactly(lm, monkeypatch):
+    lm.fast.start()
+    assert lm.fast.wait(300)
+    ids = _prompt(lm)
+    want = _hf_greedy(lm, ids, 40)
+    real = lm.fast._fn
+    calls = []
+
+    def boom(*args):
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("injected failure")
+        return real(*args)
+
+    monkeypatch.setattr(lm.fast, "_fn", boom)
+    try:
+        got, paths = _reply(lm, ids, 40)
+        assert got == want  # the failed step's token came from the eager forward, nothing half written
+        assert paths[1:10] == ["compiled"] * 9 and set(paths[10:]) == {"eager"}
+        assert lm.fast.state == "failed" and "injected failure" in lm.fast.reason
+    finally:
+        monkeypatch.setattr(lm.fast, "_fn", real)
+        lm.fast.state, lm.fast.reason = "on", ""
+
+
+def test_auto_mode_measures_both_paths_then_keeps_one(lm):
+    lm.fast.start()
+    assert lm.fast.wait(300)
+    lm.fast.set_mode("auto")
+    try:
+        assert lm.fast.state == "trial"
+        got, paths = _reply(lm, _prompt(lm), TRIAL_STEPS + 20)
+        trial = paths[1:TRIAL_STEPS + 1]
+        assert trial.count("eager") == TRIAL_STEPS // 4  # one step in four runs eager while measuring
+        assert lm.fast.state in ("on", "slower"), lm.fast.describe()
+        assert "compiled" in lm.fast.reason and "eager" in lm.fast.reason and "ms" in lm.fast.reason
+        kept = "compiled" if lm.fast.state == "on" else "eager"
+        assert set(paths[TRIAL_STEPS + 1:]) == {kept}
+        assert got == _hf_greedy(lm, _prompt(lm), TRIAL_STEPS + 20)
+    finally:
+        lm.fast.set_mode("on")
+
+
+def test_off_never_compiles(stories):
+    fast = FastStep(stories, mode="off")
+    assert fast.state == "off" and "settings" in fast.reason
+    s = ChatSession(stories, CacheConfig())
+    try:
+        assert fast.choose(s) == "eager"
+    finally:
+        s.close()
+    assert fast._thread is None
+    with pytest.raises(ValueError, match="fast step"):
+        fast.set_mode("fastest")
+
+
+def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
+    """Another architecture (Qwen2: biased q/k/v, tied embeddings): the compiled step's logits against the
+    eager step's at each of 40 tokens, teacher-forced on the same ids; the largest difference is reported."""
+    from engine.shapes import build_shape
+
+    lm = build_shape("tiny-qwen2")
+    lm.fast_step = FastStep(lm, mode="on")
+    lm.fast.start()
+    assert lm.fast.wait(300) and lm.fast.state == "on", lm.fast.describe()
+    ids = torch.randint(3, lm.info.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {}
+    for mode in ("off", "on"):
+        lm.fast.set_mode(mode)
+        s = ChatSession(lm, CacheConfig(page_size=4))
+        s.start_ids(ids, SamplingConfig(max_new_tokens=40, ignore_eos=True, temperature=0.0))
+        logits, paths = [], []
+        real = s._forward
+
+        def spy(feed, real=real):
+            out = real(feed)
+            logits.append(out.clone())
+            paths.append(s.step_path)
+            return out
+
+        s._forward = spy
+        while not s.step().done:
+            pass
+        runs[mode] = (s.seq[len(ids):], torch.stack(logits), paths)
+        s.close()
+    assert set(runs["on"][2][1:]) == {"compiled"} and set(runs["off"][2]) == {"eager"}
+    diff = (runs["on"][1] - runs["off"][1]).abs().max().item()
+    print(f"tiny-qwen2: largest logit difference compiled vs eager over 40 tokens: {diff:.2e}")
+    assert diff < 1e-4
+    assert runs["on"][0] == runs["off"][0]
