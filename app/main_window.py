@@ -92,6 +92,8 @@ class MainWindow(QMainWindow):
         self._build_parts()
         self._connect()
         self.menu_actions = build_menus(self)
+        if not self.settings.get("engine/fast_step"):
+            self.engine.set_fast_step("off")  # on: the engine's own default (auto; KVSCOPE_FAST_STEP may say off)
         self._start_timers()
         self.resize(initial_size(self))
         self.layout_docks.restore(settings.get("window/geometry"), settings.get("window/state"))
@@ -226,6 +228,12 @@ class MainWindow(QMainWindow):
 
     def apply_cache_config(self, cfg: CacheConfig) -> None:
         self.cache.apply(cfg)
+
+    def set_fast_step(self, on: bool) -> None:
+        """Tools ▸ Compiled decode step: compile the model's decode step in the background and use it where it
+        measures faster (on), or always run eager (off)."""
+        self.settings.set("engine/fast_step", bool(on))
+        self.engine.set_fast_step("auto" if on else "off")
 
     def set_panels_enabled(self, on: bool) -> None:
         self.scheduler.set_enabled(on)

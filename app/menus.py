@@ -62,6 +62,12 @@ def build_menus(window) -> dict[str, Any]:
     tools.addAction(a["compare"])
     a["regenerate"] = _action(window, "&Regenerate the last reply", window.conversation.regenerate, "Ctrl+R")
     tools.addAction(a["regenerate"])
+    tools.addSeparator()
+    a["fast_step"] = _action(window, "Compiled &decode step", window.set_fast_step, checkable=True,
+                             checked=bool(window.settings.get("engine/fast_step")),
+                             tip="Compile the model's decode step in the background (eager answers meanwhile) and "
+                                 "use it where it measures faster; the timing panel says which ran each token")
+    tools.addAction(a["fast_step"])
 
     server = bar.addMenu("&Server")
     a["serve_start"] = _action(window, "&Start serving", window.server.start,

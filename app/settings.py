@@ -65,6 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("window/state", bytes, b""),
     Setting("window/last_chat", int, -1),
     Setting("panels/enabled", bool, True),
+    Setting("engine/fast_step", bool, True),  # the compiled decode step (engine.fast_step), Tools menu
     Setting("server/port", int, 8000),  # Server ▸ Start serving listens on 127.0.0.1 at this port
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
     Setting("meta/schema_version", int, SCHEMA_VERSION),

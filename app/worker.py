@@ -78,6 +78,7 @@ class EngineWorker(QObject):
         self._session: Any = None  # the active chat's session; None until needed (made on the next submit)
         self._pool: Any = None  # sessions by chat (when the backend has a pool)
         self._cache = CacheConfig()
+        self._fast_mode = ""  # the compiled decode step's mode from the settings ("": engine.fast_step's default)
         self._gen_id = 0  # the reply being generated, 0 when idle
         self._chat: Any = None  # the chat of that reply
         self._text = ""
@@ -115,6 +116,7 @@ class EngineWorker(QObject):
                 pool, session = None, self._backend.make_session(loaded, self._cache)
             self._close_comparison("cancelled")  # it ran on the model being replaced
             self._loaded, self._pool, self._session = loaded, pool, session
+            self._apply_fast_mode()
             if old is not None and hasattr(old, "close"):
                 old.close()  # the previous model's pages go back; its tensors go with the last reference
             self.loaded.emit(getattr(loaded, "info", None))
@@ -194,6 +196,17 @@ class EngineWorker(QObject):
         self.applied.emit(cache, notes)
         if not self._gen_id:
             self._emit_idle_snapshot()
+
+    @Slot(str)
+    def set_fast_step(self, mode: str) -> None:
+        """The compiled decode step (``engine.fast_step``): "auto" or "off", now and for models loaded later."""
+        self._fast_mode = mode
+        self._apply_fast_mode()
+
+    def _apply_fast_mode(self) -> None:
+        fast = getattr(self._loaded, "fast", None) if self._fast_mode else None
+        if fast is not None:
+            fast.set_mode(self._fast_mode)
 
     @Slot(object)
     def forget_chat(self, chat: Any) -> None:

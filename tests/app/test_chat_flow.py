@@ -250,3 +250,36 @@ def test_the_timing_caption_says_how_many_cpu_threads_ran_the_reply(qtbot, data_
         assert "CPU threads" in w.model_card.table.text()
     finally:
         close_window(w)
+
+
+def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_ran(qtbot, data_dir, stories_path):
+    """Tools ▸ Compiled decode step: on, the first reply answers eager while the step compiles in the background,
+    a later one runs compiled tokens (the caption counts them); off, eager again and the caption says why."""
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        act = w.menu_actions["fast_step"]
+        assert act.isChecked()  # on by default (the test suite's engine default is off: turned on here)
+        act.setChecked(False)
+        act.setChecked(True)
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        w.timing.refresh()
+        assert "step: eager" in w.timing.caption.text()
+        fast = w.engine.worker._loaded.fast
+        assert fast.wait(300) and fast.state == "trial", fast.describe()
+        w.send("The end")
+        wait_reply(qtbot, w)
+        w.timing.refresh()
+        text = w.timing.caption.text()
+        n = w.timing.current.n
+        compiled = w.timing.current.paths.get("compiled", 0)
+        assert compiled >= n // 2 and f"step: {compiled} compiled of {n}" in text, text
+        act.setChecked(False)
+        assert w.settings.get("engine/fast_step") is False
+        w.send("Again")
+        wait_reply(qtbot, w)
+        w.timing.refresh()
+        text = w.timing.caption.text()
+        assert "step: eager" in text and "turned off in the settings" in text, text
+    finally:
+        close_window(w)
