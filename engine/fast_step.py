@@ -129,6 +129,9 @@ class FastStep:
         info = self.lm.info
         if getattr(info, "attn_impl", "sdpa") != "sdpa":
             return f"the model runs {info.attn_impl} attention (the step is built on sdpa)"
+        kinds = set(getattr(info, "layer_kinds", ()) or ())
+        if kinds - {"full"}:
+            return f"the model's layers differ ({', '.join(sorted(kinds - {'full'}))}): the step reads one paged cache"
         if getattr(info, "quantization", "none") not in ("none", "", None):
             return "bitsandbytes weights (their kernels do not compile)"
         return machine_refusal(self.lm.device)

@@ -204,3 +204,18 @@ def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
     print(f"tiny-qwen2: largest logit difference compiled vs eager over 40 tokens: {diff:.2e}")
     assert diff < 1e-4
     assert runs["on"][0] == runs["off"][0]
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(layer_kinds=("full", "sliding")), "sliding"),
+    (dict(quantization="nf4"), "bitsandbytes"),
+    (dict(attn_impl="eager"), "eager attention"),
+])
+def test_models_the_step_cannot_serve_say_why_and_never_compile(stories, change, why):
+    from dataclasses import replace
+
+    lm = replace(stories, info=replace(stories.info, **change), fast_step=None)
+    fast = FastStep(lm, mode="auto")
+    assert fast.state == "off" and why in fast.reason
+    fast.start()
+    assert fast._thread is None and fast.state == "off"

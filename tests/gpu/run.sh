@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one go (under 10 minutes on one GPU, each part under its own time limit): tests/gpu, then decode speed against HF at 256 and
-# 4k context (Qwen2.5-0.5B shape, bf16; one and four chats decoded together) and KV bytes / speed of the sliding-window shapes (Gemma 3 1B,
+# 4k context (Qwen2.5-0.5B shape, bf16; one and four chats decoded together; eager, then with the compiled step) and KV bytes / speed of the sliding-window shapes (Gemma 3 1B,
 # gpt-oss-20b attention). Figures land in $OUT (default out/gpu): gpu-figures.jsonl, bench-*.json, logs.
 #
 # A GPU machine without the project's pins: put wheels of transformers 5.24 and bitsandbytes in .whl/ and
@@ -33,7 +33,9 @@ bench() {  # name, seconds, then engine bench arguments
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 }
 bench qwen 150 --shape qwen2.5-0.5b --dtype bfloat16 --contexts 256,4096 --new-tokens 64 --repeats 2 \
-  --modes hf-dynamic,contiguous,paged --concurrency 1,4
-bench sliding 75 --shape gemma3-1b --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged
-bench gptoss 75 --shape gpt-oss-20b-attn --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged
+  --modes hf-dynamic,contiguous,paged --concurrency 1,4 --eager
+bench sliding 75 --shape gemma3-1b --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged --eager
+bench gptoss 75 --shape gpt-oss-20b-attn --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged --eager
+# last, so a slow first compile cuts only itself: the paged rows with the compiled decode step (engine.fast_step)
+bench compiled 120 --shape qwen2.5-0.5b --dtype bfloat16 --contexts 256,4096 --new-tokens 64 --modes hf-dynamic,paged
 exit $rc
