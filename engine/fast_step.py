@@ -32,6 +32,8 @@ import importlib.util
 import os
 import shutil
 import statistics
+import sys
+import sysconfig
 import threading
 import time
 
@@ -64,9 +66,13 @@ def machine_refusal(device: torch.device) -> str:
     """Why this machine cannot compile a step for ``device`` ('' when it can)."""
     if not hasattr(torch, "compile"):
         return "this torch has no torch.compile"
+    if getattr(sys, "frozen", False):
+        return "the installed app carries no compiler toolchain for torch.compile (run from source to use it)"
     if device.type == "cpu":
         if not any(shutil.which(c) for c in ("g++", "c++", "clang++", "cl")):
             return "no C++ compiler found (inductor builds the CPU step with one)"
+        if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+            return "no Python headers (python3-dev): inductor's CPU kernels are built against them"
         return ""
     if device.type == "cuda":
         return "" if importlib.util.find_spec("triton") else "this build has no Triton (inductor's GPU kernels)"

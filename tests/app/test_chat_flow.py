@@ -3,10 +3,13 @@ the background or say why they stopped, versions, pins, the context readout, a n
 
 from __future__ import annotations
 
+import pytest
+import torch
 from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
 
 from engine.config import SamplingConfig
+from engine.fast_step import machine_refusal
 
 LONG = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)
 SHORT = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -252,6 +255,7 @@ def test_the_timing_caption_says_how_many_cpu_threads_ran_the_reply(qtbot, data_
         close_window(w)
 
 
+@pytest.mark.skipif(bool(machine_refusal(torch.device("cpu"))), reason="cannot compile the decode step here")
 def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_ran(qtbot, data_dir, stories_path):
     """Tools ▸ Compiled decode step: on, the first reply answers eager while the step compiles in the background,
     a later one runs compiled tokens (the caption counts them); off, eager again and the caption says why."""
