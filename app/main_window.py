@@ -141,6 +141,7 @@ class MainWindow(QMainWindow):
         w = self.engine.worker
         w.snapshot.connect(self._on_snapshot)
         w.described.connect(self._on_described)
+        w.fast_changed.connect(self.timing.set_fast_step)
         w.failed.connect(self._on_failed)
         self.models.loaded.connect(self._on_loaded)
         self.models.ready_changed.connect(self._on_ready)

@@ -69,6 +69,7 @@ class EngineWorker(QObject):
     described = Signal(object, object, int)
     measured = Signal(int, int)
     lent = Signal(object)
+    fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
@@ -202,6 +203,9 @@ class EngineWorker(QObject):
         """The compiled decode step (``engine.fast_step``): "auto" or "off", now and for models loaded later."""
         self._fast_mode = mode
         self._apply_fast_mode()
+        fast = getattr(self._loaded, "fast_step", None)
+        if fast is not None:
+            self.fast_changed.emit(fast.describe())  # the timing caption says it now, not at the next reply
 
     def _apply_fast_mode(self) -> None:
         fast = getattr(self._loaded, "fast", None) if self._fast_mode else None

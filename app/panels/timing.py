@@ -149,10 +149,16 @@ class TimingPanel(Panel):
         self._dirty = True
 
     def show_snapshot(self, snapshot) -> None:
-        fast = getattr(snapshot, "fast_step", "")
-        if fast != self._fast:
-            self._fast, self._dirty = fast, True
+        self.set_fast_step(getattr(snapshot, "fast_step", ""), redraw=False)
         self.refresh()
+
+    def set_fast_step(self, text: str, redraw: bool = True) -> None:
+        """The model's compiled decode step in words (a snapshot's ``fast_step``, or the worker after the
+        setting changed)."""
+        if text != self._fast:
+            self._fast, self._dirty = text, True
+            if redraw:
+                self.refresh()
 
     # drawing ------------------------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -267,12 +267,14 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         act.setChecked(True)
         w.send("Once upon a time")
         wait_reply(qtbot, w)
+        w.scheduler.refresh_all()
         w.timing.refresh()
         assert "step: eager" in w.timing.caption.text()
         fast = w.engine.worker._loaded.fast
         assert fast.wait(300) and fast.state == "trial", fast.describe()
         w.send("The end")
         wait_reply(qtbot, w)
+        w.scheduler.refresh_all()
         w.timing.refresh()
         text = w.timing.caption.text()
         n = w.timing.current.n
@@ -280,8 +282,16 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         assert compiled >= n // 2 and f"step: {compiled} compiled of {n}" in text, text
         act.setChecked(False)
         assert w.settings.get("engine/fast_step") is False
+
+        def says_off() -> bool:
+            w.scheduler.refresh_all()
+            w.timing.refresh()
+            return "turned off in the settings" in w.timing.caption.text()
+
+        qtbot.waitUntil(says_off, timeout=10_000)  # at once, not at the next reply
         w.send("Again")
         wait_reply(qtbot, w)
+        w.scheduler.refresh_all()
         w.timing.refresh()
         text = w.timing.caption.text()
         assert "step: eager" in text and "turned off in the settings" in text, text
