@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from engine.kv.storage import KVStore
 
@@ -142,9 +143,9 @@ class BatchCache(Cache):
 
 class _StepLayer(_OurLayer):
     """One layer of a compiled decode step (``engine.fast_step``): the past K/V are gathered from the session's
-    pages (whole pages, the unused tail hidden by the step's mask), the new token's K/V appended. Nothing is
-    written inside the step: the new K/V are kept here and written to the pages after it, so the compiled
-    graph has no side effects and a failed step changes nothing."""
+    page slots, the new token's K/V appended. Nothing is written inside the step: the new K/V are kept here
+    and written to the pages after it, so the compiled graph has no side effects and a failed step changes
+    nothing."""
 
     is_compileable = True
 
@@ -158,23 +159,28 @@ class _StepLayer(_OurLayer):
         # key_states [1, Hk, 1, Dk], value_states [1, Hv, 1, Dv]: post-RoPE, the one new token
         self.new = (key_states, value_states)
         slots = self._cache.slots
-        k, v = (t.index_select(1, slots)[None] for t in (self.k, self.v))  # [1, H, n_slots, D]
-        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [1, H, n_slots + 1, D]
+        k, v = (t.index_select(1, slots)[None] for t in (self.k, self.v))  # [1, H, n, D]
+        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [1, H, n + 1, D]
 
     def get_seq_length(self) -> int:
-        return 0  # positions are passed explicitly and the step brings its own 4D mask
+        return 0  # positions are passed explicitly; no mask is built (see StepCache)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        raise RaggedUnsupported("a compiled step brings its own mask")
+        return self._cache.slots.shape[0] + query_length, 0
 
 
-class StepCache(Cache):
-    """A transformers ``Cache`` for one compiled decode step over a plain paged store's page tensors."""
+class StepCache(Cache, PagedAttentionCache):
+    """A transformers ``Cache`` for one compiled decode step over a plain paged store's page tensors.
+
+    It is also a ``PagedAttentionCache`` (transformers' continuous-batching cache, none of whose code runs
+    here) for one reason: transformers' mask builder then builds no mask. One new token attends to every key
+    the step returns, so none is needed; and under ``torch.compile`` on torch < 2.14 the builder would make
+    one, after which HF's sdpa repeats K/V for GQA instead of passing ``enable_gqa`` (a copy of the whole
+    context per layer: SmolLM2's 3 K/V heads to 9 made the compiled step slower than eager at 2,048 tokens)."""
 
     def __init__(self, ks: list, vs: list, slots) -> None:
-        self.slots = slots  # [n_pages * P] long: the slots of the pages holding the past (whole pages; the
-        # step's mask hides the unused ones), so one compiled graph serves every page size
-        super().__init__(layers=[_StepLayer(self, i, k, v) for i, (k, v) in enumerate(zip(ks, vs))])
+        self.slots = slots  # [n] long: the slots of the tokens already cached, in order
+        Cache.__init__(self, layers=[_StepLayer(self, i, k, v) for i, (k, v) in enumerate(zip(ks, vs))])
 
     def new_kv(self) -> tuple[list, list]:
         """The new token's K and V of every layer, as the model computed them: [1, H, 1, D] each."""
