@@ -15,6 +15,7 @@ from pathlib import Path
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -23,6 +24,7 @@ from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.kv.prefix import extend_chain
 from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
+from engine.fast_step import machine_refusal
 from engine.session import ChatSession
 
 WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the sun one day "
@@ -31,14 +33,18 @@ REFUSALS = (ContextOverflowError, CacheCapacityError)
 SHARED_SYSTEM = ("You tell short stories about a little girl named Lily who loved to play outside in the sun with her "
                  "dog Max. ") * 2  # typed answers to requests that cannot fit
 _MODEL: dict = {}
+NO_COMPILE = machine_refusal(torch.device("cpu"))
 STORIES_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 
 
 def stories_model(path):
     if "lm" not in _MODEL:
+        from engine.fast_step import FastStep
         from engine.loader import load_model
 
-        _MODEL["lm"] = load_model(str(path))
+        lm = load_model(str(path))
+        lm.fast_step = FastStep(lm, mode="off")  # one compiled step for every walk (the ``fast_step`` rule)
+        _MODEL["lm"] = lm
     return _MODEL["lm"]
 
 
@@ -194,6 +200,20 @@ class ChatMachine(RuleBasedStateMachine):
             for chat, r in zip(live, batch.step_all([c.session for c in live])):
                 self._take(chat, r)
 
+    @precondition(lambda self: not NO_COMPILE)
+    @rule(on=st.booleans())
+    def fast_step(self, on):
+        """Tools ▸ Compiled decode step, between or in the middle of replies: later one-token forwards of
+        eligible chats run compiled (the compile is waited for here, once per test process; a model the step
+        cannot serve says so and stays eager)."""
+        fast = self.lm.fast
+        fast.set_mode("on" if on else "off")
+        if on and fast.model_refusal():
+            assert fast.state == "off" and fast.reason == fast.model_refusal()
+        elif on:
+            fast.start()
+            assert fast.wait(300) and fast.state == "on", fast.describe()
+
     @rule(i=st.integers(0, 99), cfg=cache_configs())
     def apply(self, i, cfg):
         s = self._chat(i).session
@@ -276,7 +296,14 @@ class ChatMachine(RuleBasedStateMachine):
     def pages_are_conserved(self):
         check_pages(self.lm, [c.session for c in self.chats])
 
+    @invariant()
+    def the_compiled_step_never_failed(self):
+        fast = self.lm.fast_step
+        assert fast is None or fast.state != "failed", fast.describe()
+
     def teardown(self):
+        if self.lm.fast_step is not None:
+            self.lm.fast_step.set_mode("off")
         for chat in self.chats:
             chat.session.close()
         if self.lm.arenas is not None:
