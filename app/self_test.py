@@ -101,12 +101,26 @@ class SelfTest:
         self.window.apply_cache_config(cfg)
         return wait_until(lambda: self.window._applied_cache == cfg, 30)
 
+    def _send(self, text: str) -> int:
+        """Send ``text``; the reply's generation id once it started, 0 if it was not sent (a message that would
+        leave too little of the context is held back while its tokens are counted, and then warned about)."""
+        w = self.window
+        before = w.generation_id
+        w.chat.input.setPlainText(text)
+        w.chat.submit()
+        wait_until(lambda: w.generation_id not in (0, before), 10)
+        gen = w.generation_id
+        return gen if gen not in (0, before) else 0
+
     def reply(self, text: str, during: Callable[[], None] | None = None, at_token: int = 4) -> dict:
         """Send ``text`` and wait for the reply; ``during()`` runs once ``at_token`` tokens streamed."""
         w, done = self.window, []
-        w.chat.input.setPlainText(text)
-        w.chat.submit()
-        gen = w.generation_id
+        gen = self._send(text)
+        if not gen:  # the chat leaves too little of the context for a reply (a small model): a new chat
+            w.new_chat()
+            gen = self._send(text)
+        if not gen:
+            return dict(w.last_stats or {}, finished=False, reason="not sent")
         w.reply_finished.connect(lambda g, reason: done.append(reason) if g == gen else None)
         if during is not None:
             wait_until(lambda: w.conversation.tokens_in_reply >= at_token or bool(done), 120)

@@ -66,6 +66,18 @@ def test_self_test_cli_passes_and_writes_a_screenshot(tmp_path):
     assert "at 1280×720" in out and "at 1920×1080" in out
 
 
+def test_self_test_passes_on_a_model_with_a_small_context(tmp_path, stories_path):
+    """stories260K's 512-token context fills within the self-test's replies: a message that would leave too
+    little room is held back by the send check, so the self-test opens a new chat (it used to wait 7 minutes
+    for a reply that was never sent, silently)."""
+    proc = subprocess.run([sys.executable, "-m", "app", "--self-test", "--model", str(stories_path),
+                           "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=300,
+                          cwd=str(REPO), env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "kvscope self-test: OK" in proc.stdout and "FAIL" not in proc.stdout
+    assert "switch contiguous → paged (page size 8) mid-reply" in proc.stdout
+
+
 def test_pyside_none_refcount_fix():
     """Void Qt calls must not drain None's refcount (PySide6 6.12 on Python < 3.12)."""
     from PySide6.QtWidgets import QLabel
