@@ -37,11 +37,14 @@ import sys
 import sysconfig
 import threading
 import time
+import types
+from itertools import count
 
 import torch
 
 MODES = ("auto", "on", "off")  # auto: compile and keep it where it measures faster; on: keep it regardless
 TRIAL_STEPS = 32  # eligible steps of the trial: 24 compiled, 8 eager
+_STEP_IDS = count()
 MIN_PAST = 2  # tokens cached before the step: a size-1 dimension would make the graph specialise (recompile)
 
 
@@ -89,7 +92,11 @@ def _make_step(model):
         nk, nv = cache.new_kv()
         return out.logits[0, -1], nk, nv  # [vocab], L x [1, Hk, 1, Dk], L x [1, Hv, 1, Dv]
 
-    return step
+    # A code object of its own: dynamo keeps compiled graphs (and what their guards hold: this model) on the
+    # code object, so with a shared one every model ever loaded would stay in memory and share its limit of 8
+    # graphs; this way a model's graph goes with its FastStep.
+    code = step.__code__.replace(co_name=f"kvscope_step_{next(_STEP_IDS)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
 class FastStep:
@@ -177,7 +184,7 @@ class FastStep:
         return "compiled"
 
     def _begin_trial(self, n: int) -> None:
-        self.state, self._trial_at = "trial", n
+        self.state, self._trial_at, self.reason = "trial", n, f"again at {n} tokens (the context doubled)"
         self._times = {"compiled": [], "eager": []}
 
     def record(self, path: str, ms: float) -> None:
