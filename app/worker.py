@@ -208,9 +208,14 @@ class EngineWorker(QObject):
             self.fast_changed.emit(fast.describe())  # the timing caption says it now, not at the next reply
 
     def _apply_fast_mode(self) -> None:
-        fast = getattr(self._loaded, "fast", None) if self._fast_mode else None
-        if fast is not None:
+        """The setting onto the loaded model's step, and its compile started while the model is idle (after a
+        load or when turned on; a reply sent meanwhile waits for it)."""
+        fast = getattr(self._loaded, "fast", None)
+        if fast is None:
+            return
+        if self._fast_mode:
             fast.set_mode(self._fast_mode)
+        fast.start()
 
     @Slot(object)
     def forget_chat(self, chat: Any) -> None:

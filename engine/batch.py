@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from engine.errors import ContextOverflowError
+from engine.fast_step import no_compile_running
 from engine.kv.attention import RAGGED_IMPL, use_attention
 from engine.kv.hf_cache import BatchCache, RaggedUnsupported
 from engine.snapshot import StepResult
@@ -128,7 +129,7 @@ def _forward(lm, sessions: list) -> torch.Tensor:
     before = lm.model.config._attn_implementation
     use_attention(lm.model, RAGGED_IMPL)
     try:
-        with torch.inference_mode():
+        with no_compile_running(), torch.inference_mode():
             out = lm.model(input_ids=ids, cache=BatchCache([s.store for s in sessions]), position_ids=pos,
                            use_cache=True, logits_to_keep=1)
     finally:  # whoever calls the model next (HF generate, a session) finds it as it was (~0.3 ms each way)

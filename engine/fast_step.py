@@ -16,9 +16,10 @@ Lifecycle of a model's step (``LoadedModel.fast``), one owner, the worker thread
 background thread and only moves ``compiling`` to ``trial`` or ``failed``):
 
     off        the setting says so, or this machine / model cannot compile it (``reason``)
-    idle       not compiled yet: the first eligible decode starts the compile; eager answers meanwhile
-    compiling  the compile runs in the background (first time ~25-80 s here; later runs read inductor's
-               on-disk cache)
+    idle       not compiled yet: eager; ``start()`` (the app calls it once a model is loaded, the server
+               when it starts) compiles in the background while the model is idle
+    compiling  the compile runs (first time ~40-80 s here for SmolLM2-135M; later runs read inductor's
+               on-disk cache: ~10 s); a forward asked for meanwhile waits (``no_compile_running``)
     trial      compiled: eligible steps alternate (3 compiled : 1 eager) and both are timed; again each time
                a chat's context doubles (the step copies the chat's K/V out of its pages, eager may read one
                run of pages in place: the balance moves with the length)
@@ -45,6 +46,16 @@ import torch
 MODES = ("auto", "on", "off")  # auto: compile and keep it where it measures faster; on: keep it regardless
 TRIAL_STEPS = 32  # eligible steps of the trial: 24 compiled, 8 eager
 _STEP_IDS = count()
+# While inductor traces (AOT autograd, its pattern matcher), torch.fx patches ``nn.Module.__call__`` for the whole
+# process: a model forward in another thread then fails ("module is not installed as a submodule", seen here).
+# So the compile holds this lock, every forward of the engine takes it too (uncontended: ~0.1 us), and a forward
+# asked for during a compile waits for it.
+_TRACING = threading.Lock()
+
+
+def no_compile_running():
+    """Context for a model forward: waits while a compile traces, and keeps one from starting meanwhile."""
+    return _TRACING
 MIN_PAST = 2  # tokens cached before the step: a size-1 dimension would make the graph specialise (recompile)
 
 
@@ -164,13 +175,10 @@ class FastStep:
         return ""
 
     def choose(self, session) -> str:
-        """"compiled" or "eager" for ``session``'s next one-token forward; starts the compile if it is time."""
-        if self.state in ("off", "failed") or self.refusal(session) or session.store.past_len < MIN_PAST:
+        """"compiled" or "eager" for ``session``'s next one-token forward."""
+        if self.state in ("off", "failed", "idle", "compiling") or self.refusal(session):
             return "eager"
-        if self.state == "idle":
-            self.start()
-            return "eager"
-        if self.state == "compiling":
+        if session.store.past_len < MIN_PAST:
             return "eager"
         n = session.store.past_len
         if self.state in ("on", "slower") and self.mode == "auto" and n >= 2 * max(self._trial_at, 128):
@@ -227,7 +235,8 @@ class FastStep:
 
     # -- compile ---------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Compile in a background thread (no-op unless idle)."""
+        """Compile in a background thread (no-op unless idle). Call it while the model is idle (after a load,
+        after a reply): forwards wait while it traces."""
         if self.state != "idle":
             return
         self.state, self._done = "compiling", threading.Event()
@@ -242,20 +251,21 @@ class FastStep:
 
     def _compile(self) -> None:
         t0 = time.perf_counter()
-        try:
-            compile_cache_dir()
-            fn = torch.compile(_make_step(self.lm.model), dynamic=False)
-            self._warm(fn)
-        except BaseException as e:  # noqa: BLE001 - any failure leaves the eager path, with the reason
-            self.state, self.reason = "failed", f"compiling the step failed: {type(e).__name__}: {e}"[:300]
-        else:
-            self._fn = fn
-            self.compile_s = time.perf_counter() - t0
-            self.state, self.reason = ("on" if self.mode == "on" else "trial"), ""
-            if self.mode == "off":
-                self.state, self.reason = "off", "turned off in the settings"
-        finally:
-            self._done.set()
+        with _TRACING:  # the state changes before the lock goes: the forwards that waited find it ready
+            try:
+                compile_cache_dir()
+                fn = torch.compile(_make_step(self.lm.model), dynamic=False)
+                self._warm(fn)
+            except BaseException as e:  # noqa: BLE001 - any failure leaves the eager path, with the reason
+                self.state, self.reason = "failed", f"compiling the step failed: {type(e).__name__}: {e}"[:300]
+            else:
+                self._fn = fn
+                self.compile_s = time.perf_counter() - t0
+                self.state, self.reason = ("on" if self.mode == "on" else "trial"), ""
+                if self.mode == "off":
+                    self.state, self.reason = "off", "turned off in the settings"
+            finally:
+                self._done.set()
 
     def _warm(self, fn) -> None:
         """One call on scratch tensors of the model's shapes: the lengths marked dynamic, so one graph serves

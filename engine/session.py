@@ -42,6 +42,7 @@ from engine.errors import (
     as_engine_error,
 )
 from engine.eviction import Eviction, EvictionContext, Evictor
+from engine.fast_step import no_compile_running
 from engine.kv.attention import SCORES_IMPL, use_attention
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
@@ -366,7 +367,7 @@ class ChatSession:
         dev = self.lm.device
         use_attention(self.model, self.info.attn_impl)
         self.step_path = "eager"
-        with torch.inference_mode():
+        with no_compile_running(), torch.inference_mode():
             ids = torch.tensor([self.seq], dtype=torch.long, device=dev)  # [1, n]
             pos = torch.arange(len(self.seq), device=dev)[None]  # [1, n]
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
@@ -384,14 +385,15 @@ class ChatSession:
         path = fast.choose(self) if q == 1 and not needs_scores else ""
         t0 = time.perf_counter()
         try:
-            logits = self._forward_compiled(feed[0]) if path == "compiled" else None
-            if logits is None:
-                ids = torch.tensor([feed], dtype=torch.long, device=dev)  # [1, q]
-                pos = torch.arange(index.next_rope, index.next_rope + q, device=dev)[None]  # [1, q] RoPE positions
-                with torch.inference_mode():
-                    out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True,
-                                     logits_to_keep=1)
-                logits, path = out.logits[0, -1], path and "eager"  # [vocab]
+            with no_compile_running():
+                logits = self._forward_compiled(feed[0]) if path == "compiled" else None
+                if logits is None:
+                    ids = torch.tensor([feed], dtype=torch.long, device=dev)  # [1, q]
+                    pos = torch.arange(index.next_rope, index.next_rope + q, device=dev)[None]  # [1, q] positions
+                    with torch.inference_mode():
+                        out = self.model(input_ids=ids, cache=self._kv, position_ids=pos, use_cache=True,
+                                         logits_to_keep=1)
+                    logits, path = out.logits[0, -1], path and "eager"  # [vocab]
         except BaseException:
             self.undo_forward()
             raise

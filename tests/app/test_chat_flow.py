@@ -257,21 +257,21 @@ def test_the_timing_caption_says_how_many_cpu_threads_ran_the_reply(qtbot, data_
 
 @pytest.mark.skipif(bool(machine_refusal(torch.device("cpu"))), reason="cannot compile the decode step here")
 def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_ran(qtbot, data_dir, stories_path):
-    """Tools ▸ Compiled decode step: on, the first reply answers eager while the step compiles in the background,
-    a later one runs compiled tokens (the caption counts them); off, eager again and the caption says why."""
+    """Tools ▸ Compiled decode step: on, the step compiles in the background while the model is idle, a later
+    reply runs compiled tokens (the caption counts them); off, eager again and the caption says why."""
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
         act = w.menu_actions["fast_step"]
         assert act.isChecked()  # on by default (the test suite's engine default is off: turned on here)
         act.setChecked(False)
         act.setChecked(True)
-        w.send("Once upon a time")
+        w.send("Once upon a time")  # turned on, it compiles at once (the model is idle): this reply waits for it
         wait_reply(qtbot, w)
+        fast = w.engine.worker._loaded.fast
+        assert fast.wait(300) and fast.state in ("trial", "on", "slower"), fast.describe()
         w.scheduler.refresh_all()
         w.timing.refresh()
-        assert "step: eager" in w.timing.caption.text()
-        fast = w.engine.worker._loaded.fast
-        assert fast.wait(300) and fast.state == "trial", fast.describe()
+        assert "step: " in w.timing.caption.text()
         w.send("The end")
         wait_reply(qtbot, w)
         w.scheduler.refresh_all()

@@ -6,6 +6,9 @@ later runs cheaper), so the tests share module-scoped models."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -56,20 +59,41 @@ def _prompt(lm) -> list[int]:
 
 
 @needs_compile
-def test_the_first_reply_answers_eager_while_the_step_compiles_then_switches(lm):
+def test_a_reply_asked_for_during_the_compile_waits_for_it_then_runs_compiled(lm):
+    """The compile runs in the background while the model is idle; torch.fx patches ``nn.Module.__call__``
+    process-wide while it traces, so no forward may run beside it: a reply asked for meanwhile waits, and no
+    token is produced while it compiles."""
     assert lm.fast.state == "idle"
-    ids = _prompt(lm)
+    traced, real_warm = [], lm.fast._warm
 
-    def wait_after_five(s, k):
-        if k == 5:
-            assert lm.fast.state in ("compiling", "on")  # the first decode started it, in the background
-            assert lm.fast.wait(300), "the compile did not end in 300 s"
+    def timed_warm(fn):
+        t0 = time.perf_counter()
+        real_warm(fn)
+        traced.append((t0, time.perf_counter()))
 
-    got, paths = _reply(lm, ids, 60, each=wait_after_five)
+    me, forwards = threading.get_ident(), []  # this thread's model forwards: (start, end)
+    pre = lm.model.register_forward_pre_hook(
+        lambda m, a: forwards.append([time.perf_counter(), None]) if threading.get_ident() == me else None)
+    post = lm.model.register_forward_hook(
+        lambda m, a, o: forwards[-1].__setitem__(1, time.perf_counter()) if threading.get_ident() == me else None)
+    lm.fast._warm = timed_warm
+    try:
+        lm.fast.start()
+        assert lm.fast.state in ("compiling", "on")
+        ids = _prompt(lm)
+        got, paths = _reply(lm, ids, 60)
+    finally:
+        del lm.fast._warm
+        pre.remove()
+        post.remove()
+    (t0, t1), = traced
+    assert forwards and all(end is not None for _, end in forwards)
+    assert not [f for f in forwards if f[0] < t1 and f[1] > t0]  # no forward of ours ran while it traced
     assert lm.fast.state == "on", lm.fast.describe()
     assert lm.fast.compile_s > 0
-    assert paths[:5] == ["eager"] * 5  # answered at once, on the eager path
-    assert paths[5:] == ["compiled"] * 55
+    k = paths.index("compiled")
+    assert 1 <= k <= 3  # the prefill, and decodes chosen before the compile ended (they waited, then ran eager)
+    assert paths == ["eager"] * k + ["compiled"] * (60 - k)
     assert got == _hf_greedy(lm, ids, 60)
 
 
