@@ -215,6 +215,7 @@ class EngineWorker(QObject):
             return
         if self._fast_mode:
             fast.set_mode(self._fast_mode)
+        fast.on_change = self.fast_changed.emit  # thread-safe: queued to the window's thread
         fast.start()
 
     @Slot(object)

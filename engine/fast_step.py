@@ -124,6 +124,7 @@ class FastStep:
         self._fn = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
+        self.on_change = None  # fn(describe()) when a compile starts or ends (called from the compile thread)
         self._refresh()
 
     # -- setting ---------------------------------------------------------------------------------------
@@ -242,6 +243,14 @@ class FastStep:
         self.state, self._done = "compiling", threading.Event()
         self._thread = threading.Thread(target=self._compile, name="kvscope-compile", daemon=True)
         self._thread.start()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self.describe())
+            except Exception:  # noqa: BLE001 - a listener's trouble never stops the compile
+                pass
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a started compile ends (True), or ``timeout`` seconds pass (False)."""
@@ -266,6 +275,7 @@ class FastStep:
                     self.state, self.reason = "off", "turned off in the settings"
             finally:
                 self._done.set()
+        self._notify()
 
     def _warm(self, fn) -> None:
         """One call on scratch tensors of the model's shapes: the lengths marked dynamic, so one graph serves

@@ -193,7 +193,8 @@ class TimingPanel(Panel):
         self.y_tps.fit(max(_p98(cur_tps), self._prev_top[1]) * 1.05)
         tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
         if not cur.n and not cur.prefill_ms and prev is None:
-            self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
+            fast = f" Compiled decode step: {html.escape(self._fast)}." if self._fast else ""
+            self.caption.setText("Per-token latency of each reply; the previous reply is dashed." + fast)
             self._count()
             return
         text = (

@@ -264,7 +264,14 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         act = w.menu_actions["fast_step"]
         assert act.isChecked()  # on by default (the test suite's engine default is off: turned on here)
         act.setChecked(False)
-        act.setChecked(True)
+        act.setChecked(True)  # compiles now, in the background: the caption follows it without a reply
+
+        def caption_says(*words) -> bool:
+            w.timing.refresh()
+            return any(word in w.timing.caption.text() for word in words)
+
+        qtbot.waitUntil(lambda: caption_says("compiling in the background", "measuring against eager"), timeout=10_000)
+        qtbot.waitUntil(lambda: caption_says("measuring against eager"), timeout=300_000)
         w.send("Once upon a time")  # turned on, it compiles at once (the model is idle): this reply waits for it
         wait_reply(qtbot, w)
         fast = w.engine.worker._loaded.fast
