@@ -31,6 +31,7 @@ background thread and only moves ``compiling`` to ``trial`` or ``failed``):
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import statistics
@@ -60,9 +61,12 @@ MIN_PAST = 2  # tokens cached before the step: a size-1 dimension would make the
 
 
 def env_mode() -> str:
-    """The mode ``KVSCOPE_FAST_STEP`` asks for (auto when unset or unknown)."""
+    """The mode ``KVSCOPE_FAST_STEP`` asks for (auto when unset; an unknown value is warned about, then auto)."""
     mode = os.environ.get("KVSCOPE_FAST_STEP", "auto").strip().lower()
-    return mode if mode in MODES else "auto"
+    if mode in MODES:
+        return mode
+    logging.getLogger("kvscope").warning("KVSCOPE_FAST_STEP=%r is not one of %s: auto is used", mode, ", ".join(MODES))
+    return "auto"
 
 
 def compile_cache_dir() -> str:

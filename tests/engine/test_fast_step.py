@@ -275,3 +275,14 @@ def test_models_the_step_cannot_serve_say_why_and_never_compile(stories, change,
     assert fast.state == "off" and why in fast.reason
     fast.start()
     assert fast._thread is None and fast.state == "off"
+
+
+def test_an_unknown_setting_in_the_environment_is_warned_about(monkeypatch, caplog):
+    from engine.fast_step import env_mode
+
+    monkeypatch.setenv("KVSCOPE_FAST_STEP", "of")
+    with caplog.at_level("WARNING", logger="kvscope"):
+        assert env_mode() == "auto"
+    assert "KVSCOPE_FAST_STEP='of' is not one of auto, on, off" in caplog.text
+    monkeypatch.setenv("KVSCOPE_FAST_STEP", " OFF ")
+    assert env_mode() == "off"
