@@ -70,18 +70,11 @@ class TokenSeries:
         return np.where(span > 0, 1000.0 * (idx - lo) / np.maximum(span, 1e-9), 0.0)
 
 
-def step_text(paths: dict[str, int], n: int, fast: str) -> str:
-    """The caption's words on what ran this reply's decode steps: compiled / batched counts, or why eager."""
-    if not n:
-        return ""
-    parts = [f"{paths[p]} {p}" for p in ("compiled", "batched") if paths.get(p)]
-    if parts:
-        text = f" · step: {' + '.join(parts)} of {n}"
-    else:
-        text = " · step: eager"
-    if fast and fast != "compiled step in use":
-        text += f" <span style='color:{PREVIOUS}'>(compiled step: {html.escape(fast)})</span>"
-    return text
+def step_text(paths: dict[str, int], n: int) -> str:
+    """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
+    "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
+    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched") if n and paths.get(p)]
+    return " + ".join(parts) if parts else "eager"
 
 
 class TimingPanel(Panel):
@@ -154,9 +147,10 @@ class TimingPanel(Panel):
 
     def set_fast_step(self, text: str, redraw: bool = True) -> None:
         """The model's compiled decode step in words (a snapshot's ``fast_step``, or the worker after the
-        setting changed)."""
+        setting changed): in the caption's tooltip, and in the caption itself before any reply."""
         if text != self._fast:
             self._fast, self._dirty = text, True
+            self.caption.setToolTip(f"Compiled decode step: {text}" if text else "")
             if redraw:
                 self.refresh()
 
@@ -198,10 +192,9 @@ class TimingPanel(Panel):
             self._count()
             return
         text = (
-            f"<b>{cur.label or 'reply'}</b> · TTFT {cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens)"
-            f" · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
+            f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT {cur.prefill_ms:.0f} ms "
+            f"({cur.prefill_tokens} prompt tokens) · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
         )
-        text += step_text(cur.paths, cur.n, self._fast)
         if prev is not None and prev.n:
             p_dec = prev.decode_ms
             text += f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {1000 * prev.n / max(p_dec.sum(), 1e-9):.1f} tok/s</span>"

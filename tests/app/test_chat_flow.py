@@ -278,7 +278,7 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         assert fast.wait(300) and fast.state in ("trial", "on", "slower"), fast.describe()
         w.scheduler.refresh_all()
         w.timing.refresh()
-        assert "step: " in w.timing.caption.text()
+        assert "TTFT" in w.timing.caption.text() and "Compiled decode step: " in w.timing.caption.toolTip()
         w.send("The end")
         wait_reply(qtbot, w)
         w.scheduler.refresh_all()
@@ -286,14 +286,14 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         text = w.timing.caption.text()
         n = w.timing.current.n
         compiled = w.timing.current.paths.get("compiled", 0)
-        assert compiled >= n // 2 and f"step: {compiled} compiled of {n}" in text, text
+        assert compiled >= n // 2 and f"· compiled {compiled}/{n} ·" in text, text
         act.setChecked(False)
         assert w.settings.get("engine/fast_step") is False
 
         def says_off() -> bool:
             w.scheduler.refresh_all()
             w.timing.refresh()
-            return "turned off in the settings" in w.timing.caption.text()
+            return "turned off in the settings" in w.timing.caption.toolTip()
 
         qtbot.waitUntil(says_off, timeout=10_000)  # at once, not at the next reply
         w.send("Again")
@@ -301,6 +301,6 @@ def test_the_compiled_decode_step_is_a_setting_and_the_timing_caption_says_what_
         w.scheduler.refresh_all()
         w.timing.refresh()
         text = w.timing.caption.text()
-        assert "step: eager" in text and "turned off in the settings" in text, text
+        assert "</b> · eager · TTFT" in text and "turned off in the settings" in w.timing.caption.toolTip(), text
     finally:
         close_window(w)
