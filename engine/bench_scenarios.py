@@ -31,9 +31,9 @@ def _pages_in_use(lm) -> int:
 
 def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batched: bool = True) -> dict[str, Any]:
     """``n`` sessions, each with its own ``context``-token prompt, generating ``new_tokens`` at once as a
-    server's requests do: every prompt is prefilled, then all decode together (``engine.batch.step_all``, or one
+    server's requests do: every prompt is prefilled, then all decode together (``engine.scheduler.step_all``, or one
     session after another per round when not ``batched``). Throughput = all sessions' tokens over wall time."""
-    from engine import batch
+    from engine.scheduler import step_all
     from engine.session import ChatSession
 
     sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
@@ -48,7 +48,7 @@ def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batch
             ttft.append(s.turn_state.ttft_ms)
         t1 = time.perf_counter()
         while live := [s for s in sessions if s.generating]:
-            for r in (batch.step_all(live) if batched else [_step(s) for s in live]):
+            for r in (step_all(live) if batched else [_step(s) for s in live]):
                 if isinstance(r, BaseException):
                     raise r
         t2 = time.perf_counter()
@@ -59,7 +59,7 @@ def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batch
     return {"concurrency": n, "context": context, "new_tokens": new_tokens, "batched": batched,
             "throughput_tokens_per_s": round(tokens / (t2 - t0), 3),
             "decode_throughput_tokens_per_s": round((tokens - n) / (t2 - t1), 3) if t2 > t1 else 0.0,
-            "ttft_ms_median": round(statistics.median(ttft), 2), "batch_refused": lm.batch_refused or None}
+            "ttft_ms_median": round(statistics.median(ttft), 2), "batch_refused": lm.runner.batch_refused or None}
 
 
 def _step(s):

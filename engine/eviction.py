@@ -47,7 +47,7 @@ class EvictionContext:
     seq_len: int = 0
     overflow: str = "stop"
     context_length: int = 0
-    max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.turn.prefill_chunk``)
+    max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.sequence.prefill_chunk``)
     notes: list[str] = field(default_factory=list)
 
 

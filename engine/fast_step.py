@@ -99,14 +99,9 @@ def machine_refusal(device: torch.device) -> str:
 
 
 def _make_step(model):
-    from engine.kv.hf_cache import StepCache
+    from engine.runner import step_function
 
-    def step(ids, pos, slots, ks, vs):
-        cache = StepCache(ks, vs, slots)
-        out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-        nk, nv = cache.new_kv()
-        return out.logits[0, -1], nk, nv  # [vocab], L x [1, Hk, 1, Dk], L x [1, Hv, 1, Dv]
-
+    step = step_function(model)
     # A code object of its own: dynamo keeps compiled graphs (and what their guards hold: this model) on the
     # code object, so with a shared one every model ever loaded would stay in memory and share its limit of 8
     # graphs; this way a model's graph goes with its FastStep.
@@ -166,26 +161,26 @@ class FastStep:
         return machine_refusal(self.lm.device)
 
     # -- per step --------------------------------------------------------------------------------------
-    def refusal(self, session) -> str:
-        """Why ``session``'s next forward cannot be the compiled step ('' when it can, once compiled)."""
+    def refusal(self, store, scores: bool = False) -> str:
+        """Why a one-token forward over ``store`` cannot be the compiled step ('' when it can, once compiled);
+        ``scores``: the sequence's policy reads attention scores."""
         from engine.kv.storage import PagedKV
 
-        store = session.store
         if type(store) is not PagedKV:
             return "the step reads a plain paged cache (this chat is not on one)"
         if store.arena.quantized:
             return "K/V pages are int8/int4"
-        if session.policy is not None and session.policy.needs_scores:
+        if scores:
             return "the policy reads attention scores"
         return ""
 
-    def choose(self, session) -> str:
-        """"compiled" or "eager" for ``session``'s next one-token forward."""
-        if self.state in ("off", "failed", "idle", "compiling") or self.refusal(session):
+    def choose(self, store, scores: bool = False) -> str:
+        """"compiled" or "eager" for a one-token forward over ``store``."""
+        if self.state in ("off", "failed", "idle", "compiling") or self.refusal(store, scores):
             return "eager"
-        if session.store.past_len < MIN_PAST:
+        if store.past_len < MIN_PAST:
             return "eager"
-        n = session.store.past_len
+        n = store.past_len
         if self.state in ("on", "slower") and self.mode == "auto" and n >= 2 * max(self._trial_at, 128):
             self._begin_trial(n)  # the context doubled: gathers grow with it, so measure again
             if self.state == "trial":
@@ -215,10 +210,10 @@ class FastStep:
         else:
             self.state, self.reason = "slower", f"compiled {mc:.1f} ms vs eager {me:.1f} ms a step: eager kept"
 
-    def forward(self, session, token: int, rope: int):
-        """The compiled forward of ``session``'s next token (room reserved by ``open_forward``): the logits
-        [vocab], the new K/V written to the pages. Raises on failure; the pages are then untouched."""
-        store, dev = session.store, self.lm.device
+    def forward(self, store, token: int, rope: int):
+        """The compiled forward of one token over ``store`` (room reserved by the caller): the logits [vocab],
+        the new K/V written to the pages. Raises on failure; the pages are then untouched."""
+        dev = self.lm.device
         arena, n = store.arena, store.past_len
         P, pages = arena.page_size, store.table.pages
         page_t = torch.tensor(pages[:-(-n // P)], dtype=torch.long, device=dev)  # [n_pages]

@@ -49,8 +49,7 @@ class LoadedModel:
     stop_ids: tuple[int, ...]
     path: str | None = None
     arenas: Any = None  # engine.kv.arena.ArenaRegistry, made on first use (``kv_arenas``)
-    batch_refused: str = ""  # why sessions of this model cannot decode in one forward, once found (engine.batch)
-    fast_step: Any = None  # engine.fast_step.FastStep, made on first use (``fast``)
+    model_runner: Any = None  # engine.runner.ModelRunner, made on first use (``runner``)
 
     @property
     def device(self) -> torch.device:
@@ -75,13 +74,23 @@ class LoadedModel:
         return self.arenas
 
     @property
+    def runner(self):
+        """The one place that calls this model (``engine.runner.ModelRunner``)."""
+        if self.model_runner is None:
+            from engine.runner import ModelRunner
+
+            self.model_runner = ModelRunner(self)
+        return self.model_runner
+
+    @property
     def fast(self):
         """This model's compiled decode step (``engine.fast_step``): its state, setting and measurements."""
-        if self.fast_step is None:
-            from engine.fast_step import FastStep
+        return self.runner.fast
 
-            self.fast_step = FastStep(self)
-        return self.fast_step
+    @property
+    def fast_step(self):
+        """The compiled decode step if the runner exists yet (else None: nothing made just to be described)."""
+        return self.model_runner.fast if self.model_runner is not None else None
 
     @property
     def kv_dtype(self) -> torch.dtype:

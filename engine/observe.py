@@ -1,5 +1,6 @@
-"""Building the ``CacheSnapshot`` a session shows: from its cache index, the page pool and this step's
-evictions, never from raw lists the session keeps on the side.
+"""Building the ``CacheSnapshot`` of a sequence (``engine.sequence.Sequence``) and its cache
+(``engine.seq_cache.SeqCache``): from the cache index, the page pool and this step's evictions, never from raw
+lists kept on the side.
 
 What a snapshot promises (tested after every step of a random walk through every setting):
 
@@ -13,32 +14,38 @@ What a snapshot promises (tested after every step of a random walk through every
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from engine import snapshot as snap
 from engine.snapshot import CacheSnapshot
 
+if TYPE_CHECKING:
+    from engine.seq_cache import SeqCache
+    from engine.sequence import Sequence
 
-def page_map(session) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, tuple]:
-    """(state, owner, fill, refcount, pages of this session, groups) over every pool the session's layers use
+
+def page_map(cache: "SeqCache") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, tuple]:
+    """(state, owner, fill, refcount, pages of this sequence, groups) over every pool the cache's layers use
     (one for plain models; full layers then each sliding window for models whose layers differ), plus host
     pages when swapped. ``groups``: (label, pages) in that order, for the page map's captions."""
-    parts = session.store.page_groups() if hasattr(session.store, "page_groups") else [("", session.store)]
+    parts = cache.store.page_groups() if hasattr(cache.store, "page_groups") else [("", cache.store)]
     if not parts:  # no paged part (contiguous full layers, state layers)
         empty = np.zeros(0, dtype=np.int32)
         return np.zeros(0, dtype=np.int8), empty, empty, empty, 0, ()
     if len(parts) == 1 and parts[0][0] == "":
-        return (*_one_pool(session, parts[0][1], session.host), ())
-    maps = [_one_pool(session, store, None) for _, store in parts]  # swapped: its pages are simply free
+        return (*_one_pool(cache, parts[0][1], cache.host), ())
+    maps = [_one_pool(cache, store, None) for _, store in parts]  # swapped: its pages are simply free
     groups = tuple((label, len(m[0])) for (label, _), m in zip(parts, maps))
     return (*(np.concatenate([m[i] for m in maps]) for i in range(4)), sum(m[4] for m in maps), groups)
 
 
-def _one_pool(session, store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def _one_pool(cache: "SeqCache", store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     pool = store.arena.pool
     state = np.asarray(pool.page_states(), dtype=np.int8)
-    freed = {p for e in session.evictions for p in e.freed_pages}
+    freed = {p for e in cache.evictions for p in e.freed_pages}
     for p in freed:
         if p < len(state) and state[p] == snap.PAGE_FREE:
             state[p] = snap.PAGE_EVICTED
@@ -56,111 +63,113 @@ def _one_pool(session, store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return state, owner, fill, ref, pages
 
 
-def own_pages(session, num_pages: int, groups: tuple) -> np.ndarray:
-    """[num_pages] bool over the page map: the pages this session's block tables hold (its swapped-out pages,
+def own_pages(cache: "SeqCache", num_pages: int, groups: tuple) -> np.ndarray:
+    """[num_pages] bool over the page map: the pages this cache's block tables hold (its swapped-out pages,
     shown after the pool, too). The rest of a shared pool's held pages belong to other chats."""
     mine = np.zeros(num_pages, dtype=bool)
-    parts = session.store.page_groups() if hasattr(session.store, "page_groups") else [("", session.store)]
+    parts = cache.store.page_groups() if hasattr(cache.store, "page_groups") else [("", cache.store)]
     sizes = [n for _, n in groups] if groups else [num_pages]
     offset = 0
     for (_, store), size in zip(parts, sizes):
         pages = np.asarray(store.table.pages, dtype=np.int64)
         mine[offset + pages[pages < size]] = True
         offset += size
-    if session.host is not None and not groups and parts:
+    if cache.host is not None and not groups and parts:
         mine[parts[0][1].arena.pool.num_pages:] = True
     return mine
 
 
-def token_state(session) -> np.ndarray:
+def token_state(seq: "Sequence", cache: "SeqCache") -> np.ndarray:
     """Per logical position of the conversation: TOKEN_* codes (layer 0's view for "quantized")."""
-    T = len(session.seq)
+    T = len(seq.ids)
     state = np.full(T, snap.TOKEN_NOT_CACHED, dtype=np.int8)
-    if session.store is None:
+    if cache.store is None:
         return state
-    index = session.index
+    index = cache.index
     fed = min(index.next_pos, T)
     held = index.held(T)
-    for a, b in getattr(session.store, "held_ranges", list)():  # what the sliding windows still show
+    for a, b in getattr(cache.store, "held_ranges", list)():  # what the sliding windows still show
         held[a:min(b, T)] = True
     state[:fed] = snap.TOKEN_EVICTED
     state[held] = snap.TOKEN_KEPT
-    cfg = session.cache_config
+    cfg = cache.cache_config
     if cfg.quantized and cfg.mode == "paged" and index.num_layers:
         full = (index.n // cfg.page_size) * cfg.page_size
         q = index.log[0][:full]
         state[q[q < T]] = snap.TOKEN_QUANTIZED
-    if session.policy is not None:
-        sinks = session.policy.sink_count(T)
+    if cache.policy is not None:
+        sinks = cache.policy.sink_count(T)
         state[:sinks][held[:sinks]] = snap.TOKEN_SINK
-    if session.priorities is not None:
+    if seq.priorities is not None:
         from engine.policies import PINNED
 
-        pri = session.priorities[:T]
+        pri = seq.priorities[:T]
         pinned = np.nonzero((pri >= PINNED) & held[:len(pri)])[0]
         state[pinned] = snap.TOKEN_PINNED
     return state
 
 
-def capacity(session) -> int:
+def capacity(cache: "SeqCache") -> int:
     """Tokens the cache may hold per layer now: a policy's budget, else the store (or pool limit) and the
     context, whichever is lower."""
-    if session.store is None:
+    if cache.store is None:
         return 0
-    cap = min(session.store.capacity_tokens(), session.context_length)
-    return min(cap, session.policy.budget) if session.policy is not None else cap
+    cap = min(cache.store.capacity_tokens(), cache.lm.info.context_length)
+    return min(cap, cache.policy.budget) if cache.policy is not None else cap
 
 
-def build(session, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
-    """A frozen picture of ``session``'s cache now (read-only numpy copies)."""
-    info, cfg, store, t = session.info, session.cache_config, session.store, session.turn_state
+def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
+    """A frozen picture of ``seq``'s cache now (read-only numpy copies)."""
+    lm = cache.lm
+    info, cfg, store, t = lm.info, cache.cache_config, cache.store, seq.reply
     L = info.num_layers
     paged = store is not None and (cfg.mode == "paged" or hasattr(store, "page_groups"))
     if paged:
-        state, owner, fill, ref, pages, groups = page_map(session)
+        state, owner, fill, ref, pages, groups = page_map(cache)
     else:
         state, owner, fill, ref, pages, groups = (np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32),
                                                   np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), 0, ())
-    held = session.index.n if store is not None else 0
+    held = cache.index.n if store is not None else 0
     per_layer_tokens = store.layer_tokens() if hasattr(store, "layer_tokens") else [held] * L
-    if session.host is not None:
-        per_layer = [session.host.nbytes // L] * L  # host bytes, all layers alike
+    if cache.host is not None:
+        per_layer = [cache.host.nbytes // L] * L  # host bytes, all layers alike
     else:
         per_layer = store.bytes_per_layer() if store is not None else [0] * L
     n_decode = max(0, len(t.generated) - 1)
-    evs = session.evictions
-    tokens = token_state(session)
+    evs = cache.evictions
+    tokens = token_state(seq, cache)
     # positions this step evicted that are still evicted (a switch since may have restored them)
     evicted_now = tuple(sorted(p for p in {p for e in evs for p in e.positions}
                                if p < len(tokens) and tokens[p] == snap.TOKEN_EVICTED))
+    fast = lm.fast_step
     return CacheSnapshot(
-        generation_id=session.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
+        generation_id=seq.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
         page_size=cfg.page_size if cfg.mode == "paged" else 0, num_pages=len(state),
         pages_used_per_layer=np.asarray(store.layer_pages() if hasattr(store, "layer_pages") else [pages] * L,
                                         dtype=np.int64),
         tokens_per_layer=np.asarray(per_layer_tokens, dtype=np.int64),
         bytes_per_layer=np.asarray(per_layer, dtype=np.int64),
-        capacity_tokens=capacity(session),
+        capacity_tokens=capacity(cache),
         page_state=state, page_owner=owner, page_fill=fill, page_refcount=ref,
         token_state=tokens,
         weights_bytes=info.weights_bytes,
-        kv_bytes=int(sum(per_layer)) if session.host is None else 0,
-        device_bytes=int(torch.cuda.memory_allocated()) if session.lm.device.type == "cuda" else 0,
+        kv_bytes=int(sum(per_layer)) if cache.host is None else 0,
+        device_bytes=int(torch.cuda.memory_allocated()) if lm.device.type == "cuda" else 0,
         reused_tokens=t.reused, recomputed_tokens=t.recomputed, first_divergence=t.divergence,
-        seq_len=len(session.seq), context_length=session.context_length,
+        seq_len=len(seq.ids), context_length=info.context_length,
         k_dtype=cfg.k_dtype, v_dtype=cfg.v_dtype,
         evicted_total=int(np.count_nonzero(tokens == snap.TOKEN_EVICTED)),
         evicted_positions=evicted_now,
         evict_reason=evs[-1].reason if evs else "",
         phase=phase, step_ms=step_ms, prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms,
         decode_tokens_per_s=(n_decode / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
-        offloaded=session.host is not None,
-        notes=tuple(session.notes),
+        offloaded=cache.host is not None,
+        notes=tuple(seq.notes),
         page_groups=groups,
         layer_kinds=tuple(info.layer_kinds),
-        written_pages=tuple(p for p in session.written if p < len(state)) if paged else (),
-        page_mine=own_pages(session, len(state), groups) if paged else None,
-        batch_size=session.batch_size,
-        step_path=session.step_path,
-        fast_step=session.lm.fast_step.describe() if session.lm.fast_step is not None else "",
+        written_pages=tuple(p for p in cache.written if p < len(state)) if paged else (),
+        page_mine=own_pages(cache, len(state), groups) if paged else None,
+        batch_size=cache.batch_size,
+        step_path=cache.path,
+        fast_step=fast.describe() if fast is not None else "",
     )

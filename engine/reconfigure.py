@@ -1,15 +1,17 @@
 """Cache settings against a model: ``validate`` a ``CacheConfig``, build its store, and ``apply`` a new one to a
-live session (between two steps, also in the middle of a reply).
+sequence's live cache (between two steps, also in the middle of a reply).
 
 ``apply`` asks before it acts: the setting is validated, the new store is built and filled before the old
 one is freed, and a policy switched on evicts before it is installed, so any refusal (a typed error) leaves
-the session exactly as it was, still on its old setting.
+the cache exactly as it was, still on its old setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError, ContextOverflowError, UnsupportedModelError
@@ -18,6 +20,10 @@ from engine.kv.grouped import GroupedKV, Layout
 from engine.kv.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.kv.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
+
+if TYPE_CHECKING:
+    from engine.seq_cache import SeqCache
+    from engine.sequence import Sequence
 
 OVERFLOW_EVICTS = ("truncate_middle", "rolling")
 
@@ -109,35 +115,34 @@ def describe(cfg: CacheConfig) -> str:
     return out
 
 
-def apply(session, cfg: CacheConfig) -> list[str]:
-    """Move ``session`` to ``cfg``; returns notes saying what happened and what it cost."""
-    old = session.cache_config
+def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) -> list[str]:
+    """Move ``cache`` (the cache of ``seq``) to ``cfg``; returns notes saying what happened and what it cost."""
+    old = cache.cache_config
     if cfg == old:
         return []
-    session.check_open()
-    policy = validate(cfg, session.lm)
-    if cfg.mode == "off" and len(session.seq) >= session.context_length:
+    policy = validate(cfg, cache.lm)
+    ctx = cache.lm.info.context_length
+    if cfg.mode == "off" and len(seq.ids) >= ctx:
         raise ContextOverflowError(
-            f"cache off recomputes the whole conversation ({len(session.seq)} tokens), which is longer than "
-            f"the model's context ({session.context_length}): keep a cache with an eviction policy")
-    if session.host is not None:
-        session.swap_in()
+            f"cache off recomputes the whole conversation ({len(seq.ids)} tokens), which is longer than "
+            f"the model's context ({ctx}): keep a cache with an eviction policy")
+    cache.swap_in(seq.ids)
     notes: list[str] = []
-    if session.store is not None and session.index.n and not _keeps_evicted(session.policy, policy):
-        notes += _restore_evicted(session)
-    evicted = _evict_for(session, policy)
+    if cache.store is not None and cache.index.n and not _keeps_evicted(cache.policy, policy):
+        notes += _restore_evicted(cache, ctx)
+    evicted = _evict_for(cache, seq, policy, max_chunk)
     notes += evicted
     if _needs_new_store(old, cfg):
-        notes += _move_store(session, old, cfg)
-    old_policy = session.policy
-    session.cache_config, session.policy = cfg, policy
+        notes += _move_store(cache, seq, old, cfg)
+    old_policy = cache.policy
+    cache.cache_config, cache.policy = cfg, policy
     if policy is None or not policy.needs_scores:
-        session.evictor.scores.stop()
+        cache.evictor.scores.stop()
     if policy is not None and not evicted and (old_policy is None or old_policy.describe() != policy.describe()):
         notes.append(f"{policy.describe()} on")
     regrouped = cfg.k_dtype != old.k_dtype or cfg.page_size != old.page_size or old.mode != "paged"
     if cfg.mode == "paged" and cfg.k_dtype == "int8" and regrouped:
-        notes.append(int8_key_note(session.info.head_dim, cfg.page_size))
+        notes.append(int8_key_note(cache.lm.info.head_dim, cfg.page_size))
     if cfg.prefix_reuse != old.prefix_reuse:
         notes.append("prefix reuse " + ("on" if cfg.prefix_reuse else "off") + " from the next turn")
     return notes
@@ -153,37 +158,37 @@ def _keeps_evicted(old: EvictionPolicy | None, new: EvictionPolicy | None) -> bo
     return old is None or (new is not None and old.name == new.name and new.budget <= old.budget)
 
 
-def _restore_evicted(session) -> list[str]:
+def _restore_evicted(cache: "SeqCache", ctx: int) -> list[str]:
     """Drop the cache back to its intact prefix so the evicted tokens are re-prefilled from the text."""
-    index = session.index
+    index = cache.index
     if index.intact == index.n == index.next_pos:
         return []  # nothing was evicted
     total = index.next_pos
-    if total > session.context_length - 1:
+    if total > ctx - 1:
         return [f"{total - index.n} evicted tokens cannot be restored: the conversation ({total} tokens) is longer "
-                f"than the model's context ({session.context_length}); the kept window stays"]
-    kept = session.store.reusable(index.intact)
-    session.truncate_cache(kept)
+                f"than the model's context ({ctx}); the kept window stays"]
+    kept = cache.store.reusable(index.intact)
+    cache.truncate(kept)
     return [f"restoring evicted tokens: {total - kept} tokens re-prefilled from the text on the next step"]
 
 
-def _evict_for(session, policy: EvictionPolicy | None) -> list[str]:
+def _evict_for(cache: "SeqCache", seq: "Sequence", policy: EvictionPolicy | None, max_chunk: int) -> list[str]:
     """A policy switched on (or tightened) evicts now, in the current store, before it is installed."""
-    if policy is None or session.store is None or session.index.n <= policy.budget:
+    if policy is None or cache.store is None or cache.index.n <= policy.budget:
         return []
-    before = session.index.n
-    cx = session.eviction_context()
-    session.evictions += session.evictor.evict_now(session.store, session.index, policy, policy.budget, cx)
-    session.add_notes(cx.notes)
-    return [f"{policy.describe()}: evicted {before - session.index.n} tokens now"]
+    before = cache.index.n
+    cx = cache.context(seq.protected, seq.priorities, len(seq.ids), max_chunk)
+    cache.evictions += cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx)
+    seq.add_notes(cx.notes)
+    return [f"{policy.describe()}: evicted {before - cache.index.n} tokens now"]
 
 
-def _move_store(session, old: CacheConfig, cfg: CacheConfig) -> list[str]:
+def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: CacheConfig) -> list[str]:
     """Build the new store, copy the cached K/V into it, and only then free the old one."""
     t0 = time.perf_counter()
-    src = session.store
-    n = session.index.n if src is not None else 0
-    dst = make_store(session.lm, cfg, session.session_id)
+    src = cache.store
+    n = cache.index.n if src is not None else 0
+    dst = make_store(cache.lm, cfg, cache.owner_id)
     try:
         target = dst.full if isinstance(dst, GroupedKV) else dst  # windows hold their window, whatever n is
         if target is not None and n and not target.can_reserve(n):
@@ -191,26 +196,26 @@ def _move_store(session, old: CacheConfig, cfg: CacheConfig) -> list[str]:
                 f"{describe(cfg)} cannot hold this chat's {n} cached tokens within its limits: raise the page "
                 "limit, close other chats, or choose an eviction policy first")
         if isinstance(src, GroupedKV) and isinstance(dst, GroupedKV):
-            copied = src.copy_into(dst, owner=session.turn) if n else 0
+            copied = src.copy_into(dst, owner=seq.turn) if n else 0
         else:
-            copied = copy_kv(src, dst, owner=session.turn) if dst is not None and n else 0
+            copied = copy_kv(src, dst, owner=seq.turn) if dst is not None and n else 0
     except BaseException:
         if dst is not None:
             dst.free()
         raise
     if src is not None:
         src.free()
-    session.set_store(dst)
+    cache.set_store(dst)
     ms = (time.perf_counter() - t0) * 1000.0
     if dst is None:
-        session.index.reset()
-        session.evictor.scores.stop()
-        return [f"cache off: {len(session.seq)} tokens will be recomputed every step"]
+        cache.index.reset()
+        cache.evictor.scores.stop()
+        return [f"cache off: {len(seq.ids)} tokens will be recomputed every step"]
     if copied:
         return [f"{describe(old)} → {describe(cfg)}: moved {copied} tokens of KV in {ms:.1f} ms"]
-    session.index.reset()
-    if session.seq:
-        pending = len(session.seq) - (0 if session.generating else 1)
+    cache.index.reset()
+    if seq.ids:
+        pending = len(seq.ids) - (0 if seq.running else 1)
         return [f"{describe(old)} → {describe(cfg)}: {pending} tokens re-prefilled on the next step"]
     return []
 

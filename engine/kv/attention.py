@@ -10,11 +10,18 @@ selected while a policy needs scores; otherwise models run stock ``sdpa``.
 from __future__ import annotations
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.kv.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
 RAGGED_IMPL = "kvscope_ragged"
+DISPATCH_IMPL = "kvscope"  # what ``engine.runner`` selects once on an sdpa model: see ``dispatch_attention``
+RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each sequence's K/V of a batched decode
+
+
+class RaggedUnsupported(RuntimeError):
+    """The model cannot run a batched decode over separate stores (its attention bypasses what the cache returns)."""
 _registered = False
 
 
@@ -64,10 +71,6 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     padding, no mask: one new token sees everything its session caches), each with torch's SDPA as the
     model's own ``sdpa`` path calls it. query [B, Hq, 1, D]; ``kwargs["kvscope_ragged"]``: B pairs of
     [1, Hkv, n_b, D] / [1, Hkv, n_b, Dv]. Returns ([B, 1, Hq, Dv], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from engine.kv.hf_cache import RAGGED_KEY, RaggedUnsupported
-
     parts = kwargs.pop(RAGGED_KEY, None)
     if parts is None or len(parts) != query.shape[0] or query.shape[2] != 1:
         raise RaggedUnsupported("batched decode: the attention did not get one session's K/V per query row")
@@ -81,6 +84,18 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(outs, 0), None  # [B, 1, Hq, Dv]
 
 
+def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
+    """The one attention implementation the runner selects on an sdpa model: a batched decode (the cache handed
+    each sequence's K/V) → ``ragged_attention``; a policy reading scores (the cache handed a sink) →
+    ``scores_attention``; anything else → transformers' own sdpa, exactly as if "sdpa" were selected (HF
+    ``generate`` on the same model, the compiled step). The model's config never changes around a call."""
+    if kwargs.get(RAGGED_KEY) is not None:
+        return ragged_attention(module, query, key, value, None, **kwargs)
+    if kwargs.get("kvscope_sink") is not None:
+        return scores_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -92,13 +107,15 @@ def register() -> None:
     # looked up at each call (tests replace it); no mask function: one new token per row needs no mask
     AttentionInterface.register(RAGGED_IMPL, lambda *a, **k: ragged_attention(*a, **k))
     AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
+    AttentionInterface.register(DISPATCH_IMPL, lambda *a, **k: dispatch_attention(*a, **k))
+    AttentionMaskInterface.register(DISPATCH_IMPL, sdpa_mask)
     _registered = True
 
 
 def use_attention(model, impl: str) -> None:
-    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL`` or ``RAGGED_IMPL``) on a model if it is not already selected."""
+    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL``, ``RAGGED_IMPL`` or ``DISPATCH_IMPL``) on a model if it is not already selected."""
     if getattr(model.config, "_attn_implementation", None) == impl:
         return
-    if impl in (SCORES_IMPL, RAGGED_IMPL):
+    if impl in (SCORES_IMPL, RAGGED_IMPL, DISPATCH_IMPL):
         register()
     model.set_attn_implementation(impl)

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
+from engine.kv.attention import RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
 from engine.kv.storage import KVStore
 
 
@@ -103,9 +104,6 @@ class KVCache(Cache):
         super().__init__(layers=layers)
 
 
-RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each session's K/V of a batched decode
-
-
 class _BatchLayer(_OurLayer):
     """One layer of a batched decode: row b of the new K/V goes to session b's store; the attention reads each
     session's own K/V (``kwargs[RAGGED_KEY]``), so lengths may differ and nothing is padded."""
@@ -127,10 +125,6 @@ class _BatchLayer(_OurLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
-
-
-class RaggedUnsupported(RuntimeError):
-    """The model cannot run a batched decode over separate stores (its attention bypasses what the cache returns)."""
 
 
 class BatchCache(Cache):

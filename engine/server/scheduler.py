@@ -1,11 +1,12 @@
-"""The engine thread: requests queue FIFO, the running ones are stepped round-robin, one step each per round;
-those decoding on plain stores take their step together in one batched forward (``engine.batch``).
+"""The API's side of the engine core (``engine.scheduler.EngineCore``): requests queue FIFO here, are admitted
+while fewer than ``max_running`` run (``max_waiting`` queued more get 429), and run as ``Request``s of the core
+with ``Priority.API`` — next to the app's own chats when the app serves, on a ``CoreThread`` of their own for
+``python -m engine serve``. The core decides what runs in each forward (one-token decodes batched).
 
-Torch is only ever called from this thread (``Scheduler._loop``); the HTTP side submits ``Job``s and reads
-their events from an asyncio queue (``Job.next``). A job is admitted when fewer than ``max_running`` run;
-``max_waiting`` queued jobs more get 429. A cancelled job (the client went away) has its session closed,
-so its pages go back to the pool at once; a finished one leaves its session idle for the next request of
-the same conversation (``IdleSessions``).
+Torch is only ever called on the engine thread (``Scheduler.admit`` and the sinks run there); the HTTP side
+submits ``Job``s and reads their events from an asyncio queue (``Job.next``). A cancelled job (the client went
+away) has its session closed, so its pages go back to the pool at once; a finished one leaves its session idle
+for the next request of the same conversation (``IdleSessions``), whose pages the core may reclaim.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import batch
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
+from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
@@ -63,6 +64,7 @@ class Job:
         self.session = None
         self.sampling: SamplingConfig | None = None
         self.stats = None  # TurnStats of start()
+        self.request: Request | None = None  # its request on the engine core, once admitted
         self.trim = StopTrimmer(req.stop)
         self.scheduler: Scheduler | None = None
 
@@ -82,9 +84,12 @@ class Job:
             self.scheduler.cancelled(self)
 
 
-class Scheduler:
+class Scheduler(Source):
+    """The API's requests on an engine core: ``core`` (shared with the app), or one of its own on a
+    ``CoreThread`` started by ``start``."""
+
     def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 8,
-                 max_waiting: int = 32, max_idle: int = 4) -> None:
+                 max_waiting: int = 32, max_idle: int = 4, core: EngineCore | None = None) -> None:
         self.lm = lm
         self.cache = cache
         self.metrics = metrics or Metrics()
@@ -92,13 +97,14 @@ class Scheduler:
         self.max_waiting = max(0, max_waiting)
         self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
         self.records: deque[JobRecord] = deque(maxlen=1024)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
-        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._paused = False
         self._stopping = False
-        self.thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
+        self._paused = False
+        self._attached = False
+        self.own_thread = CoreThread(EngineCore(lm)) if core is None else None
+        self.core = core if core is not None else self.own_thread.core
 
     # -- the HTTP side (any thread) ---------------------------------------------------------------------
     @property
@@ -111,17 +117,37 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive() and not self._stopping
+        if self._stopping or not self._attached:
+            return False
+        return self.own_thread.alive if self.own_thread is not None else True
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The server's own engine thread (None when it runs on the app's core)."""
+        return self.own_thread.thread if self.own_thread is not None else None
+
+    def pause(self) -> None:
+        """Hold the API's requests where they are (nothing admitted, nothing stepped) until ``resume``."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self.core.wake()
 
     def start(self) -> None:
-        self.thread.start()
+        """Attach to the core (on its thread) and, without a shared core, start the engine thread."""
+        if self.own_thread is not None:
+            self.own_thread.on_exit.append(self._shutdown)
+            self.own_thread.start()
+        self._attached = True
+        self.core.call(lambda: self.core.sources.append(self))
 
     def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> Job:
         """Queue a request; 429 when ``max_waiting`` are queued already, 503 once the server stops."""
         job = Job(req, loop, request_id)
         job.scheduler = self
-        with self._cond:
-            if self._stopping or not self.thread.is_alive():
+        with self._lock:
+            if not self.alive:
                 raise ApiError(503, "the server is shutting down", "server_error", None, "shutting_down")
             if len(self._waiting) >= self.max_waiting:
                 self.metrics.outcome("rejected")
@@ -129,72 +155,53 @@ class Scheduler:
                                "running): try again later", "rate_limit_error", None, "queue_full",
                                headers={"Retry-After": "1"})
             self._waiting.append(job)
-            self._cond.notify()
+        self.core.wake()
         return job
 
     def cancelled(self, job: Job) -> None:
-        with self._cond:
+        with self._lock:
             if job in self._waiting:  # never started: gone at once
                 self._waiting.remove(job)
                 job.finished = True
                 self.metrics.outcome("cancelled")
-            self._cond.notify()
+        self.core.call(lambda: job.request.cancel() if job.request is not None and not job.request.done else None)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run ``fn`` on the engine thread between two rounds (also while paused); its result as a future."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._calls.append((fn, fut))
-            self._cond.notify()
-        return fut
-
-    def pause(self) -> None:
-        """Hold every request where it is (nothing admitted, nothing stepped) until ``resume``."""
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify()
+        """Run ``fn`` on the engine thread between two rounds; its result as a future."""
+        return self.core.call(fn)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the engine thread: running requests end with an error, idle sessions are closed."""
-        with self._cond:
+        """End the API's work: running requests end with an error (503), idle sessions are closed; then the
+        engine thread if it is the server's own. With a shared core, the app's work goes on."""
+        with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
-            self._cond.notify()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
-
-    # -- the engine thread ---------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self._calls and (
-                        self._paused or (not self._waiting and not self._running)):
-                    self._cond.wait()
-                if self._stopping:
-                    break
-                calls = list(self._calls)
-                self._calls.clear()
-                admit = []
-                while not self._paused and self._waiting and len(self._running) + len(admit) < self.max_running:
-                    admit.append(self._waiting.popleft())
-                paused = self._paused
-            for fn, fut in calls:
-                self._run_call(fn, fut)
-            for job in admit:
-                self._guard(self._begin, job)
-            if not paused:
-                self._step_running()
-        self._shutdown()
-
-    @staticmethod
-    def _run_call(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if self.own_thread is not None:
+            self.own_thread.stop(timeout)
+            return
+        fut = self.core.call(self._shutdown)
         try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            fut.set_exception(e)
+            fut.result(timeout)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            log.warning("the engine did not end the API's requests within %.0f s", timeout)
+
+    # -- the engine thread (the core calls these) ---------------------------------------------------------
+    def admit(self, core: EngineCore) -> None:
+        """Start waiting requests while fewer than ``max_running`` run."""
+        while True:
+            with self._lock:
+                if self._stopping or self._paused or not self._waiting or len(self._running) >= self.max_running:
+                    return
+                job = self._waiting.popleft()
+            self._guard(self._begin, job)
+
+    def reclaim(self) -> bool:
+        """Idle conversations give their pages to a request that needs them."""
+        if not len(self.idle):
+            return False
+        self.idle.close(evicted=True)
+        return True
 
     def _guard(self, fn: Callable[[Job], None], job: Job) -> None:
         """Run one job's begin or step; whatever it raises ends that job only (the server goes on)."""
@@ -209,6 +216,8 @@ class Scheduler:
         s = job.session
         if job in self._running:
             self._running.remove(job)
+        if job.request is not None:
+            job.request.done = True
         if s is not None:
             s.close()  # whatever state a failure left, its pages go back
         job.finished = True
@@ -263,8 +272,15 @@ class Scheduler:
         job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                       max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
         job.session, _ = self.idle.take(ids)
-        self._start_turn(job)
+        try:
+            self._start_turn(job)
+        except CacheCapacityError:
+            if not self.reclaim():
+                raise
+            self._start_turn(job)  # idle conversations gave their pages back (a swapped-in cache needed room)
         self._running.append(job)
+        job.request = self.core.add(Request(job.session, lambda r, job=job: self._guard(lambda j: self._emit(j, r), job),
+                                            Priority.API, hold=lambda: self._paused))
         self.metrics.request_started(job.stats.prompt_tokens, job.stats.reused_tokens)
         job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
 
@@ -277,35 +293,6 @@ class Scheduler:
             job.stats = s.start_completion(req.prompt, job.sampling)
         else:
             job.stats = s.start_ids(list(req.prompt_ids), job.sampling)
-
-    def _step_running(self) -> None:
-        """One step of every running request: those decoding on plain stores in one batched forward
-        (``engine.batch``), the others (prefill chunks, score-reading policies) one by one."""
-        jobs = list(self._running)
-        group = {id(s) for s in batch.batchable([j.session for j in jobs if not j.cancelled])}
-        together = [j for j in jobs if id(j.session) in group]
-        if together:
-            self.metrics.batched(len(together))
-            for job, r in zip(together, batch.step_batch([j.session for j in together])):
-                self._guard(lambda j, r=r: self._emit(j, r), job)
-        for job in jobs:
-            if id(job.session) not in group:
-                self._guard(self._step, job)
-
-    def _step(self, job: Job) -> None:
-        s = job.session
-        if job.cancelled:
-            self._end(job, "cancelled", None)
-            return
-        try:
-            r = s.step()
-        except CacheCapacityError:
-            if s.turn_state.generated or not len(self.idle):
-                raise
-            self.idle.close(evicted=True)  # idle conversations give their pages to a request that needs them
-            self._start_turn(job)  # the prompt again (nothing was sent yet); its cached prefix is intact
-            return
-        self._emit(job, r)
 
     def _emit(self, job: Job, r) -> None:
         """Hand a step's token to the client; end the request when the step ended the reply."""
@@ -342,16 +329,16 @@ class Scheduler:
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens})
 
     def _shutdown(self) -> None:
-        with self._cond:
+        """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""
+        if self in self.core.sources:
+            self.core.sources.remove(self)
+        with self._lock:
+            self._stopping = True
             jobs = list(self._running) + list(self._waiting)
             self._waiting.clear()
-            calls = list(self._calls)
-            self._calls.clear()
         for job in jobs:
             self._end_failed(job, ApiError(503, "the server is shutting down", "server_error", None,
                                            "shutting_down"))
-        for fn, fut in calls:
-            fut.cancel()
         self.idle.close()
 
     # -- measurements (engine thread: through ``call``) -----------------------------------------------------

@@ -65,10 +65,11 @@ def model_id(lm, source: str | None) -> str:
 
 
 class KVServer:
-    """The model, its scheduler (engine thread) and the ASGI app. ``start()`` starts the engine thread."""
+    """The model, the API's scheduler on an engine core and the ASGI app. ``start()`` attaches to the core (and
+    starts the engine thread when the core is the server's own)."""
 
     def __init__(self, lm, cache: CacheConfig | None = None, options: ServerOptions | None = None,
-                 source: str | None = None) -> None:
+                 source: str | None = None, core=None) -> None:
         self.lm = lm
         self.cache = cache or CacheConfig()
         self.options = options or ServerOptions()
@@ -78,8 +79,10 @@ class KVServer:
         self.model_ids = tuple(dict.fromkeys(x for x in (self.model_id, source, lm.info.name) if x))
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.metrics.runner = lm.runner
         o = self.options
-        self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle)
+        # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
+        self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core)
         self.last_gauges: dict[str, float] = {}
         self.app = build_app(self, tuple(o.cors))
 

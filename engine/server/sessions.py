@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from engine.config import CacheConfig
-from engine.turn import common_prefix
+from engine.sequence import common_prefix
 
 
 class IdleSessions:

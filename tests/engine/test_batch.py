@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import batch
+from engine import scheduler as batch
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError, EngineError
 from engine.kv import attention
@@ -22,7 +22,7 @@ PROMPTS = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park.
 
 @pytest.fixture()
 def lm(stories):
-    return dataclasses.replace(stories, arenas=None, batch_refused="")  # its own arenas and batch verdict
+    return dataclasses.replace(stories, arenas=None, model_runner=None)  # its own arenas and batch verdict
 
 
 def _start(lm, cfgs, n, prompts=PROMPTS):
@@ -37,7 +37,7 @@ def _run(sessions, counts=None):
     out = {id(s): [] for s in sessions}
     while live := [s for s in sessions if s.generating]:
         if counts is not None:
-            counts.append(len(batch.batchable(live)))
+            counts.append(sum(map(len, batch.batchable(live))))
         for s, r in zip(live, batch.step_all(live)):
             out[id(s)].append(r)
     return out
@@ -148,7 +148,7 @@ def test_a_model_that_cannot_batch_steps_one_by_one(lm, monkeypatch):
     sessions = _start(lm, [CacheConfig()] * 2, 12)
     counts: list[int] = []
     _run(sessions, counts)
-    assert "simulated" in lm.batch_refused and batch.batch_refusal(lm) == lm.batch_refused
+    assert "simulated" in lm.runner.batch_refused and lm.runner.batch_refusal() == lm.runner.batch_refused
     assert counts.count(0) >= 10  # once refused, never tried again
     assert [s.generated_ids for s in sessions] == [hf_greedy(lm, lm.tokenizer(p)["input_ids"], 12)
                                                   for p in PROMPTS[:2]]
@@ -168,20 +168,20 @@ def test_random_weights_batched_logits_match_single(lm):
         s.start_ids(p, SamplingConfig(max_new_tokens=2, ignore_eos=True))
         while s.step().event is None:
             pass
-        tok, pos = s.next_input()
-        logits = s._forward([tok])
-        solo.append(logits)
+        (out,) = big.runner.run([s.prepare()])
+        assert out.path != "batched"
+        solo.append(out.logits)
         s.close()
     sessions = [ChatSession(big, CacheConfig()) for _ in prompts]
     for s, p in zip(sessions, prompts):
         s.start_ids(p, SamplingConfig(max_new_tokens=2, ignore_eos=True))
         while s.step().event is None:
             pass
-    for s in sessions:
-        s.open_forward(1)
-    batched = batch._forward(big, sessions)
-    for s in sessions:
-        s.close_forward(1)
+    outs = big.runner.run([s.prepare() for s in sessions])
+    assert {o.path for o in outs} == {"batched"} and outs[0].batch == 3
+    batched = [o.logits for o in outs]
+    for s, o in zip(sessions, outs):
+        s.finish(o)
     for b, ref in enumerate(solo):
         assert torch.allclose(batched[b], ref, atol=1e-4, rtol=1e-4), (batched[b] - ref).abs().max()
 

@@ -25,7 +25,7 @@ def lm(stories_path):
     from engine.loader import load_model
 
     m = load_model(str(stories_path))
-    m.fast_step = FastStep(m, mode="on")
+    m.runner.fast = FastStep(m, mode="on")
     return m
 
 
@@ -137,7 +137,7 @@ def test_chats_the_step_cannot_run_stay_eager(lm, cache, why):
     assert lm.fast.wait(300)
     s = ChatSession(lm, cache)
     try:
-        assert why in lm.fast.refusal(s)
+        assert why in lm.fast.refusal(s.store, s.policy is not None and s.policy.needs_scores)
     finally:
         s.close()
     _, paths = _reply(lm, _prompt(lm), 20, cache=cache)
@@ -217,7 +217,7 @@ def test_off_never_compiles(stories):
     assert fast.state == "off" and "settings" in fast.reason
     s = ChatSession(stories, CacheConfig())
     try:
-        assert fast.choose(s) == "eager"
+        assert fast.choose(s.store) == "eager"
     finally:
         s.close()
     assert fast._thread is None
@@ -232,7 +232,7 @@ def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
     from engine.shapes import build_shape
 
     lm = build_shape("tiny-qwen2")
-    lm.fast_step = FastStep(lm, mode="on")
+    lm.runner.fast = FastStep(lm, mode="on")
     lm.fast.start()
     assert lm.fast.wait(300) and lm.fast.state == "on", lm.fast.describe()
     ids = torch.randint(3, lm.info.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -242,15 +242,14 @@ def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
         s = ChatSession(lm, CacheConfig(page_size=4))
         s.start_ids(ids, SamplingConfig(max_new_tokens=40, ignore_eos=True, temperature=0.0))
         logits, paths = [], []
-        real = s._forward
+        real = s.finish
 
-        def spy(feed, real=real):
-            out = real(feed)
-            logits.append(out.clone())
-            paths.append(s.step_path)
-            return out
+        def spy(out, *a, real=real):
+            logits.append(out.logits.clone())
+            paths.append(out.path)
+            return real(out, *a)
 
-        s._forward = spy
+        s.finish = spy
         while not s.step().done:
             pass
         runs[mode] = (s.seq[len(ids):], torch.stack(logits), paths)
@@ -270,7 +269,7 @@ def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
 def test_models_the_step_cannot_serve_say_why_and_never_compile(stories, change, why):
     from dataclasses import replace
 
-    lm = replace(stories, info=replace(stories.info, **change), fast_step=None)
+    lm = replace(stories, info=replace(stories.info, **change), model_runner=None)
     fast = FastStep(lm, mode="auto")
     assert fast.state == "off" and why in fast.reason
     fast.start()

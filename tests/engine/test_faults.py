@@ -253,7 +253,7 @@ def test_any_exception_in_a_step_ends_the_turn_typed_and_the_next_start_works(st
 
 
 def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, monkeypatch):
-    from engine.turn import prefill_chunk
+    from engine.sequence import prefill_chunk
     from test_exact import hf_greedy
 
     assert [prefill_chunk(n, "cpu") for n in (260_000, 135_000_000, 1_000_000_000, 8_000_000_000)] == [2048, 2048, 512, 64]

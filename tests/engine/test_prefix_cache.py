@@ -123,7 +123,7 @@ def reply(s: ChatSession, msgs, n=N_NEW):
 
 def shared_prefix_pages(lm, a: str, b: str, page: int) -> int:
     from engine.chat import render_chat
-    from engine.turn import common_prefix
+    from engine.sequence import common_prefix
 
     ia, ib = render_chat(lm.tokenizer, chat(a)), render_chat(lm.tokenizer, chat(b))
     return common_prefix(ia, ib) // page

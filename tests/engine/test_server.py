@@ -188,7 +188,7 @@ def test_a_new_conversation_takes_a_closed_ones_system_prompt_pages(served, clie
     conv2 = [system, {"role": "user", "content": "Max ran away."}]
     r2 = client.chat.completions.create(model=MODEL, messages=conv2, temperature=0, max_tokens=30)
     from engine.chat import render_chat
-    from engine.turn import common_prefix
+    from engine.sequence import common_prefix
 
     tok = stories.tokenizer
     full = common_prefix(render_chat(tok, conv1), render_chat(tok, conv2)) // PAGE * PAGE

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine import batch
+from engine import scheduler as batch
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.kv.prefix import extend_chain
@@ -43,7 +43,7 @@ def stories_model(path):
         from engine.loader import load_model
 
         lm = load_model(str(path))
-        lm.fast_step = FastStep(lm, mode="off")  # one compiled step for every walk (the ``fast_step`` rule)
+        lm.runner.fast = FastStep(lm, mode="off")  # one compiled step for every walk (the ``fast_step`` rule)
         _MODEL["lm"] = lm
     return _MODEL["lm"]
 

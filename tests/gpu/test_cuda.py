@@ -124,7 +124,7 @@ def test_stories_exact_on_cuda(stories_gpu, record):
 
 def test_batched_decoding_exact_on_cuda(stories_gpu, record):
     """Four chats decoded in one forward per step on the GPU (float32): each gets HF's greedy ids."""
-    from engine import batch
+    from engine import scheduler as batch
     from engine.session import ChatSession
 
     lm = stories_gpu
@@ -136,7 +136,7 @@ def test_batched_decoding_exact_on_cuda(stories_gpu, record):
         s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=n, ignore_eos=True))
     together = 0
     while live := [s for s in sessions if s.generating]:
-        together = max(together, len(batch.batchable(live)))
+        together = max(together, sum(map(len, batch.batchable(live))))
         for r in batch.step_all(live):
             assert not isinstance(r, BaseException), r
     firsts = []

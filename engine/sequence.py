@@ -1,11 +1,17 @@
-"""One reply's bookkeeping, apart from the cache: its sampling and timings (``TurnState``), which tokens of
-the chat are protected from eviction and at what priority (``protection``), and the shared prefix that
-prefix reuse keeps (``common_prefix``)."""
+"""A conversation apart from its cache: ``Sequence`` (its token ids, turn, status, the reply in progress and
+its notes), one reply's sampling and timings (``TurnState``), which tokens are protected from eviction and at
+what priority (``protection``), the shared prefix that prefix reuse keeps (``common_prefix``), and how many
+tokens one prefill forward feeds (``prefill_chunk``).
+
+The sequence's cache is ``engine.seq_cache.SeqCache``; ``engine.session.ChatSession`` joins the two.
+"""
 
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence as Seq
 
 import numpy as np
 
@@ -13,10 +19,18 @@ from engine.config import SamplingConfig
 from engine.errors import ContextOverflowError
 from engine.policies import PINNED
 from engine.sampling import Sampler
-from engine.snapshot import TurnStats
+from engine.snapshot import TokenEvent, TurnStats
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+class Status(enum.Enum):
+    """Where a sequence is: between replies, replying, or closed for good."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     """Length of the longest common prefix of two id lists."""
     n = min(len(a), len(b))
     i = 0
@@ -57,6 +71,7 @@ class TurnState:
     divergence: int = -1
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     threads: int = 0
+    waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
 
     def stats(self, reason: str) -> TurnStats:
         n = len(self.generated)
@@ -70,7 +85,7 @@ class TurnState:
         )
 
 
-def protection(messages: Sequence[dict] | None, spans: Sequence[tuple[int, int]],
+def protection(messages: Seq[dict] | None, spans: Seq[tuple[int, int]],
                n: int) -> tuple[int, np.ndarray | None]:
     """(protected, priorities) of a chat of ``n`` tokens: the system prompt(s) and the first user message are
     protected (what "truncate the middle" keeps); system and pinned messages get ``PINNED``, messages with a
@@ -121,3 +136,72 @@ def check_fits(prompt: int, max_new: int, ctx: int) -> str:
                 f"prompt (max new tokens {max_new}): the reply stops when the context is full; start a new chat or "
                 "choose an overflow policy to go on")
     return ""
+
+class Sequence:
+    """One conversation's token ids (``ids``: every token so far, the reply's included), its turn and status,
+    the reply in progress (``reply``) and the notes the user must see with it. One writer: the session."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.turn = -1
+        self.status = Status.IDLE
+        self.generation_id = 0
+        self.reply = TurnState()
+        self.notes: list[str] = []  # for the user, handed out with the reply's last step
+        self.protected = 0  # logical [0, protected): system prompt + first message
+        self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
+        self.last_stats: TurnStats | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    def add_notes(self, notes: Seq[str]) -> None:
+        self.notes += [n for n in notes if n not in self.notes]
+
+    def take_notes(self) -> tuple[str, ...]:
+        notes, self.notes = tuple(self.notes), []
+        return notes
+
+    def begin(self, ids: list[int], reply: TurnState, generation_id: int, messages: Seq[dict] | None,
+              spans: Seq[tuple[int, int]]) -> None:
+        """A new reply to ``ids`` (the whole prompt; the cache has been cut back to what it reuses)."""
+        self.ids = list(ids)
+        self.turn += 1
+        self.protected, self.priorities = protection(messages, spans, len(ids))
+        self.generation_id = generation_id
+        self.reply = reply
+        self.status = Status.RUNNING
+
+    def accept(self, token: int, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
+        """Append a sampled token; its event and the stop reason it causes ("" to go on; the context is checked
+        by the caller, which knows the cache)."""
+        t = self.reply
+        dt_ms = (time.perf_counter() - t0) * 1000.0
+        phase = "prefill" if not t.generated else "decode"
+        if phase == "prefill":
+            t.prefill_ms += dt_ms
+            t.ttft_ms = (time.perf_counter() - t.t_start) * 1000.0 - max(0.0, t.waited_ms)
+        else:
+            t.decode_ms += dt_ms
+        index = len(t.generated)
+        t.generated.append(token)
+        self.ids.append(token)
+        t.step += 1
+        is_stop_token = token in stop_ids and not t.sampling.ignore_eos
+        delta = "" if is_stop_token else t.decoder.push(token)
+        stop = ""
+        if is_stop_token:
+            stop = "eos"
+        elif t.sampling.stop_strings and any(s in t.decoder.text for s in t.sampling.stop_strings):
+            stop = "stop_string"
+        elif len(t.generated) >= t.sampling.max_new_tokens:
+            stop = "max_tokens"
+        return TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in, path), stop
+
+    def end(self, reason: str) -> TurnStats:
+        """The reply ends with ``reason``: its stats (kept as ``last_stats``)."""
+        self.status = Status.IDLE if self.status is not Status.CLOSED else Status.CLOSED
+        self.reply.cancel = False
+        self.last_stats = self.reply.stats(reason)
+        return self.last_stats

@@ -1,0 +1,282 @@
+"""``SeqCache``: one sequence's KV cache and the only code that writes it — the store (its K/V tensors), the
+cache index (``engine.kv.positions``), the attention scores and evictor (``engine.eviction``), the prefix-cache
+names of its full pages (``engine.kv.prefix``) and its copy in host memory while swapped out.
+
+A forward goes through it as "can I?" then "do it"::
+
+    chunk = c.plan(todo, cx)        # how many tokens the next forward feeds (evicts first if a policy says so)
+    c.reserve(chunk, owner)         # room for them: a typed error, nothing changed, if there is none
+    ... ModelRunner writes their K/V into the reserved slots ...
+    c.commit(chunk, ids)            # count them as cached, name new full pages; or c.rollback()
+    c.after_forward(cx)             # back under a policy's budget
+
+What the last forward did (``evictions``, ``written``, ``batch_size``, ``path``) is kept for the snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine import reconfigure
+from engine.config import CacheConfig
+from engine.errors import CacheCapacityError
+from engine.eviction import Eviction, EvictionContext, Evictor
+from engine.kv.hf_cache import KVCache
+from engine.kv.positions import CacheIndex
+from engine.kv.prefix import cached_run, extend_chain
+from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
+
+
+class SeqCache:
+    """The KV cache of one sequence of ``lm``, under ``cfg``. Drive it from one thread."""
+
+    def __init__(self, lm, cfg: CacheConfig, owner_id: int) -> None:
+        self.lm, self.owner_id = lm, owner_id
+        self.policy = reconfigure.validate(cfg, lm)
+        self.cache_config = cfg
+        self.store: KVStore | None = None
+        self.kv: KVCache | None = None  # transformers' view of the store (``engine.kv.hf_cache``)
+        self.set_store(reconfigure.make_store(lm, cfg, owner_id))
+        info = lm.info
+        L = info.num_layers  # the cache index and the scores follow the full-attention layers
+        if info.layer_kinds:
+            L = sum(1 for k in info.layer_kinds if k.split("+")[0] == "full")
+        self.index = CacheIndex(L)
+        self.evictor = Evictor(lm.model, L, info.num_kv_heads, lm.device)
+        self.chain: list[bytes] = []  # prefix-cache names of the sequence's first full pages
+        self.host: HostKV | None = None  # swapped-out K/V (``swap_out`` / ``swap_in``)
+        self.evictions: list[Eviction] = []  # what this step evicted
+        self.written: tuple[int, ...] = ()  # pages the last forward wrote (a batch: its other sequences' too)
+        self.batch_size = 1  # sequences the last forward decoded
+        self.path = "eager"  # what ran the last forward: eager | compiled | batched
+        self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+    def set_store(self, store: KVStore | None) -> None:
+        self.store = store
+        self.kv = KVCache(store) if store is not None else None
+        self.chain = []  # page names depend on the page size: a new store names its pages afresh
+
+    @property
+    def n(self) -> int:
+        """Tokens per layer in the cache now."""
+        return self.index.n if self.store is not None else 0
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.policy is not None and self.policy.needs_scores
+
+    def can_overflow(self) -> bool:
+        """Can this cache evict to go on past the context (a policy, or an evicting overflow setting)?"""
+        return self.store is not None and (self.policy is not None or
+                                           self.cache_config.overflow in reconfigure.OVERFLOW_EVICTS)
+
+    def context(self, protected: int, priorities, seq_len: int, max_chunk: int) -> EvictionContext:
+        """What eviction needs to know of the conversation, for one step."""
+        cfg = self.cache_config
+        return EvictionContext(protected=protected, priorities=priorities,
+                               page_size=cfg.page_size if cfg.mode == "paged" else 16, seq_len=seq_len,
+                               overflow=cfg.overflow, context_length=self.lm.info.context_length, max_chunk=max_chunk)
+
+    # -- a forward ---------------------------------------------------------------------------------------
+    def plan(self, todo: int, cx: EvictionContext) -> int:
+        """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
+        chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
+        self.evictions += done
+        return chunk
+
+    def can_reserve(self, q: int) -> bool:
+        return self.store is not None and self.store.can_reserve(q)
+
+    def reserve(self, q: int, owner: int) -> None:
+        """Take room for ``q`` tokens before a forward (typed error, nothing changed, if there is none)."""
+        scores = self.evictor.scores
+        if self.needs_scores and not scores.tracking:
+            scores.start(self.index.n)
+        elif not self.needs_scores:
+            scores.stop()
+        self.kv.score_sink = scores.add if self.needs_scores else None
+        self.store.reserve(q, owner=owner)
+        try:
+            scores.grow(q)
+        except BaseException:
+            self.store.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """The forward failed: store, index and scores back to where ``reserve`` found them."""
+        self.store.rollback()
+        if self.store.num_tokens != self.index.n:  # the store could not undo it (a recurrent state): start over
+            self.index.truncate(0)
+        self.evictor.scores.truncate(self.index.n)
+
+    def commit(self, q: int, ids: Sequence[int], path: str, batch: int = 1, written: tuple[int, ...] = ()) -> None:
+        """The forward (``path``, with ``batch`` sequences) wrote ``q`` tokens' K/V: count them as cached."""
+        self.store.commit()
+        self.index.append(q)
+        self._register_pages(self.index.n - q, ids)
+        self.written = written or self.pages_written(q)
+        self.batch_size, self.path = batch, path
+
+    def after_forward(self, cx: EvictionContext) -> None:
+        self.evictions += self.evictor.after_forward(self.store, self.index, self.policy, cx)
+
+    def pages_written(self, q: int) -> tuple[int, ...]:
+        """Pages holding the last ``q`` cached tokens (a plain paged store; else none)."""
+        store, n = self.store, self.index.n
+        if type(store) is not PagedKV or q <= 0 or n <= 0:
+            return ()
+        P = store.page_size
+        return tuple(store.table.pages[(n - q) // P:(n - 1) // P + 1])
+
+    def next_slot_page(self) -> tuple[int, int] | None:
+        """(arena id, page) the next token's K/V go to, on a plain paged store with room reserved; else None."""
+        store = self.store
+        if type(store) is not PagedKV:
+            return None
+        return id(store.arena), store.table.pages[store.past_len // store.page_size]
+
+    # -- the prefix cache --------------------------------------------------------------------------------
+    def prefix_store(self) -> PagedKV | None:
+        """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
+        a plain paged store at the model's own K/V precision and no eviction policy. Pages are registered while
+        the cache index is intact (every cached token at its own logical and RoPE position)."""
+        store = self.store
+        if type(store) is not PagedKV or self.policy is not None:
+            return None
+        return store if store.arena.kinds == {"k": "auto", "v": "auto"} else None
+
+    def _register_pages(self, before: int, ids: Sequence[int]) -> None:
+        """Put the pages that became full since ``before`` cached tokens into the prefix cache (intact ones)."""
+        store = self.prefix_store()
+        if store is None:
+            return
+        P = store.page_size
+        first, last = before // P, self.index.intact // P
+        if last <= first:
+            return
+        extend_chain(self.chain, ids, P, last)
+        pool, pages = store.arena.pool, store.table.pages
+        for j in range(first, min(last, len(self.chain))):
+            pool.register(pages[j], self.chain[j])
+
+    def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
+        """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
+        full pages of the prefix cache named by ``ids`` — and take those pages. Returns (reused tokens, tokens
+        of them taken from the prefix cache, common prefix). At least one token of ``ids`` is left to prefill."""
+        from engine.sequence import common_prefix
+
+        common = common_prefix(list(cached_ids[:self.index.intact]), ids)
+        if self.store is None:
+            return 0, 0, common
+        keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
+        keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
+        pages, base = self._take_cached(ids, keep)
+        if pages:
+            keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
+        self.truncate(keep)
+        shared = len(pages) * self.store.page_size if pages else 0
+        if pages:
+            self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
+            self.index.append(shared)
+            self.evictor.scores.grow(shared)
+        return keep + shared, shared, common
+
+    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
+        """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
+        page index), empty when they would not cover more than ``keep`` tokens."""
+        store = self.prefix_store()
+        self.chain = []
+        if store is None or not self.cache_config.prefix_reuse or self.host is not None:
+            return [], 0
+        P = store.page_size
+        limit, base = (len(ids) - 1) // P, keep // P
+        if limit <= base:
+            return [], base
+        extend_chain(self.chain, ids, P, limit)
+        run = cached_run(store.arena.pool, self.chain, base)
+        if (base + len(run)) * P <= keep:
+            return [], base
+        return run, base
+
+    # -- the whole cache ---------------------------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
+        self.store.truncate(n)
+        self.index.truncate(n)
+        self.evictor.scores.truncate(n)
+
+    def swap_out(self) -> int:
+        """Move the K/V to host memory and give the pages back. Returns bytes moved (0: nothing to move)."""
+        if self.store is None or self.host is not None or self.index.n == 0:
+            return 0
+        # Quantized pages travel as they are held (codes + scales), so a swapped int8 chat costs int8 bytes.
+        host = self.store.to_host(pin=self.lm.device.type == "cuda")
+        self.store.free()
+        self.host = host
+        return host.nbytes
+
+    def can_swap_in(self, ids: Sequence[int]) -> bool:
+        if self.host is None:
+            return True
+        adopt, _ = self._cached_pages_of_host(ids)
+        return self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)
+
+    def swap_in(self, ids: Sequence[int]) -> None:
+        """Bring swapped-out K/V back. A typed error and no change (they stay in host memory) without room."""
+        if self.host is None:
+            return
+        adopt, chain = self._cached_pages_of_host(ids)  # only a plain paged store has any (others take one argument)
+        if not (self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)):
+            raise CacheCapacityError(f"no room to bring this chat's {self.host.n} cached tokens back: close other "
+                                     "chats or raise the cache's limits")
+        if adopt:
+            self.store.from_host(self.host, adopt)
+            self.chain = chain[:len(adopt)]
+        else:
+            self.store.from_host(self.host)
+        self.swapped_in_pages = len(adopt)
+        self.host = None
+
+    def _cached_pages_of_host(self, ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Full pages of the swapped-out tokens still in the prefix cache (named by the same tokens from the
+        start, in this arena), and their names: swap-in takes them back instead of copying their K/V again."""
+        store = self.prefix_store()
+        if store is None or self.host is None:
+            return [], []
+        P = store.page_size
+        chain: list[bytes] = []
+        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P)
+        return cached_run(store.arena.pool, chain, 0), chain
+
+    def fork(self, owner_id: int, owner: int) -> "SeqCache":
+        """A copy for a new sequence: paged stores share full pages (copy-on-write), others copy."""
+        other = SeqCache(self.lm, CacheConfig(mode="off"), owner_id)
+        if hasattr(self.store, "fork"):
+            other.set_store(self.store.fork(owner_id))
+        elif self.store is not None:
+            store = reconfigure.make_store(self.lm, self.cache_config, owner_id)
+            copy_kv(self.store, store, owner=owner)
+            other.set_store(store)
+        other.cache_config, other.policy = self.cache_config, self.policy
+        other.index = self.index.copy()
+        if self.evictor.scores.tracking:
+            other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]
+        return other
+
+    def reset(self) -> None:
+        """Empty, on the same setting (the pages go back)."""
+        if self.store is not None:
+            self.store.truncate(0)
+        self.host = None
+        self.index.reset()
+        self.evictor.scores.stop()
+        self.chain, self.evictions = [], []
+
+    def free(self) -> None:
+        """Give everything back for good (the store's pages, the host copy)."""
+        if self.store is not None:
+            self.store.free()
+        self.host = None
+        self.index.reset()
+        self.evictor.scores.stop()
