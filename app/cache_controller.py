@@ -13,7 +13,7 @@ from app.config_settings import cache_from_settings, save_cache
 from app.controls import CacheControls
 from app.settings import Settings
 from app.status_bar import StatusBar
-from app.worker import EngineThread
+from app.engine_thread import EngineThread
 from engine.config import CacheConfig
 
 

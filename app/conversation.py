@@ -24,7 +24,7 @@ from app.history_notice import HistoryNotices
 from app.replies import Reply, interrupted, pick_version, versions_of
 from app.send_check import SendCheck
 from app.settings import Settings
-from app.worker import EngineThread
+from app.engine_thread import EngineThread
 from engine.config import CacheConfig, SamplingConfig
 from engine.snapshot import TokenEvent
 

@@ -29,8 +29,7 @@ class EngineThread(QObject):
     _measure = Signal(int, object, int)
     _cancel_compare = Signal(int)
     _stop = Signal()
-    _lend = Signal()
-    _reclaim = Signal()
+    _serve = Signal()
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -49,8 +48,7 @@ class EngineThread(QObject):
         self._forget.connect(self.worker.forget_chat)
         self._describe.connect(self.worker.describe_chat)
         self._measure.connect(self.worker.measure)
-        self._lend.connect(self.worker.lend)
-        self._reclaim.connect(self.worker.reclaim)
+        self._serve.connect(self.worker.serve)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
@@ -92,13 +90,9 @@ class EngineThread(QObject):
         """Stop comparison ``comparison_id`` (0: whichever runs) at its next step."""
         self._cancel_compare.emit(comparison_id)
 
-    def lend(self) -> None:
-        """Ask the worker to hand its model to the API server (answered by ``worker.lent``)."""
-        self._lend.emit()
-
-    def reclaim(self) -> None:
-        """The server has stopped: the worker may run the model again (queued before any later command)."""
-        self._reclaim.emit()
+    def serve(self) -> None:
+        """Ask for the model and its engine core, for the API server (answered by ``worker.core_ready``)."""
+        self._serve.emit()
 
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model

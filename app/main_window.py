@@ -46,7 +46,8 @@ from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
 from app.status_bar import StatusBar
 from app.trace import CacheTrace
-from app.worker import EngineBackend, EngineThread
+from app.engine_thread import EngineThread
+from app.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.snapshot import CacheSnapshot, ModelInfo
 
@@ -129,8 +130,7 @@ class MainWindow(QMainWindow):
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
             cache=lambda: self.cache.applied, parent=self)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
-                                       lambda: self.cache.applied, self.show_error, self._on_ready,
-                                       api_list=self.api_list)
+                                       lambda: self.cache.applied, self.show_error, api_list=self.api_list)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -284,7 +284,7 @@ class MainWindow(QMainWindow):
 
     def _on_ready(self, ready: bool, hint: str) -> None:
         if not ready and self.models.loading:
-            self.server.stop(ready_again=False)  # before the load reaches the worker: it gets its model back first
+            self.server.stop()  # before the load reaches the worker: the API's requests end with the old model
             self.conversation.interrupt("another model was loaded")
         self.conversation.ready = ready
         self.chat.set_ready(ready, hint)
@@ -428,7 +428,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         self._refresh.stop()
         self._db_timer.stop()
-        self.server.stop(ready_again=False)  # its engine thread ends before the worker's
+        self.server.stop()  # the API's requests end while the worker still runs rounds
         joined = self.engine.shutdown(timeout_ms)
         # After the worker stopped: everything that streamed is saved, a reply cut short says the app
         # closed, and signals still queued from the worker no longer touch the (closing) history.

@@ -17,7 +17,7 @@ from app.config_settings import model_spec, weights_choice
 from app.failure import Failure
 from app.settings import Settings
 from app.status_bar import StatusBar
-from app.worker import EngineThread
+from app.engine_thread import EngineThread
 from engine.config import CacheConfig, ModelSpec
 from engine.snapshot import ModelInfo
 

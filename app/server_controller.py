@@ -1,18 +1,13 @@
 """Server ▸ Start serving / Stop serving: the loaded model behind the OpenAI API (``engine.server``), its URL in
 the status bar, and the API's conversations in their own list under the chats.
 
-Design — the model is *lent* to the server. Torch must run on one thread at a time, and the model belongs to
-the app's engine worker (``app.worker``). Start serving asks the worker to ``lend`` it: the worker ends a
-running reply (as cancelled) and a comparison, hands the ``LoadedModel`` over (``worker.lent``) and from then
-on runs no torch — replies, comparisons and cache changes are refused, the chat pane says the model is
-serving. The GUI thread then starts ``ServerThread(KVServer(model, cache))`` on 127.0.0.1; the server's own
-engine thread (its scheduler) is the only one stepping the model. Stop serving joins that thread first (its
-requests end with 503, its sessions are closed) and only then queues ``reclaim`` to the worker, so every
-later command (a message, a load) reaches a worker that owns the model again. Chosen over running the
-scheduler's steps through the worker thread because it needs no change to the server's scheduler (the
-headless server and the app's server are the same code), and the two never share a step: a chat with the
-model while it serves would interleave with API requests and make the API's timings and the chat's both
-meaningless anyway.
+Design — the server is one more client of the worker's engine core (``engine.scheduler.EngineCore``). Torch
+runs on one thread, the worker's: Start serving asks the worker for its model and core (``worker.core_ready``),
+then starts ``ServerThread(KVServer(model, cache, core=core))`` on 127.0.0.1. The HTTP thread queues requests
+and wakes the core; the worker's rounds step them next to the chat's own reply (the chat on screen first,
+one-token decodes in one batched forward), so the user chats, compares and changes the cache while the
+model serves, and the page map draws the chats' and the API's pages in one pool. Stop serving ends the API's
+requests (503) and idle conversations on the engine thread, then the HTTP server; the chats go on.
 
 Loading another model, quitting and the window closing stop the server first. The API conversations list
 (``ApiList``) is refreshed twice a second from the scheduler (``Scheduler.conversations`` through
@@ -141,8 +136,7 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
     _listed_rows = Signal(object)
 
     def __init__(self, parent: QObject, engine, settings, status, models, cache: Callable[[], CacheConfig],
-                 show_error: Callable[[str], None], set_ready: Callable[[bool, str], None],
-                 api_list: ApiList | None = None) -> None:
+                 show_error: Callable[[str], None], api_list: ApiList | None = None) -> None:
         super().__init__(parent)
         self.engine = engine
         self.settings = settings
@@ -150,7 +144,6 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         self.models = models
         self._cache = cache
         self._show_error = show_error
-        self._set_ready = set_ready
         self.thread: Any = None  # the ServerThread while serving
         self.url = ""
         self.starting = False
@@ -159,7 +152,7 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         self._poll = QTimer(self)
         self._poll.setInterval(POLL_MS)
         self._poll.timeout.connect(self.refresh)
-        engine.worker.lent.connect(self._on_lent)
+        engine.worker.core_ready.connect(self._on_core)
         self._listed_rows.connect(self._on_listed)  # emitted on the server's engine thread: queued to this one
         self.api_list.conversation_selected.connect(self._on_selected)
 
@@ -172,7 +165,7 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         return int(self.settings.get("server/port"))
 
     def start(self) -> None:
-        """Server ▸ Start serving: the worker lends the model (``_on_lent`` starts the server)."""
+        """Server ▸ Start serving: the worker hands over its model and core (``_on_core`` starts the server)."""
         if self.running or self.starting:
             return
         if self.models.info is None or self.models.loading:
@@ -180,15 +173,16 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
             return
         self.starting = True
         self.status.message("Starting the server…")
-        self.engine.lend()
+        self.engine.serve()
 
-    def _on_lent(self, loaded: Any) -> None:
+    def _on_core(self, loaded: Any, core: Any) -> None:
+        if not self.starting:
+            return
         self.starting = False
         if loaded is None:
             self._show_error("No model is loaded: nothing to serve.")
             return
         if getattr(loaded, "tokenizer", None) is None:
-            self.engine.reclaim()
             self._show_error("This model has no tokenizer: the server needs one.")
             return
         from engine.server import KVServer, ServerOptions, ServerThread
@@ -196,44 +190,37 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         port = self.port
         try:
             server = KVServer(loaded, self._cache(), ServerOptions(host=HOST, port=port),
-                              source=self.models.info.source if self.models.info else None)
+                              source=self.models.info.source if self.models.info else None, core=core)
             thread = ServerThread(server, HOST, port)
         except ValueError as e:  # the port is busy (or not ours)
-            self.engine.reclaim()
             self._show_error(f"Could not start the server: {e}. Choose another port (setting server/port) or "
                              "stop what uses it.")
             return
         try:
             self.url = thread.start()
         except Exception as e:  # noqa: BLE001
-            self.engine.reclaim()
             self._show_error(f"Could not start the server: {e}")
             return
         self.thread = thread
         self._polling = False
         self.status.show_server(self.url + "/v1", server.model_id)
-        self._set_ready(False, f"The model is serving API requests at {self.url}/v1 (model “{server.model_id}”). "
-                               "Server ▸ Stop serving to chat with it here.")
+        self.status.message(f"Serving {server.model_id} at {self.url}/v1 — chats go on beside the API's requests",
+                            6000)
         self._poll.start()
         self.serving.emit(self.url)
 
-    def stop(self, ready_again: bool = True) -> None:
-        """Stop serving: join the server's threads, then give the model back to the worker. ``ready_again``:
-        the chat pane is ready again (False when a load or the app's closing follows)."""
+    def stop(self) -> None:
+        """Stop serving: the API's requests end (503) and its idle conversations close, then the HTTP server;
+        the chats go on."""
         thread, self.thread = self.thread, None
         if thread is None:
             return
         self._poll.stop()
-        try:
-            thread.stop()
-        finally:
-            self.engine.reclaim()  # queued: every later command finds the worker owning the model
+        thread.stop()
         self.url = ""
         self.api_list.clear()
         self.status.show_server("")
         self.status.message("The server stopped", 4000)
-        if ready_again and self.models.info is not None and not self.models.loading:
-            self._set_ready(True, "")
         self.serving.emit("")
 
     # -- the API conversations ---------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""The engine's thread: ``EngineWorker`` (a QObject living on a QThread) and ``EngineThread`` (its owner).
+"""The engine's thread: ``EngineWorker``, a QObject living on a QThread (``app.engine_thread.EngineThread`` owns
+both).
 
-The worker owns the loaded model, the chats' sessions and at most one cache-settings comparison; the GUI
-thread never runs torch. Work runs as steps from one zero-delay timer: each turn of the worker's event
-loop runs one ``session.step()`` of the reply (if one runs) and one step of the comparison (if one runs),
-so queued commands (stop, a new cache config, a new message) are handled between steps and never land in
-the middle of a forward pass, and a comparison never makes a message wait.
+The worker owns the loaded model, its engine core (``engine.scheduler.EngineCore``), the chats' sessions and at
+most one cache-settings comparison; the GUI thread never runs torch. Work runs as rounds of the core from one
+zero-delay timer: each turn of the worker's event loop runs one ``core.round()`` — one step of the chat's reply
+(first: the chat on screen has the highest priority), of the API server's requests when the app serves (decoded
+together with the reply where they can), then one step of the comparison — so queued commands (stop, a new
+cache config, a new message) are handled between steps and never land in the middle of a forward pass. While
+the app serves, the user still chats, compares and changes the cache: the server is one more client of the
+same core (``engine.server.Scheduler``), woken from its HTTP thread through ``core.wake``.
 
 Signals (every reply event carries its ``generation_id``)::
 
@@ -23,7 +27,8 @@ Signals (every reply event carries its ``generation_id``)::
     compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
     described(object, object, int)  chat, its session's snapshot (None: nothing cached), its token count
     measured(int, int)              request id, token count (-1: no model, or it could not be counted)
-    lent(object)                    the loaded model, handed to the API server (``lend``); None: no model
+    core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
+                                    (None, None): no model
 
 For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
 (``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
@@ -37,17 +42,27 @@ import time
 import traceback
 from typing import Any
 
-from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
+from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.backend import EngineBackend, default_backend
 from app.compare_run import WarmedComparison
 from app.failure import Failure, log
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, LoadCancelled
+from engine.scheduler import EngineCore, Priority, Request, Source, Task
 
-SERVING = "The model is serving API requests: Server ▸ Stop serving to chat with it."
+__all__ = ["EngineBackend", "EngineWorker", "default_backend"]
 
-__all__ = ["EngineBackend", "EngineThread", "EngineWorker", "default_backend"]  # EngineThread: at the end
+
+class _Chats(Source):
+    """The app's chats as a source of the core: idle chats give their pages back when a request needs room."""
+
+    def __init__(self, worker: "EngineWorker") -> None:
+        self.worker = worker
+
+    def reclaim(self) -> bool:
+        pool = self.worker._pool
+        return bool(pool is not None and hasattr(pool, "reclaim") and pool.reclaim())
 
 
 class EngineWorker(QObject):
@@ -68,8 +83,9 @@ class EngineWorker(QObject):
     compare_finished = Signal(int, str)
     described = Signal(object, object, int)
     measured = Signal(int, int)
-    lent = Signal(object)
+    core_ready = Signal(object, object)
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
+    _woken = Signal()  # from any thread (the API server's): the core has work; queued to this thread
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
         super().__init__()
@@ -88,12 +104,13 @@ class EngineWorker(QObject):
         self._comparison_id = 0
         self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
-        self._lent = False  # the model is lent to the API server: this thread runs no torch (see ``lend``)
-        self._dropped_while_lent: list = []  # chats deleted while lent: their sessions are freed on ``reclaim``
-        self._timer = QTimer(self)  # moves with the worker; pumps one step of each job per event-loop turn
+        self._core: EngineCore | None = None  # the loaded model's engine core (made with the model)
+        self._request: Request | None = None  # the chat's reply on the core
+        self._timer = QTimer(self)  # moves with the worker; runs one round of the core per event-loop turn
         self._timer.setSingleShot(True)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._pump)
+        self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
 
     # -- commands (queued slots) ------------------------------------------------------------------------
     @Slot(object, object)
@@ -110,6 +127,7 @@ class EngineWorker(QObject):
             except Exception:  # noqa: BLE001 - facts are optional
                 pass
             old = self._pool if self._pool is not None else self._session
+            old_fast = getattr(self._loaded, "fast_step", None)
             if self._backend.make_pool is not None:
                 pool = self._backend.make_pool(loaded, self._cache)
                 session, _ = pool.activate(0)  # chat 0: the session shown before any chat is active
@@ -117,9 +135,14 @@ class EngineWorker(QObject):
                 pool, session = None, self._backend.make_session(loaded, self._cache)
             self._close_comparison("cancelled")  # it ran on the model being replaced
             self._loaded, self._pool, self._session = loaded, pool, session
+            self._core = EngineCore(loaded)
+            self._core.waker = self._woken.emit  # thread-safe: queued to this thread from another one
+            self._core.sources.append(_Chats(self))
             self._apply_fast_mode()
             if old is not None and hasattr(old, "close"):
                 old.close()  # the previous model's pages go back; its tensors go with the last reference
+            if old_fast is not None:
+                old_fast.close()  # its compile, if one runs, is of no use any more
             self.loaded.emit(getattr(loaded, "info", None))
             self._emit_idle_snapshot()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
@@ -147,9 +170,6 @@ class EngineWorker(QObject):
         if self._loaded is None:
             self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
             return
-        if self._lent:
-            self._fail_reply(generation_id, "start", EngineError(SERVING))
-            return
         stage = "swap"
         try:
             if self._pool is not None and (chat is not None or self._session is None):
@@ -165,6 +185,8 @@ class EngineWorker(QObject):
             return
         self._gen_id = generation_id
         self._text = ""
+        self._request = self._core.add(Request(self._session, lambda r, g=generation_id: self._on_step(g, r),
+                                               Priority.FOREGROUND))
         self._kick()
 
     @Slot(int)
@@ -179,10 +201,6 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def apply_cache_config(self, cache: CacheConfig) -> None:
-        if self._lent:
-            self.failed.emit(Failure(0, "apply", "Cache settings cannot change while the model is serving API "
-                                     "requests: Server ▸ Stop serving first.", "EngineError"))
-            return
         self._cache = cache
         target = self._pool if self._pool is not None else self._session
         if target is None:
@@ -208,22 +226,21 @@ class EngineWorker(QObject):
             self.fast_changed.emit(fast.describe())  # the timing caption says it now, not at the next reply
 
     def _apply_fast_mode(self) -> None:
-        """The setting onto the loaded model's step, and its compile started while the model is idle (after a
-        load or when turned on; a reply sent meanwhile waits for it)."""
+        """The setting onto the loaded model's step, and its build started (after a load or when turned on; it
+        runs in a child process: replies go on eager meanwhile)."""
         fast = getattr(self._loaded, "fast", None)
         if fast is None:
             return
         if self._fast_mode:
             fast.set_mode(self._fast_mode)
         fast.on_change = self.fast_changed.emit  # thread-safe: queued to the window's thread
+        if self._core is not None:
+            fast.waker = self._core.wake  # the build's end wakes a round, which takes the step up
         fast.start()
 
     @Slot(object)
     def forget_chat(self, chat: Any) -> None:
-        """A chat was deleted: free its session's cache (after ``reclaim`` while the model is lent)."""
-        if self._lent:
-            self._dropped_while_lent.append(chat)
-            return
+        """A chat was deleted: free its session's cache."""
         if self._pool is not None and chat in self._pool:
             if self._session is self._pool.get(chat):
                 self._abort_running()
@@ -237,7 +254,7 @@ class EngineWorker(QObject):
         it."""
         snap = None
         session = self._pool.get(chat) if self._pool is not None else None
-        if session is not None and not self._lent and not (self._gen_id and self._chat == chat):
+        if session is not None and not (self._gen_id and self._chat == chat):
             try:
                 snap = session.snapshot() if getattr(session, "cached_tokens", 1) else None
             except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
@@ -274,9 +291,8 @@ class EngineWorker(QObject):
         and caches are untouched), one step per event-loop turn next to the chat's reply; rows arrive one by
         one through ``compared``. A new comparison replaces one still running."""
         self._close_comparison("cancelled")
-        if self._loaded is None or self._backend.make_comparison is None or self._lent:
-            reason = ("no model is loaded" if self._loaded is None else "the model is serving API requests"
-                      if self._lent else "comparing is not available")
+        if self._loaded is None or self._backend.make_comparison is None:
+            reason = "no model is loaded" if self._loaded is None else "comparing is not available"
             self.compare_finished.emit(comparison_id, reason)
             return
         self._comparison_id = comparison_id
@@ -287,6 +303,8 @@ class EngineWorker(QObject):
         except BaseException as exc:  # noqa: BLE001
             self._fail_comparison(exc)
             return
+        # one step per round after the replies, alone: its rows time each setting by itself
+        self._core.add_task(Task(self._comparison, self._on_compare_step, self._fail_comparison))
         self._kick()
 
     @Slot(int)
@@ -296,22 +314,12 @@ class EngineWorker(QObject):
             self._comparison.cancel()
 
     @Slot()
-    def lend(self) -> None:
-        """Hand the loaded model to the API server (Server ▸ Start serving): the running reply ends as
-        cancelled, a comparison stops, and until ``reclaim`` this thread runs no torch (replies, comparisons
-        and cache changes are refused, chat descriptions carry no snapshot). ``lent`` carries the model."""
-        self._abort_running()
-        self._close_comparison("cancelled")
-        self._lent = self._loaded is not None
-        self.lent.emit(self._loaded)
-
-    @Slot()
-    def reclaim(self) -> None:
-        """The server stopped (its engine thread is joined): the model is this thread's again."""
-        self._lent = False
-        dropped, self._dropped_while_lent = self._dropped_while_lent, []
-        for chat in dropped:
-            self.forget_chat(chat)
+    def serve(self) -> None:
+        """The API server is starting: ``core_ready`` hands it the model and the core it submits to (the chats go
+        on beside it)."""
+        if self._loaded is not None:
+            self._loaded.runner  # noqa: B018 - made here, on the engine thread, before the server reads it
+        self.core_ready.emit(self._loaded, self._core if self._loaded is not None else None)
 
     @Slot()
     def stop(self) -> None:
@@ -320,35 +328,31 @@ class EngineWorker(QObject):
         self._timer.stop()
         self._gen_id = 0
         self._close_comparison("cancelled")
+        fast = getattr(self._loaded, "fast_step", None)
+        if fast is not None:
+            fast.close()  # a build in flight stops with the app (the next launch builds it again)
         QThread.currentThread().quit()
 
-    # -- the step pump ----------------------------------------------------------------------------------
+    # -- the round pump ---------------------------------------------------------------------------------
+    @Slot()
     def _kick(self) -> None:
-        if self._lent:
-            return
-        if (self._gen_id or self._comparison is not None) and not self._timer.isActive():
+        if self._core is not None and self._core.busy and not self._timer.isActive():
             self._timer.start()
 
     def _pump(self) -> None:
-        if self._gen_id:
-            self._reply_step()
-        if self._comparison is not None:
-            self._comparison_step()
+        if self._cancel_flag.is_set() and self._request is not None:
+            self._request.cancel()
+            self._cancel_flag.clear()
+        if self._core is not None:
+            self._core.round()
         self._kick()
 
-    def _reply_step(self) -> None:
-        """One step of the reply. A step without a token (a chunk of a long prefill) is progress only."""
-        gen = self._gen_id
-        if self._cancel_flag.is_set():
-            try:
-                self._session.cancel()
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            self._cancel_flag.clear()
-        try:
-            result = self._session.step()
-        except BaseException as exc:  # noqa: BLE001
-            self._fail_reply(gen, "step", exc)
+    def _on_step(self, gen: int, result: Any) -> None:
+        """The core's result for reply ``gen``: a step, or the exception that ended it."""
+        if gen != self._gen_id:
+            return  # ended already (aborted by a newer message)
+        if isinstance(result, BaseException):
+            self._fail_reply(gen, "step", result)
             return
         if result.event is not None:
             self.token.emit(result.event)
@@ -372,6 +376,7 @@ class EngineWorker(QObject):
         log(exc)
         failure = Failure.from_exception(gen, stage, exc)
         self._gen_id = 0
+        self._drop_request()
         if not failure.recoverable and self._loaded is not None:
             self._discard_session()
         self.failed.emit(failure)
@@ -389,12 +394,9 @@ class EngineWorker(QObject):
         except BaseException:  # noqa: BLE001 - it is being thrown away
             traceback.print_exc()
 
-    def _comparison_step(self) -> None:
+    def _on_compare_step(self, row: Any) -> None:
         comparison = self._comparison
-        try:
-            row = comparison.step()
-        except BaseException as exc:  # noqa: BLE001
-            self._fail_comparison(exc)
+        if comparison is None:
             return
         if row is not None:
             self.compared.emit(self._comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
@@ -415,6 +417,8 @@ class EngineWorker(QObject):
         comparison, self._comparison = self._comparison, None
         if comparison is None:
             return
+        if self._core is not None:
+            self._core.remove_task(comparison)
         try:
             comparison.close()
         except BaseException:  # noqa: BLE001 - closing frees memory; a failure there changes no result
@@ -429,7 +433,7 @@ class EngineWorker(QObject):
         stats = None
         try:
             self._session.cancel()
-            result = self._session.step()
+            result = self._session.step()  # ends the reply at once: no forward runs for a cancelled one
             stats = result.stats
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
@@ -437,7 +441,14 @@ class EngineWorker(QObject):
 
     def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
         self._gen_id = 0
+        self._drop_request()
         self.finished.emit(gen, reason, stats, text)
+
+    def _drop_request(self) -> None:
+        """The chat's reply is over: the core forgets it (if it ended outside a round)."""
+        request, self._request = self._request, None
+        if request is not None:
+            request.done = True
 
     def _emit_idle_snapshot(self) -> None:
         try:
@@ -447,7 +458,3 @@ class EngineWorker(QObject):
         if snap is not None:
             self.snapshot.emit(snap)
 
-
-# The GUI side of the thread lives in its own file; importing it from here keeps ``app.worker`` the one
-# place callers (and tests) import both from.
-from app.engine_thread import EngineThread  # noqa: E402

@@ -1,31 +1,33 @@
-"""A compiled decode step: the model's own modules and weights, traced once by ``torch.compile`` (inductor),
-reading a paged session's pages through ``engine.kv.hf_cache.StepCache``.
+"""A compiled decode step: the model's own modules and weights, exported and compiled ahead of time by
+AOTInductor in a child process (``engine.aot_step``), reading a paged sequence's pages through
+``engine.kv.hf_cache.StepCache``; ``engine.runner.ModelRunner`` runs it.
 
 Why it pays: an eager decode step is hundreds of small torch ops (SmolLM2-135M: ~900 for 30 layers), each
 paying its dispatch between the weight matmuls. Compiled, a layer's norms, RoPE, SiLU-mul, residual adds and
-page gathers become a few fused C++ loops and the matmuls stay MKL's (or cuBLAS'). Measured on this project's
-2-core machine, 1 thread, float32, decode tok/s against HF ``generate`` in the same run: stories260K 774 vs
-437 (x1.77), SmolLM2-135M shape 16.8 vs 13.3 at 256 tokens (x1.27) and 11.9 vs 9.2 at 2,048 (x1.30). Where
-the weight bytes bound the step (SmolLM2 reads 538 MB a token; one core reads ~10 GB/s) the gain is
-smaller, and a machine may differ: so it is measured on the user's own chat before it is kept (``trial``).
+page gathers become a few fused C++ loops and the matmuls stay MKL's (or cuBLAS'). Where the weight bytes bound
+the step the gain is smaller, and a machine may differ: so it is measured on the user's own chat before it is
+kept (``trial``).
 
 Exact: the same weights and float32 ops; only the order of a few reductions may differ (greedy ids equal to
 HF's, tested). Nothing is written inside the step: the new token's K/V come back and are written after it.
 
-Lifecycle of a model's step (``LoadedModel.fast``), one owner, the worker thread (the compile runs in a
-background thread and only moves ``compiling`` to ``trial`` or ``failed``):
+Compiling never blocks a reply: the child process builds the package while replies run eager, and the engine
+thread switches between two tokens once it is there (``poll``). Nothing in this process traces, so no forward
+waits for anything. The package is kept per model shape in the user's cache folder (``engine.aot_step``):
+the next launch loads it in milliseconds.
+
+Lifecycle of a model's step (``ModelRunner.fast``). One owner, the engine thread: the watcher thread only
+notes that the child ended and wakes the engine (``waker``).
 
     off        the setting says so, or this machine / model cannot compile it (``reason``)
-    idle       not compiled yet: eager; ``start()`` (the app calls it once a model is loaded, the server
-               when it starts) compiles in the background while the model is idle
-    compiling  the compile runs (first time ~40-80 s here for SmolLM2-135M; later runs read inductor's
-               on-disk cache: ~10 s); a forward asked for meanwhile waits (``no_compile_running``)
-    trial      compiled: eligible steps alternate (3 compiled : 1 eager) and both are timed; again each time
-               a chat's context doubles (the step copies the chat's K/V out of its pages, eager may read one
-               run of pages in place: the balance moves with the length)
+    idle       not built yet: eager; ``start()`` loads the cached package, or starts the child
+    compiling  the child builds it (SmolLM2-135M: minutes on 2 cores, at low priority); eager meanwhile
+    trial      loaded: eligible steps alternate (3 compiled : 1 eager) and both are timed; again each time a
+               chat's context doubles (the step copies the chat's K/V out of its pages, eager may read one run
+               of pages in place: the balance moves with the length)
     on         compiled was faster: every eligible decode step uses it
     slower     compiled measured slower here: eager kept (``reason`` gives both times)
-    failed     the compile or a compiled call failed (``reason``): eager from then on
+    failed     the build or a compiled call failed (``reason``): eager from then on
 """
 
 from __future__ import annotations
@@ -35,29 +37,20 @@ import logging
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import sysconfig
 import threading
 import time
-import types
-from itertools import count
+from pathlib import Path
 
 import torch
 
+from engine import aot_step
+
 MODES = ("auto", "on", "off")  # auto: compile and keep it where it measures faster; on: keep it regardless
 TRIAL_STEPS = 32  # eligible steps of the trial: 24 compiled, 8 eager
-_STEP_IDS = count()
-# While inductor traces (AOT autograd, its pattern matcher), torch.fx patches ``nn.Module.__call__`` for the whole
-# process: a model forward in another thread then fails ("module is not installed as a submodule", seen here).
-# So the compile holds this lock, every forward of the engine takes it too (uncontended: ~0.1 us), and a forward
-# asked for during a compile waits for it.
-_TRACING = threading.Lock()
-
-
-def no_compile_running():
-    """Context for a model forward: waits while a compile traces, and keeps one from starting meanwhile."""
-    return _TRACING
-MIN_PAST = 2  # tokens cached before the step: a size-1 dimension would make the graph specialise (recompile)
+MIN_PAST = aot_step.MIN_LEN  # tokens cached before the step (the package's dynamic lengths start there)
 
 
 def env_mode() -> str:
@@ -98,17 +91,6 @@ def machine_refusal(device: torch.device) -> str:
     return f"torch.compile is not used on {device.type}"
 
 
-def _make_step(model):
-    from engine.runner import step_function
-
-    step = step_function(model)
-    # A code object of its own: dynamo keeps compiled graphs (and what their guards hold: this model) on the
-    # code object, so with a shared one every model ever loaded would stay in memory and share its limit of 8
-    # graphs; this way a model's graph goes with its FastStep.
-    code = step.__code__.replace(co_name=f"kvscope_step_{next(_STEP_IDS)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
-
-
 class FastStep:
     """The compiled decode step of one loaded model, its state and its measurements (see the module doc)."""
 
@@ -116,19 +98,24 @@ class FastStep:
         self.lm = lm
         self.mode = mode if mode is not None else env_mode()
         self.state, self.reason = "idle", ""
-        self.compile_s = 0.0
+        self.compile_s = 0.0  # the child's build time (0: loaded from the cache)
+        self.package: Path | None = None  # where the package is (or will be)
         self.calls = {"compiled": 0, "eager": 0}
         self._times: dict[str, list[float]] = {"compiled": [], "eager": []}
         self._trial_at = 0  # context length (tokens) when the last trial began
         self._fn = None
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()
-        self.on_change = None  # fn(describe()) when a compile starts or ends (called from the compile thread)
+        self._proc: subprocess.Popen | None = None
+        self._t_start = 0.0
+        self._built = threading.Event()  # the package is open, or will not be (set by the watcher thread)
+        self._opened = None  # the package's runner, opened by the watcher (``aot_step.open_package``)
+        self._open_error = ""
+        self.on_change = None  # fn(describe()) when a build starts or ends (engine thread)
+        self.waker = None  # fn() the watcher calls when the child ends, so the engine thread polls soon
         self._refresh()
 
     # -- setting ---------------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
-        """``auto`` / ``on`` / ``off`` from now on (a compiled step is kept: turning it back on is instant)."""
+        """``auto`` / ``on`` / ``off`` from now on (a loaded step is kept: turning it back on is instant)."""
         if mode not in MODES:
             raise ValueError(f"fast step: {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
@@ -136,7 +123,7 @@ class FastStep:
 
     def _refresh(self) -> None:
         if self.state == "compiling":
-            return  # the compile thread ends it
+            return  # ``poll`` ends it
         if self.mode == "off":
             self.state, self.reason = "off", "turned off in the settings"
             return
@@ -175,7 +162,9 @@ class FastStep:
         return ""
 
     def choose(self, store, scores: bool = False) -> str:
-        """"compiled" or "eager" for a one-token forward over ``store``."""
+        """"compiled" or "eager" for a one-token forward over ``store`` (a finished build is taken up here)."""
+        if self.state == "compiling":
+            self.poll()
         if self.state in ("off", "failed", "idle", "compiling") or self.refusal(store, scores):
             return "eager"
         if store.past_len < MIN_PAST:
@@ -221,10 +210,9 @@ class FastStep:
         ids = torch.tensor([[token]], dtype=torch.long, device=dev)  # [1, 1]
         pos = torch.tensor([[rope]], dtype=torch.long, device=dev)  # [1, 1]
         ks, vs = arena.roles["k"].layers, arena.roles["v"].layers
-        with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
-            logits, nk, nv = self._fn(ids, pos, slots, ks, vs)
-        slot = pages[n // P] * P + n % P
         with torch.inference_mode():
+            logits, nk, nv = self._fn(ids, pos, slots, ks, vs)
+            slot = pages[n // P] * P + n % P
             for t, x in zip(ks + vs, nk + nv):
                 t[:, slot].copy_(x[0, :, 0])  # [H, D] into the token's slot
         return logits
@@ -233,64 +221,117 @@ class FastStep:
         """A compiled call failed: eager from now on, with the reason."""
         self.state, self.reason = "failed", f"a compiled step failed: {type(exc).__name__}: {exc}"[:300]
 
-    # -- compile ---------------------------------------------------------------------------------------
+    # -- build -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Compile in a background thread (no-op unless idle). Call it while the model is idle (after a load,
-        after a reply): forwards wait while it traces."""
+        """Engine thread, no-op unless idle: open the cached package, or start the child that builds it, in the
+        background (replies run eager meanwhile; ``poll`` takes it up between two steps)."""
         if self.state != "idle":
             return
-        self.state, self._done = "compiling", threading.Event()
-        self._thread = threading.Thread(target=self._compile, name="kvscope-compile", daemon=True)
-        self._thread.start()
+        log = None
+        try:
+            self.package = aot_step.package_path(self.lm.model, self.lm.device.type)
+            self._proc = None
+            if self.package.exists():
+                self._start_watch(None, None)
+                return
+            self.package.parent.mkdir(parents=True, exist_ok=True)
+            build = aot_step.write_job(self.lm, self.package)
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=compile_cache_dir(),
+                       PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
+                                                              os.environ.get("PYTHONPATH", "")] if p))
+            log = open(build / "log.txt", "wb")  # noqa: SIM115 - the child writes it; closed by the watcher
+            self._proc = subprocess.Popen(aot_step.child_command(build), stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, stdin=subprocess.DEVNULL)
+        except Exception as e:  # noqa: BLE001 - the eager path answers; the reason is kept and shown
+            self.state, self.reason = "failed", f"could not start the compile: {type(e).__name__}: {e}"[:300]
+            self._notify()
+            return
+        self._start_watch(self._proc, log)
+
+    def _start_watch(self, proc: subprocess.Popen | None, log) -> None:
+        self.state, self._t_start, self._built = "compiling", time.perf_counter(), threading.Event()
+        self._opened, self._open_error = None, ""
+        threading.Thread(target=self._watch, args=(proc, log, self._built), name="kvscope-compile-watch",
+                         daemon=True).start()
+        self._notify()
+
+    def _watch(self, proc: subprocess.Popen | None, log, built: threading.Event) -> None:
+        """Watcher thread: wait for the child (if one builds), open the package (no forward, no weights), then
+        wake the engine thread, which takes it up (``poll``)."""
+        if proc is not None:
+            proc.wait()
+            log.close()
+        if (proc is None or proc.returncode == 0) and self.package.exists():
+            try:
+                self._opened = aot_step.open_package(self.package, self.lm.device)
+            except Exception as e:  # noqa: BLE001 - told by ``poll``
+                self._open_error = f"opening the compiled step failed: {type(e).__name__}: {e}"
+                self.package.unlink(missing_ok=True)  # built again next time
+        elif proc is not None:
+            self._open_error = f"compiling the step failed: {self._child_reason()}"
+        built.set()
+        if self.waker is not None:
+            try:
+                self.waker()
+            except Exception:  # noqa: BLE001 - the next step polls anyway
+                pass
+
+    def poll(self) -> None:
+        """Engine thread: if the child has ended, load its package (or keep the reason it failed)."""
+        if self.state != "compiling" or not self._built.is_set():
+            return
+        proc, self._proc = self._proc, None
+        self.compile_s = time.perf_counter() - self._t_start if proc is not None else 0.0
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            self._install(opened)
+            return
+        self.state, self.reason = "failed", (self._open_error or "the compile ended without a package")[:300]
+        self._notify()
+
+    def _child_reason(self) -> str:
+        log = self.package.with_suffix(".build") / "log.txt" if self.package is not None else None
+        try:
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log else []
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "the compile process ended without a package"
+
+    def _install(self, opened) -> None:
+        try:
+            self._fn = aot_step.load(opened, self.lm.model)
+        except Exception as e:  # noqa: BLE001 - a package that does not fit is dropped and built again next time
+            self.state, self.reason = "failed", f"loading the compiled step failed: {type(e).__name__}: {e}"[:300]
+            self.package.unlink(missing_ok=True)
+            self._notify()
+            return
+        self.state, self.reason = ("on" if self.mode == "on" else "trial"), ""
+        if self.mode == "off":
+            self.state, self.reason = "off", "turned off in the settings"
         self._notify()
 
     def _notify(self) -> None:
         if self.on_change is not None:
             try:
                 self.on_change(self.describe())
-            except Exception:  # noqa: BLE001 - a listener's trouble never stops the compile
+            except Exception:  # noqa: BLE001 - a listener's trouble never stops the engine
                 pass
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until a started compile ends (True), or ``timeout`` seconds pass (False)."""
+        """Block until a started build ends and take it up (True), or ``timeout`` seconds pass (False). For the
+        engine thread (tests, the bench): nothing else runs meanwhile."""
         if self.state != "compiling":
             return True
-        return self._done.wait(timeout)
+        if not self._built.wait(timeout):
+            return False
+        self.poll()
+        return True
 
-    def _compile(self) -> None:
-        t0 = time.perf_counter()
-        with _TRACING:  # the state changes before the lock goes: the forwards that waited find it ready
-            try:
-                compile_cache_dir()
-                fn = torch.compile(_make_step(self.lm.model), dynamic=False)
-                self._warm(fn)
-            except BaseException as e:  # noqa: BLE001 - any failure leaves the eager path, with the reason
-                self.state, self.reason = "failed", f"compiling the step failed: {type(e).__name__}: {e}"[:300]
-            else:
-                self._fn = fn
-                self.compile_s = time.perf_counter() - t0
-                self.state, self.reason = ("on" if self.mode == "on" else "trial"), ""
-                if self.mode == "off":
-                    self.state, self.reason = "off", "turned off in the settings"
-            finally:
-                self._done.set()
-        self._notify()
-
-    def _warm(self, fn) -> None:
-        """One call on scratch tensors of the model's shapes: the lengths marked dynamic, so one graph serves
-        every context length and page size."""
-        shape, dev, P = self.lm.kv_shape, self.lm.device, 16
-        (hk, dk), (hv, dv) = shape.of("k"), shape.of("v")
-        ks = [torch.zeros((hk, 4 * P, dk), dtype=shape.dtype, device=dev) for _ in range(shape.num_layers)]
-        vs = [torch.zeros((hv, 4 * P, dv), dtype=shape.dtype, device=dev) for _ in range(shape.num_layers)]
-        slots = torch.arange(2 * P, device=dev)  # [32]
-        for t in ks + vs:
-            torch._dynamo.mark_dynamic(t, 1)
-        torch._dynamo.mark_dynamic(slots, 0)
-        ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
-        with torch.inference_mode():
-            fn(ids, pos, slots, ks, vs)
+    def close(self) -> None:
+        """Stop a build in flight (the model is going away)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def describe(self) -> str:
         """One line for the model card / timing caption."""

@@ -109,17 +109,14 @@ class ModelRunner:
         return [self._one(w) for w in works]
 
     def _one(self, w: Work) -> Output:
-        from engine.fast_step import no_compile_running
-
         if w.kv is None:
             return Output(self._off(w), "eager")
         fast = self.fast
         path = fast.choose(w.kv.store, w.scores) if w.q == 1 else ""
         t0 = time.perf_counter()
-        with no_compile_running():
-            logits = self._compiled(w) if path == "compiled" else None
-            if logits is None:
-                logits, path = self._eager(w), path and "eager"
+        logits = self._compiled(w) if path == "compiled" else None
+        if logits is None:
+            logits, path = self._eager(w), path and "eager"
         if path:
             if self.lm.device.type == "cuda":
                 torch.cuda.synchronize(self.lm.device)  # the trial times the forward, not its launch
@@ -127,13 +124,11 @@ class ModelRunner:
         return Output(logits, path or "eager")
 
     def _off(self, w: Work) -> torch.Tensor:
-        from engine.fast_step import no_compile_running
-
         dev = self.lm.device
         self._select(False)
         ids = torch.tensor([w.ids], dtype=torch.long, device=dev)  # [1, n]: the whole text
         pos = torch.arange(w.rope, w.rope + w.q, device=dev)[None]  # [1, n]
-        with no_compile_running(), torch.inference_mode():
+        with torch.inference_mode():
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
         self.forwards += 1
         return out.logits[0, -1]  # [vocab]
@@ -159,13 +154,11 @@ class ModelRunner:
         return logits
 
     def _batched(self, works: Sequence[Work]) -> list[Output]:
-        from engine.fast_step import no_compile_running
-
         dev = self.lm.device
         ids = torch.tensor([[w.ids[0]] for w in works], dtype=torch.long, device=dev)  # [B, 1]
         pos = torch.tensor([[w.rope] for w in works], dtype=torch.long, device=dev)  # [B, 1] RoPE positions
         cache = BatchCache([w.kv.store for w in works])
-        with no_compile_running(), torch.inference_mode():
+        with torch.inference_mode():
             out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
         self.forwards += 1
         self.batched_forwards += 1
@@ -181,7 +174,8 @@ class ModelRunner:
 
 def step_function(model):
     """The compiled step's body: one token over a plain paged store's page tensors, read through
-    ``engine.kv.hf_cache.StepCache``; nothing is written (the new K/V come back). Traced by ``engine.fast_step``."""
+    ``engine.kv.hf_cache.StepCache``; nothing is written (the new K/V come back). Exported and compiled ahead of
+    time in a child process (``engine.aot_step``); the runner calls the package (``engine.fast_step``)."""
     from engine.kv.hf_cache import StepCache
 
     def step(ids, pos, slots, ks, vs):

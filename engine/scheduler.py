@@ -92,6 +92,7 @@ class EngineCore:
         self.preemptions = 0
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._lock = threading.Lock()
+        self._woken = False  # ``wake`` was called: the next round lets sources admit what they queued
         self.waker: Callable[[], None] = lambda: None  # set by whoever drives ``round`` (a thread, the Qt worker)
         self.thread: threading.Thread | None = None  # the engine thread, once known (``round`` records it)
 
@@ -105,13 +106,14 @@ class EngineCore:
         return fut
 
     def wake(self) -> None:
-        """Something new to do: the driver runs a round soon."""
+        """Something new to do (a source queued work): the driver runs a round soon."""
+        self._woken = True
         self.waker()
 
     @property
     def busy(self) -> bool:
-        """Work is in flight (requests, tasks or calls): keep calling ``round``."""
-        return bool(self.tasks or self._calls or any(not r.hold() for r in self.requests))
+        """Work is in flight or was announced (requests, tasks, calls, ``wake``): keep calling ``round``."""
+        return bool(self._woken or self.tasks or self._calls or any(not r.hold() for r in self.requests))
 
     # -- the engine thread ---------------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
@@ -126,6 +128,10 @@ class EngineCore:
     def round(self) -> bool:
         """One scheduling step (see the module doc). Returns ``busy``."""
         self.thread = threading.current_thread()
+        self._woken = False
+        fast = getattr(self.lm, "fast_step", None)
+        if fast is not None:
+            fast.poll()  # a compiled step built meanwhile is taken up between two rounds
         self._run_calls()
         for source in list(self.sources):
             source.admit(self)
@@ -156,11 +162,11 @@ class EngineCore:
         chosen, budget = [], self.prefill_budget
         for r in live:
             s = r.session
-            pending = len(s.seq) - s.index.next_pos if s.store is not None and s.generating else 1
+            pending = s.pending_tokens() if hasattr(s, "pending_tokens") else 1
             if pending <= 1 or not chosen or budget > 0:
                 chosen.append(r)
                 if pending > 1:
-                    budget -= min(pending, s.prefill_chunk)
+                    budget -= min(pending, getattr(s, "prefill_chunk", pending))
         return chosen
 
     def _deliver(self, req: Request, res: Any) -> None:
@@ -199,10 +205,10 @@ class EngineCore:
     def _make_room(self, session) -> None:
         """Before ``session``'s forward: if its cache cannot take the next chunk, idle caches give their pages
         back first, then running requests of lower priority are preempted (recomputed later)."""
-        c = session.cache
-        if c.store is None or not session.generating:
+        c = getattr(session, "cache", None)
+        if c is None or c.store is None or not session.generating:
             return
-        need = min(max(1, len(session.seq) - c.index.next_pos), session.prefill_chunk)
+        need = min(max(1, session.pending_tokens()), session.prefill_chunk)
         if c.can_reserve(need):
             return
         for source in self.sources:
@@ -218,9 +224,8 @@ class EngineCore:
 
 def _preempt(r: Request) -> bool:
     """Give up ``r``'s cached K/V (its whole cache, kept intact by no policy): its next step re-prefills them."""
-    s = r.session
-    c = s.cache
-    if c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
+    c = getattr(r.session, "cache", None)
+    if c is None or c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
         return False
     c.truncate(0)
     r.preempted += 1
@@ -232,7 +237,7 @@ def batchable(sessions: Sequence) -> list[list]:
     runner per group, at least two and at most ``MAX_BATCH`` a group."""
     groups: dict[int, list] = {}
     for s in sessions:
-        if s.decodes_one() and not s.lm.runner.batch_refusal():
+        if getattr(s, "decodes_one", bool)() and not s.lm.runner.batch_refusal():
             groups.setdefault(id(s.lm.runner), []).append(s)
     return [g[:MAX_BATCH] for g in groups.values() if len(g) > 1]
 
@@ -312,7 +317,6 @@ class CoreThread:
     def __init__(self, core: EngineCore, name: str = "kvscope-engine") -> None:
         self.core = core
         self._cond = threading.Condition()
-        self._woken = False
         self._stopping = False
         core.waker = self._wake
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -327,7 +331,6 @@ class CoreThread:
 
     def _wake(self) -> None:
         with self._cond:
-            self._woken = True
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -340,11 +343,10 @@ class CoreThread:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._woken and not self.core.busy:
+                while not self._stopping and not self.core.busy:
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._woken = False
             self.core.round()
         for fn in self.on_exit:
             fn()

@@ -170,6 +170,11 @@ class ChatSession:
             raise self.abort(e) from e
         return self.finish(out)
 
+    def pending_tokens(self) -> int:
+        """Tokens the reply's next forwards still have to feed before its next token (1 while decoding)."""
+        c = self.cache
+        return len(self.seq) - c.index.next_pos if c.store is not None and self.generating else 1
+
     def decodes_one(self) -> bool:
         """Is the next step one token on a plain store, with no score-reading policy (may it share a forward)?"""
         c = self.cache

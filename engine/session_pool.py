@@ -60,6 +60,14 @@ class SessionPool:
         self.active = chat_id
         return session, notes
 
+    def reclaim(self) -> bool:
+        """Swap every idle chat's cache to host memory (a request needs its pages). True if any moved."""
+        moved = 0
+        for s in self._sessions.values():
+            if not s.generating and not s.offloaded and s.cached_tokens:
+                moved += s.swap_out()
+        return moved > 0
+
     def apply(self, cache: CacheConfig) -> list[str]:
         """New cache settings: applied to the active session now, to the others when they become active."""
         self.cache = cache

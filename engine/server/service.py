@@ -181,7 +181,8 @@ def serve(a, cache: CacheConfig, spec) -> int:
     if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer: the server needs one")
     server = KVServer(lm, cache, options, source=a.model)
-    lm.fast.start()  # the compiled decode step (engine.fast_step), while no request runs yet
+    lm.fast.waker = server.scheduler.core.wake  # its build's end wakes the engine thread to take it up
+    lm.fast.start()  # the compiled decode step (engine.fast_step): built in a child, requests run eager meanwhile
     url = url_of(sock)
     uv = _uvicorn_server(server, lambda: print(f"KV Scope serves {server.model_id} at {url}/v1 (OpenAI API; "
                                                f"metrics at {url}/metrics; Ctrl+C stops)", flush=True))
@@ -192,6 +193,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
         pass
     finally:
         server.close()
+        lm.fast.close()
     print("KV Scope server stopped", flush=True)
     return 0
 

@@ -59,12 +59,13 @@ def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, st
         assert url == f"http://127.0.0.1:{port}"
         assert w.status.server.text() == f"Serving at {url}/v1" and w.status.server.isVisible()
         assert w.api_list.isVisible()
-        assert not w.conversation.ready and "is serving API requests at " + url in w.chat.empty_hint.text()
+        assert w.conversation.ready  # the chat goes on while the model serves
         assert not w.menu_actions["serve_start"].isEnabled() and w.menu_actions["serve_stop"].isEnabled()
-        # the worker has lent the model: it refuses work that would run torch next to the server's thread
-        with qtbot.waitSignal(w.error_shown, timeout=DEADLINE_MS) as refused:
-            w.apply_cache_config(dataclasses.replace(w.cache.applied, page_size=w.cache.applied.page_size * 2))
-        assert "serving API requests" in refused.args[0]
+        # cache settings change while serving (they apply to the chats; the API keeps the server's setting)
+        wanted = dataclasses.replace(w.cache.applied, page_size=w.cache.applied.page_size * 2)
+        with qtbot.waitSignal(w.engine.worker.applied, timeout=DEADLINE_MS) as applied:
+            w.apply_cache_config(wanted)
+        assert applied.args[0] == wanted
 
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"model": "stories260K", "messages": MESSAGES, "temperature": 0,
@@ -107,6 +108,43 @@ def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, st
     assert w.server.thread is None  # quitting stopped it
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_the_app_chats_while_an_api_request_streams(qtbot, data_dir, stories_path):
+    """No lending: a message typed while an API request decodes gets its reply from the same engine core, and
+    both replies are the engine's own greedy text; the chat's page map shows the API's pages in the pool."""
+    expected_text, _ = reference(stories_path)
+    w = open_window(qtbot, data_dir, str(stories_path))
+    w.settings.set("server/port", free_port())
+    slow = None
+    got: dict[str, str] = {}
+
+    def ask() -> None:
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": "stories260K", "messages": MESSAGES, "temperature": 0, "max_tokens": 150})
+        got["api"] = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+    try:
+        url = start_serving(qtbot, w)
+        slow = SlowForward(w.server.thread.server.lm.model, 0.05)  # the API reply lasts seconds
+        t = threading.Thread(target=ask)
+        t.start()
+        qtbot.waitUntil(lambda: w.api_list.count() == 1, timeout=DEADLINE_MS)
+        snaps = []
+        w.engine.worker.snapshot.connect(snaps.append)
+        with qtbot.waitSignal(w.reply_finished, timeout=DEADLINE_MS) as done:
+            w.send(MESSAGES[0]["content"])
+        assert done.args[1] in ("max_tokens", "eos") and w.chat.bubbles[-1].text
+        assert max(sn.batch_size for sn in snaps) == 2  # the chat's tokens decoded in the API's forwards
+        held = [sn for sn in snaps if sn.page_mine is not None and (sn.page_state[:len(sn.page_mine)] != 0).any()]
+        assert any(((sn.page_state != 0) & ~sn.page_mine).any() for sn in held)  # the API's pages, same pool
+        assert t.is_alive()  # the API's reply was still streaming while the chat got its whole reply
+        t.join(120)
+        assert got["api"].startswith(expected_text[:20])
+    finally:
+        if slow is not None:
+            slow.undo()
+        close_window(w)
 
 
 def test_busy_port_is_told_and_the_chat_goes_on(qtbot, data_dir, stories_path):

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from app.worker import EngineBackend, EngineThread
+from app.engine_thread import EngineThread
+from app.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 
 SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)

@@ -7,7 +7,8 @@ import pytest
 from app_helpers import ScriptedSession
 
 from app.failure import Failure
-from app.worker import EngineBackend, EngineThread
+from app.engine_thread import EngineThread
+from app.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import OutOfMemoryError
 

@@ -1,0 +1,167 @@
+"""The compiled decode step, built ahead of time in a child process: ``torch.export`` of the model's own decode
+step (``engine.runner.step_function``) and AOTInductor (``aoti_compile_and_package``), weights left out of the
+package (``package_constants_in_so=False``), so the parent loads it in milliseconds and hands it its own weight
+tensors (``load_constants(..., user_managed=True)``: no copy).
+
+Why a child process: while inductor traces a model in a process, torch.fx patches ``nn.Module.__call__`` for the
+whole process, so a forward in another thread fails (seen: "module is not installed as a submodule") and every
+forward had to wait for the compile (37 s for the first reply after launch on a 2-core machine). The child
+builds the same model class from the same config with throwaway weights (only shapes, dtypes and the code
+matter: the weights are the parent's), compiles at low priority on one thread, and writes the package
+atomically; nothing in the parent waits for it.
+
+Packages are kept per model shape in the user's cache folder (``package_path``): the next launch loads the step
+at once. The key covers the config, dtype, device type and the versions of torch, transformers and this step.
+
+``python -m engine.aot_step BUILD_DIR`` is the child's entry point (``BUILD_DIR/job.json`` says what to build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+STEP_VERSION = 1  # bump when the step's inputs or outputs change: old packages are then never loaded
+MIN_LEN = 2  # the dynamic lengths' floor: a size-1 example would specialise the graph
+
+
+def cache_root() -> Path:
+    """``$KVSCOPE_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/kvscope/aot`` (``~/.cache/kvscope/aot``)."""
+    env = os.environ.get("KVSCOPE_COMPILE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvscope" / "aot"
+
+
+def package_key(model, device_type: str) -> str:
+    """What the compiled code depends on: the model's class and config, its dtype, the device type, versions."""
+    import torch
+    import transformers
+
+    cfg = model.config.to_dict()
+    for k in ("_attn_implementation", "_name_or_path", "transformers_version", "_commit_hash"):
+        cfg.pop(k, None)
+    param = next(model.parameters())
+    blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
+                       "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def package_path(model, device_type: str) -> Path:
+    return cache_root() / f"step-{package_key(model, device_type)}.pt2"
+
+
+def write_job(lm, out: Path) -> Path:
+    """The child's instructions next to ``out``: the model's class, config and dtype, its device type and the
+    shape of what its layers cache (``LoadedModel.kv_shape``)."""
+    build = out.with_suffix(".build")
+    build.mkdir(parents=True, exist_ok=True)
+    lm.model.config.save_pretrained(build)
+    param = next(lm.model.parameters())
+    shape = lm.kv_shape
+    (build / "job.json").write_text(json.dumps({
+        "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
+        "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
+        "k": list(shape.of("k")), "v": list(shape.of("v"))}))
+    return build
+
+
+def child_command(build: Path) -> list[str]:
+    return [sys.executable, "-m", "engine.aot_step", str(build)]
+
+
+def open_package(path: Path, device):
+    """The package's runner, without weights yet. The first call in a process imports inductor (~2 s here), so
+    it is made off the engine thread (``engine.fast_step``'s watcher)."""
+    import torch._inductor
+
+    if device.type == "cuda":
+        return torch._inductor.aoti_load_package(str(path), device_index=device.index or 0)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+def load(runner, model):
+    """``runner`` (``open_package``) fed ``model``'s own weights (no copy): a callable (ids, pos, slots, ks, vs) ->
+    (logits, new ks, new vs). Raises with the reason when the package does not fit the model."""
+    named = {f"m.{k}": v for k, v in model.named_parameters(remove_duplicate=False)}
+    named.update({f"m.{k}": v for k, v in model.named_buffers(remove_duplicate=False)})
+    fqns = runner.get_constant_fqns()
+    missing = [f for f in fqns if f not in named]
+    if missing:
+        raise ValueError(f"the compiled step expects weights the model does not have: {', '.join(missing[:3])}")
+    runner.load_constants({f: named[f] for f in fqns}, check_full_update=True, user_managed=True)
+    return runner
+
+
+class StepModule:
+    """Built in the child: ``engine.runner.step_function`` as an ``nn.Module`` for ``torch.export``."""
+
+    @staticmethod
+    def make(model):
+        import torch
+
+        from engine.runner import step_function
+
+        class Step(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = model
+                self._step = step_function(model)
+
+            def forward(self, ids, pos, slots, ks, vs):
+                return self._step(ids, pos, slots, ks, vs)
+
+        return Step()
+
+
+def _build(build: Path) -> None:
+    """The child: build the model with throwaway weights, export its step, compile, write the package."""
+    import torch
+    import transformers
+
+    job = json.loads((build / "job.json").read_text())
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(build)
+    cls = getattr(transformers, job["class"])
+    dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
+    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
+    P = 16
+    ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows
+    vs = [torch.zeros((hv, 4 * P, dv), dtype=dtype, device=dev) for _ in range(L)]
+    slots = torch.arange(2 * P, device=dev)  # [N] the cached tokens' slots
+    ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
+    S = torch.export.Dim("S", min=MIN_LEN, max=1 << 24)
+    N = torch.export.Dim("N", min=MIN_LEN, max=1 << 24)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(StepModule.make(model), (ids, pos, slots, ks, vs), strict=False,
+                                 dynamic_shapes=(None, None, {0: N}, [{1: S}] * L, [{1: S}] * L))
+    t1 = time.perf_counter()
+    out = Path(job["out"])
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                             inductor_configs={"aot_inductor.package_constants_in_so": False})
+    os.replace(tmp, out)  # whole or absent: a reader never sees half a package
+    print(json.dumps({"export_s": round(t1 - t0, 2), "compile_s": round(time.perf_counter() - t1, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        os.nice(10)  # the user's chat (eager meanwhile) comes first on a small machine
+    except (AttributeError, OSError):
+        pass
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        _build(Path(sys.argv[1]))
+    except BaseException as e:  # noqa: BLE001 - the parent reads the reason from the last line
+        print(f"{type(e).__name__}: {e}"[:400].replace("\n", " "), file=sys.stderr, flush=True)
+        sys.exit(1)
