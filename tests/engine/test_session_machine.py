@@ -424,11 +424,156 @@ def check_pages(lm, sessions: list[ChatSession]) -> None:
                 assert j < len(chain) and chain[j] == pool.hash[p], f"page {p} named for other tokens"
 
 
+@dataclass
+class ApiReq:
+    """An API-style request on the engine core: a fresh lossless session, greedy, its tokens checked against HF."""
+
+    session: ChatSession
+    request: object
+    prompt: list[int]
+    n: int
+    results: list = field(default_factory=list)
+
+
+class CoreMachine(ChatMachine):
+    """The same chats, plus the engine core (``engine.scheduler.EngineCore``) with several sources at once: chats
+    handed to it as requests (the app's chat, at any priority), API requests (fresh lossless sessions, greedy,
+    cancelled at random) and a comparison task, stepped by ``round`` among every other rule. Invariants beyond
+    the chat machine's: every model forward went through the runner; an API request's tokens are HF's greedy
+    ones whatever shared its forwards; a cancelled request's pages are free by the next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from engine.scheduler import EngineCore
+
+        self.core = EngineCore(self.lm)
+        self.api: list[ApiReq] = []
+        self.on_core: dict[int, object] = {}  # id(chat) -> its request
+        self.comparison = None
+        self.hf_calls = 0
+        self.hooked = [0]
+        self.hook = self.lm.model.register_forward_pre_hook(lambda *a: self.hooked.__setitem__(0, self.hooked[0] + 1))
+        self.base = (self.lm.runner.forwards, self.lm.fast.calls.get("compiled", 0))
+
+    @precondition(lambda self: len(self.api) < 4)
+    @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=30), n=st.integers(1, 24),
+          priority=st.sampled_from([0, 1, 2]))
+    def api_request(self, words, n, priority):
+        from engine.scheduler import Priority, Request
+
+        s = ChatSession(self.lm, CacheConfig())
+        ids = self.lm.tokenizer(" ".join(words))["input_ids"]
+        try:
+            s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=0.0))
+        except REFUSALS:
+            s.close()
+            return
+        req = ApiReq(s, None, ids, n)
+        req.request = self.core.add(Request(s, req.results.append, Priority(priority)))
+        self.api.append(req)
+
+    @rule(i=st.integers(0, 99), priority=st.sampled_from([0, 1, 2]))
+    def chat_on_core(self, i, priority):
+        """The chat's reply is stepped by the core from now on (as the app's worker does)."""
+        from engine.scheduler import Priority, Request
+
+        chat = self._chat(i)
+        if not chat.session.generating or id(chat) in self.on_core:
+            return
+        self.on_core[id(chat)] = self.core.add(
+            Request(chat.session, lambda r, chat=chat: self._take(chat, r), Priority(priority)))
+
+    @precondition(lambda self: self.comparison is None)
+    @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=8))
+    def compare(self, words):
+        from engine.compare import Comparison
+        from engine.scheduler import Task
+
+        comp = Comparison(self.lm, [{"role": "user", "content": " ".join(words)}],
+                          SamplingConfig(max_new_tokens=4), settings=(("paged", CacheConfig()),
+                                                                      ("contiguous", CacheConfig(mode="contiguous"))))
+        self.comparison = comp
+        self.core.add_task(Task(comp, lambda row: None, self._compare_failed))
+
+    def _compare_failed(self, e: BaseException) -> None:
+        assert isinstance(e, EngineError), e
+
+    @rule(i=st.integers(0, 99))
+    def cancel_api(self, i):
+        if not self.api:
+            return
+        req = self.api[i % len(self.api)]
+        req.request.cancel()
+        self.core.round()
+        assert req.request.done and req.results and req.results[-1].stop_reason == "cancelled"
+        self._end_api(req)
+
+    @rule(n=st.integers(1, 10))
+    def core_round(self, n):
+        for _ in range(n):
+            self.core.round()
+            for req in list(self.api):
+                if req.request.done:
+                    self._end_api(req)
+            for key, request in list(self.on_core.items()):
+                if request.done or not request.session.generating:
+                    del self.on_core[key]
+            if self.comparison is not None and self.comparison.done:
+                self.comparison = None
+
+    def _end_api(self, req: ApiReq) -> None:
+        """As the server does: a finished request's reply is checked, its session closed (pages freed now)."""
+        self.api.remove(req)
+        last = req.results[-1]
+        if isinstance(last, BaseException):
+            assert isinstance(last, EngineError), last
+        elif last.stop_reason == "max_tokens" and not req.request.preempted:
+            got = req.session.generated_ids
+            assert got == self._hf(req.prompt, req.n), "a request's tokens depended on what shared its forwards"
+        req.session.close()
+        assert req.session.n_phys == 0
+
+    def _hf(self, ids: list[int], n: int) -> list[int]:
+        before = self.hooked[0]
+        with torch.inference_mode():
+            out = self.lm.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        self.hf_calls += self.hooked[0] - before
+        return out[0, len(ids):].tolist()
+
+    @invariant()
+    def every_forward_went_through_the_runner(self):
+        runner, fast = self.lm.runner, self.lm.fast
+        ours = runner.forwards - self.base[0]
+        compiled = fast.calls.get("compiled", 0) - self.base[1]
+        assert self.hooked[0] - self.hf_calls == ours - compiled, (self.hooked[0], self.hf_calls, ours, compiled)
+
+    @invariant()
+    def pages_are_conserved(self):
+        extra = [r.session for r in self.api]
+        if self.comparison is not None and self.comparison._session is not None:
+            extra.append(self.comparison._session)
+        check_pages(self.lm, [c.session for c in self.chats] + extra)
+
+    def teardown(self):
+        self.hook.remove()
+        for req in self.api:
+            req.session.close()
+        if self.comparison is not None:
+            self.comparison.close()
+        super().teardown()
+
+
 TestChatMachine = ChatMachine.TestCase
 # CI runs a fixed set of walks (derandomized: a red CI run is a reproducible bug, not luck); set
 # KVSCOPE_FUZZ=N to explore N random walks instead.
 _FUZZ = int(os.environ.get("KVSCOPE_FUZZ", "0"))
 TestChatMachine.settings = settings(max_examples=_FUZZ or 150, stateful_step_count=40, deadline=None,
+                                    derandomize=not _FUZZ, suppress_health_check=list(HealthCheck))
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = settings(max_examples=_FUZZ or 60, stateful_step_count=40, deadline=None,
                                     derandomize=not _FUZZ, suppress_health_check=list(HealthCheck))
 
 
