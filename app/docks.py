@@ -133,12 +133,19 @@ class DockLayout:
     def window_resized(self) -> None:
         """Call from the window's resize event: a much larger or smaller window gets the default sizes
         again (after the size settles)."""
+        if self._needs_refit() and self.window.isVisible():
+            self._refit.start()
+
+    def _needs_refit(self) -> bool:
         size, fitted = self.window.size(), self._fitted
-        changed = fitted.isEmpty() or any(
+        return fitted.isEmpty() or any(
             new > old * REFIT_CHANGE or new * REFIT_CHANGE < old
             for new, old in ((size.width(), fitted.width()), (size.height(), fitted.height())))
-        if changed and self.window.isVisible():
-            self._refit.start()
+
+    @property
+    def settled(self) -> bool:
+        """No refit pending: the sizes fit the window as it is now (tests wait on this, not on a clock)."""
+        return not self._refit.isActive() and not self._needs_refit()
 
     def _settled(self) -> None:
         if self.arrangement in ("compact", "wide") and self.arrangement != ("wide" if self.wide else "compact"):

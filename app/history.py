@@ -48,7 +48,8 @@ class HistoryStore(Recovery):
         self._dirty: set[int] = set()  # messages changed since the last successful write
         self._next_chat = self._next_message = 1
         self._chats_read = False  # ``_chats`` holds the file's chats (read once; memory is the truth after)
-        self._retry_at = 0.0  # monotonic time of the next retry while writes fail
+        self._retry_at = 0.0  # ``clock()`` time of the next retry while writes fail
+        self.clock: Callable[[], float] = time.monotonic  # injected by tests (a retry without waiting 2 s)
         self._recovering = False
         self._closed = False
         self.problem = ""  # why changes are not being saved ('' while they are)
@@ -103,7 +104,7 @@ class HistoryStore(Recovery):
         from memory), and retries writes that failed (every ``RETRY_S``)."""
         if self._closed:
             return
-        if not self._gone() and (self._ops or self._rewrite) and time.monotonic() >= self._retry_at:
+        if not self._gone() and (self._ops or self._rewrite) and self.clock() >= self._retry_at:
             self._flush()
         self._changed()
 

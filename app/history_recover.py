@@ -114,10 +114,10 @@ class Recovery:
         of memory, in one transaction. On failure everything stays queued for ``tick()``."""
         if self._closed or not (self._ops or self._rewrite) or self._gone():
             return
-        if self.problem and time.monotonic() < self._retry_at:
+        if self.problem and self.clock() < self._retry_at:
             return  # still failing: tick() retries
         if not self.writable and not self._reconnect():
-            self._retry_at = time.monotonic() + RETRY_S
+            self._retry_at = self.clock() + RETRY_S
             if not self.problem:
                 self._notify("unavailable", f"The chat history cannot be written: {self.path}.\nChanges are "
                              f"kept in memory and saving is retried every {RETRY_S:.0f} s.", standing=True)
@@ -135,7 +135,7 @@ class Recovery:
             if hdb.is_damage(exc) and not self._recovering:
                 self._recover("damaged", hdb.reason(exc))
                 return
-            self._retry_at = time.monotonic() + RETRY_S
+            self._retry_at = self.clock() + RETRY_S
             self._notify("write_failed", f"Could not save the chat history ({hdb.reason(exc)}).\nChanges are "
                          f"kept in memory and saving is retried every {RETRY_S:.0f} s.", standing=True)
             return
@@ -171,7 +171,7 @@ class Recovery:
             try:
                 aside = hdb.move_aside(self.path, label) if label != "deleted" and self.path.exists() else None
             except OSError as exc:
-                self._retry_at = time.monotonic() + RETRY_S
+                self._retry_at = self.clock() + RETRY_S
                 self._notify(label, self._lost_text(label, why) + f" It could not be moved aside ({exc.strerror}); "
                              "your chats are kept in memory and saving is retried.", standing=True)
                 return

@@ -116,6 +116,8 @@ class MainWindow(QMainWindow):
         self.memory = MemoryPanel()
         self.model_card = ModelCardPanel()
         self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
+        for panel in self.panels:
+            panel.help_requested.connect(app_help.show_panel_help)
         self.layout_docks = DockLayout(self, {
             "chats": self.chats_box, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
             "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory})

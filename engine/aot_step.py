@@ -13,7 +13,7 @@ atomically; nothing in the parent waits for it.
 Packages are kept per model shape in the user's cache folder (``package_path``): the next launch loads the step
 at once. The key covers the config, dtype, device type and the versions of torch, transformers and this step.
 
-``python -m engine.aot_step BUILD_DIR`` is the child's entry point (``BUILD_DIR/job.json`` says what to build).
+The child is ``python -m engine.aot_build BUILD_DIR`` (``BUILD_DIR/job.json``, written here, says what to build).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 STEP_VERSION = 1  # bump when the step's inputs or outputs change: old packages are then never loaded
@@ -73,7 +72,7 @@ def write_job(lm, out: Path) -> Path:
 
 
 def child_command(build: Path) -> list[str]:
-    return [sys.executable, "-m", "engine.aot_step", str(build)]
+    return [sys.executable, "-m", "engine.aot_build", str(build)]
 
 
 def open_package(path: Path, device):
@@ -97,71 +96,3 @@ def load(runner, model):
         raise ValueError(f"the compiled step expects weights the model does not have: {', '.join(missing[:3])}")
     runner.load_constants({f: named[f] for f in fqns}, check_full_update=True, user_managed=True)
     return runner
-
-
-class StepModule:
-    """Built in the child: ``engine.runner.step_function`` as an ``nn.Module`` for ``torch.export``."""
-
-    @staticmethod
-    def make(model):
-        import torch
-
-        from engine.runner import step_function
-
-        class Step(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.m = model
-                self._step = step_function(model)
-
-            def forward(self, ids, pos, slots, ks, vs):
-                return self._step(ids, pos, slots, ks, vs)
-
-        return Step()
-
-
-def _build(build: Path) -> None:
-    """The child: build the model with throwaway weights, export its step, compile, write the package."""
-    import torch
-    import transformers
-
-    job = json.loads((build / "job.json").read_text())
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.from_pretrained(build)
-    cls = getattr(transformers, job["class"])
-    dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
-    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
-    L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
-    P = 16
-    ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows
-    vs = [torch.zeros((hv, 4 * P, dv), dtype=dtype, device=dev) for _ in range(L)]
-    slots = torch.arange(2 * P, device=dev)  # [N] the cached tokens' slots
-    ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
-    pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
-    S = torch.export.Dim("S", min=MIN_LEN, max=1 << 24)
-    N = torch.export.Dim("N", min=MIN_LEN, max=1 << 24)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        ep = torch.export.export(StepModule.make(model), (ids, pos, slots, ks, vs), strict=False,
-                                 dynamic_shapes=(None, None, {0: N}, [{1: S}] * L, [{1: S}] * L))
-    t1 = time.perf_counter()
-    out = Path(job["out"])
-    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
-                                             inductor_configs={"aot_inductor.package_constants_in_so": False})
-    os.replace(tmp, out)  # whole or absent: a reader never sees half a package
-    print(json.dumps({"export_s": round(t1 - t0, 2), "compile_s": round(time.perf_counter() - t1, 2)}), flush=True)
-
-
-if __name__ == "__main__":
-    try:
-        os.nice(10)  # the user's chat (eager meanwhile) comes first on a small machine
-    except (AttributeError, OSError):
-        pass
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    try:
-        _build(Path(sys.argv[1]))
-    except BaseException as e:  # noqa: BLE001 - the parent reads the reason from the last line
-        print(f"{type(e).__name__}: {e}"[:400].replace("\n", " "), file=sys.stderr, flush=True)
-        sys.exit(1)

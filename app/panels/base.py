@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pyqtgraph as pg
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
 BACKGROUND = "#16191f"
@@ -23,6 +23,7 @@ class Panel(QWidget):
     """
 
     title = "Panel"
+    help_requested = Signal(object)  # this panel: its "?" was pressed (the window opens the help)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -85,9 +86,9 @@ class Panel(QWidget):
             self.show_snapshot(self.last_snapshot)
 
     def show_help(self) -> None:
-        from app.help import show_panel_help  # the help texts import the panels' colours
-
-        show_panel_help(self)
+        """The "?" button: ask whoever shows help (the main window connects ``help_requested`` to ``app.help``,
+        whose texts import the panels' colours: the panels never import it)."""
+        self.help_requested.emit(self)
 
     def view_ranges(self) -> list:
         """Each chart's [[x0, x1], [y0, y1]] (for tests: the wheel must not change them)."""

@@ -85,9 +85,10 @@ def test_a_damaged_file_is_moved_aside_and_everything_readable_is_kept_with_its_
 
 
 def test_writes_that_fail_wait_in_memory_and_go_in_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(history_recover, "RETRY_S", 0.05)
+    now = [0.0]
     path = tmp_path / "h.sqlite3"
     store = HistoryStore(path)
+    store.clock = lambda: now[0]  # retries follow this clock: no sleeping
     chat = store.create_chat("c")
     lock = sqlite3.connect(str(path), isolation_level=None)
     lock.execute("BEGIN IMMEDIATE")
@@ -97,7 +98,9 @@ def test_writes_that_fail_wait_in_memory_and_go_in_order(tmp_path, monkeypatch):
     assert store.unsaved_positions(chat.id) == {0} and "database is locked" in store.problem
     assert [n.kind for n in store.take_notices()] == ["write_failed"]  # said once, not once per write
     lock.execute("ROLLBACK")
-    time.sleep(0.06)
+    store.tick()
+    assert store.unsaved_positions(chat.id) == {0}  # not retried before RETRY_S
+    now[0] += history_recover.RETRY_S
     store.tick()
     assert store.unsaved_positions(chat.id) == set() and store.problem == ""
     assert [n.kind for n in store.take_notices()] == ["saved"]

@@ -25,7 +25,8 @@ LONG_TEXT = "A sentence that goes on and on about a fox in a forest, " * 5  # st
 
 def _settle(qtbot, w, size: tuple[int, int]) -> None:
     w.resize(*size)
-    qtbot.wait(450)  # the dock layout refits 150 ms after the size settles
+    qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)  # it refits 150 ms after the size settles
+    qtbot.wait(0)  # and the layout it set is applied
 
 
 def _shown(widget: QWidget) -> bool:

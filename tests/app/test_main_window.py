@@ -131,7 +131,8 @@ def test_history_survives_a_restart(qtbot, data_dir, stories_path):
     wait_reply(qtbot, w)
     text = w.chat.bubbles[-1].text
     chat_id = w.chat_id
-    qtbot.wait(500)
+    # the system prompt is saved once typing pauses (a debounce timer): wait for it, not for a clock
+    qtbot.waitUntil(lambda: w.history.chat(chat_id).system_prompt == "You tell short stories.", timeout=5000)
     close_window(w)
     w.close()
 
