@@ -500,26 +500,30 @@ class CoreMachine(ChatMachine):
 
     @rule(i=st.integers(0, 99))
     def cancel_api(self, i):
+        """A client goes away: its request ends (cancelled) in the next round and its pages are free after it."""
         if not self.api:
             return
         req = self.api[i % len(self.api)]
         req.request.cancel()
-        self.core.round()
-        assert req.request.done and req.results and req.results[-1].stop_reason == "cancelled"
-        self._end_api(req)
+        self._round()
+        assert req not in self.api  # ended and closed by the round
+        assert req.results[-1].stop_reason == "cancelled"
 
     @rule(n=st.integers(1, 10))
     def core_round(self, n):
         for _ in range(n):
-            self.core.round()
-            for req in list(self.api):
-                if req.request.done:
-                    self._end_api(req)
-            for key, request in list(self.on_core.items()):
-                if request.done or not request.session.generating:
-                    del self.on_core[key]
-            if self.comparison is not None and self.comparison.done:
-                self.comparison = None
+            self._round()
+
+    def _round(self) -> None:
+        self.core.round()
+        for req in list(self.api):
+            if req.request.done:
+                self._end_api(req)
+        for key, request in list(self.on_core.items()):
+            if request.done or not request.session.generating:
+                del self.on_core[key]
+        if self.comparison is not None and self.comparison.done:
+            self.comparison = None
 
     def _end_api(self, req: ApiReq) -> None:
         """As the server does: a finished request's reply is checked, its session closed (pages freed now)."""
