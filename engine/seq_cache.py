@@ -25,6 +25,7 @@ from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
 from engine.kv.prefix import cached_run, extend_chain
 from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
+from engine.runner import Output, Work
 
 
 class SeqCache:
@@ -66,6 +67,14 @@ class SeqCache:
     def needs_scores(self) -> bool:
         return self.policy is not None and self.policy.needs_scores
 
+    def pending(self, seq_len: int) -> int:
+        """Tokens of a ``seq_len``-token sequence still to feed (cache off: every one, every step)."""
+        return seq_len - self.index.next_pos if self.store is not None else seq_len
+
+    def decodes_one(self, seq_len: int) -> bool:
+        """One token to feed on a store in memory, no policy reading scores: may join a batched forward."""
+        return self.store is not None and self.host is None and not self.needs_scores and self.pending(seq_len) == 1
+
     def can_overflow(self) -> bool:
         """Can this cache evict to go on past the context (a policy, or an evicting overflow setting)?"""
         return self.store is not None and (self.policy is not None or
@@ -79,6 +88,36 @@ class SeqCache:
                                overflow=cfg.overflow, context_length=self.lm.info.context_length, max_chunk=max_chunk)
 
     # -- a forward ---------------------------------------------------------------------------------------
+    def next_forward(self, ids: Sequence[int], protected: int, priorities, max_chunk: int,
+                     owner: int) -> tuple[Work, EvictionContext | None]:
+        """The next forward over the unfed tokens of ``ids``: planned (evicting first where a policy or the
+        context says so) and its room reserved. A typed error, nothing reserved, if it cannot run."""
+        if self.store is None:  # cache off: the whole text, every time
+            return Work(tuple(ids), 0, None), None
+        cx = self.context(protected, priorities, len(ids), max_chunk)
+        chunk = self.plan(len(ids) - self.index.next_pos, cx)
+        start = self.index.next_pos
+        self.reserve(chunk, owner=owner)
+        return Work(tuple(ids[start:start + chunk]), self.index.next_rope, self.kv), cx
+
+    def forward_done(self, work: Work, out: Output, cx: EvictionContext | None, ids: Sequence[int],
+                     written: tuple[int, ...] = ()) -> bool:
+        """``work``'s forward ran (``out``): count its tokens as cached, evict back under a budget. True once
+        every token of ``ids`` is fed (the logits then predict the next one)."""
+        self.path = out.path
+        if self.store is None:
+            return True
+        self.commit(work.q, ids, out.path, out.batch, written)
+        self.after_forward(cx)
+        return self.index.next_pos >= len(ids)
+
+    def fills_context(self, seq_len: int) -> bool:
+        """Does the token just taken use the context's last position (and nothing can evict to go on)?"""
+        ctx = self.lm.info.context_length
+        if self.store is None:
+            return seq_len >= ctx
+        return self.index.next_rope + 1 >= ctx and not self.can_overflow()
+
     def plan(self, todo: int, cx: EvictionContext) -> int:
         """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
         chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)

@@ -8,6 +8,7 @@ The sequence's cache is ``engine.seq_cache.SeqCache``; ``engine.session.ChatSess
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -156,6 +157,13 @@ class Sequence:
     def running(self) -> bool:
         return self.status is Status.RUNNING
 
+    def copy(self) -> "Sequence":
+        """The conversation (ids, turn, protection) without a reply in progress (a fork)."""
+        other = Sequence()
+        other.ids, other.turn, other.protected = list(self.ids), self.turn, self.protected
+        other.priorities = None if self.priorities is None else self.priorities.copy()
+        return other
+
     def add_notes(self, notes: Seq[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]
 
@@ -198,6 +206,19 @@ class Sequence:
         elif len(t.generated) >= t.sampling.max_new_tokens:
             stop = "max_tokens"
         return TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in, path), stop
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far."""
+        return self.reply.decoder.text if self.reply.decoder is not None else ""
+
+    def end_reply(self, reason: str, event: TokenEvent | None) -> tuple[TokenEvent | None, TurnStats]:
+        """The reply ends with ``reason``: text the decoder held back goes out with the last event."""
+        d = self.reply.decoder
+        tail = d.flush() if d is not None and reason != "eos" else ""
+        if tail and event is not None:
+            event = dataclasses.replace(event, text_delta=event.text_delta + tail)
+        return event, self.end(reason)
 
     def end(self, reason: str) -> TurnStats:
         """The reply ends with ``reason``: its stats (kept as ``last_stats``)."""

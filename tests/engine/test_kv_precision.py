@@ -157,7 +157,7 @@ def test_swap_keeps_quantized_pages_as_held(stories, k, v):
     moved = s.swap_out()
     assert moved == want and moved < held  # the cache holds whole pages; the host only the tokens
     assert s.snapshot().bytes_per_layer.sum() == moved
-    s.swap_in()
+    s.cache.swap_in(s.seq)
     assert s.snapshot().kv_bytes == held
     for layer, (bk, bv) in enumerate(before):
         ak, av = s.store.read_layer(layer)

@@ -335,7 +335,7 @@ def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
     pages, n = list(s.store.table.pages), s.n_phys
     full = n // 16
     s.swap_out()
-    s.swap_in()
+    s.cache.swap_in(s.seq)
     assert s.swapped_in_pages == full and s.store.table.pages[:full] == pages[:full]
     _, r2 = reply(s, follow)
     assert s.generated_ids == expected
@@ -346,7 +346,7 @@ def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
     while not other.step().done:
         pass
     other.close()
-    s.swap_in()
+    s.cache.swap_in(s.seq)
     assert s.swapped_in_pages == 0
     _, r3 = reply(s, follow)
     assert s.generated_ids == expected
