@@ -233,6 +233,7 @@ def _turn_reuse(lm, a, log) -> dict[str, Any]:
 def run_bench(a) -> int:
     lm = _load(a)
     contexts, modes = _check_args(a, lm)
+    a.contexts_list = contexts
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     name = a.shape or a.model
@@ -269,7 +270,7 @@ def run_bench(a) -> int:
 
 
 def _scenarios(lm, a, log) -> dict[str, Any]:
-    """``--prefix-cache N`` and ``--server`` (engine.bench_scenarios)."""
+    """``--prefix-cache N``, ``--server`` and ``--scenario mixed`` (engine.bench_scenarios)."""
     from engine import bench_scenarios as sc
 
     out: dict[str, Any] = {}
@@ -286,6 +287,12 @@ def _scenarios(lm, a, log) -> dict[str, Any]:
         log(f"  server: {o['api_tokens_per_s']} tok/s through the API (whole completions) vs {o['direct_tokens_per_s']} direct "
             f"(×{o['ratio']})")
         out["server"] = o
+    if getattr(a, "scenario", "") == "mixed":
+        ctx = min(a.contexts_list[0] if getattr(a, "contexts_list", None) else 256, lm.info.context_length // 2)
+        m = sc.mixed(lm, chat_tokens=64, api_context=ctx, page_size=a.page_size)
+        log(f"  mixed: a chat message beside {m['streams_decoding']} decoding API streams: TTFT {m['busy_ttft_ms']} ms "
+            f"vs {m['idle_ttft_ms']} ms idle (×{m['busy_over_idle']})")
+        out["mixed"] = m
     return out
 
 

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                    help="also run N requests sharing one system prompt (automatic prefix caching)")
     b.add_argument("--shared-prompt", type=int, default=1000, help="tokens of that system prompt")
+    b.add_argument("--scenario", default="", choices=("", "mixed"),
+                   help="mixed: an app-style chat message sent while 4 API streams decode, TTFT against idle")
     b.add_argument("--server", action="store_true",
                    help="also measure decode tokens/s through the OpenAI API against the engine (needs a tokenizer)")
     b.add_argument("--device", default="auto", choices=DEVICES)

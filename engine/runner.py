@@ -35,9 +35,6 @@ import torch
 from engine.kv.attention import DISPATCH_IMPL, SCORES_IMPL, use_attention
 from engine.kv.hf_cache import BatchCache, KVCache, RaggedUnsupported
 
-MAX_BATCH = 16  # sequences per batched forward: past this the attention loop, not the weights, dominates a step
-
-
 @dataclass(frozen=True)
 class Work:
     """One sequence's next forward: feed ``ids`` from RoPE position ``rope`` through ``kv`` (None: no cache)."""

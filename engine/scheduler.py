@@ -25,10 +25,14 @@ import enum
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from engine.runner import MAX_BATCH, Output
 from engine.snapshot import StepResult
+
+if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
+    from engine.runner import Output
+
+MAX_BATCH = 16  # sequences per batched forward: past this the attention loop, not the weights, dominates a step
 
 PREFILL_BUDGET = 2048  # prefill tokens per round beyond the first chunk: a new message waits at most one round
 
@@ -243,15 +247,20 @@ def batchable(sessions: Sequence) -> list[list]:
 
 
 def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) -> list[Any]:
-    """Step every generating session once: those whose next step is one token on a plain store decode together
-    in one forward (``batchable``), the rest alone. Each gets its ``StepResult`` or the exception that ended
+    """Step every generating session once, in the given order (the core passes them by priority): those whose
+    next step is one token on a plain store decode together in one forward (``batchable``; the group runs when
+    its first member's turn comes), the rest alone. Each gets its ``StepResult`` or the exception that ended
     its reply; a failed forward ends every reply it carried, each rolled back. ``before(session)``, if given,
     runs before each session is prepared (room for it)."""
     results: dict[int, Any] = {}
-    for group in batchable(sessions):
-        results.update(_step_group(group, before))
+    group_of = {id(s): g for g in batchable(sessions) for s in g}
     for s in sessions:
-        if id(s) not in results:
+        if id(s) in results:
+            continue
+        group = group_of.get(id(s))
+        if group is not None:
+            results.update(_step_group(group, before))
+        else:
             results[id(s)] = _step_one(s, before)
     return [results[id(s)] for s in sessions]
 
@@ -285,7 +294,7 @@ def _step_group(group: list, before) -> dict[int, Any]:
     if not joined:
         return out
     try:
-        outs: list[Output] = joined[0].lm.runner.run(works)
+        outs: list["Output"] = joined[0].lm.runner.run(works)
     except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
         for s in joined:
             out[id(s)] = s.abort(e)
@@ -299,7 +308,7 @@ def _step_group(group: list, before) -> dict[int, Any]:
     return out
 
 
-def _written_together(sessions: list, outs: list[Output]) -> dict[int, tuple[int, ...]]:
+def _written_together(sessions: list, outs: list["Output"]) -> dict[int, tuple[int, ...]]:
     """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
     by_pool: dict[int, set[int]] = {}
     for s, o in zip(sessions, outs):

@@ -86,7 +86,9 @@ def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, st
         got_sid, snap = shown.args
         assert got_sid == sid
         assert snap.seq_len == expected_len  # that conversation's tokens: the prompt and the reply
-        assert w.scheduler.frame is snap  # the panels draw it
+        # the panels draw it (a later poll may bring a newer snapshot of the same conversation)
+        qtbot.waitUntil(lambda: w.scheduler.frame is not None and w.scheduler.frame.seq_len == expected_len,
+                        timeout=DEADLINE_MS)
         assert sum(int(v.sum()) for v in w.occupancy.stack.values()) > 0
 
         with qtbot.waitSignal(w.server.serving, timeout=DEADLINE_MS) as stopped:
