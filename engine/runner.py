@@ -12,8 +12,9 @@ Paths, chosen here and nowhere else:
     eager     the model as transformers runs it, over one sequence's store
     compiled  the model's compiled decode step (``engine.fast_step``, its back end) for one token on a plain
               paged store, when it is ready and measured faster
-    batched   one token of each of several sequences in one forward: the weights are read once for all of
-              them; attention stays per sequence (``engine.kv.attention.ragged_attention``)
+    batched   several sequences in one forward, their tokens end to end — decode tokens, and a prefill chunk
+              beside them: the weights are read once for all; attention stays per sequence
+              (``engine.kv.attention.ragged_attention``)
 
 Attention: the runner selects one implementation on the model once, ``kvscope`` (a dispatcher registered with
 transformers' ``AttentionInterface``: sdpa unless the cache hands the call a batch's per-sequence K/V or a
@@ -24,6 +25,7 @@ theirs; a score-reading policy then switches them to the scores attention while 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -88,16 +90,17 @@ class ModelRunner:
         return ""
 
     def can_batch(self, work: Work) -> bool:
-        """May ``work`` join a batched forward? One token on a plain store, no score sink."""
+        """May ``work`` join a batched forward? Tokens (one to decode, or a prefill chunk) on a plain store, no
+        score sink."""
         from engine.kv.storage import ContiguousKV, PagedKV
 
-        return (work.q == 1 and work.kv is not None and not work.scores
-                and type(work.kv.store) in (PagedKV, ContiguousKV))
+        return work.kv is not None and not work.scores and type(work.kv.store) in (PagedKV, ContiguousKV)
 
     # -- do it ------------------------------------------------------------------------------------------
     def run(self, works: Sequence[Work]) -> list[Output]:
-        """Forward every item: several one-token items together when they can batch, else one by one. All or
-        nothing for the caller: an exception means no output (each item's store is rolled back by it)."""
+        """Forward every item: several together in one forward when they can batch (decode tokens, and prefill
+        chunks beside them, laid end to end), else one by one. All or nothing for the caller: an exception means
+        no output (each item's store is rolled back by it)."""
         if len(works) > 1 and not self.batch_refusal() and all(self.can_batch(w) for w in works):
             try:
                 return self._batched(works)
@@ -152,15 +155,17 @@ class ModelRunner:
 
     def _batched(self, works: Sequence[Work]) -> list[Output]:
         dev = self.lm.device
-        ids = torch.tensor([[w.ids[0]] for w in works], dtype=torch.long, device=dev)  # [B, 1]
-        pos = torch.tensor([[w.rope] for w in works], dtype=torch.long, device=dev)  # [B, 1] RoPE positions
-        cache = BatchCache([w.kv.store for w in works])
+        lens = [w.q for w in works]
+        ids = torch.tensor([[t for w in works for t in w.ids]], dtype=torch.long, device=dev)  # [1, N]
+        pos = torch.tensor([[p for w in works for p in range(w.rope, w.rope + w.q)]], device=dev)  # [1, N] RoPE
+        last = torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1  # [B] each segment's last token
+        cache = BatchCache([w.kv.store for w in works], lens)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=last)
         self.forwards += 1
         self.batched_forwards += 1
         self.batched_tokens += len(works)
-        logits = out.logits[:, -1]  # [B, vocab]
+        logits = out.logits[0]  # [B, vocab]
         return [Output(logits[b], "batched", len(works)) for b in range(len(works))]
 
     def _select(self, scores: bool) -> None:

@@ -237,13 +237,21 @@ def _preempt(r: Request) -> bool:
 
 
 def batchable(sessions: Sequence) -> list[list]:
-    """The groups of ``sessions`` that would decode together now: one token each on a plain store, one model
-    runner per group, at least two and at most ``MAX_BATCH`` a group."""
-    groups: dict[int, list] = {}
+    """The groups of ``sessions`` that would share a forward now, one per model runner: every session decoding
+    one token, plus the first (the highest-priority) one with a prefill chunk to feed, as vLLM's chunked prefill
+    mixes them; at least one decode and two sessions a group, at most ``MAX_BATCH``."""
+    groups: dict[int, tuple[list, list]] = {}
     for s in sessions:
-        if getattr(s, "decodes_one", bool)() and not s.lm.runner.batch_refusal():
-            groups.setdefault(id(s.lm.runner), []).append(s)
-    return [g[:MAX_BATCH] for g in groups.values() if len(g) > 1]
+        n = getattr(s, "shares", lambda: 0)()
+        if n and not s.lm.runner.batch_refusal():
+            decodes, prefills = groups.setdefault(id(s.lm.runner), ([], []))
+            (decodes if n == 1 else prefills).append(s)
+    out = []
+    for decodes, prefills in groups.values():
+        group = prefills[:1] + decodes if decodes else []
+        if len(group) > 1:
+            out.append(sorted(group[:MAX_BATCH], key=list(sessions).index))
+    return out
 
 
 def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) -> list[Any]:
@@ -299,7 +307,7 @@ def _step_group(group: list, before) -> dict[int, Any]:
         for s in joined:
             out[id(s)] = s.abort(e)
         return out
-    written = _written_together(joined, outs)
+    written = _written_together(joined, works, outs)
     for s, o in zip(joined, outs):
         try:
             out[id(s)] = s.finish(o, written.get(id(getattr(s.store, "arena", None)), ()))
@@ -308,14 +316,14 @@ def _step_group(group: list, before) -> dict[int, Any]:
     return out
 
 
-def _written_together(sessions: list, outs: list["Output"]) -> dict[int, tuple[int, ...]]:
+def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict[int, tuple[int, ...]]:
     """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
     by_pool: dict[int, set[int]] = {}
-    for s, o in zip(sessions, outs):
+    for s, w, o in zip(sessions, works, outs):
         if o.path == "batched":
-            slot = s.cache.next_slot_page()
-            if slot is not None:
-                by_pool.setdefault(slot[0], set()).add(slot[1])
+            pages = s.cache.reserved_pages(w.q)
+            if pages is not None:
+                by_pool.setdefault(pages[0], set()).update(pages[1])
     return {k: tuple(sorted(v)) for k, v in by_pool.items()}
 
 

@@ -71,9 +71,9 @@ class SeqCache:
         """Tokens of a ``seq_len``-token sequence still to feed (cache off: every one, every step)."""
         return seq_len - self.index.next_pos if self.store is not None else seq_len
 
-    def decodes_one(self, seq_len: int) -> bool:
-        """One token to feed on a store in memory, no policy reading scores: may join a batched forward."""
-        return self.store is not None and self.host is None and not self.needs_scores and self.pending(seq_len) == 1
+    def can_share(self, seq_len: int) -> bool:
+        """Tokens to feed on a store in memory, no policy reading scores: may join a batched forward."""
+        return self.store is not None and self.host is None and not self.needs_scores and self.pending(seq_len) >= 1
 
     def can_overflow(self) -> bool:
         """Can this cache evict to go on past the context (a policy, or an evicting overflow setting)?"""
@@ -168,12 +168,13 @@ class SeqCache:
         P = store.page_size
         return tuple(store.table.pages[(n - q) // P:(n - 1) // P + 1])
 
-    def next_slot_page(self) -> tuple[int, int] | None:
-        """(arena id, page) the next token's K/V go to, on a plain paged store with room reserved; else None."""
+    def reserved_pages(self, q: int) -> tuple[int, tuple[int, ...]] | None:
+        """(arena id, pages) the reserved ``q`` tokens' K/V go to, on a plain paged store; else None."""
         store = self.store
         if type(store) is not PagedKV:
             return None
-        return id(store.arena), store.table.pages[store.past_len // store.page_size]
+        P, n = store.page_size, store.past_len
+        return id(store.arena), tuple(store.table.pages[n // P:(n + q - 1) // P + 1])
 
     # -- the prefix cache --------------------------------------------------------------------------------
     def prefix_store(self) -> PagedKV | None:

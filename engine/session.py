@@ -147,9 +147,11 @@ class ChatSession:
         """Tokens the reply's next forwards still have to feed before its next token (1 while decoding)."""
         return self.cache.pending(len(self.seq)) if self.generating else 1
 
-    def decodes_one(self) -> bool:
-        """Is the next step one token on a plain store, with no score-reading policy (may it share a forward)?"""
-        return self.generating and not self.sequence.reply.cancel and self.cache.decodes_one(len(self.seq))
+    def shares(self) -> int:
+        """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
+        of more); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
+        ok = self.generating and not self.sequence.reply.cancel and self.cache.can_share(len(self.seq))
+        return self.cache.pending(len(self.seq)) if ok else 0
 
     def prepare(self) -> Work | StepResult:
         """Plan and reserve the next forward: its ``Work``, or the reply's last ``StepResult`` when it ends without

@@ -15,7 +15,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from engine.kv.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
-RAGGED_IMPL = "kvscope_ragged"
 DISPATCH_IMPL = "kvscope"  # what ``engine.runner`` selects once on an sdpa model: see ``dispatch_attention``
 RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each sequence's K/V of a batched decode
 
@@ -67,21 +66,26 @@ def scores_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of a batched decode: query row b attends to session b's own cached K/V (lengths differ, no
-    padding, no mask: one new token sees everything its session caches), each with torch's SDPA as the
-    model's own ``sdpa`` path calls it. query [B, Hq, 1, D]; ``kwargs["kvscope_ragged"]``: B pairs of
-    [1, Hkv, n_b, D] / [1, Hkv, n_b, Dv]. Returns ([B, 1, Hq, Dv], None)."""
-    parts = kwargs.pop(RAGGED_KEY, None)
-    if parts is None or len(parts) != query.shape[0] or query.shape[2] != 1:
-        raise RaggedUnsupported("batched decode: the attention did not get one session's K/V per query row")
+    """Attention of a batched forward whose sequences' tokens lie end to end: segment b of the queries attends to
+    sequence b's own cached K/V (lengths differ, no padding), each with torch's SDPA as the model's own ``sdpa``
+    path calls it — one new token sees everything its sequence caches; a prefill chunk is causal, aligned to
+    the end of its K/V. query [1, Hq, N, D]; ``kwargs["kvscope_ragged"]``: (B pairs of [1, Hkv, n_b, D] /
+    [1, Hkv, n_b, Dv], the B segment lengths). Returns ([1, N, Hq, Dv], None)."""
+    parts, lens = kwargs.pop(RAGGED_KEY, (None, None))
+    if parts is None or len(parts) != len(lens) or query.shape[0] != 1 or sum(lens) != query.shape[2]:
+        raise RaggedUnsupported("batched forward: the attention did not get each sequence's K/V for its queries")
     outs = []
-    for b, (k, v) in enumerate(parts):
-        if k.shape[-1] != query.shape[-1] or query.shape[1] % k.shape[1]:
-            raise RaggedUnsupported(f"batched decode: cached keys {tuple(k.shape)} do not match queries "
-                                    f"{tuple(query.shape)} (the model transforms what it caches)")
-        o, _ = sdpa_attention_forward(module, query[b:b + 1], k, v, None, dropout=dropout, scaling=scaling, **kwargs)
-        outs.append(o)  # [1, 1, Hq, Dv]
-    return torch.cat(outs, 0), None  # [B, 1, Hq, Dv]
+    for q, (k, v) in zip(query.split(lens, dim=2), parts):  # q [1, Hq, q_b, D]
+        if k.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
+            raise RaggedUnsupported(f"batched forward: cached keys {tuple(k.shape)} do not match queries "
+                                    f"{tuple(q.shape)} (the model transforms what it caches)")
+        q_len, kv_len = q.shape[2], k.shape[2]
+        mask = None
+        if q_len > 1:  # causal, aligned bottom-right: query i sees keys <= kv_len - q_len + i
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)[None, None]
+        o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+        outs.append(o)  # [1, q_b, Hq, Dv]
+    return torch.cat(outs, 1), None  # [1, N, Hq, Dv]
 
 
 def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
@@ -104,18 +108,17 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(SCORES_IMPL, scores_attention)
-    # looked up at each call (tests replace it); no mask function: one new token per row needs no mask
-    AttentionInterface.register(RAGGED_IMPL, lambda *a, **k: ragged_attention(*a, **k))
     AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
+    # looked up at each call (tests replace the functions it routes to)
     AttentionInterface.register(DISPATCH_IMPL, lambda *a, **k: dispatch_attention(*a, **k))
     AttentionMaskInterface.register(DISPATCH_IMPL, sdpa_mask)
     _registered = True
 
 
 def use_attention(model, impl: str) -> None:
-    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL``, ``RAGGED_IMPL`` or ``DISPATCH_IMPL``) on a model if it is not already selected."""
+    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL`` or ``DISPATCH_IMPL``) on a model if not already selected."""
     if getattr(model.config, "_attn_implementation", None) == impl:
         return
-    if impl in (SCORES_IMPL, RAGGED_IMPL, DISPATCH_IMPL):
+    if impl in (SCORES_IMPL, DISPATCH_IMPL):
         register()
     model.set_attn_implementation(impl)

@@ -105,34 +105,39 @@ class KVCache(Cache):
 
 
 class _BatchLayer(_OurLayer):
-    """One layer of a batched decode: row b of the new K/V goes to session b's store; the attention reads each
-    session's own K/V (``kwargs[RAGGED_KEY]``), so lengths may differ and nothing is padded."""
+    """One layer of a batched forward over several sequences, their tokens laid end to end (as vLLM's varlen
+    batches): segment b of the new K/V goes to sequence b's store; the attention reads each sequence's own K/V
+    (``kwargs[RAGGED_KEY]``), so lengths differ and nothing is padded."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # key_states [B, k_heads, 1, k_dim], value_states [B, v_heads, 1, v_dim]: post-RoPE, row b = session b
+        # key_states [1, k_heads, N, k_dim], value_states [1, v_heads, N, v_dim]: post-RoPE, N = sum of segments
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
             raise RaggedUnsupported("this model's attention does not hand its arguments to the cache")
-        parts = [store.update(self._idx, key_states[b:b + 1], value_states[b:b + 1])  # [1, H, n_b, D] each
-                 for b, store in enumerate(self._cache.stores)]
-        attn_kwargs[RAGGED_KEY] = parts
+        lens = self._cache.lens
+        ks, vs = key_states.split(lens, dim=2), value_states.split(lens, dim=2)  # B x [1, H, q_b, D]
+        parts = [store.update(self._idx, k, v) for store, k, v in zip(self._cache.stores, ks, vs)]  # [1, H, n_b, D]
+        attn_kwargs[RAGGED_KEY] = (parts, lens)
         return key_states, value_states  # not read: the ragged attention takes the parts
 
     def get_seq_length(self) -> int:
-        return max(s.past_len for s in self._cache.stores)
+        return 0  # positions are passed explicitly; no mask is built (see BatchCache)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return max(s.past_len for s in self._cache.stores) + query_length, 0
 
 
-class BatchCache(Cache):
-    """A transformers ``Cache`` over several sessions' plain stores, for one decode forward of them together."""
+class BatchCache(Cache, PagedAttentionCache):
+    """A transformers ``Cache`` over several sequences' plain stores, for one forward of their tokens laid end to
+    end (``lens``: tokens of each; a decode token is 1, a prefill chunk more). Like ``StepCache`` it is a
+    ``PagedAttentionCache`` to transformers' mask builder, which then builds none: the ragged attention masks
+    each segment itself."""
 
-    def __init__(self, stores: list[KVStore]) -> None:
-        self.stores = stores
-        super().__init__(layers=[_BatchLayer(self, i) for i in range(stores[0].num_layers)])
+    def __init__(self, stores: list[KVStore], lens: list[int]) -> None:
+        self.stores, self.lens = stores, lens
+        Cache.__init__(self, layers=[_BatchLayer(self, i) for i in range(stores[0].num_layers)])
 
 
 class _StepLayer(_OurLayer):

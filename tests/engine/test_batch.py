@@ -222,3 +222,26 @@ def test_an_eviction_failure_after_the_forward_ends_that_reply_only(lm, monkeypa
     sessions[1].start_ids(lm.tokenizer(PROMPTS[1])["input_ids"], SamplingConfig(max_new_tokens=5, ignore_eos=True))
     _run([sessions[1]])
     assert sessions[1].generated_ids == hf_greedy(lm, lm.tokenizer(PROMPTS[1])["input_ids"], 5)
+
+
+def test_a_prefill_shares_the_forward_of_decoding_chats_and_every_reply_stays_exact(lm):
+    """Chunked-prefill mixing: a new prompt's chunk joins the forward of three chats decoding (the tokens laid
+    end to end); its first token and the others' next tokens come out of that one forward, and every reply is
+    HF's greedy one."""
+    sessions = _start(lm, [CacheConfig()] * 3, 30)
+    for _ in range(3):
+        batch.step_all(sessions)  # prefills, then decoding together
+    late = ChatSession(lm, CacheConfig(page_size=8))
+    prompt = lm.tokenizer(PROMPTS[3] + " and a little dog ran to the park")["input_ids"]
+    late.start_ids(prompt, SamplingConfig(max_new_tokens=30, ignore_eos=True))
+    everyone = [late] + sessions  # the new prompt first: it has the highest priority
+    assert [len(g) for g in batch.batchable(everyone)] == [4]
+    results = batch.step_all(everyone)
+    first = results[0]
+    assert first.event is not None and first.event.tokens_in_step == len(prompt)  # its whole prompt, one forward
+    assert first.snapshot.batch_size == 4 and all(r.snapshot.batch_size == 4 for r in results[1:])
+    assert lm.runner.batched_tokens >= 4
+    _run(everyone)
+    assert late.generated_ids == hf_greedy(lm, prompt, 30)
+    for s, p in zip(sessions, PROMPTS):
+        assert s.generated_ids == hf_greedy(lm, lm.tokenizer(p)["input_ids"], 30)
