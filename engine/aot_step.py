@@ -71,6 +71,25 @@ def write_job(lm, out: Path) -> Path:
     return build
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, someone else's
+        return True
+    return True
+
+
+def running_build(out: Path) -> int | None:
+    """The pid of a process building ``out`` now (its build folder names it), or None."""
+    try:
+        pid = int((out.with_suffix(".build") / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
 def child_command(build: Path) -> list[str]:
     return [sys.executable, "-m", "engine.aot_build", str(build)]
 

@@ -227,41 +227,47 @@ class FastStep:
         background (replies run eager meanwhile; ``poll`` takes it up between two steps)."""
         if self.state != "idle":
             return
-        log = None
+        log, other = None, None
         try:
             self.package = aot_step.package_path(self.lm.model, self.lm.device.type)
             self._proc = None
-            if self.package.exists():
-                self._start_watch(None, None)
-                return
-            self.package.parent.mkdir(parents=True, exist_ok=True)
-            build = aot_step.write_job(self.lm, self.package)
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=compile_cache_dir(),
-                       PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
-                                                              os.environ.get("PYTHONPATH", "")] if p))
-            log = open(build / "log.txt", "wb")  # noqa: SIM115 - the child writes it; closed by the watcher
-            self._proc = subprocess.Popen(aot_step.child_command(build), stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, stdin=subprocess.DEVNULL)
+            other = aot_step.running_build(self.package)  # another process builds it now: wait for its package
+            if not self.package.exists() and other is None:
+                log, self._proc = self._spawn()
         except Exception as e:  # noqa: BLE001 - the eager path answers; the reason is kept and shown
             self.state, self.reason = "failed", f"could not start the compile: {type(e).__name__}: {e}"[:300]
             self._notify()
             return
-        self._start_watch(self._proc, log)
-
-    def _start_watch(self, proc: subprocess.Popen | None, log) -> None:
         self.state, self._t_start, self._built = "compiling", time.perf_counter(), threading.Event()
         self._opened, self._open_error = None, ""
-        threading.Thread(target=self._watch, args=(proc, log, self._built), name="kvscope-compile-watch",
-                         daemon=True).start()
+        threading.Thread(target=self._watch, args=(self._proc, log, self._built, other), daemon=True,
+                         name="kvscope-compile-watch").start()
         self._notify()
 
-    def _watch(self, proc: subprocess.Popen | None, log, built: threading.Event) -> None:
-        """Watcher thread: wait for the child (if one builds), open the package (no forward, no weights), then
-        wake the engine thread, which takes it up (``poll``)."""
+    def _spawn(self):
+        """The child that builds the package (``engine.aot_build``): (its log file, the process)."""
+        self.package.parent.mkdir(parents=True, exist_ok=True)
+        build = aot_step.write_job(self.lm, self.package)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=compile_cache_dir(),
+                   PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH", "")] if p))
+        log = open(build / "log.txt", "wb")  # noqa: SIM115 - the child writes it; closed by the watcher
+        proc = subprocess.Popen(aot_step.child_command(build), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL)
+        (build / "pid").write_text(str(proc.pid))
+        return log, proc
+
+    def _watch(self, proc: subprocess.Popen | None, log, built: threading.Event, other: int | None) -> None:
+        """Watcher thread: wait for the child (or another process's build), open the package (no forward, no
+        weights), then wake the engine thread, which takes it up (``poll``)."""
         if proc is not None:
             proc.wait()
             log.close()
+        while other is not None and not self.package.exists() and aot_step.pid_alive(other):
+            time.sleep(0.5)
         if (proc is None or proc.returncode == 0) and self.package.exists():
+            if proc is not None:
+                shutil.rmtree(self.package.with_suffix(".build"), ignore_errors=True)  # built: only the package stays
             try:
                 self._opened = aot_step.open_package(self.package, self.lm.device)
             except Exception as e:  # noqa: BLE001 - told by ``poll``

@@ -282,3 +282,24 @@ def test_an_unknown_setting_in_the_environment_is_warned_about(monkeypatch, capl
     assert "KVSCOPE_FAST_STEP='of' is not one of auto, on, off" in caplog.text
     monkeypatch.setenv("KVSCOPE_FAST_STEP", " OFF ")
     assert env_mode() == "off"
+
+
+def test_a_failed_build_says_why_and_replies_stay_eager(stories, tmp_path, monkeypatch):
+    """The child process fails (here: a stand-in that prints a reason and exits 1): the step says why, the
+    reply ran eager throughout and nothing is left half-written in the cache folder."""
+    import sys
+
+    from engine import aot_step
+
+    monkeypatch.setenv("KVSCOPE_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setattr(aot_step, "child_command",
+                        lambda build: [sys.executable, "-c", "print('RuntimeError: no C++ compiler here'); exit(1)"])
+    from dataclasses import replace
+
+    lm = replace(stories, model_runner=None, arenas=None)
+    lm.runner.fast = FastStep(lm, mode="on")
+    lm.fast.start()
+    _, paths = _reply(lm, _prompt(lm), 20)
+    assert lm.fast.wait(60) and lm.fast.state == "failed"
+    assert "no C++ compiler here" in lm.fast.reason
+    assert set(paths) == {"eager"} and not list(tmp_path.glob("*.pt2"))
