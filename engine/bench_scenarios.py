@@ -146,62 +146,73 @@ def _stream_rate(httpx, url: str, model: str, prompt: str, n: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def _chat_ttft(core, lm, chat_tokens: int, page_size: int, seed: int) -> float:
+    """An app-style message (``Priority.FOREGROUND``) sent to ``core`` now: ms from sending to its first token."""
+    import threading
+
+    from engine.scheduler import Priority, Request
+    from engine.session import ChatSession
+
+    first, done = [], threading.Event()
+
+    def start() -> None:
+        s = ChatSession(lm, CacheConfig(page_size=page_size, prefix_reuse=False))
+        s.start_ids(_ids(lm.info.vocab_size, chat_tokens, seed), SamplingConfig(max_new_tokens=4, ignore_eos=True))
+
+        def sink(r) -> None:
+            if not first and (isinstance(r, BaseException) or r.event is not None):
+                first.append(time.perf_counter())
+            if isinstance(r, BaseException) or r.done:
+                s.close()
+                done.set()
+        core.add(Request(s, sink, Priority.FOREGROUND))
+    sent = time.perf_counter()
+    core.call(start)
+    done.wait(600)
+    return (first[0] - sent) * 1000.0
+
+
+def _open_streams(core, lm, n: int, context: int, page_size: int) -> list:
+    """``n`` API-style requests (``Priority.API``) that decode to the end of the context; returns them once
+    every one is past its prefill."""
+    from engine.scheduler import Priority, Request
+    from engine.session import ChatSession
+
+    api: list = []
+
+    def start() -> None:
+        for i in range(n):
+            s = ChatSession(lm, CacheConfig(page_size=page_size, prefix_reuse=False))
+            s.start_ids(_ids(lm.info.vocab_size, context, 300 + i), SamplingConfig(
+                max_new_tokens=max(1, lm.info.context_length - context - 1), ignore_eos=True))
+            api.append(core.add(Request(s, lambda r, s=s: s.close() if isinstance(r, BaseException) or r.done
+                                        else None, Priority.API)))
+    core.call(start).result(600)
+    while core.call(lambda: sum(r.session.pending_tokens() > 1 for r in api)).result(600):
+        time.sleep(0.05)  # every stream past its prefill: decoding
+    return api
+
+
 def mixed(lm, chat_tokens: int, api_context: int, page_size: int, streams: int = 4,
           repeats: int = 5) -> dict[str, Any]:
     """One engine core on its own thread (as ``engine serve``, or the app's worker): ``streams`` API-style
-    requests (``Priority.API``, ``api_context``-token prompts) decoding, and an app-style chat message of
-    ``chat_tokens`` tokens (``Priority.FOREGROUND``) sent at an arbitrary moment. Its time to first token from
-    the moment it was sent, against the same message on an idle core; medians of ``repeats``."""
-    import threading
-
-    from engine.scheduler import CoreThread, EngineCore, Priority, Request
-    from engine.session import ChatSession
+    requests (``api_context``-token prompts) decoding, and an app-style chat message of ``chat_tokens`` tokens
+    sent at an arbitrary moment. Its time to first token from the moment it was sent, against the same message
+    on an idle core; medians of ``repeats``."""
+    from engine.scheduler import CoreThread, EngineCore
 
     core = EngineCore(lm)
     thread = CoreThread(core, name="kvscope-bench-core")
     thread.start()
-    vocab = lm.info.vocab_size
-
-    def chat(seed: int) -> float:
-        first, done, t = [], threading.Event(), {}
-
-        def start() -> None:
-            s = ChatSession(lm, CacheConfig(page_size=page_size, prefix_reuse=False))
-            s.start_ids(_ids(vocab, chat_tokens, seed), SamplingConfig(max_new_tokens=4, ignore_eos=True))
-
-            def sink(r) -> None:
-                if not first and (isinstance(r, BaseException) or r.event is not None):
-                    first.append(time.perf_counter())
-                if isinstance(r, BaseException) or r.done:
-                    s.close()
-                    done.set()
-            core.add(Request(s, sink, Priority.FOREGROUND))
-        t["sent"] = time.perf_counter()
-        core.call(start)
-        done.wait(600)
-        return (first[0] - t["sent"]) * 1000.0
-
     api: list = []
     try:
-        chat(1)  # warm
-        idle = [chat(10 + i) for i in range(repeats)]
-        started = threading.Event()
-
-        def open_streams() -> None:
-            for i in range(streams):
-                s = ChatSession(lm, CacheConfig(page_size=page_size, prefix_reuse=False))
-                s.start_ids(_ids(vocab, api_context, 300 + i), SamplingConfig(
-                    max_new_tokens=max(1, lm.info.context_length - api_context - 1), ignore_eos=True))
-                api.append(core.add(Request(s, lambda r, s=s: s.close() if (isinstance(r, BaseException) or r.done)
-                                            else started.set(), Priority.API)))
-        core.call(open_streams).result(600)
-        started.wait(600)
-        while core.call(lambda: sum(r.session.pending_tokens() > 1 for r in api)).result(600):
-            time.sleep(0.05)  # every stream past its prefill: decoding
+        _chat_ttft(core, lm, chat_tokens, page_size, 1)  # warm
+        idle = [_chat_ttft(core, lm, chat_tokens, page_size, 10 + i) for i in range(repeats)]
+        api = _open_streams(core, lm, streams, api_context, page_size)
         busy = []
         for i in range(repeats):
             time.sleep(0.013 * (i + 1))  # sent at an arbitrary point of a round
-            busy.append(chat(20 + i))
+            busy.append(_chat_ttft(core, lm, chat_tokens, page_size, 20 + i))
         decoding = core.call(lambda: sum(not r.done for r in api)).result(600)
     finally:
         core.call(lambda: [r.cancel() for r in api]).result(600)

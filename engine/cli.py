@@ -83,6 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    _bench_parser(sub)
+    _serve_parser(sub)
+
+    q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
+    q.add_argument("--model", required=True, help="folder, hub id, or demo")
+    q.add_argument("--text", help="UTF-8 text file (default: a built-in short story)")
+    q.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="score only this K and V precision")
+    q.add_argument("--k-dtype", default=None, choices=KV_DTYPES)
+    q.add_argument("--v-dtype", default=None, choices=KV_DTYPES)
+    _policy_args(q)  # score only this policy
+    q.add_argument("--page-size", type=int, default=16)
+    q.add_argument("--device", default="auto", choices=DEVICES)
+    q.add_argument("--json", dest="json_file", required=True, help="output file")
+    return parser
+
+
+def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="speed against HF generate in the same run")
     m = b.add_mutually_exclusive_group(required=True)
     m.add_argument("--model", help="folder, hub id, or demo")
@@ -111,20 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="weights and KV dtype (auto: float32 for --shape, the checkpoint's for --model)")
     b.add_argument("--json", dest="json_file", required=True, help="output file")
-
-    _serve_parser(sub)
-
-    q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
-    q.add_argument("--model", required=True, help="folder, hub id, or demo")
-    q.add_argument("--text", help="UTF-8 text file (default: a built-in short story)")
-    q.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="score only this K and V precision")
-    q.add_argument("--k-dtype", default=None, choices=KV_DTYPES)
-    q.add_argument("--v-dtype", default=None, choices=KV_DTYPES)
-    _policy_args(q)  # score only this policy
-    q.add_argument("--page-size", type=int, default=16)
-    q.add_argument("--device", default="auto", choices=DEVICES)
-    q.add_argument("--json", dest="json_file", required=True, help="output file")
-    return parser
 
 
 def _serve_parser(sub) -> None:

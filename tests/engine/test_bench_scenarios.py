@@ -31,3 +31,13 @@ def test_scenario_flags_out_of_range_are_refused_in_one_line(stories_path, tmp_p
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_mixed_scenario_measures_a_chat_beside_decoding_streams(stories):
+    from engine import bench_scenarios as sc
+
+    m = sc.mixed(stories, chat_tokens=16, api_context=32, page_size=16, streams=2, repeats=2)
+    assert m["streams_decoding"] == 2  # the chat's TTFT was measured while both streams decoded
+    assert len(m["idle_runs_ms"]) == len(m["busy_runs_ms"]) == 2 and min(m["idle_runs_ms"]) > 0
+    assert m["busy_over_idle"] == round(m["busy_ttft_ms"] / m["idle_ttft_ms"], 3)
+    assert all(a.pool.num_used == 0 for a in stories.kv_arenas)  # every stream and chat closed: pages back
