@@ -24,9 +24,18 @@ LONG_TEXT = "A sentence that goes on and on about a fox in a forest, " * 5  # st
 
 
 def _settle(qtbot, w, size: tuple[int, int]) -> None:
+    """Resize, then wait until the docks have refitted (150 ms after the size settles) and the window's geometry
+    (docks, transcript, wrapped bubbles) is the same at three checks in a row: a condition, not a clock."""
     w.resize(*size)
-    qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)  # it refits 150 ms after the size settles
-    qtbot.wait(0)  # and the layout it set is applied
+    seen: list = []
+
+    def stable() -> bool:
+        shape = (w.layout_docks.settled, w.centralWidget().size().toTuple(),
+                 tuple((b.width(), b.body.height()) for b in w.chat.bubbles),
+                 tuple(d.size().toTuple() for d in w.docks.values()))
+        seen.append(shape)
+        return shape[0] and len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]
+    qtbot.waitUntil(stable, timeout=5000)
 
 
 def _shown(widget: QWidget) -> bool:
