@@ -42,5 +42,5 @@ def test_mixed_scenario_measures_a_chat_beside_decoding_streams(stories):
     m = sc.mixed(lm, chat_tokens=16, api_context=32, page_size=16, streams=2, repeats=2)
     assert m["streams_decoding"] == 2  # the chat's TTFT was measured while both streams decoded
     assert len(m["idle_runs_ms"]) == len(m["busy_runs_ms"]) == 2 and min(m["idle_runs_ms"]) > 0
-    assert m["busy_over_idle"] == round(m["busy_ttft_ms"] / m["idle_ttft_ms"], 3)
+    assert abs(m["busy_over_idle"] - m["busy_ttft_ms"] / m["idle_ttft_ms"]) < 0.01
     assert all(a.pool.num_used == 0 for a in lm.kv_arenas)  # every stream and chat closed: pages back
