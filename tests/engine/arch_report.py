@@ -1,9 +1,9 @@
 """Build the architecture coverage report: every zoo type, its cache layout, and what our engine does with it.
 
-    /work/main/.venv/bin/python tests/engine/arch_report.py            # all types -> arch_report.{json,md}
-    /work/main/.venv/bin/python tests/engine/arch_report.py gemma2 lfm2   # some types, printed only
-    /work/main/.venv/bin/python tests/engine/arch_report.py --render      # the markdown again from the JSON
-    /work/main/.venv/bin/python tests/engine/arch_report.py --save DIR mamba   # a folder for python -m engine
+    python tests/engine/arch_report.py            # all types -> arch_report.{json,md}
+    python tests/engine/arch_report.py gemma2 lfm2   # some types, printed only
+    python tests/engine/arch_report.py --render      # the markdown again from the JSON
+    python tests/engine/arch_report.py --save DIR mamba   # a folder for python -m engine
 
 Each type runs in its own forked process (memory-capped, so one bad config cannot take the run down), two at
 a time (about 4-8 minutes on 2 cores). Per type: ``probe`` (HF's own ``DynamicCache`` layout), every check of
