@@ -139,6 +139,9 @@ class EngineCore:
         self._run_calls()
         for source in list(self.sources):
             source.admit(self)
+        for r in self.requests:
+            if not r.done and not getattr(r.session, "generating", True):
+                r.done = True  # its reply ended outside a round (its owner stopped or stepped it): it leaves
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:
             chosen = self._schedule(live)
