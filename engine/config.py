@@ -153,6 +153,8 @@ class SamplingConfig:
             raise ValueError(f"repetition penalty: {self.repetition_penalty} must be > 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens: {self.max_new_tokens} must be at least 1")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed: {self.seed} is outside -2**63 .. 2**64-1 (what a generator's seed can hold)")
 
     @property
     def greedy(self) -> bool:

@@ -46,7 +46,9 @@ def apply_repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, pe
 
 def sampling_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p filtering. ``logits``: [vocab] float."""
-    logits = logits / cfg.temperature
+    # in float64, the largest logit first to 0: a tiny temperature (1e-40, 1e-300 are valid; float32 holds
+    # neither) then sends the others to -inf, never the largest to +inf (inf - inf in the softmax was NaN)
+    logits = ((logits.double() - logits.max()) / cfg.temperature).float()  # [vocab]: max 0, the rest <= 0
     if cfg.top_k and cfg.top_k < logits.numel():
         kth = torch.topk(logits, cfg.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -55,6 +57,7 @@ def sampling_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         drop_sorted = (cum - sorted_p) >= cfg.top_p  # keep the smallest prefix reaching top_p (≥ 1 token)
+        drop_sorted[0] = False  # a top_p below float32's range (1e-46) compares as 0: the top token stays
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if cfg.min_p > 0.0:

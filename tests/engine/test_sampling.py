@@ -77,3 +77,21 @@ def test_cancel_between_steps(stories):
     # the session goes on: the next turn reuses what was cached
     st = s.start_ids(s.seq, SamplingConfig(max_new_tokens=2))
     assert st.reused_tokens == len(s.seq) - 1
+
+
+@pytest.mark.parametrize("change", [dict(temperature=1e-40), dict(temperature=1e-45), dict(temperature=1e-300),
+                                    dict(temperature=1.0, top_p=1e-46), dict(temperature=1.0, top_p=1e-300)])
+def test_extreme_but_valid_values_pick_the_top_token(change):
+    """Float32 underflow: a temperature of 1e-40 made the largest logit +inf (NaN in the softmax), a top_p below
+    float32's range compared as 0 and dropped every token. Both are valid and mean "the top token"."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9, float("-inf")])
+    s = Sampler(SamplingConfig(seed=1, **change))
+    assert {s(logits) for _ in range(20)} == {1}
+
+
+def test_a_seed_a_generator_cannot_hold_is_refused_by_name():
+    for seed in (1 << 64, -(1 << 63) - 1, 10 ** 30):
+        with pytest.raises(ValueError, match=r"^seed: .* is outside"):
+            SamplingConfig(temperature=1.0, seed=seed)
+    Sampler(SamplingConfig(temperature=1.0, seed=(1 << 64) - 1))  # the edges are fine
+    Sampler(SamplingConfig(temperature=1.0, seed=-(1 << 63)))

@@ -470,6 +470,43 @@ def test_non_loopback_bind_without_key_is_refused(stories_path, capsys):
         assert err.count("\n") == 1 and "--api-key" in err and host in err
 
 
+def test_an_api_key_no_client_can_send_is_refused_at_start(stories_path, capsys):
+    from engine.cli import main
+
+    for key in ("ключ-123", "two words", "tab\tkey"):
+        assert main(["serve", "--model", str(stories_path), "--api-key", key]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--api-key" in err and "ASCII" in err
+
+
+def test_a_seed_out_of_range_is_a_400_that_names_it(served):
+    server, url = served
+    r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "Once", "max_tokens": 2, "temperature": 1.0, "seed": 1 << 70})
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+
+
+def test_keep_alive_requests_are_not_held_back_by_nagle(served):
+    """The listening socket says it is TCP, so asyncio sets TCP_NODELAY on every connection: a second request
+    on a keep-alive connection is as quick as the first (with Nagle and delayed ACKs it took ~45 ms more)."""
+    import socket
+
+    from engine.server.service import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    sock.close()
+    server, url = served
+    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as http:
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            assert http.get(url + "/v1/models").status_code == 200
+            times.append(time.perf_counter() - t0)
+    later = sorted(times[2:])[len(times[2:]) // 2]
+    assert later < 0.03, f"median of keep-alive requests {later * 1000:.1f} ms (Nagle + delayed ACK is ~40 ms)"
+
+
 def test_non_loopback_bind_refused_by_server_thread(stories):
     server = KVServer(stories, CacheConfig(), ServerOptions())
     with pytest.raises(ValueError, match="--api-key"):
