@@ -250,6 +250,48 @@ class Shape:
         return {**self._head(obj), "choices": [], "usage": self.usage(data)}
 
 
+class BrowserGuard:
+    """Keeps web pages off a key-less local server (ASGI middleware, outermost). A page the user visits can
+    POST to 127.0.0.1 (a "simple" text/plain request needs no preflight), and with DNS rebinding read the answer.
+    So without an API key: the ``Host`` must name this machine (localhost, a loopback address), and a request
+    carrying an ``Origin`` is refused unless ``--cors`` names that origin. With or without a key, a POST must be
+    JSON (``Content-Type: application/json``), which a page cannot send cross-origin without a preflight."""
+
+    def __init__(self, app, server, cors: tuple[str, ...]) -> None:
+        self.app, self.server, self.cors = app, server, set(cors)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            err = self.refusal(scope)
+            if err is not None:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> ApiError | None:
+        from engine.server.service import is_loopback
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if not self.server.api_key:
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if host and not is_loopback(name.strip("[]")):
+                return ApiError(403, f"this server has no API key, so it answers only to this machine (Host: {host}); "
+                                "use http://127.0.0.1, or start it with --api-key", "invalid_request_error", None,
+                                "host_not_allowed")
+            origin = headers.get("origin")
+            if origin is not None and origin not in self.cors and "*" not in self.cors:
+                return ApiError(403, f"requests from web pages are refused (Origin: {origin}); start the server with "
+                                f"--cors {origin} to allow that page", "invalid_request_error", None,
+                                "origin_not_allowed")
+        if scope.get("method") == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                return ApiError(415, f"send the request as JSON (Content-Type: application/json, not "
+                                f"{ctype or 'none'})", "invalid_request_error", None, "unsupported_media_type")
+        return None
+
+
 def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
     """The ASGI app of ``server`` (``engine.server.service.KVServer``)."""
     routes = [
@@ -259,8 +301,10 @@ def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
-                             allow_headers=["Authorization", "Content-Type"])] if cors else []
+    middleware = [Middleware(BrowserGuard, server=server, cors=tuple(cors))]
+    if cors:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _bug}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
     app.state.server = server

@@ -48,6 +48,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_cors(cors, api_key: str | None) -> None:
+    """``ValueError`` (one line) for ``--cors '*'`` without a key: every web page could use the server."""
+    if "*" in (cors or ()) and not api_key:
+        raise ValueError("--cors '*' lets every web page use this server: give --api-key KEY too, or name the "
+                         "origins that may (--cors http://localhost:3000)")
+
+
 def check_bind(host: str, api_key: str | None) -> None:
     """``ValueError`` (one line) for a non-loopback address without an API key, or a key no client can send."""
     if api_key and (not api_key.isascii() or not api_key.isprintable() or " " in api_key):
@@ -87,6 +94,7 @@ class KVServer:
         # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
         self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core)
         self.last_gauges: dict[str, float] = {}
+        check_cors(o.cors, self.api_key)
         self.app = build_app(self, tuple(o.cors))
 
     def start(self) -> None:
@@ -176,6 +184,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
     """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
     api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(a.host, api_key)  # before anything is loaded
+    check_cors(a.cors, api_key)
     options = ServerOptions(host=a.host, port=a.port, api_key=api_key, cors=tuple(a.cors or ()),
                             max_body=a.max_body, max_running=a.max_running, max_waiting=a.max_queued,
                             max_idle=a.max_idle, access_log=a.access_log)

@@ -575,3 +575,44 @@ def test_stop_with_a_stream_in_flight_ends_it_at_once(stories_path):
     # the request was ended by the server (its stream says why), not cut by the HTTP server's shutdown timeout
     assert any("shutting down" in ln for ln in lines), lines[-3:]
     assert sum(1 for ln in lines if ln.startswith("data: {")) < 300
+
+
+def test_web_pages_cannot_drive_a_keyless_server(stories):
+    """The attack a page can make: a "simple" text/plain POST (no preflight) from another origin, and DNS rebinding
+    (the page's own host name resolved to 127.0.0.1). Without a key: only loopback Host values, no Origin
+    unless --cors names it, JSON only; no generation runs for a refused request."""
+    server = KVServer(stories, CacheConfig(), ServerOptions(cors=("http://localhost:5173",)))
+    thread = ServerThread(server)
+    url = thread.start()
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    try:
+        before = server.metrics.prompt_tokens
+        csrf = httpx.post(url + "/v1/completions", content=body,
+                          headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        assert csrf.status_code == 403 and csrf.json()["error"]["code"] == "origin_not_allowed"
+        rebound = httpx.post(url + "/v1/completions", content=body,
+                             headers={"Content-Type": "application/json", "Host": "evil.example:8000"})
+        assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+        plain = httpx.post(url + "/v1/completions", content=body, headers={"Content-Type": "text/plain"})
+        assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
+        assert server.metrics.prompt_tokens == before  # nothing was generated for any of them
+        ok = httpx.post(url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert ok.status_code == 200
+        allowed = httpx.post(url + "/v1/completions", content=body,
+                             headers={"Content-Type": "application/json", "Origin": "http://localhost:5173"})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:5173"
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+            assert httpx.get(url + "/health", headers={"Host": host}).status_code == 200
+    finally:
+        thread.stop()
+
+
+def test_cors_for_every_origin_needs_a_key(stories, stories_path, capsys):
+    from engine.cli import main
+
+    with pytest.raises(ValueError, match="--api-key"):
+        KVServer(stories, CacheConfig(), ServerOptions(cors=("*",)))
+    KVServer(stories, CacheConfig(), ServerOptions(cors=("*",), api_key=KEY)).close()
+    assert main(["serve", "--model", str(stories_path), "--cors", "*"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cors '*'" in err
