@@ -59,7 +59,12 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool =
     messages = validate_messages(messages, for_reply)
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=for_reply, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=for_reply, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError: the template refuses these messages
+            if type(e).__module__.split(".")[0] != "jinja2":
+                raise
+            raise ValueError(f"the model's chat template refused these messages: {e}") from None
         if hasattr(ids, "keys"):  # BatchEncoding / dict in transformers 5
             ids = ids["input_ids"]
         if ids and isinstance(ids[0], list):

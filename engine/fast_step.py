@@ -50,6 +50,7 @@ from engine import aot_step
 
 MODES = ("auto", "on", "off")  # auto: compile and keep it where it measures faster; on: keep it regardless
 TRIAL_STEPS = 32  # eligible steps of the trial: 24 compiled, 8 eager
+BUILD_TIMEOUT_S = 1800.0  # a build still running after this (a hung compiler) is stopped: eager, with the reason
 MIN_PAST = aot_step.MIN_LEN  # tokens cached before the step (the package's dynamic lengths start there)
 
 
@@ -261,7 +262,12 @@ class FastStep:
         """Watcher thread: wait for the child (or another process's build), open the package (no forward, no
         weights), then wake the engine thread, which takes it up (``poll``)."""
         if proc is not None:
-            proc.wait()
+            try:
+                proc.wait(BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                self._open_error = f"compiling the step took over {BUILD_TIMEOUT_S:.0f} s and was stopped"
             log.close()
         while other is not None and not self.package.exists() and aot_step.pid_alive(other):
             time.sleep(0.5)
@@ -273,7 +279,7 @@ class FastStep:
             except Exception as e:  # noqa: BLE001 - told by ``poll``
                 self._open_error = f"opening the compiled step failed: {type(e).__name__}: {e}"
                 self.package.unlink(missing_ok=True)  # built again next time
-        elif proc is not None:
+        elif proc is not None and not self._open_error:
             self._open_error = f"compiling the step failed: {self._child_reason()}"
         built.set()
         if self.waker is not None:

@@ -109,9 +109,11 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     server = request.app.state.server
     ok = server.scheduler.alive
+    fast = server.lm.fast_step  # read from this thread: a state string and its reason, both plain attributes
+    step = {"state": fast.state, "reason": fast.reason} if fast is not None else {"state": "off", "reason": ""}
     return JSONResponse({"status": "ok" if ok else "stopped", "model": server.model_id,
-                         "running": server.scheduler.running, "waiting": server.scheduler.waiting},
-                        status_code=200 if ok else 503)
+                         "running": server.scheduler.running, "waiting": server.scheduler.waiting,
+                         "compiled_step": step}, status_code=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:

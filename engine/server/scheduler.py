@@ -350,12 +350,17 @@ class Scheduler(Source):
         return running + [(s, False) for s in self.idle if not s.closed]
 
     def kv_gauges(self) -> dict[str, float]:
-        """KV bytes and pages in use now, with running / waiting / idle counts."""
+        """KV bytes and pages in use now, with running / waiting / idle counts. Pages count once however many
+        conversations share them (the arenas' own count); contiguous caches add their buffers."""
         sessions = [j.session for j in self._running if j.session is not None] + list(self.idle)
-        used = sum(sum(s.store.bytes_per_layer()) for s in sessions if s.store is not None and not s.closed)
         arenas = list(self.lm.arenas) if self.lm.arenas is not None else []
+        paged = sum(a.pool.num_used * a.page_bytes for a in arenas)
+        from engine.kv.storage import ContiguousKV
+
+        contiguous = sum(sum(s.store.bytes_per_layer()) for s in sessions
+                         if not s.closed and isinstance(s.store, ContiguousKV))
         return {"running": len(self._running), "waiting": len(self._waiting), "idle_sessions": len(self.idle),
-                "kv_bytes_used": used, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
+                "kv_bytes_used": paged + contiguous, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
                 "kv_pages_used": sum(a.pool.num_used for a in arenas),
                 "kv_pages_cached": sum(a.pool.num_cached for a in arenas),
                 "kv_pages_total": sum(a.pool.num_pages for a in arenas)}

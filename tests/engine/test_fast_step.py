@@ -303,3 +303,23 @@ def test_a_failed_build_says_why_and_replies_stay_eager(stories, tmp_path, monke
     assert lm.fast.wait(60) and lm.fast.state == "failed"
     assert "no C++ compiler here" in lm.fast.reason
     assert set(paths) == {"eager"} and not list(tmp_path.glob("*.pt2"))
+
+
+def test_a_hung_build_is_stopped_and_said(stories, tmp_path, monkeypatch):
+    """A compiler that hangs (here: a child that sleeps) is stopped after the build timeout; the step says so."""
+    import sys
+    import time as _time
+
+    from engine import aot_step, fast_step
+
+    monkeypatch.setenv("KVSCOPE_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setattr(fast_step, "BUILD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(aot_step, "child_command", lambda build: [sys.executable, "-c", "import time; time.sleep(60)"])
+    from dataclasses import replace
+
+    lm = replace(stories, model_runner=None, arenas=None)
+    lm.runner.fast = FastStep(lm, mode="on")
+    t0 = _time.perf_counter()
+    lm.fast.start()
+    assert lm.fast.wait(30) and lm.fast.state == "failed"
+    assert "took over 1 s and was stopped" in lm.fast.reason and _time.perf_counter() - t0 < 30

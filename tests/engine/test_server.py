@@ -507,6 +507,13 @@ def test_keep_alive_requests_are_not_held_back_by_nagle(served):
     assert later < 0.03, f"median of keep-alive requests {later * 1000:.1f} ms (Nagle + delayed ACK is ~40 ms)"
 
 
+def test_health_says_what_the_compiled_step_is_doing(served):
+    server, url = served
+    h = httpx.get(url + "/health").json()
+    assert h["status"] == "ok" and h["compiled_step"]["state"] == server.lm.fast.state  # "off" in the tests
+    assert h["compiled_step"]["reason"] == server.lm.fast.reason
+
+
 def test_non_loopback_bind_refused_by_server_thread(stories):
     server = KVServer(stories, CacheConfig(), ServerOptions())
     with pytest.raises(ValueError, match="--api-key"):
@@ -616,3 +623,32 @@ def test_cors_for_every_origin_needs_a_key(stories, stories_path, capsys):
     assert main(["serve", "--model", str(stories_path), "--cors", "*"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--cors '*'" in err
+
+
+def test_a_chat_template_that_refuses_is_a_400_with_its_message(stories):
+    import copy
+    import dataclasses
+
+    tok = copy.deepcopy(stories.tokenizer)
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    lm = dataclasses.replace(stories, tokenizer=tok, arenas=None, model_runner=None)
+    thread = ServerThread(KVServer(lm, CacheConfig()))
+    url = thread.start()
+    try:
+        r = httpx.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400
+        assert "roles must alternate" in r.json()["error"]["message"]
+    finally:
+        thread.stop()
+
+
+def test_shared_pages_count_once_in_the_kv_bytes_used(served, client):
+    server, url = served
+    system = "You are a storyteller who tells short tales about a girl named Lily and her dog. " * 3
+    for q in ("Tell me one.", "Tell me another."):
+        client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                       messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+    g = on_engine(server, server.scheduler.kv_gauges)
+    arenas = list(server.lm.arenas)
+    assert g["kv_bytes_used"] == sum(a.pool.num_used * a.page_bytes for a in arenas)
+    assert g["kv_bytes_used"] <= g["kv_bytes_allocated"]
