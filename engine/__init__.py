@@ -4,9 +4,16 @@ Importing ``engine`` is light (configs, snapshots, errors); torch and transforme
 ``load_model`` / ``ChatSession``.
 """
 
-from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.errors import EngineError
-from engine.snapshot import CacheSnapshot, ModelInfo, StepResult, TokenEvent, TurnStats
+import os as _os
+
+from engine.aot_step import inductor_cache_dir as _inductor_cache_dir
+
+# before torch: its first look at its cache folder would otherwise fix it to /tmp (engine.aot_step)
+_os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+
+from engine.config import CacheConfig, ModelSpec, SamplingConfig  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
+from engine.snapshot import CacheSnapshot, ModelInfo, StepResult, TokenEvent, TurnStats  # noqa: E402
 
 __all__ = [
     "CacheConfig", "ModelSpec", "SamplingConfig", "EngineError", "CacheSnapshot", "ModelInfo", "StepResult",

@@ -37,6 +37,14 @@ def cache_root() -> Path:
     return Path(base) / "kvscope" / "aot"
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's own kernel cache: ``$XDG_CACHE_HOME/kvscope/torch-compile`` (``~/.cache/...``), not /tmp, which
+    a reboot empties. ``engine`` sets ``TORCHINDUCTOR_CACHE_DIR`` to it at import unless the user set it: torch
+    sets it to /tmp the first time anything asks for its cache folder, which loading a model does."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvscope", "torch-compile")
+
+
 def package_key(model, device_type: str) -> str:
     """What the compiled code depends on: the model's class and config, its dtype, the device type, versions."""
     import torch

@@ -64,15 +64,8 @@ def env_mode() -> str:
 
 
 def compile_cache_dir() -> str:
-    """Where inductor keeps compiled kernels between runs: ``TORCHINDUCTOR_CACHE_DIR`` if set, else the
-    user's cache folder (not /tmp, which a reboot empties)."""
-    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "kvscope", "torch-compile")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    return path
+    """Where inductor keeps compiled kernels between runs (``engine`` sets it at import: ``aot_step``)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or aot_step.inductor_cache_dir()
 
 
 def machine_refusal(device: torch.device) -> str:

@@ -323,3 +323,21 @@ def test_a_hung_build_is_stopped_and_said(stories, tmp_path, monkeypatch):
     lm.fast.start()
     assert lm.fast.wait(30) and lm.fast.state == "failed"
     assert "took over 1 s and was stopped" in lm.fast.reason and _time.perf_counter() - t0 < 30
+
+
+def test_inductor_keeps_its_cache_in_the_users_cache_folder(stories_path, tmp_path):
+    """torch fixes TORCHINDUCTOR_CACHE_DIR to /tmp the first time anything asks for its cache folder (loading a
+    model does): the engine sets it to the user's cache folder first, unless the user set it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, engine\nfrom engine.loader import load_model\nload_model(%r)\n"
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])" % str(stories_path))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, XDG_CACHE_HOME=str(tmp_path)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / "kvscope" / "torch-compile")
+    mine = subprocess.run([sys.executable, "-c", code], env=dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "x")),
+                          capture_output=True, text=True, timeout=300)
+    assert mine.stdout.strip().splitlines()[-1] == str(tmp_path / "x")
