@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -252,6 +253,15 @@ class Shape:
         return {**self._head(obj), "choices": [], "usage": self.usage(data)}
 
 
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class BrowserGuard:
     """Keeps web pages off a key-less local server (ASGI middleware, outermost). A page the user visits can
     POST to 127.0.0.1 (a "simple" text/plain request needs no preflight), and with DNS rebinding read the answer.
@@ -271,8 +281,6 @@ class BrowserGuard:
         await self.app(scope, receive, send)
 
     def refusal(self, scope) -> ApiError | None:
-        from engine.server.service import is_loopback
-
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if not self.server.api_key:
             host = headers.get("host", "")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import ipaddress
 import os
 import socket
 import threading
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import CacheConfig
-from engine.server.app import build_app
+from engine.server.app import build_app, is_loopback  # noqa: F401 - is_loopback re-exported
 from engine.server.metrics import Metrics
 from engine.server.scheduler import Scheduler
 
@@ -37,15 +36,6 @@ class ServerOptions:
     max_waiting: int = 32  # requests queued beyond those (429 beyond)
     max_idle: int = 4  # finished conversations kept with their cache
     access_log: bool = False
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_cors(cors, api_key: str | None) -> None:
