@@ -7,7 +7,7 @@ wiring between the parts that do the work:
 ``CacheController``    the cache settings in force (``app.cache_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
 ``StatusBar``          the status bar in words (``app.status_bar``)
-``ServerController``   Server ▸ Start / Stop serving: the model lent to the API server (``app.server_controller``)
+``ServerController``   Server ▸ Start / Stop serving: the API server as a client of the worker's engine core (``app.server_controller``)
 ``Exporter``           File ▸ Export (``app.exports``)
 ``DockLayout``         docks, default arrangements and sizes (``app.docks``)
 =====================  ==================================================================================

@@ -71,7 +71,8 @@ def build_menus(window) -> dict[str, Any]:
 
     server = bar.addMenu("&Server")
     a["serve_start"] = _action(window, "&Start serving", window.server.start,
-                               tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port)")
+                               tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port); "
+                               "you go on chatting: your chat runs first, the API's requests beside it")
     a["serve_stop"] = _action(window, "S&top serving", lambda: window.server.stop(), tip="Stop the API server")
     a["serve_stop"].setEnabled(False)
     server.addActions([a["serve_start"], a["serve_stop"]])
