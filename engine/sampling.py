@@ -25,14 +25,30 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> int:
         """``logits``: [vocab] of the last position; ``context_ids``: [n] ids seen so far (for the penalty)."""
+        logits = self.processed(logits, context_ids)
+        if self.cfg.greedy:
+            return int(torch.argmax(logits))
+        return self.draw(sampling_probs(logits, self.cfg))
+
+    def processed(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [vocab] after the penalties that depend on the context (float32)."""
         cfg = self.cfg
         logits = logits.float()
         if cfg.repetition_penalty != 1.0 and context_ids is not None and context_ids.numel():
             logits = apply_repetition_penalty(logits, context_ids, cfg.repetition_penalty)
-        if cfg.greedy:
-            return int(torch.argmax(logits))
-        probs = sampling_probs(logits, cfg)
+        return logits
+
+    def distribution(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The probabilities a sampled token is drawn from ([vocab]); speculative decoding's target."""
+        return sampling_probs(self.processed(logits, context_ids), self.cfg)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from ``probs`` [vocab] with this reply's generator."""
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) with this reply's generator (speculative acceptance)."""
+        return float(torch.rand((), generator=self.generator))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, penalty: float) -> torch.Tensor:
