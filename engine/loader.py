@@ -33,6 +33,7 @@ from engine.model_files import (  # noqa: F401  (check_safetensors, check_folder
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
+from engine.weight_index import check_layer_count
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
 
@@ -212,6 +213,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         progress(f"loading {folder.name}", 0.1)
     quiet_transformers()
     config = _load_config(folder, cfg, spec)
+    check_layer_count(folder.name, config, folder)  # before anything is built (engine.weight_index)
     tok = _load_tokenizer(folder, spec)
     check()
     _check_against_model(folder, config, tok, spec)
