@@ -44,6 +44,7 @@ class Work:
     ids: tuple[int, ...]
     rope: int
     kv: KVCache | None
+    all_logits: bool = False  # logits at every fed position (a speculative verification), not only the last
 
     @property
     def q(self) -> int:
@@ -56,8 +57,8 @@ class Work:
 
 
 class Output(NamedTuple):
-    logits: torch.Tensor  # [vocab]: the last fed position's
-    path: str  # eager | compiled | batched
+    logits: torch.Tensor  # [vocab]: the last fed position's; [q, vocab] for ``Work.all_logits``
+    path: str  # eager | compiled | batched | speculative
     batch: int = 1  # sequences the forward carried
 
 
@@ -94,7 +95,8 @@ class ModelRunner:
         score sink."""
         from engine.kv.storage import ContiguousKV, PagedKV
 
-        return work.kv is not None and not work.scores and type(work.kv.store) in (PagedKV, ContiguousKV)
+        return (work.kv is not None and not work.scores and not work.all_logits
+                and type(work.kv.store) in (PagedKV, ContiguousKV))
 
     # -- do it ------------------------------------------------------------------------------------------
     def run(self, works: Sequence[Work]) -> list[Output]:
@@ -111,6 +113,8 @@ class ModelRunner:
     def _one(self, w: Work) -> Output:
         if w.kv is None:
             return Output(self._off(w), "eager")
+        if w.all_logits:
+            return Output(self._eager(w), "speculative")
         fast = self.fast
         path = fast.choose(w.kv.store, w.scores) if w.q == 1 else ""
         t0 = time.perf_counter()
@@ -139,9 +143,10 @@ class ModelRunner:
         ids = torch.tensor([w.ids], dtype=torch.long, device=dev)  # [1, q]
         pos = torch.arange(w.rope, w.rope + w.q, device=dev)[None]  # [1, q] RoPE positions
         with torch.inference_mode():
-            out = self.model(input_ids=ids, cache=w.kv, position_ids=pos, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, cache=w.kv, position_ids=pos, use_cache=True,
+                             logits_to_keep=0 if w.all_logits else 1)
         self.forwards += 1
-        return out.logits[0, -1]  # [vocab]
+        return out.logits[0] if w.all_logits else out.logits[0, -1]  # [q, vocab] or [vocab]
 
     def _compiled(self, w: Work) -> torch.Tensor | None:
         """The compiled step's logits; None if it failed (nothing was written: eager answers instead)."""

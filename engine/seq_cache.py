@@ -23,8 +23,8 @@ from engine.errors import CacheCapacityError
 from engine.eviction import Eviction, EvictionContext, Evictor
 from engine.kv.hf_cache import KVCache
 from engine.kv.positions import CacheIndex
-from engine.kv.prefix import cached_run, extend_chain
-from engine.kv.storage import HostKV, KVStore, PagedKV, copy_kv
+from engine.kv.prefix import ROOT, cached_run, extend_chain
+from engine.kv.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.runner import Output, Work
 
 
@@ -45,6 +45,7 @@ class SeqCache:
         self.index = CacheIndex(L)
         self.evictor = Evictor(lm.model, L, info.num_kv_heads, lm.device)
         self.chain: list[bytes] = []  # prefix-cache names of the sequence's first full pages
+        self.root = ROOT  # where those names start: a server tenant's own root keeps its pages its own
         self.host: HostKV | None = None  # swapped-out K/V (``swap_out`` / ``swap_in``)
         self.evictions: list[Eviction] = []  # what this step evicted
         self.written: tuple[int, ...] = ()  # pages the last forward wrote (a batch: its other sequences' too)
@@ -110,6 +111,39 @@ class SeqCache:
         self.commit(work.q, ids, out.path, out.batch, written)
         self.after_forward(cx)
         return self.index.next_pos >= len(ids)
+
+    # -- a speculative verification ----------------------------------------------------------------------
+    def draft_room(self, seq_len: int) -> int:
+        """How many draft tokens a verification may add after the one unfed token (0: decode plainly). Only where
+        cutting the rejected slots back is exact: a plain store (full or quantized pages, or one buffer) whose
+        index is intact (no policy, nothing evicted), and no overflow eviction within the k + 1 slots."""
+        store = self.store
+        if store is None or self.host is not None or type(store) not in (PagedKV, ContiguousKV):
+            return 0
+        if self.policy is not None or self.index.intact != self.index.n or self.pending(seq_len) != 1:
+            return 0
+        return max(0, self.lm.info.context_length - 2 - self.index.next_rope)
+
+    def next_verify(self, ids: Sequence[int], drafts: Sequence[int], owner: int) -> Work:
+        """Reserve the last token of ``ids`` and ``drafts`` (k + 1 slots); their forward's ``Work``."""
+        start = self.index.next_pos
+        self.reserve(1 + len(drafts), owner=owner)
+        return Work((*ids[start:], *drafts), self.index.next_rope, self.kv, all_logits=True)
+
+    def commit_verify(self, work: Work, keep: int, ids: Sequence[int]) -> int:
+        """The verification wrote ``work.q`` slots; keep the first ``keep`` (the fed token and the drafts that
+        stayed), cut the rest back (their pages freed, a quantized tail re-formed) and name the pages that are
+        full with committed tokens (``ids``: the chat with the kept tokens). Returns the slots rolled back."""
+        before = self.index.n
+        self.store.commit()
+        self.index.append(work.q)
+        self.written = self.pages_written(work.q)  # the provisional slots' pages, as the map draws them
+        rolled = work.q - keep
+        if rolled:
+            self.truncate(before + keep)
+        self._register_pages(before, ids)
+        self.batch_size, self.path = 1, "speculative"
+        return rolled
 
     def fills_context(self, seq_len: int) -> bool:
         """Does the token just taken use the context's last position (and nothing can evict to go on)?"""
@@ -195,7 +229,7 @@ class SeqCache:
         first, last = before // P, self.index.intact // P
         if last <= first:
             return
-        extend_chain(self.chain, ids, P, last)
+        extend_chain(self.chain, ids, P, last, self.root)
         pool, pages = store.arena.pool, store.table.pages
         for j in range(first, min(last, len(self.chain))):
             pool.register(pages[j], self.chain[j])
@@ -233,7 +267,7 @@ class SeqCache:
         limit, base = (len(ids) - 1) // P, keep // P
         if limit <= base:
             return [], base
-        extend_chain(self.chain, ids, P, limit)
+        extend_chain(self.chain, ids, P, limit, self.root)
         run = cached_run(store.arena.pool, self.chain, base)
         if (base + len(run)) * P <= keep:
             return [], base
@@ -286,7 +320,7 @@ class SeqCache:
             return [], []
         P = store.page_size
         chain: list[bytes] = []
-        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P)
+        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P, self.root)
         return cached_run(store.arena.pool, chain, 0), chain
 
     def fork(self, owner_id: int, owner: int) -> "SeqCache":
@@ -298,7 +332,7 @@ class SeqCache:
             store = reconfigure.make_store(self.lm, self.cache_config, owner_id)
             copy_kv(self.store, store, owner=owner)
             other.set_store(store)
-        other.cache_config, other.policy = self.cache_config, self.policy
+        other.cache_config, other.policy, other.root = self.cache_config, self.policy, self.root
         other.index = self.index.copy()
         if self.evictor.scores.tracking:
             other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]

@@ -73,6 +73,9 @@ class TurnState:
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     threads: int = 0
     waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
+    forwards: int = 0  # forwards that gave tokens
+    spec: Any = None  # ``engine.speculative.SpecStats`` while the chat speculates
+    spec_label: str = ""
 
     def stats(self, reason: str) -> TurnStats:
         n = len(self.generated)
@@ -82,8 +85,17 @@ class TurnState:
             prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
-            stop_reason=reason, shared_tokens=self.shared, threads=self.threads,
+            stop_reason=reason, shared_tokens=self.shared, threads=self.threads, forwards=self.forwards,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        s = self.spec
+        if s is None:
+            return {}
+        last = max((i + 1 for i, n in enumerate(s.tried_pos) if n), default=0)
+        return dict(speculative=self.spec_label, draft_tokens=s.draft_tokens, accepted_draft_tokens=s.accepted,
+                    accepted_by_position=tuple(s.by_pos[:last]), spec_note=s.summary())
 
 
 def protection(messages: Seq[dict] | None, spans: Seq[tuple[int, int]],

@@ -30,6 +30,7 @@ from engine.sampling import Sampler
 from engine.seq_cache import SeqCache
 from engine.sequence import NullDecoder, Sequence, Status, TurnState, check_fits, prefill_chunk
 from engine.snapshot import TOKEN_EVICTED, CacheSnapshot, TurnStats
+from engine.speculative import NgramDrafter, SpecConfig, Speculator
 from engine.step import Stepping
 from engine.threads import apply as apply_threads
 
@@ -53,6 +54,8 @@ class ChatSession(Stepping):
         self.sequence = Sequence()
         self.prefill_chunk = prefill_chunk(sum(p.numel() for p in self.model.parameters()), loaded.device.type)
         self._open: tuple | None = None  # the prepared forward: (t0, tokens in the step, its chunk, eviction context)
+        self.spec: Speculator | None = None  # speculative decoding (``speculate``)
+        self._ready: list = []  # a verification's tokens still to hand out (``engine.step``)
 
     seq = _via("sequence", "ids", "every token of the conversation so far")
     turn, generation_id, turn_state = _via("sequence", "turn"), _via("sequence", "generation_id"), _via("sequence", "reply")
@@ -126,6 +129,10 @@ class ChatSession(Stepping):
         c.evictions = []
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
         q.add_notes([room_note] if room_note else [])
+        self._ready = []
+        if self.spec is not None:
+            self.spec.new_reply()
+            reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
         return q.reply.stats("")
 
     def cancel(self) -> None:
@@ -144,6 +151,28 @@ class ChatSession(Stepping):
         did and cost; a refusal (typed error) leaves the session on its old setting."""
         self.check_open()
         return reconfigure.apply(self.cache, self.sequence, cfg, self.prefill_chunk)
+
+    def speculate(self, cfg: SpecConfig | None, drafter=None) -> str:
+        """Turn speculative decoding on (``cfg``; a draft model's ``drafter`` from ``engine.spec_draft``), change
+        it or turn it off (None / method off); allowed between any two steps, also mid-reply. Returns a note."""
+        self.check_open()
+        old, self.spec = self.spec, None
+        keep = (old is not None and cfg is not None and drafter is None and cfg.method == "draft"
+                and (old.cfg.method, old.cfg.draft_path) == ("draft", cfg.draft_path))  # the loaded draft model
+        if old is not None and not keep:
+            old.close()
+        if cfg is None or cfg.method == "off":
+            self.sequence.reply.spec = None
+            return "speculative decoding off"
+        if drafter is None:
+            drafter = old.drafter if keep else NgramDrafter(cfg.max_ngram) if cfg.method == "ngram" else None
+        if drafter is None:
+            raise EngineError("speculative decoding with a draft model needs the draft model loaded")
+        self.spec = Speculator(cfg, drafter)
+        if self.generating:  # mid-reply: the counts start now
+            self.sequence.reply.spec, self.sequence.reply.spec_label = self.spec.stats, cfg.label
+        return f"speculative decoding: {cfg.label}, " + (f"{cfg.draft_tokens} draft tokens per forward"
+                                                         if cfg.draft_tokens else "draft length adapts")
 
     def swap_out(self) -> int:
         """Move this (idle) session's K/V to host memory and give its pages back. Returns bytes moved."""
@@ -172,7 +201,10 @@ class ChatSession(Stepping):
             return
         if self.generating:
             self.sequence.end("cancelled")
-        self._open = None
+        self._open, self._ready = None, []
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
         self.cache.free()
         self.sequence.status = Status.CLOSED
 

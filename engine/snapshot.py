@@ -143,7 +143,8 @@ class TokenEvent:
     phase: str
     step_ms: float
     tokens_in_step: int  # tokens the forward pass processed (prompt length for prefill, 1 for decode)
-    path: str = "eager"  # what ran the forward: eager | compiled (engine.fast_step) | batched (engine.batch)
+    path: str = "eager"  # what ran the forward: eager | compiled (engine.fast_step) | batched | speculative
+    draft: bool = False  # a draft token the model's verification accepted (``engine.speculative``)
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,12 @@ class TurnStats:
     stop_reason: str = ""
     shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
     threads: int = 0  # CPU threads torch used (0: not on the CPU)
+    forwards: int = 0  # forwards that gave tokens (the first token's, then decode or verification forwards)
+    speculative: str = ""  # the drafter ("ngram", "draft:PATH"; "" without speculation)
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_draft_tokens: int = 0  # of them, those the model kept
+    accepted_by_position: tuple[int, ...] = ()  # accepted drafts at draft position 1, 2, ...
+    spec_note: str = ""  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
 
 
 @dataclass(frozen=True)

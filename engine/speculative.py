@@ -1,0 +1,222 @@
+"""Speculative decoding: guess the next ``k`` tokens cheaply, check them with one forward of the model.
+
+A drafter proposes ``d_1..d_k`` after the chat's last token ``x``; the runner feeds ``x, d_1..d_k`` in one
+forward with logits at every position (``Work.all_logits``) over the sequence's own paged cache; ``verify``
+keeps the drafts the model would have chosen itself and adds the model's own next token, so one forward gives
+1..k+1 tokens. The cache wrote k + 1 slots; the rejected ones are cut back at once (``SeqCache.commit_verify``).
+
+- Greedy: a draft stays while it is the argmax of the model's (penalised) logits at its position — the tokens
+  are exactly those of decoding without speculation.
+- Sampling: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): a draft ``d``
+  drawn with probability ``q(d)`` stays with probability min(1, p(d) / q(d)), else the token comes from the
+  normalised residual max(0, p - q). Both drafters here draft deterministically (q is a point mass), so a draft
+  stays with probability p(d) and the residual is p without d: the output distribution is p's.
+
+Drafters: ``NgramDrafter`` (prompt lookup: the chat's last n-gram found earlier in the chat; no second
+model) and ``engine.spec_draft.ModelDrafter`` (a smaller model with the same tokenizer, on its own cache).
+``Speculator`` is one chat's speculation: its drafter, ``k`` (adapted to the acceptance as HF's heuristic
+schedule does), and whether it pays (timed against plain decoding steps; off for the reply when it does not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.sampling import Sampler
+
+SPEC_METHODS = ("off", "ngram", "draft")
+MAX_DRAFT = 16  # a verification of 17 tokens costs ~1.3x a decode forward on the CPU; more rarely pays
+START_K = 4
+# Auto-off: after this many verifications, speculation must beat plain decoding per token, or it stops for the
+# reply. Plain steps are measured when a drafter has nothing to offer, or by a probe of PROBE_STEPS.
+MIN_VERIFY, PROBE_STEPS, PAYS = 8, 3, 0.97
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding for a chat: ``method`` off | ngram | draft (``draft_path``: the draft model),
+    ``draft_tokens`` k per forward (0: adaptive, from 4 between 1 and 16), ``max_ngram`` the longest
+    n-gram prompt lookup matches, ``auto_off`` stop speculating for a reply where it measures slower."""
+
+    method: str = "off"
+    draft_path: str = ""
+    draft_tokens: int = 0
+    max_ngram: int = 3
+    auto_off: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative: {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
+        if self.method == "draft" and not self.draft_path:
+            raise ValueError("speculative: a draft model needs its path (draft:PATH)")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \
+                or not 0 <= self.draft_tokens <= MAX_DRAFT:
+            raise ValueError(f"draft tokens: {self.draft_tokens!r} must be 0 (adaptive) .. {MAX_DRAFT}")
+        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or not 1 <= self.max_ngram <= 8:
+            raise ValueError(f"max n-gram: {self.max_ngram!r} must be 1..8")
+
+    @classmethod
+    def parse(cls, text: str, draft_tokens: int = 0) -> "SpecConfig":
+        """``off`` | ``ngram`` | ``draft:PATH`` (the CLI's and the server's spelling)."""
+        text = (text or "off").strip()
+        if text.startswith("draft:"):
+            return cls(method="draft", draft_path=text[len("draft:"):], draft_tokens=draft_tokens)
+        return cls(method=text, draft_tokens=draft_tokens)
+
+    @property
+    def label(self) -> str:
+        return f"draft:{self.draft_path}" if self.method == "draft" else self.method
+
+
+class NgramDrafter:
+    """Prompt lookup: the last ``n`` tokens (n = max_ngram .. 1) matched at their latest earlier place in the
+    chat; the tokens that followed there are the draft. Strong where the reply copies (quoting, editing, code)."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+
+    def propose(self, ids: Sequence[int], k: int, sampler: Sampler | None = None) -> list[int]:
+        arr = np.asarray(ids, dtype=np.int64)
+        T = len(arr)
+        for n in range(min(self.max_ngram, T - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:T - 1], n)  # [T-n, n]: every earlier n-gram
+            hits = np.nonzero((windows == arr[T - n:]).all(axis=1))[0]
+            if len(hits):
+                start = int(hits[-1]) + n  # the latest match: the likeliest continuation in a chat
+                return arr[start:start + k].tolist()
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int], context: Sequence[int]) -> list[int]:
+    """The tokens one verification yields: the drafts that stay, then one of the model's (a correction, or the
+    bonus token after the last draft). ``logits`` [k+1, vocab]: row i predicts the token after ``drafts[:i]``;
+    ``context``: the chat's ids before the first draft (for the penalties)."""
+    needs_ctx = sampler.cfg.repetition_penalty != 1.0
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        ctx = torch.tensor(list(context) + out, dtype=torch.long) if needs_ctx else None
+        if sampler.cfg.greedy:
+            token = sampler(logits[i], ctx)
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                return out
+            continue
+        p = sampler.distribution(logits[i], ctx)  # [vocab]
+        if i == len(drafts):
+            return out + [sampler.draw(p)]
+        d = drafts[i]
+        if sampler.uniform() < float(p[d]):  # q(d) = 1: accept with p(d)
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0  # max(0, p - q) with q a point mass at d
+        total = float(residual.sum())
+        return out + [sampler.draw(residual / total) if total > 0 else d]
+    return out
+
+
+@dataclass
+class SpecStats:
+    """One reply's speculation, for the footer, the CLI's JSON and the server's metrics."""
+
+    drafts: int = 0  # verifications run
+    draft_tokens: int = 0
+    accepted: int = 0
+    tokens: int = 0  # tokens the verifications yielded (accepted + one each)
+    by_pos: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)  # accepted at draft position i
+    tried_pos: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)  # drafts offered at position i
+    verify_ms: float = 0.0
+    plain_ms: float = 0.0
+    plain_steps: int = 0
+    off_reason: str = ""
+
+    def rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    def summary(self) -> str:
+        if not self.drafts:
+            return ""
+        per = self.tokens / self.drafts
+        return (f"speculative: {self.accepted} of {self.draft_tokens} draft tokens accepted ({self.rate():.0%}), "
+                f"{per:.1f} tokens per forward")
+
+
+class Speculator:
+    """One chat's speculative decoding: drafter, k, and its measured worth. Owned by the session's thread."""
+
+    def __init__(self, cfg: SpecConfig, drafter) -> None:
+        self.cfg, self.drafter = cfg, drafter
+        self.k = cfg.draft_tokens or START_K
+        self.stats = SpecStats()
+        self.probe = 0  # plain steps still to run to time plain decoding
+
+    def new_reply(self) -> None:
+        self.stats = SpecStats()
+        self.probe = 0
+
+    @property
+    def active(self) -> bool:
+        return not self.stats.off_reason
+
+    def propose(self, ids: Sequence[int], room: int, sampler: Sampler) -> list[int]:
+        """Up to ``min(k, room)`` draft tokens after ``ids`` ([] : decode plainly this step)."""
+        if not self.active or room < 1:
+            return []
+        if self.probe > 0:
+            self.probe -= 1
+            return []
+        try:
+            return list(self.drafter.propose(ids, min(self.k, room), sampler))[:min(self.k, room)]
+        except Exception as e:  # noqa: BLE001 - the reply goes on without drafts; the reason is shown
+            reset = getattr(self.drafter, "reset", None)
+            if reset is not None:
+                reset()
+            self.stats.off_reason = f"speculation off for this reply: the drafter failed ({e})"
+            return []
+
+    def record_plain(self, ms: float) -> None:
+        self.stats.plain_ms += ms
+        self.stats.plain_steps += 1
+
+    def record_verify(self, drafts: int, kept: int, yielded: int, ms: float) -> str:
+        """A verification of ``drafts`` tokens kept ``kept`` of them and gave ``yielded`` tokens in ``ms``: adapt
+        k; a note when speculation turns itself off for the reply ("" otherwise)."""
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += drafts
+        s.accepted += kept
+        s.tokens += yielded
+        s.verify_ms += ms
+        for i in range(drafts):
+            s.tried_pos[i] += 1
+            s.by_pos[i] += i < kept
+        if not self.cfg.draft_tokens:  # HF's heuristic schedule: +2 after a full accept, -1 otherwise
+            self.k = min(MAX_DRAFT, self.k + 2) if kept == drafts else max(1, self.k - 1)
+        return self._judge()
+
+    def _judge(self) -> str:
+        s = self.stats
+        if not self.cfg.auto_off or s.drafts < MIN_VERIFY or s.drafts % MIN_VERIFY:
+            return ""
+        if s.plain_steps < PROBE_STEPS:
+            self.probe = PROBE_STEPS - s.plain_steps  # time plain decoding before judging
+            return ""
+        spec = s.verify_ms / max(1, s.tokens)
+        plain = s.plain_ms / s.plain_steps
+        if plain < spec * PAYS:
+            s.off_reason = (f"speculation off for this reply: {spec:.1f} ms per token against {plain:.1f} ms "
+                            f"decoding plainly ({s.rate():.0%} of draft tokens accepted)")
+            return s.off_reason
+        return ""
+
+    def close(self) -> None:
+        self.drafter.close()
