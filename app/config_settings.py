@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, TypeVar
 
 from app.settings import CACHE_SKIP, SAMPLING_SKIP, Settings
+from engine.builtin_model import BUILTIN_MODEL, is_builtin
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 
 T = TypeVar("T")
@@ -56,10 +57,11 @@ def save_sampling(settings: Settings, cfg: SamplingConfig) -> None:
 
 
 def model_spec(settings: Settings, source: str) -> ModelSpec:
-    """What to load for ``source`` with the saved weights choice and device (the demo is never quantized)."""
+    """What to load for ``source`` with the saved weights choice and device (the demo and the built-in
+    stories260K are never quantized: the saved choice belongs to a bigger model, and 8-bit of 1 MB saves nothing)."""
     device = settings.get("model/device")
-    if source == "demo":
-        return ModelSpec(source="demo", device=device)
+    if source == "demo" or is_builtin(source):
+        return ModelSpec(source=BUILTIN_MODEL if is_builtin(source) else "demo", device=device)
     return spec_for(source, settings.get("model/quantization"), device)
 
 

@@ -1,4 +1,5 @@
-"""Entry point: ``kvscope [--model DIR|HUB_ID|demo] [--self-test] [--screenshot FILE] [--data-dir DIR]``.
+"""Entry point: ``kvscope [--model DIR|HUB_ID|stories260K|demo] [--self-test] [--screenshot FILE]
+[--data-dir DIR]``.
 
 Shows the window first and loads the model afterwards on the worker thread (torch is imported there), so
 the window is visible quickly.
@@ -18,7 +19,8 @@ from pathlib import Path  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvscope", description="Chat with a local LLM and watch its KV cache.")
-    p.add_argument("--model", default=None, help="model folder, hub id, or 'demo' (default: the last one used)")
+    p.add_argument("--model", default=None, help="model folder, hub id, 'stories260K' (built in) or 'demo' "
+                   "(random weights); default: the last one used, at first launch stories260K")
     p.add_argument("--self-test", action="store_true", help="run the GUI self-test offscreen and exit 0/1")
     p.add_argument("--screenshot", default=None, metavar="FILE", help="with --self-test: save the window as FILE at 1280x720 and as FILE-1920x1080 at 1920x1080")
     p.add_argument("--data-dir", default=None, metavar="DIR",

@@ -3,7 +3,7 @@ wiring between the parts that do the work:
 
 =====================  ==================================================================================
 ``Conversation``       chats and replies: history store ↔ chat pane ↔ engine worker (``app.conversation``)
-``ModelController``    loading models, fallback to the demo (``app.model_controller``)
+``ModelController``    loading models, fallback to the built-in model (``app.model_controller``)
 ``CacheController``    the cache settings in force (``app.cache_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
 ``StatusBar``          the status bar in words (``app.status_bar``)
@@ -48,6 +48,7 @@ from app.status_bar import StatusBar
 from app.trace import CacheTrace
 from app.engine_thread import EngineThread
 from app.worker import EngineBackend
+from engine.builtin_model import BUILTIN_MODEL
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.snapshot import CacheSnapshot, ModelInfo
 
@@ -82,7 +83,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("KV Scope")
         self.settings = settings
         self.history = history
-        self.model_source = model or settings.get("model/last") or "demo"
+        self.model_source = model or settings.get("model/last") or BUILTIN_MODEL
         self.sampling_override: SamplingConfig | None = None  # self-test and benchmarks: fixed sampling
         self.trace = CacheTrace()
         self._compare_dialog: Any = None  # Tools ▸ Compare: the last dialog opened

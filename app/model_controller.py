@@ -1,5 +1,6 @@
 """Loading models: the start-up load, File ▸ Models, Open folder, Recent models, Cancel in the status bar, and
-what a failed load leaves behind (the model loaded before, or the built-in demo at first launch).
+what a failed load leaves behind (the model loaded before, or at first launch the built-in stories260K, then the
+random-weight demo).
 
 The controller owns the load's state (``info``, ``loading``) and the status bar's model fields; what a
 loaded model means for the rest of the window (panels, chat pane, title) is the window's ``loaded`` slot.
@@ -18,6 +19,7 @@ from app.failure import Failure
 from app.settings import Settings
 from app.status_bar import StatusBar
 from app.engine_thread import EngineThread
+from engine.builtin_model import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, is_builtin
 from engine.config import CacheConfig, ModelSpec
 from engine.snapshot import ModelInfo
 
@@ -60,7 +62,7 @@ class ModelController(QObject):
         self.engine.load(spec, self._cache())
 
     def cancel(self) -> None:
-        """Stop the model load in progress; the chat goes on with the model loaded before (or the demo)."""
+        """Stop the model load in progress; the chat goes on with the model loaded before (or the built-in one)."""
         if self.loading:
             self.status.message("Cancelling the load…")
             self.engine.cancel_load()
@@ -77,20 +79,21 @@ class ModelController(QObject):
         self.status.show_model(info.name, info.source, info.device, info.device_reason)
         if not info.is_demo:
             self.settings.set("model/last", info.source)
-            self.settings.add_recent_model(info.source)
+            if not is_builtin(info.source):  # the built-in model has its own line in the menus
+                self.settings.add_recent_model(info.source)
         self.loaded.emit(info)
-        hint = ("This is the built-in demo model: random weights, so the text is gibberish, but every cache "
-                "mode, page and timing is real. Open a real model from File ▸ Models…"
-                if info.is_demo else f"{info.name} is ready. Say something.")
-        self.ready_changed.emit(True, hint)
+        self.ready_changed.emit(True, ready_hint(info))
 
     def on_failed(self, failure: Failure) -> None:
-        """A load failed or was cancelled: the model loaded before stays; at first launch the demo opens."""
+        """A load failed or was cancelled: the model loaded before stays; at first launch the built-in stories260K
+        opens (and if even that fails, the random-weight demo, which needs no files)."""
         self.loading = False
         self.status.set_loading(False)
         if self.info is None and self.spec is not None and self.spec.source != "demo":
-            self._show_error(f"{failure.message}\nOpening the built-in demo model instead.")
-            self.load(model_spec(self.settings, "demo"))
+            fallback = "demo" if is_builtin(self.spec.source) else BUILTIN_MODEL
+            label = DEMO_LABEL if fallback == "demo" else BUILTIN_LABEL
+            self._show_error(f"{failure.message}\nOpening {label} instead.")
+            self.load(model_spec(self.settings, fallback))
             return
         self._show_error(failure.message)
         if self.info is not None:
@@ -108,7 +111,8 @@ class ModelController(QObject):
 
     def fill_recent_menu(self, menu: QMenu) -> None:
         menu.clear()
-        menu.addAction("demo (built-in, random weights)", lambda: self.load(model_spec(self.settings, "demo")))
+        menu.addAction(BUILTIN_LABEL, lambda: self.load(model_spec(self.settings, BUILTIN_MODEL)))
+        menu.addAction(DEMO_LABEL, lambda: self.load(model_spec(self.settings, "demo")))
         for source in self.settings.get("model/recent"):
             menu.addAction(source, lambda s=source: self.load(model_spec(self.settings, s)))
 
@@ -120,3 +124,14 @@ class ModelController(QObject):
             self.settings.set("model/quantization", weights_choice(dlg.spec))
             self.settings.set("model/device", dlg.spec.device)
             self.load(dlg.spec)
+
+
+def ready_hint(info: ModelInfo) -> str:
+    """The chat pane's hint once ``info`` is loaded: what the built-in models can and cannot do."""
+    if info.is_demo:
+        return ("This is the demo model: random weights, so the text is gibberish, but every cache mode, page and "
+                "timing is real. The built-in stories260K writes real text; bigger models: File ▸ Models…")
+    if is_builtin(info.source):
+        return ("This is stories260K, the built-in model: 260 thousand parameters trained on children's stories. "
+                "Start a story (\"Once upon a time\") and watch the cache fill. Bigger models: File ▸ Models…")
+    return f"{info.name} is ready. Say something."

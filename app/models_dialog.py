@@ -1,6 +1,6 @@
-"""Choose a model: the built-in demo, recent models, models in the Hugging Face cache, a folder, or a hub id
-to download (with progress and cancel). Shows a memory estimate (weights + KV at the chosen context) and,
-on CUDA, whether it fits.
+"""Choose a model: the built-in stories260K, the random-weight demo, recent models, models in the Hugging Face
+cache, a folder, or a hub id to download (with progress and cancel). Shows a memory estimate (weights + KV at
+the chosen context) and, on CUDA, whether it fits.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from app.config_settings import spec_for
 from app.estimate import MemoryEstimate, estimate_demo, estimate_folder
 from app.format import human_bytes
 from app.settings import Settings
+from engine.builtin_model import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, builtin_model_dir, is_builtin
 from engine.config import ModelSpec
 
 QUANT_CHOICES = (("none (full precision)", "none"), ("bfloat16 (half the bytes)", "bf16"),
@@ -218,8 +219,11 @@ class ModelsDialog(QDialog):
 
     def populate(self, current: Any = None) -> None:
         self.list.clear()
-        first = self._add("Built-in demo — random weights, no download (labelled 'demo' in the app)", "demo", None)
-        seen = {"demo"}
+        first = self._add(f"{BUILTIN_LABEL} — real text, no download", BUILTIN_MODEL, str(builtin_model_dir()),
+                          "Karpathy's stories260K (MIT), shipped with KV Scope: 260K parameters, 512-token context")
+        self._add(f"{DEMO_LABEL} — gibberish text, real cache, no download", "demo", None,
+                  "a seeded random-weight Llama made in code, for shapes no shipped model has")
+        seen = {"demo", BUILTIN_MODEL}
         for source in self.settings.get("model/recent"):
             if source in seen:
                 continue
@@ -359,7 +363,8 @@ class ModelsDialog(QDialog):
         c = self.choice()
         if c is None:
             return
-        source = c["folder"] or c["source"]
+        # the built-in model by name, so the settings do not keep this installation's path
+        source = c["source"] if is_builtin(c["source"]) else (c["folder"] or c["source"])
         try:
             if source == "demo":
                 self.spec = ModelSpec(source="demo", device=self.device.currentData())

@@ -14,6 +14,7 @@ from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, QStandardPaths
 
+from engine.builtin_model import BUILTIN_MODEL
 from engine.config import CacheConfig, SamplingConfig
 
 SCHEMA_VERSION = 1
@@ -53,7 +54,7 @@ def dataclass_settings(prefix: str, cls: type, skip: tuple[str, ...] = (),
 
 SETTINGS: tuple[Setting, ...] = (
     # model
-    Setting("model/last", str, "demo"),
+    Setting("model/last", str, BUILTIN_MODEL),  # the shipped stories260K: real text on first launch
     Setting("model/recent", list, []),
     Setting("model/quantization", str, "none"),
     Setting("model/device", str, "auto"),

@@ -1,4 +1,5 @@
-"""Load a model and tokenizer: a local Hugging Face folder, a model in the HF cache, a hub id, or ``demo``.
+"""Load a model and tokenizer: a local Hugging Face folder, a model in the HF cache, a hub id, the shipped
+``stories260K`` (``engine.builtin_model``) or ``demo``.
 
 Safety: safetensors only unless pickle is allowed; remote code refused unless allowed. Every refusal or
 failure is a typed ``EngineError`` with a one-line reason.
@@ -16,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.builtin_model import builtin_model_dir, is_builtin
 from engine.config import ModelSpec
 from engine.errors import (
     EngineError,
@@ -151,6 +153,8 @@ def resolve_source(spec: ModelSpec, progress: Progress | None = None) -> Path:
     """A local folder for ``spec.source``: the folder itself, the HF cache snapshot, or a fresh download."""
     src = os.path.expanduser(spec.source)
     path = Path(src)
+    if is_builtin(spec.source) and not path.exists():  # a local folder of that name wins
+        return builtin_model_dir()
     if path.exists():
         if not path.is_dir():
             raise ModelFormatError(f"{src} is a file: choose the model's folder (with config.json)")

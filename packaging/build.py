@@ -4,7 +4,7 @@
     python packaging/build.py                 # dist/kvscope/ + frozen self-test
     python packaging/build.py --deb           # ... + kvscope_<version>_<arch>.deb, installed into a
                                               #     temporary root (dpkg-deb -x) and self-tested there
-    python packaging/build.py --deb --model ../shared/models/stories260K   # + bundle check on a real model
+    python packaging/build.py --deb --model resources/models/stories260K   # + bundle check on a real model
 
 Everything goes under --out (default packaging/build-out/, git-ignored): build/ (PyInstaller's work dir),
 dist/kvscope/ (the bundle), the .deb, self-test screenshots and report.json (sizes, times, outputs).

@@ -10,7 +10,8 @@ It does three things the app itself should not have to know about:
   GUI. It proves, inside the frozen bundle, what the installer needs: resources are found via
   ``sys._MEIPASS``, torch and bitsandbytes load their native libraries, transformers' lazily imported
   model classes for every architecture in ``ARCHITECTURES`` build and generate through the engine's paged
-  KV cache, and (with ``--model``) a real checkpoint loads in float32 and bitsandbytes NF4.
+  KV cache, the shipped stories260K (the app's default model) loads from the bundle's own ``resources/`` and
+  writes its known greedy story, and (with ``--model``) a real checkpoint loads in float32 and bitsandbytes NF4.
 
 Everything else goes to ``app.main:main`` (``KVSCOPE_APP_MODULE`` at build time can name another module
 with a ``main(argv=None, t0=None)``; packaging/README.md explains why that exists).
@@ -246,6 +247,18 @@ def bundle_check(argv: list[str]) -> int:
         lm = load_model("demo")
         return {"name": lm.info.name, "ids": _run_session(lm, prompt="Once upon a time")}
 
+    def builtin_check():
+        from engine.builtin_model import BUILTIN_MODEL, builtin_model_dir
+        from engine.loader import load_model
+
+        folder = builtin_model_dir()
+        root = folder.parent.parent.parent  # <root>/resources/models/stories260K
+        if os.path.realpath(root) != os.path.realpath(bundle_root()):
+            raise FileNotFoundError(f"the built-in model resolved to {folder}, outside the bundle {bundle_root()}")
+        lm = load_model(BUILTIN_MODEL)
+        ids = _run_session(lm, prompt="Once upon a time", new_tokens=12)
+        return {"name": lm.info.name, "path": str(folder), "ids": ids, "text": lm.tokenizer.decode(ids)}
+
     def model_check(quantization: str):
         from engine.config import ModelSpec
         from engine.loader import load_model
@@ -262,6 +275,7 @@ def bundle_check(argv: list[str]) -> int:
     if not args.no_gui:
         check("gui", gui_check)
     check("demo", demo_check)
+    check("builtin", builtin_check)
     for arch, toks in ARCHITECTURES.items():
         check(f"arch:{arch}", lambda a=arch, t=toks: arch_check(a, t))
     if args.model:

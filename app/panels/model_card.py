@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes, human_count
 from app.panels.base import Panel, styled_plot
+from engine.builtin_model import is_builtin
 from engine.snapshot import ModelInfo
 
 BAR_COLOURS = ("#8a919c", "#4c9be8", "#43c59e")
@@ -65,7 +66,8 @@ class ModelCardPanel(Panel):
         heights = np.array([comp["MHA"], comp["this model"], comp["MQA"]], dtype=np.float64) * ctx * scale / 2**20
         self.bars.setOpts(height=heights)
         self.plot.setYRange(0, max(heights.max(), 1e-6) * 1.15, padding=0)
-        demo = " <span style='color:#ffb347'>built-in, no download</span>" if info.is_demo else ""
+        shipped = info.is_demo or is_builtin(info.source)
+        demo = " <span style='color:#ffb347'>built-in, no download</span>" if shipped else ""
         rows = [
             ("architecture", f"{info.architecture} · attention {info.attn_impl}"),
             ("layers", html.escape(info.layer_summary)),

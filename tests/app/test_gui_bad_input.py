@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 from app_helpers import close_window, open_window, wait_reply
@@ -53,23 +54,44 @@ def test_bad_model_shows_a_message_and_keeps_the_loaded_one(qtbot, data_dir, sto
         close_window(w)
 
 
-def test_bad_model_at_first_launch_falls_back_to_demo(qtbot, data_dir, bad_folders):
+def _first_launch(qtbot, data_dir, model: str):
+    """A window at first launch on ``model``, after the first model that did load; (window, errors shown)."""
     from app.history import HistoryStore
     from app.main_window import MainWindow
     from app.settings import Settings
 
     errors = []
-    w = MainWindow(Settings.from_data_dir(data_dir), HistoryStore.in_data_dir(data_dir),
-                   model=str(bad_folders["corrupt"][0]))
+    w = MainWindow(Settings.from_data_dir(data_dir), HistoryStore.in_data_dir(data_dir), model=model)
     qtbot.addWidget(w)
     w.error_shown.connect(errors.append)
     w.show()
     with qtbot.waitSignal(w.model_loaded, timeout=120_000):
         w.start()
+    return w, errors
+
+
+def test_bad_model_at_first_launch_falls_back_to_the_built_in_model(qtbot, data_dir, bad_folders):
+    w, errors = _first_launch(qtbot, data_dir, str(bad_folders["corrupt"][0]))
     try:
-        assert w.info.is_demo and errors and "corrupt" in errors[0] and "demo" in errors[0]
-        assert "corrupt" in w.chat.notice.text and "demo model instead" in w.chat.notice.text
+        assert not w.info.is_demo and w.info.name == "stories260K"
+        assert errors and "corrupt" in errors[0] and "Opening stories260K (built-in, tiny stories) instead" in errors[0]
+        assert "corrupt" in w.chat.notice.text and "stories260K" in w.chat.notice.text
         assert w.chat.bubbles == [] and w.chat.notice.isVisibleTo(w)
+    finally:
+        close_window(w)
+
+
+def test_a_broken_built_in_model_falls_back_to_the_demo(qtbot, data_dir, bad_folders, tmp_path, monkeypatch):
+    """A bundle whose shipped model is damaged (resources/ under sys._MEIPASS, as PyInstaller lays it out):
+    the demo, which needs no files, still opens."""
+    bundle = tmp_path / "bundle" / "resources" / "models"
+    bundle.mkdir(parents=True)
+    shutil.copytree(bad_folders["corrupt"][0], bundle / "stories260K")
+    monkeypatch.setattr(sys, "_MEIPASS", str(tmp_path / "bundle"), raising=False)
+    w, errors = _first_launch(qtbot, data_dir, "stories260K")
+    try:
+        assert w.info.is_demo
+        assert errors and "corrupt" in errors[0] and "Opening demo (random weights) instead" in errors[0]
     finally:
         close_window(w)
 
@@ -139,10 +161,10 @@ def test_failed_download_shows_a_message(qtbot, data_dir, monkeypatch):
     qtbot.waitUntil(lambda: dlg.download_button.isEnabled(), timeout=30_000)
     assert "Offline" in dlg.message.text() or "cannot" in dlg.message.text()
     assert not dlg.cancel_download_button.isEnabled()
-    # still usable: choose the demo and accept
+    # still usable: choose the built-in model and accept
     dlg.list.setCurrentRow(0)
     dlg.accept_choice()
-    assert dlg.spec is not None and dlg.spec.source == "demo"
+    assert dlg.spec is not None and dlg.spec.source == "stories260K"
 
 
 def test_download_cancel(qtbot, data_dir, monkeypatch):
@@ -172,7 +194,7 @@ def test_download_cancel(qtbot, data_dir, monkeypatch):
     assert "cancelled" in dlg.message.text()
 
 
-def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
+def test_models_dialog_lists_the_built_in_models_and_estimates(qtbot, data_dir, stories_path):
     from app.models_dialog import ModelsDialog
     from app.settings import Settings
 
@@ -180,11 +202,16 @@ def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
     s.add_recent_model(str(stories_path))
     dlg = ModelsDialog(s, environment={"cuda": True, "device_total_bytes": 512 << 10})
     qtbot.addWidget(dlg)
-    assert "demo" in dlg.list.item(0).text().lower()
-    assert "Recent" in dlg.list.item(1).text()
-    dlg.list.setCurrentRow(1)
+    assert dlg.list.item(0).text().startswith("stories260K (built-in, tiny stories)")
+    assert dlg.list.currentRow() == 0  # chosen unless the user picks another
+    assert dlg.list.item(1).text().startswith("demo (random weights)")
+    assert "Recent" in dlg.list.item(2).text()
     dlg.device.setCurrentIndex(dlg.device.findData("cuda"))
     dlg.context.setValue(512)
+    built_in = dlg.estimate()  # the shipped folder: estimated like any folder
+    dlg.accept_choice()
+    assert dlg.spec.source == "stories260K"  # by name: the settings never keep this installation's path
+    dlg.list.setCurrentRow(2)
     est = dlg.estimate()
     # stories260K: K and V x 5 layers x 4 KV heads x head dim 8; the float32 checkpoint runs in float16 on CUDA
     assert est.kv_bytes_per_token == 2 * 5 * 4 * 8 * 2 and est.context == 512
@@ -195,6 +222,7 @@ def test_models_dialog_lists_demo_and_estimates(qtbot, data_dir, stories_path):
     dlg.quantization.setCurrentIndex(dlg.quantization.findData("int8"))
     dlg.accept_choice()
     assert dlg.spec.source == str(stories_path) and dlg.spec.quantization == "int8" and dlg.spec.device == "cuda"
+    assert built_in.kv_bytes_per_token == est.kv_bytes_per_token and built_in.weights_bytes == est.weights_bytes
 
 
 def test_hf_cache_scan_lists_model_snapshots(tmp_path):
@@ -263,7 +291,7 @@ def test_bfloat16_weights_choice_halves_the_estimate_and_loads_in_bf16(qtbot, da
     s.add_recent_model(str(stories_path))
     dlg = ModelsDialog(s, environment={"cuda": False})
     qtbot.addWidget(dlg)
-    dlg.list.setCurrentRow(1)
+    dlg.list.setCurrentRow(2)  # after the two built-in models
     dlg.device.setCurrentIndex(dlg.device.findData("cpu"))
     full = dlg.estimate()
     dlg.quantization.setCurrentIndex(dlg.quantization.findData("bf16"))

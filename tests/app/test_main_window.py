@@ -306,9 +306,9 @@ def test_recent_models_menu(qtbot, data_dir, stories_path):
         recent = w.menu_actions["recent"]
         w.models.fill_recent_menu(recent)
         texts = [a.text() for a in recent.actions()]
-        assert texts[0].startswith("demo") and str(stories_path) in texts
+        assert texts[1].startswith("demo") and str(stories_path) in texts
         with qtbot.waitSignal(w.model_loaded, timeout=120_000) as blocker:
-            recent.actions()[0].trigger()
+            recent.actions()[1].trigger()
         assert blocker.args[0].is_demo and "demo" in w.status.model.text()
         w.send("hi demo")
         assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")

@@ -26,7 +26,7 @@ import pytest
 pytestmark = pytest.mark.packaging
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT.parent / "shared" / "models" / "stories260K"
+MODEL = ROOT / "resources" / "models" / "stories260K"  # the shipped model: in every checkout
 BUILD_TIMEOUT_S = 40 * 60
 
 
@@ -63,8 +63,7 @@ def built(tmp_path_factory):
     src.mkdir()
     what = export_tree(src)
     cmd = [sys.executable, str(src / "packaging" / "build.py"), "--src", str(src), "--out", str(out), "--deb"]
-    if MODEL.is_dir():
-        cmd += ["--model", str(MODEL)]
+    cmd += ["--model", str(src / MODEL.relative_to(ROOT))]  # the exported tree's copy
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}  # no dev stand-ins
     r = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     log = r.stdout + r.stderr
@@ -100,10 +99,12 @@ def test_frozen_bundle_check(built):
     assert bc["bitsandbytes"]["lib"] == "BNBNativeLibrary"
     for arch in ("llama", "qwen2", "mistral", "phi3", "gemma"):
         assert len(bc[f"arch:{arch}"]["ids"]) == 6
-    if MODEL.is_dir():
-        # NF4 on this CPU needs the engine's AVX512-BF16 workaround (packaging-notes.md); frozen == float32
-        assert bc["model:nf4"]["ids"] == bc["model:float32"]["ids"]
-        assert bc["model:float32"]["text"].strip()
+    # the app's default model, found by the engine inside the bundle (sys._MEIPASS/resources), writes real text
+    assert bc["builtin"]["name"] == "stories260K" and "/_internal/resources/models/" in bc["builtin"]["path"]
+    assert bc["builtin"]["text"].startswith(", there was a little girl")
+    # NF4 on this CPU needs the engine's AVX512-BF16 workaround (packaging-notes.md); frozen == float32
+    assert bc["model:nf4"]["ids"] == bc["model:float32"]["ids"]
+    assert bc["model:float32"]["text"].strip()
 
 
 def test_bundle_layout_and_size_cuts(built):
