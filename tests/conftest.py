@@ -1,4 +1,4 @@
-"""Shared test fixtures: the real stories260K model from ../shared (tests may read it; runtime code never)."""
+"""Shared test fixtures: the real stories260K model, the copy shipped in ``resources/models/stories260K``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# KVSCOPE_STORIES: another copy of the model (a GPU machine gets the repository without ../shared)
-STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT.parent / "shared" / "models" / "stories260K")
+# The checkout's own copy (not engine.builtin_model's answer, which is wherever ``engine`` was imported from), so a
+# fresh clone tests its own files; KVSCOPE_STORIES points the tests at another copy of the model.
+STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT / "resources" / "models" / "stories260K")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # The compiled decode step (engine.fast_step) compiles in the background on a model's first decode: ~25 s of

@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
 
     if argv[:1] == ["--save"]:  # repro folders: python -m engine generate --model DIR/TYPE ...
         for t in argv[2:]:
-            arch_zoo.save_folder(t, Path(argv[1]) / t, HERE.parents[2] / "shared" / "models" / "stories260K")
+            arch_zoo.save_folder(t, Path(argv[1]) / t, HERE.parents[2] / "resources" / "models" / "stories260K")
             print(Path(argv[1]) / t)
         return
     if argv == ["--render"]:  # markdown and expectations again from the JSON (after editing the renderers)

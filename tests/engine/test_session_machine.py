@@ -34,7 +34,8 @@ SHARED_SYSTEM = ("You tell short stories about a little girl named Lily who love
                  "dog Max. ") * 2  # typed answers to requests that cannot fit
 _MODEL: dict = {}
 NO_COMPILE = machine_refusal(torch.device("cpu"))
-STORIES_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+STORIES_PATH = Path(os.environ.get("KVSCOPE_STORIES") or Path(__file__).resolve().parents[2] / "resources" / "models"
+                    / "stories260K")  # as tests/conftest.py: the shipped copy
 
 
 def stories_model(path):
