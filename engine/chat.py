@@ -95,8 +95,9 @@ class StreamDecoder:
     """Incremental detokenization that never emits half a UTF-8 character.
 
     Decodes a short window of ids (vLLM's prefix/read offsets): the text of ``ids[prefix:]`` minus the
-    text of ``ids[prefix:read]`` is new. Output is held back while it ends in U+FFFD (an incomplete
-    byte sequence) and released once the next token completes it.
+    text of ``ids[prefix:read]`` is new. Only its end is held back while it is U+FFFD (an incomplete byte
+    sequence: up to 3 bytes of a character) and released once the next token completes it; the text before
+    goes out at once, so a stream of byte tokens is not held until the reply ends.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
@@ -105,6 +106,7 @@ class StreamDecoder:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        self._sent = 0  # characters past the prefix's text already handed out while the window's end was held
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -114,19 +116,24 @@ class StreamDecoder:
         self.ids.append(int(token_id))
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         new_text = self._decode(self.ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self._prefix = self._read
-            self._read = len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        held = new_text.endswith("\ufffd")
+        ready = new_text.rstrip("\ufffd") if held else new_text
+        start = len(prefix_text) + self._sent
+        delta = ready[start:] if len(ready) > start else ""
+        if not held and len(new_text) > len(prefix_text):
+            self._prefix, self._read, self._sent = self._read, len(self.ids), 0
+        else:
+            self._sent += len(delta)
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of a reply), replacement characters included."""
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         new_text = self._decode(self.ids[self._prefix:])
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        start = len(prefix_text) + self._sent
+        delta = new_text[start:] if len(new_text) > start else ""
         self._prefix = self._read = len(self.ids)
+        self._sent = 0
         self.text += delta
         return delta

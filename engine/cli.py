@@ -136,7 +136,8 @@ def _serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other "
                    "needs --api-key)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set KVSCOPE_API_KEY)")
+    s.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' (or set "
+                   "KVSCOPE_API_KEY); repeatable: each key a tenant whose cached prompts the others cannot reach")
     s.add_argument("--cors", action="append", metavar="ORIGIN", help="allow browser requests from this origin "
                    "(repeatable; default: none)")
     s.add_argument("--max-running", type=int, default=8, help="requests generated in turn (default 8)")

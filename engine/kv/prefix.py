@@ -8,6 +8,9 @@ different prefixes never share a name in practice, and the name does not depend 
 The names live in the ``PagePool`` of one ``PageArena`` (one model, page size, K/V precision and layer
 group), so pages never travel between cache settings or models. Which sessions may register and take pages
 (lossless settings only) is ``ChatSession``'s decision (``engine.session``).
+
+A chain may start from a salted root (``salted_root``): pages named from different roots never match, so one
+tenant of the server cannot find (and time or count) another tenant's pages — vLLM's ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def extend_chain(chain: list[bytes], ids: Sequence[int], page_size: int, pages: int) -> list[bytes]:
-    """Extend ``chain`` (the names of pages ``0 .. len(chain)-1`` of ``ids``) in place to ``pages`` names
-    (at most the full pages of ``ids``); returns it."""
+def salted_root(salt: bytes) -> bytes:
+    """The root of the chains of one tenant (``salt``: its identity; empty: the shared root)."""
+    return hashlib.sha256(ROOT + b"\0" + salt).digest() if salt else ROOT
+
+
+def extend_chain(chain: list[bytes], ids: Sequence[int], page_size: int, pages: int, root: bytes = ROOT) -> list[bytes]:
+    """Extend ``chain`` (the names of pages ``0 .. len(chain)-1`` of ``ids``, from ``root``) in place to ``pages``
+    names (at most the full pages of ``ids``); returns it."""
     pages = min(pages, len(ids) // page_size)
     P = page_size
     for j in range(len(chain), pages):
-        chain.append(page_hash(chain[-1] if chain else ROOT, ids[j * P:(j + 1) * P]))
+        chain.append(page_hash(chain[-1] if chain else root, ids[j * P:(j + 1) * P]))
     return chain
 
 

@@ -9,6 +9,7 @@ bug (500, no traceback). ``/v1/*`` needs ``Authorization: Bearer KEY`` when the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -54,16 +55,30 @@ async def _bug(request: Request, exc: Exception) -> Response:
     return error_response(from_exception(exc))
 
 
-def _check_key(request: Request) -> None:
-    key = request.app.state.server.api_key
-    if not key:
-        return
+def _check_key(request: Request) -> str | None:
+    """The API key the request was sent with (None when the server has none); 401 for a wrong or missing one.
+    Every key is compared, in constant time, so the time taken says nothing about which one came close."""
+    keys = request.app.state.server.api_keys
+    if not keys:
+        return None
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    token_b = token.strip().encode("latin-1", "replace")
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token_b, key.encode()):
+            found = key
+    if scheme.lower() != "bearer" or found is None:
         raise ApiError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY'" if given else
                        "Missing API key: send it as 'Authorization: Bearer KEY'", "invalid_request_error", None,
                        "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return found
+
+
+def tenant_of(key: str | None, cache_salt: str | None) -> bytes:
+    """Who may share prefix caches: requests with the same API key and the same ``cache_salt`` (vLLM's field).
+    A digest, so neither is kept in memory; never empty, so the API's pages are apart from the app's chats."""
+    return hashlib.sha256(json.dumps(["kvscope-tenant", key or "", cache_salt or ""]).encode()).digest()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -140,11 +155,11 @@ async def completions(request: Request) -> Response:
 
 async def _generate(request: Request, parse) -> Response:
     server = request.app.state.server
-    _check_key(request)
+    key = _check_key(request)
     req = parse(parse_body(await _read_body(request, server.max_body)))
     check_model(req, server.model_ids)
     shape = Shape(req.kind, server.model_id)
-    job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id)
+    job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id, tenant_of(key, req.cache_salt))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         kind, data = await _next(job, gone)  # the start, or an error (the request never started)

@@ -53,9 +53,11 @@ class Job:
     """One request on its way through the engine. Events: ("start", info), ("delta", text),
     ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> None:
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",
+                 tenant: bytes = b"") -> None:
         self.id = next(_job_ids)
         self.request_id = request_id
+        self.tenant = tenant  # who may share its cache (``IdleSessions``)
         self.req = req
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
@@ -142,9 +144,11 @@ class Scheduler(Source):
         self._attached = True
         self.core.call(lambda: self.core.sources.append(self))
 
-    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "") -> Job:
-        """Queue a request; 429 when ``max_waiting`` are queued already, 503 once the server stops."""
-        job = Job(req, loop, request_id)
+    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",
+               tenant: bytes = b"") -> Job:
+        """Queue a request (``tenant``: who may share its cache); 429 when ``max_waiting`` are queued already, 503
+        once the server stops."""
+        job = Job(req, loop, request_id, tenant)
         job.scheduler = self
         with self._lock:
             if not self.alive:
@@ -271,7 +275,7 @@ class Scheduler(Source):
         ids = self._prompt_ids(req)
         job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                       max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
-        job.session, _ = self.idle.take(ids)
+        job.session, _ = self.idle.take(ids, job.tenant)
         try:
             self._start_turn(job)
         except CacheCapacityError:
@@ -300,10 +304,8 @@ class Scheduler(Source):
             raise r
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
-        if r.event is not None:
-            delta = job.trim.push(r.event.text_delta)
-            if delta:
-                job.post("delta", delta)
+        if r.event is not None:  # a chunk per token, its text empty while a character or a stop string is held
+            job.post("delta", job.trim.push(r.event.text_delta))
         if r.done:
             self._end(job, r.stop_reason, r)
 

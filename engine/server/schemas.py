@@ -35,6 +35,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -105,13 +106,16 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise bad_request("stream_options: expected an object", "stream_options", "invalid_type")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("cache_salt: expected a non-empty string", "cache_salt", "invalid_type")
     mct = _int(body, "max_completion_tokens", 1)
     mt = _int(body, "max_tokens", 1)
     return dict(kind=kind, model=model, stream=stream, include_usage=bool(opts.get("include_usage")),
                 max_tokens=mct if mct is not None else mt,
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                seed=_int(body, "seed"), stop=_stop(body))
+                seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt)
 
 
 def _content(m: dict, i: int) -> str:

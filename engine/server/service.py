@@ -30,6 +30,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # more keys: each one a tenant of its own (prefix caches are not shared)
     cors: tuple[str, ...] = field(default_factory=tuple)
     max_body: int = DEFAULT_MAX_BODY  # bytes of a request body (413 beyond)
     max_running: int = 8  # requests stepped in turn
@@ -73,7 +74,10 @@ class KVServer:
         self.lm = lm
         self.cache = cache or CacheConfig()
         self.options = options or ServerOptions()
-        self.api_key = self.options.api_key or None
+        self.api_keys = tuple(dict.fromkeys(k for k in (self.options.api_key, *self.options.api_keys) if k))
+        for key in self.api_keys:
+            check_bind("127.0.0.1", key)
+        self.api_key = self.api_keys[0] if self.api_keys else None
         self.max_body = self.options.max_body
         self.model_id = model_id(lm, source)
         self.model_ids = tuple(dict.fromkeys(x for x in (self.model_id, source, lm.info.name) if x))
@@ -172,10 +176,12 @@ class ServerThread:
 
 def serve(a, cache: CacheConfig, spec) -> int:
     """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
-    api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
-    check_bind(a.host, api_key)  # before anything is loaded
+    keys = tuple(a.api_key or ()) or tuple(k for k in [os.environ.get(API_KEY_ENV)] if k)
+    api_key = keys[0] if keys else None
+    for key in keys or (None,):
+        check_bind(a.host, key)  # before anything is loaded
     check_cors(a.cors, api_key)
-    options = ServerOptions(host=a.host, port=a.port, api_key=api_key, cors=tuple(a.cors or ()),
+    options = ServerOptions(host=a.host, port=a.port, api_key=api_key, api_keys=keys[1:], cors=tuple(a.cors or ()),
                             max_body=a.max_body, max_running=a.max_running, max_waiting=a.max_queued,
                             max_idle=a.max_idle, access_log=a.access_log)
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads

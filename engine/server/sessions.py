@@ -7,14 +7,23 @@ A prompt that shares less than ``min_shared`` tokens with every idle session (an
 whole) gets a new session, so one conversation's cache is not thrown away for another's. At most ``max_idle`` sessions are kept; the least
 recently used is closed first (its pages go back to the pool).
 
+Isolation (a client must not learn another conversation's prompt from ``cached_tokens`` or from timing): a
+session belongs to one tenant (``tenant``: the API key's and the request's ``cache_salt``'s digest) and only
+that tenant's requests take it; its pages are named from the tenant's own prefix-cache root, so another
+tenant's request never finds them in the pool either. Within a tenant, a request that does not go on with a
+whole idle conversation reuses it in whole pages only (``grain`` tokens): matching one more token of a secret
+then changes nothing the client can see, as vLLM's block-granular prefix caching.
+
 Runs on the engine thread only (no locks).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 from engine.config import CacheConfig
+from engine.kv.prefix import salted_root
 from engine.sequence import common_prefix
 
 
@@ -26,7 +35,10 @@ class IdleSessions:
         self.max_idle = max(0, max_idle)
         self.min_shared = min_shared if min_shared is not None else (cache.page_size if cache.mode == "paged" else 16)
         self.on_evict = on_evict or (lambda: None)
+        # whole pages of the cache (16 tokens when not paged): the unit reused across conversations
+        self.grain = cache.page_size if cache.mode == "paged" else 16
         self._idle: list = []  # ChatSession, least recently used first
+        self.tenant_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its tenant
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -34,21 +46,34 @@ class IdleSessions:
     def __iter__(self):
         return iter(list(self._idle))
 
-    def take(self, ids: Sequence[int]):
-        """(session, shared): the idle session sharing the longest prefix with ``ids`` (removed from the idle
-        list), or a new session and 0."""
+    def take(self, ids: Sequence[int], tenant: bytes = b""):
+        """(session, shared): the idle session of ``tenant`` sharing the longest prefix with ``ids`` (removed from
+        the idle list), cut back to whole pages unless ``ids`` goes on with all of it; or a new session and 0."""
         best, shared, whole = None, 0, False
         for s in self._idle:
+            if self.tenant_of.get(s) != tenant or s.cache.host is not None or s.cache.store is None:
+                continue
             cached = s.seq[:s.index.intact]
             n = common_prefix(cached, ids)
             if n > shared:
                 best, shared, whole = s, n, n == len(cached)
-        if best is not None and (shared >= self.min_shared or whole):
+        if not whole and best is not None:  # the last prompt token is always fed: whole pages before it
+            shared = best.cache.store.reusable(min(shared, len(ids) - 1) // self.grain * self.grain)
+        if best is not None and shared > 0 and (shared >= self.min_shared or whole):
             self._idle.remove(best)
+            if not whole:
+                best.cache.truncate(shared)  # what lies past the last whole page is not reused
             return best, shared
+        return self.new_session(tenant), 0
+
+    def new_session(self, tenant: bytes = b""):
+        """A session of ``tenant``: its full pages are named from the tenant's own prefix-cache root."""
         from engine.session import ChatSession
 
-        return ChatSession(self.lm, self.cache), 0
+        s = ChatSession(self.lm, self.cache)
+        s.cache.root = salted_root(tenant)
+        self.tenant_of[s] = tenant
+        return s
 
     def put(self, session) -> None:
         """Keep a finished session (most recently used); close the oldest beyond ``max_idle``."""
