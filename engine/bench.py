@@ -118,9 +118,15 @@ def _load(a):
     return load_model(ModelSpec(source=a.model, device=a.device, dtype=a.dtype))
 
 
-def _check_args(a, lm) -> tuple[list[int], list[str]]:
-    """Contexts and modes of the command line, refused (ValueError, one line) before any work."""
-    contexts = [int(c) for c in str(a.contexts).split(",") if c.strip()]
+def _contexts(a) -> list[int]:
+    raw = str(a.contexts)
+    try:
+        return [int(c) for c in raw.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--contexts {raw!r}: a comma list of prompt lengths, e.g. 256,1024") from None
+
+
+def _modes(a) -> list[str]:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:
         base, _, kv = m.partition(":")
@@ -128,21 +134,47 @@ def _check_args(a, lm) -> tuple[list[int], list[str]]:
                                   (kv and base != "paged")):
             raise ValueError(f"bench mode {m!r} is not one of {', '.join(list(HF_MODES) + list(ENGINE_MODES))}"
                              " (or paged:int8, paged:int4)")
-    ctx_limit = lm.info.context_length
-    for c in contexts:
-        if c < 1 or c + a.new_tokens > ctx_limit:
-            raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
-    if a.long and 16 + a.long > ctx_limit:
-        raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
+    return modes
+
+
+def check_flags(a) -> None:
+    """The flags that need no model, refused (ValueError, one line) before it loads: before, ``--new-tokens 0``
+    failed only after loading, and ``--contexts ''`` or ``--repeats 0`` wrote a file of empty rows, exit 0."""
+    contexts, modes = _contexts(a), _modes(a)
+    for flag, low in (("new_tokens", 1), ("repeats", 1), ("long", 0), ("reuse_history", 0), ("prefix_cache", 0)):
+        value = getattr(a, flag, low)
+        if value < low:
+            must = "it must be at least 1" if low else "it cannot be negative"
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: {must}")
+    if any(c < 1 for c in contexts):
+        raise ValueError(f"--contexts {a.contexts!r}: every prompt length must be at least 1")
+    if (contexts or getattr(a, "long", 0)) and not modes:
+        raise ValueError(f"--modes {a.modes!r} names no mode: e.g. hf-dynamic,paged")
     levels = _levels(a)
     if any(n < 1 or n > 64 for n in levels):
         raise ValueError(f"--concurrency {a.concurrency}: each level must be 1..64 sessions")
-    if getattr(a, "prefix_cache", 0) < 0:
-        raise ValueError(f"--prefix-cache {a.prefix_cache}: the number of requests cannot be negative")
+    if levels and not contexts:
+        raise ValueError("--concurrency needs prompt lengths in --contexts (each level runs at each of them)")
+    others = ("long", "reuse_history", "prefix_cache", "scenario", "server")
+    if not contexts and not any(getattr(a, f, None) for f in others):
+        raise ValueError(f"--contexts {a.contexts!r} gives no prompt length and no other measurement is asked for "
+                         "(--long, --reuse-history, --prefix-cache, --scenario, --server): e.g. --contexts 256,1024")
+    CacheConfig(page_size=a.page_size)  # its own one-line ValueError
+
+
+def _check_args(a, lm) -> tuple[list[int], list[str]]:
+    """Contexts and modes against the model's context, refused (ValueError, one line) before any work;
+    ``check_flags(a)`` passed before the model loaded."""
+    contexts, modes = _contexts(a), _modes(a)
+    ctx_limit = lm.info.context_length
+    for c in contexts:
+        if c + a.new_tokens > ctx_limit:
+            raise ValueError(f"context {c} + {a.new_tokens} new tokens does not fit the model's {ctx_limit}")
+    if a.long and 16 + a.long > ctx_limit:
+        raise ValueError(f"--long {a.long} does not fit the model's context {ctx_limit}")
     if getattr(a, "prefix_cache", 0) and not 1 <= a.shared_prompt <= ctx_limit - 24 - 16:
         raise ValueError(f"--shared-prompt {a.shared_prompt}: with a 24-token question and 16 new tokens it must be "
                          f"1..{ctx_limit - 40} for the model's context of {ctx_limit}")
-    CacheConfig(page_size=a.page_size)  # validate early
     return contexts, modes
 
 
@@ -231,6 +263,7 @@ def _turn_reuse(lm, a, log) -> dict[str, Any]:
 
 
 def run_bench(a) -> int:
+    check_flags(a)
     lm = _load(a)
     contexts, modes = _check_args(a, lm)
     a.contexts_list = contexts
@@ -249,7 +282,7 @@ def run_bench(a) -> int:
         if lm.device.type == "cuda":  # kernels for this prompt length load lazily: not in the first timed run
             for m in modes:
                 _measure(lm, a, m, prompt, 2)
-        for _ in range(max(1, a.repeats)):  # round robin, so drifting load hits every mode alike
+        for _ in range(a.repeats):  # round robin, so drifting load hits every mode alike
             for m in modes:
                 results[m].append(_measure(lm, a, m, prompt, a.new_tokens))
         rows += _rows(a, ctx, a.new_tokens, results, log)

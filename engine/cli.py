@@ -184,10 +184,17 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
     )
 
 
+# a 128k-token chat is under 1 MB of text: 16 MiB is room to spare, and /dev/zero or a log file given by
+# mistake stops there instead of reading until MemoryError (21 s and all of RAM for /dev/zero)
+MAX_MESSAGES_BYTES = 16 << 20
+
+
 def _read_messages(path: str) -> list[dict]:
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))  # decoded whole, so an error's position is the file's
+            raw = f.read(MAX_MESSAGES_BYTES + 1)
+        too_big = len(raw) > MAX_MESSAGES_BYTES
+        data = None if too_big else json.loads(raw.decode("utf-8"))  # decoded whole: errors at the file's position
     except FileNotFoundError:
         raise ValueError(f"messages file not found: {path}") from None
     except IsADirectoryError:
@@ -201,6 +208,9 @@ def _read_messages(path: str) -> list[dict]:
         raise ValueError(f"messages file {path} is nested too deeply: expected a list of {{role, content}}") from None
     except ValueError as e:
         raise ValueError(f"messages file {path} is not valid JSON: {e}") from None
+    if too_big:
+        raise ValueError(f"messages file {path} is larger than {MAX_MESSAGES_BYTES >> 20} MiB: give a JSON list of "
+                         "{role, content}")
     from engine.chat import validate_messages
 
     if isinstance(data, list) and data and isinstance(data[-1], dict) and data[-1].get("role") == "assistant":

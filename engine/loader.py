@@ -35,7 +35,7 @@ from engine.model_files import (  # noqa: F401  (check_safetensors, check_folder
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
-from engine.weight_index import check_layer_count
+from engine.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
 
@@ -217,7 +217,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         progress(f"loading {folder.name}", 0.1)
     quiet_transformers()
     config = _load_config(folder, cfg, spec)
-    check_layer_count(folder.name, config, folder)  # before anything is built (engine.weight_index)
+    check_index(folder.name, config, folder)  # sizes, pickle files, layer count: before anything is built
     tok = _load_tokenizer(folder, spec)
     check()
     _check_against_model(folder, config, tok, spec)

@@ -1,10 +1,11 @@
-"""The config against the weights' own index, before any model is built.
+"""The config against itself and the weights' own index, before any model is built.
 
 transformers builds the whole model from ``config.json`` before it reads a weight: a config that says
 2,000 layers over files that hold 5 allocated 0.8 GB and ran 16 s before "17,955 weights missing"; at
-200,000 layers even the meta-device skeleton used for the shape checks never finished. The tensor names in
-the safetensors headers (or a ``*.index.json`` weight map) are read in milliseconds, so the layer count is
-compared here, first.
+200,000 layers even the meta-device skeleton used for the shape checks never finished. A zero head count
+raised ZeroDivisionError inside the model's constructor, and a corrupt pickle file an UnpicklingError (or
+IndexError) from deep in torch. The tensor names in the safetensors headers (or a pickle checkpoint's own
+index, unpickled onto the meta device) are read in milliseconds, so all of that is checked here, first.
 """
 
 from __future__ import annotations
@@ -13,29 +14,101 @@ import json
 from pathlib import Path
 
 from engine.errors import ModelFormatError
-from engine.model_files import read_header, weight_files
+from engine.model_files import PICKLE_WEIGHTS, read_header, weight_files
 
 _PICKLE_INDEX = "pytorch_model.bin.index.json"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # older: pickled magic number
+# sizes that divide or allocate in the model's constructor: 0 or less is never a real model
+_POSITIVE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+             "head_dim")
+_FIX = "use the config.json that came with these weights"
+
+
+def check_index(name: str, config, folder: Path) -> None:
+    """Everything about ``config`` and the weight files that needs no model: sizes that must be positive,
+    the pickle files' own structure, and the layer count against the files (``ModelFormatError``)."""
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_config_sizes(name, text_cfg)
+    check_layer_count(name, text_cfg, tensor_names(folder))
+
+
+def check_config_sizes(name: str, cfg) -> None:
+    """Refuse a head count, width, vocabulary or layer count of 0 or less, and query heads that the
+    key/value heads do not divide (grouped-query attention repeats each K/V head a whole number of times)."""
+    values = {}
+    for field in _POSITIVE:
+        try:
+            v = getattr(cfg, field, None)
+        except Exception:  # noqa: BLE001 - per-layer values: transformers raises for the global one
+            continue
+        if type(v) is int:
+            if v <= 0:
+                raise ModelFormatError(f"{name}: config.json has {field} {v}: it must be at least 1 ({_FIX})")
+            values[field] = v
+    q, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if q and kv and q % kv:
+        raise ModelFormatError(f"{name}: config.json has num_attention_heads {q}, not a multiple of "
+                               f"num_key_value_heads {kv} ({_FIX})")
 
 
 def tensor_names(folder: Path) -> list[str] | None:
-    """The weight names the files declare, without reading any tensor: the safetensors headers, else the
-    pickle index's weight map. None when only an unindexed pickle file is there (its names need unpickling)."""
+    """The weight names the files declare, without reading a tensor's data: the safetensors headers, else
+    each pickle checkpoint unpickled onto the meta device (``weights_only``: no code runs). None when there
+    is nothing transformers would read by name (``model.pt`` and the like)."""
     files = weight_files(folder)
     if files:
         names: list[str] = []
         for p in files:
             names.extend(read_header(p)[0])
         return names
+    names = []
+    for p in _pickle_files(folder):
+        names.extend(_pickle_names(p))
+    return names or None
+
+
+def _pickle_files(folder: Path) -> list[Path]:
+    """The pickle checkpoints transformers reads: those its index names, else ``pytorch_model.bin``."""
     index = folder / _PICKLE_INDEX
-    if not index.is_file():
-        return None
+    if not index.exists():
+        single = folder / PICKLE_WEIGHTS[0]
+        return [single] if single.is_file() else []
     try:
         wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
-        raise ModelFormatError(f"{_PICKLE_INDEX} is corrupt: it is not a JSON object with a weight_map "
-                               "(re-download or re-export the model)") from None
-    return list(wmap) if isinstance(wmap, dict) else None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError):
+        wmap = None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise ModelFormatError(f"{_PICKLE_INDEX} is corrupt: it has no weight_map object of file names "
+                               "(re-download or re-export the model)")
+    files = [folder / f for f in dict.fromkeys(wmap.values())]
+    for f in files:
+        if not f.is_file():
+            raise ModelFormatError(f"{_PICKLE_INDEX} lists {f.name}, which is not a file in {folder} "
+                                   "(re-download or re-export the model)")
+    return files
+
+
+def _pickle_names(path: Path) -> list[str]:
+    """The keys of a ``torch.save``d state dict, its tensors placed on the meta device (the zip format is
+    memory-mapped: only its small pickle is read). ``ModelFormatError`` for anything that is not one."""
+    import torch
+
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_MAGIC))
+    if not head.startswith(_ZIP_MAGIC) and head != _LEGACY_MAGIC:
+        raise ModelFormatError(f"{path.name} is not a PyTorch checkpoint (neither torch.save's zip archive nor "
+                               "its legacy format): re-download or re-export the model")
+    try:
+        sd = torch.load(path, map_location="meta", weights_only=True, mmap=head.startswith(_ZIP_MAGIC))
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle fails as UnpicklingError, EOFError, IndexError, ...
+        first = str(e).splitlines()[0].split(". ")[0][:160] if str(e) else type(e).__name__  # torch's advice cut
+        raise ModelFormatError(f"{path.name} is corrupt: torch cannot read it ({first}); re-download or "
+                               "re-export the model") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) for k in sd):
+        raise ModelFormatError(f"{path.name} is not a state dict (a mapping of weight names to tensors): "
+                               "re-download or re-export the model")
+    return list(sd)
 
 
 def layer_stacks(names: list[str]) -> dict[str, int]:
@@ -53,21 +126,14 @@ def layer_stacks(names: list[str]) -> dict[str, int]:
     return stacks
 
 
-def check_layer_count(name: str, config, folder: Path) -> None:
-    """Refuse a config with more layers than any layer stack in the files (``ModelFormatError``).
+def check_layer_count(name: str, cfg, names: list[str] | None) -> None:
+    """Refuse a config with more layers than any layer stack in the weight ``names`` (``ModelFormatError``).
 
     Only "more" is refused here: fewer layers than the files builds a small model fast and the loader's
     coverage check names the extra tensors; several stacks (a vision tower beside the text layers) pass when
-    any of them is long enough, and folders whose names cannot be read without unpickling are not checked."""
-    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        layers = int(getattr(text_cfg, "num_hidden_layers", 0) or 0)
-    except (TypeError, ValueError):
-        return
-    if layers <= 0:
-        return
-    names = tensor_names(folder)
-    if names is None:
+    any of them is long enough; ``names`` None (nothing readable by name) is not checked."""
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if type(layers) is not int or names is None:
         return
     stacks = layer_stacks(names)
     longest = max(stacks.items(), key=lambda kv: kv[1], default=None)

@@ -76,17 +76,28 @@ def test_cli_refuses_in_one_line_with_exit_2(tmp_path, stories_path):
     assert p.stderr.startswith("error: big: config.json says num_hidden_layers 200000 but the weight files hold 5")
 
 
-def test_pickle_index_names_are_compared_too(tmp_path, stories_path):
-    """Pickle weights with an index: the names come from its weight map, the .bin is never unpickled."""
+def test_pickle_checkpoints_are_counted_by_their_own_index(tmp_path, stories_path):
+    """Sharded pickle weights: the names come from each checkpoint unpickled onto the meta device."""
+    import torch
+    from safetensors.torch import load_file
+
     folder = _copy(stories_path, tmp_path / "p", num_hidden_layers=40)
+    sd = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
-    names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)]
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {n: "pytorch_model-1.bin"
-                                                                                    for n in names}}))
-    (folder / "pytorch_model-1.bin").write_bytes(b"not a pickle")
-    with pytest.raises(errors.ModelFormatError) as info:
+    shards = {"pytorch_model-1.bin": {k: v for k, v in sd.items() if "layers" not in k},
+              "pytorch_model-2.bin": {k: v for k, v in sd.items() if k.startswith("model.layers.")}}
+    for file, part in shards.items():
+        torch.save(part, folder / file)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, part in shards.items() for k in part}}))
+    with _Params() as params, pytest.raises(errors.ModelFormatError) as info:
         load_model(ModelSpec(source=str(folder), device="cpu", allow_download=False, allow_pickle=True))
-    assert "num_hidden_layers 40 but the weight files hold 3 (model.layers.0..2) layers" in str(info.value)
+    assert "num_hidden_layers 40 but the weight files hold 5 (model.layers.0..4) layers" in str(info.value)
+    assert params.count == 0
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 5}))  # the right count loads
+    lm = load_model(ModelSpec(source=str(folder), device="cpu", allow_download=False, allow_pickle=True))
+    assert lm.info.num_layers == 5
 
 
 def test_layer_stacks_count_the_first_number_only():
