@@ -122,7 +122,15 @@ class SeqCache:
             return 0
         if self.policy is not None or self.index.intact != self.index.n or self.pending(seq_len) != 1:
             return 0
-        return max(0, self.lm.info.context_length - 2 - self.index.next_rope)
+        room = self.lm.info.context_length - 2 - self.index.next_rope
+        if type(store) is PagedKV and store.arena.kinds != {"k": "auto", "v": "auto"}:
+            # A quantized page is quantized when its last token is written, and a forward reads after it writes:
+            # in a verification that completes a page with a draft, the earlier positions' queries would read
+            # that page quantized where decoding token by token reads it in full precision (its tail). So a
+            # draft never completes a page (the first token may: every query after it reads it quantized too).
+            P, off = store.page_size, self.index.next_pos % store.page_size
+            room = min(room, P - 2 - off if off < P - 1 else P - 1)
+        return max(0, room)
 
     def next_verify(self, ids: Sequence[int], drafts: Sequence[int], owner: int) -> Work:
         """Reserve the last token of ``ids`` and ``drafts`` (k + 1 slots); their forward's ``Work``."""
@@ -140,7 +148,7 @@ class SeqCache:
         self.written = self.pages_written(work.q)  # the provisional slots' pages, as the map draws them
         rolled = work.q - keep
         if rolled:
-            self.truncate(before + keep)
+            self.truncate(before + keep)  # within the tail page of a quantized store (``draft_room``)
         self._register_pages(before, ids)
         self.batch_size, self.path = 1, "speculative"
         return rolled

@@ -85,6 +85,7 @@ class ChatMachine(RuleBasedStateMachine):
         super().__init__()
         self.lm = dataclasses.replace(stories_model(STORIES_PATH), arenas=None)  # its own page arenas
         self.chats: list[Chat] = [Chat(ChatSession(self.lm, CacheConfig()))]
+        self.draft_lm = None  # a draft model for speculation: this one, with its own page arena
 
     def _chat(self, i: int) -> Chat:
         return self.chats[i % len(self.chats)]
@@ -269,6 +270,23 @@ class ChatMachine(RuleBasedStateMachine):
             assert r.done and r.stop_reason == "cancelled"
             chat.history, chat.asked = chat.asked + [{"role": "assistant", "content": r.text}], None
 
+    @rule(i=st.integers(0, 99), method=st.sampled_from(["off", "ngram", "ngram", "draft"]),
+          k=st.sampled_from([0, 1, 3, 8]))
+    def speculate(self, i, method, k):
+        """Speculative decoding on, off, another drafter or k — mid-reply or between turns."""
+        self._speculate(self._chat(i).session, method, k)
+
+    def _speculate(self, s: ChatSession, method: str, k: int) -> None:
+        from engine.spec_draft import ModelDrafter
+        from engine.speculative import SpecConfig
+
+        cfg = SpecConfig(method=method, draft_tokens=k, draft_path="stories260K" if method == "draft" else "")
+        if method == "draft" and self.draft_lm is None:  # the model drafting for itself, on its own cache
+            self.draft_lm = dataclasses.replace(self.lm, arenas=None)
+        drafter = ModelDrafter(self.draft_lm, self.lm) if method == "draft" else None
+        note = s.speculate(cfg, drafter)
+        assert (s.spec is None) == (method == "off") and note
+
     @precondition(lambda self: len(self.chats) > 1)
     @rule(i=st.integers(0, 99))
     def close(self, i):
@@ -298,6 +316,18 @@ class ChatMachine(RuleBasedStateMachine):
         check_pages(self.lm, [c.session for c in self.chats])
 
     @invariant()
+    def no_provisional_slot_survives_a_step(self):
+        """A verification's rejected slots are cut back in the step that wrote them: the store holds exactly the
+        index's tokens, and an intact cache holds only tokens of the chat (the last one still unfed)."""
+        for chat in self.chats:
+            s = chat.session
+            if s.store is None or s.offloaded:
+                continue
+            assert s.store.num_tokens == s.index.n
+            if s.index.intact == s.index.n and s.index.n:
+                assert s.index.n <= len(s.seq) - (1 if s.generating and not s._ready else 0)
+
+    @invariant()
     def the_compiled_step_never_failed(self):
         fast = self.lm.fast_step
         assert fast is None or fast.state != "failed", fast.describe()
@@ -307,8 +337,8 @@ class ChatMachine(RuleBasedStateMachine):
             self.lm.fast_step.set_mode("off")
         for chat in self.chats:
             chat.session.close()
-        if self.lm.arenas is not None:
-            for arena in self.lm.arenas:
+        for lm in (self.lm, self.draft_lm):
+            for arena in (lm.arenas or []) if lm is not None else []:
                 assert arena.pool.num_used == 0, "pages still held after every session closed"
                 arena.pool.check()
 
@@ -458,11 +488,13 @@ class CoreMachine(ChatMachine):
 
     @precondition(lambda self: len(self.api) < 4)
     @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=30), n=st.integers(1, 24),
-          priority=st.sampled_from([0, 1, 2]))
-    def api_request(self, words, n, priority):
+          priority=st.sampled_from([0, 1, 2]), spec=st.sampled_from(["off", "off", "ngram", "draft"]))
+    def api_request(self, words, n, priority, spec):
         from engine.scheduler import Priority, Request
 
         s = ChatSession(self.lm, CacheConfig())
+        if spec != "off":
+            self._speculate(s, spec, 0)
         ids = self.lm.tokenizer(" ".join(words))["input_ids"]
         try:
             s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=0.0))
@@ -498,6 +530,12 @@ class CoreMachine(ChatMachine):
 
     def _compare_failed(self, e: BaseException) -> None:
         assert isinstance(e, EngineError), e
+
+    @rule(i=st.integers(0, 99), method=st.sampled_from(["off", "ngram", "draft"]), k=st.sampled_from([0, 2, 5]))
+    def speculate_api(self, i, method, k):
+        """An API request's speculation changes mid-reply: its tokens must stay HF's."""
+        if self.api:
+            self._speculate(self.api[i % len(self.api)].session, method, k)
 
     @rule(i=st.integers(0, 99))
     def cancel_api(self, i):

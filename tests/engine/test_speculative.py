@@ -1,0 +1,235 @@
+"""Speculative decoding on the real stories260K: greedy tokens identical to HF ``generate`` in every cache mode
+and page size, identical to plain decoding with quantized K/V; a draft model (another Llama with the same
+tokenizer) exact too, one with another tokenizer refused; rejection sampling keeps the target distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.session import ChatSession
+from engine.spec_draft import DraftMismatchError, ModelDrafter
+from engine.speculative import MAX_DRAFT, SpecConfig, Speculator, NgramDrafter, verify
+from engine.sampling import Sampler
+
+# a story that repeats itself: prompt lookup finds what comes next
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
+          "big dog. Once upon a time, there was a little girl named Lily. She loved")
+N = 120
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(stories):
+    return stories.tokenizer(PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(stories, prompt_ids):
+    with torch.inference_mode():
+        out = stories.model.generate(torch.tensor([prompt_ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run(lm, ids, cfg: CacheConfig, spec: SpecConfig | None, n: int = N, drafter=None, **sampling):
+    s = ChatSession(lm, cfg)
+    if spec is not None:
+        s.speculate(spec, drafter)
+    s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True, **sampling))
+    events = []
+    while not (r := s.step()).done:
+        events.append(r.event)
+        check_cache(s)
+    events.append(r.event)
+    check_cache(s)
+    return s, r, [e for e in events if e is not None]
+
+
+def check_cache(s: ChatSession) -> None:
+    """No provisional slot is left: the store holds the index's tokens, the pages hold them exactly."""
+    if s.store is None:
+        return
+    assert s.store.num_tokens == s.index.n <= len(s.seq)
+    if s.cache_config.mode == "paged":
+        P = s.store.page_size
+        assert len(s.store.table.pages) == -(-s.index.n // P)
+
+
+@pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(page_size=1), CacheConfig(page_size=4),
+                                 CacheConfig(page_size=7, prefix_reuse=False), CacheConfig(mode="contiguous")],
+                         ids=["paged16", "paged1", "paged4", "paged7", "contiguous"])
+@pytest.mark.parametrize("k", [0, 5])
+def test_ngram_greedy_is_hf(stories, prompt_ids, hf_tokens, cfg, k):
+    s, r, events = run(stories, prompt_ids, cfg, SpecConfig(method="ngram", draft_tokens=k, auto_off=False))
+    assert s.generated_ids == hf_tokens
+    st = r.stats
+    assert st.speculative == "ngram" and st.draft_tokens > 0 and 0 < st.accepted_draft_tokens <= st.draft_tokens
+    assert st.forwards == st.generated_tokens - st.accepted_draft_tokens  # each accepted draft saved a forward
+    assert sum(e.draft for e in events) == st.accepted_draft_tokens
+    assert [e.index for e in events] == list(range(N))  # one event per token, in order
+    assert sum(st.accepted_by_position) == st.accepted_draft_tokens
+    assert st.spec_note.startswith(f"speculative: {st.accepted_draft_tokens} of {st.draft_tokens} draft tokens")
+
+
+@pytest.mark.parametrize("k_dtype,v_dtype,page", [("int8", "int8", 16), ("int4", "int8", 4), ("auto", "int4", 16)])
+def test_quantized_kv_same_tokens_as_plain_decoding(stories, prompt_ids, k_dtype, v_dtype, page):
+    cfg = CacheConfig(k_dtype=k_dtype, v_dtype=v_dtype, page_size=page)
+    plain, _, _ = run(stories, prompt_ids, cfg, None)
+    spec, r, _ = run(stories, prompt_ids, cfg, SpecConfig(method="ngram", auto_off=False))
+    assert spec.generated_ids == plain.generated_ids and r.stats.accepted_draft_tokens > 0
+
+
+def test_an_eviction_policy_pauses_speculation_and_changes_nothing(stories, prompt_ids):
+    cfg = CacheConfig(policy="streaming", policy_params={"sinks": 4, "window": 24})
+    plain, _, _ = run(stories, prompt_ids, cfg, None)
+    spec, r, _ = run(stories, prompt_ids, cfg, SpecConfig(method="ngram", auto_off=False))
+    assert spec.generated_ids == plain.generated_ids
+    assert r.stats.draft_tokens == 0  # the window evicts as it goes: no slot can be cut back exactly
+
+
+def test_switches_mid_reply_keep_hf_tokens(stories, prompt_ids, hf_tokens):
+    s = ChatSession(stories, CacheConfig(page_size=4))
+    s.speculate(SpecConfig(method="ngram", auto_off=False))
+    s.start_ids(prompt_ids, SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    for i in range(400):
+        r = s.step()
+        if r.done:
+            break
+        if i == 20:
+            s.apply(CacheConfig(mode="contiguous"))
+        if i == 40:
+            s.speculate(SpecConfig(method="ngram", draft_tokens=2, auto_off=False))
+        if i == 60:
+            s.apply(CacheConfig(page_size=16, k_dtype="auto"))
+        if i == 70:
+            s.speculate(None)
+        if i == 80:
+            s.speculate(SpecConfig(method="ngram", auto_off=False))
+        check_cache(s)
+    assert s.generated_ids == hf_tokens
+
+
+def test_stops_inside_a_verification(stories, prompt_ids, hf_tokens):
+    for n in (2, 3, 17, 33):  # max new tokens reached on a draft the verification accepted
+        s, r, events = run(stories, prompt_ids, CacheConfig(page_size=4), SpecConfig(method="ngram", auto_off=False),
+                           n=n)
+        assert s.generated_ids == hf_tokens[:n] and r.stop_reason == "max_tokens" and len(events) == n
+        assert s.index.n == len(s.seq) - 1  # every token but the last was fed, nothing more
+
+
+def test_context_end_inside_a_verification(stories):
+    ctx = stories.info.context_length
+    ids = stories.tokenizer((PROMPT + " ") * 8)["input_ids"][: ctx - 40]
+    plain, rp, _ = run(stories, ids, CacheConfig(), None, n=100)
+    spec, rs, _ = run(stories, ids, CacheConfig(), SpecConfig(method="ngram", auto_off=False), n=100)
+    assert rs.stop_reason == rp.stop_reason == "context_full"
+    assert spec.generated_ids == plain.generated_ids and rs.stats.accepted_draft_tokens > 0
+
+
+def test_cancel_hands_out_the_verified_tokens_first(stories, prompt_ids, hf_tokens):
+    s = ChatSession(stories, CacheConfig())
+    s.speculate(SpecConfig(method="ngram", draft_tokens=8, auto_off=False))
+    s.start_ids(prompt_ids, SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    while not s._ready:
+        assert not s.step().done
+    waiting = len(s._ready)
+    s.cancel()
+    got = [s.step() for _ in range(waiting + 1)]
+    assert all(not r.done and r.event is not None for r in got[:-1])
+    assert got[-1].done and got[-1].stop_reason == "cancelled"
+    assert s.generated_ids == hf_tokens[:len(s.generated_ids)]
+    check_cache(s)
+
+
+def _random_llama(stories, seed: int):
+    """A random-weight Llama of stories260K's config and tokenizer (a different model with the same vocabulary)."""
+    import dataclasses
+
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(stories.model.config).eval()
+    return dataclasses.replace(stories, model=model, arenas=None, model_runner=None)
+
+
+def test_draft_model_is_exact(stories, prompt_ids, hf_tokens):
+    draft = _random_llama(stories, 0)
+    drafter = ModelDrafter(draft, stories)
+    s, r, _ = run(stories, prompt_ids, CacheConfig(page_size=4), SpecConfig(method="draft", draft_path="random",
+                                                                            auto_off=False), drafter=drafter)
+    assert s.generated_ids == hf_tokens
+    assert r.stats.draft_tokens > 0 and r.stats.speculative == "draft:random"
+    s.close()
+    assert drafter.cache.n == 0 and all(a.pool.num_used == 0 for a in draft.arenas)  # its pages given back
+
+    self_draft = ModelDrafter(dataclasses_replace_arenas(stories), stories)  # the model drafting for itself
+    s, r, _ = run(stories, prompt_ids, CacheConfig(), SpecConfig(method="draft", draft_path="self", auto_off=False),
+                  drafter=self_draft)
+    assert s.generated_ids == hf_tokens and r.stats.accepted_draft_tokens == r.stats.draft_tokens > 0
+    assert r.stats.forwards < N / 4
+
+
+def dataclasses_replace_arenas(lm):
+    import dataclasses
+
+    return dataclasses.replace(lm, arenas=None)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(stories, demo_model):
+    with pytest.raises(DraftMismatchError, match="tokenizer differs"):
+        ModelDrafter(demo_model, stories)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """One draft token ``d`` with q a point mass: the first token must be drawn from p itself (accept d with
+    p(d), else the residual). 40,000 draws of a 6-token vocabulary; each frequency within 5 sigma of p."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0] * 6])
+    p = torch.softmax(logits[0], -1)
+    sampler = Sampler(SamplingConfig(temperature=1.0, seed=7))
+    for d in (0, 3):
+        n = 40_000
+        counts = torch.zeros(6)
+        for _ in range(n):
+            counts[verify(sampler, logits, [d], [1, 2])[0]] += 1
+        for t in range(6):
+            sigma = math.sqrt(float(p[t]) * (1 - float(p[t])) / n)
+            assert abs(float(counts[t]) / n - float(p[t])) < 5 * sigma + 1e-3, (d, t, counts / n, p)
+
+
+def test_a_draft_the_model_rules_out_is_never_kept():
+    logits = torch.tensor([[5.0, 5.0, -math.inf], [0.0, 0.0, 0.0]])
+    sampler = Sampler(SamplingConfig(temperature=1.0, seed=1))
+    assert all(verify(sampler, logits, [2], [0])[0] != 2 for _ in range(500))
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    d = NgramDrafter(max_ngram=3)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
+    assert d.propose([4, 5, 6], 3) == []
+    assert d.propose([1, 2, 1, 2, 1, 2], 2) == [1, 2]
+
+
+def test_adaptive_k_and_auto_off():
+    sp = Speculator(SpecConfig(method="ngram"), NgramDrafter())
+    assert sp.k == 4
+    sp.record_verify(4, 4, 5, 1.0)
+    assert sp.k == 6  # all accepted: +2
+    sp.record_verify(6, 1, 2, 1.0)
+    assert sp.k == 5  # a rejection: -1
+    for _ in range(3):
+        sp.record_plain(1.0)  # plain decoding: 1 ms per token
+    notes = [sp.record_verify(5, 0, 1, 10.0) for _ in range(6)]  # 10 ms for one token each
+    assert not sp.active and "speculation off" in notes[-1] and sp.propose([1, 2, 1], 3, None) == []
+    fixed = Speculator(SpecConfig(method="ngram", draft_tokens=3), NgramDrafter())
+    fixed.record_verify(3, 3, 4, 1.0)
+    assert fixed.k == 3
+
+
+@pytest.mark.parametrize("text,error", [("beam", "not one of"), ("draft:", "needs its path")])
+def test_spec_config_refuses(text, error):
+    with pytest.raises(ValueError, match=error):
+        SpecConfig.parse(text)
+    with pytest.raises(ValueError, match="draft tokens"):
+        SpecConfig(method="ngram", draft_tokens=MAX_DRAFT + 1)
