@@ -43,6 +43,12 @@ class SessionClosedError(EngineError):
     """The session was closed (its chat was deleted or the model unloaded): start a new one."""
 
 
+class NonFiniteLogitsError(EngineError):
+    """The model's output for the next token is not a number (NaN, or +inf, or -inf everywhere): its weights
+    hold NaN/inf or its dtype overflowed. Greedy argmax of an all-NaN row is token 0, so without this check such
+    a model "answers" with token 0 forever."""
+
+
 class InternalError(EngineError):
     """An unexpected failure inside the engine (a bug). The operation was ended and the state rolled back;
     ``__cause__`` holds the original exception."""
