@@ -114,6 +114,9 @@ class CacheConfig:
         return self.k_dtype != "auto" or self.v_dtype != "auto"
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Decoding settings. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
@@ -127,6 +130,9 @@ class SamplingConfig:
     max_new_tokens: int = 256
     ignore_eos: bool = False
     stop_strings: tuple[str, ...] = ()
+    presence_penalty: float = 0.0  # OpenAI's: minus this from a token's logit once it was generated in the reply
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often it was generated in the reply
+    logprobs: int | None = None  # record the chosen token's log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         # types first: NaN passes every ``<`` check below, and a str or None would raise TypeError there
@@ -153,6 +159,13 @@ class SamplingConfig:
             raise ValueError(f"repetition penalty: {self.repetition_penalty} must be > 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens: {self.max_new_tokens} must be at least 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name.replace('_', ' ')}: {value!r} must be a number in [-2, 2]")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs: {self.logprobs!r} must be an integer 0..{MAX_TOP_LOGPROBS}")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
             raise ValueError(f"seed: {self.seed} is outside -2**63 .. 2**64-1 (what a generator's seed can hold)")
 

@@ -1,6 +1,8 @@
 """Next-token choice: greedy, or the sampling pipeline with a seeded generator.
 
-Order (as in HF's logits processors): repetition penalty → temperature → top-k → top-p → min-p → draw.
+Order (as in HF's logits processors): repetition penalty → presence / frequency penalties → temperature →
+top-k → top-p → min-p → draw. Log-probabilities (``cfg.logprobs``) are the model's own, before any of these
+(vLLM's default "raw" logprobs): what the model thought, whatever the sampler then did.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from engine.errors import NonFiniteLogitsError
 
 
 class Sampler:
-    """Chooses tokens for one reply. Owns the ``torch.Generator`` so a seed gives repeatable replies."""
+    """Chooses tokens for one reply. Owns the ``torch.Generator`` so a seed gives repeatable replies, the counts
+    of the tokens ``__call__`` chose (presence / frequency penalties count the reply's own tokens, as OpenAI's
+    do), and ``last_logprobs``: (chosen token's log-probability, [(id, log-probability)] of the top
+    ``cfg.logprobs``)."""
 
     def __init__(self, cfg: SamplingConfig, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
+        self.counts: dict[int, int] = {}  # token id -> times chosen in this reply
+        self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
             self.generator = torch.Generator(device="cpu")
@@ -28,10 +35,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> int:
         """``logits``: [vocab] of the last position; ``context_ids``: [n] ids seen so far (for the penalty)."""
-        logits = self.processed(logits, context_ids)
-        if self.cfg.greedy:
-            return int(torch.argmax(logits))
-        return self.draw(sampling_probs(logits, self.cfg))
+        raw, logits = logits, self.processed(logits, context_ids)
+        token = int(torch.argmax(logits)) if self.cfg.greedy else self.draw(sampling_probs(logits, self.cfg))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.cfg.logprobs is not None:
+            self.last_logprobs = top_logprobs(raw, token, self.cfg.logprobs)
+        return token
+
+    @property
+    def tracks_reply(self) -> bool:
+        """Penalties on the reply's own tokens or log-probabilities asked for: every token must come from
+        ``__call__`` (a path that picks tokens otherwise would skip the counts and the log-probabilities)."""
+        c = self.cfg
+        return bool(c.presence_penalty or c.frequency_penalty or c.logprobs is not None)
 
     def processed(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``logits`` [vocab] after the penalties that depend on the context (float32)."""
@@ -44,6 +60,8 @@ class Sampler:
                 "hold NaN/inf or its dtype overflowed (try float32); the reply was stopped")
         if cfg.repetition_penalty != 1.0 and context_ids is not None and context_ids.numel():
             logits = apply_repetition_penalty(logits, context_ids, cfg.repetition_penalty)
+        if (cfg.presence_penalty or cfg.frequency_penalty) and self.counts:
+            logits = apply_openai_penalties(logits, self.counts, cfg.presence_penalty, cfg.frequency_penalty)
         return logits
 
     def distribution(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +75,25 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) with this reply's generator (speculative acceptance)."""
         return float(torch.rand((), generator=self.generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under ``logits`` ([vocab]) and the ``k`` most likely (id, log-prob)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)  # float64: a rare token's log-prob stays finite
+    top = torch.topk(lp, min(k, lp.numel())) if k else None
+    alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return float(lp[token]), alts
+
+
+def apply_openai_penalties(logits: torch.Tensor, counts: dict[int, int], presence: float,
+                           frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: ``logit[j] - count[j] * frequency - (count[j] > 0) * presence`` for the tokens in
+    ``counts`` (the reply's own tokens so far)."""
+    ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+    n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+    logits = logits.clone()
+    logits[ids] -= n * frequency + presence
+    return logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context_ids: torch.Tensor, penalty: float) -> torch.Tensor:

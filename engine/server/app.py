@@ -14,8 +14,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import time
-import uuid
 from typing import Any, AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -28,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.server.errors import ApiError, from_exception
+from engine.server.replies import Shape
 from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion
 
 log = logging.getLogger("kvscope.server")
@@ -212,7 +211,8 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
         while True:
             kind, data = await job.next()
             if kind == "delta":
-                yield {"data": json.dumps(shape.chunk(data, None))}
+                text, logprob = data
+                yield {"data": json.dumps(shape.chunk(text, None, logprob))}
             elif kind == "error":
                 yield {"data": json.dumps(data.body())}
                 return
@@ -225,47 +225,6 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
     finally:
         if not job.finished:
             job.cancel()  # the client went away (or the server stops): free the request's pages
-
-
-class Shape:
-    """The JSON shapes of one reply: chat (``chat.completion``) or text (``text_completion``)."""
-
-    def __init__(self, kind: str, model: str) -> None:
-        self.kind = kind
-        self.model = model
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    @staticmethod
-    def usage(data: dict) -> dict[str, Any]:
-        p, c = data["prompt_tokens"], data["completion_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": data["cached_tokens"]}}
-
-    def whole(self, data: dict) -> dict[str, Any]:
-        fr = data["finish_reason"]
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": None,
-                      "finish_reason": fr}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)}
-        choice = {"index": 0, "text": data["text"], "logprobs": None, "finish_reason": fr}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}
-
-    def chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
-        if self.kind == "chat":
-            if isinstance(delta, str):
-                delta = {"content": delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, data: dict) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage(data)}
 
 
 def is_loopback(host: str) -> bool:

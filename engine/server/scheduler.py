@@ -24,6 +24,7 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
+from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
 from engine.server.sessions import IdleSessions
@@ -68,6 +69,7 @@ class Job:
         self.stats = None  # TurnStats of start()
         self.request: Request | None = None  # its request on the engine core, once admitted
         self.trim = StopTrimmer(req.stop)
+        self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
         self.scheduler: Scheduler | None = None
 
     def post(self, kind: str, data: Any) -> None:
@@ -98,6 +100,7 @@ class Scheduler(Source):
         self.max_running = max(1, max_running)
         self.max_waiting = max(0, max_waiting)
         self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
+        self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
@@ -274,7 +277,9 @@ class Scheduler(Source):
         req = job.req
         ids = self._prompt_ids(req)
         job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                      max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop)
+                                      max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop,
+                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                      logprobs=req.logprobs)
         job.session, _ = self.idle.take(ids, job.tenant)
         try:
             self._start_turn(job)
@@ -305,9 +310,21 @@ class Scheduler(Source):
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:  # a chunk per token, its text empty while a character or a stop string is held
-            job.post("delta", job.trim.push(r.event.text_delta))
+            job.post("delta", (job.trim.push(r.event.text_delta), self._logprob(job, r.event.token_id)))
         if r.done:
             self._end(job, r.stop_reason, r)
+
+    def _logprob(self, job: Job, token: int) -> dict | None:
+        """The token's ``logprobs.content`` entry when the request asked for them (the sampler recorded them)."""
+        if job.logprobs is None:
+            return None
+        sampler = job.session.turn_state.sampler
+        last, sampler.last_logprobs = sampler.last_logprobs, None  # each token's own, never a previous one's
+        if last is None:  # a path that picked the token without the sampler's __call__ (nothing recorded)
+            return None
+        entry = self.token_text.entry(token, *last)
+        job.logprobs.append(entry)
+        return entry
 
     def _end(self, job: Job, reason: str, result) -> None:
         s = job.session
@@ -319,7 +336,7 @@ class Scheduler(Source):
         else:
             tail = job.trim.finish()
             if tail:
-                job.post("delta", tail)
+                job.post("delta", (tail, None))
             self.idle.put(s)
         stats = job.stats
         completion = len(s.turn_state.generated)
@@ -328,7 +345,8 @@ class Scheduler(Source):
         job.finished = True
         self.metrics.outcome(finish)
         job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
-                          "completion_tokens": completion, "cached_tokens": stats.reused_tokens})
+                          "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
+                          "logprobs": job.logprobs})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""

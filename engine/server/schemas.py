@@ -2,7 +2,10 @@
 
 Only what the engine can honour is accepted: one choice (``n`` 1), text content, the roles system /
 developer (taken as system) / user / assistant. Fields OpenAI clients send that change nothing here
-(``user``, ``logit_bias`` empty, ...) are ignored; a field given with the wrong type is a 400 naming it.
+(``user``, ``logit_bias`` empty, ``tools`` the model may leave alone, ...) are ignored; a field given with the
+wrong type is a 400 naming it, and so is one asking for what the engine cannot do (``refuse_unsupported``):
+a forced tool call, a JSON response format, a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
+``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # top alternatives per token to report (0: the chosen token's only); None: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
 
 
@@ -111,11 +117,57 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
         raise bad_request("cache_salt: expected a non-empty string", "cache_salt", "invalid_type")
     mct = _int(body, "max_completion_tokens", 1)
     mt = _int(body, "max_tokens", 1)
+    refuse_unsupported(body, kind)
     return dict(kind=kind, model=model, stream=stream, include_usage=bool(opts.get("include_usage")),
+                logprobs=_logprobs(body, kind), presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                 max_tokens=mct if mct is not None else mt,
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token to report, or None. Chat: ``logprobs`` true with ``top_logprobs`` 0..20;
+    completions: ``logprobs`` 0..5 (OpenAI's ranges)."""
+    if kind == "completion":
+        n = _int(body, "logprobs", 0)
+        if n is not None and n > 5:
+            raise bad_request(f"logprobs: {n} is above 5 (the most alternatives per token)", "logprobs", "invalid_value")
+        return n
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad_request(f"logprobs: {on!r} is not a boolean", "logprobs", "invalid_type")
+    top = _int(body, "top_logprobs", 0)
+    if top is not None and top > 20:
+        raise bad_request(f"top_logprobs: {top} is above 20", "top_logprobs", "invalid_value")
+    if top is not None and not on:
+        raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs", "invalid_value")
+    return (top or 0) if on else None
+
+
+def refuse_unsupported(body: dict, kind: str) -> None:
+    """400 naming the first parameter that asks for what this engine cannot do (never answered and ignored)."""
+    def no(param: str, why: str) -> ApiError:
+        return bad_request(f"{param}: {why} is not supported by this server", param, "unsupported_parameter")
+
+    choice = body.get("tool_choice")
+    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        raise no("tool_choice", "forcing a tool call" if choice == "required" else "calling a named tool")
+    fmt = body.get("response_format")
+    kind_of_fmt = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is not None and kind_of_fmt != "text":
+        raise no("response_format", f"response_format {kind_of_fmt!r} (only 'text')")
+    if body.get("logit_bias"):
+        raise no("logit_bias", "a non-empty logit_bias")
+    if kind == "completion":
+        if body.get("echo"):
+            raise no("echo", "echo (the prompt in the reply)")
+        if body.get("suffix"):
+            raise no("suffix", "suffix (text after the completion)")
+        best_of = body.get("best_of")
+        if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
+            raise no("best_of", f"best_of {best_of!r} (one candidate per request)")
 
 
 def _content(m: dict, i: int) -> str:

@@ -1,0 +1,63 @@
+"""The JSON of a reply: a whole ``chat.completion`` / ``text_completion``, or its stream's chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from engine.server.logprobs import chat_logprobs, completion_logprobs
+
+
+class Shape:
+    """The JSON shapes of one reply: chat (``chat.completion``) or text (``text_completion``). Log-probabilities,
+    when asked for, come as ``logprobs.content`` entries (``engine.server.logprobs``), one per token."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.text_offset = 0  # characters of token text streamed so far (completions' ``text_offset``)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(data: dict) -> dict[str, Any]:
+        p, c = data["prompt_tokens"], data["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": data["cached_tokens"]}}
+
+    def _logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self.text_offset)
+        self.text_offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    def whole(self, data: dict) -> dict[str, Any]:
+        fr, lp = data["finish_reason"], self._logprobs(data.get("logprobs"))
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": lp,
+                      "finish_reason": fr}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)}
+        choice = {"index": 0, "text": data["text"], "logprobs": lp, "finish_reason": fr}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}
+
+    def chunk(self, delta: Any, finish: str | None, logprob: dict | None = None) -> dict[str, Any]:
+        """A stream's chunk: ``delta`` (text, or the chat's role delta), ``logprob``: its token's entry."""
+        lp = self._logprobs([logprob]) if logprob is not None else None
+        if self.kind == "chat":
+            if isinstance(delta, str):
+                delta = {"content": delta}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, data: dict) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(data)}

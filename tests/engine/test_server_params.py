@@ -1,0 +1,153 @@
+"""OpenAI parameters honoured or refused by name (#20 item 12): ``logprobs`` / ``top_logprobs`` and
+``presence_penalty`` / ``frequency_penalty`` checked against the model run directly (HF forward, no cache);
+a forced tool call, JSON response formats, ``logit_bias``, completions' ``echo`` / ``suffix`` / ``best_of`` get
+a 400 naming the parameter. Real server on 127.0.0.1 with stories260K, httpx.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from engine.chat import render_chat
+from engine.config import CacheConfig
+from engine.server import KVServer, ServerOptions, ServerThread
+
+MODEL = "stories260K"
+DEADLINE_S = 120.0
+USER = [{"role": "user", "content": "Sara saw a big dog."}]
+
+
+@pytest.fixture(scope="module")
+def served(stories_path):
+    from engine.loader import load_model
+
+    lm = load_model(str(stories_path))
+    server = KVServer(lm, CacheConfig(page_size=16), ServerOptions(), source=str(stories_path))
+    thread = ServerThread(server)
+    url = thread.start()
+    yield server, url
+    thread.stop()
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json={"model": MODEL, **body}, timeout=DEADLINE_S)
+
+
+@torch.no_grad()
+def hf_greedy(lm, ids: list[int], n: int, presence: float = 0.0, frequency: float = 0.0):
+    """(generated ids, log-softmax rows of the model's own logits) by full forwards of HF's model, with OpenAI's
+    penalties applied to the reply's own tokens before the argmax."""
+    ids, out, rows = list(ids), [], []
+    for _ in range(n):
+        logits = lm.model(torch.tensor([ids])).logits[0, -1].double()
+        rows.append(torch.log_softmax(logits, -1))
+        for t in set(out):
+            logits[t] -= out.count(t) * frequency + presence
+        tok = int(torch.argmax(logits))
+        if tok in lm.stop_ids:
+            break
+        out.append(tok)
+        ids.append(tok)
+    return out, rows
+
+
+def test_chat_logprobs_are_the_models_own(served, stories):
+    _, url = served
+    r = post(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 12, "temperature": 0, "logprobs": True,
+                                           "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == usage["completion_tokens"] == 12
+    ref_ids, rows = hf_greedy(stories, render_chat(stories.tokenizer, USER), 12)
+    for i, e in enumerate(content):
+        assert len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the chosen token is the most likely
+        assert e["logprob"] == pytest.approx(float(rows[i][ref_ids[i]]), abs=1e-3)
+        ranked = torch.topk(rows[i], 3)
+        assert [a["logprob"] for a in e["top_logprobs"]] == pytest.approx(ranked.values.tolist(), abs=1e-3)
+        assert e["logprob"] <= 0 and e["token"] == bytes(e["bytes"]).decode("utf-8", errors="replace")
+    text = b"".join(bytes(e["bytes"]) for e in content).decode("utf-8")
+    assert text.strip() == choice["message"]["content"].strip()
+
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=DEADLINE_S, json={
+            "model": MODEL, "messages": USER, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    streamed = [c["logprobs"]["content"] for c in chunks if c["logprobs"] is not None]
+    assert all(len(x) == 1 for x in streamed)  # one token per chunk, its own entry
+    assert [x[0] for x in streamed] == content
+
+
+def test_completion_logprobs_in_the_legacy_shape(served):
+    _, url = served
+    r = post(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                                      "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert all(1 <= len(t) <= 2 and max(t.values()) == pytest.approx(v) for t, v in
+               zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
+    off = post(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+    assert off.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.0, 2.0), (1.5, 0.0), (-1.0, 0.5)])
+def test_presence_and_frequency_penalties_as_openai_defines_them(served, stories, presence, frequency):
+    _, url = served
+    prompt = "Once upon a time"
+    ids = stories.tokenizer(prompt)["input_ids"]
+    ref_ids, _ = hf_greedy(stories, ids, 48, presence, frequency)
+    plain_ids, _ = hf_greedy(stories, ids, 48)
+    assert ref_ids != plain_ids  # the penalties change this reply (so the comparison below can fail)
+    r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 48, "temperature": 0,
+                                      "presence_penalty": presence, "frequency_penalty": frequency})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == stories.tokenizer.decode(ref_ids, skip_special_tokens=True)
+
+
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "The end."}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": "high"}, "frequency_penalty"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(served, path, extra, param):
+    _, url = served
+    body = {"messages": USER} if "chat" in path else {"prompt": "Once upon a time"}
+    r = post(url, path, {**body, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+@pytest.mark.parametrize("extra", [{"tools": TOOL, "tool_choice": "auto"}, {"tools": TOOL},
+                                   {"response_format": {"type": "text"}}, {"logit_bias": {}},
+                                   {"logprobs": False}])
+def test_what_changes_nothing_is_still_accepted(served, extra):
+    _, url = served
+    r = post(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
