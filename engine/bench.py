@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine import bench_spec
 from engine.config import CacheConfig, SamplingConfig
 
 HF_MODES = {"hf-dynamic": "dynamic", "hf-no-cache": "no_cache"}
@@ -65,19 +66,26 @@ def run_hf(lm, prompt: list[int], new_tokens: int, use_cache: bool) -> dict[str,
             "kv_bytes": kv, "tokens": out.sequences.shape[1] - len(prompt)}
 
 
-def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig) -> dict[str, Any]:
+def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig, a=None) -> dict[str, Any]:
+    """One cold reply on the engine (``a``: the bench's flags, to speculate)."""
+    from engine import bench_spec
     from engine.session import ChatSession
 
     s = ChatSession(lm, cache.replace(prefix_reuse=False))  # a cold prefill: no pages of earlier repeats
     try:
+        if a is not None:
+            bench_spec.speculate(s, a, lm)
         s.start_ids(prompt, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
         compiled = 0
         while not (r := s.step()).done:
             compiled += r.event is not None and r.event.path == "compiled"
         compiled += r.event is not None and r.event.path == "compiled"
         st = r.stats
-        return {"ttft_ms": st.ttft_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
-                "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens, "compiled_tokens": compiled}
+        out = {"ttft_ms": st.ttft_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
+               "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens, "compiled_tokens": compiled}
+        if a is not None:
+            out.update(bench_spec.fields(st, a.spec_cfg.label))
+        return out
     finally:
         s.close()
 
@@ -207,16 +215,19 @@ def _concurrency_rows(lm, a, contexts: list[int], log) -> list[dict[str, Any]]:
 def _measure(lm, a, mode: str, prompt: list[int], n: int) -> dict[str, Any]:
     if mode in HF_MODES:
         return run_hf(lm, prompt, n, use_cache=(mode == "hf-dynamic"))
-    base, _, kv = mode.partition(":")
+    spec = mode.endswith(bench_spec.SUFFIX)
+    base, _, kv = mode.removesuffix(bench_spec.SUFFIX).partition(":")
     kv = kv or "auto"
-    return run_engine(lm, prompt, n, CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv))
+    cache = CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv)
+    return run_engine(lm, prompt, n, cache, a if spec else None)
 
 
 def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = "") -> list[dict[str, Any]]:
     """One row per mode: medians over the repeats."""
     rows = []
     for mode, rs in results.items():
-        base, _, kv = mode.partition(":")
+        spec = mode.endswith(bench_spec.SUFFIX)
+        base, _, kv = mode.removesuffix(bench_spec.SUFFIX).partition(":")
         row = {
             "engine": "hf" if mode in HF_MODES else "kvscope",
             "mode": HF_MODES.get(mode, base),
@@ -226,6 +237,10 @@ def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = 
             "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rs), 3),
             "kv_bytes": rs[-1]["kv_bytes"],
         }
+        if mode not in HF_MODES:
+            row["speculative"] = None  # the plain run a speculative row is paired with
+            if spec:
+                row.update(bench_spec.fields_median(rs))
         if base == "paged":
             row["page_size"] = a.page_size
             row["compiled_tokens"] = rs[-1].get("compiled_tokens", 0)  # decode tokens the compiled step gave
@@ -235,7 +250,9 @@ def _rows(a, ctx: int, n: int, results: dict[str, list[dict]], log, kind: str = 
             row["kind"] = kind
         rows.append(row)
         log(f"  {row['engine']:8s} {HF_MODES.get(mode, mode):10s} ctx {ctx:5d}  ttft {row['ttft_ms']:9.1f} ms  "
-            f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB")
+            f"decode {row['decode_tokens_per_s']:8.2f} tok/s  kv {row['kv_bytes'] / 2**20:7.2f} MiB"
+            + (f"  accepted {row['accepted_draft_tokens']}/{row['draft_tokens']}, {row['tokens_per_forward']} tok/fwd"
+               if spec else ""))
     return rows
 
 
@@ -266,6 +283,8 @@ def run_bench(a) -> int:
     check_flags(a)
     lm = _load(a)
     contexts, modes = _check_args(a, lm)
+    bench_spec.setup(a, lm)
+    modes = bench_spec.with_spec(a, modes)
     a.contexts_list = contexts
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
@@ -291,6 +310,9 @@ def run_bench(a) -> int:
     if a.long:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
         rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
+    if getattr(a, "scenario", "") == "copy":
+        a.bench_modes = modes
+        rows += bench_spec.copy_rows(lm, a, _measure, _rows, log)
     extra: dict[str, Any] = {"turn_reuse": _turn_reuse(lm, a, log)} if a.reuse_history else {}
     extra.update(_scenarios(lm, a, log))
     device = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else lm.device.type
@@ -330,7 +352,8 @@ def _scenarios(lm, a, log) -> dict[str, Any]:
 
 
 def _print_ratios(rows: list[dict], log) -> None:
-    by = {(r["context"], r["mode"] + (":" + r["kv_dtype"] if "kv_dtype" in r else ""), r.get("kind", "")): r
+    by = {(r["context"], r["mode"] + (":" + r["kv_dtype"] if "kv_dtype" in r else "")
+           + (bench_spec.SUFFIX if r.get("speculative") else ""), r.get("kind", "")): r
           for r in rows if "concurrency" not in r}
     for (ctx, mode, kind), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         hf = by.get((ctx, "dynamic", kind))

@@ -45,8 +45,8 @@ class ModelDrafter:
 
     name = "draft"
 
-    def __init__(self, draft_lm, target_lm) -> None:
-        why = tokenizer_mismatch(draft_lm, target_lm)
+    def __init__(self, draft_lm, target_lm, check: bool = True) -> None:
+        why = tokenizer_mismatch(draft_lm, target_lm) if check else ""
         if why:
             raise DraftMismatchError(f"draft model {draft_lm.info.name}: {why}")
         from engine.seq_cache import SeqCache
@@ -90,3 +90,19 @@ class ModelDrafter:
         """Give the draft cache's pages back (the draft model stays loaded for whoever holds it)."""
         self.cache.free()
         self.fed = []
+
+
+def load_drafter(cfg, target_lm, like=None) -> ModelDrafter | None:
+    """The drafter ``cfg`` (``engine.speculative.SpecConfig``) names for ``target_lm``: a draft model loaded from
+    ``cfg.draft_path`` on the target's device (trust settings and dtype as ``like``, a ``ModelSpec``), checked
+    against its tokenizer; None for the other methods. Typed errors (``DraftMismatchError``, load errors)."""
+    if cfg.method != "draft":
+        return None
+    import dataclasses
+
+    from engine.config import ModelSpec
+    from engine.loader import load_model
+
+    base = like if like is not None else ModelSpec(source=cfg.draft_path)
+    spec = dataclasses.replace(base, source=cfg.draft_path, device=target_lm.device.type, quantization="none")
+    return ModelDrafter(load_model(spec), target_lm)

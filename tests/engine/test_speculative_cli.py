@@ -1,0 +1,56 @@
+"""``generate --speculative`` and ``bench --speculative ... --scenario copy`` through the real CLI on stories260K."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main as cli_main
+
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time, "
+          "there was a little girl named Lily.")
+
+
+def _generate(stories_path, capsys, *extra) -> dict:
+    rc = cli_main(["generate", "--model", str(stories_path), "--prompt", PROMPT, "--max-new-tokens", "60",
+                   "--ignore-eos", "--json", *extra])
+    assert rc == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_speculative_gives_the_same_tokens_and_counts_them(stories_path, capsys):
+    plain = _generate(stories_path, capsys)
+    assert plain["speculative"] is None and plain["draft_tokens"] == 0 and plain["forwards"] == 60
+    for flags, label in ((["--speculative", "ngram", "--draft-tokens", "4"], "ngram"),
+                         (["--speculative", f"draft:{stories_path}"], f"draft:{stories_path}")):
+        spec = _generate(stories_path, capsys, *flags)
+        assert spec["token_ids"] == plain["token_ids"] and spec["speculative"] == label
+        assert spec["forwards"] == 60 - spec["accepted_draft_tokens"] and spec["accepted_draft_tokens"] > 0
+        assert sum(spec["accepted_by_position"]) == spec["accepted_draft_tokens"]
+    assert spec["accepted_draft_tokens"] == spec["draft_tokens"]  # the model drafting for itself: all kept
+
+
+@pytest.mark.parametrize("value,error", [("beam", "is not one of off, ngram, draft"), ("draft:", "needs its path"),
+                                         ("draft:demo", "tokenizer differs")])
+def test_generate_refuses_a_bad_speculative_flag(stories_path, capsys, value, error):
+    rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "Hi", "--speculative", value])
+    assert rc == 2 and error in capsys.readouterr().err
+
+
+def test_bench_pairs_each_row_with_its_speculative_twin(stories_path, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = cli_main(["bench", "--model", str(stories_path), "--contexts", "32", "--modes", "hf-dynamic,paged",
+                   "--new-tokens", "48", "--speculative", "ngram", "--scenario", "copy", "--eager",
+                   "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    for kind in ("", "copy"):
+        mine = [r for r in rows if r.get("kind", "") == kind]
+        assert [(r["engine"], r["mode"], r.get("speculative")) for r in mine] == [
+            ("hf", "dynamic", None), ("kvscope", "paged", None), ("kvscope", "paged", "ngram")]
+        spec = mine[2]
+        assert spec["forwards"] == 48 - spec["accepted_draft_tokens"] and spec["decode_tokens_per_s"] > 0
+    copy = [r for r in rows if r.get("kind") == "copy"][2]
+    assert copy["accepted_draft_tokens"] > 0 and copy["tokens_per_forward"] > 1  # the passage repeats
+    assert "paged+spec" in capsys.readouterr().err
