@@ -390,7 +390,7 @@ class Conversation(QObject):
 
     def flush_reply(self, reply: Reply) -> None:
         if reply.pending:
-            self.history.append_text(reply.message_id, reply.pending)
+            self.history.append_text(reply.message_id, reply.pending, tokens=reply.tokens)
             reply.pending = ""
 
     def close(self) -> None:

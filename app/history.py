@@ -169,12 +169,21 @@ class HistoryStore(Recovery):
                     (msg.id, chat_id, position, role, content, msg.created), self._touch(chat_id))
         return msg
 
-    def append_text(self, message_id: int, text: str) -> None:
-        """Append a batch of streamed text to one message (no rewrite of the chat)."""
+    def append_text(self, message_id: int, text: str, tokens: int | None = None) -> None:
+        """Append a batch of streamed text to one message (no rewrite of the chat). ``tokens``: how many
+        tokens the reply has streamed so far, saved in the same statement as ``stats["streamed_tokens"]``,
+        so a reply the app did not live to finish (kill -9) still says how long it was."""
         found = self._find(message_id)
-        if text and found is not None:
-            self._update(found, content=self._messages[found[0]][found[1]].content + text)
+        if not text or found is None:
+            return
+        msg = self._messages[found[0]][found[1]]
+        if tokens is None:
+            self._update(found, content=msg.content + text)
             self._write("UPDATE messages SET content = content || ? WHERE id = ?", (text, message_id))
+            return
+        self._update(found, content=msg.content + text, stats={**msg.stats, "streamed_tokens": tokens})
+        self._write("UPDATE messages SET content = content || ?, stats = json_set(CASE WHEN json_valid(stats) "
+                    "THEN stats ELSE '{}' END, '$.streamed_tokens', ?) WHERE id = ?", (text, tokens, message_id))
 
     def set_content(self, message_id: int, text: str) -> None:
         found = self._find(message_id)

@@ -70,10 +70,23 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     window = MainWindow(settings, history, model=args.model)
     window.show()
     QTimer.singleShot(0, window.start)
-    code = app.exec()
+    code = run_window(app, window, history)
+    _exit_now(code)
+    return code
+
+
+def run_window(app, window, history) -> int:
+    """The event loop until the window closes, or SIGTERM / SIGINT quit it the same way (``app.quit_signals``),
+    then the worker joined (a running reply saved as stopped) and the history closed. The loop's exit code."""
+    from app.quit_signals import QuitOnSignals
+
+    signals = QuitOnSignals(app)
+    try:
+        code = app.exec()
+    finally:
+        signals.uninstall()
     window.shutdown()  # joins the worker (or gives up after 2 s inside a long model load)
     history.close()
-    _exit_now(code)
     return code
 
 

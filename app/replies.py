@@ -84,7 +84,11 @@ def pick_version(stats: dict[str, Any], index: int) -> tuple[str, dict[str, Any]
 
 def interrupted(content: str, stats: dict[str, Any]) -> dict[str, Any]:
     """The stats of a reply found unfinished in the history (the app closed or crashed while it streamed):
-    marked so, keeping its earlier versions."""
+    marked so, with the token count saved with its last streamed text, keeping its earlier versions."""
+    stats = dict(stats)
+    streamed = stats.pop("streamed_tokens", None)
+    if streamed is not None:
+        stats.setdefault("generated_tokens", streamed)
     if stats.get("versions") and stats.get("version", 0) >= len(stats["versions"]):
         return with_version(stats["versions"], content, dict(plain_stats(stats), **INTERRUPTED))
     return dict(stats, **INTERRUPTED)
