@@ -47,7 +47,10 @@ def row_cells(row: dict[str, Any], reference_tokens: int) -> list[str]:
     same = f"{row['same_tokens']}/{row['generated_tokens']}"
     if row["same_tokens"] == row["generated_tokens"] == reference_tokens:
         same += " (identical)"
-    return [row["label"], f"{row['ttft_ms']:.0f}", f"{row['decode_tokens_per_s']:.1f}", human_bytes(row["kv_bytes"]),
+    decode = f"{row['decode_tokens_per_s']:.1f}"
+    if row.get("speculative"):  # a speculative row: how many tokens each forward gave
+        decode += f" ({row.get('tokens_per_forward', 1.0):.1f} per forward)"
+    return [row["label"], f"{row['ttft_ms']:.0f}", decode, human_bytes(row["kv_bytes"]),
             same, row["stop_reason"].replace("_", " ")]
 
 

@@ -74,7 +74,7 @@ class WarmedComparison:
 
     def _warm_step(self) -> None:
         if self._warm_session is None:
-            _label, cfg = self._settings[self._warm_next]
+            _label, cfg, *_spec = self._settings[self._warm_next]  # (label, cache[, speculation])
             self._warm_next += 1
             try:
                 self._warm_session = self._make_session(cfg)

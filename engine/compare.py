@@ -15,9 +15,12 @@ from typing import Any, Callable, Sequence
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import EngineError
+from engine.speculative import SpecConfig
 
-DEFAULT_SETTINGS: tuple[tuple[str, CacheConfig], ...] = (
+DEFAULT_SETTINGS: tuple[tuple, ...] = (
     ("paged (reference)", CacheConfig(mode="paged")),
+    # the same cache, decoding with prompt lookup: identical tokens (greedy), its speed and tokens per forward
+    ("paged, speculative (prompt lookup)", CacheConfig(mode="paged"), SpecConfig(method="ngram")),
     ("contiguous", CacheConfig(mode="contiguous")),
     ("paged, KV int8", CacheConfig(mode="paged", k_dtype="int8", v_dtype="int8")),
     ("paged, KV int4", CacheConfig(mode="paged", k_dtype="int4", v_dtype="int4")),
@@ -39,11 +42,17 @@ class ComparisonRow:
     same_tokens: int  # leading tokens identical to the reference row's reply
     stop_reason: str
     error: str = ""  # why this setting could not run (the other rows still do)
+    speculative: str = ""  # the drafter ("" without speculation)
+    tokens_per_forward: float = 1.0
+    accepted_draft_tokens: int = 0
+    draft_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "ttft_ms": self.ttft_ms, "decode_tokens_per_s": self.decode_tokens_per_s, "kv_bytes": self.kv_bytes,
-                "same_tokens": self.same_tokens, "stop_reason": self.stop_reason, "error": self.error}
+                "same_tokens": self.same_tokens, "stop_reason": self.stop_reason, "error": self.error,
+                "speculative": self.speculative, "tokens_per_forward": self.tokens_per_forward,
+                "accepted_draft_tokens": self.accepted_draft_tokens, "draft_tokens": self.draft_tokens}
 
 
 class Comparison:
@@ -60,7 +69,8 @@ class Comparison:
     """
 
     def __init__(self, lm, messages: Sequence[dict], sampling: SamplingConfig,
-                 settings: Sequence[tuple[str, CacheConfig]] = DEFAULT_SETTINGS) -> None:
+                 settings: Sequence[tuple] = DEFAULT_SETTINGS) -> None:
+        """``settings``: (label, CacheConfig) or (label, CacheConfig, SpecConfig) each."""
         self.lm = lm
         self.messages = list(messages)
         self.greedy = replace(sampling, temperature=0.0)
@@ -118,16 +128,18 @@ class Comparison:
         from engine.session import ChatSession
 
         if self._warming:
-            label, cfg = self.settings[0]
+            label, cfg, spec = _setting(self.settings[0])
             sampling = replace(self.greedy, max_new_tokens=1)
         else:
-            label, cfg = self.settings[self._next]
+            label, cfg, spec = _setting(self.settings[self._next])
             self._next += 1
             sampling = self.greedy
         self._current = (label, cfg)
         try:
             # cold, as its own chat would be: no pages from the prefix cache (the chat's own are named there)
             self._session = ChatSession(self.lm, cfg.replace(prefix_reuse=False))
+            if spec is not None and spec.method == "ngram":  # a draft model is the chat's own to load
+                self._session.speculate(spec)
             self._session.start(list(self.messages), sampling)
         except (EngineError, ValueError) as e:
             return self._end(None, str(e))
@@ -152,7 +164,10 @@ class Comparison:
                 same = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
                 row = ComparisonRow(label, cfg, stats.prompt_tokens, stats.generated_tokens, stats.ttft_ms,
                                     stats.decode_tokens_per_s, int(session.snapshot().kv_bytes), same,
-                                    stats.stop_reason)
+                                    stats.stop_reason, speculative=stats.speculative,
+                                    tokens_per_forward=round(stats.generated_tokens / max(1, stats.forwards), 3),
+                                    accepted_draft_tokens=stats.accepted_draft_tokens,
+                                    draft_tokens=stats.draft_tokens)
         finally:
             if session is not None:
                 session.close()
@@ -160,8 +175,13 @@ class Comparison:
         return row
 
 
+def _setting(entry: tuple) -> tuple[str, CacheConfig, SpecConfig | None]:
+    label, cfg, *rest = entry
+    return label, cfg, (rest[0] if rest else None)
+
+
 def compare_settings(lm, messages: Sequence[dict], sampling: SamplingConfig,
-                     settings: Sequence[tuple[str, CacheConfig]] = DEFAULT_SETTINGS,
+                     settings: Sequence[tuple] = DEFAULT_SETTINGS,
                      on_row: Callable[[ComparisonRow], None] | None = None,
                      cancel: threading.Event | None = None) -> list[ComparisonRow]:
     """Generate the reply to ``messages`` once per setting (greedy: ``sampling`` with temperature 0).

@@ -374,8 +374,8 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         w.send("And a dog?")  # while the comparison runs
         assert dlg.running and w.open_compare() is dlg  # one comparison at a time: the running one is raised
         gen, reason = wait_reply(qtbot, w)
-        # the reply did not wait for the comparison: 5 settings x 120 tokens are still running
-        assert reason == "max_tokens" and dlg.running and len(dlg.rows) < 5
+        # the reply did not wait for the comparison: 6 settings x 120 tokens are still running
+        assert reason == "max_tokens" and dlg.running and len(dlg.rows) < 6
         assert w.last_stats["generated_tokens"] == 20 and w.last_stats["reused_tokens"] > 0
         # cache settings apply, and Stop stops, while it runs
         w.apply_cache_config(CacheConfig(mode="contiguous"))
@@ -398,14 +398,16 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         assert msgs[3]["content"] == result.text
 
         qtbot.waitUntil(lambda: dlg.finished_reason == "done", timeout=120_000)
-        assert dlg.table.rowCount() == 5 and dlg.table.columnCount() == len(COLUMNS)
-        cells = [[dlg.table.item(r, c).text() for c in range(len(COLUMNS))] for r in range(5)]
-        assert [row[0] for row in cells] == ["paged (reference)", "contiguous", "paged, KV int8", "paged, KV int4",
-                                             "cache off"]
-        assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 4))  # lossless settings
+        assert dlg.table.rowCount() == 6 and dlg.table.columnCount() == len(COLUMNS)
+        cells = [[dlg.table.item(r, c).text() for c in range(len(COLUMNS))] for r in range(6)]
+        assert [row[0] for row in cells] == ["paged (reference)", "paged, speculative (prompt lookup)", "contiguous",
+                                             "paged, KV int8", "paged, KV int4", "cache off"]
+        assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 2, 5))  # lossless settings
+        spec = dlg.rows[1]
+        assert cells[1][2].endswith(f"({spec['tokens_per_forward']:.1f} per forward)") and "per forward" not in cells[0][2]
         assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only
-        assert "Done: 5 settings" in dlg.status.text() and dlg.progress.value() == dlg.progress.maximum()
-        assert dlg.markdown().count("\n") == 7 and "| paged (reference) |" in dlg.markdown()
+        assert "Done: 6 settings" in dlg.status.text() and dlg.progress.value() == dlg.progress.maximum()
+        assert dlg.markdown().count("\n") == 8 and "| paged (reference) |" in dlg.markdown()
         dlg.close()
         assert w.open_compare() is not dlg  # a finished comparison makes way for a new one
     finally:

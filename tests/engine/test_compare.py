@@ -15,8 +15,8 @@ def test_lossless_settings_match_the_reference_and_rows_report_the_cache(stories
     seen = []
     rows = compare_settings(stories, MSGS, SamplingConfig(temperature=0.9, max_new_tokens=60, ignore_eos=True),
                             on_row=seen.append)
-    assert [r.label for r in rows] == [label for label, _ in DEFAULT_SETTINGS] and seen == rows
-    ref, contiguous, int8, int4, off = rows
+    assert [r.label for r in rows] == [setting[0] for setting in DEFAULT_SETTINGS] and seen == rows
+    ref, spec, contiguous, int8, int4, off = rows
     # greedy whatever the form says: the reference is the model's greedy reply, as a plain session gives it
     s = ChatSession(stories, CacheConfig(mode="paged"))
     s.start(MSGS, SamplingConfig(temperature=0.0, max_new_tokens=60, ignore_eos=True))
@@ -24,8 +24,10 @@ def test_lossless_settings_match_the_reference_and_rows_report_the_cache(stories
         pass
     assert ref.generated_tokens == 60 and ref.same_tokens == 60 and s.generated_ids and not ref.error
     s.close()
-    for lossless in (contiguous, off):
+    for lossless in (spec, contiguous, off):
         assert lossless.same_tokens == lossless.generated_tokens == 60
+    assert spec.speculative == "ngram" and spec.tokens_per_forward >= 1.0 and ref.speculative == ""
+    assert spec.tokens_per_forward == round(60 / (60 - spec.accepted_draft_tokens), 3)
     assert off.kv_bytes == 0 < int8.kv_bytes < ref.kv_bytes
     assert int4.kv_bytes < int8.kv_bytes and 0 <= int4.same_tokens <= 60
     assert all(r.prompt_tokens == ref.prompt_tokens > 0 and r.ttft_ms > 0 and r.decode_tokens_per_s > 0 for r in rows)
