@@ -170,6 +170,7 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         written_pages=tuple(p for p in cache.written if p < len(state)) if paged else (),
         page_mine=own_pages(cache, len(state), groups) if paged else None,
         batch_size=cache.batch_size,
+        verified=cache.verified, rolled_back=cache.rolled_back,
         step_path=cache.path,
         fast_step=fast.describe() if fast is not None else "",
     )

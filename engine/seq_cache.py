@@ -52,6 +52,7 @@ class SeqCache:
         self.batch_size = 1  # sequences the last forward decoded
         self.path = "eager"  # what ran the last forward: eager | compiled | batched
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
+        self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
 
     # -- plumbing ----------------------------------------------------------------------------------------
     def set_store(self, store: KVStore | None) -> None:
@@ -151,6 +152,7 @@ class SeqCache:
             self.truncate(before + keep)  # within the tail page of a quantized store (``draft_room``)
         self._register_pages(before, ids)
         self.batch_size, self.path = 1, "speculative"
+        self.verified, self.rolled_back = work.q, rolled
         return rolled
 
     def fills_context(self, seq_len: int) -> bool:
@@ -198,6 +200,7 @@ class SeqCache:
         self._register_pages(self.index.n - q, ids)
         self.written = written or self.pages_written(q)
         self.batch_size, self.path = batch, path
+        self.verified = self.rolled_back = 0
 
     def after_forward(self, cx: EvictionContext) -> None:
         self.evictions += self.evictor.after_forward(self.store, self.index, self.policy, cx)

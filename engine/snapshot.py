@@ -190,6 +190,8 @@ class CacheSnapshot:
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
     written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
     batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
+    verified: int = 0  # slots a speculative verification wrote (the fed token + its drafts; 0: no verification)
+    rolled_back: int = 0  # of them, the rejected drafts' slots cut back (their pages freed if emptied)
     step_path: str = "eager"  # what ran that forward: eager | compiled | batched (TokenEvent.path)
     fast_step: str = ""  # the model's compiled decode step in words (engine.fast_step.FastStep.describe)
     page_mine: np.ndarray | None = None  # [num_pages] bool: held by this chat (else: free, cached, other chats')

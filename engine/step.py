@@ -195,6 +195,7 @@ class Stepping:
         event, stats = self.sequence.end_reply(reason, event)
         snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
         self.cache.written, self.cache.batch_size = (), 1  # an idle chat's picture shows no page being written
+        self.cache.verified = self.cache.rolled_back = 0
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
                           stats=stats, warnings=self.sequence.take_notes())
 

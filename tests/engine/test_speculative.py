@@ -73,6 +73,19 @@ def test_ngram_greedy_is_hf(stories, prompt_ids, hf_tokens, cfg, k):
     assert st.spec_note.startswith(f"speculative: {st.accepted_draft_tokens} of {st.draft_tokens} draft tokens")
 
 
+def test_snapshots_show_the_verification_and_its_rollback(stories, prompt_ids):
+    s = ChatSession(stories, CacheConfig(page_size=4))
+    s.speculate(SpecConfig(method="ngram", draft_tokens=6, auto_off=False))
+    s.start_ids(prompt_ids, SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    seen = []
+    while not (r := s.step()).done:
+        sn = r.snapshot
+        if sn.verified:
+            seen.append((sn.verified, sn.rolled_back))
+            assert 0 <= sn.rolled_back < sn.verified <= 7 and sn.written_pages  # the pages the k + 1 slots took
+    assert seen and any(rb for _, rb in seen) and any(rb == 0 for _, rb in seen)
+
+
 @pytest.mark.parametrize("k_dtype,v_dtype,page", [("int8", "int8", 16), ("int4", "int8", 4), ("auto", "int4", 16)])
 def test_quantized_kv_same_tokens_as_plain_decoding(stories, prompt_ids, k_dtype, v_dtype, page):
     cfg = CacheConfig(k_dtype=k_dtype, v_dtype=v_dtype, page_size=page)
