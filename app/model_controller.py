@@ -98,7 +98,7 @@ class ModelController(QObject):
         self._show_error(failure.message)
         if self.info is not None:
             self.status.show_model(self.info.name, self.info.source)
-            self.ready_changed.emit(True, "")  # the chat goes on with it
+            self.ready_changed.emit(True, ready_hint(self.info))  # the chat goes on with it
         else:
             self.status.model.setText("No model")
             self.ready_changed.emit(False, "No model could be loaded. Open one from File ▸ Models…")

@@ -13,12 +13,12 @@ import html
 from typing import Callable, Sequence
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QToolButton, QWidget
 
 
 class NoticeBar(QFrame):
     """One dismissible message (plain text; line breaks kept), with optional action buttons that each close
-    it. Hidden when empty."""
+    it. Hidden when empty. The text takes the bar's whole width and wraps; × sits in the top-right corner."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -34,16 +34,21 @@ class NoticeBar(QFrame):
         self.close_button.setObjectName("flatButton")
         self.close_button.setToolTip("Dismiss")
         self.close_button.clicked.connect(self.clear)
-        self.actions_row = QHBoxLayout()
+        self.label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        # The buttons live in a widget hidden while there are none: an empty layout in the text's column caps
+        # that column at the text's longest word (an empty box layout's maximum width is 0), which left one
+        # word per line in a narrow centred strip.
+        self.actions = QWidget()
+        self.actions_row = QHBoxLayout(self.actions)
         self.actions_row.setContentsMargins(0, 0, 0, 0)
+        self.actions.setVisible(False)
         self.action_buttons: list[QPushButton] = []
-        body = QVBoxLayout()
-        body.addWidget(self.label)
-        body.addLayout(self.actions_row)
-        row = QHBoxLayout(self)
-        row.setContentsMargins(10, 6, 6, 6)
-        row.addLayout(body, 1)
-        row.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
+        grid = QGridLayout(self)
+        grid.setContentsMargins(10, 6, 6, 6)
+        grid.addWidget(self.label, 0, 0)
+        grid.addWidget(self.close_button, 0, 1, Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.actions, 1, 0, 1, 2)
+        grid.setColumnStretch(0, 1)
         self.setVisible(False)
 
     def show_message(self, text: str, actions: Sequence[tuple[str, Callable[[], None]]] = ()) -> None:
@@ -58,6 +63,7 @@ class NoticeBar(QFrame):
             self.action_buttons.append(button)
         if actions:
             self.actions_row.addStretch(1)
+        self.actions.setVisible(bool(actions))
         self.setVisible(True)
 
     def _clear_actions(self) -> None:
@@ -66,6 +72,7 @@ class NoticeBar(QFrame):
             if item.widget() is not None:
                 item.widget().deleteLater()
         self.action_buttons = []
+        self.actions.setVisible(False)
 
     def clear(self) -> None:
         self._clear_actions()
