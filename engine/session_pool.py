@@ -9,9 +9,9 @@ pool. The next turn of a swapped chat brings its K/V back (``swap_in``) before p
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable
+from typing import Callable, Hashable
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, SpecConfig
 from engine.loader import LoadedModel
 from engine.session import ChatSession
 
@@ -23,6 +23,8 @@ class SessionPool:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[Hashable, ChatSession] = OrderedDict()  # least recently active first
         self.active: Hashable | None = None
+        self.spec = SpecConfig()  # speculative decoding for every chat (off)
+        self._make_drafter: Callable[[], object] | None = None  # a new draft-model drafter per chat
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -43,9 +45,10 @@ class SessionPool:
         if session is None:
             session = ChatSession(self.lm, self.cache)
             self._sessions[chat_id] = session
-        else:
-            if session.cache_config != self.cache:
-                notes += session.apply(self.cache)
+        elif session.cache_config != self.cache:
+            notes += session.apply(self.cache)
+        note = self._speculate(session)
+        notes += [note] if note else []
         self._sessions.move_to_end(chat_id)
         for other_id, other in self._sessions.items():
             if other_id != chat_id and not other.generating and not other.offloaded and other.cached_tokens:
@@ -73,6 +76,37 @@ class SessionPool:
         self.cache = cache
         s = self._sessions.get(self.active)
         return s.apply(cache) if s is not None else []
+
+    def speculate(self, cfg: SpecConfig | None, make_drafter: Callable[[], object] | None = None) -> list[str]:
+        """Speculative decoding for every chat (``make_drafter``: a new ``engine.spec_draft.ModelDrafter`` on the
+        shared draft model, for method draft): the active session now (also mid-reply), the others when they
+        become active. Turning the draft model off frees every idle chat's draft cache now. Returns notes."""
+        cfg = cfg or SpecConfig()
+        if cfg.method == "draft" and make_drafter is None:
+            raise ValueError("speculative decoding with a draft model needs the draft model loaded")
+        before = self.spec, self._make_drafter
+        self.spec, self._make_drafter = cfg, make_drafter if cfg.method == "draft" else None
+        s = self._sessions.get(self.active)
+        try:
+            note = self._speculate(s) if s is not None else ""
+        except BaseException:
+            self.spec, self._make_drafter = before  # the setting in force stays what the chats have
+            raise
+        if cfg.method != "draft":  # cheap: no session keeps a draft model's cache it will not use
+            for other in self._sessions.values():
+                if other is not s and other.spec is not None and other.spec.cfg.method == "draft":
+                    other.speculate(cfg)
+        return [note] if note else []
+
+    def _speculate(self, session: ChatSession) -> str:
+        """The pool's speculation onto ``session`` if it differs ("" when nothing changed). A drafter is made
+        first, so a failure leaves the session as it was."""
+        cfg, old = self.spec, session.spec.cfg if session.spec is not None else None
+        if old == cfg or (old is None and cfg.method == "off"):
+            return ""
+        same_model = old is not None and (old.method, old.draft_path) == ("draft", cfg.draft_path)
+        drafter = self._make_drafter() if cfg.method == "draft" and not same_model else None
+        return session.speculate(cfg, drafter)
 
     def drop(self, chat_id: Hashable) -> None:
         """Forget a chat (deleted by the user): its pages and host copy are freed."""

@@ -26,55 +26,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig  # noqa: F401 - torch-free, for the GUI
 from engine.sampling import Sampler
 
-SPEC_METHODS = ("off", "ngram", "draft")
-MAX_DRAFT = 16  # a verification of 17 tokens costs ~1.3x a decode forward on the CPU; more rarely pays
 START_K = 4
 # Auto-off: after this many verifications, speculation must beat plain decoding per token, or it stops for the
 # reply. Plain steps are measured when a drafter has nothing to offer, or by a probe of PROBE_STEPS.
 MIN_VERIFY, PROBE_STEPS, PAYS = 8, 3, 0.97
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding for a chat: ``method`` off | ngram | draft (``draft_path``: the draft model),
-    ``draft_tokens`` k per forward (0: adaptive, from 4 between 1 and 16), ``max_ngram`` the longest
-    n-gram prompt lookup matches, ``auto_off`` stop speculating for a reply where it measures slower."""
-
-    method: str = "off"
-    draft_path: str = ""
-    draft_tokens: int = 0
-    max_ngram: int = 3
-    auto_off: bool = True
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative: {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
-        if self.method == "draft" and not self.draft_path:
-            raise ValueError("speculative: a draft model needs its path (draft:PATH)")
-        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \
-                or not 0 <= self.draft_tokens <= MAX_DRAFT:
-            raise ValueError(f"draft tokens: {self.draft_tokens!r} must be 0 (adaptive) .. {MAX_DRAFT}")
-        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or not 1 <= self.max_ngram <= 8:
-            raise ValueError(f"max n-gram: {self.max_ngram!r} must be 1..8")
-
-    @classmethod
-    def parse(cls, text: str, draft_tokens: int = 0) -> "SpecConfig":
-        """``off`` | ``ngram`` | ``draft:PATH`` (the CLI's and the server's spelling)."""
-        text = (text or "off").strip()
-        if text.startswith("draft:"):
-            return cls(method="draft", draft_path=text[len("draft:"):], draft_tokens=draft_tokens)
-        return cls(method=text, draft_tokens=draft_tokens)
-
-    @property
-    def label(self) -> str:
-        return f"draft:{self.draft_path}" if self.method == "draft" else self.method
-
-
 class NgramDrafter:
-    """Prompt lookup: the last ``n`` tokens (n = max_ngram .. 1) matched at their latest earlier place in the
-    chat; the tokens that followed there are the draft. Strong where the reply copies (quoting, editing, code)."""
+    """Prompt lookup: the last ``n`` tokens (n = max_ngram .. 1) matched at an earlier place in the chat (the
+    latest with ``k`` tokens after it); the tokens that followed there are the draft. Strong where the reply
+    copies (quoting, editing, code) or repeats itself."""
 
     name = "ngram"
 
@@ -88,7 +52,10 @@ class NgramDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(arr[:T - 1], n)  # [T-n, n]: every earlier n-gram
             hits = np.nonzero((windows == arr[T - n:]).all(axis=1))[0]
             if len(hits):
-                start = int(hits[-1]) + n  # the latest match: the likeliest continuation in a chat
+                # the latest match with k tokens after it (the likeliest continuation in a chat); in a loop the
+                # latest match ends next to the tail, so else the earliest (the longest continuation)
+                full = hits[hits + n + k <= T]
+                start = int(full[-1] if len(full) else hits[0]) + n
                 return arr[start:start + k].tolist()
         return []
 
