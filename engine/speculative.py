@@ -56,7 +56,11 @@ class NgramDrafter:
                 # latest match ends next to the tail, so else the earliest (the longest continuation)
                 full = hits[hits + n + k <= T]
                 start = int(full[-1] if len(full) else hits[0]) + n
-                return arr[start:start + k].tolist()
+                out = arr[start:start + k].tolist()
+                period = T - start  # the match repeats every ``period`` tokens: copy on past the end (LZ77-style)
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     def close(self) -> None:

@@ -217,11 +217,12 @@ def test_a_draft_the_model_rules_out_is_never_kept():
     assert all(verify(sampler, logits, [2], [0])[0] != 2 for _ in range(500))
 
 
-def test_prompt_lookup_takes_the_latest_longest_match():
+def test_prompt_lookup_takes_the_latest_longest_match_with_room():
     d = NgramDrafter(max_ngram=3)
     assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
     assert d.propose([4, 5, 6], 3) == []
     assert d.propose([1, 2, 1, 2, 1, 2], 2) == [1, 2]
+    assert d.propose([5, 7, 7, 7, 7], 3) == [7, 7, 7]  # a loop: the match with 3 tokens after it, not the tail
 
 
 def test_adaptive_k_and_auto_off():
