@@ -64,7 +64,8 @@ def note_lines(stats: dict[str, Any]) -> list[str]:
 
 
 def cache_line(stats: dict[str, Any]) -> str:
-    """'reused N tokens, recomputed M, diverged at P'."""
+    """'reused N tokens, recomputed M, diverged at P', with 'dropped D unread to fit the context' when the prompt
+    did not fit (those were never computed: they are in neither count)."""
     if not stats or "reused_tokens" not in stats:
         return ""
     div = stats.get("first_divergence", -1)
@@ -73,7 +74,10 @@ def cache_line(stats: dict[str, Any]) -> str:
     if shared:
         where = f"{shared} from another chat's cache" + (f", {where}" if where else "")
     where = where or "nothing cached before"
-    return f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}, {where}"
+    dropped = int(stats.get("dropped_tokens") or 0)
+    dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
+    return (f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}{dropped_text}, "
+            f"{where}")
 
 
 def shown_is_stored(versions: list, shown: int) -> bool:

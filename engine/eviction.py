@@ -49,6 +49,7 @@ class EvictionContext:
     context_length: int = 0
     max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.sequence.prefill_chunk``)
     notes: list[str] = field(default_factory=list)
+    dropped: int = 0  # prompt tokens passed over unread to fit the context (never computed, so not "recomputed")
 
 
 class Scores:
@@ -117,9 +118,11 @@ class Evictor:
                 done += self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)
             chunk = max(1, min(chunk, policy.budget - index.n))
         elif todo > ctx and cx.overflow in ("truncate_middle", "rolling"):
-            skip = todo - ctx // 2
+            skip, first = todo - ctx // 2, index.next_pos
             index.skip(skip)  # these would be evicted before the reply starts: never fed
-            cx.notes.append(f"{skip} tokens of the prompt were dropped to fit the context of {ctx} ({cx.overflow})")
+            cx.dropped += skip
+            cx.notes.append(f"{skip:,} tokens of the prompt (positions {first:,}–{first + skip - 1:,}) were dropped to "
+                            f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
             return self.plan(store, index, policy, todo - skip, cx)
         if index.next_rope + chunk > ctx:
             if policy is None and cx.overflow not in ("truncate_middle", "rolling"):

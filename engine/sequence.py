@@ -68,7 +68,8 @@ class TurnState:
     ttft_ms: float = 0.0
     prompt_len: int = 0
     reused: int = 0
-    recomputed: int = 0
+    recomputed: int = 0  # prompt tokens computed (fed) in this reply
+    dropped: int = 0  # prompt tokens passed over unread to fit the context: neither reused nor computed
     divergence: int = -1
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     threads: int = 0
@@ -81,6 +82,7 @@ class TurnState:
         n = len(self.generated)
         return TurnStats(
             prompt_tokens=self.prompt_len, reused_tokens=self.reused, recomputed_tokens=self.recomputed,
+            dropped_tokens=self.dropped,
             first_divergence=self.divergence, generated_tokens=n, ttft_ms=self.ttft_ms,
             prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
@@ -178,6 +180,17 @@ class Sequence:
 
     def add_notes(self, notes: Seq[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]
+
+    def planned(self, cx) -> None:
+        """A forward was planned (``cx``: its ``engine.eviction.EvictionContext``, None with the cache off): its
+        notes for the user, and prompt tokens it dropped unread, which move from "to compute" to "dropped" so the
+        prefill rate counts only tokens the model read."""
+        if cx is None:
+            return
+        self.add_notes(cx.notes)
+        self.reply.recomputed -= cx.dropped
+        self.reply.dropped += cx.dropped
+        cx.dropped = 0  # counted once, whoever looks at this context again
 
     def take_notes(self) -> tuple[str, ...]:
         notes, self.notes = tuple(self.notes), []

@@ -86,7 +86,6 @@ class Stepping:
                 raise self._fail(e) from e
             self._open = (t0, len(drafts) + 1, work, None, drafts)
             return work
-        n_in = c.pending(len(q.ids))
         try:
             work, cx = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
         except ContextOverflowError as e:
@@ -94,7 +93,8 @@ class Stepping:
             return self._finish("context_full", None)
         except BaseException as e:
             raise self._fail(e) from e
-        q.add_notes(cx.notes if cx is not None else ())
+        q.planned(cx)  # its notes; prompt tokens it dropped unread are not counted as computed
+        n_in = c.pending(len(q.ids))  # after planning: without the tokens dropped to fit the context
         self._open = (t0, n_in, work, cx, None)
         return work
 
