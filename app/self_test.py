@@ -191,6 +191,7 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
     if t.check(loaded, f"load {model}" + (f": {errors[-1]}" if errors else "")):
         t.lines.append(f"model: {window.info.name} on {window.info.device} ({window.info.device_reason}), "
                        f"loaded in {(time.perf_counter() - t_load):.1f} s")
+        _notice(t)
         _modes(t)
         _mode_switches(t)
         _panels(t, probe)
@@ -200,6 +201,22 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
         if measure_panels:
             _measure_panels(t)
     return _finish(window, history, tmp, t.lines, t.ok, probe, screenshot)
+
+
+def _notice(t: SelfTest) -> None:
+    """A real notice ("No cache trace yet", before any reply) spans the message area and wraps, × in its
+    top-right corner (it once wrapped a word a line in a column ~150 px wide)."""
+    w = t.window
+    w.exporter.export_trace("json")
+    n = w.chat.notice
+    wait_until(lambda: n.isVisible() and n.width() == w.chat.scroll.width(), 2)
+    inner = n.contentsRect().marginsRemoved(n.layout().contentsMargins())
+    close = n.close_button.geometry()
+    t.check(n.width() == w.chat.scroll.width() and (close.right(), close.top()) == (inner.right(), inner.top())
+            and n.label.width() + close.width() + n.layout().horizontalSpacing() == inner.width(),
+            f"notice spans the message area ({n.width()} of {w.chat.scroll.width()} px, text {n.label.width()} px), "
+            "× in its top-right corner")
+    n.clear()
 
 
 def _modes(t: SelfTest) -> None:
