@@ -153,6 +153,11 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-queued", type=int, default=32, help="requests waiting beyond those; more get 429")
     s.add_argument("--max-idle", type=int, default=4, help="finished conversations kept with their cache")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
+    s.add_argument("--max-tokens", type=int, default=4096, help="most tokens one reply may generate (default 4096; "
+                   "a larger max_tokens gets 400, none asked: this many at most)")
+    s.add_argument("--max-connections", type=int, default=512, help="open connections; more get 503 (default 512)")
+    s.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's head (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body (default 30)")
     s.add_argument("--access-log", action="store_true", help="log every request")
     _cache_args(s)
     _model_args(s)
@@ -167,9 +172,12 @@ def _model_spec(a: argparse.Namespace) -> ModelSpec:
 def cmd_serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port} is outside 0..65535")
-    for name in ("max_running", "max_idle", "max_body"):
+    for name in ("max_running", "max_idle", "max_body", "max_tokens", "max_connections"):
         if getattr(a, name) < (1 if name != "max_idle" else 0):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} is too small")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} must be more than 0 seconds")
     if a.max_queued < 0:
         raise ValueError(f"--max-queued {a.max_queued} must be at least 0")
     cache = cache_config_from_args(a)

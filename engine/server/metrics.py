@@ -25,6 +25,8 @@ class Metrics:
         self.session_evictions = 0  # idle sessions closed to keep the idle pool small
         self.runner = None  # engine.runner.ModelRunner: its batched-forward counters are read at render
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.stalls = {"paused": 0, "cancelled": 0}  # streams whose reader stopped (``engine.server.jobs``)
+        self.closed = {"header_timeout": 0, "body_timeout": 0, "over_limit": 0}  # ``engine.server.conn``
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
 
     def request_started(self, prompt_tokens: int, reused_tokens: int) -> None:
@@ -45,6 +47,16 @@ class Metrics:
     def outcome(self, name: str) -> None:
         with self._lock:
             self.outcomes[name] = self.outcomes.get(name, 0) + 1
+
+    def connection_closed(self, reason: str) -> None:
+        """A connection the server closed: ``header_timeout``, ``body_timeout`` or ``over_limit``."""
+        with self._lock:
+            self.closed[reason] = self.closed.get(reason, 0) + 1
+
+    def stall(self, action: str) -> None:
+        """A stream whose reader fell behind was ``paused`` (held) or, still behind, ``cancelled``."""
+        with self._lock:
+            self.stalls[action] = self.stalls.get(action, 0) + 1
 
     @property
     def batched_forwards(self) -> int:
@@ -101,13 +113,19 @@ class Metrics:
                 ("kvscope_session_evictions_total", "counter", "Idle sessions closed (least recently used first)",
                  self.session_evictions),
             ]
-            outcomes = dict(self.outcomes)
+            outcomes, stalls, closed = dict(self.outcomes), dict(self.stalls), dict(self.closed)
         out = []
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
         out += ["# HELP kvscope_requests_total Requests by outcome (finish reason, cancelled, error, rejected)",
                 "# TYPE kvscope_requests_total counter"]
         out += [f'kvscope_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
+        out += ["# HELP kvscope_streams_stalled_total Streams whose client stopped reading: held (paused), then "
+                "cancelled if it did not catch up", "# TYPE kvscope_streams_stalled_total counter"]
+        out += [f'kvscope_streams_stalled_total{{action="{k}"}} {v}' for k, v in stalls.items()]
+        out += ["# HELP kvscope_connections_closed_total Connections the server closed: a request head or body "
+                "not complete in time, or over the connection limit", "# TYPE kvscope_connections_closed_total counter"]
+        out += [f'kvscope_connections_closed_total{{reason="{k}"}} {v}' for k, v in closed.items()]
         return "\n".join(out) + "\n"
 
 

@@ -13,79 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
+from engine.server.jobs import Backlog, Job, JobRecord
+from engine.server.limits import StreamLimits
 from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
 from engine.server.sessions import IdleSessions
-from engine.server.stops import StopTrimmer
 
 log = logging.getLogger("kvscope.server")
-_job_ids = itertools.count(1)
 FINISH = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "context_full": "length",
           "budget_full": "length", "cancelled": "cancelled"}
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """How a finished request used the engine (kept for tests, tools and the app)."""
-
-    job_id: int
-    request_id: str  # the response's id (chatcmpl-..., cmpl-...)
-    session_id: int
-    prompt_tokens: int
-    reused_tokens: int
-    recomputed_tokens: int
-    completion_tokens: int
-    finish_reason: str
-
-
-class Job:
-    """One request on its way through the engine. Events: ("start", info), ("delta", text),
-    ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
-
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",
-                 tenant: bytes = b"") -> None:
-        self.id = next(_job_ids)
-        self.request_id = request_id
-        self.tenant = tenant  # who may share its cache (``IdleSessions``)
-        self.req = req
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
-        self.finished = False  # set by the engine thread after the last event
-        self.session = None
-        self.sampling: SamplingConfig | None = None
-        self.stats = None  # TurnStats of start()
-        self.request: Request | None = None  # its request on the engine core, once admitted
-        self.trim = StopTrimmer(req.stop)
-        self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
-        self.scheduler: Scheduler | None = None
-
-    def post(self, kind: str, data: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            pass
-
-    async def next(self) -> tuple[str, Any]:
-        return await self.events.get()
-
-    def cancel(self) -> None:
-        """Stop this request (from any thread): between two steps its session is closed."""
-        if not self.cancelled and not self.finished and self.scheduler is not None:
-            self.cancelled = True
-            self.scheduler.cancelled(self)
 
 
 class Scheduler(Source):
@@ -93,12 +39,14 @@ class Scheduler(Source):
     ``CoreThread`` started by ``start``."""
 
     def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 8,
-                 max_waiting: int = 32, max_idle: int = 4, core: EngineCore | None = None) -> None:
+                 max_waiting: int = 32, max_idle: int = 4, core: EngineCore | None = None,
+                 limits: StreamLimits | None = None) -> None:
         self.lm = lm
         self.cache = cache
         self.metrics = metrics or Metrics()
         self.max_running = max(1, max_running)
         self.max_waiting = max(0, max_waiting)
+        self.limits = limits or StreamLimits()
         self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
@@ -151,8 +99,9 @@ class Scheduler(Source):
                tenant: bytes = b"") -> Job:
         """Queue a request (``tenant``: who may share its cache); 429 when ``max_waiting`` are queued already, 503
         once the server stops."""
-        job = Job(req, loop, request_id, tenant)
-        job.scheduler = self
+        lim = self.limits
+        job = Job(req, loop, request_id, tenant, Backlog(lim.stream_buffer, lim.stall_s) if req.stream else None)
+        job.scheduler, job.on_taken = self, self.core.wake
         with self._lock:
             if not self.alive:
                 raise ApiError(503, "the server is shutting down", "server_error", None, "shutting_down")
@@ -223,6 +172,8 @@ class Scheduler(Source):
         s = job.session
         if job in self._running:
             self._running.remove(job)
+            if self._waiting:
+                self.core.wake()
         if job.request is not None:
             job.request.done = True
         if s is not None:
@@ -260,8 +211,12 @@ class Scheduler(Source):
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your {what} "
                               f"resulted in {n} tokens. Please reduce the length of the {what}.", param,
                               "context_length_exceeded")
+        cap = self.limits.max_tokens
+        if req.max_tokens is not None and req.max_tokens > cap:
+            raise bad_request(f"max_tokens: {req.max_tokens} is above this server's limit of {cap} tokens per reply "
+                              "(its --max-tokens)", "max_tokens", "invalid_value")
         if req.max_tokens is None:
-            return max(1, ctx - n) if bounded else ctx
+            return min(cap, max(1, ctx - n) if bounded else ctx)
         if bounded and n + req.max_tokens > ctx:
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
                               f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the completion). "
@@ -289,9 +244,31 @@ class Scheduler(Source):
             self._start_turn(job)  # idle conversations gave their pages back (a swapped-in cache needed room)
         self._running.append(job)
         job.request = self.core.add(Request(job.session, lambda r, job=job: self._guard(lambda j: self._emit(j, r), job),
-                                            Priority.API, hold=lambda: self._paused))
+                                            Priority.API, hold=lambda job=job: self._paused or self._held(job)))
         self.metrics.request_started(job.stats.prompt_tokens, job.stats.reused_tokens)
         job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
+
+    def _held(self, job: Job) -> bool:
+        """Engine thread: is ``job``'s reader too far behind (``engine.server.jobs``)? A new hold is counted and
+        a timer armed on the HTTP loop that cancels the job if it is still held ``stall_s`` later."""
+        if job.cancelled:
+            return False  # stepped once more, to end
+        was = job.backlog.held_since
+        held = job.backlog.hold()
+        if held and was is None:
+            self.metrics.stall("paused")
+            since = job.backlog.held_since
+            try:
+                job.loop.call_soon_threadsafe(job.loop.call_later, self.limits.stall_s, self._stalled, job, since)
+            except RuntimeError:  # the event loop is gone (server shutting down)
+                pass
+        return held
+
+    def _stalled(self, job: Job, since: float) -> None:
+        """HTTP loop: the job held since ``since`` is still held: cancel it (its pages and slot go back)."""
+        if job.backlog.held_since == since and not job.finished and not job.cancelled:
+            self.metrics.stall("cancelled")
+            job.cancel()
 
     @staticmethod
     def _start_turn(job: Job) -> None:
@@ -329,6 +306,8 @@ class Scheduler(Source):
     def _end(self, job: Job, reason: str, result) -> None:
         s = job.session
         self._running.remove(job)
+        if self._waiting:
+            self.core.wake()  # a slot is free: the next round admits a waiting request (else the core may sleep)
         finish = FINISH.get(reason, "stop")
         if reason == "cancelled" or result is None:
             s.close()  # the client is gone: free its pages now

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from engine.config import CacheConfig
 from engine.server.app import build_app, is_loopback  # noqa: F401 - is_loopback re-exported
+from engine.server.conn import GuardedH11
+from engine.server.limits import ConnLimits, StreamLimits
 from engine.server.metrics import Metrics
 from engine.server.scheduler import Scheduler
 
@@ -37,6 +39,8 @@ class ServerOptions:
     max_waiting: int = 32  # requests queued beyond those (429 beyond)
     max_idle: int = 4  # finished conversations kept with their cache
     access_log: bool = False
+    limits: StreamLimits = field(default_factory=StreamLimits)  # longest reply, a stream's unsent events
+    conn: ConnLimits = field(default_factory=ConnLimits)  # request head / body deadlines, open connections
 
 
 def check_cors(cors, api_key: str | None) -> None:
@@ -86,7 +90,8 @@ class KVServer:
         self.metrics.runner = lm.runner
         o = self.options
         # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
-        self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core)
+        self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core,
+                                   o.limits)
         self.last_gauges: dict[str, float] = {}
         check_cors(o.cors, self.api_key)
         self.app = build_app(self, tuple(o.cors))
@@ -134,8 +139,10 @@ def _uvicorn_server(server: KVServer, on_ready):
             await asyncio.get_running_loop().run_in_executor(None, server.close)
             await super().shutdown(sockets=sockets)
 
+    c = server.options.conn
+    protocol = GuardedH11.guarded(c.header_timeout_s, c.body_timeout_s, c.max_connections, server.metrics)
     config = uvicorn.Config(server.app, log_level="warning", access_log=server.options.access_log,
-                            lifespan="off", timeout_graceful_shutdown=5)
+                            lifespan="off", timeout_graceful_shutdown=5, http=protocol)
     return _Server(config)
 
 
@@ -150,6 +157,11 @@ class ServerThread:
         self._ready = threading.Event()
         self._uv = _uvicorn_server(server, self._ready.set)
         self._thread = threading.Thread(target=self._run, name="kvscope-http", daemon=True)
+
+    @property
+    def open_connections(self) -> int:
+        """HTTP connections open now (uvicorn's own count; those refused past the limit are never in it)."""
+        return len(self._uv.server_state.connections)
 
     def _run(self) -> None:
         self._uv.run(sockets=[self.sock])
@@ -183,7 +195,9 @@ def serve(a, cache: CacheConfig, spec) -> int:
     check_cors(a.cors, api_key)
     options = ServerOptions(host=a.host, port=a.port, api_key=api_key, api_keys=keys[1:], cors=tuple(a.cors or ()),
                             max_body=a.max_body, max_running=a.max_running, max_waiting=a.max_queued,
-                            max_idle=a.max_idle, access_log=a.access_log)
+                            max_idle=a.max_idle, access_log=a.access_log,
+                            limits=StreamLimits(max_tokens=a.max_tokens),
+                            conn=ConnLimits(a.header_timeout, a.body_timeout, a.max_connections))
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
     from engine.loader import load_model
 

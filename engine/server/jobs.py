@@ -1,0 +1,103 @@
+"""A request on its way through the engine (``Job``), and how far its reader is behind (``Backlog``).
+
+A streamed reply's events wait in the job's queue until the HTTP side sends them; a client that stops reading
+fills the socket buffers, then this queue. So the queue is bounded: past ``limit`` unsent events the request is
+held (its core ``Request`` not stepped: no tokens, no compute, its pages kept), and taken up again once the
+reader catches up to half of that; held for ``stall_s`` without catching up, it is cancelled (its pages and
+running slot go back). Both are counted (``kvscope_streams_stalled_total{action="paused"|"cancelled"}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.server.schemas import GenRequest
+from engine.server.stops import StopTrimmer
+
+_job_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """How a finished request used the engine (kept for tests, tools and the app)."""
+
+    job_id: int
+    request_id: str  # the response's id (chatcmpl-..., cmpl-...)
+    session_id: int
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class Backlog:
+    """Events posted (engine thread) and taken (HTTP thread): each counter has one writer, so no lock."""
+
+    def __init__(self, limit: int, stall_s: float) -> None:
+        self.limit, self.stall_s = max(1, limit), stall_s
+        self.posted = 0
+        self.taken = 0
+        self.held_since: float | None = None  # monotonic time the job was last held (engine thread)
+
+    @property
+    def pending(self) -> int:
+        return self.posted - self.taken
+
+    def hold(self) -> bool:
+        """Engine thread, each round: hold past ``limit`` pending events, until the reader is within half."""
+        if self.held_since is None and self.pending > self.limit:
+            self.held_since = time.monotonic()
+        elif self.held_since is not None and self.pending <= self.limit // 2:
+            self.held_since = None
+        return self.held_since is not None
+
+
+class Job:
+    """One request on its way through the engine. Events: ("start", info), ("delta", (text, logprob entry)),
+    ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
+
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",
+                 tenant: bytes = b"", backlog: Backlog | None = None) -> None:
+        self.id = next(_job_ids)
+        self.request_id = request_id
+        self.tenant = tenant  # who may share its cache (``IdleSessions``)
+        self.req = req
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.backlog = backlog or Backlog(1 << 30, 0.0)
+        self.cancelled = False
+        self.finished = False  # set by the engine thread after the last event
+        self.session = None
+        self.sampling = None  # SamplingConfig, once admitted
+        self.stats = None  # TurnStats of start()
+        self.request = None  # its request on the engine core, once admitted
+        self.trim = StopTrimmer(req.stop)
+        self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
+        self.scheduler = None  # the Scheduler that runs it
+        self.on_taken: Callable[[], None] = lambda: None  # a held job's reader caught up: wake the engine
+
+    def post(self, kind: str, data: Any) -> None:
+        self.backlog.posted += 1
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    async def next(self) -> tuple[str, Any]:
+        event = await self.events.get()
+        self.backlog.taken += 1
+        b = self.backlog
+        if b.held_since is not None and b.pending <= b.limit // 2:
+            self.on_taken()
+        return event
+
+    def cancel(self) -> None:
+        """Stop this request (from any thread): between two steps its session is closed."""
+        if not self.cancelled and not self.finished and self.scheduler is not None:
+            self.cancelled = True
+            self.scheduler.cancelled(self)
