@@ -68,6 +68,7 @@ class ChatPane(QWidget):
         self.setObjectName("ChatPane")
         self.generating = False
         self._ready = False
+        self.tint = False  # replies tint their accepted draft tokens (speculative decoding)
 
         self.title = WordLabel("New chat")  # shortened at a word with "…"
         self.title.setObjectName("chatTitle")
@@ -211,6 +212,7 @@ class ChatPane(QWidget):
 
     def _bubble(self, role: str, text: str, position: int) -> MessageView:
         bubble = MessageView(role, text, position)
+        bubble.tint = self.tint
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
@@ -239,7 +241,7 @@ class ChatPane(QWidget):
         self.scroll.show_newest()
         return self.streaming
 
-    def resume_reply(self, position: int, pending: str, notes: list[str]) -> None:
+    def resume_reply(self, position: int, pending: str, notes: list[str], draft_spans=()) -> None:
         """The chat of a reply still being written is back on screen: its bubble (saved text so far) goes on
         streaming, with the text not saved yet and its notes."""
         self.scroll.show_newest()
@@ -249,6 +251,7 @@ class ChatPane(QWidget):
         self.streaming = bubble
         bubble.stats = {}
         bubble.append(pending)
+        bubble.draft_spans = [list(span) for span in draft_spans]  # the reply's, over saved and pending text
         bubble.set_notes(notes)
         bubble.render()
 
@@ -267,9 +270,16 @@ class ChatPane(QWidget):
         if bubble is not None:
             bubble.set_pinned_tokens(tokens)
 
-    def append_delta(self, delta: str) -> None:
+    def append_delta(self, delta: str, draft: bool = False) -> None:
+        """Streamed text of the reply (``draft``: an accepted draft token's)."""
         if self.streaming is not None:
-            self.streaming.append(delta)
+            self.streaming.append(delta, draft)
+
+    def set_tint(self, on: bool) -> None:
+        """Tint accepted draft tokens in every reply (the bubbles built later too)."""
+        self.tint = bool(on)
+        for bubble in self.bubbles:
+            bubble.set_tint(self.tint)
 
     def render(self) -> None:
         """Draw buffered streaming text (called at ≤30 Hz)."""

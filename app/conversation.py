@@ -143,7 +143,7 @@ class Conversation(QObject):
         self.notices.show_unsaved()
         reply = self.reply
         if reply is not None:  # its bubble streams again from what is saved plus what is pending
-            self.pane.resume_reply(reply.position, reply.pending, reply.notes)
+            self.pane.resume_reply(reply.position, reply.pending, reply.notes, reply.draft_spans)
         self.pane.set_generating(reply is not None)
         self.chat_opened.emit(chat_id)
 
@@ -340,10 +340,9 @@ class Conversation(QObject):
         if self.closed or reply is None:
             return
         reply.tokens += 1
-        reply.pending += event.text_delta
-        reply.streamed += event.text_delta
+        reply.add_text(event.text_delta, event.draft)
         if reply.chat_id == self.chat_id:
-            self.pane.append_delta(event.text_delta)
+            self.pane.append_delta(event.text_delta, event.draft)
             self.token.emit(event)
 
     def flush(self) -> None:

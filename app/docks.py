@@ -2,7 +2,7 @@
 
 Two default arrangements, chosen by the window's width when it is laid out (View ▸ Reset layout):
 
-* **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / sampling / model on
+* **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / speculation / sampling / model on
   the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
   timing / memory below). Nothing is squeezed below its size hint at 1280×720.
 * **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab).
@@ -18,10 +18,11 @@ from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QTabWidget, QWidget
 
 DOCKS = (  # key, title
-    ("chats", "Chats"), ("controls", "Cache policy"), ("sampling", "Sampling"), ("model", "Model"),
+    ("chats", "Chats"), ("controls", "Cache policy"), ("speculation", "Speculation"), ("sampling", "Sampling"),
+    ("model", "Model"),
     ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
 )
-SCROLLED = ("controls", "sampling")  # forms that scroll rather than force the window's height
+SCROLLED = ("controls", "speculation", "sampling")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
 REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
 
@@ -95,7 +96,8 @@ class DockLayout:
         d, w = self.docks, self.window
         w.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, d["chats"])
         w.splitDockWidget(d["chats"], d["controls"], Qt.Orientation.Vertical)
-        w.tabifyDockWidget(d["controls"], d["sampling"])
+        w.tabifyDockWidget(d["controls"], d["speculation"])
+        w.tabifyDockWidget(d["speculation"], d["sampling"])
         w.tabifyDockWidget(d["sampling"], d["model"])
 
     def _compact(self) -> None:
@@ -165,6 +167,9 @@ class DockLayout:
             self.restored = False
         if self.restored:
             self.arrangement = "restored"
+            for dock in self.docks.values():  # one a saved layout does not know (added since): beside the controls
+                if self.window.dockWidgetArea(dock) == Qt.DockWidgetArea.NoDockWidgetArea:
+                    self.window.tabifyDockWidget(self.docks["controls"], dock)
             self._fitted = self.window.size()  # the user's sizes stand until the window changes a lot
         else:
             self.arrange()

@@ -23,6 +23,7 @@ class EngineThread(QObject):
     _forget = Signal(object)
     _cancel = Signal(int)
     _apply = Signal(object)
+    _speculate = Signal(object)
     _fast = Signal(str)
     _compare = Signal(int, object, object)
     _describe = Signal(object, object)
@@ -41,6 +42,7 @@ class EngineThread(QObject):
         self._submit.connect(self.worker.submit)
         self._cancel.connect(self.worker.cancel)
         self._apply.connect(self.worker.apply_cache_config)
+        self._speculate.connect(self.worker.speculate)
         self._fast.connect(self.worker.set_fast_step)
         self._compare.connect(self.worker.compare)
         self._cancel_compare.connect(self.worker.cancel_compare)
@@ -77,6 +79,10 @@ class EngineThread(QObject):
 
     def apply_cache_config(self, cache: CacheConfig) -> None:
         self._apply.emit(cache)
+
+    def speculate(self, cfg: Any) -> None:
+        """Speculative decoding (a ``SpecConfig``) for every chat; answered by ``worker.speculated`` or ``failed``."""
+        self._speculate.emit(cfg)
 
     def set_fast_step(self, mode: str) -> None:
         """The compiled decode step: "auto" (compile in the background, keep it where it is faster) or "off"."""

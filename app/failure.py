@@ -21,7 +21,8 @@ class Failure:
 
     generation_id  the reply running when it happened (0: none, or a comparison; -1: a load); only a
                    failure at a reply stage (``ends_reply``) ended that reply
-    stage          "load" | "start" | "swap" | "step" | "apply" | "compare" | "history" (the chat history
+    stage          "load" | "start" | "swap" | "step" | "apply" | "speculate" (speculative decoding's setting,
+                   refused: nothing changed) | "compare" | "history" (the chat history
                    file: damaged, read-only, gone or not writable; sent by the conversation, not the worker)
     message        one line a user can act on
     type           the exception's class name ("ContextOverflowError", "InternalError", "RuntimeError", ...)

@@ -85,6 +85,23 @@ OVERFLOWS = {
                    "With 'Keep everything' this stops the reply."),
 }
 
+SPECULATION = {  # speculative decoding: who guesses the next tokens (SpecConfig.method)
+    "off": Term("Off", "no speculation",
+                "Every new token takes one pass of the model.\nMemory: nothing extra.  Speed: the usual.  "
+                "Quality: exact."),
+    "ngram": Term("Prompt lookup", "prompt lookup",
+                  "Guesses the next tokens by finding the last few words earlier in the chat and copying what came "
+                  "after them. The model checks all the guesses in one pass and keeps those it would have written "
+                  "itself.\nMemory: nothing extra.  Speed: faster when the reply repeats the chat (quoting, editing, "
+                  "code); it turns itself off for a reply where it does not pay.\nQuality: exact — the same tokens "
+                  "as without it."),
+    "draft": Term("Draft model", "draft model",
+                  "A small model with the same tokenizer guesses the next tokens; the model checks them in one pass "
+                  "and keeps those it would have written itself.\nMemory: the draft model's weights and its own "
+                  "small cache.  Speed: faster when the draft model guesses well.\nQuality: exact — the same tokens "
+                  "as without it."),
+}
+
 CONTROLS = {  # the other controls, by CacheConfig / SamplingConfig field name
     "mode": Term("Cache", "cache", "How the keys and values of past tokens are kept between steps."),
     "page_size": Term("Page size", "page",
@@ -114,6 +131,19 @@ CONTROLS = {  # the other controls, by CacheConfig / SamplingConfig field name
     "max_new_tokens": Term("Max new tokens", "max new tokens",
                            "The longest reply, in tokens. A reply that would pass the model's context gets the "
                            "tokens that fit.\nMemory: the cache grows by this much per reply at most."),
+    "speculation": Term("Guess tokens with", "speculative decoding",
+                        "Speculative decoding: something cheap guesses the next few tokens, and the model checks "
+                        "them all in one pass, so one pass can give several tokens."),
+    "draft_path": Term("Draft model", "draft model",
+                       "A smaller model with the same tokenizer as the chat's model (the same family), chosen as a "
+                       "folder. A model with another tokenizer is refused, with the reason."),
+    "draft_tokens": Term("Draft tokens", "draft tokens",
+                         "How many tokens are guessed before each check. 0 adapts: more after guesses that were "
+                         "all kept, fewer after a miss.\nSpeed: long guesses pay when most are kept.  "
+                         "Quality: unchanged."),
+    "spec_tint": Term("Tint accepted draft tokens", "tint",
+                      "Shades the words of a reply that came from a guess the model kept (the rest it wrote "
+                      "itself). Changes only how the reply looks."),
 }
 
 PARAMS = {  # policy parameters: plain names (the Params field's own help is the tooltip's first line)

@@ -37,8 +37,12 @@ PANEL_HELP = {
         "chat are coloured by the turn that wrote them and are brighter the fuller they are; shared pages "
         "belong to more than one chat (or to a regenerated reply). The strip on top is the chat's tokens from "
         "first to last: which are kept, kept as attention sinks, quantized, pinned, or evicted. Hover a page "
-        "for its details. Only the paged cache has pages.",
-        ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),)
+        "for its details. Only the paged cache has pages. With speculative decoding the model checks several guessed "
+        "tokens in one pass: it writes a slot for each of them at once (framed in amber: the pages those slots "
+        "took), keeps the guesses it agrees with and cuts the others back at once — the caption says how many "
+        "slots were written and how many were cut back.",
+        ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),
+         (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"))
         + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS
                 if c != S.PAGE_ACTIVE)
         + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)),
@@ -48,7 +52,9 @@ PANEL_HELP = {
         "previous one. Right, top: milliseconds per generated token; bottom: tokens per second over the last "
         f"{timing.ROLLING} tokens. With a cache the time per token stays flat; with the cache off it grows with "
         "every token, because the whole chat is recomputed. The previous reply is dashed, so you can compare "
-        "settings.",
+        "settings. When the reply used speculative decoding, the line under the charts says how many tokens each "
+        "pass of the model gave on average, and how often a guessed token was kept at each place of a guess "
+        "(the first guessed token is kept most often; each later one only if all before it were).",
         ((timing.PREFILL, "prefill of this reply"), (timing.PREVIOUS, "previous reply (dashed)"),
          (timing.CURRENT, "ms per token"), ("#43c59e", "tokens per second"))),
     "MemoryPanel": PanelHelp(

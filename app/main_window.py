@@ -5,6 +5,7 @@ wiring between the parts that do the work:
 ``Conversation``       chats and replies: history store ↔ chat pane ↔ engine worker (``app.conversation``)
 ``ModelController``    loading models, fallback to the built-in model (``app.model_controller``)
 ``CacheController``    the cache settings in force (``app.cache_controller``)
+``SpecController``     speculative decoding's setting in force and the tint of its tokens (``app.spec_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
 ``StatusBar``          the status bar in words (``app.status_bar``)
 ``ServerController``   Server ▸ Start / Stop serving: the API server as a client of the worker's engine core (``app.server_controller``)
@@ -44,6 +45,8 @@ from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel
 from app.sampling_form import SamplingForm
 from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
+from app.spec_controller import SpecController
+from app.spec_controls import SpecControls
 from app.status_bar import StatusBar
 from app.trace import CacheTrace
 from app.engine_thread import EngineThread
@@ -111,6 +114,7 @@ class MainWindow(QMainWindow):
         self.sampling = SamplingForm()
         self.sampling.set_sampling(sampling_from_settings(self.settings))
         self.controls = CacheControls()
+        self.spec_controls = SpecControls()
         self.occupancy = OccupancyPanel()
         self.page_map = PageMapPanel()
         self.timing = TimingPanel()
@@ -121,11 +125,14 @@ class MainWindow(QMainWindow):
             panel.help_requested.connect(app_help.show_panel_help)
         self.layout_docks = DockLayout(self, {
             "chats": self.chats_box, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
+            "speculation": self.spec_controls,
             "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory})
         self.docks = self.layout_docks.docks
 
     def _build_parts(self) -> None:
         self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self)
+        self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
+        self.chat.set_tint(self.speculation.tint)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
         self.conversation = Conversation(
@@ -149,6 +156,7 @@ class MainWindow(QMainWindow):
         self.models.loaded.connect(self._on_loaded)
         self.models.ready_changed.connect(self._on_ready)
         self.cache.changed.connect(self._on_cache_applied)
+        self.speculation.tint_changed.connect(self.chat.set_tint)
         c = self.conversation
         c.reply_started.connect(self._on_reply_started)
         c.token.connect(self.timing.add_token)
@@ -330,6 +338,8 @@ class MainWindow(QMainWindow):
         else:
             if failure.stage == "apply":
                 self.cache.refused()
+            elif failure.stage == "speculate":
+                self.speculation.refused()
             self.show_error(failure.message)
 
     def _on_snapshot(self, snap: CacheSnapshot) -> None:

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.draft_tint import add_span, tinted_html
 from app.glossary import stop_mark
 from app.markdown import to_html
 
@@ -38,6 +39,8 @@ def stats_line(stats: dict[str, Any]) -> str:
     parts.append(f"{stats.get('generated_tokens', 0)} tokens")
     if stats.get("mode"):
         parts.append(f"cache {stats['mode']}")
+    if stats.get("spec_note"):  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
+        parts.append(stats["spec_note"])
     mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))
     if mark:
         parts.append(mark)
@@ -100,6 +103,8 @@ class MessageView(QFrame):
         self.position = position
         self.text = text
         self.stats: dict[str, Any] = {}
+        self.draft_spans: list[list[int]] = []  # characters of ``text`` from accepted draft tokens
+        self.tint = False  # draw them tinted (the window's setting)
         self._dirty = True
         self.setObjectName(f"bubble_{role}")
         self.setFrameShape(QFrame.Shape.NoFrame)
@@ -200,10 +205,19 @@ class MessageView(QFrame):
         self.regen_button.clicked.connect(self.regenerate_requested)
 
     # streaming ----------------------------------------------------------------------------------------
-    def append(self, delta: str) -> None:
+    def append(self, delta: str, draft: bool = False) -> None:
+        """Streamed text; ``draft``: it came from a draft token the model accepted (tinted when ``tint``)."""
         if delta:
+            if draft:
+                add_span(self.draft_spans, len(self.text), len(self.text) + len(delta))
             self.text += delta
             self._dirty = True
+
+    def set_tint(self, on: bool) -> None:
+        """Tint accepted draft tokens (or not); redrawn now."""
+        if on != self.tint:
+            self.tint, self._dirty = on, True
+            self.render()
 
     def set_text(self, text: str) -> None:
         self.text = text
@@ -219,12 +233,15 @@ class MessageView(QFrame):
             self.body.setText(to_html(self.text) if self.text else "")
         else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
             empty = "no text" if self.stats else "…"
-            self.body.setText(to_html(self.text) if self.text else f"<span style='color:#6d7480'>{empty}</span>")
+            body = tinted_html(self.text, self.draft_spans) if self.tint else to_html(self.text)
+            self.body.setText(body if self.text else f"<span style='color:#6d7480'>{empty}</span>")
         return True
 
     def set_stats(self, stats: dict[str, Any]) -> None:
         """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
         self.stats = dict(stats or {})
+        if "stop_reason" in self.stats:  # a finished reply's record replaces what streaming collected
+            self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
         line = stats_line(self.stats) or pin_line(self.stats)
         for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
                             (self.error_label, error_line(self.stats))):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from app.draft_tint import add_span
 from app.failure import Failure
 
 INTERRUPTED = {"stop_reason": "interrupted"}  # a reply the app closed (or crashed) before it finished
@@ -37,6 +38,14 @@ class Reply:
     streamed: str = ""
     failure: Failure | None = None
     stop_detail: str = ""  # why it was stopped when the user did not press Stop
+    draft_spans: list[list[int]] = field(default_factory=list)  # characters of ``streamed`` from accepted drafts
+
+    def add_text(self, delta: str, draft: bool) -> None:
+        """A token's text arrived (``draft``: a draft token the model accepted)."""
+        if draft:
+            add_span(self.draft_spans, len(self.streamed), len(self.streamed) + len(delta))
+        self.pending += delta
+        self.streamed += delta
 
     def stats(self, reason: str, turn: Any, text: str) -> dict[str, Any]:
         """What is saved with the finished reply (``turn``: the engine's ``TurnStats`` or None)."""
@@ -49,6 +58,8 @@ class Reply:
             info["stop_detail"] = self.stop_detail
         if self.notes:
             info["notes"] = list(self.notes)
+        if self.draft_spans:  # character ranges of the text (a stop string cut off at its end: clamped when drawn)
+            info["draft_spans"] = [list(span) for span in self.draft_spans]
         if self.versions:
             info = with_version(self.versions, text, info)
         return info

@@ -15,7 +15,7 @@ from typing import Any
 from PySide6.QtCore import QByteArray, QSettings, QStandardPaths
 
 from engine.builtin_model import BUILTIN_MODEL
-from engine.config import CacheConfig, SamplingConfig
+from engine.config import CacheConfig, SamplingConfig, SpecConfig
 
 SCHEMA_VERSION = 1
 
@@ -61,6 +61,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model/context", int, 2048),
     *dataclass_settings("cache", CacheConfig, CACHE_SKIP),
     *dataclass_settings("sampling", SamplingConfig, SAMPLING_SKIP, SAMPLING_DEFAULTS),
+    *dataclass_settings("spec", SpecConfig),  # speculative decoding (app.spec_controller)
+    Setting("spec/tint", bool, False),  # accepted draft tokens tinted in the replies
     # window
     Setting("window/geometry", bytes, b""),
     Setting("window/state", bytes, b""),

@@ -22,6 +22,7 @@ Signals (every reply event carries its ``generation_id``)::
     finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
     failed(Failure)                 what raised, at which stage (see ``app.failure``)
     applied(object, object)         CacheConfig, list of notes
+    speculated(object, object)      SpecConfig now in force, list of notes (``failed``, stage "speculate": refused)
     compared(int, dict)             comparison id, one row
     compare_progress(int, tuple)    comparison id, (fraction done, seconds left or None, what runs now)
     compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
@@ -46,8 +47,9 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.backend import EngineBackend, default_backend
 from app.compare_run import WarmedComparison
-from app.failure import Failure, log
-from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from app.failure import Failure, describe, log
+from app.spec_drafts import SpecDrafts
+from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.scheduler import EngineCore, Priority, Request, Source, Task
 
@@ -78,6 +80,7 @@ class EngineWorker(QObject):
     finished = Signal(int, str, object, str)
     failed = Signal(object)
     applied = Signal(object, object)
+    speculated = Signal(object, object)
     compared = Signal(int, object)
     compare_progress = Signal(int, object)
     compare_finished = Signal(int, str)
@@ -95,6 +98,8 @@ class EngineWorker(QObject):
         self._session: Any = None  # the active chat's session; None until needed (made on the next submit)
         self._pool: Any = None  # sessions by chat (when the backend has a pool)
         self._cache = CacheConfig()
+        self._spec = SpecDrafts(self._backend.load)  # speculative decoding and the draft model it loaded
+        self._model_spec: ModelSpec | None = None  # what the chats' model was loaded from (a draft model's base)
         self._fast_mode = ""  # the compiled decode step's mode from the settings ("": engine.fast_step's default)
         self._gen_id = 0  # the reply being generated, 0 when idle
         self._chat: Any = None  # the chat of that reply
@@ -134,7 +139,8 @@ class EngineWorker(QObject):
             else:
                 pool, session = None, self._backend.make_session(loaded, self._cache)
             self._close_comparison("cancelled")  # it ran on the model being replaced
-            self._loaded, self._pool, self._session = loaded, pool, session
+            self._loaded, self._pool, self._session, self._model_spec = loaded, pool, session, spec
+            self._speculate_new_model()
             self._core = EngineCore(loaded)
             self._core.waker = self._woken.emit  # thread-safe: queued to this thread from another one
             self._core.sources.append(_Chats(self))
@@ -215,6 +221,33 @@ class EngineWorker(QObject):
         self.applied.emit(cache, notes)
         if not self._gen_id:
             self._emit_idle_snapshot()
+
+    @Slot(object)
+    def speculate(self, cfg: SpecConfig) -> None:
+        """Speculative decoding for every chat (``SpecConfig``): the active chat now, also mid-reply (between two
+        steps), the others when they become active. A draft model is loaded here first and checked against the
+        chat's model; a refusal (``failed``, stage "speculate") changes nothing."""
+        try:
+            notes = self._spec.apply(cfg, self._loaded, self._model_spec, self._pool)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
+            log(exc)
+            self.failed.emit(Failure.from_exception(self._gen_id or 0, "speculate", exc,
+                                                    "Speculative decoding not changed"))
+            return
+        self.speculated.emit(cfg, notes)
+
+    def _speculate_new_model(self) -> None:
+        """The speculation in force onto a newly loaded model's chats; a draft model that cannot draft for it
+        turns speculation off, saying why."""
+        cfg = self._spec.cfg
+        if cfg.method == "off":
+            return
+        try:
+            self.speculated.emit(cfg, self._spec.apply(cfg, self._loaded, self._model_spec, self._pool))
+        except BaseException as exc:  # noqa: BLE001
+            log(exc)
+            self._spec.apply(SpecConfig(), self._loaded, self._model_spec, self._pool)
+            self.speculated.emit(SpecConfig(), [f"speculative decoding off: {describe(exc)}"])
 
     @Slot(str)
     def set_fast_step(self, mode: str) -> None:

@@ -41,6 +41,7 @@ TOKEN_COLOURS = {  # TOKEN_* code -> colour
     S.TOKEN_NOT_CACHED: "#5a606b",
 }
 PAD = (16, 18, 23, 255)  # cells past the last page
+VERIFY_COLOUR = "#ffb347"  # the frame of a page a speculative verification wrote provisional slots into
 
 
 def _rgb(hex_colour: str) -> np.ndarray:
@@ -144,6 +145,32 @@ def mark_written(big: np.ndarray, pages, cols: int, px: int) -> np.ndarray:
     return big
 
 
+def frame_verified(big: np.ndarray, pages, cols: int, px: int) -> np.ndarray:
+    """An amber frame in each cell a speculative verification wrote (its k + 1 provisional slots; the rejected
+    ones were cut back after the forward), instead of the white dot of a plain step (``big`` changed in place)."""
+    rgb = _rgb(VERIFY_COLOUR).astype(np.uint8)
+    inner = max(1, px - 1)  # the cell without its gap
+    for p in pages:
+        r, c = divmod(int(p), cols)
+        y, x = r * px, c * px
+        if y + inner > big.shape[0] or x + inner > big.shape[1]:
+            continue
+        if inner < 3:  # too small for a frame: the whole cell
+            big[y:y + inner, x:x + inner, :3] = rgb
+            continue
+        for ys, xs in ((slice(y, y + 1), slice(x, x + inner)), (slice(y + inner - 1, y + inner), slice(x, x + inner)),
+                       (slice(y, y + inner), slice(x, x + 1)), (slice(y, y + inner), slice(x + inner - 1, x + inner))):
+            big[ys, xs, :3] = rgb
+    return big
+
+
+def verify_text(snap: CacheSnapshot) -> str:
+    """'verified 7 slots, 3 cut back' for a step that was a speculative verification ("" otherwise)."""
+    if not snap.verified:
+        return ""
+    return f"verified {snap.verified} slot{'s' if snap.verified != 1 else ''}, {snap.rolled_back} cut back"
+
+
 class PageMapPanel(Panel):
     """Grid of physical pages (row-major by page id) and a strip of token states."""
 
@@ -187,7 +214,11 @@ class PageMapPanel(Panel):
         self.grid = page_grid(snap, self.cols)
         self.colours = page_colours(snap, self.cols)
         self.px = cell_pixels(snap.num_pages)
-        big = mark_written(upscale(self.colours, self.px), snap.written_pages, self.cols, self.px)
+        big = upscale(self.colours, self.px)
+        if snap.verified:
+            frame_verified(big, snap.written_pages, self.cols, self.px)
+        else:
+            mark_written(big, snap.written_pages, self.cols, self.px)
         self.image.setImage(big, autoLevels=False, levels=(0, 255))
         self.strip.setImage(token_colours(snap), autoLevels=False, levels=(0, 255))
         if self._shape != self.grid.shape:
@@ -200,7 +231,9 @@ class PageMapPanel(Panel):
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
-        if snap.written_pages:
+        if snap.verified:
+            parts.append(verify_text(snap) + " (framed pages)")
+        elif snap.written_pages:
             parts.append(f"dots: {len(snap.written_pages)} written this step"
                          + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
         if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window

@@ -9,6 +9,7 @@ import html
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel
 
 from app.panels.base import Panel, StickyRange, styled_plot
 from engine.snapshot import TokenEvent
@@ -37,6 +38,11 @@ class TokenSeries:
         self.prefill_tokens = 0
         self.label = ""
         self.paths: dict[str, int] = {}  # decode tokens per path that ran their forward (TokenEvent.path)
+        self.forwards = 0  # decode forwards (a verification's later tokens come without one)
+        self.verifications = 0  # of them, speculative verifications
+        self.tried: list[int] = []  # draft tokens verified at draft position 1, 2, ...
+        self.accepted: list[int] = []  # of them, those the model kept
+        self._position = 0  # draft position of the next accepted draft token of the current verification
 
     def add(self, event: TokenEvent) -> None:
         if event.phase == "prefill":
@@ -49,6 +55,36 @@ class TokenSeries:
         self.n += 1
         path = getattr(event, "path", "eager")
         self.paths[path] = self.paths.get(path, 0) + 1
+        self._count_speculation(event, path)
+
+    def _count_speculation(self, event: TokenEvent, path: str) -> None:
+        """A verification's first token carries the forward (``tokens_in_step``: its token and k drafts); the
+        tokens it gave follow, the drafts it kept marked ``draft``, in draft-position order."""
+        if event.tokens_in_step > 0:
+            self.forwards += 1
+            self._position = 0
+            if path == "speculative":
+                self.verifications += 1
+                k = event.tokens_in_step - 1
+                grow = max(0, k - len(self.tried))
+                self.tried += [0] * grow
+                self.accepted += [0] * grow
+                for i in range(k):
+                    self.tried[i] += 1
+        if getattr(event, "draft", False) and self._position < len(self.accepted):
+            self.accepted[self._position] += 1
+            self._position += 1
+
+    def spec_text(self) -> str:
+        """'2.4 tokens per forward · draft tokens kept by position: 1: 92% · 2: 81% · …' ("" when the reply
+        did not speculate)."""
+        if not self.verifications:
+            return ""
+        per = self.n / max(self.forwards, 1)
+        kept = sum(self.accepted) / max(sum(self.tried), 1)
+        rates = " ".join(f"{a / t:.0%}" for a, t in zip(self.accepted, self.tried) if t)
+        return (f"speculative: {per:.1f} tokens per forward · {kept:.0%} of draft tokens kept · "
+                f"kept at draft position 1, 2, …: {rates}")
 
     @property
     def decode_ms(self) -> np.ndarray:
@@ -73,7 +109,7 @@ class TokenSeries:
 def step_text(paths: dict[str, int], n: int) -> str:
     """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
     "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
-    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched") if n and paths.get(p)]
+    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched", "speculative") if n and paths.get(p)]
     return " + ".join(parts) if parts else "eager"
 
 
@@ -116,6 +152,11 @@ class TimingPanel(Panel):
             rng.fit(start)
         self.caption.setText("Per-token latency of each reply; the previous reply is dashed.")
         self._layout.addWidget(self.view, 1)
+        self.spec_line = QLabel("")  # speculative decoding's yield, shown only for a reply that speculated
+        self.spec_line.setObjectName("hoverLine")
+        self.spec_line.setWordWrap(True)
+        self.spec_line.setVisible(False)
+        self._layout.addWidget(self.spec_line)
 
         self.current = TokenSeries()
         self.previous: TokenSeries | None = None
@@ -176,6 +217,11 @@ class TimingPanel(Panel):
                 self._prev_top = (0.0, 0.0)
         prev_prefill = prev.prefill_ms if prev is not None else 0.0
         self.prefill_bars.setOpts(x=[0, 1], height=[prev_prefill, cur.prefill_ms])
+        spec = cur.spec_text()
+        self.spec_line.setText(spec)
+        self.spec_line.setVisible(bool(spec))
+        self.spec_line.setToolTip("\n".join(f"draft position {i + 1}: {a} of {t} kept" for i, (a, t) in
+                                            enumerate(zip(cur.accepted, cur.tried))))
         self.ttft_text.setText(f"{cur.prefill_ms:.0f} ms" if cur.prefill_ms else "")
         self.ttft_text.setPos(1, cur.prefill_ms)
         self.y_prefill.fit(max(prev_prefill, cur.prefill_ms))

@@ -1,0 +1,191 @@
+"""Speculative decoding in the real window on the real stories260K: the controls (prompt lookup, a draft model,
+draft tokens, the tint), switched mid-reply with the same tokens as plain greedy decoding, the tint of accepted
+draft tokens in the reply, the footer's note, the setting kept across a restart, a draft model with another
+tokenizer refused with its reason (nothing changed)."""
+
+from __future__ import annotations
+
+from app_helpers import close_window, open_window, wait_reply
+
+from app.draft_tint import TINT
+from app.settings import Settings
+from engine.config import SamplingConfig, SpecConfig
+
+# a chat that repeats itself: prompt lookup finds what comes next (stories260K keeps 60% of the guesses)
+PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+
+
+def _window(qtbot, data_dir, stories_path):
+    """The window on stories260K; speculation never turns itself off (it would, by timing: the tests assert
+    counts, never times)."""
+    settings = Settings.from_data_dir(data_dir)
+    settings.set("spec/auto_off", False)
+    settings.sync()
+    return open_window(qtbot, data_dir, str(stories_path), sampling=GREEDY)
+
+
+def _reply(qtbot, w, text: str = PROMPT) -> str:
+    w.new_chat()
+    w.send(text)
+    wait_reply(qtbot, w)
+    return w.chat.bubbles[-1].text
+
+
+def _choose(qtbot, w, method: str) -> None:
+    """Pick ``method`` in the drafter box, as a user does; wait until the worker applied it."""
+    box = w.spec_controls.method
+    with qtbot.waitSignal(w.speculation.changed, timeout=60_000):
+        box.setCurrentIndex(box.findData(method))
+    assert w.speculation.applied.method == method
+
+
+def test_prompt_lookup_mid_reply_same_tokens_footer_tint_and_saved(qtbot, data_dir, stories_path):
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        assert w.spec_controls.method.currentData() == "off" and not w.spec_controls.tint.isChecked()
+        plain = _reply(qtbot, w)
+        assert "spec_note" not in w.last_stats or not w.last_stats["spec_note"]
+
+        _choose(qtbot, w, "ngram")
+        spec = _reply(qtbot, w)
+        stats = w.last_stats
+        assert spec == plain  # greedy: the same tokens
+        assert stats["speculative"] == "ngram" and stats["accepted_draft_tokens"] > 0
+        assert stats["forwards"] < stats["generated_tokens"]  # some forwards gave several tokens
+        bubble = w.chat.bubbles[-1]
+        assert stats["spec_note"].startswith("speculative: ") and stats["spec_note"] in bubble.stats_label.text()
+        assert bubble.draft_spans and TINT not in bubble.body.text()  # tint off by default
+        w.spec_controls.tint.setChecked(True)  # the user ticks the box
+        assert TINT in bubble.body.text() and w.chat.tint
+        tinted = sum(b - a for a, b in bubble.draft_spans)
+        assert 0 < tinted < len(bubble.text)  # the guesses kept, not the whole reply
+
+        _choose(qtbot, w, "off")
+        w.new_chat()
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)  # still running
+        w.send(PROMPT)  # plain, then prompt lookup from the 10th token on
+        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 10, timeout=60_000)
+        box = w.spec_controls.method
+        box.setCurrentIndex(box.findData("ngram"))
+        wait_reply(qtbot, w)
+        assert w.chat.bubbles[-1].text.startswith(plain)  # greedy: the plain reply's 120 tokens, then more
+        w.sampling_override = GREEDY
+        assert w.last_stats["speculative"] == "ngram" and w.last_stats["accepted_draft_tokens"] > 0
+    finally:
+        close_window(w)
+    saved = Settings.from_data_dir(data_dir)
+    assert (saved.get("spec/method"), saved.get("spec/tint")) == ("ngram", True)
+    w = _window(qtbot, data_dir, stories_path)  # the setting comes back, and works
+    try:
+        assert w.spec_controls.method.currentData() == "ngram" and w.spec_controls.tint.isChecked()
+        assert _reply(qtbot, w) == plain and w.last_stats["speculative"] == "ngram"
+        assert TINT in w.chat.bubbles[-1].body.text()
+    finally:
+        close_window(w)
+
+
+def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, stories_path):
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        plain = _reply(qtbot, w)
+        with qtbot.waitSignal(w.speculation.changed, timeout=60_000):
+            w.spec_controls.choose_draft(str(stories_path))  # stories260K drafting for itself
+        assert w.speculation.applied == SpecConfig(method="draft", draft_path=str(stories_path), auto_off=False)
+        assert w.spec_controls.draft_label.text() == stories_path.name
+        assert _reply(qtbot, w) == plain
+        stats = w.last_stats
+        assert stats["speculative"] == f"draft:{stories_path}"
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"] > 0  # it guesses itself exactly
+
+        with qtbot.waitSignal(w.error_shown, timeout=60_000) as shown:
+            w.spec_controls.choose_draft("demo")  # random weights, another tokenizer
+        assert "Speculative decoding not changed" in shown.args[0] and "tokenizer differs" in shown.args[0]
+        assert w.speculation.applied.draft_path == str(stories_path)  # nothing changed
+        assert w.spec_controls.config() == w.speculation.applied  # the controls show the setting in force
+        assert w.chat.notice.isVisible()
+        assert _reply(qtbot, w) == plain and w.last_stats["speculative"] == f"draft:{stories_path}"
+
+        w.spec_controls.draft_tokens.setValue(3)  # a fixed draft length (debounced, then applied)
+        qtbot.waitUntil(lambda: w.speculation.applied.draft_tokens == 3, timeout=10_000)
+        assert _reply(qtbot, w) == plain
+        assert len(w.last_stats["accepted_by_position"]) == 3
+    finally:
+        close_window(w)
+
+
+def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, stories_path):
+    import numpy as np
+
+    from app.panels.page_map import VERIFY_COLOUR, _rgb
+
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        _reply(qtbot, w)
+        assert not w.timing.spec_line.isVisible()  # a plain reply: no speculation line
+        _choose(qtbot, w, "ngram")
+        _reply(qtbot, w)
+        stats, series = w.last_stats, w.timing.current
+        qtbot.waitUntil(lambda: w.timing.spec_line.text() == series.spec_text())  # drawn after the reply ended
+        assert w.timing.spec_line.isVisible()
+        # the panel counts from the token events what the engine counted: per draft position, kept of verified
+        assert list(series.accepted) == list(stats["accepted_by_position"])
+        assert (sum(series.tried), sum(series.accepted)) == (stats["draft_tokens"], stats["accepted_draft_tokens"])
+        assert series.forwards == stats["forwards"] - 1  # the first token's forward is the prefill's
+        per = series.n / series.forwards
+        assert f"{per:.1f} tokens per forward" in w.timing.spec_line.text() and per > 1.0
+        first = f"{series.accepted[0] / series.tried[0]:.0%}"
+        assert f"kept at draft position 1, 2, …: {first}" in w.timing.spec_line.text()
+        assert "speculative" in w.timing.caption.text()  # what ran the decode steps
+
+        verifications = [s for s in w.trace.snapshots if s.verified]
+        assert verifications and all(0 <= s.rolled_back < s.verified and s.written_pages for s in verifications)
+        cut = max(verifications, key=lambda s: s.rolled_back)
+        assert cut.rolled_back > 0  # some guesses were rejected and cut back
+        w.page_map.show_snapshot(cut)  # the frame the panel drew during that verification
+        assert f"verified {cut.verified} slots, {cut.rolled_back} cut back" in w.page_map.caption.text()
+        img, px, cols = w.page_map.image.image, w.page_map.px, w.page_map.cols
+        amber = _rgb(VERIFY_COLOUR).astype(np.uint8)
+        for page in cut.written_pages:
+            r, c = divmod(page, cols)
+            assert (img[r * px, c * px, :3] == amber).all()  # the frame's corner
+        plain = next(s for s in w.trace.snapshots if not s.verified and s.written_pages)
+        w.page_map.show_snapshot(plain)
+        assert not (w.page_map.image.image[..., :3] == amber).all(axis=-1).any()
+        assert "verified" not in w.page_map.caption.text()
+    finally:
+        close_window(w)
+
+
+def test_speculation_tab_fits_a_laptop_screen_says_what_it_does_and_joins_an_old_layout(qtbot, data_dir,
+                                                                                          stories_path):
+    from test_layout import _settle, _squashed
+
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QAbstractSpinBox, QCheckBox, QComboBox, QPushButton
+
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        c = w.spec_controls
+        inputs = c.findChildren(QComboBox) + c.findChildren(QAbstractSpinBox) + c.findChildren(QCheckBox) \
+            + c.findChildren(QPushButton)
+        assert len(inputs) == 4 and [x.objectName() for x in inputs if not x.toolTip().strip()] == []
+        assert all(c.method.itemData(i, Qt.ItemDataRole.ToolTipRole) for i in range(c.method.count()))
+        assert [c.method.itemText(i) for i in range(c.method.count())] == ["Off", "Prompt lookup", "Draft model"]
+        assert "Quality: exact" in c.method.toolTip() and c.draft_tokens.text() == "adapts"
+        _settle(qtbot, w, (1280, 720))
+        w.docks["speculation"].raise_()
+        qtbot.waitUntil(lambda: c.isVisible() and w.docks["speculation"].widget().width() > 0)
+        assert _squashed(w) == []
+        assert c.choose.width() >= c.choose.sizeHint().width()  # "Choose draft model…" never cut
+        w.docks["speculation"].setObjectName("dock_unknown")  # a layout saved before the tab existed
+        w.save_layout()
+    finally:
+        close_window(w)
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        assert w.layout_docks.arrangement == "restored"
+        assert w.dockWidgetArea(w.docks["speculation"]) == Qt.DockWidgetArea.LeftDockWidgetArea
+        assert w.docks["speculation"] in w.tabifiedDockWidgets(w.docks["controls"])
+    finally:
+        close_window(w)
