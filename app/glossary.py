@@ -202,3 +202,15 @@ def describe_cache(cfg: Any) -> str:
             budget = (cfg.policy_params or {}).get("budget")
             parts.append(f"{text}, {budget} per layer" if budget else text)
     return " · ".join(parts)
+
+
+def describe_spec(cfg: Any) -> str:
+    """Speculative decoding's setting in words: 'Prompt lookup, the draft length adapts' or 'Draft model
+    stories260K, 4 draft tokens per check' or 'Off: one token per pass of the model'."""
+    term = SPECULATION.get(cfg.method)
+    name = term.name if term else cfg.method
+    if cfg.method == "off":
+        return f"{name}: one token per pass of the model"
+    if cfg.method == "draft":
+        name += " " + (cfg.draft_path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or cfg.draft_path)
+    return name + (f", {cfg.draft_tokens} draft tokens per check" if cfg.draft_tokens else ", the draft length adapts")

@@ -1,7 +1,7 @@
 """``kvscope --self-test``: open the real window (offscreen), load the model, chat in every cache mode, switch
 mode, eviction policy and KV precision in the middle of replies, check that every panel received data,
-compare the cache settings, optionally save a screenshot, and print a short report. Exit code 0 only if
-every check passed.
+compare the cache settings, check a speculative reply (prompt lookup) against the plain one, optionally save
+a screenshot, and print a short report. Exit code 0 only if every check passed.
 
 Waiting uses a nested ``QEventLoop`` (never ``processEvents(flags)``, which leaks ``None`` references on
 PySide6 6.12 + Python 3.11, see ``app._pyside_fix``).
@@ -18,6 +18,7 @@ import numpy as np
 from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
 
+from app.self_test_spec import check_speculative_reply
 from engine.config import CacheConfig, SamplingConfig
 
 MODES = ("off", "contiguous", "paged")
@@ -198,6 +199,7 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
         _eviction_switches(t)
         _precision_switches(t)
         _compare(t)
+        check_speculative_reply(t, wait_until)
         if measure_panels:
             _measure_panels(t)
     return _finish(window, history, tmp, t.lines, t.ok, probe, screenshot)
@@ -319,8 +321,9 @@ def _compare(t: SelfTest) -> None:
     dialog = t.window.open_compare()
     done = dialog is not None and wait_until(lambda: bool(dialog.finished_reason), 120)
     rows = dialog.rows if dialog is not None else []
-    lossless = [r for r in rows if r.get("label") in ("paged (reference)", "contiguous", "cache off")]
-    t.check(done and dialog.finished_reason == "done" and len(rows) == 5 and len(lossless) == 3
+    exact = ("paged (reference)", "paged, speculative (prompt lookup)", "contiguous", "cache off")  # greedy: identical
+    lossless = [r for r in rows if r.get("label") in exact]
+    t.check(done and dialog.finished_reason == "done" and len(rows) == 6 and len(lossless) == len(exact)
             and all(r["same_tokens"] == r["generated_tokens"] == t.new_tokens for r in lossless),
             "compare cache settings: " + ", ".join(f"{r.get('label')} {r.get('same_tokens')}/"
                                                    f"{r.get('generated_tokens')}" for r in rows))

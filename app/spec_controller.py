@@ -11,6 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.config_settings import _load, _save
 from app.engine_thread import EngineThread
+from app.glossary import describe_spec
 from app.settings import Settings
 from app.spec_controls import SpecControls
 from engine.config import SpecConfig
@@ -62,5 +63,7 @@ class SpecController(QObject):
         self.applied = cfg
         _save(self.settings, "spec", cfg, ())
         self.controls.set_config(cfg)
-        self.controls.show_notes(list(notes))
+        # the engine's own "speculative decoding: ngram, ..." says it with ids: the plain words instead
+        said = [n for n in notes if not (n.startswith("speculative decoding: ") or n == "speculative decoding off")]
+        self.controls.show_notes([describe_spec(cfg)] + said)
         self.changed.emit(cfg, list(notes))

@@ -15,6 +15,7 @@ from app.panels.base import Panel, StickyRange, styled_plot
 from engine.snapshot import TokenEvent
 
 ROLLING = 16  # tokens in the rolling tok/s window
+BARS = "▁▂▃▄▅▆▇█"  # a share from 0 to 1 as a bar one character wide
 CURRENT = "#4c9be8"
 PREVIOUS = "#8a919c"
 PREFILL = "#ffb347"
@@ -43,6 +44,8 @@ class TokenSeries:
         self.tried: list[int] = []  # draft tokens verified at draft position 1, 2, ...
         self.accepted: list[int] = []  # of them, those the model kept
         self._position = 0  # draft position of the next accepted draft token of the current verification
+        self._group = 0  # index of the first token of the last forward (its later tokens share its time)
+        self.spec_tokens = 0  # tokens the verifications gave
 
     def add(self, event: TokenEvent) -> None:
         if event.phase == "prefill":
@@ -56,6 +59,11 @@ class TokenSeries:
         path = getattr(event, "path", "eager")
         self.paths[path] = self.paths.get(path, 0) + 1
         self._count_speculation(event, path)
+        if event.tokens_in_step > 0:
+            self._group = self.n - 1
+        else:  # a verification's later token: the forward's time is shared by every token it gave
+            group = self.ms[self._group:self.n]
+            group[:] = group.sum() / len(group)
 
     def _count_speculation(self, event: TokenEvent, path: str) -> None:
         """A verification's first token carries the forward (``tokens_in_step``: its token and k drafts); the
@@ -65,26 +73,33 @@ class TokenSeries:
             self._position = 0
             if path == "speculative":
                 self.verifications += 1
+                self.spec_tokens += 1
                 k = event.tokens_in_step - 1
                 grow = max(0, k - len(self.tried))
                 self.tried += [0] * grow
                 self.accepted += [0] * grow
                 for i in range(k):
                     self.tried[i] += 1
+        elif self.verifications:  # a later token of the last verification
+            self.spec_tokens += 1
         if getattr(event, "draft", False) and self._position < len(self.accepted):
             self.accepted[self._position] += 1
             self._position += 1
 
     def spec_text(self) -> str:
-        """'2.4 tokens per forward · draft tokens kept by position: 1: 92% · 2: 81% · …' ("" when the reply
-        did not speculate)."""
+        """'speculative: 7.9 tokens per verification, 6.0 per forward overall · 83% of draft tokens kept · by draft
+        position ▆▇▇█ (67% at 1)': one bar per draft position, its height the share kept there ("" when the
+        reply did not speculate). Per verification is the footer's "tokens per forward" (``TurnStats.spec_note``);
+        overall counts the plain steps between verifications too."""
         if not self.verifications:
             return ""
         per = self.n / max(self.forwards, 1)
+        per_check = self.spec_tokens / self.verifications
         kept = sum(self.accepted) / max(sum(self.tried), 1)
-        rates = " ".join(f"{a / t:.0%}" for a, t in zip(self.accepted, self.tried) if t)
-        return (f"speculative: {per:.1f} tokens per forward · {kept:.0%} of draft tokens kept · "
-                f"kept at draft position 1, 2, …: {rates}")
+        rates = [a / t for a, t in zip(self.accepted, self.tried) if t]
+        bars = "".join(BARS[min(len(BARS) - 1, int(round(r * (len(BARS) - 1))))] for r in rates)
+        return (f"speculative: {per_check:.1f} tokens per verification, {per:.1f} per forward overall · {kept:.0%} of "
+                f"draft tokens kept · by draft position {bars} ({rates[0]:.0%} at 1)" if rates else "")
 
     @property
     def decode_ms(self) -> np.ndarray:
@@ -109,7 +124,7 @@ class TokenSeries:
 def step_text(paths: dict[str, int], n: int) -> str:
     """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
     "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
-    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched", "speculative") if n and paths.get(p)]
+    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched") if n and paths.get(p)]
     return " + ".join(parts) if parts else "eager"
 
 

@@ -118,6 +118,7 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
     import numpy as np
 
     from app.panels.page_map import VERIFY_COLOUR, _rgb
+    from app.panels.timing import BARS
 
     w = _window(qtbot, data_dir, stories_path)
     try:
@@ -132,11 +133,15 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
         assert list(series.accepted) == list(stats["accepted_by_position"])
         assert (sum(series.tried), sum(series.accepted)) == (stats["draft_tokens"], stats["accepted_draft_tokens"])
         assert series.forwards == stats["forwards"] - 1  # the first token's forward is the prefill's
+        line = w.timing.spec_line.text()
         per = series.n / series.forwards
-        assert f"{per:.1f} tokens per forward" in w.timing.spec_line.text() and per > 1.0
-        first = f"{series.accepted[0] / series.tried[0]:.0%}"
-        assert f"kept at draft position 1, 2, …: {first}" in w.timing.spec_line.text()
-        assert "speculative" in w.timing.caption.text()  # what ran the decode steps
+        assert f"{per:.1f} per forward overall" in line and per > 1.0
+        footer = stats["spec_note"].rsplit(", ", 1)[1].split(" tokens per forward")[0]  # per verification forward
+        assert f"speculative: {footer} tokens per verification" in line
+        bars = line.split("by draft position ")[1].split(" ")[0]
+        assert len(bars) == len(series.tried) and set(bars) <= set(BARS)  # one bar per draft position
+        assert f"({series.accepted[0] / series.tried[0]:.0%} at 1)" in line
+        assert (series.decode_ms > 0).all()  # a verification's time is shared by its tokens: no 0 ms tokens
 
         verifications = [s for s in w.trace.snapshots if s.verified]
         assert verifications and all(0 <= s.rolled_back < s.verified and s.written_pages for s in verifications)
@@ -187,5 +192,23 @@ def test_speculation_tab_fits_a_laptop_screen_says_what_it_does_and_joins_an_old
         assert w.layout_docks.arrangement == "restored"
         assert w.dockWidgetArea(w.docks["speculation"]) == Qt.DockWidgetArea.LeftDockWidgetArea
         assert w.docks["speculation"] in w.tabifiedDockWidgets(w.docks["controls"])
+    finally:
+        close_window(w)
+
+
+def test_self_test_checks_a_speculative_reply_against_the_plain_one(qtbot, data_dir, stories_path):
+    from app.self_test import SelfTest, wait_until
+    from app.self_test_spec import SPEC_TOKENS, check_speculative_reply
+
+    w = open_window(qtbot, data_dir, str(stories_path))  # speculation's own default: it may turn itself off
+    try:
+        t = SelfTest(w, 24)
+        check_speculative_reply(t, wait_until)
+        assert t.ok, t.lines
+        assert t.lines[0].startswith("PASS speculative reply (prompt lookup) identical to the plain greedy one: max_tokens, "
+                                     f"{SPEC_TOKENS} tokens in ") and t.lines[0].endswith("same text")
+        assert w.speculation.applied == SpecConfig() and w.last_stats["speculative"] == "ngram"
+        versions = w.chat.bubbles[-1].versions
+        assert len(versions) == 2 and versions[0]["content"] == versions[1]["content"]  # plain, then speculative
     finally:
         close_window(w)
