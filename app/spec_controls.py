@@ -32,14 +32,14 @@ from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig
 NO_DRAFT = "no draft model chosen"
 
 
-class SpecControls(QGroupBox):
+class SpecControls(QWidget):
     """``config()`` is the setting the controls show; ``draft_path`` the chosen draft model's folder."""
 
     changed = Signal(object)  # SpecConfig
     tint_changed = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__("Speculative decoding", parent)
+        super().__init__(parent)
         self.setObjectName("SpecControls")
         self._building = False
         self._base = SpecConfig()  # the fields these controls do not show (n-gram length, auto-off) come from it
@@ -72,7 +72,12 @@ class SpecControls(QGroupBox):
         self.notes.setObjectName("hint")
         self.notes.setWordWrap(True)
 
-        form = QFormLayout(self)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)  # as the cache controls: the group's title is never cut
+        box = QGroupBox("Speculative decoding")
+        layout.addWidget(box)
+        layout.addStretch(1)
+        form = QFormLayout(box)
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.addRow(CONTROLS["speculation"].name, self.method)
         form.addRow(CONTROLS["draft_path"].name, self.draft_label)

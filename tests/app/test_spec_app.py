@@ -117,6 +117,8 @@ def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, st
 def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, stories_path):
     import numpy as np
 
+    from test_layout import _settle
+
     from app.panels.page_map import VERIFY_COLOUR, _rgb
     from app.panels.timing import BARS
 
@@ -149,6 +151,12 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
         assert cut.rolled_back > 0  # some guesses were rejected and cut back
         w.page_map.show_snapshot(cut)  # the frame the panel drew during that verification
         assert f"verified {cut.verified} slots, {cut.rolled_back} cut back" in w.page_map.caption.text()
+        for size in ((1280, 720), (1920, 1080)):  # the captions of a speculative reply fit their two lines
+            _settle(qtbot, w, size)
+            w.docks["page_map"].raise_()
+            qtbot.waitUntil(lambda: w.page_map.caption.isVisible() and w.timing.caption.isVisible())
+            for cap in (w.page_map.caption, w.timing.caption):
+                assert cap.heightForWidth(cap.width()) <= cap.height(), (size, cap.text())
         img, px, cols = w.page_map.image.image, w.page_map.px, w.page_map.cols
         amber = _rgb(VERIFY_COLOUR).astype(np.uint8)
         for page in cut.written_pages:
