@@ -120,6 +120,9 @@ class ModelController(QObject):
         from app.models_dialog import ModelsDialog
 
         dlg = ModelsDialog(self.settings, environment=self.environment, current=self.info, parent=self.window)
+        spec_controls = getattr(self.window, "spec_controls", None)
+        if spec_controls is not None:  # "Use as draft model": speculative decoding's choice, as its own button
+            dlg.draft_chosen.connect(spec_controls.choose_draft)
         if dlg.exec() and dlg.spec is not None:
             self.settings.set("model/quantization", weights_choice(dlg.spec))
             self.settings.set("model/device", dlg.spec.device)

@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 from app.config_settings import spec_for
 from app.estimate import MemoryEstimate, estimate_demo, estimate_folder
 from app.format import human_bytes
+from app.glossary import CONTROLS
 from app.settings import Settings
 from engine.builtin_model import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, builtin_model_dir, is_builtin
 from engine.config import ModelSpec
@@ -128,6 +129,7 @@ class ModelsDialog(QDialog):
     """Pick a model and how to load it. After ``exec()`` returns true, ``spec`` is the choice."""
 
     _start_download = Signal(str)
+    draft_chosen = Signal(str)  # a local model to draft for speculative decoding (the Speculation tab's choice)
 
     def __init__(self, settings: Settings, environment: dict | None = None, current: Any = None,
                  parent: QWidget | None = None) -> None:
@@ -146,6 +148,10 @@ class ModelsDialog(QDialog):
         self.list.itemDoubleClicked.connect(lambda *_: self.accept_choice())
         open_button = QPushButton("Open folder…")
         open_button.clicked.connect(self._open_folder)
+        self.draft_button = QPushButton("Use as draft model")
+        self.draft_button.setToolTip(CONTROLS["draft_path"].tip + "\nSpeculative decoding uses it from then on "
+                                     "(the Speculation tab).")
+        self.draft_button.clicked.connect(self.choose_draft)
 
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("hub id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -191,6 +197,7 @@ class ModelsDialog(QDialog):
         row = QHBoxLayout()
         row.addWidget(open_button)
         row.addStretch(1)
+        row.addWidget(self.draft_button)
         layout.addLayout(row)
         layout.addWidget(QLabel("<b>Download from the Hugging Face Hub</b>"))
         drow = QHBoxLayout()
@@ -244,6 +251,16 @@ class ModelsDialog(QDialog):
     def choice(self) -> dict | None:
         item = self.list.currentItem()
         return item.data(ROLE) if item is not None else None
+
+    def choose_draft(self) -> None:
+        """The selected local model drafts for speculative decoding (the worker checks its tokenizer)."""
+        c = self.choice()
+        if c is None or not (c["folder"] or is_builtin(c["source"])):
+            self.message.setText("A draft model must be on this computer: the built-in model, a folder or the cache.")
+            return
+        source = c["source"] if is_builtin(c["source"]) else c["folder"]
+        self.draft_chosen.emit(source)
+        self.message.setText(f"Draft model for speculative decoding: {source} (the Speculation tab says if it fits).")
 
     def _open_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Open a model folder")

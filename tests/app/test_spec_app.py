@@ -1,11 +1,13 @@
 """Speculative decoding in the real window on the real stories260K: the controls (prompt lookup, a draft model,
 draft tokens, the tint), switched mid-reply with the same tokens as plain greedy decoding, the tint of accepted
 draft tokens in the reply, the footer's note, the setting kept across a restart, a draft model with another
-tokenizer refused with its reason (nothing changed)."""
+tokenizer refused with its reason (nothing changed), chosen in File ▸ Models too; the timing panel's and the page
+map's account of the verifications; the self-test's check."""
 
 from __future__ import annotations
 
 from app_helpers import close_window, open_window, wait_reply
+from PySide6.QtCore import QTimer
 
 from app.draft_tint import TINT
 from app.settings import Settings
@@ -218,5 +220,37 @@ def test_self_test_checks_a_speculative_reply_against_the_plain_one(qtbot, data_
         assert w.speculation.applied == SpecConfig() and w.last_stats["speculative"] == "ngram"
         versions = w.chat.bubbles[-1].versions
         assert len(versions) == 2 and versions[0]["content"] == versions[1]["content"]  # plain, then speculative
+    finally:
+        close_window(w)
+
+
+def test_models_dialog_picks_the_draft_model_beside_the_main_model(qtbot, data_dir, stories_path):
+    from PySide6.QtWidgets import QApplication
+
+    from engine.builtin_model import BUILTIN_MODEL
+
+    w = _window(qtbot, data_dir, stories_path)
+    seen = []
+    try:
+        def use_builtin_as_draft() -> None:  # the user, in File ▸ Models…
+            dlg = QApplication.activeModalWidget()
+            dlg.list.setCurrentRow(0)  # the built-in stories260K
+            dlg.draft_button.click()
+            seen.append(dlg.message.text())
+            dlg.list.setCurrentRow(1)  # the demo: made in code, not a model on disk
+            dlg.draft_button.click()
+            seen.append(dlg.message.text())
+            dlg.reject()  # no main model loaded: the draft model is a choice of its own
+
+        qtbot.waitUntil(lambda: w.models.info is not None)
+        with qtbot.waitSignal(w.speculation.changed, timeout=60_000):
+            QTimer.singleShot(0, use_builtin_as_draft)
+            w.models.open_models_dialog()
+        assert seen[0].startswith(f"Draft model for speculative decoding: {BUILTIN_MODEL}")
+        assert seen[1].startswith("A draft model must be on this computer")
+        assert w.speculation.applied.method == "draft" and w.speculation.applied.draft_path == BUILTIN_MODEL
+        assert w.spec_controls.method.currentData() == "draft"
+        assert _reply(qtbot, w)
+        assert w.last_stats["speculative"] == f"draft:{BUILTIN_MODEL}" and w.last_stats["draft_tokens"] > 0
     finally:
         close_window(w)
