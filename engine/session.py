@@ -96,6 +96,14 @@ class ChatSession(Stepping):
         spans = message_spans(self.tokenizer, messages) if needs_spans else []
         return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans)
 
+    def start_rendered(self, ids: Seq[int], messages: Seq[dict], spans: Seq[tuple[int, int]] = (),
+                       sampling: SamplingConfig | None = None, generation_id: int | None = None) -> TurnStats:
+        """``start`` for ``messages`` rendered already (``ids``; ``spans`` where a policy needs them): the server
+        renders and tokenizes on a thread of its own, so the engine thread never waits for a tokenizer."""
+        self.check_open()
+        return self._begin([int(i) for i in ids], sampling or SamplingConfig(), generation_id,
+                           validate_messages(messages), list(spans))
+
     def start_completion(self, prompt: str, sampling: SamplingConfig | None = None,
                          generation_id: int | None = None) -> TurnStats:
         """Raw completion of ``prompt`` (no chat template), reusing the cache the same way."""

@@ -157,16 +157,14 @@ async def _generate(request: Request, parse) -> Response:
     key = _check_key(request)
     req = parse(parse_body(await _read_body(request, server.max_body)))
     check_model(req, server.model_ids)
+    prepared = await server.scheduler.prepare(req)  # rendered and tokenized off the engine thread; 400s here
     shape = Shape(req.kind, server.model_id)
-    job = server.scheduler.submit(req, asyncio.get_running_loop(), shape.id, tenant_of(key, req.cache_salt))
+    job = server.scheduler.submit(req, asyncio.get_running_loop(), prepared, shape.id, tenant_of(key, req.cache_salt))
+    if req.stream:  # the role chunk at once, queued or not; a later failure comes as the stream's last event
+        return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        kind, data = await _next(job, gone)  # the start, or an error (the request never started)
-        if kind == "error":
-            raise data
-        if req.stream:
-            gone.cancel()  # from here on sse-starlette watches the connection
-            return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
+        kind = ""
         while kind != "done":
             kind, data = await _next(job, gone)
             if kind == "error":
@@ -210,6 +208,8 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
             yield {"data": json.dumps(shape.chunk({"role": "assistant", "content": ""}, None))}
         while True:
             kind, data = await job.next()
+            if kind == "start":
+                continue
             if kind == "delta":
                 text, logprob = data
                 yield {"data": json.dumps(shape.chunk(text, None, logprob))}

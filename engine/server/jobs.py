@@ -73,6 +73,7 @@ class Job:
         self.cancelled = False
         self.finished = False  # set by the engine thread after the last event
         self.session = None
+        self.prepared = None  # engine.server.prompts.Prepared: its prompt's ids, made ready before it queued
         self.sampling = None  # SamplingConfig, once admitted
         self.stats = None  # TurnStats of start()
         self.request = None  # its request on the engine core, once admitted

@@ -24,6 +24,7 @@ from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
+from engine.server.prompts import Prepared, Tokenizing
 from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
@@ -47,6 +48,7 @@ class Scheduler(Source):
         self.max_running = max(1, max_running)
         self.max_waiting = max(0, max_waiting)
         self.limits = limits or StreamLimits()
+        self.tokenizing = Tokenizing(lm, cache, self.limits.max_tokens)
         self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
@@ -95,12 +97,17 @@ class Scheduler(Source):
         self._attached = True
         self.core.call(lambda: self.core.sources.append(self))
 
-    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",
+    async def prepare(self, req: GenRequest) -> Prepared:
+        """The request's prompt rendered and tokenized off the engine thread (400s for what cannot fit)."""
+        return await self.tokenizing.prepare(req)
+
+    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, prepared: Prepared, request_id: str = "",
                tenant: bytes = b"") -> Job:
-        """Queue a request (``tenant``: who may share its cache); 429 when ``max_waiting`` are queued already, 503
-        once the server stops."""
+        """Queue a request (``prepared`` by ``prepare``; ``tenant``: who may share its cache); 429 when
+        ``max_waiting`` are queued already, 503 once the server stops."""
         lim = self.limits
         job = Job(req, loop, request_id, tenant, Backlog(lim.stream_buffer, lim.stall_s) if req.stream else None)
+        job.prepared = prepared
         job.scheduler, job.on_taken = self, self.core.wake
         with self._lock:
             if not self.alive:
@@ -133,6 +140,7 @@ class Scheduler(Source):
             if self._stopping:
                 return
             self._stopping = True
+        self.tokenizing.close()
         if self.own_thread is not None:
             self.own_thread.stop(timeout)
             return
@@ -182,57 +190,14 @@ class Scheduler(Source):
         self.metrics.outcome("error")
         job.post("error", err)
 
-    def _prompt_ids(self, req: GenRequest) -> list[int]:
-        from engine.chat import encode_prompt, render_chat
-
-        tok = self.lm.tokenizer
-        if tok is None:
-            raise ApiError(503, "this model has no tokenizer", "server_error", None, "no_tokenizer")
-        if req.kind == "chat":
-            return render_chat(tok, list(req.messages))
-        if req.prompt is not None:
-            ids = encode_prompt(tok, req.prompt)
-            if not ids:
-                raise bad_request("prompt: empty after tokenization (nothing to complete)", "prompt")
-            return ids
-        vocab = self.lm.info.vocab_size
-        if max(req.prompt_ids) >= vocab:
-            raise bad_request(f"prompt: token id {max(req.prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
-                              "prompt", "invalid_value")
-        return list(req.prompt_ids)
-
-    def _max_new(self, req: GenRequest, n: int) -> int:
-        """Tokens this reply may generate: ``max_tokens``, checked against the context (400 with the numbers)."""
-        ctx = self.lm.info.context_length
-        bounded = self.cache.policy == "none" and self.cache.overflow == "stop"
-        param = "messages" if req.kind == "chat" else "prompt"
-        what = "messages" if req.kind == "chat" else "prompt"
-        if bounded and n >= ctx:
-            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your {what} "
-                              f"resulted in {n} tokens. Please reduce the length of the {what}.", param,
-                              "context_length_exceeded")
-        cap = self.limits.max_tokens
-        if req.max_tokens is not None and req.max_tokens > cap:
-            raise bad_request(f"max_tokens: {req.max_tokens} is above this server's limit of {cap} tokens per reply "
-                              "(its --max-tokens)", "max_tokens", "invalid_value")
-        if req.max_tokens is None:
-            return min(cap, max(1, ctx - n) if bounded else ctx)
-        if bounded and n + req.max_tokens > ctx:
-            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                              f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the completion). "
-                              f"Please reduce the length of the {what} or completion.", "max_tokens",
-                              "context_length_exceeded")
-        return req.max_tokens
-
     def _begin(self, job: Job) -> None:
         if job.cancelled:
             job.finished = True
             self.metrics.outcome("cancelled")
             return
-        req = job.req
-        ids = self._prompt_ids(req)
+        req, ids = job.req, list(job.prepared.ids)
         job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                      max_new_tokens=self._max_new(req, len(ids)), stop_strings=req.stop,
+                                      max_new_tokens=job.prepared.max_new, stop_strings=req.stop,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       logprobs=req.logprobs)
         job.session, _ = self.idle.take(ids, job.tenant)
@@ -272,13 +237,11 @@ class Scheduler(Source):
 
     @staticmethod
     def _start_turn(job: Job) -> None:
-        s, req = job.session, job.req
-        if req.kind == "chat":
-            job.stats = s.start(list(req.messages), job.sampling)
-        elif req.prompt is not None:
-            job.stats = s.start_completion(req.prompt, job.sampling)
+        s, req, p = job.session, job.req, job.prepared
+        if req.kind == "chat":  # rendered off this thread (``engine.server.prompts``)
+            job.stats = s.start_rendered(p.ids, list(req.messages), p.spans, job.sampling)
         else:
-            job.stats = s.start_ids(list(req.prompt_ids), job.sampling)
+            job.stats = s.start_ids(p.ids, job.sampling)
 
     def _emit(self, job: Job, r) -> None:
         """Hand a step's token to the client; end the request when the step ended the reply."""

@@ -98,3 +98,23 @@ def test_the_decoder_holds_back_only_the_incomplete_bytes():
     d = StreamDecoder(tok)
     assert [d.push(i) for i in ids[:2]] == ["x", "€y"]
     assert d.flush() == "\ufffd" and d.text == "x€y\ufffd"  # a reply that ends inside a character says so
+
+
+def test_the_role_chunk_comes_at_once_even_while_queued(served):
+    """The engine holds every API request (paused): a streamed chat still gets its role chunk, before it runs."""
+    server, url = served
+    sched = server.scheduler
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    sched.pause()
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=DEADLINE_S) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert sched.waiting == 1 and sched.running == 0  # still queued
+            sched.resume()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and len(rest) == 3 + 2  # three tokens, the finish chunk, [DONE]
+    finally:
+        sched.resume()
