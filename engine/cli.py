@@ -159,6 +159,7 @@ def _serve_parser(sub) -> None:
     s.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's head (default 10)")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body (default 30)")
     s.add_argument("--access-log", action="store_true", help="log every request")
+    _spec_args(s)
     _cache_args(s)
     _model_args(s)
 

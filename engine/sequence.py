@@ -97,6 +97,7 @@ class TurnState:
             return {}
         last = max((i + 1 for i, n in enumerate(s.tried_pos) if n), default=0)
         return dict(speculative=self.spec_label, draft_tokens=s.draft_tokens, accepted_draft_tokens=s.accepted,
+                    verifications=s.drafts,
                     accepted_by_position=tuple(s.by_pos[:last]), spec_note=s.summary())
 
 

@@ -246,6 +246,7 @@ class TurnStats:
     draft_tokens: int = 0  # draft tokens verified
     accepted_draft_tokens: int = 0  # of them, those the model kept
     accepted_by_position: tuple[int, ...] = ()  # accepted drafts at draft position 1, 2, ...
+    verifications: int = 0  # speculative verification forwards
     spec_note: str = ""  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
 
 

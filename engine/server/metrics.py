@@ -26,6 +26,9 @@ class Metrics:
         self.runner = None  # engine.runner.ModelRunner: its batched-forward counters are read at render
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.stalls = {"paused": 0, "cancelled": 0}  # streams whose reader stopped (``engine.server.jobs``)
+        # speculative decoding, as vLLM counts it: verifications, draft tokens, accepted ones (and by position)
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self.spec_by_pos: list[int] = []
         self.closed = {"header_timeout": 0, "body_timeout": 0, "over_limit": 0}  # ``engine.server.conn``
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
 
@@ -43,6 +46,19 @@ class Metrics:
             if n:
                 self._recent.append((now, n))
             self._trim(now)
+
+    def speculated(self, stats) -> None:
+        """A finished reply's speculation (``TurnStats``); usage and tokens are counted as without it."""
+        if not stats.draft_tokens:
+            return
+        with self._lock:
+            self.spec["drafts"] += stats.verifications
+            self.spec["draft_tokens"] += stats.draft_tokens
+            self.spec["accepted"] += stats.accepted_draft_tokens
+            by = stats.accepted_by_position
+            self.spec_by_pos += [0] * (len(by) - len(self.spec_by_pos))
+            for i, n in enumerate(by):
+                self.spec_by_pos[i] += n
 
     def outcome(self, name: str) -> None:
         with self._lock:
@@ -113,10 +129,23 @@ class Metrics:
                 ("kvscope_session_evictions_total", "counter", "Idle sessions closed (least recently used first)",
                  self.session_evictions),
             ]
+            rows += [
+                ("kvscope_spec_decode_num_drafts_total", "counter", "Speculative verifications run",
+                 self.spec["drafts"]),
+                ("kvscope_spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified",
+                 self.spec["draft_tokens"]),
+                ("kvscope_spec_decode_num_accepted_tokens_total", "counter", "Draft tokens the model accepted",
+                 self.spec["accepted"]),
+            ]
+            by_pos = list(self.spec_by_pos)
             outcomes, stalls, closed = dict(self.outcomes), dict(self.stalls), dict(self.closed)
         out = []
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
+        out += ["# HELP kvscope_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted at each draft "
+                "position (0: the first)", "# TYPE kvscope_spec_decode_num_accepted_tokens_per_pos_total counter"]
+        out += [f'kvscope_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
+                for i, n in enumerate(by_pos)]
         out += ["# HELP kvscope_requests_total Requests by outcome (finish reason, cancelled, error, rejected)",
                 "# TYPE kvscope_requests_total counter"]
         out += [f'kvscope_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]

@@ -41,7 +41,8 @@ class Scheduler(Source):
 
     def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 8,
                  max_waiting: int = 32, max_idle: int = 4, core: EngineCore | None = None,
-                 limits: StreamLimits | None = None) -> None:
+                 limits: StreamLimits | None = None, speculation: tuple = (None, None)) -> None:
+        """``speculation``: (SpecConfig or None, its draft model or None) for every conversation."""
         self.lm = lm
         self.cache = cache
         self.metrics = metrics or Metrics()
@@ -49,7 +50,7 @@ class Scheduler(Source):
         self.max_waiting = max(0, max_waiting)
         self.limits = limits or StreamLimits()
         self.tokenizing = Tokenizing(lm, cache, self.limits.max_tokens)
-        self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted)
+        self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted, speculation=speculation)
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
         self._lock = threading.Lock()
@@ -286,6 +287,8 @@ class Scheduler(Source):
                                       stats.recomputed_tokens, completion, finish))
         job.finished = True
         self.metrics.outcome(finish)
+        if s.last_stats is not None:
+            self.metrics.speculated(s.last_stats)
         job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs})

@@ -8,13 +8,14 @@ Security: the server listens on 127.0.0.1 unless told otherwise, and any other a
 from __future__ import annotations
 
 import asyncio
-
+import dataclasses
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.config import CacheConfig
 from engine.server.app import build_app, is_loopback  # noqa: F401 - is_loopback re-exported
@@ -41,6 +42,8 @@ class ServerOptions:
     access_log: bool = False
     limits: StreamLimits = field(default_factory=StreamLimits)  # longest reply, a stream's unsent events
     conn: ConnLimits = field(default_factory=ConnLimits)  # request head / body deadlines, open connections
+    speculative: Any = None  # engine.config.SpecConfig for every conversation (None: off)
+    draft_lm: Any = None  # its draft model, loaded once (``--speculative draft:PATH``)
 
 
 def check_cors(cors, api_key: str | None) -> None:
@@ -91,7 +94,7 @@ class KVServer:
         o = self.options
         # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
         self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core,
-                                   o.limits)
+                                   o.limits, speculation=(o.speculative, o.draft_lm))
         self.last_gauges: dict[str, float] = {}
         check_cors(o.cors, self.api_key)
         self.app = build_app(self, tuple(o.cors))
@@ -198,12 +201,23 @@ def serve(a, cache: CacheConfig, spec) -> int:
                             max_idle=a.max_idle, access_log=a.access_log,
                             limits=StreamLimits(max_tokens=a.max_tokens),
                             conn=ConnLimits(a.header_timeout, a.body_timeout, a.max_connections))
+    from engine.config import SpecConfig
+
+    speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
     from engine.loader import load_model
 
     lm = load_model(spec)
     if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer: the server needs one")
+    if speculative.method != "off":
+        from engine.spec_draft import load_drafter
+
+        drafter = load_drafter(speculative, lm, spec)  # loaded and checked once; each conversation drafts with it
+        options = dataclasses.replace(options, speculative=speculative,
+                                      draft_lm=drafter.lm if drafter is not None else None)
+        if drafter is not None:
+            drafter.close()
     server = KVServer(lm, cache, options, source=a.model)
     lm.fast.waker = server.scheduler.core.wake  # its build's end wakes the engine thread to take it up
     lm.fast.start()  # the compiled decode step (engine.fast_step): built in a child, requests run eager meanwhile

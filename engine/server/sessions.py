@@ -29,8 +29,9 @@ from engine.sequence import common_prefix
 
 class IdleSessions:
     def __init__(self, lm, cache: CacheConfig, max_idle: int = 4, min_shared: int | None = None,
-                 on_evict: Callable[[], None] | None = None) -> None:
+                 on_evict: Callable[[], None] | None = None, speculation: tuple = (None, None)) -> None:
         self.lm = lm
+        self.spec, self.draft_lm = speculation  # every conversation speculates so (``serve --speculative``)
         self.cache = cache
         self.max_idle = max(0, max_idle)
         self.min_shared = min_shared if min_shared is not None else (cache.page_size if cache.mode == "paged" else 16)
@@ -72,6 +73,11 @@ class IdleSessions:
 
         s = ChatSession(self.lm, self.cache)
         s.cache.root = salted_root(tenant)
+        if self.spec is not None and self.spec.method != "off":
+            from engine.spec_draft import ModelDrafter
+
+            drafter = ModelDrafter(self.draft_lm, self.lm, check=False) if self.draft_lm is not None else None
+            s.speculate(self.spec, drafter)  # a draft cache of its own; the draft model checked at start
         self.tenant_of[s] = tenant
         return s
 
