@@ -40,7 +40,8 @@ PANEL_HELP = {
         "for its details. Only the paged cache has pages. With speculative decoding the model checks several guessed "
         "tokens in one pass: it writes a slot for each of them at once (framed in amber: the pages those slots "
         "took), keeps the guesses it agrees with and cuts the others back at once — the caption says how many "
-        "slots were written and how many were cut back.",
+        "slots were written and how many were cut back. A draft model keeps its own small cache: its pages are "
+        "drawn after the model's (the caption says which are which).",
         ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),
          (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"))
         + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS

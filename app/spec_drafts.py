@@ -58,3 +58,28 @@ class SpecDrafts:
         loaded = self._load(spec, lambda *a, **k: None, threading.Event())
         self._draft = (path, device, loaded)
         return loaded
+
+
+def with_draft_pool(snap: Any, session: Any) -> Any:
+    """``snap`` with the chat's draft model's pool drawn after the model's own (a second group of the page map:
+    "draft model: pages 32–63"), when the chat drafts with a draft model; else ``snap`` itself. The draft
+    model's pages are its own arena's, shared by every chat's drafter: this chat's are marked as its own."""
+    drafter = getattr(getattr(session, "spec", None), "drafter", None)
+    cache = getattr(drafter, "cache", None)
+    if snap is None or cache is None or cache.store is None or not snap.num_pages:
+        return snap
+    import numpy as np
+
+    from engine.observe import own_pages, page_map
+
+    state, owner, fill, ref, _held, groups = page_map(cache)
+    if groups or not len(state):  # a draft model whose layers differ: not drawn (its pools would not line up)
+        return snap
+    n = snap.num_pages
+    mine = snap.page_mine if snap.page_mine is not None else np.ones(n, dtype=bool)
+    return dataclasses.replace(
+        snap, num_pages=n + len(state),
+        page_state=np.concatenate([snap.page_state, state]), page_owner=np.concatenate([snap.page_owner, owner]),
+        page_fill=np.concatenate([snap.page_fill, fill]), page_refcount=np.concatenate([snap.page_refcount, ref]),
+        page_groups=tuple(snap.page_groups or (("model", n),)) + (("draft model", len(state)),),
+        page_mine=np.concatenate([mine, own_pages(cache, len(state), ())]))

@@ -48,7 +48,7 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 from app.backend import EngineBackend, default_backend
 from app.compare_run import WarmedComparison
 from app.failure import Failure, describe, log
-from app.spec_drafts import SpecDrafts
+from app.spec_drafts import SpecDrafts, with_draft_pool
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.scheduler import EngineCore, Priority, Request, Source, Task
@@ -289,7 +289,7 @@ class EngineWorker(QObject):
         session = self._pool.get(chat) if self._pool is not None else None
         if session is not None and not (self._gen_id and self._chat == chat):
             try:
-                snap = session.snapshot() if getattr(session, "cached_tokens", 1) else None
+                snap = with_draft_pool(session.snapshot(), session) if getattr(session, "cached_tokens", 1) else None
             except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
                 traceback.print_exc()
         self.described.emit(chat, snap, self._count(messages, -2))
@@ -390,7 +390,7 @@ class EngineWorker(QObject):
         if result.event is not None:
             self.token.emit(result.event)
         if result.snapshot is not None:
-            self.snapshot.emit(result.snapshot)
+            self.snapshot.emit(with_draft_pool(result.snapshot, self._session))
             self._note(gen, getattr(result.snapshot, "notes", ()))
         self._text = result.text or self._text
         if result.done:

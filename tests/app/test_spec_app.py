@@ -99,6 +99,11 @@ def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, st
         stats = w.last_stats
         assert stats["speculative"] == f"draft:{stories_path}"
         assert stats["accepted_draft_tokens"] == stats["draft_tokens"] > 0  # it guesses itself exactly
+        snap = w.trace.snapshots[-1]  # the draft model's own pool, after the model's, in the page map
+        (model, n), (draft, m) = snap.page_groups
+        assert (model, draft) == ("model", "draft model") and snap.num_pages == n + m
+        assert snap.page_mine[n:].any() and (snap.page_state[n:] != 0).any()  # this chat's draft cache
+        qtbot.waitUntil(lambda: f"draft model: pages {n}–{n + m - 1}" in w.page_map.caption.text())
 
         with qtbot.waitSignal(w.error_shown, timeout=60_000) as shown:
             w.spec_controls.choose_draft("demo")  # random weights, another tokenizer
