@@ -39,8 +39,8 @@ PANEL_HELP = {
         "first to last: which are kept, kept as attention sinks, quantized, pinned, or evicted. Hover a page "
         "for its details. Only the paged cache has pages. With speculative decoding the model checks several guessed "
         "tokens in one pass: it writes a slot for each of them at once (framed in amber: the pages those slots "
-        "took), keeps the guesses it agrees with and cuts the others back at once — the caption says how many "
-        "slots were written and how many were cut back. A draft model keeps its own small cache: its pages are "
+        "took), keeps the guesses it agrees with and cuts the others back at once — the line under the legend says "
+        "how many slots were written and how many were cut back. A draft model keeps its own small cache: its pages are "
         "drawn after the model's (the caption says which are which).",
         ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),
          (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"))

@@ -192,12 +192,15 @@ class PageMapPanel(Panel):
 
         chips = [(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
         chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
+        chips.append((VERIFY_COLOUR, "verified (frame)"))  # a speculative verification wrote into it
         self._layout.addWidget(legend_row(chips, prefix="pages:"))
         strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
         self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
         self.hover = QLabel(" ")
         self.hover.setObjectName("hoverLine")
         self._layout.addWidget(self.hover)
+        self.readout = " "  # what the hover line says when the mouse is not on a page: the last verification
+        self._hovering = False  # the hover line describes a page under the mouse
 
         self.snapshot: CacheSnapshot | None = None
         self.cols = 16
@@ -231,9 +234,10 @@ class PageMapPanel(Panel):
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
-        if snap.verified:
-            parts.append(verify_text(snap) + " (framed pages)")
-        elif snap.written_pages:
+        self.readout = (verify_text(snap) + " (pages framed)") if snap.verified else " "
+        if not self._hovering:
+            self.hover.setText(self.readout)
+        if snap.written_pages and not snap.verified:
             parts.append(f"dots: {len(snap.written_pages)} written this step"
                          + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
         if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
@@ -254,6 +258,9 @@ class PageMapPanel(Panel):
         self.grid = np.zeros((0, 0), dtype=np.int16)
         self.image.clear()
         self.strip.clear()
+        self.readout = " "
+        if not self._hovering:
+            self.hover.setText(" ")
         self.caption.setText("Nothing cached for this chat yet: pages appear when you send a message.")
 
     def reset_view(self) -> None:
@@ -286,11 +293,13 @@ class PageMapPanel(Panel):
     def _on_mouse(self, event) -> None:
         pos: QPointF = event[0]
         if not self.image.sceneBoundingRect().contains(pos):
-            self.hover.setText(" ")
+            self._hovering = False
+            self.hover.setText(self.readout)
             return
         p = self.image.mapFromScene(pos)
         text = self.describe_page(self.page_at(p.x(), p.y()))
-        self.hover.setText(text or " ")
+        self._hovering = bool(text)
+        self.hover.setText(text or self.readout)
         if text:
             QToolTip.showText(QCursor.pos(), text, self.view)
 

@@ -88,6 +88,8 @@ def test_prompt_lookup_mid_reply_same_tokens_footer_tint_and_saved(qtbot, data_d
 
 
 def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, stories_path):
+    from test_layout import _settle
+
     w = _window(qtbot, data_dir, stories_path)
     try:
         plain = _reply(qtbot, w)
@@ -104,6 +106,14 @@ def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, st
         assert (model, draft) == ("model", "draft model") and snap.num_pages == n + m
         assert snap.page_mine[n:].any() and (snap.page_state[n:] != 0).any()  # this chat's draft cache
         qtbot.waitUntil(lambda: f"draft model: pages {n}–{n + m - 1}" in w.page_map.caption.text())
+        assert snap.verified  # the last step was a verification: the longest caption
+        for size in ((1280, 720), (1920, 1080)):
+            _settle(qtbot, w, size)
+            w.docks["page_map"].raise_()
+            cap = w.page_map.caption
+            qtbot.waitUntil(cap.isVisible)
+            assert cap.heightForWidth(cap.width()) <= cap.height(), (size, cap.text())
+            assert w.page_map.hover.text().startswith(f"verified {snap.verified} slots, 0 cut back")
 
         with qtbot.waitSignal(w.error_shown, timeout=60_000) as shown:
             w.spec_controls.choose_draft("demo")  # random weights, another tokenizer
@@ -157,7 +167,7 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
         cut = max(verifications, key=lambda s: s.rolled_back)
         assert cut.rolled_back > 0  # some guesses were rejected and cut back
         w.page_map.show_snapshot(cut)  # the frame the panel drew during that verification
-        assert f"verified {cut.verified} slots, {cut.rolled_back} cut back" in w.page_map.caption.text()
+        assert w.page_map.hover.text() == f"verified {cut.verified} slots, {cut.rolled_back} cut back (pages framed)"
         for size in ((1280, 720), (1920, 1080)):  # the captions of a speculative reply fit their two lines
             _settle(qtbot, w, size)
             w.docks["page_map"].raise_()
@@ -172,7 +182,7 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
         plain = next(s for s in w.trace.snapshots if not s.verified and s.written_pages)
         w.page_map.show_snapshot(plain)
         assert not (w.page_map.image.image[..., :3] == amber).all(axis=-1).any()
-        assert "verified" not in w.page_map.caption.text()
+        assert w.page_map.hover.text() == " "  # a plain step: nothing verified
     finally:
         close_window(w)
 
