@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +20,38 @@ CSV_FIELDS = (
 )
 
 
+def strip_runs(token_state: np.ndarray) -> np.ndarray:
+    """The token strip run-length encoded: [runs, 2] int64 rows of (TOKEN_* code, count), in order. A
+    StreamingLLM strip of any length is 3-4 runs (sinks, evicted middle, kept window, not yet cached)."""
+    states = np.asarray(token_state)
+    if not len(states):
+        return np.zeros((0, 2), dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, states[1:] != states[:-1]])
+    counts = np.diff(np.r_[starts, len(states)])
+    return np.stack([states[starts].astype(np.int64), counts], axis=1)
+
+
+def strip_from_runs(runs: np.ndarray) -> np.ndarray:
+    """The token strip (int8 codes) back from ``strip_runs``."""
+    return np.repeat(runs[:, 0], runs[:, 1]).astype(np.int8) if len(runs) else np.zeros(0, dtype=np.int8)
+
+
+_NO_STRIP = np.zeros(0, dtype=np.int8)
+
+
 class CacheTrace:
     """Snapshots of the chat's replies, in arrival order (capped at ``limit``; the oldest steps go first,
-    except the very first, which shows where the chat started)."""
+    except the very first, which shows where the chat started).
+
+    Each snapshot is kept without its token strip, which is kept run-length encoded beside it (``strips``):
+    a strip has one entry per token of the chat, so 20,000 steps of a 120k-token StreamingLLM chat held
+    2.4 GB of strips that are 4 runs each. ``strip(i)`` gives a step's strip back."""
 
     def __init__(self, limit: int = 20000) -> None:
         self.limit = limit
         self.generation_ids: list[int] = []
-        self.snapshots: list[CacheSnapshot] = []
+        self.snapshots: list[CacheSnapshot] = []  # token_state emptied: see ``strips``
+        self.strips: list[np.ndarray] = []  # [runs, 2] per snapshot (``strip_runs``)
         self.notes: list[str] = []
 
     @property
@@ -38,6 +63,7 @@ class CacheTrace:
         """Another chat is open: its trace starts empty."""
         self.generation_ids = []
         self.snapshots = []
+        self.strips = []
         self.notes = []
 
     def begin(self, generation_id: int) -> None:
@@ -50,7 +76,13 @@ class CacheTrace:
             return
         if len(self.snapshots) >= self.limit:
             del self.snapshots[1 : 1 + self.limit // 10]
-        self.snapshots.append(snap)
+            del self.strips[1 : 1 + self.limit // 10]
+        self.strips.append(strip_runs(snap.token_state))
+        self.snapshots.append(replace(snap, token_state=_NO_STRIP))
+
+    def strip(self, i: int) -> np.ndarray:
+        """Snapshot ``i``'s token strip, as it arrived."""
+        return strip_from_runs(self.strips[i])
 
     def __len__(self) -> int:
         return len(self.snapshots)
@@ -68,7 +100,7 @@ class CacheTrace:
         data = {
             "generation_ids": self.generation_ids,
             "notes": self.notes,
-            "snapshots": [s.to_dict() for s in self.snapshots],
+            "snapshots": [_exported(s, runs) for s, runs in zip(self.snapshots, self.strips)],
         }
         Path(path).write_text(json.dumps(data))
 
@@ -78,3 +110,12 @@ class CacheTrace:
             w.writeheader()
             for row in self.rows():
                 w.writerow({k: row.get(k, "") for k in CSV_FIELDS})
+
+
+def _exported(snap: CacheSnapshot, runs: np.ndarray) -> dict:
+    """A trace step as JSON: the snapshot's fields, its token strip as ``token_state_runs`` [[code, count], ...]
+    (a strip per step in full would make the file quadratic in the chat's length)."""
+    d = snap.to_dict()
+    d.pop("token_state", None)
+    d["token_state_runs"] = runs.tolist()
+    return d

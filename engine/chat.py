@@ -103,7 +103,7 @@ class StreamDecoder:
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # the window's ids only: those before ``_prefix`` are dropped (see ``_trim``)
         self._prefix = 0
         self._read = 0
         self._sent = 0  # characters past the prefix's text already handed out while the window's end was held
@@ -122,10 +122,19 @@ class StreamDecoder:
         delta = ready[start:] if len(ready) > start else ""
         if not held and len(new_text) > len(prefix_text):
             self._prefix, self._read, self._sent = self._read, len(self.ids), 0
+            self._trim()
         else:
             self._sent += len(delta)
         self.text += delta
         return delta
+
+    def _trim(self) -> None:
+        """Forget the ids before the window: they are never decoded again, and a 120k-token reply kept a
+        second list of all its ids here (~11 B per token). Done every 64 tokens, so the cost stays O(1) each."""
+        if self._prefix >= 64:
+            del self.ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of a reply), replacement characters included."""

@@ -21,6 +21,7 @@ from engine.errors import ContextOverflowError
 from engine.policies import PINNED
 from engine.sampling import Sampler
 from engine.snapshot import TokenEvent, TurnStats
+from engine.token_ids import interned
 
 
 class Status(enum.Enum):
@@ -210,6 +211,7 @@ class Sequence:
     def accept(self, token: int, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
         """Append a sampled token; its event and the stop reason it causes ("" to go on; the context is checked
         by the caller, which knows the cache)."""
+        token = interned(token)  # the lists below share one object per id (engine.token_ids)
         t = self.reply
         dt_ms = (time.perf_counter() - t0) * 1000.0
         phase = "prefill" if not t.generated else "decode"
