@@ -6,8 +6,11 @@ under ``ulimit -n 512`` 600 of them made normal requests time out. Here:
 
 - the request head must be complete within ``header_timeout_s`` of its first byte (of the connection, for
   the first request), the body within ``body_timeout_s`` of the head; past either the connection is closed;
-- beyond ``max_connections`` open connections a new one gets 503 and is closed at once (never below the
-  process's file-descriptor limit less a margin, so the engine and the logs always have descriptors left);
+- at ``max_connections`` open connections a new one takes the place of the oldest that has no request in
+  flight (waiting for its head, or idle between keep-alive requests): a normal client sends its head at once,
+  so connections held open by slowloris are the ones that go; only when every connection has a request in
+  flight does a new one get 503 and is closed. The cap stays below the process's file-descriptor limit less a
+  margin, so the engine and the logs always have descriptors left;
 - each accepted socket's send buffer is ``SEND_BUFFER`` bytes: Linux grows it up to ``tcp_wmem``'s 4 MiB for a
   client that does not read, which then absorbed >3,000 streamed tokens (~800 KB) before the stream's own
   bound (``engine.server.jobs``) could see it; 64 KiB is ~280 token events.
@@ -58,7 +61,8 @@ class GuardedH11(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._waiting_for = ""
-        self.refused = len(self.connections) >= self.max_connections
+        self._since = 0.0  # loop time the connection last had no request in flight
+        self.refused = len(self.connections) >= self.max_connections and not self._evict_one()
         if self.refused:
             self._count("over_limit")
             transport.write(_refusal())
@@ -72,6 +76,25 @@ class GuardedH11(H11Protocol):
                 pass
         super().connection_made(transport)
         self._arm("header")
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has gone longest without a request in flight; False if every one has one."""
+        idle = [c for c in self.connections if isinstance(c, GuardedH11) and c._idle()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._since)
+        oldest._count("evicted")
+        oldest._disarm()
+        oldest.transport.close()
+        self.connections.discard(oldest)  # its slot is this connection's now (uvicorn drops it again on close)
+        return True
+
+    def _idle(self) -> bool:
+        """No request in flight: waiting for a head, or between keep-alive requests."""
+        if self.transport is None or self.transport.is_closing():
+            return False
+        return self._waiting_for == "header" or (self.conn.their_state is h11.IDLE and
+                                                 (self.cycle is None or self.cycle.response_complete))
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -93,6 +116,7 @@ class GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._disarm()  # uvicorn's keep-alive timeout takes over until the next request's first byte
+        self._since = self.loop.time()
         super().on_response_complete()
 
     def _arm(self, what: str) -> None:
@@ -100,6 +124,8 @@ class GuardedH11(H11Protocol):
             return  # a deadline counts from the first byte, not from the latest
         self._disarm()
         self._waiting_for = what
+        if what == "header":
+            self._since = self.loop.time()
         delay = self.header_timeout_s if what == "header" else self.body_timeout_s
         self._deadline = self.loop.call_later(delay, self._expired, what)
 

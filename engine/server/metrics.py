@@ -29,7 +29,7 @@ class Metrics:
         # speculative decoding, as vLLM counts it: verifications, draft tokens, accepted ones (and by position)
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.spec_by_pos: list[int] = []
-        self.closed = {"header_timeout": 0, "body_timeout": 0, "over_limit": 0}  # ``engine.server.conn``
+        self.closed = dict.fromkeys(("header_timeout", "body_timeout", "evicted", "over_limit"), 0)  # ``server.conn``
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
 
     def request_started(self, prompt_tokens: int, reused_tokens: int) -> None:
@@ -65,7 +65,8 @@ class Metrics:
             self.outcomes[name] = self.outcomes.get(name, 0) + 1
 
     def connection_closed(self, reason: str) -> None:
-        """A connection the server closed: ``header_timeout``, ``body_timeout`` or ``over_limit``."""
+        """A connection the server closed: ``header_timeout``, ``body_timeout``, ``evicted`` (at the limit, for a new
+        one: it had no request in flight) or ``over_limit`` (a new one, when every connection had a request)."""
         with self._lock:
             self.closed[reason] = self.closed.get(reason, 0) + 1
 
@@ -153,7 +154,8 @@ class Metrics:
                 "cancelled if it did not catch up", "# TYPE kvscope_streams_stalled_total counter"]
         out += [f'kvscope_streams_stalled_total{{action="{k}"}} {v}' for k, v in stalls.items()]
         out += ["# HELP kvscope_connections_closed_total Connections the server closed: a request head or body "
-                "not complete in time, or over the connection limit", "# TYPE kvscope_connections_closed_total counter"]
+                "not complete in time, one without a request in flight making room, or a new one over the limit",
+                "# TYPE kvscope_connections_closed_total counter"]
         out += [f'kvscope_connections_closed_total{{reason="{k}"}} {v}' for k, v in closed.items()]
         return "\n".join(out) + "\n"
 

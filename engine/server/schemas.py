@@ -133,7 +133,8 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind == "completion":
         n = _int(body, "logprobs", 0)
         if n is not None and n > 5:
-            raise bad_request(f"logprobs: {n} is above 5 (the most alternatives per token)", "logprobs", "invalid_value")
+            raise bad_request(f"logprobs: {n} is above 5 (the most alternatives per token)", "logprobs",
+                              "invalid_value")
         return n
     on = body.get("logprobs")
     if on is not None and not isinstance(on, bool):
