@@ -355,6 +355,7 @@ class SlidingChatMachine(ChatMachine):
         RuleBasedStateMachine.__init__(self)
         self.lm = tiny_model(self.model_type, self.layer_types)
         self.chats = [Chat(ChatSession(self.lm, CacheConfig()))]
+        self.draft_lm = None
 
 
 class StateChatMachine(SlidingChatMachine):
