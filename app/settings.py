@@ -32,7 +32,8 @@ class Setting:
 # The app's defaults for new chats where they differ from SamplingConfig's (which are the CLI's: greedy).
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
 CACHE_SKIP = ("max_pages",)  # engine-only (tests, benchmarks): not a user setting
-SAMPLING_SKIP = ("ignore_eos", "stop_strings")  # per request, not persisted
+# per request, not persisted (the penalties and logprobs are the OpenAI API's; the sampling form has none)
+SAMPLING_SKIP = ("ignore_eos", "stop_strings", "presence_penalty", "frequency_penalty", "logprobs")
 
 
 def dataclass_settings(prefix: str, cls: type, skip: tuple[str, ...] = (),
