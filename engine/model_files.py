@@ -146,6 +146,8 @@ def weight_files(folder: Path) -> list[Path]:
         wmap = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise _corrupt(index, "it has no weight_map object of file names")
+        if not isinstance(data.get("metadata"), dict):  # transformers reads index["metadata"]: KeyError without
+            raise _corrupt(index, "it has no metadata object")
         files = [folder / f for f in dict.fromkeys(wmap.values())]
         for f in files:
             if not os.path.lexists(f):

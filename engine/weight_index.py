@@ -75,12 +75,16 @@ def _pickle_files(folder: Path) -> list[Path]:
         single = folder / PICKLE_WEIGHTS[0]
         return [single] if single.is_file() else []
     try:
-        wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError):
-        wmap = None
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        data = None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise ModelFormatError(f"{_PICKLE_INDEX} is corrupt: it has no weight_map object of file names "
                                "(re-download or re-export the model)")
+    if not isinstance(data.get("metadata"), dict):  # transformers reads index["metadata"]: KeyError without
+        raise ModelFormatError(f"{_PICKLE_INDEX} is corrupt: it has no metadata object (re-download or re-export "
+                               "the model)")
     files = [folder / f for f in dict.fromkeys(wmap.values())]
     for f in files:
         if not f.is_file():

@@ -135,3 +135,28 @@ def test_bench_without_contexts_still_runs_a_scenario(tmp_path, stories_path):
                      "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["context"], r["new_tokens"]) for r in rows] == [("paged", 16, 8)]
+
+
+def _shard(folder, metadata):
+    """model.safetensors as a one-shard checkpoint with an index (``metadata`` None: the index has none)."""
+    from engine.model_files import read_header
+
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    names = read_header(folder / "model-00001-of-00001.safetensors")[0]
+    index = {"weight_map": {k: "model-00001-of-00001.safetensors" for k in names}}
+    if metadata is not None:
+        index["metadata"] = metadata
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_an_index_without_metadata_is_one_line(tmp_path, stories_path, capsys):
+    """transformers reads the index's "metadata": without it the CLI said "internal KeyError: 'metadata'"."""
+    bad = _copy(stories_path, tmp_path / "no-metadata")
+    _shard(bad, None)
+    err = _one_line_error(capsys, ["generate", "--model", str(bad), "--prompt", "hi", "--offline"])
+    assert err == "error: model.safetensors.index.json is corrupt: it has no metadata object (re-download or " \
+                  "re-export the model)\n"
+    good = _copy(stories_path, tmp_path / "sharded")
+    _shard(good, {"total_size": 0})
+    lm = load_model(ModelSpec(source=str(good), device="cpu", allow_download=False))
+    assert lm.info.num_layers == 5  # a sharded folder with its index loads
