@@ -81,6 +81,8 @@ def test_prompt_lookup_mid_reply_same_tokens_footer_tint_and_saved(qtbot, data_d
     w = _window(qtbot, data_dir, stories_path)  # the setting comes back, and works
     try:
         assert w.spec_controls.method.currentData() == "ngram" and w.spec_controls.tint.isChecked()
+        reopened = w.chat.bubbles[-1]  # the last chat's reply, read back: its draft tokens still tinted
+        assert reopened.draft_spans and TINT in reopened.body.text()
         assert _reply(qtbot, w) == plain and w.last_stats["speculative"] == "ngram"
         assert TINT in w.chat.bubbles[-1].body.text()
     finally:
@@ -122,6 +124,10 @@ def test_draft_model_drafts_and_another_tokenizer_is_refused(qtbot, data_dir, st
         assert w.spec_controls.config() == w.speculation.applied  # the controls show the setting in force
         assert w.chat.notice.isVisible()
         assert _reply(qtbot, w) == plain and w.last_stats["speculative"] == f"draft:{stories_path}"
+        with qtbot.waitSignal(w.error_shown, timeout=60_000) as shown:
+            w.spec_controls.choose_draft(str(data_dir / "no-such-model"))  # a folder that is not there
+        assert shown.args[0].startswith("Speculative decoding not changed: ")
+        assert w.speculation.applied.draft_path == str(stories_path)
 
         w.spec_controls.draft_tokens.setValue(3)  # a fixed draft length (debounced, then applied)
         qtbot.waitUntil(lambda: w.speculation.applied.draft_tokens == 3, timeout=10_000)
