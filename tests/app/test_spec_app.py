@@ -28,9 +28,11 @@ def _window(qtbot, data_dir, stories_path):
 
 
 def _reply(qtbot, w, text: str = PROMPT) -> str:
+    """A new chat's reply to ``text`` (sent now, or once its tokens were counted: the count of the chat left
+    behind may still stand when the new chat opens)."""
     w.new_chat()
-    w.send(text)
-    wait_reply(qtbot, w)
+    with qtbot.waitSignal(w.reply_finished, timeout=60_000):
+        w.send(text)
     return w.chat.bubbles[-1].text
 
 
