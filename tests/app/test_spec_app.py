@@ -69,7 +69,7 @@ def test_prompt_lookup_mid_reply_same_tokens_footer_tint_and_saved(qtbot, data_d
         w.new_chat()
         w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400, ignore_eos=True)  # still running
         w.send(PROMPT)  # plain, then prompt lookup from the 10th token on
-        qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 10, timeout=60_000)
+        qtbot.waitUntil(lambda: w.generation_id and w.conversation.tokens_in_reply >= 10, timeout=60_000)
         box = w.spec_controls.method
         box.setCurrentIndex(box.findData("ngram"))
         wait_reply(qtbot, w)
