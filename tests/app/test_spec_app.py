@@ -277,3 +277,23 @@ def test_models_dialog_picks_the_draft_model_beside_the_main_model(qtbot, data_d
         assert w.last_stats["speculative"] == f"draft:{BUILTIN_MODEL}" and w.last_stats["draft_tokens"] > 0
     finally:
         close_window(w)
+
+
+def test_another_model_loaded_rechecks_the_draft_model(qtbot, data_dir, stories_path):
+    from engine.config import ModelSpec
+
+    w = _window(qtbot, data_dir, stories_path)
+    try:
+        with qtbot.waitSignal(w.speculation.changed, timeout=60_000):
+            w.spec_controls.choose_draft(str(stories_path))
+        assert w.speculation.applied.method == "draft"
+        with qtbot.waitSignal(w.speculation.changed, timeout=120_000) as changed:
+            w.load_model(ModelSpec(source="demo"))  # random weights, another tokenizer: stories260K cannot draft
+        cfg, notes = changed.args
+        assert cfg == SpecConfig() and w.speculation.applied == SpecConfig()
+        assert notes[0].startswith("speculative decoding off: draft model") and "tokenizer differs" in notes[0]
+        assert w.spec_controls.method.currentData() == "off" and "tokenizer differs" in w.spec_controls.notes.text()
+        qtbot.waitUntil(lambda: w.info is not None and w.info.source == "demo", timeout=60_000)
+        assert _reply(qtbot, w) and not w.last_stats.get("speculative")  # the demo replies, plainly
+    finally:
+        close_window(w)
