@@ -83,16 +83,24 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int], contex
             continue
         p = sampler.distribution(logits[i], ctx)  # [vocab]
         if i == len(drafts):
-            return out + [sampler.draw(p)]
+            return out + [_counted(sampler, sampler.draw(p))]
         d = drafts[i]
         if sampler.uniform() < float(p[d]):  # q(d) = 1: accept with p(d)
-            out.append(d)
+            out.append(_counted(sampler, d))
             continue
         residual = p.clone()
         residual[d] = 0.0  # max(0, p - q) with q a point mass at d
         total = float(residual.sum())
-        return out + [sampler.draw(residual / total) if total > 0 else d]
+        return out + [_counted(sampler, sampler.draw(residual / total) if total > 0 else d)]
     return out
+
+
+def _counted(sampler: Sampler, token: int) -> int:
+    """A sampled token counted as the sampler counts its own (presence / frequency penalties of later ones)."""
+    counts = getattr(sampler, "counts", None)
+    if counts is not None:
+        counts[token] = counts.get(token, 0) + 1
+    return token
 
 
 @dataclass

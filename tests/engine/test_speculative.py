@@ -247,3 +247,14 @@ def test_spec_config_refuses(text, error):
         SpecConfig.parse(text)
     with pytest.raises(ValueError, match="draft tokens"):
         SpecConfig(method="ngram", draft_tokens=MAX_DRAFT + 1)
+
+
+def test_penalties_on_the_reply_and_logprobs(stories, prompt_ids):
+    """OpenAI's presence / frequency penalties count the reply's tokens, accepted drafts included (greedy: the
+    same tokens as plain decoding); log-probabilities are taken token by token, so speculation steps aside."""
+    pen = dict(presence_penalty=0.4, frequency_penalty=0.2)
+    plain, _, _ = run(stories, prompt_ids, CacheConfig(), None, **pen)
+    spec, r, _ = run(stories, prompt_ids, CacheConfig(), SpecConfig(method="ngram", auto_off=False), **pen)
+    assert spec.generated_ids == plain.generated_ids and r.stats.draft_tokens > 0
+    _, r, _ = run(stories, prompt_ids, CacheConfig(), SpecConfig(method="ngram", auto_off=False), logprobs=2)
+    assert r.stats.draft_tokens == 0
