@@ -286,6 +286,8 @@ def run_bench(a) -> int:
     bench_spec.setup(a, lm)
     modes = bench_spec.with_spec(a, modes)
     a.contexts_list = contexts
+    if getattr(a, "scenario", "") == "reopen":
+        contexts = []  # the reopened chats' lengths (engine.bench_reopen), not prompts for every mode
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     name = a.shape or a.model
@@ -310,6 +312,10 @@ def run_bench(a) -> int:
     if a.long:
         prompt = _prompt(lm.info.vocab_size, 16, seed=3)
         rows += _rows(a, 16, a.long, {m: [_measure(lm, a, m, prompt, a.long)] for m in modes}, log, kind="long")
+    if getattr(a, "scenario", "") == "reopen":
+        from engine import bench_reopen
+
+        rows += bench_reopen.rows(lm, a, log)
     if getattr(a, "scenario", "") == "copy":
         a.bench_modes = modes
         rows += bench_spec.copy_rows(lm, a, _measure, _rows, log)

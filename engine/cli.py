@@ -28,6 +28,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V precision (overrides --kv-dtype)")
     _policy_args(p)
     p.add_argument("--overflow", default="stop", choices=OVERFLOWS, help="what happens when the context is full")
+    p.add_argument("--kv-disk", default="off", metavar="DIR|off", help="keep full pages on disk in DIR (engine.kv.disk)")
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -127,9 +128,11 @@ def _bench_parser(sub) -> None:
     b.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                    help="also run N requests sharing one system prompt (automatic prefix caching)")
     b.add_argument("--shared-prompt", type=int, default=1000, help="tokens of that system prompt")
-    b.add_argument("--scenario", default="", choices=("", "mixed", "copy"),
+    b.add_argument("--kv-disk", default="off", metavar="DIR|off", help="keep full pages on disk in DIR")
+    b.add_argument("--scenario", default="", choices=("", "mixed", "copy", "reopen"),
                    help="mixed: an app-style chat message sent while 4 API streams decode, TTFT against idle; "
-                   "copy: a passage of the model's own text, then its opening again (prompt lookup's best case)")
+                   "copy: a passage of the model's own text, then its opening again (prompt lookup's best case); "
+                   "reopen: a chat written, then reopened in a new process from the KV disk tier vs prefilled")
     _spec_args(b)
     b.add_argument("--server", action="store_true",
                    help="also measure decode tokens/s through the OpenAI API against the engine (needs a tokenizer)")
@@ -263,6 +266,7 @@ def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None
         "text": result.text,
         "prompt_tokens": prompt_tokens,
         "reused_tokens": st.reused_tokens,
+        "disk_restored_tokens": st.disk_restored_tokens,
         "recomputed_tokens": st.recomputed_tokens,
         "first_divergence": st.first_divergence,
         "ttft_ms": round(st.ttft_ms, 3),
@@ -295,12 +299,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from engine.chat import check_text
 
         check_text(a.prompt, "prompt")  # before the model loads
+    from engine.kv.disk import configure_flag
     from engine.loader import load_model
     from engine.session import ChatSession
 
     lm = load_model(spec)
     if lm.tokenizer is None:
         raise EngineError("this model has no tokenizer")
+    configure_flag(lm, a.kv_disk)
     session = ChatSession(lm, cache)
     _speculate(session, spec_cfg, lm)
     if messages is None:

@@ -53,6 +53,7 @@ class SeqCache:
         self.path = "eager"  # what ran the last forward: eager | compiled | batched
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
+        self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
 
     # -- plumbing ----------------------------------------------------------------------------------------
     def set_store(self, store: KVStore | None) -> None:
@@ -222,6 +223,15 @@ class SeqCache:
         return id(store.arena), tuple(store.table.pages[n // P:(n + q - 1) // P + 1])
 
     # -- the prefix cache --------------------------------------------------------------------------------
+    @property
+    def disk(self):
+        """The model's KV disk tier (``engine.kv.disk``), or None."""
+        return getattr(getattr(self.lm, "arenas", None), "disk", None)
+
+    def disk_notes(self) -> list[str]:
+        """What the disk tier has to tell: the last reuse's restore, files dropped, writes stopped."""
+        return self.disk.take_notes(*self.disk_restored) if self.disk is not None else []
+
     def prefix_store(self) -> PagedKV | None:
         """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
         a plain paged store at the model's own K/V precision and no eviction policy. Pages are registered while
@@ -242,8 +252,9 @@ class SeqCache:
             return
         extend_chain(self.chain, ids, P, last, self.root)
         pool, pages = store.arena.pool, store.table.pages
-        for j in range(first, min(last, len(self.chain))):
-            pool.register(pages[j], self.chain[j])
+        new = [j for j in range(first, min(last, len(self.chain))) if pool.register(pages[j], self.chain[j])]
+        if new and self.disk is not None:  # written off the decode path (``engine.kv.disk``)
+            self.disk.save(store.arena, [pages[j] for j in new], [self.chain[j] for j in new])
 
     def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
         """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
@@ -252,6 +263,7 @@ class SeqCache:
         from engine.sequence import common_prefix
 
         common = common_prefix(list(cached_ids[:self.index.intact]), ids)
+        self.disk_restored = (0, 0.0)
         if self.store is None:
             return 0, 0, common
         keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
@@ -280,6 +292,9 @@ class SeqCache:
             return [], base
         extend_chain(self.chain, ids, P, limit, self.root)
         run = cached_run(store.arena.pool, self.chain, base)
+        if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
+            self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
+            run = cached_run(store.arena.pool, self.chain, base)
         if (base + len(run)) * P <= keep:
             return [], base
         return run, base

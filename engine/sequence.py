@@ -73,6 +73,7 @@ class TurnState:
     dropped: int = 0  # prompt tokens passed over unread to fit the context: neither reused nor computed
     divergence: int = -1
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
+    disk: int = 0  # of them, tokens restored from the KV disk tier (``engine.kv.disk``)
     threads: int = 0
     waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
     forwards: int = 0  # forwards that gave tokens
@@ -89,6 +90,7 @@ class TurnState:
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
             stop_reason=reason, shared_tokens=self.shared, threads=self.threads, forwards=self.forwards,
+            disk_restored_tokens=self.disk,
             **self._spec_stats(),
         )
 

@@ -133,10 +133,11 @@ class ChatSession(Stepping):
         reply = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), t_start=time.perf_counter(),
                           decoder=StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder(),
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
+                          disk=c.disk_restored[0],
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
         c.evictions = []
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
-        q.add_notes([room_note] if room_note else [])
+        q.add_notes(([room_note] if room_note else []) + c.disk_notes())
         self._ready = []
         if self.spec is not None:
             self.spec.new_reply()

@@ -239,6 +239,7 @@ class TurnStats:
     prefill_tokens_per_s: float = 0.0
     stop_reason: str = ""
     shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
+    disk_restored_tokens: int = 0  # of shared_tokens, those read from the KV disk tier (engine.kv.disk)
     dropped_tokens: int = 0  # prompt tokens dropped unread to fit the context (in neither reused nor recomputed)
     threads: int = 0  # CPU threads torch used (0: not on the CPU)
     forwards: int = 0  # forwards that gave tokens (the first token's, then decode or verification forwards)

@@ -167,6 +167,7 @@ class ArenaRegistry:
         self.shape = shape
         self.context_length = context_length
         self.memory_limit = default_memory_limit(shape.device) if memory_limit == -1 else memory_limit
+        self.disk = None  # engine.kv.disk.DiskTier: full pages of the prefix cache kept on disk (``configure``)
         self._arenas: dict[tuple, PageArena] = {}
 
     def __iter__(self):

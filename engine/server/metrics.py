@@ -10,6 +10,8 @@ import threading
 import time
 from collections import deque
 
+from engine.kv.disk import METRICS as DISK_METRICS
+
 RATE_WINDOW_S = 10.0
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected")
 
@@ -140,6 +142,7 @@ class Metrics:
             ]
             by_pos = list(self.spec_by_pos)
             outcomes, stalls, closed = dict(self.outcomes), dict(self.stalls), dict(self.closed)
+        rows += [(f"kvscope_{n}", kind, text, gauges[n]) for n, (kind, text) in DISK_METRICS.items() if n in gauges]
         out = []
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]

@@ -320,6 +320,7 @@ class Scheduler(Source):
         sessions = [j.session for j in self._running if j.session is not None] + list(self.idle)
         arenas = list(self.lm.arenas) if self.lm.arenas is not None else []
         paged = sum(a.pool.num_used * a.page_bytes for a in arenas)
+        from engine.kv.disk import gauges as disk_gauges
         from engine.kv.storage import ContiguousKV
 
         contiguous = sum(sum(s.store.bytes_per_layer()) for s in sessions
@@ -328,4 +329,4 @@ class Scheduler(Source):
                 "kv_bytes_used": paged + contiguous, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
                 "kv_pages_used": sum(a.pool.num_used for a in arenas),
                 "kv_pages_cached": sum(a.pool.num_cached for a in arenas),
-                "kv_pages_total": sum(a.pool.num_pages for a in arenas)}
+                "kv_pages_total": sum(a.pool.num_pages for a in arenas), **disk_gauges(self.lm.arenas)}

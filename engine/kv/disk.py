@@ -1,0 +1,363 @@
+"""The KV disk tier: full pages of the prefix cache kept in files, so a chat reopened after a restart (or a prompt
+seen by an earlier process) takes its pages from disk instead of prefilling them again.
+
+Layout: ``<folder>/<shelf>/<name>.kvp``, ``shelf`` naming the model and cache setting
+(``engine.kv.fingerprint.shelf_fingerprint``: weights, config, dtype, page size, K/V precision) and ``name`` the
+page's prefix-cache name (``engine.kv.prefix``: a hash chain over every token from the start, tenant salt
+included). A file is a magic line, a little-endian uint32 header length, a JSON header (name, shelf, K and V
+shapes and dtype, payload bytes, SHA-256 of the payload), then K ``[layers, heads, P, dim]`` and V as stored
+(``engine.kv.page_file``).
+
+Integrity: a file is written to a temporary name and renamed (a torn write never has the page's name); a file
+whose magic, header, size, checksum, name, shelf, shapes or dtype do not match is dropped and its tokens are
+computed again, with a note. A folder that cannot be written (read-only, full) stops the writes with a note;
+reading goes on.
+
+Threads: the engine thread copies new full pages to host memory (a gather per layer, one device-to-host copy) and
+queues them (``save``); a writer thread hashes and writes them, then evicts the least recently used files past
+the byte budget (a read touches its file's mtime, so LRU order survives a restart). Reads happen on the engine
+thread, at a prompt's start (``restore``): they replace the prefill of those tokens.
+
+The tier covers what the prefix cache covers: plain paged stores at the model's own K/V precision, no eviction
+policy (``SeqCache.prefix_store``). Turn it on per loaded model with ``configure``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from engine.errors import EngineError
+from engine.kv.fingerprint import model_fingerprint, shelf_fingerprint
+from engine.kv.page_file import SUFFIX, encode, listdir, parse, touch, unlink
+
+DEFAULT_BUDGET = 4 << 30  # bytes on disk: ~45 chats of 2,000 tokens of a 135M model in float32 (92 MB each)
+MAX_PENDING = 256 << 20  # bytes queued for the writer; pages past it are skipped (counted), never waited for
+STALE_TMP_S = 600  # a temporary file older than this is a torn write of a dead process
+# prefill rate for the note's "re-reading them would take ~N s": ~240 GFLOP/s on a 2-core CPU (engine.sequence's
+# prefill chunks), ~20 TFLOP/s on a consumer GPU
+FLOPS = {"cpu": 2.4e11}
+GPU_FLOPS = 2e13
+
+
+class DiskTier:
+    """The page files of one loaded model under ``folder``, at most ``budget`` bytes. Engine-thread methods:
+    ``save``, ``restore``, ``take_notes``; the writer thread owns the writes and the evictions."""
+
+    def __init__(self, folder: str, model_fp: str, budget: int = DEFAULT_BUDGET, flops_per_token: float = 0.0,
+                 device_type: str = "cpu") -> None:
+        self.folder, self.model_fp, self.budget = os.path.abspath(folder), model_fp, budget
+        self.flops_per_token, self.rate = flops_per_token, FLOPS.get(device_type, GPU_FLOPS)
+        self.counts = dict.fromkeys(("hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "pages_written",
+                                     "skipped_pages", "dropped_files", "evicted_files"), 0)
+        self._notes: list[str] = []
+        self._lock = threading.Lock()  # guards _files, _bytes, _pending, counts, _notes
+        self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
+        self._bytes = self._pending = 0
+        self._shelves: dict[tuple, str] = {}
+        self.writable, self._closed = True, False
+        self._queue: queue.Queue = queue.Queue()
+        self._scan()
+        self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    # -- facts -------------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of page files this tier knows of (its size readout)."""
+        return self._bytes
+
+    @property
+    def num_files(self) -> int:
+        return len(self._files)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.counts, "bytes_on_disk": self._bytes, "files": len(self._files), "writable": self.writable}
+
+    def shelf(self, arena) -> str:
+        """The folder of ``arena``'s pages."""
+        s = arena.shape
+        key = (arena.page_size, arena.kinds["k"], arena.kinds["v"], s.num_layers, s.of("k"), s.of("v"), s.dtype)
+        if key not in self._shelves:
+            self._shelves[key] = os.path.join(self.folder, shelf_fingerprint(self.model_fp, arena))
+        return self._shelves[key]
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            if text not in self._notes:
+                self._notes.append(text)
+
+    def take_notes(self, tokens: int = 0, ms: float = 0.0) -> list[str]:
+        """Notes for the user (files dropped, writes stopped), with what the last restore did when ``tokens``."""
+        with self._lock:
+            notes, self._notes = self._notes, []
+        if tokens:
+            est = tokens * self.flops_per_token / self.rate
+            took = f"{est:.1f} s" if est >= 0.1 else f"{est * 1e3:.0f} ms"
+            again = f" (re-reading them would take ~{took})" if est else ""
+            notes.insert(0, f"restored {tokens:,} tokens from disk in {ms:.0f} ms{again}")
+        return notes
+
+    # -- writing (engine thread: copy and queue; writer thread: the files) -------------------------------
+    def save(self, arena, pages: list[int], names: list[bytes]) -> int:
+        """Queue full, named pages of ``arena`` for writing (not already on disk). Returns the pages queued."""
+        if not self.writable or self._closed or arena.quantized or not pages:
+            return 0
+        folder = self.shelf(arena)
+        todo = [(p, n) for p, n in zip(pages, names) if self._path(folder, n) not in self._files]
+        size = len(todo) * arena.page_bytes
+        with self._lock:
+            if not todo or self._pending + size > MAX_PENDING:
+                self.counts["skipped_pages"] += len(todo)
+                return 0
+            self._pending += size
+        P = arena.page_size
+        idx = torch.tensor([p for p, _ in todo], device=arena.shape.device)
+        slots = (idx[:, None] * P + torch.arange(P, device=idx.device)).reshape(-1)  # [n * P]
+        k, v = (torch.stack([t.index_select(1, slots) for t in arena.roles[r].layers]).to("cpu") for r in "kv")
+        self._queue.put((folder, [n for _, n in todo], k, v, size, P))  # k, v: [L, H, n * P, D] copies
+        return len(todo)
+
+    def _path(self, folder: str, name: bytes) -> str:
+        return os.path.join(folder, name.hex() + SUFFIX)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            folder, names, k, v, size, P = item
+            try:
+                for i, name in enumerate(names):
+                    if self.writable:
+                        self._write(folder, name, k[:, :, i * P:(i + 1) * P], v[:, :, i * P:(i + 1) * P])
+                self._evict()
+            except Exception as e:  # noqa: BLE001 - a writer that dies would leave flush() waiting forever
+                self.writable = False
+                self.note(f"KV disk tier: writing failed ({type(e).__name__}: {e}): pages are no longer saved")
+            finally:
+                with self._lock:
+                    self._pending -= size
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, folder: str, name: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One page file, written to a temporary name and renamed. An ``OSError`` stops all writes with a note."""
+        head, kb, vb = encode(name, os.path.basename(folder), k, v)
+        path = self._path(folder, name)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(kb)
+                f.write(vb)
+            os.replace(tmp, path)
+        except OSError as e:
+            unlink(tmp)
+            self.writable = False
+            self.note(f"KV disk tier: cannot write to {self.folder} ({e.strerror or e}): pages are no longer saved")
+            return
+        n = len(head) + kb.nbytes + vb.nbytes
+        with self._lock:
+            self._bytes += n - self._files.pop(path, 0)
+            self._files[path] = n
+            self.counts["bytes_written"] += n
+            self.counts["pages_written"] += 1
+
+    def _evict(self) -> None:
+        """Least recently used files out until the tier is within its budget."""
+        while True:
+            with self._lock:
+                if self._bytes <= self.budget or not self._files:
+                    return
+                path, n = self._files.popitem(last=False)
+                self._bytes -= n
+                self.counts["evicted_files"] += 1
+            unlink(path)
+
+    def flush(self) -> None:
+        """Wait until every queued page is written (or skipped)."""
+        if not self._closed:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- reading (engine thread) -------------------------------------------------------------------------
+    def restore(self, arena, chain: list[bytes], start: int, held: list[int]) -> tuple[int, float]:
+        """Pages ``chain[start:]`` read from disk, up to the first missing or damaged one (dropped, with a note),
+        written into free pages of ``arena`` and put in its prefix cache (cached, nobody holding them) where
+        ``cached_run`` finds them. ``held``: the cached pages before them, kept from being taken for these. All or
+        nothing: no page changes if room or the copy fails. Returns (tokens restored, milliseconds)."""
+        if arena.quantized or start >= len(chain):
+            return 0, 0.0
+        t0, pool, P = time.perf_counter(), arena.pool, arena.page_size
+        for p in held:
+            pool.take(p)
+        try:
+            room = pool.num_free + max(0, arena.cap_pages() - pool.num_pages)
+            want = chain[start:start + room]
+            read = self._read_run(arena, want)
+            with self._lock:
+                self.counts["miss_tokens"] += (len(want) - len(read)) * P
+            pages = self._install(arena, read, want) if read else []
+        finally:
+            for p in held:
+                pool.decref(p)
+        with self._lock:
+            self.counts["hit_tokens"] += len(pages) * P
+            self.counts["bytes_read"] += len(pages) * arena.page_bytes
+        return len(pages) * P, (time.perf_counter() - t0) * 1000.0
+
+    def get(self, arena, name: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V ``[L, H, P, D]`` of the page named ``name`` on ``arena``'s shelf, or None (missing, or damaged:
+        then dropped, with a note)."""
+        return self._read(self.shelf(arena), name, arena)
+
+    def _read_run(self, arena, names: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        folder, out = self.shelf(arena), []
+        for name in names:
+            kv = self._read(folder, name, arena)
+            if kv is None:
+                break
+            out.append(kv)
+        return out
+
+    def _read(self, folder: str, name: bytes, arena) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One page file's K and V ``[L, H, P, D]``, or None (missing; damaged: dropped with a note)."""
+        path = self._path(folder, name)
+        try:
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(buf)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return self._drop(path, f"unreadable: {e.strerror or e}")
+        del buf[got:]  # a file shortened while it was read
+        try:
+            kv = parse(buf, name, os.path.basename(folder), arena)
+        except ValueError as e:
+            return self._drop(path, str(e))
+        touch(path)
+        with self._lock:
+            self._bytes += got - self._files.pop(path, 0)
+            self._files[path] = got  # most recently used last
+        return kv
+
+    def _drop(self, path: str, why: str) -> None:
+        unlink(path)
+        with self._lock:
+            self._bytes -= self._files.pop(path, 0)
+            self.counts["dropped_files"] += 1
+        self.note(f"KV disk tier: dropped a page file ({why}); its tokens are computed again")
+        return None
+
+    def _install(self, arena, read: list, names: list[bytes]) -> list[int]:
+        """Free pages for ``read``, their K/V written, named and left cached. Returns the pages (none on failure)."""
+        pool, P, n = arena.pool, arena.page_size, len(read)
+        try:
+            arena.ensure_free(n)
+        except EngineError as e:
+            self.note(f"KV disk tier: no room to restore {n * P} tokens ({e}); they are computed again")
+            return []
+        pages = pool.allocate(n)
+        try:
+            dev = arena.shape.device
+            idx = torch.tensor(pages, device=dev)
+            slots = (idx[:, None] * P + torch.arange(P, device=dev)).reshape(-1)  # [n * P]
+            for i, r in enumerate("kv"):
+                x = torch.cat([kv[i] for kv in read], dim=2).to(dev)  # [L, H, n * P, D]
+                for layer, t in enumerate(arena.roles[r].layers):
+                    t.index_copy_(1, slots, x[layer])
+        except (RuntimeError, EngineError) as e:
+            for p in pages:
+                pool.decref(p)
+            self.note(f"KV disk tier: restoring failed ({e}); the tokens are computed again")
+            return []
+        for p, name in zip(pages, names):
+            pool.fill[p] = P
+            pool.register(p, name)
+        for p in pages:
+            pool.decref(p)  # cached: the session adopts them as it adopts pages other sessions computed
+        return pages
+
+    # -- the folder at start -----------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Know the files already there, least recently used first; remove stale temporary files."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            if not os.access(self.folder, os.W_OK):
+                raise PermissionError(13, "read-only")
+        except OSError as e:
+            self.writable = False
+            self.note(f"KV disk tier: cannot write to {self.folder} ({e.strerror or e}): pages are not saved")
+        found, now = [], time.time()
+        for shelf in listdir(self.folder):
+            for entry in listdir(os.path.join(self.folder, shelf)):
+                path = os.path.join(self.folder, shelf, entry)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                if entry.endswith(SUFFIX):
+                    found.append((st.st_mtime, path, st.st_size))
+                elif ".tmp" in entry and now - st.st_mtime > STALE_TMP_S:
+                    unlink(path)
+        for _, path, size in sorted(found):
+            self._files[path] = size
+            self._bytes += size
+        if self.writable:
+            self._evict()
+
+
+def configure(lm, folder: str | None, budget: int = DEFAULT_BUDGET) -> DiskTier | None:
+    """Turn ``lm``'s disk tier on at ``folder`` (None: off; the old tier writes what it queued, then stops)."""
+    reg = lm.kv_arenas
+    old, reg.disk = getattr(reg, "disk", None), None
+    if old is not None:
+        old.close()
+    if folder is None:
+        return None
+    params = sum(p.numel() for p in lm.model.parameters())
+    tier = DiskTier(folder, model_fingerprint(lm), budget, 2.0 * params, lm.device.type)
+    reg.disk = tier
+    atexit.register(tier.close)  # a normal exit writes what is queued; a kill loses at most the file being written
+    return tier
+
+
+def configure_flag(lm, value: str | None) -> DiskTier | None:
+    """``--kv-disk DIR|off``: the tier at DIR, or none for ``off`` / not given."""
+    return configure(lm, None if value in (None, "", "off") else value)
+
+
+# /metrics rows (engine.server.metrics): name -> (Prometheus kind, help)
+METRICS = {
+    "kv_disk_hits_total": ("counter", "Prompt tokens restored from the KV disk tier"),
+    "kv_disk_misses_total": ("counter", "Prompt tokens looked up on the KV disk tier and not found there"),
+    "kv_disk_read_bytes_total": ("counter", "Bytes of pages read from the KV disk tier"),
+    "kv_disk_written_bytes_total": ("counter", "Bytes of page files written to the KV disk tier"),
+    "kv_disk_dropped_files_total": ("counter", "Damaged page files dropped (their tokens computed again)"),
+    "kv_disk_bytes": ("gauge", "Bytes of page files in the KV disk tier"),
+}
+
+
+def gauges(registry) -> dict[str, float]:
+    """``METRICS`` values of a model's arena registry's disk tier (none when it has no tier)."""
+    tier = getattr(registry, "disk", None)
+    if tier is None:
+        return {}
+    s = tier.stats()
+    return {"kv_disk_hits_total": s["hit_tokens"], "kv_disk_misses_total": s["miss_tokens"],
+            "kv_disk_read_bytes_total": s["bytes_read"], "kv_disk_written_bytes_total": s["bytes_written"],
+            "kv_disk_dropped_files_total": s["dropped_files"], "kv_disk_bytes": s["bytes_on_disk"]}
