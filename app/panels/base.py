@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtWidgets import QGraphicsItem, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QGraphicsItem,
+    QHBoxLayout,
+    QLabel,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"
@@ -14,7 +21,7 @@ pg.setConfigOptions(antialias=False, background=BACKGROUND, foreground=FOREGROUN
 
 
 class Panel(QWidget):
-    """Base for live panels: a caption line with "paused", fit and help buttons on top, the plot below.
+    """Base for live panels: a caption (wrapped in full) with "paused", fit and help buttons on top, the plot below.
 
     Subclasses implement ``show_snapshot(snapshot)`` using only setters on items made in ``__init__``,
     call ``_count()`` so tests and the self-test can see the panel received data, list their
@@ -31,12 +38,7 @@ class Panel(QWidget):
         self.updates = 0
         self.ranges: list[StickyRange] = []
         self.last_snapshot = None
-        self.caption = QLabel(" ")
-        self.caption.setObjectName("panelCaption")
-        self.caption.setWordWrap(True)
-        # A fixed two-line caption: text that changes every token must never re-lay out the plot below.
-        self.caption.setFixedHeight(2 * self.caption.fontMetrics().lineSpacing() + 4)
-        self.caption.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+        self.caption = Caption(" ")
         self.paused_label = QLabel("paused")
         self.paused_label.setObjectName("pausedLabel")
         self.paused_label.setToolTip("Live panels are off (View ▸ Live panels): this shows an earlier moment")
@@ -106,6 +108,46 @@ class Panel(QWidget):
     def export_png(self, path: str) -> bool:
         """Save the panel as it looks now."""
         return self.grab().save(str(path), "PNG")
+
+
+class Caption(QLabel):
+    """A panel's caption: wrapped in full, never cut. Its height is fixed to what the text needs (at least two
+    lines) and changes only when the number of lines does, so a number that changes every token does not
+    re-lay out the plot below on every token, and a long caption (a narrow dock, a reply with a previous one)
+    is never cut off after two lines."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(text, parent)
+        self.setObjectName("panelCaption")
+        self.setWordWrap(True)
+        self.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+        # A hidden twin measures the text: a label's own heightForWidth is clamped to its fixed height.
+        self._probe = QLabel(text, self)
+        self._probe.setWordWrap(True)
+        self._probe.hide()
+        self._fit(self.width())
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt name
+        if text != self.text():
+            super().setText(text)
+            self._probe.setText(text)
+            self._fit(self.width())
+
+    def needed_height(self, width: int | None = None) -> int:
+        """Pixels the whole text takes at ``width`` (the caption's own by default): more than ``height()``
+        would mean lines are cut off."""
+        return self._probe.heightForWidth(self.width() if width is None else width)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            self._fit(event.size().width())
+
+    def _fit(self, width: int) -> None:
+        floor = 2 * self.fontMetrics().lineSpacing() + 4
+        needed = max(floor, self.needed_height(width) if width > 0 else floor)
+        if self.minimumHeight() != needed or self.maximumHeight() != needed:
+            self.setFixedHeight(needed)
 
 
 class StickyRange:

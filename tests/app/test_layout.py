@@ -3,6 +3,8 @@ tooltips, help, keyboard focus."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from app_helpers import close_window, make_snapshot, open_window, wait_reply
 from PySide6.QtCore import QPoint, QPointF, Qt
@@ -116,6 +118,50 @@ def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(
         assert abs(column.left() - (w.chat.scroll.inner.width() - column.right())) <= 4
         _settle(qtbot, w, (1280, 720))
         assert w.layout_docks.arrangement == "compact" and _squashed(w) == []
+    finally:
+        close_window(w)
+
+
+def _cut_text(w) -> list[str]:
+    """Every label shown in a panel whose text does not fit: a wrapped one whose whole text needs more height than
+    it has (lines cut off), an unwrapped one wider than it is. A fresh unconstrained label measures the text."""
+    from PySide6.QtWidgets import QLabel
+
+    out = []
+    for panel in w.panels:
+        for label in [x for x in panel.findChildren(QLabel) if _shown(x) and x.text().strip()]:
+            probe = QLabel(label.text())
+            probe.setFont(label.font())
+            probe.setWordWrap(label.wordWrap())
+            if label.wordWrap() and probe.heightForWidth(label.width()) > label.height():
+                out.append(f"{panel.objectName()}: {probe.heightForWidth(label.width())} > {label.height()} px at "
+                           f"{label.width()} px: {label.text()}")
+            elif not label.wordWrap() and probe.sizeHint().width() > label.width():
+                out.append(f"{panel.objectName()}: {probe.sizeHint().width()} > {label.width()} px: {label.text()}")
+    return out
+
+
+def test_no_panel_text_is_cut_at_common_screen_sizes(qtbot, data_dir, stories_path):
+    """The longest captions (a second reply with the first as 'previous', evictions, int8 keys) are shown in full
+    at four window sizes, each panel brought to the front in turn (at the smaller sizes some share a tab)."""
+    streaming = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged",
+                                       page_size=16)
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=80, ignore_eos=True))
+    try:
+        with qtbot.waitSignal(w.engine.worker.applied, timeout=30_000):
+            w.apply_cache_config(dataclasses.replace(streaming, k_dtype="int8"))
+        for text in ("Once upon a time", "Tell me more"):
+            w.send(text)
+            wait_reply(qtbot, w)
+        assert "evicted" in w.occupancy.caption.text() and "previous" in w.timing.caption.text()
+        for size in ((1280, 720), (1366, 768), (1472, 920), (1920, 1080)):
+            _settle(qtbot, w, size)
+            for name in ("occupancy", "page_map", "timing", "memory", "model"):
+                w.docks[name].raise_()
+                qtbot.waitUntil(lambda n=name: _shown(w.docks[n].widget()))
+                qtbot.waitUntil(lambda: w.layout_docks.settled)
+                assert _cut_text(w) == [], (size, name)
     finally:
         close_window(w)
 
