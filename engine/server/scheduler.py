@@ -153,10 +153,14 @@ class Scheduler(Source):
 
     # -- the engine thread (the core calls these) ---------------------------------------------------------
     def admit(self, core: EngineCore) -> None:
-        """Start waiting requests while fewer than ``max_running`` run."""
+        """Start waiting requests while fewer than ``max_running`` run. A stream held for a client that stopped
+        reading does not count (it takes no steps): 8 such clients no longer keep a 9th request waiting until
+        they are cancelled; held and running together stay under ``max_running + max_waiting``."""
         while True:
             with self._lock:
-                if self._stopping or self._paused or not self._waiting or len(self._running) >= self.max_running:
+                stepping = sum(1 for j in self._running if j.backlog.held_since is None)
+                if (self._stopping or self._paused or not self._waiting or stepping >= self.max_running
+                        or len(self._running) >= self.max_running + self.max_waiting):
                     return
                 job = self._waiting.popleft()
             self._guard(self._begin, job)

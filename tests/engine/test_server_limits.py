@@ -84,7 +84,8 @@ def test_max_tokens_is_capped_by_the_server(stories_path):
 
 
 def test_a_stream_not_read_is_held_then_taken_up_when_read(stories_path):
-    server, thread, url = serve(stories_path, 600.0)
+    """One running slot: the held stream takes no steps, so another request is served beside it meanwhile."""
+    server, thread, url = serve(stories_path, 600.0, max_running=1)
     try:
         m = server.metrics
         s = silent_stream(url, 3000)
@@ -96,6 +97,9 @@ def test_a_stream_not_read_is_held_then_taken_up_when_read(stories_path):
         for _ in range(20):  # rounds of the engine: the held request is not stepped
             server.scheduler.call(lambda: None).result(DEADLINE_S)
         assert m.generation_tokens == made < 3000
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5},
+                       timeout=DEADLINE_S)  # before: it waited for the slot until the held stream was cancelled
+        assert r.status_code == 200 and m.stalls == {"paused": 1, "cancelled": 0}
         events = read_sse(s)  # the client reads again: taken up, to the end
         s.close()
         assert sum(1 for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None) == 3000
@@ -105,18 +109,20 @@ def test_a_stream_not_read_is_held_then_taken_up_when_read(stories_path):
         thread.stop()
 
 
-def test_a_stream_never_read_is_cancelled_and_its_slot_goes_on(stories_path):
-    server, thread, url = serve(stories_path, 1.0, max_running=1)
+def test_a_stream_never_read_is_cancelled_and_others_go_on_meanwhile(stories_path):
+    server, thread, url = serve(stories_path, 3.0, max_running=1)
     try:
         m = server.metrics
         s = silent_stream(url, CAP)
         wait_for(lambda: m.stalls["paused"] == 1, "the stream to be held")
         made = m.generation_tokens
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5},
-                       timeout=DEADLINE_S)  # waits for the one running slot
+                       timeout=DEADLINE_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-        assert m.stalls == {"paused": 1, "cancelled": 1}  # it got the slot because the silent stream was cancelled
         assert m.generation_tokens == made + 5  # nothing generated for the held stream meanwhile
+        wait_for(lambda: m.stalls["cancelled"] == 1, "the held stream to be cancelled")
+        wait_for(lambda: server.scheduler.running == 0, "its slot to be given back")
+        assert m.stalls == {"paused": 1, "cancelled": 1}
         text = httpx.get(url + "/metrics", timeout=DEADLINE_S).text
         d = parse_metrics(text)
         assert d['kvscope_streams_stalled_total{action="cancelled"}'] == 1
