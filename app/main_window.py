@@ -42,6 +42,7 @@ from app.menus import build_menus
 from app.model_controller import ModelController
 from app.panel_scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
+from app.reply_wait import ReplyWait
 from app.sampling_form import SamplingForm
 from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
@@ -139,6 +140,8 @@ class MainWindow(QMainWindow):
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
             cache=lambda: self.cache.applied, parent=self)
+        self.reply_wait = ReplyWait(self.chat, self.status, self)  # a reply's wait said, with how long
+        self.reply_wait.connect(self.conversation, self.engine.worker)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
                                        lambda: self.cache.applied, self.show_error, api_list=self.api_list)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)

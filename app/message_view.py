@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -105,6 +106,7 @@ class MessageView(QFrame):
         self.stats: dict[str, Any] = {}
         self.draft_spans: list[list[int]] = []  # characters of ``text`` from accepted draft tokens
         self.tint = False  # draw them tinted (the window's setting)
+        self.waiting = ""  # what an empty reply waits for, shown instead of "…" (``app.reply_wait``)
         self._dirty = True
         self.setObjectName(f"bubble_{role}")
         self.setFrameShape(QFrame.Shape.NoFrame)
@@ -232,10 +234,17 @@ class MessageView(QFrame):
         if self.role == "user":
             self.body.setText(to_html(self.text) if self.text else "")
         else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
-            empty = "no text" if self.stats else "…"
+            empty = "no text" if self.stats else html.escape(self.waiting, quote=False) or "…"
             body = tinted_html(self.text, self.draft_spans) if self.tint else to_html(self.text)
             self.body.setText(body if self.text else f"<span style='color:#6d7480'>{empty}</span>")
         return True
+
+    def set_waiting(self, text: str) -> None:
+        """What the reply waits for before its first token ("" when the wait is over)."""
+        if text != self.waiting:
+            self.waiting = text
+            self._dirty = True
+            self.render()
 
     def set_stats(self, stats: dict[str, Any]) -> None:
         """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""

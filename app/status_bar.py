@@ -27,6 +27,7 @@ class StatusBar:
         self.context = WordLabel("Context: —")
         self.speed = WordLabel("")
         self.server = WordLabel("")  # "Serving at URL" while Server ▸ Start serving runs
+        self.wait = WordLabel("")  # what the reply waits for, while it waits (app.reply_wait)
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(160)
         self.progress.setTextVisible(False)
@@ -38,13 +39,15 @@ class StatusBar:
         # step of a load is a message. Stretch: the model and cache fields give way first.
         bar.addPermanentWidget(self.progress)
         bar.addPermanentWidget(self.cancel)
-        for field, stretch in ((self.server, 0), (self.model, 2), (self.device, 1), (self.cache, 4),
+        for field, stretch in ((self.server, 0), (self.wait, 4), (self.model, 2), (self.device, 1), (self.cache, 4),
                                (self.context, 0), (self.speed, 0)):
             field.setObjectName("statusField")
             bar.addPermanentWidget(field, stretch)
         self.context.setMinimumWidth(self.context.fontMetrics().horizontalAdvance("Context: 99,999 of 99,999 tokens"))
         self.set_loading(False)
         self.server.setVisible(False)
+        self.wait.setStyleSheet(f"color: {CONTEXT_FILLING}")
+        self.wait.setVisible(False)
 
     def message(self, text: str, ms: int = 0) -> None:
         self.bar.showMessage(text, ms)
@@ -77,6 +80,12 @@ class StatusBar:
         self.server.setText(f"Serving at {url}" if url else "")
         self.server.set_tip(f"OpenAI API at {url} (model “{model_id}”); Server ▸ Stop serving ends it" if url else "")
         self.server.setVisible(bool(url))
+
+    def show_wait(self, text: str) -> None:
+        """What the reply waits for and for how long ("" hides it). A field of its own: a status message would
+        be drawn in no room at all, the permanent fields fill the bar."""
+        self.wait.setText(text)
+        self.wait.setVisible(bool(text))
 
     def show_speed(self, tokens_per_s: float) -> None:
         self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")

@@ -30,6 +30,7 @@ Signals (every reply event carries its ``generation_id``)::
     measured(int, int)              request id, token count (-1: no model, or it could not be counted)
     core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
                                     (None, None): no model
+    waiting(int, str)               generation_id, what its reply waits for before its first step
 
 For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
 (``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
@@ -88,6 +89,7 @@ class EngineWorker(QObject):
     measured = Signal(int, int)
     core_ready = Signal(object, object)
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
+    waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.reply_wait)
     _woken = Signal()  # from any thread (the API server's): the core has work; queued to this thread
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
@@ -178,6 +180,7 @@ class EngineWorker(QObject):
             return
         stage = "swap"
         try:
+            self._say_swap_in(generation_id, chat)
             if self._pool is not None and (chat is not None or self._session is None):
                 self._session, notes = self._pool.activate(chat if chat is not None else 0)
                 if notes:
@@ -194,6 +197,13 @@ class EngineWorker(QObject):
         self._request = self._core.add(Request(self._session, lambda r, g=generation_id: self._on_step(g, r),
                                                Priority.FOREGROUND))
         self._kick()
+
+    def _say_swap_in(self, generation_id: int, chat: Any) -> None:
+        """Before a swapped-out chat's cache comes back from host memory (the reply's first wait; seconds for
+        a large model): say so, so the bubble does not sit on "…"."""
+        session = self._pool.get(chat) if self._pool is not None and chat is not None else self._session
+        if session is not None and getattr(session, "offloaded", False):
+            self.waiting.emit(generation_id, "this chat's cache to come back from host memory")
 
     @Slot(int)
     def cancel(self, generation_id: int = 0) -> None:

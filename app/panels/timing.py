@@ -35,7 +35,8 @@ class TokenSeries:
     def __init__(self, capacity: int = 512) -> None:
         self.ms = np.zeros(capacity, dtype=np.float64)
         self.n = 0
-        self.prefill_ms = 0.0
+        self.prefill_ms = 0.0  # the prefill's work: every chunk's forward (the engine's, once a snapshot gave it)
+        self.ttft_ms = 0.0  # the engine's TTFT (waits never in it); 0 until a snapshot gave it
         self.prefill_tokens = 0
         self.label = ""
         self.paths: dict[str, int] = {}  # decode tokens per path that ran their forward (TokenEvent.path)
@@ -198,7 +199,13 @@ class TimingPanel(Panel):
         self._dirty = True
 
     def show_snapshot(self, snapshot) -> None:
+        """The engine's own prefill time and TTFT for the reply (a prompt read in chunks: every chunk, where the
+        first token's event times only the last; waits before the first forward are in neither)."""
         self.set_fast_step(getattr(snapshot, "fast_step", ""), redraw=False)
+        cur = self.current
+        if snapshot.generation_id == self._generation_id and snapshot.ttft_ms > 0 and cur.prefill_tokens:
+            if (snapshot.prefill_ms, snapshot.ttft_ms) != (cur.prefill_ms, cur.ttft_ms):
+                cur.prefill_ms, cur.ttft_ms, self._dirty = snapshot.prefill_ms, snapshot.ttft_ms, True
         self.refresh()
 
     def set_fast_step(self, text: str, redraw: bool = True) -> None:
@@ -253,7 +260,7 @@ class TimingPanel(Panel):
             self._count()
             return
         text = (
-            f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT {cur.prefill_ms:.0f} ms "
+            f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT {cur.ttft_ms or cur.prefill_ms:.0f} ms "
             f"({cur.prefill_tokens} prompt tokens) · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
         )
         if prev is not None and prev.n:
