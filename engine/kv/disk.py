@@ -192,6 +192,7 @@ class DiskTier:
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        atexit.unregister(self.close)
 
     # -- reading (engine thread) -------------------------------------------------------------------------
     def restore(self, arena, chain: list[bytes], start: int, held: list[int]) -> tuple[int, float]:

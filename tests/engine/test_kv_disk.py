@@ -253,3 +253,27 @@ def test_server_counts_disk_hits_in_usage_and_metrics(fresh, tmp_path):
     assert m2["kvscope_kv_disk_hits_total"] == (prompt - 1) // P * P and m1["kvscope_kv_disk_hits_total"] == 0
     assert m1["kvscope_kv_disk_written_bytes_total"] > 0 and m1["kvscope_kv_disk_misses_total"] == (prompt - 1) // P * P
     assert m2["kvscope_kv_disk_bytes"] == m1["kvscope_kv_disk_bytes"] > 0
+
+
+def test_generate_messages_reports_disk_restored_tokens_per_turn(stories_path, tmp_path):
+    msgs = tmp_path / "chat.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "Lily had a red ball. She played in the park. " * 3},
+                                {"role": "user", "content": "Then what happened to the ball?"}]))
+    cmd = [sys.executable, "-m", "engine", "generate", "--model", str(stories_path), "--messages", str(msgs), "--json",
+           "--kv-disk", str(tmp_path / "kv"), "--max-new-tokens", "12", "--page-size", str(P)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "KVSCOPE_FAST_STEP": "off"}
+    runs = []
+    for _ in range(2):  # the second process finds the first's pages on disk
+        out = subprocess.run(cmd, cwd=ROOT_DIR, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout)["turns"])
+    first, second = runs
+    assert [t["disk_restored_tokens"] for t in first] == [0, 0]  # turn 2 reuses turn 1's pages from memory
+    restored = (second[0]["prompt_tokens"] - 1) // P * P
+    assert second[0]["disk_restored_tokens"] == restored > 0 and second[0]["reused_tokens"] == restored
+    # turn 2: its first tokens are the chat's own cache (memory); the pages turn 2 computed in the first process
+    # (the reply, the new question) come from disk, the partly filled page where the own cache ends among them
+    d = second[1]["disk_restored_tokens"]
+    assert d % P == 0 and P > d - (first[1]["recomputed_tokens"] - second[1]["recomputed_tokens"]) >= 0
+    assert second[1]["recomputed_tokens"] < first[1]["recomputed_tokens"]
+    assert [t["token_ids"] for t in second] == [t["token_ids"] for t in first]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import scheduler as batch
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
+from engine.kv import disk as kv_disk
 from engine.kv.prefix import extend_chain
 from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
 from engine.fast_step import machine_refusal
@@ -136,7 +139,7 @@ class ChatMachine(RuleBasedStateMachine):
         except REFUSALS:
             chat.history = []
             return
-        assert 0 <= st_.shared_tokens <= st_.reused_tokens < st_.prompt_tokens
+        assert 0 <= st_.disk_restored_tokens <= st_.shared_tokens <= st_.reused_tokens < st_.prompt_tokens
         chat.asked = msgs
         self._one_step(chat)  # the prefill: its full pages are named now
 
@@ -305,6 +308,61 @@ class ChatMachine(RuleBasedStateMachine):
         except ValueError as e:  # a setting this model cannot run, refused with its reason
             assert str(e)
 
+    @rule(on=st.booleans())
+    def disk_tier(self, on):
+        """The KV disk tier on (a folder of this walk: full pages written, later prompts restore them) or off."""
+        if getattr(self, "disk_dir", None) is None:
+            self.disk_dir = tempfile.mkdtemp(prefix="kvscope-machine-")
+        kv_disk.configure(self.lm, self.disk_dir if on else None)
+
+    @rule()
+    def disk_restart(self):
+        """As after a restart: pages nobody holds leave memory, so the next prompts take them from disk (or prefill)."""
+        if self.lm.arenas is not None and self.lm.arenas.disk is not None:
+            self.lm.arenas.disk.flush()
+        for arena in self.lm.arenas or []:
+            for p in arena.pool.cached_pages():
+                arena.pool.unhash(p)
+
+    @rule(i=st.integers(0, 99), n=st.integers(1, 12))
+    def disk_reopen(self, i, n):
+        """A chat reopened after a restart (disk tier on): a new session on its setting, its messages and a new
+        question; its pages come from disk where the tier has them, the rest is prefilled."""
+        chat = self._chat(i)
+        if chat.session.generating or not chat.history or id(chat) in getattr(self, "on_core", {}):
+            return
+        if self.lm.arenas is None or self.lm.arenas.disk is None:
+            self.disk_tier(True)
+        cfg = chat.session.cache_config
+        chat.session.close()
+        self.disk_restart()
+        chat.session = ChatSession(self.lm, cfg)
+        msgs = chat.history + [{"role": "user", "content": "then what"}]
+        try:
+            st_ = chat.session.start(msgs, SamplingConfig(max_new_tokens=n))
+        except REFUSALS:
+            chat.history = []
+            return
+        assert 0 <= st_.disk_restored_tokens <= st_.shared_tokens <= st_.reused_tokens < st_.prompt_tokens
+        chat.asked = msgs
+
+    @rule(k=st.integers(0, 999), how=st.sampled_from(["flip", "truncate", "delete"]))
+    def disk_damage(self, k, how):
+        """A page file altered, cut short or deleted: the page is dropped and recomputed, never read."""
+        tier = self.lm.arenas.disk if self.lm.arenas is not None else None
+        if tier is None:
+            return
+        tier.flush()
+        files = sorted(Path(self.disk_dir).glob("*/*.kvp"))
+        if not files:
+            return
+        f = files[k % len(files)]
+        raw = f.read_bytes()
+        if how == "delete":
+            f.unlink()
+        else:
+            f.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0x40]) if how == "flip" else raw[:len(raw) // 2])
+
     # -- invariants ----------------------------------------------------------------------------------
     @invariant()
     def snapshots_tell_the_truth(self):
@@ -337,6 +395,9 @@ class ChatMachine(RuleBasedStateMachine):
             self.lm.fast_step.set_mode("off")
         for chat in self.chats:
             chat.session.close()
+        if getattr(self, "disk_dir", None) is not None:
+            kv_disk.configure(self.lm, None)
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
         for lm in (self.lm, self.draft_lm):
             for arena in (lm.arenas or []) if lm is not None else []:
                 assert arena.pool.num_used == 0, "pages still held after every session closed"
