@@ -29,6 +29,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     _policy_args(p)
     p.add_argument("--overflow", default="stop", choices=OVERFLOWS, help="what happens when the context is full")
     p.add_argument("--kv-disk", default="off", metavar="DIR|off", help="keep full pages on disk in DIR (engine.kv.disk)")
+    p.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB", help="its size limit in GiB (default 4)")
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -306,7 +307,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     lm = load_model(spec)
     if lm.tokenizer is None:
         raise EngineError("this model has no tokenizer")
-    configure_flag(lm, a.kv_disk)
+    configure_flag(lm, a)
     session = ChatSession(lm, cache)
     _speculate(session, spec_cfg, lm)
     if messages is None:

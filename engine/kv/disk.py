@@ -60,6 +60,7 @@ class DiskTier:
         self._lock = threading.Lock()  # guards _files, _bytes, _pending, counts, _notes
         self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
         self._bytes = self._pending = 0
+        self.max_pending = MAX_PENDING
         self._shelves: dict[tuple, str] = {}
         self.writable, self._closed = True, False
         self._queue: queue.Queue = queue.Queue()
@@ -112,12 +113,14 @@ class DiskTier:
             return 0
         folder = self.shelf(arena)
         todo = [(p, n) for p, n in zip(pages, names) if self._path(folder, n) not in self._files]
-        size = len(todo) * arena.page_bytes
-        with self._lock:
-            if not todo or self._pending + size > MAX_PENDING:
-                self.counts["skipped_pages"] += len(todo)
-                return 0
+        with self._lock:  # as many as the queue has room for, in chain order: a chain is read from its start
+            fit = max(0, (self.max_pending - self._pending) // arena.page_bytes)
+            self.counts["skipped_pages"] += max(0, len(todo) - fit)
+            todo = todo[:fit]
+            size = len(todo) * arena.page_bytes
             self._pending += size
+        if not todo:
+            return 0
         P = arena.page_size
         idx = torch.tensor([p for p, _ in todo], device=arena.shape.device)
         slots = (idx[:, None] * P + torch.arange(P, device=idx.device)).reshape(-1)  # [n * P]
@@ -337,9 +340,13 @@ def configure(lm, folder: str | None, budget: int = DEFAULT_BUDGET) -> DiskTier 
     return tier
 
 
-def configure_flag(lm, value: str | None) -> DiskTier | None:
-    """``--kv-disk DIR|off``: the tier at DIR, or none for ``off`` / not given."""
-    return configure(lm, None if value in (None, "", "off") else value)
+def configure_flag(lm, a) -> DiskTier | None:
+    """``--kv-disk DIR|off`` and ``--kv-disk-budget GIB`` of parsed arguments ``a``: the tier at DIR, or none."""
+    value, gib = getattr(a, "kv_disk", "off"), getattr(a, "kv_disk_budget", None)
+    if gib is not None and not gib > 0:
+        raise ValueError(f"--kv-disk-budget {gib}: give more than 0 GiB")
+    budget = int(gib * (1 << 30)) if gib is not None else DEFAULT_BUDGET
+    return configure(lm, None if value in (None, "", "off") else value, budget)
 
 
 # /metrics rows (engine.server.metrics): name -> (Prometheus kind, help)

@@ -212,7 +212,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
         raise ValueError("this model has no tokenizer: the server needs one")
     from engine.kv.disk import configure_flag
 
-    configure_flag(lm, getattr(a, "kv_disk", "off"))  # pages of every conversation kept on disk (DIR) or not
+    configure_flag(lm, a)  # pages of every conversation kept on disk (--kv-disk DIR) or not
     if speculative.method != "off":
         from engine.spec_draft import load_drafter
 

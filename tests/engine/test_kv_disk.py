@@ -133,6 +133,17 @@ def test_budget_evicts_least_recently_used_files(fresh, tmp_path):
     assert [chat(last, x, n=1)[1].disk_restored_tokens for x in (a, c, b)] == [32, 32, 0]
 
 
+def test_pages_past_the_writers_queue_are_skipped_not_waited_for(fresh, tmp_path):
+    lm = fresh(tmp_path)
+    tier = lm.kv_arenas.disk
+    tier.max_pending = 5 * lm.kv_arenas.get(P, None, "auto", "auto").page_bytes  # room for 5 pages queued
+    want, _, _ = chat(lm, IDS)  # the prefill names 12 pages at once: 5 queued, 7 skipped
+    tier.flush()
+    assert tier.stats()["skipped_pages"] >= 7
+    got, st, _ = chat(fresh(tmp_path), IDS)
+    assert st.disk_restored_tokens == 5 * P and got == want  # the chain's first 5 pages, then a gap: prefilled
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "missing"])
 def test_damaged_or_missing_files_are_dropped_and_recomputed(fresh, tmp_path, damage):
     lm = fresh(tmp_path)
@@ -277,3 +288,19 @@ def test_generate_messages_reports_disk_restored_tokens_per_turn(stories_path, t
     assert d % P == 0 and P > d - (first[1]["recomputed_tokens"] - second[1]["recomputed_tokens"]) >= 0
     assert second[1]["recomputed_tokens"] < first[1]["recomputed_tokens"]
     assert [t["token_ids"] for t in second] == [t["token_ids"] for t in first]
+
+
+def test_budget_flag_sets_the_limit_and_refuses_nonsense(stories, stories_path, tmp_path, capsys):
+    from argparse import Namespace
+
+    from engine.cli import main
+
+    tier = disk.configure_flag(stories, Namespace(kv_disk=str(tmp_path), kv_disk_budget=0.5))
+    try:
+        assert tier.budget == 1 << 29 and stories.kv_arenas.disk is tier
+    finally:
+        disk.configure(stories, None)
+    assert disk.configure_flag(stories, Namespace(kv_disk="off", kv_disk_budget=None)) is None
+    code = main(["generate", "--model", str(stories_path), "--prompt", "Once", "--kv-disk", str(tmp_path),
+                 "--kv-disk-budget", "0"])
+    assert code == 2 and "--kv-disk-budget 0.0: give more than 0 GiB" in capsys.readouterr().err
