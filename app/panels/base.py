@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pyqtgraph as pg
 from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QCursor, QFontMetrics
 from PySide6.QtWidgets import (
     QGraphicsItem,
     QHBoxLayout,
     QLabel,
     QToolButton,
+    QToolTip,
     QVBoxLayout,
     QWidget,
 )
@@ -182,7 +186,55 @@ def cache_axes(plot: pg.PlotItem) -> None:
         plot.getAxis(side).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
 
 
+class SpacedAxis(pg.AxisItem):
+    """A horizontal axis whose labelled ticks are never closer than their labels are wide: pyqtgraph keeps at
+    least two intervals whatever the width, so a narrow chart ran "100200300" together."""
+
+    GAP_PX = 10  # between two labels
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float):  # noqa: N802,N803 - pyqtgraph's names
+        levels = super().tickSpacing(minVal, maxVal, size)
+        span = abs(maxVal - minVal)
+        if not levels or size <= 0 or span <= 0:
+            return levels
+        widest = max(f"{minVal:g}", f"{maxVal:g}", key=len)
+        font = self.style.get("tickFont") or self.font()
+        need = (QFontMetrics(font).horizontalAdvance(widest) + self.GAP_PX) * span / size  # in axis units
+        major, offset = levels[0]
+        if major >= need:
+            return levels
+        for factor in (2, 2.5, 5, 10, 20, 25, 50, 100):  # the next round spacing with room for each label
+            if major * factor >= need:
+                return [(major * factor, offset), (major, offset)]  # the old majors stay as unlabelled ticks
+        return [(need, offset)]
+
+
+def decade_ticks(low: int, high: int) -> list:
+    """Explicit ticks of a log10 axis from 10**low to 10**high: a label at each decade only, the 2..9 steps as
+    unlabelled minor ticks (labelled, they overlapped: "1 0.9 0.8 0.7…")."""
+    majors = [(d, f"{10.0 ** d:g}") for d in range(low, high + 1)]
+    minors = [(d + math.log10(k), "") for d in range(low, high) for k in range(2, 10)]
+    return [majors, minors]
+
+
+def hover_tip(view: pg.GraphicsView, charts: list) -> pg.SignalProxy:
+    """The value under the mouse as a tooltip of ``view`` (a tooltip never resizes anything). ``charts``: (plot,
+    describe) pairs of the view's plots; ``describe(x)`` gives the text at data coordinate ``x`` ("" for none).
+    Keep the returned proxy: it holds the connection."""
+
+    def moved(event) -> None:
+        pos = event[0]
+        text = next((describe(plot.getViewBox().mapSceneToView(pos).x()) for plot, describe in charts
+                     if plot.getViewBox().sceneBoundingRect().contains(pos)), "")
+        view.setToolTip(text)
+        if text:
+            QToolTip.showText(QCursor.pos(), text, view)
+
+    return pg.SignalProxy(view.scene().sigMouseMoved, rateLimit=30, slot=moved)
+
+
 def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotItem:
+    plot.setAxisItems({"bottom": SpacedAxis("bottom")})
     plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)
     if left:
         plot.setLabel("left", left)

@@ -11,7 +11,7 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QWidget
 
 from app.format import human_bytes
-from app.panels.base import Panel, StickyRange, legend_row, styled_plot
+from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 
 MIB = 1024.0 * 1024.0
@@ -73,6 +73,7 @@ class MemoryPanel(Panel):
         self._decades: tuple[int, int] | None = None
         self.x_range.fit(10)
         self.plot.setYRange(-3, 1, padding=0)
+        self.plot.getAxis("left").setTicks(decade_ticks(-3, 1))
         self.caption.setText("Weights and KV cache bytes over time.")
         self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5))
         self.total = self.plot.plot(pen=pg.mkPen(KV_COLOUR, width=1.5))
@@ -88,6 +89,16 @@ class MemoryPanel(Panel):
         self.n = 0
         self._t0: float | None = None
         self._has_device = False
+        self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
+
+    def value_at(self, x: float) -> str:
+        """The bytes at the recorded moment nearest to ``x`` seconds."""
+        n = self.n
+        if not n:
+            return ""
+        i = int(np.argmin(np.abs(self.t[:n] - x)))
+        text = f"{self.t[i]:.1f} s: weights {human_bytes(self.w[i] * MIB)} · KV {human_bytes(self.kv[i] * MIB)}"
+        return text + (f" · device {human_bytes(self.dev[i] * MIB)}" if self.dev[i] else "")
 
     def _append(self, t: float, kv: float, w: float, dev: float) -> None:
         if self.n == HISTORY:  # drop the oldest half
@@ -135,7 +146,9 @@ class MemoryPanel(Panel):
         decades = (int(np.floor(np.log10(values.min()))), int(np.ceil(np.log10(values.max() * 1.2))))
         if decades != self._decades:  # y is log10(MiB): whole decades, so the axis rarely changes
             self._decades = decades
-            self.plot.setYRange(decades[0], max(decades[1], decades[0] + 1), padding=0)
+            top = max(decades[1], decades[0] + 1)
+            self.plot.setYRange(decades[0], top, padding=0)
+            self.plot.getAxis("left").setTicks(decade_ticks(decades[0], top))
         self._has_device = self._has_device or bool(snap.device_bytes)
         self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None
         share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)

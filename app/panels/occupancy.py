@@ -8,7 +8,7 @@ import numpy as np
 import pyqtgraph as pg
 
 from app.format import human_bytes
-from app.panels.base import Panel, StickyRange, legend_row, styled_plot
+from app.panels.base import Panel, StickyRange, hover_tip, legend_row, styled_plot
 from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
 # (name, colour) bottom to top
@@ -108,6 +108,17 @@ class OccupancyPanel(Panel):
         self.plot.setXRange(-0.6, 3.6, padding=0)
         self.caption.setText(EMPTY_CAPTION)
         self._num_layers = 0
+        self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
+
+    def value_at(self, x: float) -> str:
+        """Layer ``x`` (rounded): what it holds, by state, of its capacity."""
+        i = int(round(x))
+        if not self.stack or not 0 <= i < len(self.stack["full"]):
+            return ""
+        held = sum(int(self.stack[name][i]) for name, _ in SEGMENTS)
+        parts = ", ".join(f"{int(self.stack[name][i])} {name}" for name, _ in SEGMENTS if self.stack[name][i])
+        cap = self.last_snapshot.capacity_tokens if self.last_snapshot is not None else 0
+        return f"layer {i}: {held} tokens" + (f" ({parts})" if parts else "") + (f" of {cap}" if cap else "")
 
     def clear(self) -> None:
         for bar in self.bars.values():

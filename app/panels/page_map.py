@@ -2,7 +2,7 @@
 of the conversation's tokens (kept / sink / evicted / quantized / pinned / not cached).
 
 Active pages take their owner turn's colour; other states have one fixed colour each; brightness shows how
-full a page is. Hover a cell for its page id, tokens, fill, ref count and owner.
+full a page is. Hover a cell for its page id, tokens, fill, ref count and owner, a strip cell for its token's state.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF
 from PySide6.QtGui import QColor, QCursor
-from PySide6.QtWidgets import QLabel, QToolTip
+from PySide6.QtWidgets import QSizePolicy, QToolTip
 
 from app.panels.base import Panel, legend_row
+from app.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
 
@@ -196,8 +197,11 @@ class PageMapPanel(Panel):
         self._layout.addWidget(legend_row(chips, prefix="pages:"))
         strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
         self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
-        self.hover = QLabel(" ")
+        # Shortened at a word to the dock's width (the full text in its tooltip and the cursor's): a page's long
+        # description must never widen the dock and reflow the chat.
+        self.hover = WordLabel(" ")
         self.hover.setObjectName("hoverLine")
+        self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._layout.addWidget(self.hover)
         self.readout = " "  # what the hover line says when the mouse is not on a page: the last verification
         self._hovering = False  # the hover line describes a page under the mouse
@@ -290,14 +294,22 @@ class PageMapPanel(Panel):
         page = row * self.cols + col
         return page if page < self.snapshot.num_pages else -1
 
+    def describe_token(self, index: int) -> str:
+        """The hover text of one cell of the token strip: 'token 37 of 120 · evicted'."""
+        s = self.snapshot
+        if s is None or not 0 <= index < len(s.token_state):
+            return ""
+        return f"token {index} of {len(s.token_state)} · {TOKEN_STATE_NAMES[int(s.token_state[index])]}"
+
     def _on_mouse(self, event) -> None:
         pos: QPointF = event[0]
-        if not self.image.sceneBoundingRect().contains(pos):
-            self._hovering = False
-            self.hover.setText(self.readout)
-            return
-        p = self.image.mapFromScene(pos)
-        text = self.describe_page(self.page_at(p.x(), p.y()))
+        if self.strip.sceneBoundingRect().contains(pos):
+            text = self.describe_token(int(math.floor(self.strip.mapFromScene(pos).x())))
+        elif self.image.sceneBoundingRect().contains(pos):
+            p = self.image.mapFromScene(pos)
+            text = self.describe_page(self.page_at(p.x(), p.y()))
+        else:
+            text = ""
         self._hovering = bool(text)
         self.hover.setText(text or self.readout)
         if text:

@@ -11,7 +11,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-from app.panels.base import Panel, StickyRange, styled_plot
+from app.panels.base import Panel, StickyRange, hover_tip, styled_plot
 from engine.snapshot import TokenEvent
 
 ROLLING = 16  # tokens in the rolling tok/s window
@@ -174,6 +174,8 @@ class TimingPanel(Panel):
         self.spec_line.setVisible(False)
         self._layout.addWidget(self.spec_line)
 
+        self._tip = hover_tip(self.view, [(self.latency_plot, self.value_at), (self.tps_plot, self.value_at),
+                                          (self.prefill_plot, self.prefill_at)])
         self.current = TokenSeries()
         self.previous: TokenSeries | None = None
         self._dirty = False
@@ -216,6 +218,26 @@ class TimingPanel(Panel):
             self.caption.setToolTip(f"Compiled decode step: {text}" if text else "")
             if redraw:
                 self.refresh()
+
+    # hover values -------------------------------------------------------------------------------------
+    def value_at(self, x: float) -> str:
+        """The latency and tok/s charts' values at token ``x`` (rounded), this reply's and the previous one's."""
+        i = int(round(x))
+        parts = []
+        for name, series in (("this reply", self.current), ("previous", self.previous)):
+            if series is not None and 1 <= i <= series.n:
+                tps = series.rolling_tps()[i - 1]
+                parts.append(f"{name}: {series.decode_ms[i - 1]:.1f} ms, {tps:.1f} tok/s (last {ROLLING})")
+        return f"token {i} · " + " · ".join(parts) if parts else ""
+
+    def prefill_at(self, x: float) -> str:
+        """The prefill chart's bar at ``x`` (0: the previous reply, 1: this one)."""
+        series = {0: self.previous, 1: self.current}.get(int(round(x)))
+        if series is None or not series.prefill_ms:
+            return ""
+        which = "this reply" if series is self.current else "previous reply"
+        ttft = f", TTFT {series.ttft_ms:.0f} ms" if series.ttft_ms else ""
+        return f"{which}: prefill {series.prefill_ms:.1f} ms for {series.prefill_tokens} prompt tokens{ttft}"
 
     # drawing ------------------------------------------------------------------------------------------
     def refresh(self) -> None:
