@@ -89,7 +89,10 @@ def test_a_killed_reply_keeps_its_token_count(qtbot, data_dir):
 
 def test_sigterm_quits_like_the_menu_and_marks_the_reply(data_dir):
     proc = _child(data_dir, """
-        print("streaming", w.conversation.tokens_in_reply, flush=True)
+        from PySide6.QtCore import QTimer
+        # said from inside the event loop, once run_window has installed its handlers (said before it, a
+        # loaded machine let the parent's SIGTERM land first: the default action, -15)
+        QTimer.singleShot(0, lambda: print("streaming", w.conversation.tokens_in_reply, flush=True))
         code = run_window(qa, w, history)
         print("exit", code, flush=True)
         os._exit(code)
