@@ -144,7 +144,7 @@ def test_pages_past_the_writers_queue_are_skipped_not_waited_for(fresh, tmp_path
     assert st.disk_restored_tokens == 5 * P and got == want  # the chain's first 5 pages, then a gap: prefilled
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "missing"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "renamed", "missing"])
 def test_damaged_or_missing_files_are_dropped_and_recomputed(fresh, tmp_path, damage):
     lm = fresh(tmp_path)
     want, _, _ = chat(lm, IDS)
@@ -158,13 +158,16 @@ def test_damaged_or_missing_files_are_dropped_and_recomputed(fresh, tmp_path, da
         bad.write_bytes(raw[:len(raw) // 2])
     elif damage == "garbage":
         bad.write_bytes(b"\0" * len(raw))
+    elif damage == "renamed":  # another page's whole, valid file under this page's name
+        bad.write_bytes(files[6].read_bytes())
     else:
         bad.unlink()
     again = fresh(tmp_path)
     got, st, notes = chat(again, IDS)
     assert got == want and st.disk_restored_tokens == 5 * P  # pages 0-4; page 5 and the rest are prefilled
     assert again.kv_arenas.disk.stats()["dropped_files"] == (damage != "missing")  # then written again, whole
-    why = {"flip": "checksum mismatch", "truncate": "truncated", "garbage": "not a page file"}.get(damage)
+    why = {"flip": "checksum mismatch", "truncate": "truncated", "garbage": "not a page file",
+           "renamed": "name does not match"}.get(damage)
     dropped = [n for n in notes if "dropped a page file" in n]
     assert (len(dropped) == 1 and why in dropped[0]) if why else not dropped
     again.kv_arenas.disk.flush()  # the recomputed page is written again: the next load restores all 12
