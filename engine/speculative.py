@@ -32,7 +32,7 @@ from engine.sampling import Sampler
 START_K = 4
 # Auto-off: after this many verifications, speculation must beat plain decoding per token, or it stops for the
 # reply. Plain steps are measured when a drafter has nothing to offer, or by a probe of PROBE_STEPS.
-MIN_VERIFY, PROBE_STEPS, PAYS = 8, 3, 0.97
+MIN_VERIFY, PROBE_STEPS, PAYS = 4, 2, 0.97
 
 
 class NgramDrafter:
@@ -184,7 +184,7 @@ class Speculator:
 
     def _judge(self) -> str:
         s = self.stats
-        if not self.cfg.auto_off or s.drafts < MIN_VERIFY or s.drafts % MIN_VERIFY:
+        if not self.cfg.auto_off or not self.active or s.drafts < MIN_VERIFY or s.drafts % MIN_VERIFY:
             return ""
         if s.plain_steps < PROBE_STEPS:
             self.probe = PROBE_STEPS - s.plain_steps  # time plain decoding before judging
