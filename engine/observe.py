@@ -118,6 +118,12 @@ def capacity(cache: "SeqCache") -> int:
     return min(cap, cache.policy.budget) if cache.policy is not None else cap
 
 
+def restored_pages(cache: "SeqCache") -> tuple[int, ...]:
+    """The pages the chat's turn took from the KV disk tier that it still holds (a plain paged store's only)."""
+    held = set(getattr(getattr(cache.store, "table", None), "pages", ())) if cache.disk_pages else set()
+    return tuple(p for p in cache.disk_pages if p in held)
+
+
 def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
     """A frozen picture of ``seq``'s cache now (read-only numpy copies)."""
     lm = cache.lm
@@ -168,6 +174,7 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         page_groups=groups,
         layer_kinds=tuple(info.layer_kinds),
         written_pages=tuple(p for p in cache.written if p < len(state)) if paged else (),
+        restored_pages=restored_pages(cache),
         page_mine=own_pages(cache, len(state), groups) if paged else None,
         batch_size=cache.batch_size,
         verified=cache.verified, rolled_back=cache.rolled_back,

@@ -54,12 +54,14 @@ class SeqCache:
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
         self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
+        self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
 
     # -- plumbing ----------------------------------------------------------------------------------------
     def set_store(self, store: KVStore | None) -> None:
         self.store = store
         self.kv = KVCache(store) if store is not None else None
         self.chain = []  # page names depend on the page size: a new store names its pages afresh
+        self.disk_pages = ()  # page ids of the old store's arena
 
     @property
     def n(self) -> int:
@@ -263,7 +265,7 @@ class SeqCache:
         from engine.sequence import common_prefix
 
         common = common_prefix(list(cached_ids[:self.index.intact]), ids)
-        self.disk_restored = (0, 0.0)
+        self.disk_restored, self.disk_pages = (0, 0.0), ()
         if self.store is None:
             return 0, 0, common
         keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
@@ -294,7 +296,8 @@ class SeqCache:
         run = cached_run(store.arena.pool, self.chain, base)
         if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
             self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
-            run = cached_run(store.arena.pool, self.chain, base)
+            run, before = cached_run(store.arena.pool, self.chain, base), len(run)
+            self.disk_pages = tuple(run[before:])
         if (base + len(run)) * P <= keep:
             return [], base
         return run, base

@@ -189,6 +189,7 @@ class CacheSnapshot:
     page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
     written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
+    restored_pages: tuple[int, ...] = ()  # this chat's pages its turn took from the KV disk tier (engine.kv.disk)
     batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
     verified: int = 0  # slots a speculative verification wrote (the fed token + its drafts; 0: no verification)
     rolled_back: int = 0  # of them, the rejected drafts' slots cut back (their pages freed if emptied)

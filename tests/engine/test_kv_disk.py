@@ -81,10 +81,16 @@ def test_restore_equals_recompute_and_hf(fresh, tmp_path):
     assert st2.disk_restored_tokens == 192 and st2.shared_tokens == 192 and st2.recomputed_tokens == 8
     assert any(n.startswith("restored 192 tokens from disk in ") for n in notes)
     assert second == first == hf_greedy(again, IDS, 12)
+    again.kv_arenas.drop_idle()  # memory forgets the pages (as a restart would)
+    s = ChatSession(again, CacheConfig(page_size=P))  # the page map's "restored from disk" pages: the chat's first 12
+    s.start_ids(IDS, SamplingConfig(max_new_tokens=2))
+    snapshot = s.step().snapshot
+    assert snapshot.restored_pages == tuple(s.store.table.pages[:12]) and len(set(snapshot.restored_pages)) == 12
+    s.close()
     off, st3, _ = chat(fresh(), IDS)  # no tier: prefilled
     assert off == first and st3.disk_restored_tokens == 0
     stats = again.kv_arenas.disk.stats()
-    assert stats["hit_tokens"] == 192 and stats["bytes_read"] == 12 * again.kv_arenas.get(P, None, "auto", "auto").page_bytes
+    assert stats["hit_tokens"] == 2 * 192 and stats["bytes_read"] == 24 * again.kv_arenas.get(P, None, "auto", "auto").page_bytes
 
 
 def test_other_models_and_settings_never_reuse(fresh, tmp_path, stories_path):
