@@ -313,3 +313,19 @@ def test_budget_flag_sets_the_limit_and_refuses_nonsense(stories, stories_path, 
     code = main(["generate", "--model", str(stories_path), "--prompt", "Once", "--kv-disk", str(tmp_path),
                  "--kv-disk-budget", "0"])
     assert code == 2 and "--kv-disk-budget 0.0: give more than 0 GiB" in capsys.readouterr().err
+
+
+def test_bench_reopen_scenario_rows(stories_path, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "engine", "bench", "--model", str(stories_path), "--scenario", "reopen", "--contexts",
+           "200", "--new-tokens", "8", "--eager", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "KVSCOPE_FAST_STEP": "off"}
+    run = subprocess.run(cmd, cwd=ROOT_DIR, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [r for r in json.loads(out.read_text())["rows"] if r.get("scenario") == "reopen"]
+    by = {r.get("restore") or "writer " + r["writer"]: r for r in rows}
+    assert set(by) == {"disk", "prefill", "writer on", "writer off"}
+    assert by["disk"]["disk_restored_tokens"] == 192 and by["disk"]["recomputed_tokens"] == 8
+    assert by["prefill"]["disk_restored_tokens"] == 0 and by["prefill"]["recomputed_tokens"] == 200
+    assert by["disk"]["first_token"] == by["prefill"]["first_token"]  # a new process: the same first token
+    assert by["disk"]["ttft_ms"] > 0 and by["writer on"]["decode_tokens_per_s"] > 0
