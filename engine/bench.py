@@ -298,6 +298,7 @@ def run_bench(a) -> int:
     run_engine(lm, warm, 2, CacheConfig(mode="paged", page_size=a.page_size))
     rows: list[dict[str, Any]] = []
     for ctx in contexts:
+        lm.runner.spec_verdicts.clear()  # each prompt finds out afresh whether speculation pays (its repeats share it)
         prompt = _prompt(lm.info.vocab_size, ctx)
         results: dict[str, list[dict]] = {m: [] for m in modes}
         if lm.device.type == "cuda":  # kernels for this prompt length load lazily: not in the first timed run

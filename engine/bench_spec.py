@@ -94,6 +94,7 @@ def fields_median(runs: list[dict]) -> dict[str, Any]:
 def copy_rows(lm, a, measure, rows_of, log) -> list[dict]:
     """``--scenario copy``: the copy prompt through every mode (each with its speculative twin), one row each."""
     prompt = copy_prompt(lm, a.new_tokens)
+    lm.runner.spec_verdicts.clear()  # whether speculation pays is found out afresh on this prompt
     modes = getattr(a, "bench_modes", [])
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(a.repeats):

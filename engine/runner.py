@@ -77,6 +77,7 @@ class ModelRunner:
         self.fast = FastStep(lm)
         self.forwards = 0  # forwards run (tests check every forward of the engine came through here)
         self.batched_forwards = self.batched_tokens = 0  # forwards that decoded several sequences, their tokens
+        self.spec_verdicts: dict = {}  # drafter label -> engine.speculative.Verdict: did speculation pay here
 
     # -- can I? -----------------------------------------------------------------------------------------
     def batch_refusal(self) -> str:

@@ -140,8 +140,9 @@ class ChatSession(Stepping):
         q.add_notes(([room_note] if room_note else []) + c.disk_notes())
         self._ready = []
         if self.spec is not None:
-            self.spec.new_reply()
+            note = self.spec.new_reply()
             reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
+            q.add_notes([note] if note else [])
         return q.reply.stats("")
 
     def cancel(self) -> None:
@@ -177,7 +178,7 @@ class ChatSession(Stepping):
             drafter = old.drafter if keep else NgramDrafter(cfg.max_ngram) if cfg.method == "ngram" else None
         if drafter is None:
             raise EngineError("speculative decoding with a draft model needs the draft model loaded")
-        self.spec = Speculator(cfg, drafter)
+        self.spec = Speculator(cfg, drafter, self.lm.runner.spec_verdicts)
         if self.generating:  # mid-reply: the counts start now
             self.sequence.reply.spec, self.sequence.reply.spec_label = self.spec.stats, cfg.label
         return f"speculative decoding: {cfg.label}, " + (f"{cfg.draft_tokens} draft tokens per forward"

@@ -33,6 +33,19 @@ START_K = 4
 # Auto-off: after this many verifications, speculation must beat plain decoding per token, or it stops for the
 # reply. Plain steps are measured when a drafter has nothing to offer, or by a probe of PROBE_STEPS.
 MIN_VERIFY, PROBE_STEPS, PAYS = 4, 2, 0.97
+# A verdict of "slower" is kept per model and drafter (like the compiled step's timings): the next replies start
+# without speculation, and every RETRY_EVERY-th reply tries again (what a chat asks changes what pays).
+RETRY_EVERY = 4
+
+
+@dataclass
+class Verdict:
+    """What speculation with one drafter measured on one model, last time it was judged."""
+
+    pays: bool
+    spec_ms: float  # per token, speculating
+    plain_ms: float  # per token, decoding plainly
+    skipped: int = 0  # replies started without speculation since
 
 
 class NgramDrafter:
@@ -132,15 +145,29 @@ class SpecStats:
 class Speculator:
     """One chat's speculative decoding: drafter, k, and its measured worth. Owned by the session's thread."""
 
-    def __init__(self, cfg: SpecConfig, drafter) -> None:
+    def __init__(self, cfg: SpecConfig, drafter, verdicts: dict | None = None) -> None:
+        """``verdicts``: the model's record of what paid (``ModelRunner.spec_verdicts``), shared by its chats."""
         self.cfg, self.drafter = cfg, drafter
         self.k = cfg.draft_tokens or START_K
         self.stats = SpecStats()
         self.probe = 0  # plain steps still to run to time plain decoding
+        self.verdicts = verdicts if verdicts is not None else {}
 
-    def new_reply(self) -> None:
+    def new_reply(self) -> str:
+        """A new reply: counts from zero; off from the start (a note says so) when it did not pay on this model
+        in an earlier reply, except every ``RETRY_EVERY``-th reply."""
         self.stats = SpecStats()
         self.probe = 0
+        v = self.verdicts.get(self.cfg.label)
+        if not self.cfg.auto_off or v is None or v.pays:
+            return ""
+        v.skipped += 1
+        if v.skipped % RETRY_EVERY == 0:
+            return ""
+        self.stats.off_reason = (f"speculation off for this reply: it was slower than decoding plainly on this model "
+                                 f"({v.spec_ms:.1f} vs {v.plain_ms:.1f} ms per token); every {RETRY_EVERY}th reply "
+                                 "tries it again")
+        return self.stats.off_reason
 
     @property
     def active(self) -> bool:
@@ -191,6 +218,8 @@ class Speculator:
             return ""
         spec = s.verify_ms / max(1, s.tokens)
         plain = s.plain_ms / s.plain_steps
+        old = self.verdicts.get(self.cfg.label)
+        self.verdicts[self.cfg.label] = Verdict(plain >= spec * PAYS, spec, plain, old.skipped if old else 0)
         if plain < spec * PAYS:
             s.off_reason = (f"speculation off for this reply: {spec:.1f} ms per token against {plain:.1f} ms "
                             f"decoding plainly ({s.rate():.0%} of draft tokens accepted)")

@@ -258,3 +258,24 @@ def test_penalties_on_the_reply_and_logprobs(stories, prompt_ids):
     assert spec.generated_ids == plain.generated_ids and r.stats.draft_tokens > 0
     _, r, _ = run(stories, prompt_ids, CacheConfig(), SpecConfig(method="ngram", auto_off=False), logprobs=2)
     assert r.stats.draft_tokens == 0
+
+
+def test_a_verdict_of_slower_is_kept_for_the_model_and_retried():
+    from engine.speculative import RETRY_EVERY
+
+    verdicts: dict = {}
+    sp = Speculator(SpecConfig(method="ngram"), NgramDrafter(), verdicts)
+    for _ in range(2):
+        sp.record_plain(1.0)
+    for _ in range(4):
+        sp.record_verify(4, 0, 1, 10.0)
+    assert not sp.active and not verdicts["ngram"].pays
+    other = Speculator(SpecConfig(method="ngram"), NgramDrafter(), verdicts)  # another chat of the model
+    notes = [other.new_reply() for _ in range(2 * RETRY_EVERY)]
+    assert [bool(n) for n in notes] == ([True] * (RETRY_EVERY - 1) + [False]) * 2  # every 4th reply tries again
+    assert "slower than decoding plainly" in notes[0]
+    for _ in range(2):
+        other.record_plain(10.0)
+    for _ in range(4):
+        other.record_verify(4, 4, 5, 1.0)  # this time it pays
+    assert verdicts["ngram"].pays and other.new_reply() == ""
