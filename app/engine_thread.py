@@ -31,6 +31,8 @@ class EngineThread(QObject):
     _cancel_compare = Signal(int)
     _stop = Signal()
     _serve = Signal()
+    _disk = Signal(object, str)
+    _disk_clear = Signal()
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -51,6 +53,8 @@ class EngineThread(QObject):
         self._describe.connect(self.worker.describe_chat)
         self._measure.connect(self.worker.measure)
         self._serve.connect(self.worker.serve)
+        self._disk.connect(self.worker.disk.configure)
+        self._disk_clear.connect(self.worker.disk.clear)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
@@ -99,6 +103,14 @@ class EngineThread(QObject):
     def serve(self) -> None:
         """Ask for the model and its engine core, for the API server (answered by ``worker.core_ready``)."""
         self._serve.emit()
+
+    def configure_disk(self, cfg: Any, folder: str) -> None:
+        """The KV disk tier's setting (``app.disk_tier.DiskConfig``) at ``folder``; answered by ``worker.disk.changed``."""
+        self._disk.emit(cfg, folder)
+
+    def clear_disk(self) -> None:
+        """Delete the KV disk tier's files (answered by ``worker.disk.changed``)."""
+        self._disk_clear.emit()
 
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model

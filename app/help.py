@@ -41,9 +41,12 @@ PANEL_HELP = {
         "tokens in one pass: it writes a slot for each of them at once (framed in amber: the pages those slots "
         "took), keeps the guesses it agrees with and cuts the others back at once — the line under the legend says "
         "how many slots were written and how many were cut back. A draft model keeps its own small cache: its pages are "
-        "drawn after the model's (the caption says which are which).",
+        "drawn after the model's (the caption says which are which). With the KV disk cache on (Settings ▸ KV disk cache), a "
+        "chat reopened after a restart takes its full pages from files instead of reading the chat again: those pages are "
+        "framed in pink (restored from disk) and the line under the legend counts them.",
         ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),
-         (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"))
+         (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"),
+         (page_map.RESTORED_COLOUR, "frame: restored from disk (its K/V read from the KV disk cache)"))
         + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS
                 if c != S.PAGE_ACTIVE)
         + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)),

@@ -33,6 +33,7 @@ from app.compare_dialog import open_compare
 from app.config_settings import sampling_from_settings, save_sampling
 from app.controls import CacheControls
 from app.conversation import Conversation
+from app.disk_dialog import DiskController
 from app.docks import DockLayout
 from app.exports import Exporter
 from app.failure import Failure
@@ -133,6 +134,7 @@ class MainWindow(QMainWindow):
     def _build_parts(self) -> None:
         self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self)
         self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
+        self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
         self.chat.set_tint(self.speculation.tint)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
@@ -377,6 +379,7 @@ class MainWindow(QMainWindow):
 
     def _on_reply_finished(self, generation_id: int, reason: str) -> None:
         QTimer.singleShot(0, self.scheduler.refresh_all)  # every panel shows the reply's final state
+        self.disk.refresh()  # the pages this reply wrote to the KV disk tier
         speed = self.conversation.last_stats.get("decode_tokens_per_s")
         if speed:
             self.status.show_speed(speed)

@@ -24,7 +24,7 @@ def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) 
 
 
 def build_menus(window) -> dict[str, Any]:
-    """File, View, Tools, Server and Help for ``window`` (a ``MainWindow``); returns the actions tests and the
+    """File, View, Tools, Settings, Server and Help for ``window`` (a ``MainWindow``); returns the actions tests and the
     window use, by name."""
     bar = window.menuBar()
     a: dict[str, Any] = {}
@@ -68,6 +68,12 @@ def build_menus(window) -> dict[str, Any]:
                              tip="Compile the model's decode step in the background (eager answers meanwhile) and "
                                  "use it where it measures faster; the timing panel says which ran each token")
     tools.addAction(a["fast_step"])
+
+    settings = bar.addMenu("Se&ttings")
+    a["kv_disk"] = _action(window, "&KV disk cache…", window.disk.open_dialog,
+                           tip="Keep the chats' KV cache on disk (on/off, budget, location, Clear), so a chat reopened "
+                               "after a restart is restored instead of read again")
+    settings.addAction(a["kv_disk"])
 
     server = bar.addMenu("&Server")
     a["serve_start"] = _action(window, "&Start serving", window.server.start,

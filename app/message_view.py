@@ -75,8 +75,11 @@ def cache_line(stats: dict[str, Any]) -> str:
     div = stats.get("first_divergence", -1)
     where = f"diverged at {div}" if div is not None and div >= 0 else ""
     shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
-    if shared:
-        where = f"{shared} from another chat's cache" + (f", {where}" if where else "")
+    disk = min(int(stats.get("disk_restored_tokens") or 0), shared)  # of them, read from the KV disk tier
+    if shared - disk:
+        where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
+    if disk:
+        where = f"{disk:,} restored from disk" + (f", {where}" if where else "")
     where = where or "nothing cached before"
     dropped = int(stats.get("dropped_tokens") or 0)
     dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""

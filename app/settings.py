@@ -72,6 +72,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine/fast_step", bool, True),  # the compiled decode step (engine.fast_step), Tools menu
     Setting("server/port", int, 8000),  # Server ▸ Start serving listens on 127.0.0.1 at this port
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
+    # Settings ▸ KV disk cache (app.disk_tier): full pages kept on disk, so a reopened chat is not read again
+    Setting("kv_disk/enabled", bool, True),
+    Setting("kv_disk/folder", str, ""),  # empty: the data folder's kv/
+    Setting("kv_disk/budget_gib", float, 4.0),
     Setting("meta/schema_version", int, SCHEMA_VERSION),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}

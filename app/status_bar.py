@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QProgressBar, QStatusBar, QToolButton
 
+from app.format import human_bytes
 from app.glossary import OVERFLOWS, describe_cache
 from app.widgets import WordLabel
 from engine.config import CacheConfig
@@ -28,6 +29,7 @@ class StatusBar:
         self.speed = WordLabel("")
         self.server = WordLabel("")  # "Serving at URL" while Server ▸ Start serving runs
         self.wait = WordLabel("")  # what the reply waits for, while it waits (app.reply_wait)
+        self.disk = WordLabel("")  # "KV on disk 12.3 MiB": the KV disk tier's size (app.disk_dialog)
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(160)
         self.progress.setTextVisible(False)
@@ -40,7 +42,7 @@ class StatusBar:
         bar.addPermanentWidget(self.progress)
         bar.addPermanentWidget(self.cancel)
         for field, stretch in ((self.server, 0), (self.wait, 4), (self.model, 2), (self.device, 1), (self.cache, 4),
-                               (self.context, 0), (self.speed, 0)):
+                               (self.context, 0), (self.speed, 0), (self.disk, 0)):
             field.setObjectName("statusField")
             bar.addPermanentWidget(field, stretch)
         self.context.setMinimumWidth(self.context.fontMetrics().horizontalAdvance("Context: 99,999 of 99,999 tokens"))
@@ -48,6 +50,7 @@ class StatusBar:
         self.server.setVisible(False)
         self.wait.setStyleSheet(f"color: {CONTEXT_FILLING}")
         self.wait.setVisible(False)
+        self.disk.setVisible(False)
 
     def message(self, text: str, ms: int = 0) -> None:
         self.bar.showMessage(text, ms)
@@ -86,6 +89,13 @@ class StatusBar:
         be drawn in no room at all, the permanent fields fill the bar."""
         self.wait.setText(text)
         self.wait.setVisible(bool(text))
+
+    def show_disk(self, nbytes: int, folder: str = "") -> None:
+        """'KV on disk 12.3 MiB' (negative: the tier is off, the field hidden)."""
+        self.disk.setText(f"KV on disk {human_bytes(nbytes)}" if nbytes >= 0 else "")
+        self.disk.set_tip(f"KV disk cache in {folder}: a chat reopened after a restart is restored from these pages "
+                          "(Settings ▸ KV disk cache)" if nbytes >= 0 else "")
+        self.disk.setVisible(nbytes >= 0)
 
     def show_speed(self, tokens_per_s: float) -> None:
         self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")

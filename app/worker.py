@@ -48,6 +48,7 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.backend import EngineBackend, default_backend
 from app.compare_run import WarmedComparison
+from app.disk_tier import DiskTierControl
 from app.failure import Failure, describe, log
 from app.spec_drafts import SpecDrafts, with_draft_pool
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
@@ -118,6 +119,7 @@ class EngineWorker(QObject):
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._pump)
         self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
+        self.disk = DiskTierControl(self)  # the KV disk tier (a child: it moves to this thread with the worker)
 
     # -- commands (queued slots) ------------------------------------------------------------------------
     @Slot(object, object)
@@ -147,6 +149,7 @@ class EngineWorker(QObject):
             self._core.waker = self._woken.emit  # thread-safe: queued to this thread from another one
             self._core.sources.append(_Chats(self))
             self._apply_fast_mode()
+            self.disk.attach(loaded)  # the old model's tier writes its queue and stops
             if old is not None and hasattr(old, "close"):
                 old.close()  # the previous model's pages go back; its tensors go with the last reference
             if old_fast is not None:
@@ -374,6 +377,7 @@ class EngineWorker(QObject):
         fast = getattr(self._loaded, "fast_step", None)
         if fast is not None:
             fast.close()  # a build in flight stops with the app (the next launch builds it again)
+        self.disk.detach()  # pages queued for the disk are written: the next launch restores them
         QThread.currentThread().quit()
 
     # -- the round pump ---------------------------------------------------------------------------------

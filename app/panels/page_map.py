@@ -43,6 +43,7 @@ TOKEN_COLOURS = {  # TOKEN_* code -> colour
 }
 PAD = (16, 18, 23, 255)  # cells past the last page
 VERIFY_COLOUR = "#ffb347"  # the frame of a page a speculative verification wrote provisional slots into
+RESTORED_COLOUR = "#ff7ad9"  # the frame of a page whose K/V this turn read from the KV disk tier (engine.kv.disk)
 
 
 def _rgb(hex_colour: str) -> np.ndarray:
@@ -146,10 +147,11 @@ def mark_written(big: np.ndarray, pages, cols: int, px: int) -> np.ndarray:
     return big
 
 
-def frame_verified(big: np.ndarray, pages, cols: int, px: int) -> np.ndarray:
+def frame_verified(big: np.ndarray, pages, cols: int, px: int, colour: str = VERIFY_COLOUR) -> np.ndarray:
     """An amber frame in each cell a speculative verification wrote (its k + 1 provisional slots; the rejected
-    ones were cut back after the forward), instead of the white dot of a plain step (``big`` changed in place)."""
-    rgb = _rgb(VERIFY_COLOUR).astype(np.uint8)
+    ones were cut back after the forward), instead of the white dot of a plain step (``big`` changed in place).
+    ``colour``: another frame (the pages restored from disk)."""
+    rgb = _rgb(colour).astype(np.uint8)
     inner = max(1, px - 1)  # the cell without its gap
     for p in pages:
         r, c = divmod(int(p), cols)
@@ -194,6 +196,7 @@ class PageMapPanel(Panel):
         chips = [(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
         chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
         chips.append((VERIFY_COLOUR, "verified (frame)"))  # a speculative verification wrote into it
+        chips.append((RESTORED_COLOUR, "restored from disk (frame)"))  # K/V read from the KV disk tier
         self._layout.addWidget(legend_row(chips, prefix="pages:"))
         strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
         self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
@@ -222,6 +225,8 @@ class PageMapPanel(Panel):
         self.colours = page_colours(snap, self.cols)
         self.px = cell_pixels(snap.num_pages)
         big = upscale(self.colours, self.px)
+        restored = [p for p in snap.restored_pages if 0 <= p < snap.num_pages]
+        frame_verified(big, restored, self.cols, self.px, RESTORED_COLOUR)  # drawn first: a verification's frame wins
         if snap.verified:
             frame_verified(big, snap.written_pages, self.cols, self.px)
         else:
@@ -238,7 +243,10 @@ class PageMapPanel(Panel):
         parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
         parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
                   if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
-        self.readout = (verify_text(snap) + " (pages framed)") if snap.verified else " "
+        said = [verify_text(snap) + " (pages framed)"] if snap.verified else []
+        if restored:  # the chat's K/V read back from files instead of computed (a reopened chat)
+            said.append(f"{len(restored)} page{'s' if len(restored) != 1 else ''} restored from disk (pink frames)")
+        self.readout = " · ".join(said) or " "
         if not self._hovering:
             self.hover.setText(self.readout)
         if snap.written_pages and not snap.verified:
@@ -284,6 +292,7 @@ class PageMapPanel(Panel):
         return (
             f"page {page} · {state} · {fill}/{s.page_size} tokens ({100 * fill // max(s.page_size, 1)}% full)"
             f" · ref count {int(s.page_refcount[page])} · owner {'turn ' + str(owner) if owner >= 0 else '—'}"
+            + (" · restored from disk" if page in s.restored_pages else "")
         )
 
     def page_at(self, x: float, y: float) -> int:
