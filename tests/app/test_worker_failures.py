@@ -121,6 +121,9 @@ class FailingPool:
     def __contains__(self, chat):
         return False
 
+    def get(self, chat):
+        return None  # no chat has a session yet (so none is swapped out)
+
 
 def test_a_failed_chat_switch_is_the_swap_stage(qtbot):
     thread = _thread(qtbot, lambda loaded, cache: None, make_pool=lambda loaded, cache: FailingPool())

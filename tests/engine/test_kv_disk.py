@@ -208,7 +208,8 @@ def _generate(model: Path, prompt: str, folder: Path, n: int) -> list[str]:
             "--kv-disk", str(folder), "--max-new-tokens", str(n), "--ignore-eos", "--page-size", str(P)]
 
 
-def test_kill_during_writes_then_restart_restores_complete_files(stories, stories_path, tmp_path):
+def test_kill_during_writes_then_restart_restores_complete_files(fresh, stories_path, tmp_path):
+    stories = fresh()  # a fresh load: the session's shared model may carry other tests' changes (its fingerprint)
     prompt = "Once upon a time, there was a little girl named Lily. She liked to play outside in the sun. " * 4
     ids = encode_prompt(stories.tokenizer, prompt)
     env = {**os.environ, "PYTHONPATH": str(ROOT_DIR), "KVSCOPE_FAST_STEP": "off"}
