@@ -102,7 +102,7 @@ class DiskTier:
         if tokens:
             est = tokens * self.flops_per_token / self.rate
             took = f"{est:.1f} s" if est >= 0.1 else f"{est * 1e3:.0f} ms"
-            again = f" (re-reading them would take ~{took})" if est else ""
+            again = f" (re-reading them would take ~{took})" if est >= 1e-3 else ""  # "~0 ms" says nothing
             notes.insert(0, f"restored {tokens:,} tokens from disk in {ms:.0f} ms{again}")
         return notes
 
