@@ -1,4 +1,4 @@
-"""``python -m engine generate|bench|quality|serve`` (DESIGN.md §3).
+"""``python -m engine generate|bench|quality|serve|attach`` (DESIGN.md §3).
 
 A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
 one).
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_parser(sub)
     _serve_parser(sub)
+    _attach_parser(sub)
 
     q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
     q.add_argument("--model", required=True, help="folder, hub id, or demo")
@@ -164,9 +165,28 @@ def _serve_parser(sub) -> None:
     s.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request's head (default 10)")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body (default 30)")
     s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument("--kv-events-config", metavar="JSON", help="publish KV cache events as vLLM does, e.g. "
+                   '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\' '
+                   "(answered at /kv_event_sources)")
     _spec_args(s)
     _cache_args(s)
     _model_args(s)
+
+
+def _attach_parser(sub) -> None:
+    t = sub.add_parser("attach", help="chat with (or watch) a remote OpenAI-compatible server such as vLLM and report "
+                       "its KV cache from its KV events and /metrics")
+    t.add_argument("url", help="the server, http(s)://HOST:PORT")
+    t.add_argument("--api-key", default=None, help="its API key (Authorization: Bearer)")
+    t.add_argument("--events", default=None, metavar="ENDPOINT", help="KV events endpoint when the server's "
+                   "/kv_event_sources does not say (tcp://HOST:PORT; vLLM's rule: a publisher on tcp://*:PORT binds)")
+    src = t.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="one user message to send")
+    src.add_argument("--messages", help="JSON file: a list of {role, content}")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="also watch the events this long")
+    t.add_argument("--events-timeout", type=float, default=5.0, help="seconds to wait for a first KV event batch")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _model_spec(a: argparse.Namespace) -> ModelSpec:
@@ -381,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(a)
         if a.command == "serve":
             return cmd_serve(a)
+        if a.command == "attach":
+            from engine.remote.attach import run_attach
+
+            return run_attach(a)
         if a.command == "bench":
             from engine.bench import run_bench
 

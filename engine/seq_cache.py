@@ -254,7 +254,9 @@ class SeqCache:
             return
         extend_chain(self.chain, ids, P, last, self.root)
         pool, pages = store.arena.pool, store.table.pages
-        new = [j for j in range(first, min(last, len(self.chain))) if pool.register(pages[j], self.chain[j])]
+        chain = self.chain
+        new = [j for j in range(first, min(last, len(chain)))
+               if pool.register(pages[j], chain[j], chain[j - 1] if j else None, ids[j * P:(j + 1) * P])]
         if new and self.disk is not None:  # written off the decode path (``engine.kv.disk``)
             self.disk.save(store.arena, [pages[j] for j in new], [self.chain[j] for j in new])
 

@@ -20,6 +20,7 @@ registry makes another.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable
 
 import torch
@@ -168,7 +169,23 @@ class ArenaRegistry:
         self.context_length = context_length
         self.memory_limit = default_memory_limit(shape.device) if memory_limit == -1 else memory_limit
         self.disk = None  # engine.kv.disk.DiskTier: full pages of the prefix cache kept on disk (``configure``)
+        self.listener = None  # ``listener(arena, kind, page, digest, info)``: every pool's names (``set_listener``)
         self._arenas: dict[tuple, PageArena] = {}
+
+    def set_listener(self, listener) -> None:
+        """Tell ``listener`` every prefix-cache name given or dropped in this model's arenas, now and later (None:
+        stop). The server's KV events use it."""
+        self.listener = listener
+        for arena in self._arenas.values():
+            arena.pool.listener = None if listener is None else partial(listener, arena)
+
+    def _drop(self, key: tuple) -> None:
+        """Forget an arena no session holds pages in: its cached names go with it (told to the listener)."""
+        arena = self._arenas.pop(key)
+        if self.listener is not None:
+            for page, digest in enumerate(arena.pool.hash):
+                if digest is not None:
+                    self.listener(arena, "removed", page, digest, None)
 
     def __iter__(self):
         return iter(list(self._arenas.values()))
@@ -195,16 +212,19 @@ class ArenaRegistry:
         arena = self._arenas.get(key)
         if arena is None:
             for k in [k for k, a in self._arenas.items() if a.pool.num_used == 0]:
-                del self._arenas[k]  # an arena no session uses gives its memory back
+                self._drop(k)  # an arena no session uses gives its memory back
             tokens = tokens or min(self.context_length, 2048)
             arena = PageArena(shape or self.shape, page_size, -(-tokens // page_size), max_pages, k_kind, v_kind,
                               budget=self.budget)
+            arena.group = group  # the events' ``group_idx`` / ``kv_cache_spec_kind`` come from it
+            if self.listener is not None:
+                arena.pool.listener = partial(self.listener, arena)
             self._arenas[key] = arena
         return arena
 
     def drop_idle(self) -> None:
         """Forget arenas no session holds pages in, and trim the others."""
         for k in [k for k, a in self._arenas.items() if a.pool.num_used == 0]:
-            del self._arenas[k]
+            self._drop(k)
         for a in self._arenas.values():
             a.trim()

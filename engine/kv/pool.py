@@ -78,6 +78,9 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 hashed pages, least recently used first
         self._by_hash: dict[bytes, int] = {}
         self.cache_evictions = 0  # cached pages dropped for an allocation (or a shrink)
+        # hears every name given and dropped: ``listener("stored", page, digest, (parent, tokens))`` and
+        # ``listener("removed", page, digest, None)`` (the server's KV events, ``engine.server.kv_events``)
+        self.listener = None
         self.grow_to(num_pages)
 
     # -- queries ---------------------------------------------------------------------------------------
@@ -149,8 +152,7 @@ class PagePool:
         pages = [heapq.heappop(self._free) for _ in range(k)]
         for _ in range(n - k):
             p, _ = self._cached.popitem(last=False)  # least recently used cached page
-            del self._by_hash[self.hash[p]]
-            self.hash[p] = None
+            self._forget(p)
             self.cache_evictions += 1
             pages.append(p)
         for p in pages:
@@ -182,24 +184,33 @@ class PagePool:
         else:
             self.ref[page] += 1
 
-    def register(self, page: int, digest: bytes) -> bool:
-        """Put a full, held page in the prefix cache under ``digest``. False (nothing changed) if the page has
-        a hash already or another page carries ``digest`` (the first page computed keeps it)."""
+    def register(self, page: int, digest: bytes, parent: bytes | None = None, tokens=()) -> bool:
+        """Put a full, held page in the prefix cache under ``digest`` (``parent``: the previous page's name,
+        ``tokens``: its ids, told to the listener). False (nothing changed) if the page has a hash already or
+        another page carries ``digest`` (the first page computed keeps it)."""
         if self.ref[page] < 1:
             raise RuntimeError(f"page {page} is free: cannot register it")
         if self.hash[page] is not None or digest in self._by_hash:
             return False
         self.hash[page] = digest
         self._by_hash[digest] = page
+        if self.listener is not None:
+            self.listener("stored", page, digest, (parent, tuple(tokens)))
         return True
+
+    def _forget(self, page: int) -> None:
+        """Drop a page's name (told to the listener)."""
+        digest = self.hash[page]
+        del self._by_hash[digest]
+        self.hash[page] = None
+        if self.listener is not None:
+            self.listener("removed", page, digest, None)
 
     def unhash(self, page: int) -> None:
         """Take a page out of the prefix cache before it is written again (a cached one becomes free)."""
-        h = self.hash[page]
-        if h is None:
+        if self.hash[page] is None:
             return
-        del self._by_hash[h]
-        self.hash[page] = None
+        self._forget(page)
         if self.ref[page] == 0:
             del self._cached[page]
             self.fill[page] = 0
@@ -255,7 +266,7 @@ class PagePool:
         heapq.heapify(self._free)
         for p in [p for p in self._cached if p >= n]:
             del self._cached[p]
-            del self._by_hash[self.hash[p]]
+            self._forget(p)
             self.cache_evictions += 1
         for lst in (self.ref, self.owner, self.fill, self.flags, self.session, self.hash):
             del lst[n:]

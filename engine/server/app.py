@@ -144,6 +144,14 @@ async def metrics(request: Request) -> Response:
 
 
 @api
+async def kv_event_sources(request: Request) -> Response:
+    """Each engine's KV events config, as vLLM answers it (one engine here: ``{"0": {...}}``; ``{}`` when off)."""
+    _check_key(request)
+    pub = request.app.state.server.kv_events
+    return JSONResponse({"0": pub.config.source()} if pub is not None else {})
+
+
+@api
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, parse_chat)
 
@@ -166,6 +174,7 @@ async def _generate(request: Request, parse) -> Response:
     prepared = await server.scheduler.prepare(req)  # rendered and tokenized off the engine thread; 400s here
     shape = Shape(req.kind, server.model_id)
     job = server.scheduler.submit(req, asyncio.get_running_loop(), prepared, shape.id, tenant_of(key, req.cache_salt))
+    shape.prompt_ids = prepared.ids if req.return_token_ids else None
     if req.stream:  # the role chunk at once, queued or not; a later failure comes as the stream's last event
         return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
     gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -211,14 +220,14 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
     """Server-sent events of a streamed reply (the SSE framing is sse-starlette's)."""
     try:
         if shape.kind == "chat":
-            yield {"data": json.dumps(shape.chunk({"role": "assistant", "content": ""}, None))}
+            yield {"data": json.dumps(shape.first_chunk())}
         while True:
             kind, data = await job.next()
             if kind == "start":
                 continue
             if kind == "delta":
-                text, logprob = data
-                yield {"data": json.dumps(shape.chunk(text, None, logprob))}
+                text, logprob, token = data
+                yield {"data": json.dumps(shape.chunk(text, None, logprob, token))}
             elif kind == "error":
                 yield {"data": json.dumps(data.body())}
                 return
@@ -290,6 +299,7 @@ def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
     ]
     middleware = [Middleware(BrowserGuard, server=server, cors=tuple(cors))]
     if cors:

@@ -58,7 +58,7 @@ class Backlog:
 
 
 class Job:
-    """One request on its way through the engine. Events: ("start", info), ("delta", (text, logprob entry)),
+    """One request on its way through the engine. Events: ("start", info), ("delta", (text, logprob entry, token id)),
     ("done", info), ("error", ApiError); "start" or "error" comes first, "done" or "error" last."""
 
     def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, request_id: str = "",

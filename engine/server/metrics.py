@@ -146,6 +146,7 @@ class Metrics:
         out = []
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
+        out += self._vllm_rows(gauges, by_pos)
         out += ["# HELP kvscope_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted at each draft "
                 "position (0: the first)", "# TYPE kvscope_spec_decode_num_accepted_tokens_per_pos_total counter"]
         out += [f'kvscope_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
@@ -161,6 +162,34 @@ class Metrics:
                 "# TYPE kvscope_connections_closed_total counter"]
         out += [f'kvscope_connections_closed_total{{reason="{k}"}} {v}' for k, v in closed.items()]
         return "\n".join(out) + "\n"
+
+
+    def _vllm_rows(self, gauges: dict[str, float], by_pos: list[int]) -> list[str]:
+        """The same facts under vLLM's names, so dashboards and KV Scope's remote view read this server as vLLM
+        (prefix-cache queries and hits count tokens there as here; this engine never preempts)."""
+        model = 'model_name="kvscope"'
+        rows = [("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                 round(gauges.get("kv_usage", 0.0), 6)),
+                ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens", self.prefix_queries),
+                ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens", self.prefix_hits),
+                ("vllm:num_preemptions_total", "counter", "Preemptions (none: requests wait instead)", 0),
+                ("vllm:num_requests_running", "gauge", "Requests in model execution batches", gauges.get("running", 0)),
+                ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed", gauges.get("waiting", 0)),
+                ("vllm:spec_decode_num_drafts_total", "counter", "Speculative verifications", self.spec["drafts"]),
+                ("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens", self.spec["draft_tokens"]),
+                ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Accepted draft tokens", self.spec["accepted"])]
+        out = []
+        for name, kind, text, value in rows:
+            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{{{model}}} {_num(value)}"]
+        info = (f'block_size="{int(gauges.get("block_size", 0))}",cache_dtype="auto",enable_prefix_caching="True",'
+                f'num_gpu_blocks="{int(gauges.get("num_gpu_blocks", 0))}"')
+        out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
+        out += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position",
+                "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
+        out += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{model},position="{i}"}} {n}'
+                for i, n in enumerate(by_pos)]
+        return out
 
 
 def _num(v: float) -> str:

@@ -19,6 +19,7 @@ class Shape:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.text_offset = 0  # characters of token text streamed so far (completions' ``text_offset``)
+        self.prompt_ids = None  # the prompt's ids when the request asked ``return_token_ids`` (vLLM's extension)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -43,20 +44,40 @@ class Shape:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": lp,
                       "finish_reason": fr}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)}
+            return self._with_ids({**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)},
+                                  data)
         choice = {"index": 0, "text": data["text"], "logprobs": lp, "finish_reason": fr}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}
+        return self._with_ids({**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}, data)
 
-    def chunk(self, delta: Any, finish: str | None, logprob: dict | None = None) -> dict[str, Any]:
-        """A stream's chunk: ``delta`` (text, or the chat's role delta), ``logprob``: its token's entry."""
+    def _with_ids(self, out: dict, data: dict) -> dict:
+        if self.prompt_ids is not None:
+            out["prompt_token_ids"] = list(self.prompt_ids)
+            out["choices"][0]["token_ids"] = list(data.get("token_ids") or ())
+        return out
+
+    def first_chunk(self) -> dict[str, Any]:
+        """A chat stream's first chunk: the role (and the prompt's ids when asked, as vLLM sends them)."""
+        out = self.chunk({"role": "assistant", "content": ""}, None)
+        if self.prompt_ids is not None:
+            out["prompt_token_ids"] = list(self.prompt_ids)
+        return out
+
+    def chunk(self, delta: Any, finish: str | None, logprob: dict | None = None,
+              token: int | None = None) -> dict[str, Any]:
+        """A stream's chunk: ``delta`` (text, or the chat's role delta), ``logprob``: its token's entry, ``token``:
+        its id (sent as ``token_ids`` when the request asked for them)."""
         lp = self._logprobs([logprob]) if logprob is not None else None
         if self.kind == "chat":
             if isinstance(delta, str):
                 delta = {"content": delta}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.prompt_ids is not None and token is not None:
+            choice["token_ids"] = [token]
+        return out
 
     def usage_chunk(self, data: dict) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -255,7 +255,8 @@ class Scheduler(Source):
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:  # a chunk per token, its text empty while a character or a stop string is held
-            job.post("delta", (job.trim.push(r.event.text_delta), self._logprob(job, r.event.token_id)))
+            job.post("delta", (job.trim.push(r.event.text_delta), self._logprob(job, r.event.token_id),
+                               r.event.token_id))
         if r.done:
             self._end(job, r.stop_reason, r)
 
@@ -283,7 +284,7 @@ class Scheduler(Source):
         else:
             tail = job.trim.finish()
             if tail:
-                job.post("delta", (tail, None))
+                job.post("delta", (tail, None, None))
             self.idle.put(s)
         stats = job.stats
         completion = len(s.turn_state.generated)
@@ -295,7 +296,8 @@ class Scheduler(Source):
             self.metrics.speculated(s.last_stats)
         job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
-                          "logprobs": job.logprobs})
+                          "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
+                          "prompt_token_ids": list(job.prepared.ids)})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""
@@ -333,4 +335,16 @@ class Scheduler(Source):
                 "kv_bytes_used": paged + contiguous, "kv_bytes_allocated": sum(a.nbytes for a in arenas),
                 "kv_pages_used": sum(a.pool.num_used for a in arenas),
                 "kv_pages_cached": sum(a.pool.num_cached for a in arenas),
-                "kv_pages_total": sum(a.pool.num_pages for a in arenas), **disk_gauges(self.lm.arenas)}
+                "kv_pages_total": sum(a.pool.num_pages for a in arenas), **disk_gauges(self.lm.arenas),
+                **self._block_gauges(arenas)}
+
+    def _block_gauges(self, arenas) -> dict[str, float]:
+        """vLLM's view of one block pool: the serving setting's arena (page size = block size), its most pages
+        as ``num_gpu_blocks`` (the pool grows to that cap here; vLLM allocates it at start), used share."""
+        main = [a for a in arenas if getattr(a, "group", "full") == "full" and a.page_size == self.cache.page_size]
+        if not main:
+            return {"block_size": self.cache.page_size, "num_gpu_blocks": 0, "kv_usage": 0.0}
+        arena = max(main, key=lambda a: a.pool.num_pages)
+        # without a memory limit (cap 2^40) say 64 full contexts, a pool this server could plausibly fill
+        cap = min(arena.cap_pages(), max(arena.pool.num_pages, 64 * self.lm.info.context_length // arena.page_size))
+        return {"block_size": arena.page_size, "num_gpu_blocks": cap, "kv_usage": arena.pool.num_used / max(1, cap)}

