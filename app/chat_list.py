@@ -95,6 +95,15 @@ class ChatList(QListWidget):
             self.setCurrentRow(ids.index(chat_id))
             self._filling = False
 
+    def deselect(self) -> None:
+        """No chat on screen (an API conversation is): no row highlighted, also after the list is filled again;
+        clicking the chat that was on screen opens it again."""
+        self._current = None
+        self._filling = True
+        self.setCurrentRow(-1)
+        self.clearSelection()
+        self._filling = False
+
     def chat_ids(self) -> list[int]:
         return [self.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.count())]
 

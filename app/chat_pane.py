@@ -29,6 +29,8 @@ from app.transcript import Transcript
 from app.widgets import WordLabel
 
 MIN_CHAT_PX = 340  # the chat pane never gets narrower than a bubble's buttons (so bubbles wrap, never clip)
+PLACEHOLDER = "Message the model — Enter to send, Shift+Enter for a new line"
+SEND_TIP = "Send the message (Enter or Ctrl+Enter)"
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
 
 
@@ -68,6 +70,8 @@ class ChatPane(QWidget):
         self.setObjectName("ChatPane")
         self.generating = False
         self._ready = False
+        self._hint = ""
+        self.read_only = ""  # why nothing can be typed here (an API conversation is on screen); "" when it can
         self.tint = False  # replies tint their accepted draft tokens (speculative decoding)
 
         self.title = WordLabel("New chat")  # shortened at a word with "…"
@@ -105,13 +109,12 @@ class ChatPane(QWidget):
 
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
-        self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line")
+        self.input.setPlaceholderText(PLACEHOLDER)
         self.input.setTabChangesFocus(True)
         self.input.setMaximumHeight(96)
         self.input.submitted.connect(self.submit)
         self.input.escape_pressed.connect(self._on_escape)
         self.send_button = QPushButton("Send")
-        self.send_button.setToolTip("Send the message (Enter or Ctrl+Enter)")
         self.send_button.setObjectName("primaryButton")
         self.send_button.clicked.connect(self.submit)
         self.stop_button = QPushButton("Stop (Esc)")
@@ -148,6 +151,7 @@ class ChatPane(QWidget):
     def set_ready(self, ready: bool, hint: str = "") -> None:
         """Whether a model is loaded; ``hint`` shows in the empty transcript."""
         self._ready = ready
+        self._hint = hint
         self.empty_hint.setText(hint)
         self._update_buttons()
         self._update_empty()
@@ -156,16 +160,35 @@ class ChatPane(QWidget):
         self.generating = generating
         self._update_buttons()
 
+    def set_read_only(self, reason: str) -> None:
+        """Show a transcript nobody types into here (``reason`` says why, in the input and on Send); ""
+        makes the pane a chat again."""
+        self.read_only = reason
+        self.input.setReadOnly(bool(reason))
+        self.input.setPlaceholderText(reason or PLACEHOLDER)
+        self.system_prompt.setEnabled(not reason)
+        self._update_buttons()
+        self._update_empty()
+
+    def send_blocked(self) -> str:
+        """Why Send is grey now ("" when it is not): a greyed button always says why, in its tooltip."""
+        if self.read_only:
+            return self.read_only
+        if not self._ready:
+            return self._hint or "No model is loaded"
+        return "A reply is being written: Stop (Esc) ends it" if self.generating else ""
+
     def _update_buttons(self) -> None:
-        idle = self._ready and not self.generating
+        idle = self._ready and not self.generating and not self.read_only
         self.send_button.setEnabled(idle)
+        self.send_button.setToolTip(self.send_blocked() or SEND_TIP)
         self.stop_button.setEnabled(self.generating)
         self.regen_button.setEnabled(idle and self.scroll.has_reply)
         self.scroll.set_actions_enabled(idle)
 
     def _update_empty(self) -> None:
         self.empty_hint.setVisible(not self.bubbles)
-        self.suggestions.setVisible(not self.bubbles and self._ready)
+        self.suggestions.setVisible(not self.bubbles and self._ready and not self.read_only)
 
     @property
     def bubbles(self) -> list[MessageView]:
@@ -183,7 +206,7 @@ class ChatPane(QWidget):
         self.scroll.live = bubble
 
     def _suggest(self, prompt: str) -> None:
-        if self._ready and not self.generating:
+        if self._ready and not self.generating and not self.read_only:
             self.send_requested.emit(prompt)
 
     def set_chat(self, title: str, system_prompt: str) -> None:
@@ -306,7 +329,7 @@ class ChatPane(QWidget):
     # input ----------------------------------------------------------------------------------------------
     def submit(self) -> None:
         text = self.input.toPlainText().strip()
-        if not text or not self._ready or self.generating:
+        if not text or not self._ready or self.generating or self.read_only:
             return
         self.input.clear()
         self.send_requested.emit(text)

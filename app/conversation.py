@@ -147,6 +147,13 @@ class Conversation(QObject):
         self.pane.set_generating(reply is not None)
         self.chat_opened.emit(chat_id)
 
+    def leave(self) -> None:
+        """No chat on screen (an API conversation is): a reply running here goes on in the background."""
+        self.flush()
+        self.chat_id = None
+        self.chat_list.deselect()
+        self.pane.set_generating(False)
+
     def _mark_unfinished(self, chat_id: int) -> list:
         """The chat's messages; a reply left without a stop reason (the app closed or crashed while it was
         being written) is saved as interrupted, so it says why it stopped."""

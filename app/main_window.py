@@ -26,6 +26,7 @@ from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
 from app import help as app_help
+from app.api_view import ApiView
 from app.cache_controller import CacheController
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
@@ -146,6 +147,7 @@ class MainWindow(QMainWindow):
         self.reply_wait.connect(self.conversation, self.engine.worker)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
                                        lambda: self.cache.applied, self.show_error, api_list=self.api_list)
+        self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -408,10 +410,11 @@ class MainWindow(QMainWindow):
             self._on_api_selected(0)
 
     def _on_api_selected(self, session_id: int) -> None:
-        """An API conversation was selected (0: none): the panels wait for its snapshot, or go back to the
-        chat on screen."""
+        """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
+        for its snapshot, or the chat comes back with its panels."""
         self.trace.reset()
         self.scheduler.clear()
+        self.api_view.show(session_id)
         if not session_id:
             self._describe_chat()
 

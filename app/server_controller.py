@@ -118,10 +118,15 @@ def _describe(scheduler) -> list[dict]:
 
 
 def _snapshot(scheduler, session_id: int):
-    """That conversation's snapshot (engine thread); None once its session is gone."""
+    """That conversation's snapshot and its tokens as text (engine thread); None once its session is gone."""
     for s, _running in scheduler.conversations():
         if s.session_id == session_id:
-            return s.snapshot()
+            tok = scheduler.lm.tokenizer
+            try:
+                text = tok.decode(list(s.seq)) if tok is not None else ""
+            except Exception:  # noqa: BLE001 - the transcript says what it can
+                text = ""
+            return s.snapshot(), text, len(s.seq)
     return None
 
 
@@ -133,6 +138,7 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
     serving = Signal(str)
     conversations = Signal(object)
     snapshot = Signal(int, object)
+    transcript = Signal(int, str, int)  # session_id, its tokens as text, how many (engine thread, like snapshot)
     _listed_rows = Signal(object)
 
     def __init__(self, parent: QObject, engine, settings, status, models, cache: Callable[[], CacheConfig],
@@ -254,7 +260,9 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
 
         def done(f) -> None:
             if not f.cancelled() and f.exception() is None and f.result() is not None:
-                self.snapshot.emit(session_id, f.result())
+                snap, text, tokens = f.result()
+                self.snapshot.emit(session_id, snap)
+                self.transcript.emit(session_id, text, tokens)
             elif not f.cancelled() and f.exception() is not None:
                 print(f"KV Scope: snapshot of API conversation {session_id} failed: {f.exception()}")
 
