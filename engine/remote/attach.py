@@ -107,9 +107,10 @@ def run_attach(a) -> int:
                 raise RemoteError(reply.error)
         if a.watch:
             time.sleep(a.watch)
-        if eng.subscribers and not eng.wait_events(a.events_timeout):
-            raise RemoteError(f"no KV events arrived from {eng.subscribers[0].endpoint} in {a.events_timeout:g} s: "
-                              "is --kv-events-config on, and the endpoint reachable from here?")
+        if eng.subscribers and not eng.wait_events(a.events_timeout) and _computed_a_block(reply, eng):
+            raise RemoteError(f"no KV events arrived from {eng.subscribers[0].endpoint} in {a.events_timeout:g} s "
+                              "though the reply filled new blocks: is --kv-events-config on, and the endpoint "
+                              "reachable from here?")
         time.sleep(0.2)  # the last step's batch
         eng.refresh()
         out = report(eng, reply)
@@ -118,6 +119,16 @@ def run_attach(a) -> int:
     text = json.dumps(out, indent=1)
     print(text if a.json else _human(out))
     return 0
+
+
+def _computed_a_block(reply: Reply | None, eng: RemoteEngine) -> bool:
+    """Did the reply compute at least one full block (so a server with events on must have published)? Only
+    watching, silence is no proof (an idle vLLM publishes nothing; KV Scope's server sends a batch a second)."""
+    if reply is None:
+        return False
+    u = reply.usage
+    computed = int(u.get("prompt_tokens", 0)) - reply.cached_tokens + int(u.get("completion_tokens", 0))
+    return computed >= max(1, eng.view.block_size or eng.metrics.block_size or 1)
 
 
 def report(eng: RemoteEngine, reply: Reply | None) -> dict:
@@ -140,7 +151,8 @@ def report(eng: RemoteEngine, reply: Reply | None) -> dict:
         "preemptions": m.preemptions,
         "ttft_ms": round(reply.ttft_s * 1e3, 2) if reply and reply.ttft_s is not None else None,
         "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2) if reply else None,
-        "note": eng.note or None,
+        "note": eng.note or (None if eng.view.batches or not eng.subscribers else
+                             "no KV events arrived (an idle server publishes none)"),
     }
 
 

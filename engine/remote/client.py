@@ -136,6 +136,9 @@ class RemoteClient:
         except ConnectionRefusedError:
             conn.close()
             raise RemoteError(f"{self.url} refused the connection: is the server running on that port?") from None
+        except (ConnectionResetError, ConnectionAbortedError, http.client.RemoteDisconnected):
+            conn.close()
+            raise RemoteError(f"{self.url} closed the connection: the server went away or is restarting") from None
         except socket.gaierror:
             conn.close()
             raise RemoteError(f"{self.host}: no such host") from None

@@ -121,7 +121,7 @@ class EventSubscriber:
                     break
                 if first <= seq < until:
                     try:
-                        self.view.apply(decode_batch(payload))
+                        self.view.apply(decode_batch(payload), live=False)
                     except WireError:
                         continue
                     got += 1

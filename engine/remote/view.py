@@ -166,13 +166,15 @@ class RemoteView:
             p = self.pools[rank] = RemotePool(rank, self.block_size, self.num_blocks)
         return p
 
-    def apply(self, batch: Batch) -> None:
+    def apply(self, batch: Batch, live: bool = True) -> None:
+        """Apply one batch; ``live``: it came as published (its delay counts), not replayed later."""
         now = time.time()
         with self.lock:
             self.pool(batch.rank).apply(batch)
             self.batches += 1
-            self.latencies.append(max(0.0, now - batch.ts))
-            del self.latencies[:-4096]
+            if live:
+                self.latencies.append(max(0.0, now - batch.ts))
+                del self.latencies[:-4096]
 
     def gap(self, rank: int, missing: int, replayed: bool) -> None:
         with self.lock:

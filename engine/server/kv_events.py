@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from engine.remote.wire import END_SEQ, Batch, Cleared, Removed, Stored, binds, encode_batch, seq_bytes, seq_of
 
 FLUSH_S = 0.005
+HEARTBEAT_S = 1.0  # an empty batch when nothing happened this long: subscribers can tell quiet from gone
 GROUP_KIND = {"full": "full_attention"}  # other groups are sliding windows: their pages are never named
 
 
@@ -120,13 +121,14 @@ class KVEventPublisher:
 
     # -- the publisher thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        seq = 0
+        seq, last = 0, 0.0
         while not self._stop.is_set():
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
-            if not self._pending:
+            if not self._pending and time.monotonic() - last < HEARTBEAT_S:
                 time.sleep(FLUSH_S)
                 continue
+            last = time.monotonic()
             events = []
             while self._pending:
                 events.append(self._pending.popleft())

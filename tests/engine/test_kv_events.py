@@ -1,0 +1,233 @@
+"""KV Scope's server speaks vLLM's KV events protocol, and the remote view reads it: a real server on 127.0.0.1
+(stories260K, pages of 16), a real ZMQ subscriber, the real HTTP client and ``python -m engine attach``."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.config import CacheConfig
+from engine.remote.attach import RemoteEngine
+from engine.remote.client import RemoteError, metrics_of
+from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_OTHER, RemotePool
+from engine.remote.wire import Batch, Cleared, Removed, Stored, decode_batch, encode_batch
+from engine.server import KVServer, ServerOptions, ServerThread
+from engine.server.kv_events import KVEventsConfig
+
+P = 16
+STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her dog."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def events_server(stories_path):
+    from engine.loader import load_model
+
+    port, replay = free_port(), free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", topic="kv-events",
+                         replay_endpoint=f"tcp://*:{replay}")
+    lm = load_model(str(stories_path))
+    server = KVServer(lm, CacheConfig(page_size=P), ServerOptions(kv_events=cfg, api_key="sekret"))
+    thread = ServerThread(server)
+    url = thread.start()
+    yield server, url
+    thread.stop()
+
+
+def test_wire_round_trip_and_vllm_forms():
+    b = Batch(12.5, [Stored((1, 2), None, tuple(range(2 * P)), P, "GPU", 0, "full_attention"), Removed((1,)),
+                     Cleared()], 3)
+    back = decode_batch(encode_batch(b))
+    assert back.ts == 12.5 and back.rank == 3 and back.events == b.events
+    raw = msgpack.unpackb(encode_batch(b), raw=False)  # vLLM 0.32's shape: an array batch of tagged maps
+    assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["block_size"] == P and raw[1][2] == {"type": "AllBlocksCleared"}
+    arr = msgpack.packb([1.0, [["BlockStored", [b"h"], None, list(range(P)), P, None, "GPU", None]], None])
+    assert decode_batch(arr).events == [Stored((b"h",), None, tuple(range(P)), P, "GPU", None, None)]
+
+
+def test_pool_matches_a_chain_by_tokens_and_draws_evictions():
+    pool = RemotePool(0, 4, 8)
+    pool.apply(Batch(1.0, [Stored((10, 11), None, (1, 2, 3, 4, 5, 6, 7, 8), 4), Stored((20,), None, (9, 9, 9, 9), 4)]))
+    assert pool.chain_of([1, 2, 3, 4, 5, 6, 7, 8, 0]) == [10, 11]
+    assert pool.chain_of([1, 2, 3, 4, 0, 0, 0, 0]) == [10]
+    pool.apply(Batch(2.0, [Stored((11,), 10, (5, 6, 7, 8), 4)]))  # vLLM recomputed a block it had cached
+    snap = pool.snapshot([1, 2, 3, 4, 5, 6, 7, 8])
+    assert snap.cached_blocks == 4 and snap.chat_blocks == 3 and snap.slots.count(SLOT_OTHER) == 1
+    pool.apply(Batch(3.0, [Removed((20,))]))
+    snap = pool.snapshot([1, 2, 3, 4, 5, 6, 7, 8])
+    assert snap.slots[2] == SLOT_EVICTED and snap.slots.count(SLOT_CHAT) == 3 and snap.removed == 1
+
+
+def test_prometheus_facts_of_several_engines():
+    text = ('vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.25\n'
+            'vllm:prefix_cache_hits_total{engine="0"} 3\nvllm:prefix_cache_hits_total{engine="1"} 4\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1.0\n'
+            'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="100"} 1.0\n')
+    m = metrics_of(text)
+    assert m.kv_usage == 0.375 and m.prefix_hits == 7 and m.block_size == 32 and m.num_blocks == 200
+
+
+def test_a_chats_blocks_are_the_full_blocks_of_prompt_and_reply(events_server):
+    server, url = events_server
+    eng = RemoteEngine(url, "sekret")
+    try:
+        assert eng.note == "" and len(eng.subscribers) == 1
+        msgs = [{"role": "user", "content": STORY}]
+        first = eng.chat(msgs, max_tokens=40)
+        assert first.error is None and len(first.token_ids) == 40 and first.prompt_ids
+        ids = first.prompt_ids + first.token_ids
+        time.sleep(0.3)
+        expect = (len(ids) - 1) // P  # the last token is sampled, never written to the cache
+        assert eng.view.chat_blocks(ids) == expect > 2
+        second = eng.chat(msgs, max_tokens=40)
+        assert second.token_ids == first.token_ids  # greedy
+        assert second.cached_tokens >= (len(first.prompt_ids) - 1) // P * P > 0
+        eng.refresh()
+        assert eng.metrics.prefix_hits >= second.cached_tokens and eng.metrics.block_size == P
+        assert 0 < eng.metrics.kv_usage <= 1 and eng.metrics.num_blocks > 0
+        assert eng.view.chat_blocks(ids) == expect  # the hits: the same blocks, found again
+        assert sorted(eng.view.latencies)[len(eng.view.latencies) // 2] < 1.0
+    finally:
+        eng.close()
+
+
+def test_a_late_subscriber_gets_the_missed_batches_from_replay(events_server):
+    server, url = events_server
+    eng = RemoteEngine(url, "sekret")
+    eng.chat([{"role": "user", "content": "The dog ran to the park. " * 4}], max_tokens=20)
+    eng.close()
+    late = RemoteEngine(url, "sekret")  # joins after those batches: replayed from the server's buffer
+    try:
+        assert late.wait_events(3.0)
+        snap = late.view.snapshots()[0]
+        assert snap.gaps > 0 and snap.resyncs == 0 and snap.stored > 0 and late.subscribers[0].replayed > 0
+    finally:
+        late.close()
+
+
+def test_sources_metrics_and_token_ids_over_http(events_server):
+    import httpx
+
+    server, url = events_server
+    h = {"Authorization": "Bearer sekret"}
+    src = httpx.get(url + "/kv_event_sources", headers=h).json()
+    assert src["0"]["enable_kv_cache_events"] is True and src["0"]["topic"] == "kv-events"
+    text = httpx.get(url + "/metrics").text
+    assert 'vllm:cache_config_info{block_size="16"' in text and "vllm:prefix_cache_hits_total" in text
+    r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60, json={
+        "model": server.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+        "return_token_ids": True}).json()
+    assert r["prompt_token_ids"] and len(r["choices"][0]["token_ids"]) == r["usage"]["completion_tokens"]
+
+
+def test_our_events_reach_a_plain_zmq_subscriber(events_server):
+    """What any tool written for vLLM does: SUB, topic, [topic, seq, msgpack batch]."""
+    server, url = events_server
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(server.kv_events.config.endpoint.replace("*", "127.0.0.1"))
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    try:
+        time.sleep(0.3)
+        eng = RemoteEngine(url, "sekret")
+        eng.chat([{"role": "user", "content": "A cat sat on a mat and looked at the sky for a long time."}], 30)
+        eng.close()
+        stored = []
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not stored:
+            if sub.poll(200):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv-events" and len(seq) == 8
+                stored += [e for e in msgpack.unpackb(payload, raw=False)[1] if e["type"] == "BlockStored"]
+        assert stored and all(len(e["token_ids"]) == P * len(e["block_hashes"]) for e in stored)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_attach_cli_reports_json_and_refuses_bad_servers(events_server, capsys):
+    from engine.cli import main as cli_main
+
+    server, url = events_server
+    rc = cli_main(["attach", url, "--api-key", "sekret", "--prompt", STORY, "--max-new-tokens", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["block_size"] == P and out["usage"]["completion_tokens"] == 20
+    assert out["chat_blocks"] == (out["chat_tokens"] - 1) // P and out["ttft_ms"] > 0
+    assert set(out["events"]) >= {"stored", "removed", "cleared", "gaps"} and "hits" in out["prefix_cache"]
+    for argv, says in [([url, "--api-key", "wrong"], "refused the API key (401)"),
+                       ([f"http://127.0.0.1:{free_port()}"], "refused the connection"),
+                       (["ftp://x"], "not a server address")]:
+        assert cli_main(["attach", *argv, "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_attach_refuses_a_server_that_is_not_openai_and_silent_events(events_server, capsys):
+    from engine.cli import main as cli_main
+
+    class NotOpenAI(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), NotOpenAI)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        assert cli_main(["attach", f"http://127.0.0.1:{httpd.server_port}", "--prompt", "hi"]) == 2
+        assert "not an OpenAI-compatible server" in capsys.readouterr().err
+    finally:
+        httpd.shutdown()
+    server, url = events_server  # events asked for at an endpoint nobody publishes to
+    rc = cli_main(["attach", url, "--api-key", "sekret", "--events", f"tcp://127.0.0.1:{free_port()}", "--prompt",
+                   STORY, "--max-new-tokens", "40", "--events-timeout", "1"])
+    assert rc == 2 and "no KV events arrived" in capsys.readouterr().err
+
+
+def test_a_server_gone_mid_reply_keeps_the_text(stories_path):
+    from engine.loader import load_model
+
+    lm = load_model(str(stories_path))
+    server = KVServer(lm, CacheConfig(page_size=P), ServerOptions())
+    thread = ServerThread(server)
+    url = thread.start()
+    eng = RemoteEngine(url)
+    assert "publishes no KV events" in eng.note
+    got = []
+
+    stopper = threading.Thread(target=thread.stop, daemon=True)
+
+    def on_delta(text, ids):
+        got.append(text)
+        if len(got) == 5:
+            stopper.start()
+
+    reply = eng.chat([{"role": "user", "content": STORY}], max_tokens=400, on_delta=on_delta)
+    assert reply.error and reply.text.startswith("".join(got[:5])) and len(reply.token_ids) < 400
+    stopper.join(30)
+    with pytest.raises(RemoteError, match="refused the connection|closed the connection"):
+        eng.chat([{"role": "user", "content": "again"}], max_tokens=4)
+    eng.close()
+
+
+def test_events_config_refusals():
+    with pytest.raises(ValueError, match="unknown key 'endpont'"):
+        KVEventsConfig.parse('{"endpont": "tcp://*:1"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        KVEventsConfig.parse("{")
+    with pytest.raises(ValueError, match="not a tcp://"):
+        KVEventsConfig.parse('{"endpoint": "http://x"}')
