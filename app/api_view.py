@@ -21,8 +21,10 @@ READ_ONLY = ("An API conversation is on screen: its messages come from the API's
 class ApiView(QObject):
     """Shows the selected API conversation in the chat pane (``show(session_id)``; 0: back to the chats)."""
 
-    def __init__(self, conversation, api_list, server, settings, parent: QObject | None = None) -> None:
+    def __init__(self, conversation, api_list, server, settings, parent: QObject | None = None,
+                 switch_draft=lambda _owner: None) -> None:
         super().__init__(parent)
+        self._switch_draft = switch_draft  # the input's draft stays with the chat it was typed in
         self.conversation = conversation
         self.pane = conversation.pane
         self.api_list = api_list
@@ -42,6 +44,7 @@ class ApiView(QObject):
         if self.conversation.chat_id is not None:
             self.conversation.leave()
         self.session_id, self._text = session_id, None
+        self._switch_draft(("api", session_id))
         self.pane.notice.clear()  # it spoke of the chat that left the screen
         self.pane.set_chat(f"API #{session_id}", "")
         self.pane.set_messages([])

@@ -15,7 +15,7 @@ window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for 
 from __future__ import annotations
 
 from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QTabWidget, QWidget
+from PySide6.QtWidgets import QApplication, QDockWidget, QMainWindow, QScrollArea, QTabBar, QTabWidget, QWidget
 
 DOCKS = (  # key, title
     ("chats", "Chats"), ("controls", "Cache policy"), ("speculation", "Speculation"), ("sampling", "Sampling"),
@@ -32,12 +32,20 @@ def scrolled(widget: QWidget) -> QScrollArea:
     area = QScrollArea()
     area.setWidgetResizable(True)
     area.setFrameShape(QScrollArea.Shape.NoFrame)
+    area.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # a Tab stop on the area itself would show nothing: its form's fields are the stops
     area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     area.setWidget(widget)
     area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
     hint = widget.sizeHint()  # a form: wider than its minimum helps nothing, so that is its preferred width
     area.sizeHint = lambda: QSize(area.minimumWidth(), hint.height())  # type: ignore[method-assign]
     return area
+
+
+def empty_tab_bar_focused() -> bool:
+    """The focus is on a tab bar with no tabs: QMainWindow keeps the bar of a tab group that was taken apart
+    (it draws nothing), and Tab would stop there with no focus to be seen."""
+    bar = QApplication.focusWidget()
+    return isinstance(bar, QTabBar) and bar.count() == 0
 
 
 def on_screen(widget: QWidget) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QSize, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
@@ -30,12 +30,13 @@ from app.api_view import ApiView
 from app.cache_controller import CacheController
 from app.chat_list import ChatList
 from app.chat_pane import ChatPane
+from app.chat_switch import ChatSwitch
 from app.compare_dialog import open_compare
 from app.config_settings import sampling_from_settings, save_sampling
 from app.controls import CacheControls
 from app.conversation import Conversation
 from app.disk_dialog import DiskController
-from app.docks import DockLayout
+from app.docks import DockLayout, empty_tab_bar_focused
 from app.exports import Exporter
 from app.failure import Failure
 from app.gc_guard import MainThreadGC
@@ -126,6 +127,7 @@ class MainWindow(QMainWindow):
         self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
         for panel in self.panels:
             panel.help_requested.connect(app_help.show_panel_help)
+            panel.view.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # charts take no keys: a Tab stop there showed nothing
         self.layout_docks = DockLayout(self, {
             "chats": self.chats_box, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
             "speculation": self.spec_controls,
@@ -147,7 +149,9 @@ class MainWindow(QMainWindow):
         self.reply_wait.connect(self.conversation, self.engine.worker)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
                                        lambda: self.cache.applied, self.show_error, api_list=self.api_list)
-        self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self)
+        self.chat_switch = ChatSwitch(self.conversation, self.status, self)  # drafts and tok/s per chat
+        self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
+                                switch_draft=self.chat_switch.switch_draft)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -187,6 +191,15 @@ class MainWindow(QMainWindow):
         self._db_timer.setInterval(DB_FLUSH_MS)
         self._db_timer.timeout.connect(self.conversation.flush)
         self._db_timer.start()
+
+    def focusNextPrevChild(self, next: bool) -> bool:  # noqa: N802 - Qt name
+        """Tab and Shift+Tab pass over the empty tab bars QMainWindow keeps (a stop with nothing to see)."""
+        moved = super().focusNextPrevChild(next)
+        for _ in range(8):
+            if not (moved and empty_tab_bar_focused()):
+                break
+            moved = super().focusNextPrevChild(next)
+        return moved
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
         super().resizeEvent(event)
@@ -295,6 +308,8 @@ class MainWindow(QMainWindow):
     # -- events ---------------------------------------------------------------------------------------------
     def _on_loaded(self, info: ModelInfo) -> None:
         self.model_card.show_model(info)
+        for panel in (self.memory, self.occupancy):  # what they show before a chat holds a cache
+            panel.set_model(info)
         self.conversation.check.context_length = info.context_length
         self.setWindowTitle(f"KV Scope — {info.name}")
         self._describe_chat()

@@ -34,8 +34,12 @@ QLabel#noticeText {{ color: #ffb0b0; }}
 QWidget#transcript {{ background: {BASE}; }}
 QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
 QFrame#bubble_assistant {{ background: {PANEL}; border-radius: 10px; }}
-QPushButton#flatButton {{ background: transparent; border: none; color: {MUTED}; padding: 0 4px; }}
+QPushButton#flatButton {{ background: transparent; border: 1px solid transparent; border-radius: 3px; color: {MUTED};
+    padding: 0 3px; }}
 QPushButton#flatButton:hover {{ color: {TEXT}; }}
+QPushButton#flatButton:focus, QLabel#messageBody:focus {{ border: 1px solid {ACCENT}; border-radius: 3px; }}
+QScrollArea#transcriptScroll {{ border: 1px solid transparent; }}
+QScrollArea#transcriptScroll:focus {{ border: 1px solid {ACCENT}; }}
 QPushButton#primaryButton {{ background: {ACCENT}; color: white; border-radius: 4px; padding: 5px 14px; }}
 QPushButton#primaryButton:disabled {{ background: #33465e; color: #9aa3ad; }}
 QPushButton#suggestion {{ background: {PANEL}; border: 1px solid #2d323b; border-radius: 14px; padding: 6px 14px;

@@ -89,6 +89,7 @@ class MemoryPanel(Panel):
         self.n = 0
         self._t0: float | None = None
         self._has_device = False
+        self.weights_bytes = 0  # the loaded model's (``set_model``): shown while no chat's cache is
         self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
 
     def value_at(self, x: float) -> str:
@@ -167,16 +168,27 @@ class MemoryPanel(Panel):
             self._draw(self.last_snapshot)
 
     def clear(self) -> None:
+        """Another chat (or one with nothing cached yet) is on screen: memory is the process's, so the series
+        goes on (a chat switch is a moment on it, not a new chart); the bar shows the weights still loaded."""
+        self.last_snapshot = None
+        self.split.set_bytes(self.weights_bytes, 0)
+        if self.weights_bytes:
+            self.caption.setText(f"weights <b>{human_bytes(self.weights_bytes)}</b> · KV <b>0 B</b>: this chat "
+                                 "holds no cache yet")
+        else:
+            self.caption.setText("Weights and KV cache bytes over time.")
+
+    def set_model(self, info) -> None:
+        """A model was loaded (``ModelInfo``): a new series, with its weights."""
+        self.weights_bytes = int(info.weights_bytes)
         self.x_range.reset()
         self.x_range.fit(10)
         self._decades = None
         self.n = 0
         self._t0 = None
-        self.last_snapshot = None
         for item in (self.weights, self.total, self.device):
             item.setData([], [])
-        self.split.set_bytes(0, 0)
-        self.caption.setText("Weights and KV cache bytes over time.")
+        self.clear()
 
     def series(self) -> dict[str, np.ndarray]:
         n = self.n

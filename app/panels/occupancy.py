@@ -108,6 +108,7 @@ class OccupancyPanel(Panel):
         self.plot.setXRange(-0.6, 3.6, padding=0)
         self.caption.setText(EMPTY_CAPTION)
         self._num_layers = 0
+        self._model_layers = 0  # the loaded model's layers (``set_model``): the empty chart shows them all
         self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
 
     def value_at(self, x: float) -> str:
@@ -120,9 +121,22 @@ class OccupancyPanel(Panel):
         cap = self.last_snapshot.capacity_tokens if self.last_snapshot is not None else 0
         return f"layer {i}: {held} tokens" + (f" ({parts})" if parts else "") + (f" of {cap}" if cap else "")
 
+    def set_model(self, info) -> None:
+        """A model was loaded (``ModelInfo``): before its first snapshot the axis shows all its layers."""
+        self._model_layers = int(info.num_layers)
+        if not self.stack:
+            self.clear()
+
+    def _set_layers(self, n: int) -> None:
+        if n != self._num_layers:
+            self._num_layers = n
+            self.plot.setXRange(-0.6, max(n - 0.4, 0.4), padding=0)
+
     def clear(self) -> None:
+        layers = np.arange(max(self._model_layers, 1))
         for bar in self.bars.values():
-            bar.setOpts(x=[0], height=[0], y0=[0], width=0.75)
+            bar.setOpts(x=layers, height=np.zeros(len(layers)), y0=np.zeros(len(layers)), width=0.75)
+        self._set_layers(len(layers))
         self.capacity.setVisible(False)
         self.stack = {}
         self.last_snapshot = None
@@ -137,9 +151,7 @@ class OccupancyPanel(Panel):
             self.bars[name].setOpts(x=layers, height=stack[name], y0=bottom.copy(), width=0.75)
             bottom = bottom + stack[name]
         self.capacity.setValue(snap.capacity_tokens)
-        if len(layers) != self._num_layers:
-            self._num_layers = len(layers)
-            self.plot.setXRange(-0.6, max(len(layers) - 0.4, 0.4), padding=0)
+        self._set_layers(len(layers))
         # Scale to the bars; show the capacity line only when it is near enough to compare with them.
         top = max(int(bottom.max()) if len(bottom) else 0, 16)
         cap = int(snap.capacity_tokens)

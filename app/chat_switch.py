@@ -1,0 +1,47 @@
+"""What follows the chat on screen besides its transcript and panels: the message being typed and the status
+bar's decode speed. A draft belongs to the chat it was typed in (a new chat starts with an empty input; going
+back brings the draft back), and the speed shown is the chat on screen's last reply's (none in a new chat), so
+nothing of one chat is shown as another's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QObject
+
+
+class ChatSwitch(QObject):
+    """Keeps drafts per chat (``drafts``) and shows each chat's own decode speed when it is opened."""
+
+    def __init__(self, conversation, status, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.conversation = conversation
+        self.pane = conversation.pane
+        self.status = status
+        self.drafts: dict[Any, str] = {}
+        self._owner: Any = None  # whose draft the input holds: a chat id, or ("api", session) for an API one
+        conversation.chat_opened.connect(self._on_chat_opened)
+
+    def switch_draft(self, owner: Any) -> None:
+        """The input now belongs to ``owner``: the text typed for the one before is kept for it."""
+        if owner == self._owner:
+            return
+        text = self.pane.input.toPlainText()
+        if text.strip():
+            self.drafts[self._owner] = text
+        else:
+            self.drafts.pop(self._owner, None)
+        self._owner = owner
+        self.pane.input.setPlainText(self.drafts.pop(owner, ""))
+
+    def _on_chat_opened(self, chat_id: int) -> None:
+        self.switch_draft(chat_id)
+        self.status.show_speed(self.last_speed(chat_id))
+
+    def last_speed(self, chat_id: int) -> float:
+        """The decode speed of the chat's last reply (0: it has none yet)."""
+        for m in reversed(self.conversation.history.messages(chat_id)):
+            if m.role == "assistant":
+                return float(m.stats.get("decode_tokens_per_s") or 0.0)
+        return 0.0

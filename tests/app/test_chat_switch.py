@@ -1,0 +1,88 @@
+"""What a chat switch keeps and what it must not carry over (issue #19 items 8 and 13), and Tab stops that
+always show where the focus is (item 8). Real window, real stories260K."""
+
+from __future__ import annotations
+
+from app_helpers import close_window, open_window, wait_reply
+from PySide6.QtCore import Qt
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QApplication, QTabBar
+
+from app.format import human_bytes
+
+
+def test_a_new_chat_starts_clean_and_the_memory_history_stays(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        weights = human_bytes(w.info.weights_bytes)
+        # before the first message: every layer of the model on the occupancy axis, the weights in Memory
+        assert w.info.num_layers == 5
+        assert len(w.occupancy.bar_heights()["full"]) == 5
+        lo, hi = w.occupancy.plot.viewRange()[0]
+        assert lo < 0 and 4 < hi < 5
+        assert w.memory.split.weights == w.info.weights_bytes and f"weights <b>{weights}</b>" in \
+            w.memory.caption.text()
+
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        qtbot.waitUntil(lambda: w.memory.n > 0 and w.status.speed.text().endswith("tokens/s"))
+        first, points = w.chat_id, w.memory.n
+        speed = w.status.speed.text()
+        w.chat.input.setPlainText("a draft for the first chat")
+
+        w.new_chat()
+        # nothing of the other chat: no tok/s, no draft, no cache — but the model's weights and memory history
+        assert w.status.speed.text() == ""
+        assert w.chat.input.toPlainText() == ""
+        assert w.memory.n == points and w.memory.series()["kv_mib"][-1] > 0  # the chart goes on
+        assert w.memory.split.weights == w.info.weights_bytes and w.memory.split.kv == 0
+        assert "weights <b>0 B</b>" not in w.memory.caption.text() and weights in w.memory.caption.text()
+        assert len(w.occupancy.bar_heights()["full"]) == 5 and not w.occupancy.bar_heights()["full"].any()
+        w.chat.input.setPlainText("the second chat's draft")
+
+        w.open_chat(first)
+        assert w.chat.input.toPlainText() == "a draft for the first chat"
+        assert w.status.speed.text() == speed  # this chat's last reply's
+        qtbot.waitUntil(lambda: w.memory.n > points, timeout=30_000)  # its cache, added to the same series
+        assert w.memory.split.kv > 0
+        w.new_chat()
+        assert w.chat.input.toPlainText() == ""
+    finally:
+        close_window(w)
+
+
+def focus_shows(widget) -> bool:
+    """The widget looks different with the focus than without it."""
+    with_focus = widget.grab().toImage()
+    widget.clearFocus()
+    QApplication.processEvents()
+    without = widget.grab().toImage()
+    widget.setFocus(Qt.FocusReason.TabFocusReason)
+    QApplication.processEvents()
+    return with_focus != without
+
+
+def test_every_tab_stop_shows_the_focus(qtbot, data_dir, stories_path):
+    """45 Tab presses from the message box (through the chats, the cache controls, speculation, sampling, the
+    panels' buttons, the dock tabs and a reply's buttons): each lands on a visible, enabled widget that draws
+    its focus — no stop on a scroll area, a chart or an empty tab bar."""
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        w.activateWindow()
+        w.chat.input.setFocus()
+        qtbot.wait(50)
+        seen = []
+        for _ in range(45):
+            f = QApplication.focusWidget()
+            assert f is not None and f.isVisible() and f.isEnabled(), seen
+            assert not (isinstance(f, QTabBar) and f.count() == 0), seen
+            name = f"{type(f).__name__}:{f.objectName()}"
+            assert focus_shows(f), f"no focus to be seen on {name} after {seen}"
+            seen.append(name)
+            QTest.keyClick(f, Qt.Key.Key_Tab)
+        assert {"QComboBox:", "QSpinBox:temperature".replace("QSpinBox", "QDoubleSpinBox"), "QToolButton:panelTool",
+                "QPushButton:flatButton", "ChatList:ChatList"} <= set(seen)
+    finally:
+        close_window(w)
