@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.remote.client import RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EventSubscriber
-from engine.remote.view import RemoteView
+from engine.remote.view import RemoteView, view_note
 
 JOIN_S = 0.3  # a ZMQ subscriber misses what is published before its connection is up ("slow joiner")
 
@@ -151,8 +151,8 @@ def report(eng: RemoteEngine, reply: Reply | None) -> dict:
         "preemptions": m.preemptions,
         "ttft_ms": round(reply.ttft_s * 1e3, 2) if reply and reply.ttft_s is not None else None,
         "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2) if reply else None,
-        "note": eng.note or (None if eng.view.batches or not eng.subscribers else
-                             "no KV events arrived (an idle server publishes none)"),
+        "note": eng.note or view_note(snaps) or (None if eng.view.batches or not eng.subscribers else
+                                                 "no KV events arrived (an idle server publishes none)"),
     }
 
 

@@ -133,21 +133,34 @@ class RemotePool:
 
     def snapshot(self, chat_ids: Sequence[int] = (), now: float | None = None) -> PoolSnapshot:
         now = time.monotonic() if now is None else now
-        chat = set(self.chain_of(chat_ids)) if chat_ids else set()
+        chain = self.chain_of(chat_ids) if chat_ids else []
         n = max(self.num_blocks, len(self._slot_hash))
         slots = [SLOT_FREE] * n
         for s, h in enumerate(self._slot_hash):
             if h is not None:
-                slots[s] = SLOT_CHAT if h in chat else SLOT_OTHER
+                slots[s] = SLOT_OTHER
+        for h in chain:  # a hash held twice: the chat reads the newer copy; the older one waits to be evicted
+            slots[self._slots_of[h][-1]] = SLOT_CHAT
         for s, t in list(self._evicted.items()):
             if now - t > EVICTED_S:
                 del self._evicted[s]
             elif self._slot_hash[s] is None:
                 slots[s] = SLOT_EVICTED
-        chat_blocks = sum(len(self._slots_of.get(h, ())) for h in chat)
         return PoolSnapshot(self.rank, self.block_size, self.num_blocks, tuple(slots),
-                            sum(len(v) for v in self._slots_of.values()), chat_blocks, self.stored, self.removed,
+                            sum(len(v) for v in self._slots_of.values()), len(chain), self.stored, self.removed,
                             self.cleared, self.gaps, self.resyncs, self.last_ts)
+
+
+def view_note(snaps: list[PoolSnapshot]) -> str:
+    """What the view cannot show, in words ("" when nothing is missing)."""
+    missed = sum(s.gaps for s in snaps)
+    if any(s.resyncs for s in snaps):
+        return (f"{missed} event batches were missed (published before this view joined, or dropped) and the server "
+                "keeps no replay buffer: the view started over, so blocks cached before are drawn once they are "
+                "used again")
+    if missed:
+        return f"{missed} missed event batches were replayed from the server's buffer"
+    return ""
 
 
 class RemoteView:

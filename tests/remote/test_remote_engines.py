@@ -1,0 +1,104 @@
+"""KV Scope attached to a real vLLM, and to a real ``engine serve`` speaking the same protocol: the same checks on
+both (the view's chat blocks are the full blocks of prompt + reply; a repeated prompt hits the prefix cache and
+the view finds the same blocks; events published before the view joined are replayed or said to be missed; a
+killed server is a clean error). The kill test runs last: it stops the session's servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import vllm_env as env
+from engine.remote.attach import RemoteEngine
+from engine.remote.client import RemoteError
+from engine.remote.view import SLOT_CHAT, view_note
+
+pytestmark = [pytest.mark.remote, pytest.mark.slow]
+B = env.BLOCK
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+         "dog. One day she saw a big red ball under a tree and ran to get it.")
+
+
+def test_chat_blocks_are_the_full_blocks_of_prompt_and_reply(served):
+    eng = RemoteEngine(served.url)
+    try:
+        assert eng.subscribers and eng.view.block_size == B
+        reply = eng.chat([{"role": "user", "content": "AAA. " + STORY}], max_tokens=48)
+        assert reply.error is None and reply.prompt_ids and len(reply.token_ids) == 48
+        ids = reply.prompt_ids + reply.token_ids
+        time.sleep(0.5)  # the step's last batch
+        snap = eng.view.snapshots(ids)[0]
+        assert snap.chat_blocks == (len(ids) - 1) // B >= 2  # the last token is sampled, never cached
+        assert snap.slots.count(SLOT_CHAT) == snap.chat_blocks
+        assert reply.ttft_s > 0 and reply.decode_tokens_per_s > 0
+    finally:
+        eng.close()
+
+
+def test_a_repeated_prompt_hits_and_the_view_finds_the_same_blocks(served):
+    eng = RemoteEngine(served.url)
+    try:
+        msgs = [{"role": "user", "content": "BBB. " + STORY}]
+        first = eng.chat(msgs, max_tokens=40)
+        eng.refresh()
+        hits_before = eng.metrics.prefix_hits
+        second = eng.chat(msgs, max_tokens=40)
+        assert second.token_ids == first.token_ids  # greedy on the same weights
+        assert second.cached_tokens >= (len(first.prompt_ids) - 1) // B * B > 0
+        time.sleep(0.5)
+        eng.refresh()
+        assert eng.metrics.prefix_hits - hits_before >= second.cached_tokens
+        ids = second.prompt_ids + second.token_ids
+        assert eng.view.chat_blocks(ids) == (len(ids) - 1) // B
+        assert 0 <= eng.metrics.kv_usage <= 1 and eng.metrics.num_blocks > 0
+    finally:
+        eng.close()
+
+
+def test_events_before_the_view_joined_are_said_to_be_missed(served):
+    early = RemoteEngine(served.url)
+    early.chat([{"role": "user", "content": "CCC. " + STORY}], max_tokens=40)
+    early.close()
+    late = RemoteEngine(served.url)
+    try:
+        reply = late.chat([{"role": "user", "content": "The cat slept on the warm mat all afternoon long. " * 3}],
+                          max_tokens=40)
+        assert late.wait_events(5.0)
+        time.sleep(0.5)
+        snaps = late.view.snapshots(reply.prompt_ids + reply.token_ids)
+        note = view_note(snaps)
+        assert snaps[0].gaps > 0 and "missed" in note  # vLLM keeps no replay buffer here: started over
+        assert snaps[0].chat_blocks == (len(reply.prompt_ids) + len(reply.token_ids) - 1) // B
+    finally:
+        late.close()
+
+
+def test_attach_cli_against_the_server(served):
+    out = subprocess.run([sys.executable, "-m", "engine", "attach", served.url, "--prompt", "DDD. " + STORY,
+                          "--max-new-tokens", "40", "--json"], capture_output=True, text=True, timeout=120,
+                         cwd=env.ROOT)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["block_size"] == B and d["usage"]["completion_tokens"] == 40 and d["num_blocks"] > 0
+    assert d["chat_blocks"] == (d["chat_tokens"] - 1) // B and d["events"]["stored"] >= d["chat_blocks"]
+    assert d["ttft_ms"] > 0 and d["prefix_cache"]["queries"] > 0
+
+
+@pytest.mark.parametrize("kind", ["vllm", "kvscope"])
+def test_zz_a_killed_server_is_a_clean_error(kind, request):
+    served = request.getfixturevalue(f"{kind}_server")
+    eng = RemoteEngine(served.url)
+    try:
+        env.stop(served.proc)
+        with pytest.raises(RemoteError, match="refused the connection|closed the connection"):
+            eng.chat([{"role": "user", "content": "Hello"}], max_tokens=8)
+    finally:
+        eng.close()
+    out = subprocess.run([sys.executable, "-m", "engine", "attach", served.url, "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, cwd=env.ROOT)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "refused the connection" in out.stderr
