@@ -7,6 +7,8 @@ from typing import Any
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMenu
 
+from app.remote_chat import open_connect
+
 
 def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) -> QAction:
     act = QAction(text, window, **kw)
@@ -36,6 +38,10 @@ def build_menus(window) -> dict[str, Any]:
     recent.aboutToShow.connect(lambda: window.models.fill_recent_menu(recent))
     a["new"] = _action(window, "&New chat", window.new_chat, QKeySequence.StandardKey.New)
     file_menu.addAction(a["new"])
+    a["connect"] = _action(window, "&Connect to a server…", lambda: open_connect(window),
+                           tip="Chat with a model on an OpenAI-compatible server (vLLM, engine serve) and draw its "
+                               "KV cache from the server's events")
+    file_menu.addAction(a["connect"])
     file_menu.addSeparator()
     export: QMenu = file_menu.addMenu("&Export")
     ex = window.exporter

@@ -1,0 +1,381 @@
+"""Remote chats in the window: File ▸ Connect to a server… adds a chat whose replies stream from that server, in
+the same chat pane, with the server's KV cache in the page map.
+
+Design — the window's parts stay as they are; while a remote chat is on screen this controller *borrows* them:
+the local chat leaves (``Conversation.leave``, its reply goes on in the background), the chat pane's requests
+(send, stop, regenerate, edit, versions, system prompt) are re-wired from the conversation to here, the page map
+and timing panel are fed from the remote view on a 4 Hz timer, and the local-only controls are greyed with the
+server's fixed values. Opening a local chat or an API conversation gives everything back. It is made on first use
+(``RemoteChats.of(window)``), so the window needs no code for it, and it stops its threads when the window closes.
+
+Network and ZMQ never run here: replies stream on the link's chat thread, ``/metrics`` on its poll thread, events
+on the subscriber's thread (``app.remote_worker``); this thread only reads the view under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from PySide6.QtCore import QEvent, QObject, QTimer, Signal
+from PySide6.QtWidgets import QLabel
+
+from app.docks import on_screen
+from app.remote_dialog import ConnectDialog
+from app.remote_list import Message, RemoteChat, RemoteList
+from app.remote_panels import OTHER_PANELS, ControlsLock, cache_snapshot, fixed_text, pool_caption, timing_text, \
+    token_event
+from app.remote_worker import RemoteLink
+from app.replies import pick_version, versions_of, with_version
+
+DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
+POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
+FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
+PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
+# The pane's request signals and who answers them: the conversation's slot, or this controller's.
+PANE_SLOTS = (("send_requested", "send", "send"), ("stop_requested", "stop", "stop"),
+              ("regenerate_requested", "regenerate", "regenerate"), ("edit_requested", "edit_and_resend", "edit"),
+              ("pin_requested", "set_pinned", "pin"), ("version_requested", "show_version", "show_version"),
+              ("system_prompt_changed", "_on_system_prompt", "set_system_prompt"))
+
+
+def open_connect(window) -> ConnectDialog:
+    """File ▸ Connect to a server…"""
+    return RemoteChats.of(window).open_dialog()
+
+
+class RemoteChats(QObject):
+    """The window's remote chats. ``current``: the one on screen (None: a local chat or API conversation is).
+
+    Signals (for tests and the self-test): ``chat_added(RemoteChat)``, ``reply_finished(generation, reason)``.
+    """
+
+    chat_added = Signal(object)
+    reply_finished = Signal(int, str)
+
+    @classmethod
+    def of(cls, window) -> "RemoteChats":
+        if getattr(window, "remote", None) is None:
+            window.remote = cls(window)
+        return window.remote
+
+    def __init__(self, window) -> None:
+        super().__init__(window)
+        self.window, self.pane = window, window.chat
+        self.chats: dict[int, RemoteChat] = {}
+        self.current: RemoteChat | None = None
+        self.links: list[RemoteLink] = []
+        self.dialog: ConnectDialog | None = None
+        self.closed = False
+        self._next_chat, self._next_gen = 0, 1_000_000  # apart from the local replies' ids (the timing panel)
+        self._ready = (True, "")  # the pane's local readiness, given back on leaving
+        self.label = QLabel("Remote chats")
+        self.label.setToolTip("Chats whose replies come from a server (File ▸ Connect to a server…)")
+        self.list = RemoteList()
+        box = window.chats_box.layout()
+        box.insertWidget(1, self.label)
+        box.insertWidget(2, self.list, 1)
+        self.label.setVisible(False)
+        self.list.setVisible(False)
+        self.lock = ControlsLock(window)
+        self.timer = QTimer(self)
+        self.timer.setInterval(DRAW_MS)
+        self.timer.timeout.connect(self.draw)
+        self.poll = QTimer(self)
+        self.poll.setInterval(POLL_MS)
+        self.poll.timeout.connect(self._poll)
+        self.list.chat_selected.connect(self.open_chat)
+        window.conversation.chat_opened.connect(self._on_local_opened)
+        window.api_list.conversation_selected.connect(self._on_api_selected)
+        window.models.ready_changed.connect(self._on_ready)
+        window.installEventFilter(self)
+
+    # -- connecting -----------------------------------------------------------------------------------------
+    def open_dialog(self) -> ConnectDialog:
+        if self.dialog is None:
+            self.dialog = ConnectDialog(self.window)
+            self.dialog.connected.connect(self.add_link)
+        self.dialog.show_error("")
+        self.dialog.open()  # window-modal, and the event loop runs: nothing waits on the network
+        return self.dialog
+
+    def add_link(self, link: RemoteLink) -> RemoteChat:
+        """A server answered: a new remote chat with it, on screen."""
+        self.links.append(link)
+        link.worker.delta.connect(self._on_delta)
+        link.worker.finished.connect(self._on_finished)
+        self._next_chat += 1
+        rc = RemoteChat(self._next_chat, link)
+        self.chats[rc.id] = rc
+        self.label.setVisible(True)
+        self.list.setVisible(True)
+        self.window.status.message(f"Connected to {link.engine.client.url}: {rc.model}", 6000)
+        self.open_chat(rc.id)
+        self.chat_added.emit(rc)
+        return rc
+
+    # -- on screen ------------------------------------------------------------------------------------------
+    def open_chat(self, chat_id: int) -> None:
+        rc = self.chats.get(chat_id)
+        if rc is None or rc is self.current:
+            return
+        if self.current is None:
+            self._take_screen()
+        self.current = rc
+        self._refresh_list()
+        self._show(rc)
+
+    def _take_screen(self) -> None:
+        """The local chat (or API conversation) leaves; the pane's requests come here."""
+        w = self.window
+        if w.conversation.chat_id is not None:
+            w.conversation.leave()
+        if w.api_view.session_id:
+            w.api_list.deselect()
+            w.api_view.session_id = 0
+        self._ready = (self.pane._ready, self.pane._hint)
+        self._rewire(True)
+        w.trace.reset()
+        w.scheduler.clear()
+        for panel in (w.occupancy, w.memory):
+            panel.caption.setText(OTHER_PANELS)
+        self.timer.start()
+        self.poll.start()
+
+    def _show(self, rc: RemoteChat) -> None:
+        p = self.pane
+        p.notice.clear()
+        p.set_read_only("")
+        p.set_ready(True, self._hint(rc))
+        p.set_chat(rc.label, rc.system_prompt)
+        p.set_messages(rc.messages)
+        if rc.generation:
+            p.resume_reply(rc.messages[-1].position, "", [])
+        p.set_generating(bool(rc.generation))
+        self.lock.lock(fixed_text(rc.link.engine.fixed_settings()))
+        self.window.timing.clear()
+        if rc.link.engine.note:
+            p.notice.show_message(rc.link.engine.note)
+        self._poll()
+        self.draw(force=True)
+
+    @staticmethod
+    def _hint(rc: RemoteChat) -> str:
+        return (f"Chat with {rc.model} on {rc.server}: replies stream from the server, and the page map draws its "
+                "KV cache from the server's events.")
+
+    def leave(self) -> None:
+        """A local chat or an API conversation took the screen: everything borrowed goes back."""
+        if self.current is None:
+            return
+        self.current = None
+        self.list.deselect()
+        self._rewire(False)
+        self.timer.stop()
+        self.poll.stop()
+        self.lock.unlock()
+        self.pane.set_ready(*self._ready)
+        self.window.page_map.clear()
+        self.window.timing.clear()
+
+    def _rewire(self, remote: bool) -> None:
+        conv = self.window.conversation
+        for name, theirs, mine in PANE_SLOTS:
+            signal = getattr(self.pane, name)
+            old, new = (getattr(conv, theirs), getattr(self, mine)) if remote else \
+                (getattr(self, mine), getattr(conv, theirs))
+            signal.disconnect(old)
+            signal.connect(new)
+
+    def _on_local_opened(self, _chat_id: int) -> None:
+        self.leave()
+
+    def _on_api_selected(self, session_id: int) -> None:
+        if session_id:
+            self.leave()
+
+    def _on_ready(self, ready: bool, hint: str) -> None:
+        """The local model's readiness changed (a load): kept for later; the remote chat stays usable."""
+        if self.current is not None:
+            self._ready = (ready, hint)
+            self.pane.set_ready(True, self._hint(self.current))
+
+    def _refresh_list(self) -> None:
+        self.list.set_chats(list(self.chats.values()), self.current.id if self.current else None)
+        if self.current is not None:
+            self.pane.title.setText(self.current.label)
+
+    # -- requests (the pane's, while a remote chat is on screen) --------------------------------------------
+    def send(self, text: str) -> None:
+        rc = self.current
+        if rc is None or rc.generation or not text.strip():
+            return
+        self.pane.notice.clear()  # the user moved on from whatever it said
+        rc.messages.append(Message("user", text, len(rc.messages)))
+        self.pane.add_message("user", text, rc.messages[-1].position)
+        self._request(rc)
+        self._refresh_list()
+
+    def _request(self, rc: RemoteChat, versions: list | None = None) -> None:
+        w = self.window
+        try:
+            sampling = w.sampling_override or w.sampling.sampling()
+        except ValueError as e:
+            w.show_error(str(e))
+            return
+        api = rc.api_messages()
+        rc.messages.append(Message("assistant", "", len(rc.messages)))
+        self._next_gen += 1
+        rc.generation, rc.cancel, rc.versions = self._next_gen, threading.Event(), list(versions or [])
+        rc.chunks, rc.sent = 0, time.monotonic()
+        rc.last_arrival = rc.sent
+        self.pane.begin_reply(rc.messages[-1].position, len(rc.versions))
+        self.pane.set_generating(True)
+        w.timing.begin_reply(rc.generation, rc.label)
+        rc.link.chat(rc.generation, api, sampling.max_new_tokens, sampling.temperature, rc.cancel)
+        self._refresh_list()
+
+    def stop(self) -> None:
+        """Stop (Esc): the reply ends at its next chunk, its text kept and marked as stopped by you."""
+        rc = self.current
+        if rc is not None and rc.cancel is not None:
+            rc.cancel.set()
+
+    def regenerate(self) -> None:
+        """Ask again for the last reply; the one it replaces stays as a version (as in a local chat)."""
+        rc = self.current
+        if rc is None or rc.generation or not any(m.role == "user" for m in rc.messages):
+            return
+        last = rc.messages[-1]
+        versions = versions_of(last.content, last.stats) if last.role == "assistant" else []
+        self._truncate(rc, max(m.position for m in rc.messages if m.role == "user"))
+        self._request(rc, versions)
+
+    def edit(self, position: int, text: str) -> None:
+        """Replace a past user message, drop what followed and ask again."""
+        rc = self.current
+        target = next((m for m in rc.messages if m.position == position), None) if rc is not None else None
+        if rc is None or rc.generation or target is None or target.role != "user":
+            return
+        target.content = text
+        self._truncate(rc, position)
+        self.pane.set_text_at(position, text)
+        self._request(rc)
+
+    def _truncate(self, rc: RemoteChat, position: int) -> None:
+        rc.messages = [m for m in rc.messages if m.position <= position]
+        self.pane.truncate_after(position)
+
+    def show_version(self, position: int, index: int) -> None:
+        rc = self.current
+        m = next((m for m in rc.messages if m.position == position), None) if rc is not None else None
+        picked = pick_version(m.stats, index) if m is not None and not rc.generation else None
+        if picked is not None:
+            m.content, m.stats = picked
+            self.pane.show_version(position, *picked)
+
+    def pin(self, _position: int, _pinned: bool) -> None:
+        self.window.status.message(PIN_NOTE, 6000)
+
+    def set_system_prompt(self, text: str) -> None:
+        if self.current is not None:
+            self.current.system_prompt = text
+
+    # -- the link's events ------------------------------------------------------------------------------------
+    def _chat_of(self, generation: int) -> RemoteChat | None:
+        return next((rc for rc in self.chats.values() if rc.generation == generation), None)
+
+    def _on_delta(self, generation: int, text: str, n_ids: int, arrival: float) -> None:
+        rc = self._chat_of(generation)
+        if rc is None or self.closed:
+            return
+        rc.messages[-1].content += text
+        if rc is self.current:
+            self.pane.append_delta(text)
+            self.window.timing.add_token(token_event(generation, rc.chunks, arrival, rc.last_arrival, n_ids))
+        rc.chunks += 1
+        rc.last_arrival = arrival
+
+    def _on_finished(self, generation: int, reply) -> None:
+        rc = self._chat_of(generation)
+        if rc is None or self.closed:
+            return
+        rc.generation, rc.cancel = 0, None
+        msg = rc.messages[-1]
+        text = reply.text or msg.content
+        reason = "error" if reply.error else FINISH_REASONS.get(reply.finish_reason, reply.finish_reason)
+        stats = reply_stats(reply, reason)
+        if rc.versions:
+            stats = with_version(rc.versions, text, stats)
+        msg.content, msg.stats = text, stats
+        if reply.prompt_ids:
+            rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
+        rc.reply = reply
+        rc.link.refresh()  # the reply moved the hit rate and occupancy
+        if rc is self.current:
+            self.pane.finish_reply(text or None, stats)
+            self.pane.set_generating(False)
+            if reply.error:
+                self.window.show_error(f"The remote reply stopped: {reply.error}")
+            self.draw(force=True)
+        elif reply.error:
+            self.window.status.message(f"{rc.label}: {reply.error}", 8000)
+        self._refresh_list()
+        self.reply_finished.emit(generation, reason)
+
+    # -- panels ---------------------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        if self.current is not None:
+            self.current.link.refresh()
+
+    def draw(self, force: bool = False) -> None:
+        """The page map and timing captions from the view and the last ``/metrics`` (the 4 Hz timer)."""
+        rc = self.current
+        if rc is None or rc.link.engine is None:
+            return
+        w, eng = self.window, rc.link.engine
+        if force or on_screen(w.page_map):
+            pools = eng.view.snapshots(rc.ids)
+            w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
+            cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
+            w.page_map.caption.setText(pool_caption(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}"))
+        if force or on_screen(w.timing):
+            w.timing.refresh()
+            if rc.generation:
+                w.timing.caption.setText(f"<b>{rc.label}</b> · streaming: {rc.chunks} chunks so far")
+            elif rc.reply is not None:
+                w.timing.caption.setText(timing_text(rc.reply, rc.label))
+
+    # -- closing --------------------------------------------------------------------------------------------
+    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name
+        if obj is self.window and event.type() == QEvent.Type.Close:
+            self.shutdown()
+        return False
+
+    def shutdown(self) -> None:
+        """The window closes: replies in flight stop, the threads and event subscribers end."""
+        if self.closed:
+            return
+        self.closed = True
+        self.timer.stop()
+        self.poll.stop()
+        for rc in self.chats.values():
+            if rc.cancel is not None:
+                rc.cancel.set()
+        for link in self.links:
+            link.shutdown()
+
+
+def reply_stats(reply, reason: str) -> dict:
+    """What shows under a remote reply: speed, TTFT, tokens, how it stopped, what the prefix cache reused."""
+    stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times)),
+             "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2)}
+    if reply.ttft_s is not None:
+        stats["ttft_ms"] = round(reply.ttft_s * 1e3, 1)
+    prompt = int(reply.usage.get("prompt_tokens") or 0)
+    if prompt:  # the server's prefix cache: cached_tokens of the prompt were not computed again
+        cached = reply.cached_tokens
+        stats.update(reused_tokens=cached, recomputed_tokens=prompt - cached, first_divergence=cached if cached else -1)
+    if reply.error:
+        stats["error"] = reply.error
+    return stats

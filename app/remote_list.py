@@ -1,0 +1,112 @@
+"""Remote chats as data, and their list under the chats.
+
+A remote chat lives for this session only: its replies come from another machine's engine, and the history file
+holds the local chats (their cache, versions and pins belong to this app's engine). Each row is marked with its
+server ("⇄ stories260K @ 127.0.0.1:8000").
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtWidgets import QListWidget, QListWidgetItem, QWidget
+
+from app.chat_list import REPLYING, title_from
+
+MARK = "⇄"  # a chat whose replies come from a server
+
+
+@dataclass
+class Message:
+    """One message of a remote chat, shaped like the history's rows the chat pane shows."""
+    role: str
+    content: str
+    position: int
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class RemoteChat:
+    """A chat with one server (``link``: its ``RemoteLink``). ``generation``: the reply in flight (0: none)."""
+    id: int
+    link: Any
+    messages: list[Message] = field(default_factory=list)
+    system_prompt: str = ""
+    generation: int = 0
+    cancel: threading.Event | None = None
+    versions: list = field(default_factory=list)  # the versions the reply in flight will sit beside
+    ids: list[int] = field(default_factory=list)  # prompt + reply token ids of its last finished reply
+    reply: Any = None  # its last finished ``engine.remote.client.Reply``
+    chunks: int = 0  # streamed chunks of the reply in flight
+    sent: float = 0.0  # when it was asked for (monotonic)
+    last_arrival: float = 0.0  # its last chunk's arrival (monotonic)
+
+    @property
+    def server(self) -> str:
+        client = self.link.engine.client
+        return f"{client.host}:{client.port}"
+
+    @property
+    def model(self) -> str:
+        return self.link.engine.model
+
+    @property
+    def label(self) -> str:
+        """'⇄ stories260K @ 127.0.0.1:8000', with the first message's title once there is one."""
+        first = next((m.content for m in self.messages if m.role == "user"), "")
+        return f"{MARK} {self.model} @ {self.server}" + (f" — {title_from(first, 32)}" if first else "")
+
+    def api_messages(self) -> list[dict]:
+        """What the server is sent: the system prompt, then the user messages and the replies with text."""
+        out = [{"role": "system", "content": self.system_prompt.strip()}] if self.system_prompt.strip() else []
+        out += [{"role": m.role, "content": m.content} for m in self.messages
+                if m.role == "user" or (m.role == "assistant" and m.content)]
+        return out
+
+
+class RemoteList(QListWidget):
+    """The remote chats (shown once there is one); ``chat_selected(id)`` when the user picks one."""
+
+    chat_selected = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("RemoteList")
+        self._filling = False
+        self.setUniformItemSizes(True)
+        self.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.currentItemChanged.connect(self._on_current)
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        return QSize(220, 60)  # one or two servers; the list scrolls
+
+    def set_chats(self, chats: list[RemoteChat], current: int | None) -> None:
+        self._filling = True
+        self.clear()
+        for rc in chats:
+            item = QListWidgetItem(rc.label + (REPLYING if rc.generation else ""))
+            item.setData(Qt.ItemDataRole.UserRole, rc.id)
+            item.setToolTip(f"{rc.link.engine.client.url} · model {rc.model}\nreplies come from this server; the "
+                            "chat is kept until KV Scope closes")
+            self.addItem(item)
+            if rc.id == current:
+                self.setCurrentItem(item)
+        self._filling = False
+
+    def chat_ids(self) -> list[int]:
+        return [self.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.count())]
+
+    def deselect(self) -> None:
+        """No remote chat on screen: no row highlighted; clicking one opens it again."""
+        self._filling = True
+        self.setCurrentRow(-1)
+        self.clearSelection()
+        self._filling = False
+
+    def _on_current(self, item: QListWidgetItem | None, _prev) -> None:
+        if item is not None and not self._filling:
+            self.chat_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))

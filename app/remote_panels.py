@@ -1,0 +1,136 @@
+"""The panels while a remote chat is on screen: the page map draws the server's block pool from its KV events
+(``engine.remote.view.RemoteView``), the timing panel the reply's streamed chunks, and the controls that the
+server fixed when it started are read-only with the server's values.
+
+The view's slots become page-map states so the map's own colours, legend and hover apply unchanged: this chat's
+blocks are active (its turn colour), other requests' cached (the muted prefix-cache colour), evicted blocks red for
+a moment. Every block an event names is full (vLLM publishes only full blocks), so each cell is drawn full; a
+block being written is not in the events and so not on the map (occupancy from ``/metrics`` counts it).
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+from PySide6.QtWidgets import QLabel, QWidget
+
+from engine import snapshot as S
+from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
+from engine.snapshot import CacheSnapshot, TokenEvent
+
+SLOT_STATES = {SLOT_FREE: S.PAGE_FREE, SLOT_CHAT: S.PAGE_ACTIVE, SLOT_OTHER: S.PAGE_CACHED,
+               SLOT_EVICTED: S.PAGE_EVICTED}
+OTHER_PANELS = ("A remote chat is on screen: its server's KV cache is drawn in the Page map (this panel shows the "
+                "local engine's chats).")
+
+
+def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheSnapshot:
+    """The remote pools (one per engine rank, side by side) as a ``CacheSnapshot`` the page map draws."""
+    slots = np.concatenate([np.asarray(p.slots, dtype=np.int64) for p in pools]) if pools else np.zeros(0, int)
+    table = np.array([SLOT_STATES[i] for i in range(len(SLOT_STATES))], dtype=np.int8)
+    state = table[np.clip(slots, 0, len(table) - 1)] if len(slots) else np.zeros(0, np.int8)
+    block = max((p.block_size for p in pools), default=0) or 16
+    held = (state == S.PAGE_ACTIVE) | (state == S.PAGE_CACHED)
+    chat_blocks = sum(p.chat_blocks for p in pools)
+    tokens = np.full(chat_tokens, S.TOKEN_NOT_CACHED, dtype=np.int8)
+    tokens[: min(chat_blocks * block, chat_tokens)] = S.TOKEN_KEPT  # the chat's tokens in full blocks
+    n = len(state)
+    groups = tuple((f"engine {p.rank}", len(p.slots)) for p in pools) if len(pools) > 1 else ()
+    return CacheSnapshot(
+        generation_id=generation, step=0, mode="paged", policy="server", page_size=block, num_pages=n,
+        pages_used_per_layer=np.zeros(0, int), tokens_per_layer=np.zeros(0, int), bytes_per_layer=np.zeros(0, int),
+        capacity_tokens=n * block, page_state=state, page_owner=np.where(state == S.PAGE_ACTIVE, 0, -1),
+        page_fill=np.where(held, block, 0), page_refcount=held.astype(np.int32), token_state=tokens,
+        weights_bytes=0, kv_bytes=0, device_bytes=0, reused_tokens=0, recomputed_tokens=0, first_divergence=-1,
+        seq_len=chat_tokens, context_length=0, page_groups=groups, page_mine=state == S.PAGE_ACTIVE)
+
+
+def pool_caption(pools: list, metrics, cached_tokens: int | None, server: str) -> str:
+    """The page map's caption for a remote pool: what the events and ``/metrics`` say, in one paragraph."""
+    block = max((p.block_size for p in pools), default=0) or metrics.block_size
+    num = sum(p.num_blocks for p in pools) or metrics.num_blocks
+    cached = sum(p.cached_blocks for p in pools)
+    mine = sum(p.chat_blocks for p in pools)
+    gaps, resyncs = sum(p.gaps for p in pools), sum(p.resyncs for p in pools)
+    hit = (f"{metrics.prefix_hits / metrics.prefix_queries:.0%} ({metrics.prefix_hits:,.0f} of "
+           f"{metrics.prefix_queries:,.0f} tokens)") if metrics.prefix_queries else "—"
+    parts = [f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached",
+             f"this chat <b>{mine}</b>", f"KV usage {metrics.kv_usage:.1%}", f"prefix cache hit rate {hit}"]
+    if cached_tokens is not None:
+        parts.append(f"last reply {cached_tokens:,} cached tokens")
+    parts.append(f"{metrics.preemptions:,.0f} preemptions")
+    parts.append(f"events: {gaps} batch{'es' if gaps != 1 else ''} missed, {resyncs} resync{'s' if resyncs != 1 else ''}")
+    if len(pools) > 1:
+        parts.append(f"{len(pools)} engines, one pool each")
+    return " · ".join(parts)
+
+
+def timing_text(reply, label: str) -> str:
+    """The timing caption of a remote reply: TTFT and decode speed as the client measured them."""
+    if reply is None:
+        return f"<b>{html.escape(label)}</b> · waiting for the first token…"
+    ttft = f"TTFT {reply.ttft_s * 1e3:.0f} ms" if reply.ttft_s is not None else "no token yet"
+    gaps = np.diff(np.asarray(reply.token_times)) * 1e3 if len(reply.token_times) > 1 else np.zeros(0)
+    itl = f" · inter-token p50 {np.median(gaps):.1f} ms" if len(gaps) else ""
+    return (f"<b>{html.escape(label)}</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · "
+            f"{max(len(reply.token_ids), len(reply.token_times))} tokens at <b>{reply.decode_tokens_per_s:.1f} "
+            f"tok/s</b>{itl} (measured by this client, network included)")
+
+
+def fixed_text(settings: dict) -> str:
+    """'fixed by the server: block size 16, KV dtype auto — set when it was started'."""
+    return (f"fixed by the server: block size {settings.get('block size', '?')}, KV dtype "
+            f"{settings.get('KV dtype', '?')} — set when it was started")
+
+
+def token_event(generation: int, index: int, arrival: float, previous: float, n_ids: int) -> TokenEvent:
+    """A streamed chunk as the timing panel's token: the first one's time is the wait for it (TTFT), the others'
+    the gap since the previous chunk."""
+    phase = "prefill" if index == 0 else "decode"
+    return TokenEvent(generation, index, -1, "", phase, max(arrival - previous, 0.0) * 1e3,
+                      0 if index == 0 else max(n_ids, 1))
+
+
+class ControlsLock:
+    """Greys the local-only controls while a remote chat is shown (with the server's values and why) and gives
+    them back as they were."""
+
+    def __init__(self, window) -> None:
+        self.window = window
+        self.label = QLabel("")
+        self.label.setObjectName("remoteFixed")
+        self.label.setWordWrap(True)
+        self.label.setVisible(False)
+        window.controls.layout().insertWidget(0, self.label)  # above the groups, never greyed itself
+        self._saved: list[tuple[QWidget, bool, str]] = []
+
+    def _targets(self) -> list[QWidget]:
+        out = []
+        for box in (self.window.controls, self.window.spec_controls):
+            out += [w for w in box.findChildren(QWidget) if w.parent() is box and w is not self.label]
+        return out
+
+    @property
+    def locked(self) -> bool:
+        return bool(self._saved)
+
+    def lock(self, text: str) -> None:
+        if not self.locked:
+            self._saved = [(w, w.isEnabled(), w.toolTip()) for w in self._targets()]
+            compare = self.window.menu_actions.get("compare")
+            if compare is not None:
+                self._saved.append((compare, compare.isEnabled(), compare.toolTip()))
+        for w, _on, _tip in self._saved:
+            w.setEnabled(False)
+            w.setToolTip(text)
+        self.label.setText(f"<b>Remote chat</b>: {html.escape(text)}. Cache mode, page size, precision and "
+                           "policies apply to local chats.")
+        self.label.setVisible(True)
+
+    def unlock(self) -> None:
+        for w, on, tip in self._saved:
+            w.setEnabled(on)
+            w.setToolTip(tip)
+        self._saved = []
+        self.label.setVisible(False)

@@ -1,0 +1,166 @@
+"""The network side of a remote server (``engine.remote.attach.RemoteEngine``), never on the GUI thread.
+
+One ``RemoteLink`` per server: a chat thread that opens the connection and streams replies, and a poll thread
+that re-reads ``/metrics``. They are separate so a long reply never delays the occupancy and hit-rate readout,
+and a slow ``/metrics`` never delays a token. The KV event subscriber has its own thread already (inside
+``RemoteEngine``); the window only ever reads its view, which is guarded by the view's lock.
+
+Requests go to the workers as queued signals; results come back as signals (queued to the GUI thread). Stop is a
+``threading.Event`` per reply, set from the GUI thread: the client checks it between streamed chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.remote.attach import RemoteEngine
+from engine.remote.client import RemoteError, Reply
+
+JOIN_MS = 3000  # how long closing waits for a thread (a reply in flight stops at its next chunk)
+_LINGERING: list = []  # links whose thread did not stop in time: kept alive, never destroyed while running
+
+
+def one_line(error: BaseException | str) -> str:
+    """A failure as the one line the user sees."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+class RemoteWorker(QObject):
+    """The calls of one server, run on the thread this object was moved to.
+
+    Signals: ``opened(RemoteEngine)`` / ``open_failed(message)``; ``delta(generation, text, ids, arrival)``
+    per streamed chunk (arrival: ``time.monotonic()`` here, so queueing to the GUI does not skew the timing);
+    ``finished(generation, Reply)`` — a failure is a ``Reply`` whose ``error`` says why (text kept);
+    ``refreshed(Metrics)`` / ``refresh_failed(message)``.
+    """
+
+    opened = Signal(object)
+    open_failed = Signal(str)
+    delta = Signal(int, str, int, float)
+    finished = Signal(int, object)
+    refreshed = Signal(object)
+    refresh_failed = Signal(str)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: RemoteEngine | None = None
+
+    @Slot(str, str, str)
+    def open(self, url: str, api_key: str, events: str) -> None:
+        try:
+            engine = RemoteEngine(url, api_key or None, events or None)
+        except RemoteError as e:
+            self.open_failed.emit(one_line(e))
+            return
+        except Exception as e:  # noqa: BLE001 - whatever it was, the dialog says it in one line
+            self.open_failed.emit(f"{url}: {one_line(f'{type(e).__name__}: {e}')}")
+            return
+        self.engine = engine
+        self.opened.emit(engine)
+
+    @Slot(int, object, int, float, object)
+    def chat(self, generation: int, messages: list, max_tokens: int, temperature: float, cancel: Any) -> None:
+        def on_delta(text: str, ids: list) -> None:
+            self.delta.emit(generation, text, len(ids), time.monotonic())
+
+        try:
+            reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel)
+        except RemoteError as e:  # refused or gone before the first byte
+            reply = Reply(error=one_line(e))
+        except Exception as e:  # noqa: BLE001 - a reply always ends, with the reason
+            reply = Reply(error=one_line(f"{type(e).__name__}: {e}"))
+        self.finished.emit(generation, reply)
+
+    @Slot()
+    def refresh(self) -> None:
+        try:
+            self.engine.refresh()
+        except Exception as e:  # noqa: BLE001 - RemoteError or a garbled page: said, and polled again later
+            self.refresh_failed.emit(one_line(e))
+            return
+        self.refreshed.emit(self.engine.metrics)
+
+
+class RemoteLink(QObject):
+    """The GUI's handle on one server: ``open`` it, then ``chat`` and ``refresh``; ``shutdown`` at the end.
+
+    ``engine`` is set once ``opened`` fired (then the view can be read from the GUI thread). ``polling``: a
+    refresh is in flight (the window asks for the next one only after it came back).
+    """
+
+    opened = Signal(object)  # this link
+    open_failed = Signal(str)
+    _open = Signal(str, str, str)
+    _chat = Signal(int, object, int, float, object)
+    _refresh = Signal()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: RemoteEngine | None = None
+        self.url = ""
+        self.polling = False
+        self.closed = False
+        self.threads: list[QThread] = []
+        self.worker, self.poller = RemoteWorker(), RemoteWorker()
+        for worker, name in ((self.worker, "kvscope-remote-chat"), (self.poller, "kvscope-remote-poll")):
+            thread = QThread()
+            thread.setObjectName(name)
+            worker.moveToThread(thread)
+            thread.start()
+            self.threads.append(thread)
+        self._open.connect(self.worker.open)
+        self._chat.connect(self.worker.chat)
+        self._refresh.connect(self.poller.refresh)
+        self.worker.opened.connect(self._on_opened)
+        self.worker.open_failed.connect(self.open_failed)
+        self.poller.refreshed.connect(self._on_polled)
+        self.poller.refresh_failed.connect(self._on_polled)
+
+    def open(self, url: str, api_key: str = "", events: str = "") -> None:
+        self.url = url
+        self._open.emit(url, api_key, events)
+
+    def _on_opened(self, engine: RemoteEngine) -> None:
+        if self.closed:  # the dialog was cancelled while it connected
+            engine.close()
+            return
+        self.engine = self.poller.engine = engine
+        self.opened.emit(self)
+
+    def chat(self, generation: int, messages: list[dict], max_tokens: int, temperature: float,
+             cancel: threading.Event) -> None:
+        self._chat.emit(generation, messages, max_tokens, temperature, cancel)
+
+    def refresh(self) -> None:
+        if self.engine is not None and not self.polling and not self.closed:
+            self.polling = True
+            self._refresh.emit()
+
+    def _on_polled(self, _result: Any) -> None:
+        self.polling = False
+
+    def abandon(self) -> None:
+        """Drop a connection still being tried without waiting for it (the window never waits on the network):
+        its threads end once the attempt does, and an engine it opened late is closed (``_on_opened``)."""
+        self.closed = True
+        for thread in self.threads:
+            thread.quit()
+        _LINGERING.append(self)
+
+    def shutdown(self) -> None:
+        """Stop the threads and the event subscribers. Replies in flight must have been cancelled first."""
+        if self.closed:
+            return
+        self.closed = True
+        for thread in self.threads:
+            thread.quit()
+        joined = all(thread.wait(JOIN_MS) for thread in self.threads)
+        if not joined:  # a reply stuck in a read: its thread must outlive this object, never be destroyed running
+            _LINGERING.append(self)
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,200 @@
+"""Remote chats on the real window against a real ``python -m engine serve`` subprocess with KV events on:
+File ▸ Connect to a server…, a reply streamed from it, the page map drawing the server's blocks, the server killed
+mid-reply and then gone, a bad address — and the window usable throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from app_helpers import close_window, open_window
+
+from engine import snapshot as S
+from engine.config import SamplingConfig
+
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = Path(os.environ.get("KVSCOPE_SHOTS", "/tmp"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``engine serve`` on free ports with ZMQ KV events (and a replay endpoint), page size 16."""
+
+    def __init__(self, model: Path) -> None:
+        self.port, ev, replay = free_port(), free_port(), free_port()
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
+               "topic": "kv-events", "replay_endpoint": f"tcp://*:{replay}"}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(self.port),
+             "--page-size", "16", "--kv-events-config", json.dumps(cfg)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine serve exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.kill()
+        raise RuntimeError("engine serve did not answer in 90 s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def server(stories_path):
+    srv = Server(stories_path)
+    yield srv
+    srv.kill()
+
+
+def connect(qtbot, w, url: str):
+    """File ▸ Connect to a server…, the URL typed, Connect pressed: the remote chat once the server answered."""
+    w.menu_actions["connect"].trigger()
+    dialog = w.remote.dialog
+    assert dialog.isVisible()
+    dialog.url.setText(url)
+    with qtbot.waitSignal(w.remote.chat_added, timeout=30_000) as blocker:
+        dialog.connect_button.click()
+        assert dialog.busy  # Connect returned at once: the attempt runs on the link's thread
+    return blocker.args[0]
+
+
+def send(qtbot, w, text: str, timeout_ms: int = 60_000) -> str:
+    w.chat.input.setPlainText(text)
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=timeout_ms) as blocker:
+        w.chat.submit()
+    return blocker.args[1]
+
+
+def shot(w, name: str) -> None:
+    w.resize(1280, 720)
+    w.repaint()
+    w.grab().save(str(SHOTS / f"remote_{name}.png"))
+
+
+def active_cells(page_map) -> tuple[int, int]:
+    """Cells in the active state, and cells drawn in the active (first turn's) colour."""
+    from app.panels.page_map import TURN_COLOURS, _rgb
+
+    colour = _rgb(TURN_COLOURS[0]).astype(np.uint8)
+    rgb = page_map.colours[..., :3].reshape(-1, 3)
+    return int(np.count_nonzero(page_map.grid == S.PAGE_ACTIVE)), int(np.count_nonzero((rgb == colour).all(axis=1)))
+
+
+def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, data_dir, stories_path, server):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=30))
+    try:
+        local_chat = w.chat_id
+        rc = connect(qtbot, w, server.url)
+        assert w.remote.current is rc and w.chat_id is None  # the local chat left the screen
+        row = w.remote.list.item(0).text()
+        assert row.startswith("⇄ stories260K @ 127.0.0.1:") and str(server.port) in row
+        assert w.remote.list.isVisible() and not w.remote.dialog.isVisible()
+        lock = w.remote.lock.label
+        assert lock.isVisible() and "fixed by the server: block size 16, KV dtype" in lock.text()
+        assert not w.controls.mode.isEnabled() and not any(t.isEnabled() for t in w.remote.lock._targets())
+        assert not w.menu_actions["compare"].isEnabled()
+
+        assert send(qtbot, w, "Once upon a time") == "max_tokens"
+        reply = rc.reply
+        assert reply.error is None and reply.text
+        assert w.chat.bubbles[-1].text == reply.text == rc.messages[-1].content  # what the engine streamed
+        assert "TTFT" in w.chat.bubbles[-1].stats_label.text()
+        ids = reply.prompt_ids + reply.token_ids
+        assert len(ids) > 16
+        view = rc.link.engine.view
+        qtbot.waitUntil(lambda: view.snapshots(ids)[0].chat_blocks >= (len(ids) - 1) // 16, timeout=10_000)
+        expected = view.snapshots(ids)[0].chat_blocks
+        w.remote.draw(force=True)
+        assert expected > 0 and active_cells(w.page_map) == (expected, expected)
+        assert f"this chat <b>{expected}</b>" in w.page_map.caption.text()
+        assert "TTFT" in w.timing.caption.text() and "tok/s" in w.timing.caption.text()
+
+        def metrics_in_caption() -> bool:  # /metrics is polled on the link's poll thread; the map may be in a tab
+            w.remote.draw(force=True)
+            return "prefix cache hit rate 0% (0 of " in w.page_map.caption.text() and "/2048 blocks" in \
+                w.page_map.caption.text()
+
+        qtbot.waitUntil(metrics_in_caption, timeout=5000)
+        shot(w, "chat")
+
+        # the same prompt again (regenerate): the server's prefix cache serves it, and the old reply is a version
+        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
+            w.chat.regen_button.click()
+        assert rc.reply.cached_tokens > 0 and len(rc.messages[-1].stats["versions"]) == 2
+        assert "reused" in w.chat.bubbles[-1].cache_label.text()
+
+        # back to the local chat: everything the remote chat borrowed comes back
+        w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(local_chat))
+        assert w.chat_id == local_chat and w.remote.current is None
+        assert w.controls.mode.isEnabled() and not w.remote.lock.label.isVisible()
+        w.remote.list.setCurrentRow(0)
+        assert w.remote.current is rc and w.chat.bubbles[-1].text == rc.messages[-1].content
+
+        # the server dies mid-reply: the reply ends with the reason, its text kept
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400)
+        def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
+            if text:
+                server.kill()
+
+        rc.link.worker.delta.connect(kill)
+        assert send(qtbot, w, "Tell me a long story") == "error"
+        rc.link.worker.delta.disconnect(kill)
+        stopped = rc.messages[-1]
+        assert stopped.content and stopped.stats["error"] and w.chat.bubbles[-1].text == stopped.content
+        assert "The remote reply stopped" in w.chat.notice.label.text()
+        shot(w, "killed")
+
+        # and now it is gone: the next reply says so at once, and the window stays usable
+        assert send(qtbot, w, "Are you there?") == "error"
+        assert "refused the connection" in w.chat.notice.label.text()
+        assert w.chat.send_button.isEnabled() and not w.chat.generating
+        w.new_chat()  # a local chat again, answered by the local engine
+        assert w.remote.current is None and w.chat.send_button.isEnabled()
+    finally:
+        close_window(w)
+        w.close()
+
+
+def test_a_closed_port_is_one_line_in_the_dialog(qtbot, data_dir, stories_path):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        chat = w.chat_id
+        w.menu_actions["connect"].trigger()
+        dialog = w.remote.dialog
+        dialog.url.setText(f"http://127.0.0.1:{free_port()}")
+        dialog.connect_button.click()
+        qtbot.waitUntil(lambda: bool(dialog.error.text()), timeout=15_000)
+        assert "refused the connection" in dialog.error.text() and "\n" not in dialog.error.text()
+        assert dialog.isVisible() and dialog.connect_button.isEnabled()
+        assert not w.remote.chats and not w.remote.list.isVisible() and w.chat_id == chat  # nothing else changed
+        shot(w, "bad_url")
+        dialog.url.setText("ftp://nowhere")
+        dialog.connect_button.click()
+        qtbot.waitUntil(lambda: "not a server address" in dialog.error.text(), timeout=5000)
+        dialog.reject()
+    finally:
+        close_window(w)
+        w.close()
