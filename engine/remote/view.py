@@ -172,6 +172,7 @@ class RemoteView:
         self.lock = threading.Lock()
         self.batches = 0
         self.latencies: list[float] = []  # seconds from a batch's server time to its arrival here (last 4096)
+        self.on_change = None  # called (subscriber thread) after each batch: the window redraws soon after
 
     def pool(self, rank: int) -> RemotePool:
         p = self.pools.get(rank)
@@ -188,6 +189,8 @@ class RemoteView:
             if live:
                 self.latencies.append(max(0.0, now - batch.ts))
                 del self.latencies[:-4096]
+        if self.on_change is not None and batch.events:
+            self.on_change()
 
     def gap(self, rank: int, missing: int, replayed: bool) -> None:
         with self.lock:

@@ -100,24 +100,30 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: Path)
     raise RuntimeError(f"server not ready in {timeout:.0f} s: {log_path.read_text()[-3000:]}")
 
 
-def start_vllm(py: Path, model: Path, port: int, events: dict | None, log_path: Path) -> subprocess.Popen:
+def start_vllm(py: Path, model: Path, port: int, events: dict | None, log_path: Path,
+               threads: int | None = 1) -> subprocess.Popen:
+    """vLLM on 127.0.0.1 (``threads``: its OpenMP threads; 1 in tests leaves a core to the test process)."""
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny"]
     if events is not None:
         cmd += ["--kv-events-config", json.dumps(events)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.pop("PYTHONPATH", None)
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
 
-def start_kvscope(model: Path, port: int, events: dict | None, log_path: Path) -> subprocess.Popen:
+def start_kvscope(model: Path, port: int, events: dict | None, log_path: Path,
+                  threads: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
            "--page-size", str(BLOCK)]
     if events is not None:
         cmd += ["--kv-events-config", json.dumps(events)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
 
