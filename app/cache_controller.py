@@ -30,6 +30,7 @@ class CacheController(QObject):
         self.engine = engine
         self.status = status
         self.applied: CacheConfig = cache_from_settings(settings)
+        self.previous: CacheConfig = self.applied  # the setting before the last one applied
         controls.set_config(self.applied)
         status.show_cache(self.applied)
         controls.changed.connect(self.apply)
@@ -44,6 +45,7 @@ class CacheController(QObject):
         self.controls.set_config(self.applied)
 
     def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
+        self.previous = self.applied  # a reply in flight names what changed (``changed``'s listeners read it)
         self.applied = cfg
         save_cache(self.settings, cfg)
         self.controls.show_notes(list(notes))

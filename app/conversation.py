@@ -21,7 +21,7 @@ from app.chat_pane import ChatPane
 from app.failure import Failure
 from app.history import HistoryStore
 from app.history_notice import HistoryNotices
-from app.replies import Reply, interrupted, pick_version, versions_of
+from app.replies import Reply, edited_versions, interrupted, pick_version, versions_of
 from app.send_check import SendCheck
 from app.settings import Settings
 from app.engine_thread import EngineThread
@@ -294,13 +294,15 @@ class Conversation(QObject):
         if target is None or target.role != "user":
             return
         first = next(m for m in messages if m.role == "user")
+        old = next((m for m in messages if m.position > position), None)  # the reply it had: kept as a version
+        versions = edited_versions(old, target.content) if old is not None and old.role == "assistant" else []
         self.history.set_content(target.id, text)
         self.history.truncate_after(self.chat_id, position)
         self.pane.truncate_after(position)
         self.pane.set_text_at(position, text)
         if target.id == first.id:
             self._retitle(first.content, text)
-        self._request_reply()
+        self._request_reply(versions)
 
     def stop(self) -> None:
         """Stop the reply on screen (Stop, Esc)."""
@@ -312,11 +314,14 @@ class Conversation(QObject):
         if self.running is not None:
             self.running.stop_detail = why
 
-    def note_mode(self, mode: str) -> None:
-        """The cache mode changed; a reply in flight records it (its stats say "cache paged → off")."""
+    def note_mode(self, mode: str, switches: list[str] = ()) -> None:
+        """The cache setting changed; a reply in flight records it (its stats say "cache paged → off" and
+        ``switches``: what else changed, in the controls' words)."""
         r = self.running
         if r is not None and mode != r.modes[-1]:
             r.modes.append(mode)
+        if r is not None:
+            r.switches.extend(switches)
 
     def _request_reply(self, versions: list | None = None) -> None:
         try:

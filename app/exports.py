@@ -75,7 +75,8 @@ class Exporter:
 
     def export_trace(self, kind: str) -> None:
         if not len(self.trace):
-            self._show_error("No cache trace yet: send a message first.")
+            self._show_error("No cache trace for this chat yet: the trace records the replies written while the "
+                             "app runs. Send a message first.")
             return
         name = self.start_dir() / f"kvscope-trace-{time.strftime('%Y%m%d-%H%M%S')}.{kind}"
         path, _ = QFileDialog.getSaveFileName(self.parent, "Export this chat's cache trace", str(name),
@@ -103,7 +104,8 @@ class Exporter:
             try:
                 paths = self.export_panels(folder)
                 self._remember(folder)
-                self.status.message(f"Wrote {len(paths)} PNG files to {folder}", 6000)
+                names = ", ".join(p.name for p in paths)
+                self.status.message(f"Saved {len(paths)} panel pictures in {folder}: {names}", 12000)
             except OSError as exc:
                 self._show_error(f"Could not write the PNG files: {exc}")
 

@@ -214,3 +214,23 @@ def describe_spec(cfg: Any) -> str:
     if cfg.method == "draft":
         name += " " + (cfg.draft_path.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or cfg.draft_path)
     return name + (f", {cfg.draft_tokens} draft tokens per check" if cfg.draft_tokens else ", the draft length adapts")
+
+
+def describe_switches(old: Any, new: Any) -> list[str]:
+    """What a cache change made mid-reply changed besides the mode (the reply's footer names the mode's own
+    switch), in the controls' words: ['keys full precision → 8-bit', 'policy keeps every token → heavy
+    hitters']."""
+    out = []
+    for role, field in (("keys", "k_dtype"), ("values", "v_dtype")):
+        a, b = getattr(old, field), getattr(new, field)
+        if a != b:
+            out.append(f"{role} {KV_DTYPES[a].short if a in KV_DTYPES else a} → "
+                       f"{KV_DTYPES[b].short if b in KV_DTYPES else b}")
+    budgets = [(c.policy_params or {}).get("budget") for c in (old, new)]
+    if old.policy != new.policy or budgets[0] != budgets[1]:
+        names = [(POLICIES[c.policy].short if c.policy in POLICIES else c.policy) + (f" ({b} per layer)" if b else "")
+                 for c, b in zip((old, new), budgets)]
+        out.append(f"policy {names[0]} → {names[1]}")
+    if old.page_size != new.page_size and old.mode == new.mode == "paged":
+        out.append(f"pages of {old.page_size} → {new.page_size} tokens")
+    return out

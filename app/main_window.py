@@ -40,6 +40,7 @@ from app.docks import DockLayout, empty_tab_bar_focused
 from app.exports import Exporter
 from app.failure import Failure
 from app.gc_guard import MainThreadGC
+from app.glossary import describe_switches
 from app.history import HistoryStore
 from app.menus import build_menus
 from app.model_controller import ModelController
@@ -325,7 +326,7 @@ class MainWindow(QMainWindow):
     def _on_chat_opened(self, chat_id: int) -> None:
         """Another chat is on screen: the panels, the trace and the context readout start over for it."""
         self.api_list.deselect()
-        self.trace.reset()
+        self.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
         self.scheduler.clear()
         if not self.generation_id:  # else the reply running in it sends its own snapshots
             self._describe_chat()
@@ -409,7 +410,8 @@ class MainWindow(QMainWindow):
 
     def _on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
         if self.generation_id:
-            self.conversation.note_mode(cfg.mode)  # the reply's stats line shows e.g. "cache paged → off"
+            # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
+            self.conversation.note_mode(cfg.mode, describe_switches(self.cache.previous, cfg))
             self.timing.current.label = self._timing_label(self.conversation.modes)
         self.trace.notes.extend(notes)
         if notes:
@@ -427,7 +429,7 @@ class MainWindow(QMainWindow):
     def _on_api_selected(self, session_id: int) -> None:
         """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
         for its snapshot, or the chat comes back with its panels."""
-        self.trace.reset()
+        self.trace.open(("api", session_id) if session_id else self.chat_id)
         self.scheduler.clear()
         self.api_view.show(session_id)
         if not session_id:

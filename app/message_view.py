@@ -40,6 +40,8 @@ def stats_line(stats: dict[str, Any]) -> str:
     parts.append(f"{stats.get('generated_tokens', 0)} tokens")
     if stats.get("mode"):
         parts.append(f"cache {stats['mode']}")
+    if stats.get("switches"):  # precision / policy / page size changed while it was written
+        parts.append("switched mid-reply: " + "; ".join(stats["switches"]))
     if stats.get("spec_note"):  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
         parts.append(stats["spec_note"])
     mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))

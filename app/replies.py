@@ -5,7 +5,8 @@ reply goes on in the background when the user opens another chat, and its text a
 history store either way. Saved stats always carry ``stop_reason`` (and ``stop_detail`` when it was not
 the user who stopped it), so every reply says how it ended — also one the app did not live to finish.
 
-Versions: regenerating keeps the replies it replaces. The message's stats hold ``versions`` (every
+Versions: regenerating keeps the replies it replaces, and so does Edit & resend (each old one noting the
+message it answered). The message's stats hold ``versions`` (every
 version's content and stats, oldest first) and ``version`` (the one shown); the message's content is the
 shown version's, so the engine continues the chat from the version on screen.
 """
@@ -39,6 +40,7 @@ class Reply:
     failure: Failure | None = None
     stop_detail: str = ""  # why it was stopped when the user did not press Stop
     draft_spans: list[list[int]] = field(default_factory=list)  # characters of ``streamed`` from accepted drafts
+    switches: list[str] = field(default_factory=list)  # cache changes made while it ran, besides the mode's
 
     def add_text(self, delta: str, draft: bool) -> None:
         """A token's text arrived (``draft``: a draft token the model accepted)."""
@@ -51,6 +53,8 @@ class Reply:
         """What is saved with the finished reply (``turn``: the engine's ``TurnStats`` or None)."""
         info = asdict(turn) if turn is not None else {}
         info.update(mode=" → ".join(self.modes), stop_reason=reason)
+        if self.switches:
+            info["switches"] = list(self.switches)
         info.setdefault("generated_tokens", self.tokens)
         if reason == "error" and self.failure is not None:
             info["error"] = self.failure.message
@@ -75,6 +79,20 @@ def versions_of(content: str, stats: dict[str, Any]) -> list[dict[str, Any]]:
     if stats.get("versions"):
         return [dict(v) for v in stats["versions"]]
     return [{"content": content, "stats": plain_stats(stats)}]
+
+
+def edited_versions(reply: Any, asked: str) -> list[dict[str, Any]]:
+    """Edit & resend: the versions of the stored ``reply`` to the message before its edit (``asked``), each
+    saying what it answered, so the new reply sits beside them as Regenerate's does."""
+    said = " ".join(asked.split())
+    note = "a reply to the message before it was edited: “" + (said if len(said) <= 80 else said[:79] + "…") + "”"
+    out = []
+    for v in versions_of(reply.content, reply.stats):
+        stats = dict(v.get("stats", {}))
+        if note not in stats.get("notes", []):
+            stats["notes"] = list(stats.get("notes", [])) + [note]
+        out.append(dict(v, stats=stats))
+    return out
 
 
 def with_version(versions: list[dict[str, Any]], text: str, stats: dict[str, Any]) -> dict[str, Any]:

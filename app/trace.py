@@ -1,12 +1,14 @@
-"""The open chat's cache trace: every snapshot of every reply in the chat since it was opened, exportable
-as JSON or CSV."""
+"""The open chat's cache trace: every snapshot of every reply in the chat on screen written while the app runs
+(kept when another chat is opened, for when it comes back), exportable as JSON or CSV."""
 
 from __future__ import annotations
 
 import csv
 import json
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,7 @@ def strip_from_runs(runs: np.ndarray) -> np.ndarray:
 
 
 _NO_STRIP = np.zeros(0, dtype=np.int8)
+KEPT = 16  # chats whose traces are kept while others are on screen (each at most ``limit`` steps)
 
 
 class CacheTrace:
@@ -53,6 +56,8 @@ class CacheTrace:
         self.snapshots: list[CacheSnapshot] = []  # token_state emptied: see ``strips``
         self.strips: list[np.ndarray] = []  # [runs, 2] per snapshot (``strip_runs``)
         self.notes: list[str] = []
+        self.key: Any = None  # the chat this trace is of (``open``)
+        self._kept: OrderedDict[Any, tuple] = OrderedDict()  # other chats' traces, least recently shown first
 
     @property
     def generation_id(self) -> int:
@@ -60,11 +65,26 @@ class CacheTrace:
         return self.generation_ids[-1] if self.generation_ids else 0
 
     def reset(self) -> None:
-        """Another chat is open: its trace starts empty."""
+        """The trace starts empty (the chat it belonged to keeps nothing)."""
         self.generation_ids = []
         self.snapshots = []
         self.strips = []
         self.notes = []
+
+    def open(self, key: Any) -> None:
+        """Another chat (``key``) is on screen: the trace so far stays with the chat it belongs to, and ``key``'s
+        comes back — a chat switched away from and back to exports all its replies (the last ``KEPT`` chats)."""
+        if key == self.key:
+            return
+        if self.snapshots or self.notes:
+            self._kept[self.key] = (self.generation_ids, self.snapshots, self.strips, self.notes)
+            self._kept.move_to_end(self.key)
+            while len(self._kept) > KEPT:
+                self._kept.popitem(last=False)
+        self.reset()
+        self.key = key
+        if key in self._kept:
+            self.generation_ids, self.snapshots, self.strips, self.notes = self._kept.pop(key)
 
     def begin(self, generation_id: int) -> None:
         """A reply of this chat starts: its snapshots are added to the chat's."""

@@ -68,6 +68,9 @@ class Panel(QWidget):
         b.setToolTip(tip)
         b.setAutoRaise(True)
         b.setObjectName("panelTool")
+        policy = b.sizePolicy()
+        policy.setRetainSizeWhenHidden(True)  # hidden for a PNG export without moving the caption
+        b.setSizePolicy(policy)
         return b
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
@@ -110,8 +113,16 @@ class Panel(QWidget):
         self.updates += 1
 
     def export_png(self, path: str) -> bool:
-        """Save the panel as it looks now."""
-        return self.grab().save(str(path), "PNG")
+        """Save the panel as it looks now, without its ⟲ / ? buttons (they do nothing in a picture; their room
+        is kept, so nothing moves)."""
+        tools = [b for b in (self.fit_button, self.help_button) if b.isVisible()]
+        for b in tools:
+            b.hide()
+        try:
+            return self.grab().save(str(path), "PNG")
+        finally:
+            for b in tools:
+                b.show()
 
 
 class Caption(QLabel):
