@@ -116,6 +116,10 @@ class RemotePool:
                     del self._children[parent]
 
     # -- queries ----------------------------------------------------------------------------------------
+    def names(self) -> list:
+        """Every cached block's hash, once per block (a hash held twice is listed twice)."""
+        return [h for h, slots in self._slots_of.items() for _ in slots]
+
     def chain_of(self, ids: Sequence[int]) -> list:
         """The cached blocks holding ``ids`` from its first token on, full blocks only, up to the first one the
         pool lacks (a block is named by its parent and its tokens, so token ids find it)."""

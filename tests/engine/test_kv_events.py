@@ -232,3 +232,40 @@ def test_events_config_refusals():
         KVEventsConfig.parse("{")
     with pytest.raises(ValueError, match="not a tcp://"):
         KVEventsConfig.parse('{"endpoint": "http://x"}')
+
+
+def test_the_events_tell_the_pools_truth_through_evictions(stories_path):
+    """A small pool (32 pages) and one idle conversation kept: new prompts evict cached pages. After every request
+    the view rebuilt from the events holds exactly the names the server's pools hold."""
+    import httpx
+
+    from engine.loader import load_model
+    from engine.server.kv_events import block_hash
+
+    port = free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
+    lm = load_model(str(stories_path))
+    server = KVServer(lm, CacheConfig(page_size=P, max_pages=32), ServerOptions(kv_events=cfg, max_idle=1))
+    thread = ServerThread(server)
+    url = thread.start()
+    eng = RemoteEngine(url)
+    try:
+        removed = 0
+        for i, animal in enumerate(["cat", "dog", "bird", "fish", "frog", "bear", "cat"]):
+            eng.chat([{"role": "user", "content": f"{i}. The {animal} " + STORY * 2}], max_tokens=30)
+            truth = server.scheduler.call(lambda: sorted(
+                block_hash(d) for a in lm.kv_arenas for d in a.pool.hash if d is not None)).result(10)
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                with eng.view.lock:
+                    seen = sorted(eng.view.pool(0).names())
+                if seen == truth:
+                    break
+                time.sleep(0.05)
+            assert seen == truth, f"request {i}: the view holds {len(seen)} names, the pools {len(truth)}"
+            removed = eng.view.snapshots()[0].removed
+        assert removed > 0  # the pool was small enough that names were dropped
+        assert "vllm:num_preemptions_total" in httpx.get(url + "/metrics").text
+    finally:
+        eng.close()
+        thread.stop()
