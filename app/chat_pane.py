@@ -72,6 +72,7 @@ class ChatPane(QWidget):
         self._ready = False
         self._hint = ""
         self.read_only = ""  # why nothing can be typed here (an API conversation is on screen); "" when it can
+        self.priority = False  # the eviction policy is Priority pinning (pinned messages' lines say so)
         self.tint = False  # replies tint their accepted draft tokens (speculative decoding)
 
         self.title = WordLabel("New chat")  # shortened at a word with "…"
@@ -236,6 +237,7 @@ class ChatPane(QWidget):
     def _bubble(self, role: str, text: str, position: int) -> MessageView:
         bubble = MessageView(role, text, position)
         bubble.tint = self.tint
+        bubble.priority = self.priority
         bubble.edit_submitted.connect(self.edit_requested)
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
@@ -297,6 +299,12 @@ class ChatPane(QWidget):
         """Streamed text of the reply (``draft``: an accepted draft token's)."""
         if self.streaming is not None:
             self.streaming.append(delta, draft)
+
+    def set_priority(self, on: bool) -> None:
+        """Priority pinning is (not) the eviction policy: pinned messages' lines say whether it keeps them."""
+        self.priority = bool(on)
+        for bubble in self.bubbles:
+            bubble.set_priority(self.priority)
 
     def set_tint(self, on: bool) -> None:
         """Tint accepted draft tokens in every reply (the bubbles built later too)."""

@@ -140,6 +140,7 @@ class MainWindow(QMainWindow):
         self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
         self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
         self.chat.set_tint(self.speculation.tint)
+        self.chat.set_priority(self.cache.applied.policy == "priority")  # and on each change (``_on_cache_applied``)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
         self.conversation = Conversation(
@@ -409,6 +410,7 @@ class MainWindow(QMainWindow):
         self.status.message("; ".join(notes), 6000)
 
     def _on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
+        self.chat.set_priority(cfg.policy == "priority")
         if self.generation_id:
             # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
             self.conversation.note_mode(cfg.mode, describe_switches(self.cache.previous, cfg))

@@ -50,13 +50,16 @@ def stats_line(stats: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
-def pin_line(stats: dict[str, Any]) -> str:
-    """'pinned · 12 tokens kept by priority pinning' for a pinned message ('' otherwise)."""
+def pin_line(stats: dict[str, Any], priority: bool = True) -> str:
+    """'pinned · 12 tokens kept by Priority pinning' for a pinned message ('' otherwise). ``priority``: that is
+    the eviction policy now; under another one nothing keeps a pinned message, and the line says so."""
     if not stats or not stats.get("pinned"):
         return ""
     tokens = stats.get("tokens")
-    return "pinned" + (f" · {tokens} tokens kept by Priority pinning" if tokens is not None else
-                       " · kept by Priority pinning")
+    count = f" · {tokens} tokens" if tokens is not None else ""
+    if priority:
+        return f"pinned{count} kept by Priority pinning" if count else "pinned · kept by Priority pinning"
+    return f"pinned{count} · kept once the eviction policy is Priority pinning (it is not now)"
 
 
 def error_line(stats: dict[str, Any]) -> str:
@@ -111,6 +114,7 @@ class MessageView(QFrame):
         self.stats: dict[str, Any] = {}
         self.draft_spans: list[list[int]] = []  # characters of ``text`` from accepted draft tokens
         self.tint = False  # draw them tinted (the window's setting)
+        self.priority = False  # the eviction policy is Priority pinning (what a pin line may promise)
         self.waiting = ""  # what an empty reply waits for, shown instead of "…" (``app.reply_wait``)
         self._dirty = True
         self.setObjectName(f"bubble_{role}")
@@ -256,7 +260,7 @@ class MessageView(QFrame):
         self.stats = dict(stats or {})
         if "stop_reason" in self.stats:  # a finished reply's record replaces what streaming collected
             self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
-        line = stats_line(self.stats) or pin_line(self.stats)
+        line = stats_line(self.stats) or pin_line(self.stats, self.priority)
         for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
                             (self.error_label, error_line(self.stats))):
             label.setText(text)
@@ -311,6 +315,13 @@ class MessageView(QFrame):
         self.pin_button.blockSignals(False)
         self.pin_button.setText("Pinned" if pinned else "Pin")
 
+    def set_priority(self, on: bool) -> None:
+        """Whether Priority pinning is the eviction policy now: a pinned message's line says what keeps it."""
+        if bool(on) != self.priority:
+            self.priority = bool(on)
+            if self.stats.get("pinned"):
+                self._show_pin_line()
+
     def set_pinned_tokens(self, tokens: int) -> None:
         """The pinned message's token count (saved with it)."""
         self.stats["tokens"] = tokens
@@ -318,7 +329,7 @@ class MessageView(QFrame):
 
     def _show_pin_line(self) -> None:
         if self.role == "user":
-            line = pin_line(self.stats)
+            line = pin_line(self.stats, self.priority)
             self.stats_label.setText(line)
             self.stats_label.setVisible(bool(line))
 

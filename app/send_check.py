@@ -89,15 +89,18 @@ class SendCheck(QObject):
             self.pane.input.clear()
             self.conv.send(text, checked=True)
 
-        if tokens >= ctx:
-            room = f"more than the model's context of {ctx:,}: it cannot read them all"
+        actions = [("New chat", self.conv.new_chat)]
+        if tokens >= ctx:  # sent as it is it could only fail: no "Send anyway"
+            room = (f"more than the model's context of {ctx:,}: it cannot read them all, and nothing set here drops "
+                    "tokens to make them fit")
         else:
             room = (f"of the model's {ctx:,} context tokens, leaving {left:,} ({100 * left / max(ctx, 1):.0f}%) for "
                     "the reply, which stops when the context is full")
+            actions.insert(0, ("Send anyway", send_anyway))
         self.pane.notice.show_message(
             f"Not sent yet: the chat and this message take {tokens:,} tokens, {room}. Start a new chat, shorten "
-            "the message, or choose an overflow policy (Cache policy ▸ When the context is full).",
-            actions=[("Send anyway", send_anyway), ("New chat", self.conv.new_chat)])
+            "the message, or choose an overflow policy that drops tokens (Cache policy ▸ When the context is full).",
+            actions=actions)
 
     def _save_pinned(self, chat_id: int, message_id: int, position: int, tokens: int) -> None:
         if tokens < 0:

@@ -139,14 +139,22 @@ def test_a_pinned_message_keeps_its_token_count_after_reopening(qtbot, data_dir,
         qtbot.waitUntil(lambda: "tokens" in w.history.messages(w.chat_id)[0].stats, timeout=10_000)
         tokens = w.history.messages(w.chat_id)[0].stats["tokens"]
         assert 5 < tokens < 40
-        assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
+        # the eviction policy is not Priority pinning: the line promises nothing it does not do (#19 item 12)
+        off = f"pinned · {tokens} tokens · kept once the eviction policy is Priority pinning (it is not now)"
+        assert w.chat.bubbles[0].stats_label.text() == off
     finally:
         close_window(w)
     w.close()
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
         assert w.chat.bubbles[0].pinned
+        assert w.chat.bubbles[0].stats_label.text() == off
+        w.controls.policy.setCurrentIndex(w.controls.policy.findData("priority"))  # as the user does
+        qtbot.waitUntil(lambda: w._applied_cache.policy == "priority", timeout=10_000)
         assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
+        w.controls.policy.setCurrentIndex(w.controls.policy.findData("none"))
+        qtbot.waitUntil(lambda: w._applied_cache.policy == "none", timeout=10_000)
+        assert w.chat.bubbles[0].stats_label.text() == off
     finally:
         close_window(w)
 
@@ -195,10 +203,29 @@ def test_a_message_that_leaves_no_room_asks_first(qtbot, data_dir, stories_path)
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
         assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()  # kept
         assert "Not sent yet" in w.chat.notice.text and "leaving" in w.chat.notice.text
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Send anyway", "New chat"]
         w.chat.notice.action_buttons[0].click()  # Send anyway
         assert w.generation_id and w.chat.input.toPlainText() == ""
         gen, reason = wait_reply(qtbot, w)
         assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
+    finally:
+        close_window(w)
+
+
+def test_a_message_past_the_context_is_not_offered_send_anyway(qtbot, data_dir, stories_path):
+    """#19 item 12: a prompt longer than the model's context with nothing set to drop tokens could only fail:
+    the notice says so and offers no "Send anyway"."""
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        assert w.cache.applied.overflow == "stop" and w.cache.applied.policy == "none"
+        text = "the cat sat on the mat and " * 56  # ~580 of stories260K's 512 tokens
+        w.chat.input.setPlainText(text)
+        w.chat.submit()
+        qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
+        assert "more than the model's context of 512" in w.chat.notice.text
+        assert "nothing set here drops tokens" in w.chat.notice.text
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["New chat"]
+        assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()
     finally:
         close_window(w)
 
