@@ -23,7 +23,7 @@ from PySide6.QtWidgets import QLabel
 from app.docks import on_screen
 from app.remote_dialog import ConnectDialog
 from app.remote_list import Message, RemoteChat, RemoteList
-from app.remote_panels import OTHER_PANELS, ControlsLock, cache_snapshot, fixed_text, pool_caption, timing_text, \
+from app.remote_panels import OTHER_PANELS, ControlsLock, cache_snapshot, fixed_text, pool_texts, timing_text, \
     token_event
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
@@ -31,6 +31,8 @@ from app.replies import pick_version, versions_of, with_version
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
+TIMING_TIP = ("A remote reply's timing as this client measured it, network included: the first bar is the wait for "
+              "the first token (TTFT), the curves the gaps between streamed chunks")
 PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
 # The pane's request signals and who answers them: the conversation's slot, or this controller's.
 PANE_SLOTS = (("send_requested", "send", "send"), ("stop_requested", "stop", "stop"),
@@ -69,9 +71,14 @@ class RemoteChats(QObject):
         self.closed = False
         self._next_chat, self._next_gen = 0, 1_000_000  # apart from the local replies' ids (the timing panel)
         self._ready = (True, "")  # the pane's local readiness, given back on leaving
+        self._timing_tip = ""
+        self._front = None  # the dock in front of the page map's tabs before a remote chat came on screen
         self.label = QLabel("Remote chats")
         self.label.setToolTip("Chats whose replies come from a server (File ▸ Connect to a server…)")
         self.list = RemoteList()
+        # Two rows at least, no more: the chats dock is not scrolled, and a taller minimum would raise the
+        # window's minimum height (1280×720 must still fit).
+        self.list.setMinimumHeight(2 * self.list.fontMetrics().height() + 8)
         box = window.chats_box.layout()
         box.insertWidget(1, self.label)
         box.insertWidget(2, self.list, 1)
@@ -139,6 +146,10 @@ class RemoteChats(QObject):
         w.scheduler.clear()
         for panel in (w.occupancy, w.memory):
             panel.caption.setText(OTHER_PANELS)
+        self._timing_tip = w.timing.caption.toolTip()  # the compiled decode step's, given back on leaving
+        dock = w.docks["page_map"]  # the remote view's panel comes to the front of its tabs (given back later)
+        self._front = next((d for d in [dock] + w.tabifiedDockWidgets(dock) if on_screen(d)), None)
+        dock.raise_()
         self.timer.start()
         self.poll.start()
 
@@ -152,6 +163,7 @@ class RemoteChats(QObject):
         if rc.generation:
             p.resume_reply(rc.messages[-1].position, "", [])
         p.set_generating(bool(rc.generation))
+        self._no_pins()
         self.lock.lock(fixed_text(rc.link.engine.fixed_settings()))
         self.window.timing.clear()
         if rc.link.engine.note:
@@ -175,8 +187,11 @@ class RemoteChats(QObject):
         self.poll.stop()
         self.lock.unlock()
         self.pane.set_ready(*self._ready)
+        if self._front is not None and on_screen(self.window.docks["page_map"]):
+            self._front.raise_()
         self.window.page_map.clear()
         self.window.timing.clear()
+        self.window.timing.caption.setToolTip(self._timing_tip)
 
     def _rewire(self, remote: bool) -> None:
         conv = self.window.conversation
@@ -186,6 +201,12 @@ class RemoteChats(QObject):
                 (getattr(self, mine), getattr(conv, theirs))
             signal.disconnect(old)
             signal.connect(new)
+
+    def _no_pins(self) -> None:
+        """Pinning is a local cache policy: a remote chat's bubbles do not offer it (bubbles are built lazily, so
+        this runs after each change of the transcript)."""
+        for bubble in self.pane.bubbles:
+            bubble.pin_button.setVisible(False)
 
     def _on_local_opened(self, _chat_id: int) -> None:
         self.leave()
@@ -214,6 +235,7 @@ class RemoteChats(QObject):
         rc.messages.append(Message("user", text, len(rc.messages)))
         self.pane.add_message("user", text, rc.messages[-1].position)
         self._request(rc)
+        self._no_pins()
         self._refresh_list()
 
     def _request(self, rc: RemoteChat, versions: list | None = None) -> None:
@@ -250,6 +272,7 @@ class RemoteChats(QObject):
         versions = versions_of(last.content, last.stats) if last.role == "assistant" else []
         self._truncate(rc, max(m.position for m in rc.messages if m.role == "user"))
         self._request(rc, versions)
+        self._no_pins()
 
     def edit(self, position: int, text: str) -> None:
         """Replace a past user message, drop what followed and ask again."""
@@ -261,6 +284,7 @@ class RemoteChats(QObject):
         self._truncate(rc, position)
         self.pane.set_text_at(position, text)
         self._request(rc)
+        self._no_pins()
 
     def _truncate(self, rc: RemoteChat, position: int) -> None:
         rc.messages = [m for m in rc.messages if m.position <= position]
@@ -338,13 +362,18 @@ class RemoteChats(QObject):
             pools = eng.view.snapshots(rc.ids)
             w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
             cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
-            w.page_map.caption.setText(pool_caption(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}"))
+            caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
+            w.page_map.caption.setText(caption)
+            w.page_map.readout = readout
+            if not w.page_map._hovering:  # the mouse on a page: its description stays
+                w.page_map.hover.setText(readout)
         if force or on_screen(w.timing):
             w.timing.refresh()
+            w.timing.caption.setToolTip(TIMING_TIP)
             if rc.generation:
-                w.timing.caption.setText(f"<b>{rc.label}</b> · streaming: {rc.chunks} chunks so far")
+                w.timing.caption.setText(f"<b>remote reply</b> · streaming: {rc.chunks} chunks so far")
             elif rc.reply is not None:
-                w.timing.caption.setText(timing_text(rc.reply, rc.label))
+                w.timing.caption.setText(timing_text(rc.reply))
 
     # -- closing --------------------------------------------------------------------------------------------
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name
@@ -359,6 +388,8 @@ class RemoteChats(QObject):
         self.closed = True
         self.timer.stop()
         self.poll.stop()
+        if self.dialog is not None and self.dialog.busy:
+            self.dialog.reject()  # the attempt in progress is dropped, not waited for
         for rc in self.chats.values():
             if rc.cancel is not None:
                 rc.cancel.set()

@@ -21,8 +21,7 @@ from engine.snapshot import CacheSnapshot, TokenEvent
 
 SLOT_STATES = {SLOT_FREE: S.PAGE_FREE, SLOT_CHAT: S.PAGE_ACTIVE, SLOT_OTHER: S.PAGE_CACHED,
                SLOT_EVICTED: S.PAGE_EVICTED}
-OTHER_PANELS = ("A remote chat is on screen: its server's KV cache is drawn in the Page map (this panel shows the "
-                "local engine's chats).")
+OTHER_PANELS = "A remote chat is on screen: its server's cache is in the Page map."  # short: captions wrap in full
 
 
 def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheSnapshot:
@@ -46,36 +45,36 @@ def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheS
         seq_len=chat_tokens, context_length=0, page_groups=groups, page_mine=state == S.PAGE_ACTIVE)
 
 
-def pool_caption(pools: list, metrics, cached_tokens: int | None, server: str) -> str:
-    """The page map's caption for a remote pool: what the events and ``/metrics`` say, in one paragraph."""
+def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> tuple[str, str]:
+    """The page map's caption (the pool: short, it wraps in full) and readout line (the counters: one line, in
+    full in its tooltip) for a remote pool, from its events and ``/metrics``."""
     block = max((p.block_size for p in pools), default=0) or metrics.block_size
     num = sum(p.num_blocks for p in pools) or metrics.num_blocks
     cached = sum(p.cached_blocks for p in pools)
     mine = sum(p.chat_blocks for p in pools)
     gaps, resyncs = sum(p.gaps for p in pools), sum(p.resyncs for p in pools)
+    caption = (f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached · this chat "
+               f"<b>{mine}</b> · KV usage {metrics.kv_usage:.1%}")
+    if len(pools) > 1:
+        caption += f" · {len(pools)} engines, one pool each"
     hit = (f"{metrics.prefix_hits / metrics.prefix_queries:.0%} ({metrics.prefix_hits:,.0f} of "
            f"{metrics.prefix_queries:,.0f} tokens)") if metrics.prefix_queries else "—"
-    parts = [f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached",
-             f"this chat <b>{mine}</b>", f"KV usage {metrics.kv_usage:.1%}", f"prefix cache hit rate {hit}"]
+    parts = [f"prefix cache hit rate {hit}"]
     if cached_tokens is not None:
         parts.append(f"last reply {cached_tokens:,} cached tokens")
     parts.append(f"{metrics.preemptions:,.0f} preemptions")
     parts.append(f"events: {gaps} batch{'es' if gaps != 1 else ''} missed, {resyncs} resync{'s' if resyncs != 1 else ''}")
-    if len(pools) > 1:
-        parts.append(f"{len(pools)} engines, one pool each")
-    return " · ".join(parts)
+    return caption, " · ".join(parts)
 
 
-def timing_text(reply, label: str) -> str:
-    """The timing caption of a remote reply: TTFT and decode speed as the client measured them."""
-    if reply is None:
-        return f"<b>{html.escape(label)}</b> · waiting for the first token…"
-    ttft = f"TTFT {reply.ttft_s * 1e3:.0f} ms" if reply.ttft_s is not None else "no token yet"
+def timing_text(reply) -> str:
+    """The timing caption of a remote reply: TTFT and decode speed as this client measured them (network in)."""
+    ttft = f"TTFT {reply.ttft_s * 1e3:.0f} ms" if reply.ttft_s is not None else "no token"
     gaps = np.diff(np.asarray(reply.token_times)) * 1e3 if len(reply.token_times) > 1 else np.zeros(0)
     itl = f" · inter-token p50 {np.median(gaps):.1f} ms" if len(gaps) else ""
-    return (f"<b>{html.escape(label)}</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · "
+    return (f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · "
             f"{max(len(reply.token_ids), len(reply.token_times))} tokens at <b>{reply.decode_tokens_per_s:.1f} "
-            f"tok/s</b>{itl} (measured by this client, network included)")
+            f"tok/s</b>{itl}")
 
 
 def fixed_text(settings: dict) -> str:

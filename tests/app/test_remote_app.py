@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from app_helpers import close_window, open_window
 
+from app.docks import on_screen
+
 from engine import snapshot as S
 from engine.config import SamplingConfig
 
@@ -90,6 +92,7 @@ def send(qtbot, w, text: str, timeout_ms: int = 60_000) -> str:
 
 def shot(w, name: str) -> None:
     w.resize(1280, 720)
+    assert w.minimumSizeHint().height() <= 720, name  # the remote parts never force a taller window
     w.repaint()
     w.grab().save(str(SHOTS / f"remote_{name}.png"))
 
@@ -107,7 +110,9 @@ def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, dat
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=30))
     try:
         local_chat = w.chat_id
+        occupancy_in_front = on_screen(w.occupancy)
         rc = connect(qtbot, w, server.url)
+        assert on_screen(w.page_map)  # the remote view's panel comes to the front
         assert w.remote.current is rc and w.chat_id is None  # the local chat left the screen
         row = w.remote.list.item(0).text()
         assert row.startswith("⇄ stories260K @ 127.0.0.1:") and str(server.port) in row
@@ -134,7 +139,7 @@ def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, dat
 
         def metrics_in_caption() -> bool:  # /metrics is polled on the link's poll thread; the map may be in a tab
             w.remote.draw(force=True)
-            return "prefix cache hit rate 0% (0 of " in w.page_map.caption.text() and "/2048 blocks" in \
+            return "prefix cache hit rate 0% (0 of " in w.page_map.readout and "/2048 blocks" in \
                 w.page_map.caption.text()
 
         qtbot.waitUntil(metrics_in_caption, timeout=5000)
@@ -150,11 +155,27 @@ def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, dat
         w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(local_chat))
         assert w.chat_id == local_chat and w.remote.current is None
         assert w.controls.mode.isEnabled() and not w.remote.lock.label.isVisible()
+        assert w.menu_actions["compare"].isEnabled() and on_screen(w.occupancy) == occupancy_in_front
         w.remote.list.setCurrentRow(0)
         assert w.remote.current is rc and w.chat.bubbles[-1].text == rc.messages[-1].content
 
+        # edit the first message (through the pane, as its Save does): what followed goes, a new reply comes
+        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
+            w.chat.edit_requested.emit(0, "Once upon a time there was a cat")
+        assert [m.role for m in rc.messages] == ["user", "assistant"] and rc.messages[-1].content
+        assert rc.messages[0].content == "Once upon a time there was a cat" == w.chat.bubbles[0].text
+
+        # Stop: the reply ends at its next chunk, its text kept, marked as stopped by you
+        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300)
+        w.chat.input.setPlainText("Tell me a story")
+        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000) as stopped:
+            w.chat.submit()
+            qtbot.waitUntil(lambda: rc.chunks > 2, timeout=30_000)
+            w.chat.stop_button.click()
+        assert stopped.args[1] == "cancelled" and "stopped by you" in w.chat.bubbles[-1].stats_label.text()
+        assert len(rc.reply.token_ids) < 300
+
         # the server dies mid-reply: the reply ends with the reason, its text kept
-        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=400)
         def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
             if text:
                 server.kill()
@@ -191,6 +212,7 @@ def test_a_closed_port_is_one_line_in_the_dialog(qtbot, data_dir, stories_path):
         assert dialog.isVisible() and dialog.connect_button.isEnabled()
         assert not w.remote.chats and not w.remote.list.isVisible() and w.chat_id == chat  # nothing else changed
         shot(w, "bad_url")
+        dialog.grab().save(str(SHOTS / "remote_dialog_error.png"))
         dialog.url.setText("ftp://nowhere")
         dialog.connect_button.click()
         qtbot.waitUntil(lambda: "not a server address" in dialog.error.text(), timeout=5000)
