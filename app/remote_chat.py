@@ -22,7 +22,7 @@ from PySide6.QtWidgets import QLabel
 
 from app.docks import on_screen
 from app.remote_dialog import ConnectDialog
-from app.remote_list import Message, RemoteChat, RemoteList
+from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
 from app.remote_panels import OTHER_PANELS, ControlsLock, cache_snapshot, fixed_text, pool_texts, timing_text, \
     token_event
 from app.remote_worker import RemoteLink
@@ -201,6 +201,9 @@ class RemoteChats(QObject):
                 (getattr(self, mine), getattr(conv, theirs))
             signal.disconnect(old)
             signal.connect(new)
+        act = self.window.menu_actions["regenerate"].triggered  # Tools ▸ Regenerate (Ctrl+R) follows the pane
+        act.disconnect(conv.regenerate if remote else self.regenerate)
+        act.connect(self.regenerate if remote else conv.regenerate)
 
     def _no_pins(self) -> None:
         """Pinning is a local cache policy: a remote chat's bubbles do not offer it (bubbles are built lazily, so
@@ -363,6 +366,9 @@ class RemoteChats(QObject):
             w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
             cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
             caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
+            if rc.link.error:  # what is drawn is the last the server said
+                caption = f"<span style='color:#ff6b6b'>not answering</span> · {caption}"
+                readout = f"{rc.link.error} · {readout}"
             w.page_map.caption.setText(caption)
             w.page_map.readout = readout
             if not w.page_map._hovering:  # the mouse on a page: its description stays
@@ -396,17 +402,3 @@ class RemoteChats(QObject):
         for link in self.links:
             link.shutdown()
 
-
-def reply_stats(reply, reason: str) -> dict:
-    """What shows under a remote reply: speed, TTFT, tokens, how it stopped, what the prefix cache reused."""
-    stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times)),
-             "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2)}
-    if reply.ttft_s is not None:
-        stats["ttft_ms"] = round(reply.ttft_s * 1e3, 1)
-    prompt = int(reply.usage.get("prompt_tokens") or 0)
-    if prompt:  # the server's prefix cache: cached_tokens of the prompt were not computed again
-        cached = reply.cached_tokens
-        stats.update(reused_tokens=cached, recomputed_tokens=prompt - cached, first_divergence=cached if cached else -1)
-    if reply.error:
-        stats["error"] = reply.error
-    return stats

@@ -110,3 +110,18 @@ class RemoteList(QListWidget):
     def _on_current(self, item: QListWidgetItem | None, _prev) -> None:
         if item is not None and not self._filling:
             self.chat_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))
+
+
+def reply_stats(reply, reason: str) -> dict:
+    """What shows under a remote reply: speed, TTFT, tokens, how it stopped, what the prefix cache reused."""
+    stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times)),
+             "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2)}
+    if reply.ttft_s is not None:
+        stats["ttft_ms"] = round(reply.ttft_s * 1e3, 1)
+    prompt = int(reply.usage.get("prompt_tokens") or 0)
+    if prompt:  # the server's prefix cache: cached_tokens of the prompt were not computed again
+        cached = reply.cached_tokens
+        stats.update(reused_tokens=cached, recomputed_tokens=prompt - cached, first_divergence=cached if cached else -1)
+    if reply.error:
+        stats["error"] = reply.error
+    return stats

@@ -104,6 +104,7 @@ class RemoteLink(QObject):
         self.engine: RemoteEngine | None = None
         self.url = ""
         self.polling = False
+        self.error = ""  # why the last /metrics poll failed ("" when it answered): the server may be gone
         self.closed = False
         self.threads: list[QThread] = []
         self.worker, self.poller = RemoteWorker(), RemoteWorker()
@@ -141,8 +142,9 @@ class RemoteLink(QObject):
             self.polling = True
             self._refresh.emit()
 
-    def _on_polled(self, _result: Any) -> None:
+    def _on_polled(self, result: Any) -> None:
         self.polling = False
+        self.error = result if isinstance(result, str) else ""
 
     def abandon(self) -> None:
         """Drop a connection still being tried without waiting for it (the window never waits on the network):

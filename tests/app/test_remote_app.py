@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from app_helpers import close_window, open_window
+from app_helpers import close_window, open_window, wait_reply
 
 from app.docks import on_screen
 
@@ -106,94 +106,112 @@ def active_cells(page_map) -> tuple[int, int]:
     return int(np.count_nonzero(page_map.grid == S.PAGE_ACTIVE)), int(np.count_nonzero((rgb == colour).all(axis=1)))
 
 
+def check_connected(w, rc, port: int) -> None:
+    """The remote chat took the screen: its row marked with the server, the local-only controls fixed."""
+    assert on_screen(w.page_map)  # the remote view's panel comes to the front
+    assert w.remote.current is rc and w.chat_id is None  # the local chat left the screen
+    row = w.remote.list.item(0).text()
+    assert row.startswith("⇄ stories260K @ 127.0.0.1:") and str(port) in row
+    assert w.remote.list.isVisible() and not w.remote.dialog.isVisible()
+    lock = w.remote.lock.label
+    assert lock.isVisible() and "fixed by the server: block size 16, KV dtype" in lock.text()
+    assert not w.controls.mode.isEnabled() and not any(t.isEnabled() for t in w.remote.lock._targets())
+    assert not w.menu_actions["compare"].isEnabled()
+
+
+def check_first_reply(qtbot, w, rc) -> None:
+    """A reply streams in as the engine sent it; the page map shows exactly the view's blocks of this chat."""
+    assert send(qtbot, w, "Once upon a time") == "max_tokens"
+    reply = rc.reply
+    assert reply.error is None and reply.text
+    assert w.chat.bubbles[-1].text == reply.text == rc.messages[-1].content  # what the engine streamed
+    assert "TTFT" in w.chat.bubbles[-1].stats_label.text()
+    ids = reply.prompt_ids + reply.token_ids
+    assert len(ids) > 16
+    view = rc.link.engine.view
+    qtbot.waitUntil(lambda: view.snapshots(ids)[0].chat_blocks >= (len(ids) - 1) // 16, timeout=10_000)
+    expected = view.snapshots(ids)[0].chat_blocks
+    w.remote.draw(force=True)
+    assert expected > 0 and active_cells(w.page_map) == (expected, expected)
+    assert f"this chat <b>{expected}</b>" in w.page_map.caption.text()
+    assert "TTFT" in w.timing.caption.text() and "tok/s" in w.timing.caption.text()
+
+    def metrics_in_caption() -> bool:  # /metrics is polled on the link's poll thread; the map may be in a tab
+        w.remote.draw(force=True)
+        return "prefix cache hit rate 0% (0 of " in w.page_map.readout and "/2048 blocks" in w.page_map.caption.text()
+
+    qtbot.waitUntil(metrics_in_caption, timeout=5000)
+    shot(w, "chat")
+
+
+def check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat: int, occupancy_in_front: bool) -> None:
+    # the same prompt again (regenerate): the server's prefix cache serves it, and the old reply is a version
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
+        w.menu_actions["regenerate"].trigger()  # Tools ▸ Regenerate (Ctrl+R) follows the chat on screen
+    assert rc.reply.cached_tokens > 0 and len(rc.messages[-1].stats["versions"]) == 2
+    assert "reused" in w.chat.bubbles[-1].cache_label.text()
+
+    # back to the local chat: everything the remote chat borrowed comes back
+    w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(local_chat))
+    assert w.chat_id == local_chat and w.remote.current is None
+    assert w.controls.mode.isEnabled() and not w.remote.lock.label.isVisible()
+    assert w.menu_actions["compare"].isEnabled() and on_screen(w.occupancy) == occupancy_in_front
+    w.remote.list.setCurrentRow(0)
+    assert w.remote.current is rc and w.chat.bubbles[-1].text == rc.messages[-1].content
+
+    # edit the first message (through the pane, as its Save does): what followed goes, a new reply comes
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
+        w.chat.edit_requested.emit(0, "Once upon a time there was a cat")
+    assert [m.role for m in rc.messages] == ["user", "assistant"] and rc.messages[-1].content
+    assert rc.messages[0].content == "Once upon a time there was a cat" == w.chat.bubbles[0].text
+
+    # Stop: the reply ends at its next chunk, its text kept, marked as stopped by you
+    w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300)
+    w.chat.input.setPlainText("Tell me a story")
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000) as stopped:
+        w.chat.submit()
+        qtbot.waitUntil(lambda: rc.chunks > 2, timeout=30_000)
+        w.chat.stop_button.click()
+    assert stopped.args[1] == "cancelled" and "stopped by you" in w.chat.bubbles[-1].stats_label.text()
+    assert len(rc.reply.token_ids) < 300
+
+
+def check_server_gone(qtbot, w, rc, server) -> None:
+    # the server dies mid-reply: the reply ends with the reason, its text kept
+    def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
+        if text:
+            server.kill()
+
+    rc.link.worker.delta.connect(kill)
+    assert send(qtbot, w, "Tell me a long story") == "error"
+    rc.link.worker.delta.disconnect(kill)
+    stopped = rc.messages[-1]
+    assert stopped.content and stopped.stats["error"] and w.chat.bubbles[-1].text == stopped.content
+    assert "The remote reply stopped" in w.chat.notice.label.text()
+    shot(w, "killed")
+
+    # and now it is gone: the next reply says so at once, and the window stays usable
+    assert send(qtbot, w, "Are you there?") == "error"
+    assert "refused the connection" in w.chat.notice.label.text()
+    qtbot.waitUntil(lambda: (w.remote.draw(force=True), "not answering" in w.page_map.caption.text())[1],
+                    timeout=5000)
+    assert w.chat.send_button.isEnabled() and not w.chat.generating
+    w.new_chat()  # a local chat again, answered by the local engine
+    assert w.remote.current is None and w.chat.send_button.isEnabled()
+    w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    w.send("Once upon a time")
+    assert wait_reply(qtbot, w)[1] and w.chat.bubbles[-1].text and w.remote.current is None
+
+
 def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, data_dir, stories_path, server):
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=30))
     try:
-        local_chat = w.chat_id
-        occupancy_in_front = on_screen(w.occupancy)
+        local_chat, occupancy_in_front = w.chat_id, on_screen(w.occupancy)
         rc = connect(qtbot, w, server.url)
-        assert on_screen(w.page_map)  # the remote view's panel comes to the front
-        assert w.remote.current is rc and w.chat_id is None  # the local chat left the screen
-        row = w.remote.list.item(0).text()
-        assert row.startswith("⇄ stories260K @ 127.0.0.1:") and str(server.port) in row
-        assert w.remote.list.isVisible() and not w.remote.dialog.isVisible()
-        lock = w.remote.lock.label
-        assert lock.isVisible() and "fixed by the server: block size 16, KV dtype" in lock.text()
-        assert not w.controls.mode.isEnabled() and not any(t.isEnabled() for t in w.remote.lock._targets())
-        assert not w.menu_actions["compare"].isEnabled()
-
-        assert send(qtbot, w, "Once upon a time") == "max_tokens"
-        reply = rc.reply
-        assert reply.error is None and reply.text
-        assert w.chat.bubbles[-1].text == reply.text == rc.messages[-1].content  # what the engine streamed
-        assert "TTFT" in w.chat.bubbles[-1].stats_label.text()
-        ids = reply.prompt_ids + reply.token_ids
-        assert len(ids) > 16
-        view = rc.link.engine.view
-        qtbot.waitUntil(lambda: view.snapshots(ids)[0].chat_blocks >= (len(ids) - 1) // 16, timeout=10_000)
-        expected = view.snapshots(ids)[0].chat_blocks
-        w.remote.draw(force=True)
-        assert expected > 0 and active_cells(w.page_map) == (expected, expected)
-        assert f"this chat <b>{expected}</b>" in w.page_map.caption.text()
-        assert "TTFT" in w.timing.caption.text() and "tok/s" in w.timing.caption.text()
-
-        def metrics_in_caption() -> bool:  # /metrics is polled on the link's poll thread; the map may be in a tab
-            w.remote.draw(force=True)
-            return "prefix cache hit rate 0% (0 of " in w.page_map.readout and "/2048 blocks" in \
-                w.page_map.caption.text()
-
-        qtbot.waitUntil(metrics_in_caption, timeout=5000)
-        shot(w, "chat")
-
-        # the same prompt again (regenerate): the server's prefix cache serves it, and the old reply is a version
-        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
-            w.chat.regen_button.click()
-        assert rc.reply.cached_tokens > 0 and len(rc.messages[-1].stats["versions"]) == 2
-        assert "reused" in w.chat.bubbles[-1].cache_label.text()
-
-        # back to the local chat: everything the remote chat borrowed comes back
-        w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(local_chat))
-        assert w.chat_id == local_chat and w.remote.current is None
-        assert w.controls.mode.isEnabled() and not w.remote.lock.label.isVisible()
-        assert w.menu_actions["compare"].isEnabled() and on_screen(w.occupancy) == occupancy_in_front
-        w.remote.list.setCurrentRow(0)
-        assert w.remote.current is rc and w.chat.bubbles[-1].text == rc.messages[-1].content
-
-        # edit the first message (through the pane, as its Save does): what followed goes, a new reply comes
-        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
-            w.chat.edit_requested.emit(0, "Once upon a time there was a cat")
-        assert [m.role for m in rc.messages] == ["user", "assistant"] and rc.messages[-1].content
-        assert rc.messages[0].content == "Once upon a time there was a cat" == w.chat.bubbles[0].text
-
-        # Stop: the reply ends at its next chunk, its text kept, marked as stopped by you
-        w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300)
-        w.chat.input.setPlainText("Tell me a story")
-        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000) as stopped:
-            w.chat.submit()
-            qtbot.waitUntil(lambda: rc.chunks > 2, timeout=30_000)
-            w.chat.stop_button.click()
-        assert stopped.args[1] == "cancelled" and "stopped by you" in w.chat.bubbles[-1].stats_label.text()
-        assert len(rc.reply.token_ids) < 300
-
-        # the server dies mid-reply: the reply ends with the reason, its text kept
-        def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
-            if text:
-                server.kill()
-
-        rc.link.worker.delta.connect(kill)
-        assert send(qtbot, w, "Tell me a long story") == "error"
-        rc.link.worker.delta.disconnect(kill)
-        stopped = rc.messages[-1]
-        assert stopped.content and stopped.stats["error"] and w.chat.bubbles[-1].text == stopped.content
-        assert "The remote reply stopped" in w.chat.notice.label.text()
-        shot(w, "killed")
-
-        # and now it is gone: the next reply says so at once, and the window stays usable
-        assert send(qtbot, w, "Are you there?") == "error"
-        assert "refused the connection" in w.chat.notice.label.text()
-        assert w.chat.send_button.isEnabled() and not w.chat.generating
-        w.new_chat()  # a local chat again, answered by the local engine
-        assert w.remote.current is None and w.chat.send_button.isEnabled()
+        check_connected(w, rc, server.port)
+        check_first_reply(qtbot, w, rc)
+        check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat, occupancy_in_front)
+        check_server_gone(qtbot, w, rc, server)
     finally:
         close_window(w)
         w.close()
