@@ -20,19 +20,15 @@ import time
 from PySide6.QtCore import QEvent, QObject, QTimer, Signal
 from PySide6.QtWidgets import QLabel
 
-from app.docks import on_screen
 from app.remote_dialog import ConnectDialog
 from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
-from app.remote_panels import OTHER_PANELS, ControlsLock, cache_snapshot, fixed_text, pool_texts, timing_text, \
-    token_event
+from app.remote_panels import RemotePanels, fixed_text, token_event
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
 
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
-TIMING_TIP = ("A remote reply's timing as this client measured it, network included: the first bar is the wait for "
-              "the first token (TTFT), the curves the gaps between streamed chunks")
 PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
 # The pane's request signals and who answers them: the conversation's slot, or this controller's.
 PANE_SLOTS = (("send_requested", "send", "send"), ("stop_requested", "stop", "stop"),
@@ -71,8 +67,6 @@ class RemoteChats(QObject):
         self.closed = False
         self._next_chat, self._next_gen = 0, 1_000_000  # apart from the local replies' ids (the timing panel)
         self._ready = (True, "")  # the pane's local readiness, given back on leaving
-        self._timing_tip = ""
-        self._front = None  # the dock in front of the page map's tabs before a remote chat came on screen
         self.label = QLabel("Remote chats")
         self.label.setToolTip("Chats whose replies come from a server (File ▸ Connect to a server…)")
         self.list = RemoteList()
@@ -84,7 +78,8 @@ class RemoteChats(QObject):
         box.insertWidget(2, self.list, 1)
         self.label.setVisible(False)
         self.list.setVisible(False)
-        self.lock = ControlsLock(window)
+        self.panels = RemotePanels(window)
+        self.lock = self.panels.lock
         self.timer = QTimer(self)
         self.timer.setInterval(DRAW_MS)
         self.timer.timeout.connect(self.draw)
@@ -92,6 +87,8 @@ class RemoteChats(QObject):
         self.poll.setInterval(POLL_MS)
         self.poll.timeout.connect(self._poll)
         self.list.chat_selected.connect(self.open_chat)
+        self.list.new_requested.connect(lambda cid: self.new_chat(self.chats[cid].link))
+        self.list.close_requested.connect(self.close_chat)
         window.conversation.chat_opened.connect(self._on_local_opened)
         window.api_list.conversation_selected.connect(self._on_api_selected)
         window.models.ready_changed.connect(self._on_ready)
@@ -111,15 +108,36 @@ class RemoteChats(QObject):
         self.links.append(link)
         link.worker.delta.connect(self._on_delta)
         link.worker.finished.connect(self._on_finished)
+        self.window.status.message(f"Connected to {link.engine.client.url}: {link.engine.model}", 6000)
+        return self.new_chat(link)
+
+    def new_chat(self, link: RemoteLink) -> RemoteChat:
+        """Another chat with ``link``'s server, on screen (the list's "New chat on this server")."""
         self._next_chat += 1
         rc = RemoteChat(self._next_chat, link)
         self.chats[rc.id] = rc
         self.label.setVisible(True)
         self.list.setVisible(True)
-        self.window.status.message(f"Connected to {link.engine.client.url}: {rc.model}", 6000)
         self.open_chat(rc.id)
         self.chat_added.emit(rc)
         return rc
+
+    def close_chat(self, chat_id: int) -> None:
+        """Close a remote chat (they are not saved): its reply stops; a server no chat uses any more is let go."""
+        rc = self.chats.get(chat_id)
+        if rc is None:
+            return
+        if rc.cancel is not None:
+            rc.cancel.set()
+        if rc is self.current:
+            self.window.conversation.load_chats()  # the last local chat comes back (and ``leave`` runs)
+        del self.chats[chat_id]
+        if not any(c.link is rc.link for c in self.chats.values()):
+            self.links.remove(rc.link)
+            rc.link.release(busy=bool(rc.generation))
+        self.label.setVisible(bool(self.chats))
+        self.list.setVisible(bool(self.chats))
+        self._refresh_list()
 
     # -- on screen ------------------------------------------------------------------------------------------
     def open_chat(self, chat_id: int) -> None:
@@ -142,14 +160,7 @@ class RemoteChats(QObject):
             w.api_view.session_id = 0
         self._ready = (self.pane._ready, self.pane._hint)
         self._rewire(True)
-        w.trace.reset()
-        w.scheduler.clear()
-        for panel in (w.occupancy, w.memory):
-            panel.caption.setText(OTHER_PANELS)
-        self._timing_tip = w.timing.caption.toolTip()  # the compiled decode step's, given back on leaving
-        dock = w.docks["page_map"]  # the remote view's panel comes to the front of its tabs (given back later)
-        self._front = next((d for d in [dock] + w.tabifiedDockWidgets(dock) if on_screen(d)), None)
-        dock.raise_()
+        self.panels.borrow()
         self.timer.start()
         self.poll.start()
 
@@ -185,13 +196,8 @@ class RemoteChats(QObject):
         self._rewire(False)
         self.timer.stop()
         self.poll.stop()
-        self.lock.unlock()
         self.pane.set_ready(*self._ready)
-        if self._front is not None and on_screen(self.window.docks["page_map"]):
-            self._front.raise_()
-        self.window.page_map.clear()
-        self.window.timing.clear()
-        self.window.timing.caption.setToolTip(self._timing_tip)
+        self.panels.give_back()
 
     def _rewire(self, remote: bool) -> None:
         conv = self.window.conversation
@@ -356,30 +362,9 @@ class RemoteChats(QObject):
             self.current.link.refresh()
 
     def draw(self, force: bool = False) -> None:
-        """The page map and timing captions from the view and the last ``/metrics`` (the 4 Hz timer)."""
-        rc = self.current
-        if rc is None or rc.link.engine is None:
-            return
-        w, eng = self.window, rc.link.engine
-        if force or on_screen(w.page_map):
-            pools = eng.view.snapshots(rc.ids)
-            w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
-            cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
-            caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
-            if rc.link.error:  # what is drawn is the last the server said
-                caption = f"<span style='color:#ff6b6b'>not answering</span> · {caption}"
-                readout = f"{rc.link.error} · {readout}"
-            w.page_map.caption.setText(caption)
-            w.page_map.readout = readout
-            if not w.page_map._hovering:  # the mouse on a page: its description stays
-                w.page_map.hover.setText(readout)
-        if force or on_screen(w.timing):
-            w.timing.refresh()
-            w.timing.caption.setToolTip(TIMING_TIP)
-            if rc.generation:
-                w.timing.caption.setText(f"<b>remote reply</b> · streaming: {rc.chunks} chunks so far")
-            elif rc.reply is not None:
-                w.timing.caption.setText(timing_text(rc.reply))
+        """The page map and timing panel of the remote chat on screen (the 4 Hz timer)."""
+        if self.current is not None and self.current.link.engine is not None:
+            self.panels.draw(self.current, force)
 
     # -- closing --------------------------------------------------------------------------------------------
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name

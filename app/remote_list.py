@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtWidgets import QListWidget, QListWidgetItem, QWidget
+from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu, QWidget
 
 from app.chat_list import REPLYING, title_from
 
@@ -71,11 +71,15 @@ class RemoteList(QListWidget):
     """The remote chats (shown once there is one); ``chat_selected(id)`` when the user picks one."""
 
     chat_selected = Signal(int)
+    new_requested = Signal(int)  # another chat with this chat's server
+    close_requested = Signal(int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("RemoteList")
         self._filling = False
+        self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.customContextMenuRequested.connect(self._menu)
         self.setUniformItemSizes(True)
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -110,6 +114,27 @@ class RemoteList(QListWidget):
     def _on_current(self, item: QListWidgetItem | None, _prev) -> None:
         if item is not None and not self._filling:
             self.chat_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))
+
+    def mousePressEvent(self, event) -> None:  # noqa: N802 - Qt name
+        if event.button() == Qt.MouseButton.RightButton:  # the menu opens; the chat on screen stays
+            event.accept()
+            return
+        super().mousePressEvent(event)
+
+    def _menu(self, pos) -> None:
+        item = self.itemAt(pos)
+        if item is None:
+            return
+        chat_id = int(item.data(Qt.ItemDataRole.UserRole))
+        menu = QMenu(self)
+        new = menu.addAction("New chat on this server")
+        close = menu.addAction("Close this chat")
+        close.setToolTip("Remote chats are not saved: its messages go")
+        chosen = menu.exec(self.mapToGlobal(pos))
+        if chosen is new:
+            self.new_requested.emit(chat_id)
+        elif chosen is close:
+            self.close_requested.emit(chat_id)
 
 
 def reply_stats(reply, reason: str) -> dict:

@@ -15,12 +15,15 @@ import html
 import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
+from app.docks import on_screen
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
 from engine.snapshot import CacheSnapshot, TokenEvent
 
 SLOT_STATES = {SLOT_FREE: S.PAGE_FREE, SLOT_CHAT: S.PAGE_ACTIVE, SLOT_OTHER: S.PAGE_CACHED,
                SLOT_EVICTED: S.PAGE_EVICTED}
+TIMING_TIP = ("A remote reply's timing as this client measured it, network included: the first bar is the wait for "
+              "the first token (TTFT), the curves the gaps between streamed chunks")
 OTHER_PANELS = "A remote chat is on screen: its server's cache is in the Page map."  # short: captions wrap in full
 
 
@@ -63,7 +66,8 @@ def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> 
     if cached_tokens is not None:
         parts.append(f"last reply {cached_tokens:,} cached tokens")
     parts.append(f"{metrics.preemptions:,.0f} preemptions")
-    parts.append(f"events: {gaps} batch{'es' if gaps != 1 else ''} missed, {resyncs} resync{'s' if resyncs != 1 else ''}")
+    parts.append(f"events: {gaps} batch{'es' if gaps != 1 else ''} missed, "
+                 f"{resyncs} resync{'s' if resyncs != 1 else ''}")
     return caption, " · ".join(parts)
 
 
@@ -133,3 +137,57 @@ class ControlsLock:
             w.setToolTip(tip)
         self._saved = []
         self.label.setVisible(False)
+
+
+class RemotePanels:
+    """The panels a remote chat borrows: ``borrow`` when one comes on screen, ``draw`` it, ``give_back`` after."""
+
+    def __init__(self, window) -> None:
+        self.window = window
+        self.lock = ControlsLock(window)
+        self._front = None  # the dock in front of the page map's tabs before a remote chat came on screen
+        self._timing_tip = ""  # the timing caption's tooltip (the compiled decode step's)
+
+    def borrow(self) -> None:
+        w = self.window
+        w.trace.reset()
+        w.scheduler.clear()  # no local snapshot reaches the panels while no local chat is on screen
+        for panel in (w.occupancy, w.memory):
+            panel.caption.setText(OTHER_PANELS)
+        self._timing_tip = w.timing.caption.toolTip()
+        dock = w.docks["page_map"]  # the remote view's panel comes to the front of its tabs
+        self._front = next((d for d in [dock] + w.tabifiedDockWidgets(dock) if on_screen(d)), None)
+        dock.raise_()
+
+    def give_back(self) -> None:
+        w = self.window
+        self.lock.unlock()
+        if self._front is not None and on_screen(w.docks["page_map"]):
+            self._front.raise_()
+        w.page_map.clear()
+        w.timing.clear()
+        w.timing.caption.setToolTip(self._timing_tip)
+
+    def draw(self, rc, force: bool = False) -> None:
+        """The page map from the view and the last ``/metrics``, the timing caption from the reply (panels behind
+        another tab wait, unless ``force``)."""
+        w, eng = self.window, rc.link.engine
+        if force or on_screen(w.page_map):
+            pools = eng.view.snapshots(rc.ids)
+            w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
+            cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
+            caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
+            if rc.link.error:  # what is drawn is the last the server said
+                caption = f"<span style='color:#ff6b6b'>not answering</span> · {caption}"
+                readout = f"{rc.link.error} · {readout}"
+            w.page_map.caption.setText(caption)
+            w.page_map.readout = readout
+            if not w.page_map._hovering:  # the mouse on a page: its description stays
+                w.page_map.hover.setText(readout)
+        if force or on_screen(w.timing):
+            w.timing.refresh()
+            w.timing.caption.setToolTip(TIMING_TIP)
+            if rc.generation:
+                w.timing.caption.setText(f"<b>remote reply</b> · streaming: {rc.chunks} chunks so far")
+            elif rc.reply is not None:
+                w.timing.caption.setText(timing_text(rc.reply))

@@ -154,6 +154,16 @@ class RemoteLink(QObject):
             thread.quit()
         _LINGERING.append(self)
 
+    def release(self, busy: bool) -> None:
+        """No chat uses this server any more. ``busy``: a reply is still stopping (its cancel is set), so the
+        threads are not waited for; the event subscribers stop either way."""
+        if busy:
+            self.abandon()
+            if self.engine is not None:
+                self.engine.close()
+        else:
+            self.shutdown()
+
     def shutdown(self) -> None:
         """Stop the threads and the event subscribers. Replies in flight must have been cancelled first."""
         if self.closed:

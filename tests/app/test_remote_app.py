@@ -177,6 +177,16 @@ def check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat: int, occupancy_i
 
 
 def check_server_gone(qtbot, w, rc, server) -> None:
+    # a second chat on the same server (the list's menu), then closed: the first one is still there
+    second = w.remote.new_chat(rc.link)
+    assert w.remote.current is second and w.remote.list.count() == 2 and not w.chat.bubbles
+    assert send(qtbot, w, "Once upon a time") == "max_tokens" and second.reply.text
+    w.remote.close_chat(second.id)
+    assert w.remote.current is None and w.chat_id is not None and w.remote.list.count() == 1
+    assert w.controls.mode.isEnabled() and rc.link in w.remote.links and not rc.link.closed
+    w.remote.list.setCurrentRow(0)
+    assert w.remote.current is rc
+
     # the server dies mid-reply: the reply ends with the reason, its text kept
     def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
         if text:
@@ -201,6 +211,10 @@ def check_server_gone(qtbot, w, rc, server) -> None:
     w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=8)
     w.send("Once upon a time")
     assert wait_reply(qtbot, w)[1] and w.chat.bubbles[-1].text and w.remote.current is None
+    link = rc.link
+    w.remote.close_chat(rc.id)  # its server's last chat: the link's threads and subscribers end
+    assert link.closed and not w.remote.links and not w.remote.list.isVisible()
+    assert not any(t.isRunning() for t in link.threads)
 
 
 def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, data_dir, stories_path, server):
