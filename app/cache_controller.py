@@ -7,10 +7,14 @@ puts the controls back to the setting in force.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from PySide6.QtCore import QObject, Signal
 
 from app.config_settings import cache_from_settings, save_cache
 from app.controls import CacheControls
+from app.glossary import describe_cache
+from app.note_words import plain_note, precision_note
 from app.settings import Settings
 from app.status_bar import StatusBar
 from app.engine_thread import EngineThread
@@ -23,8 +27,11 @@ class CacheController(QObject):
     changed = Signal(object, object)
 
     def __init__(self, settings: Settings, controls: CacheControls, engine: EngineThread, status: StatusBar,
-                 parent: QObject | None = None) -> None:
+                 parent: QObject | None = None, info: Callable[[], Any] = lambda: None,
+                 notes_on_screen: Callable[[], bool] = lambda: True) -> None:
         super().__init__(parent)
+        self._info = info  # the loaded model's ModelInfo (or None), for what only the app can say
+        self._notes_on_screen = notes_on_screen  # the worker's notes describe the chat on screen
         self.settings = settings
         self.controls = controls
         self.engine = engine
@@ -47,7 +54,18 @@ class CacheController(QObject):
     def _on_applied(self, cfg: CacheConfig, notes: list) -> None:
         self.previous = self.applied  # a reply in flight names what changed (``changed``'s listeners read it)
         self.applied = cfg
+        notes = self.words(cfg, notes)
         save_cache(self.settings, cfg)
         self.controls.show_notes(list(notes))
         self.status.show_cache(cfg)
         self.changed.emit(cfg, list(notes))
+
+    def words(self, cfg: CacheConfig, notes: list) -> list[str]:
+        """The worker's notes in the controls' words. They describe the chat whose cache the worker holds: when
+        another chat is on screen (a new one, one not run since the app started) they are about a chat the user
+        does not see, so the note says what this chat will get instead."""
+        if notes and not self._notes_on_screen():
+            notes = [f"{describe_cache(cfg)}: this chat uses it from its next message"]
+        out = [plain_note(n, cfg) for n in notes]
+        extra = precision_note(cfg, self._info())
+        return out + ([extra] if extra and extra not in out else [])

@@ -21,6 +21,7 @@ from app.chat_pane import ChatPane
 from app.failure import Failure
 from app.history import HistoryStore
 from app.history_notice import HistoryNotices
+from app.note_words import plain_note
 from app.replies import Reply, edited_versions, interrupted, pick_version, versions_of
 from app.send_check import SendCheck
 from app.settings import Settings
@@ -368,6 +369,7 @@ class Conversation(QObject):
         reply = self.replies.get(generation_id)
         if self.closed or reply is None:
             return
+        notes = [plain_note(n, self._cache()) for n in notes]  # the controls' words, not the engine's
         reply.notes.extend(notes)
         if reply.chat_id == self.chat_id:
             self.pane.show_reply_notes(reply.notes)

@@ -136,7 +136,8 @@ class MainWindow(QMainWindow):
         self.docks = self.layout_docks.docks
 
     def _build_parts(self) -> None:
-        self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self)
+        self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self, info=lambda: self.info,
+                                     notes_on_screen=lambda: self.engine.worker.applied_chat in (None, self.chat_id))
         self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
         self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
         self.chat.set_tint(self.speculation.tint)

@@ -106,6 +106,7 @@ class EngineWorker(QObject):
         self._fast_mode = ""  # the compiled decode step's mode from the settings ("": engine.fast_step's default)
         self._gen_id = 0  # the reply being generated, 0 when idle
         self._chat: Any = None  # the chat of that reply
+        self.applied_chat: Any = None  # the chat the last ``applied`` notes describe (the GUI reads it)
         self._text = ""
         self._noted: set[str] = set()  # notes already sent for this reply
         self._comparison: Any = None
@@ -187,6 +188,7 @@ class EngineWorker(QObject):
             if self._pool is not None and (chat is not None or self._session is None):
                 self._session, notes = self._pool.activate(chat if chat is not None else 0)
                 if notes:
+                    self.applied_chat = chat
                     self.applied.emit(self._cache, list(notes))
             elif self._session is None:
                 self._session = self._backend.make_session(self._loaded, self._cache)
@@ -225,6 +227,7 @@ class EngineWorker(QObject):
         if target is None:
             self.applied.emit(cache, [])
             return
+        self.applied_chat = getattr(target, "active", self._chat)  # the pool's active chat: whose cache changes
         try:
             notes = list(target.apply(cache) or [])
         except BaseException as exc:  # noqa: BLE001
