@@ -54,6 +54,7 @@ class SeqCache:
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
         self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
+        self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
         self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
 
     # -- plumbing ----------------------------------------------------------------------------------------
@@ -266,6 +267,10 @@ class SeqCache:
         of them taken from the prefix cache, common prefix). At least one token of ``ids`` is left to prefill."""
         from engine.sequence import common_prefix
 
+        self.continued = 0
+        goes_on = self._goes_on(cached_ids, ids)
+        if goes_on is not None:
+            return goes_on
         common = common_prefix(list(cached_ids[:self.index.intact]), ids)
         self.disk_restored, self.disk_pages = (0, 0.0), ()
         if self.store is None:
@@ -282,6 +287,22 @@ class SeqCache:
             self.index.append(shared)
             self.evictor.scores.grow(shared)
         return keep + shared, shared, common
+
+    def _goes_on(self, cached_ids: Sequence[int], ids: list[int]) -> tuple[int, int, int] | None:
+        """After an eviction the cache no longer holds the chat from its first token at its own positions, so the
+        common-prefix reuse keeps only that intact start (the sinks: 'reused 12, recomputed 1132'). A prompt that
+        goes on from every token fed so far continues the stream instead, as StreamingLLM serves a conversation:
+        the cache stays as the policy left it and only the new tokens are fed. Returns (tokens fed before, 0,
+        common prefix) and sets ``continued`` to the tokens evicted earlier (neither reused nor recomputed), or
+        None when the prompt does not go on from the cache."""
+        ix = self.index
+        fed = ix.next_pos
+        if (self.store is None or self.host is not None or ix.intact == fed or not self.cache_config.prefix_reuse
+                or len(ids) <= fed or len(cached_ids) < fed or list(cached_ids[:fed]) != list(ids[:fed])):
+            return None
+        self.disk_restored, self.disk_pages, self.chain = (0, 0.0), (), []
+        self.continued = int(ix.evicted_count())
+        return fed, 0, fed
 
     def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
         """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first

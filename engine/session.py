@@ -135,9 +135,14 @@ class ChatSession(Stepping):
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
                           disk=c.disk_restored[0],
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
+        if c.continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
+            reply.reused, reply.dropped = keep - c.continued, c.continued
         c.evictions = []
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
         q.add_notes(([room_note] if room_note else []) + c.disk_notes())
+        if c.continued:
+            q.add_notes([f"went on from the cache the policy left: {keep - c.continued} tokens kept, "
+                         f"{c.continued} evicted earlier stay evicted, only the {len(ids) - keep} new ones computed"])
         self._ready = []
         if self.spec is not None:
             note = self.spec.new_reply()
