@@ -157,6 +157,8 @@ class MemoryPanel(Panel):
         text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> ({100 * share:.1f}%)"
         if held:  # bytes held over tokens held: the last page's empty slots count, so a bit over the model card's
             text += f" · {human_bytes(snap.kv_bytes / held)} per cached token"
+            if snap.page_size and held % snap.page_size:  # say so, or it reads as a disagreement with the card
+                text += " (the last page's empty slots included)"
         if snap.device_bytes:
             text += f" · device {human_bytes(snap.device_bytes)}"
         self.caption.setText(text)

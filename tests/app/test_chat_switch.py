@@ -86,3 +86,18 @@ def test_every_tab_stop_shows_the_focus(qtbot, data_dir, stories_path):
                 "QPushButton:flatButton", "ChatList:ChatList"} <= set(seen)
     finally:
         close_window(w)
+
+
+def test_memory_says_why_its_bytes_per_token_exceed_the_model_cards(qtbot):
+    """#19 item 12: bytes held over tokens held counts the last page's empty slots; the caption says so when
+    there are some (it read as a disagreement with the model card's KV per token)."""
+    from app_helpers import make_snapshot
+
+    from app.panels import MemoryPanel
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(make_snapshot(), now=1.0)  # 10 tokens in 4-token pages: 2 empty slots
+    assert "per cached token (the last page's empty slots included)" in panel.caption.text()
+    panel.show_snapshot(make_snapshot(tokens_per_layer=[12, 12, 12], kv_bytes=2304), now=2.0)
+    assert "per cached token" in panel.caption.text() and "empty slots" not in panel.caption.text()
