@@ -22,14 +22,28 @@ from engine.snapshot import CacheSnapshot, TokenEvent
 
 SLOT_STATES = {SLOT_FREE: S.PAGE_FREE, SLOT_CHAT: S.PAGE_ACTIVE, SLOT_OTHER: S.PAGE_CACHED,
                SLOT_EVICTED: S.PAGE_EVICTED}
+MIN_SHOWN = 256  # blocks the map draws at least (a pool that small is drawn whole)
+SHOWN_STEP = 128  # the drawn part grows in steps, so the grid does not reflow with every block
 TIMING_TIP = ("A remote reply's timing as this client measured it, network included: the first bar is the wait for "
               "the first token (TTFT), the curves the gaps between streamed chunks")
 OTHER_PANELS = "A remote chat is on screen: its server's cache is in the Page map."  # short: captions wrap in full
 
 
+def shown_slots(slots) -> np.ndarray:
+    """The part of a pool the map draws: up to the last block held (or just evicted), rounded up, at least
+    ``MIN_SHOWN``. The view gives each new block the lowest free slot, so what is held sits at the start, and a
+    server's pool of thousands of blocks would otherwise draw a few cells too small to see."""
+    a = np.asarray(slots, dtype=np.int64)
+    used = np.flatnonzero(a != SLOT_FREE)
+    last = int(used[-1]) + 1 if len(used) else 0
+    return a[: min(len(a), max(MIN_SHOWN, -(-last // SHOWN_STEP) * SHOWN_STEP))]
+
+
 def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheSnapshot:
-    """The remote pools (one per engine rank, side by side) as a ``CacheSnapshot`` the page map draws."""
-    slots = np.concatenate([np.asarray(p.slots, dtype=np.int64) for p in pools]) if pools else np.zeros(0, int)
+    """The remote pools (one per engine rank, side by side; each cut by ``shown_slots``) as a ``CacheSnapshot``
+    the page map draws."""
+    parts = [shown_slots(p.slots) for p in pools]
+    slots = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     table = np.array([SLOT_STATES[i] for i in range(len(SLOT_STATES))], dtype=np.int8)
     state = table[np.clip(slots, 0, len(table) - 1)] if len(slots) else np.zeros(0, np.int8)
     block = max((p.block_size for p in pools), default=0) or 16
@@ -38,7 +52,7 @@ def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheS
     tokens = np.full(chat_tokens, S.TOKEN_NOT_CACHED, dtype=np.int8)
     tokens[: min(chat_blocks * block, chat_tokens)] = S.TOKEN_KEPT  # the chat's tokens in full blocks
     n = len(state)
-    groups = tuple((f"engine {p.rank}", len(p.slots)) for p in pools) if len(pools) > 1 else ()
+    groups = tuple((f"engine {p.rank}", len(part)) for p, part in zip(pools, parts)) if len(pools) > 1 else ()
     return CacheSnapshot(
         generation_id=generation, step=0, mode="paged", policy="server", page_size=block, num_pages=n,
         pages_used_per_layer=np.zeros(0, int), tokens_per_layer=np.zeros(0, int), bytes_per_layer=np.zeros(0, int),
@@ -58,6 +72,9 @@ def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> 
     gaps, resyncs = sum(p.gaps for p in pools), sum(p.resyncs for p in pools)
     caption = (f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached · this chat "
                f"<b>{mine}</b> · KV usage {metrics.kv_usage:.1%}")
+    shown = sum(len(shown_slots(p.slots)) for p in pools)
+    if shown < max(num, sum(len(p.slots) for p in pools)):
+        caption += f" · drawn: the first {shown} blocks (the rest are free)"
     if len(pools) > 1:
         caption += f" · {len(pools)} engines, one pool each"
     hit = (f"{metrics.prefix_hits / metrics.prefix_queries:.0%} ({metrics.prefix_hits:,.0f} of "

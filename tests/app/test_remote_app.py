@@ -142,6 +142,7 @@ def check_first_reply(qtbot, w, rc) -> None:
 
     qtbot.waitUntil(metrics_in_caption, timeout=5000)
     shot(w, "chat")
+    w.page_map.grab().save(str(SHOTS / "remote_page_map.png"))
 
 
 def check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat: int, occupancy_in_front: bool) -> None:
@@ -252,3 +253,28 @@ def test_a_closed_port_is_one_line_in_the_dialog(qtbot, data_dir, stories_path):
     finally:
         close_window(w)
         w.close()
+
+
+def test_remote_slots_become_page_map_states():
+    """Slots of the remote view → page states (chat active, others cached, evicted); a big pool is drawn up to its
+    last held block (rounded up), two engines side by side."""
+    from app.remote_panels import MIN_SHOWN, SHOWN_STEP, cache_snapshot, pool_texts
+    from engine.remote.client import Metrics
+    from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER, PoolSnapshot
+
+    slots = [SLOT_CHAT] * 3 + [SLOT_OTHER, SLOT_EVICTED] + [SLOT_FREE] * 300 + [SLOT_OTHER] + [SLOT_FREE] * 1743
+    def pool_of(rank, num, slots, cached, chat, gaps=0):
+        return PoolSnapshot(rank=rank, block_size=16, num_blocks=num, slots=tuple(slots), cached_blocks=cached,
+                            chat_blocks=chat, stored=cached, removed=0, cleared=0, gaps=gaps, resyncs=0, last_ts=0.0)
+
+    pool = pool_of(0, 2048, slots, 5, 3, gaps=2)
+    snap = cache_snapshot([pool], 50)
+    assert snap.num_pages == 2 * SHOWN_STEP + SHOWN_STEP == 384 > MIN_SHOWN  # slot 305 held: up to 384
+    assert list(snap.page_state[:5]) == [S.PAGE_ACTIVE] * 3 + [S.PAGE_CACHED, S.PAGE_EVICTED]
+    assert int(np.count_nonzero(snap.page_state == S.PAGE_ACTIVE)) == 3
+    assert list(snap.token_state[:48]) == [S.TOKEN_KEPT] * 48 and list(snap.token_state[48:]) == [S.TOKEN_NOT_CACHED] * 2
+    caption, readout = pool_texts([pool], Metrics(kv_usage=0.5, prefix_queries=40, prefix_hits=10), 16, "m @ h:1")
+    assert "<b>5</b>/2048 blocks cached" in caption and "this chat <b>3</b>" in caption and "first 384" in caption
+    assert "hit rate 25% (10 of 40 tokens)" in readout and "16 cached tokens" in readout and "2 batches missed" in readout
+    two = cache_snapshot([pool, pool_of(1, 100, (SLOT_OTHER,) * 100, 100, 0)], 0)
+    assert two.num_pages == 384 + 100 and two.page_groups == (("engine 0", 384), ("engine 1", 100))
