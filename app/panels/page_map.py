@@ -32,7 +32,9 @@ STATE_COLOURS = {  # PAGE_* code -> colour; PAGE_ACTIVE is replaced by the owner
     S.PAGE_CACHED: "#6f8f72",  # no chat holds it: kept in the prefix cache for the next prompt that starts alike
 }
 OTHER_COLOUR = "#59647a"  # pages other chats hold in the same pool (API requests, other chats of the model)
-TURN_COLOURS = ("#3d7fd9", "#3fb8a6", "#5c9ded", "#2f9a7c", "#7c8ff0", "#57c3d6")
+# Turns alternate light and dark blues: a green or teal turn read as "cached" (grey-green), a violet one as
+# "quantized"; blue is "in use" throughout.
+TURN_COLOURS = ("#3d7fd9", "#8ab8f2", "#2b5fb3", "#a9cdf7", "#4a66d0", "#9cc0f0")
 TOKEN_COLOURS = {  # TOKEN_* code -> colour
     S.TOKEN_KEPT: "#4c9be8",
     S.TOKEN_SINK: "#ffb347",

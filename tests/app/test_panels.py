@@ -237,3 +237,20 @@ def test_page_map_draws_other_chats_pages_in_one_muted_colour(qtbot):
     qtbot.addWidget(panel)
     panel.show_snapshot(snap)
     assert panel.describe_page(1).startswith("page 1 · another chat's ·")
+
+
+def test_turn_colours_are_blues_unlike_cached_quantized_and_other_chats():
+    """#19 item 13: turn 2's teal looked like 'cached'. Every turn is a blue, far from the other states."""
+    import colorsys
+
+    from engine import snapshot as S
+
+    others = [STATE_COLOURS[S.PAGE_CACHED], STATE_COLOURS[S.PAGE_QUANTIZED], STATE_COLOURS[S.PAGE_SHARED]]
+    for colour in TURN_COLOURS:
+        r, g, b = _rgb(colour) / 255
+        hue = colorsys.rgb_to_hsv(r, g, b)[0] * 360
+        assert 205 <= hue <= 230, (colour, hue)
+        for other in others:
+            assert np.abs(_rgb(colour) - _rgb(other)).sum() > 100, (colour, other)
+    for a, b in zip(TURN_COLOURS, TURN_COLOURS[1:] + TURN_COLOURS[:1]):  # one turn to the next is told apart
+        assert np.abs(_rgb(a) - _rgb(b)).sum() > 90, (a, b)
