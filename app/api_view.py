@@ -22,9 +22,9 @@ class ApiView(QObject):
     """Shows the selected API conversation in the chat pane (``show(session_id)``; 0: back to the chats)."""
 
     def __init__(self, conversation, api_list, server, settings, parent: QObject | None = None,
-                 switch_draft=lambda _owner: None) -> None:
+                 entered=lambda _session_id: None) -> None:
         super().__init__(parent)
-        self._switch_draft = switch_draft  # the input's draft stays with the chat it was typed in
+        self._entered = entered  # what else follows the conversation on screen (``ChatSwitch.api_opened``)
         self.conversation = conversation
         self.pane = conversation.pane
         self.api_list = api_list
@@ -44,7 +44,7 @@ class ApiView(QObject):
         if self.conversation.chat_id is not None:
             self.conversation.leave()
         self.session_id, self._text = session_id, None
-        self._switch_draft(("api", session_id))
+        self._entered(session_id)
         self.pane.notice.clear()  # it spoke of the chat that left the screen
         self.pane.set_chat(f"API #{session_id}", "")
         self.pane.set_messages([])
@@ -75,5 +75,7 @@ class ApiView(QObject):
         record = SimpleNamespace(role="api", content=text or "(its tokens cannot be shown as text)", position=0,
                                  stats={})
         self.pane.set_messages([record])
-        for bubble in self.pane.bubbles:
-            bubble.role_label.setText(f"API conversation · {tokens:,} tokens as the model saw them")
+        for bubble in self.pane.bubbles:  # a short head (it sets the bubble's width); the count below the text
+            bubble.role_label.setText("API conversation")
+            bubble.stats_label.setText(f"{tokens:,} tokens, as the model saw them (its chat template included)")
+            bubble.stats_label.setVisible(True)

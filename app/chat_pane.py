@@ -167,7 +167,7 @@ class ChatPane(QWidget):
         self.read_only = reason
         self.input.setReadOnly(bool(reason))
         self.input.setPlaceholderText(reason or PLACEHOLDER)
-        self.system_prompt.setEnabled(not reason)
+        self.system_prompt.setVisible(not reason)  # an API conversation's system prompt is in its tokens
         self._update_buttons()
         self._update_empty()
 

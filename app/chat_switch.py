@@ -35,6 +35,11 @@ class ChatSwitch(QObject):
         self._owner = owner
         self.pane.input.setPlainText(self.drafts.pop(owner, ""))
 
+    def api_opened(self, session_id: int) -> None:
+        """An API conversation took the chat's place: the chat's draft waits for it, and no chat's speed shows."""
+        self.switch_draft(("api", session_id))
+        self.status.show_speed(0)
+
     def _on_chat_opened(self, chat_id: int) -> None:
         self.switch_draft(chat_id)
         self.status.show_speed(self.last_speed(chat_id))

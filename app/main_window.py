@@ -52,7 +52,7 @@ from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
 from app.spec_controller import SpecController
 from app.spec_controls import SpecControls
-from app.status_bar import StatusBar
+from app.status_bar import StatusBar, context_counts
 from app.trace import CacheTrace
 from app.engine_thread import EngineThread
 from app.worker import EngineBackend
@@ -154,7 +154,7 @@ class MainWindow(QMainWindow):
                                        lambda: self.cache.applied, self.show_error, api_list=self.api_list)
         self.chat_switch = ChatSwitch(self.conversation, self.status, self)  # drafts and tok/s per chat
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
-                                switch_draft=self.chat_switch.switch_draft)
+                                entered=self.chat_switch.api_opened)
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -379,8 +379,8 @@ class MainWindow(QMainWindow):
 
     def _on_frame(self, snap: CacheSnapshot) -> None:
         """The panels' new frame: the status bar describes the same moment."""
-        used = max(snap.seq_len - snap.evicted_total, 0)
-        self.status.show_context(used, snap.context_length, self.cache.applied.overflow, snap.evicted_total)
+        used, chat = context_counts(snap)  # the definitions the occupancy caption uses too
+        self.status.show_context(used, snap.context_length, self.cache.applied.overflow, chat)
         if not self.generation_id:
             self.conversation.check.chat_tokens = used
         if self.generation_id and snap.decode_tokens_per_s:

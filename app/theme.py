@@ -33,7 +33,7 @@ QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 
 QLabel#noticeText {{ color: #ffb0b0; }}
 QWidget#transcript {{ background: {BASE}; }}
 QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
-QFrame#bubble_assistant {{ background: {PANEL}; border-radius: 10px; }}
+QFrame#bubble_assistant, QFrame#bubble_api {{ background: {PANEL}; border-radius: 10px; }}
 QPushButton#flatButton {{ background: transparent; border: 1px solid transparent; border-radius: 3px; color: {MUTED};
     padding: 0 3px; }}
 QPushButton#flatButton:hover {{ color: {TEXT}; }}

@@ -50,7 +50,8 @@ def test_an_api_conversation_takes_the_chats_place_and_gives_it_back(qtbot, data
         qtbot.waitUntil(lambda: len(w.chat.bubbles) == 1 and w.chat.bubbles[0].role == "api", timeout=DEADLINE_MS)
         assert w.chat.title.text() == f"API #{sid}"
         assert "Ben found a shiny rock" in w.chat.bubbles[0].text
-        assert f"{api_tokens:,} tokens" in w.chat.bubbles[0].role_label.text()
+        assert w.chat.bubbles[0].stats_label.text().startswith(f"{api_tokens:,} tokens, as the model saw them")
+        assert w.status.speed.text() == ""  # the chat's tok/s left with it
         assert w.chat_list.currentRow() == -1 and not w.chat_list.selectedItems()
         assert w.chat_id is None
         qtbot.waitUntil(lambda: w.scheduler.frame is not None and w.scheduler.frame.seq_len == api_tokens,
@@ -58,12 +59,14 @@ def test_an_api_conversation_takes_the_chats_place_and_gives_it_back(qtbot, data
         # nothing is typed into it, and the grey Send says why
         assert not w.chat.send_button.isEnabled() and w.chat.send_button.toolTip() == READ_ONLY
         assert w.chat.input.isReadOnly() and w.chat.input.placeholderText() == READ_ONLY
-        assert not w.chat.system_prompt.isEnabled()
+        assert not w.chat.system_prompt.isVisible()
+        assert not w.chat.scroll.horizontalScrollBar().isVisible()  # the bubble fits the column
 
         click_chat(qtbot, w, 0)  # the chat that was on screen
         assert w.chat_id == chat_id and chat_on_screen(w, title, 2)
         assert w.api_list.selected == 0 and w.chat_list.currentRow() == 0
-        assert w.chat.send_button.isEnabled() and not w.chat.input.isReadOnly()
+        assert w.chat.send_button.isEnabled() and not w.chat.input.isReadOnly() and w.chat.system_prompt.isVisible()
+        assert w.status.speed.text().endswith("tokens/s")  # its last reply's speed is back
         qtbot.waitUntil(lambda: w.scheduler.frame is not None and w.scheduler.frame.seq_len == chat_tokens,
                         timeout=DEADLINE_MS)  # its panels are back
         qtbot.wait(1200)  # two polls: the API's snapshots no longer reach the panels
