@@ -101,20 +101,38 @@ class StatusBar:
         self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")
         self.speed.set_tip("Decode speed of the last reply")
 
-    def show_context(self, used: int, total: int, overflow: str, dropped: int = 0) -> None:
-        """'Context: used of total tokens', amber from 75% and red from 90%; the tooltip says what
-        happens when it is full."""
+    def show_context(self, used: int, total: int, overflow: str, chat: int = 0) -> None:
+        """'Context: used of total tokens' (``context_counts``), and the chat's tokens when some were dropped;
+        amber from 75% and red from 90%; the tooltip defines each number and says what happens when it is full."""
         frac = used / total if total else 0.0
         colour = CONTEXT_FULL if frac >= 0.9 else CONTEXT_FILLING if frac >= 0.75 else ""
         text = f"Context: {used:,} of {total:,} tokens" if total else "Context: —"
-        self.context.setText(text + (f" ({dropped:,} dropped)" if dropped else ""))
+        dropped = max(chat - used, 0)
+        self.context.setText(text + (f" · chat {chat:,} ({dropped:,} dropped)" if dropped else ""))
         self.context.setStyleSheet(f"color: {colour}" if colour else "")
         self.context.level = "full" if colour == CONTEXT_FULL else "filling" if colour else ""
         when_full = OVERFLOWS[overflow].tip.splitlines()[0] if overflow in OVERFLOWS else overflow
         self.context.set_tip(
-            f"{used:,} of the model's {total:,} context tokens are in use ({100 * frac:.0f}%).\n"
+            f"Context used: {used:,} of the model's {total:,} positions ({100 * frac:.0f}%) — the tokens cached "
+            "(as many as the fullest layer holds, the Layer occupancy panel's 'tokens cached') plus the one just "
+            "generated, which the next step reads.\n"
+            f"Tokens in the chat: {max(chat, used):,} — every token so far; those a policy or the context limit "
+            f"dropped ({dropped:,}) are no longer read.\n"
             f"{when_full} (Cache policy ▸ When the context is full). Every dropped token shows in the page map "
             "and the occupancy panel.")
+
+
+def context_counts(snap) -> tuple[int, int]:
+    """(context used, tokens in the chat) of one snapshot, the definitions every readout shares: used = the tokens
+    cached (the fullest layer's count, as Layer occupancy says) plus the one just generated and not yet fed; the
+    chat = every token so far, dropped ones included. A model whose every layer keeps a fixed state (no tokens
+    cached) uses its whole chat."""
+    held = max((int(x) for x in snap.tokens_per_layer), default=0)
+    chat = int(snap.seq_len)
+    if held == 0 and snap.layer_kinds and all("state" in k for k in snap.layer_kinds):
+        return chat, chat
+    pending = 1 if chat - held - int(snap.evicted_total) >= 1 else 0
+    return min(held + pending, chat), chat
 
 
 def fallback_note(reason: str) -> str:

@@ -297,6 +297,8 @@ class SeqCache:
         None when the prompt does not go on from the cache."""
         ix = self.index
         fed = ix.next_pos
+        if getattr(self.policy, "name", "") == "priority":
+            return None  # its priorities come from the messages (pins), which a new turn may change: recomputed
         if (self.store is None or self.host is not None or ix.intact == fed or not self.cache_config.prefix_reuse
                 or len(ids) <= fed or len(cached_ids) < fed or list(cached_ids[:fed]) != list(ids[:fed])):
             return None
