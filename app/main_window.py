@@ -329,6 +329,7 @@ class MainWindow(QMainWindow):
         """Another chat is on screen: the panels, the trace and the context readout start over for it."""
         self.api_list.deselect()
         self.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
+        self.controls.show_notes([])  # what the last change did was about the chat that left the screen
         self.scheduler.clear()
         if not self.generation_id:  # else the reply running in it sends its own snapshots
             self._describe_chat()
