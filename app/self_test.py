@@ -19,6 +19,7 @@ from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
 
 from app.self_test_spec import check_speculative_reply
+from app.self_test_readouts import check_captions, check_context, check_wait
 from engine.config import CacheConfig, SamplingConfig
 
 MODES = ("off", "contiguous", "paged")
@@ -200,6 +201,9 @@ def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None
         _precision_switches(t)
         _compare(t)
         check_speculative_reply(t, wait_until)
+        check_context(t, wait_until)
+        check_wait(t, wait_until)
+        check_captions(t, wait_until)
         if measure_panels:
             _measure_panels(t)
     return _finish(window, history, tmp, t.lines, t.ok, probe, screenshot)
