@@ -178,25 +178,20 @@ def check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat: int, occupancy_i
 
 
 def check_server_gone(qtbot, w, rc, server) -> None:
-    # a second chat on the same server (the list's menu), then closed: the first one is still there
+    # a second chat on the same server (the list's menu): its greedy story runs the full 300 tokens, and the
+    # server is killed at its first chunk with text: the reply ends with the reason, its text kept
     second = w.remote.new_chat(rc.link)
     assert w.remote.current is second and w.remote.list.count() == 2 and not w.chat.bubbles
-    assert send(qtbot, w, "Once upon a time") == "max_tokens" and second.reply.text
-    w.remote.close_chat(second.id)
-    assert w.remote.current is None and w.chat_id is not None and w.remote.list.count() == 1
-    assert w.controls.mode.isEnabled() and rc.link in w.remote.links and not rc.link.closed
-    w.remote.list.setCurrentRow(0)
-    assert w.remote.current is rc
+    w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300)
 
-    # the server dies mid-reply: the reply ends with the reason, its text kept
-    def kill(_gen, text, *_a) -> None:  # on the chat thread, at the first chunk with text
+    def kill(_gen, text, *_a) -> None:  # on the chat thread
         if text:
             server.kill()
 
     rc.link.worker.delta.connect(kill)
-    assert send(qtbot, w, "Tell me a long story") == "error"
+    assert send(qtbot, w, "Once upon a time") == "error"
     rc.link.worker.delta.disconnect(kill)
-    stopped = rc.messages[-1]
+    stopped = second.messages[-1]
     assert stopped.content and stopped.stats["error"] and w.chat.bubbles[-1].text == stopped.content
     assert "The remote reply stopped" in w.chat.notice.label.text()
     shot(w, "killed")
@@ -207,7 +202,12 @@ def check_server_gone(qtbot, w, rc, server) -> None:
     qtbot.waitUntil(lambda: (w.remote.draw(force=True), "not answering" in w.page_map.caption.text())[1],
                     timeout=5000)
     assert w.chat.send_button.isEnabled() and not w.chat.generating
-    w.new_chat()  # a local chat again, answered by the local engine
+    w.remote.close_chat(second.id)  # the last local chat comes back; the server's first chat stays
+    assert w.remote.current is None and w.chat_id is not None and w.remote.list.count() == 1
+    assert w.controls.mode.isEnabled() and rc.link in w.remote.links and not rc.link.closed
+    w.remote.list.setCurrentRow(0)
+    assert w.remote.current is rc and w.chat.bubbles[-1].text == rc.messages[-1].content
+    w.new_chat()  # a local chat, answered by the local engine
     assert w.remote.current is None and w.chat.send_button.isEnabled()
     w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=8)
     w.send("Once upon a time")
@@ -278,3 +278,17 @@ def test_remote_slots_become_page_map_states():
     assert "hit rate 25% (10 of 40 tokens)" in readout and "16 cached tokens" in readout and "2 batches missed" in readout
     two = cache_snapshot([pool, pool_of(1, 100, (SLOT_OTHER,) * 100, 100, 0)], 0)
     assert two.num_pages == 384 + 100 and two.page_groups == (("engine 0", 384), ("engine 1", 100))
+
+
+def test_closing_the_window_mid_reply_stops_the_remote_threads(qtbot, data_dir, stories_path, server):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=300))
+    rc = connect(qtbot, w, server.url)
+    link = rc.link
+    w.chat.input.setPlainText("Tell me a story")
+    w.chat.submit()
+    qtbot.waitUntil(lambda: rc.chunks > 0, timeout=30_000)
+    t0 = time.monotonic()
+    close_window(w)
+    w.close()  # the Close event: the reply is cancelled, the link's threads and subscribers end
+    assert time.monotonic() - t0 < 10
+    assert link.closed and not any(t.isRunning() for t in link.threads) and rc.cancel.is_set()
