@@ -65,6 +65,9 @@ class EventSubscriber:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, RCV_HWM)
+        # a server that restarts is reconnected to by ZMQ itself: after 100 ms, backing off to 5 s between tries
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
             (sub.bind if self.binding else sub.connect)(self.endpoint)

@@ -269,3 +269,43 @@ def test_the_events_tell_the_pools_truth_through_evictions(stories_path):
     finally:
         eng.close()
         thread.stop()
+
+
+def test_data_parallel_ranks_are_one_pool_each():
+    """Two engines (ranks 0 and 1) publish on the endpoint's port and port + 1, as vLLM's data-parallel ranks do:
+    the view subscribes to each and draws one pool per rank."""
+    from engine.remote.subscriber import EventSubscriber
+    from engine.remote.view import RemoteView
+    from engine.remote.wire import seq_bytes
+
+    base = free_port()
+    while True:  # two free ports in a row
+        try:
+            ctx = zmq.Context()
+            pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+            for r, pub in enumerate(pubs):
+                pub.bind(f"tcp://127.0.0.1:{base + r}")
+            break
+        except zmq.ZMQError:
+            ctx.destroy(linger=0)
+            base = free_port()
+    view = RemoteView(P, 64)
+    subs = [EventSubscriber(view, f"tcp://*:{base}", "http://127.0.0.1:8000", "kv", rank=r) for r in (0, 1)]
+    try:
+        for s in subs:
+            s.start()
+        assert [s.endpoint for s in subs] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
+        time.sleep(0.3)
+        for r, pub in enumerate(pubs):
+            batch = Batch(time.time(), [Stored(tuple(range(10 * r, 10 * r + 2 + r)), None, tuple(range((2 + r) * P)),
+                                               P)], r)
+            pub.send_multipart([b"kv", seq_bytes(0), encode_batch(batch)])
+        end = time.monotonic() + 5
+        while time.monotonic() < end and view.batches < 2:
+            time.sleep(0.05)
+        snaps = view.snapshots()
+        assert [(s.rank, s.cached_blocks, s.num_blocks) for s in snaps] == [(0, 2, 64), (1, 3, 64)]
+    finally:
+        for s in subs:
+            s.stop()
+        ctx.destroy(linger=0)
