@@ -3,8 +3,8 @@
 A client of the OpenAI API sends the whole conversation every time: the previous messages, the reply it
 got, and a new user message. ``IdleSessions.take`` picks the idle session whose tokens share the longest
 prefix with the new prompt; its ``start()`` then prefills only the rest (``TurnStats.reused_tokens``).
-A prompt that shares less than ``min_shared`` tokens with every idle session (and does not extend one
-whole) gets a new session, so one conversation's cache is not thrown away for another's. At most ``max_idle`` sessions are kept; the least
+A prompt that shares less than ``min_shared`` tokens, or less than half, with every idle session (and does not
+extend one whole) gets a new session, so one conversation's cache is not thrown away for another's. At most ``max_idle`` sessions are kept; the least
 recently used is closed first (its pages go back to the pool).
 
 Isolation (a client must not learn another conversation's prompt from ``cached_tokens`` or from timing): a
@@ -60,7 +60,11 @@ class IdleSessions:
                 best, shared, whole = s, n, n == len(cached)
         if not whole and best is not None:  # the last prompt token is always fed: whole pages before it
             shared = best.cache.store.reusable(min(shared, len(ids) - 1) // self.grain * self.grain)
-        if best is not None and shared > 0 and (shared >= self.min_shared or whole):
+        # a prompt that shares only a start (a chat template's header, a system prompt) with a conversation does
+        # not take it over: cutting it back would lose that conversation's cache to an unrelated request (its
+        # follow-up then found 8 of 111 tokens), and the new one gets the shared pages from the prefix cache anyway
+        mostly = best is not None and 2 * shared >= best.index.intact
+        if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
             self._idle.remove(best)
             if not whole:
                 best.cache.truncate(shared)  # what lies past the last whole page is not reused
