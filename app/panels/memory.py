@@ -155,10 +155,10 @@ class MemoryPanel(Panel):
         share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)
         held = int(np.max(snap.tokens_per_layer, initial=0))
         text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> ({100 * share:.1f}%)"
-        if held:  # bytes held over tokens held: the last page's empty slots count, so a bit over the model card's
-            text += f" · {human_bytes(snap.kv_bytes / held)} per cached token"
-            if snap.page_size and held % snap.page_size:  # say so, or it reads as a disagreement with the card
-                text += " (the last page's empty slots included)"
+        slots = int(np.max(snap.pages_used_per_layer, initial=0)) * snap.page_size if snap.page_size else held
+        if held and slots:  # bytes per token slot, as the model card counts: over tokens held, the last page's
+            # empty slots made it read 1.3 KiB beside the card's 1.2 KiB
+            text += f" · {human_bytes(snap.kv_bytes / max(slots, held))} per token"
         if snap.device_bytes:
             text += f" · device {human_bytes(snap.device_bytes)}"
         self.caption.setText(text)

@@ -88,16 +88,15 @@ def test_every_tab_stop_shows_the_focus(qtbot, data_dir, stories_path):
         close_window(w)
 
 
-def test_memory_says_why_its_bytes_per_token_exceed_the_model_cards(qtbot):
-    """#19 item 12: bytes held over tokens held counts the last page's empty slots; the caption says so when
-    there are some (it read as a disagreement with the model card's KV per token)."""
+def test_memory_counts_bytes_per_token_as_the_model_card_does(qtbot):
+    """#19 item 12: Memory said 1.3 KiB per token beside the model card's 1.2 KiB: it divided by the tokens held,
+    so the last page's empty slots counted. Per token slot, as the card counts, the two agree."""
     from app_helpers import make_snapshot
 
     from app.panels import MemoryPanel
 
     panel = MemoryPanel()
     qtbot.addWidget(panel)
-    panel.show_snapshot(make_snapshot(), now=1.0)  # 10 tokens in 4-token pages: 2 empty slots
-    assert "per cached token (the last page's empty slots included)" in panel.caption.text()
-    panel.show_snapshot(make_snapshot(tokens_per_layer=[12, 12, 12], kv_bytes=2304), now=2.0)
-    assert "per cached token" in panel.caption.text() and "empty slots" not in panel.caption.text()
+    # 10 tokens in 3 pages of 4 per layer, 3 layers at 1920 bytes: 160 bytes per token slot (not 192)
+    panel.show_snapshot(make_snapshot(kv_bytes=1920), now=1.0)
+    assert "· 160 B per token" in panel.caption.text()

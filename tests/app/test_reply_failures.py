@@ -119,16 +119,19 @@ def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_
 
 
 def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir, stories_path):
-    """A prompt longer than stories260K's 512-token context (overflow "stop"): the app asks first; sent
-    anyway, the engine's typed refusal ends that reply with its own reason; the chat goes on once the
-    message is shortened (a reply that merely would pass the context is not refused: it stops when full)."""
+    """A prompt longer than stories260K's 512-token context (overflow "stop"): the app asks first and offers no
+    "Send anyway" (#19 item 12: it could only fail); sent past the check all the same (as a message sent just
+    before the settings changed would be), the engine's typed refusal ends that reply with its own reason; the
+    chat goes on once the message is shortened (a reply that merely would pass the context is not refused: it
+    stops when full)."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=600))
     try:
         failures: list = []
         w.engine.worker.failed.connect(failures.append)
         w.send("the cat sat on the mat and " * 60)  # about 620 tokens
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
-        w.chat.notice.action_buttons[0].click()  # Send anyway
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["New chat"]
+        w.conversation.send(w.chat.input.toPlainText(), checked=True)
         assert wait_reply(qtbot, w)[1] == "error"
         (failure,) = failures
         assert (failure.stage, failure.type, failure.recoverable) == ("start", "ContextOverflowError", True)
