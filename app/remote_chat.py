@@ -344,7 +344,7 @@ class RemoteChats(QObject):
         if reply.prompt_ids:
             rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
         rc.reply = reply
-        rc.link.refresh()  # the reply moved the hit rate and occupancy
+        rc.link.refresh(now=not reply.error)  # the reply moved the hit rate and occupancy (and the server is up)
         if rc is self.current:
             self.pane.finish_reply(text or None, stats)
             self.pane.set_generating(False)

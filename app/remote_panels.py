@@ -196,7 +196,7 @@ class RemotePanels:
             caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
             if rc.link.error:  # what is drawn is the last the server said
                 caption = f"<span style='color:#ff6b6b'>not answering</span> · {caption}"
-                readout = f"{rc.link.error} · {readout}"
+                readout = f"{rc.link.error} (asking again in {rc.link.retry_in:.0f} s) · {readout}"
             w.page_map.caption.setText(caption)
             w.page_map.readout = readout
             if not w.page_map._hovering:  # the mouse on a page: its description stays

@@ -20,6 +20,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from engine.remote.attach import RemoteEngine
 from engine.remote.client import RemoteError, Reply
 
+BACKOFF_MAX_S = 30.0  # the longest wait between /metrics reads of a server that does not answer
 JOIN_MS = 3000  # how long closing waits for a thread (a reply in flight stops at its next chunk)
 _LINGERING: list = []  # links whose thread did not stop in time: kept alive, never destroyed while running
 
@@ -105,6 +106,8 @@ class RemoteLink(QObject):
         self.url = ""
         self.polling = False
         self.error = ""  # why the last /metrics poll failed ("" when it answered): the server may be gone
+        self.failures = 0  # /metrics reads failed in a row
+        self._next_poll = 0.0  # monotonic time before which no read is asked (backoff)
         self.closed = False
         self.threads: list[QThread] = []
         self.worker, self.poller = RemoteWorker(), RemoteWorker()
@@ -137,14 +140,28 @@ class RemoteLink(QObject):
              cancel: threading.Event) -> None:
         self._chat.emit(generation, messages, max_tokens, temperature, cancel)
 
-    def refresh(self) -> None:
-        if self.engine is not None and not self.polling and not self.closed:
-            self.polling = True
-            self._refresh.emit()
+    def refresh(self, now: bool = False) -> None:
+        """Re-read ``/metrics`` on the poll thread, unless a read is in flight or the server failed recently
+        (``now``: a reply just came from it, so it is back: ask at once)."""
+        if now:
+            self._next_poll = 0.0
+        if self.engine is None or self.polling or self.closed or time.monotonic() < self._next_poll:
+            return
+        self.polling = True
+        self._refresh.emit()
+
+    @property
+    def retry_in(self) -> float:
+        """Seconds until the next ``/metrics`` read after a failure (0: at the next tick)."""
+        return max(0.0, self._next_poll - time.monotonic())
 
     def _on_polled(self, result: Any) -> None:
         self.polling = False
-        self.error = result if isinstance(result, str) else ""
+        if isinstance(result, str):  # backoff: a server that went away is asked after 1, 2, 4 … 30 s
+            self.error, self.failures = result, self.failures + 1
+            self._next_poll = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** (self.failures - 1))
+        else:
+            self.error, self.failures, self._next_poll = "", 0, 0.0
 
     def abandon(self) -> None:
         """Drop a connection still being tried without waiting for it (the window never waits on the network):

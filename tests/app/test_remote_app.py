@@ -41,10 +41,14 @@ class Server:
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
                "topic": "kv-events", "replay_endpoint": f"tcp://*:{replay}"}
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(self.port),
-             "--page-size", "16", "--kv-events-config", json.dumps(cfg)],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.args = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(self.port),
+                     "--page-size", "16", "--kv-events-config", json.dumps(cfg)]
+        self.start()
+
+    def start(self) -> None:
+        """Start it (again: on the same ports)."""
+        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -292,3 +296,29 @@ def test_closing_the_window_mid_reply_stops_the_remote_threads(qtbot, data_dir, 
     w.close()  # the Close event: the reply is cancelled, the link's threads and subscribers end
     assert time.monotonic() - t0 < 10
     assert link.closed and not any(t.isRunning() for t in link.threads) and rc.cancel.is_set()
+
+
+def test_a_server_that_comes_back_is_asked_again_with_backoff(qtbot, data_dir, stories_path, server):
+    """Killed, the server's /metrics is asked after 1, 2, 4 … s (the page map says so); started again on the same
+    ports, the event stream reconnects (ZMQ's own reconnect), the next message is answered and its blocks are drawn."""
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=30))
+    try:
+        rc = connect(qtbot, w, server.url)
+        view = rc.link.engine.view
+        server.kill()
+        qtbot.waitUntil(lambda: rc.link.failures >= 1, timeout=10_000)
+        assert 0 < rc.link.retry_in <= 1.0  # then 2, 4 … 30 s
+        w.remote.draw(force=True)
+        assert "not answering" in w.page_map.caption.text() and "asking again in" in w.page_map.readout
+        batches = view.batches
+        server.start()
+        qtbot.waitUntil(lambda: view.batches > batches, timeout=15_000)  # the idle batch of the new server
+        assert send(qtbot, w, "Once upon a time") == "max_tokens" and rc.reply.text
+        qtbot.waitUntil(lambda: not rc.link.error, timeout=5000)  # a reply came: /metrics is asked at once
+        qtbot.waitUntil(lambda: view.chat_blocks(rc.ids) > 0, timeout=10_000)
+        w.remote.draw(force=True)
+        assert "not answering" not in w.page_map.caption.text()
+        assert active_cells(w.page_map)[0] == view.chat_blocks(rc.ids)
+    finally:
+        close_window(w)
+        w.close()
