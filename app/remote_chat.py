@@ -29,6 +29,7 @@ from app.replies import pick_version, versions_of, with_version
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
+QUEUED = "waiting for this server's reply in another remote chat to finish · Stop (Esc) cancels"
 PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
 # The pane's request signals and who answers them: the conversation's slot, or this controller's.
 PANE_SLOTS = (("send_requested", "send", "send"), ("stop_requested", "stop", "stop"),
@@ -260,7 +261,9 @@ class RemoteChats(QObject):
         rc.generation, rc.cancel, rc.versions = self._next_gen, threading.Event(), list(versions or [])
         rc.chunks, rc.sent = 0, time.monotonic()
         rc.last_arrival = rc.sent
-        self.pane.begin_reply(rc.messages[-1].position, len(rc.versions))
+        bubble = self.pane.begin_reply(rc.messages[-1].position, len(rc.versions))
+        if any(c.generation and c.link is rc.link for c in self.chats.values() if c is not rc):
+            bubble.set_waiting(QUEUED)  # one reply at a time per server: its chat thread streams them in turn
         self.pane.set_generating(True)
         w.timing.begin_reply(rc.generation, rc.label)
         rc.link.chat(rc.generation, api, sampling.max_new_tokens, sampling.temperature, rc.cancel)

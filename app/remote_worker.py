@@ -69,6 +69,9 @@ class RemoteWorker(QObject):
         def on_delta(text: str, ids: list) -> None:
             self.delta.emit(generation, text, len(ids), time.monotonic())
 
+        if cancel.is_set():  # stopped while it waited for another chat's reply on this thread: never sent
+            self.finished.emit(generation, Reply(finish_reason="cancelled"))
+            return
         try:
             reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel)
         except RemoteError as e:  # refused or gone before the first byte

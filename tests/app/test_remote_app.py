@@ -19,6 +19,7 @@ import pytest
 from app_helpers import close_window, open_window, wait_reply
 
 from app.docks import on_screen
+from app.remote_chat import QUEUED
 
 from engine import snapshot as S
 from engine.config import SamplingConfig
@@ -285,17 +286,31 @@ def test_remote_slots_become_page_map_states():
 
 
 def test_closing_the_window_mid_reply_stops_the_remote_threads(qtbot, data_dir, stories_path, server):
+    """Two chats on one server take turns (the second says it waits, and Stop drops it unsent); closing the window
+    while a reply streams cancels it and ends the link's threads (qtbot's own close would do it on a failure)."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=300))
     rc = connect(qtbot, w, server.url)
     link = rc.link
     w.chat.input.setPlainText("Tell me a story")
     w.chat.submit()
     qtbot.waitUntil(lambda: rc.chunks > 0, timeout=30_000)
+    second = w.remote.new_chat(link)  # a second chat on the same server waits for the first one's reply, says so
+    w.chat.input.setPlainText("Once upon a time")
+    w.chat.submit()
+    assert w.chat.bubbles[-1].waiting == QUEUED and w.chat.stop_button.isEnabled()
+    queued = second.generation
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=30_000, check_params_cb=lambda g, _r: g == queued) as b:
+        w.chat.stop_button.click()  # stopped while it waits: it is never sent
+    assert b.args[1] == "cancelled" and not second.reply.token_ids and not second.messages[-1].content
+    third = w.remote.new_chat(link)
+    w.chat.input.setPlainText("Once upon a time")  # 300 tokens: still streaming when the window closes
+    w.chat.submit()
+    qtbot.waitUntil(lambda: third.generation and third.chunks > 0, timeout=30_000)
     t0 = time.monotonic()
     close_window(w)
     w.close()  # the Close event: the reply is cancelled, the link's threads and subscribers end
     assert time.monotonic() - t0 < 10
-    assert link.closed and not any(t.isRunning() for t in link.threads) and rc.cancel.is_set()
+    assert link.closed and not any(t.isRunning() for t in link.threads) and third.cancel.is_set()
 
 
 def test_a_server_that_comes_back_is_asked_again_with_backoff(qtbot, data_dir, stories_path, server):
