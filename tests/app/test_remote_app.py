@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -37,13 +38,13 @@ def free_port() -> int:
 class Server:
     """``engine serve`` on free ports with ZMQ KV events (and a replay endpoint), page size 16."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, *extra: str) -> None:
         self.port, ev, replay = free_port(), free_port(), free_port()
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
                "topic": "kv-events", "replay_endpoint": f"tcp://*:{replay}"}
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(self.port),
-                     "--page-size", "16", "--kv-events-config", json.dumps(cfg)]
+                     "--page-size", "16", "--kv-events-config", json.dumps(cfg), *extra]
         self.start()
 
     def start(self) -> None:
@@ -58,6 +59,8 @@ class Server:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=1) as r:
                     if r.status == 200:
                         return
+            except urllib.error.HTTPError:  # it answers (401 with --api-key)
+                return
             except OSError:
                 time.sleep(0.2)
         self.kill()
@@ -235,6 +238,28 @@ def test_remote_chat_streams_draws_its_blocks_and_survives_the_server(qtbot, dat
     finally:
         close_window(w)
         w.close()
+
+
+def test_a_wrong_api_key_is_one_line_and_the_right_one_connects(qtbot, data_dir, stories_path):
+    srv = Server(stories_path, "--api-key", "sesame")
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        w.menu_actions["connect"].trigger()
+        dialog = w.remote.dialog
+        dialog.url.setText(srv.url + "/v1")  # with /v1, as OpenAI clients are given it
+        dialog.key.setText("wrong")
+        dialog.connect_button.click()
+        qtbot.waitUntil(lambda: bool(dialog.error.text()), timeout=15_000)
+        assert "refused the API key (401)" in dialog.error.text() and not w.remote.chats
+        dialog.key.setText("sesame")
+        with qtbot.waitSignal(w.remote.chat_added, timeout=30_000):
+            dialog.connect_button.click()
+        assert not dialog.isVisible() and not dialog.error.text() and w.remote.current is not None
+        assert send(qtbot, w, "Once upon a time") in ("max_tokens", "eos") and w.remote.current.reply.text
+    finally:
+        close_window(w)
+        w.close()
+        srv.kill()
 
 
 def test_a_closed_port_is_one_line_in_the_dialog(qtbot, data_dir, stories_path):
