@@ -362,3 +362,34 @@ def test_a_server_that_comes_back_is_asked_again_with_backoff(qtbot, data_dir, s
     finally:
         close_window(w)
         w.close()
+
+
+def test_a_remote_chat_and_an_api_conversation_take_turns_on_screen(qtbot, data_dir, stories_path):
+    """The window attached to its own API server (Server ▸ Start serving; no KV events: the note says so): the
+    remote chat's request is an API conversation there; selecting it puts the API view on screen and the remote
+    chat leaves, selecting the remote chat puts it back and the API view leaves."""
+    from test_server_menu import start_serving
+
+    from app.api_view import READ_ONLY
+
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12))
+    w.settings.set("server/port", free_port())
+    try:
+        url = start_serving(qtbot, w)
+        rc = connect(qtbot, w, url)
+        assert "publishes no KV events" in w.chat.notice.label.text()
+        assert send(qtbot, w, "Once upon a time") in ("max_tokens", "eos") and rc.reply.text
+        qtbot.waitUntil(lambda: w.api_list.count() == 1, timeout=10_000)
+        w.api_list.setCurrentRow(0)
+        qtbot.waitUntil(lambda: w.chat.title.text().startswith("API #"), timeout=10_000)
+        assert w.remote.current is None and w.chat.read_only == READ_ONLY and w.controls.mode.isEnabled()
+        assert w.remote.list.currentRow() == -1
+        w.remote.list.setCurrentRow(0)
+        assert w.remote.current is rc and w.api_list.selected == 0 and w.api_view.session_id == 0
+        assert not w.chat.read_only and w.chat.send_button.isEnabled() and w.chat.title.text() == rc.label
+        assert w.chat.bubbles[-1].text == rc.reply.text
+        qtbot.wait(1200)  # two polls of the API list: its conversation does not come back on screen
+        assert w.remote.current is rc and w.chat.title.text() == rc.label
+    finally:
+        close_window(w)
+        w.close()
