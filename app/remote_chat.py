@@ -107,6 +107,7 @@ class RemoteChats(QObject):
     def add_link(self, link: RemoteLink) -> RemoteChat:
         """A server answered: a new remote chat with it, on screen."""
         self.links.append(link)
+        link.worker.prompt.connect(self._on_prompt)
         link.worker.delta.connect(self._on_delta)
         link.worker.finished.connect(self._on_finished)
         self.window.status.message(f"Connected to {link.engine.client.url}: {link.engine.model}", 6000)
@@ -259,7 +260,7 @@ class RemoteChats(QObject):
         rc.messages.append(Message("assistant", "", len(rc.messages)))
         self._next_gen += 1
         rc.generation, rc.cancel, rc.versions = self._next_gen, threading.Event(), list(versions or [])
-        rc.chunks, rc.sent = 0, time.monotonic()
+        rc.chunks, rc.sent, rc.live_ids, rc.live_prompt = 0, time.monotonic(), [], False
         rc.last_arrival = rc.sent
         bubble = self.pane.begin_reply(rc.messages[-1].position, len(rc.versions))
         if any(c.generation and c.link is rc.link for c in self.chats.values() if c is not rc):
@@ -321,14 +322,21 @@ class RemoteChats(QObject):
     def _chat_of(self, generation: int) -> RemoteChat | None:
         return next((rc for rc in self.chats.values() if rc.generation == generation), None)
 
-    def _on_delta(self, generation: int, text: str, n_ids: int, arrival: float) -> None:
+    def _on_prompt(self, generation: int, prompt_ids: list) -> None:
+        rc = self._chat_of(generation)
+        if rc is not None and not self.closed:
+            rc.live_ids = list(prompt_ids) + rc.live_ids  # the tokens streamed so far follow it
+            rc.live_prompt = True
+
+    def _on_delta(self, generation: int, text: str, ids: list, arrival: float) -> None:
         rc = self._chat_of(generation)
         if rc is None or self.closed:
             return
         rc.messages[-1].content += text
+        rc.live_ids += ids
         if rc is self.current:
             self.pane.append_delta(text)
-            self.window.timing.add_token(token_event(generation, rc.chunks, arrival, rc.last_arrival, n_ids))
+            self.window.timing.add_token(token_event(generation, rc.chunks, arrival, rc.last_arrival, len(ids)))
         rc.chunks += 1
         rc.last_arrival = arrival
 

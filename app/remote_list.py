@@ -39,10 +39,17 @@ class RemoteChat:
     cancel: threading.Event | None = None
     versions: list = field(default_factory=list)  # the versions the reply in flight will sit beside
     ids: list[int] = field(default_factory=list)  # prompt + reply token ids of its last finished reply
+    live_ids: list[int] = field(default_factory=list)  # the reply in flight's: prompt, then tokens as they stream
+    live_prompt: bool = False  # its prompt ids came (until then its chain is unknown)
     reply: Any = None  # its last finished ``engine.remote.client.Reply``
     chunks: int = 0  # streamed chunks of the reply in flight
     sent: float = 0.0  # when it was asked for (monotonic)
     last_arrival: float = 0.0  # its last chunk's arrival (monotonic)
+
+    @property
+    def chain_ids(self) -> list[int]:
+        """The token ids whose blocks are this chat's: the reply in flight's once its prompt is known."""
+        return self.live_ids if self.generation and self.live_prompt else self.ids
 
     @property
     def server(self) -> str:

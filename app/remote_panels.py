@@ -190,8 +190,9 @@ class RemotePanels:
         another tab wait, unless ``force``)."""
         w, eng = self.window, rc.link.engine
         if force or on_screen(w.page_map):
-            pools = eng.view.snapshots(rc.ids)
-            w.page_map.show_snapshot(cache_snapshot(pools, len(rc.ids), rc.generation))
+            ids = rc.chain_ids
+            pools = eng.view.snapshots(ids)
+            w.page_map.show_snapshot(cache_snapshot(pools, len(ids), rc.generation))
             cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
             caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
             if rc.link.error:  # what is drawn is the last the server said

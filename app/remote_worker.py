@@ -34,7 +34,8 @@ def one_line(error: BaseException | str) -> str:
 class RemoteWorker(QObject):
     """The calls of one server, run on the thread this object was moved to.
 
-    Signals: ``opened(RemoteEngine)`` / ``open_failed(message)``; ``delta(generation, text, ids, arrival)``
+    Signals: ``opened(RemoteEngine)`` / ``open_failed(message)``; ``prompt(generation, prompt ids)`` once the
+    stream gave them (so the chat's blocks are found while it streams); ``delta(generation, text, ids, arrival)``
     per streamed chunk (arrival: ``time.monotonic()`` here, so queueing to the GUI does not skew the timing);
     ``finished(generation, Reply)`` — a failure is a ``Reply`` whose ``error`` says why (text kept);
     ``refreshed(Metrics)`` / ``refresh_failed(message)``.
@@ -42,7 +43,8 @@ class RemoteWorker(QObject):
 
     opened = Signal(object)
     open_failed = Signal(str)
-    delta = Signal(int, str, int, float)
+    prompt = Signal(int, object)  # generation, the prompt's token ids (once, with the first chunk that has them)
+    delta = Signal(int, str, object, float)
     finished = Signal(int, object)
     refreshed = Signal(object)
     refresh_failed = Signal(str)
@@ -66,14 +68,20 @@ class RemoteWorker(QObject):
 
     @Slot(int, object, int, float, object)
     def chat(self, generation: int, messages: list, max_tokens: int, temperature: float, cancel: Any) -> None:
-        def on_delta(text: str, ids: list) -> None:
-            self.delta.emit(generation, text, len(ids), time.monotonic())
+        reply = Reply()  # filled by the client: its prompt ids are read here as soon as they arrive
 
+        def on_delta(text: str, ids: list) -> None:
+            if reply.prompt_ids and not told:
+                told.append(True)
+                self.prompt.emit(generation, list(reply.prompt_ids))
+            self.delta.emit(generation, text, list(ids), time.monotonic())
+
+        told: list = []
         if cancel.is_set():  # stopped while it waited for another chat's reply on this thread: never sent
             self.finished.emit(generation, Reply(finish_reason="cancelled"))
             return
         try:
-            reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel)
+            reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel, reply)
         except RemoteError as e:  # refused or gone before the first byte
             reply = Reply(error=one_line(e))
         except Exception as e:  # noqa: BLE001 - a reply always ends, with the reason

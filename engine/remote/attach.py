@@ -59,8 +59,8 @@ class RemoteEngine:
         self.view.set_shape(self.metrics.block_size, self.metrics.num_blocks)
 
     def chat(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
-             on_delta=None, cancel=None) -> Reply:
-        return self.client.chat(self.model, messages, max_tokens, temperature, on_delta, cancel)
+             on_delta=None, cancel=None, reply: Reply | None = None) -> Reply:
+        return self.client.chat(self.model, messages, max_tokens, temperature, on_delta, cancel, reply)
 
     def fixed_settings(self) -> dict[str, str]:
         """What the server fixed at start (shown read-only, with why)."""

@@ -187,9 +187,10 @@ class RemoteClient:
         return metrics_of(raw.decode("utf-8", "replace")) if status == 200 else Metrics()
 
     def chat(self, model: str, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
-             on_delta=None, cancel: threading.Event | None = None) -> Reply:
+             on_delta=None, cancel: threading.Event | None = None, reply: Reply | None = None) -> Reply:
         """Stream one chat reply (``on_delta(text, token_ids)`` per chunk). A failure before the first byte
-        raises ``RemoteError``; one during the stream ends the ``Reply`` with ``error`` (text kept)."""
+        raises ``RemoteError``; one during the stream ends the ``Reply`` with ``error`` (text kept). ``reply``:
+        the object to fill (an ``on_delta`` that holds it reads ``prompt_ids`` as soon as they arrive)."""
         body = {"model": model, "messages": messages, "stream": True, "temperature": temperature,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if max_tokens is not None:
@@ -200,7 +201,7 @@ class RemoteClient:
             raw = resp.read()
             conn.close()
             raise RemoteError(f"the server refused the request ({resp.status}): {_message(raw)}")
-        reply = Reply()
+        reply = reply if reply is not None else Reply()
         try:
             self._read_stream(resp, reply, sent, on_delta, cancel)
         except (OSError, http.client.HTTPException) as e:

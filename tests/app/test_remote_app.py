@@ -331,6 +331,9 @@ def test_closing_the_window_mid_reply_stops_the_remote_threads(qtbot, data_dir, 
     w.chat.input.setPlainText("Once upon a time")  # 300 tokens: still streaming when the window closes
     w.chat.submit()
     qtbot.waitUntil(lambda: third.generation and third.chunks > 0, timeout=30_000)
+    # while it streams, its blocks are found (prompt ids from the first chunk, tokens as they come) and drawn
+    qtbot.waitUntil(lambda: (w.remote.draw(force=True), active_cells(w.page_map)[0] >= 3)[1], timeout=10_000)
+    assert third.generation and third.live_prompt
     t0 = time.monotonic()
     close_window(w)
     w.close()  # the Close event: the reply is cancelled, the link's threads and subscribers end
