@@ -358,13 +358,9 @@ def _speculate(session, cfg, lm) -> None:
     """Turn speculative decoding on as ``--speculative`` says (a draft model loaded and checked first)."""
     if cfg.method == "off":
         return
-    drafter = None
-    if cfg.method == "draft":
-        from engine.loader import load_model
-        from engine.spec_draft import ModelDrafter
+    from engine.spec_draft import load_drafter
 
-        drafter = ModelDrafter(load_model(ModelSpec(source=cfg.draft_path, device=lm.device.type)), lm)
-    session.speculate(cfg, drafter)
+    session.speculate(cfg, load_drafter(cfg, lm))  # a draft model's load error names it
 
 
 def _run_turn(session, a: argparse.Namespace) -> tuple[Any, list[dict]]:

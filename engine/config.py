@@ -181,6 +181,17 @@ SPEC_METHODS = ("off", "ngram", "draft")  # speculative decoding (engine.specula
 MAX_DRAFT = 16  # a verification of 17 tokens costs ~1.3x a decode forward on the CPU; more rarely pays
 
 
+def _check_draft_path(path: str) -> None:
+    """A draft model named by a local path that does not exist: said before the main model loads (seconds to
+    minutes), naming the draft model. A hub id (``org/name``) is left to the loader."""
+    from pathlib import Path
+
+    if not path or path == "demo" or Path(path).expanduser().exists():
+        return
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise ValueError(f"draft model {path}: no such folder (give a model folder, or a hub id like org/name)")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding for a chat: ``method`` off | ngram | draft (``draft_path``: the draft model),
@@ -209,7 +220,9 @@ class SpecConfig:
         """``off`` | ``ngram`` | ``draft:PATH`` (the CLI's and the server's spelling)."""
         text = (text or "off").strip()
         if text.startswith("draft:"):
-            return cls(method="draft", draft_path=text[len("draft:"):], draft_tokens=draft_tokens)
+            path = text[len("draft:"):]
+            _check_draft_path(path)
+            return cls(method="draft", draft_path=path, draft_tokens=draft_tokens)
         return cls(method=text, draft_tokens=draft_tokens)
 
     @property

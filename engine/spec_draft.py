@@ -105,4 +105,9 @@ def load_drafter(cfg, target_lm, like=None) -> ModelDrafter | None:
 
     base = like if like is not None else ModelSpec(source=cfg.draft_path)
     spec = dataclasses.replace(base, source=cfg.draft_path, device=target_lm.device.type, quantization="none")
-    return ModelDrafter(load_model(spec), target_lm)
+    try:
+        lm = load_model(spec)
+    except (EngineError, ValueError) as e:  # say which model failed: the main one loaded already
+        e.args = (f"draft model {cfg.draft_path}: {e}",) + e.args[1:]
+        raise
+    return ModelDrafter(lm, target_lm)

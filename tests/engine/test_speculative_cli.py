@@ -54,3 +54,22 @@ def test_bench_pairs_each_row_with_its_speculative_twin(stories_path, tmp_path, 
     copy = [r for r in rows if r.get("kind") == "copy"][2]
     assert copy["accepted_draft_tokens"] > 0 and copy["tokens_per_forward"] > 1  # the passage repeats
     assert "paged+spec" in capsys.readouterr().err
+
+
+def test_a_missing_or_broken_draft_model_is_named_before_or_after_the_main_one(stories_path, tmp_path, capsys):
+    """A draft folder that does not exist is refused before the main model loads; one that cannot be loaded is
+    refused naming the draft model (the main one loaded fine)."""
+    import time
+
+    from engine.cli import main as cli_main
+
+    t = time.perf_counter()
+    rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "Once", "--speculative",
+                   f"draft:{tmp_path / 'nope'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"draft model {tmp_path / 'nope'}: no such folder" in err and err.count("\n") == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "Once", "--speculative", f"draft:{empty}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"draft model {empty}:" in err and err.count("\n") == 1
