@@ -25,6 +25,7 @@ from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
 from app.remote_panels import RemotePanels, fixed_text, token_event
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
+from engine.snapshot import TokenEvent
 
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
@@ -355,6 +356,9 @@ class RemoteChats(QObject):
         if reply.prompt_ids:
             rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
         rc.reply = reply
+        if rc is self.current and reply.ttft_s is not None:  # the first bar: the client's TTFT, the prompt's size
+            self.window.timing.add_token(TokenEvent(generation, 0, -1, "", "prefill", reply.ttft_s * 1e3,
+                                                    len(reply.prompt_ids)))
         rc.link.refresh(now=not reply.error)  # the reply moved the hit rate and occupancy (and the server is up)
         if rc is self.current:
             self.pane.finish_reply(text or None, stats)

@@ -144,10 +144,27 @@ class RemoteList(QListWidget):
             self.close_requested.emit(chat_id)
 
 
+BURST_S = 0.001  # chunks that came less than 1 ms apart on average came in one burst (buffered on the way)
+BURST_NOTE = "its tokens arrived in one burst (buffered on the way): the decode speed cannot be measured here"
+
+
+def measured_speed(reply) -> float | None:
+    """The reply's decode tok/s as this client saw the chunks arrive; None when they came in one burst (the
+    server's pace is not in their arrival times then, and n / ~0 s would be a nonsense figure)."""
+    t = reply.token_times
+    if len(t) > 2 and (t[-1] - t[0]) / (len(t) - 1) < BURST_S:
+        return None
+    return reply.decode_tokens_per_s
+
+
 def reply_stats(reply, reason: str) -> dict:
     """What shows under a remote reply: speed, TTFT, tokens, how it stopped, what the prefix cache reused."""
-    stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times)),
-             "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2)}
+    stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times))}
+    speed = measured_speed(reply)
+    if speed is None:
+        stats["notes"] = [BURST_NOTE]
+    elif speed:
+        stats["decode_tokens_per_s"] = round(speed, 2)
     if reply.ttft_s is not None:
         stats["ttft_ms"] = round(reply.ttft_s * 1e3, 1)
     prompt = int(reply.usage.get("prompt_tokens") or 0)

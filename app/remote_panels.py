@@ -16,6 +16,7 @@ import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
 from app.docks import on_screen
+from app.remote_list import measured_speed
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
 from engine.snapshot import CacheSnapshot, TokenEvent
@@ -92,10 +93,13 @@ def timing_text(reply) -> str:
     """The timing caption of a remote reply: TTFT and decode speed as this client measured them (network in)."""
     ttft = f"TTFT {reply.ttft_s * 1e3:.0f} ms" if reply.ttft_s is not None else "no token"
     gaps = np.diff(np.asarray(reply.token_times)) * 1e3 if len(reply.token_times) > 1 else np.zeros(0)
+    n = max(len(reply.token_ids), len(reply.token_times))
+    speed = measured_speed(reply)
+    if speed is None:
+        return f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · {n} tokens in one burst"
     itl = f" · inter-token p50 {np.median(gaps):.1f} ms" if len(gaps) else ""
-    return (f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · "
-            f"{max(len(reply.token_ids), len(reply.token_times))} tokens at <b>{reply.decode_tokens_per_s:.1f} "
-            f"tok/s</b>{itl}")
+    return (f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · {n} tokens at "
+            f"<b>{speed:.1f} tok/s</b>{itl}")
 
 
 def fixed_text(settings: dict) -> str:

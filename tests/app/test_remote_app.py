@@ -142,7 +142,9 @@ def check_first_reply(qtbot, w, rc) -> None:
     w.remote.draw(force=True)
     assert expected > 0 and active_cells(w.page_map) == (expected, expected)
     assert f"this chat <b>{expected}</b>" in w.page_map.caption.text()
-    assert "TTFT" in w.timing.caption.text() and "tok/s" in w.timing.caption.text()
+    timing = w.timing.caption.text()
+    assert "TTFT" in timing and ("tok/s" in timing or "in one burst" in timing)
+    assert w.timing.current.prefill_tokens == len(reply.prompt_ids)  # the first bar: the client's TTFT
 
     def metrics_in_caption() -> bool:  # /metrics is polled on the link's poll thread; the map may be in a tab
         w.remote.draw(force=True)
@@ -396,3 +398,21 @@ def test_a_remote_chat_and_an_api_conversation_take_turns_on_screen(qtbot, data_
     finally:
         close_window(w)
         w.close()
+
+
+def test_a_reply_that_arrives_in_one_burst_has_no_speed():
+    """Chunks buffered on the way arrive together: n / ~0 s would be a nonsense tok/s, so none is shown."""
+    from app.remote_list import BURST_NOTE, reply_stats
+    from app.remote_panels import timing_text
+    from engine.remote.client import Reply
+
+    burst = Reply(token_ids=list(range(30)), token_times=[1.0 + i * 1e-5 for i in range(30)], ttft_s=0.4)
+    stats = reply_stats(burst, "eos")
+    assert "decode_tokens_per_s" not in stats and stats["notes"] == [BURST_NOTE] and stats["ttft_ms"] == 400.0
+    assert "in one burst" in timing_text(burst) and "tok/s" not in timing_text(burst)
+    paced = Reply(token_ids=list(range(30)), token_times=[1.0 + i * 5e-3 for i in range(30)], ttft_s=0.4,
+                  prompt_ids=[1] * 20, usage={"prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 16}})
+    stats = reply_stats(paced, "eos")
+    assert stats["decode_tokens_per_s"] == 200.0 and "notes" not in stats
+    assert (stats["reused_tokens"], stats["recomputed_tokens"], stats["first_divergence"]) == (16, 4, 16)
+    assert "200.0 tok/s" in timing_text(paced) and "(20 prompt tokens)" in timing_text(paced)
