@@ -20,10 +20,11 @@ schedule does), and whether it pays (timed against plain decoding steps; off for
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig  # noqa: F401 - torch-free, for the GUI
@@ -57,19 +58,38 @@ class NgramDrafter:
 
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
+        self._ids: list[int] = []  # the ids indexed so far
+        self._starts: list[dict[tuple, list[int]]] = [{} for _ in range(max_ngram + 1)]  # n -> n-gram -> starts
+        self._done = [0] * (max_ngram + 1)  # n -> starts indexed (0 .. done-1)
+
+    def _index(self, ids: Sequence[int]) -> None:
+        """Index the n-grams of ``ids`` that start before its last token; only the new ones when ``ids`` goes on
+        from the ids seen last (a reply: one to k + 1 tokens a step), so a step costs what it adds, not the chat's
+        length (it converted and scanned every token each step)."""
+        L = len(self._ids)
+        if len(ids) < L or list(ids[:L]) != self._ids:  # a new prompt, an edit: start over
+            self._ids, L = [], 0
+            self._starts = [{} for _ in range(self.max_ngram + 1)]
+            self._done = [0] * (self.max_ngram + 1)
+        self._ids.extend(int(t) for t in ids[L:])
+        a, T = self._ids, len(self._ids)
+        for n in range(1, self.max_ngram + 1):
+            table = self._starts[n]
+            for s in range(self._done[n], T - n):  # windows inside ids[:T-1]
+                table.setdefault(tuple(a[s:s + n]), []).append(s)
+            self._done[n] = max(self._done[n], T - n)
 
     def propose(self, ids: Sequence[int], k: int, sampler: Sampler | None = None) -> list[int]:
-        arr = np.asarray(ids, dtype=np.int64)
-        T = len(arr)
+        self._index(ids)
+        a, T = self._ids, len(self._ids)
         for n in range(min(self.max_ngram, T - 1), 0, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:T - 1], n)  # [T-n, n]: every earlier n-gram
-            hits = np.nonzero((windows == arr[T - n:]).all(axis=1))[0]
-            if len(hits):
+            hits = self._starts[n].get(tuple(a[T - n:]))
+            if hits:
                 # the latest match with k tokens after it (the likeliest continuation in a chat); in a loop the
                 # latest match ends next to the tail, so else the earliest (the longest continuation)
-                full = hits[hits + n + k <= T]
-                start = int(full[-1] if len(full) else hits[0]) + n
-                out = arr[start:start + k].tolist()
+                i = bisect.bisect_right(hits, T - n - k) - 1
+                start = (hits[i] if i >= 0 else hits[0]) + n
+                out = a[start:start + k]
                 period = T - start  # the match repeats every ``period`` tokens: copy on past the end (LZ77-style)
                 while len(out) < k:
                     out.append(out[len(out) - period])

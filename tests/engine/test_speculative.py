@@ -279,3 +279,42 @@ def test_a_verdict_of_slower_is_kept_for_the_model_and_retried():
     for _ in range(4):
         other.record_verify(4, 4, 5, 1.0)  # this time it pays
     assert verdicts["ngram"].pays and other.new_reply() == ""
+
+
+def _lookup_by_scan(ids, k, max_ngram=3):
+    """Prompt lookup as a full scan of the chat (the drafter's former code): the reference for its index."""
+    import numpy as np
+
+    arr = np.asarray(ids, dtype=np.int64)
+    T = len(arr)
+    for n in range(min(max_ngram, T - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:T - 1], n)
+        hits = np.nonzero((windows == arr[T - n:]).all(axis=1))[0]
+        if len(hits):
+            full = hits[hits + n + k <= T]
+            start = int(full[-1] if len(full) else hits[0]) + n
+            out = arr[start:start + k].tolist()
+            while len(out) < k:
+                out.append(out[len(out) - (T - start)])
+            return out
+    return []
+
+
+def test_the_ngram_index_proposes_what_a_full_scan_does():
+    """The drafter indexes only what each step adds; over growing chats, edits (a new prompt) and every k its
+    drafts are the full scan's."""
+    import random
+
+    from engine.speculative import NgramDrafter
+
+    rng = random.Random(7)
+    d = NgramDrafter(3)
+    for trial in range(40):
+        ids = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        for _ in range(30):
+            k = rng.randrange(1, 9)
+            assert d.propose(ids, k) == _lookup_by_scan(ids, k), (trial, ids, k)
+            if rng.random() < 0.1:
+                ids = ids[:rng.randrange(1, len(ids) + 1)] + [rng.randrange(6)]  # cut back and changed
+            else:
+                ids = ids + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
