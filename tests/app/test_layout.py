@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.self_test_readouts import cut_captions
 from engine.config import CacheConfig, SamplingConfig
 
 LONG_WORDS = "Supercalifragilisticexpialidocious-and-then-some-more-" * 2 + " "  # no place to break: 108 chars
@@ -122,25 +123,6 @@ def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(
         close_window(w)
 
 
-def _cut_text(w) -> list[str]:
-    """Every label shown in a panel whose text does not fit: a wrapped one whose whole text needs more height than
-    it has (lines cut off), an unwrapped one wider than it is. A fresh unconstrained label measures the text."""
-    from PySide6.QtWidgets import QLabel
-
-    out = []
-    for panel in w.panels:
-        for label in [x for x in panel.findChildren(QLabel) if _shown(x) and x.text().strip()]:
-            probe = QLabel(label.text())
-            probe.setFont(label.font())
-            probe.setWordWrap(label.wordWrap())
-            if label.wordWrap() and probe.heightForWidth(label.width()) > label.height():
-                out.append(f"{panel.objectName()}: {probe.heightForWidth(label.width())} > {label.height()} px at "
-                           f"{label.width()} px: {label.text()}")
-            elif not label.wordWrap() and probe.sizeHint().width() > label.width():
-                out.append(f"{panel.objectName()}: {probe.sizeHint().width()} > {label.width()} px: {label.text()}")
-    return out
-
-
 def test_no_panel_text_is_cut_at_common_screen_sizes(qtbot, data_dir, stories_path):
     """The longest captions (a second reply with the first as 'previous', evictions, int8 keys) are shown in full
     at four window sizes, each panel brought to the front in turn (at the smaller sizes some share a tab)."""
@@ -161,7 +143,7 @@ def test_no_panel_text_is_cut_at_common_screen_sizes(qtbot, data_dir, stories_pa
                 w.docks[name].raise_()
                 qtbot.waitUntil(lambda n=name: _shown(w.docks[n].widget()))
                 qtbot.waitUntil(lambda: w.layout_docks.settled)
-                assert _cut_text(w) == [], (size, name)
+                assert cut_captions(w) == [], (size, name)  # the self-test checks the same
     finally:
         close_window(w)
 
