@@ -25,6 +25,7 @@ from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
 from app.remote_panels import RemotePanels, fixed_text, token_event
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
+from engine.remote.client import RemoteClient, RemoteError
 from engine.snapshot import TokenEvent
 
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
@@ -99,14 +100,25 @@ class RemoteChats(QObject):
     # -- connecting -----------------------------------------------------------------------------------------
     def open_dialog(self) -> ConnectDialog:
         if self.dialog is None:
-            self.dialog = ConnectDialog(self.window)
+            self.dialog = ConnectDialog(self.window, self._known)
             self.dialog.connected.connect(self.add_link)
         self.dialog.show_error("")
         self.dialog.open()  # window-modal, and the event loop runs: nothing waits on the network
         return self.dialog
 
+    def _known(self, url: str, api_key: str) -> RemoteLink | None:
+        """The open link to ``url`` (as the client spells it) with the same key, if there is one."""
+        try:
+            client = RemoteClient(url, api_key or None)  # only parses the address: no network
+        except RemoteError:
+            return None
+        return next((k for k in self.links if k.engine.client.url == client.url
+                     and k.engine.client.api_key == client.api_key), None)
+
     def add_link(self, link: RemoteLink) -> RemoteChat:
-        """A server answered: a new remote chat with it, on screen."""
+        """A server answered (or was open already): a new remote chat with it, on screen."""
+        if link in self.links:
+            return self.new_chat(link)
         self.links.append(link)
         link.worker.prompt.connect(self._on_prompt)
         link.worker.delta.connect(self._on_delta)

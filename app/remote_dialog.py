@@ -8,6 +8,8 @@ the window never waits on it. A failure is one line under the fields and nothing
 
 from __future__ import annotations
 
+from typing import Callable
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QDialog,
@@ -31,9 +33,11 @@ class ConnectDialog(QDialog):
 
     connected = Signal(object)
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None,
+                 known: Callable[[str, str], RemoteLink | None] | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("ConnectDialog")
+        self.known = known  # (url, key) -> the link already open to that server, if any
         self.setWindowTitle("Connect to a server")
         self.link: RemoteLink | None = None
         self.url = QLineEdit(last_values["url"])
@@ -81,6 +85,11 @@ class ConnectDialog(QDialog):
             return
         last_values.update(url=url, events=self.events.text().strip())
         self.show_error("")
+        open_link = self.known(url, self.key.text().strip()) if self.known is not None else None
+        if open_link is not None:  # one link per server: a second one would join its event stream twice
+            self.connected.emit(open_link)
+            self.accept()
+            return
         self.connect_button.setEnabled(False)
         self.connect_button.setText("Connecting…")
         self.link = RemoteLink()

@@ -71,8 +71,8 @@ def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> 
     cached = sum(p.cached_blocks for p in pools)
     mine = sum(p.chat_blocks for p in pools)
     gaps, resyncs = sum(p.gaps for p in pools), sum(p.resyncs for p in pools)
-    caption = (f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached · this chat "
-               f"<b>{mine}</b> · KV usage {metrics.kv_usage:.1%}")
+    caption = (f"<b>{html.escape(server)}</b> · block size {block} · <b>{cached}</b>/{num} blocks cached · "
+               f"this chat <b>{mine}</b> · KV usage {metrics.kv_usage:.1%}")
     shown = sum(len(shown_slots(p.slots)) for p in pools)
     if shown < max(num, sum(len(p.slots) for p in pools)):
         caption += f" · drawn: the first {shown} blocks (the rest are free)"
