@@ -25,7 +25,6 @@ from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
 from app.remote_panels import RemotePanels, fixed_text, token_event
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
-from engine.remote.client import RemoteClient, RemoteError
 from engine.snapshot import TokenEvent
 
 DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
@@ -107,13 +106,7 @@ class RemoteChats(QObject):
         return self.dialog
 
     def _known(self, url: str, api_key: str) -> RemoteLink | None:
-        """The open link to ``url`` (as the client spells it) with the same key, if there is one."""
-        try:
-            client = RemoteClient(url, api_key or None)  # only parses the address: no network
-        except RemoteError:
-            return None
-        return next((k for k in self.links if k.engine.client.url == client.url
-                     and k.engine.client.api_key == client.api_key), None)
+        return next((link for link in self.links if link.serves(url, api_key)), None)
 
     def add_link(self, link: RemoteLink) -> RemoteChat:
         """A server answered (or was open already): a new remote chat with it, on screen."""

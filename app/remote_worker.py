@@ -18,7 +18,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.remote.attach import RemoteEngine
-from engine.remote.client import RemoteError, Reply
+from engine.remote.client import RemoteClient, RemoteError, Reply
 
 BACKOFF_MAX_S = 30.0  # the longest wait between /metrics reads of a server that does not answer
 JOIN_MS = 3000  # how long closing waits for a thread (a reply in flight stops at its next chunk)
@@ -135,6 +135,15 @@ class RemoteLink(QObject):
         self.worker.open_failed.connect(self.open_failed)
         self.poller.refreshed.connect(self._on_polled)
         self.poller.refresh_failed.connect(self._on_polled)
+
+    def serves(self, url: str, api_key: str) -> bool:
+        """This link is open to ``url`` (as the client spells it) with the same key."""
+        try:
+            client = RemoteClient(url, api_key or None)  # only parses the address: no network
+        except RemoteError:
+            return False
+        own = self.engine.client if self.engine is not None else None
+        return own is not None and (own.url, own.api_key) == (client.url, client.api_key)
 
     def open(self, url: str, api_key: str = "", events: str = "") -> None:
         self.url = url
