@@ -191,8 +191,10 @@ class RemotePanels:
 
     def draw(self, rc, force: bool = False) -> None:
         """The page map from the view and the last ``/metrics``, the timing caption from the reply (panels behind
-        another tab wait, unless ``force``)."""
+        another tab wait, and all of them while live panels are off, unless ``force``: a reply ended)."""
         w, eng = self.window, rc.link.engine
+        if not (force or w.scheduler.enabled):  # View ▸ Live panels off: they pause (and say so), remote ones too
+            return
         if force or on_screen(w.page_map):
             ids = rc.chain_ids
             pools = eng.view.snapshots(ids)
