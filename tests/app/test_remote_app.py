@@ -1,6 +1,9 @@
 """Remote chats on the real window against a real ``python -m engine serve`` subprocess with KV events on:
-File ▸ Connect to a server…, a reply streamed from it, the page map drawing the server's blocks, the server killed
-mid-reply and then gone, a bad address — and the window usable throughout."""
+File ▸ Connect to a server…, a reply streamed from it (its blocks drawn while it streams and exactly after),
+regenerate / edit / Stop, a second chat on the same server, the server killed mid-reply and then gone, started
+again on the same ports (backoff, events reconnect), a wrong API key and a closed port (one line in the dialog),
+an API conversation taking turns with a remote chat, the window closed mid-reply — and the window usable
+throughout. Screenshots at 1280×720 go to $KVSCOPE_SHOTS (default /tmp) as remote_*.png."""
 
 from __future__ import annotations
 
