@@ -41,11 +41,15 @@ def scrolled(widget: QWidget) -> QScrollArea:
     return area
 
 
-def empty_tab_bar_focused() -> bool:
-    """The focus is on a tab bar with no tabs: QMainWindow keeps the bar of a tab group that was taken apart
-    (it draws nothing), and Tab would stop there with no focus to be seen."""
-    bar = QApplication.focusWidget()
-    return isinstance(bar, QTabBar) and bar.count() == 0
+def focus_unseen() -> bool:
+    """The focus is where nobody sees it: in a dock behind another tab (Qt keeps its page "visible", outside
+    the window: Tab went through Speculation's and Sampling's ten fields unseen), or on a tab bar with no tabs
+    (QMainWindow keeps the bar of a tab group that was taken apart; it draws nothing). A keyboard user brings
+    a dock forward from its tab bar (arrow keys), then tabs into it."""
+    widget = QApplication.focusWidget()
+    if widget is None:
+        return False
+    return (isinstance(widget, QTabBar) and widget.count() == 0) or not on_screen(widget)
 
 
 def on_screen(widget: QWidget) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication
-from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
+from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QWidget
 
 from app import help as app_help
 from app.api_view import ApiView
@@ -36,7 +36,7 @@ from app.config_settings import sampling_from_settings, save_sampling
 from app.controls import CacheControls
 from app.conversation import Conversation
 from app.disk_dialog import DiskController
-from app.docks import DockLayout, empty_tab_bar_focused
+from app.docks import DockLayout, focus_unseen
 from app.exports import Exporter
 from app.failure import Failure
 from app.gc_guard import MainThreadGC
@@ -196,10 +196,12 @@ class MainWindow(QMainWindow):
         self._db_timer.start()
 
     def focusNextPrevChild(self, next: bool) -> bool:  # noqa: N802 - Qt name
-        """Tab and Shift+Tab pass over the empty tab bars QMainWindow keeps (a stop with nothing to see)."""
+        """Tab and Shift+Tab stop only where the focus can be seen: not in docks behind a tab, not on the empty
+        tab bars QMainWindow keeps (``docks.focus_unseen``)."""
+        start = QApplication.focusWidget()
         moved = super().focusNextPrevChild(next)
-        for _ in range(8):
-            if not (moved and empty_tab_bar_focused()):
+        for _ in range(256):  # at most once round the focus chain
+            if not (moved and focus_unseen()) or QApplication.focusWidget() is start:
                 break
             moved = super().focusNextPrevChild(next)
         return moved

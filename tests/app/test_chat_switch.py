@@ -8,6 +8,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QTabBar
 
+from app.docks import on_screen
 from app.format import human_bytes
 
 
@@ -62,10 +63,27 @@ def focus_shows(widget) -> bool:
     return with_focus != without
 
 
+def tab_through(w, presses: int, key=Qt.Key.Key_Tab) -> list[str]:
+    """Press Tab ``presses`` times; each stop must be a widget on screen (not in a dock behind a tab), enabled,
+    not an empty tab bar, and drawn differently with the focus. Returns the stops, as 'Type:objectName'."""
+    seen = []
+    for _ in range(presses):
+        f = QApplication.focusWidget()
+        assert f is not None and f.isEnabled() and on_screen(f), (f, seen)
+        assert not (isinstance(f, QTabBar) and f.count() == 0), seen
+        name = f"{type(f).__name__}:{f.objectName()}"
+        assert focus_shows(f), f"no focus to be seen on {name} after {seen}"
+        seen.append(name)
+        QTest.keyClick(f, key)
+    return seen
+
+
 def test_every_tab_stop_shows_the_focus(qtbot, data_dir, stories_path):
-    """45 Tab presses from the message box (through the chats, the cache controls, speculation, sampling, the
-    panels' buttons, the dock tabs and a reply's buttons): each lands on a visible, enabled widget that draws
-    its focus — no stop on a scroll area, a chart or an empty tab bar."""
+    """45 Tab presses from the message box (through the chats, the cache controls, the panels' buttons, the dock
+    tabs and a reply's buttons): each lands on a widget on screen that draws its focus — no stop on a scroll
+    area, a chart, an empty tab bar, or the fields of a dock behind a tab (Tab went through Speculation's and
+    Sampling's ten fields unseen after 'When the context is full'). A dock brought forward from its tab bar
+    with the arrow keys is tabbed into."""
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
         w.send("Once upon a time")
@@ -73,17 +91,19 @@ def test_every_tab_stop_shows_the_focus(qtbot, data_dir, stories_path):
         w.activateWindow()
         w.chat.input.setFocus()
         qtbot.wait(50)
-        seen = []
-        for _ in range(45):
-            f = QApplication.focusWidget()
-            assert f is not None and f.isVisible() and f.isEnabled(), seen
-            assert not (isinstance(f, QTabBar) and f.count() == 0), seen
-            name = f"{type(f).__name__}:{f.objectName()}"
-            assert focus_shows(f), f"no focus to be seen on {name} after {seen}"
-            seen.append(name)
-            QTest.keyClick(f, Qt.Key.Key_Tab)
-        assert {"QComboBox:", "QSpinBox:temperature".replace("QSpinBox", "QDoubleSpinBox"), "QToolButton:panelTool",
-                "QPushButton:flatButton", "ChatList:ChatList"} <= set(seen)
+        seen = tab_through(w, 45)
+        assert {"QComboBox:", "QToolButton:panelTool", "QPushButton:flatButton", "ChatList:ChatList",
+                "QTabBar:", "QLineEdit:systemPrompt"} <= set(seen)
+        assert "QDoubleSpinBox:temperature" not in seen  # Sampling is behind Cache policy's tab
+        assert tab_through(w, 20, Qt.Key.Key_Backtab)  # and backwards
+        bar = next(b for b in w.findChildren(QTabBar) if "Sampling" in [b.tabText(i) for i in range(b.count())])
+        bar.setFocus(Qt.FocusReason.TabFocusReason)
+        while bar.tabText(bar.currentIndex()) != "Sampling":
+            QTest.keyClick(bar, Qt.Key.Key_Right)
+        qtbot.wait(50)
+        assert on_screen(w.sampling)
+        QTest.keyClick(bar, Qt.Key.Key_Tab)
+        assert "QDoubleSpinBox:temperature" in tab_through(w, 45)
     finally:
         close_window(w)
 
