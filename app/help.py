@@ -79,7 +79,8 @@ SHORTCUTS = (
     ("Enter or Ctrl+Enter", "send the message"),
     ("Shift+Enter", "new line in the message"),
     ("Esc", "stop the reply"),
-    ("Tab / Shift+Tab", "move to the next / previous control"),
+    ("Tab / Shift+Tab", "move to the next / previous control on screen (arrow keys on a dock's tab bar bring "
+                        "the dock behind it forward)"),
     ("Ctrl+N", "new chat"),
     ("Ctrl+M", "choose a model"),
     ("Ctrl+O", "open a model folder"),
