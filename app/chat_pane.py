@@ -168,6 +168,7 @@ class ChatPane(QWidget):
         self.input.setReadOnly(bool(reason))
         self.input.setPlaceholderText(reason or PLACEHOLDER)
         self.system_prompt.setVisible(not reason)  # an API conversation's system prompt is in its tokens
+        self.empty_hint.setText(reason or self._hint)  # until its transcript comes: not "ready, say something"
         self._update_buttons()
         self._update_empty()
 
