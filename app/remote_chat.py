@@ -27,7 +27,9 @@ from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
 from engine.snapshot import TokenEvent
 
-DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen
+DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen (evicted blocks fade)
+EVENT_DRAW_MS = 30  # and this soon after an event batch arrives: batches come per engine step (ms apart), so
+# they are drawn together, within the 100 ms a change should take to show
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
 QUEUED = "waiting for this server's reply in another remote chat to finish · Stop (Esc) cancels"
@@ -85,6 +87,12 @@ class RemoteChats(QObject):
         self.timer = QTimer(self)
         self.timer.setInterval(DRAW_MS)
         self.timer.timeout.connect(self.draw)
+        self.soon = QTimer(self)
+        self.soon.setSingleShot(True)
+        self.soon.setInterval(EVENT_DRAW_MS)
+        self.soon.timeout.connect(self.draw)
+        self.draw_delays: list[float] = []  # seconds from the newest batch's server time to its drawing (measures)
+        self._drawn_batches = -1
         self.poll = QTimer(self)
         self.poll.setInterval(POLL_MS)
         self.poll.timeout.connect(self._poll)
@@ -116,6 +124,7 @@ class RemoteChats(QObject):
         link.worker.prompt.connect(self._on_prompt)
         link.worker.delta.connect(self._on_delta)
         link.worker.finished.connect(self._on_finished)
+        link.events.connect(self._on_events)
         self.window.status.message(f"Connected to {link.engine.client.url}: {link.engine.model}", 6000)
         return self.new_chat(link)
 
@@ -381,10 +390,23 @@ class RemoteChats(QObject):
         if self.current is not None:
             self.current.link.refresh()
 
+    def _on_events(self) -> None:
+        link = self.sender()
+        if self.current is not None and self.current.link is link and not self.soon.isActive():
+            self.soon.start()
+
     def draw(self, force: bool = False) -> None:
-        """The page map and timing panel of the remote chat on screen (the 4 Hz timer)."""
+        """The page map and timing panel of the remote chat on screen (the 4 Hz timer, and soon after events)."""
         if self.current is not None and self.current.link.engine is not None:
+            view = self.current.link.engine.view
+            fresh = view.batches != self._drawn_batches
             self.panels.draw(self.current, force)
+            if fresh:
+                self._drawn_batches = view.batches
+                with view.lock:
+                    newest = max((p.last_ts for p in view.pools.values()), default=0.0)
+                if newest:
+                    self.draw_delays = (self.draw_delays + [max(0.0, time.time() - newest)])[-4096:]
 
     # -- closing --------------------------------------------------------------------------------------------
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name

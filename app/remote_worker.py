@@ -106,6 +106,7 @@ class RemoteLink(QObject):
     """
 
     opened = Signal(object)  # this link
+    events = Signal()  # a KV event batch reached the view (emitted on the subscriber's thread, received queued)
     open_failed = Signal(str)
     _open = Signal(str, str, str)
     _chat = Signal(int, object, int, float, object)
@@ -154,6 +155,7 @@ class RemoteLink(QObject):
             engine.close()
             return
         self.engine = self.poller.engine = engine
+        engine.view.on_change = self.events.emit  # the window redraws on arrival, not only on its 4 Hz timer
         self.opened.emit(self)
 
     def chat(self, generation: int, messages: list[dict], max_tokens: int, temperature: float,
