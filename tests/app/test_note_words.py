@@ -43,6 +43,8 @@ def test_int4_says_why_it_holds_as_many_bytes_as_int8(qtbot, data_dir, stories_p
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
         apply(qtbot, w, CacheConfig(page_size=4, k_dtype="int4", v_dtype="int4"))
+        c = w.controls  # applied from elsewhere, the controls show it (they read 16 tokens, full precision)
+        assert (c.page_size.value(), c.k_dtype.currentData(), c.v_dtype.currentData()) == (4, "int4", "int4")
         said = w.controls.notes.text()
         assert "4-bit holds 20 bytes per token per head here, as many as 8-bit (20)" in said
         assert "head dim 8 with 4-token pages" in said and "pages of 8 or more tokens make 4-bit the smaller" in said
