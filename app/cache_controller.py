@@ -56,7 +56,7 @@ class CacheController(QObject):
         self.applied = cfg
         notes = self.words(cfg, notes)
         save_cache(self.settings, cfg)
-        if cfg != self.controls.config() and not self.controls._debounce.isActive():
+        if cfg != self.controls.config() and not self.controls.pending:
             self.controls.set_config(cfg)  # applied from elsewhere (Compare, the self-test): the controls agree
         self.controls.show_notes(list(notes))
         self.status.show_cache(cfg)

@@ -238,6 +238,11 @@ class CacheControls(QWidget):
         follow_tip(self.policy)
         self._building = False
 
+    @property
+    def pending(self) -> bool:
+        """A change the user made is waiting to be sent (debounced)."""
+        return self._debounce.isActive()
+
     def set_config(self, cfg: CacheConfig) -> None:
         """Show ``cfg`` without emitting ``changed``."""
         self._building = True
