@@ -23,13 +23,11 @@ from PySide6.QtWidgets import QLabel
 from app.remote_dialog import ConnectDialog
 from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
 from app.remote_panels import RemotePanels, fixed_text, token_event
+from app.remote_redraw import Redraw
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
 from engine.snapshot import TokenEvent
 
-DRAW_MS = 250  # the page map and captions at 4 Hz while a remote chat is on screen (evicted blocks fade)
-EVENT_DRAW_MS = 30  # and this soon after an event batch arrives: batches come per engine step (ms apart), so
-# they are drawn together, within the 100 ms a change should take to show
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
 QUEUED = "waiting for this server's reply in another remote chat to finish · Stop (Esc) cancels"
@@ -84,15 +82,7 @@ class RemoteChats(QObject):
         self.list.setVisible(False)
         self.panels = RemotePanels(window)
         self.lock = self.panels.lock
-        self.timer = QTimer(self)
-        self.timer.setInterval(DRAW_MS)
-        self.timer.timeout.connect(self.draw)
-        self.soon = QTimer(self)
-        self.soon.setSingleShot(True)
-        self.soon.setInterval(EVENT_DRAW_MS)
-        self.soon.timeout.connect(self.draw)
-        self.draw_delays: list[float] = []  # seconds from the newest batch's server time to its drawing (measures)
-        self._drawn_batches = -1
+        self.redraw = Redraw(self, self._draw, self._view)
         self.poll = QTimer(self)
         self.poll.setInterval(POLL_MS)
         self.poll.timeout.connect(self._poll)
@@ -178,7 +168,7 @@ class RemoteChats(QObject):
         self._ready = (self.pane._ready, self.pane._hint)
         self._rewire(True)
         self.panels.borrow()
-        self.timer.start()
+        self.redraw.start()
         self.poll.start()
 
     def _show(self, rc: RemoteChat) -> None:
@@ -211,7 +201,7 @@ class RemoteChats(QObject):
         self.current = None
         self.list.deselect()
         self._rewire(False)
-        self.timer.stop()
+        self.redraw.stop()
         self.poll.stop()
         self.pane.set_ready(*self._ready)
         self.panels.give_back()
@@ -391,22 +381,19 @@ class RemoteChats(QObject):
             self.current.link.refresh()
 
     def _on_events(self) -> None:
-        link = self.sender()
-        if self.current is not None and self.current.link is link and not self.soon.isActive():
-            self.soon.start()
+        if self.current is not None and self.current.link is self.sender():
+            self.redraw.events_arrived()
+
+    def _view(self):
+        engine = self.current.link.engine if self.current is not None else None
+        return engine.view if engine is not None else None
+
+    def _draw(self, force: bool) -> None:
+        self.panels.draw(self.current, force)
 
     def draw(self, force: bool = False) -> None:
-        """The page map and timing panel of the remote chat on screen (the 4 Hz timer, and soon after events)."""
-        if self.current is not None and self.current.link.engine is not None:
-            view = self.current.link.engine.view
-            fresh = view.batches != self._drawn_batches
-            self.panels.draw(self.current, force)
-            if fresh:
-                self._drawn_batches = view.batches
-                with view.lock:
-                    newest = max((p.last_ts for p in view.pools.values()), default=0.0)
-                if newest:
-                    self.draw_delays = (self.draw_delays + [max(0.0, time.time() - newest)])[-4096:]
+        """The page map and timing panel of the remote chat on screen (``app.remote_redraw`` says when)."""
+        self.redraw.now(force)
 
     # -- closing --------------------------------------------------------------------------------------------
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name

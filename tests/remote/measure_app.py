@@ -67,7 +67,7 @@ def main() -> int:
                 th.start()
             wait_until(lambda: not any(th.is_alive() for th in threads), 300)  # the GUI loop runs meanwhile
             wait_until(lambda: False, 0.3)
-        d = sorted(remote.draw_delays)
+        d = sorted(remote.redraw.delays)
         pct = (lambda q: round(d[min(len(d) - 1, int(q * len(d)))] * 1e3, 1)) if d else (lambda q: None)
         out = {"server": a.server, "draws": len(d), "p50_ms": pct(0.5), "p95_ms": pct(0.95), "max_ms": pct(1.0)}
         print(json.dumps(out), flush=True)
