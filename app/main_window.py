@@ -474,6 +474,8 @@ class MainWindow(QMainWindow):
         self._refresh.stop()
         self._db_timer.stop()
         self.server.stop()  # the API's requests end while the worker still runs rounds
+        if getattr(self, "remote", None) is not None:  # File ▸ Connect to a server… made it
+            self.remote.shutdown()  # remote replies stop, their threads and event subscribers end
         joined = self.engine.shutdown(timeout_ms)
         # After the worker stopped: everything that streamed is saved, a reply cut short says the app
         # closed, and signals still queued from the worker no longer touch the (closing) history.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
-from PySide6.QtCore import QEvent, QObject, QTimer, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QLabel
 
 from app.remote_dialog import ConnectDialog
@@ -92,7 +92,6 @@ class RemoteChats(QObject):
         window.conversation.chat_opened.connect(self._on_local_opened)
         window.api_list.conversation_selected.connect(self._on_api_selected)
         window.models.ready_changed.connect(self._on_ready)
-        window.installEventFilter(self)
 
     # -- connecting -----------------------------------------------------------------------------------------
     def open_dialog(self) -> ConnectDialog:
@@ -396,17 +395,12 @@ class RemoteChats(QObject):
         self.redraw.now(force)
 
     # -- closing --------------------------------------------------------------------------------------------
-    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name
-        if obj is self.window and event.type() == QEvent.Type.Close:
-            self.shutdown()
-        return False
-
     def shutdown(self) -> None:
         """The window closes: replies in flight stop, the threads and event subscribers end."""
         if self.closed:
             return
         self.closed = True
-        self.timer.stop()
+        self.redraw.stop()
         self.poll.stop()
         if self.dialog is not None and self.dialog.busy:
             self.dialog.reject()  # the attempt in progress is dropped, not waited for
