@@ -258,7 +258,11 @@ def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPoli
     text does not change from one eviction to the next, so a reply carries it once."""
     notes = []
     budget = getattr(policy, "budget", 0)
-    if np.count_nonzero(gone < state.protected):
+    if np.count_nonzero(gone < state.protected) and policy.name == "streaming":  # it keeps sinks, not the prompt
+        notes.append(f"streaming: keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
+                     f"ones, {budget} in all; the rest of the prompt (system + first message, {state.protected} "
+                     "tokens) is dropped as the chat goes on")
+    elif np.count_nonzero(gone < state.protected):
         notes.append(f"{policy.name}: the budget ({budget}) is smaller than the protected prompt (system + first "
                      f"message, {state.protected} tokens): its oldest tokens are evicted too; raise the budget to "
                      "keep it all")

@@ -203,3 +203,16 @@ def test_cli_json_reports_every_eviction(stories_path, capsys):
     # 5 prompt + 59 fed tokens under a budget of 28, evicted 3 at a time (slack) when the budget is reached
     assert out["evicted_tokens"] == len(positions)
     assert 5 + 59 - 28 <= len(positions) <= 5 + 59 - 28 + 3
+
+
+def test_streaming_says_it_keeps_its_sinks_not_the_prompt(stories):
+    """#19 item 12: StreamingLLM protects 4 sinks; its note said the budget was 'smaller than the protected
+    prompt' as if it had promised to keep the prompt."""
+    s = ChatSession(stories, CacheConfig(page_size=4, policy="streaming", policy_params={"sinks": 4, "window": 16}))
+    s.start([{"role": "user", "content": "Once upon a time there was a little dog who liked to run in the park"}],
+            SamplingConfig(max_new_tokens=60, ignore_eos=True))
+    while not (r := s.step()).done:
+        pass
+    notes = " ".join(r.warnings)
+    assert "keeps the first 4 tokens (attention sinks) and the most recent ones, 20 in all" in notes
+    assert "protected prompt" not in notes and "raise the budget" not in notes
