@@ -183,6 +183,24 @@ def _evict_for(cache: "SeqCache", seq: "Sequence", policy: EvictionPolicy | None
     return [f"{policy.describe()}: evicted {before - cache.index.n} tokens now"]
 
 
+def _slot_owners(src, n: int) -> list[int]:
+    """The turn that wrote each of the first ``n`` slots of a paged store (its page's owner); [] otherwise."""
+    if not isinstance(src, PagedKV) or not n:
+        return []
+    owner, pages, P = src.arena.pool.owner, src.table.pages, src.page_size
+    return [owner[pages[s // P]] for s in range(min(n, len(pages) * P))]
+
+
+def _keep_owners(dst, owners: list[int]) -> None:
+    """Each page of a rebuilt paged store keeps the turn of its first token (the page map colours pages by turn:
+    after a page-size change they all took the current turn's colour)."""
+    if not isinstance(dst, PagedKV) or not owners:
+        return
+    pool, P = dst.arena.pool, dst.page_size
+    for j, page in enumerate(dst.table.pages):
+        pool.owner[page] = owners[min(j * P, len(owners) - 1)]
+
+
 def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: CacheConfig) -> list[str]:
     """Build the new store, copy the cached K/V into it, and only then free the old one."""
     t0 = time.perf_counter()
@@ -195,10 +213,12 @@ def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: Cache
             raise CacheCapacityError(
                 f"{describe(cfg)} cannot hold this chat's {n} cached tokens within its limits: raise the page "
                 "limit, close other chats, or choose an eviction policy first")
+        owners = _slot_owners(src, n)  # read before the old pages go
         if isinstance(src, GroupedKV) and isinstance(dst, GroupedKV):
             copied = src.copy_into(dst, owner=seq.turn) if n else 0
         else:
             copied = copy_kv(src, dst, owner=seq.turn) if dst is not None and n else 0
+            _keep_owners(dst, owners)
     except BaseException:
         if dst is not None:
             dst.free()

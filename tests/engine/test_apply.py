@@ -86,3 +86,25 @@ def test_random_lossless_switches_mid_reply_give_exactly_hf_greedy_tokens(storie
             break
     s.close()
     assert s.generated_ids == ref
+
+
+def test_a_page_size_change_keeps_each_pages_turn(stories):
+    """#19 item 13: after a page-size change every page took the current turn's colour; each page keeps the turn
+    that wrote its first token."""
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.session import ChatSession
+
+    s = ChatSession(stories, CacheConfig(mode="paged", page_size=4))
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    for turn in range(2):
+        s.start(msgs, SamplingConfig(max_new_tokens=20, ignore_eos=True))
+        while not s.step().done:
+            pass
+        msgs += [{"role": "assistant", "content": "And then"}, {"role": "user", "content": "Tell me more"}]
+    pool = s.store.arena.pool
+    before = [pool.owner[p] for p in s.store.table.pages]
+    assert len(set(before)) >= 2
+    s.apply(CacheConfig(mode="paged", page_size=8))
+    pool = s.store.arena.pool
+    after = [pool.owner[p] for p in s.store.table.pages]
+    assert after == [before[2 * j] for j in range(len(after))]  # page j of 8 starts where page 2j of 4 did
