@@ -42,11 +42,14 @@ class ViewMachine(RuleBasedStateMachine):
         self._send(Stored(tuple(hashes), parent, tuple(tokens), B))
         self.chains.append(chain)
 
-    @precondition(lambda self: self.held)
+    def _held_chains(self) -> list:
+        return [c for c in self.chains if c and c[-1][0] in self.held]
+
+    @precondition(lambda self: self._held_chains())
     @rule(data=st.data())
     def store_again(self, data):
         """vLLM recomputed a block it had cached: the same hash, one more block."""
-        chain = data.draw(st.sampled_from([c for c in self.chains if c and c[-1][0] in self.held]))
+        chain = data.draw(st.sampled_from(self._held_chains()))
         h, t = chain[-1]
         parent = chain[-2][0] if len(chain) > 1 else None
         self.held[h] += 1

@@ -14,6 +14,7 @@ import time
 import pytest
 
 import vllm_env as env
+from remote_fixtures import kvscope_server, remote_model, served, vllm_server  # noqa: F401 - fixtures
 from engine.remote.attach import RemoteEngine
 from engine.remote.client import RemoteError
 from engine.remote.view import SLOT_CHAT, view_note

