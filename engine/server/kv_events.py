@@ -4,9 +4,9 @@ Every name the prefix cache gives a full page is a ``BlockStored`` (hash, parent
 every name it drops — a cached page taken for another allocation, a page written again, an arena given back —
 a ``BlockRemoved``. So a tool written for vLLM's events (a KV-aware router, KV Scope's remote view) reads ours.
 
-The engine thread only appends to a deque (the pool's listener: no socket call on the decode path); the
-publisher thread sends what gathered as one batch every ``FLUSH_S`` (vLLM sends one per engine step: a step here
-is 2–40 ms), keeps the last ``buffer_steps`` batches for the replay socket, and owns every ZMQ socket (they are
+The engine thread only appends to a deque and wakes the publisher thread (the pool's listener: no socket call on
+the decode path); that thread, asleep otherwise, waits ``FLUSH_S`` for the rest of the step's events and sends
+them as one batch (vLLM sends one per engine step: a step here is 2–40 ms), keeps the last ``buffer_steps`` batches for the replay socket, and owns every ZMQ socket (they are
 not thread-safe). A block hash is the first 8 bytes of the page's SHA-256 chain name as an unsigned int (vLLM's
 default form: 64-bit ints; a collision inside one pool needs ~2^32 pages).
 """
@@ -23,6 +23,7 @@ from engine.remote.wire import END_SEQ, Batch, Cleared, Removed, Stored, binds, 
 
 FLUSH_S = 0.005
 HEARTBEAT_S = 1.0  # an empty batch when nothing happened this long: subscribers can tell quiet from gone
+REPLAY_POLL_S = 0.05  # how often a replay request is looked for while nothing is published
 GROUP_KIND = {"full": "full_attention"}  # other groups are sliding windows: their pages are never named
 
 
@@ -100,6 +101,7 @@ class KVEventPublisher:
             self._ctx.destroy(linger=0)
             raise ValueError(f"--kv-events-config: cannot open {config.endpoint}: {e}") from None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the engine thread when it queued an event
         self._thread = threading.Thread(target=self._run, name="kvscope-kv-events", daemon=True)
         self._thread.start()
 
@@ -108,6 +110,7 @@ class KVEventPublisher:
         """Hear ``arenas`` (an ``ArenaRegistry``) from now on; tell subscribers the cache starts empty of names
         they knew (``AllBlocksCleared``), as vLLM does when its cache is reset."""
         self._pending.append(Cleared())
+        self._wake.set()
         arenas.set_listener(self._heard)
 
     def _heard(self, arena, kind: str, page: int, digest: bytes, info) -> None:
@@ -118,6 +121,8 @@ class KVEventPublisher:
                                         self.medium, 0, GROUP_KIND.get(group, "sliding_window")))
         else:
             self._pending.append(Removed((block_hash(digest),), self.medium, 0))
+        if not self._wake.is_set():
+            self._wake.set()
 
     # -- the publisher thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -125,8 +130,13 @@ class KVEventPublisher:
         while not self._stop.is_set():
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
-            if not self._pending and time.monotonic() - last < HEARTBEAT_S:
-                time.sleep(FLUSH_S)
+            quiet = time.monotonic() - last
+            if not self._pending and quiet < HEARTBEAT_S:
+                # asleep until the engine queues an event (not awake 200 times a second taking the GIL)
+                self._wake.wait(min(HEARTBEAT_S - quiet, REPLAY_POLL_S if self._replay is not None else HEARTBEAT_S))
+                self._wake.clear()
+                if self._pending:
+                    time.sleep(FLUSH_S)  # the rest of this step's events join the batch
                 continue
             last = time.monotonic()
             events = []
@@ -157,6 +167,7 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(2.0)
 
 

@@ -1,7 +1,8 @@
 """The remote-engine measures, in one run: ``python tests/remote/measure.py --json out.json``.
 
 1. event → view latency (a batch's server time to its arrival in the view) with 4 concurrent requests, p50 / p95;
-2. vLLM throughput with and without a subscribed KV Scope view, rounds interleaved (ratio of medians);
+2. vLLM throughput with and without a subscribed KV Scope (``engine attach --watch`` in a process of its own, as
+   the app is), rounds interleaved (ratio of medians);
 3. ``engine serve`` vs vLLM on this machine, the same model (random-weight Llama, head_dim 64, 2 layers), 1 and
    4 clients: decode tokens/s (all clients' tokens over the wall time) and TTFT.
 Both servers get the same threads (``--threads``, default: all cores); they run one after the other.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -61,18 +63,26 @@ def serve_numbers(url: str, model: str, rounds: int, tokens: int) -> dict:
 
 
 def with_and_without_view(url: str, model: str, rounds: int, tokens: int) -> dict:
-    """Interleaved rounds of 4 clients, with a subscribed view (and its latency) and without."""
-    on, off, lat = [], [], []
+    """Interleaved rounds of 4 clients with a subscribed KV Scope (``python -m engine attach --watch``, a process
+    of its own as the app is) and without; then the event → view delay over 2 rounds with a view in this process."""
+    on, off = [], []
     for r in range(rounds):
         for attached in ((True, False) if r % 2 == 0 else (False, True)):
-            eng = RemoteEngine(url) if attached else None
+            viewer = subprocess.Popen([sys.executable, "-m", "engine", "attach", url, "--watch", "3600"],
+                                      cwd=env.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) \
+                if attached else None
+            time.sleep(1.0)  # subscribed (or idle as long, for the same conditions)
             x = load(url, model, 4, tokens, 100 + r * 2 + attached)
-            if eng is not None:
-                time.sleep(0.3)
-                lat += eng.view.latencies
-                eng.close()
+            if viewer is not None:
+                viewer.terminate()
+                viewer.wait(10)
             (on if attached else off).append(x["tokens_per_s"])
-    lat.sort()
+    eng = RemoteEngine(url)
+    for r in range(2):
+        load(url, model, 4, tokens, 900 + r)
+    time.sleep(0.3)
+    lat = sorted(eng.view.latencies)
+    eng.close()
     pct = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 2)) if lat else (lambda q: None)
     return {"with_view_tokens_per_s": round(statistics.median(on), 1),
             "without_view_tokens_per_s": round(statistics.median(off), 1),
