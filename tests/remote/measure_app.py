@@ -1,6 +1,6 @@
 """Event → page map latency in the real window: ``QT_QPA_PLATFORM=offscreen python tests/remote/measure_app.py
 --server vllm|kvscope --json out.json``. The window is attached to the server (File ▸ Connect to a server…'s
-code path) with its remote chat on screen while 4 other clients stream requests; every redraw that shows a new
+code path) with its remote chat on screen while 4 other clients (another process) stream requests; every redraw that shows a new
 batch records the time from that batch's server timestamp to the drawing (``RemoteChats.draw_delays``).
 """
 
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import vllm_env as env  # noqa: E402
-from measure import PROMPTS  # noqa: E402
 
 
 def main() -> int:
@@ -59,17 +58,18 @@ def main() -> int:
         dialog.connect_button.click()
         wait_until(lambda: remote.current is not None, 60)
         name = RemoteClient(url).models()[0]
-        for r in range(a.rounds):
-            def one(i: int) -> None:
-                RemoteClient(url, timeout=300).chat(name, [{"role": "user", "content": f"m{r} {PROMPTS[i]}"}], 64)
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-            for th in threads:
-                th.start()
-            wait_until(lambda: not any(th.is_alive() for th in threads), 300)  # the GUI loop runs meanwhile
+        here = Path(__file__).resolve().parent
+        for r in range(a.rounds):  # the 4 other clients are another process, as other users are
+            clients = subprocess.Popen([sys.executable, "-c", f"import measure; measure.load({url!r}, {name!r}, 4, 64, "
+                                        f"{r})"], cwd=here)
+            wait_until(lambda: clients.poll() is not None, 300)  # the GUI loop runs meanwhile
             wait_until(lambda: False, 0.3)
         d = sorted(remote.redraw.delays)
         pct = (lambda q: round(d[min(len(d) - 1, int(q * len(d)))] * 1e3, 1)) if d else (lambda q: None)
-        out = {"server": a.server, "draws": len(d), "p50_ms": pct(0.5), "p95_ms": pct(0.95), "max_ms": pct(1.0)}
+        arrival = sorted(remote.current.link.engine.view.latencies)
+        out = {"server": a.server, "draws": len(d), "p50_ms": pct(0.5), "p95_ms": pct(0.95), "max_ms": pct(1.0),
+               "arrival_p50_ms": round(arrival[len(arrival) // 2] * 1e3, 1) if arrival else None,
+               "arrival_p95_ms": round(arrival[int(0.95 * (len(arrival) - 1))] * 1e3, 1) if arrival else None}
         print(json.dumps(out), flush=True)
         Path(a.json).write_text(json.dumps(out, indent=1))
     finally:
