@@ -50,6 +50,18 @@ PANEL_HELP = {
         + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS
                 if c != S.PAGE_ACTIVE)
         + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)),
+    "RemotePageMap": PanelHelp(  # the page map while a remote chat is on screen (PageMapPanel.set_legend_mode)
+        "Page map (remote chat)",
+        "A remote chat is on screen: every square is one block of the server's KV cache (block size tokens each), "
+        "as the server's KV events tell it. Blocks of this chat (its prompt and replies, matched block by block from "
+        "the first) take the first turn's colour; blocks of other requests, and blocks the server keeps in its "
+        "prefix cache for a prompt that starts alike, are muted; a block the server evicted is red for 2 seconds. "
+        "The events name only full blocks, and not where they sit in the server's memory: each is drawn in the "
+        "lowest free square, and a block still being written is not drawn (the caption's KV usage, from the "
+        "server's /metrics, counts it). The strip on top is this chat's tokens: those in its cached blocks, and "
+        "the rest. The caption says how full the pool is; the line under the legend the prefix cache's hit rate.",
+        tuple((c, t) for c, t in page_map.REMOTE_PAGES)
+        + tuple((c, "token " + t) for c, t in page_map.REMOTE_STRIP)),
     "TimingPanel": PanelHelp(
         "Token timing",
         "Left: the time to read the prompt before the first token (prefill, TTFT), for this reply and the "
@@ -127,7 +139,8 @@ def _dialog(parent: QWidget | None, title: str, html: str, name: str) -> QDialog
 
 def show_panel_help(panel: QWidget) -> QDialog:
     """The "What am I seeing?" dialog of one panel (non-modal)."""
-    entry = PANEL_HELP.get(panel.objectName(), PanelHelp(panel.objectName(), ""))
+    key = getattr(panel, "help_key", "") or panel.objectName()  # the page map's own while a remote chat is shown
+    entry = PANEL_HELP.get(key, PanelHelp(panel.objectName(), ""))
     dlg = _dialog(panel.window(), f"What am I seeing? — {entry.title}", help_html(entry), "panelHelp")
     dlg.show()
     return dlg

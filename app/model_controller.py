@@ -100,7 +100,7 @@ class ModelController(QObject):
             self.status.show_model(self.info.name, self.info.source)
             self.ready_changed.emit(True, ready_hint(self.info))  # the chat goes on with it
         else:
-            self.status.model.setText("No model")
+            self.status.show_no_model()
             self.ready_changed.emit(False, "No model could be loaded. Open one from File ▸ Models…")
 
     # -- menus and dialogs ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
 from app.docks import on_screen
-from app.remote_list import measured_speed
+from app.remote_list import MARK, measured_speed
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
 from engine.snapshot import CacheSnapshot, TokenEvent
@@ -108,6 +108,40 @@ def fixed_text(settings: dict) -> str:
             f"{settings.get('KV dtype', '?')} — set when it was started")
 
 
+def status_fields(rc) -> dict[str, tuple[str, str]]:
+    """The status bar's fields (text, tooltip) for a connected remote chat on screen: its model and server, the
+    server's fixed cache settings, the chat's tokens on the server and its last reply's speed — none of them the
+    local model's or chat's."""
+    eng = rc.link.engine
+    info, m = eng.metrics.cache_info, eng.metrics
+    block, num = m.block_size or info.get("block_size"), m.num_blocks
+    prefix = {"true": "on", "false": "off"}.get(str(info.get("enable_prefix_caching", "")).lower())
+    cache = [f"block size {block}" if block else "", f"{num:,} blocks" if num else "",
+             f"prefix caching {prefix}" if prefix else ""]
+    cache_text = "server cache: " + " · ".join(c for c in cache if c) if any(cache) else "server cache: —"
+    reply = rc.reply
+    usage = reply.usage if reply is not None else {}
+    ids = rc.chain_ids  # the reply in flight's once its prompt is known, else the last reply's prompt + tokens
+    tokens = len(ids) or int(usage.get("total_tokens") or 0)
+    prompt = int(usage.get("prompt_tokens") or 0) or (len(reply.prompt_ids) if reply is not None else 0)
+    made = int(usage.get("completion_tokens") or 0) or (len(reply.token_ids) if reply is not None else 0)
+    so_far = " so far" if rc.generation and rc.live_prompt else ""
+    speed = measured_speed(reply) if reply is not None and not reply.error else None
+    url = eng.client.url
+    return {
+        "model": (f"{MARK} {rc.model} @ {rc.server}", f"A remote chat: {rc.model} answers from {url}"),
+        "device": ("on the server", f"The model runs on {rc.server}: this window sends the chat, streams the "
+                                    "replies and draws the server's KV events"),
+        "cache": (cache_text, "Fixed by the server when it was started; the Cache policy panel's settings apply "
+                              f"to local chats ({fixed_text(eng.fixed_settings())})"),
+        "context": (f"Context: {tokens:,} tokens{so_far}" if tokens else "Context: —",
+                    f"This chat's tokens on the server: its last reply's prompt ({prompt:,} tokens) and reply "
+                    f"({made:,}), as the server counted them. The context limit is the server's."),
+        "speed": (f"{speed:.1f} tokens/s" if speed else "", "Decode speed of this chat's last reply as this "
+                                                            "client saw its chunks arrive (the network included)"),
+    }
+
+
 def token_event(generation: int, index: int, arrival: float, previous: float, n_ids: int) -> TokenEvent:
     """A streamed chunk as the timing panel's token: the first one's time is the wait for it (TTFT), the others'
     the gap since the previous chunk."""
@@ -170,7 +204,12 @@ class RemotePanels:
         self._timing_tip = ""  # the timing caption's tooltip (the compiled decode step's)
 
     def borrow(self) -> None:
+        """A remote chat comes on screen: the panels and status bar it describes in its server's words are kept
+        for ``give_back`` (the status bar's remote fields come with the first ``draw``)."""
         w = self.window
+        w.page_map.set_legend_mode("remote")
+        # until draw says which chat (a saved chat that is not connected is never drawn: the bar says this of it)
+        w.status.show_remote({"model": (f"{MARK} a remote chat", "")})
         w.trace.reset()
         w.scheduler.clear()  # no local snapshot reaches the panels while no local chat is on screen
         for panel in (w.occupancy, w.memory):
@@ -181,8 +220,11 @@ class RemotePanels:
         dock.raise_()
 
     def give_back(self) -> None:
+        """The local chat (or an API conversation) is back: every panel and field as it was, local news in."""
         w = self.window
         self.lock.unlock()
+        w.page_map.set_legend_mode("local")
+        w.status.show_local()
         if self._front is not None and on_screen(w.docks["page_map"]):
             self._front.raise_()
         w.page_map.clear()
@@ -193,6 +235,7 @@ class RemotePanels:
         """The page map from the view and the last ``/metrics``, the timing caption from the reply (panels behind
         another tab wait, and all of them while live panels are off, unless ``force``: a reply ended)."""
         w, eng = self.window, rc.link.engine
+        w.status.show_remote(status_fields(rc))  # a few labels: even while the live panels are off
         if not (force or w.scheduler.enabled):  # View ▸ Live panels off: they pause (and say so), remote ones too
             return
         if force or on_screen(w.page_map):

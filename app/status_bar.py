@@ -15,6 +15,7 @@ from app.widgets import WordLabel
 from engine.config import CacheConfig
 
 CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
+LOCAL_FIELDS = ("model", "device", "cache", "context", "speed")  # the fields a remote chat on screen describes
 
 
 class StatusBar:
@@ -51,6 +52,7 @@ class StatusBar:
         self.wait.setStyleSheet(f"color: {CONTEXT_FILLING}")
         self.wait.setVisible(False)
         self.disk.setVisible(False)
+        self._local: dict[str, dict] | None = None  # while a remote chat is shown: the local fields to give back
 
     def message(self, text: str, ms: int = 0) -> None:
         self.bar.showMessage(text, ms)
@@ -60,7 +62,7 @@ class StatusBar:
         self.cancel.setVisible(on)
         if on:
             self.progress.setRange(0, 0)
-            self.model.setText(f"Loading {source}…")
+            self._set("model", text=f"Loading {source}…")
 
     def set_progress(self, fraction: float) -> None:
         if fraction >= 0:
@@ -68,15 +70,17 @@ class StatusBar:
             self.progress.setValue(int(fraction * 100))
 
     def show_model(self, name: str, source: str = "", device: str = "", reason: str = "") -> None:
-        self.model.setText(f"Model: {name}")
-        self.model.set_tip(source)
+        self._set("model", text=f"Model: {name}", tip=source)
         if device:
-            self.device.setText(f"on {device.upper() if device in ('cpu', 'mps') else device}{fallback_note(reason)}")
-            self.device.set_tip(reason)
+            self._set("device", text=f"on {device.upper() if device in ('cpu', 'mps') else device}"
+                                     f"{fallback_note(reason)}", tip=reason)
+
+    def show_no_model(self) -> None:
+        """'No model': none could be loaded."""
+        self._set("model", text="No model")
 
     def show_cache(self, cfg: CacheConfig) -> None:
-        self.cache.setText(describe_cache(cfg))
-        self.cache.set_tip("Cache settings (Cache policy panel): " + describe_cache(cfg))
+        self._set("cache", text=describe_cache(cfg), tip="Cache settings (Cache policy panel): " + describe_cache(cfg))
 
     def show_server(self, url: str, model_id: str = "") -> None:
         """'Serving at URL' while the server runs ("" hides it)."""
@@ -98,8 +102,8 @@ class StatusBar:
         self.disk.setVisible(nbytes >= 0)
 
     def show_speed(self, tokens_per_s: float) -> None:
-        self.speed.setText(f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "")
-        self.speed.set_tip("Decode speed of the last reply")
+        self._set("speed", text=f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "",
+                  tip="Decode speed of the last reply")
 
     def show_context(self, used: int, total: int, overflow: str, chat: int = 0) -> None:
         """'Context: used of total tokens' (``context_counts``), and the chat's tokens when some were dropped;
@@ -108,18 +112,72 @@ class StatusBar:
         colour = CONTEXT_FULL if frac >= 0.9 else CONTEXT_FILLING if frac >= 0.75 else ""
         text = f"Context: {used:,} of {total:,} tokens" if total else "Context: —"
         dropped = max(chat - used, 0)
-        self.context.setText(text + (f" · chat {chat:,} ({dropped:,} dropped)" if dropped else ""))
-        self.context.setStyleSheet(f"color: {colour}" if colour else "")
-        self.context.level = "full" if colour == CONTEXT_FULL else "filling" if colour else ""
         when_full = OVERFLOWS[overflow].tip.splitlines()[0] if overflow in OVERFLOWS else overflow
-        self.context.set_tip(
-            f"Context used: {used:,} of the model's {total:,} positions ({100 * frac:.0f}%) — the tokens cached "
+        self._set(
+            "context", text=text + (f" · chat {chat:,} ({dropped:,} dropped)" if dropped else ""),
+            style=f"color: {colour}" if colour else "",
+            level="full" if colour == CONTEXT_FULL else "filling" if colour else "",
+            tip=f"Context used: {used:,} of the model's {total:,} positions ({100 * frac:.0f}%) — the tokens cached "
             "(as many as the fullest layer holds, the Layer occupancy panel's 'tokens cached') plus the one just "
             "generated, which the next step reads.\n"
             f"Tokens in the chat: {max(chat, used):,} — every token so far; those a policy or the context limit "
             f"dropped ({dropped:,}) are no longer read.\n"
             f"{when_full} (Cache policy ▸ When the context is full). Every dropped token shows in the page map "
             "and the occupancy panel.")
+
+    # -- a remote chat on screen --------------------------------------------------------------------------
+    @property
+    def remote(self) -> bool:
+        """A remote chat is described (``show_remote``) until ``show_local``."""
+        return self._local is not None
+
+    def show_remote(self, fields: dict[str, tuple[str, str]]) -> None:
+        """Describe the remote chat on screen: ``fields`` maps each of ``LOCAL_FIELDS`` to (text, tooltip); one
+        left out, or with no text, is hidden. The first call keeps the local fields' texts, tooltips, colours and
+        visibility; local news that comes meanwhile (a load, a reply of a chat off screen) updates what was kept,
+        so ``show_local`` gives back what the local chat would show by then."""
+        if self._local is None:
+            self._local = {name: _state(getattr(self, name)) for name in LOCAL_FIELDS}
+        for name in LOCAL_FIELDS:
+            text, tip = fields.get(name, ("", ""))
+            _apply(getattr(self, name), {"text": text, "tip": tip, "style": "", "level": "", "visible": bool(text)})
+
+    def show_local(self) -> None:
+        """The local chat (or API conversation) is back on screen: the fields as ``show_remote`` kept them."""
+        if self._local is None:
+            return
+        kept, self._local = self._local, None
+        for name, state in kept.items():
+            _apply(getattr(self, name), state)
+
+    def _set(self, name: str, **state) -> None:
+        """Set a local field (``_apply``'s keys) — or, while a remote chat is described, what ``show_local`` will
+        give back: the remote chat's words stay on screen."""
+        if self._local is not None:
+            self._local[name].update(state)
+        else:
+            _apply(getattr(self, name), state)
+
+
+def _state(label: WordLabel) -> dict:
+    """What ``show_remote`` keeps of a field: its text, tooltip set on purpose, colour, warning level, visibility."""
+    return {"text": label.text(), "tip": label.explicit_tip, "style": label.styleSheet(),
+            "level": getattr(label, "level", ""), "visible": not label.isHidden()}
+
+
+def _apply(label: WordLabel, state: dict) -> None:
+    """Set what ``state`` names of a field; what is already so is left alone (a remote chat's fields are set at
+    every redraw, and a style sheet set again re-polishes the label)."""
+    if "text" in state and label.text() != state["text"]:
+        label.setText(state["text"])
+    if "tip" in state and label.explicit_tip != state["tip"]:
+        label.set_tip(state["tip"])
+    if "style" in state and label.styleSheet() != state["style"]:
+        label.setStyleSheet(state["style"])
+    if "level" in state:
+        label.level = state["level"]
+    if "visible" in state and label.isHidden() == state["visible"]:
+        label.setVisible(state["visible"])
 
 
 def context_counts(snap) -> tuple[int, int]:

@@ -262,12 +262,16 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
     return plot
 
 
-def legend_row(chips: list[tuple[str, str]], prefix: str = "") -> QLabel:
-    """One line of colour chips: [(colour, text), ...], after an optional plain ``prefix``."""
-    html = (prefix + " &nbsp; " if prefix else "") + " &nbsp; ".join(
+def legend_html(chips: list[tuple[str, str]], prefix: str = "") -> str:
+    """The rich text of one line of colour chips (``legend_row``'s, or a label's new legend)."""
+    return (prefix + " &nbsp; " if prefix else "") + " &nbsp; ".join(
         f'<span style="color:{c}; font-size:13px">■</span>&nbsp;{t}' for c, t in chips
     )
-    label = QLabel(html)
+
+
+def legend_row(chips: list[tuple[str, str]], prefix: str = "") -> QLabel:
+    """One line of colour chips: [(colour, text), ...], after an optional plain ``prefix``."""
+    label = QLabel(legend_html(chips, prefix))
     label.setObjectName("legendChip")
     label.setWordWrap(True)
     return label

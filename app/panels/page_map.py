@@ -16,7 +16,7 @@ from PySide6.QtCore import QPointF
 from PySide6.QtGui import QColor, QCursor
 from PySide6.QtWidgets import QSizePolicy, QToolTip
 
-from app.panels.base import Panel, legend_row
+from app.panels.base import Panel, legend_html, legend_row
 from app.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
@@ -46,6 +46,18 @@ TOKEN_COLOURS = {  # TOKEN_* code -> colour
 PAD = (16, 18, 23, 255)  # cells past the last page
 VERIFY_COLOUR = "#ffb347"  # the frame of a page a speculative verification wrote provisional slots into
 RESTORED_COLOUR = "#ff7ad9"  # the frame of a page whose K/V this turn read from the KV disk tier (engine.kv.disk)
+LOCAL_PAGES = ([(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
+               + [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
+               + [(VERIFY_COLOUR, "verified (frame)"),  # a speculative verification wrote into it
+                  (RESTORED_COLOUR, "restored from disk (frame)")])  # K/V read from the KV disk tier
+LOCAL_STRIP = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
+# A remote chat's map is its server's block pool (app.remote_panels maps the view's slots to these states): only
+# these states occur, and each means something else there, so they get the server's words.
+REMOTE_STATES = {S.PAGE_ACTIVE: "this chat", S.PAGE_CACHED: "other requests", S.PAGE_FREE: "free",
+                 S.PAGE_EVICTED: "evicted (2 s)"}
+REMOTE_PAGES = [(TURN_COLOURS[0] if c == S.PAGE_ACTIVE else STATE_COLOURS[c], t) for c, t in REMOTE_STATES.items()]
+REMOTE_TOKENS = {S.TOKEN_KEPT: "in its cached blocks", S.TOKEN_NOT_CACHED: "not in a full cached block"}
+REMOTE_STRIP = [(TOKEN_COLOURS[c], t) for c, t in REMOTE_TOKENS.items()]
 
 
 def _rgb(hex_colour: str) -> np.ndarray:
@@ -195,13 +207,12 @@ class PageMapPanel(Panel):
         self.view.ci.layout.setRowStretchFactor(1, 10)
         self._layout.addWidget(self.view, 1)
 
-        chips = [(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
-        chips += [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
-        chips.append((VERIFY_COLOUR, "verified (frame)"))  # a speculative verification wrote into it
-        chips.append((RESTORED_COLOUR, "restored from disk (frame)"))  # K/V read from the KV disk tier
-        self._layout.addWidget(legend_row(chips, prefix="pages:"))
-        strip = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
-        self._layout.addWidget(legend_row(strip, prefix="tokens (top strip):"))
+        self.legend = legend_row(LOCAL_PAGES, prefix="pages:")
+        self._layout.addWidget(self.legend)
+        self.strip_legend = legend_row(LOCAL_STRIP, prefix="tokens (top strip):")
+        self._layout.addWidget(self.strip_legend)
+        self.remote = False  # a remote chat is on screen: the map is its server's block pool (set_legend_mode)
+        self.help_key = ""  # the "?" help's entry when it is not the panel's own (app.help)
         # Shortened at a word to the dock's width (the full text in its tooltip and the cursor's): a page's long
         # description must never widen the dock and reflow the chat.
         self.hover = WordLabel(" ")
@@ -219,6 +230,18 @@ class PageMapPanel(Panel):
         self._shape: tuple[int, int] | None = None
         self.caption.setText("Physical pages of the paged cache. Waiting for the model…")
         self._mouse = pg.SignalProxy(self.view.scene().sigMouseMoved, rateLimit=30, slot=self._on_mouse)
+
+    def set_legend_mode(self, mode: str) -> None:
+        """"remote": the legend, hover words and "?" help describe a server's block pool (a remote chat is on
+        screen); "local": the local cache's, exactly as built."""
+        self.remote = mode == "remote"
+        if self.remote:
+            self.legend.setText(legend_html(REMOTE_PAGES, prefix="blocks:"))
+            self.strip_legend.setText(legend_html(REMOTE_STRIP, prefix="this chat's tokens (top strip):"))
+        else:
+            self.legend.setText(legend_html(LOCAL_PAGES, prefix="pages:"))
+            self.strip_legend.setText(legend_html(LOCAL_STRIP, prefix="tokens (top strip):"))
+        self.help_key = "RemotePageMap" if self.remote else ""
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.snapshot = self.last_snapshot = snap
@@ -286,6 +309,8 @@ class PageMapPanel(Panel):
         s = self.snapshot
         if s is None or not 0 <= page < s.num_pages:
             return ""
+        if self.remote:  # a server's block: whose it is is all the events tell (every drawn block is full)
+            return f"block {page} · {REMOTE_STATES.get(int(s.page_state[page]), '?')} · {s.page_size} tokens a block"
         state = PAGE_STATE_NAMES[int(s.page_state[page])]
         if s.page_mine is not None and page < len(s.page_mine) and not s.page_mine[page] and state == "active":
             state = "another chat's"
@@ -310,7 +335,9 @@ class PageMapPanel(Panel):
         s = self.snapshot
         if s is None or not 0 <= index < len(s.token_state):
             return ""
-        return f"token {index} of {len(s.token_state)} · {TOKEN_STATE_NAMES[int(s.token_state[index])]}"
+        code = int(s.token_state[index])
+        name = REMOTE_TOKENS.get(code, "?") if self.remote else TOKEN_STATE_NAMES[code]
+        return f"token {index} of {len(s.token_state)} · {name}"
 
     def _on_mouse(self, event) -> None:
         pos: QPointF = event[0]
