@@ -131,7 +131,7 @@ class Conversation(QObject):
         if chat_id == self.chat_id:
             return
         chat = self.history.chat(chat_id)
-        if chat is None:
+        if chat is None or chat.server:  # a remote chat opens in app.remote_chat
             return
         self.flush()
         self.chat_id = chat_id

@@ -109,19 +109,21 @@ class HistoryStore(Recovery):
         self._changed()
 
     # chats -------------------------------------------------------------------------------------------
-    def create_chat(self, title: str = "New chat", system_prompt: str = "") -> Chat:
+    def create_chat(self, title: str = "New chat", system_prompt: str = "", server: str = "") -> Chat:
+        """A new chat; ``server``: a remote chat's server (``Chat.server``), '' for a chat with this app's engine."""
         now = time.time()
-        chat = Chat(self._next_chat, title, system_prompt, now, now)
+        chat = Chat(self._next_chat, title, system_prompt, now, now, server)
         self._next_chat += 1
         self._chats[chat.id] = chat
         self._messages[chat.id] = []
-        self._write("INSERT INTO chats(id, title, system_prompt, created, updated) VALUES (?, ?, ?, ?, ?)",
-                    (chat.id, title, system_prompt, now, now))
+        self._write("INSERT INTO chats(id, title, system_prompt, created, updated, server) VALUES (?, ?, ?, ?, ?, ?)",
+                    (chat.id, title, system_prompt, now, now, server))
         return chat
 
-    def chats(self) -> list[Chat]:
-        """Every chat, most recently updated first."""
-        return sorted(self._chats.values(), key=lambda c: (c.updated, c.id), reverse=True)
+    def chats(self, remote: bool = False) -> list[Chat]:
+        """The local chats (``remote``: the remote chats instead), most recently updated first."""
+        return sorted((c for c in self._chats.values() if bool(c.server) == remote),
+                      key=lambda c: (c.updated, c.id), reverse=True)
 
     def chat(self, chat_id: int) -> Chat | None:
         return self._chats.get(chat_id)
@@ -136,6 +138,12 @@ class HistoryStore(Recovery):
         if chat_id in self._chats:
             self._chats[chat_id] = replace(self._chats[chat_id], system_prompt=text)
             self._write("UPDATE chats SET system_prompt = ? WHERE id = ?", (text, chat_id))
+
+    def set_server(self, chat_id: int, server: str) -> None:
+        """A remote chat's server changed (it connected again, to another model)."""
+        if chat_id in self._chats and server:
+            self._chats[chat_id] = replace(self._chats[chat_id], server=server)
+            self._write("UPDATE chats SET server = ? WHERE id = ?", (server, chat_id))
 
     def delete_chat(self, chat_id: int) -> None:
         self._chats.pop(chat_id, None)

@@ -21,7 +21,8 @@ CREATE TABLE IF NOT EXISTS chats (
     title TEXT NOT NULL DEFAULT 'New chat',
     system_prompt TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    server TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -34,7 +35,10 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, position);
 """
-CHAT_COLUMNS = "id, title, system_prompt, created, updated"
+CHAT_COLUMNS = "id, title, system_prompt, created, updated, server"
+# A file written before remote chats were saved has no ``server`` column: read as local chats, and a writable
+# one gets the column (``ALTER TABLE ... ADD COLUMN`` rewrites nothing: old rows read its default).
+_OLD_CHAT_COLUMNS = "id, title, system_prompt, created, updated, '' AS server"
 MESSAGE_COLUMNS = "id, chat_id, position, role, content, stats, created"
 
 # quick_check reads every page: 14 ms for a 5.5 MB history of 20,000 messages here (2.5 ms/MB), so a file up
@@ -81,6 +85,8 @@ def open_writable(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA foreign_keys=ON")
         db.executescript(SCHEMA)
         _check(db, path)
+        if not _has_server(db):
+            db.execute("ALTER TABLE chats ADD COLUMN server TEXT NOT NULL DEFAULT ''")
         # SQLite opens a read-only file without a word and fails only at the first write: write one now.
         version = db.execute("PRAGMA user_version").fetchone()[0]
         db.execute(f"PRAGMA user_version={int(version)}")
@@ -151,8 +157,19 @@ def next_ids(db: sqlite3.Connection) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def _has_server(db: sqlite3.Connection) -> bool:
+    return any(row[1] == "server" for row in db.execute("PRAGMA table_info(chats)"))
+
+
+def _chat_columns(db: sqlite3.Connection) -> str:
+    try:
+        return CHAT_COLUMNS if _has_server(db) else _OLD_CHAT_COLUMNS
+    except sqlite3.Error:  # a schema that cannot be read: the scan itself says what is wrong
+        return CHAT_COLUMNS
+
+
 def read_chats(db: sqlite3.Connection) -> list[tuple]:
-    return db.execute(f"SELECT {CHAT_COLUMNS} FROM chats").fetchall()
+    return db.execute(f"SELECT {_chat_columns(db)} FROM chats").fetchall()
 
 
 def read_messages(db: sqlite3.Connection, chat_id: int) -> list[tuple]:
@@ -166,7 +183,7 @@ def salvage(db: sqlite3.Connection) -> tuple[list[tuple], list[tuple], bool]:
     a scan that hits a broken page keeps the rows read before it."""
     complete = True
     tables = []
-    for sql in (f"SELECT {CHAT_COLUMNS} FROM chats NOT INDEXED",
+    for sql in (f"SELECT {_chat_columns(db)} FROM chats NOT INDEXED",
                 f"SELECT {MESSAGE_COLUMNS} FROM messages NOT INDEXED"):
         rows: list[tuple] = []
         try:
@@ -269,7 +286,7 @@ def write_all(db: sqlite3.Connection, chats: Iterable[tuple], messages: Iterable
     try:
         db.execute("DELETE FROM messages")
         db.execute("DELETE FROM chats")
-        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?)", chats)
+        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", chats)
         db.executemany(f"INSERT INTO messages({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", messages)
         db.execute("COMMIT")
     except BaseException:

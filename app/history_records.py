@@ -25,13 +25,31 @@ class Message:
 
 @dataclass(frozen=True)
 class Chat:
-    """One stored chat (without its messages)."""
+    """One stored chat (without its messages). ``server``: '' for a chat with this app's engine; for a remote
+    chat, JSON {"url", "model", "events"} of the server its replies came from (never its API key)."""
 
     id: int
     title: str
     system_prompt: str
     created: float
     updated: float
+    server: str = ""
+
+    @property
+    def remote(self) -> dict[str, str] | None:
+        """The server of a remote chat ({"url", "model", "events"}), None for a local chat (or unreadable)."""
+        if not self.server:
+            return None
+        try:
+            found = json.loads(self.server)
+        except ValueError:
+            return None
+        if not isinstance(found, dict) or not isinstance(found.get("url"), str):
+            return None
+        return {k: str(found.get(k) or "") for k in ("url", "model", "events")}
+
+    def row(self) -> tuple:
+        return (self.id, self.title, self.system_prompt, self.created, self.updated, self.server)
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,7 @@ class Recovery:
             return  # the reconnect recovered the file and wrote everything
         try:
             if self._rewrite:
-                hdb.write_all(self._db, [(c.id, c.title, c.system_prompt, c.created, c.updated)
-                                         for c in self._chats.values()],
+                hdb.write_all(self._db, [c.row() for c in self._chats.values()],
                               [m.row() for msgs in self._messages.values() for m in msgs])
             else:
                 hdb.run_all(self._db, self._ops)

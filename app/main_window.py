@@ -46,6 +46,7 @@ from app.menus import build_menus
 from app.model_controller import ModelController
 from app.panel_scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
+from app.remote_chat import restore as restore_remote
 from app.reply_wait import ReplyWait
 from app.sampling_form import SamplingForm
 from app.server_controller import ApiList, ChatsBox, ServerController
@@ -108,6 +109,7 @@ class MainWindow(QMainWindow):
         self.resize(initial_size(self))
         self.layout_docks.restore(settings.get("window/geometry"), settings.get("window/state"))
         self.conversation.load_chats()
+        restore_remote(self)  # remote chats saved by earlier sessions, listed apart (not connected)
 
     # -- construction -------------------------------------------------------------------------------------
     def _build_widgets(self) -> None:

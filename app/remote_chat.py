@@ -21,9 +21,10 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QLabel
 
 from app.remote_dialog import ConnectDialog
-from app.remote_list import Message, RemoteChat, RemoteList, reply_stats
+from app.remote_list import RemoteChat, RemoteList, reply_stats
 from app.remote_panels import RemotePanels, fixed_text, token_event
 from app.remote_redraw import Redraw
+from app.remote_saved import RemoteSaver
 from app.remote_worker import RemoteLink
 from app.replies import pick_version, versions_of, with_version
 from engine.snapshot import TokenEvent
@@ -44,13 +45,21 @@ def open_connect(window) -> ConnectDialog:
     return RemoteChats.of(window).open_dialog()
 
 
+def restore(window) -> None:
+    """At start: the remote chats saved by earlier sessions are listed (not connected until asked)."""
+    if window.conversation.history.chats(remote=True):
+        RemoteChats.of(window).show_saved()
+
+
 class RemoteChats(QObject):
     """The window's remote chats. ``current``: the one on screen (None: a local chat or API conversation is).
 
-    Signals (for tests and the self-test): ``chat_added(RemoteChat)``, ``reply_finished(generation, reason)``.
+    Signals (for tests and the self-test): ``chat_added(RemoteChat)``, ``link_attached(RemoteChat)`` (a saved chat
+    connected again), ``reply_finished(generation, reason)``.
     """
 
     chat_added = Signal(object)
+    link_attached = Signal(object)
     reply_finished = Signal(int, str)
 
     @classmethod
@@ -62,12 +71,14 @@ class RemoteChats(QObject):
     def __init__(self, window) -> None:
         super().__init__(window)
         self.window, self.pane = window, window.chat
-        self.chats: dict[int, RemoteChat] = {}
+        self.chats: dict[int, RemoteChat] = {}  # by their chat id in the history
         self.current: RemoteChat | None = None
         self.links: list[RemoteLink] = []
         self.dialog: ConnectDialog | None = None
+        self.saver = RemoteSaver(window.conversation.history)
+        self._reconnecting: RemoteChat | None = None  # the saved chat the dialog connects again, if any
         self.closed = False
-        self._next_chat, self._next_gen = 0, 1_000_000  # apart from the local replies' ids (the timing panel)
+        self._next_gen = 1_000_000  # apart from the local replies' ids (the timing panel)
         self._ready = (True, "")  # the pane's local readiness, given back on leaving
         self.label = QLabel("Remote chats")
         self.label.setToolTip("Chats whose replies come from a server (File ▸ Connect to a server…)")
@@ -87,40 +98,56 @@ class RemoteChats(QObject):
         self.poll.setInterval(POLL_MS)
         self.poll.timeout.connect(self._poll)
         self.list.chat_selected.connect(self.open_chat)
-        self.list.new_requested.connect(lambda cid: self.new_chat(self.chats[cid].link))
+        self.list.new_requested.connect(self._new_like)
         self.list.close_requested.connect(self.close_chat)
         window.conversation.chat_opened.connect(self._on_local_opened)
         window.api_list.conversation_selected.connect(self._on_api_selected)
         window.models.ready_changed.connect(self._on_ready)
 
     # -- connecting -----------------------------------------------------------------------------------------
-    def open_dialog(self) -> ConnectDialog:
+    def open_dialog(self, again: RemoteChat | None = None) -> ConnectDialog:
+        """File ▸ Connect to a server…; ``again``: a saved chat to connect to its server again (the dialog is
+        filled with its URL, events endpoint and model; the key was never saved)."""
         if self.dialog is None:
             self.dialog = ConnectDialog(self.window, self._known)
             self.dialog.connected.connect(self.add_link)
+            self.dialog.rejected.connect(self._not_reconnecting)
+        self._reconnecting = again
+        if again is not None:
+            self.dialog.prefill(again.url, again.events, again.model_name)
         self.dialog.show_error("")
         self.dialog.open()  # window-modal, and the event loop runs: nothing waits on the network
         return self.dialog
 
+    def _not_reconnecting(self) -> None:
+        self._reconnecting = None
+
     def _known(self, url: str, api_key: str) -> RemoteLink | None:
         return next((link for link in self.links if link.serves(url, api_key)), None)
 
-    def add_link(self, link: RemoteLink) -> RemoteChat:
-        """A server answered (or was open already): a new remote chat with it, on screen."""
-        if link in self.links:
-            return self.new_chat(link)
-        self.links.append(link)
-        link.worker.prompt.connect(self._on_prompt)
-        link.worker.delta.connect(self._on_delta)
-        link.worker.finished.connect(self._on_finished)
-        link.events.connect(self._on_events)
-        self.window.status.message(f"Connected to {link.engine.client.url}: {link.engine.model}", 6000)
-        return self.new_chat(link)
+    def add_link(self, link: RemoteLink, model: str = "") -> RemoteChat:
+        """A server answered (or was open already): a new remote chat with ``model`` (the server's first when
+        ''), on screen — or, when the dialog was opened for a saved chat, that chat connected again."""
+        if link not in self.links:
+            self.links.append(link)
+            link.worker.prompt.connect(self._on_prompt)
+            link.worker.delta.connect(self._on_delta)
+            link.worker.finished.connect(self._on_finished)
+            link.events.connect(self._on_events)
+            self.window.status.message(f"Connected to {link.engine.client.url}: {', '.join(link.engine.models)}",
+                                       6000)
+        again, self._reconnecting = self._reconnecting, None
+        if again is not None and self.chats.get(again.id) is again:
+            self._attach(again, link, model)
+            return again
+        return self.new_chat(link, model)
 
-    def new_chat(self, link: RemoteLink) -> RemoteChat:
+    def new_chat(self, link: RemoteLink, model: str = "") -> RemoteChat:
         """Another chat with ``link``'s server, on screen (the list's "New chat on this server")."""
-        self._next_chat += 1
-        rc = RemoteChat(self._next_chat, link)
+        eng = link.engine
+        model = model if model in eng.models else eng.model
+        rc = RemoteChat(0, link, url=eng.client.url, model_name=model, events=link.events_given)
+        rc.id = self.saver.create(rc.url, model, rc.events)
         self.chats[rc.id] = rc
         self.label.setVisible(True)
         self.list.setVisible(True)
@@ -128,8 +155,45 @@ class RemoteChats(QObject):
         self.chat_added.emit(rc)
         return rc
 
+    def _new_like(self, chat_id: int, model: str = "") -> None:
+        """The list's "New chat on this server": with ``model`` (or that chat's), connecting first when it is not
+        connected."""
+        rc = self.chats[chat_id]
+        if rc.connected:
+            self.new_chat(rc.link, model or rc.model_name)
+        else:
+            dialog = self.open_dialog()
+            dialog.prefill(rc.url, rc.events, rc.model_name)
+
+    def show_saved(self) -> None:
+        """List the chats saved by earlier sessions (not connected)."""
+        for rc in self.saver.saved():
+            self.chats.setdefault(rc.id, rc)
+        self.label.setVisible(bool(self.chats))
+        self.list.setVisible(bool(self.chats))
+        self._refresh_list()
+
+    def _attach(self, rc: RemoteChat, link: RemoteLink, model: str = "") -> None:
+        """A saved chat goes on with ``link``'s server: its model when the server still serves it (else the one
+        asked for, else the server's first — said in the status bar)."""
+        eng = link.engine
+        wanted = model or rc.model_name
+        chosen = wanted if wanted in eng.models else eng.model
+        if wanted and chosen != wanted:
+            self.window.status.message(f"{eng.client.url} does not serve {wanted} now: this chat goes on with "
+                                       f"{chosen}", 10000)
+        rc.link, rc.url, rc.model_name = link, eng.client.url, chosen
+        rc.events = link.events_given or rc.events
+        self.saver.set_server(rc)
+        if rc is self.current:
+            self._show(rc)
+        else:
+            self.open_chat(rc.id)
+        self._refresh_list()
+        self.link_attached.emit(rc)
+
     def close_chat(self, chat_id: int) -> None:
-        """Close a remote chat (they are not saved): its reply stops; a server no chat uses any more is let go."""
+        """Delete a remote chat (from the history too): its reply stops; a server no chat uses is let go."""
         rc = self.chats.get(chat_id)
         if rc is None:
             return
@@ -138,7 +202,8 @@ class RemoteChats(QObject):
         if rc is self.current:
             self.window.conversation.load_chats()  # the last local chat comes back (and ``leave`` runs)
         del self.chats[chat_id]
-        if not any(c.link is rc.link for c in self.chats.values()):
+        self.saver.delete(rc)
+        if rc.link is not None and not any(c.link is rc.link for c in self.chats.values()):
             self.links.remove(rc.link)
             rc.link.release(busy=bool(rc.generation))
         self.label.setVisible(bool(self.chats))
@@ -150,6 +215,9 @@ class RemoteChats(QObject):
         rc = self.chats.get(chat_id)
         if rc is None or rc is self.current:
             return
+        self.saver.load(rc)
+        if rc.link is None:  # a saved chat: a server open already (another chat's) carries it on
+            rc.link = next((link for link in self.links if link.engine.client.url == rc.url), None)
         if self.current is None:
             self._take_screen()
         self.current = rc
@@ -174,22 +242,35 @@ class RemoteChats(QObject):
         p = self.pane
         p.notice.clear()
         p.set_read_only("")
-        p.set_ready(True, self._hint(rc))
+        p.set_ready(rc.connected, self._hint(rc))
         p.set_chat(rc.label, rc.system_prompt)
         p.set_messages(rc.messages)
         if rc.generation:
             p.resume_reply(rc.messages[-1].position, "", [])
         p.set_generating(bool(rc.generation))
         self._no_pins()
-        self.lock.lock(fixed_text(rc.link.engine.fixed_settings()))
         self.window.timing.clear()
+        if not rc.connected:
+            self._show_offline(rc)
+            return
+        self.lock.lock(fixed_text(rc.link.engine.fixed_settings()))
         if rc.link.engine.note:
             p.notice.show_message(rc.link.engine.note)
         self._poll()
         self.draw(force=True)
 
+    def _show_offline(self, rc: RemoteChat) -> None:
+        """A saved chat whose server is not connected: its transcript, and a way to connect again."""
+        self.lock.lock(f"{rc.url} is not connected")
+        self.window.status.show_remote({"model": (f"{rc.label.split(' — ')[0]} · not connected", rc.url)})
+        self.window.page_map.clear()
+        self.window.page_map.caption.setText(f"Not connected to {rc.server}: connect to draw its KV cache")
+        self.pane.notice.show_message(offline_text(rc), [("Connect…", lambda: self.open_dialog(rc))])
+
     @staticmethod
     def _hint(rc: RemoteChat) -> str:
+        if not rc.connected:
+            return offline_text(rc)
         return (f"Chat with {rc.model} on {rc.server}: replies stream from the server, and the page map draws its "
                 "KV cache from the server's events.")
 
@@ -244,10 +325,10 @@ class RemoteChats(QObject):
     # -- requests (the pane's, while a remote chat is on screen) --------------------------------------------
     def send(self, text: str) -> None:
         rc = self.current
-        if rc is None or rc.generation or not text.strip():
+        if rc is None or rc.generation or not rc.connected or not text.strip():
             return
         self.pane.notice.clear()  # the user moved on from whatever it said
-        rc.messages.append(Message("user", text, len(rc.messages)))
+        self.saver.add(rc, "user", text)
         self.pane.add_message("user", text, rc.messages[-1].position)
         self._request(rc)
         self._no_pins()
@@ -261,7 +342,7 @@ class RemoteChats(QObject):
             w.show_error(str(e))
             return
         api = rc.api_messages()
-        rc.messages.append(Message("assistant", "", len(rc.messages)))
+        self.saver.add(rc, "assistant", "")
         self._next_gen += 1
         rc.generation, rc.cancel, rc.versions = self._next_gen, threading.Event(), list(versions or [])
         rc.chunks, rc.sent, rc.live_ids, rc.live_prompt = 0, time.monotonic(), [], False
@@ -271,7 +352,7 @@ class RemoteChats(QObject):
             bubble.set_waiting(QUEUED)  # one reply at a time per server: its chat thread streams them in turn
         self.pane.set_generating(True)
         w.timing.begin_reply(rc.generation, rc.label)
-        rc.link.chat(rc.generation, api, sampling.max_new_tokens, sampling.temperature, rc.cancel)
+        rc.link.chat(rc.generation, rc.model, api, sampling.max_new_tokens, sampling.temperature, rc.cancel)
         self._refresh_list()
 
     def stop(self) -> None:
@@ -283,7 +364,7 @@ class RemoteChats(QObject):
     def regenerate(self) -> None:
         """Ask again for the last reply; the one it replaces stays as a version (as in a local chat)."""
         rc = self.current
-        if rc is None or rc.generation or not any(m.role == "user" for m in rc.messages):
+        if rc is None or rc.generation or not rc.connected or not any(m.role == "user" for m in rc.messages):
             return
         last = rc.messages[-1]
         versions = versions_of(last.content, last.stats) if last.role == "assistant" else []
@@ -295,16 +376,16 @@ class RemoteChats(QObject):
         """Replace a past user message, drop what followed and ask again."""
         rc = self.current
         target = next((m for m in rc.messages if m.position == position), None) if rc is not None else None
-        if rc is None or rc.generation or target is None or target.role != "user":
+        if rc is None or rc.generation or not rc.connected or target is None or target.role != "user":
             return
-        target.content = text
+        self.saver.edit(target, text)
         self._truncate(rc, position)
         self.pane.set_text_at(position, text)
         self._request(rc)
         self._no_pins()
 
     def _truncate(self, rc: RemoteChat, position: int) -> None:
-        rc.messages = [m for m in rc.messages if m.position <= position]
+        self.saver.truncate(rc, position)
         self.pane.truncate_after(position)
 
     def show_version(self, position: int, index: int) -> None:
@@ -312,7 +393,7 @@ class RemoteChats(QObject):
         m = next((m for m in rc.messages if m.position == position), None) if rc is not None else None
         picked = pick_version(m.stats, index) if m is not None and not rc.generation else None
         if picked is not None:
-            m.content, m.stats = picked
+            self.saver.finish(m, *picked)
             self.pane.show_version(position, *picked)
 
     def pin(self, _position: int, _pinned: bool) -> None:
@@ -320,7 +401,7 @@ class RemoteChats(QObject):
 
     def set_system_prompt(self, text: str) -> None:
         if self.current is not None:
-            self.current.system_prompt = text
+            self.saver.set_system_prompt(self.current, text)
 
     # -- the link's events ------------------------------------------------------------------------------------
     def _chat_of(self, generation: int) -> RemoteChat | None:
@@ -336,7 +417,7 @@ class RemoteChats(QObject):
         rc = self._chat_of(generation)
         if rc is None or self.closed:
             return
-        rc.messages[-1].content += text
+        self.saver.append(rc.messages[-1], text, rc.chunks + 1)
         rc.live_ids += ids
         if rc is self.current:
             self.pane.append_delta(text)
@@ -355,7 +436,7 @@ class RemoteChats(QObject):
         stats = reply_stats(reply, reason)
         if rc.versions:
             stats = with_version(rc.versions, text, stats)
-        msg.content, msg.stats = text, stats
+        self.saver.finish(msg, text, stats)
         if reply.prompt_ids:
             rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
         rc.reply = reply
@@ -376,7 +457,7 @@ class RemoteChats(QObject):
 
     # -- panels ---------------------------------------------------------------------------------------------
     def _poll(self) -> None:
-        if self.current is not None:
+        if self.current is not None and self.current.connected:
             self.current.link.refresh()
 
     def _on_events(self) -> None:
@@ -384,11 +465,12 @@ class RemoteChats(QObject):
             self.redraw.events_arrived()
 
     def _view(self):
-        engine = self.current.link.engine if self.current is not None else None
-        return engine.view if engine is not None else None
+        rc = self.current
+        return rc.link.engine.view if rc is not None and rc.connected else None
 
     def _draw(self, force: bool) -> None:
-        self.panels.draw(self.current, force)
+        if self.current is not None and self.current.connected:
+            self.panels.draw(self.current, force)
 
     def draw(self, force: bool = False) -> None:
         """The page map and timing panel of the remote chat on screen (``app.remote_redraw`` says when)."""
@@ -410,3 +492,8 @@ class RemoteChats(QObject):
         for link in self.links:
             link.shutdown()
 
+
+
+def offline_text(rc: RemoteChat) -> str:
+    return (f"Saved from a chat with {rc.model} at {rc.url}. Connect to that server again to go on with it (an API "
+            "key is asked for again: it is never saved).")

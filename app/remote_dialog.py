@@ -12,6 +12,7 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QFormLayout,
@@ -26,12 +27,14 @@ from app.remote_worker import RemoteLink
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 last_values = {"url": DEFAULT_URL, "events": ""}  # this session's last entries (the key is never kept)
+FIRST_MODEL = "the server's first model"
 
 
 class ConnectDialog(QDialog):
-    """Asks for a server and connects to it off the GUI thread; ``connected(RemoteLink)`` once it answered."""
+    """Asks for a server and connects to it off the GUI thread; ``connected(RemoteLink, model)`` once it answered
+    and serves the model asked for ('' : its first)."""
 
-    connected = Signal(object)
+    connected = Signal(object, str)
 
     def __init__(self, parent: QWidget | None = None,
                  known: Callable[[str, str], RemoteLink | None] | None = None) -> None:
@@ -50,6 +53,11 @@ class ConnectDialog(QDialog):
         self.events.setPlaceholderText("optional: e.g. tcp://host:5557")
         self.events.setToolTip("The KV events endpoint, when the server's /kv_event_sources does not say it (a "
                                "tunnelled server: the local end of the tunnel)")
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.lineEdit().setPlaceholderText(f"optional: {FIRST_MODEL}")
+        self.model.setToolTip("Which of the server's models to chat with (GET /v1/models lists them; empty: the "
+                              "first)")
         self.error = QLabel("")  # one line; the whole message in its tooltip
         self.error.setObjectName("errorLine")
         self.error.setStyleSheet("color: #ff6b6b")
@@ -58,6 +66,7 @@ class ConnectDialog(QDialog):
         form = QFormLayout()
         form.addRow("Server URL", self.url)
         form.addRow("API key", self.key)
+        form.addRow("Model", self.model)
         form.addRow("KV events", self.events)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
         self.connect_button = self.buttons.addButton("Connect", QDialogButtonBox.ButtonRole.AcceptRole)
@@ -87,8 +96,7 @@ class ConnectDialog(QDialog):
         self.show_error("")
         open_link = self.known(url, self.key.text().strip()) if self.known is not None else None
         if open_link is not None:  # one link per server: a second one would join its event stream twice
-            self.connected.emit(open_link)
-            self.accept()
+            self._done(open_link)
             return
         self.connect_button.setEnabled(False)
         self.connect_button.setText("Connecting…")
@@ -107,12 +115,33 @@ class ConnectDialog(QDialog):
         self.connect_button.setEnabled(True)
         self.connect_button.setText("Connect")
 
+    def prefill(self, url: str, events: str, model: str) -> None:
+        """Fill the fields (a saved chat connecting again); the key is left empty: it was never saved."""
+        self.url.setText(url)
+        self.events.setText(events)
+        self.model.setEditText(model)
+        self.key.clear()
+
+    def _done(self, link: RemoteLink) -> bool:
+        """The server answered: use it if it serves the model asked for (else say which it serves)."""
+        wanted = self.model.currentText().strip()
+        served = link.engine.models
+        if wanted and wanted not in served:
+            self.model.clear()
+            self.model.addItems(served)
+            self.model.setEditText(wanted)
+            self.show_error(f"{link.engine.client.url} does not serve {wanted!r}; it serves: {', '.join(served)}")
+            return False
+        self.connected.emit(link, wanted)
+        self.accept()
+        return True
+
     def _on_opened(self, link: RemoteLink) -> None:
         if link is not self.link:
             return
         self._idle()
-        self.connected.emit(link)
-        self.accept()
+        if not self._done(link):
+            link.shutdown()
 
     def _on_failed(self, message: str) -> None:
         link = self.link

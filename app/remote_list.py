@@ -1,8 +1,9 @@
 """Remote chats as data, and their list under the chats.
 
-A remote chat lives for this session only: its replies come from another machine's engine, and the history file
-holds the local chats (their cache, versions and pins belong to this app's engine). Each row is marked with its
-server ("⇄ stories260K @ 127.0.0.1:8000").
+A remote chat's replies come from another machine's engine. It is saved in the history file like a local chat,
+marked with its server (URL, model, events endpoint — never the API key), and listed apart from the local chats,
+each row marked "⇄ stories260K @ 127.0.0.1:8000". After a restart a saved one shows its transcript and connects
+again when asked (the key is asked for again).
 """
 
 from __future__ import annotations
@@ -10,31 +11,50 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu, QWidget
 
-from app.chat_list import REPLYING, title_from
+from app.chat_list import REPLYING
 
 MARK = "⇄"  # a chat whose replies come from a server
 
 
 @dataclass
 class Message:
-    """One message of a remote chat, shaped like the history's rows the chat pane shows."""
+    """One message of a remote chat, shaped like the history's rows the chat pane shows (``id``: its row there)."""
     role: str
     content: str
     position: int
     stats: dict = field(default_factory=dict)
+    id: int = 0
+
+
+def host_port(url: str) -> str:
+    """'127.0.0.1:8000' of a server URL (the URL itself when it cannot be read)."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return url
+    return f"{parts.hostname}:{port}" if parts.hostname else url
 
 
 @dataclass
 class RemoteChat:
-    """A chat with one server (``link``: its ``RemoteLink``). ``generation``: the reply in flight (0: none)."""
+    """A chat with one server: ``id`` is its chat id in the history; ``link`` its ``RemoteLink`` (None: not
+    connected — a chat saved by an earlier session); ``url`` / ``model_name`` / ``events`` the server it was
+    with. ``generation``: the reply in flight (0: none)."""
     id: int
     link: Any
-    messages: list[Message] = field(default_factory=list)
+    url: str = ""
+    model_name: str = ""
+    events: str = ""
+    title: str = ""
     system_prompt: str = ""
+    loaded: bool = True  # its messages were read from the history (a saved chat's are read when first opened)
+    messages: list[Message] = field(default_factory=list)
     generation: int = 0
     cancel: threading.Event | None = None
     versions: list = field(default_factory=list)  # the versions the reply in flight will sit beside
@@ -52,19 +72,24 @@ class RemoteChat:
         return self.live_ids if self.generation and self.live_prompt else self.ids
 
     @property
+    def connected(self) -> bool:
+        return self.link is not None and self.link.engine is not None
+
+    @property
     def server(self) -> str:
-        client = self.link.engine.client
-        return f"{client.host}:{client.port}"
+        if self.connected:
+            client = self.link.engine.client
+            return f"{client.host}:{client.port}"
+        return host_port(self.url)
 
     @property
     def model(self) -> str:
-        return self.link.engine.model
+        return self.model_name or (self.link.engine.model if self.connected else "?")
 
     @property
     def label(self) -> str:
-        """'⇄ stories260K @ 127.0.0.1:8000', with the first message's title once there is one."""
-        first = next((m.content for m in self.messages if m.role == "user"), "")
-        return f"{MARK} {self.model} @ {self.server}" + (f" — {title_from(first, 32)}" if first else "")
+        """'⇄ stories260K @ 127.0.0.1:8000', with the chat's title (its first message) once there is one."""
+        return f"{MARK} {self.model} @ {self.server}" + (f" — {self.title}" if self.title else "")
 
     def api_messages(self) -> list[dict]:
         """What the server is sent: the system prompt, then the user messages and the replies with text."""
@@ -78,13 +103,14 @@ class RemoteList(QListWidget):
     """The remote chats (shown once there is one); ``chat_selected(id)`` when the user picks one."""
 
     chat_selected = Signal(int)
-    new_requested = Signal(int)  # another chat with this chat's server
+    new_requested = Signal(int, str)  # another chat with this chat's server (and that model; '': this chat's)
     close_requested = Signal(int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("RemoteList")
         self._filling = False
+        self._models: dict[int, list[str]] = {}  # chat id -> the models its server serves (connected ones)
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
         self.setUniformItemSizes(True)
@@ -98,11 +124,12 @@ class RemoteList(QListWidget):
     def set_chats(self, chats: list[RemoteChat], current: int | None) -> None:
         self._filling = True
         self.clear()
+        self._models = {rc.id: list(rc.link.engine.models) for rc in chats if rc.connected}
         for rc in chats:
             item = QListWidgetItem(rc.label + (REPLYING if rc.generation else ""))
             item.setData(Qt.ItemDataRole.UserRole, rc.id)
-            item.setToolTip(f"{rc.link.engine.client.url} · model {rc.model}\nreplies come from this server; the "
-                            "chat is kept until KV Scope closes")
+            item.setToolTip(f"{rc.url} · model {rc.model}\nreplies come from this server; the chat is saved in "
+                            "the history" + ("" if rc.connected else "\nnot connected: open it to connect again"))
             self.addItem(item)
             if rc.id == current:
                 self.setCurrentItem(item)
@@ -134,12 +161,17 @@ class RemoteList(QListWidget):
             return
         chat_id = int(item.data(Qt.ItemDataRole.UserRole))
         menu = QMenu(self)
-        new = menu.addAction("New chat on this server")
-        close = menu.addAction("Close this chat")
-        close.setToolTip("Remote chats are not saved: its messages go")
+        models = self._models.get(chat_id, [])
+        if len(models) > 1:  # the server serves several: the new chat's model is picked here
+            sub = menu.addMenu("New chat on this server")
+            new = {sub.addAction(m): m for m in models}
+        else:
+            new = {menu.addAction("New chat on this server"): ""}
+        close = menu.addAction("Delete this chat")
+        close.setToolTip("Deletes it from the history (its messages go; the server keeps nothing of it)")
         chosen = menu.exec(self.mapToGlobal(pos))
-        if chosen is new:
-            self.new_requested.emit(chat_id)
+        if chosen in new:
+            self.new_requested.emit(chat_id, new[chosen])
         elif chosen is close:
             self.close_requested.emit(chat_id)
 

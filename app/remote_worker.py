@@ -66,8 +66,9 @@ class RemoteWorker(QObject):
         self.engine = engine
         self.opened.emit(engine)
 
-    @Slot(int, object, int, float, object)
-    def chat(self, generation: int, messages: list, max_tokens: int, temperature: float, cancel: Any) -> None:
+    @Slot(int, str, object, int, float, object)
+    def chat(self, generation: int, model: str, messages: list, max_tokens: int, temperature: float,
+             cancel: Any) -> None:
         reply = Reply()  # filled by the client: its prompt ids are read here as soon as they arrive
 
         def on_delta(text: str, ids: list) -> None:
@@ -81,7 +82,7 @@ class RemoteWorker(QObject):
             self.finished.emit(generation, Reply(finish_reason="cancelled"))
             return
         try:
-            reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel, reply)
+            reply = self.engine.chat(messages, max_tokens or None, temperature, on_delta, cancel, reply, model or None)
         except RemoteError as e:  # refused or gone before the first byte
             reply = Reply(error=one_line(e))
         except Exception as e:  # noqa: BLE001 - a reply always ends, with the reason
@@ -109,13 +110,14 @@ class RemoteLink(QObject):
     events = Signal()  # a KV event batch reached the view (emitted on the subscriber's thread, received queued)
     open_failed = Signal(str)
     _open = Signal(str, str, str)
-    _chat = Signal(int, object, int, float, object)
+    _chat = Signal(int, str, object, int, float, object)
     _refresh = Signal()
 
     def __init__(self) -> None:
         super().__init__()
         self.engine: RemoteEngine | None = None
         self.url = ""
+        self.events_given = ""  # the events endpoint the user gave ('' : the server's /kv_event_sources says)
         self.polling = False
         self.error = ""  # why the last /metrics poll failed ("" when it answered): the server may be gone
         self.failures = 0  # /metrics reads failed in a row
@@ -147,7 +149,7 @@ class RemoteLink(QObject):
         return own is not None and (own.url, own.api_key) == (client.url, client.api_key)
 
     def open(self, url: str, api_key: str = "", events: str = "") -> None:
-        self.url = url
+        self.url, self.events_given = url, events
         self._open.emit(url, api_key, events)
 
     def _on_opened(self, engine: RemoteEngine) -> None:
@@ -158,9 +160,10 @@ class RemoteLink(QObject):
         engine.view.on_change = self.events.emit  # the window redraws on arrival, not only on its 4 Hz timer
         self.opened.emit(self)
 
-    def chat(self, generation: int, messages: list[dict], max_tokens: int, temperature: float,
+    def chat(self, generation: int, model: str, messages: list[dict], max_tokens: int, temperature: float,
              cancel: threading.Event) -> None:
-        self._chat.emit(generation, messages, max_tokens, temperature, cancel)
+        """Stream a reply from ``model`` (one of ``engine.models``) on the chat thread."""
+        self._chat.emit(generation, model, messages, max_tokens, temperature, cancel)
 
     def refresh(self, now: bool = False) -> None:
         """Re-read ``/metrics`` on the poll thread, unless a read is in flight or the server failed recently

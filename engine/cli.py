@@ -178,6 +178,7 @@ def _attach_parser(sub) -> None:
                        "its KV cache from its KV events and /metrics")
     t.add_argument("url", help="the server, http(s)://HOST:PORT")
     t.add_argument("--api-key", default=None, help="its API key (Authorization: Bearer)")
+    t.add_argument("--model", default=None, help="which of the models it serves to chat with (default: its first)")
     t.add_argument("--events", default=None, metavar="ENDPOINT", help="KV events endpoint when the server's "
                    "/kv_event_sources does not say (tcp://HOST:PORT; vLLM's rule: a publisher on tcp://*:PORT binds)")
     src = t.add_mutually_exclusive_group()

@@ -59,8 +59,9 @@ class RemoteEngine:
         self.view.set_shape(self.metrics.block_size, self.metrics.num_blocks)
 
     def chat(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
-             on_delta=None, cancel=None, reply: Reply | None = None) -> Reply:
-        return self.client.chat(self.model, messages, max_tokens, temperature, on_delta, cancel, reply)
+             on_delta=None, cancel=None, reply: Reply | None = None, model: str | None = None) -> Reply:
+        """Stream one reply from ``model`` (default: the first the server lists)."""
+        return self.client.chat(model or self.model, messages, max_tokens, temperature, on_delta, cancel, reply)
 
     def fixed_settings(self) -> dict[str, str]:
         """What the server fixed at start (shown read-only, with why)."""
@@ -99,10 +100,13 @@ def _messages(a) -> list[dict]:
 def run_attach(a) -> int:
     """``python -m engine attach``: chat once (or only watch) and print what the view saw as JSON."""
     eng = RemoteEngine(a.url, a.api_key, a.events)
+    model = getattr(a, "model", None) or eng.model
     try:
+        if model not in eng.models:
+            raise RemoteError(f"{eng.client.url} does not serve {model!r}; it serves: {', '.join(eng.models)}")
         reply = None
         if a.prompt is not None or a.messages:
-            reply = eng.chat(_messages(a), a.max_new_tokens)
+            reply = eng.chat(_messages(a), a.max_new_tokens, model=model)
             if reply.error:
                 raise RemoteError(reply.error)
         if a.watch:
@@ -113,7 +117,7 @@ def run_attach(a) -> int:
                               "reachable from here?")
         time.sleep(0.2)  # the last step's batch
         eng.refresh()
-        out = report(eng, reply)
+        out = report(eng, reply, model)
     finally:
         eng.close()
     text = json.dumps(out, indent=1)
@@ -131,13 +135,13 @@ def _computed_a_block(reply: Reply | None, eng: RemoteEngine) -> bool:
     return computed >= max(1, eng.view.block_size or eng.metrics.block_size or 1)
 
 
-def report(eng: RemoteEngine, reply: Reply | None) -> dict:
+def report(eng: RemoteEngine, reply: Reply | None, model: str | None = None) -> dict:
     ids = (reply.prompt_ids + reply.token_ids) if reply is not None else []
     snaps = eng.view.snapshots(ids)
     lat = sorted(eng.view.latencies)
     m = eng.metrics
     return {
-        "url": eng.client.url, "model": eng.model, "text": reply.text if reply else None,
+        "url": eng.client.url, "model": model or eng.model, "models": eng.models, "text": reply.text if reply else None,
         "usage": ({**reply.usage, "cached_tokens": reply.cached_tokens} if reply else None),
         "block_size": m.block_size or eng.view.block_size, "num_blocks": m.num_blocks,
         "events": {"stored": sum(s.stored for s in snaps), "removed": sum(s.removed for s in snaps),

@@ -132,7 +132,9 @@ class RemoteClient:
         try:
             conn.request(method, self.prefix + path, json.dumps(body) if body is not None else None,
                          self._headers(body is not None))
+            sock = conn.sock  # a response that closes the connection takes it over, and ``conn.sock`` goes None
             resp = conn.getresponse()
+            resp.stream_socket = sock
         except ConnectionRefusedError:
             conn.close()
             raise RemoteError(f"{self.url} refused the connection: is the server running on that port?") from None
@@ -202,13 +204,21 @@ class RemoteClient:
             conn.close()
             raise RemoteError(f"the server refused the request ({resp.status}): {_message(raw)}")
         reply = reply if reply is not None else Reply()
+        done = threading.Event()
+        if cancel is not None:  # Stop ends a read that waits on the server (a long prefill, a queue), not only
+            threading.Thread(target=_hang_up_on, args=(resp.stream_socket, cancel, done), daemon=True,  # the next chunk
+                             name="kvscope-remote-stop").start()
         try:
             self._read_stream(resp, reply, sent, on_delta, cancel)
         except (OSError, http.client.HTTPException) as e:
-            reply.error = f"the server went away mid-reply ({e or type(e).__name__}); the text so far is kept"
+            if not (cancel is not None and cancel.is_set()):  # else: the read ended because Stop hung up
+                reply.error = f"the server went away mid-reply ({e or type(e).__name__}); the text so far is kept"
         finally:
+            done.set()
             conn.close()
-        if reply.error is None and reply.finish_reason is None and not (cancel and cancel.is_set()):
+        if cancel is not None and cancel.is_set() and reply.error is None and reply.finish_reason is None:
+            reply.finish_reason = "cancelled"
+        if reply.error is None and reply.finish_reason is None:
             reply.error = "the stream ended without a finish reason (the server closed it); the text so far is kept"
         return reply
 
@@ -244,6 +254,22 @@ class RemoteClient:
                 reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
                 if on_delta is not None and (text or ids):
                     on_delta(text, ids)
+
+
+STOP_POLL_S = 0.05  # how soon Stop reaches a read that waits: 50 ms, a wake-up the reply's thread never sees
+
+
+def _hang_up_on(sock: socket.socket | None, cancel: threading.Event, done: threading.Event) -> None:
+    """Shut the stream's socket once ``cancel`` is set while the reply is still being read: the blocked read
+    returns at once, and the server sees the client go (vLLM and ``engine serve`` then abort the request)."""
+    while not done.is_set():
+        if cancel.wait(STOP_POLL_S):
+            if not done.is_set() and sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed meanwhile
+            return
 
 
 def _message(raw: bytes) -> str:

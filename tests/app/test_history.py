@@ -121,3 +121,90 @@ def test_a_file_deleted_while_open_is_written_again_from_memory(tmp_path):
     assert [n.kind for n in store.take_notices()] == ["deleted"] and path.exists()
     assert sorted({m[0] for m in stored_messages(path)}) == [1, 3] and len(stored_messages(path)) == 41
     store.close()
+
+
+# -- remote chats ------------------------------------------------------------------------------------------------
+OLD_SCHEMA = """
+CREATE TABLE chats (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL DEFAULT 'New chat',
+    system_prompt TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE, position INTEGER NOT NULL, role TEXT NOT NULL,
+    content TEXT NOT NULL DEFAULT '', stats TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL);
+"""
+SERVER = '{"events": "", "model": "m", "url": "http://10.0.0.5:8000"}'
+
+
+def _old_file(path) -> None:
+    """A history written before remote chats were saved (no ``server`` column)."""
+    db = sqlite3.connect(str(path))
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO chats VALUES (1, 'old chat', 'sys', 1.0, 2.0)")
+    db.execute("INSERT INTO messages(chat_id, position, role, content, created) VALUES (1, 0, 'user', 'hi', 1.0)")
+    db.commit()
+    db.close()
+
+
+def test_remote_chats_are_kept_apart_from_local_ones_with_their_server(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    local = store.create_chat("local")
+    remote = store.create_chat(server=SERVER)
+    store.add_message(remote.id, "user", "hello server")
+    assert [c.id for c in store.chats()] == [local.id]
+    assert [c.id for c in store.chats(remote=True)] == [remote.id]
+    assert store.chat(remote.id).remote == {"url": "http://10.0.0.5:8000", "model": "m", "events": ""}
+    assert store.chat(local.id).remote is None
+    store.set_server(remote.id, SERVER.replace('"m"', '"other"'))
+    store.close()
+    again = HistoryStore(path)
+    assert [c.id for c in again.chats()] == [local.id]
+    (back,) = again.chats(remote=True)
+    assert back.remote["model"] == "other" and [m.content for m in again.messages(back.id)] == ["hello server"]
+    again.close()
+
+
+def test_a_history_from_before_remote_chats_gets_the_column_and_keeps_its_chats(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    _old_file(path)
+    store = HistoryStore(path)
+    assert store.writable
+    (chat,) = store.chats()
+    assert (chat.title, chat.system_prompt, chat.server) == ("old chat", "sys", "")
+    assert [m.content for m in store.messages(chat.id)] == ["hi"]
+    remote = store.create_chat(server=SERVER)
+    store.close()
+    db = sqlite3.connect(str(path))
+    rows = db.execute("SELECT id, server FROM chats ORDER BY id").fetchall()
+    db.close()
+    assert rows == [(1, ""), (remote.id, SERVER)]
+
+
+def test_an_old_read_only_history_reads_as_local_chats(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    _old_file(path)
+    from app import history_db as hdb
+
+    db = hdb.open_read_only(path)
+    try:
+        assert hdb.read_chats(db) == [(1, "old chat", "sys", 1.0, 2.0, "")]
+        assert hdb.salvage(db)[0] == [(1, "old chat", "sys", 1.0, 2.0, "")]
+    finally:
+        db.close()
+
+
+def test_a_damaged_history_keeps_its_remote_chats_marked(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    remote = store.create_chat("far", server=SERVER)
+    for i in range(300):  # enough rows for the index to span pages
+        store.add_message(remote.id, "user", f"message {i} " * 20)
+    store.close()
+    corrupt_index(path)
+    again = HistoryStore(path)
+    try:
+        (back,) = again.chats(remote=True)
+        assert back.title == "far" and back.server == SERVER and again.chats() == []
+        assert len(again.messages(back.id)) == 300
+        assert [n.kind for n in again.take_notices()] == ["damaged"]
+    finally:
+        again.close()

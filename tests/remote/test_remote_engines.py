@@ -88,6 +88,11 @@ def test_attach_cli_against_the_server(served):
     assert d["block_size"] == B and d["usage"]["completion_tokens"] == 40 and d["num_blocks"] > 0
     assert d["chat_blocks"] == (d["chat_tokens"] - 1) // B and d["events"]["stored"] >= d["chat_blocks"]
     assert d["ttft_ms"] > 0 and d["prefix_cache"]["queries"] > 0
+    assert d["model"] == d["models"][0]
+    wrong = subprocess.run([sys.executable, "-m", "engine", "attach", served.url, "--model", "no-such-model",
+                            "--prompt", "hi"], capture_output=True, text=True, timeout=120, cwd=env.ROOT)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+    assert f"does not serve 'no-such-model'; it serves: {d['models'][0]}" in wrong.stderr
 
 
 @pytest.mark.parametrize("kind", ["vllm", "kvscope"])
