@@ -6,7 +6,9 @@ the local chat leaves (``Conversation.leave``, its reply goes on in the backgrou
 (send, stop, regenerate, edit, versions, system prompt) are re-wired from the conversation to here, the page map
 and timing panel are fed from the remote view on a 4 Hz timer, and the local-only controls are greyed with the
 server's fixed values. Opening a local chat or an API conversation gives everything back. It is made on first use
-(``RemoteChats.of(window)``), so the window needs no code for it, and it stops its threads when the window closes.
+(``RemoteChats.of(window)``) or at start when the history holds remote chats (``restore``), and it stops its
+threads when the window closes. Every change of a remote chat is written to the history as it happens
+(``app.remote_saved``); connecting, reconnecting and deleting are in ``app.remote_connect``.
 
 Network and ZMQ never run here: replies stream on the link's chat thread, ``/metrics`` on its poll thread, events
 on the subscriber's thread (``app.remote_worker``); this thread only reads the view under its lock.
@@ -20,9 +22,10 @@ import time
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QLabel
 
+from app.remote_connect import Connecting, offline_text
 from app.remote_dialog import ConnectDialog
-from app.remote_list import RemoteChat, RemoteList, reply_stats
-from app.remote_panels import RemotePanels, fixed_text, token_event
+from app.remote_list import BURST_S, RemoteChat, RemoteList, reply_stats
+from app.remote_panels import RemotePanels, chunk_events, fixed_text
 from app.remote_redraw import Redraw
 from app.remote_saved import RemoteSaver
 from app.remote_worker import RemoteLink
@@ -51,7 +54,7 @@ def restore(window) -> None:
         RemoteChats.of(window).show_saved()
 
 
-class RemoteChats(QObject):
+class RemoteChats(QObject, Connecting):
     """The window's remote chats. ``current``: the one on screen (None: a local chat or API conversation is).
 
     Signals (for tests and the self-test): ``chat_added(RemoteChat)``, ``link_attached(RemoteChat)`` (a saved chat
@@ -103,112 +106,6 @@ class RemoteChats(QObject):
         window.conversation.chat_opened.connect(self._on_local_opened)
         window.api_list.conversation_selected.connect(self._on_api_selected)
         window.models.ready_changed.connect(self._on_ready)
-
-    # -- connecting -----------------------------------------------------------------------------------------
-    def open_dialog(self, again: RemoteChat | None = None) -> ConnectDialog:
-        """File ▸ Connect to a server…; ``again``: a saved chat to connect to its server again (the dialog is
-        filled with its URL, events endpoint and model; the key was never saved)."""
-        if self.dialog is None:
-            self.dialog = ConnectDialog(self.window, self._known)
-            self.dialog.connected.connect(self.add_link)
-            self.dialog.rejected.connect(self._not_reconnecting)
-        self._reconnecting = again
-        if again is not None:
-            self.dialog.prefill(again.url, again.events, again.model_name)
-        self.dialog.show_error("")
-        self.dialog.open()  # window-modal, and the event loop runs: nothing waits on the network
-        return self.dialog
-
-    def _not_reconnecting(self) -> None:
-        self._reconnecting = None
-
-    def _known(self, url: str, api_key: str) -> RemoteLink | None:
-        return next((link for link in self.links if link.serves(url, api_key)), None)
-
-    def add_link(self, link: RemoteLink, model: str = "") -> RemoteChat:
-        """A server answered (or was open already): a new remote chat with ``model`` (the server's first when
-        ''), on screen — or, when the dialog was opened for a saved chat, that chat connected again."""
-        if link not in self.links:
-            self.links.append(link)
-            link.worker.prompt.connect(self._on_prompt)
-            link.worker.delta.connect(self._on_delta)
-            link.worker.finished.connect(self._on_finished)
-            link.events.connect(self._on_events)
-            self.window.status.message(f"Connected to {link.engine.client.url}: {', '.join(link.engine.models)}",
-                                       6000)
-        again, self._reconnecting = self._reconnecting, None
-        if again is not None and self.chats.get(again.id) is again:
-            self._attach(again, link, model)
-            return again
-        return self.new_chat(link, model)
-
-    def new_chat(self, link: RemoteLink, model: str = "") -> RemoteChat:
-        """Another chat with ``link``'s server, on screen (the list's "New chat on this server")."""
-        eng = link.engine
-        model = model if model in eng.models else eng.model
-        rc = RemoteChat(0, link, url=eng.client.url, model_name=model, events=link.events_given)
-        rc.id = self.saver.create(rc.url, model, rc.events)
-        self.chats[rc.id] = rc
-        self.label.setVisible(True)
-        self.list.setVisible(True)
-        self.open_chat(rc.id)
-        self.chat_added.emit(rc)
-        return rc
-
-    def _new_like(self, chat_id: int, model: str = "") -> None:
-        """The list's "New chat on this server": with ``model`` (or that chat's), connecting first when it is not
-        connected."""
-        rc = self.chats[chat_id]
-        if rc.connected:
-            self.new_chat(rc.link, model or rc.model_name)
-        else:
-            dialog = self.open_dialog()
-            dialog.prefill(rc.url, rc.events, rc.model_name)
-
-    def show_saved(self) -> None:
-        """List the chats saved by earlier sessions (not connected)."""
-        for rc in self.saver.saved():
-            self.chats.setdefault(rc.id, rc)
-        self.label.setVisible(bool(self.chats))
-        self.list.setVisible(bool(self.chats))
-        self._refresh_list()
-
-    def _attach(self, rc: RemoteChat, link: RemoteLink, model: str = "") -> None:
-        """A saved chat goes on with ``link``'s server: its model when the server still serves it (else the one
-        asked for, else the server's first — said in the status bar)."""
-        eng = link.engine
-        wanted = model or rc.model_name
-        chosen = wanted if wanted in eng.models else eng.model
-        if wanted and chosen != wanted:
-            self.window.status.message(f"{eng.client.url} does not serve {wanted} now: this chat goes on with "
-                                       f"{chosen}", 10000)
-        rc.link, rc.url, rc.model_name = link, eng.client.url, chosen
-        rc.events = link.events_given or rc.events
-        self.saver.set_server(rc)
-        if rc is self.current:
-            self._show(rc)
-        else:
-            self.open_chat(rc.id)
-        self._refresh_list()
-        self.link_attached.emit(rc)
-
-    def close_chat(self, chat_id: int) -> None:
-        """Delete a remote chat (from the history too): its reply stops; a server no chat uses is let go."""
-        rc = self.chats.get(chat_id)
-        if rc is None:
-            return
-        if rc.cancel is not None:
-            rc.cancel.set()
-        if rc is self.current:
-            self.window.conversation.load_chats()  # the last local chat comes back (and ``leave`` runs)
-        del self.chats[chat_id]
-        self.saver.delete(rc)
-        if rc.link is not None and not any(c.link is rc.link for c in self.chats.values()):
-            self.links.remove(rc.link)
-            rc.link.release(busy=bool(rc.generation))
-        self.label.setVisible(bool(self.chats))
-        self.list.setVisible(bool(self.chats))
-        self._refresh_list()
 
     # -- on screen ------------------------------------------------------------------------------------------
     def open_chat(self, chat_id: int) -> None:
@@ -421,7 +318,9 @@ class RemoteChats(QObject):
         rc.live_ids += ids
         if rc is self.current:
             self.pane.append_delta(text)
-            self.window.timing.add_token(token_event(generation, rc.chunks, arrival, rc.last_arrival, len(ids)))
+            together = rc.chunks > 0 and arrival - rc.last_arrival < BURST_S
+            for event in chunk_events(generation, rc.chunks, arrival, rc.last_arrival, len(ids), together):
+                self.window.timing.add_token(event)
         rc.chunks += 1
         rc.last_arrival = arrival
 
@@ -493,7 +392,3 @@ class RemoteChats(QObject):
             link.shutdown()
 
 
-
-def offline_text(rc: RemoteChat) -> str:
-    return (f"Saved from a chat with {rc.model} at {rc.url}. Connect to that server again to go on with it (an API "
-            "key is asked for again: it is never saved).")

@@ -16,7 +16,7 @@ import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
 from app.docks import on_screen
-from app.remote_list import MARK, measured_speed
+from app.remote_list import BURST_S, MARK, measured_speed
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
 from engine.snapshot import CacheSnapshot, TokenEvent
@@ -97,7 +97,11 @@ def timing_text(reply) -> str:
     speed = measured_speed(reply)
     if speed is None:
         return f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · {n} tokens in one burst"
-    itl = f" · inter-token p50 {np.median(gaps):.1f} ms" if len(gaps) else ""
+    together = int(np.count_nonzero(gaps < BURST_S * 1e3))
+    if together * 2 > len(gaps):  # most came with the one before: their gaps are the way's buffering, not the server's
+        itl = f" · {together} of {len(gaps)} arrived together with the one before (buffered on the way)"
+    else:
+        itl = f" · inter-token p50 {np.median(gaps):.1f} ms" if len(gaps) else ""
     return (f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · {n} tokens at "
             f"<b>{speed:.1f} tok/s</b>{itl}")
 
@@ -142,12 +146,20 @@ def status_fields(rc) -> dict[str, tuple[str, str]]:
     }
 
 
-def token_event(generation: int, index: int, arrival: float, previous: float, n_ids: int) -> TokenEvent:
-    """A streamed chunk as the timing panel's token: the first one's time is the wait for it (TTFT), the others'
-    the gap since the previous chunk."""
-    phase = "prefill" if index == 0 else "decode"
-    return TokenEvent(generation, index, -1, "", phase, max(arrival - previous, 0.0) * 1e3,
-                      0 if index == 0 else max(n_ids, 1))
+def chunk_events(generation: int, index: int, arrival: float, previous: float, n_ids: int,
+                 together: bool = False) -> list[TokenEvent]:
+    """A streamed chunk as the timing panel's tokens. The first chunk's time is the wait for it (TTFT); a later
+    one's, the gap since the chunk before, shared by its tokens (the panel averages a group: the first token has
+    ``tokens_in_step`` > 0, the others 0). A chunk that came ``together`` with the one before (the same read:
+    buffered on the way) has no time of its own: its tokens join that chunk's group — drawn alone, each would be
+    a ~0 ms token at tens of thousands of tok/s (vLLM's CPU stream does this)."""
+    if index == 0:
+        return [TokenEvent(generation, 0, -1, "", "prefill", max(arrival - previous, 0.0) * 1e3, 0)]
+    n = max(n_ids, 1)
+    first = 0 if together else 1
+    ms = 0.0 if together else max(arrival - previous, 0.0) * 1e3
+    return [TokenEvent(generation, index, -1, "", "decode", ms if i == 0 else 0.0, first if i == 0 else 0)
+            for i in range(n)]
 
 
 class ControlsLock:

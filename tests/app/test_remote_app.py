@@ -369,7 +369,14 @@ def test_a_server_that_comes_back_is_asked_again_with_backoff(qtbot, data_dir, s
         qtbot.waitUntil(lambda: view.batches > batches, timeout=15_000)  # the idle batch of the new server
         assert send(qtbot, w, "Once upon a time") == "max_tokens" and rc.reply.text
         qtbot.waitUntil(lambda: not rc.link.error, timeout=5000)  # a reply came: /metrics is asked at once
-        qtbot.waitUntil(lambda: view.chat_blocks(rc.ids) > 0, timeout=10_000)
+        try:
+            qtbot.waitUntil(lambda: view.chat_blocks(rc.ids) > 0, timeout=10_000)
+        except Exception:  # what the view holds, to tell a lost batch from an unmatched chain
+            subs = rc.link.engine.subscribers
+            snap = view.snapshots(rc.ids)
+            raise AssertionError(f"no chat blocks: ids {len(rc.ids)} prompt {len(rc.reply.prompt_ids)}; batches "
+                                 f"{view.batches}; subs {[(s._expected, s.received, s.dropped) for s in subs]}; "
+                                 f"snap {[(x.stored, x.removed, x.cached_blocks, x.gaps, x.resyncs) for x in snap]}")
         w.remote.draw(force=True)
         assert "not answering" not in w.page_map.caption.text()
         assert active_cells(w.page_map)[0] == view.chat_blocks(rc.ids)
@@ -425,3 +432,31 @@ def test_a_reply_that_arrives_in_one_burst_has_no_speed():
     assert stats["decode_tokens_per_s"] == 200.0 and "notes" not in stats
     assert (stats["reused_tokens"], stats["recomputed_tokens"], stats["first_divergence"]) == (16, 4, 16)
     assert "200.0 tok/s" in timing_text(paced) and "(20 prompt tokens)" in timing_text(paced)
+
+
+def test_chunks_that_arrive_together_share_the_time_of_the_chunk_before():
+    """vLLM's CPU stream delivers runs of chunks in one read: those tokens join the group of the chunk that came
+    first (the timing panel averages its gap over them) instead of each claiming a ~0 ms token."""
+    from app.panels.timing import TimingPanel
+    from app.remote_panels import chunk_events, timing_text
+    from engine.remote.client import Reply
+
+    panel = TimingPanel()
+    panel.begin_reply(7, "remote")
+    arrivals = [1.040, 1.050, 1.060, 1.06001, 1.06002, 1.06003, 1.070]  # sent at 1.0; 3 chunks come with the 3rd
+    previous = 1.0
+    for i, t in enumerate(arrivals):
+        for event in chunk_events(7, i, t, previous, 1, together=i > 0 and t - previous < 1e-3):
+            panel.add_token(event)
+        previous = t
+    cur = panel.current
+    assert cur.prefill_ms == pytest.approx(40.0)
+    # decode: 10 ms, then 10 ms shared by the chunk and the 3 that came with it (2.5 ms each), then 9.97 ms
+    assert cur.ms[:cur.n] == pytest.approx([10.0, 2.5, 2.5, 2.5, 2.5, 9.97], abs=0.02)
+    two = chunk_events(7, 3, 1.2, 1.1, 2)  # a chunk of two tokens: its 100 ms shared by both
+    assert [(e.step_ms, e.tokens_in_step) for e in two] == [(pytest.approx(100.0), 1), (0.0, 0)]
+
+    buffered = Reply(token_ids=list(range(30)), token_times=[1.0 + (i // 10) * 0.05 + i * 1e-5 for i in range(30)],
+                     ttft_s=0.04)
+    text = timing_text(buffered)
+    assert "27 of 29 arrived together with the one before (buffered on the way)" in text and "p50" not in text

@@ -86,7 +86,11 @@ def check_remote_readouts(qtbot, w, rc, port: int) -> None:
 
     speed = measured_speed(rc.reply)
     assert s.speed.text() == (f"{speed:.1f} tokens/s" if speed else "") and s.speed.isHidden() == (not speed)
-    assert w.page_map.describe_page(0).startswith("block 0 · this chat · 16 tokens")
+    def drawn_as_this_chat() -> bool:  # the reply's KV events come on the subscriber's thread
+        w.remote.draw(force=True)
+        return w.page_map.describe_page(0).startswith("block 0 · this chat · 16 tokens")
+
+    qtbot.waitUntil(drawn_as_this_chat, timeout=10_000)
     assert w.page_map.describe_token(0).endswith("in its cached blocks")
 
 

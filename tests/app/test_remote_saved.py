@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 from app_helpers import close_window, open_window
-from test_remote_app import Server, connect, send
+from test_remote_app import Server, connect, send, shot
 
 from engine.config import SamplingConfig
 
@@ -81,6 +81,8 @@ def test_a_remote_chat_is_saved_reopened_and_continued(qtbot, data_dir, stories_
         port = server.url.rsplit(":", 1)[1]
         assert w.status.model.text() == f"⇄ stories260K @ 127.0.0.1:{port} · not connected"
         assert not w.status.context.isVisible()  # nothing of the local chat's context
+        qtbot.wait(200)  # the transcript lays out on the event loop
+        shot(w, "saved_offline")
         (connect_button,) = w.chat.notice.action_buttons
         connect_button.click()
         dialog = remote.dialog
