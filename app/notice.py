@@ -23,6 +23,7 @@ class NoticeBar(QFrame):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("notice")
+        self.setProperty("tone", "problem")
         self.text = ""
         self.label = QLabel()
         self.label.setObjectName("noticeText")
@@ -51,10 +52,19 @@ class NoticeBar(QFrame):
         grid.setColumnStretch(0, 1)
         self.setVisible(False)
 
-    def show_message(self, text: str, actions: Sequence[tuple[str, Callable[[], None]]] = ()) -> None:
-        """Show ``text`` in place of any earlier message, with a button per (label, action)."""
+    def show_message(self, text: str, actions: Sequence[tuple[str, Callable[[], None]]] = (),
+                     tone: str = "problem") -> None:
+        """Show ``text`` in place of any earlier message, with a button per (label, action). ``tone``: "problem"
+        (red: something failed or was refused) or "info" (what the chat on screen is, e.g. a saved remote chat
+        that is not connected — red would read as a failure)."""
         self._clear_actions()
         self.text = text
+        if self.property("tone") != tone:
+            self.setProperty("tone", tone)
+            self.style().unpolish(self)  # the style sheet's [tone="info"] rules apply on re-polish
+            self.style().polish(self)
+            self.label.style().unpolish(self.label)
+            self.label.style().polish(self.label)
         self.label.setText(html.escape(text).replace("\n", "<br>"))
         for label, action in actions:
             button = QPushButton(label)

@@ -162,7 +162,7 @@ class RemoteChats(QObject, Connecting):
         self.window.status.show_remote({"model": (f"{rc.label.split(' — ')[0]} · not connected", rc.url)})
         self.window.page_map.clear()
         self.window.page_map.caption.setText(f"Not connected to {rc.server}: connect to draw its KV cache")
-        self.pane.notice.show_message(offline_text(rc), [("Connect…", lambda: self.open_dialog(rc))])
+        self.pane.notice.show_message(offline_text(rc), [("Connect…", lambda: self.open_dialog(rc))], tone="info")
 
     @staticmethod
     def _hint(rc: RemoteChat) -> str:

@@ -31,6 +31,8 @@ QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
 QLabel#saveLine {{ color: #ffb347; font-size: 11px; }}
 QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 6px; }}
 QLabel#noticeText {{ color: #ffb0b0; }}
+QFrame#notice[tone="info"] {{ background: #1f2a3a; border: 1px solid #2f4a6b; }}
+QFrame#notice[tone="info"] QLabel#noticeText {{ color: {TEXT}; }}
 QWidget#transcript {{ background: {BASE}; }}
 QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
 QFrame#bubble_assistant, QFrame#bubble_api {{ background: {PANEL}; border-radius: 10px; }}

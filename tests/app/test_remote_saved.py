@@ -77,6 +77,10 @@ def test_a_remote_chat_is_saved_reopened_and_continued(qtbot, data_dir, stories_
         assert w.chat.system_prompt.text() == "Be brief."
         assert not w.chat.send_button.isEnabled()  # nowhere to send it yet
         assert server.url in w.chat.notice.text and "never saved" in w.chat.notice.text
+        assert w.chat.notice.property("tone") == "info"  # what the chat is, not a failure: not in red
+        image = w.chat.notice.grab().toImage()
+        fill = image.pixelColor(image.width() // 2, image.height() - 4)
+        assert fill.blue() > fill.red(), fill.name()  # the info tone's blue, not the problem tone's #3a1f24
         assert "Not connected" in w.page_map.caption.text()
         port = server.url.rsplit(":", 1)[1]
         assert w.status.model.text() == f"⇄ stories260K @ 127.0.0.1:{port} · not connected"
