@@ -10,7 +10,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from app import glossary, policies
 from app.glossary import CONTROLS, Term
+from app.widgets import DebouncedForm
 from engine.config import CACHE_MODES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
 
 TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole
@@ -145,7 +146,7 @@ class PolicyParamsForm(QWidget):
         return out
 
 
-class CacheControls(QWidget):
+class CacheControls(DebouncedForm, QWidget):
     """The cache-policy form. ``config()`` is the current ``CacheConfig``; ``set_config`` shows one."""
 
     changed = Signal(object)
@@ -154,10 +155,7 @@ class CacheControls(QWidget):
         super().__init__(parent)
         self.setObjectName("CacheControls")
         self._building = False
-        self._debounce = QTimer(self)
-        self._debounce.setSingleShot(True)
-        self._debounce.setInterval(150)
-        self._debounce.timeout.connect(self._emit)
+        self._init_debounce()
 
         self.mode = QComboBox()
         fill_combo(self.mode, CACHE_MODES, glossary.MODES, "mode")
@@ -294,15 +292,6 @@ class CacheControls(QWidget):
         self.params.build(name)
         self.policy_help.setText(policies.policy_summary(name))
         self._now()
-
-    def _later(self) -> None:
-        if not self._building:
-            self._debounce.start()
-
-    def _now(self) -> None:
-        if not self._building:
-            self._debounce.stop()
-            self._emit()
 
     def _emit(self) -> None:
         try:

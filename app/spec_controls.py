@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -27,12 +27,13 @@ from PySide6.QtWidgets import (
 from app import glossary
 from app.controls import fill_combo
 from app.glossary import CONTROLS
+from app.widgets import DebouncedForm
 from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig
 
 NO_DRAFT = "no draft model chosen"
 
 
-class SpecControls(QWidget):
+class SpecControls(DebouncedForm, QWidget):
     """``config()`` is the setting the controls show; ``draft_path`` the chosen draft model's folder."""
 
     changed = Signal(object)  # SpecConfig
@@ -44,10 +45,7 @@ class SpecControls(QWidget):
         self._building = False
         self._base = SpecConfig()  # the fields these controls do not show (n-gram length, auto-off) come from it
         self.draft_path = ""
-        self._debounce = QTimer(self)
-        self._debounce.setSingleShot(True)
-        self._debounce.setInterval(150)
-        self._debounce.timeout.connect(self._emit)
+        self._init_debounce()
 
         self.method = QComboBox()
         self.method.setObjectName("spec_method")
@@ -152,15 +150,6 @@ class SpecControls(QWidget):
             self.show_notes(["Choose a draft model: a smaller model with the same tokenizer as the chat's model."])
             return  # nothing to apply until a folder is chosen
         self._now()
-
-    def _later(self) -> None:
-        if not self._building:
-            self._debounce.start()
-
-    def _now(self) -> None:
-        if not self._building:
-            self._debounce.stop()
-            self._emit()
 
     def _emit(self) -> None:
         try:

@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QSize, Qt, QTimer
 from PySide6.QtGui import QFontMetrics, QPainter
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+
+
+DEBOUNCE_MS = 150  # a spin box's arrow held down: one change is sent once it stops, not one per step
+
+
+class DebouncedForm:
+    """A controls form (mixed into a ``QWidget``) whose changes go out through ``_emit``: ``_later`` after
+    ``DEBOUNCE_MS`` of quiet (spin boxes), ``_now`` at once (combo boxes, check boxes); neither while
+    ``_building`` (the form is being filled from a config: no change of the user's)."""
+
+    _building = False
+
+    def _init_debounce(self) -> None:
+        self._debounce = QTimer(self)
+        self._debounce.setSingleShot(True)
+        self._debounce.setInterval(DEBOUNCE_MS)
+        self._debounce.timeout.connect(self._emit)
+
+    def _emit(self) -> None:
+        raise NotImplementedError
+
+    def _later(self) -> None:
+        if not self._building:
+            self._debounce.start()
+
+    def _now(self) -> None:
+        if not self._building:
+            self._debounce.stop()
+            self._emit()
 
 
 def elide_words(text: str, metrics: QFontMetrics, width: int) -> str:
