@@ -89,6 +89,15 @@ def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> 
     return caption, " · ".join(parts)
 
 
+def occupancy_text(metrics) -> str:
+    """The Layer occupancy caption while a remote chat is shown: the server reports one usage figure for its whole
+    pool (every layer's blocks are allocated together), so there are no per-layer bars to draw."""
+    used = f"<b>{metrics.kv_usage:.1%}</b> of {metrics.num_blocks:,} blocks" if metrics.num_blocks else \
+        f"<b>{metrics.kv_usage:.1%}</b>"
+    return (f"Server KV cache in use: {used} (vllm:kv_cache_usage_perc, all layers together: a block holds every "
+            "layer's keys and values). The blocks themselves are in the Page map.")
+
+
 def timing_text(reply) -> str:
     """The timing caption of a remote reply: TTFT and decode speed as this client measured them (network in)."""
     ttft = f"TTFT {reply.ttft_s * 1e3:.0f} ms" if reply.ttft_s is not None else "no token"
@@ -263,6 +272,8 @@ class RemotePanels:
             w.page_map.readout = readout
             if not w.page_map._hovering:  # the mouse on a page: its description stays
                 w.page_map.hover.setText(readout)
+        if force or on_screen(w.occupancy):
+            w.occupancy.caption.setText(occupancy_text(eng.metrics))
         if force or on_screen(w.timing):
             w.timing.refresh()
             w.timing.caption.setToolTip(TIMING_TIP)

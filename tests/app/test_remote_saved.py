@@ -161,3 +161,28 @@ def test_a_cancelled_reconnect_leaves_the_next_connection_a_new_chat(qtbot, data
     finally:
         close_window(w)
         w.close()
+
+
+def test_a_reply_cut_by_closing_the_window_is_kept_and_reopens_as_interrupted(qtbot, data_dir, stories_path, server):
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=300))
+    try:
+        rc = connect(qtbot, w, server.url)
+        w.chat.input.setPlainText("Tell me a story")
+        w.chat.submit()
+        qtbot.waitUntil(lambda: rc.chunks > 5, timeout=30_000)
+    finally:
+        close_window(w)  # mid-reply: what streamed is in the file already (written as it came)
+        w.close()
+        streamed = rc.messages[-1].content
+    (_, content, stats), = [r for r in _messages(data_dir, rc.id) if r[0] == "assistant"]
+    assert streamed and content == streamed and "stop_reason" not in json.loads(stats)
+    assert json.loads(stats)["streamed_tokens"] > 5
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        w.remote.list.setCurrentRow(0)
+        assert w.chat.bubbles[-1].text == streamed
+        assert "stopped: the app closed before this reply finished" in w.chat.bubbles[-1].stats_label.text()
+    finally:
+        close_window(w)
+        w.close()
+    assert json.loads(_messages(data_dir, rc.id)[1][2])["stop_reason"] == "interrupted"

@@ -51,6 +51,10 @@ def test_the_window_draws_vllms_cache_for_its_chat(qtbot, tmp_path, stories_path
         assert w.status.model.text() == f"⇄ tiny @ 127.0.0.1:{port}"
         assert f"block size {env.BLOCK}" in w.status.cache.text()
         assert w.status.context.text().startswith(f"Context: {len(ids)} tokens")
+        metrics = rc.link.engine.metrics
+        assert metrics.num_blocks > 0 and 0 <= metrics.kv_usage <= 1  # (0 between requests: cached ≠ in use)
+        assert (f"Server KV cache in use: <b>{metrics.kv_usage:.1%}</b> of {metrics.num_blocks:,} blocks"
+                in w.occupancy.caption.text())
         w.resize(1280, 720)
         w.grab().save(str(SHOTS / "remote_vllm_chat.png"))
 
