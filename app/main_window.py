@@ -7,14 +7,15 @@ wiring between the parts that do the work:
 ``CacheController``    the cache settings in force (``app.cache_controller``)
 ``SpecController``     speculative decoding's setting in force and the tint of its tokens (``app.spec_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panel_scheduler``)
+``ReplyReadouts``      the chat on screen's snapshots → panels, trace, status bar (``app.reply_readouts``)
 ``StatusBar``          the status bar in words (``app.status_bar``)
 ``ServerController``   Server ▸ Start / Stop serving: the API server as a client of the worker's engine core (``app.server_controller``)
 ``Exporter``           File ▸ Export (``app.exports``)
 ``DockLayout``         docks, default arrangements and sizes (``app.docks``)
 =====================  ==================================================================================
 
-Snapshots of any reply but the one on screen are dropped, so panels, captions and the status bar always
-describe the chat on screen.
+Snapshots of any reply but the one on screen are dropped (``app.reply_readouts``), so panels, captions and the
+status bar always describe the chat on screen.
 """
 
 from __future__ import annotations
@@ -40,26 +41,26 @@ from app.docks import DockLayout, focus_unseen
 from app.exports import Exporter
 from app.failure import Failure
 from app.gc_guard import MainThreadGC
-from app.glossary import describe_switches
 from app.history import HistoryStore
 from app.menus import build_menus
 from app.model_controller import ModelController
 from app.panel_scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.remote_chat import restore as restore_remote
+from app.reply_readouts import ReplyReadouts
 from app.reply_wait import ReplyWait
 from app.sampling_form import SamplingForm
 from app.server_controller import ApiList, ChatsBox, ServerController
 from app.settings import Settings
 from app.spec_controller import SpecController
 from app.spec_controls import SpecControls
-from app.status_bar import StatusBar, context_counts
+from app.status_bar import StatusBar
 from app.trace import CacheTrace
 from app.engine_thread import EngineThread
 from app.worker import EngineBackend
 from engine.builtin_model import BUILTIN_MODEL
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.snapshot import CacheSnapshot, ModelInfo
+from engine.snapshot import ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
@@ -143,7 +144,7 @@ class MainWindow(QMainWindow):
         self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
         self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
         self.chat.set_tint(self.speculation.tint)
-        self.chat.set_priority(self.cache.applied.policy == "priority")  # and on each change (``_on_cache_applied``)
+        self.chat.set_priority(self.cache.applied.policy == "priority")  # and on each change (``ReplyReadouts.on_cache_applied``)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
         self.conversation = Conversation(
@@ -157,7 +158,9 @@ class MainWindow(QMainWindow):
         self.chat_switch = ChatSwitch(self.conversation, self.status, self)  # drafts and tok/s per chat
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
                                 entered=self.chat_switch.api_opened)
-        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory], self._on_frame)
+        self.readouts = ReplyReadouts(self)  # the chat on screen's snapshots → panels, trace, status bar
+        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory],
+                                        self.readouts.on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
                                  chat=lambda: (self.chat_id, self.info.name if self.info else ""),
@@ -165,27 +168,28 @@ class MainWindow(QMainWindow):
 
     def _connect(self) -> None:
         w = self.engine.worker
-        w.snapshot.connect(self._on_snapshot)
-        w.described.connect(self._on_described)
+        r = self.readouts
+        w.snapshot.connect(r.on_snapshot)
+        w.described.connect(r.on_described)
         w.fast_changed.connect(self.timing.set_fast_step)
         w.failed.connect(self._on_failed)
         self.models.loaded.connect(self._on_loaded)
         self.models.ready_changed.connect(self._on_ready)
-        self.cache.changed.connect(self._on_cache_applied)
+        self.cache.changed.connect(r.on_cache_applied)
         self.speculation.tint_changed.connect(self.chat.set_tint)
         c = self.conversation
-        c.reply_started.connect(self._on_reply_started)
+        c.reply_started.connect(r.on_reply_started)
         c.token.connect(self.timing.add_token)
-        c.reply_finished.connect(self._on_reply_finished)
+        c.reply_finished.connect(r.on_reply_finished)
         c.error.connect(self.show_error)
         c.failed.connect(self._on_failed)  # the history file's troubles (stage "history")
-        c.noted.connect(self._on_reply_notes)
-        c.chat_opened.connect(self._on_chat_opened)
+        c.noted.connect(r.on_reply_notes)
+        c.chat_opened.connect(r.on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
         srv = self.server
         srv.serving.connect(self._on_serving)
-        srv.snapshot.connect(self._on_api_snapshot)
-        self.api_list.conversation_selected.connect(self._on_api_selected)
+        srv.snapshot.connect(r.on_api_snapshot)
+        self.api_list.conversation_selected.connect(r.on_api_selected)
 
     def _start_timers(self) -> None:
         self._refresh = QTimer(self)
@@ -319,7 +323,7 @@ class MainWindow(QMainWindow):
             panel.set_model(info)
         self.conversation.check.context_length = info.context_length
         self.setWindowTitle(f"KV Scope — {info.name}")
-        self._describe_chat()
+        self.readouts.describe_chat()
         self.model_loaded.emit(info)
 
     def _on_ready(self, ready: bool, hint: str) -> None:
@@ -329,31 +333,8 @@ class MainWindow(QMainWindow):
         self.conversation.ready = ready
         self.chat.set_ready(ready, hint)
 
-    def _on_chat_opened(self, chat_id: int) -> None:
-        """Another chat is on screen: the panels, the trace and the context readout start over for it."""
-        self.api_list.deselect()
-        self.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
-        self.controls.show_notes([])  # what the last change did was about the chat that left the screen
-        self.scheduler.clear()
-        if not self.generation_id:  # else the reply running in it sends its own snapshots
-            self._describe_chat()
 
-    def _describe_chat(self) -> None:
-        """Ask the worker for the chat on screen's cache and token count (``_on_described``)."""
-        if self.chat_id is not None and self.info is not None:
-            self.engine.describe_chat(self.chat_id, self.conversation.engine_messages())
 
-    def _on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
-        if chat_id != self.chat_id or self.generation_id or self.api_list.selected:
-            return  # another chat is on screen by now, or its own reply's snapshots describe it
-        if snap is not None:
-            self.scheduler.offer(snap)
-            self.scheduler.refresh_all()
-        else:
-            self.scheduler.clear()
-            total = self.info.context_length if self.info is not None else 0
-            self.status.show_context(max(tokens, 0), total, self.cache.applied.overflow)
-            self.conversation.check.chat_tokens = max(tokens, 0)
 
     def _on_failed(self, failure: Failure) -> None:
         """Route a worker failure by its stage: a reply's failure shows in that reply (the conversation saves
@@ -372,83 +353,21 @@ class MainWindow(QMainWindow):
                 self.speculation.refused()
             self.show_error(failure.message)
 
-    def _on_snapshot(self, snap: CacheSnapshot) -> None:
-        """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
-        described by ``_on_described``)."""
-        gen = self.conversation.generation_id
-        if not gen or snap.generation_id != gen:
-            return
-        self.scheduler.offer(snap)
-        self.trace.add(snap)
-        self.conversation.check.chat_tokens = snap.seq_len - snap.evicted_total
 
-    def _on_frame(self, snap: CacheSnapshot) -> None:
-        """The panels' new frame: the status bar describes the same moment."""
-        used, chat = context_counts(snap)  # the definitions the occupancy caption uses too
-        self.status.show_context(used, snap.context_length, self.cache.applied.overflow, chat)
-        if not self.generation_id:
-            self.conversation.check.chat_tokens = used
-        if self.generation_id and snap.decode_tokens_per_s:
-            self.status.show_speed(snap.decode_tokens_per_s)
 
-    def _on_reply_started(self, generation_id: int, mode: str) -> None:
-        self.trace.begin(generation_id)
-        self.timing.begin_reply(generation_id, self._timing_label([mode]))
 
-    def _timing_label(self, modes: list[str]) -> str:
-        """The timing caption's name of a reply: its cache mode(s) and, on a CPU, the threads it ran on."""
-        info = self.info
-        threads = f" · {info.threads} CPU thread{'s' if info.threads > 1 else ''}" if (
-            info is not None and info.device == "cpu" and info.threads) else ""
-        return "cache " + " → ".join(modes) + threads
 
-    def _on_reply_finished(self, generation_id: int, reason: str) -> None:
-        QTimer.singleShot(0, self.scheduler.refresh_all)  # every panel shows the reply's final state
-        self.disk.refresh()  # the pages this reply wrote to the KV disk tier
-        speed = self.conversation.last_stats.get("decode_tokens_per_s")
-        if speed:
-            self.status.show_speed(speed)
-        self.reply_finished.emit(generation_id, reason)
 
-    def _on_reply_notes(self, notes: list) -> None:
-        """Notes of the reply in flight (also shown under it): in the status bar and the trace."""
-        self.trace.notes.extend(notes)
-        self.status.message("; ".join(notes), 6000)
 
-    def _on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
-        self.chat.set_priority(cfg.policy == "priority")
-        if self.generation_id:
-            # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
-            self.conversation.note_mode(cfg.mode, describe_switches(self.cache.previous, cfg))
-            self.timing.current.label = self._timing_label(self.conversation.modes)
-        self.trace.notes.extend(notes)
-        if notes:
-            self.status.message("; ".join(notes), 6000)
-        if not self.generation_id:
-            self._describe_chat()  # the chat on screen under the new settings
 
     def _on_serving(self, url: str) -> None:
         self.chats_box.set_serving(bool(url))
         self.menu_actions["serve_start"].setEnabled(not url)
         self.menu_actions["serve_stop"].setEnabled(bool(url))
         if not url:
-            self._on_api_selected(0)
+            self.readouts.on_api_selected(0)
 
-    def _on_api_selected(self, session_id: int) -> None:
-        """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
-        for its snapshot, or the chat comes back with its panels."""
-        self.trace.open(("api", session_id) if session_id else self.chat_id)
-        self.scheduler.clear()
-        self.api_view.show(session_id)
-        if not session_id:
-            self._describe_chat()
 
-    def _on_api_snapshot(self, session_id: int, snap: CacheSnapshot) -> None:
-        """A snapshot of an API conversation (taken on the server's engine thread): drawn while selected."""
-        if session_id and session_id == self.api_list.selected:
-            self.scheduler.offer(snap)
-            self.scheduler.refresh_all()
-            self.api_snapshot_shown.emit(session_id, snap)
 
     def _save_sampling(self) -> None:
         try:
