@@ -38,7 +38,21 @@ def remote_model(tmp_path_factory) -> Path:
     return env.make_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+START_TRIES = 3  # a port found free can be taken before the server binds it (vLLM's processes open many)
+
+
 def _start(kind: str, model: Path, tmp: Path) -> Served:
+    for attempt in range(1, START_TRIES + 1):
+        try:
+            return _start_once(kind, model, tmp)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == START_TRIES:
+                raise
+            _log(f"{kind}: a port was taken before it bound it; again on other ports")
+    raise AssertionError("unreachable")
+
+
+def _start_once(kind: str, model: Path, tmp: Path) -> Served:
     port, ev = env.free_port(), env.free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}", "topic": "kv-events"}
     log = tmp / f"{kind}.log"

@@ -1,20 +1,30 @@
 """KV Scope attached to a real vLLM, and to a real ``engine serve`` speaking the same protocol: the same checks on
 both (the view's chat blocks are the full blocks of prompt + reply; a repeated prompt hits the prefix cache and
 the view finds the same blocks; events published before the view joined are replayed or said to be missed; a
-killed server is a clean error). The kill test runs last: it stops the session's servers."""
+killed server is a clean error) — and the real window attached to the real vLLM (its chat's blocks drawn from
+vLLM's events, status bar, a prefix-cache hit, the chat saved with vLLM's address; screenshots to $KVSCOPE_SHOTS).
+The kill test runs last: it stops the session's servers."""
 
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import vllm_env as env
 from remote_fixtures import kvscope_server, remote_model, served, vllm_server  # noqa: F401 - fixtures
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))  # the window's test helpers
+from app_helpers import close_window, open_window  # noqa: E402
+from test_remote_app import active_cells, connect, send  # noqa: E402
+
+from engine.config import SamplingConfig  # noqa: E402
 from engine.remote.attach import RemoteEngine
 from engine.remote.client import RemoteError
 from engine.remote.view import SLOT_CHAT, view_note
@@ -93,6 +103,61 @@ def test_attach_cli_against_the_server(served):
                             "--prompt", "hi"], capture_output=True, text=True, timeout=120, cwd=env.ROOT)
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
     assert f"does not serve 'no-such-model'; it serves: {d['models'][0]}" in wrong.stderr
+
+
+# -- the window against the real vLLM (here, not in a module of its own: each module that imports the session
+# fixtures gets its own instances, and a second vLLM would run beside the first until the session ends) ----------
+SHOTS = Path(os.environ.get("KVSCOPE_SHOTS", "/tmp"))
+PROMPT = STORY
+
+
+def test_the_window_draws_vllms_cache_for_its_chat(qtbot, tmp_path, stories_path, vllm_server):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=40))
+    try:
+        rc = connect(qtbot, w, vllm_server.url)
+        port = vllm_server.url.rsplit(":", 1)[1]
+        assert rc.model == "tiny" and rc.label == f"⇄ tiny @ 127.0.0.1:{port}"
+        assert f"fixed by the server: block size {env.BLOCK}" in w.remote.lock.label.text()
+        assert send(qtbot, w, PROMPT) == "max_tokens"
+        reply = rc.reply
+        assert reply.error is None and len(reply.token_ids) == 40 and w.chat.bubbles[-1].text == reply.text
+        ids = reply.prompt_ids + reply.token_ids
+        full = (len(ids) - 1) // env.BLOCK  # the last token is sampled, never cached
+        view = rc.link.engine.view
+        qtbot.waitUntil(lambda: view.chat_blocks(ids) == full, timeout=10_000)
+        w.remote.draw(force=True)
+        assert full >= 2 and active_cells(w.page_map) == (full, full)
+        assert f"this chat <b>{full}</b>" in w.page_map.caption.text()
+        assert w.status.model.text() == f"⇄ tiny @ 127.0.0.1:{port}"
+        assert f"block size {env.BLOCK}" in w.status.cache.text()
+        assert w.status.context.text().startswith(f"Context: {len(ids)} tokens")
+        metrics = rc.link.engine.metrics
+        assert metrics.num_blocks > 0 and 0 <= metrics.kv_usage <= 1  # (0 between requests: cached ≠ in use)
+        assert (f"Server KV cache in use: <b>{metrics.kv_usage:.1%}</b> of {metrics.num_blocks:,} blocks"
+                in w.occupancy.caption.text())
+        w.resize(1280, 720)
+        w.grab().save(str(SHOTS / "remote_vllm_chat.png"))
+
+        with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):  # the same prompt again: vLLM's cache
+            w.menu_actions["regenerate"].trigger()
+        assert rc.reply.cached_tokens >= env.BLOCK and rc.reply.cached_tokens % env.BLOCK == 0
+        assert "reused" in w.chat.bubbles[-1].cache_label.text()
+        assert view.chat_blocks(rc.reply.prompt_ids + rc.reply.token_ids) >= full
+        chat_id = rc.id
+    finally:
+        close_window(w)
+        w.close()
+    db = sqlite3.connect(str(data_dir / "history.sqlite3"))
+    try:
+        (server,) = db.execute("SELECT server FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        roles = [r for (r,) in db.execute("SELECT role FROM messages WHERE chat_id = ? ORDER BY position",
+                                          (chat_id,))]
+    finally:
+        db.close()
+    assert json.loads(server) == {"url": vllm_server.url, "model": "tiny", "events": ""}
+    assert roles == ["user", "assistant"]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "kvscope"])
