@@ -8,15 +8,20 @@ included). A file is a magic line, a little-endian uint32 header length, a JSON 
 shapes and dtype, payload bytes, SHA-256 of the payload), then K ``[layers, heads, P, dim]`` and V as stored
 (``engine.kv.page_file``).
 
-Integrity: a file is written to a temporary name and renamed (a torn write never has the page's name); a file
-whose magic, header, size, checksum, name, shelf, shapes or dtype do not match is dropped and its tokens are
-computed again, with a note. A folder that cannot be written (read-only, full) stops the writes with a note;
-reading goes on.
+Integrity: a file is written to a temporary name and renamed (a torn write never has the page's name); what is
+at a page path is opened without following links or blocking, and read only if it is a regular file of the
+page's exact size (``engine.kv.page_file.read_page``); a file whose magic, header, size, checksum, name, shelf,
+shapes, dtype or finite values do not match is dropped and its tokens are computed again, with a note. A
+directory or other non-file where a page goes is removed if it can be (else that page is skipped, with a note)
+and the other pages are written. A folder that cannot be written (read-only, full) stops the writes with a
+note; reading goes on. Notes reach the reply that is running (``take_notes``: at its start and its end).
 
 Threads: the engine thread copies new full pages to host memory (a gather per layer, one device-to-host copy) and
-queues them (``save``); a writer thread hashes and writes them, then evicts the least recently used files past
-the byte budget (a read touches its file's mtime, so LRU order survives a restart). Reads happen on the engine
-thread, at a prompt's start (``restore``): they replace the prefill of those tokens.
+queues them (``save``); a writer thread hashes and writes them, each after evicting the least recently used
+files that would leave the folder past the byte budget (a read touches its file's mtime, so LRU order survives
+a restart), under the folder's lock so processes sharing the folder share the budget
+(``engine.kv.disk_folder``). Reads happen on the engine thread, at a prompt's start (``restore``): they replace
+the prefill of those tokens, and never wait for the lock.
 
 The tier covers what the prefix cache covers: plain paged stores at the model's own K/V precision, no eviction
 policy (``SeqCache.prefix_store``). Turn it on per loaded model with ``configure``.
@@ -34,12 +39,14 @@ from collections import OrderedDict
 import torch
 
 from engine.errors import EngineError
+from engine.kv.disk_report import METRICS, NOTE, gauges  # noqa: F401 - the tier's readouts, imported from here
+from engine.kv.disk_folder import PAGE_ERRNOS, FolderLock, clear_path, put, scan
 from engine.kv.fingerprint import model_fingerprint, shelf_fingerprint
-from engine.kv.page_file import SUFFIX, encode, listdir, parse, touch, unlink
+from engine.kv.page_file import SUFFIX, PageFileError, encode, page_size, parse, read_page, remove
 
 DEFAULT_BUDGET = 4 << 30  # bytes on disk: ~45 chats of 2,000 tokens of a 135M model in float32 (92 MB each)
 MAX_PENDING = 256 << 20  # bytes queued for the writer; pages past it are skipped (counted), never waited for
-STALE_TMP_S = 600  # a temporary file older than this is a torn write of a dead process
+START = "start"  # the writer's first job: under the lock, stale temporary files out, the budget kept
 # prefill rate for the note's "re-reading them would take ~N s": ~240 GFLOP/s on a 2-core CPU (engine.sequence's
 # prefill chunks), ~20 TFLOP/s on a consumer GPU
 FLOPS = {"cpu": 2.4e11}
@@ -59,12 +66,15 @@ class DiskTier:
         self._notes: list[str] = []
         self._lock = threading.Lock()  # guards _files, _bytes, _pending, counts, _notes
         self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
-        self._bytes = self._pending = 0
+        self._bytes = self._pending = self._tmp_bytes = 0  # _tmp_bytes: other writers' files in flight
         self.max_pending = MAX_PENDING
         self._shelves: dict[tuple, str] = {}
+        self._sizes: dict[tuple[str, int], int] = {}  # (shelf, name length) -> bytes of a page file
         self.writable, self._closed = True, False
+        self._lockfile = FolderLock(self.folder)
         self._queue: queue.Queue = queue.Queue()
         self._scan()
+        self._queue.put(START)
         self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -133,55 +143,102 @@ class DiskTier:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            folder, names, k, v, size, P = item
+            size = 0 if item is START else item[4]
             try:
-                for i, name in enumerate(names):
-                    if self.writable:
-                        self._write(folder, name, k[:, :, i * P:(i + 1) * P], v[:, :, i * P:(i + 1) * P])
-                self._evict()
+                if item is START:
+                    self._start()
+                else:
+                    folder, names, k, v, size, P = item
+                    for i, name in enumerate(names):
+                        if self.writable:
+                            self._write(folder, name, k[:, :, i * P:(i + 1) * P], v[:, :, i * P:(i + 1) * P])
             except Exception as e:  # noqa: BLE001 - a writer that dies would leave flush() waiting forever
                 self.writable = False
-                self.note(f"KV disk tier: writing failed ({type(e).__name__}: {e}): pages are no longer saved")
+                self.note(f"{NOTE}writing failed ({type(e).__name__}: {e}): pages are no longer saved")
             finally:
                 with self._lock:
                     self._pending -= size
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _write(self, folder: str, name: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One page file, written to a temporary name and renamed. An ``OSError`` stops all writes with a note."""
-        head, kb, vb = encode(name, os.path.basename(folder), k, v)
-        path = self._path(folder, name)
-        tmp = f"{path}.tmp{os.getpid()}"
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(kb)
-                f.write(vb)
-            os.replace(tmp, path)
-        except OSError as e:
-            unlink(tmp)
-            self.writable = False
-            self.note(f"KV disk tier: cannot write to {self.folder} ({e.strerror or e}): pages are no longer saved")
+    def _start(self) -> None:
+        """Under the lock: the folder counted again, dead writers' temporary files out, the budget kept."""
+        if not self.writable:
             return
-        n = len(head) + kb.nbytes + vb.nbytes
+        why = self._lockfile.open()
+        if why:
+            self.note(f"{NOTE}no lock on {self.folder} ({why}): the budget is kept by counting the folder "
+                      "before each write")
+        try:
+            with self._lockfile.held():
+                self._recount()
+                self._room(0)
+        except OSError as e:
+            self._stop(e)
+
+    def _write(self, folder: str, name: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One page file, made room for (LRU files out), written to a temporary name and renamed, under the lock.
+        What is in the way at the page's path skips that page, with a note; any other ``OSError`` stops all
+        writes, with a note."""
+        head, kb, vb = encode(name, os.path.basename(folder), k, v)
+        path, n = self._path(folder, name), len(head) + kb.nbytes + vb.nbytes
+        try:
+            with self._lockfile.held() as others:
+                if others:  # another process wrote or evicted since: count the folder again
+                    self._recount()
+                if path in self._files or not self._room(n):
+                    return
+                os.makedirs(folder, exist_ok=True)
+                why = clear_path(path)
+                if why:
+                    return self._skip(path, why)
+                self._lockfile.dirty = True
+                try:
+                    put(path, (head, kb, vb))
+                except OSError as e:
+                    if e.errno not in PAGE_ERRNOS:
+                        raise
+                    return self._skip(path, e.strerror or str(e))
+        except OSError as e:  # the disk full or read-only, the lock stuck: no write would succeed
+            return self._stop(e)
         with self._lock:
             self._bytes += n - self._files.pop(path, 0)
             self._files[path] = n
             self.counts["bytes_written"] += n
             self.counts["pages_written"] += 1
 
-    def _evict(self) -> None:
-        """Least recently used files out until the tier is within its budget."""
+    def _skip(self, path: str, why: str) -> None:
+        with self._lock:
+            self.counts["skipped_pages"] += 1
+        self.note(f"{NOTE}{path} is {why}, not a page file: that page is not saved (the others are)")
+
+    def _stop(self, e: OSError) -> None:
+        self.writable = False
+        self.note(f"{NOTE}cannot write to {self.folder} ({e.strerror or e}): pages are no longer saved")
+
+    def _room(self, n: int) -> bool:
+        """Least recently used files out until ``n`` more bytes fit in the budget (the lock held). False when
+        one page is larger than the whole budget."""
+        if n > self.budget:
+            with self._lock:
+                self.counts["skipped_pages"] += 1
+            return False
         while True:
             with self._lock:
-                if self._bytes <= self.budget or not self._files:
-                    return
-                path, n = self._files.popitem(last=False)
-                self._bytes -= n
+                if self._bytes + self._tmp_bytes + n <= self.budget or not self._files:
+                    return True
+                path, size = self._files.popitem(last=False)
+                self._bytes -= size
                 self.counts["evicted_files"] += 1
-            unlink(path)
+            self._lockfile.dirty = True
+            remove(path)
+
+    def _recount(self) -> None:
+        """The folder as it is now (every process's files), oldest first; stale temporary files removed."""
+        found, tmp_bytes, _ = scan(self.folder, self._lockfile.works, clear_tmp=True)
+        files = OrderedDict((path, size) for _, path, size in found)
+        with self._lock:
+            self._files, self._bytes, self._tmp_bytes = files, sum(files.values()), tmp_bytes
 
     def flush(self) -> None:
         """Wait until every queued page is written (or skipped)."""
@@ -195,6 +252,7 @@ class DiskTier:
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        self._lockfile.close()
         atexit.unregister(self.close)
 
     # -- reading (engine thread) -------------------------------------------------------------------------
@@ -238,33 +296,32 @@ class DiskTier:
         return out
 
     def _read(self, folder: str, name: bytes, arena) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One page file's K and V ``[L, H, P, D]``, or None (missing; damaged: dropped with a note)."""
-        path = self._path(folder, name)
+        """One page file's K and V ``[L, H, P, D]``, or None (missing; damaged or no file: dropped with a note)."""
+        path, shelf = self._path(folder, name), os.path.basename(folder)
+        key = (shelf, len(name))
+        if key not in self._sizes:
+            self._sizes[key] = page_size(name, shelf, arena)
         try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(buf)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            return self._drop(path, f"unreadable: {e.strerror or e}")
-        del buf[got:]  # a file shortened while it was read
-        try:
-            kv = parse(buf, name, os.path.basename(folder), arena)
-        except ValueError as e:
+            buf = read_page(path, self._sizes[key])
+            if buf is None:
+                return None
+            kv = parse(buf, name, shelf, arena)
+        except PageFileError as e:
             return self._drop(path, str(e))
-        touch(path)
         with self._lock:
-            self._bytes += got - self._files.pop(path, 0)
-            self._files[path] = got  # most recently used last
+            self._bytes += len(buf) - self._files.pop(path, 0)
+            self._files[path] = len(buf)  # most recently used last
         return kv
 
     def _drop(self, path: str, why: str) -> None:
-        unlink(path)
+        gone = remove(path)  # a link goes, not what it points to; a directory only if it is empty
         with self._lock:
             self._bytes -= self._files.pop(path, 0)
             self.counts["dropped_files"] += 1
-        self.note(f"KV disk tier: dropped a page file ({why}); its tokens are computed again")
+        if gone:
+            self.note(f"{NOTE}dropped a page file ({why}); its tokens are computed again")
+        else:
+            self.note(f"{NOTE}skipped {path} ({why}; it cannot be removed); its tokens are computed again")
         return None
 
     def _install(self, arena, read: list, names: list[bytes]) -> list[int]:
@@ -298,31 +355,19 @@ class DiskTier:
 
     # -- the folder at start -----------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Know the files already there, least recently used first; remove stale temporary files."""
+        """Know the files already there, least recently used first (a listing: the lock is the writer's, taken
+        by its first job, ``_start``)."""
         try:
             os.makedirs(self.folder, exist_ok=True)
             if not os.access(self.folder, os.W_OK):
                 raise PermissionError(13, "read-only")
         except OSError as e:
             self.writable = False
-            self.note(f"KV disk tier: cannot write to {self.folder} ({e.strerror or e}): pages are not saved")
-        found, now = [], time.time()
-        for shelf in listdir(self.folder):
-            for entry in listdir(os.path.join(self.folder, shelf)):
-                path = os.path.join(self.folder, shelf, entry)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                if entry.endswith(SUFFIX):
-                    found.append((st.st_mtime, path, st.st_size))
-                elif ".tmp" in entry and now - st.st_mtime > STALE_TMP_S:
-                    unlink(path)
-        for _, path, size in sorted(found):
+            self.note(f"{NOTE}cannot write to {self.folder} ({e.strerror or e}): pages are not saved")
+        found, self._tmp_bytes, _ = scan(self.folder, locked=False, clear_tmp=False)
+        for _, path, size in found:
             self._files[path] = size
             self._bytes += size
-        if self.writable:
-            self._evict()
 
 
 def configure(lm, folder: str | None, budget: int = DEFAULT_BUDGET) -> DiskTier | None:
@@ -347,25 +392,3 @@ def configure_flag(lm, a) -> DiskTier | None:
         raise ValueError(f"--kv-disk-budget {gib}: give more than 0 GiB")
     budget = int(gib * (1 << 30)) if gib is not None else DEFAULT_BUDGET
     return configure(lm, None if value in (None, "", "off") else value, budget)
-
-
-# /metrics rows (engine.server.metrics): name -> (Prometheus kind, help)
-METRICS = {
-    "kv_disk_hits_total": ("counter", "Prompt tokens restored from the KV disk tier"),
-    "kv_disk_misses_total": ("counter", "Prompt tokens looked up on the KV disk tier and not found there"),
-    "kv_disk_read_bytes_total": ("counter", "Bytes of pages read from the KV disk tier"),
-    "kv_disk_written_bytes_total": ("counter", "Bytes of page files written to the KV disk tier"),
-    "kv_disk_dropped_files_total": ("counter", "Damaged page files dropped (their tokens computed again)"),
-    "kv_disk_bytes": ("gauge", "Bytes of page files in the KV disk tier"),
-}
-
-
-def gauges(registry) -> dict[str, float]:
-    """``METRICS`` values of a model's arena registry's disk tier (none when it has no tier)."""
-    tier = getattr(registry, "disk", None)
-    if tier is None:
-        return {}
-    s = tier.stats()
-    return {"kv_disk_hits_total": s["hit_tokens"], "kv_disk_misses_total": s["miss_tokens"],
-            "kv_disk_read_bytes_total": s["bytes_read"], "kv_disk_written_bytes_total": s["bytes_written"],
-            "kv_disk_dropped_files_total": s["dropped_files"], "kv_disk_bytes": s["bytes_on_disk"]}
