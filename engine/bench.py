@@ -8,7 +8,6 @@ round-robin per context so the ratios are side by side.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ import torch
 
 from engine import bench_spec
 from engine.config import CacheConfig, SamplingConfig
+from engine.tools.arguments import write_json
 
 HF_MODES = {"hf-dynamic": "dynamic", "hf-no-cache": "no_cache"}
 ENGINE_MODES = ("off", "contiguous", "paged")
@@ -325,8 +325,7 @@ def run_bench(a) -> int:
     device = torch.cuda.get_device_name(0) if lm.device.type == "cuda" else lm.device.type
     out = {"model": name, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device,
            "dtype": str(lm.kv_dtype).removeprefix("torch."), "rows": rows, "step": step, **extra}
-    with open(a.json_file, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
+    write_json(a.json_file, out)  # checked before the run (engine.tools.arguments.check_output_path)
     _print_ratios(rows, log)
     return 0
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.config import CACHE_MODES, DEVICES, KV_DTYPES, OVERFLOWS, QUANTIZATIONS, CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError
+from engine.tools.arguments import check_disk_budget, check_output_path, read_messages
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -228,57 +229,6 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
     )
 
 
-# a 128k-token chat is under 1 MB of text: 16 MiB is room to spare, and /dev/zero or a log file given by
-# mistake stops there instead of reading until MemoryError (21 s and all of RAM for /dev/zero)
-MAX_MESSAGES_BYTES = 16 << 20
-
-
-def _read_messages(path: str) -> list[dict]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_MESSAGES_BYTES + 1)
-        too_big = len(raw) > MAX_MESSAGES_BYTES
-        data = None if too_big else json.loads(raw.decode("utf-8"))  # decoded whole: errors at the file's position
-    except FileNotFoundError:
-        raise ValueError(f"messages file not found: {path}") from None
-    except IsADirectoryError:
-        raise ValueError(f"messages file {path} is a directory: give a JSON file") from None
-    except OSError as e:
-        raise ValueError(f"cannot read messages file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"messages file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
-                         f"{e.start}): save it as UTF-8") from None
-    except RecursionError:  # the json module recurses once per nested [ or {
-        raise ValueError(f"messages file {path} is nested too deeply: expected a list of {{role, content}}") from None
-    except ValueError as e:
-        raise ValueError(f"messages file {path} is not valid JSON: {e}") from None
-    if too_big:
-        raise ValueError(f"messages file {path} is larger than {MAX_MESSAGES_BYTES >> 20} MiB: give a JSON list of "
-                         "{role, content}")
-    from engine.chat import validate_messages
-
-    if isinstance(data, list) and data and isinstance(data[-1], dict) and data[-1].get("role") == "assistant":
-        data = data[:-1]  # a trailing assistant message has nothing to answer
-    return validate_messages(data)
-
-
-def _check_output_path(path: str) -> None:
-    """Fail before a long run, not at its end: the ``--json`` file must be creatable or writable. Leaves
-    no file behind (a new one is created and removed; an existing one is opened to append, not changed)."""
-    if os.path.isdir(path):
-        raise ValueError(f"--json {path} is a directory: give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--json {path}: the folder {parent} does not exist")
-    existed = os.path.exists(path)
-    try:
-        open(path, "ab" if existed else "xb").close()
-    except OSError as e:
-        raise ValueError(f"--json {path}: cannot write there ({e.strerror or e})") from None
-    if not existed:
-        os.unlink(path)
-
-
 def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None = None) -> dict[str, Any]:
     st = result.stats
     snapshot = result.snapshot
@@ -314,14 +264,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ignore_eos=a.ignore_eos,
     )
     spec = _model_spec(a)
-    from engine.speculative import SpecConfig
-
-    spec_cfg = SpecConfig.parse(a.speculative, a.draft_tokens)  # a bad flag: exit 2 before the model loads
-    messages = _read_messages(a.messages) if a.messages else None
+    messages = read_messages(a.messages) if a.messages is not None else None  # before torch is imported
     if a.prompt is not None:
         from engine.chat import check_text
 
         check_text(a.prompt, "prompt")  # before the model loads
+        if not a.prompt:  # the API's 400; stories260K 'completed' its BOS alone, the demo failed after loading
+            raise ValueError("prompt: empty (nothing to complete)")
+    from engine.speculative import SpecConfig
+
+    spec_cfg = SpecConfig.parse(a.speculative, a.draft_tokens)  # a bad flag: exit 2 before the model loads
     from engine.kv.disk import configure_flag
     from engine.loader import load_model
     from engine.session import ChatSession
@@ -393,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("KVSCOPE_DEBUG") == "1"
     try:
         if a.command in ("bench", "quality"):
-            _check_output_path(a.json_file)
+            check_output_path(a.json_file)
+        check_disk_budget(getattr(a, "kv_disk_budget", None))  # generate and serve: before the model loads
         if a.command == "generate":
             return cmd_generate(a)
         if a.command == "serve":

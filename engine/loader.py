@@ -35,6 +35,7 @@ from engine.model_files import (  # noqa: F401  (check_safetensors, check_folder
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
+from engine.tools.log_once import once_per_message
 from engine.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
@@ -388,6 +389,7 @@ def _bnb_config(kind: str, compute_dtype: torch.dtype):
     finally:
         log.setLevel(level)
     if kind == "int8":
+        once_per_message("bitsandbytes.autograd._functions")  # its float16-cast warning: each matmul (175 lines)
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
 

@@ -11,15 +11,15 @@ quantization and eviction act exactly as during generation) and compared with th
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, SamplingConfig
+
+if TYPE_CHECKING:
+    import torch  # imported where used: a refused flag or --text file exits in 0.2 s, not after torch's 1.7 s
 
 DEFAULT_TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, "
@@ -59,6 +59,8 @@ class Setting:
 
 def teacher_forced(lm, setting: Setting, ids: list[int]) -> tuple[torch.Tensor, int, int]:
     """Logits [T-1, vocab] predicting ids[1:], plus the KV bytes and tokens held at the end."""
+    import torch
+
     from engine.session import ChatSession
 
     s = ChatSession(lm, setting.cache())
@@ -86,6 +88,8 @@ def greedy(lm, setting: Setting, prompt: list[int], n: int) -> list[int]:
 
 def score(lm, ids: list[int], settings: list[Setting], greedy_prompt: int = 32, greedy_tokens: int = 200,
           log=lambda *a: None) -> dict[str, Any]:
+    import torch
+
     ref_set = Setting()
     ref_logits, ref_bytes, ref_tokens = teacher_forced(lm, ref_set, ids)
     target = torch.tensor(ids[1:])
@@ -126,54 +130,63 @@ def score(lm, ids: list[int], settings: list[Setting], greedy_prompt: int = 32, 
     return out
 
 
-def default_settings(n_tokens: int, ctx: int) -> list[Setting]:
+def default_settings(n_tokens: int, ctx: int, page_size: int = 16) -> list[Setting]:
     half = max(8, n_tokens // 2)
-    return [
+    window = min(256, ctx - 8)
+    settings = [
         Setting("int8", "int8"),
         Setting("int4", "int4"),
         Setting("int8", "auto"),
         Setting("auto", "int4"),
         Setting(policy="h2o", params={"budget": half, "recent": max(4, half // 4)}),
-        Setting(policy="streaming", params={"sinks": 4, "window": min(256, ctx - 8)}),
+        Setting(policy="streaming", params={"sinks": 4, "window": window}),
         Setting(policy="priority", params={"budget": half, "recent": max(4, half // 4)}),
-        Setting("int8", "int8", policy="streaming", params={"sinks": 4, "window": min(256, ctx - 8)}),
+        Setting("int8", "int8", policy="streaming", params={"sinks": 4, "window": window}),
     ]
+    for st in settings:
+        st.page_size = page_size  # --page-size applies to every row, not only to one asked-for setting
+    return settings
+
+
+def _one_setting(a) -> Setting | None:
+    """The single setting the flags ask for (checked before the model loads), or None for the default set."""
+    if not (a.kv_dtype or a.k_dtype or a.v_dtype or a.policy != "none"):
+        return None
+    from engine.policies import policy_flags
+
+    cfg = CacheConfig.from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
+                                 page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
+                                 v_dtype=a.v_dtype or a.kv_dtype or "auto")
+    return Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)
 
 
 def run_quality(a) -> int:
+    from engine.tools.arguments import write_json
+    from engine.tools.inputs import read_text
+
+    # every flag and the text file before the model loads: --page-size 0 is generate's one-line refusal,
+    # and --text /dev/zero (read whole, it grew to 23.9 GB) or a FIFO (blocked forever) one line, exit 2
+    CacheConfig(page_size=a.page_size)
+    one = _one_setting(a)
+    text = DEFAULT_TEXT if a.text is None else read_text(a.text, "--text file", hint="give a UTF-8 text file")
+    import torch
+
     from engine.config import ModelSpec
     from engine.loader import load_model
 
     lm = load_model(ModelSpec(source=a.model, device=a.device))
     if lm.tokenizer is None:
         raise ValueError("quality needs a model with a tokenizer")
-    if a.text:
-        try:
-            with open(a.text, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"text file {a.text}: {e.strerror}") from None
-    else:
-        text = DEFAULT_TEXT
     ids = [int(t) for t in lm.tokenizer(text)["input_ids"]]
     ctx = lm.info.context_length
     if len(ids) > ctx - 1:
         ids = ids[: ctx - 1]  # the full-cache reference must fit the context
     if len(ids) < 16:
         raise ValueError(f"text too short ({len(ids)} tokens): give at least 16")
-    if a.kv_dtype or a.k_dtype or a.v_dtype or a.policy != "none":
-        from engine.policies import policy_flags
-
-        cfg = CacheConfig.from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
-                                     page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
-                                     v_dtype=a.v_dtype or a.kv_dtype or "auto")
-        settings = [Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)]
-    else:
-        settings = default_settings(len(ids), ctx)
+    settings = [one] if one is not None else default_settings(len(ids), ctx, a.page_size)
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     out = score(lm, ids, settings, log=log)
     out["model"] = a.model
-    with open(a.json_file, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
+    write_json(a.json_file, out)
     return 0

@@ -24,7 +24,8 @@ class InputError(ValueError):
     """A file argument that cannot be used: the message is one line naming the file."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for an error message ("a directory", "a pipe (FIFO)", "a device", ...)."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -36,22 +37,27 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _check_regular(mode: int, path: str, what: str, tail: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{what} {path} is {file_kind(mode)}, not a file{tail}")
+
+
 def read_input(path: str, what: str, *, limit: int = DEFAULT_LIMIT, hint: str = "") -> bytes:
     """The bytes of the regular file ``path`` (at most ``limit``); ``what`` names the argument in errors
     ("messages file", "--text file"), ``hint`` says what to give instead ("give a JSON list of {role, content}")."""
     tail = f": {hint}" if hint else ""
     try:
+        # stat before open: opening a device can act on it (a tape device rewinds, a tty becomes the
+        # controlling terminal), so only a path that is a regular file now is opened at all
+        _check_regular(os.stat(path).st_mode, path, what, tail)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise InputError(f"{what} not found: {path}") from None
-    except IsADirectoryError:
-        raise InputError(f"{what} {path} is a directory{tail or ': give a file'}") from None
     except OSError as e:
         raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{what} {path} is {_kind(st.st_mode)}, not a file{tail}")
+        _check_regular(st.st_mode, path, what, tail)  # again on what was opened: the path may have changed
         if st.st_size > limit:
             raise InputError(f"{what} {path} is larger than {_size(limit)} ({_size(st.st_size)}){tail}")
         chunks, left = [], limit + 1
@@ -92,7 +98,7 @@ def parse_json(text: str, where: str, *, hint: str = "", max_depth: int = JSON_M
     100,000-deep input raises ``RecursionError``), then ``json.loads``; errors name ``where``."""
     tail = f": {hint}" if hint else ""
     if json_depth(text) > max_depth:
-        raise InputError(f"{where} is nested more than {max_depth} deep{tail}")
+        raise InputError(f"{where} is nested too deeply (more than {max_depth} levels){tail}")
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as e:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import shutil
@@ -226,15 +225,15 @@ def test_cli_unreadable_messages_file(stories_path, tmp_path, capsys, monkeypatc
     path = tmp_path / "chat.json"
     path.write_text('[{"role": "user", "content": "hi"}]')
     path.chmod(0)
-    if os.geteuid() == 0:  # root reads anything: make open() answer as it would for anyone else
-        real_open = builtins.open
+    if os.geteuid() == 0:  # root reads anything: make os.open (engine.tools.inputs) answer as for anyone else
+        real_open = os.open
 
         def no_permission(file, *a, **kw):
             if str(file) == str(path):
                 raise PermissionError(13, "Permission denied", str(file))
             return real_open(file, *a, **kw)
 
-        monkeypatch.setattr(builtins, "open", no_permission)
+        monkeypatch.setattr(os, "open", no_permission)
     err = _cli_generate_error(stories_path, capsys, "--messages", str(path))
     assert f"cannot read messages file {path}: Permission denied" in err
 

@@ -18,10 +18,10 @@ import zipfile
 import pytest
 
 from engine import errors
-from engine.cli import MAX_MESSAGES_BYTES
 from engine.cli import main as cli_main
 from engine.config import ModelSpec
 from engine.loader import load_model
+from engine.tools.inputs import DEFAULT_LIMIT as MAX_MESSAGES_BYTES
 
 
 def _copy(stories_path, dst, **config):
@@ -88,13 +88,13 @@ def test_garbage_pickle_weights_are_one_line(tmp_path, stories_path, capsys, cas
     assert err.startswith(f"error: pytorch_model.bin {words}"), err
 
 
-def test_messages_from_an_endless_file_stop_at_the_limit(stories_path):
-    """``/dev/zero`` never ends: the read stops after MAX_MESSAGES_BYTES + 1 bytes, before the model loads."""
+def test_messages_from_an_endless_file_are_refused_unread(stories_path):
+    """``/dev/zero`` never ends: it is a device, refused before a byte is read and before the model loads
+    (engine.tools.inputs; tests/engine/test_cli_inputs.py has the other kinds of file)."""
     p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(stories_path), "--messages",
                         "/dev/zero"], capture_output=True, text=True, timeout=600)  # a hang guard only
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr == f"error: messages file /dev/zero is larger than {MAX_MESSAGES_BYTES >> 20} MiB: give a JSON " \
-                       "list of {role, content}\n"
+    assert p.stderr == "error: messages file /dev/zero is a device, not a file: give a JSON list of {role, content}\n"
 
 
 def test_messages_file_at_the_limit_is_still_read(tmp_path, capsys, stories_path):
