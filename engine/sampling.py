@@ -64,17 +64,10 @@ class Sampler:
             logits = apply_openai_penalties(logits, self.counts, cfg.presence_penalty, cfg.frequency_penalty)
         return logits
 
-    def distribution(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The probabilities a sampled token is drawn from ([vocab]); speculative decoding's target."""
-        return sampling_probs(self.processed(logits, context_ids), self.cfg)
-
     def draw(self, probs: torch.Tensor) -> int:
-        """One token from ``probs`` [vocab] with this reply's generator."""
+        """One token from ``probs`` [vocab] with this reply's generator. Only ``__call__`` draws, once per token of
+        the reply (speculative verification too): the n-th token is the n-th draw, so a seed gives one reply."""
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
-
-    def uniform(self) -> float:
-        """A draw from U[0, 1) with this reply's generator (speculative acceptance)."""
-        return float(torch.rand((), generator=self.generator))
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -7,10 +7,17 @@ keeps the drafts the model would have chosen itself and adds the model's own nex
 
 - Greedy: a draft stays while it is the argmax of the model's (penalised) logits at its position — the tokens
   are exactly those of decoding without speculation.
-- Sampling: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): a draft ``d``
-  drawn with probability ``q(d)`` stays with probability min(1, p(d) / q(d)), else the token comes from the
-  normalised residual max(0, p - q). Both drafters here draft deterministically (q is a point mass), so a draft
-  stays with probability p(d) and the residual is p without d: the output distribution is p's.
+- Sampling: the model's token at each position is drawn as plain decoding draws it (the reply's generator, one
+  draw per token it yields, in order), and a draft stays while it is that token. Both drafters here draft
+  deterministically (q a point mass at d), and for such a q this is speculative rejection sampling (Leviathan et
+  al. 2023, Chen et al. 2023) with the uniforms coupled to the draws: d stays with probability p(d) =
+  min(1, p(d) / q(d)), and otherwise the token is p's draw given it is not d, i.e. the normalised residual
+  max(0, p - q). The output distribution is p's, and a seed gives the tokens decoding without speculation
+  gives, whatever was drafted, kept, or timed. A uniform per draft, then a draw from the residual, made the
+  number of draws depend on k and on auto-off (wall-clock timing): the same seeded request to ``serve
+  --speculative ngram`` gave its first text again 1 to 5 times in 5, depending on the seed. (Same draws, same
+  tokens, as far as the logits agree: a (k+1)-token forward may round differently from a one-token one; in
+  float32 on stories260K every seeded test reply matches plain decoding token for token.)
 
 Drafters: ``NgramDrafter`` (prompt lookup: the chat's last n-gram found earlier in the chat; no second
 model) and ``engine.spec_draft.ModelDrafter`` (a smaller model with the same tokenizer, on its own cache).
@@ -103,37 +110,17 @@ class NgramDrafter:
 def verify(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int], context: Sequence[int]) -> list[int]:
     """The tokens one verification yields: the drafts that stay, then one of the model's (a correction, or the
     bonus token after the last draft). ``logits`` [k+1, vocab]: row i predicts the token after ``drafts[:i]``;
-    ``context``: the chat's ids before the first draft (for the penalties)."""
+    ``context``: the chat's ids before the first draft (for the penalties). Each token is ``sampler``'s own
+    choice at its position (greedy: the argmax; sampling: one draw from p), so the tokens — and the generator's
+    state after them — are plain decoding's; a draft stays while it is that choice (see the module doc)."""
     needs_ctx = sampler.cfg.repetition_penalty != 1.0
     out: list[int] = []
     for i in range(len(drafts) + 1):
         ctx = torch.tensor(list(context) + out, dtype=torch.long) if needs_ctx else None
-        if sampler.cfg.greedy:
-            token = sampler(logits[i], ctx)
-            out.append(token)
-            if i == len(drafts) or token != drafts[i]:
-                return out
-            continue
-        p = sampler.distribution(logits[i], ctx)  # [vocab]
-        if i == len(drafts):
-            return out + [_counted(sampler, sampler.draw(p))]
-        d = drafts[i]
-        if sampler.uniform() < float(p[d]):  # q(d) = 1: accept with p(d)
-            out.append(_counted(sampler, d))
-            continue
-        residual = p.clone()
-        residual[d] = 0.0  # max(0, p - q) with q a point mass at d
-        total = float(residual.sum())
-        return out + [_counted(sampler, sampler.draw(residual / total) if total > 0 else d)]
+        out.append(sampler(logits[i], ctx))  # counts it too (presence / frequency penalties of the next ones)
+        if i == len(drafts) or out[-1] != drafts[i]:
+            break
     return out
-
-
-def _counted(sampler: Sampler, token: int) -> int:
-    """A sampled token counted as the sampler counts its own (presence / frequency penalties of later ones)."""
-    counts = getattr(sampler, "counts", None)
-    if counts is not None:
-        counts[token] = counts.get(token, 0) + 1
-    return token
 
 
 @dataclass

@@ -1,15 +1,20 @@
-"""``serve --speculative``: every conversation speculates, replies are the same tokens, usage is unaffected, and
-``/metrics`` counts drafts as vLLM names them (a real server on 127.0.0.1, a real HTTP client, stories260K)."""
+"""``serve --speculative``: every conversation speculates, replies are the same tokens (greedy: HF's; seeded
+sampling: decoding without speculation's, every time), usage is unaffected, and ``/metrics`` counts drafts as vLLM
+names them (a real server on 127.0.0.1, a real HTTP client, stories260K)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import httpx
 import pytest
 import torch
 
-from engine.config import CacheConfig, SpecConfig
+from engine.config import CacheConfig, SamplingConfig, SpecConfig
 from engine.server import KVServer, ServerOptions, ServerThread
 from engine.server.metrics import parse as parse_metrics
+from engine.session import ChatSession
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time, "
          "there was a little girl named Lily.")
@@ -45,6 +50,50 @@ def test_speculative_replies_are_hf_greedy_and_counted(spec_server, stories):
     assert 0 < accepted <= drafts and metrics["kvscope_spec_decode_num_drafts_total"] >= 1
     by_pos = [v for k, v in metrics.items() if k.startswith("kvscope_spec_decode_num_accepted_tokens_per_pos_total")]
     assert sum(by_pos) == accepted and by_pos[0] > 0
+
+
+def test_a_seeded_request_repeated_gives_the_same_text(spec_server, stories):
+    """The same seeded request 5 times, then once more beside another (greedy, longer) request: 6 identical
+    texts, each the text decoding without speculation samples with that seed. The server keeps the finished
+    conversation and the next request takes it over, with the k its drafts had adapted to by then."""
+    server, url = spec_server
+    body = {"model": server.model_id, "prompt": STORY, "max_tokens": 64, "temperature": 0.8, "seed": 11}
+    other = {"model": server.model_id, "prompt": "Lily and Tom went to the park.", "max_tokens": 300,
+             "temperature": 0}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        texts = [c.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(5)]
+        seeded, beside = _together(server, url, body, other)
+        drafted = parse_metrics(c.get("/metrics").text)["kvscope_spec_decode_num_draft_tokens_total"]
+    s = ChatSession(stories, CacheConfig())
+    s.start_completion(STORY, SamplingConfig(temperature=0.8, seed=11, max_new_tokens=64))
+    while not s.step().done:
+        pass
+    plain = stories.tokenizer.decode(s.generated_ids, skip_special_tokens=True)
+    assert drafted > 0 and len(s.generated_ids) > 32
+    # admitted in one round, the two step in the same rounds: the longer one ran through all of the seeded one
+    assert beside["usage"]["completion_tokens"] > seeded["usage"]["completion_tokens"]
+    assert texts + [seeded["choices"][0]["text"]] == [plain] * 6
+
+
+def _together(server, url: str, *bodies: dict) -> list[dict]:
+    """The replies to ``bodies``, all queued while the engine thread waits, so one round admits them all."""
+    gate = threading.Event()
+    server.scheduler.call(lambda: gate.wait(60))  # the engine thread waits here until both are queued
+    out: list = [None] * len(bodies)
+
+    def post(i: int) -> None:
+        out[i] = httpx.post(url + "/v1/completions", json=bodies[i], timeout=120).json()
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60  # a bound on a hang, not a measurement
+    while len(server.scheduler._waiting) < len(bodies) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join()
+    return out
 
 
 def test_serve_refuses_a_bad_speculative_flag(stories_path, capsys):

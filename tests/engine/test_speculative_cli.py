@@ -31,6 +31,16 @@ def test_generate_speculative_gives_the_same_tokens_and_counts_them(stories_path
     assert spec["accepted_draft_tokens"] == spec["draft_tokens"]  # the model drafting for itself: all kept
 
 
+def test_generate_seeded_sampling_with_speculation_repeats_and_is_the_plain_reply(stories_path, capsys):
+    """``--speculative ngram --temperature 0.8 --seed 11`` twice (auto-off on, as the CLI has it: whether
+    speculation goes on is measured on the clock), and once without speculation: the same 60 tokens."""
+    seeded = ["--temperature", "0.8", "--seed", "11"]
+    plain = _generate(stories_path, capsys, *seeded)
+    runs = [_generate(stories_path, capsys, *seeded, "--speculative", "ngram") for _ in range(2)]
+    assert runs[0]["draft_tokens"] > 0  # speculation ran in the first reply (a new model: no verdict yet)
+    assert [r["token_ids"] for r in runs] == [plain["token_ids"]] * 2
+
+
 @pytest.mark.parametrize("value,error", [("beam", "is not one of off, ngram, draft"), ("draft:", "needs its path"),
                                          ("draft:demo", "tokenizer differs")])
 def test_generate_refuses_a_bad_speculative_flag(stories_path, capsys, value, error):
