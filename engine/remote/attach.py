@@ -6,15 +6,18 @@ KV event subscriber per engine (data-parallel rank) and the view they feed. Qt-f
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
-from pathlib import Path
 
 from engine.remote.client import RemoteClient, RemoteError, Reply
-from engine.remote.subscriber import EventSubscriber
-from engine.remote.view import RemoteView, view_note
+from engine.remote.subscriber import EndpointRefused, EventSubscriber
+from engine.remote.view import RemoteView, malformed_text, view_note
+from engine.tools.inputs import read_json
 
 JOIN_S = 0.3  # a ZMQ subscriber misses what is published before its connection is up ("slow joiner")
+WATCH_MAX_S = 7 * 86400.0  # --watch and --events-timeout: a week at most (inf would sleep forever)
+MAX_NEW_TOKENS = 1 << 20
 
 
 class RemoteEngine:
@@ -28,16 +31,27 @@ class RemoteEngine:
         if not self.models:
             raise RemoteError(f"{self.client.url} serves no model (GET /v1/models is empty)")
         self.metrics = self.client.metrics()
-        self.view = RemoteView(self.metrics.block_size, self.metrics.num_blocks)
+        try:
+            self.view = RemoteView(self.metrics.block_size, self.metrics.num_blocks, self.metrics.engines)
+        except ValueError as e:  # a pool no server has: refused, with the number
+            raise RemoteError(f"{self.client.url}: {e}") from None
         sources = {r: c for r, c in self.client.event_sources().items() if c.get("enable_kv_cache_events", True)}
         if events:
             base = sources.get(0, {})
             sources = {0: {**base, "endpoint": events, "topic": topic if topic is not None else base.get("topic", "")}}
         self.subscribers: list[EventSubscriber] = []
+        refused = ""
         try:
             for rank, cfg in sorted(sources.items()):
-                sub = EventSubscriber(self.view, cfg.get("endpoint") or "tcp://*:5557", self.client.url,
-                                      cfg.get("topic") or "", cfg.get("replay_endpoint"), rank)
+                try:
+                    sub = EventSubscriber(self.view, cfg.get("endpoint") or "tcp://*:5557", self.client.url,
+                                          cfg.get("topic") or "", cfg.get("replay_endpoint"), rank,
+                                          given=bool(events), engines=len(sources))
+                except EndpointRefused as e:
+                    if events:
+                        raise
+                    refused = refused or str(e)  # the server's say-so: the chat works, the page map stays empty
+                    continue
                 sub.start()
                 self.subscribers.append(sub)
         except ValueError as e:
@@ -45,7 +59,7 @@ class RemoteEngine:
             raise RemoteError(str(e)) from None
         if self.subscribers:
             time.sleep(JOIN_S)
-        self.note = "" if self.subscribers else (
+        self.note = refused if refused and not self.subscribers else "" if self.subscribers else (
             "this server publishes no KV events (start vLLM with --kv-events-config and --enable-prefix-caching, "
             "or give the events endpoint): the page map stays empty; occupancy and hit rate come from /metrics")
 
@@ -55,8 +69,12 @@ class RemoteEngine:
 
     def refresh(self) -> None:
         """Read ``/metrics`` again (occupancy, hit counters, the pool's size)."""
-        self.metrics = self.client.metrics()
-        self.view.set_shape(self.metrics.block_size, self.metrics.num_blocks)
+        metrics = self.client.metrics()
+        try:
+            self.view.set_shape(metrics.block_size, metrics.num_blocks, metrics.engines)
+        except ValueError as e:
+            raise RemoteError(f"{self.client.url}: {e}") from None
+        self.metrics = metrics
 
     def chat(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
              on_delta=None, cancel=None, reply: Reply | None = None, model: str | None = None) -> Reply:
@@ -71,13 +89,13 @@ class RemoteEngine:
                 "eviction": "least recently used free blocks (the server's own policy)"}
 
     def wait_events(self, timeout: float) -> bool:
-        """True once any KV event batch has arrived (False after ``timeout`` s)."""
+        """True once any KV event batch has arrived, well-formed or not (False after ``timeout`` s)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.view.batches:
+            if self.view.batches or self.view.malformed:
                 return True
             time.sleep(0.05)
-        return bool(self.view.batches)
+        return bool(self.view.batches or self.view.malformed)
 
     def close(self) -> None:
         for sub in self.subscribers:
@@ -87,26 +105,37 @@ class RemoteEngine:
 
 def _messages(a) -> list[dict]:
     if a.messages:
-        try:
-            msgs = json.loads(Path(a.messages).read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--messages {a.messages}: {e}") from None
+        hint = "give a JSON list of {role, content}"
+        msgs = read_json(a.messages, "messages file", hint=hint)
         if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-            raise ValueError(f"--messages {a.messages}: expected a JSON list of {{role, content}}")
+            raise ValueError(f"messages file {a.messages}: {hint}")
         return msgs
     return [{"role": "user", "content": a.prompt}]
 
 
+def _check_numbers(a) -> None:
+    """One line for a number attach cannot use (``--watch inf`` would sleep forever, ``nan`` not at all)."""
+    for flag, value in (("--watch", a.watch), ("--events-timeout", a.events_timeout)):
+        if not (math.isfinite(value) and 0 <= value <= WATCH_MAX_S):
+            raise ValueError(f"{flag} {value}: give seconds from 0 to {WATCH_MAX_S:.0f} (a week)")
+    if not 1 <= a.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens}: give 1 to {MAX_NEW_TOKENS:,}")
+
+
 def run_attach(a) -> int:
     """``python -m engine attach``: chat once (or only watch) and print what the view saw as JSON."""
+    _check_numbers(a)
+    messages = _messages(a) if a.prompt is not None or a.messages else None  # a bad file fails before the network
     eng = RemoteEngine(a.url, a.api_key, a.events)
     model = getattr(a, "model", None) or eng.model
     try:
         if model not in eng.models:
-            raise RemoteError(f"{eng.client.url} does not serve {model!r}; it serves: {', '.join(eng.models)}")
+            more = f" and {len(eng.models) - 10:,} more" if len(eng.models) > 10 else ""
+            listed = ", ".join(eng.models[:10]) + more
+            raise RemoteError(f"{eng.client.url} does not serve {model!r}; it serves: {listed}")
         reply = None
-        if a.prompt is not None or a.messages:
-            reply = eng.chat(_messages(a), a.max_new_tokens, model=model)
+        if messages is not None:
+            reply = eng.chat(messages, a.max_new_tokens, model=model)
             if reply.error:
                 raise RemoteError(reply.error)
         if a.watch:
@@ -116,6 +145,9 @@ def run_attach(a) -> int:
                               "though the reply filled new blocks: is --kv-events-config on, and the endpoint "
                               "reachable from here?")
         time.sleep(0.2)  # the last step's batch
+        if eng.subscribers and not eng.view.batches and eng.view.malformed and _computed_a_block(reply, eng):
+            raise RemoteError(f"every KV event from {eng.subscribers[0].endpoint} was malformed: "
+                              f"{malformed_text(eng.view.malformed, eng.view.problem)}")
         eng.refresh()
         out = report(eng, reply, model)
     finally:
@@ -147,7 +179,7 @@ def report(eng: RemoteEngine, reply: Reply | None, model: str | None = None) -> 
         "events": {"stored": sum(s.stored for s in snaps), "removed": sum(s.removed for s in snaps),
                    "cleared": sum(s.cleared for s in snaps), "gaps": sum(s.gaps for s in snaps),
                    "resyncs": sum(s.resyncs for s in snaps), "batches": eng.view.batches,
-                   "dropped": sum(s.dropped for s in eng.subscribers),
+                   "dropped": sum(s.dropped for s in eng.subscribers), "malformed": eng.view.malformed,
                    "latency_ms_p50": round(lat[len(lat) // 2] * 1e3, 2) if lat else None},
         "engines": len(snaps), "cached_blocks": sum(s.cached_blocks for s in snaps),
         "chat_blocks": sum(s.chat_blocks for s in snaps), "chat_tokens": len(ids),
@@ -155,20 +187,22 @@ def report(eng: RemoteEngine, reply: Reply | None, model: str | None = None) -> 
         "preemptions": m.preemptions,
         "ttft_ms": round(reply.ttft_s * 1e3, 2) if reply and reply.ttft_s is not None else None,
         "decode_tokens_per_s": round(reply.decode_tokens_per_s, 2) if reply else None,
-        "note": eng.note or view_note(snaps) or (None if eng.view.batches or not eng.subscribers else
-                                                 "no KV events arrived (an idle server publishes none)"),
+        "note": eng.note or view_note(snaps, eng.view.malformed, eng.view.problem) or (
+            None if eng.view.batches or not eng.subscribers else
+            "no KV events arrived (an idle server publishes none)"),
     }
 
 
 def _human(out: dict) -> str:
     lines = []
-    if out["text"] is not None:
-        lines.append(out["text"])
+    if out["text"] is not None:  # the model's text as it came, but no terminal escapes (a server chose it)
+        lines.append("".join(c if c.isprintable() or c in "\n\t" else "?" for c in out["text"]))
     e = out["events"]
     lines.append(f"{out['model']} at {out['url']}: blocks of {out['block_size']} tokens, {out['num_blocks']} in the "
                  f"pool; {out['cached_blocks']} cached ({out['chat_blocks']} this chat's); events: {e['stored']} "
-                 f"stored, {e['removed']} removed, {e['gaps']} missed; prefix cache {out['prefix_cache']['hits']:.0f}"
-                 f" of {out['prefix_cache']['queries']:.0f} tokens hit; KV usage {out['kv_usage']:.1%}")
+                 f"stored, {e['removed']} removed, {e['gaps']} missed, {e['malformed']} malformed; prefix cache "
+                 f"{out['prefix_cache']['hits']:.0f} of {out['prefix_cache']['queries']:.0f} tokens hit; KV usage "
+                 f"{out['kv_usage']:.1%}")
     if out["note"]:
         lines.append(f"note: {out['note']}")
     return "\n".join(lines)

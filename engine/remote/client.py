@@ -1,6 +1,10 @@
 """An OpenAI-compatible server over HTTP, as KV Scope's remote view needs it: models, KV event sources, Prometheus
 metrics and streamed chat replies with their token ids. Standard library only (``http.client``), so the frozen
 app needs no HTTP package; every failure is a ``RemoteError`` with one line a user can act on.
+
+The server is not trusted: each request has a deadline over all of it (``engine.remote.guard.Watchdog``), each
+answer a size cap, each streamed reply the bounds of ``engine.remote.sse``, and every field read is checked for
+its type; what the server says is printed only as safe text.
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from engine.errors import EngineError
+from engine.remote import sse
+from engine.remote.guard import (ERROR_BODY_BYTES, METRICS_MAX_BYTES, MODELS_MAX_BYTES, SOURCES_MAX_BYTES, TooLarge,
+                                 Watchdog, printable, read_capped, size_words)
+from engine.remote.metrics import Metrics, metrics_of, parse_prometheus  # noqa: F401 - their home before
+from engine.remote.wire import MAX_RANKS
+
+CHAT_FIRST_BYTE_S = 120.0  # a reply's headers and first token may wait on a long prefill or a queue
+MAX_MODELS = 10_000
+MAX_ID = 512  # a model id (a path or a hub name with a LoRA suffix is under 200)
 
 
 class RemoteError(EngineError):
@@ -35,8 +48,9 @@ class Reply:
 
     @property
     def cached_tokens(self) -> int:
-        details = self.usage.get("prompt_tokens_details") or {}
-        return int(details.get("cached_tokens") or 0)
+        details = self.usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return cached if type(cached) is int and cached >= 0 else 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -45,79 +59,33 @@ class Reply:
         return n / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
 
 
-@dataclass(frozen=True)
-class Metrics:
-    """The ``vllm:`` facts of ``/metrics`` a cache view uses (0 where the server does not say)."""
-    kv_usage: float = 0.0
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
-    preemptions: float = 0.0
-    block_size: int = 0
-    num_blocks: int = 0
-    cache_info: dict = field(default_factory=dict)  # every label of ``vllm:cache_config_info``
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    """(name, labels, value) of each sample line of a Prometheus text page."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, rest = head.partition("{")
-        labels = {}
-        for part in rest.rstrip("}").split('",'):
-            k, eq, v = part.partition('="')
-            if eq:
-                labels[k.strip(",")] = v.rstrip('"')
-        try:
-            out.append((name, labels, float(value)))
-        except ValueError:
-            continue
-    return out
-
-
-def metrics_of(text: str) -> Metrics:
-    """The cache facts of a ``/metrics`` page; several engines (data-parallel ranks): usage averaged, counters
-    summed, blocks summed."""
-    sums: dict[str, list[float]] = {}
-    info: dict = {}
-    blocks = 0
-    for name, labels, value in parse_prometheus(text):
-        sums.setdefault(name, []).append(value)
-        if name == "vllm:cache_config_info":
-            info = labels
-            blocks += int(labels.get("num_gpu_blocks") or 0) if labels.get("num_gpu_blocks", "None") != "None" else 0
-
-    def total(n: str) -> float:
-        return sum(sums.get(n, [0.0]))
-
-    usage = sums.get("vllm:kv_cache_usage_perc") or sums.get("vllm:gpu_cache_usage_perc") or [0.0]
-    bs = info.get("block_size", "0")
-    return Metrics(sum(usage) / len(usage), total("vllm:prefix_cache_queries_total"),
-                   total("vllm:prefix_cache_hits_total"), total("vllm:num_preemptions_total"),
-                   int(bs) if bs.isdigit() else 0, blocks, info)
-
-
 class RemoteClient:
-    """One server at ``url`` (``http://host:port``, with or without ``/v1``)."""
+    """One server at ``url`` (``http://host:port``, with or without ``/v1``). ``timeout``: seconds for a whole
+    GET (connect, headers and body) and for each read of a streamed reply."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0) -> None:
         u = urlsplit(url.strip())
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise RemoteError(f"{url!r} is not a server address: give http://HOST:PORT (or https://)")
+        try:
+            port = u.port
+        except ValueError:
+            port = -1
+        if u.scheme not in ("http", "https") or not u.hostname or port == -1:
+            raise RemoteError(f"{printable(url)!r} is not a server address: give http://HOST:PORT (or https://)")
         self.scheme, self.host = u.scheme, u.hostname
-        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.port = port or (443 if u.scheme == "https" else 80)
         path = u.path.rstrip("/")
         self.prefix = path[:-3] if path.endswith("/v1") else path
         self.url = f"{u.scheme}://{u.netloc}{self.prefix}"
+        if api_key and not (api_key.isprintable() and api_key.isascii() and not any(c.isspace() for c in api_key)):
+            raise RemoteError("the API key has characters an HTTP header cannot carry: give it as printable ASCII "
+                              "without spaces")
         self.api_key, self.timeout = api_key or None, timeout
 
-    def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        t = self.timeout if timeout is None else timeout
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
         if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, self.port, timeout=t, context=ssl.create_default_context())
-        return http.client.HTTPConnection(self.host, self.port, timeout=t)
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def _headers(self, body: bool = False) -> dict:
         h = {"Accept": "application/json"}
@@ -127,65 +95,125 @@ class RemoteClient:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def _open(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
-        conn = self._conn(timeout)
+    def _open(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+              total: float | None = None, cancel: threading.Event | None = None):
+        """(connection, response, watchdog) once the headers came; ``timeout`` bounds each read, ``total`` the
+        request until now (the watchdog stays armed for the caller, who closes it)."""
+        t = self.timeout if timeout is None else timeout
+        total = t if total is None else total
+        conn = self._conn(t)
+        wd = Watchdog(conn, time.monotonic() + total, f"{self.url} did not answer {method} {path} within "
+                                                      f"{total:g} s", cancel)
         try:
             conn.request(method, self.prefix + path, json.dumps(body) if body is not None else None,
                          self._headers(body is not None))
-            sock = conn.sock  # a response that closes the connection takes it over, and ``conn.sock`` goes None
+            sock = wd.sock = conn.sock  # a response that closes the connection takes it over: ``conn.sock`` goes None
             resp = conn.getresponse()
             resp.stream_socket = sock
-        except ConnectionRefusedError:
+        except BaseException as e:
+            wd.close()
             conn.close()
-            raise RemoteError(f"{self.url} refused the connection: is the server running on that port?") from None
-        except (ConnectionResetError, ConnectionAbortedError, http.client.RemoteDisconnected):
-            conn.close()
-            raise RemoteError(f"{self.url} closed the connection: the server went away or is restarting") from None
-        except socket.gaierror:
-            conn.close()
-            raise RemoteError(f"{self.host}: no such host") from None
-        except (socket.timeout, TimeoutError):
-            conn.close()
-            raise RemoteError(f"{self.url} did not answer within {self.timeout:g} s") from None
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise RemoteError(f"{self.url}: {e.strerror or e}" if isinstance(e, OSError) else f"{self.url}: {e}") \
-                from None
+            if isinstance(e, Exception) and wd.fired:
+                raise RemoteError(wd.fired) from None
+            raise self._failure(e) from None
         if resp.status == 401:
+            wd.close()
             conn.close()
             raise RemoteError(f"{self.url} refused the API key (401): give the key the server was started with")
-        return conn, resp
+        return conn, resp, wd
 
-    def get(self, path: str) -> tuple[int, bytes]:
-        conn, resp = self._open("GET", path)
+    def _failure(self, e: BaseException) -> BaseException:
+        """The one line for a request that failed before its headers came (``e`` itself if not the network's)."""
+        if isinstance(e, ConnectionRefusedError):
+            return RemoteError(f"{self.url} refused the connection: is the server running on that port?")
+        if isinstance(e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
+                          http.client.RemoteDisconnected)):
+            return RemoteError(f"{self.url} closed the connection: the server went away or is restarting")
+        if isinstance(e, socket.gaierror):
+            return RemoteError(f"{self.host}: no such host")
+        if isinstance(e, (socket.timeout, TimeoutError)):
+            return RemoteError(f"{self.url} did not answer within {self.timeout:g} s")
+        if isinstance(e, OSError):
+            return RemoteError(f"{self.url}: {e.strerror or e}")
+        if isinstance(e, http.client.HTTPException):  # a status line or headers that are not HTTP, or too many
+            return RemoteError(f"{self.url} did not answer in HTTP ({type(e).__name__}: {printable(e, 80)})")
+        return e
+
+    def get(self, path: str, limit: int = MODELS_MAX_BYTES) -> tuple[int, bytes]:
+        """(status, body) of ``GET path``: all of it within ``timeout`` seconds and ``limit`` bytes."""
+        conn, resp, wd = self._open("GET", path)
         try:
-            return resp.status, resp.read()
+            raw = read_capped(resp, limit)
+            if wd.fired:
+                raise RemoteError(wd.fired)
+            return resp.status, raw
+        except TooLarge as e:
+            size = f" ({size_words(e.args[0])} declared)" if e.args[0] else ""
+            raise RemoteError(f"{self.url}: GET {path} answered more than {size_words(limit)}{size}, more than any "
+                              "server's: refused") from None
+        except (socket.timeout, TimeoutError):
+            raise RemoteError(wd.fired or f"{self.url}: GET {path} stalled (nothing for {self.timeout:g} s)") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise RemoteError(wd.fired or f"{self.url}: GET {path} was cut off ({type(e).__name__})") from None
         finally:
+            wd.close()
             conn.close()
+
+    def _json(self, path: str, limit: int) -> tuple[int, object]:
+        status, raw = self.get(path, limit)
+        try:
+            return status, json.loads(raw)
+        except (ValueError, RecursionError):
+            return status, None
 
     def models(self) -> list[str]:
         """The served model ids; ``RemoteError`` when the server does not answer like the OpenAI API."""
-        status, raw = self.get("/v1/models")
-        try:
-            data = json.loads(raw)["data"]
-            return [m["id"] for m in data]
-        except (ValueError, KeyError, TypeError):
+        status, data = self._json("/v1/models", MODELS_MAX_BYTES)
+        data = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
             raise RemoteError(f"{self.url} is not an OpenAI-compatible server (GET /v1/models answered {status} "
-                              f"without a model list)") from None
+                              f"without a model list)")
+        ids = [m.get("id") for m in data[:MAX_MODELS + 1]]
+        if len(ids) > MAX_MODELS or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID and i.isprintable()
+                                            for i in ids):
+            raise RemoteError(f"{self.url}: GET /v1/models lists {'more than ' if len(ids) > MAX_MODELS else ''}"
+                              f"{min(len(ids), MAX_MODELS):,} models, not all of them names (printable text of at "
+                              f"most {MAX_ID} characters)")
+        return ids
 
     def event_sources(self) -> dict[int, dict]:
-        """Each engine's KV events config by data-parallel rank (``{}``: events off, or the server lacks it)."""
-        status, raw = self.get("/kv_event_sources")
-        if status != 200:
+        """Each engine's KV events config by data-parallel rank (``{}``: events off, or the server lacks it);
+        ``RemoteError`` for one that names ranks or fields no server sends."""
+        status, data = self._json("/kv_event_sources", SOURCES_MAX_BYTES)
+        if status != 200 or not isinstance(data, dict):
             return {}
-        try:
-            data = json.loads(raw)
-            return {int(k): v for k, v in data.items() if isinstance(v, dict)}
-        except (ValueError, AttributeError):
-            return {}
+        if len(data) > MAX_RANKS:
+            raise RemoteError(f"{self.url} advertises {len(data):,} KV event sources (data-parallel ranks): more "
+                              f"than the {MAX_RANKS} a remote view follows")
+        out = {}
+        for key, cfg in data.items():
+            if not (key.isascii() and key.isdigit() and int(key) < MAX_RANKS):
+                raise RemoteError(f"{self.url}: /kv_event_sources names rank {printable(key, 40)!r}: ranks are 0 to "
+                                  f"{MAX_RANKS - 1}")
+            if isinstance(cfg, dict):
+                out[int(key)] = self._source(int(key), cfg)
+        return out
+
+    def _source(self, rank: int, cfg: dict) -> dict:
+        on = cfg.get("enable_kv_cache_events", True)
+        if not isinstance(on, bool):
+            raise RemoteError(f"{self.url}: /kv_event_sources rank {rank}: enable_kv_cache_events is not true/false")
+        out = {"enable_kv_cache_events": on}
+        for name in ("endpoint", "replay_endpoint", "topic"):
+            value = cfg.get(name)
+            if value is not None and not (isinstance(value, str) and len(value) <= 256 and value.isprintable()):
+                raise RemoteError(f"{self.url}: /kv_event_sources rank {rank}: {name} {printable(repr(value), 40)} "
+                                  "is not an address or topic (printable text of at most 256 characters)")
+            out[name] = value
+        return out
 
     def metrics(self) -> Metrics:
-        status, raw = self.get("/metrics")
+        status, raw = self.get("/metrics", METRICS_MAX_BYTES)
         return metrics_of(raw.decode("utf-8", "replace")) if status == 200 else Metrics()
 
     def chat(self, model: str, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
@@ -197,24 +225,25 @@ class RemoteClient:
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
+        idle = max(self.timeout, CHAT_FIRST_BYTE_S)
+        caps = sse.StreamCaps.of(max_tokens, idle)
         sent = time.monotonic()
-        conn, resp = self._open("POST", "/v1/chat/completions", body, timeout=max(self.timeout, 120.0))
-        if resp.status != 200:
-            raw = resp.read()
-            conn.close()
-            raise RemoteError(f"the server refused the request ({resp.status}): {_message(raw)}")
+        conn, resp, wd = self._open("POST", "/v1/chat/completions", body, timeout=idle, total=idle, cancel=cancel)
         reply = reply if reply is not None else Reply()
-        done = threading.Event()
-        if cancel is not None:  # Stop ends a read that waits on the server (a long prefill, a queue), not only
-            threading.Thread(target=_hang_up_on, args=(resp.stream_socket, cancel, done), daemon=True,  # the next chunk
-                             name="kvscope-remote-stop").start()
         try:
-            self._read_stream(resp, reply, sent, on_delta, cancel)
+            if resp.status != 200:
+                raise RemoteError(f"the server refused the request ({resp.status}): {self._error_body(resp)}")
+            done = sse.read_stream(resp, reply, sent, on_delta, cancel, wd, caps, idle, self.url)
+            if wd.fired and not done:
+                reply.error = f"{wd.fired}; the text so far is kept"
+        except sse.StreamError as e:
+            reply.error = f"{e}; the text so far is kept"
         except (OSError, http.client.HTTPException) as e:
             if not (cancel is not None and cancel.is_set()):  # else: the read ended because Stop hung up
-                reply.error = f"the server went away mid-reply ({e or type(e).__name__}); the text so far is kept"
+                reply.error = wd.fired or f"the server went away mid-reply ({e or type(e).__name__})"
+                reply.error += "; the text so far is kept"
         finally:
-            done.set()
+            wd.close()
             conn.close()
         if cancel is not None and cancel.is_set() and reply.error is None and reply.finish_reason is None:
             reply.finish_reason = "cancelled"
@@ -223,60 +252,12 @@ class RemoteClient:
         return reply
 
     @staticmethod
-    def _read_stream(resp, reply: Reply, sent: float, on_delta, cancel) -> None:
-        for raw in resp:
-            if cancel is not None and cancel.is_set():
-                reply.finish_reason = "cancelled"
-                return
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                reply.error = f"the server ended the reply: {_message(data.encode())}"
-                return
-            reply.prompt_ids = chunk.get("prompt_token_ids") or reply.prompt_ids
-            if chunk.get("usage"):
-                reply.usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") or ""
-                ids = choice.get("token_ids") or []
-                reply.token_ids += ids
-                if text or ids:
-                    now = time.monotonic()
-                    reply.token_times.append(now)
-                    if reply.ttft_s is None:
-                        reply.ttft_s = now - sent
-                reply.text += text
-                reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
-                if on_delta is not None and (text or ids):
-                    on_delta(text, ids)
-
-
-STOP_POLL_S = 0.05  # how soon Stop reaches a read that waits: 50 ms, a wake-up the reply's thread never sees
-
-
-def _hang_up_on(sock: socket.socket | None, cancel: threading.Event, done: threading.Event) -> None:
-    """Shut the stream's socket once ``cancel`` is set while the reply is still being read: the blocked read
-    returns at once, and the server sees the client go (vLLM and ``engine serve`` then abort the request)."""
-    while not done.is_set():
-        if cancel.wait(STOP_POLL_S):
-            if not done.is_set() and sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # closed meanwhile
-            return
-
-
-def _message(raw: bytes) -> str:
-    try:
-        err = json.loads(raw)
-        err = err.get("error", err)
-        msg = err.get("message") if isinstance(err, dict) else str(err)
-        return str(msg or raw[:200]).splitlines()[0]
-    except (ValueError, AttributeError):
-        return raw[:200].decode("utf-8", "replace").splitlines()[0] if raw else "no body"
+    def _error_body(resp) -> str:
+        try:
+            raw = resp.read(ERROR_BODY_BYTES)
+        except (OSError, http.client.HTTPException):
+            return "no body"
+        try:
+            return sse.error_message(json.loads(raw))
+        except (ValueError, RecursionError):
+            return printable(raw[:200].decode("utf-8", "replace").splitlines()[0]) if raw.strip() else "no body"

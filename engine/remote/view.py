@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.remote.wire import Batch, Cleared, Removed, Stored
+from engine.remote.wire import MAX_BLOCK_SIZE, MAX_RANKS, Batch, Cleared, Removed, Stored
 
+# the most blocks a view holds, all engines together: a 141 GB GPU holds ~660,000 blocks of 16 tokens of a 0.5B
+# model (12 KB of KV per token), 70,000 of an 8B one; 2^20 at ~280 bytes each stays under 300 MB here
+MAX_POOL_BLOCKS = 1 << 20
 EVICTED_S = 2.0  # a removed block's slot stays drawn as evicted this long (unless a new block takes it)
 SLOT_FREE, SLOT_CHAT, SLOT_OTHER, SLOT_EVICTED = 0, 1, 2, 3
 
@@ -49,19 +52,29 @@ class RemotePool:
         self._reset()
 
     def _reset(self) -> None:
-        self._slots_of: dict = {}  # hash -> slots holding a block with it (vLLM may hold a hash twice)
-        self._meta: dict = {}  # hash -> (parent hash, token ids)
-        self._children: dict = {}  # parent hash (None: chain start) -> {child hash: None}, in store order
+        # per cached block ~280 bytes here (1,048,576 blocks: under 300 MB): a hash's entry holds the key it is
+        # found by and the slots holding it (vLLM may hold a hash twice), not its token ids — a chat finds its
+        # blocks by (parent hash, tokens), so that pair's hash is all a lookup needs
+        self._held: dict = {}  # hash -> [name key, slot, slot ...]
+        self._named: dict[int, list] = {}  # hash((parent hash, tokens)) -> hashes stored under it, oldest first
         self._slot_hash: list = []  # slot -> hash or None
         self._free: list[int] = []
         self._evicted: dict[int, float] = {}  # slot -> when its block was removed
+        self.held = 0  # blocks cached now (a hash held twice counts twice)
 
     # -- events -----------------------------------------------------------------------------------------
-    def apply(self, batch: Batch, now: float | None = None) -> None:
+    def apply(self, batch: Batch, now: float | None = None, room: int = MAX_POOL_BLOCKS) -> int:
+        """Apply ``batch``; ``room``: blocks this pool may hold (the view's limit less the other pools' blocks).
+        A ``Stored`` that does not fit is left out (no server's pool holds more than ``MAX_POOL_BLOCKS``: its
+        events are wrong, or removals were lost). How many events were left out."""
         now = time.monotonic() if now is None else now
         self.last_ts = max(self.last_ts, batch.ts)
+        left_out = 0
         for e in batch.events:
             if isinstance(e, Stored):
+                if self.held + len(e.hashes) > room:
+                    left_out += 1
+                    continue
                 self._store(e)
             elif isinstance(e, Removed):
                 for h in e.hashes:
@@ -69,6 +82,7 @@ class RemotePool:
             elif isinstance(e, Cleared):
                 self.cleared += 1
                 self._reset()
+        return left_out
 
     def resync(self) -> None:
         """Missing batches that no replay could fill: what the view knew may be wrong, so it starts over."""
@@ -80,11 +94,18 @@ class RemotePool:
         self.block_size = self.block_size or B
         parent = e.parent
         for i, h in enumerate(e.hashes):
-            tokens = tuple(e.token_ids[i * B:(i + 1) * B])
-            self._meta[h] = (parent, tokens)
-            self._children.setdefault(parent, {})[h] = None
-            self._slots_of.setdefault(h, []).append(self._take_slot(h))
+            key = _name_key(parent, e.token_ids[i * B:(i + 1) * B])
+            entry = self._held.get(h)
+            if entry is None:
+                entry = self._held[h] = [key]
+                self._named.setdefault(key, []).append(h)
+            elif entry[0] != key:  # the same hash under another parent or tokens: found by the newer pair
+                self._unname(h, entry[0])
+                entry[0] = key
+                self._named.setdefault(key, []).append(h)
+            entry.append(self._take_slot(h))
             self.stored += 1
+            self.held += 1
             parent = h
 
     def _take_slot(self, h) -> int:
@@ -98,89 +119,136 @@ class RemotePool:
         return len(self._slot_hash) - 1
 
     def _remove(self, h, now: float) -> None:
-        slots = self._slots_of.get(h)
-        if not slots:
+        entry = self._held.get(h)
+        if entry is None:
             return  # stored before this view joined
-        s = slots.pop()
+        s = entry.pop()
         self.removed += 1
+        self.held -= 1
         self._slot_hash[s] = None
         self._evicted[s] = now
         heapq.heappush(self._free, s)
-        if not slots:
-            del self._slots_of[h]
-            parent, _ = self._meta.pop(h)
-            kids = self._children.get(parent)
-            if kids is not None:
-                kids.pop(h, None)
-                if not kids:
-                    del self._children[parent]
+        if len(entry) == 1:
+            del self._held[h]
+            self._unname(h, entry[0])
+
+    def _unname(self, h, key: int) -> None:
+        kids = self._named.get(key)
+        if kids is not None:
+            if h in kids:
+                kids.remove(h)
+            if not kids:
+                del self._named[key]
 
     # -- queries ----------------------------------------------------------------------------------------
     def names(self) -> list:
         """Every cached block's hash, once per block (a hash held twice is listed twice)."""
-        return [h for h, slots in self._slots_of.items() for _ in slots]
+        return [h for h, entry in self._held.items() for _ in range(len(entry) - 1)]
 
-    def chain_of(self, ids: Sequence[int]) -> list:
+    def chain_of(self, ids: Sequence[int], hashes: Sequence = ()) -> list:
         """The cached blocks holding ``ids`` from its first token on, full blocks only, up to the first one the
-        pool lacks (a block is named by its parent and its tokens, so token ids find it)."""
+        pool lacks (a block is named by its parent and its tokens, so token ids find it). ``hashes``: the names
+        the server gives those blocks, for blocks published without token ids (KV Scope's server, for a keyed
+        or salted request: ``engine.kv.tenants.block_hashes``)."""
         B, out, parent = self.block_size, [], None
         if B < 1:
             return out
         for j in range(len(ids) // B):
-            want = tuple(ids[j * B:(j + 1) * B])
-            found = next((h for h in reversed(self._children.get(parent, {})) if self._meta[h][1] == want), None)
-            if found is None:
+            kids = self._named.get(_name_key(parent, ids[j * B:(j + 1) * B]))
+            if kids:
+                found = kids[-1]  # two hashes for the same tokens: the newer one
+            elif j < len(hashes) and hashes[j] in self._held:  # a hash names its whole chain: parent included
+                found = hashes[j]
+            else:
                 break
             out.append(found)
             parent = found
         return out
 
-    def snapshot(self, chat_ids: Sequence[int] = (), now: float | None = None) -> PoolSnapshot:
+    def snapshot(self, chat_ids: Sequence[int] = (), now: float | None = None, hashes: Sequence = ()) -> PoolSnapshot:
         now = time.monotonic() if now is None else now
-        chain = self.chain_of(chat_ids) if chat_ids else []
+        chain = self.chain_of(chat_ids, hashes) if chat_ids else []
         n = max(self.num_blocks, len(self._slot_hash))
         slots = [SLOT_FREE] * n
         for s, h in enumerate(self._slot_hash):
             if h is not None:
                 slots[s] = SLOT_OTHER
         for h in chain:  # a hash held twice: the chat reads the newer copy; the older one waits to be evicted
-            slots[self._slots_of[h][-1]] = SLOT_CHAT
+            slots[self._held[h][-1]] = SLOT_CHAT
         for s, t in list(self._evicted.items()):
             if now - t > EVICTED_S:
                 del self._evicted[s]
             elif self._slot_hash[s] is None:
                 slots[s] = SLOT_EVICTED
-        return PoolSnapshot(self.rank, self.block_size, self.num_blocks, tuple(slots),
-                            sum(len(v) for v in self._slots_of.values()), len(chain), self.stored, self.removed,
-                            self.cleared, self.gaps, self.resyncs, self.last_ts)
+        return PoolSnapshot(self.rank, self.block_size, self.num_blocks, tuple(slots), self.held, len(chain),
+                            self.stored, self.removed, self.cleared, self.gaps, self.resyncs, self.last_ts)
 
 
-def view_note(snaps: list[PoolSnapshot]) -> str:
-    """What the view cannot show, in words ("" when nothing is missing)."""
+def _name_key(parent, tokens: Sequence[int]) -> int:
+    """What a block is found by: its parent's hash and its tokens, hashed (64 bits: two different blocks of one
+    pool share a key once in ~2^32 blocks; a server that made them collide on purpose only mislabels its own)."""
+    return hash((parent, tuple(tokens)))
+
+
+def view_note(snaps: list[PoolSnapshot], malformed: int = 0, problem: str = "") -> str:
+    """What the view cannot show, in words ("" when nothing is missing); ``malformed``: events left out
+    (``RemoteView.malformed``), ``problem`` the first one's reason."""
+    notes = []
     missed = sum(s.gaps for s in snaps)
     if any(s.resyncs for s in snaps):
-        return (f"{missed} event batches were missed (published before this view joined, or dropped) and the server "
-                "keeps no replay buffer: the view started over, so blocks cached before are drawn once they are "
-                "used again")
-    if missed:
-        return f"{missed} missed event batches were replayed from the server's buffer"
-    return ""
+        notes.append(f"{missed} event batches were missed (published before this view joined, or dropped) and the "
+                     "server keeps no replay buffer: the view started over, so blocks cached before are drawn once "
+                     "they are used again")
+    elif missed:
+        notes.append(f"{missed} missed event batches were replayed from the server's buffer")
+    if malformed:
+        notes.append(malformed_text(malformed, problem))
+    return "; ".join(notes)
+
+
+def malformed_text(malformed: int, problem: str = "") -> str:
+    first = f" (first: {problem})" if problem else ""
+    return f"{malformed:,} malformed event{'s' if malformed != 1 else ''} skipped{first}"
+
+
+class ViewLimit(ValueError):
+    """A pool shape past what a view follows (one line: the value, the limit)."""
+
+
+def check_shape(block_size: int, num_blocks: int, engines: int = 1) -> None:
+    """``ViewLimit`` for a pool no server has: the view would draw (and hold) it all."""
+    if not 0 <= num_blocks <= MAX_POOL_BLOCKS:
+        raise ViewLimit(f"the server says its KV cache has {num_blocks:,} blocks: more than the "
+                        f"{MAX_POOL_BLOCKS:,} a remote view follows (a 141 GB GPU holds ~660,000 of a 0.5B model)")
+    if not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise ViewLimit(f"the server says its blocks hold {block_size:,} tokens: more than {MAX_BLOCK_SIZE:,}")
+    if not 0 <= engines <= MAX_RANKS:
+        raise ViewLimit(f"the server reports {engines:,} engines (data-parallel ranks): more than the {MAX_RANKS} "
+                        "a remote view follows")
 
 
 class RemoteView:
-    """Every engine's pool (one per data-parallel rank), safe to feed from one thread and read from another."""
+    """Every engine's pool (one per data-parallel rank), safe to feed from one thread and read from another.
+    ``malformed``: events (or whole batches) left out because they were not what vLLM sends; ``problem``: the
+    first one's reason."""
 
-    def __init__(self, block_size: int = 0, num_blocks: int = 0) -> None:
-        self.block_size, self.num_blocks = block_size, num_blocks
+    def __init__(self, block_size: int = 0, num_blocks: int = 0, engines: int = 1) -> None:
+        check_shape(block_size, num_blocks, engines)
+        self.block_size, self.num_blocks = block_size, num_blocks // max(1, engines)
         self.pools: dict[int, RemotePool] = {}
         self.lock = threading.Lock()
         self.batches = 0
+        self.malformed = 0
+        self.problem = ""
         self.latencies: list[float] = []  # seconds from a batch's server time to its arrival here (last 4096)
         self.on_change = None  # called (subscriber thread) after each batch: the window redraws soon after
+        self.names = None  # ``names(ids, block_size)``: the hashes a server gives a chat's blocks (``chain_of``)
 
     def pool(self, rank: int) -> RemotePool:
         p = self.pools.get(rank)
         if p is None:
+            if not 0 <= rank < MAX_RANKS:  # the wire refuses such ranks already: a pool per number would grow
+                raise ViewLimit(f"engine rank {rank} is not 0 to {MAX_RANKS - 1}")
             p = self.pools[rank] = RemotePool(rank, self.block_size, self.num_blocks)
         return p
 
@@ -188,13 +256,29 @@ class RemoteView:
         """Apply one batch; ``live``: it came as published (its delay counts), not replayed later."""
         now = time.time()
         with self.lock:
-            self.pool(batch.rank).apply(batch)
+            pool = self.pool(batch.rank)
+            room = MAX_POOL_BLOCKS - sum(p.held for p in self.pools.values() if p is not pool)
+            left_out = pool.apply(batch, room=room)
+            if batch.skipped:
+                self._skip(batch.skipped, batch.problem)
+            if left_out:
+                self._skip(left_out, f"BlockStored past {MAX_POOL_BLOCKS:,} cached blocks (no server's pool is "
+                                     "that large: removals were lost or the events are wrong)")
             self.batches += 1
             if live:
                 self.latencies.append(max(0.0, now - batch.ts))
                 del self.latencies[:-4096]
         if self.on_change is not None and batch.events:
             self.on_change()
+
+    def skip(self, n: int, problem: str) -> None:
+        """``n`` events (or a batch) were not what vLLM sends and were left out."""
+        with self.lock:
+            self._skip(n, problem)
+
+    def _skip(self, n: int, problem: str) -> None:
+        self.malformed += n
+        self.problem = self.problem or problem
 
     def gap(self, rank: int, missing: int, replayed: bool) -> None:
         with self.lock:
@@ -203,10 +287,14 @@ class RemoteView:
             if not replayed:
                 p.resync()
 
-    def set_shape(self, block_size: int, num_blocks: int) -> None:
-        """The pool's size from ``vllm:cache_config_info`` (the events only carry the block size)."""
+    def set_shape(self, block_size: int, num_blocks: int, engines: int = 1) -> None:
+        """The pool's size from ``vllm:cache_config_info`` (the events only carry the block size): ``num_blocks``
+        of all ``engines`` together, split evenly (vLLM's data-parallel engines have one size). ``ViewLimit``
+        for a size no server has (the view keeps the one it had)."""
+        check_shape(block_size, num_blocks, engines)
         with self.lock:
-            self.block_size, self.num_blocks = block_size or self.block_size, num_blocks or self.num_blocks
+            self.block_size = block_size or self.block_size
+            self.num_blocks = num_blocks // max(1, engines) or self.num_blocks
             for p in self.pools.values():
                 p.block_size, p.num_blocks = p.block_size or self.block_size, self.num_blocks
 
@@ -214,7 +302,12 @@ class RemoteView:
         with self.lock:
             if not self.pools:
                 self.pool(0)
-            return [self.pools[r].snapshot(chat_ids) for r in sorted(self.pools)]
+            named = {}  # block size -> the chat's hashes (every pool of a server has one block size)
+            for p in self.pools.values():
+                if self.names is not None and chat_ids and p.block_size not in named:
+                    named[p.block_size] = self.names(chat_ids, p.block_size)
+            return [self.pools[r].snapshot(chat_ids, hashes=named.get(self.pools[r].block_size, ()))
+                    for r in sorted(self.pools)]
 
     def chat_blocks(self, chat_ids: Sequence[int]) -> int:
         return sum(s.chat_blocks for s in self.snapshots(chat_ids))
