@@ -167,8 +167,16 @@ def _serve_parser(sub) -> None:
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body (default 30)")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument("--kv-events-config", metavar="JSON", help="publish KV cache events as vLLM does, e.g. "
-                   '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\' '
-                   "(answered at /kv_event_sources)")
+                   '\'{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"}\' (the default '
+                   "endpoint; answered at /kv_event_sources). With --api-key, or for a request with cache_salt, "
+                   "the events carry block hashes only, never token ids")
+    s.add_argument("--kv-events-allow-remote", action="store_true", help="let the events and replay endpoints be "
+                   "reachable from other machines (tcp://*:PORT, a LAN address): anyone who reaches them, with no "
+                   "key, sees when blocks are cached and evicted and, on a server without --api-key, the token ids "
+                   "of every unsalted prompt and reply")
+    s.add_argument("--metrics-public", action="store_true", help="with --api-key, answer /metrics (and /health's "
+                   "queue lengths) without a key too: request and token counts tell one tenant when another is "
+                   "busy. /health's status is always open")
     _spec_args(s)
     _cache_args(s)
     _model_args(s)

@@ -2,18 +2,20 @@
 ``/metrics``. Request handling only; the engine runs on the scheduler's thread (``engine.server.scheduler``).
 
 Every error is OpenAI-shaped JSON (``engine.server.errors``): the route's own, Starlette's 404/405, and any
-bug (500, no traceback). ``/v1/*`` needs ``Authorization: Bearer KEY`` when the server has a key;
-``/health`` and ``/metrics`` do not.
+bug (500, no traceback). ``/v1/*``, ``/kv_event_sources`` and ``/metrics`` need ``Authorization: Bearer KEY``
+when the server has a key (``/metrics`` not with ``--metrics-public``: a shared server's request and token counts
+tell one tenant when another is busy); ``/health`` never does: it says "ok" to anyone (a load balancer has no
+key), and its queue lengths and compiled-step state only to a key holder (or with ``--metrics-public``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import socket
 from typing import Any, AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -25,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from engine.kv.tenants import tenant_of
 from engine.server.errors import ApiError, from_exception
 from engine.server.replies import Shape
 from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion
@@ -75,12 +78,6 @@ def _check_key(request: Request) -> str | None:
     return found
 
 
-def tenant_of(key: str | None, cache_salt: str | None) -> bytes:
-    """Who may share prefix caches: requests with the same API key and the same ``cache_salt`` (vLLM's field).
-    A digest, so neither is kept in memory; never empty, so the API's pages are apart from the app's chats."""
-    return hashlib.sha256(json.dumps(["kvscope-tenant", key or "", cache_salt or ""]).encode()).digest()
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, 413 past ``limit`` bytes (told by Content-Length or found while reading)."""
     too_big = ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error", None,
@@ -123,8 +120,14 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Open to all (a load balancer has no key); with keys, the queue and step state only to a key holder."""
     server = request.app.state.server
     ok = server.scheduler.alive
+    if server.api_keys and not server.options.metrics_public:
+        try:
+            _check_key(request)
+        except ApiError:
+            return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
     fast = server.lm.fast_step  # read from this thread: a state string and its reason, both plain attributes
     step = {"state": fast.state, "reason": fast.reason} if fast is not None else {"state": "off", "reason": ""}
     return JSONResponse({"status": "ok" if ok else "stopped", "model": server.model_id,
@@ -132,8 +135,11 @@ async def health(request: Request) -> Response:
                          "compiled_step": step}, status_code=200 if ok else 503)
 
 
+@api
 async def metrics(request: Request) -> Response:
     server = request.app.state.server
+    if not server.options.metrics_public:
+        _check_key(request)
     try:
         gauges = await asyncio.wait_for(asyncio.wrap_future(server.scheduler.call(server.scheduler.kv_gauges)),
                                         METRICS_WAIT_S)
@@ -148,7 +154,8 @@ async def kv_event_sources(request: Request) -> Response:
     """Each engine's KV events config, as vLLM answers it (one engine here: ``{"0": {...}}``; ``{}`` when off)."""
     _check_key(request)
     pub = request.app.state.server.kv_events
-    return JSONResponse({"0": pub.config.source()} if pub is not None else {})
+    source = pub.source() if pub is not None else None  # None: its thread stopped, nothing is published
+    return JSONResponse({"0": source} if source is not None else {})
 
 
 @api
@@ -243,12 +250,32 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
 
 
 def is_loopback(host: str) -> bool:
+    """A loopback literal or ``localhost`` (never resolved: the ``Host`` header of every request is asked)."""
     if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def is_local_host(host: str) -> bool:
+    """True when every address ``host`` names is loopback: a literal and ``localhost`` as they are, any other
+    name through the system resolver (``ValueError`` "cannot resolve host" when it knows none)."""
+    bare = host.strip("[]")
+    if is_loopback(bare):
+        return True
+    try:
+        ipaddress.ip_address(bare)
+        return False
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):  # gaierror; a name the IDNA codec refuses ("a..b")
+        raise ValueError(f"cannot resolve host {host!r}: give an address (127.0.0.1) or a name this machine "
+                         "resolves") from None
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 class BrowserGuard:

@@ -26,6 +26,7 @@ class Metrics:
         self.evicted_tokens = 0  # tokens a cache policy or the context limit dropped
         self.session_evictions = 0  # idle sessions closed to keep the idle pool small
         self.runner = None  # engine.runner.ModelRunner: its batched-forward counters are read at render
+        self.kv_events = None  # engine.server.kv_events.KVEventPublisher: its counters are read at render
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.stalls = {"paused": 0, "cancelled": 0}  # streams whose reader stopped (``engine.server.jobs``)
         # speculative decoding, as vLLM counts it: verifications, draft tokens, accepted ones (and by position)
@@ -157,12 +158,30 @@ class Metrics:
         out += ["# HELP kvscope_streams_stalled_total Streams whose client stopped reading: held (paused), then "
                 "cancelled if it did not catch up", "# TYPE kvscope_streams_stalled_total counter"]
         out += [f'kvscope_streams_stalled_total{{action="{k}"}} {v}' for k, v in stalls.items()]
+        out += self._event_rows()
         out += ["# HELP kvscope_connections_closed_total Connections the server closed: a request head or body "
                 "not complete in time, one without a request in flight making room, or a new one over the limit",
                 "# TYPE kvscope_connections_closed_total counter"]
         out += [f'kvscope_connections_closed_total{{reason="{k}"}} {v}' for k, v in closed.items()]
         return "\n".join(out) + "\n"
 
+
+    def _event_rows(self) -> list[str]:
+        """The KV events publisher's state (nothing when events are off): up or stopped, batches sent, replay
+        requests answered, malformed, or over the rate limit (``engine.server.kv_replay``)."""
+        pub = self.kv_events
+        if pub is None:
+            return []
+        out = ["# HELP kvscope_kv_events_up 1 while the KV events publisher runs, 0 once it stopped",
+               "# TYPE kvscope_kv_events_up gauge", f"kvscope_kv_events_up {int(pub.alive)}",
+               "# HELP kvscope_kv_events_batches_total KV event batches published",
+               "# TYPE kvscope_kv_events_batches_total counter", f"kvscope_kv_events_batches_total {pub.sent}"]
+        if pub.replay is not None:
+            out += ["# HELP kvscope_kv_events_replay_requests_total Replay requests: answered, malformed (dropped), "
+                    "limited (over the rate, dropped)", "# TYPE kvscope_kv_events_replay_requests_total counter"]
+            out += [f'kvscope_kv_events_replay_requests_total{{outcome="{k}"}} {v}'
+                    for k, v in dict(pub.replay.counts).items()]
+        return out
 
     def _vllm_rows(self, gauges: dict[str, float], by_pos: list[int]) -> list[str]:
         """The same facts under vLLM's names, so dashboards and KV Scope's remote view read this server as vLLM

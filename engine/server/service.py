@@ -2,7 +2,9 @@
 and the app, ``serve`` for ``python -m engine serve``).
 
 Security: the server listens on 127.0.0.1 unless told otherwise, and any other address needs an API key
-(``check_bind``); the key is compared in constant time; no CORS headers unless origins are given.
+(``check_bind``); the key is compared in constant time; no CORS headers unless origins are given. KV events
+stay on this machine unless ``--kv-events-allow-remote``, and carry no token ids for keyed or salted requests
+(``engine.server.kv_events``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import CacheConfig
-from engine.server.app import build_app, is_loopback  # noqa: F401 - is_loopback re-exported
+from engine.server.app import build_app, is_local_host, is_loopback  # noqa: F401 - is_loopback re-exported
 from engine.server.conn import GuardedH11
 from engine.server.limits import ConnLimits, StreamLimits
 from engine.server.metrics import Metrics
@@ -45,6 +47,8 @@ class ServerOptions:
     speculative: Any = None  # engine.config.SpecConfig for every conversation (None: off)
     draft_lm: Any = None  # its draft model, loaded once (``--speculative draft:PATH``)
     kv_events: Any = None  # engine.server.kv_events.KVEventsConfig: publish KV cache events as vLLM does
+    kv_events_allow_remote: bool = False  # events / replay endpoints other machines can reach (wildcard, LAN)
+    metrics_public: bool = False  # /metrics (and /health's counts) without a key on a keyed server
 
 
 def check_cors(cors, api_key: str | None) -> None:
@@ -59,7 +63,7 @@ def check_bind(host: str, api_key: str | None) -> None:
     if api_key and (not api_key.isascii() or not api_key.isprintable() or " " in api_key):
         raise ValueError("--api-key: use printable ASCII without spaces (an HTTP Authorization header carries no "
                          "other characters, so no client could send this key)")
-    if not is_loopback(host) and not api_key:
+    if not is_local_host(host) and not api_key:  # a name is resolved: "cannot resolve host" before this
         raise ValueError(f"--host {host} is reachable from other machines: give --api-key KEY (or set "
                          f"{API_KEY_ENV}), or serve on 127.0.0.1")
 
@@ -100,10 +104,14 @@ class KVServer:
         check_cors(o.cors, self.api_key)
         self.kv_events = None
         if o.kv_events is not None and o.kv_events.on:
-            from engine.server.kv_events import KVEventPublisher
+            from engine.server.kv_events import KVEventPublisher, check_reach
 
-            self.kv_events = KVEventPublisher(o.kv_events, medium="GPU" if lm.device.type == "cuda" else "CPU")
+            check_reach(o.kv_events, o.kv_events_allow_remote)
+            # keyed: every request is a tenant's, so no page's token ids are published (salted ones never are)
+            self.kv_events = KVEventPublisher(o.kv_events, medium="GPU" if lm.device.type == "cuda" else "CPU",
+                                              private=bool(self.api_keys))
             self.kv_events.attach(lm.kv_arenas)
+        self.metrics.kv_events = self.kv_events
         self.app = build_app(self, tuple(o.cors))
 
     def start(self) -> None:
@@ -200,6 +208,13 @@ class ServerThread:
         self.sock.close()
 
 
+def _say_ready(server: KVServer, url: str) -> None:
+    print(f"KV Scope serves {server.model_id} at {url}/v1 (OpenAI API; metrics at {url}/metrics"
+          f"{'' if server.options.metrics_public or not server.api_keys else ' with a key'}; Ctrl+C stops)", flush=True)
+    if server.kv_events is not None:
+        print(server.kv_events.describe(), flush=True)
+
+
 def serve(a, cache: CacheConfig, spec) -> int:
     """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
     keys = tuple(a.api_key or ()) or tuple(k for k in [os.environ.get(API_KEY_ENV)] if k)
@@ -211,11 +226,16 @@ def serve(a, cache: CacheConfig, spec) -> int:
                             max_body=a.max_body, max_running=a.max_running, max_waiting=a.max_queued,
                             max_idle=a.max_idle, access_log=a.access_log,
                             limits=StreamLimits(max_tokens=a.max_tokens),
-                            conn=ConnLimits(a.header_timeout, a.body_timeout, a.max_connections))
+                            conn=ConnLimits(a.header_timeout, a.body_timeout, a.max_connections),
+                            kv_events_allow_remote=getattr(a, "kv_events_allow_remote", False),
+                            metrics_public=getattr(a, "metrics_public", False))
     if getattr(a, "kv_events_config", None):
-        from engine.server.kv_events import KVEventsConfig
+        from engine.server.kv_events import KVEventsConfig, check_reach
 
-        options = dataclasses.replace(options, kv_events=KVEventsConfig.parse(a.kv_events_config))
+        events = KVEventsConfig.parse(a.kv_events_config)
+        if events.on:
+            check_reach(events, options.kv_events_allow_remote)  # before anything is loaded
+        options = dataclasses.replace(options, kv_events=events)
     from engine.config import SpecConfig
 
     speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))
@@ -240,8 +260,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
     lm.fast.waker = server.scheduler.core.wake  # its build's end wakes the engine thread to take it up
     lm.fast.start()  # the compiled decode step (engine.fast_step): built in a child, requests run eager meanwhile
     url = url_of(sock)
-    uv = _uvicorn_server(server, lambda: print(f"KV Scope serves {server.model_id} at {url}/v1 (OpenAI API; "
-                                               f"metrics at {url}/metrics; Ctrl+C stops)", flush=True))
+    uv = _uvicorn_server(server, lambda: _say_ready(server, url))
     server.start()
     try:
         uv.run(sockets=[sock])

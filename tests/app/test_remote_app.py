@@ -43,8 +43,8 @@ class Server:
 
     def __init__(self, model: Path, *extra: str) -> None:
         self.port, ev, replay = free_port(), free_port(), free_port()
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
-               "topic": "kv-events", "replay_endpoint": f"tcp://*:{replay}"}
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ev}",
+               "topic": "kv-events", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}  # this machine only
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(self.port),
                      "--page-size", "16", "--kv-events-config", json.dumps(cfg), *extra]

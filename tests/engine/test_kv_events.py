@@ -1,5 +1,6 @@
 """KV Scope's server speaks vLLM's KV events protocol, and the remote view reads it: a real server on 127.0.0.1
-(stories260K, pages of 16), a real ZMQ subscriber, the real HTTP client and ``python -m engine attach``."""
+(stories260K, pages of 16; two API keys, so two tenants), a real ZMQ subscriber, the real HTTP client and
+``python -m engine attach``. A keyed server's events carry no token ids: the view finds a chat's blocks by hash."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def free_port() -> int:
 def events_server(stories_path):
     from engine.loader import load_model
 
-    port, replay = free_port(), free_port()
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", topic="kv-events",
-                         replay_endpoint=f"tcp://*:{replay}")
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", topic="kv-events",
+                         replay_endpoint="tcp://127.0.0.1:*")  # ports ZMQ picks: /kv_event_sources says them
     lm = load_model(str(stories_path))
-    server = KVServer(lm, CacheConfig(page_size=P), ServerOptions(kv_events=cfg, api_key="sekret"))
+    server = KVServer(lm, CacheConfig(page_size=P), ServerOptions(kv_events=cfg, api_key="sekret",
+                                                                  api_keys=("other",)))
     thread = ServerThread(server)
     url = thread.start()
     yield server, url
@@ -125,7 +126,11 @@ def test_sources_metrics_and_token_ids_over_http(events_server):
     h = {"Authorization": "Bearer sekret"}
     src = httpx.get(url + "/kv_event_sources", headers=h).json()
     assert src["0"]["enable_kv_cache_events"] is True and src["0"]["topic"] == "kv-events"
-    text = httpx.get(url + "/metrics").text
+    assert src["0"]["endpoint"] == server.kv_events.endpoint and src["0"]["endpoint"].startswith("tcp://127.0.0.1:")
+    assert src["0"]["endpoint"][-1].isdigit() and src["0"]["replay_endpoint"][-1].isdigit()  # the bound ports
+    assert httpx.get(url + "/metrics").status_code == 401  # counts of a shared server: a key holder's only
+    assert httpx.get(url + "/health").json() == {"status": "ok"}  # open, and says no more without a key
+    text = httpx.get(url + "/metrics", headers=h).text
     assert 'vllm:cache_config_info{block_size="16"' in text and "vllm:prefix_cache_hits_total" in text
     r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60, json={
         "model": server.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
@@ -138,7 +143,7 @@ def test_our_events_reach_a_plain_zmq_subscriber(events_server):
     server, url = events_server
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    sub.connect(server.kv_events.config.endpoint.replace("*", "127.0.0.1"))
+    sub.connect(server.kv_events.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     try:
         time.sleep(0.3)
@@ -152,7 +157,7 @@ def test_our_events_reach_a_plain_zmq_subscriber(events_server):
                 topic, seq, payload = sub.recv_multipart()
                 assert topic == b"kv-events" and len(seq) == 8
                 stored += [e for e in msgpack.unpackb(payload, raw=False)[1] if e["type"] == "BlockStored"]
-        assert stored and all(len(e["token_ids"]) == P * len(e["block_hashes"]) for e in stored)
+        assert stored and all(e["token_ids"] == [] for e in stored)  # a keyed server: block hashes only
     finally:
         ctx.destroy(linger=0)
 
@@ -234,20 +239,28 @@ def test_events_config_refusals():
         KVEventsConfig.parse('{"endpoint": "http://x"}')
 
 
-def test_the_events_tell_the_pools_truth_through_evictions(stories_path):
-    """A small pool (32 pages) and one idle conversation kept: new prompts evict cached pages. After every request
-    the view rebuilt from the events holds exactly the names the server's pools hold."""
-    import httpx
-
+@pytest.fixture(scope="module")
+def plain_server(stories_path):
+    """No API key: a small pool (32 pages) and one idle conversation kept, so new prompts evict cached pages."""
     from engine.loader import load_model
-    from engine.server.kv_events import block_hash
 
-    port = free_port()
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*")
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(page_size=P, max_pages=32), ServerOptions(kv_events=cfg, max_idle=1))
     thread = ServerThread(server)
     url = thread.start()
+    yield server, url
+    thread.stop()
+
+
+def test_the_events_tell_the_pools_truth_through_evictions(plain_server):
+    """After every request the view rebuilt from the events holds exactly the names the server's pools hold."""
+    import httpx
+
+    from engine.server.kv_events import block_hash
+
+    server, url = plain_server
+    lm = server.lm
     eng = RemoteEngine(url)
     try:
         removed = 0
@@ -265,10 +278,85 @@ def test_the_events_tell_the_pools_truth_through_evictions(stories_path):
             assert seen == truth, f"request {i}: the view holds {len(seen)} names, the pools {len(truth)}"
             removed = eng.view.snapshots()[0].removed
         assert removed > 0  # the pool was small enough that names were dropped
-        assert "vllm:num_preemptions_total" in httpx.get(url + "/metrics").text
+        assert "vllm:num_preemptions_total" in httpx.get(url + "/metrics").text  # no key: /metrics is open
     finally:
         eng.close()
-        thread.stop()
+
+
+def stored_events(sub, until) -> list[dict]:
+    """Every ``BlockStored`` (decoded as any vLLM tool decodes it) until ``until()`` says enough, or 5 s."""
+    out: list[dict] = []
+    end = time.monotonic() + 5
+    while time.monotonic() < end and not until(out):
+        if sub.poll(100):
+            _, _, payload = sub.recv_multipart()
+            out += [e for e in msgpack.unpackb(payload, raw=False)[1] if e["type"] == "BlockStored"]
+    return out
+
+
+def plain_sub(ctx, endpoint: str, topic: bytes = b""):
+    sub = ctx.socket(zmq.SUB)  # no key, no HTTP: what anyone on this machine can open
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    time.sleep(0.3)  # ZMQ's slow joiner: batches before the connection is up are not seen
+    return sub
+
+
+def test_an_unkeyed_server_publishes_token_ids_except_for_a_salted_request(plain_server, stories):
+    """vLLM's behaviour for an unkeyed, unsalted request (the token ids of each page); none for one with
+    ``cache_salt``, whose pages are named from the salt's own root."""
+    import httpx
+
+    from engine.kv.tenants import block_hashes
+
+    server, url = plain_server
+    ctx = zmq.Context()
+    try:
+        sub = plain_sub(ctx, server.kv_events.endpoint)
+        ids = {}
+        for salt, text in [(None, "A red fox ran far. " * 6), ("s3cret-salt", "A blue owl sat still. " * 6)]:
+            body = {"model": server.model_id, "prompt": text, "max_tokens": 1, "return_token_ids": True}
+            r = httpx.post(url + "/v1/completions", timeout=60, json=body | ({"cache_salt": salt} if salt else {}))
+            ids[salt] = r.json()["prompt_token_ids"]
+        want = {s: block_hashes(v, P, cache_salt=s) for s, v in ids.items()}
+        stored = stored_events(sub, lambda got: {h for e in got for h in e["block_hashes"]} >= set(sum(want.values(), [])))
+        tokens = {h: e["token_ids"][i * P:(i + 1) * P] for e in stored for i, h in enumerate(e["block_hashes"])}
+        n = len(want[None])
+        assert n > 1 and [t for h in want[None] for t in tokens[h]] == ids[None][:n * P]  # readable by anyone
+        assert want["s3cret-salt"] and all(tokens[h] == [] for h in want["s3cret-salt"])
+        assert not set(want["s3cret-salt"]) & set(block_hashes(ids["s3cret-salt"], P))  # unsalted names differ
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_keyless_subscriber_reads_no_tenants_text(events_server):
+    """Two tenants (keys "sekret" and "other", one request with a salt) on the keyed server: a SUB with no key
+    receives their blocks' events, and nothing in them is a token id; the hashes are those the tenant's own key
+    computes, not those any key-less guess of the text gives."""
+    import httpx
+
+    from engine.kv.tenants import block_hashes
+
+    server, url = events_server
+    ctx = zmq.Context()
+    try:
+        sub = plain_sub(ctx, server.kv_events.endpoint, b"kv-events")
+        sent = []
+        for key, salt, text in [("sekret", None, "Tenant A's secret plan is to sail at dawn. " * 3),
+                                ("other", "b-salt", "Tenant B's password is hunter2 and blue. " * 3)]:
+            body = {"model": server.model_id, "prompt": text, "max_tokens": 8, "return_token_ids": True}
+            r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                           json=body | ({"cache_salt": salt} if salt else {})).json()
+            sent.append((key, salt, r["prompt_token_ids"]))
+        want = {h for key, salt, ids in sent for h in block_hashes(ids, P, key, salt)}
+        stored = stored_events(sub, lambda got: {h for e in got for h in e["block_hashes"]} >= want)
+        seen = {h for e in stored for h in e["block_hashes"]}
+        assert want and want <= seen  # the subscriber did receive both tenants' blocks
+        assert all(e["token_ids"] == [] for e in stored)  # and not one token id of either
+        guesses = {h for _, _, ids in sent for k in (None, "") for h in block_hashes(ids, P, k)}
+        assert not guesses & seen  # knowing the text is not enough to recognise its blocks: the key is needed
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_data_parallel_ranks_are_one_pool_each():

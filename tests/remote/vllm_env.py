@@ -106,8 +106,10 @@ def start_vllm(py: Path, model: Path, port: int, events: dict | None, log_path: 
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny"]
-    if events is not None:
-        cmd += ["--kv-events-config", json.dumps(events)]
+    if events is not None:  # the same endpoints as vLLM's, on loopback: engine serve refuses tcp://* without
+        # --kv-events-allow-remote, and a subscriber here reaches either at 127.0.0.1
+        local = {k: v.replace("tcp://*:", "tcp://127.0.0.1:") if isinstance(v, str) else v for k, v in events.items()}
+        cmd += ["--kv-events-config", json.dumps(local)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -120,8 +122,10 @@ def start_kvscope(model: Path, port: int, events: dict | None, log_path: Path,
                   threads: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
            "--page-size", str(BLOCK)]
-    if events is not None:
-        cmd += ["--kv-events-config", json.dumps(events)]
+    if events is not None:  # the same endpoints as vLLM's, on loopback: engine serve refuses tcp://* without
+        # --kv-events-allow-remote, and a subscriber here reaches either at 127.0.0.1
+        local = {k: v.replace("tcp://*:", "tcp://127.0.0.1:") if isinstance(v, str) else v for k, v in events.items()}
+        cmd += ["--kv-events-config", json.dumps(local)]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
