@@ -106,10 +106,8 @@ def start_vllm(py: Path, model: Path, port: int, events: dict | None, log_path: 
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024",
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny"]
-    if events is not None:  # the same endpoints as vLLM's, on loopback: engine serve refuses tcp://* without
-        # --kv-events-allow-remote, and a subscriber here reaches either at 127.0.0.1
-        local = {k: v.replace("tcp://*:", "tcp://127.0.0.1:") if isinstance(v, str) else v for k, v in events.items()}
-        cmd += ["--kv-events-config", json.dumps(local)]
+    if events is not None:
+        cmd += ["--kv-events-config", json.dumps(events)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
