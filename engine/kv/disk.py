@@ -70,6 +70,7 @@ class DiskTier:
         self.max_pending = MAX_PENDING
         self._shelves: dict[tuple, str] = {}
         self._sizes: dict[tuple[str, int], int] = {}  # (shelf, name length) -> bytes of a page file
+        self._blocked: set[str] = set()  # page paths held by what cannot be removed: not read nor written again
         self.writable, self._closed = True, False
         self._lockfile = FolderLock(self.folder)
         self._queue: queue.Queue = queue.Queue()
@@ -122,7 +123,8 @@ class DiskTier:
         if not self.writable or self._closed or arena.quantized or not pages:
             return 0
         folder = self.shelf(arena)
-        todo = [(p, n) for p, n in zip(pages, names) if self._path(folder, n) not in self._files]
+        todo = [(p, n) for p, n in zip(pages, names)
+                if self._path(folder, n) not in self._files and self._path(folder, n) not in self._blocked]
         with self._lock:  # as many as the queue has room for, in chain order: a chain is read from its start
             fit = max(0, (self.max_pending - self._pending) // arena.page_bytes)
             self.counts["skipped_pages"] += max(0, len(todo) - fit)
@@ -208,6 +210,7 @@ class DiskTier:
             self.counts["pages_written"] += 1
 
     def _skip(self, path: str, why: str) -> None:
+        self._blocked.add(path)
         with self._lock:
             self.counts["skipped_pages"] += 1
         self.note(f"{NOTE}{path} is {why}, not a page file: that page is not saved (the others are)")
@@ -298,6 +301,8 @@ class DiskTier:
     def _read(self, folder: str, name: bytes, arena) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One page file's K and V ``[L, H, P, D]``, or None (missing; damaged or no file: dropped with a note)."""
         path, shelf = self._path(folder, name), os.path.basename(folder)
+        if path in self._blocked:
+            return None
         key = (shelf, len(name))
         if key not in self._sizes:
             self._sizes[key] = page_size(name, shelf, arena)
@@ -321,6 +326,7 @@ class DiskTier:
         if gone:
             self.note(f"{NOTE}dropped a page file ({why}); its tokens are computed again")
         else:
+            self._blocked.add(path)
             self.note(f"{NOTE}skipped {path} ({why}; it cannot be removed); its tokens are computed again")
         return None
 
