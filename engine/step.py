@@ -196,6 +196,8 @@ class Stepping:
         snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
         self.cache.written, self.cache.batch_size = (), 1  # an idle chat's picture shows no page being written
         self.cache.verified = self.cache.rolled_back = 0
+        disk = self.cache.disk  # what its writer found since the reply began (a full disk): said with this reply
+        self.sequence.add_notes(disk.take_notes() if disk is not None else ())
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
                           stats=stats, warnings=self.sequence.take_notes())
 

@@ -40,7 +40,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.kv.disk_report import METRICS, NOTE, gauges  # noqa: F401 - the tier's readouts, imported from here
-from engine.kv.disk_folder import PAGE_ERRNOS, FolderLock, clear_path, put, scan
+from engine.kv.disk_folder import PAGE_ERRNOS, FolderLock, clear_path, disk_full, put, scan
 from engine.kv.fingerprint import model_fingerprint, shelf_fingerprint
 from engine.kv.page_file import SUFFIX, PageFileError, encode, page_size, parse, read_page, remove
 
@@ -125,6 +125,10 @@ class DiskTier:
         folder = self.shelf(arena)
         todo = [(p, n) for p, n in zip(pages, names)
                 if self._path(folder, n) not in self._files and self._path(folder, n) not in self._blocked]
+        full = disk_full(folder, self.folder, arena.page_bytes) if todo else ""
+        if full:  # said with the reply that is running (its end takes the notes), not only after the writer's try
+            self._stop(OSError(0, full))
+            return 0
         with self._lock:  # as many as the queue has room for, in chain order: a chain is read from its start
             fit = max(0, (self.max_pending - self._pending) // arena.page_bytes)
             self.counts["skipped_pages"] += max(0, len(todo) - fit)

@@ -53,7 +53,7 @@ class Shape:
         if self.prompt_ids is not None:
             out["prompt_token_ids"] = list(self.prompt_ids)
             out["choices"][0]["token_ids"] = list(data.get("token_ids") or ())
-        return out
+        return with_warnings(out, data)
 
     def first_chunk(self) -> dict[str, Any]:
         """A chat stream's first chunk: the role (and the prompt's ids when asked, as vLLM sends them)."""
@@ -79,6 +79,18 @@ class Shape:
             choice["token_ids"] = [token]
         return out
 
+    def last_chunk(self, data: dict) -> dict[str, Any]:
+        """A stream's chunk with the finish reason (and the engine's warnings, when it has any)."""
+        return with_warnings(self.chunk("" if self.kind == "completion" else {}, data["finish_reason"]), data)
+
     def usage_chunk(self, data: dict) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage(data)}
+
+
+def with_warnings(out: dict, data: dict) -> dict:
+    """``out`` with a top-level ``warnings`` list when the engine had some for this reply (the KV disk tier's:
+    a full or read-only disk, damaged page files dropped); absent otherwise, so replies stay OpenAI's shape."""
+    if data.get("warnings"):
+        out["warnings"] = list(data["warnings"])
+    return out

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
+from engine.kv.disk_report import problems
 from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
@@ -294,10 +295,13 @@ class Scheduler(Source):
         self.metrics.outcome(finish)
         if s.last_stats is not None:
             self.metrics.speculated(s.last_stats)
+        warnings = problems(result.warnings) if result is not None else []
+        for note in warnings:  # the operator's console too: a full disk is the server's problem, not the client's
+            log.warning("%s", note)
         job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
-                          "prompt_token_ids": list(job.prepared.ids)})
+                          "prompt_token_ids": list(job.prepared.ids), "warnings": warnings})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""
