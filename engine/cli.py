@@ -338,6 +338,13 @@ def _run_turn(session, a: argparse.Namespace) -> tuple[Any, list[dict]]:
             sys.stdout.flush()
         if r.done:
             break
+    import dataclasses
+
+    from engine.kv.disk_report import settled_notes
+
+    late = settled_notes(session.lm)  # the disk writer's news of this reply's pages (a full disk), said with it
+    if late:
+        r = dataclasses.replace(r, warnings=tuple(r.warnings) + tuple(n for n in late if n not in r.warnings))
     if not a.json:
         sys.stdout.write("\n")
         for note in r.warnings:

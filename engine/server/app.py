@@ -239,7 +239,7 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
                 yield {"data": json.dumps(data.body())}
                 return
             elif kind == "done":
-                yield {"data": json.dumps(shape.chunk("" if shape.kind == "completion" else {}, data["finish_reason"]))}
+                yield {"data": json.dumps(shape.last_chunk(data))}
                 if include_usage:
                     yield {"data": json.dumps(shape.usage_chunk(data))}
                 yield {"data": "[DONE]"}
