@@ -148,23 +148,17 @@ class Metrics:
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
         out += self._vllm_rows(gauges, by_pos)
-        out += ["# HELP kvscope_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted at each draft "
-                "position (0: the first)", "# TYPE kvscope_spec_decode_num_accepted_tokens_per_pos_total counter"]
-        out += [f'kvscope_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
-                for i, n in enumerate(by_pos)]
-        out += ["# HELP kvscope_requests_total Requests by outcome (finish reason, cancelled, error, rejected)",
-                "# TYPE kvscope_requests_total counter"]
-        out += [f'kvscope_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
-        out += ["# HELP kvscope_streams_stalled_total Streams whose client stopped reading: held (paused), then "
-                "cancelled if it did not catch up", "# TYPE kvscope_streams_stalled_total counter"]
-        out += [f'kvscope_streams_stalled_total{{action="{k}"}} {v}' for k, v in stalls.items()]
+        out += _labelled("kvscope_spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted at each "
+                         "draft position (0: the first)", "position", dict(enumerate(by_pos)))
+        out += _labelled("kvscope_requests_total", "Requests by outcome (finish reason, cancelled, error, rejected)",
+                         "outcome", outcomes)
+        out += _labelled("kvscope_streams_stalled_total", "Streams whose client stopped reading: held (paused), then "
+                         "cancelled if it did not catch up", "action", stalls)
         out += self._event_rows()
-        out += ["# HELP kvscope_connections_closed_total Connections the server closed: a request head or body "
-                "not complete in time, one without a request in flight making room, or a new one over the limit",
-                "# TYPE kvscope_connections_closed_total counter"]
-        out += [f'kvscope_connections_closed_total{{reason="{k}"}} {v}' for k, v in closed.items()]
+        out += _labelled("kvscope_connections_closed_total", "Connections the server closed: a request head or body "
+                         "not complete in time, one without a request in flight making room, or a new one over the "
+                         "limit", "reason", closed)
         return "\n".join(out) + "\n"
-
 
     def _event_rows(self) -> list[str]:
         """The KV events publisher's state (nothing when events are off): up or stopped, batches sent, replay
@@ -177,10 +171,8 @@ class Metrics:
                "# HELP kvscope_kv_events_batches_total KV event batches published",
                "# TYPE kvscope_kv_events_batches_total counter", f"kvscope_kv_events_batches_total {pub.sent}"]
         if pub.replay is not None:
-            out += ["# HELP kvscope_kv_events_replay_requests_total Replay requests: answered, malformed (dropped), "
-                    "limited (over the rate, dropped)", "# TYPE kvscope_kv_events_replay_requests_total counter"]
-            out += [f'kvscope_kv_events_replay_requests_total{{outcome="{k}"}} {v}'
-                    for k, v in dict(pub.replay.counts).items()]
+            out += _labelled("kvscope_kv_events_replay_requests_total", "Replay requests: answered, malformed "
+                             "(dropped), limited (over the rate, dropped)", "outcome", dict(pub.replay.counts))
         return out
 
     def _vllm_rows(self, gauges: dict[str, float], by_pos: list[int]) -> list[str]:
@@ -209,6 +201,12 @@ class Metrics:
         out += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{model},position="{i}"}} {n}'
                 for i, n in enumerate(by_pos)]
         return out
+
+
+def _labelled(name: str, text: str, label: str, values: dict) -> list[str]:
+    """A counter with one sample per ``label`` value."""
+    return [f"# HELP {name} {text}", f"# TYPE {name} counter"] + [f'{name}{{{label}="{k}"}} {v}'
+                                                                    for k, v in values.items()]
 
 
 def _num(v: float) -> str:

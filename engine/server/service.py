@@ -97,6 +97,10 @@ class KVServer:
         self.metrics = Metrics()
         self.metrics.runner = lm.runner
         o = self.options
+        if o.kv_events is not None and o.kv_events.on:
+            from engine.server.kv_events import check_reach
+
+            check_reach(o.kv_events, o.kv_events_allow_remote)  # before the scheduler and its thread exist
         # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
         self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core,
                                    o.limits, speculation=(o.speculative, o.draft_lm))
@@ -104,9 +108,8 @@ class KVServer:
         check_cors(o.cors, self.api_key)
         self.kv_events = None
         if o.kv_events is not None and o.kv_events.on:
-            from engine.server.kv_events import KVEventPublisher, check_reach
+            from engine.server.kv_events import KVEventPublisher
 
-            check_reach(o.kv_events, o.kv_events_allow_remote)
             # keyed: every request is a tenant's, so no page's token ids are published (salted ones never are)
             self.kv_events = KVEventPublisher(o.kv_events, medium="GPU" if lm.device.type == "cuda" else "CPU",
                                               private=bool(self.api_keys))

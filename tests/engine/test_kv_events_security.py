@@ -59,6 +59,12 @@ def test_endpoints_other_machines_reach_are_refused_without_the_opt_in(capsys, s
     check_reach(KVEventsConfig(True, endpoint="tcp://*:5557"), allow_remote=True)  # the opt-in lets it through
 
 
+def test_a_server_built_in_code_refuses_them_too(stories):
+    with pytest.raises(ValueError, match="--kv-events-allow-remote"):
+        KVServer(stories, CacheConfig(), ServerOptions(kv_events=KVEventsConfig(True, endpoint="tcp://*:5557")))
+    assert stories.kv_arenas.listener is None  # nothing was started
+
+
 def test_bad_events_config_values_are_one_line_each(capsys, stories_path):
     for key, value, says in [("buffer_steps", "x", "whole number"), ("buffer_steps", 0, "whole number"),
                              ("buffer_steps", 10 ** 9, "100,000"), ("hwm", 1e30, "whole number"),
