@@ -9,7 +9,9 @@ import json
 import math
 import sys
 import time
+from functools import partial
 
+from engine.kv.tenants import block_hashes
 from engine.remote.client import RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note
@@ -35,6 +37,9 @@ class RemoteEngine:
             self.view = RemoteView(self.metrics.block_size, self.metrics.num_blocks, self.metrics.engines)
         except ValueError as e:  # a pool no server has: refused, with the number
             raise RemoteError(f"{self.client.url}: {e}") from None
+        # KV Scope's server publishes no token ids for a keyed or salted request: the chat's blocks are found by
+        # the hashes it names them with, from this key (vLLM names them otherwise, and sends token ids)
+        self.view.names = partial(block_hashes, key=api_key)
         sources = {r: c for r, c in self.client.event_sources().items() if c.get("enable_kv_cache_events", True)}
         if events:
             base = sources.get(0, {})
