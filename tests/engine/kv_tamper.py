@@ -162,7 +162,6 @@ def unmount(path: Path) -> None:
 # -- the process that meets it ----------------------------------------------------------------------------------
 def run(folder: str | None, budget: int, seeds: list[int], length: int) -> dict:
     from engine.kv import disk
-    from engine.kv.disk_report import settled_notes
     from engine.loader import load_model
 
     lm = load_model(str(STORIES))
@@ -172,7 +171,9 @@ def run(folder: str | None, budget: int, seeds: list[int], length: int) -> dict:
         tokens, stats, notes = chat(lm, prompt_ids(seed, length))
         out.append({"tokens": tokens, "restored": stats.disk_restored_tokens, "notes": notes})
     ms = (time.perf_counter() - t0) * 1000.0
-    late = settled_notes(lm) if tier is not None else []
+    if tier is not None:
+        tier.flush()
+    late = tier.take_notes() if tier is not None else []
     stats = tier.stats() if tier is not None else {}
     if tier is not None:
         disk.configure(lm, None)
@@ -181,10 +182,49 @@ def run(folder: str | None, budget: int, seeds: list[int], length: int) -> dict:
 
 
 def command(folder, budget: int = 4 << 30, seeds=(0,), length: int = 200) -> tuple[list[str], dict]:
-    """The command line and environment of a ``run`` process."""
+    """The command line and environment of a ``run`` process (started in ``ROOT``)."""
     cmd = [sys.executable, "-m", "tests.engine.kv_tamper", "run", str(folder or ""), "--budget", str(budget),
            "--seeds", ",".join(map(str, seeds)), "--length", str(length)]
     return cmd, {**os.environ, "PYTHONPATH": str(ROOT), "KVSCOPE_FAST_STEP": "off"}
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of every regular file in ``folder``'s shelves (page files and temporary ones), as ``du`` would."""
+    total = 0
+    for shelf in os.listdir(folder) if folder.is_dir() else ():
+        if shelf.startswith("."):
+            continue
+        try:
+            names = os.listdir(folder / shelf)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                total += os.lstat(folder / shelf / name).st_size
+            except OSError:
+                pass  # evicted or renamed between the listing and its stat
+    return total
+
+
+def shared(folder: Path, budget: int, seeds: tuple[tuple[int, ...], ...], engine: Path = ROOT) -> dict:
+    """Writers (one per entry of ``seeds``) on one folder at once, its size sampled until they end: the peak and
+    final bytes, and what each wrote. ``engine``: the checkout whose engine they run (an older one, to compare)."""
+    procs = []
+    for s in seeds:
+        cmd, env = command(folder, budget, s)
+        env["PYTHONPATH"] = str(ROOT)  # this file; the engine package comes from the working directory, first
+        procs.append(subprocess.Popen(cmd, cwd=engine, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    peak = 0
+    while any(p.poll() is None for p in procs):
+        peak = max(peak, folder_bytes(folder))
+        time.sleep(0.002)
+    outs = [p.communicate() for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    runs = [json.loads(o.splitlines()[-1]) for o, _ in outs]
+    final = folder_bytes(folder)
+    return {"peak": max(peak, final), "final": final, "budget": budget,
+            "written": [r["stats"].get("pages_written", 0) for r in runs], "runs": runs}
 
 
 def spawn(folder, budget: int = 4 << 30, seeds=(0,), length: int = 200, timeout: float = 180.0) -> dict:
@@ -243,7 +283,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["run", "table"])
+    ap.add_argument("what", choices=["run", "table", "shared"])
+    ap.add_argument("--engine", default=str(ROOT), help="shared: the checkout whose engine the writers run")
     ap.add_argument("folder", nargs="?", default="")
     ap.add_argument("--budget", type=int, default=4 << 30)
     ap.add_argument("--seeds", default="0")
@@ -251,6 +292,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "table":
         print(table())
+        return
+    if a.what == "shared":  # two writers, 3 chats of 13 pages each, a budget of 10 pages
+        page = 20_800
+        with tempfile.TemporaryDirectory() as tmp:
+            r = shared(Path(tmp) / "kv", 10 * page, ((1, 2, 3), (4, 5, 6)), Path(a.engine))
+        print(f"budget {r['budget']:,} B; peak {r['peak']:,} B ({r['peak'] / r['budget']:.2f}x, "
+              f"{(r['peak'] - r['budget']) / page:+.1f} pages); final {r['final']:,} B; pages written {r['written']}")
         return
     print(json.dumps(run(a.folder or None, a.budget, [int(s) for s in a.seeds.split(",")], a.length)))
 
