@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QLabel, QWidget
 from app.docks import on_screen
 from app.remote_list import BURST_S, MARK, measured_speed
 from engine import snapshot as S
-from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER
+from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER, malformed_text
 from engine.snapshot import CacheSnapshot, TokenEvent
 
 SLOT_STATES = {SLOT_FREE: S.PAGE_FREE, SLOT_CHAT: S.PAGE_ACTIVE, SLOT_OTHER: S.PAGE_CACHED,
@@ -63,9 +63,10 @@ def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheS
         seq_len=chat_tokens, context_length=0, page_groups=groups, page_mine=state == S.PAGE_ACTIVE)
 
 
-def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> tuple[str, str]:
+def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str, malformed: int = 0) -> tuple[str, str]:
     """The page map's caption (the pool: short, it wraps in full) and readout line (the counters: one line, in
-    full in its tooltip) for a remote pool, from its events and ``/metrics``."""
+    full in its tooltip) for a remote pool, from its events and ``/metrics``; ``malformed``: events the view
+    skipped (``RemoteView.malformed``)."""
     block = max((p.block_size for p in pools), default=0) or metrics.block_size
     num = sum(p.num_blocks for p in pools) or metrics.num_blocks
     cached = sum(p.cached_blocks for p in pools)
@@ -86,6 +87,8 @@ def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str) -> 
     parts.append(f"{metrics.preemptions:,.0f} preemptions")
     parts.append(f"events: {gaps} batch{'es' if gaps != 1 else ''} missed, "
                  f"{resyncs} resync{'s' if resyncs != 1 else ''}")
+    if malformed:
+        parts.append(malformed_text(malformed))
     return caption, " · ".join(parts)
 
 
@@ -264,7 +267,7 @@ class RemotePanels:
             pools = eng.view.snapshots(ids)
             w.page_map.show_snapshot(cache_snapshot(pools, len(ids), rc.generation))
             cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
-            caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}")
+            caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}", eng.view.malformed)
             if rc.link.error:  # what is drawn is the last the server said
                 caption = f"<span style='color:#ff6b6b'>not answering</span> · {caption}"
                 readout = f"{rc.link.error} (asking again in {rc.link.retry_in:.0f} s) · {readout}"

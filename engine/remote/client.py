@@ -174,11 +174,11 @@ class RemoteClient:
             raise RemoteError(f"{self.url} is not an OpenAI-compatible server (GET /v1/models answered {status} "
                               f"without a model list)")
         ids = [m.get("id") for m in data[:MAX_MODELS + 1]]
-        if len(ids) > MAX_MODELS or not all(isinstance(i, str) and 0 < len(i) <= MAX_ID and i.isprintable()
-                                            for i in ids):
-            raise RemoteError(f"{self.url}: GET /v1/models lists {'more than ' if len(ids) > MAX_MODELS else ''}"
-                              f"{min(len(ids), MAX_MODELS):,} models, not all of them names (printable text of at "
-                              f"most {MAX_ID} characters)")
+        if len(ids) > MAX_MODELS:
+            raise RemoteError(f"{self.url}: GET /v1/models lists more than {MAX_MODELS:,} models")
+        if not all(isinstance(i, str) and 0 < len(i) <= MAX_ID and i.isprintable() for i in ids):
+            raise RemoteError(f"{self.url}: GET /v1/models lists model ids that are not names (printable text of "
+                              f"at most {MAX_ID} characters)")
         return ids
 
     def event_sources(self) -> dict[int, dict]:

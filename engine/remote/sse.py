@@ -62,6 +62,8 @@ def lines(resp, watchdog, idle_s: float, deadline: float, what: str):
             watchdog.arm(min(deadline, now + idle_s), total if deadline < now + idle_s else
                          f"{what} sent nothing for {idle_s:g} s")
         data = resp.read1(1 << 16)
+        if watchdog.fired:  # the read was cut by the deadline: what came is not the server's whole line
+            raise StreamError(watchdog.fired)
         if not data:
             break
         had_partial = bool(buf)

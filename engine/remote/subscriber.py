@@ -38,6 +38,7 @@ RCV_HWM_MIN = 4
 REPLAY_WAIT_MS = 1000  # the replay socket's silence that ends a replay
 REPLAY_MAX_S = 5.0  # a replay that keeps sending (and never says -1) stops here
 REPLAY_MAX_FRAMES = 10_000  # vLLM's default replay buffer: it cannot answer more
+RECONNECT_S = 0.1  # ZMQ's own first reconnect interval (RECONNECT_IVL below)
 WILDCARD_HOSTS = ("*", "::", "")
 
 
@@ -130,6 +131,7 @@ class EventSubscriber:
         self.received = 0  # batches applied
         self.dropped = 0  # batches missed and not replayed
         self.replayed = 0  # batches recovered from the replay endpoint
+        self.reconnects = 0  # connections dropped (the server went, or sent a frame over MAX_MSG_BYTES)
         self.error: str | None = None  # why the socket could not be opened
         self._expected: int | None = None
         self._stop = threading.Event()
@@ -191,10 +193,20 @@ class EventSubscriber:
             ctx.destroy(linger=0)
             return
         self._ready.set()
+        # a connection ZMQ drops for a protocol error (a frame over MAXMSGSIZE) is not reconnected by ZMQ itself
+        # (libzmq 4.3): it is watched for and reconnected here, or one oversized frame would leave us deaf
+        monitor = None if self.binding else sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        for sock in (sub, monitor):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if sub.poll(100):
+                    ready = dict(poller.poll(100))
+                    if monitor is not None and monitor in ready:
+                        self._reconnect(sub, monitor)
+                    if sub in ready:
                         self._receive(ctx, sub.recv_multipart())
                 except zmq.ZMQError:
                     if self._stop.is_set():
@@ -204,6 +216,14 @@ class EventSubscriber:
                     self.view.skip(1, f"{type(e).__name__}: {str(e)[:120]}")
         finally:
             ctx.destroy(linger=0)
+
+    def _reconnect(self, sub, monitor) -> None:
+        while monitor.poll(0):
+            monitor.recv_multipart()
+        self.reconnects += 1
+        time.sleep(RECONNECT_S)
+        sub.disconnect(self.endpoint)
+        sub.connect(self.endpoint)
 
     def _receive(self, ctx, frames: list) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:

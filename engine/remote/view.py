@@ -13,13 +13,14 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
 from engine.remote.wire import MAX_BLOCK_SIZE, MAX_RANKS, Batch, Cleared, Removed, Stored
 
 # the most blocks a view holds, all engines together: a 141 GB GPU holds ~660,000 blocks of 16 tokens of a 0.5B
-# model (12 KB of KV per token), 70,000 of an 8B one; 2^20 at ~280 bytes each stays under 300 MB here
+# model (12 KB of KV per token), 70,000 of an 8B one; 2^20 at ~200 bytes each stays under 250 MB here
 MAX_POOL_BLOCKS = 1 << 20
 EVICTED_S = 2.0  # a removed block's slot stays drawn as evicted this long (unless a new block takes it)
 SLOT_FREE, SLOT_CHAT, SLOT_OTHER, SLOT_EVICTED = 0, 1, 2, 3
@@ -52,12 +53,13 @@ class RemotePool:
         self._reset()
 
     def _reset(self) -> None:
-        # per cached block ~280 bytes here (1,048,576 blocks: under 300 MB): a hash's entry holds the key it is
-        # found by and the slots holding it (vLLM may hold a hash twice), not its token ids — a chat finds its
-        # blocks by (parent hash, tokens), so that pair's hash is all a lookup needs
-        self._held: dict = {}  # hash -> [name key, slot, slot ...]
-        self._named: dict[int, list] = {}  # hash((parent hash, tokens)) -> hashes stored under it, oldest first
+        # ~200 bytes a cached block here (2^20 blocks: ~230 MB): a hash maps to its slot (a list only for a hash
+        # held twice), each slot keeps the key its block is found by — hash((parent hash, tokens)), not the
+        # tokens themselves — and the key maps back to the hash (a list only when two hashes share it)
+        self._held: dict = {}  # hash -> slot, or [slot, slot ...] oldest first (vLLM may hold a hash twice)
+        self._named: dict = {}  # name key -> hash, or [hash, hash ...] stored under it, oldest first
         self._slot_hash: list = []  # slot -> hash or None
+        self._slot_key = array("q")  # slot -> the name key of the block in it
         self._free: list[int] = []
         self._evicted: dict[int, float] = {}  # slot -> when its block was removed
         self.held = 0  # blocks cached now (a hash held twice counts twice)
@@ -95,55 +97,77 @@ class RemotePool:
         parent = e.parent
         for i, h in enumerate(e.hashes):
             key = _name_key(parent, e.token_ids[i * B:(i + 1) * B])
-            entry = self._held.get(h)
-            if entry is None:
-                entry = self._held[h] = [key]
-                self._named.setdefault(key, []).append(h)
-            elif entry[0] != key:  # the same hash under another parent or tokens: found by the newer pair
-                self._unname(h, entry[0])
-                entry[0] = key
-                self._named.setdefault(key, []).append(h)
-            entry.append(self._take_slot(h))
+            cur = self._held.get(h)
+            slot = self._take_slot(h, key)
+            if cur is None:
+                self._held[h] = slot
+                self._name(h, key)
+            else:
+                slots = [cur] if isinstance(cur, int) else cur
+                if self._slot_key[slots[0]] != key:  # the same hash under another parent or tokens: the newer
+                    self._unname(h, self._slot_key[slots[0]])
+                    self._name(h, key)
+                    for s in slots:
+                        self._slot_key[s] = key
+                self._held[h] = [*slots, slot]
             self.stored += 1
             self.held += 1
             parent = h
 
-    def _take_slot(self, h) -> int:
+    def _take_slot(self, h, key: int) -> int:
         while self._free:
             s = heapq.heappop(self._free)
             if self._slot_hash[s] is None:
                 self._slot_hash[s] = h
+                self._slot_key[s] = key
                 self._evicted.pop(s, None)
                 return s
         self._slot_hash.append(h)
+        self._slot_key.append(key)
         return len(self._slot_hash) - 1
 
     def _remove(self, h, now: float) -> None:
-        entry = self._held.get(h)
-        if entry is None:
+        cur = self._held.get(h)
+        if cur is None:
             return  # stored before this view joined
-        s = entry.pop()
+        if isinstance(cur, int):
+            s = cur
+            del self._held[h]
+            self._unname(h, self._slot_key[s])
+        else:
+            s = cur.pop()  # the newer copy goes first
+            if len(cur) == 1:
+                self._held[h] = cur[0]
         self.removed += 1
         self.held -= 1
         self._slot_hash[s] = None
         self._evicted[s] = now
         heapq.heappush(self._free, s)
-        if len(entry) == 1:
-            del self._held[h]
-            self._unname(h, entry[0])
+
+    def _name(self, h, key: int) -> None:
+        v = self._named.get(key)
+        if v is None:
+            self._named[key] = h
+        elif isinstance(v, list):
+            if h not in v:
+                v.append(h)
+        elif v != h:
+            self._named[key] = [v, h]
 
     def _unname(self, h, key: int) -> None:
-        kids = self._named.get(key)
-        if kids is not None:
-            if h in kids:
-                kids.remove(h)
-            if not kids:
-                del self._named[key]
+        v = self._named.get(key)
+        if isinstance(v, list):
+            if h in v:
+                v.remove(h)
+            if len(v) == 1:
+                self._named[key] = v[0]
+        elif v == h:
+            del self._named[key]
 
     # -- queries ----------------------------------------------------------------------------------------
     def names(self) -> list:
         """Every cached block's hash, once per block (a hash held twice is listed twice)."""
-        return [h for h, entry in self._held.items() for _ in range(len(entry) - 1)]
+        return [h for h, cur in self._held.items() for _ in range(1 if isinstance(cur, int) else len(cur))]
 
     def chain_of(self, ids: Sequence[int], hashes: Sequence = ()) -> list:
         """The cached blocks holding ``ids`` from its first token on, full blocks only, up to the first one the
@@ -154,9 +178,10 @@ class RemotePool:
         if B < 1:
             return out
         for j in range(len(ids) // B):
-            kids = self._named.get(_name_key(parent, ids[j * B:(j + 1) * B]))
-            if kids:
-                found = kids[-1]  # two hashes for the same tokens: the newer one
+            found = self._named.get(_name_key(parent, ids[j * B:(j + 1) * B]))
+            if found is not None:
+                if isinstance(found, list):
+                    found = found[-1]  # two hashes for the same tokens: the newer one
             elif j < len(hashes) and hashes[j] in self._held:  # a hash names its whole chain: parent included
                 found = hashes[j]
             else:
@@ -174,7 +199,8 @@ class RemotePool:
             if h is not None:
                 slots[s] = SLOT_OTHER
         for h in chain:  # a hash held twice: the chat reads the newer copy; the older one waits to be evicted
-            slots[self._held[h][-1]] = SLOT_CHAT
+            cur = self._held[h]
+            slots[cur if isinstance(cur, int) else cur[-1]] = SLOT_CHAT
         for s, t in list(self._evicted.items()):
             if now - t > EVICTED_S:
                 del self._evicted[s]

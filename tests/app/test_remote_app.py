@@ -316,7 +316,9 @@ def test_remote_slots_become_page_map_states():
     caption, readout = pool_texts([pool], Metrics(kv_usage=0.5, prefix_queries=40, prefix_hits=10), 16, "m @ h:1")
     assert "<b>5</b>/2048 blocks cached" in caption and "this chat <b>3</b>" in caption and "first 384" in caption
     assert "hit rate 25% (10 of 40 tokens)" in readout and "16 cached tokens" in readout
-    assert "2 batches missed" in readout
+    assert "2 batches missed" in readout and "malformed" not in readout
+    _, readout = pool_texts([pool], Metrics(), None, "m @ h:1", malformed=3)
+    assert readout.endswith("· 3 malformed events skipped")
     two = cache_snapshot([pool, pool_of(1, 100, (SLOT_OTHER,) * 100, 100, 0)], 0)
     assert two.num_pages == 384 + 100 and two.page_groups == (("engine 0", 384), ("engine 1", 100))
 
