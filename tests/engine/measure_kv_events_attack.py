@@ -88,6 +88,12 @@ def _has(seq: list, sub: list) -> bool:
     return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
+def warm(url: str) -> None:
+    """~1,000 batches in the replay buffer (a batch per page filled: 40 replies of 256 tokens, pages of 16)."""
+    for i in range(40):
+        complete(url, KEYS[i % 2], f"warm {i} " + TEXTS[i % 2], 256)
+
+
 def big_frame(pid: int, replay: str) -> dict:
     before = hwm_mib(pid)
     ctx = zmq.Context()
@@ -143,8 +149,7 @@ def main() -> None:
         out["startup"] = [x.strip() for x in lines]
         out["listening"] = listening(proc.pid)
         out["keyless_subscriber"] = what_a_keyless_subscriber_reads(url, ev)
-        for i in range(8):  # fill the replay buffer with batches
-            complete(url, KEYS[i % 2], f"warm {i} " + TEXTS[i % 2], 64)
+        warm(url)
         out["frame_256mb"] = big_frame(proc.pid, rep)
         c0 = cpu_s(proc.pid)
         out["tok_s_quiet"] = round(throughput(url), 1)
