@@ -5,8 +5,8 @@ Layout: ``<folder>/<shelf>/<name>.kvp``, ``shelf`` naming the model and cache se
 (``engine.kv.fingerprint.shelf_fingerprint``: weights, config, dtype, page size, K/V precision) and ``name`` the
 page's prefix-cache name (``engine.kv.prefix``: a hash chain over every token from the start, tenant salt
 included). A file is a magic line, a little-endian uint32 header length, a JSON header (name, shelf, K and V
-shapes and dtype, payload bytes, SHA-256 of the payload), then K ``[layers, heads, P, dim]`` and V as stored
-(``engine.kv.page_file``).
+shapes and dtype, payload bytes, an HMAC of name, shelf and payload under the folder's key ``<folder>/.key``),
+then K ``[layers, heads, P, dim]`` and V as stored (``engine.kv.page_file``).
 
 Integrity: a file is written to a temporary name and renamed (a torn write never has the page's name); what is
 at a page path is opened without following links or blocking, and read only if it is a regular file of the
@@ -38,9 +38,9 @@ from collections import OrderedDict
 
 import torch
 
-from engine.errors import EngineError
+from engine.kv.disk_folder import PAGE_ERRNOS, FolderLock, clear_path, disk_full, folder_key, put, scan
+from engine.kv.disk_install import install
 from engine.kv.disk_report import METRICS, NOTE, gauges  # noqa: F401 - the tier's readouts, imported from here
-from engine.kv.disk_folder import PAGE_ERRNOS, FolderLock, clear_path, disk_full, put, scan
 from engine.kv.fingerprint import model_fingerprint, shelf_fingerprint
 from engine.kv.page_file import SUFFIX, PageFileError, encode, page_size, parse, read_page, remove
 
@@ -186,7 +186,7 @@ class DiskTier:
         """One page file, made room for (LRU files out), written to a temporary name and renamed, under the lock.
         What is in the way at the page's path skips that page, with a note; any other ``OSError`` stops all
         writes, with a note."""
-        head, kb, vb = encode(name, os.path.basename(folder), k, v)
+        head, kb, vb = encode(name, os.path.basename(folder), k, v, self._key)
         path, n = self._path(folder, name), len(head) + kb.nbytes + vb.nbytes
         try:
             with self._lockfile.held() as others:
@@ -279,7 +279,9 @@ class DiskTier:
             read = self._read_run(arena, want)
             with self._lock:
                 self.counts["miss_tokens"] += (len(want) - len(read)) * P
-            pages = self._install(arena, read, want) if read else []
+            pages, why = install(arena, read, want) if read else ([], "")
+            if why:
+                self.note(f"{NOTE}{why}")
         finally:
             for p in held:
                 pool.decref(p)
@@ -305,7 +307,7 @@ class DiskTier:
     def _read(self, folder: str, name: bytes, arena) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One page file's K and V ``[L, H, P, D]``, or None (missing; damaged or no file: dropped with a note)."""
         path, shelf = self._path(folder, name), os.path.basename(folder)
-        if path in self._blocked:
+        if path in self._blocked or self._key is None:
             return None
         key = (shelf, len(name))
         if key not in self._sizes:
@@ -314,7 +316,7 @@ class DiskTier:
             buf = read_page(path, self._sizes[key])
             if buf is None:
                 return None
-            kv = parse(buf, name, shelf, arena)
+            kv = parse(buf, name, shelf, arena, self._key)
         except PageFileError as e:
             return self._drop(path, str(e))
         with self._lock:
@@ -334,35 +336,6 @@ class DiskTier:
             self.note(f"{NOTE}skipped {path} ({why}; it cannot be removed); its tokens are computed again")
         return None
 
-    def _install(self, arena, read: list, names: list[bytes]) -> list[int]:
-        """Free pages for ``read``, their K/V written, named and left cached. Returns the pages (none on failure)."""
-        pool, P, n = arena.pool, arena.page_size, len(read)
-        try:
-            arena.ensure_free(n)
-        except EngineError as e:
-            self.note(f"KV disk tier: no room to restore {n * P} tokens ({e}); they are computed again")
-            return []
-        pages = pool.allocate(n)
-        try:
-            dev = arena.shape.device
-            idx = torch.tensor(pages, device=dev)
-            slots = (idx[:, None] * P + torch.arange(P, device=dev)).reshape(-1)  # [n * P]
-            for i, r in enumerate("kv"):
-                x = torch.cat([kv[i] for kv in read], dim=2).to(dev)  # [L, H, n * P, D]
-                for layer, t in enumerate(arena.roles[r].layers):
-                    t.index_copy_(1, slots, x[layer])
-        except (RuntimeError, EngineError) as e:
-            for p in pages:
-                pool.decref(p)
-            self.note(f"KV disk tier: restoring failed ({e}); the tokens are computed again")
-            return []
-        for p, name in zip(pages, names):
-            pool.fill[p] = P
-            pool.register(p, name)
-        for p in pages:
-            pool.decref(p)  # cached: the session adopts them as it adopts pages other sessions computed
-        return pages
-
     # -- the folder at start -----------------------------------------------------------------------------
     def _scan(self) -> None:
         """Know the files already there, least recently used first (a listing: the lock is the writer's, taken
@@ -374,6 +347,10 @@ class DiskTier:
         except OSError as e:
             self.writable = False
             self.note(f"{NOTE}cannot write to {self.folder} ({e.strerror or e}): pages are not saved")
+        self._key, why = folder_key(self.folder) if os.path.isdir(self.folder) else (None, "")
+        if why and self.writable:  # (a folder that cannot be written has said so: no key can be made there)
+            self.writable = False
+            self.note(f"{NOTE}no key for the page files ({why}): pages are neither read nor saved")
         found, self._tmp_bytes, _ = scan(self.folder, locked=False, clear_tmp=False)
         for _, path, size in found:
             self._files[path] = size

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
 import struct
 import time
@@ -35,6 +36,8 @@ except ImportError:  # Windows: no flock; every write counts the folder again
     fcntl = None
 
 LOCK_NAME = ".lock"
+KEY_NAME = ".key"
+KEY_BYTES = 32  # HMAC-SHA256's block is 64 bytes; 32 random ones are its full strength
 LOCK_WAIT_S = 10.0  # a writer holds the lock for one page file (~1 ms for 1 MB); 10 s is a stuck holder
 POLL_S = 0.005
 STALE_TMP_S = 600  # without a lock: a temporary file this old is a torn write of a dead process
@@ -150,6 +153,52 @@ def _stale(entry: str, age: float) -> bool:
     except OSError:  # alive, another user's
         return False
     return False
+
+
+def folder_key(folder: str) -> tuple[bytes | None, str]:
+    """The folder's page-file key (``engine.kv.page_file.mac``): ``<folder>/.key``, 32 random bytes made by the
+    first tier that finds none (written under a temporary name, then linked: two processes starting at once
+    agree on one). (key, "") or (None, why there is none: then the tier neither reads nor writes)."""
+    path = os.path.join(folder, KEY_NAME)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+                         | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            why = _make_key(path)
+            if why:
+                return None, why
+            continue
+        except OSError as e:
+            return None, f"{path}: {e.strerror or e}"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None, f"{path} is {kind(st.st_mode)}, not a key file"
+            if st.st_size != KEY_BYTES:
+                return None, f"{path} has {st.st_size:,} bytes, not a key's {KEY_BYTES}"
+            key = os.read(fd, KEY_BYTES)
+        finally:
+            os.close(fd)
+        return (key, "") if len(key) == KEY_BYTES else (None, f"{path} is not a key file")
+    return None, f"{path} could not be made"
+
+
+def _make_key(path: str) -> str:
+    tmp = f"{path}.tmp{os.getpid()}"
+    remove(tmp)
+    try:
+        fd = os.open(tmp, WRITE_FLAGS, 0o600)  # only this user can read it: nobody else can sign a page
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another process made it first: its key is the folder's
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    finally:
+        remove(tmp)
+    return ""
 
 
 def disk_full(shelf: str, folder: str, need: int) -> str:

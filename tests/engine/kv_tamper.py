@@ -14,7 +14,6 @@ peak RSS and time against the clean reader's).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT / "resources" / "models" / "stories260K")
 P = 16
 TWO_GIB = 2 << 30
-MAGIC = b"KVSCOPE-PAGE-1\n"
+MAGIC = b"KVSCOPE-PAGE-2\n"  # engine.kv.page_file.MAGIC (this file runs before torch is imported)
 
 
 def prompt_ids(seed: int = 0, length: int = 200) -> list[int]:
@@ -113,14 +112,24 @@ def _full_dir(path: Path, raw: bytes, scratch: Path) -> None:
 
 
 def _nan(path: Path, raw: bytes, scratch: Path) -> None:
-    """NaN payload, checksum recomputed: a file that passes every check but the values."""
+    """NaN payload, checksum recomputed with the folder's key (as its owner could): a file that passes every
+    check but the values."""
+    from engine.kv.page_file import mac
+
     (hlen,) = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])
     off = len(MAGIC) + 4 + hlen
     payload = struct.pack("<f", float("nan")) * ((len(raw) - off) // 4)
     header = raw[len(MAGIC) + 4:off]
-    old = json.loads(header)["sha256"].encode()
-    header = header.replace(old, hashlib.sha256(payload).hexdigest().encode())
+    old = json.loads(header)["hmac"].encode()
+    key = (path.parent.parent / ".key").read_bytes()
+    header = header.replace(old, mac(key, bytes.fromhex(path.stem), path.parent.name, payload).encode())
     path.write_bytes(raw[:len(MAGIC) + 4] + header + payload)
+
+
+def _renamed_header(path: Path, raw: bytes, scratch: Path) -> None:
+    """Another page's valid file, its header's name rewritten to this page's: another prompt's K/V offered."""
+    other = next(p for p in sorted(path.parent.glob("*.kvp")) if p != path)
+    path.write_bytes(other.read_bytes().replace(other.stem.encode(), path.stem.encode()))
 
 
 # name -> (tamper, words the note has, whether a page file is at the page path afterwards: the thing there removed
@@ -135,6 +144,7 @@ CASES = {
     "empty directory at a page path": (_empty_dir, "a directory, not a page file", True),
     "directory with a file in it": (_full_dir, "cannot be removed", False),
     "NaN payload, valid checksum": (_nan, "values not finite (NaN or inf)", True),
+    "another page's file, header renamed": (_renamed_header, "checksum mismatch", True),
 }
 
 

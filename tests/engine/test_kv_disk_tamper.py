@@ -93,6 +93,30 @@ def test_whatever_is_at_a_page_path_is_dropped_unread_and_recomputed(fresh, clea
         assert chat(fresh(folder), IDS)[1].disk_restored_tokens == 12 * P
 
 
+def test_pages_signed_elsewhere_or_renamed_in_their_header_are_not_trusted(fresh, clean, tmp_path):
+    """Another page's valid file with its header's name rewritten to this page's (with SHA-256 alone, anyone
+    could recompute the checksum and have a prompt read another's K/V), and a page copied from another folder
+    (its own key): each is a checksum mismatch, dropped and computed again."""
+    mine = copy_of(clean, tmp_path)
+    other = tmp_path / "other"
+    lm = fresh(other)
+    chat(lm, IDS)
+    disk.configure(lm, None)
+    assert (other / ".key").read_bytes() != (mine / ".key").read_bytes() and (mine / ".key").stat().st_mode & 0o077 == 0
+    pages = chain_paths(mine, IDS)
+    raw6 = pages[6].read_bytes()
+    pages[5].write_bytes(raw6.replace(pages[6].stem.encode(), pages[5].stem.encode()))  # same length: hex names
+    pages[8].write_bytes(chain_paths(other, IDS)[8].read_bytes())  # the same page, signed by another folder
+    for n_restored, fix in ((5, lambda: pages[5].write_bytes(clean["raw"])), (8, None)):
+        tokens, st, notes = chat(fresh(mine), IDS)
+        assert tokens == clean["tokens"] and st.disk_restored_tokens == n_restored * P
+        assert [n for n in notes if "dropped" in n] == [
+            "KV disk tier: dropped a page file (checksum mismatch: altered, or written under another folder's key); "
+            "its tokens are computed again"]
+        if fix is not None:
+            fix()
+
+
 def test_the_header_parser_raises_only_its_own_error(stories):
     arena = stories.kv_arenas.get(P, None, "auto", "auto")
     name, shelf = b"\x01" * 32, "s" * 32
@@ -111,7 +135,7 @@ def test_the_header_parser_raises_only_its_own_error(stories):
     for why, bufs in cases.items():
         for buf in bufs:
             with pytest.raises(PageFileError) as e:
-                parse(buf, name, shelf, arena)
+                parse(buf, name, shelf, arena, b"k" * 32)
             assert str(e.value) == why
 
 
@@ -160,3 +184,22 @@ def chain_paths_for(lm, folder: Path) -> list[Path]:
     shelf = Path(lm.kv_arenas.disk.shelf(lm.kv_arenas.get(P, None, "auto", "auto")))
     assert shelf.parent == folder
     return [shelf / (h.hex() + disk.SUFFIX) for h in extend_chain([], IDS, P, 13, ROOT)]
+
+
+@pytest.mark.parametrize("bad", ["fifo", "short"])
+def test_a_key_that_is_not_a_key_file_turns_the_tier_off_with_a_note(fresh, clean, tmp_path, bad):
+    folder = copy_of(clean, tmp_path)
+    key = folder / ".key"
+    key.unlink()
+    if bad == "fifo":
+        os.mkfifo(key)
+        got = spawn(folder, timeout=120)  # a blocking open would hang: its own process, a guard timeout
+        tokens, restored, notes = got["chats"][0]["tokens"], got["chats"][0]["restored"], got["chats"][0]["notes"]
+        why = f"{key} is a pipe (FIFO), not a key file"
+    else:
+        key.write_bytes(b"1234")
+        tokens, st, notes = chat(fresh(folder), IDS)
+        restored, why = st.disk_restored_tokens, f"{key} has 4 bytes, not a key's 32"
+    assert tokens == clean["tokens"] and restored == 0  # nothing read that no key vouches for
+    assert f"KV disk tier: no key for the page files ({why}): pages are neither read nor saved" in notes, notes
+    assert len(chain_paths(folder, IDS)) == 12 and all(p.is_file() for p in chain_paths(folder, IDS))
