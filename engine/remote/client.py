@@ -116,6 +116,10 @@ class RemoteClient:
             if isinstance(e, Exception) and wd.fired:
                 raise RemoteError(wd.fired) from None
             raise self._failure(e) from None
+        if wd.fired:  # the headers were cut by the deadline: what came is not the server's answer
+            wd.close()
+            conn.close()
+            raise RemoteError(wd.fired)
         if resp.status == 401:
             wd.close()
             conn.close()

@@ -184,25 +184,60 @@ class Run:
 
 
 def attach(url: str, *args: str, timeout: float = ATTACH_TIMEOUT_S, during=None) -> Run:
-    """``python -m engine attach URL ARGS`` in a process of its own: exit code, stdout, stderr, peak RSS (MB, from
-    wait4) and wall time. ``during(pid)``: called once it started (on this thread), e.g. to look at its sockets."""
+    """``python -m engine attach URL ARGS`` in a process of its own: exit code, stdout, stderr, peak RSS (MB, its
+    VmHWM) and wall time. ``during(pid)``: called once it started (on this thread), e.g. to look at its sockets."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "engine", "attach", url, *args], cwd=ROOT, stdout=out,
                                 stderr=err, env={**os.environ, "KVSCOPE_DEBUG": ""})
         guard = threading.Timer(timeout, lambda: os.kill(proc.pid, signal.SIGKILL))
         guard.start()
+        peak = _Peak(proc.pid)
         try:
             if during is not None:
                 during(proc.pid)
-            _, status, usage = os.wait4(proc.pid, 0)
+            _, status, _usage = os.wait4(proc.pid, 0)
         finally:
             guard.cancel()
+            peak.done.set()
         proc.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - t0
         out.seek(0)
         err.seek(0)
-        return Run(proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss / 1024, seconds)
+        run = Run(proc.returncode, out.read().decode(), err.read().decode(), peak.kb / 1024, seconds)
+    _record(run)
+    return run
+
+
+class _Peak:
+    """The process's own peak RSS: VmHWM of /proc/PID/status, read every 10 ms until it exits (wait4's ru_maxrss
+    is no use here: Linux carries the parent's high-water mark across fork and exec, ~90-150 MB of pytest)."""
+
+    def __init__(self, pid: int) -> None:
+        self.kb, self.done = 0, threading.Event()
+        self._path = f"/proc/{pid}/status"
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.01):
+            try:
+                for line in Path(self._path).read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.kb = max(self.kb, int(line.split()[1]))
+            except (OSError, ValueError):
+                pass  # exited (a zombie has no VmHWM), or between reads
+
+
+def _record(run: Run) -> None:
+    """With ``KVSCOPE_ATTACH_MEASURE=FILE`` (``measure_attach_hostile.py``), one JSON line per run: the case, the
+    exit code, the last stderr line, peak RSS and time."""
+    path = os.environ.get("KVSCOPE_ATTACH_MEASURE")
+    if path:
+        case = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": case, "rc": run.rc, "stderr_lines": len(run.err_lines),
+                                "line": run.err_lines[-1] if run.err_lines else "", "peak_mb": round(run.peak_mb, 1),
+                                "seconds": round(run.seconds, 2)}) + "\n")
 
 
 def listening(port: int) -> set[str]:

@@ -159,13 +159,16 @@ def test_a_well_behaved_server_still_works_and_metrics_junk_reads_as_zero():
     assert out["events"]["malformed"] == 0
 
 
-@pytest.mark.parametrize("flag,value,says", [
+NUMBERS = [
     ("--watch", "inf", "--watch inf: give seconds from 0 to 604800 (a week)"),
     ("--watch", "nan", "--watch nan: give seconds from 0 to 604800 (a week)"),
     ("--watch", "-1", "--watch -1.0: give seconds from 0 to 604800 (a week)"),
     ("--events-timeout", "nan", "--events-timeout nan: give seconds from 0 to 604800 (a week)"),
     ("--max-new-tokens", "0", "--max-new-tokens 0: give 1 to 1,048,576"),
-])
+]
+
+
+@pytest.mark.parametrize("flag,value,says", NUMBERS, ids=[f"{f} {v}" for f, v, _ in NUMBERS])
 def test_bad_numbers_are_one_line_before_any_request(flag, value, says):
     with HostileServer() as server:
         run = attach(server.url, "--prompt", "hi", flag, value)

@@ -107,7 +107,8 @@ def test_a_million_hashes_disconnect_the_publisher_and_65537_are_one_malformed_e
 
 
 def test_a_pool_filled_past_its_cap_stops_there():
-    """2^20 + 65,536 distinct blocks, never removed: the view holds 2^20 (~250 MB) and skips the rest; --watch 10 is time to apply them on a busy machine (~1 s alone)."""
+    """2^20 + 65,536 distinct blocks, never removed: the view holds 2^20 (~250 MB) and skips the rest (--watch 10:
+    time to apply them on a busy machine; ~1 s alone)."""
     pub = Publisher()
     per_event = 65_536
 
