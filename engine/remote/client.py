@@ -115,7 +115,7 @@ class RemoteClient:
             conn.close()
             if isinstance(e, Exception) and wd.fired:
                 raise RemoteError(wd.fired) from None
-            raise self._failure(e) from None
+            raise self._failure(e, t) from None
         if wd.fired:  # the headers were cut by the deadline: what came is not the server's answer
             wd.close()
             conn.close()
@@ -126,7 +126,7 @@ class RemoteClient:
             raise RemoteError(f"{self.url} refused the API key (401): give the key the server was started with")
         return conn, resp, wd
 
-    def _failure(self, e: BaseException) -> BaseException:
+    def _failure(self, e: BaseException, read_s: float) -> BaseException:
         """The one line for a request that failed before its headers came (``e`` itself if not the network's)."""
         if isinstance(e, ConnectionRefusedError):
             return RemoteError(f"{self.url} refused the connection: is the server running on that port?")
@@ -136,7 +136,7 @@ class RemoteClient:
         if isinstance(e, socket.gaierror):
             return RemoteError(f"{self.host}: no such host")
         if isinstance(e, (socket.timeout, TimeoutError)):
-            return RemoteError(f"{self.url} did not answer within {self.timeout:g} s")
+            return RemoteError(f"{self.url} did not answer within {read_s:g} s")
         if isinstance(e, OSError):
             return RemoteError(f"{self.url}: {e.strerror or e}")
         if isinstance(e, http.client.HTTPException):  # a status line or headers that are not HTTP, or too many
