@@ -247,38 +247,53 @@ def spawn(folder, budget: int = 4 << 30, seeds=(0,), length: int = 200, timeout:
     return {**json.loads(p.stdout.splitlines()[-1]), "wall_s": time.perf_counter() - t0}
 
 
-def table() -> str:
+def table(repeats: int = 3) -> str:
+    """The tamper table: each case ``repeats`` times on a fresh copy (times: the fastest run, as the machine is
+    shared; RSS: the largest), against a clean reader and a run without the tier (every token prefilled)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "clean"
         spawn(base)  # writes the 13 pages
         raw = chain_paths(base, prompt_ids())[5].read_bytes()
-        runs = {"clean (no tampering)": (spawn(_copy(base, Path(tmp) / "c")), True)}
+        want = spawn(None)["chats"][0]["tokens"]
+        runs = {"clean reader (no tampering)": _best([(spawn(_copy(base, Path(tmp) / f"c{i}")), True)
+                                                      for i in range(repeats)]),
+                "no tier (all prefilled)": _best([(spawn(None), True) for _ in range(repeats)])}
         for name, (tamper, words, gone) in CASES.items():
-            folder = _copy(base, Path(tmp) / name.replace(" ", "_"))
-            scratch = Path(tmp) / ("scratch-" + name.replace(" ", "_"))
-            scratch.mkdir()
-            page = chain_paths(folder, prompt_ids())[5]
-            tamper(page, raw, scratch)
-            try:
-                got = spawn(folder, timeout=120)
-            except subprocess.TimeoutExpired:
-                runs[name] = ({"ms": float("nan"), "rss_mib": float("nan"), "wall_s": 120.0}, False)
-                continue
-            notes = got["chats"][0]["notes"]
-            ok = (got["chats"][0]["tokens"] == runs["clean (no tampering)"][0]["chats"][0]["tokens"]
-                  and got["chats"][0]["restored"] == 5 * P and any(words in n for n in notes)
-                  and replaced(page) == gone)
-            runs[name] = (got, ok)
-            shutil.rmtree(scratch)
-    clean = runs["clean (no tampering)"][0]
+            runs[name] = _best([_one(base, Path(tmp) / f"{name.replace(' ', '_')}{i}", tamper, raw, words, gone,
+                                     want) for i in range(repeats)])
+    clean = runs["clean reader (no tampering)"][0]
     rows = ["| case | handled cleanly | peak RSS MiB (× clean) | chat ms (× clean) | process s (× clean) |",
             "|---|---|---|---|---|"]
     for name, (r, ok) in runs.items():
         rows.append(f"| {name} | {'yes' if ok else 'NO'} | {r['rss_mib']:.0f} ({r['rss_mib'] / clean['rss_mib']:.2f}) "
-                    f"| {r['ms']:.0f} ({r['ms'] / clean['ms']:.2f}) | {r['wall_s']:.1f} "
+                    f"| {r['ms']:.0f} ({r['ms'] / clean['ms']:.2f}) | {r['wall_s']:.2f} "
                     f"({r['wall_s'] / clean['wall_s']:.2f}) |")
     n_ok = sum(ok for name, (_, ok) in runs.items() if name in CASES)
     return "\n".join(rows) + f"\n\nhandled cleanly: {n_ok} / {len(CASES)}"
+
+
+def _one(base: Path, folder: Path, tamper, raw: bytes, words: str, gone: bool, want: list[int]) -> tuple[dict, bool]:
+    """A reader on a tampered copy of ``base``: its run, and whether it handled the case cleanly (the clean
+    reply, pages 0-4 restored, the note, the page path as expected)."""
+    _copy(base, folder)
+    scratch = folder.with_name(folder.name + "-scratch")
+    scratch.mkdir()
+    page = chain_paths(folder, prompt_ids())[5]
+    tamper(page, raw, scratch)
+    try:
+        got = spawn(folder, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"ms": float("nan"), "rss_mib": float("nan"), "wall_s": 120.0}, False
+    finally:
+        shutil.rmtree(scratch)
+    c = got["chats"][0]
+    return got, (c["tokens"] == want and c["restored"] == 5 * P and any(words in n for n in c["notes"])
+                 and replaced(page) == gone)
+
+
+def _best(runs: list[tuple[dict, bool]]) -> tuple[dict, bool]:
+    return ({"ms": min(r["ms"] for r, _ in runs), "wall_s": min(r["wall_s"] for r, _ in runs),
+             "rss_mib": max(r["rss_mib"] for r, _ in runs)}, all(ok for _, ok in runs))
 
 
 def replaced(page: Path) -> bool:
