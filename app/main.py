@@ -45,25 +45,25 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     QCoreApplication.setApplicationName("kvscope")
     app = QApplication.instance() or QApplication(sys.argv[:1])
 
-    from app.settings import default_data_dir
-    from app.theme import apply_theme
+    from app.settings.store import default_data_dir
+    from app.shell.theme import apply_theme
 
     apply_theme(app)
-    from app.resources import app_icon
+    from app.shell.resources import app_icon
 
     app.setWindowIcon(app_icon())
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
 
     if args.self_test:
-        from app.self_test import run_self_test
+        from app.selftest.run import run_self_test
 
         code = run_self_test(app, model=args.model or "demo", screenshot=args.screenshot, t0=t0,
                              data_dir=Path(args.data_dir) if args.data_dir else None)
         _exit_now(code)
 
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.settings.store import Settings
 
     settings = Settings.from_data_dir(data_dir)
     history = HistoryStore.in_data_dir(data_dir)
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
 
 
 def run_window(app, window, history) -> int:
-    """The event loop until the window closes, or SIGTERM / SIGINT quit it the same way (``app.quit_signals``),
+    """The event loop until the window closes, or SIGTERM / SIGINT quit it the same way (``app.shell.quit_signals``),
     then the worker joined (a running reply saved as stopped) and the history closed. The loop's exit code."""
-    from app.quit_signals import QuitOnSignals
+    from app.shell.quit_signals import QuitOnSignals
 
     signals = QuitOnSignals(app)
     try:

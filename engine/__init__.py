@@ -6,9 +6,9 @@ Importing ``engine`` is light (configs, snapshots, errors); torch and transforme
 
 import os as _os
 
-from engine.aot_step import inductor_cache_dir as _inductor_cache_dir
+from engine.model.aot_step import inductor_cache_dir as _inductor_cache_dir
 
-# before torch: its first look at its cache folder would otherwise fix it to /tmp (engine.aot_step)
+# before torch: its first look at its cache folder would otherwise fix it to /tmp (engine.model.aot_step)
 _os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig  # noqa: E402
@@ -23,11 +23,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("load_model", "LoadedModel"):
-        from engine import loader
+        from engine.model import loader
 
         return getattr(loader, name)
     if name == "ChatSession":
-        from engine.session import ChatSession
+        from engine.core.session import ChatSession
 
         return ChatSession
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

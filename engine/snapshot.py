@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 # Page states, as stored in ``CacheSnapshot.page_state`` (int8 codes; defined with the pool that owns them).
-from engine.kv.pool import (  # noqa: E402,F401 - re-exported for the GUI (plain ints, no torch)
+from engine.kv.paged.pool import (  # noqa: E402,F401 - re-exported for the GUI (plain ints, no torch)
     PAGE_ACTIVE,
     PAGE_CACHED,
     PAGE_EVICTED,
@@ -59,7 +59,7 @@ class ModelInfo:
     is_demo: bool = False
     has_chat_template: bool = False
     stop_ids: tuple[int, ...] = ()
-    # per layer, what it caches (``engine.arch``): "full" | "sliding" | "state" | "none", and sliding windows
+    # per layer, what it caches (``engine.model.arch``): "full" | "sliding" | "state" | "none", and sliding windows
     layer_kinds: tuple[str, ...] = ()
     windows: tuple[int, ...] = ()
     k_heads: int = 0  # what attention layers cache, from the tensors the model produced
@@ -69,9 +69,9 @@ class ModelInfo:
     state_bytes: int = 0  # recurrent / convolution state of all state layers, per chat
     attn_impl: str = "sdpa"
     unsupported: str = ""  # why chat sessions cannot run this model (one line), "" when they can
-    threads: int = 0  # CPU threads torch uses for it (``engine.threads``), and why
+    threads: int = 0  # CPU threads torch uses for it (``engine.model.threads``), and why
     threads_reason: str = ""
-    cpu_features: str = ""  # the CPU's vector level and native bf16 (``engine.threads.cpu_features``), CPU only
+    cpu_features: str = ""  # the CPU's vector level and native bf16 (``engine.model.threads.cpu_features``), CPU only
 
     @property
     def layer_bytes_per_token(self) -> int:
@@ -143,8 +143,8 @@ class TokenEvent:
     phase: str
     step_ms: float
     tokens_in_step: int  # tokens the forward pass processed (prompt length for prefill, 1 for decode)
-    path: str = "eager"  # what ran the forward: eager | compiled (engine.fast_step) | batched | speculative
-    draft: bool = False  # a draft token the model's verification accepted (``engine.speculative``)
+    path: str = "eager"  # what ran the forward: eager | compiled (engine.model.fast_step) | batched | speculative
+    draft: bool = False  # a draft token the model's verification accepted (``engine.speculation.verify``)
 
 
 @dataclass(frozen=True)
@@ -189,12 +189,12 @@ class CacheSnapshot:
     page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
     layer_kinds: tuple[str, ...] = ()  # per layer: "full", "sliding", "state", "full+state", "none" (ModelInfo's)
     written_pages: tuple[int, ...] = ()  # pages of the map the step's forward wrote (every session's, if batched)
-    restored_pages: tuple[int, ...] = ()  # this chat's pages its turn took from the KV disk tier (engine.kv.disk)
+    restored_pages: tuple[int, ...] = ()  # this chat's pages its turn took from the KV disk tier (engine.kv.tier.disk)
     batch_size: int = 1  # sessions whose tokens that forward decoded together (engine.batch)
     verified: int = 0  # slots a speculative verification wrote (the fed token + its drafts; 0: no verification)
     rolled_back: int = 0  # of them, the rejected drafts' slots cut back (their pages freed if emptied)
     step_path: str = "eager"  # what ran that forward: eager | compiled | batched (TokenEvent.path)
-    fast_step: str = ""  # the model's compiled decode step in words (engine.fast_step.FastStep.describe)
+    fast_step: str = ""  # the model's compiled decode step in words (engine.model.fast_step.FastStep.describe)
     page_mine: np.ndarray | None = None  # [num_pages] bool: held by this chat (else: free, cached, other chats')
 
     def __post_init__(self) -> None:
@@ -240,7 +240,7 @@ class TurnStats:
     prefill_tokens_per_s: float = 0.0
     stop_reason: str = ""
     shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
-    disk_restored_tokens: int = 0  # of shared_tokens, those read from the KV disk tier (engine.kv.disk)
+    disk_restored_tokens: int = 0  # of shared_tokens, those read from the KV disk tier (engine.kv.tier.disk)
     dropped_tokens: int = 0  # prompt tokens dropped unread to fit the context (in neither reused nor recomputed)
     threads: int = 0  # CPU threads torch used (0: not on the CPU)
     forwards: int = 0  # forwards that gave tokens (the first token's, then decode or verification forwards)

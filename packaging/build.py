@@ -186,7 +186,7 @@ def check_frozen_sources(src: Path, out: Path) -> dict:
     editable ``pip install -e`` of another checkout, a stale wheel in site-packages)."""
     toc = (out / "build" / NAME / "PYZ-00.toc").read_text(encoding="utf-8")
     found = {}
-    for mod in ("app.main", "engine.loader"):
+    for mod in ("app.main", "engine.model.loader"):
         m = re.search(rf"\('{re.escape(mod)}',\s*'([^']+)'", toc)
         if not m:
             fail(f"{mod} is not in the bundle's PYZ (PyInstaller did not find the app)")

@@ -109,7 +109,7 @@ def _tiny_config(arch: str):
 
 def _run_session(lm, prompt_ids=None, prompt: str | None = None, new_tokens: int = 6) -> list[int]:
     from engine.config import CacheConfig, SamplingConfig
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     out: list[list[int]] = []
     for mode in ("off", "paged"):
@@ -204,12 +204,12 @@ def bundle_check(argv: list[str]) -> int:
         w.close()
         out = {"platform": app.platformName(), "grab": [img.width(), img.height()], "pyqtgraph": pg.__version__}
         try:
-            from app.resources import app_icon  # the app's own resource lookup, when it has one
+            from app.shell.resources import app_icon  # the app's own resource lookup, when it has one
         except ImportError:
             return out
         icon = app_icon()
         if icon.isNull():
-            raise FileNotFoundError("app.resources.app_icon() found no icon files in the bundle")
+            raise FileNotFoundError("app.shell.resources.app_icon() found no icon files in the bundle")
         out["app_icon_sizes"] = [s.width() for s in icon.availableSizes()]
         return out
 
@@ -219,7 +219,7 @@ def bundle_check(argv: list[str]) -> int:
         from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
         from engine.config import ModelSpec
-        from engine.loader import wrap_model
+        from engine.model.loader import wrap_model
 
         cfg = _tiny_config(arch)
         with torch.random.fork_rng(devices=[]):
@@ -242,14 +242,14 @@ def bundle_check(argv: list[str]) -> int:
         return {"model": type(model).__name__, "layers": kinds, "ids": ids, "tokenizers": toks}
 
     def demo_check():
-        from engine.loader import load_model
+        from engine.model.loader import load_model
 
         lm = load_model("demo")
         return {"name": lm.info.name, "ids": _run_session(lm, prompt="Once upon a time")}
 
     def builtin_check():
-        from engine.builtin_model import BUILTIN_MODEL, builtin_model_dir
-        from engine.loader import load_model
+        from engine.model.builtin import BUILTIN_MODEL, builtin_model_dir
+        from engine.model.loader import load_model
 
         folder = builtin_model_dir()
         root = folder.parent.parent.parent  # <root>/resources/models/stories260K
@@ -261,7 +261,7 @@ def bundle_check(argv: list[str]) -> int:
 
     def model_check(quantization: str):
         from engine.config import ModelSpec
-        from engine.loader import load_model
+        from engine.model.loader import load_model
 
         lm = load_model(ModelSpec(source=args.model, quantization=quantization, device="cpu",
                                   allow_download=False))

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The checkout's own copy (not engine.builtin_model's answer, which is wherever ``engine`` was imported from), so a
+# The checkout's own copy (not engine.model.builtin's answer, which is wherever ``engine`` was imported from), so a
 # fresh clone tests its own files; KVSCOPE_STORIES points the tests at another copy of the model.
 STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT / "resources" / "models" / "stories260K")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-# The compiled decode step (engine.fast_step) compiles in the background on a model's first decode: ~25 s of
+# The compiled decode step (engine.model.fast_step) compiles in the background on a model's first decode: ~25 s of
 # CPU for each model a test loads. Off unless a test turns it on (tests/engine/test_fast_step.py).
 os.environ.setdefault("KVSCOPE_FAST_STEP", "off")
 
@@ -26,13 +26,13 @@ def stories_path() -> Path:
 
 @pytest.fixture(scope="session")
 def stories(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(str(stories_path))
 
 
 @pytest.fixture(scope="session")
 def demo_model():
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model("demo")

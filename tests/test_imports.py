@@ -117,9 +117,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_only_the_runner_calls_the_model():
-    """One place runs the model: a forward call (``model(input_ids=...)``) appears in ``engine/runner.py`` only
-    (``engine/arch.py`` probes a model once at load and ``engine/bench.py`` times HF's own ``generate``)."""
-    allowed = {"engine.runner"} | set(contract()["model-call-exempt"])
+    """One place runs the model: a forward call (``model(input_ids=...)``) appears in ``engine/model/runner.py`` only
+    (``engine/model/arch.py`` probes a model once at load and ``engine/tools/bench.py`` times HF's own ``generate``)."""
+    allowed = {"engine.model.runner"} | set(contract()["model-call-exempt"])
     calls = []
     for m, p in modules("engine").items():
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):

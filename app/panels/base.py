@@ -95,7 +95,7 @@ class Panel(QWidget):
             self.show_snapshot(self.last_snapshot)
 
     def show_help(self) -> None:
-        """The "?" button: ask whoever shows help (the main window connects ``help_requested`` to ``app.help``,
+        """The "?" button: ask whoever shows help (the main window connects ``help_requested`` to ``app.shell.help``,
         whose texts import the panels' colours: the panels never import it)."""
         self.help_requested.emit(self)
 

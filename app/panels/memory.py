@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QWidget
 
-from app.format import human_bytes
+from app.shell.format import human_bytes
 from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 

@@ -10,9 +10,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import QSize
 from PySide6.QtWidgets import QLabel
 
-from app.format import human_bytes, human_count
+from app.shell.format import human_bytes, human_count
 from app.panels.base import Panel, styled_plot
-from engine.builtin_model import is_builtin
+from engine.model.builtin import is_builtin
 from engine.snapshot import ModelInfo
 
 BAR_COLOURS = ("#8a919c", "#4c9be8", "#43c59e")

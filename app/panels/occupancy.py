@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 
-from app.format import human_bytes
+from app.shell.format import human_bytes
 from app.panels.base import Panel, StickyRange, hover_tip, legend_row, styled_plot
 from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 

@@ -17,7 +17,7 @@ from PySide6.QtGui import QColor, QCursor
 from PySide6.QtWidgets import QSizePolicy, QToolTip
 
 from app.panels.base import Panel, legend_html, legend_row
-from app.widgets import WordLabel
+from app.shell.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
 
@@ -45,13 +45,13 @@ TOKEN_COLOURS = {  # TOKEN_* code -> colour
 }
 PAD = (16, 18, 23, 255)  # cells past the last page
 VERIFY_COLOUR = "#ffb347"  # the frame of a page a speculative verification wrote provisional slots into
-RESTORED_COLOUR = "#ff7ad9"  # the frame of a page whose K/V this turn read from the KV disk tier (engine.kv.disk)
+RESTORED_COLOUR = "#ff7ad9"  # the frame of a page whose K/V this turn read from the KV disk tier (engine.kv.tier.disk)
 LOCAL_PAGES = ([(TURN_COLOURS[0], "active (by turn)"), (OTHER_COLOUR, "other chats")]
                + [(STATE_COLOURS[c], PAGE_STATE_NAMES[c]) for c in STATE_COLOURS if c != S.PAGE_ACTIVE]
                + [(VERIFY_COLOUR, "verified (frame)"),  # a speculative verification wrote into it
                   (RESTORED_COLOUR, "restored from disk (frame)")])  # K/V read from the KV disk tier
 LOCAL_STRIP = [(TOKEN_COLOURS[c], TOKEN_STATE_NAMES[c]) for c in TOKEN_COLOURS]
-# A remote chat's map is its server's block pool (app.remote_panels maps the view's slots to these states): only
+# A remote chat's map is its server's block pool (app.remote.panels maps the view's slots to these states): only
 # these states occur, and each means something else there, so they get the server's words.
 REMOTE_STATES = {S.PAGE_ACTIVE: "this chat", S.PAGE_CACHED: "other requests", S.PAGE_FREE: "free",
                  S.PAGE_EVICTED: "evicted (2 s)"}
@@ -212,7 +212,7 @@ class PageMapPanel(Panel):
         self.strip_legend = legend_row(LOCAL_STRIP, prefix="tokens (top strip):")
         self._layout.addWidget(self.strip_legend)
         self.remote = False  # a remote chat is on screen: the map is its server's block pool (set_legend_mode)
-        self.help_key = ""  # the "?" help's entry when it is not the panel's own (app.help)
+        self.help_key = ""  # the "?" help's entry when it is not the panel's own (app.shell.help)
         # Shortened at a word to the dock's width (the full text in its tooltip and the cursor's): a page's long
         # description must never widen the dock and reflow the chat.
         self.hover = WordLabel(" ")

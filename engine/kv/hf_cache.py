@@ -4,9 +4,9 @@
 transformers applies RoPE, calls ``cache.update(k, v, layer_idx)`` and runs its stock attention (sdpa/eager) on
 what ``update`` returns, with stock masks. That is exact as long as ``get_seq_length`` and ``get_mask_sizes``
 describe what ``update`` returns: for a full-attention layer ``past`` physical tokens before the forward and
-``past + q`` after; for a sliding-window layer (``engine.kv.window``) the logical position of the first key
+``past + q`` after; for a sliding-window layer (``engine.kv.store.window``) the logical position of the first key
 it returns, so the model's own sliding mask hides what left the window. Recurrent / convolution layers of
-hybrid models are transformers' own layer objects, held by the store (``engine.kv.states``).
+hybrid models are transformers' own layer objects, held by the store (``engine.kv.store.states``).
 
 Positions are never derived from the cache: the session always passes ``position_ids`` explicitly.
 """
@@ -17,8 +17,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
-from engine.kv.attention import RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
-from engine.kv.storage import KVStore
+from engine.kv.store.attention import RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
+from engine.kv.store.storage import KVStore
 
 
 class _OurLayer(CacheLayerMixin):
@@ -141,7 +141,7 @@ class BatchCache(Cache, PagedAttentionCache):
 
 
 class _StepLayer(_OurLayer):
-    """One layer of a compiled decode step (``engine.fast_step``): the past K/V are gathered from the session's
+    """One layer of a compiled decode step (``engine.model.fast_step``): the past K/V are gathered from the session's
     page slots, the new token's K/V appended. Nothing is written inside the step: the new K/V are kept here
     and written to the pages after it, so the compiled graph has no side effects and a failed step changes
     nothing."""

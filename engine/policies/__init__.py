@@ -1,6 +1,6 @@
 """Eviction policies: one class each, one registry line to add one.
 
-A policy only answers "which tokens go?" (``select``); ``engine.eviction`` does the evicting, compaction and
+A policy only answers "which tokens go?" (``select``); ``engine.core.eviction`` does the evicting, compaction and
 reporting. The GUI builds its controls from each policy's ``Params`` dataclass (fields with defaults and
 ``metadata={"min", "max", "help", "flag"}``), the CLI its flags from ``flag``.
 """

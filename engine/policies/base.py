@@ -3,7 +3,7 @@
 A policy answers "which cached tokens go?" (``select``) and knows everything else about itself: its
 parameters (the ``Params`` dataclass the GUI builds its form from and the CLI its flags from), which tokens
 it shows as attention sinks, the default priority of unmarked tokens. The session never asks a policy's
-name; ``engine.eviction`` does the evicting, compaction and reporting.
+name; ``engine.core.eviction`` does the evicting, compaction and reporting.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class EvictionPolicy:
     ``select`` contract: for every layer, indices into the n cached tokens to drop so that exactly
     ``min(n, target)`` stay, for any ``target >= 1``. When what the policy protects (sinks, the protected
     prompt, pinned messages, the recent window) is more than ``target``, it protects less instead of
-    failing; ``engine.eviction`` tells the user.
+    failing; ``engine.core.eviction`` tells the user.
     """
 
     name: ClassVar[str] = "none"

@@ -11,7 +11,7 @@ import sys
 import time
 from functools import partial
 
-from engine.kv.tenants import block_hashes
+from engine.kv.paged.tenants import block_hashes
 from engine.remote.client import RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note

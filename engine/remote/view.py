@@ -173,7 +173,7 @@ class RemotePool:
         """The cached blocks holding ``ids`` from its first token on, full blocks only, up to the first one the
         pool lacks (a block is named by its parent and its tokens, so token ids find it). ``hashes``: the names
         the server gives those blocks, for blocks published without token ids (KV Scope's server, for a keyed
-        or salted request: ``engine.kv.tenants.block_hashes``)."""
+        or salted request: ``engine.kv.paged.tenants.block_hashes``)."""
         B, out, parent = self.block_size, [], None
         if B < 1:
             return out

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine.kv.tenants import tenant_of
+from engine.kv.paged.tenants import tenant_of
 from engine.server.errors import ApiError, from_exception
 from engine.server.replies import Shape
 from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion

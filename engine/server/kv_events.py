@@ -10,7 +10,7 @@ endpoint it is given (it is the server; vLLM's publisher connects to a non-wildc
 take no key, so tenants are kept apart in what is sent: a server with any API key publishes no token ids at all,
 and an unkeyed one none for a request with ``cache_salt`` (its chain does not start at the public root) —
 ``BlockStored`` then carries block hashes only. A hash is SHA-256 down the chain from the tenant's own root,
-which is SHA-256 over its key and salt (``engine.kv.tenants``): without them a guessed text cannot be checked
+which is SHA-256 over its key and salt (``engine.kv.paged.tenants``): without them a guessed text cannot be checked
 against it. vLLM publishes every request's token ids to whoever connects.
 
 The engine thread only appends to a deque and wakes the publisher thread (the pool's listener: no socket call on
@@ -30,8 +30,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from engine.kv.prefix import ROOT, page_hash, salted_root
-from engine.kv.tenants import block_hash, tenant_of  # noqa: F401 - block_hash re-exported (tests, tools)
+from engine.kv.paged.prefix import ROOT, page_hash, salted_root
+from engine.kv.paged.tenants import block_hash, tenant_of  # noqa: F401 - block_hash re-exported (tests, tools)
 from engine.remote.wire import Batch, Cleared, Removed, Stored, encode_batch, seq_bytes
 from engine.server.kv_replay import MAX_INBOUND_BYTES, Replay
 

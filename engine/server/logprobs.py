@@ -1,4 +1,4 @@
-"""Log-probabilities in OpenAI's shapes: the chosen token and its top alternatives (``engine.sampling`` records
+"""Log-probabilities in OpenAI's shapes: the chosen token and its top alternatives (``engine.core.sampling`` records
 them, from the model's own logits, when a request asks with ``logprobs``).
 
 A token's ``bytes`` are its exact UTF-8 bytes, also when it holds part of a character (a byte-fallback token

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 
-from engine.kv.disk import METRICS as DISK_METRICS
+from engine.kv.tier.disk import METRICS as DISK_METRICS
 
 RATE_WINDOW_S = 10.0
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected")
@@ -25,7 +25,7 @@ class Metrics:
         self.prefix_hits = 0  # prompt tokens found there (not prefilled again)
         self.evicted_tokens = 0  # tokens a cache policy or the context limit dropped
         self.session_evictions = 0  # idle sessions closed to keep the idle pool small
-        self.runner = None  # engine.runner.ModelRunner: its batched-forward counters are read at render
+        self.runner = None  # engine.model.runner.ModelRunner: its batched-forward counters are read at render
         self.kv_events = None  # engine.server.kv_events.KVEventPublisher: its counters are read at render
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.stalls = {"paused": 0, "cancelled": 0}  # streams whose reader stopped (``engine.server.jobs``)

@@ -85,7 +85,7 @@ class Tokenizing:
         return chars
 
     def _prepare(self, req: GenRequest) -> Prepared:
-        from engine.chat import encode_prompt, message_spans, render_chat
+        from engine.model.chat import encode_prompt, message_spans, render_chat
 
         tok = self.lm.tokenizer
         if tok is None:

@@ -1,4 +1,4 @@
-"""The API's side of the engine core (``engine.scheduler.EngineCore``): requests queue FIFO here, are admitted
+"""The API's side of the engine core (``engine.core.scheduler.EngineCore``): requests queue FIFO here, are admitted
 while fewer than ``max_running`` run (``max_waiting`` queued more get 429), and run as ``Request``s of the core
 with ``Priority.API`` — next to the app's own chats when the app serves, on a ``CoreThread`` of their own for
 ``python -m engine serve``. The core decides what runs in each forward (one-token decodes batched).
@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
-from engine.kv.disk_report import problems
-from engine.scheduler import CoreThread, EngineCore, Priority, Request, Source
+from engine.kv.tier.report import problems
+from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
@@ -330,8 +330,8 @@ class Scheduler(Source):
         sessions = [j.session for j in self._running if j.session is not None] + list(self.idle)
         arenas = list(self.lm.arenas) if self.lm.arenas is not None else []
         paged = sum(a.pool.num_used * a.page_bytes for a in arenas)
-        from engine.kv.disk import gauges as disk_gauges
-        from engine.kv.storage import ContiguousKV
+        from engine.kv.tier.disk import gauges as disk_gauges
+        from engine.kv.store.storage import ContiguousKV
 
         contiguous = sum(sum(s.store.bytes_per_layer()) for s in sessions
                          if not s.closed and isinstance(s.store, ContiguousKV))

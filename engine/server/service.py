@@ -243,16 +243,16 @@ def serve(a, cache: CacheConfig, spec) -> int:
 
     speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(spec)
     if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer: the server needs one")
-    from engine.kv.disk import configure_flag
+    from engine.kv.tier.disk import configure_flag
 
     configure_flag(lm, a)  # pages of every conversation kept on disk (--kv-disk DIR) or not
     if speculative.method != "off":
-        from engine.spec_draft import load_drafter
+        from engine.speculation.draft_model import load_drafter
 
         drafter = load_drafter(speculative, lm, spec)  # loaded and checked once; each conversation drafts with it
         options = dataclasses.replace(options, speculative=speculative,
@@ -261,7 +261,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
             drafter.close()
     server = KVServer(lm, cache, options, source=a.model)
     lm.fast.waker = server.scheduler.core.wake  # its build's end wakes the engine thread to take it up
-    lm.fast.start()  # the compiled decode step (engine.fast_step): built in a child, requests run eager meanwhile
+    lm.fast.start()  # the compiled decode step (engine.model.fast_step): built in a child, requests run eager meanwhile
     url = url_of(sock)
     uv = _uvicorn_server(server, lambda: _say_ready(server, url))
     server.start()

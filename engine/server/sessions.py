@@ -23,8 +23,8 @@ import weakref
 from typing import Callable, Sequence
 
 from engine.config import CacheConfig
-from engine.kv.prefix import salted_root
-from engine.sequence import common_prefix
+from engine.kv.paged.prefix import salted_root
+from engine.core.sequence import common_prefix
 
 
 class IdleSessions:
@@ -73,12 +73,12 @@ class IdleSessions:
 
     def new_session(self, tenant: bytes = b""):
         """A session of ``tenant``: its full pages are named from the tenant's own prefix-cache root."""
-        from engine.session import ChatSession
+        from engine.core.session import ChatSession
 
         s = ChatSession(self.lm, self.cache)
         s.cache.root = salted_root(tenant)
         if self.spec is not None and self.spec.method != "off":
-            from engine.spec_draft import ModelDrafter
+            from engine.speculation.draft_model import ModelDrafter
 
             drafter = ModelDrafter(self.draft_lm, self.lm, check=False) if self.draft_lm is not None else None
             s.speculate(self.spec, drafter)  # a draft cache of its own; the draft model checked at start

@@ -21,7 +21,7 @@ MESSAGES_HINT = "give a JSON list of {role, content}"
 def read_messages(path: str) -> list[dict]:
     """``--messages FILE``: a chat, read through ``engine.tools.inputs`` (regular files only, 16 MiB, JSON
     nested at most 64 deep) and checked as the API checks ``messages``."""
-    from engine.chat import validate_messages
+    from engine.model.chat import validate_messages
 
     data = read_json(path, "messages file", hint=MESSAGES_HINT)
     if isinstance(data, list) and data and isinstance(data[-1], dict) and data[-1].get("role") == "assistant":

@@ -43,9 +43,9 @@ def make_info(**over) -> ModelInfo:
 def open_window(qtbot, data_dir: Path, model: str, timeout_ms: int = 120_000, backend=None,
                 sampling: SamplingConfig | None = GREEDY):
     """A shown MainWindow with ``model`` loaded on the real engine (or ``backend``)."""
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.settings.store import Settings
 
     settings = Settings.from_data_dir(data_dir)
     history = HistoryStore.in_data_dir(data_dir)

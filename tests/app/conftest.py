@@ -28,7 +28,7 @@ def data_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _theme(qapp):
-    from app.theme import apply_theme
+    from app.shell.theme import apply_theme
 
     apply_theme(qapp)
     yield
@@ -38,6 +38,6 @@ def _theme(qapp):
 def _collect_on_the_gui_thread():
     """Widgets a test made and left in reference cycles are collected here, on the GUI thread, after the
     test's own cleanup; left for later, a worker thread of another test could collect them and deadlock
-    on Qt's object mutex (see app/gc_guard.py)."""
+    on Qt's object mutex (see app/shell/gc_guard.py)."""
     yield
     gc.collect()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.history_db import SCHEMA
+from app.history.db import SCHEMA
 
 CAP_DAC_OVERRIDE = 1
 

@@ -9,8 +9,8 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
 from test_server_menu import DEADLINE_MS, free_port, start_serving
 
-from app.api_view import READ_ONLY
-from app.chat_pane import SEND_TIP
+from app.server.api_view import READ_ONLY
+from app.chat.pane import SEND_TIP
 
 
 def click_chat(qtbot, w, row: int) -> None:
@@ -89,9 +89,9 @@ def test_an_api_conversation_takes_the_chats_place_and_gives_it_back(qtbot, data
 
 def test_a_grey_send_says_why(qtbot, data_dir, stories_path):
     """While the model loads and while a reply is written, Send's tooltip gives the reason it is grey."""
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.settings.store import Settings
 
     w = MainWindow(Settings.from_data_dir(data_dir), HistoryStore.in_data_dir(data_dir), model=str(stories_path))
     qtbot.addWidget(w)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from app.chat_export import chat_markdown
-from app.history import Chat, Message
+from app.chat.export import chat_markdown
+from app.history.store import Chat, Message
 
 
 def test_chat_markdown_has_every_message_and_the_cache_lines():

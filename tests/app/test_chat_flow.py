@@ -9,7 +9,7 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
 
 from engine.config import SamplingConfig
-from engine.fast_step import machine_refusal
+from engine.model.fast_step import machine_refusal
 
 LONG = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)
 SHORT = SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -25,7 +25,7 @@ def _session_tokens(w, chat_id) -> int:
 
 
 def test_the_context_readout_follows_the_chat_on_screen(qtbot, data_dir, stories_path, stories):
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
     try:
@@ -160,7 +160,7 @@ def test_a_pinned_message_keeps_its_token_count_after_reopening(qtbot, data_dir,
 
 
 def test_a_reply_the_app_did_not_finish_says_why_after_a_restart(qtbot, data_dir, stories_path):
-    from app.history import HistoryStore
+    from app.history.store import HistoryStore
 
     store = HistoryStore.in_data_dir(data_dir)
     chat = store.create_chat("Crashed")
@@ -184,7 +184,7 @@ def test_closing_during_a_reply_marks_it(qtbot, data_dir, stories_path):
     chat = w.chat_id
     close_window(w)
     w.close()
-    from app.history import HistoryStore
+    from app.history.store import HistoryStore
 
     store = HistoryStore.in_data_dir(data_dir)
     try:

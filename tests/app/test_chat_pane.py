@@ -5,9 +5,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
-from app.chat_pane import ChatPane
-from app.history import Message
-from app.transcript import FIRST_PAGE, MAX_BUILT, PAGE
+from app.chat.pane import ChatPane
+from app.history.store import Message
+from app.chat.transcript import FIRST_PAGE, MAX_BUILT, PAGE
 
 
 def _pane(qtbot) -> ChatPane:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from PySide6.QtWidgets import QLineEdit, QSpinBox
 
-from app import policies
-from app.controls import CacheControls
+from app.controls import policies
+from app.controls.cache_controls import CacheControls
 from engine.config import CacheConfig
 
 

@@ -7,13 +7,13 @@ import re
 
 from app_helpers import GREEDY, close_window, open_window, wait_reply
 
-from engine.builtin_model import BUILTIN_LABEL, DEMO_LABEL
+from engine.model.builtin import BUILTIN_LABEL, DEMO_LABEL
 
 
 def test_first_launch_opens_the_built_in_model_and_it_writes_real_text(qtbot, data_dir):
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.settings.store import Settings
 
     settings = Settings.from_data_dir(data_dir)  # a fresh data folder: no model was ever chosen
     assert settings.get("model/last") == "stories260K"

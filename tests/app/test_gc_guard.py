@@ -1,4 +1,4 @@
-"""Cyclic garbage is collected on the GUI thread only while a window is open (app/gc_guard.py)."""
+"""Cyclic garbage is collected on the GUI thread only while a window is open (app/shell/gc_guard.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import weakref
 
 from app_helpers import close_window, open_window
 
-from app.gc_guard import MainThreadGC
+from app.shell.gc_guard import MainThreadGC
 
 
 class _Node:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from app_helpers import close_window, open_window, wait_reply
 
-from app.worker import EngineBackend
+from app.link.worker import EngineBackend
 from engine.config import ModelSpec
 
 
@@ -56,9 +56,9 @@ def test_bad_model_shows_a_message_and_keeps_the_loaded_one(qtbot, data_dir, sto
 
 def _first_launch(qtbot, data_dir, model: str):
     """A window at first launch on ``model``, after the first model that did load; (window, errors shown)."""
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.settings.store import Settings
 
     errors = []
     w = MainWindow(Settings.from_data_dir(data_dir), HistoryStore.in_data_dir(data_dir), model=model)
@@ -147,8 +147,8 @@ def test_raising_engine_becomes_a_message_and_the_window_keeps_working(qtbot, da
 
 
 def test_failed_download_shows_a_message(qtbot, data_dir, monkeypatch):
-    from app.models_dialog import ModelsDialog
-    from app.settings import Settings
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
@@ -173,8 +173,8 @@ def test_download_cancel(qtbot, data_dir, monkeypatch):
 
     import huggingface_hub
 
-    from app.models_dialog import ModelsDialog
-    from app.settings import Settings
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
 
     def fake_snapshot_download(repo_id, allow_patterns=None, tqdm_class=None, **kw):
         bar = tqdm_class(total=100)
@@ -195,8 +195,8 @@ def test_download_cancel(qtbot, data_dir, monkeypatch):
 
 
 def test_models_dialog_lists_the_built_in_models_and_estimates(qtbot, data_dir, stories_path):
-    from app.models_dialog import ModelsDialog
-    from app.settings import Settings
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
 
     s = Settings.from_data_dir(data_dir)
     s.add_recent_model(str(stories_path))
@@ -226,7 +226,7 @@ def test_models_dialog_lists_the_built_in_models_and_estimates(qtbot, data_dir, 
 
 
 def test_hf_cache_scan_lists_model_snapshots(tmp_path):
-    from app.models_dialog import scan_hf_cache
+    from app.models.dialog import scan_hf_cache
 
     repo = tmp_path / "hub" / "models--someone--tiny-llm"
     snap = repo / "snapshots" / "0123abcd"
@@ -282,10 +282,10 @@ def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
 def test_bfloat16_weights_choice_halves_the_estimate_and_loads_in_bf16(qtbot, data_dir, stories_path):
     """The "bfloat16" weights choice on the CPU: weights and KV at 2 bytes in the estimate, a spec the loader runs in
     bfloat16, and the choice saved and read back from the settings."""
-    from app.config_settings import model_spec, weights_choice
-    from app.models_dialog import ModelsDialog
-    from app.settings import Settings
-    from engine.loader import load_model
+    from app.settings.cache_settings import model_spec, weights_choice
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
+    from engine.model.loader import load_model
 
     s = Settings.from_data_dir(data_dir)
     s.add_recent_model(str(stories_path))

@@ -14,8 +14,8 @@ import time
 from conftest import REPO
 from history_files import corrupt_index, stored_messages, write_history
 
-from app import history_recover
-from app.history import HistoryStore
+from app.history import recover as history_recover
+from app.history.store import HistoryStore
 
 
 def test_chats_messages_and_incremental_append(tmp_path):
@@ -48,7 +48,7 @@ def test_killed_process_keeps_history(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(REPO)!r})
-        from app.history import HistoryStore
+        from app.history.store import HistoryStore
         s = HistoryStore({str(db)!r})
         c = s.create_chat("killed")
         s.add_message(c.id, "user", "hi")
@@ -182,7 +182,7 @@ def test_a_history_from_before_remote_chats_gets_the_column_and_keeps_its_chats(
 def test_an_old_read_only_history_reads_as_local_chats(tmp_path):
     path = tmp_path / "h.sqlite3"
     _old_file(path)
-    from app import history_db as hdb
+    from app.history import db as hdb
 
     db = hdb.open_read_only(path)
     try:

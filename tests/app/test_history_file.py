@@ -23,7 +23,7 @@ from history_files import (
     write_history,
 )
 
-from app.worker import EngineBackend
+from app.link.worker import EngineBackend
 
 NOT_SAVED = "not saved — retrying"
 

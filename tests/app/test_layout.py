@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.self_test_readouts import cut_captions
+from app.selftest.readouts import cut_captions
 from engine.config import CacheConfig, SamplingConfig
 
 LONG_WORDS = "Supercalifragilisticexpialidocious-and-then-some-more-" * 2 + " "  # no place to break: 108 chars
@@ -42,7 +42,7 @@ def _settle(qtbot, w, size: tuple[int, int]) -> None:
 
 
 def _shown(widget: QWidget) -> bool:
-    from app.docks import on_screen
+    from app.shell.docks import on_screen
 
     return on_screen(widget)
 
@@ -100,7 +100,7 @@ def test_laptop_screens_fit_and_bubbles_wrap(qtbot, data_dir, stories_path, size
 
 
 def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(qtbot, data_dir, stories_path):
-    from app.transcript import MAX_LINE_PX
+    from app.chat.transcript import MAX_LINE_PX
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
@@ -186,9 +186,9 @@ def test_the_wheel_over_a_chart_never_zooms_and_fit_resets(qtbot):
 
 
 def test_every_control_says_what_it_does(qtbot):
-    from app import glossary
-    from app.controls import CacheControls
-    from app.sampling_form import SamplingForm
+    from app.shell import glossary
+    from app.controls.cache_controls import CacheControls
+    from app.controls.sampling_form import SamplingForm
 
     for policy in ("none", "streaming", "h2o", "priority"):
         c = CacheControls(CacheConfig(policy=policy, overflow="rolling"))
@@ -213,7 +213,7 @@ def test_every_control_says_what_it_does(qtbot):
 
 
 def test_tab_leaves_the_message_box_and_help_lists_the_shortcuts(qtbot, data_dir, stories_path):
-    from app.help import PANEL_HELP
+    from app.shell.help import PANEL_HELP
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:

@@ -2,7 +2,7 @@
 for the newest messages only, and scrolling to the top builds the earlier ones in place.
 
 The time to open is printed, never asserted (``-s`` shows it); what is asserted is the structure that
-makes it fast. Before bubbles were built on demand it took 156 s and 1.8 GB here; see ``app.transcript``.
+makes it fast. Before bubbles were built on demand it took 156 s and 1.8 GB here; see ``app.chat.transcript``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 from app_helpers import ScriptedSession, close_window, make_info, wait_reply
 from history_files import stored_messages, write_history
 
-from app.history import HistoryStore
-from app.main_window import MainWindow
-from app.settings import Settings
-from app.transcript import FIRST_PAGE, MAX_BUILT, PAGE
-from app.worker import EngineBackend
+from app.history.store import HistoryStore
+from app.shell.window import MainWindow
+from app.settings.store import Settings
+from app.chat.transcript import FIRST_PAGE, MAX_BUILT, PAGE
+from app.link.worker import EngineBackend
 
 N = 5000
 

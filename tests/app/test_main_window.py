@@ -204,7 +204,7 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
 
 
 def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path):
-    from app.status_bar import CONTEXT_FILLING, CONTEXT_FULL
+    from app.shell.status_bar import CONTEXT_FILLING, CONTEXT_FULL
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
@@ -267,10 +267,10 @@ def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
         import app
         from PySide6.QtWidgets import QApplication
         qa = QApplication([])
-        from app.history import HistoryStore
-        from app.main_window import MainWindow
-        from app.self_test import wait_until
-        from app.settings import Settings
+        from app.history.store import HistoryStore
+        from app.shell.window import MainWindow
+        from app.selftest.run import wait_until
+        from app.settings.store import Settings
         from engine.config import SamplingConfig
         d = {str(data_dir)!r}
         w = MainWindow(Settings.from_data_dir(d), HistoryStore.in_data_dir(d), model="demo")
@@ -318,7 +318,7 @@ def test_recent_models_menu(qtbot, data_dir, stories_path):
 
 def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stories_path):
     """Pin → stored with the message, passed to the engine, and kept when the priority policy evicts."""
-    from engine.chat import message_spans
+    from engine.model.chat import message_spans
     from engine.config import CacheConfig
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=30, ignore_eos=True))
@@ -357,9 +357,9 @@ def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stori
 def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, stories):
     """Tools ▸ Compare runs next to the chat: a message sent while it runs is answered at once (one step of
     each per worker turn), correctly, and the comparison's rows are still right."""
-    from app.compare_dialog import COLUMNS
+    from app.compare.dialog import COLUMNS
     from engine.config import CacheConfig
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=30, ignore_eos=True))
     try:

@@ -1,6 +1,6 @@
 """The streaming-safe Markdown converter."""
 
-from app.markdown import ZWSP, to_html
+from app.chat.markdown import ZWSP, to_html
 
 
 def test_code_block_and_inline():

@@ -35,7 +35,7 @@ class FakePanel:
 
 
 def test_every_panel_draws_the_same_snapshot_before_the_next(monkeypatch):
-    from app import panel_scheduler
+    from app.panels import scheduler as panel_scheduler
 
     monkeypatch.setattr(panel_scheduler, "on_screen", lambda p: True)
     monkeypatch.setattr(panel_scheduler, "PANEL_INTERVAL_S", 0.0)
@@ -76,7 +76,7 @@ def test_memory_chart_draws_idle_time_flat(qtbot):
 def test_status_bar_speaks_in_words_and_never_cuts_a_word(qtbot):
     from PySide6.QtWidgets import QStatusBar
 
-    from app.status_bar import StatusBar
+    from app.shell.status_bar import StatusBar
 
     bar = QStatusBar()
     qtbot.addWidget(bar)
@@ -96,7 +96,7 @@ def test_status_bar_speaks_in_words_and_never_cuts_a_word(qtbot):
 
 
 def test_stop_marks_say_why_and_what_to_do():
-    from app.message_view import pin_line, stats_line
+    from app.chat.message_view import pin_line, stats_line
 
     line = stats_line({"stop_reason": "context_full", "generated_tokens": 200})
     assert line.endswith("stopped: context full — start a new chat, shorten it, or choose an overflow policy")
@@ -107,7 +107,7 @@ def test_stop_marks_say_why_and_what_to_do():
 
 
 def test_copy_says_copied(qtbot):
-    from app.message_view import MessageView
+    from app.chat.message_view import MessageView
 
     view = MessageView("assistant", "some text")
     qtbot.addWidget(view)
@@ -117,9 +117,9 @@ def test_copy_says_copied(qtbot):
 
 
 def test_exports_never_overwrite_and_start_in_documents(qtbot, tmp_path, monkeypatch):
-    from app import exports
+    from app.chat import exports
     from app.panels import OccupancyPanel
-    from app.settings import Settings
+    from app.settings.store import Settings
 
     panel = OccupancyPanel()
     qtbot.addWidget(panel)
@@ -135,7 +135,7 @@ def test_exports_never_overwrite_and_start_in_documents(qtbot, tmp_path, monkeyp
 
 
 def test_the_trace_covers_every_reply_of_the_chat():
-    from app.trace import CacheTrace
+    from app.panels.trace import CacheTrace
 
     trace = CacheTrace()
     trace.begin(1)
@@ -185,7 +185,7 @@ class _Inner:
 
 
 def test_every_setting_is_warmed_before_any_row_is_timed():
-    from app.compare_run import WarmedComparison
+    from app.compare.run import WarmedComparison
 
     log: list = []
     c = WarmedComparison(_Inner(log), lambda cfg: _Session(log, cfg))
@@ -200,7 +200,7 @@ def test_every_setting_is_warmed_before_any_row_is_timed():
 
 
 def test_the_cache_line_says_where_reused_tokens_came_from():
-    from app.message_view import cache_line
+    from app.chat.message_view import cache_line
 
     assert cache_line({"reused_tokens": 0, "recomputed_tokens": 7, "first_divergence": -1}) == \
         "reused 0 tokens, recomputed 7, nothing cached before"

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from app_helpers import close_window, open_window, wait_reply
 
-from app.docks import on_screen
-from app.remote_chat import QUEUED
+from app.shell.docks import on_screen
+from app.remote.chat import QUEUED
 
 from engine import snapshot as S
 from engine.config import SamplingConfig
@@ -298,7 +298,7 @@ def test_a_closed_port_is_one_line_in_the_dialog(qtbot, data_dir, stories_path):
 def test_remote_slots_become_page_map_states():
     """Slots of the remote view → page states (chat active, others cached, evicted); a big pool is drawn up to its
     last held block (rounded up), two engines side by side."""
-    from app.remote_panels import MIN_SHOWN, SHOWN_STEP, cache_snapshot, pool_texts
+    from app.remote.panels import MIN_SHOWN, SHOWN_STEP, cache_snapshot, pool_texts
     from engine.remote.client import Metrics
     from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER, PoolSnapshot
 
@@ -393,7 +393,7 @@ def test_a_remote_chat_and_an_api_conversation_take_turns_on_screen(qtbot, data_
     chat leaves, selecting the remote chat puts it back and the API view leaves."""
     from test_server_menu import start_serving
 
-    from app.api_view import READ_ONLY
+    from app.server.api_view import READ_ONLY
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12))
     w.settings.set("server/port", free_port())
@@ -420,8 +420,8 @@ def test_a_remote_chat_and_an_api_conversation_take_turns_on_screen(qtbot, data_
 
 def test_a_reply_that_arrives_in_one_burst_has_no_speed():
     """Chunks buffered on the way arrive together: n / ~0 s would be a nonsense tok/s, so none is shown."""
-    from app.remote_list import BURST_NOTE, reply_stats
-    from app.remote_panels import timing_text
+    from app.remote.chat_list import BURST_NOTE, reply_stats
+    from app.remote.panels import timing_text
     from engine.remote.client import Reply
 
     burst = Reply(token_ids=list(range(30)), token_times=[1.0 + i * 1e-5 for i in range(30)], ttft_s=0.4)
@@ -440,7 +440,7 @@ def test_chunks_that_arrive_together_share_the_time_of_the_chunk_before():
     """vLLM's CPU stream delivers runs of chunks in one read: those tokens join the group of the chunk that came
     first (the timing panel averages its gap over them) instead of each claiming a ~0 ms token."""
     from app.panels.timing import TimingPanel
-    from app.remote_panels import chunk_events, timing_text
+    from app.remote.panels import chunk_events, timing_text
     from engine.remote.client import Reply
 
     panel = TimingPanel()

@@ -9,7 +9,7 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtWidgets import QStatusBar, QWidget
 from test_remote_app import Server, connect, send
 
-from app.status_bar import LOCAL_FIELDS
+from app.shell.status_bar import LOCAL_FIELDS
 from engine.config import SamplingConfig
 
 LOCAL_TOKEN_WORDS = ("sink", "quantized", "pinned", "evicted")  # strip states a remote chat's strip never has
@@ -82,7 +82,7 @@ def check_remote_readouts(qtbot, w, rc, port: int) -> None:
     assert n == len(rc.ids) == rc.reply.usage["total_tokens"]
     assert s.context.text() == f"Context: {n:,} tokens" and "of 512" not in s.context.text()
     assert s.context.styleSheet() == "" and f"({len(rc.reply.prompt_ids):,} tokens)" in s.context.toolTip()
-    from app.remote_list import measured_speed
+    from app.remote.chat_list import measured_speed
 
     speed = measured_speed(rc.reply)
     assert s.speed.text() == (f"{speed:.1f} tokens/s" if speed else "") and s.speed.isHidden() == (not speed)
@@ -132,7 +132,7 @@ def test_remote_readouts_say_the_servers_words_and_give_the_local_ones_back(qtbo
 def test_local_news_while_a_remote_chat_is_shown_is_what_comes_back(qtbot):
     """Local updates while remote fields are shown leave them on screen and are what ``show_local`` gives back:
     texts, tooltips, the context field's colour and warning level, visibility."""
-    from app.status_bar import CONTEXT_FULL, StatusBar
+    from app.shell.status_bar import CONTEXT_FULL, StatusBar
 
     bar = QStatusBar()
     qtbot.addWidget(bar)
@@ -166,7 +166,7 @@ def test_local_news_while_a_remote_chat_is_shown_is_what_comes_back(qtbot):
 
 def test_the_page_map_legend_round_trips(qtbot):
     """``set_legend_mode``: the remote words, then the local legend exactly as built (no server needed)."""
-    from app.help import PANEL_HELP, show_panel_help
+    from app.shell.help import PANEL_HELP, show_panel_help
     from app.panels.page_map import PageMapPanel
 
     panel = PageMapPanel()

@@ -29,11 +29,11 @@ CHILD = textwrap.dedent("""
     import app
     from PySide6.QtWidgets import QApplication
     qa = QApplication([])
-    from app.history import HistoryStore
+    from app.history.store import HistoryStore
     from app.main import run_window
-    from app.main_window import MainWindow
-    from app.self_test import wait_until
-    from app.settings import Settings
+    from app.shell.window import MainWindow
+    from app.selftest.run import wait_until
+    from app.settings.store import Settings
     from engine.config import SamplingConfig
     d = {data_dir!r}
     history = HistoryStore.in_data_dir(d)
@@ -54,7 +54,7 @@ def _child(data_dir, tail: str) -> subprocess.Popen:
 
 
 def _saved_reply(data_dir):
-    from app.history import HistoryStore
+    from app.history.store import HistoryStore
 
     store = HistoryStore.in_data_dir(data_dir)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from app_helpers import ScriptedSession, close_window, make_info, open_window, wait_reply
 
-from app.worker import EngineBackend
+from app.link.worker import EngineBackend
 from engine.config import SamplingConfig
 
 SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=40, ignore_eos=True)
@@ -84,7 +84,7 @@ def test_an_engine_error_mid_reply_shows_its_reason_and_survives_a_restart(qtbot
 
 
 def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_dir, stories_path, stories):
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SAMPLING)
     fault = Fault(w.engine.worker._loaded.model, at=6).arm()

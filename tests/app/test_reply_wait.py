@@ -7,7 +7,7 @@ import re
 
 from app_helpers import close_window, open_window, wait_reply
 
-from app.reply_wait import GENERIC, wait_text
+from app.chat.reply_wait import GENERIC, wait_text
 
 
 def test_wait_text_names_the_cause_the_seconds_and_the_way_out():

@@ -26,8 +26,8 @@ def free_port() -> int:
 
 def reference(stories_path) -> tuple[str, int]:
     """The engine's own greedy reply and its conversation's length (prompt + reply tokens)."""
-    from engine.loader import load_model
-    from engine.session import ChatSession
+    from engine.model.loader import load_model
+    from engine.core.session import ChatSession
 
     lm = load_model(str(stories_path))
     s = ChatSession(lm, CacheConfig())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.settings import SETTINGS, Settings
+from app.settings.store import SETTINGS, Settings
 
 
 def test_defaults_and_round_trip(tmp_path):
@@ -51,7 +51,7 @@ def test_garbage_values_fall_back_to_defaults(tmp_path):
 
 
 def test_data_dir_env_override(tmp_path, monkeypatch):
-    from app.settings import default_data_dir
+    from app.settings.store import default_data_dir
 
     monkeypatch.setenv("KVSCOPE_DATA_DIR", str(tmp_path / "x"))
     assert default_data_dir() == tmp_path / "x"

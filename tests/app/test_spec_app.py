@@ -9,8 +9,8 @@ from __future__ import annotations
 from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import QTimer
 
-from app.draft_tint import TINT
-from app.settings import Settings
+from app.chat.draft_tint import TINT
+from app.settings.store import Settings
 from engine.config import SamplingConfig, SpecConfig
 
 # a chat that repeats itself: prompt lookup finds what comes next (stories260K keeps 60% of the guesses)
@@ -230,8 +230,8 @@ def test_speculation_tab_fits_a_laptop_screen_says_what_it_does_and_joins_an_old
 
 
 def test_self_test_checks_a_speculative_reply_against_the_plain_one(qtbot, data_dir, stories_path):
-    from app.self_test import SelfTest, wait_until
-    from app.self_test_spec import SPEC_TOKENS, check_speculative_reply
+    from app.selftest.run import SelfTest, wait_until
+    from app.selftest.spec import SPEC_TOKENS, check_speculative_reply
 
     w = open_window(qtbot, data_dir, str(stories_path))  # speculation's own default: it may turn itself off
     try:
@@ -250,7 +250,7 @@ def test_self_test_checks_a_speculative_reply_against_the_plain_one(qtbot, data_
 def test_models_dialog_picks_the_draft_model_beside_the_main_model(qtbot, data_dir, stories_path):
     from PySide6.QtWidgets import QApplication
 
-    from engine.builtin_model import BUILTIN_MODEL
+    from engine.model.builtin import BUILTIN_MODEL
 
     w = _window(qtbot, data_dir, stories_path)
     seen = []

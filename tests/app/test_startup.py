@@ -26,9 +26,9 @@ def test_window_is_visible_before_torch_is_imported(tmp_path):
         import sys
         from PySide6.QtWidgets import QApplication
         app = QApplication([])
-        from app.history import HistoryStore
-        from app.main_window import MainWindow
-        from app.settings import Settings
+        from app.history.store import HistoryStore
+        from app.shell.window import MainWindow
+        from app.settings.store import Settings
         w = MainWindow(Settings.from_data_dir({str(tmp_path)!r}), HistoryStore.in_data_dir({str(tmp_path)!r}), model="demo")
         w.show()
         app.processEvents()
@@ -46,7 +46,7 @@ def test_window_is_visible_before_torch_is_imported(tmp_path):
 def test_engine_light_import_and_gui_side_modules_stay_torch_free():
     proc = _run("""
         import sys
-        import app.main_window, app.models_dialog, app.self_test, app.controls
+        import app.shell.window, app.models.dialog, app.selftest.run, app.controls.cache_controls
         print("torch" in sys.modules)
     """)
     assert proc.returncode == 0, proc.stderr
@@ -93,7 +93,7 @@ def test_pyside_none_refcount_fix():
 
 
 def test_app_icon_is_found(qapp):
-    from app.resources import app_icon, resources_dir
+    from app.shell.resources import app_icon, resources_dir
 
     assert (resources_dir() / "icons" / "kvscope.svg").exists()
     icon = app_icon()

@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 
-from app.trace import CacheTrace, strip_from_runs, strip_runs
+from app.panels.trace import CacheTrace, strip_from_runs, strip_runs
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 from engine.snapshot import TOKEN_EVICTED, TOKEN_KEPT, TOKEN_SINK
 
 STREAMING = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged", page_size=16)

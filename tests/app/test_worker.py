@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from app.engine_thread import EngineThread
-from app.worker import EngineBackend
+from app.link.engine_thread import EngineThread
+from app.link.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 
 SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -135,7 +135,7 @@ class RaisingSession:
 
 
 def test_raising_engine_becomes_failed_then_finished(qtbot):
-    from app.failure import Failure
+    from app.shell.failure import Failure
 
     sessions = []
     backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": None})(),

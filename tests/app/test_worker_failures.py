@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from app_helpers import ScriptedSession
 
-from app.failure import Failure
-from app.engine_thread import EngineThread
-from app.worker import EngineBackend
+from app.shell.failure import Failure
+from app.link.engine_thread import EngineThread
+from app.link.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import OutOfMemoryError
 

@@ -22,8 +22,8 @@ import torch
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError
-from engine.loader import wrap_model
-from engine.session import ChatSession
+from engine.model.loader import wrap_model
+from engine.core.session import ChatSession
 from test_layer_kinds import hf_greedy, run  # tests/engine is on sys.path (pytest, arch_report)
 
 PROMPT_LEN = 12  # longer than the zoo's window (8): the prompt alone already slides

@@ -13,13 +13,13 @@ NOTES = """\
 `arch_report.py --save DIR TYPE` then `python -m engine generate --model DIR/TYPE --prompt hi --offline
 --device cpu`):**
 
-1. **No attention at all** (mamba, mamba2, falcon_mamba, rwkv, xlstm): `wrap_model` (engine/loader.py) reads
+1. **No attention at all** (mamba, mamba2, falcon_mamba, rwkv, xlstm): `wrap_model` (engine/model/loader.py) reads
    `num_attention_heads` before asking the model what it caches, so loading raises a bare `AttributeError`
    (CLI: `error: internal AttributeError ...`, exit 1) instead of a one-line `UnsupportedModelError` (exit 2).
 2. **Per-layer heads** (dots3_note_text, heterogeneous MLA): the same read raises transformers'
    `AmbiguousGlobalPerLayerAttributeError`; exit 1.
 3. **Looped layers** (inkling2_loop_text: 2 model layers, 4 cache layers, one per loop pass): `StateLayers`
-   (engine/kv/states.py:22) builds `DynamicCache(config)` (2 layers; the loop adds the others during a forward)
+   (engine/kv/store/states.py:22) builds `DynamicCache(config)` (2 layers; the loop adds the others during a forward)
    and indexes layers 2 and 3: a bare `IndexError` from `ChatSession(...)`, not an `EngineError`.
 4. **Learned prompt tokens in the cache** (cpmant: `prompt_length` tokens prepended, so the cache holds T + 4
    per layer): contiguous and paged end with `InternalError` (a size mismatch in storage.py / the model's

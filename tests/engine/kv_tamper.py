@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STORIES = Path(os.environ.get("KVSCOPE_STORIES") or ROOT / "resources" / "models" / "stories260K")
 P = 16
 TWO_GIB = 2 << 30
-MAGIC = b"KVSCOPE-PAGE-2\n"  # engine.kv.page_file.MAGIC (this file runs before torch is imported)
+MAGIC = b"KVSCOPE-PAGE-2\n"  # engine.kv.tier.page_file.MAGIC (this file runs before torch is imported)
 
 
 def prompt_ids(seed: int = 0, length: int = 200) -> list[int]:
@@ -41,7 +41,7 @@ def prompt_ids(seed: int = 0, length: int = 200) -> list[int]:
 def chat(lm, ids, n: int = 12):
     """Greedy reply of ``n`` tokens to ``ids``: (tokens, its last stats, its notes)."""
     from engine.config import CacheConfig, SamplingConfig
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     s = ChatSession(lm, CacheConfig(page_size=P))
     s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True))
@@ -54,8 +54,8 @@ def chat(lm, ids, n: int = 12):
 
 def chain_paths(folder: Path, ids: list[int], pages: int = 12) -> list[Path]:
     """The page files of ``ids``'s first ``pages`` pages in ``folder`` (its one shelf)."""
-    from engine.kv.prefix import ROOT as CHAIN_ROOT
-    from engine.kv.prefix import extend_chain
+    from engine.kv.paged.prefix import ROOT as CHAIN_ROOT
+    from engine.kv.paged.prefix import extend_chain
 
     shelf = next(p for p in folder.iterdir() if p.is_dir())
     return [shelf / (h.hex() + ".kvp") for h in extend_chain([], ids, P, pages, CHAIN_ROOT)]
@@ -114,7 +114,7 @@ def _full_dir(path: Path, raw: bytes, scratch: Path) -> None:
 def _nan(path: Path, raw: bytes, scratch: Path) -> None:
     """NaN payload, checksum recomputed with the folder's key (as its owner could): a file that passes every
     check but the values."""
-    from engine.kv.page_file import mac
+    from engine.kv.tier.page_file import mac
 
     (hlen,) = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])
     off = len(MAGIC) + 4 + hlen
@@ -171,8 +171,8 @@ def unmount(path: Path) -> None:
 
 # -- the process that meets it ----------------------------------------------------------------------------------
 def run(folder: str | None, budget: int, seeds: list[int], length: int) -> dict:
-    from engine.kv import disk
-    from engine.loader import load_model
+    from engine.kv.tier import disk
+    from engine.model.loader import load_model
 
     lm = load_model(str(STORIES))
     tier = disk.configure(lm, folder, budget) if folder else None

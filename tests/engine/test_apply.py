@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 N = 80
 
@@ -92,7 +92,7 @@ def test_a_page_size_change_keeps_each_pages_turn(stories):
     """#19 item 13: after a page-size change every page took the current turn's colour; each page keeps the turn
     that wrote its first token."""
     from engine.config import CacheConfig, SamplingConfig
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     s = ChatSession(stories, CacheConfig(mode="paged", page_size=4))
     msgs = [{"role": "user", "content": "Once upon a time"}]

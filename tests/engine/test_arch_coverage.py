@@ -24,7 +24,7 @@ import arch_expect
 import arch_run
 import arch_zoo
 from engine.errors import EngineError, UnsupportedModelError
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 FULL_TOKENS = 64  # sliding / MLA / state types: well past the window of 8
 PLAIN_TOKENS = 32
@@ -120,7 +120,7 @@ def test_type_runs_exactly_or_is_refused(model_type):
 
 def test_cli_refuses_with_one_line_and_exit_code_2(tmp_path, stories_path, capsys):
     """``python -m engine generate`` on a saved refused model: the ``EngineError`` line, exit code 2."""
-    from engine.cli import main
+    from engine.tools.cli import main
 
     model_type = "deepseek_v32"  # DSA: indexer keys cached next to K and V
     arch_zoo.save_folder(model_type, tmp_path / model_type, stories_path)

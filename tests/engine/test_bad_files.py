@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine import errors
-from engine.cli import main as cli_main
+from engine.tools.cli import main as cli_main
 from engine.config import ModelSpec
-from engine.loader import load_model
+from engine.model.loader import load_model
 
 
 def _copy(stories_path, dst):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import errors
-from engine.cli import main as cli_main
+from engine.tools.cli import main as cli_main
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.loader import load_model
+from engine.model.loader import load_model
 
 
 def _copy(stories_path, dst, skip=()):
@@ -161,7 +161,7 @@ def test_sampling_accepts_ints_for_floats():
 
 
 def test_api_context_overflow_is_never_silent(stories):
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     s = ChatSession(stories, CacheConfig())
     long_prompt = "Once upon a time " * 200
@@ -239,8 +239,8 @@ def test_cli_unreadable_messages_file(stories_path, tmp_path, capsys, monkeypatc
 
 
 def test_api_refuses_lone_surrogates(stories):
-    from engine.chat import validate_messages
-    from engine.session import ChatSession
+    from engine.model.chat import validate_messages
+    from engine.core.session import ChatSession
 
     with pytest.raises(ValueError, match=r"messages\[1\] content: invalid character '\\udcff' at position 0"):
         validate_messages([{"role": "user", "content": "ok"}, {"role": "user", "content": "\udcff"}])
@@ -281,14 +281,14 @@ def _read_only_target(tmp_path):
     ("read_only", "cannot write there (Permission denied)"),
 ])
 def test_cli_unwritable_json_fails_before_any_work(stories_path, tmp_path, capsys, monkeypatch, command, case, words):
-    import engine.bench
-    import engine.loader
-    import engine.quality
+    import engine.tools.bench
+    import engine.model.loader
+    import engine.tools.quality
 
     calls = []
-    monkeypatch.setattr(engine.loader, "load_model", lambda *a, **k: calls.append("load_model"))
-    monkeypatch.setattr(engine.bench, "run_bench", lambda a: calls.append("run_bench") or 0)
-    monkeypatch.setattr(engine.quality, "run_quality", lambda a: calls.append("run_quality") or 0)
+    monkeypatch.setattr(engine.model.loader, "load_model", lambda *a, **k: calls.append("load_model"))
+    monkeypatch.setattr(engine.tools.bench, "run_bench", lambda a: calls.append("run_bench") or 0)
+    monkeypatch.setattr(engine.tools.quality, "run_quality", lambda a: calls.append("run_quality") or 0)
     target = {"directory": tmp_path, "missing_parent": tmp_path / "no" / "such" / "out.json",
               "read_only": _read_only_target(tmp_path)}[case]
     rc = cli_main([command, "--model", str(stories_path), "--json", str(target)])
@@ -299,10 +299,10 @@ def test_cli_unwritable_json_fails_before_any_work(stories_path, tmp_path, capsy
 
 
 def test_cli_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsys, monkeypatch):
-    import engine.bench
+    import engine.tools.bench
 
     seen = []
-    monkeypatch.setattr(engine.bench, "run_bench", lambda a: seen.append(os.path.exists(a.json_file)) or 0)
+    monkeypatch.setattr(engine.tools.bench, "run_bench", lambda a: seen.append(os.path.exists(a.json_file)) or 0)
     new = tmp_path / "new.json"
     assert cli_main(["bench", "--shape", "tiny-llama", "--json", str(new)]) == 0
     assert seen == [False]  # the check made no empty file that a failed run would leave behind
@@ -315,7 +315,7 @@ def test_cli_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsy
 def test_reply_longer_than_the_context_stops_there_and_says_so(stories):
     """A reply whose max new tokens pass the context is not refused: it gets the tokens that fit, stop reason
     context_full, and a note saying how much room there was and what to do."""
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     s = ChatSession(stories, CacheConfig())
     s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=600, ignore_eos=True))

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import scheduler as batch
+from engine.core import scheduler as batch
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError, EngineError
-from engine.kv import attention
+from engine.kv.store import attention
 from engine.kv.hf_cache import RaggedUnsupported
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 from test_exact import hf_greedy
 
 PROMPTS = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park. They", "A big red ball"]
@@ -157,7 +157,7 @@ def test_a_model_that_cannot_batch_steps_one_by_one(lm, monkeypatch):
 def test_random_weights_batched_logits_match_single(lm):
     """A random-weight Llama with a wider layer (the batched linear takes another BLAS path): the batched
     forward's logits agree with one session's to float32 rounding."""
-    from engine.shapes import build_shape
+    from engine.model.shapes import build_shape
 
     big = build_shape("tiny-llama", device="cpu", dtype=torch.float32)
     g = torch.Generator().manual_seed(5)

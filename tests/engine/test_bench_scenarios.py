@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.cli import main as cli_main
+from engine.tools.cli import main as cli_main
 
 
 def test_prefix_cache_and_server_scenarios(stories_path, tmp_path, capsys):
@@ -36,7 +36,7 @@ def test_scenario_flags_out_of_range_are_refused_in_one_line(stories_path, tmp_p
 def test_mixed_scenario_measures_a_chat_beside_decoding_streams(stories):
     import dataclasses
 
-    from engine import bench_scenarios as sc
+    from engine.tools import bench_scenarios as sc
 
     lm = dataclasses.replace(stories, arenas=None, model_runner=None)  # its own pages: none of other tests'
     m = sc.mixed(lm, chat_tokens=16, api_context=32, page_size=16, streams=2, repeats=2)

@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.builtin_model import BUILTIN_MODEL, builtin_model_dir
+from engine.model.builtin import BUILTIN_MODEL, builtin_model_dir
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.loader import load_model, resolve_source
-from engine.session import ChatSession
+from engine.model.loader import load_model, resolve_source
+from engine.core.session import ChatSession
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "resources" / "models" / "stories260K"
@@ -80,7 +80,7 @@ def test_an_installed_wheel_carries_the_model(tmp_path):
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--no-compile", "--target", str(site), str(wheel)],
                    check=True, env=env, capture_output=True)
-    probe = ("import engine, engine.builtin_model as b; d = b.builtin_model_dir(); "
+    probe = ("import engine, engine.model.builtin as b; d = b.builtin_model_dir(); "
              "print(engine.__file__); print(d); print(sorted(p.name for p in d.iterdir()))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)),
                          capture_output=True, text=True, check=True).stdout.splitlines()

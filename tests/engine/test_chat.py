@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat import StreamDecoder, plain_prompt, render_chat, validate_messages
+from engine.model.chat import StreamDecoder, plain_prompt, render_chat, validate_messages
 
 
 @pytest.mark.parametrize("text", ["Hello 你好 world ☃ — naïve café 🎉!", "a\nb  c", "ÀÉÎ 日本語テキスト"])

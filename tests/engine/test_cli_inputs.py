@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from engine.cli import build_parser
+from engine.tools.cli import build_parser
 from engine.tools.inputs import DEFAULT_LIMIT
 from engine.tools.log_once import OncePerMessage
 
@@ -144,7 +144,7 @@ def test_page_size_0_is_the_same_line_for_generate_and_quality(tmp_path, verb):
 
 def test_quality_page_size_applies_to_every_default_row():
     """Without a setting named on the command line --page-size was ignored: every default row used 16."""
-    from engine.quality import default_settings
+    from engine.tools.quality import default_settings
 
     assert {s.page_size for s in default_settings(300, 512, page_size=8)} == {8}
 

@@ -18,9 +18,9 @@ import zipfile
 import pytest
 
 from engine import errors
-from engine.cli import main as cli_main
+from engine.tools.cli import main as cli_main
 from engine.config import ModelSpec
-from engine.loader import load_model
+from engine.model.loader import load_model
 from engine.tools.inputs import DEFAULT_LIMIT as MAX_MESSAGES_BYTES
 
 
@@ -139,7 +139,7 @@ def test_bench_without_contexts_still_runs_a_scenario(tmp_path, stories_path):
 
 def _shard(folder, metadata):
     """model.safetensors as a one-shard checkpoint with an index (``metadata`` None: the index has none)."""
-    from engine.model_files import read_header
+    from engine.model.model_files import read_header
 
     (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
     names = read_header(folder / "model-00001-of-00001.safetensors")[0]

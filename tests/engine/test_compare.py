@@ -1,12 +1,12 @@
-"""engine.compare: the same reply under each cache setting, lossless ones identical to the reference."""
+"""engine.tools.compare: the same reply under each cache setting, lossless ones identical to the reference."""
 
 from __future__ import annotations
 
 import threading
 
-from engine.compare import DEFAULT_SETTINGS, compare_settings
+from engine.tools.compare import DEFAULT_SETTINGS, compare_settings
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 MSGS = [{"role": "user", "content": "Tell me a story about a dog."}]
 
@@ -45,7 +45,7 @@ def test_a_failing_setting_is_a_row_and_cancel_stops(stories):
 
 
 def test_a_comparison_runs_one_forward_per_step_and_matches_compare_settings(stories, monkeypatch):
-    from engine.compare import Comparison
+    from engine.tools.compare import Comparison
 
     settings = [("paged", CacheConfig(mode="paged")), ("contiguous", CacheConfig(mode="contiguous"))]
     sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
@@ -69,7 +69,7 @@ def test_a_comparison_runs_one_forward_per_step_and_matches_compare_settings(sto
 
 
 def test_cancel_ends_the_setting_in_flight_and_close_frees_it(stories):
-    from engine.compare import Comparison
+    from engine.tools.compare import Comparison
 
     sampling = SamplingConfig(max_new_tokens=50, ignore_eos=True)
     comparison = Comparison(stories, MSGS, sampling)

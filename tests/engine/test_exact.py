@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 N_STORIES = 300
 
@@ -81,7 +81,7 @@ def test_stories_exact_with_scattered_pages(stories, stories_ref):
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("mode,page", [("off", 16), ("contiguous", 16), ("paged", 1), ("paged", 5), ("paged", 64)])
 def test_random_gqa_models_exact(shape, mode, page):
-    from engine.shapes import build_shape
+    from engine.model.shapes import build_shape
 
     lm = build_shape(shape, seed=7)
     assert lm.info.num_kv_heads < lm.info.num_q_heads  # GQA

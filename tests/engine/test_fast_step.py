@@ -1,4 +1,4 @@
-"""The compiled decode step (engine.fast_step): exact against HF, built in a child process while eager answers,
+"""The compiled decode step (engine.model.fast_step): exact against HF, built in a child process while eager answers,
 kept only where it pays, refused where it cannot run, and a failed compiled call costs nothing but speed.
 
 Each model shape here is built once (~20-60 s of CPU on the project's 2-core machine, then kept in the compile
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.fast_step import TRIAL_STEPS, FastStep, machine_refusal
-from engine.session import ChatSession
+from engine.model.fast_step import TRIAL_STEPS, FastStep, machine_refusal
+from engine.core.session import ChatSession
 
 NO_COMPILE = machine_refusal(torch.device("cpu"))
 needs_compile = pytest.mark.skipif(bool(NO_COMPILE), reason=f"cannot compile here: {NO_COMPILE}")
@@ -21,7 +21,7 @@ needs_compile = pytest.mark.skipif(bool(NO_COMPILE), reason=f"cannot compile her
 
 @pytest.fixture(scope="module")
 def lm(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     m = load_model(str(stories_path))
     m.runner.fast = FastStep(m, mode="on")
@@ -83,7 +83,7 @@ def test_replies_never_wait_for_the_build_and_switch_to_compiled_between_two_tok
     assert lm.fast.state == "on" and lm.fast.compile_s > 0
     assert len(list(tmp_path.glob("step-*.pt2"))) == 1
 
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     again = load_model(str(lm.path))
     again.runner.fast = FastStep(again, mode="on")
@@ -226,7 +226,7 @@ def test_off_never_compiles(stories):
 def test_a_random_weight_qwen2_shape_agrees_with_eager_logits():
     """Another architecture (Qwen2: biased q/k/v, tied embeddings): the compiled step's logits against the
     eager step's at each of 40 tokens, teacher-forced on the same ids; the largest difference is reported."""
-    from engine.shapes import build_shape
+    from engine.model.shapes import build_shape
 
     lm = build_shape("tiny-qwen2")
     lm.runner.fast = FastStep(lm, mode="on")
@@ -274,7 +274,7 @@ def test_models_the_step_cannot_serve_say_why_and_never_compile(stories, change,
 
 
 def test_an_unknown_setting_in_the_environment_is_warned_about(monkeypatch, caplog):
-    from engine.fast_step import env_mode
+    from engine.model.fast_step import env_mode
 
     monkeypatch.setenv("KVSCOPE_FAST_STEP", "of")
     with caplog.at_level("WARNING", logger="kvscope"):
@@ -289,7 +289,7 @@ def test_a_failed_build_says_why_and_replies_stay_eager(stories, tmp_path, monke
     reply ran eager throughout and nothing is left half-written in the cache folder."""
     import sys
 
-    from engine import aot_step
+    from engine.model import aot_step
 
     monkeypatch.setenv("KVSCOPE_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setattr(aot_step, "child_command",
@@ -310,7 +310,7 @@ def test_a_hung_build_is_stopped_and_said(stories, tmp_path, monkeypatch):
     import sys
     import time as _time
 
-    from engine import aot_step, fast_step
+    from engine.model import aot_step, fast_step
 
     monkeypatch.setenv("KVSCOPE_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setattr(fast_step, "BUILD_TIMEOUT_S", 1.0)
@@ -332,7 +332,7 @@ def test_inductor_keeps_its_cache_in_the_users_cache_folder(stories_path, tmp_pa
     import subprocess
     import sys
 
-    code = ("import os, engine\nfrom engine.loader import load_model\nload_model(%r)\n"
+    code = ("import os, engine\nfrom engine.model.loader import load_model\nload_model(%r)\n"
             "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])" % str(stories_path))
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, XDG_CACHE_HOME=str(tmp_path)),

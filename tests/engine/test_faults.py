@@ -13,10 +13,10 @@ import torch
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError, EngineError, OutOfMemoryError, SessionClosedError
-from engine.kv.arena import ArenaRegistry, PageArena
-from engine.kv.roles import FullRole, KVShape
-from engine.kv.storage import PagedKV
-from engine.session import ChatSession
+from engine.kv.store.arena import ArenaRegistry, PageArena
+from engine.kv.quantized.roles import FullRole, KVShape
+from engine.kv.store.storage import PagedKV
+from engine.core.session import ChatSession
 
 SHORT = SamplingConfig(max_new_tokens=8)
 
@@ -253,7 +253,7 @@ def test_any_exception_in_a_step_ends_the_turn_typed_and_the_next_start_works(st
 
 
 def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, monkeypatch):
-    from engine.sequence import prefill_chunk
+    from engine.core.sequence import prefill_chunk
     from test_exact import hf_greedy
 
     assert [prefill_chunk(n, "cpu") for n in (260_000, 135_000_000, 1_000_000_000, 8_000_000_000)] == [2048, 2048, 512, 64]

@@ -1,4 +1,4 @@
-"""The KV disk tier (``engine.kv.disk``): a chat's full pages written to files and restored by a later model load
+"""The KV disk tier (``engine.kv.tier.disk``): a chat's full pages written to files and restored by a later model load
 (a new process, or here a fresh load: its memory holds none of them) — restore equals recompute, other models
 and settings never reuse a page, the byte budget evicts least recently used files, damaged / missing files are
 dropped and recomputed with a note, a folder that cannot be written is a note, and a process killed with
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.chat import encode_prompt
+from engine.model.chat import encode_prompt
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.kv import disk
-from engine.kv.fingerprint import model_fingerprint
-from engine.kv.prefix import ROOT, extend_chain
-from engine.loader import load_model
-from engine.session import ChatSession
+from engine.kv.tier import disk
+from engine.kv.tier.fingerprint import model_fingerprint
+from engine.kv.paged.prefix import ROOT, extend_chain
+from engine.model.loader import load_model
+from engine.core.session import ChatSession
 
 from tests.engine.test_exact import hf_greedy
 
@@ -303,7 +303,7 @@ def test_generate_messages_reports_disk_restored_tokens_per_turn(stories_path, t
 def test_budget_flag_sets_the_limit_and_refuses_nonsense(stories, stories_path, tmp_path, capsys):
     from argparse import Namespace
 
-    from engine.cli import main
+    from engine.tools.cli import main
 
     tier = disk.configure_flag(stories, Namespace(kv_disk=str(tmp_path), kv_disk_budget=0.5))
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import CacheConfig
-from engine.kv import disk
+from engine.kv.tier import disk
 from tests.engine.kv_tamper import mount_tmpfs, unmount
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_read_only_folders_and_shelves_are_in_generates_warnings(mounts, tmp_pat
 def test_the_api_reply_carries_the_disk_notes_and_the_console_logs_them(mounts, tmp_path, stories_path, caplog):
     import httpx
 
-    from engine.loader import load_model
+    from engine.model.loader import load_model
     from engine.server import KVServer, ServerOptions, ServerThread
 
     full, ro = tmp_path / "full", tmp_path / "ro"

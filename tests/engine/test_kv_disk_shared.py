@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from engine.kv import disk, disk_folder
+from engine.kv.tier import disk, folder as disk_folder
 from tests.engine.kv_tamper import P, chain_paths, chat, folder_bytes, prompt_ids, shared
 
 IDS = prompt_ids()
@@ -24,7 +24,7 @@ PAGE = 20_800  # bytes of one stories260K page file (16 tokens, float32)
 
 @pytest.fixture
 def fresh(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     loaded = []
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv import disk
-from engine.kv.page_file import MAGIC, PageFileError, parse
+from engine.kv.tier import disk
+from engine.kv.tier.page_file import MAGIC, PageFileError, parse
 from tests.engine.kv_tamper import CASES, P, chain_paths, chat, prompt_ids, replaced, spawn
 
 IDS = prompt_ids()
@@ -25,7 +25,7 @@ IN_A_PROCESS = {"FIFO at a page path", "symlink to a 2 GiB file", "2 GiB file at
 @pytest.fixture
 def fresh(stories_path):
     """Fresh loads of stories260K (no page of an earlier load in memory); their tiers closed afterwards."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     loaded = []
 
@@ -44,7 +44,7 @@ def fresh(stories_path):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory, stories_path):
     """A folder written by a clean run, its reply, and (when a case runs in a process) a clean reader's run."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     folder = tmp_path_factory.mktemp("clean") / "kv"
     lm = load_model(str(stories_path))
@@ -179,7 +179,7 @@ def test_links_at_page_and_temporary_paths_are_never_written_through(fresh, tmp_
 
 def chain_paths_for(lm, folder: Path) -> list[Path]:
     """Where ``IDS``'s 13 pages go on ``lm``'s shelf (before any is written)."""
-    from engine.kv.prefix import ROOT, extend_chain
+    from engine.kv.paged.prefix import ROOT, extend_chain
 
     shelf = Path(lm.kv_arenas.disk.shelf(lm.kv_arenas.get(P, None, "auto", "auto")))
     assert shelf.parent == folder

@@ -34,7 +34,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def events_server(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", topic="kv-events",
                          replay_endpoint="tcp://127.0.0.1:*")  # ports ZMQ picks: /kv_event_sources says them
@@ -163,7 +163,7 @@ def test_our_events_reach_a_plain_zmq_subscriber(events_server):
 
 
 def test_attach_cli_reports_json_and_refuses_bad_servers(events_server, capsys):
-    from engine.cli import main as cli_main
+    from engine.tools.cli import main as cli_main
 
     server, url = events_server
     rc = cli_main(["attach", url, "--api-key", "sekret", "--prompt", STORY, "--max-new-tokens", "20", "--json"])
@@ -180,7 +180,7 @@ def test_attach_cli_reports_json_and_refuses_bad_servers(events_server, capsys):
 
 
 def test_attach_refuses_a_server_that_is_not_openai_and_silent_events(events_server, capsys):
-    from engine.cli import main as cli_main
+    from engine.tools.cli import main as cli_main
 
     class NotOpenAI(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -205,7 +205,7 @@ def test_attach_refuses_a_server_that_is_not_openai_and_silent_events(events_ser
 
 
 def test_a_server_gone_mid_reply_keeps_the_text(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(page_size=P), ServerOptions())
@@ -242,7 +242,7 @@ def test_events_config_refusals():
 @pytest.fixture(scope="module")
 def plain_server(stories_path):
     """No API key: a small pool (32 pages) and one idle conversation kept, so new prompts evict cached pages."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*")
     lm = load_model(str(stories_path))
@@ -307,7 +307,7 @@ def test_an_unkeyed_server_publishes_token_ids_except_for_a_salted_request(plain
     ``cache_salt``, whose pages are named from the salt's own root."""
     import httpx
 
-    from engine.kv.tenants import block_hashes
+    from engine.kv.paged.tenants import block_hashes
 
     server, url = plain_server
     ctx = zmq.Context()
@@ -335,7 +335,7 @@ def test_a_keyless_subscriber_reads_no_tenants_text(events_server):
     computes, not those any key-less guess of the text gives."""
     import httpx
 
-    from engine.kv.tenants import block_hashes
+    from engine.kv.paged.tenants import block_hashes
 
     server, url = events_server
     ctx = zmq.Context()

@@ -32,7 +32,7 @@ ARENA = SimpleNamespace(page_size=P, group="full")
 
 def serve_says(capsys, stories_path, *argv: str) -> str:
     """``python -m engine serve`` with ``argv``: it must refuse with exit 2 and one stderr line, which is returned."""
-    from engine.cli import main
+    from engine.tools.cli import main
 
     assert main(["serve", "--model", str(stories_path), "--port", "0", *argv]) == 2
     err = capsys.readouterr().err
@@ -83,7 +83,7 @@ def test_serve_host_names_are_resolved_or_refused(capsys, stories_path):
 
 
 def test_help_says_what_the_switches_expose(capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

@@ -7,11 +7,11 @@ import torch
 
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
-from engine.kv import quant
-from engine.kv.arena import PageArena
-from engine.kv.roles import KVShape
-from engine.kv.storage import PagedKV
-from engine.session import ChatSession
+from engine.kv.quantized import quant
+from engine.kv.store.arena import PageArena
+from engine.kv.quantized.roles import KVShape
+from engine.kv.store.storage import PagedKV
+from engine.core.session import ChatSession
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -11,8 +11,8 @@ import torch
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, UnsupportedModelError
-from engine.loader import wrap_model
-from engine.session import ChatSession
+from engine.model.loader import wrap_model
+from engine.core.session import ChatSession
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -210,7 +210,7 @@ def test_model_facts_come_from_what_the_model_caches():
 
 
 def test_models_that_cannot_run_say_why_in_one_line():
-    from engine.arch import LayerFacts, refusal
+    from engine.model.arch import LayerFacts, refusal
 
     assert "different shapes" in refusal((LayerFacts("full", 0, 2, 16, 2, 16), LayerFacts("full", 0, 4, 16, 4, 16)))
     assert refusal((LayerFacts("full", 0, 2, 16, 2, 16), LayerFacts("none"))) is None  # MLP-only layers

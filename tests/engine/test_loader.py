@@ -13,8 +13,8 @@ import torch
 
 from engine import errors
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.loader import choose_device, load_model
-from engine.session import ChatSession
+from engine.model.loader import choose_device, load_model
+from engine.core.session import ChatSession
 
 
 def _generate(lm, n=20):
@@ -108,7 +108,7 @@ def _closed_port() -> int:
 def test_download_unreachable_hub_fails_fast_with_clear_message(tmp_path):
     """A hub id not in the cache, with the hub endpoint pointing at a closed local port."""
     code = (
-        "from engine.loader import load_model\n"
+        "from engine.model.loader import load_model\n"
         "from engine.config import ModelSpec\n"
         "from engine import errors\n"
         "try:\n"
@@ -124,7 +124,7 @@ def test_download_unreachable_hub_fails_fast_with_clear_message(tmp_path):
 
 
 def test_offline_flag_refuses_download(capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     rc = main(["generate", "--model", "someone/not-cached-model", "--prompt", "x", "--offline"])
     err = capsys.readouterr().err
@@ -141,7 +141,7 @@ def test_device_choice_explains_itself():
 
 
 def test_import_engine_never_imports_qt():
-    code = ("import sys, engine, engine.session, engine.loader, engine.cli, engine.bench\n"
+    code = ("import sys, engine, engine.core.session, engine.model.loader, engine.tools.cli, engine.tools.bench\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'pyqtgraph', 'app', 'shiboken6')]\n"
             "print(bad)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -157,7 +157,7 @@ def test_import_engine_is_light():
 
 
 def test_cli_generate_json_fields(stories_path, tmp_path, capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     rc = main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-new-tokens", "12",
                "--json", "--cache", "paged", "--page-size", "4"])
@@ -178,7 +178,7 @@ def test_cli_generate_json_fields(stories_path, tmp_path, capsys):
 
 
 def test_bench_writes_rows_for_every_mode(tmp_path, capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     f = tmp_path / "b.json"
     rc = main(["bench", "--shape", "tiny-llama", "--contexts", "32,64", "--new-tokens", "6", "--json", str(f),
@@ -229,7 +229,7 @@ def test_cpu_fallback_says_why(monkeypatch):
     """A CUDA build of torch on a machine without the NVIDIA driver (this one: no libcuda.so.1) says so."""
     import torch
 
-    from engine.loader import choose_device, no_gpu_reason
+    from engine.model.loader import choose_device, no_gpu_reason
 
     assert choose_device("auto") == ("cpu", no_gpu_reason())
     monkeypatch.setattr(torch.version, "cuda", "13.0")

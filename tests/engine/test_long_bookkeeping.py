@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 STREAMING = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 60}, mode="paged", page_size=16)
 

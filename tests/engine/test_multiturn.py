@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 USER_TURNS = ["Tell me a story about a cat.", "What did the cat eat?", "And then?"]
 SAMPLING = SamplingConfig(max_new_tokens=30)
@@ -86,7 +86,7 @@ def test_regenerate_and_edit_reuse_exactly_the_common_prefix(stories):
     assert s.generated_ids == first_ids  # greedy: regenerate is deterministic
     # edit: change the last word → reuse stops exactly where the token ids start to differ
     edited = [{"role": "user", "content": "Tell me a story about a fish."}]
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     a, b = render_chat(tok, msgs), render_chat(tok, edited)
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)

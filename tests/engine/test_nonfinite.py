@@ -16,8 +16,8 @@ import torch
 
 from engine import errors
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.loader import load_model
-from engine.session import ChatSession
+from engine.model.loader import load_model
+from engine.core.session import ChatSession
 
 
 @pytest.fixture(scope="module")

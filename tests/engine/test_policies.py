@@ -8,7 +8,7 @@ import pytest
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.policies import H2OPolicy, PolicyState, PriorityPolicy, StreamingPolicy, get_policy, policy_names
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 
 def state(n, layers=2, **kw):
@@ -135,7 +135,7 @@ def test_priority_session_keeps_system_prompt_and_pinned_message(stories):
             {"role": "user", "content": "Remember: the dog is named Max.", "pinned": True},
             {"role": "assistant", "content": "Max is a happy dog who likes to run and jump in the sun."},
             {"role": "user", "content": "And then?"}]
-    from engine.chat import message_spans
+    from engine.model.chat import message_spans
 
     spans = message_spans(stories.tokenizer, msgs)
     s, r, snaps = run(stories, CacheConfig(mode="paged", page_size=4, policy="priority",
@@ -191,7 +191,7 @@ def test_enable_policy_mid_reply_evicts_now_and_disable_restores(stories):
 def test_cli_json_reports_every_eviction(stories_path, capsys):
     import json
 
-    from engine.cli import main
+    from engine.tools.cli import main
 
     rc = main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-new-tokens", "60",
                "--policy", "streaming", "--sinks", "4", "--window", "24", "--page-size", "4", "--json"])

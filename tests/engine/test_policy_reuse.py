@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 POLICIES = {
     "streaming": {"sinks": 4, "window": 60},

@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.errors import CacheCapacityError
-from engine.kv.block_table import BlockTable
-from engine.kv.pool import PagePool
+from engine.kv.paged.block_table import BlockTable
+from engine.kv.paged.pool import PagePool
 
 
 def test_allocate_lowest_ids_first_and_reuse_freed_in_order():

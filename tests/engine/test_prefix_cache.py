@@ -10,10 +10,10 @@ import pytest
 
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
-from engine.kv.block_table import BlockTable
-from engine.kv.pool import PAGE_CACHED, PAGE_FREE, PagePool
-from engine.kv.prefix import ROOT, extend_chain, page_hash
-from engine.session import ChatSession
+from engine.kv.paged.block_table import BlockTable
+from engine.kv.paged.pool import PAGE_CACHED, PAGE_FREE, PagePool
+from engine.kv.paged.prefix import ROOT, extend_chain, page_hash
+from engine.core.session import ChatSession
 
 from tests.engine.test_exact import hf_greedy
 
@@ -122,8 +122,8 @@ def reply(s: ChatSession, msgs, n=N_NEW):
 
 
 def shared_prefix_pages(lm, a: str, b: str, page: int) -> int:
-    from engine.chat import render_chat
-    from engine.sequence import common_prefix
+    from engine.model.chat import render_chat
+    from engine.core.sequence import common_prefix
 
     ia, ib = render_chat(lm.tokenizer, chat(a)), render_chat(lm.tokenizer, chat(b))
     return common_prefix(ia, ib) // page
@@ -153,7 +153,7 @@ def test_second_session_shares_the_system_prompt_pages_and_stays_exact(stories, 
     assert (np.delete(sn.page_refcount, shared)[:len(b.store.table.pages)] <= 1).all()
     pool.check()
     # the same greedy tokens as HF and as a session that shares nothing
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     ids_b = render_chat(lm.tokenizer, chat(qb))
     assert b.generated_ids == hf_greedy(lm, ids_b, N_NEW)
@@ -242,7 +242,7 @@ def test_other_settings_never_share(stories, other):
     # nothing b computed is offered to a 16-token auto session afterwards, unless b is one (reuse off for itself)
     c = ChatSession(lm, CacheConfig(page_size=16))
     st_c, _ = reply(c, chat("Tim had a dog."), n=4)
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     if other == CacheConfig(page_size=16, prefix_reuse=False):
         expect = (len(render_chat(lm.tokenizer, chat("Tim had a dog."))) - 1) // 16
@@ -286,7 +286,7 @@ def test_eviction_policy_switched_on_drops_names_of_rewritten_pages(stories):
     st, _ = reply(b, chat("Tim had a dog."), n=N_NEW)
     assert not set(rewritten) & set(b.store.table.pages)
     assert st.shared_tokens == 0  # page 0 (the chain's first) was rewritten: no chain to follow
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     assert b.generated_ids == hf_greedy(lm, render_chat(lm.tokenizer, chat("Tim had a dog.")), N_NEW)
     a.close()
@@ -316,7 +316,7 @@ def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
     """A chat swapped out leaves its full pages in the prefix cache; swapping it back in takes those pages
     back as they are (same page ids, no copy) and copies only the partial last page. When another chat has
     taken the pages meanwhile, everything comes back from host memory. Either way the next turn is exact."""
-    from engine.chat import render_chat
+    from engine.model.chat import render_chat
 
     lm = fresh(stories)
     cfg = CacheConfig(mode="paged", page_size=16, max_pages=24)

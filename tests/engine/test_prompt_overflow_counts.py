@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 PROMPT = 3_000  # ids, on stories260K's context of 512
 

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from engine.cli import main
-from engine.quality import DEFAULT_TEXT
+from engine.tools.cli import main
+from engine.tools.quality import DEFAULT_TEXT
 
 
 def test_quality_cli_reference_equals_hf_loss_and_scores_int8(stories, stories_path, tmp_path):

@@ -1,4 +1,4 @@
-"""engine.kv.quant: round-trip bounds, layouts, bytes per token, batched == per page."""
+"""engine.kv.quantized.quant: round-trip bounds, layouts, bytes per token, batched == per page."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv import quant as Q
+from engine.kv.quantized import quant as Q
 
 F16, F32 = torch.float16, torch.float32
 EPS = 2.0**-20  # float32 arithmetic slack, relative to |x| and the scale

@@ -1,4 +1,4 @@
-"""RoPE re-rotation of cached keys (engine.kv.rope), checked against the models' own forward.
+"""RoPE re-rotation of cached keys (engine.kv.store.rope), checked against the models' own forward.
 
 For each rotary layout we build a tiny seeded random model, let transformers cache the keys of the same tokens at
 positions p and at p + Δ, and require ``Rerotator(model)(layer, keys_at_p, Δ)`` to equal the keys cached at p + Δ
@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from engine.kv.attention import Rerotator as RerotatorFromAttention
-from engine.kv.rope import Rerotator, rerotation_refusal, rope_layout_or_reason
+from engine.kv.store.attention import Rerotator as RerotatorFromAttention
+from engine.kv.store.rope import Rerotator, rerotation_refusal, rope_layout_or_reason
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

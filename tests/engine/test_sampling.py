@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.sampling import Sampler, apply_repetition_penalty, sampling_probs
-from engine.session import ChatSession
+from engine.core.sampling import Sampler, apply_repetition_penalty, sampling_probs
+from engine.core.session import ChatSession
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 

@@ -32,7 +32,7 @@ DEADLINE_S = 120.0  # how long a poll waits for the server before the test fails
 
 @pytest.fixture(scope="module")
 def served(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))  # the server's own copy: references run on the `stories` fixture's
     server = KVServer(lm, CacheConfig(page_size=PAGE), ServerOptions(api_key=KEY, max_body=MAX_BODY,
@@ -66,7 +66,7 @@ def record(server, request_id: str):
 
 def reference(lm, messages=None, prompt=None, max_tokens=32):
     """Greedy reply of a fresh session: (text, generated ids, TurnStats)."""
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     s = ChatSession(lm, CacheConfig(page_size=PAGE))
     sampling = SamplingConfig(max_new_tokens=max_tokens)
@@ -79,7 +79,7 @@ def reference(lm, messages=None, prompt=None, max_tokens=32):
 
 
 def cli_generate(capsys, stories_path, tmp_path, args):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     capsys.readouterr()
     assert main(["generate", "--model", str(stories_path), "--json", *args]) == 0
@@ -189,8 +189,8 @@ def test_a_new_conversation_takes_a_closed_ones_system_prompt_pages(served, clie
     on_engine(server, lambda: server.scheduler.idle.close())  # no idle session to go on with
     conv2 = [system, {"role": "user", "content": "Max ran away."}]
     r2 = client.chat.completions.create(model=MODEL, messages=conv2, temperature=0, max_tokens=30)
-    from engine.chat import render_chat
-    from engine.sequence import common_prefix
+    from engine.model.chat import render_chat
+    from engine.core.sequence import common_prefix
 
     tok = stories.tokenizer
     full = common_prefix(render_chat(tok, conv1), render_chat(tok, conv2)) // PAGE * PAGE
@@ -390,7 +390,7 @@ def test_more_bad_requests_and_the_server_goes_on(served, client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert e.value.status_code == 400 and e.value.body["param"] == "messages[0].role"
     # a bug inside a step: 500 with one line, no traceback; the next request is served
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     with mock.patch.object(ChatSession, "step", side_effect=RuntimeError("boom")):
         assert "boom" not in assert_openai_error(_post(url, CHAT, {"model": MODEL, "messages": USER}), 500,
@@ -464,7 +464,7 @@ def test_wrong_or_missing_key_gets_401(served):
 
 
 def test_non_loopback_bind_without_key_is_refused(stories_path, capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     for host in ("0.0.0.0", "192.168.1.20"):  # a name is resolved: test_kv_events_security (no DNS here)
         assert main(["serve", "--model", str(stories_path), "--host", host]) == 2
@@ -473,7 +473,7 @@ def test_non_loopback_bind_without_key_is_refused(stories_path, capsys):
 
 
 def test_an_api_key_no_client_can_send_is_refused_at_start(stories_path, capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     for key in ("ключ-123", "two words", "tab\tkey"):
         assert main(["serve", "--model", str(stories_path), "--api-key", key]) == 2
@@ -555,7 +555,7 @@ def test_serve_command_prints_its_url_and_stops_on_ctrl_c(stories_path):
 def test_stop_with_a_stream_in_flight_ends_it_at_once(stories_path):
     """Stopping the server while a reply streams ends that request first (the client's stream finishes with the
     shutdown error), so the HTTP server does not wait for the reply: the app's Server ▸ Stop does not hang."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     thread = ServerThread(KVServer(lm, CacheConfig(page_size=PAGE)))
@@ -617,7 +617,7 @@ def test_web_pages_cannot_drive_a_keyless_server(stories):
 
 
 def test_cors_for_every_origin_needs_a_key(stories, stories_path, capsys):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     with pytest.raises(ValueError, match="--api-key"):
         KVServer(stories, CacheConfig(), ServerOptions(cors=("*",)))

@@ -137,7 +137,7 @@ def closed_by_server_or_reset(s: socket.socket) -> bool:
 
 @pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout", "--max-connections"])
 def test_serve_refuses_bad_limits(stories_path, capsys, flag):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     assert main(["serve", "--model", str(stories_path), flag, "0"]) == 2
     assert flag in capsys.readouterr().err

@@ -26,7 +26,7 @@ STREAMING = CacheConfig(page_size=16, policy="streaming", policy_params={"sinks"
 
 
 def serve(stories_path, stall_s: float, max_running: int = 8, cap: int = CAP):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, STREAMING, ServerOptions(max_running=max_running, limits=StreamLimits(
@@ -134,7 +134,7 @@ def test_a_stream_never_read_is_cancelled_and_others_go_on_meanwhile(stories_pat
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_serve_refuses_a_bad_max_tokens(stories_path, capsys, value):
-    from engine.cli import main
+    from engine.tools.cli import main
 
     assert main(["serve", "--model", str(stories_path), "--max-tokens", str(value)]) == 2
     assert "--max-tokens" in capsys.readouterr().err

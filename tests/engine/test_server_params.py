@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from engine.chat import render_chat
+from engine.model.chat import render_chat
 from engine.config import CacheConfig
 from engine.server import KVServer, ServerOptions, ServerThread
 
@@ -23,7 +23,7 @@ USER = [{"role": "user", "content": "Sara saw a big dog."}]
 
 @pytest.fixture(scope="module")
 def served(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(page_size=16), ServerOptions(), source=str(stories_path))

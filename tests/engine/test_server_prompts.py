@@ -25,7 +25,7 @@ def serve(stories_path):
     threads = []
 
     def start(cache: CacheConfig):
-        from engine.loader import load_model
+        from engine.model.loader import load_model
 
         server = KVServer(load_model(str(stories_path)), cache, ServerOptions(), source=MODEL)
         thread = ServerThread(server)

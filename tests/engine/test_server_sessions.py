@@ -15,7 +15,7 @@ STORY = "Once upon a time there was a little girl named Lily. She loved to play 
 @pytest.mark.parametrize("cache", [CacheConfig(page_size=4), CacheConfig(page_size=4, k_dtype="int8")],
                          ids=["prefix-cache", "no-prefix-cache"])
 def test_unrelated_requests_get_sessions_of_their_own(stories_path, cache):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, cache, ServerOptions())

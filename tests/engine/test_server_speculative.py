@@ -14,7 +14,7 @@ import torch
 from engine.config import CacheConfig, SamplingConfig, SpecConfig
 from engine.server import KVServer, ServerOptions, ServerThread
 from engine.server.metrics import parse as parse_metrics
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time, "
          "there was a little girl named Lily.")
@@ -22,7 +22,7 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 
 @pytest.fixture(scope="module")
 def spec_server(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(), ServerOptions(speculative=SpecConfig(method="ngram", auto_off=False)))
@@ -97,7 +97,7 @@ def _together(server, url: str, *bodies: dict) -> list[dict]:
 
 
 def test_serve_refuses_a_bad_speculative_flag(stories_path, capsys):
-    from engine.cli import main as cli_main
+    from engine.tools.cli import main as cli_main
 
     rc = cli_main(["serve", "--model", str(stories_path), "--port", "0", "--speculative", "beam"])
     assert rc == 2 and "is not one of off, ngram, draft" in capsys.readouterr().err

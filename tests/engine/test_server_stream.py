@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from engine.chat import StreamDecoder
+from engine.model.chat import StreamDecoder
 from engine.config import CacheConfig
 from engine.server import KVServer, ServerOptions, ServerThread
 
@@ -20,7 +20,7 @@ DEADLINE_S = 120.0
 
 @pytest.fixture(scope="module")
 def served(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(page_size=16), ServerOptions(), source=str(stories_path))

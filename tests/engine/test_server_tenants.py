@@ -21,7 +21,7 @@ SECRET = "The secret pin code is 7391. Tell nobody."
 
 @pytest.fixture(scope="module")
 def served(stories_path):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(str(stories_path))
     server = KVServer(lm, CacheConfig(page_size=PAGE), ServerOptions(api_key=KEY_A, api_keys=(KEY_B,), max_idle=4),

@@ -21,14 +21,14 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine import scheduler as batch
+from engine.core import scheduler as batch
 from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
-from engine.kv import disk as kv_disk
-from engine.kv.prefix import extend_chain
+from engine.kv.tier import disk as kv_disk
+from engine.kv.paged.prefix import extend_chain
 from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
-from engine.fast_step import machine_refusal
-from engine.session import ChatSession
+from engine.model.fast_step import machine_refusal
+from engine.core.session import ChatSession
 
 WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the sun one day "
          "saw big red ball park tim dog max ran fast happy").split()
@@ -43,8 +43,8 @@ STORIES_PATH = Path(os.environ.get("KVSCOPE_STORIES") or Path(__file__).resolve(
 
 def stories_model(path):
     if "lm" not in _MODEL:
-        from engine.fast_step import FastStep
-        from engine.loader import load_model
+        from engine.model.fast_step import FastStep
+        from engine.model.loader import load_model
 
         lm = load_model(str(path))
         lm.runner.fast = FastStep(lm, mode="off")  # one compiled step for every walk (the ``fast_step`` rule)
@@ -280,8 +280,8 @@ class ChatMachine(RuleBasedStateMachine):
         self._speculate(self._chat(i).session, method, k)
 
     def _speculate(self, s: ChatSession, method: str, k: int) -> None:
-        from engine.spec_draft import ModelDrafter
-        from engine.speculative import SpecConfig
+        from engine.speculation.draft_model import ModelDrafter
+        from engine.speculation.verify import SpecConfig
 
         cfg = SpecConfig(method=method, draft_tokens=k, draft_path="stories260K" if method == "draft" else "")
         if method == "draft" and self.draft_lm is None:  # the model drafting for itself, on its own cache
@@ -433,7 +433,7 @@ def tiny_model(model_type: str, layer_types: list[str]):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from engine.config import ModelSpec
-        from engine.loader import wrap_model
+        from engine.model.loader import wrap_model
 
         cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -529,7 +529,7 @@ class ApiReq:
 
 
 class CoreMachine(ChatMachine):
-    """The same chats, plus the engine core (``engine.scheduler.EngineCore``) with several sources at once: chats
+    """The same chats, plus the engine core (``engine.core.scheduler.EngineCore``) with several sources at once: chats
     handed to it as requests (the app's chat, at any priority), API requests (fresh lossless sessions, greedy,
     cancelled at random) and a comparison task, stepped by ``round`` among every other rule. Invariants beyond
     the chat machine's: every model forward went through the runner; an API request's tokens are HF's greedy
@@ -537,7 +537,7 @@ class CoreMachine(ChatMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        from engine.scheduler import EngineCore
+        from engine.core.scheduler import EngineCore
 
         self.core = EngineCore(self.lm)
         self.api: list[ApiReq] = []
@@ -552,7 +552,7 @@ class CoreMachine(ChatMachine):
     @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=30), n=st.integers(1, 24),
           priority=st.sampled_from([0, 1, 2]), spec=st.sampled_from(["off", "off", "ngram", "draft"]))
     def api_request(self, words, n, priority, spec):
-        from engine.scheduler import Priority, Request
+        from engine.core.scheduler import Priority, Request
 
         s = ChatSession(self.lm, CacheConfig())
         if spec != "off":
@@ -570,7 +570,7 @@ class CoreMachine(ChatMachine):
     @rule(i=st.integers(0, 99), priority=st.sampled_from([0, 1, 2]))
     def chat_on_core(self, i, priority):
         """The chat's reply is stepped by the core from now on (as the app's worker does)."""
-        from engine.scheduler import Priority, Request
+        from engine.core.scheduler import Priority, Request
 
         chat = self._chat(i)
         if not chat.session.generating or id(chat) in self.on_core:
@@ -581,8 +581,8 @@ class CoreMachine(ChatMachine):
     @precondition(lambda self: self.comparison is None)
     @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=8))
     def compare(self, words):
-        from engine.compare import Comparison
-        from engine.scheduler import Task
+        from engine.tools.compare import Comparison
+        from engine.core.scheduler import Task
 
         comp = Comparison(self.lm, [{"role": "user", "content": " ".join(words)}],
                           SamplingConfig(max_new_tokens=4), settings=(("paged", CacheConfig()),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session_pool import SessionPool
+from engine.core.session_pool import SessionPool
 
 SAMPLING = SamplingConfig(max_new_tokens=20)
 
@@ -35,7 +35,7 @@ def test_switching_chats_swaps_idle_ones_and_reuses_each_cache(stories):
     st, r = reply(a, a_msgs2)
     assert st.reused_tokens > 0 and not a.offloaded and len(a.store.table.pages) >= a_pages
     # the same conversation in a fresh session that never swapped gives the same tokens
-    from engine.session import ChatSession
+    from engine.core.session import ChatSession
 
     fresh = ChatSession(stories, CacheConfig(mode="paged", page_size=8))
     reply(fresh, a_msgs)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig, SamplingConfig, SpecConfig
-from engine.loader import load_model
-from engine.session_pool import SessionPool
-from engine.spec_draft import DraftMismatchError, ModelDrafter
+from engine.model.loader import load_model
+from engine.core.session_pool import SessionPool
+from engine.speculation.draft_model import DraftMismatchError, ModelDrafter
 
 MESSAGES = [{"role": "user", "content": "Once upon a time, there was a little girl named Lily. Once upon a time"}]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=60, ignore_eos=True)

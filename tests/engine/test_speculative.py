@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
-from engine.spec_draft import DraftMismatchError, ModelDrafter
-from engine.speculative import MAX_DRAFT, SpecConfig, Speculator, NgramDrafter, verify
-from engine.sampling import Sampler
+from engine.core.session import ChatSession
+from engine.speculation.draft_model import DraftMismatchError, ModelDrafter
+from engine.speculation.verify import MAX_DRAFT, SpecConfig, Speculator, NgramDrafter, verify
+from engine.core.sampling import Sampler
 
 # a story that repeats itself: prompt lookup finds what comes next
 PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
@@ -261,7 +261,7 @@ def test_penalties_on_the_reply_and_logprobs(stories, prompt_ids):
 
 
 def test_a_verdict_of_slower_is_kept_for_the_model_and_retried():
-    from engine.speculative import RETRY_EVERY
+    from engine.speculation.verify import RETRY_EVERY
 
     verdicts: dict = {}
     sp = Speculator(SpecConfig(method="ngram"), NgramDrafter(), verdicts)
@@ -305,7 +305,7 @@ def test_the_ngram_index_proposes_what_a_full_scan_does():
     drafts are the full scan's."""
     import random
 
-    from engine.speculative import NgramDrafter
+    from engine.speculation.verify import NgramDrafter
 
     rng = random.Random(7)
     d = NgramDrafter(3)

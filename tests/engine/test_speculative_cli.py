@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.cli import main as cli_main
+from engine.tools.cli import main as cli_main
 
 PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time, "
           "there was a little girl named Lily.")
@@ -71,7 +71,7 @@ def test_a_missing_or_broken_draft_model_is_named_before_or_after_the_main_one(s
     refused naming the draft model (the main one loaded fine)."""
     import time
 
-    from engine.cli import main as cli_main
+    from engine.tools.cli import main as cli_main
 
     t = time.perf_counter()
     rc = cli_main(["generate", "--model", str(stories_path), "--prompt", "Once", "--speculative",

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.session import ChatSession
-from engine.spec_draft import ModelDrafter
-from engine.speculative import SpecConfig, verify
-from engine.sampling import Sampler
+from engine.core.session import ChatSession
+from engine.speculation.draft_model import ModelDrafter
+from engine.speculation.verify import SpecConfig, verify
+from engine.core.sampling import Sampler
 
 # a story that repeats itself: prompt lookup drafts often, and at temperature 0.8 some drafts stay, some do not
 PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "

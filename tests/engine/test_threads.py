@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from engine import threads
+from engine.model import threads
 from engine.config import SamplingConfig
-from engine.session import ChatSession
+from engine.core.session import ChatSession
 
 
 def test_small_models_run_on_one_thread(monkeypatch):

@@ -17,8 +17,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from engine import errors
 from engine.config import ModelSpec
-from engine.loader import load_model
-from engine.weight_index import layer_stacks
+from engine.model.loader import load_model
+from engine.model.weight_index import layer_stacks
 
 
 def _copy(stories_path, dst, **config):

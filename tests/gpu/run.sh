@@ -36,6 +36,6 @@ bench qwen 150 --shape qwen2.5-0.5b --dtype bfloat16 --contexts 256,4096 --new-t
   --modes hf-dynamic,contiguous,paged --concurrency 1,4 --eager
 bench sliding 75 --shape gemma3-1b --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged --eager
 bench gptoss 75 --shape gpt-oss-20b-attn --dtype bfloat16 --contexts 4096 --new-tokens 64 --repeats 2 --modes hf-dynamic,paged --eager
-# last, so a slow first compile cuts only itself: the paged rows with the compiled decode step (engine.fast_step)
+# last, so a slow first compile cuts only itself: the paged rows with the compiled decode step (engine.model.fast_step)
 bench compiled 120 --shape qwen2.5-0.5b --dtype bfloat16 --contexts 256,4096 --new-tokens 64 --modes hf-dynamic,paged
 exit $rc

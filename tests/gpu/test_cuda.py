@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
-from engine.loader import load_model
-from engine.session import ChatSession
-from engine.shapes import build_shape
+from engine.model.loader import load_model
+from engine.core.session import ChatSession
+from engine.model.shapes import build_shape
 
 # A dry run of these checks on the CPU: KVSCOPE_GPU_TEST_DEVICE=cpu KVSCOPE_GPU_TEST_SHAPE=tiny-qwen2
 DEVICE = os.environ.get("KVSCOPE_GPU_TEST_DEVICE", "cuda")
@@ -124,8 +124,8 @@ def test_stories_exact_on_cuda(stories_gpu, record):
 
 def test_batched_decoding_exact_on_cuda(stories_gpu, record):
     """Four chats decoded in one forward per step on the GPU (float32): each gets HF's greedy ids."""
-    from engine import scheduler as batch
-    from engine.session import ChatSession
+    from engine.core import scheduler as batch
+    from engine.core.session import ChatSession
 
     lm = stories_gpu
     prompts = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park. They", "A big red ball"]
@@ -169,7 +169,7 @@ def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path
     assert "Linear4bit" in {type(m).__name__ for m in lm.model.modules()}
     prompt = _prompt(lm.info.vocab_size, 64)
     a = agreement(lm, prompt, CacheConfig(mode="paged", page_size=16))
-    from app.estimate import estimate_folder
+    from app.models.estimate import estimate_folder
 
     est = estimate_folder(folder, 4096, "nf4", device=DEVICE)
     record("top1-nf4", weights_bytes=weights, estimated_weights_bytes=est.weights_bytes, **a)
@@ -183,8 +183,8 @@ def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path
 def test_memory_readout_and_fit(qwen_bf16, record):
     """The memory panel's device figure is CUDA's own; weights + KV at 4k agree with the models dialog's
     estimate, and the KV arena's limit follows the GPU's free memory."""
-    from app.estimate import estimate
-    from engine.kv.arena import GPU_SHARE, default_memory_limit
+    from app.models.estimate import estimate
+    from engine.kv.store.arena import GPU_SHARE, default_memory_limit
 
     if DEVICE != "cuda":
         pytest.skip("CUDA memory figures")

@@ -29,11 +29,11 @@ def main() -> int:
     from PySide6.QtWidgets import QApplication
 
     app = QApplication([])
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.remote_chat import RemoteChats
-    from app.self_test import wait_until
-    from app.settings import Settings
+    from app.history.store import HistoryStore
+    from app.shell.window import MainWindow
+    from app.remote.chat import RemoteChats
+    from app.selftest.run import wait_until
+    from app.settings.store import Settings
     from engine.remote.client import RemoteClient
 
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-measure-app-"))

@@ -1,0 +1,379 @@
+"""One message in the chat transcript: role, Markdown body, per-reply stats and cache line, actions."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat.draft_tint import add_span, tinted_html
+from app.shell.glossary import stop_mark
+from app.chat.markdown import to_html
+
+COPIED_MS = 1500  # how long "Copied" shows on the button
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens · cache paged', then how it
+    stopped when it did not simply end ('stopped: context full — ...'). Empty for a message that is not
+    a finished reply (a pinned user message shows ``pin_line``)."""
+    if not stats or ("stop_reason" not in stats and "generated_tokens" not in stats):
+        return ""
+    parts = []
+    if stats.get("prefill_tokens_per_s"):
+        parts.append(f"prefill {stats['prefill_tokens_per_s']:.0f} tok/s")
+    if stats.get("decode_tokens_per_s"):
+        parts.append(f"decode {stats['decode_tokens_per_s']:.1f} tok/s")
+    if stats.get("ttft_ms") is not None:
+        parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
+    parts.append(f"{stats.get('generated_tokens', 0)} tokens")
+    if stats.get("mode"):
+        parts.append(f"cache {stats['mode']}")
+    if stats.get("switches"):  # precision / policy / page size changed while it was written
+        parts.append("switched mid-reply: " + "; ".join(stats["switches"]))
+    if stats.get("spec_note"):  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
+        parts.append(stats["spec_note"])
+    mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))
+    if mark:
+        parts.append(mark)
+    return " · ".join(parts)
+
+
+def pin_line(stats: dict[str, Any], priority: bool = True) -> str:
+    """'pinned · 12 tokens kept by Priority pinning' for a pinned message ('' otherwise). ``priority``: that is
+    the eviction policy now; under another one nothing keeps a pinned message, and the line says so."""
+    if not stats or not stats.get("pinned"):
+        return ""
+    tokens = stats.get("tokens")
+    count = f" · {tokens} tokens" if tokens is not None else ""
+    if priority:
+        return f"pinned{count} kept by Priority pinning" if count else "pinned · kept by Priority pinning"
+    return f"pinned{count} · kept once the eviction policy is Priority pinning (it is not now)"
+
+
+def error_line(stats: dict[str, Any]) -> str:
+    """'Error: <why the reply stopped>' for a reply an error ended (saved with it), else ''."""
+    return f"Error: {stats['error']}" if stats and stats.get("error") else ""
+
+
+def note_lines(stats: dict[str, Any]) -> list[str]:
+    """What the engine told the user during the reply ("the oldest 120 tokens were dropped ...")."""
+    return [str(n) for n in (stats or {}).get("notes", ())]
+
+
+def cache_line(stats: dict[str, Any]) -> str:
+    """'reused N tokens, recomputed M, diverged at P', with 'dropped D unread to fit the context' when the prompt
+    did not fit (those were never computed: they are in neither count)."""
+    if not stats or "reused_tokens" not in stats:
+        return ""
+    div = stats.get("first_divergence", -1)
+    where = f"diverged at {div}" if div is not None and div >= 0 else ""
+    shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
+    disk = min(int(stats.get("disk_restored_tokens") or 0), shared)  # of them, read from the KV disk tier
+    if shared - disk:
+        where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
+    if disk:
+        where = f"{disk:,} restored from disk" + (f", {where}" if where else "")
+    where = where or "nothing cached before"
+    dropped = int(stats.get("dropped_tokens") or 0)
+    dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
+    return (f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}{dropped_text}, "
+            f"{where}")
+
+
+def shown_is_stored(versions: list, shown: int) -> bool:
+    """The version on screen is one of the stored ones (not a reply still being written)."""
+    return 0 <= shown < len(versions)
+
+
+class MessageView(QFrame):
+    """A chat bubble. Assistant bubbles stream: ``append`` buffers text, ``render`` draws it."""
+
+    copy_requested = Signal()
+    edit_submitted = Signal(int, str)  # position, new text
+    regenerate_requested = Signal()
+    pin_toggled = Signal(int, bool)  # position, pinned
+    version_requested = Signal(int, int)  # position, version index
+
+    def __init__(self, role: str, text: str = "", position: int = 0, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.role = role
+        self.position = position
+        self.text = text
+        self.stats: dict[str, Any] = {}
+        self.draft_spans: list[list[int]] = []  # characters of ``text`` from accepted draft tokens
+        self.tint = False  # draw them tinted (the window's setting)
+        self.priority = False  # the eviction policy is Priority pinning (what a pin line may promise)
+        self.waiting = ""  # what an empty reply waits for, shown instead of "…" (``app.chat.reply_wait``)
+        self._dirty = True
+        self.setObjectName(f"bubble_{role}")
+        self.setFrameShape(QFrame.Shape.NoFrame)
+
+        self.role_label = QLabel({"user": "You", "assistant": "Model"}.get(role, role.title()))
+        self.role_label.setObjectName("roleLabel")
+        self.body = QLabel()
+        self.body.setObjectName("messageBody")
+        self.body.setTextFormat(Qt.TextFormat.RichText)
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.body.setOpenExternalLinks(False)
+        self.editor: QPlainTextEdit | None = None  # made on the first edit: 0.7 of a bubble's 3.5 ms
+        self.stats_label = QLabel("")
+        self.stats_label.setObjectName("statsLine")
+        self.versions: list[dict[str, Any]] = []
+        self.version = 0
+        self.is_last = False
+        self.cache_label = QLabel("")
+        self.cache_label.setObjectName("cacheLine")
+        self.error_label = QLabel("")  # why an error stopped the reply
+        self.error_label.setObjectName("errorLine")
+        self.notes_label = QLabel("")  # notes the engine sent during the reply
+        self.notes_label.setObjectName("noteLine")
+        self.save_label = QLabel("")  # "not saved — retrying" while the history file cannot be written
+        self.save_label.setObjectName("saveLine")
+        for label in (self.stats_label, self.cache_label, self.error_label, self.notes_label, self.save_label):
+            label.setWordWrap(True)
+            label.setTextFormat(Qt.TextFormat.PlainText)
+            label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            label.setVisible(False)
+
+        self._make_buttons(role)
+
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.role_label)
+        head.addStretch(1)
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(False)
+            head.addWidget(w)
+        for b in (self.copy_button, self.pin_button, self.edit_button, self.regen_button, self.save_button,
+                  self.cancel_button):
+            head.addWidget(b)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        layout.setSpacing(4)
+        layout.addLayout(head)
+        layout.addWidget(self.body)
+        layout.addWidget(self.error_label)
+        layout.addWidget(self.notes_label)
+        layout.addWidget(self.stats_label)
+        layout.addWidget(self.cache_label)
+        layout.addWidget(self.save_label)
+        self.render()
+
+    def _make_buttons(self, role: str) -> None:
+        """The header's buttons: versions, copy, pin, edit, regenerate, save / cancel of an edit."""
+        self.version_prev = QPushButton("‹")
+        self.version_label = QLabel("")
+        self.version_label.setObjectName("versionLabel")
+        self.version_next = QPushButton("›")
+        self.version_prev.setToolTip("Show the previous version of this reply (Regenerate keeps every version)")
+        self.version_next.setToolTip("Show the next version of this reply")
+        self.version_prev.clicked.connect(lambda: self._step_version(-1))
+        self.version_next.clicked.connect(lambda: self._step_version(1))
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setToolTip("Copy this message's text (Markdown) to the clipboard")
+        self._copied = QTimer(self)  # puts "Copy" back (a child: it goes with the bubble)
+        self._copied.setSingleShot(True)
+        self._copied.setInterval(COPIED_MS)
+        self._copied.timeout.connect(self._uncopied)
+        self.pin_button = QPushButton("Pin")
+        self.pin_button.setCheckable(True)
+        self.pin_button.setVisible(role in ("user", "assistant"))
+        self.pin_button.setToolTip("Pinned messages are never dropped by the Priority pinning policy (nor is the "
+                                   "system prompt). Memory: pinned tokens count against its budget.")
+        self.pin_button.toggled.connect(self._on_pin)
+        self.edit_button = QPushButton("Edit")
+        self.edit_button.setToolTip("Change this message and ask again (what came after it is replaced)")
+        self.regen_button = QPushButton("Regenerate")
+        self.regen_button.setToolTip("Ask for another reply (Ctrl+R); this one stays as a version you can go "
+                                     "back to")
+        self.save_button = QPushButton("Save && resend")
+        self.cancel_button = QPushButton("Cancel")
+        for b in (self.version_prev, self.version_next, self.copy_button, self.pin_button, self.edit_button,
+                  self.regen_button, self.save_button, self.cancel_button):
+            b.setObjectName("flatButton")
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.save_button.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.edit_button.setVisible(role == "user")
+        self.regen_button.setVisible(False)
+        self.copy_button.clicked.connect(self.copy)
+        self.edit_button.clicked.connect(self.begin_edit)
+        self.save_button.clicked.connect(self._save_edit)
+        self.cancel_button.clicked.connect(self.end_edit)
+        self.regen_button.clicked.connect(self.regenerate_requested)
+
+    # streaming ----------------------------------------------------------------------------------------
+    def append(self, delta: str, draft: bool = False) -> None:
+        """Streamed text; ``draft``: it came from a draft token the model accepted (tinted when ``tint``)."""
+        if delta:
+            if draft:
+                add_span(self.draft_spans, len(self.text), len(self.text) + len(delta))
+            self.text += delta
+            self._dirty = True
+
+    def set_tint(self, on: bool) -> None:
+        """Tint accepted draft tokens (or not); redrawn now."""
+        if on != self.tint:
+            self.tint, self._dirty = on, True
+            self.render()
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self._dirty = True
+        self.render()
+
+    def render(self) -> bool:
+        """Redraw the body if text changed. Returns True if it did."""
+        if not self._dirty:
+            return False
+        self._dirty = False
+        if self.role == "user":
+            self.body.setText(to_html(self.text) if self.text else "")
+        else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
+            empty = "no text" if self.stats else html.escape(self.waiting, quote=False) or "…"
+            body = tinted_html(self.text, self.draft_spans) if self.tint else to_html(self.text)
+            self.body.setText(body if self.text else f"<span style='color:#6d7480'>{empty}</span>")
+        return True
+
+    def set_waiting(self, text: str) -> None:
+        """What the reply waits for before its first token ("" when the wait is over)."""
+        if text != self.waiting:
+            self.waiting = text
+            self._dirty = True
+            self.render()
+
+    def set_stats(self, stats: dict[str, Any]) -> None:
+        """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
+        self.stats = dict(stats or {})
+        if "stop_reason" in self.stats:  # a finished reply's record replaces what streaming collected
+            self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
+        line = stats_line(self.stats) or pin_line(self.stats, self.priority)
+        for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
+                            (self.error_label, error_line(self.stats))):
+            label.setText(text)
+            label.setVisible(bool(text))
+        self.set_notes(note_lines(self.stats))
+        self.set_versions(self.stats.get("versions") or [], self.stats.get("version", 0))
+        self._dirty = True
+        self.render()
+
+    def set_versions(self, versions: list[dict[str, Any]], shown: int) -> None:
+        """'‹ 2 / 3 ›' when the reply has more than one version (switching only on the last reply)."""
+        self.versions, self.version = list(versions), shown
+        many = len(versions) > 1 or (bool(versions) and shown >= len(versions))
+        total = max(len(versions), shown + 1)
+        self.version_label.setText(f"{shown + 1} / {total}")
+        for w in (self.version_prev, self.version_label, self.version_next):
+            w.setVisible(many)
+        self.enable_versions(True)
+
+    def enable_versions(self, on: bool) -> None:
+        ok = on and self.is_last and shown_is_stored(self.versions, self.version)
+        self.version_prev.setEnabled(ok and self.version > 0)
+        self.version_next.setEnabled(ok and self.version < len(self.versions) - 1)
+
+    def _step_version(self, step: int) -> None:
+        self.version_requested.emit(self.position, self.version + step)
+
+    def set_notes(self, notes: list[str]) -> None:
+        """Show the reply's notes, one per line (also while it streams)."""
+        self.notes_label.setText("\n".join(f"• {n}" for n in notes))
+        self.notes_label.setVisible(bool(notes))
+
+    def set_unsaved(self, text: str) -> None:
+        """Say why this message is not in the history file yet ('' once it is)."""
+        self.save_label.setText(text)
+        self.save_label.setVisible(bool(text))
+
+    def set_last_reply(self, is_last: bool) -> None:
+        self.is_last = is_last
+        self.regen_button.setVisible(is_last and self.role == "assistant")
+        self.enable_versions(True)
+
+    # actions ------------------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> bool:
+        return self.pin_button.isChecked()
+
+    def set_pinned(self, pinned: bool) -> None:
+        """Show the stored pin state without emitting ``pin_toggled``."""
+        self.pin_button.blockSignals(True)
+        self.pin_button.setChecked(bool(pinned))
+        self.pin_button.blockSignals(False)
+        self.pin_button.setText("Pinned" if pinned else "Pin")
+
+    def set_priority(self, on: bool) -> None:
+        """Whether Priority pinning is the eviction policy now: a pinned message's line says what keeps it."""
+        if bool(on) != self.priority:
+            self.priority = bool(on)
+            if self.stats.get("pinned"):
+                self._show_pin_line()
+
+    def set_pinned_tokens(self, tokens: int) -> None:
+        """The pinned message's token count (saved with it)."""
+        self.stats["tokens"] = tokens
+        self._show_pin_line()
+
+    def _show_pin_line(self) -> None:
+        if self.role == "user":
+            line = pin_line(self.stats, self.priority)
+            self.stats_label.setText(line)
+            self.stats_label.setVisible(bool(line))
+
+    def _on_pin(self, on: bool) -> None:
+        self.pin_button.setText("Pinned" if on else "Pin")
+        if on:
+            self.stats["pinned"] = True
+        else:
+            self.stats.pop("pinned", None)
+            self.stats.pop("tokens", None)
+        self._show_pin_line()
+        self.pin_toggled.emit(self.position, on)
+
+    def copy(self) -> None:
+        """Copy the text, and say so on the button for a moment."""
+        QGuiApplication.clipboard().setText(self.text)
+        self.copy_button.setText("Copied ✓")
+        self._copied.start()
+        self.copy_requested.emit()
+
+    def _uncopied(self) -> None:
+        self.copy_button.setText("Copy")
+
+    def begin_edit(self) -> None:
+        if self.editor is None:
+            self.editor = QPlainTextEdit()
+            self.editor.setMaximumHeight(140)
+            self.layout().insertWidget(2, self.editor)  # under the body
+        self.editor.setPlainText(self.text)
+        self.editor.setVisible(True)
+        self.body.setVisible(False)
+        for b, on in ((self.save_button, True), (self.cancel_button, True), (self.edit_button, False)):
+            b.setVisible(on)
+        self.editor.setFocus()
+
+    def end_edit(self) -> None:
+        if self.editor is not None:
+            self.editor.setVisible(False)
+        self.body.setVisible(True)
+        for b, on in ((self.save_button, False), (self.cancel_button, False), (self.edit_button, True)):
+            b.setVisible(on)
+
+    def _save_edit(self) -> None:
+        text = self.editor.toPlainText().strip() if self.editor is not None else ""
+        self.end_edit()
+        if text:
+            self.edit_submitted.emit(self.position, text)

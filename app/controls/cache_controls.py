@@ -1,0 +1,305 @@
+"""Cache-policy controls: mode, page size, prefix reuse, K/V precision, eviction policy with a form built
+from the policy's ``Params`` dataclass, and context-overflow behaviour.
+
+Every change emits ``changed(CacheConfig)`` (spin boxes are debounced), and the window forwards it to the
+worker, which applies it between decode steps, also in the middle of a reply.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QLabel,
+    QLineEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.shell import glossary
+from app.controls import policies
+from app.shell.glossary import CONTROLS, Term
+from app.shell.widgets import DebouncedForm
+from engine.config import CACHE_MODES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
+
+TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole
+
+
+def fill_combo(box: QComboBox, ids, table: dict[str, Term], control: str) -> None:
+    """Items with plain names (ids as data) and each item's tooltip; the box's own tooltip follows the
+    chosen item (``follow_tip``)."""
+    for key in ids:
+        term = table.get(key)
+        box.addItem(term.name if term else key, key)
+        box.setItemData(box.count() - 1, term.tip if term else key, TOOLTIP_ROLE)
+    box.setProperty("control", control)
+    box.currentIndexChanged.connect(lambda _i, b=box: follow_tip(b))
+    follow_tip(box)
+
+
+def follow_tip(box: QComboBox) -> None:
+    """The combo's tooltip: what the control is for, then what the chosen item does."""
+    head = CONTROLS[box.property("control")].tip
+    item = box.currentData(TOOLTIP_ROLE) or ""
+    box.setToolTip(f"{head}\n\n{box.currentText()}: {item}" if item else head)
+
+
+def param_label(name: str) -> str:
+    return glossary.PARAMS.get(name, (name.replace("_", " ").capitalize(), ""))[0]
+
+
+def param_tip(name: str, help_text: str) -> str:
+    extra = glossary.PARAMS.get(name, ("", ""))[1]
+    return "\n".join(t for t in (help_text, extra) if t) or name.replace("_", " ")
+
+
+def _base_type(annotation: Any, default: Any) -> type:
+    if isinstance(annotation, type):
+        return annotation
+    if isinstance(annotation, str):
+        for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str), ("tuple", tuple), ("list", list)):
+            if annotation.startswith(name):
+                return t
+    origin = typing.get_origin(annotation)
+    if origin in (tuple, list):
+        return origin
+    return type(default) if default is not None else str
+
+
+class PolicyParamsForm(QWidget):
+    """A form for one policy's ``Params`` dataclass: int → spin box, float → double spin box,
+    bool → check box, tuple/list of ints → comma-separated text, anything else → text."""
+
+    edited = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.form = QFormLayout(self)
+        self.form.setContentsMargins(0, 0, 0, 0)
+        self.form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        self._editors: dict[str, tuple[type, QWidget]] = {}
+
+    def build(self, name: str, values: dict[str, Any] | None = None) -> None:
+        while self.form.rowCount():
+            self.form.removeRow(0)
+        self._editors.clear()
+        values = values or {}
+        for f in policies.policy_params(name):
+            default = values.get(f.name, policies.field_default(f))
+            kind = _base_type(f.type, default)
+            editor: QWidget
+            if kind is bool:
+                editor = QCheckBox()
+                editor.setChecked(bool(default))
+                editor.toggled.connect(self.edited)
+            elif kind is int:
+                editor = QSpinBox()
+                lo, hi = f.metadata.get("min"), f.metadata.get("max")
+                editor.setRange(int(lo) if lo is not None else 0, min(int(hi) if hi is not None else 1 << 30, 2**31 - 1))
+                editor.setValue(int(default or 0))
+                editor.valueChanged.connect(self.edited)
+            elif kind is float:
+                editor = QDoubleSpinBox()
+                lo, hi = f.metadata.get("min"), f.metadata.get("max")
+                editor.setRange(float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 1e6)
+                editor.setDecimals(3)
+                editor.setValue(float(default or 0.0))
+                editor.valueChanged.connect(self.edited)
+            else:
+                editor = QLineEdit(
+                    ", ".join(str(v) for v in default) if isinstance(default, (tuple, list)) else str(default or "")
+                )
+                editor.editingFinished.connect(self.edited)
+            editor.setObjectName(f"param_{f.name}")
+            editor.setToolTip(param_tip(f.name, str(f.metadata.get("help", ""))))
+            editor.setMinimumWidth(editor.sizeHint().width())  # every digit visible, never squashed
+            self._editors[f.name] = (kind, editor)
+            self.form.addRow(param_label(f.name), editor)
+
+    def values(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, (kind, ed) in self._editors.items():
+            if isinstance(ed, QCheckBox):
+                out[name] = ed.isChecked()
+            elif isinstance(ed, (QSpinBox, QDoubleSpinBox)):
+                out[name] = ed.value()
+            else:
+                text = ed.text().strip()
+                if kind in (tuple, list):
+                    items = [t.strip() for t in text.replace(";", ",").split(",") if t.strip()]
+                    parsed = []
+                    for t in items:
+                        try:
+                            parsed.append(int(t))
+                        except ValueError:
+                            parsed.append(t)
+                    out[name] = kind(parsed)
+                else:
+                    out[name] = text
+        return out
+
+
+class CacheControls(DebouncedForm, QWidget):
+    """The cache-policy form. ``config()`` is the current ``CacheConfig``; ``set_config`` shows one."""
+
+    changed = Signal(object)
+
+    def __init__(self, config: CacheConfig | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("CacheControls")
+        self._building = False
+        self._init_debounce()
+
+        self.mode = QComboBox()
+        fill_combo(self.mode, CACHE_MODES, glossary.MODES, "mode")
+        self.page_size = QSpinBox()
+        self.page_size.setRange(1, MAX_PAGE_SIZE)
+        self.page_size.setSuffix(" tokens")
+        self.page_size.setToolTip(CONTROLS["page_size"].tip)
+        self.prefix_reuse = QCheckBox(CONTROLS["prefix_reuse"].name)
+        self.prefix_reuse.setToolTip(CONTROLS["prefix_reuse"].tip)
+        self.k_dtype = QComboBox()
+        self.v_dtype = QComboBox()
+        fill_combo(self.k_dtype, KV_DTYPES, glossary.KV_DTYPES, "k_dtype")
+        fill_combo(self.v_dtype, KV_DTYPES, glossary.KV_DTYPES, "v_dtype")
+        self.policy = QComboBox()
+        self.policy.setProperty("control", "policy")
+        self.policy.currentIndexChanged.connect(lambda _i: follow_tip(self.policy))
+        self.params = PolicyParamsForm()
+        self.policy_help = QLabel("")
+        self.policy_help.setWordWrap(True)
+        self.policy_help.setObjectName("hint")
+        self.overflow = QComboBox()
+        fill_combo(self.overflow, OVERFLOWS, glossary.OVERFLOWS, "overflow")
+        for box in (self.mode, self.k_dtype, self.v_dtype, self.policy, self.overflow):
+            # As wide as the longest name: a name is never cut (the dock is at least this wide).
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.notes = QLabel("")
+        self.notes.setWordWrap(True)
+        self.notes.setObjectName("hint")
+
+        self._lay_out()
+        self.refresh_policies()
+        self.set_config(config or CacheConfig())
+        self._connect()
+
+    def _lay_out(self) -> None:
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        cache_box = QGroupBox("Cache")
+        form = QFormLayout(cache_box)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        form.addRow(CONTROLS["mode"].name, self.mode)
+        form.addRow(CONTROLS["page_size"].name, self.page_size)
+        form.addRow(self.prefix_reuse)
+        form.addRow(CONTROLS["k_dtype"].name, self.k_dtype)
+        form.addRow(CONTROLS["v_dtype"].name, self.v_dtype)
+        layout.addWidget(cache_box)
+        policy_box = QGroupBox("Eviction and overflow")
+        pform = QVBoxLayout(policy_box)
+        pform.addWidget(QLabel(CONTROLS["policy"].name))
+        pform.addWidget(self.policy)
+        pform.addWidget(self.policy_help)
+        pform.addWidget(self.params)
+        pform.addWidget(QLabel(CONTROLS["overflow"].name))
+        pform.addWidget(self.overflow)
+        layout.addWidget(policy_box)
+        layout.addWidget(self.notes)
+        layout.addStretch(1)
+
+    def _connect(self) -> None:
+        self.mode.currentIndexChanged.connect(self._on_mode)
+        self.page_size.valueChanged.connect(self._later)
+        self.prefix_reuse.toggled.connect(self._now)
+        self.k_dtype.currentIndexChanged.connect(self._now)
+        self.v_dtype.currentIndexChanged.connect(self._now)
+        self.policy.currentIndexChanged.connect(self._on_policy)
+        self.params.edited.connect(self._later)
+        self.overflow.currentIndexChanged.connect(self._now)
+
+    def refresh_policies(self) -> None:
+        current = self.policy.currentData()
+        self._building = True
+        self.policy.clear()
+        for name in policies.policy_names():
+            self.policy.addItem(glossary.name_of(glossary.POLICIES, name), name)
+            self.policy.setItemData(self.policy.count() - 1, policies.policy_tip(name), TOOLTIP_ROLE)
+        idx = self.policy.findData(current) if current else 0
+        self.policy.setCurrentIndex(max(idx, 0))
+        follow_tip(self.policy)
+        self._building = False
+
+    @property
+    def pending(self) -> bool:
+        """A change the user made is waiting to be sent (debounced)."""
+        return self._debounce.isActive()
+
+    def set_config(self, cfg: CacheConfig) -> None:
+        """Show ``cfg`` without emitting ``changed``."""
+        self._building = True
+        try:
+            self.mode.setCurrentIndex(max(self.mode.findData(cfg.mode), 0))
+            self.page_size.setValue(cfg.page_size)
+            self.prefix_reuse.setChecked(cfg.prefix_reuse)
+            self.k_dtype.setCurrentIndex(max(self.k_dtype.findData(cfg.k_dtype), 0))
+            self.v_dtype.setCurrentIndex(max(self.v_dtype.findData(cfg.v_dtype), 0))
+            if self.policy.findData(cfg.policy) < 0:
+                self.policy.addItem(glossary.name_of(glossary.POLICIES, cfg.policy), cfg.policy)
+            self.policy.setCurrentIndex(self.policy.findData(cfg.policy))
+            self.params.build(cfg.policy, cfg.policy_params)
+            self.policy_help.setText(policies.policy_summary(cfg.policy))
+            self.overflow.setCurrentIndex(max(self.overflow.findData(cfg.overflow), 0))
+            self._sync_enabled()
+        finally:
+            self._building = False
+
+    def config(self) -> CacheConfig:
+        return CacheConfig(
+            mode=self.mode.currentData(),
+            page_size=self.page_size.value(),
+            prefix_reuse=self.prefix_reuse.isChecked(),
+            k_dtype=self.k_dtype.currentData(),
+            v_dtype=self.v_dtype.currentData(),
+            policy=self.policy.currentData() or "none",
+            policy_params=self.params.values(),
+            overflow=self.overflow.currentData(),
+        )
+
+    def show_notes(self, notes: list[str]) -> None:
+        self.notes.setText("\n".join(f"• {n}" for n in notes))
+
+    def _sync_enabled(self) -> None:
+        cached = self.mode.currentData() != "off"
+        self.page_size.setEnabled(self.mode.currentData() == "paged")
+        for w in (self.prefix_reuse, self.k_dtype, self.v_dtype, self.policy, self.params):
+            w.setEnabled(cached)
+
+    def _on_mode(self) -> None:
+        self._sync_enabled()
+        self._now()
+
+    def _on_policy(self) -> None:
+        if self._building:
+            return
+        name = self.policy.currentData() or "none"
+        self.params.build(name)
+        self.policy_help.setText(policies.policy_summary(name))
+        self._now()
+
+    def _emit(self) -> None:
+        try:
+            cfg = self.config()
+        except ValueError as exc:
+            self.show_notes([str(exc)])
+            return
+        self.changed.emit(cfg)
+
+

@@ -1,0 +1,510 @@
+"""The engine's thread: ``EngineWorker``, a QObject living on a QThread (``app.link.engine_thread.EngineThread`` owns
+both).
+
+The worker owns the loaded model, its engine core (``engine.core.scheduler.EngineCore``), the chats' sessions and at
+most one cache-settings comparison; the GUI thread never runs torch. Work runs as rounds of the core from one
+zero-delay timer: each turn of the worker's event loop runs one ``core.round()`` — one step of the chat's reply
+(first: the chat on screen has the highest priority), of the API server's requests when the app serves (decoded
+together with the reply where they can), then one step of the comparison — so queued commands (stop, a new
+cache config, a new message) are handled between steps and never land in the middle of a forward pass. While
+the app serves, the user still chats, compares and changes the cache: the server is one more client of the
+same core (``engine.server.Scheduler``), woken from its HTTP thread through ``core.wake``.
+
+Signals (every reply event carries its ``generation_id``)::
+
+    progress(str, float)            load progress, fraction in [0, 1] or -1 when unknown
+    loaded(ModelInfo)
+    environment(dict)               device facts found after torch is imported
+    started(int)                    a reply began
+    token(TokenEvent)               a step that produced a token (a prefill chunk produces none)
+    snapshot(CacheSnapshot)
+    noted(int, list[str])           generation_id, notes the user must see (each once per reply)
+    finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
+    failed(Failure)                 what raised, at which stage (see ``app.shell.failure``)
+    applied(object, object)         CacheConfig, list of notes
+    speculated(object, object)      SpecConfig now in force, list of notes (``failed``, stage "speculate": refused)
+    compared(int, dict)             comparison id, one row
+    compare_progress(int, tuple)    comparison id, (fraction done, seconds left or None, what runs now)
+    compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
+    described(object, object, int)  chat, its session's snapshot (None: nothing cached), its token count
+    measured(int, int)              request id, token count (-1: no model, or it could not be counted)
+    core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
+                                    (None, None): no model
+    waiting(int, str)               generation_id, what its reply waits for before its first step
+
+For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
+(``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
+"generating". Every exception becomes ``failed``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any
+
+from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
+
+from app.link.backend import EngineBackend, default_backend
+from app.compare.run import WarmedComparison
+from app.controls.disk_tier import DiskTierControl
+from app.shell.failure import Failure, describe, log
+from app.controls.spec_drafts import SpecDrafts, with_draft_pool
+from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
+from engine.errors import EngineError, LoadCancelled
+from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
+
+__all__ = ["EngineBackend", "EngineWorker", "default_backend"]
+
+
+class _Chats(Source):
+    """The app's chats as a source of the core: idle chats give their pages back when a request needs room."""
+
+    def __init__(self, worker: "EngineWorker") -> None:
+        self.worker = worker
+
+    def reclaim(self) -> bool:
+        pool = self.worker._pool
+        return bool(pool is not None and hasattr(pool, "reclaim") and pool.reclaim())
+
+
+class EngineWorker(QObject):
+    """Owns the engine on its thread. Use through :class:`EngineThread`; slots are called queued."""
+
+    progress = Signal(str, float)
+    loaded = Signal(object)
+    environment = Signal(object)
+    started = Signal(int)
+    token = Signal(object)
+    snapshot = Signal(object)
+    noted = Signal(int, object)
+    finished = Signal(int, str, object, str)
+    failed = Signal(object)
+    applied = Signal(object, object)
+    speculated = Signal(object, object)
+    compared = Signal(int, object)
+    compare_progress = Signal(int, object)
+    compare_finished = Signal(int, str)
+    described = Signal(object, object, int)
+    measured = Signal(int, int)
+    core_ready = Signal(object, object)
+    fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
+    waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.chat.reply_wait)
+    _woken = Signal()  # from any thread (the API server's): the core has work; queued to this thread
+
+    def __init__(self, backend: EngineBackend | None = None) -> None:
+        super().__init__()
+        self._backend = backend or default_backend()
+        self.load_cancel = threading.Event()  # set from the GUI thread: the running load stops at its next tensor
+        self._loaded: Any = None
+        self._session: Any = None  # the active chat's session; None until needed (made on the next submit)
+        self._pool: Any = None  # sessions by chat (when the backend has a pool)
+        self._cache = CacheConfig()
+        self._spec = SpecDrafts(self._backend.load)  # speculative decoding and the draft model it loaded
+        self._model_spec: ModelSpec | None = None  # what the chats' model was loaded from (a draft model's base)
+        self._fast_mode = ""  # the compiled decode step's mode from the settings ("": engine.model.fast_step's default)
+        self._gen_id = 0  # the reply being generated, 0 when idle
+        self._chat: Any = None  # the chat of that reply
+        self.applied_chat: Any = None  # the chat the last ``applied`` notes describe (the GUI reads it)
+        self._text = ""
+        self._noted: set[str] = set()  # notes already sent for this reply
+        self._comparison: Any = None
+        self._comparison_id = 0
+        self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
+        self._cancel_flag = threading.Event()  # set from any thread; checked between steps
+        self._core: EngineCore | None = None  # the loaded model's engine core (made with the model)
+        self._request: Request | None = None  # the chat's reply on the core
+        self._timer = QTimer(self)  # moves with the worker; runs one round of the core per event-loop turn
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._pump)
+        self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
+        self.disk = DiskTierControl(self)  # the KV disk tier (a child: it moves to this thread with the worker)
+
+    # -- commands (queued slots) ------------------------------------------------------------------------
+    @Slot(object, object)
+    def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
+        self._abort_running()
+        if cache is not None:
+            self._cache = cache
+        try:
+            self.progress.emit("starting the engine (torch, transformers)", -1.0)
+            self.load_cancel.clear()  # a cancel meant for an earlier load does not stop this one
+            loaded = self._backend.load(spec, self._report_progress, self.load_cancel)
+            try:
+                self.environment.emit(self._backend.probe())
+            except Exception:  # noqa: BLE001 - facts are optional
+                pass
+            old = self._pool if self._pool is not None else self._session
+            old_fast = getattr(self._loaded, "fast_step", None)
+            if self._backend.make_pool is not None:
+                pool = self._backend.make_pool(loaded, self._cache)
+                session, _ = pool.activate(0)  # chat 0: the session shown before any chat is active
+            else:
+                pool, session = None, self._backend.make_session(loaded, self._cache)
+            self._close_comparison("cancelled")  # it ran on the model being replaced
+            self._loaded, self._pool, self._session, self._model_spec = loaded, pool, session, spec
+            self._speculate_new_model()
+            self._core = EngineCore(loaded)
+            self._core.waker = self._woken.emit  # thread-safe: queued to this thread from another one
+            self._core.sources.append(_Chats(self))
+            self._apply_fast_mode()
+            self.disk.attach(loaded)  # the old model's tier writes its queue and stops
+            if old is not None and hasattr(old, "close"):
+                old.close()  # the previous model's pages go back; its tensors go with the last reference
+            if old_fast is not None:
+                old_fast.close()  # its compile, if one runs, is of no use any more
+            self.loaded.emit(getattr(loaded, "info", None))
+            self._emit_idle_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
+            log(exc)
+            if isinstance(exc, LoadCancelled):
+                self.failed.emit(Failure(-1, "load", f"Loading {spec.source} was cancelled.", "LoadCancelled"))
+            else:
+                self.failed.emit(Failure.from_exception(-1, "load", exc, f"Could not load {spec.source}"))
+        finally:
+            self._kick()  # a comparison the load interrupted goes on
+
+    def _report_progress(self, *args: Any, **kwargs: Any) -> None:
+        msg = next((a for a in args if isinstance(a, str)), kwargs.get("message", "loading"))
+        frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
+        self.progress.emit(str(msg), frac)
+
+    @Slot(int, object, object, object)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
+        """Start a reply in ``chat``'s session (each chat keeps its own cache; idle ones go to host memory)."""
+        self._abort_running()
+        self._cancel_flag.clear()
+        self._noted = set()
+        self._chat = chat
+        self.started.emit(generation_id)
+        if self._loaded is None:
+            self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
+            return
+        stage = "swap"
+        try:
+            self._say_swap_in(generation_id, chat)
+            if self._pool is not None and (chat is not None or self._session is None):
+                self._session, notes = self._pool.activate(chat if chat is not None else 0)
+                if notes:
+                    self.applied_chat = chat
+                    self.applied.emit(self._cache, list(notes))
+            elif self._session is None:
+                self._session = self._backend.make_session(self._loaded, self._cache)
+            stage = "start"
+            self._session.start(messages, sampling, generation_id)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail_reply(generation_id, stage, exc)
+            return
+        self._gen_id = generation_id
+        self._text = ""
+        self._request = self._core.add(Request(self._session, lambda r, g=generation_id: self._on_step(g, r),
+                                               Priority.FOREGROUND))
+        self._kick()
+
+    def _say_swap_in(self, generation_id: int, chat: Any) -> None:
+        """Before a swapped-out chat's cache comes back from host memory (the reply's first wait; seconds for
+        a large model): say so, so the bubble does not sit on "…"."""
+        session = self._pool.get(chat) if self._pool is not None and chat is not None else self._session
+        if session is not None and getattr(session, "offloaded", False):
+            self.waiting.emit(generation_id, "this chat's cache to come back from host memory")
+
+    @Slot(int)
+    def cancel(self, generation_id: int = 0) -> None:
+        """Stop the reply ``generation_id`` (0: whatever is running)."""
+        if self._gen_id and generation_id in (0, self._gen_id):
+            self._cancel_flag.set()
+
+    def request_cancel(self) -> None:
+        """Thread-safe: ask the running reply to stop at the next step boundary."""
+        self._cancel_flag.set()
+
+    @Slot(object)
+    def apply_cache_config(self, cache: CacheConfig) -> None:
+        self._cache = cache
+        target = self._pool if self._pool is not None else self._session
+        if target is None:
+            self.applied.emit(cache, [])
+            return
+        self.applied_chat = getattr(target, "active", self._chat)  # the pool's active chat: whose cache changes
+        try:
+            notes = list(target.apply(cache) or [])
+        except BaseException as exc:  # noqa: BLE001
+            log(exc)
+            self.failed.emit(Failure.from_exception(self._gen_id or 0, "apply", exc, "Cache settings not applied"))
+            return
+        self.applied.emit(cache, notes)
+        if not self._gen_id:
+            self._emit_idle_snapshot()
+
+    @Slot(object)
+    def speculate(self, cfg: SpecConfig) -> None:
+        """Speculative decoding for every chat (``SpecConfig``): the active chat now, also mid-reply (between two
+        steps), the others when they become active. A draft model is loaded here first and checked against the
+        chat's model; a refusal (``failed``, stage "speculate") changes nothing."""
+        try:
+            notes = self._spec.apply(cfg, self._loaded, self._model_spec, self._pool)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
+            log(exc)
+            self.failed.emit(Failure.from_exception(self._gen_id or 0, "speculate", exc,
+                                                    "Speculative decoding not changed"))
+            return
+        self.speculated.emit(cfg, notes)
+
+    def _speculate_new_model(self) -> None:
+        """The speculation in force onto a newly loaded model's chats; a draft model that cannot draft for it
+        turns speculation off, saying why."""
+        cfg = self._spec.cfg
+        if cfg.method == "off":
+            return
+        try:
+            self.speculated.emit(cfg, self._spec.apply(cfg, self._loaded, self._model_spec, self._pool))
+        except BaseException as exc:  # noqa: BLE001
+            log(exc)
+            self._spec.apply(SpecConfig(), self._loaded, self._model_spec, self._pool)
+            self.speculated.emit(SpecConfig(), [f"speculative decoding off: {describe(exc)}"])
+
+    @Slot(str)
+    def set_fast_step(self, mode: str) -> None:
+        """The compiled decode step (``engine.model.fast_step``): "auto" or "off", now and for models loaded later."""
+        self._fast_mode = mode
+        self._apply_fast_mode()
+        fast = getattr(self._loaded, "fast_step", None)
+        if fast is not None:
+            self.fast_changed.emit(fast.describe())  # the timing caption says it now, not at the next reply
+
+    def _apply_fast_mode(self) -> None:
+        """The setting onto the loaded model's step, and its build started (after a load or when turned on; it
+        runs in a child process: replies go on eager meanwhile)."""
+        fast = getattr(self._loaded, "fast", None)
+        if fast is None:
+            return
+        if self._fast_mode:
+            fast.set_mode(self._fast_mode)
+        fast.on_change = self.fast_changed.emit  # thread-safe: queued to the window's thread
+        if self._core is not None:
+            fast.waker = self._core.wake  # the build's end wakes a round, which takes the step up
+        fast.start()
+
+    @Slot(object)
+    def forget_chat(self, chat: Any) -> None:
+        """A chat was deleted: free its session's cache."""
+        if self._pool is not None and chat in self._pool:
+            if self._session is self._pool.get(chat):
+                self._abort_running()
+                self._session = None  # the next reply activates its own chat's session
+            self._pool.drop(chat)
+
+    @Slot(object, object)
+    def describe_chat(self, chat: Any, messages: list[dict]) -> None:
+        """The chat now on screen: its session's snapshot (None if it has no cache yet, or if the reply
+        running in it sends its own) and its token count, so the panels and the context readout describe
+        it."""
+        snap = None
+        session = self._pool.get(chat) if self._pool is not None else None
+        if session is not None and not (self._gen_id and self._chat == chat):
+            try:
+                snap = with_draft_pool(session.snapshot(), session) if getattr(session, "cached_tokens", 1) else None
+            except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
+                traceback.print_exc()
+        self.described.emit(chat, snap, self._count(messages, -2))
+
+    @Slot(int, object, int)
+    def measure(self, request: int, messages: list[dict], index: int = -1) -> None:
+        """Count tokens: the prompt a reply to ``messages`` would have (``index`` -1), or the tokens of the
+        message at ``index`` as it sits in the rendered chat."""
+        self.measured.emit(request, self._count(messages, index))
+
+    def _count(self, messages: list[dict], index: int) -> int:
+        """-1: the whole chat ready for a reply; -2: the chat as it is; n >= 0: message n's span."""
+        tokenizer = getattr(self._loaded, "tokenizer", None)
+        if tokenizer is None:
+            return -1
+        if not messages:
+            return 0
+        try:
+            from engine.model.chat import message_spans, render_chat
+
+            if index >= 0:
+                start, end = message_spans(tokenizer, messages)[index]
+                return end - start
+            return len(render_chat(tokenizer, messages, for_reply=index == -1))
+        except BaseException:  # noqa: BLE001 - a count is a nicety: unknown, never a failure
+            traceback.print_exc()
+            return -1
+
+    @Slot(int, object, object)
+    def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+        """Generate the chat's next reply once per cache setting, in fresh sessions (the chats' own sessions
+        and caches are untouched), one step per event-loop turn next to the chat's reply; rows arrive one by
+        one through ``compared``. A new comparison replaces one still running."""
+        self._close_comparison("cancelled")
+        if self._loaded is None or self._backend.make_comparison is None:
+            reason = "no model is loaded" if self._loaded is None else "comparing is not available"
+            self.compare_finished.emit(comparison_id, reason)
+            return
+        self._comparison_id = comparison_id
+        try:
+            inner = self._backend.make_comparison(self._loaded, messages, sampling)
+            loaded, make = self._loaded, self._backend.make_session
+            self._comparison = WarmedComparison(inner, lambda cfg: make(loaded, cfg))
+        except BaseException as exc:  # noqa: BLE001
+            self._fail_comparison(exc)
+            return
+        # one step per round after the replies, alone: its rows time each setting by itself
+        self._core.add_task(Task(self._comparison, self._on_compare_step, self._fail_comparison))
+        self._kick()
+
+    @Slot(int)
+    def cancel_compare(self, comparison_id: int = 0) -> None:
+        """Stop comparison ``comparison_id`` (0: whichever runs) after its current step; its rows so far stay."""
+        if self._comparison is not None and comparison_id in (0, self._comparison_id):
+            self._comparison.cancel()
+
+    @Slot()
+    def serve(self) -> None:
+        """The API server is starting: ``core_ready`` hands it the model and the core it submits to (the chats go
+        on beside it)."""
+        if self._loaded is not None:
+            self._loaded.runner  # noqa: B018 - made here, on the engine thread, before the server reads it
+        self.core_ready.emit(self._loaded, self._core if self._loaded is not None else None)
+
+    @Slot()
+    def stop(self) -> None:
+        """Last command: stop the pump and end the thread's event loop (runs on the worker thread, so the
+        timer is stopped by its own thread)."""
+        self._timer.stop()
+        self._gen_id = 0
+        self._close_comparison("cancelled")
+        fast = getattr(self._loaded, "fast_step", None)
+        if fast is not None:
+            fast.close()  # a build in flight stops with the app (the next launch builds it again)
+        self.disk.detach()  # pages queued for the disk are written: the next launch restores them
+        QThread.currentThread().quit()
+
+    # -- the round pump ---------------------------------------------------------------------------------
+    @Slot()
+    def _kick(self) -> None:
+        if self._core is not None and self._core.busy and not self._timer.isActive():
+            self._timer.start()
+
+    def _pump(self) -> None:
+        if self._cancel_flag.is_set() and self._request is not None:
+            self._request.cancel()
+            self._cancel_flag.clear()
+        if self._core is not None:
+            self._core.round()
+        self._kick()
+
+    def _on_step(self, gen: int, result: Any) -> None:
+        """The core's result for reply ``gen``: a step, or the exception that ended it."""
+        if gen != self._gen_id:
+            return  # ended already (aborted by a newer message)
+        if isinstance(result, BaseException):
+            self._fail_reply(gen, "step", result)
+            return
+        if result.event is not None:
+            self.token.emit(result.event)
+        if result.snapshot is not None:
+            self.snapshot.emit(with_draft_pool(result.snapshot, self._session))
+            self._note(gen, getattr(result.snapshot, "notes", ()))
+        self._text = result.text or self._text
+        if result.done:
+            self._note(gen, result.warnings)
+            self._end(gen, result.stop_reason or "done", result.stats, self._text)
+
+    def _note(self, gen: int, notes: Any) -> None:
+        """Send the notes not sent yet for this reply (a snapshot repeats the pending ones every step)."""
+        new = [n for n in dict.fromkeys(notes or ()) if n not in self._noted]
+        if new:
+            self._noted.update(new)
+            self.noted.emit(gen, new)
+
+    def _fail_reply(self, gen: int, stage: str, exc: BaseException) -> None:
+        """End reply ``gen`` with ``failed`` then ``finished``; a session left in an unknown state is dropped."""
+        log(exc)
+        failure = Failure.from_exception(gen, stage, exc)
+        self._gen_id = 0
+        self._drop_request()
+        if not failure.recoverable and self._loaded is not None:
+            self._discard_session()
+        self.failed.emit(failure)
+        self.finished.emit(gen, "error", None, self._text if stage == "step" else "")
+
+    def _discard_session(self) -> None:
+        """Close the session that raised an untyped exception; its chat gets a fresh session (which re-reads
+        the chat) with the next message, instead of going on from a cache nobody vouches for."""
+        session, self._session = self._session, None
+        try:
+            if self._pool is not None:
+                self._pool.drop(self._chat if self._chat is not None else self._pool.active)
+            elif hasattr(session, "close"):
+                session.close()
+        except BaseException:  # noqa: BLE001 - it is being thrown away
+            traceback.print_exc()
+
+    def _on_compare_step(self, row: Any) -> None:
+        comparison = self._comparison
+        if comparison is None:
+            return
+        if row is not None:
+            self.compared.emit(self._comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
+        now = time.monotonic()
+        if now - self._progress_sent > 0.25 or row is not None:  # a few times a second is enough for a bar
+            self._progress_sent = now
+            self.compare_progress.emit(self._comparison_id, comparison.progress())
+        if comparison.done:
+            self._close_comparison("cancelled" if comparison.cancelled else "done")
+
+    def _fail_comparison(self, exc: BaseException) -> None:
+        log(exc)
+        failure = Failure.from_exception(0, "compare", exc)
+        self.failed.emit(failure)
+        self._close_comparison(failure.message)
+
+    def _close_comparison(self, reason: str) -> None:
+        comparison, self._comparison = self._comparison, None
+        if comparison is None:
+            return
+        if self._core is not None:
+            self._core.remove_task(comparison)
+        try:
+            comparison.close()
+        except BaseException:  # noqa: BLE001 - closing frees memory; a failure there changes no result
+            traceback.print_exc()
+        self.compare_finished.emit(self._comparison_id, reason)
+
+    def _abort_running(self) -> None:
+        """End the running reply (if any) as cancelled, so the session is free for the next command."""
+        gen = self._gen_id
+        if not gen:
+            return
+        stats = None
+        try:
+            self._session.cancel()
+            result = self._session.step()  # ends the reply at once: no forward runs for a cancelled one
+            stats = result.stats
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        self._end(gen, "cancelled", stats, self._text)
+
+    def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
+        self._gen_id = 0
+        self._drop_request()
+        self.finished.emit(gen, reason, stats, text)
+
+    def _drop_request(self) -> None:
+        """The chat's reply is over: the core forgets it (if it ended outside a round)."""
+        request, self._request = self._request, None
+        if request is not None:
+            request.done = True
+
+    def _emit_idle_snapshot(self) -> None:
+        try:
+            snap = self._session.snapshot() if self._session is not None else None
+        except BaseException:  # noqa: BLE001 - an idle snapshot is a nicety
+            snap = None
+        if snap is not None:
+            self.snapshot.emit(snap)
+

@@ -1,0 +1,98 @@
+"""The window's menus and shortcuts (the list in Help ▸ Keyboard shortcuts is ``app.shell.help.SHORTCUTS``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QMenu
+
+from app.remote.chat import open_connect
+
+
+def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) -> QAction:
+    act = QAction(text, window, **kw)
+    if shortcut is not None:
+        act.setShortcut(QKeySequence(shortcut))
+    if tip:
+        act.setToolTip(tip)
+        act.setStatusTip(tip)
+    if kw.get("checkable"):
+        act.toggled.connect(slot)
+    else:
+        act.triggered.connect(slot)
+    window.addAction(act)  # shortcuts work wherever the focus is, also with the menu bar hidden
+    return act
+
+
+def build_menus(window) -> dict[str, Any]:
+    """File, View, Tools, Settings, Server and Help for ``window`` (a ``MainWindow``); returns the actions tests and the
+    window use, by name."""
+    bar = window.menuBar()
+    a: dict[str, Any] = {}
+    file_menu = bar.addMenu("&File")
+    a["models"] = _action(window, "&Models…", window.models.open_models_dialog, "Ctrl+M")
+    a["open"] = _action(window, "&Open model folder…", window.models.open_folder, QKeySequence.StandardKey.Open)
+    file_menu.addActions([a["models"], a["open"]])
+    a["recent"] = recent = file_menu.addMenu("&Recent models")
+    recent.aboutToShow.connect(lambda: window.models.fill_recent_menu(recent))
+    a["new"] = _action(window, "&New chat", window.new_chat, QKeySequence.StandardKey.New)
+    file_menu.addAction(a["new"])
+    a["connect"] = _action(window, "&Connect to a server…", lambda: open_connect(window),
+                           tip="Chat with a model on an OpenAI-compatible server (vLLM, engine serve) and draw its "
+                               "KV cache from the server's events")
+    file_menu.addAction(a["connect"])
+    file_menu.addSeparator()
+    export: QMenu = file_menu.addMenu("&Export")
+    ex = window.exporter
+    export.addAction(_action(window, "This chat's cache trace as &JSON…", lambda: ex.export_trace("json")))
+    export.addAction(_action(window, "This chat's cache trace as &CSV…", lambda: ex.export_trace("csv")))
+    export.addAction(_action(window, "Panels as &PNG…", ex.export_pngs))
+    export.addAction(_action(window, "Chat as &Markdown…", ex.export_chat))
+    file_menu.addSeparator()
+    file_menu.addAction(_action(window, "&Quit", window.close, QKeySequence.StandardKey.Quit))
+
+    view = bar.addMenu("&View")
+    for dock in window.docks.values():
+        view.addAction(dock.toggleViewAction())
+    view.addSeparator()
+    a["panels"] = _action(window, "Live panels", window.set_panels_enabled, checkable=True,
+                          checked=window.scheduler.enabled,
+                          tip="Redraw the panels while the model talks (off: they pause and say so)")
+    view.addAction(a["panels"])
+    view.addAction(_action(window, "Reset layout", window.layout_docks.arrange))
+    view.addAction(_action(window, "Focus the message box", window.chat.input.setFocus, "Ctrl+L"))
+
+    tools = bar.addMenu("&Tools")
+    a["compare"] = _action(window, "&Compare cache settings on this chat…", window.open_compare, "Ctrl+K")
+    tools.addAction(a["compare"])
+    a["regenerate"] = _action(window, "&Regenerate the last reply", window.conversation.regenerate, "Ctrl+R")
+    tools.addAction(a["regenerate"])
+    tools.addSeparator()
+    a["fast_step"] = _action(window, "Compiled &decode step", window.set_fast_step, checkable=True,
+                             checked=bool(window.settings.get("engine/fast_step")),
+                             tip="Compile the model's decode step in the background (eager answers meanwhile) and "
+                                 "use it where it measures faster; the timing panel says which ran each token")
+    tools.addAction(a["fast_step"])
+
+    settings = bar.addMenu("Se&ttings")
+    a["kv_disk"] = _action(window, "&KV disk cache…", window.disk.open_dialog,
+                           tip="Keep the chats' KV cache on disk (on/off, budget, location, Clear), so a chat reopened "
+                               "after a restart is restored instead of read again")
+    settings.addAction(a["kv_disk"])
+
+    server = bar.addMenu("&Server")
+    a["serve_start"] = _action(window, "&Start serving", window.server.start,
+                               tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port); "
+                               "you go on chatting: your chat runs first, the API's requests beside it")
+    a["serve_stop"] = _action(window, "S&top serving", lambda: window.server.stop(), tip="Stop the API server")
+    a["serve_stop"].setEnabled(False)
+    server.addActions([a["serve_start"], a["serve_stop"]])
+
+    help_menu = bar.addMenu("&Help")
+    a["what"] = _action(window, "What am I seeing?", window.show_help, "F1")
+    a["shortcuts"] = _action(window, "Keyboard shortcuts", window.show_shortcuts)
+    help_menu.addActions([a["what"], a["shortcuts"]])
+    help_menu.addSeparator()
+    help_menu.addAction(_action(window, "About KV Scope", window.about))
+    return a

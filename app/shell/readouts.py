@@ -1,0 +1,126 @@
+"""What the panels, the trace and the status bar show of the chat on screen and its replies — the window's
+side of the engine worker's snapshots (a reply in flight, an idle chat described, an API conversation selected).
+
+Only the chat on screen's snapshots reach the panels, so panels, captions and the status bar always describe the
+chat on screen. ``ReplyReadouts`` holds no state of its own: it routes between the window's parts (``w``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer
+
+from app.shell.glossary import describe_switches
+from app.shell.status_bar import context_counts
+from engine.config import CacheConfig
+from engine.snapshot import CacheSnapshot
+
+
+class ReplyReadouts(QObject):
+    """Connected by the window to the worker's, the conversation's, the cache controller's and the server's
+    signals; ``describe_chat`` asks the worker for the chat on screen (after a load, a switch, a change).
+
+    A ``QObject`` of the GUI thread on purpose: the worker's signals reach its methods queued, on this thread
+    (a plain object's methods would run on the worker's thread and draw the panels from there)."""
+
+    def __init__(self, window) -> None:
+        super().__init__(window)
+        self.w = window
+
+    def on_chat_opened(self, chat_id: int) -> None:
+        """Another chat is on screen: the panels, the trace and the context readout start over for it."""
+        self.w.api_list.deselect()
+        self.w.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
+        self.w.controls.show_notes([])  # what the last change did was about the chat that left the screen
+        self.w.scheduler.clear()
+        if not self.w.generation_id:  # else the reply running in it sends its own snapshots
+            self.describe_chat()
+
+    def describe_chat(self) -> None:
+        """Ask the worker for the chat on screen's cache and token count (``on_described``)."""
+        if self.w.chat_id is not None and self.w.info is not None:
+            self.w.engine.describe_chat(self.w.chat_id, self.w.conversation.engine_messages())
+
+    def on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
+        if chat_id != self.w.chat_id or self.w.generation_id or self.w.api_list.selected:
+            return  # another chat is on screen by now, or its own reply's snapshots describe it
+        if snap is not None:
+            self.w.scheduler.offer(snap)
+            self.w.scheduler.refresh_all()
+        else:
+            self.w.scheduler.clear()
+            total = self.w.info.context_length if self.w.info is not None else 0
+            self.w.status.show_context(max(tokens, 0), total, self.w.cache.applied.overflow)
+            self.w.conversation.check.chat_tokens = max(tokens, 0)
+
+    def on_snapshot(self, snap: CacheSnapshot) -> None:
+        """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
+        described by ``on_described``)."""
+        gen = self.w.conversation.generation_id
+        if not gen or snap.generation_id != gen:
+            return
+        self.w.scheduler.offer(snap)
+        self.w.trace.add(snap)
+        self.w.conversation.check.chat_tokens = snap.seq_len - snap.evicted_total
+
+    def on_frame(self, snap: CacheSnapshot) -> None:
+        """The panels' new frame: the status bar describes the same moment."""
+        used, chat = context_counts(snap)  # the definitions the occupancy caption uses too
+        self.w.status.show_context(used, snap.context_length, self.w.cache.applied.overflow, chat)
+        if not self.w.generation_id:
+            self.w.conversation.check.chat_tokens = used
+        if self.w.generation_id and snap.decode_tokens_per_s:
+            self.w.status.show_speed(snap.decode_tokens_per_s)
+
+    def on_reply_started(self, generation_id: int, mode: str) -> None:
+        self.w.trace.begin(generation_id)
+        self.w.timing.begin_reply(generation_id, self.timing_label([mode]))
+
+    def timing_label(self, modes: list[str]) -> str:
+        """The timing caption's name of a reply: its cache mode(s) and, on a CPU, the threads it ran on."""
+        info = self.w.info
+        threads = f" · {info.threads} CPU thread{'s' if info.threads > 1 else ''}" if (
+            info is not None and info.device == "cpu" and info.threads) else ""
+        return "cache " + " → ".join(modes) + threads
+
+    def on_reply_finished(self, generation_id: int, reason: str) -> None:
+        QTimer.singleShot(0, self.w.scheduler.refresh_all)  # every panel shows the reply's final state
+        self.w.disk.refresh()  # the pages this reply wrote to the KV disk tier
+        speed = self.w.conversation.last_stats.get("decode_tokens_per_s")
+        if speed:
+            self.w.status.show_speed(speed)
+        self.w.reply_finished.emit(generation_id, reason)
+
+    def on_reply_notes(self, notes: list) -> None:
+        """Notes of the reply in flight (also shown under it): in the status bar and the trace."""
+        self.w.trace.notes.extend(notes)
+        self.w.status.message("; ".join(notes), 6000)
+
+    def on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
+        self.w.chat.set_priority(cfg.policy == "priority")
+        if self.w.generation_id:
+            # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
+            self.w.conversation.note_mode(cfg.mode, describe_switches(self.w.cache.previous, cfg))
+            self.w.timing.current.label = self.timing_label(self.w.conversation.modes)
+        self.w.trace.notes.extend(notes)
+        if notes:
+            self.w.status.message("; ".join(notes), 6000)
+        if not self.w.generation_id:
+            self.describe_chat()  # the chat on screen under the new settings
+
+    def on_api_selected(self, session_id: int) -> None:
+        """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
+        for its snapshot, or the chat comes back with its panels."""
+        self.w.trace.open(("api", session_id) if session_id else self.w.chat_id)
+        self.w.scheduler.clear()
+        self.w.api_view.show(session_id)
+        if not session_id:
+            self.describe_chat()
+
+    def on_api_snapshot(self, session_id: int, snap: CacheSnapshot) -> None:
+        """A snapshot of an API conversation (taken on the server's engine thread): drawn while selected."""
+        if session_id and session_id == self.w.api_list.selected:
+            self.w.scheduler.offer(snap)
+            self.w.scheduler.refresh_all()
+            self.w.api_snapshot_shown.emit(session_id, snap)

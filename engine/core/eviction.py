@@ -1,0 +1,274 @@
+"""Eviction: overflow handling, policy choice, attention scores and re-rotation. Returns ``Eviction`` values.
+
+Before every forward, ``Evictor.plan`` decides how many of the pending tokens the next forward may feed
+(the *chunk*) and evicts first if a policy budget or the model's context requires it; after the forward,
+``after_forward`` trims back under the budget. The session applies nothing itself: the evictor compacts the
+store, and keeps the cache index and the scores in step with it.
+
+Overflow without a policy (``CacheConfig.overflow``): ``stop`` raises ``ContextOverflowError``;
+``truncate_middle`` and ``rolling`` evict like StreamingLLM with other sinks (``OverflowPolicy``) and
+re-rotate the kept keys, so positions restart below the context. A prompt longer than the whole context is
+not fed token by token into a cache that would evict it at once: the middle tokens are passed over (their
+positions count as evicted) and only the last ``context / 2`` are fed, one chunk per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.errors import ContextOverflowError, InternalError
+from engine.kv.store.attention import Rerotator
+from engine.kv.paged.positions import CacheIndex
+from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
+
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What one eviction did."""
+
+    reason: str  # the policy or overflow mode that evicted
+    dropped: int  # slots dropped per layer
+    positions: tuple[int, ...]  # logical positions no layer holds any more
+    freed_pages: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class EvictionContext:
+    """What the conversation says about its tokens (from the session, per step)."""
+
+    protected: int = 0  # logical [0, protected): system prompt + first message
+    priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
+    page_size: int = 16
+    seq_len: int = 0
+    overflow: str = "stop"
+    context_length: int = 0
+    max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.core.sequence.prefill_chunk``)
+    notes: list[str] = field(default_factory=list)
+    dropped: int = 0  # prompt tokens passed over unread to fit the context (never computed, so not "recomputed")
+
+
+class Scores:
+    """Attention each cached slot has received, per layer ``[kv_heads, n]`` on the device; kept in step with
+    the cache index by the evictor (every append, keep, truncate and reset goes through it)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, device) -> None:
+        self.num_layers, self.kv_heads, self.device = num_layers, kv_heads, device
+        self.t: list[torch.Tensor] | None = None  # None: not tracking
+
+    @property
+    def tracking(self) -> bool:
+        return self.t is not None
+
+    def start(self, n: int) -> None:
+        """Track from now on; the ``n`` tokens already cached start at 0."""
+        self.t = [torch.zeros((self.kv_heads, n), dtype=torch.float32, device=self.device)
+                  for _ in range(self.num_layers)]
+
+    def stop(self) -> None:
+        self.t = None
+
+    def grow(self, q: int) -> None:
+        if self.t is not None:
+            self.t = [torch.cat([s, s.new_zeros(s.shape[0], q)], dim=1) for s in self.t]  # [Hkv, n + q]
+
+    def keep(self, keep: list[np.ndarray]) -> None:
+        if self.t is not None:
+            self.t = [s[:, torch.from_numpy(np.asarray(k, dtype=np.int64)).to(s.device)] for s, k in zip(self.t, keep)]
+
+    def truncate(self, n: int) -> None:
+        if self.t is not None:
+            self.t = [s[:, :n] for s in self.t]
+
+    def add(self, layer: int, probs: torch.Tensor) -> None:
+        """probs: [1, Hq, q, L] → add the attention each key received, summed per KV head."""
+        got = probs[0].sum(dim=1)  # [Hq, L]
+        got = got.view(self.kv_heads, -1, got.shape[-1]).sum(dim=1)  # [Hkv, L]
+        s = self.t[layer]
+        s[:, :got.shape[1]] += got.to(s.dtype)
+
+    def numpy(self) -> np.ndarray:
+        """``[L, n]`` summed over KV heads (CPU)."""
+        return np.stack([s.sum(dim=0).cpu().numpy() for s in self.t])
+
+
+class Evictor:
+    """Makes room in a session's cache, as its policy (or the overflow setting) says."""
+
+    def __init__(self, model, num_layers: int, kv_heads: int, device) -> None:
+        self.model = model
+        self.scores = Scores(num_layers, kv_heads, device)
+        self._rerotator: Rerotator | None = None
+
+    # -- planning a forward ----------------------------------------------------------------------------
+    def plan(self, store, index: CacheIndex, policy: EvictionPolicy | None, todo: int,
+             cx: EvictionContext) -> tuple[int, list[Eviction]]:
+        """How many of the ``todo`` pending tokens the next forward feeds; evicts first where needed.
+        Raises ``ContextOverflowError`` (overflow "stop") or ``CacheCapacityError`` (no room and nothing
+        may be evicted) before anything changed."""
+        done: list[Eviction] = []
+        ctx = cx.context_length
+        chunk = min(todo, cx.max_chunk)
+        if policy is not None:
+            if index.n >= policy.budget:
+                done += self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)
+            chunk = max(1, min(chunk, policy.budget - index.n))
+        elif todo > ctx and cx.overflow in ("truncate_middle", "rolling"):
+            skip, first = todo - ctx // 2, index.next_pos
+            index.skip(skip)  # these would be evicted before the reply starts: never fed
+            cx.dropped += skip
+            cx.notes.append(f"{skip:,} tokens of the prompt (positions {first:,}–{first + skip - 1:,}) were dropped to "
+                            f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
+            return self.plan(store, index, policy, todo - skip, cx)
+        if index.next_rope + chunk > ctx:
+            if policy is None and cx.overflow not in ("truncate_middle", "rolling"):
+                raise ContextOverflowError(f"the model's context of {ctx} tokens is full")
+            done += self._evict(store, index, policy, self._overflow_target(policy, cx), self._reason(policy, cx),
+                                cx, force_rotate=True)
+            chunk = max(1, min(chunk, ctx - index.next_rope))
+        while chunk > 1 and not store.can_reserve(chunk):
+            chunk = (chunk + 1) // 2  # fewer tokens per forward before evicting for pages
+        if not store.can_reserve(chunk):
+            done += self._evict_for_pages(store, index, policy, cx)
+        return chunk, done
+
+    def after_forward(self, store, index: CacheIndex, policy: EvictionPolicy | None,
+                      cx: EvictionContext) -> list[Eviction]:
+        # at the budget already: evict now, not before the next forward, so the pages given back are still
+        # free (shown "just evicted") when this step's snapshot is taken
+        if policy is not None and index.n >= policy.budget:
+            return self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)
+        return []
+
+    def _evict_for_pages(self, store, index, policy, cx) -> list[Eviction]:
+        """The page pool (its page limit, or the memory limit) is full: evict half the cache if a policy or the
+        overflow setting allows it. If that is not allowed or not enough, ``store.reserve`` refuses next with
+        the arena's typed error (which limit, and what to change) before anything is written."""
+        if (policy is None and cx.overflow not in ("truncate_middle", "rolling")) or index.n < 2:
+            return []
+        return self._evict(store, index, policy, index.n // 2, self._reason(policy, cx), cx,
+                           force_rotate=policy is None)
+
+    @staticmethod
+    def _overflow_target(policy: EvictionPolicy | None, cx: EvictionContext) -> int:
+        """Tokens to keep when the context (not a policy budget) is full."""
+        if policy is not None and policy.budget < cx.context_length:
+            return policy.budget - policy.slack(cx.page_size)
+        return cx.context_length // 2
+
+    @staticmethod
+    def _reason(policy: EvictionPolicy | None, cx: EvictionContext) -> str:
+        return policy.name if policy is not None else cx.overflow
+
+    # -- evicting --------------------------------------------------------------------------------------
+    def evict_now(self, store, index: CacheIndex, policy: EvictionPolicy, target: int,
+                  cx: EvictionContext) -> list[Eviction]:
+        """Evict down to ``target`` with ``policy`` (a policy switched on mid-chat)."""
+        if policy.needs_scores and not self.scores.tracking:
+            self.scores.start(index.n)
+            if index.n > target:
+                cx.notes.append(f"{policy.name}: no attention scores yet for the {index.n} cached tokens; the "
+                                "oldest go first this time, scores count from now on")
+        return self._evict(store, index, policy, target, policy.name, cx)
+
+    def _evict(self, store, index: CacheIndex, policy: EvictionPolicy | None, target: int, reason: str,
+               cx: EvictionContext, force_rotate: bool = False) -> list[Eviction]:
+        n = index.n
+        target = max(1, target)
+        if n <= target and not force_rotate:
+            return []
+        pol = policy if policy is not None else OverflowPolicy.for_mode(cx.overflow, target, cx.protected)
+        state = PolicyState(positions=np.array(index.log), scores=self._scores_for(pol, n),
+                            protected=cx.protected, priorities=_priorities(pol, cx), page_size=cx.page_size,
+                            seq_len=cx.seq_len)
+        drops = pol.select(state, target)
+        keep = [np.setdiff1d(np.arange(n), d, assume_unique=True) for d in drops]
+        n_keep = len(keep[0])
+        if any(len(k) != n_keep for k in keep) or n_keep > target:
+            raise InternalError(f"policy {pol.name} chose an invalid eviction ({n} → {n_keep}, target {target})")
+        rotate = pol.rope_in_cache or force_rotate
+        old_rope = np.array(index.rope)
+        start = _unchanged_prefix(keep, old_rope if rotate else None)
+        held_before = index.held(index.next_pos)
+        try:
+            freed = store.compact(keep, rotate=self._rotate_fn(old_rope, n_keep) if rotate else None, start=start)
+        except BaseException:
+            if store.num_tokens != index.n:  # the store dropped a half-compacted cache: so does the index
+                index.truncate(0)
+                self.scores.truncate(0)
+            raise
+        index.keep(keep)
+        if rotate:
+            index.rerotate()
+        self.scores.keep(keep)
+        gone = np.nonzero(held_before & ~index.held(index.next_pos))[0]
+        notes = _protection_notes(gone, state, pol)
+        cx.notes.extend(notes)
+        return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
+
+    def _scores_for(self, policy: EvictionPolicy, n: int) -> np.ndarray | None:
+        if not policy.needs_scores:
+            return None
+        if not self.scores.tracking or self.scores.t[0].shape[1] != n:
+            self.scores.start(n)  # cannot happen when every change went through the evictor; stay safe
+        return self.scores.numpy()
+
+    def _rotate_fn(self, old_rope: np.ndarray, n_keep: int):
+        if self._rerotator is None:
+            self._rerotator = Rerotator(self.model)
+        rerotator = self._rerotator
+
+        def rotate(layer: int, k: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+            # k: [H, m, D], the last m kept keys (old slots idx); after compaction RoPE = slot index
+            new = np.arange(n_keep - len(idx), n_keep)
+            return rerotator(layer, k, torch.from_numpy(new - old_rope[layer][idx]))
+
+        return rotate
+
+
+def _unchanged_prefix(keep: list[np.ndarray], rope: np.ndarray | None) -> int:
+    """Leading slots every layer keeps in place (and, when re-rotating, already at RoPE = slot index)."""
+    m = len(keep[0])
+    ident = np.arange(m)
+    same = np.all(np.stack([k == ident for k in keep]), axis=0)
+    if rope is not None:
+        same &= np.all(rope[:, :m] == ident, axis=0)
+    bad = np.nonzero(~same)[0]
+    return int(bad[0]) if len(bad) else m
+
+
+def _priorities(policy: EvictionPolicy, cx: EvictionContext) -> np.ndarray | None:
+    """Per logical position (the whole sequence), with the policy's default where no message set one."""
+    default = policy.default_priority()
+    if default is None or cx.priorities is None:
+        return None
+    pri = np.asarray(cx.priorities, dtype=np.int64).copy()
+    pri[pri < 0] = default
+    if len(pri) < cx.seq_len:
+        pri = np.concatenate([pri, np.full(cx.seq_len - len(pri), default, dtype=np.int64)])
+    return pri
+
+
+def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPolicy) -> list[str]:
+    """Say so when the budget was too small for what should have stayed (the policy protected less). The
+    text does not change from one eviction to the next, so a reply carries it once."""
+    notes = []
+    budget = getattr(policy, "budget", 0)
+    if np.count_nonzero(gone < state.protected) and policy.name == "streaming":  # it keeps sinks, not the prompt
+        notes.append(f"streaming: keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
+                     f"ones, {budget} in all; the rest of the prompt (system + first message, {state.protected} "
+                     "tokens) is dropped as the chat goes on")
+    elif np.count_nonzero(gone < state.protected):
+        notes.append(f"{policy.name}: the budget ({budget}) is smaller than the protected prompt (system + first "
+                     f"message, {state.protected} tokens): its oldest tokens are evicted too; raise the budget to "
+                     "keep it all")
+    if state.priorities is not None:
+        rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]
+        if np.count_nonzero(state.priorities[rest] >= PINNED):
+            notes.append(f"{policy.name}: the budget ({budget}) cannot hold every pinned message: some pinned "
+                         "tokens were evicted; raise the budget or unpin some")
+    return notes

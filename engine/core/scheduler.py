@@ -1,0 +1,373 @@
+"""The engine core: one scheduler for everything that runs on a model — app chats, comparisons and API requests.
+
+``EngineCore.round()`` is one scheduling step, on the engine thread (the app's worker thread, or
+``CoreThread`` for ``python -m engine serve``)::
+
+    calls, admissions          what other threads asked for (``call``), what sources let in (``Source.admit``)
+    schedule                   requests by priority (the chat on screen first); prefill tokens within a budget
+    run                        one batched forward for the one-token decodes, the rest alone (``step_all``)
+    postprocess                each request's result to its sink; finished requests leave
+    tasks                      one step of each background task (a comparison), alone, so its timing is its own
+
+Room before work ("can I?" before "do it"): a request whose next forward needs pages the pool does not have
+first gets pages from idle caches (each source's ``reclaim``: swapped to host memory or dropped), then from
+running requests of lower priority, which are preempted (their cache is cut back and recomputed on their next
+step, as vLLM's recompute preemption does), never an error in the middle of a forward.
+
+Threads: ``submit``-like calls come through ``call`` (a future) and ``wake``; everything else — sessions,
+stores, the model — is touched on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from engine.snapshot import StepResult
+
+if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
+    from engine.model.runner import Output
+
+MAX_BATCH = 16  # sequences per batched forward: past this the attention loop, not the weights, dominates a step
+
+PREFILL_BUDGET = 2048  # prefill tokens per round beyond the first chunk: a new message waits at most one round
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first."""
+
+    FOREGROUND = 0  # the chat the user is looking at
+    API = 1  # requests to the OpenAI server
+    BACKGROUND = 2  # other chats' replies, comparisons
+
+
+@dataclass(eq=False)
+class Request:
+    """One reply in progress: a started ``ChatSession`` and where its results go (``sink(result)``, called on the
+    engine thread with a ``StepResult`` or the exception that ended the reply; the last call is a done result
+    or an exception)."""
+
+    session: Any
+    sink: Callable[[Any], None]
+    priority: Priority = Priority.API
+    hold: Callable[[], bool] = lambda: False  # True: not stepped this round (its source paused it)
+    done: bool = False
+    preempted: int = 0  # times its cache was given up for a request that came first (recomputed since)
+
+    def cancel(self) -> None:
+        """Stop the reply at its next step (engine thread, or any thread: only a flag is set)."""
+        self.session.cancel()
+
+
+class Source:
+    """Something that submits work to the core (the app's worker, the API server). Hooks run on the engine thread."""
+
+    def admit(self, core: "EngineCore") -> None:
+        """Start what waits (``core.add`` the started requests)."""
+
+    def reclaim(self) -> bool:
+        """Give back pages of idle caches (swap to host memory, or drop); True if any were given back."""
+        return False
+
+
+@dataclass(eq=False)
+class Task:
+    """A background job stepped once per round, alone (``step()`` runs at most one forward), until ``done``."""
+
+    job: Any
+    on_step: Callable[[Any], None]
+    on_error: Callable[[BaseException], None]
+    priority: Priority = Priority.BACKGROUND
+
+
+class EngineCore:
+    """The scheduler of one loaded model's work. ``round()`` on the engine thread; ``call``/``wake`` anywhere."""
+
+    def __init__(self, lm, prefill_budget: int = PREFILL_BUDGET) -> None:
+        self.lm = lm
+        self.prefill_budget = prefill_budget
+        self.requests: list[Request] = []
+        self.tasks: list[Task] = []
+        self.sources: list[Source] = []
+        self.preemptions = 0
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._lock = threading.Lock()
+        self._woken = False  # ``wake`` was called: the next round lets sources admit what they queued
+        self.waker: Callable[[], None] = lambda: None  # set by whoever drives ``round`` (a thread, the Qt worker)
+        self.thread: threading.Thread | None = None  # the engine thread, once known (``round`` records it)
+
+    # -- any thread ----------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread at the start of the next round; its result as a future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, fut))
+        self.wake()
+        return fut
+
+    def wake(self) -> None:
+        """Something new to do (a source queued work): the driver runs a round soon."""
+        self._woken = True
+        self.waker()
+
+    @property
+    def busy(self) -> bool:
+        """Work is in flight or was announced (requests, tasks, calls, ``wake``): keep calling ``round``."""
+        return bool(self._woken or self.tasks or self._calls or any(not r.hold() for r in self.requests))
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> Request:
+        """Run ``request`` (its session started) from the next round on."""
+        self.requests.append(request)
+        return request
+
+    def add_task(self, task: Task) -> Task:
+        self.tasks.append(task)
+        return task
+
+    def round(self) -> bool:
+        """One scheduling step (see the module doc). Returns ``busy``."""
+        self.thread = threading.current_thread()
+        self._woken = False
+        fast = getattr(self.lm, "fast_step", None)
+        if fast is not None:
+            fast.poll()  # a compiled step built meanwhile is taken up between two rounds
+        self._run_calls()
+        for source in list(self.sources):
+            source.admit(self)
+        for r in self.requests:
+            if not r.done and not getattr(r.session, "generating", True):
+                r.done = True  # its reply ended outside a round (its owner stopped or stepped it): it leaves
+        live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
+        if live:
+            chosen = self._schedule(live)
+            for req, res in zip(chosen, step_all([r.session for r in chosen], before=self._make_room)):
+                self._deliver(req, res)
+        self.requests = [r for r in self.requests if not r.done]
+        for task in sorted(self.tasks, key=lambda t: t.priority):
+            self._task_step(task)
+        return self.busy
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def _schedule(self, live: list[Request]) -> list[Request]:
+        """Every decoding request, and prefilling ones while the round's prefill budget lasts (the first
+        always: the highest-priority one goes first)."""
+        chosen, budget = [], self.prefill_budget
+        for r in live:
+            s = r.session
+            pending = s.pending_tokens() if hasattr(s, "pending_tokens") else 1
+            if pending <= 1 or not chosen or budget > 0:
+                chosen.append(r)
+                if pending > 1:
+                    budget -= min(pending, getattr(s, "prefill_chunk", pending))
+        return chosen
+
+    def _deliver(self, req: Request, res: Any) -> None:
+        if isinstance(res, BaseException) or res.done:
+            req.done = True
+        try:
+            req.sink(res)
+        except Exception:  # noqa: BLE001 - a client's trouble never stops the core
+            import traceback
+
+            traceback.print_exc()
+
+    def _task_step(self, task: Task) -> None:
+        try:
+            out = task.job.step()
+        except BaseException as e:  # noqa: BLE001 - the task ends with its error
+            self.tasks.remove(task)
+            task.on_error(e)
+            return
+        if getattr(task.job, "done", False):
+            self.tasks.remove(task)
+        task.on_step(out)
+
+    def remove_task(self, job: Any) -> None:
+        self.tasks = [t for t in self.tasks if t.job is not job]
+
+    def drop_calls(self) -> None:
+        """The engine thread ends: calls still queued are cancelled (their callers stop waiting)."""
+        with self._lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, fut in calls:
+            fut.cancel()
+
+    # -- room ----------------------------------------------------------------------------------------------
+    def _make_room(self, session) -> None:
+        """Before ``session``'s forward: if its cache cannot take the next chunk, idle caches give their pages
+        back first, then running requests of lower priority are preempted (recomputed later)."""
+        c = getattr(session, "cache", None)
+        if c is None or c.store is None or not session.generating:
+            return
+        need = min(max(1, session.pending_tokens()), session.prefill_chunk)
+        if c.can_reserve(need):
+            return
+        for source in self.sources:
+            if source.reclaim() and c.can_reserve(need):
+                return
+        mine = next((r.priority for r in self.requests if r.session is session), Priority.BACKGROUND)
+        for r in sorted(self.requests, key=lambda r: -r.priority):
+            if r.priority <= mine or r.session is session or c.can_reserve(need):
+                break
+            if _preempt(r):
+                self.preemptions += 1
+
+
+def _preempt(r: Request) -> bool:
+    """Give up ``r``'s cached K/V (its whole cache, kept intact by no policy): its next step re-prefills them."""
+    c = getattr(r.session, "cache", None)
+    if c is None or c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
+        return False
+    c.truncate(0)
+    r.preempted += 1
+    return True
+
+
+def batchable(sessions: Sequence) -> list[list]:
+    """The groups of ``sessions`` that would share a forward now, one per model runner: every session decoding
+    one token, plus the first (the highest-priority) one with a prefill chunk to feed, as vLLM's chunked prefill
+    mixes them; at least one decode and two sessions a group, at most ``MAX_BATCH``."""
+    groups: dict[int, tuple[list, list]] = {}
+    for s in sessions:
+        n = getattr(s, "shares", lambda: 0)()
+        if n and not s.lm.runner.batch_refusal():
+            decodes, prefills = groups.setdefault(id(s.lm.runner), ([], []))
+            (decodes if n == 1 else prefills).append(s)
+    out = []
+    for decodes, prefills in groups.values():
+        group = prefills[:1] + decodes if decodes else []
+        if len(group) > 1:
+            out.append(sorted(group[:MAX_BATCH], key=list(sessions).index))
+    return out
+
+
+def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) -> list[Any]:
+    """Step every generating session once, in the given order (the core passes them by priority): those whose
+    next step is one token on a plain store decode together in one forward (``batchable``; the group runs when
+    its first member's turn comes), the rest alone. Each gets its ``StepResult`` or the exception that ended
+    its reply; a failed forward ends every reply it carried, each rolled back. ``before(session)``, if given,
+    runs before each session is prepared (room for it)."""
+    results: dict[int, Any] = {}
+    group_of = {id(s): g for g in batchable(sessions) for s in g}
+    for s in sessions:
+        if id(s) in results:
+            continue
+        group = group_of.get(id(s))
+        if group is not None:
+            results.update(_step_group(group, before))
+        else:
+            results[id(s)] = _step_one(s, before)
+    return [results[id(s)] for s in sessions]
+
+
+def _step_one(s, before) -> Any:
+    try:
+        if before is not None:
+            before(s)
+        return s.step()
+    except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
+        return e
+
+
+def _step_group(group: list, before) -> dict[int, Any]:
+    """Prepare each (room first), one forward for those that join, then each one's own finish."""
+    out: dict[int, Any] = {}
+    joined, works = [], []
+    for s in group:
+        try:
+            if before is not None:
+                before(s)
+            w = s.prepare()
+        except BaseException as e:  # noqa: BLE001
+            out[id(s)] = e
+            continue
+        if isinstance(w, StepResult):
+            out[id(s)] = w
+        else:
+            joined.append(s)
+            works.append(w)
+    if not joined:
+        return out
+    try:
+        outs: list["Output"] = joined[0].lm.runner.run(works)
+    except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
+        for s in joined:
+            out[id(s)] = s.abort(e)
+        return out
+    written = _written_together(joined, works, outs)
+    for s, o in zip(joined, outs):
+        try:
+            out[id(s)] = s.finish(o, written.get(id(getattr(s.store, "arena", None)), ()))
+        except BaseException as e:  # noqa: BLE001 - this session's reply ended, typed
+            out[id(s)] = e
+    return out
+
+
+def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict[int, tuple[int, ...]]:
+    """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
+    by_pool: dict[int, set[int]] = {}
+    for s, w, o in zip(sessions, works, outs):
+        if o.path == "batched":
+            pages = s.cache.reserved_pages(w.q)
+            if pages is not None:
+                by_pool.setdefault(pages[0], set()).update(pages[1])
+    return {k: tuple(sorted(v)) for k, v in by_pool.items()}
+
+
+class CoreThread:
+    """Drives ``core.round()`` on a thread of its own (``python -m engine serve``; tests): rounds while busy,
+    waits for ``wake`` otherwise."""
+
+    def __init__(self, core: EngineCore, name: str = "kvscope-engine") -> None:
+        self.core = core
+        self._cond = threading.Condition()
+        self._stopping = False
+        core.waker = self._wake
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.on_exit: list[Callable[[], None]] = []  # run on the engine thread after the last round
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self._stopping
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.core.busy:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            self.core.round()
+        for fn in self.on_exit:
+            fn()
+        self.core.drop_calls()

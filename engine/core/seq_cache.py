@@ -1,0 +1,410 @@
+"""``SeqCache``: one sequence's KV cache and the only code that writes it — the store (its K/V tensors), the
+cache index (``engine.kv.paged.positions``), the attention scores and evictor (``engine.core.eviction``), the prefix-cache
+names of its full pages (``engine.kv.paged.prefix``) and its copy in host memory while swapped out.
+
+A forward goes through it as "can I?" then "do it"::
+
+    chunk = c.plan(todo, cx)        # how many tokens the next forward feeds (evicts first if a policy says so)
+    c.reserve(chunk, owner)         # room for them: a typed error, nothing changed, if there is none
+    ... ModelRunner writes their K/V into the reserved slots ...
+    c.commit(chunk, ids)            # count them as cached, name new full pages; or c.rollback()
+    c.after_forward(cx)             # back under a policy's budget
+
+What the last forward did (``evictions``, ``written``, ``batch_size``, ``path``) is kept for the snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.core import reconfigure
+from engine.config import CacheConfig
+from engine.errors import CacheCapacityError
+from engine.core.eviction import Eviction, EvictionContext, Evictor
+from engine.kv.hf_cache import KVCache
+from engine.kv.paged.positions import CacheIndex
+from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
+from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
+from engine.model.runner import Output, Work
+
+
+class SeqCache:
+    """The KV cache of one sequence of ``lm``, under ``cfg``. Drive it from one thread."""
+
+    def __init__(self, lm, cfg: CacheConfig, owner_id: int) -> None:
+        self.lm, self.owner_id = lm, owner_id
+        self.policy = reconfigure.validate(cfg, lm)
+        self.cache_config = cfg
+        self.store: KVStore | None = None
+        self.kv: KVCache | None = None  # transformers' view of the store (``engine.kv.hf_cache``)
+        self.set_store(reconfigure.make_store(lm, cfg, owner_id))
+        info = lm.info
+        L = info.num_layers  # the cache index and the scores follow the full-attention layers
+        if info.layer_kinds:
+            L = sum(1 for k in info.layer_kinds if k.split("+")[0] == "full")
+        self.index = CacheIndex(L)
+        self.evictor = Evictor(lm.model, L, info.num_kv_heads, lm.device)
+        self.chain: list[bytes] = []  # prefix-cache names of the sequence's first full pages
+        self.root = ROOT  # where those names start: a server tenant's own root keeps its pages its own
+        self.host: HostKV | None = None  # swapped-out K/V (``swap_out`` / ``swap_in``)
+        self.evictions: list[Eviction] = []  # what this step evicted
+        self.written: tuple[int, ...] = ()  # pages the last forward wrote (a batch: its other sequences' too)
+        self.batch_size = 1  # sequences the last forward decoded
+        self.path = "eager"  # what ran the last forward: eager | compiled | batched
+        self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
+        self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
+        self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
+        self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
+        self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+    def set_store(self, store: KVStore | None) -> None:
+        self.store = store
+        self.kv = KVCache(store) if store is not None else None
+        self.chain = []  # page names depend on the page size: a new store names its pages afresh
+        self.disk_pages = ()  # page ids of the old store's arena
+
+    @property
+    def n(self) -> int:
+        """Tokens per layer in the cache now."""
+        return self.index.n if self.store is not None else 0
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.policy is not None and self.policy.needs_scores
+
+    def pending(self, seq_len: int) -> int:
+        """Tokens of a ``seq_len``-token sequence still to feed (cache off: every one, every step)."""
+        return seq_len - self.index.next_pos if self.store is not None else seq_len
+
+    def can_share(self, seq_len: int) -> bool:
+        """Tokens to feed on a store in memory, no policy reading scores: may join a batched forward."""
+        return self.store is not None and self.host is None and not self.needs_scores and self.pending(seq_len) >= 1
+
+    def can_overflow(self) -> bool:
+        """Can this cache evict to go on past the context (a policy, or an evicting overflow setting)?"""
+        return self.store is not None and (self.policy is not None or
+                                           self.cache_config.overflow in reconfigure.OVERFLOW_EVICTS)
+
+    def context(self, protected: int, priorities, seq_len: int, max_chunk: int) -> EvictionContext:
+        """What eviction needs to know of the conversation, for one step."""
+        cfg = self.cache_config
+        return EvictionContext(protected=protected, priorities=priorities,
+                               page_size=cfg.page_size if cfg.mode == "paged" else 16, seq_len=seq_len,
+                               overflow=cfg.overflow, context_length=self.lm.info.context_length, max_chunk=max_chunk)
+
+    # -- a forward ---------------------------------------------------------------------------------------
+    def next_forward(self, ids: Sequence[int], protected: int, priorities, max_chunk: int,
+                     owner: int) -> tuple[Work, EvictionContext | None]:
+        """The next forward over the unfed tokens of ``ids``: planned (evicting first where a policy or the
+        context says so) and its room reserved. A typed error, nothing reserved, if it cannot run."""
+        if self.store is None:  # cache off: the whole text, every time
+            return Work(tuple(ids), 0, None), None
+        cx = self.context(protected, priorities, len(ids), max_chunk)
+        chunk = self.plan(len(ids) - self.index.next_pos, cx)
+        start = self.index.next_pos
+        self.reserve(chunk, owner=owner)
+        return Work(tuple(ids[start:start + chunk]), self.index.next_rope, self.kv), cx
+
+    def forward_done(self, work: Work, out: Output, cx: EvictionContext | None, ids: Sequence[int],
+                     written: tuple[int, ...] = ()) -> bool:
+        """``work``'s forward ran (``out``): count its tokens as cached, evict back under a budget. True once
+        every token of ``ids`` is fed (the logits then predict the next one)."""
+        self.path = out.path
+        if self.store is None:
+            return True
+        self.commit(work.q, ids, out.path, out.batch, written)
+        self.after_forward(cx)
+        return self.index.next_pos >= len(ids)
+
+    # -- a speculative verification ----------------------------------------------------------------------
+    def draft_room(self, seq_len: int) -> int:
+        """How many draft tokens a verification may add after the one unfed token (0: decode plainly). Only where
+        cutting the rejected slots back is exact: a plain store (full or quantized pages, or one buffer) whose
+        index is intact (no policy, nothing evicted), and no overflow eviction within the k + 1 slots."""
+        store = self.store
+        if store is None or self.host is not None or type(store) not in (PagedKV, ContiguousKV):
+            return 0
+        if self.policy is not None or self.index.intact != self.index.n or self.pending(seq_len) != 1:
+            return 0
+        room = self.lm.info.context_length - 2 - self.index.next_rope
+        if type(store) is PagedKV and store.arena.kinds != {"k": "auto", "v": "auto"}:
+            # A quantized page is quantized when its last token is written, and a forward reads after it writes:
+            # in a verification that completes a page with a draft, the earlier positions' queries would read
+            # that page quantized where decoding token by token reads it in full precision (its tail). So a
+            # draft never completes a page (the first token may: every query after it reads it quantized too).
+            P, off = store.page_size, self.index.next_pos % store.page_size
+            room = min(room, P - 2 - off if off < P - 1 else P - 1)
+        return max(0, room)
+
+    def next_verify(self, ids: Sequence[int], drafts: Sequence[int], owner: int) -> Work:
+        """Reserve the last token of ``ids`` and ``drafts`` (k + 1 slots); their forward's ``Work``."""
+        start = self.index.next_pos
+        self.reserve(1 + len(drafts), owner=owner)
+        return Work((*ids[start:], *drafts), self.index.next_rope, self.kv, all_logits=True)
+
+    def commit_verify(self, work: Work, keep: int, ids: Sequence[int]) -> int:
+        """The verification wrote ``work.q`` slots; keep the first ``keep`` (the fed token and the drafts that
+        stayed), cut the rest back (their pages freed, a quantized tail re-formed) and name the pages that are
+        full with committed tokens (``ids``: the chat with the kept tokens). Returns the slots rolled back."""
+        before = self.index.n
+        self.store.commit()
+        self.index.append(work.q)
+        self.written = self.pages_written(work.q)  # the provisional slots' pages, as the map draws them
+        rolled = work.q - keep
+        if rolled:
+            self.truncate(before + keep)  # within the tail page of a quantized store (``draft_room``)
+        self._register_pages(before, ids)
+        self.batch_size, self.path = 1, "speculative"
+        self.verified, self.rolled_back = work.q, rolled
+        return rolled
+
+    def fills_context(self, seq_len: int) -> bool:
+        """Does the token just taken use the context's last position (and nothing can evict to go on)?"""
+        ctx = self.lm.info.context_length
+        if self.store is None:
+            return seq_len >= ctx
+        return self.index.next_rope + 1 >= ctx and not self.can_overflow()
+
+    def plan(self, todo: int, cx: EvictionContext) -> int:
+        """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
+        chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
+        self.evictions += done
+        return chunk
+
+    def can_reserve(self, q: int) -> bool:
+        return self.store is not None and self.store.can_reserve(q)
+
+    def reserve(self, q: int, owner: int) -> None:
+        """Take room for ``q`` tokens before a forward (typed error, nothing changed, if there is none)."""
+        scores = self.evictor.scores
+        if self.needs_scores and not scores.tracking:
+            scores.start(self.index.n)
+        elif not self.needs_scores:
+            scores.stop()
+        self.kv.score_sink = scores.add if self.needs_scores else None
+        self.store.reserve(q, owner=owner)
+        try:
+            scores.grow(q)
+        except BaseException:
+            self.store.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """The forward failed: store, index and scores back to where ``reserve`` found them."""
+        self.store.rollback()
+        if self.store.num_tokens != self.index.n:  # the store could not undo it (a recurrent state): start over
+            self.index.truncate(0)
+        self.evictor.scores.truncate(self.index.n)
+
+    def commit(self, q: int, ids: Sequence[int], path: str, batch: int = 1, written: tuple[int, ...] = ()) -> None:
+        """The forward (``path``, with ``batch`` sequences) wrote ``q`` tokens' K/V: count them as cached."""
+        self.store.commit()
+        self.index.append(q)
+        self._register_pages(self.index.n - q, ids)
+        self.written = written or self.pages_written(q)
+        self.batch_size, self.path = batch, path
+        self.verified = self.rolled_back = 0
+
+    def after_forward(self, cx: EvictionContext) -> None:
+        self.evictions += self.evictor.after_forward(self.store, self.index, self.policy, cx)
+
+    def pages_written(self, q: int) -> tuple[int, ...]:
+        """Pages holding the last ``q`` cached tokens (a plain paged store; else none)."""
+        store, n = self.store, self.index.n
+        if type(store) is not PagedKV or q <= 0 or n <= 0:
+            return ()
+        P = store.page_size
+        return tuple(store.table.pages[(n - q) // P:(n - 1) // P + 1])
+
+    def reserved_pages(self, q: int) -> tuple[int, tuple[int, ...]] | None:
+        """(arena id, pages) the reserved ``q`` tokens' K/V go to, on a plain paged store; else None."""
+        store = self.store
+        if type(store) is not PagedKV:
+            return None
+        P, n = store.page_size, store.past_len
+        return id(store.arena), tuple(store.table.pages[n // P:(n + q - 1) // P + 1])
+
+    # -- the prefix cache --------------------------------------------------------------------------------
+    @property
+    def disk(self):
+        """The model's KV disk tier (``engine.kv.tier.disk``), or None."""
+        return getattr(getattr(self.lm, "arenas", None), "disk", None)
+
+    def disk_notes(self) -> list[str]:
+        """What the disk tier has to tell: the last reuse's restore, files dropped, writes stopped."""
+        return self.disk.take_notes(*self.disk_restored) if self.disk is not None else []
+
+    def prefix_store(self) -> PagedKV | None:
+        """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
+        a plain paged store at the model's own K/V precision and no eviction policy. Pages are registered while
+        the cache index is intact (every cached token at its own logical and RoPE position)."""
+        store = self.store
+        if type(store) is not PagedKV or self.policy is not None:
+            return None
+        return store if store.arena.kinds == {"k": "auto", "v": "auto"} else None
+
+    def _register_pages(self, before: int, ids: Sequence[int]) -> None:
+        """Put the pages that became full since ``before`` cached tokens into the prefix cache (intact ones)."""
+        store = self.prefix_store()
+        if store is None:
+            return
+        P = store.page_size
+        first, last = before // P, self.index.intact // P
+        if last <= first:
+            return
+        extend_chain(self.chain, ids, P, last, self.root)
+        pool, pages = store.arena.pool, store.table.pages
+        chain = self.chain
+        new = [j for j in range(first, min(last, len(chain)))
+               if pool.register(pages[j], chain[j], chain[j - 1] if j else None, ids[j * P:(j + 1) * P])]
+        if new and self.disk is not None:  # written off the decode path (``engine.kv.tier.disk``)
+            self.disk.save(store.arena, [pages[j] for j in new], [self.chain[j] for j in new])
+
+    def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
+        """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
+        full pages of the prefix cache named by ``ids`` — and take those pages. Returns (reused tokens, tokens
+        of them taken from the prefix cache, common prefix). At least one token of ``ids`` is left to prefill."""
+        from engine.core.sequence import common_prefix
+
+        self.continued = 0
+        goes_on = self._goes_on(cached_ids, ids)
+        if goes_on is not None:
+            return goes_on
+        common = common_prefix(list(cached_ids[:self.index.intact]), ids)
+        self.disk_restored, self.disk_pages = (0, 0.0), ()
+        if self.store is None:
+            return 0, 0, common
+        keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
+        keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
+        pages, base = self._take_cached(ids, keep)
+        if pages:
+            keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
+        self.truncate(keep)
+        shared = len(pages) * self.store.page_size if pages else 0
+        if pages:
+            self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
+            self.index.append(shared)
+            self.evictor.scores.grow(shared)
+        return keep + shared, shared, common
+
+    def _goes_on(self, cached_ids: Sequence[int], ids: list[int]) -> tuple[int, int, int] | None:
+        """After an eviction the cache no longer holds the chat from its first token at its own positions, so the
+        common-prefix reuse keeps only that intact start (the sinks: 'reused 12, recomputed 1132'). A prompt that
+        goes on from every token fed so far continues the stream instead, as StreamingLLM serves a conversation:
+        the cache stays as the policy left it and only the new tokens are fed. Returns (tokens fed before, 0,
+        common prefix) and sets ``continued`` to the tokens evicted earlier (neither reused nor recomputed), or
+        None when the prompt does not go on from the cache."""
+        ix = self.index
+        fed = ix.next_pos
+        if getattr(self.policy, "name", "") == "priority":
+            return None  # its priorities come from the messages (pins), which a new turn may change: recomputed
+        if (self.store is None or self.host is not None or ix.intact == fed or not self.cache_config.prefix_reuse
+                or len(ids) <= fed or len(cached_ids) < fed or list(cached_ids[:fed]) != list(ids[:fed])):
+            return None
+        self.disk_restored, self.disk_pages, self.chain = (0, 0.0), (), []
+        self.continued = int(ix.evicted_count())
+        return fed, 0, fed
+
+    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
+        """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
+        page index), empty when they would not cover more than ``keep`` tokens."""
+        store = self.prefix_store()
+        self.chain = []
+        if store is None or not self.cache_config.prefix_reuse or self.host is not None:
+            return [], 0
+        P = store.page_size
+        limit, base = (len(ids) - 1) // P, keep // P
+        if limit <= base:
+            return [], base
+        extend_chain(self.chain, ids, P, limit, self.root)
+        run = cached_run(store.arena.pool, self.chain, base)
+        if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
+            self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
+            run, before = cached_run(store.arena.pool, self.chain, base), len(run)
+            self.disk_pages = tuple(run[before:])
+        if (base + len(run)) * P <= keep:
+            return [], base
+        return run, base
+
+    # -- the whole cache ---------------------------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
+        self.store.truncate(n)
+        self.index.truncate(n)
+        self.evictor.scores.truncate(n)
+
+    def swap_out(self) -> int:
+        """Move the K/V to host memory and give the pages back. Returns bytes moved (0: nothing to move)."""
+        if self.store is None or self.host is not None or self.index.n == 0:
+            return 0
+        # Quantized pages travel as they are held (codes + scales), so a swapped int8 chat costs int8 bytes.
+        host = self.store.to_host(pin=self.lm.device.type == "cuda")
+        self.store.free()
+        self.host = host
+        return host.nbytes
+
+    def can_swap_in(self, ids: Sequence[int]) -> bool:
+        if self.host is None:
+            return True
+        adopt, _ = self._cached_pages_of_host(ids)
+        return self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)
+
+    def swap_in(self, ids: Sequence[int]) -> None:
+        """Bring swapped-out K/V back. A typed error and no change (they stay in host memory) without room."""
+        if self.host is None:
+            return
+        adopt, chain = self._cached_pages_of_host(ids)  # only a plain paged store has any (others take one argument)
+        if not (self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)):
+            raise CacheCapacityError(f"no room to bring this chat's {self.host.n} cached tokens back: close other "
+                                     "chats or raise the cache's limits")
+        if adopt:
+            self.store.from_host(self.host, adopt)
+            self.chain = chain[:len(adopt)]
+        else:
+            self.store.from_host(self.host)
+        self.swapped_in_pages = len(adopt)
+        self.host = None
+
+    def _cached_pages_of_host(self, ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Full pages of the swapped-out tokens still in the prefix cache (named by the same tokens from the
+        start, in this arena), and their names: swap-in takes them back instead of copying their K/V again."""
+        store = self.prefix_store()
+        if store is None or self.host is None:
+            return [], []
+        P = store.page_size
+        chain: list[bytes] = []
+        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P, self.root)
+        return cached_run(store.arena.pool, chain, 0), chain
+
+    def fork(self, owner_id: int, owner: int) -> "SeqCache":
+        """A copy for a new sequence: paged stores share full pages (copy-on-write), others copy."""
+        other = SeqCache(self.lm, CacheConfig(mode="off"), owner_id)
+        if hasattr(self.store, "fork"):
+            other.set_store(self.store.fork(owner_id))
+        elif self.store is not None:
+            store = reconfigure.make_store(self.lm, self.cache_config, owner_id)
+            copy_kv(self.store, store, owner=owner)
+            other.set_store(store)
+        other.cache_config, other.policy, other.root = self.cache_config, self.policy, self.root
+        other.index = self.index.copy()
+        if self.evictor.scores.tracking:
+            other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]
+        return other
+
+    def reset(self) -> None:
+        """Empty, on the same setting (the pages go back)."""
+        if self.store is not None:
+            self.store.truncate(0)
+        self.host = None
+        self.index.reset()
+        self.evictor.scores.stop()
+        self.chain, self.evictions = [], []
+
+    def free(self) -> None:
+        """Give everything back for good (the store's pages, the host copy)."""
+        if self.store is not None:
+            self.store.free()
+        self.host = None
+        self.index.reset()
+        self.evictor.scores.stop()

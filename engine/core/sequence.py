@@ -1,0 +1,258 @@
+"""A conversation apart from its cache: ``Sequence`` (its token ids, turn, status, the reply in progress and
+its notes), one reply's sampling and timings (``TurnState``), which tokens are protected from eviction and at
+what priority (``protection``), the shared prefix that prefix reuse keeps (``common_prefix``), and how many
+tokens one prefill forward feeds (``prefill_chunk``).
+
+The sequence's cache is ``engine.core.seq_cache.SeqCache``; ``engine.core.session.ChatSession`` joins the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from engine.config import SamplingConfig
+from engine.errors import ContextOverflowError
+from engine.policies import PINNED
+from engine.core.sampling import Sampler
+from engine.snapshot import TokenEvent, TurnStats
+from engine.core.token_ids import interned
+
+
+class Status(enum.Enum):
+    """Where a sequence is: between replies, replying, or closed for good."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class NullDecoder:
+    """Stands in for ``StreamDecoder`` when a model has no tokenizer (benchmark shapes): ids only."""
+
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class TurnState:
+    """One reply's sampling, text and timings (replaced at every ``start``)."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampler: Sampler | None = None
+    decoder: Any = None
+    generated: list[int] = field(default_factory=list)
+    cancel: bool = False
+    step: int = 0
+    t_start: float = 0.0
+    prefill_ms: float = 0.0  # every chunk of the prefill and the forward that gave the first token
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prompt_len: int = 0
+    reused: int = 0
+    recomputed: int = 0  # prompt tokens computed (fed) in this reply
+    dropped: int = 0  # prompt tokens passed over unread to fit the context: neither reused nor computed
+    divergence: int = -1
+    shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
+    disk: int = 0  # of them, tokens restored from the KV disk tier (``engine.kv.tier.disk``)
+    threads: int = 0
+    waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
+    forwards: int = 0  # forwards that gave tokens
+    spec: Any = None  # ``engine.speculation.verify.SpecStats`` while the chat speculates
+    spec_label: str = ""
+
+    def stats(self, reason: str) -> TurnStats:
+        n = len(self.generated)
+        return TurnStats(
+            prompt_tokens=self.prompt_len, reused_tokens=self.reused, recomputed_tokens=self.recomputed,
+            dropped_tokens=self.dropped,
+            first_divergence=self.divergence, generated_tokens=n, ttft_ms=self.ttft_ms,
+            prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
+            decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
+            prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
+            stop_reason=reason, shared_tokens=self.shared, threads=self.threads, forwards=self.forwards,
+            disk_restored_tokens=self.disk,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        s = self.spec
+        if s is None:
+            return {}
+        last = max((i + 1 for i, n in enumerate(s.tried_pos) if n), default=0)
+        return dict(speculative=self.spec_label, draft_tokens=s.draft_tokens, accepted_draft_tokens=s.accepted,
+                    verifications=s.drafts,
+                    accepted_by_position=tuple(s.by_pos[:last]), spec_note=s.summary())
+
+
+def protection(messages: Seq[dict] | None, spans: Seq[tuple[int, int]],
+               n: int) -> tuple[int, np.ndarray | None]:
+    """(protected, priorities) of a chat of ``n`` tokens: the system prompt(s) and the first user message are
+    protected (what "truncate the middle" keeps); system and pinned messages get ``PINNED``, messages with a
+    ``priority`` get it, the rest -1 (the policy's default)."""
+    if not messages or not spans:
+        return 0, None
+    protected = 0
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is not None:
+        protected = min(spans[first_user][1], n)
+    pri = np.full(n, -1, dtype=np.int64)
+    for m, (a, b) in zip(messages, spans):
+        p = PINNED if (m["role"] == "system" or m.get("pinned")) else m.get("priority")
+        if p is not None:
+            pri[a:min(b, n)] = p
+    return protected, pri
+
+
+# A chunk is ~1e12 FLOPs: ~5 s of prefill on this 2-core CPU (~200 GFLOP/s), ~1 s on an 8-core laptop. Smaller
+# chunks cost TTFT: a 4,096-token prompt of a Gemma-3-1B shape took x1.39 of one forward in 128-token chunks
+# (every chunk attends through an explicit mask); 512-token chunks keep Stop within seconds.
+CHUNK_FLOPS_CPU = 1.2e12
+CHUNK_FLOPS_GPU = 2e13  # the same wait on a consumer GPU
+MIN_CHUNK, MAX_CHUNK = 64, 2048
+
+
+def prefill_chunk(num_params: int, device_type: str) -> int:
+    """Tokens per prefill forward, so that Stop acts within about a second or two: ~2 FLOPs per parameter per
+    token, rounded down to a power of two in 64..2048. A fixed number per model and device, so chunking
+    never depends on timing (and a prompt that fits one chunk is prefilled exactly as HF does)."""
+    budget = CHUNK_FLOPS_CPU if device_type == "cpu" else CHUNK_FLOPS_GPU
+    tokens = budget / max(1, 2 * num_params)
+    chunk = MIN_CHUNK
+    while chunk * 2 <= min(tokens, MAX_CHUNK):
+        chunk *= 2
+    return chunk
+
+
+def check_fits(prompt: int, max_new: int, ctx: int) -> str:
+    """``ContextOverflowError`` (with what to change) when not even one token fits after the prompt; else a note
+    when the reply may reach the context's end (it then stops there, stop reason ``context_full``), or "".
+    A chat app's second turn on a 512-token model must not be refused because max new tokens says 256."""
+    if prompt >= ctx:
+        raise ContextOverflowError(f"the prompt has {prompt} tokens but the model's context is {ctx}: "
+                                   "shorten the chat, start a new one, or choose an overflow policy")
+    if prompt + max_new > ctx:
+        return (f"the context of {ctx} tokens leaves room for {ctx - prompt} new tokens after this {prompt}-token "
+                f"prompt (max new tokens {max_new}): the reply stops when the context is full; start a new chat or "
+                "choose an overflow policy to go on")
+    return ""
+
+class Sequence:
+    """One conversation's token ids (``ids``: every token so far, the reply's included), its turn and status,
+    the reply in progress (``reply``) and the notes the user must see with it. One writer: the session."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.turn = -1
+        self.status = Status.IDLE
+        self.generation_id = 0
+        self.reply = TurnState()
+        self.notes: list[str] = []  # for the user, handed out with the reply's last step
+        self.protected = 0  # logical [0, protected): system prompt + first message
+        self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
+        self.last_stats: TurnStats | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    def copy(self) -> "Sequence":
+        """The conversation (ids, turn, protection) without a reply in progress (a fork)."""
+        other = Sequence()
+        other.ids, other.turn, other.protected = list(self.ids), self.turn, self.protected
+        other.priorities = None if self.priorities is None else self.priorities.copy()
+        return other
+
+    def add_notes(self, notes: Seq[str]) -> None:
+        self.notes += [n for n in notes if n not in self.notes]
+
+    def planned(self, cx) -> None:
+        """A forward was planned (``cx``: its ``engine.core.eviction.EvictionContext``, None with the cache off): its
+        notes for the user, and prompt tokens it dropped unread, which move from "to compute" to "dropped" so the
+        prefill rate counts only tokens the model read."""
+        if cx is None:
+            return
+        self.add_notes(cx.notes)
+        self.reply.recomputed -= cx.dropped
+        self.reply.dropped += cx.dropped
+        cx.dropped = 0  # counted once, whoever looks at this context again
+
+    def take_notes(self) -> tuple[str, ...]:
+        notes, self.notes = tuple(self.notes), []
+        return notes
+
+    def begin(self, ids: list[int], reply: TurnState, generation_id: int, messages: Seq[dict] | None,
+              spans: Seq[tuple[int, int]]) -> None:
+        """A new reply to ``ids`` (the whole prompt; the cache has been cut back to what it reuses)."""
+        self.ids = list(ids)
+        self.turn += 1
+        self.protected, self.priorities = protection(messages, spans, len(ids))
+        self.generation_id = generation_id
+        self.reply = reply
+        self.status = Status.RUNNING
+
+    def accept(self, token: int, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
+        """Append a sampled token; its event and the stop reason it causes ("" to go on; the context is checked
+        by the caller, which knows the cache)."""
+        token = interned(token)  # the lists below share one object per id (engine.core.token_ids)
+        t = self.reply
+        dt_ms = (time.perf_counter() - t0) * 1000.0
+        phase = "prefill" if not t.generated else "decode"
+        if phase == "prefill":
+            t.prefill_ms += dt_ms
+            t.ttft_ms = (time.perf_counter() - t.t_start) * 1000.0 - max(0.0, t.waited_ms)
+        else:
+            t.decode_ms += dt_ms
+        index = len(t.generated)
+        t.generated.append(token)
+        self.ids.append(token)
+        t.step += 1
+        is_stop_token = token in stop_ids and not t.sampling.ignore_eos
+        delta = "" if is_stop_token else t.decoder.push(token)
+        stop = ""
+        if is_stop_token:
+            stop = "eos"
+        elif t.sampling.stop_strings and any(s in t.decoder.text for s in t.sampling.stop_strings):
+            stop = "stop_string"
+        elif len(t.generated) >= t.sampling.max_new_tokens:
+            stop = "max_tokens"
+        return TokenEvent(self.generation_id, index, token, delta, phase, dt_ms, n_in, path), stop
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far."""
+        return self.reply.decoder.text if self.reply.decoder is not None else ""
+
+    def end_reply(self, reason: str, event: TokenEvent | None) -> tuple[TokenEvent | None, TurnStats]:
+        """The reply ends with ``reason``: text the decoder held back goes out with the last event."""
+        d = self.reply.decoder
+        tail = d.flush() if d is not None and reason != "eos" else ""
+        if tail and event is not None:
+            event = dataclasses.replace(event, text_delta=event.text_delta + tail)
+        return event, self.end(reason)
+
+    def end(self, reason: str) -> TurnStats:
+        """The reply ends with ``reason``: its stats (kept as ``last_stats``)."""
+        self.status = Status.IDLE if self.status is not Status.CLOSED else Status.CLOSED
+        self.reply.cancel = False
+        self.last_stats = self.reply.stats(reason)
+        return self.last_stats

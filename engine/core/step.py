@@ -1,0 +1,203 @@
+"""The one step implementation of a ``ChatSession`` (``Stepping``, its base): ``prepare`` plans and reserves the
+next forward (a ``Work`` for ``engine.model.runner.ModelRunner``), ``finish`` commits it and takes the token — its
+stop checks, its snapshot — or ``abort`` rolls it back. ``step()`` is the three for one session; the engine
+core (``engine.core.scheduler``) runs them with several sessions' work in one forward.
+
+What a step reads and writes is the session's: its ``Sequence`` (``engine.core.sequence``) and its ``SeqCache``
+(``engine.core.seq_cache``), the one writer of the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.errors import ContextOverflowError, EngineError, as_engine_error
+from engine.model.runner import Output, Work
+from engine.snapshot import StepResult
+from engine.speculation.verify import verify
+
+if TYPE_CHECKING:
+    from engine.model.loader import LoadedModel
+    from engine.core.seq_cache import SeqCache
+    from engine.core.sequence import Sequence
+    from engine.speculation.verify import Speculator
+
+
+class Stepping:
+    """Stepping a reply; the session provides its parts (declared here) and ``check_open`` / ``snapshot``."""
+
+    lm: "LoadedModel"
+    sequence: "Sequence"
+    cache: "SeqCache"
+    prefill_chunk: int
+    _open: tuple | None  # the prepared forward: (t0, tokens in the step, its Work, eviction context, drafts)
+    spec: "Speculator | None"  # speculative decoding (``engine.speculation.verify``), None: off
+    _ready: list  # tokens a verification gave beyond its first: (event, stop, text), one per step, no forward
+
+    def step(self) -> StepResult:
+        """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token."""
+        work = self.prepare()
+        if isinstance(work, StepResult):
+            return work
+        try:
+            (out,) = self.lm.runner.run([work])
+        except BaseException as e:
+            raise self.abort(e) from e
+        return self.finish(out)
+
+    def pending_tokens(self) -> int:
+        """Tokens the reply's next forwards still have to feed before its next token (1 while decoding; 0 while
+        a verification's tokens are still being handed out)."""
+        if self._ready:
+            return 0
+        return self.cache.pending(len(self.seq)) if self.generating else 1
+
+    def shares(self) -> int:
+        """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
+        of more); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
+        ok = self.generating and not self.sequence.reply.cancel and self.cache.can_share(len(self.seq))
+        ok = ok and not self._ready and not (self.spec is not None and self.spec.active)  # verifies alone
+        return self.cache.pending(len(self.seq)) if ok else 0
+
+    def prepare(self) -> Work | StepResult:
+        """Plan and reserve the next forward: its ``Work``, or the reply's last ``StepResult`` when it ends without
+        one (cancelled, context full). A typed error ends the reply (nothing reserved)."""
+        self.check_open()
+        if self._ready:  # a verification's later tokens: one per step, so every consumer sees one at a time
+            return self._hand_out()
+        if not self.generating:
+            raise EngineError("no reply in progress: call start() first")
+        q, c = self.sequence, self.cache
+        if q.reply.cancel:
+            return self._finish("cancelled", None)
+        t0 = time.perf_counter()
+        if q.reply.waited_ms < 0:  # the first forward: what came before it was waiting, not the model's work
+            q.reply.waited_ms = (t0 - q.reply.t_start) * 1000.0
+        c.evictions = []
+        drafts = self._drafts()
+        if drafts:
+            try:
+                work = c.next_verify(q.ids, drafts, owner=q.turn)
+            except BaseException as e:
+                raise self._fail(e) from e
+            self._open = (t0, len(drafts) + 1, work, None, drafts)
+            return work
+        try:
+            work, cx = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
+        except ContextOverflowError as e:
+            q.add_notes([str(e)])
+            return self._finish("context_full", None)
+        except BaseException as e:
+            raise self._fail(e) from e
+        q.planned(cx)  # its notes; prompt tokens it dropped unread are not counted as computed
+        n_in = c.pending(len(q.ids))  # after planning: without the tokens dropped to fit the context
+        self._open = (t0, n_in, work, cx, None)
+        return work
+
+    def _drafts(self) -> list[int]:
+        """Draft tokens for a verification now ([]: a plain step). Only while decoding, within the reply's
+        remaining tokens and the room the cache can cut back exactly (``SeqCache.draft_room``)."""
+        q, c, spec = self.sequence, self.cache, self.spec
+        t = q.reply
+        if spec is None or not t.generated or t.cancel or t.sampling.logprobs is not None:
+            return []  # log-probabilities are the sampler's of each token it picks: decoded one by one
+        room = min(c.draft_room(len(q.ids)), t.sampling.max_new_tokens - len(t.generated) - 1)
+        drafts = spec.propose(q.ids, room, t.sampler) if room > 0 else []
+        return drafts if drafts and c.can_reserve(len(drafts) + 1) else []
+
+    def abort(self, exc: BaseException) -> BaseException:
+        """The prepared forward failed: roll it back, end the reply; the typed error to report."""
+        if self._open is not None and self.cache.store is not None:
+            self.cache.rollback()
+        return self._fail(exc)
+
+    def finish(self, out: Output, written: tuple[int, ...] = ()) -> StepResult:
+        """After the prepared forward (``out``; ``written``: pages a batched forward wrote in this pool): commit,
+        then the prefill chunk's progress, or the token, its stop checks and the snapshot."""
+        (t0, n_in, work, cx, drafts), self._open = self._open, None
+        if drafts:
+            return self._finish_verify(t0, work, drafts, out)
+        q, c, t = self.sequence, self.cache, self.sequence.reply
+        try:
+            fed = c.forward_done(work, out, cx, q.ids, written)
+            q.add_notes(cx.notes if cx is not None else ())
+            if not fed:  # a chunk of a longer prefill: Stop can act before the next
+                ms = (time.perf_counter() - t0) * 1000.0
+                t.prefill_ms += ms
+                return StepResult(event=None, snapshot=self.snapshot("prefill", ms), done=False, text=t.decoder.text)
+            ctx_ids = torch.tensor(q.ids, dtype=torch.long) if t.sampling.repetition_penalty != 1.0 else None
+            token = t.sampler(out.logits, ctx_ids)
+        except BaseException as e:
+            raise self._fail(e) from e
+        decoding = bool(t.generated)
+        event, stop = q.accept(token, t0, n_in, out.path, self.lm.stop_ids)
+        t.forwards += 1
+        if decoding and self.spec is not None:
+            self.spec.record_plain(event.step_ms)
+        stop = stop or ("context_full" if c.fills_context(len(q.ids)) else "")
+        if stop:
+            return self._finish(stop, event)
+        return StepResult(event=event, snapshot=self.snapshot(event.phase, event.step_ms), done=False,
+                          text=t.decoder.text)
+
+    def _finish_verify(self, t0: float, work: Work, drafts: list[int], out: Output) -> StepResult:
+        """After a verification: the tokens it yields (drafts that stay, then the model's own), each accepted
+        with its stop checks; the cache cut back to the kept slots; the first token now, the rest queued."""
+        q, c, t, spec = self.sequence, self.cache, self.sequence.reply, self.spec
+        try:
+            tokens = verify(t.sampler, out.logits, drafts, q.ids)
+        except BaseException as e:
+            c.rollback()
+            raise self._fail(e) from e
+        r0, ctx, overflow = c.index.next_rope, self.lm.info.context_length, c.can_overflow()
+        ready, clock = [], t0
+        for j, token in enumerate(tokens):
+            event, stop = q.accept(token, clock, work.q if j == 0 else 0, out.path, self.lm.stop_ids)
+            clock = time.perf_counter()  # the forward's time goes to the first token; the rest cost ~0
+            event = dataclasses.replace(event, draft=j < len(tokens) - 1)
+            # token j sits at RoPE r0 + j + 1: the context is full when the one after it would not fit
+            stop = stop or ("context_full" if r0 + j + 2 >= ctx and not overflow else "")
+            ready.append((event, stop, t.decoder.text))
+            if stop:
+                break
+        kept = len(ready) - 1  # drafts that stay (a stop can end the reply on an accepted draft)
+        try:
+            c.commit_verify(work, len(ready), q.ids)
+        except BaseException as e:
+            raise self._fail(e) from e
+        t.forwards += 1
+        ms = (time.perf_counter() - t0) * 1000.0
+        note = spec.record_verify(len(drafts), kept, len(ready), ms) if spec is not None else ""
+        q.add_notes([note] if note else [])
+        self._ready_snapshot = self.snapshot("decode", ms)
+        self._ready = ready
+        return self._hand_out()
+
+    def _hand_out(self) -> StepResult:
+        event, stop, text = self._ready.pop(0)
+        if stop:
+            self._ready = []
+            return self._finish(stop, event)
+        return StepResult(event=event, snapshot=self._ready_snapshot, done=False, text=text)
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """End the turn after ``exc`` (its forward rolled back): the typed error."""
+        self._open, self._ready = None, []
+        self.sequence.end("error")
+        return as_engine_error(exc)
+
+    def _finish(self, reason: str, event) -> StepResult:
+        self._open = None
+        event, stats = self.sequence.end_reply(reason, event)
+        snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
+        self.cache.written, self.cache.batch_size = (), 1  # an idle chat's picture shows no page being written
+        self.cache.verified = self.cache.rolled_back = 0
+        disk = self.cache.disk  # what its writer found since the reply began (a full disk): said with this reply
+        self.sequence.add_notes(disk.take_notes() if disk is not None else ())
+        return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
+                          stats=stats, warnings=self.sequence.take_notes())
+

@@ -1,0 +1,124 @@
+"""Attention that also reports its probabilities (for H2O's accumulated-attention scores), and RoPE
+re-rotation of cached keys (for StreamingLLM's in-cache positions; ``Rerotator`` and ``rerotation_refusal``
+live in ``engine.kv.store.rope`` and are re-exported here).
+
+``kvscope_scores`` is registered with transformers' ``AttentionInterface`` (and ``sdpa_mask`` as its mask
+builder, so prefix-reuse turns get a correct causal mask). It computes softmax explicitly, so it is only
+selected while a policy needs scores; otherwise models run stock ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
+
+SCORES_IMPL = "kvscope_scores"
+DISPATCH_IMPL = "kvscope"  # what ``engine.model.runner`` selects once on an sdpa model: see ``dispatch_attention``
+RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each sequence's K/V of a batched decode
+
+
+class RaggedUnsupported(RuntimeError):
+    """The model cannot run a batched decode over separate stores (its attention bypasses what the cache returns)."""
+_registered = False
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)  # [B, H*rep, n, D]
+
+
+def scores_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                     s_aux=None, **kwargs):
+    """Eager attention, as the model's own eager path computes it (Gemma 2's logit ``softcap``, gpt-oss's
+    learned attention sinks ``s_aux``); hands the probabilities to ``kwargs["kvscope_sink"](layer_idx, probs)``.
+
+    query [1, Hq, q, D]; key/value [1, Hkv, L, D] / [1, Hkv, L, Dv] (what the cache returned).
+    Returns ([1, q, Hq, Dv], None).
+    """
+    n_rep = query.shape[1] // key.shape[1]  # GQA groups (not every attention class names them)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    k = _repeat_kv(key, n_rep)  # [1, Hq, L, D]
+    v = _repeat_kv(value, n_rep)  # [1, Hq, L, Dv]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    w = torch.matmul(query.float(), k.float().transpose(2, 3)) * scale  # [1, Hq, q, L]
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if attention_mask is not None:
+        m = attention_mask[..., :kv_len]
+        w = w.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else w + m.float()
+    elif q_len > 1:  # causal, aligned bottom-right: query i sees keys <= L - q + i
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=w.device).tril(kv_len - q_len)
+        w = w.masked_fill(~causal, float("-inf"))
+    if s_aux is not None:  # a learned sink logit per head takes part in the softmax, then is dropped
+        sinks = s_aux.float().reshape(1, -1, 1, 1).expand(1, w.shape[1], q_len, 1)  # [1, Hq, q, 1]
+        probs = torch.softmax(torch.cat([w, sinks], dim=-1), dim=-1)[..., :-1]  # [1, Hq, q, L]
+    else:
+        probs = torch.softmax(w, dim=-1)  # [1, Hq, q, L]
+    sink = kwargs.get("kvscope_sink")
+    if sink is not None:
+        sink(module.layer_idx, probs)
+    out = torch.matmul(probs.to(v.dtype), v)  # [1, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of a batched forward whose sequences' tokens lie end to end: segment b of the queries attends to
+    sequence b's own cached K/V (lengths differ, no padding), each with torch's SDPA as the model's own ``sdpa``
+    path calls it — one new token sees everything its sequence caches; a prefill chunk is causal, aligned to
+    the end of its K/V. query [1, Hq, N, D]; ``kwargs["kvscope_ragged"]``: (B pairs of [1, Hkv, n_b, D] /
+    [1, Hkv, n_b, Dv], the B segment lengths). Returns ([1, N, Hq, Dv], None)."""
+    parts, lens = kwargs.pop(RAGGED_KEY, (None, None))
+    if parts is None or len(parts) != len(lens) or query.shape[0] != 1 or sum(lens) != query.shape[2]:
+        raise RaggedUnsupported("batched forward: the attention did not get each sequence's K/V for its queries")
+    outs = []
+    for q, (k, v) in zip(query.split(lens, dim=2), parts):  # q [1, Hq, q_b, D]
+        if k.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
+            raise RaggedUnsupported(f"batched forward: cached keys {tuple(k.shape)} do not match queries "
+                                    f"{tuple(q.shape)} (the model transforms what it caches)")
+        q_len, kv_len = q.shape[2], k.shape[2]
+        mask = None
+        if q_len > 1:  # causal, aligned bottom-right: query i sees keys <= kv_len - q_len + i
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)[None, None]
+        o, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+        outs.append(o)  # [1, q_b, Hq, Dv]
+    return torch.cat(outs, 1), None  # [1, N, Hq, Dv]
+
+
+def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
+    """The one attention implementation the runner selects on an sdpa model: a batched decode (the cache handed
+    each sequence's K/V) → ``ragged_attention``; a policy reading scores (the cache handed a sink) →
+    ``scores_attention``; anything else → transformers' own sdpa, exactly as if "sdpa" were selected (HF
+    ``generate`` on the same model, the compiled step). The model's config never changes around a call."""
+    if kwargs.get(RAGGED_KEY) is not None:
+        return ragged_attention(module, query, key, value, None, **kwargs)
+    if kwargs.get("kvscope_sink") is not None:
+        return scores_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SCORES_IMPL, scores_attention)
+    AttentionMaskInterface.register(SCORES_IMPL, sdpa_mask)
+    # looked up at each call (tests replace the functions it routes to)
+    AttentionInterface.register(DISPATCH_IMPL, lambda *a, **k: dispatch_attention(*a, **k))
+    AttentionMaskInterface.register(DISPATCH_IMPL, sdpa_mask)
+    _registered = True
+
+
+def use_attention(model, impl: str) -> None:
+    """Select ``impl`` ("sdpa", "eager", ``SCORES_IMPL`` or ``DISPATCH_IMPL``) on a model if not already selected."""
+    if getattr(model.config, "_attn_implementation", None) == impl:
+        return
+    if impl in (SCORES_IMPL, DISPATCH_IMPL):
+        register()
+    model.set_attn_implementation(impl)

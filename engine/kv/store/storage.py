@@ -1,0 +1,390 @@
+"""A session's KV tensors: ``ContiguousKV`` (one buffer per layer) or ``PagedKV`` (a block table in a
+model's shared ``PageArena``, its K and V kept by two composed roles, ``engine.kv.quantized.roles``).
+
+Layout, per layer: ``[kv_heads, slots, head_dim]``; attention gets ``[1, kv_heads, L, head_dim]`` (never
+repeated for GQA).
+
+Protocol of a forward pass (driven by ``engine.kv.hf_cache.KVCache``), "can I?" before "do it"::
+
+    store.can_reserve(q)              # pages (or memory) for q more tokens?
+    store.reserve(q, owner)           # take them: raises a typed error and changes nothing if it cannot
+    store.update(layer, k, v) * L     # write the new K/V, return all K/V of the layer
+    store.commit()                    # the forward finished: num_tokens += q
+    store.rollback()                  # ... or it failed: back to exactly the state before reserve
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.errors import OutOfMemoryError, is_oom
+from engine.kv.store.arena import PageArena
+from engine.kv.paged.block_table import BlockTable
+from engine.kv.paged.pool import FLAG_QUANTIZED
+from engine.kv.quantized.roles import DevicePlan, KVShape
+
+ROLES = ("k", "v")
+Rotate = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]  # (layer, k [H, m, D], kept idx) -> k
+
+
+@dataclass
+class HostKV:
+    """A session's K/V in host memory (``to_host``); ``from_host`` of the same kind of store restores it."""
+
+    n: int  # tokens per layer
+    layers: list[Any]  # per layer what the store keeps (full-precision tensors, or pages as held)
+    nbytes: int  # host bytes held, all layers
+    owners: list[int] = field(default_factory=list)  # paged stores: owner turn of each page
+
+
+def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` copied into a new host tensor (page-locked when ``pin``, so the copy back can be asynchronous)."""
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    h.copy_(t)
+    return h
+
+
+class KVStore:
+    """What ``ContiguousKV`` and ``PagedKV`` share: the forward protocol and the counters."""
+
+    def __init__(self, shape: KVShape) -> None:
+        self.shape = shape
+        self.num_layers, self.dtype, self.device = shape.num_layers, shape.dtype, torch.device(shape.device)
+        self._n_before = 0  # tokens cached before the running forward
+        self._n_new = 0  # tokens reserved by it
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one layer (K and V) at full precision."""
+        return self.shape.token_bytes
+
+    @property
+    def past_len(self) -> int:
+        return self._n_before
+
+    @property
+    def num_tokens(self) -> int:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        self.truncate(0)
+
+    def reusable(self, k: int) -> int:
+        """The longest prefix ``<= k`` this store can be cut back to (any, for keys and values of full layers)."""
+        return k
+
+    def compact(self, keep: list[np.ndarray], rotate: Rotate | None = None, start: int = 0) -> list[int]:
+        """Keep, per layer, the cached tokens at indices ``keep[l]`` (ascending, the same count in every layer),
+        packed to the front in that order, in place. Tokens before ``start`` are kept where they are in every
+        layer. ``rotate`` may re-rotate the moved keys. Returns the pages freed."""
+        raise NotImplementedError
+
+
+class ContiguousKV(KVStore):
+    """One buffer per layer, grown by doubling (one copy per growth, amortised O(1) per token)."""
+
+    def __init__(self, shape: KVShape, initial_tokens: int = 256) -> None:
+        super().__init__(shape)
+        self._cap = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._grow(max(16, initial_tokens))
+        self._len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._len
+
+    def _grow(self, cap: int) -> None:
+        """All layers' new buffers first, then the copy: a failed allocation changes nothing."""
+        (hk, dk), (hv, dv) = self.shape.of("k"), self.shape.of("v")
+        try:
+            new_k = [torch.zeros((hk, cap, dk), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_v = [torch.zeros((hv, cap, dv), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            raise OutOfMemoryError(f"out of memory growing the contiguous KV cache to {cap} tokens: use the paged "
+                                   "cache with KV int8/int4, or an eviction policy") from None
+        n = getattr(self, "_len", 0)
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:, :n].copy_(old[:, :n])  # [H, n, D]
+        self.k, self.v, self._cap = new_k, new_v, cap
+
+    def can_reserve(self, q: int) -> bool:
+        return True  # grows on demand; an allocation failure is reported by reserve
+
+    def reserve(self, q: int, owner: int = -1) -> None:
+        need = self._len + q
+        if need > self._cap:
+            cap = self._cap
+            while cap < need:
+                cap *= 2
+            self._grow(cap)
+        self._n_before, self._n_new = self._len, q
+
+    def update(self, layer, k, v):
+        s, e = self._n_before, self._n_before + self._n_new
+        self.k[layer][:, s:e].copy_(k[0])  # k: [1, H, q, D] → buffer slots [s, e)
+        self.v[layer][:, s:e].copy_(v[0])
+        if s == 0:
+            return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
+        return self.k[layer][None, :, :e], self.v[layer][None, :, :e]  # [1, H, e, D] views
+
+    def commit(self) -> None:
+        self._len = self._n_before = self._n_before + self._n_new
+        self._n_new = 0
+
+    def rollback(self) -> None:
+        self._n_before, self._n_new = self._len, 0
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise ValueError(f"truncate: {n} is outside 0..{self._len}")
+        self._len = self._n_before = n
+
+    def bytes_per_layer(self) -> list[int]:
+        return [self._cap * self.token_bytes] * self.num_layers
+
+    def capacity_tokens(self) -> int:
+        return self._cap
+
+    def read_layer(self, layer):
+        return self.k[layer][:, :self._len], self.v[layer][:, :self._len]  # [H, n, D] views
+
+    def compact(self, keep, rotate=None, start=0) -> list[int]:
+        n_keep = len(keep[0])
+        try:
+            for layer in range(self.num_layers):
+                idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
+                k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
+                v = self.v[layer][:, :self._len].index_select(1, idx)
+                if rotate is not None:
+                    k = rotate(layer, k, keep[layer][start:])
+                self.k[layer][:, start:n_keep].copy_(k)
+                self.v[layer][:, start:n_keep].copy_(v)
+        except BaseException:
+            self.truncate(0)  # some layers rewritten: drop the cache rather than keep it inconsistent
+            raise
+        self._len = self._n_before = n_keep
+        return []
+
+    def to_host(self, pin: bool = False) -> HostKV:
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            hk, hv = (host_copy(t, pin) for t in self.read_layer(layer))
+            layers.append((hk, hv))
+            nbytes += 2 * hk.numel() * hk.element_size()
+        return HostKV(self._len, layers, nbytes)
+
+    def can_restore(self, host: HostKV, adopt: Sequence[int] = ()) -> bool:
+        return True
+
+    def from_host(self, host: HostKV, adopt: Sequence[int] = ()) -> None:
+        if adopt:
+            raise ValueError("a contiguous cache has no pages to take back")
+        if host.n > self._cap:
+            self._grow(host.n)
+        for layer, (hk, hv) in enumerate(host.layers):
+            self.k[layer][:, :host.n].copy_(hk)
+            self.v[layer][:, :host.n].copy_(hv)
+        self._len = self._n_before = host.n
+
+
+class PagedKV(KVStore):
+    """A session's pages in a shared ``PageArena``: a block table, and a view of each role (K, V)."""
+
+    def __init__(self, arena: PageArena, session_id: int = -1, table: BlockTable | None = None) -> None:
+        super().__init__(arena.shape)
+        self.arena = arena
+        self.table = table if table is not None else BlockTable(arena.pool, session_id)
+        self.views = {r: arena.roles[r].view() for r in ROLES}
+        self._n_before = self.table.num_tokens
+        self._dp: DevicePlan | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.arena.page_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.table.num_tokens
+
+    def _plan(self, n: int | None = None) -> DevicePlan:
+        return DevicePlan.of(self.table.plan(n), self.device)
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def can_reserve(self, q: int) -> bool:
+        return self.arena.can_provide(self.table.pages_needed(q))
+
+    def reserve(self, q: int, owner: int = -1) -> None:
+        self.arena.ensure_free(self.table.pages_needed(q))  # typed error, nothing changed, if it cannot
+        self._n_before = self.table.num_tokens
+        for src, dst in self.table.append(q, owner=owner):
+            self.arena.copy_page(src, dst)  # copy-on-write of a shared partial page
+        self._n_new = q
+        for view in self.views.values():
+            view.begin(self._n_before, q)
+        self._dp = self._plan()
+
+    def update(self, layer, k, v):
+        start, dp, pool = self._n_before, self._dp, self.arena.pool
+        self.views["k"].write(layer, k[0], start, dp, pool)  # k: [1, H, q, D]
+        self.views["v"].write(layer, v[0], start, dp, pool)
+        if start == 0:
+            return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
+        n = start + self._n_new
+        return self.views["k"].read(layer, n, dp)[None], self.views["v"].read(layer, n, dp)[None]  # [1, H, n, D]
+
+    def commit(self) -> None:
+        self._n_before, self._n_new, self._dp = self.table.num_tokens, 0, None
+
+    def rollback(self) -> None:
+        start = self._n_before
+        for view in self.views.values():
+            view.rollback(start)
+        self._n_new, self._dp = 0, None
+        self.truncate(start)
+
+    # -- table changes ---------------------------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        old = self.table.num_tokens
+        if not 0 <= n <= old:
+            raise ValueError(f"truncate: {n} is outside 0..{old}")
+        if n < old:
+            dp = self._plan(old)
+            for view in self.views.values():
+                view.truncate(old, n, dp)
+        self.table.truncate(n)
+        self._unflag_tail()
+        self._n_before = n
+
+    def adopt(self, pages: list[int], owner: int = -1) -> None:
+        """Append full pages found in the prefix cache (computed by this or another session of the arena), as if
+        their tokens had been prefilled here; the table must end on a page boundary."""
+        self.table.adopt(pages, owner=owner)
+        self._n_before = self.table.num_tokens
+
+    def _unflag_tail(self) -> None:
+        """A partial last page is held in full precision (the quantized roles' tail)."""
+        pages, P = self.table.pages, self.page_size
+        if pages and self.table.num_tokens % P and self.arena.pool.ref[pages[-1]] == 1:
+            self.arena.pool.set_flag(pages[-1], FLAG_QUANTIZED, False)
+
+    def free(self) -> None:
+        self.truncate(0)
+        self.arena.trim()
+
+    def fork(self, session_id: int = -1) -> "PagedKV":
+        other = PagedKV(self.arena, session_id, self.table.fork(session_id))
+        for role in ROLES:
+            other.views[role].copy_from(self.views[role])
+        return other
+
+    def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All cached K/V of a layer as new tensors ``[H, n, D]``."""
+        n = self.table.num_tokens
+        dp = self._plan(n)
+        return tuple(self.views[r].read(layer, n, dp).clone() for r in ROLES)
+
+    def compact(self, keep, rotate=None, start=0) -> list[int]:
+        n, n_keep, P = self.table.num_tokens, len(keep[0]), self.page_size
+        s = (start // P) * P  # rewrite whole pages from here
+        first, last = s // P, -(-n_keep // P)
+        self.arena.ensure_free(self.table.shared_pages(first, last))  # before any change
+        old = self._plan(n)
+        self.table.make_private(first, last)  # pages shared with a fork are never written
+        new = self._plan(n)
+        pool = self.arena.pool
+        try:
+            for layer in range(self.num_layers):
+                idx = np.asarray(keep[layer][s:], dtype=np.int64)
+                idx_t = torch.from_numpy(idx).to(self.device)
+                for role in ROLES:
+                    x = self.views[role].read(layer, n, old).index_select(1, idx_t)  # [H, n_keep - s, D] copy
+                    if role == "k" and rotate is not None:
+                        x = rotate(layer, x, idx)
+                    self.views[role].write(layer, x, s, new, pool)
+        except BaseException:
+            self.truncate(0)  # half the layers rewritten: drop the cache rather than keep it inconsistent
+            raise
+        before = set(self.table.pages)
+        self.table.truncate(n_keep)
+        self._unflag_tail()
+        self._n_before = n_keep
+        kept = set(self.table.pages)
+        return sorted(p for p in before - kept if pool.ref[p] == 0)
+
+    # -- swap ------------------------------------------------------------------------------------------
+    def to_host(self, pin: bool = False) -> HostKV:
+        """Every layer's pages as held (quantized pages stay codes + scales) in host memory."""
+        n = self.table.num_tokens
+        dp = self._plan(n)
+        layers, nbytes = [], 0
+        for layer in range(self.num_layers):
+            entry = {}
+            for role in ROLES:
+                entry[role], size = self.views[role].to_host(layer, n, dp, lambda t: host_copy(t, pin))
+                nbytes += size
+            layers.append(entry)
+        return HostKV(n, layers, nbytes, [self.arena.pool.owner[p] for p in self.table.pages])
+
+    def can_restore(self, host: HostKV, adopt: Sequence[int] = ()) -> bool:
+        # adopted pages the LRU holds stop counting as free once taken; new pages are needed for the rest
+        unheld = sum(1 for p in adopt if self.arena.pool.ref[p] == 0)
+        need = -(-host.n // self.page_size) - len(adopt) + unheld
+        return self.table.num_tokens == 0 and self.arena.can_provide(need)
+
+    def from_host(self, host: HostKV, adopt: Sequence[int] = ()) -> None:
+        """Pages for ``host.n`` tokens (typed error and no change if there are none), then the copy back.
+        ``adopt``: full pages of the prefix cache that hold the first tokens exactly (same tokens from the start,
+        same arena): taken back as they are, only the tokens after them are copied (full precision only)."""
+        P = self.page_size
+        start = len(adopt) * P
+        if adopt:
+            self.table.adopt(adopt)  # first: making room for the rest must not drop them from the LRU
+        try:
+            self.arena.ensure_free(-(-host.n // P) - len(adopt))
+        except BaseException:
+            self.truncate(0)  # the adopted pages go back to the prefix cache
+            raise
+        self.table.append(host.n - start)
+        pool = self.arena.pool
+        for i, p in enumerate(self.table.pages):
+            pool.owner[p] = host.owners[min(i, len(host.owners) - 1)] if host.owners else -1
+        dp = self._plan(host.n)
+        for layer, entry in enumerate(host.layers):
+            for role in ROLES:
+                self.views[role].from_host(layer, entry[role], dp, pool, start)
+        self._n_before = host.n
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def bytes_per_layer(self) -> list[int]:
+        n, pages = self.table.num_tokens, len(self.table.pages)
+        return [sum(self.views[r].bytes_held(n, pages) for r in ROLES)] * self.num_layers
+
+    def capacity_tokens(self) -> int:
+        arena = self.arena
+        return max(arena.pool.num_pages, min(arena.cap_pages(), 1 << 30)) * self.page_size
+
+
+def copy_kv(src: KVStore, dst: KVStore, owner: int = -1) -> int:
+    """Copy every cached token of ``src`` into the empty store ``dst`` (a mode, page size or precision
+    switch: quantized on the way in, dequantized on the way out). Returns the tokens copied."""
+    n = src.num_tokens
+    if not n:
+        return 0
+    dst.reserve(n, owner=owner)
+    try:
+        for layer in range(src.num_layers):
+            k, v = src.read_layer(layer)  # [H, n, D]
+            dst.update(layer, k[None], v[None])
+    except BaseException:
+        dst.rollback()
+        raise
+    dst.commit()
+    return n

@@ -1,0 +1,81 @@
+"""The child process that builds the compiled decode step (``engine.model.aot_step`` says why and where): the model's
+class from its config with throwaway weights, ``torch.export`` of ``engine.model.runner.step_function`` with the
+lengths dynamic, AOTInductor with the weights left out, the package written atomically.
+
+``python -m engine.model.aot_build BUILD_DIR`` (``BUILD_DIR/job.json``); the last line of its output says why it failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from engine.model.aot_step import MIN_LEN
+
+
+def step_module(model):
+    """``engine.model.runner.step_function`` as an ``nn.Module`` for ``torch.export`` (the weights are ``m.*``)."""
+    import torch
+
+    from engine.model.runner import step_function
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+            self._step = step_function(model)
+
+        def forward(self, ids, pos, slots, ks, vs):
+            return self._step(ids, pos, slots, ks, vs)
+
+    return Step()
+
+
+def _build(build: Path) -> None:
+    """The child: build the model with throwaway weights, export its step, compile, write the package."""
+    import torch
+    import transformers
+
+    job = json.loads((build / "job.json").read_text())
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(build)
+    cls = getattr(transformers, job["class"])
+    dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
+    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
+    P = 16
+    ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows
+    vs = [torch.zeros((hv, 4 * P, dv), dtype=dtype, device=dev) for _ in range(L)]
+    slots = torch.arange(2 * P, device=dev)  # [N] the cached tokens' slots
+    ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
+    S = torch.export.Dim("S", min=MIN_LEN, max=1 << 24)
+    N = torch.export.Dim("N", min=MIN_LEN, max=1 << 24)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(step_module(model), (ids, pos, slots, ks, vs), strict=False,
+                                 dynamic_shapes=(None, None, {0: N}, [{1: S}] * L, [{1: S}] * L))
+    t1 = time.perf_counter()
+    out = Path(job["out"])
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                             inductor_configs={"aot_inductor.package_constants_in_so": False})
+    os.replace(tmp, out)  # whole or absent: a reader never sees half a package
+    print(json.dumps({"export_s": round(t1 - t0, 2), "compile_s": round(time.perf_counter() - t1, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        os.nice(10)  # the user's chat (eager meanwhile) comes first on a small machine
+    except (AttributeError, OSError):
+        pass
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        _build(Path(sys.argv[1]))
+    except BaseException as e:  # noqa: BLE001 - the parent reads the reason from the last line
+        print(f"{type(e).__name__}: {e}"[:400].replace("\n", " "), file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,125 @@
+"""The compiled decode step, built ahead of time in a child process: ``torch.export`` of the model's own decode
+step (``engine.model.runner.step_function``) and AOTInductor (``aoti_compile_and_package``), weights left out of the
+package (``package_constants_in_so=False``), so the parent loads it in milliseconds and hands it its own weight
+tensors (``load_constants(..., user_managed=True)``: no copy).
+
+Why a child process: while inductor traces a model in a process, torch.fx patches ``nn.Module.__call__`` for the
+whole process, so a forward in another thread fails (seen: "module is not installed as a submodule") and every
+forward had to wait for the compile (37 s for the first reply after launch on a 2-core machine). The child
+builds the same model class from the same config with throwaway weights (only shapes, dtypes and the code
+matter: the weights are the parent's), compiles at low priority on one thread, and writes the package
+atomically; nothing in the parent waits for it.
+
+Packages are kept per model shape in the user's cache folder (``package_path``): the next launch loads the step
+at once. The key covers the config, dtype, device type and the versions of torch, transformers and this step.
+
+The child is ``python -m engine.model.aot_build BUILD_DIR`` (``BUILD_DIR/job.json``, written here, says what to build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+STEP_VERSION = 1  # bump when the step's inputs or outputs change: old packages are then never loaded
+MIN_LEN = 2  # the dynamic lengths' floor: a size-1 example would specialise the graph
+
+
+def cache_root() -> Path:
+    """``$KVSCOPE_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/kvscope/aot`` (``~/.cache/kvscope/aot``)."""
+    env = os.environ.get("KVSCOPE_COMPILE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvscope" / "aot"
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's own kernel cache: ``$XDG_CACHE_HOME/kvscope/torch-compile`` (``~/.cache/...``), not /tmp, which
+    a reboot empties. ``engine`` sets ``TORCHINDUCTOR_CACHE_DIR`` to it at import unless the user set it: torch
+    sets it to /tmp the first time anything asks for its cache folder, which loading a model does."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvscope", "torch-compile")
+
+
+def package_key(model, device_type: str) -> str:
+    """What the compiled code depends on: the model's class and config, its dtype, the device type, versions."""
+    import torch
+    import transformers
+
+    cfg = model.config.to_dict()
+    for k in ("_attn_implementation", "_name_or_path", "transformers_version", "_commit_hash"):
+        cfg.pop(k, None)
+    param = next(model.parameters())
+    blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
+                       "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def package_path(model, device_type: str) -> Path:
+    return cache_root() / f"step-{package_key(model, device_type)}.pt2"
+
+
+def write_job(lm, out: Path) -> Path:
+    """The child's instructions next to ``out``: the model's class, config and dtype, its device type and the
+    shape of what its layers cache (``LoadedModel.kv_shape``)."""
+    build = out.with_suffix(".build")
+    build.mkdir(parents=True, exist_ok=True)
+    lm.model.config.save_pretrained(build)
+    param = next(lm.model.parameters())
+    shape = lm.kv_shape
+    (build / "job.json").write_text(json.dumps({
+        "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
+        "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
+        "k": list(shape.of("k")), "v": list(shape.of("v"))}))
+    return build
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, someone else's
+        return True
+    return True
+
+
+def running_build(out: Path) -> int | None:
+    """The pid of a process building ``out`` now (its build folder names it), or None."""
+    try:
+        pid = int((out.with_suffix(".build") / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def child_command(build: Path) -> list[str]:
+    return [sys.executable, "-m", "engine.model.aot_build", str(build)]
+
+
+def open_package(path: Path, device):
+    """The package's runner, without weights yet. The first call in a process imports inductor (~2 s here), so
+    it is made off the engine thread (``engine.model.fast_step``'s watcher)."""
+    import torch._inductor
+
+    if device.type == "cuda":
+        return torch._inductor.aoti_load_package(str(path), device_index=device.index or 0)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+def load(runner, model):
+    """``runner`` (``open_package``) fed ``model``'s own weights (no copy): a callable (ids, pos, slots, ks, vs) ->
+    (logits, new ks, new vs). Raises with the reason when the package does not fit the model."""
+    named = {f"m.{k}": v for k, v in model.named_parameters(remove_duplicate=False)}
+    named.update({f"m.{k}": v for k, v in model.named_buffers(remove_duplicate=False)})
+    fqns = runner.get_constant_fqns()
+    missing = [f for f in fqns if f not in named]
+    if missing:
+        raise ValueError(f"the compiled step expects weights the model does not have: {', '.join(missing[:3])}")
+    runner.load_constants({f: named[f] for f in fqns}, check_full_update=True, user_managed=True)
+    return runner

@@ -1,0 +1,491 @@
+"""Load a model and tokenizer: a local Hugging Face folder, a model in the HF cache, a hub id, the shipped
+``stories260K`` (``engine.model.builtin``) or ``demo``.
+
+Safety: safetensors only unless pickle is allowed; remote code refused unless allowed. Every refusal or
+failure is a typed ``EngineError`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.model.builtin import builtin_model_dir, is_builtin
+from engine.config import ModelSpec
+from engine.errors import (
+    EngineError,
+    LoadCancelled,
+    ModelFormatError,
+    ModelNotFoundError,
+    OfflineError,
+    UnsupportedModelError,
+)
+from engine.model.model_files import (  # noqa: F401  (check_safetensors, check_folder: public from here too)
+    check_folder,
+    check_loading_info,
+    check_safetensors,
+    check_shapes,
+    check_tokenizer_fits,
+)
+from engine.snapshot import ModelInfo
+from engine.tools.log_once import once_per_message
+from engine.model.weight_index import check_index
+
+Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
+
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for sessions: the torch module, its tokenizer and the facts the GUI sees."""
+
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    stop_ids: tuple[int, ...]
+    path: str | None = None
+    arenas: Any = None  # engine.kv.store.arena.ArenaRegistry, made on first use (``kv_arenas``)
+    model_runner: Any = None  # engine.model.runner.ModelRunner, made on first use (``runner``)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def kv_shape(self):
+        """What the model's attention layers cache (``engine.kv.quantized.roles.KVShape``), from its probe."""
+        from engine.kv.quantized.roles import KVShape
+
+        i = self.info
+        return KVShape(i.num_layers, i.k_heads or i.num_kv_heads, i.k_dim or i.head_dim, self.kv_dtype, self.device,
+                       i.v_heads, i.v_dim)
+
+    @property
+    def kv_arenas(self):
+        """The page arenas this model's paged sessions share, with their common memory limit."""
+        if self.arenas is None:
+            from engine.kv.store.arena import ArenaRegistry
+
+            self.arenas = ArenaRegistry(self.kv_shape, self.info.context_length)
+        return self.arenas
+
+    @property
+    def runner(self):
+        """The one place that calls this model (``engine.model.runner.ModelRunner``)."""
+        if self.model_runner is None:
+            from engine.model.runner import ModelRunner
+
+            self.model_runner = ModelRunner(self)
+        return self.model_runner
+
+    @property
+    def fast(self):
+        """This model's compiled decode step (``engine.model.fast_step``): its state, setting and measurements."""
+        return self.runner.fast
+
+    @property
+    def fast_step(self):
+        """The compiled decode step if the runner exists yet (else None: nothing made just to be described)."""
+        return self.model_runner.fast if self.model_runner is not None else None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return getattr(torch, self.info.kv_dtype)
+
+
+# -- device ----------------------------------------------------------------------------------------------
+def choose_device(requested: str) -> tuple[str, str]:
+    """Resolve ``auto|cpu|cuda|mps`` to a device and the reason, in words, for the status bar."""
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+    if requested == "cuda":
+        if not cuda:
+            raise EngineError("device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+        return "cuda", f"CUDA: {torch.cuda.get_device_name(0)} (chosen)"
+    if requested == "mps":
+        if not mps:
+            raise EngineError("device mps: Apple Metal (MPS) is not available on this machine")
+        return "mps", "MPS: Apple GPU (chosen)"
+    if requested == "cpu":
+        return "cpu", "CPU: chosen"
+    if cuda:
+        return "cuda", f"CUDA: {torch.cuda.get_device_name(0)}"
+    if mps:
+        return "mps", "MPS: Apple GPU (no CUDA device)"
+    return "cpu", no_gpu_reason()
+
+
+def no_gpu_reason() -> str:
+    """Why the CPU runs the model, in words: a CUDA build of torch without the NVIDIA driver (its
+    ``libcuda.so.1`` / ``nvcuda.dll`` belongs to the driver and is never bundled), a driver without a usable GPU,
+    or a CPU-only torch on a machine with an NVIDIA driver."""
+    import ctypes
+    import sys
+
+    cuda = torch.version.cuda
+    if cuda:
+        lib = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        try:
+            ctypes.CDLL(lib)
+        except OSError:
+            return f"CPU: no NVIDIA driver found ({lib} is missing; this build uses CUDA {cuda})"
+        return (f"CPU: the NVIDIA driver offers no usable GPU (no GPU, or a driver older than CUDA {cuda} needs: "
+                "update it)")
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return "CPU: an NVIDIA driver is installed but this torch is a CPU-only build (install the CUDA build)"
+    return "CPU: no CUDA or MPS device"
+
+
+# -- resolving a source to a folder -------------------------------------------------------------------------
+def looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~")) and "\\" not in source
+
+
+def resolve_source(spec: ModelSpec, progress: Progress | None = None) -> Path:
+    """A local folder for ``spec.source``: the folder itself, the HF cache snapshot, or a fresh download."""
+    src = os.path.expanduser(spec.source)
+    path = Path(src)
+    if is_builtin(spec.source) and not path.exists():  # a local folder of that name wins
+        return builtin_model_dir()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelFormatError(f"{src} is a file: choose the model's folder (with config.json)")
+        return path
+    if not looks_like_hub_id(spec.source):
+        raise ModelNotFoundError(f"model folder not found: {src}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.source, local_files_only=True, allow_patterns=_DOWNLOAD_PATTERNS))
+    except Exception:
+        pass
+    if not spec.allow_download or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise OfflineError(f"{spec.source} is not in the local Hugging Face cache and downloads are off")
+    if progress:
+        progress(f"downloading {spec.source}", -1.0)
+    try:
+        return Path(snapshot_download(spec.source, allow_patterns=_DOWNLOAD_PATTERNS, etag_timeout=10))
+    except Exception as e:  # network errors come in many types; all mean the same to the user
+        name = type(e).__name__
+        if "RepositoryNotFound" in name or "GatedRepo" in name:
+            raise ModelNotFoundError(f"{spec.source}: no such model on the hub (or it is gated)") from None
+        raise OfflineError(
+            f"cannot download {spec.source}: the Hugging Face hub is unreachable ({name}); "
+            "open a local folder or the demo model"
+        ) from None
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+def load_model(spec: ModelSpec | str, progress: Progress | None = None,
+               cancel: threading.Event | None = None) -> LoadedModel:
+    """Load ``spec`` (a ``ModelSpec`` or a source string). Raises ``EngineError`` subclasses.
+
+    ``progress(message, fraction)`` is called at each stage and while the weights load (per tensor);
+    setting ``cancel`` (from any thread) stops the load at the next stage or tensor with ``LoadCancelled``,
+    and what was loaded so far is released.
+    """
+    if isinstance(spec, str):
+        spec = ModelSpec(source=spec)
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled(f"loading {spec.source} was cancelled")
+
+    check()
+    device, reason = choose_device(spec.device)
+    if spec.source == "demo":
+        from engine.model.demo import build_demo
+
+        if progress:
+            progress("building the demo model", 0.5)
+        model, tok = build_demo()
+        model.to(device)
+        return wrap_model(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
+
+    folder = resolve_source(spec, progress)
+    check()
+    cfg = check_folder(folder, spec)
+    if progress:
+        progress(f"loading {folder.name}", 0.1)
+    quiet_transformers()
+    config = _load_config(folder, cfg, spec)
+    check_index(folder.name, config, folder)  # sizes, pickle files, layer count: before anything is built
+    tok = _load_tokenizer(folder, spec)
+    check()
+    _check_against_model(folder, config, tok, spec)
+    model = _load_weights(folder, config, spec, device, progress, check)
+    check()
+    if progress:
+        progress(f"moving {folder.name} to {device}", 0.97)
+    if spec.quantization == "none":
+        model.to(device)
+    if spec.quantization == "nf4" and device == "cpu":
+        _fix_bnb_4bit_cpu(model)
+    model.eval()
+    lm = wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
+    if lm.info.unsupported:
+        raise UnsupportedModelError(f"{folder.name}: {lm.info.unsupported}")
+    return lm
+
+
+def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
+    """transformers' config of a causal LM this engine can run; typed errors otherwise."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
+    except ValueError as e:
+        raise UnsupportedModelError(f"unsupported model type {cfg.get('model_type')!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:
+        raise ModelFormatError(f"cannot read the config in {folder}: {str(e).splitlines()[0]}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not spec.trust_remote_code:
+        raise UnsupportedModelError(
+            f"{folder.name}: model type {config.model_type!r} is not a text-generation (causal LM) architecture"
+        )
+    return config
+
+
+def _load_tokenizer(folder: Path, spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
+    except Exception as e:
+        raise ModelFormatError(f"no usable tokenizer in {folder}: {str(e).splitlines()[0][:200]}") from None
+    if tok is None or not hasattr(tok, "decode"):
+        raise ModelFormatError(f"no usable tokenizer in {folder}")
+    return tok
+
+
+def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: Progress | None,
+                  check: Callable[[], None]):
+    """The model with its weights (per-tensor progress and cancel), refused unless they cover it."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    dtype = _choose_dtype(spec, config, device)
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        attn_implementation="sdpa",
+        trust_remote_code=spec.trust_remote_code,
+        use_safetensors=None if spec.allow_pickle else True,
+        output_loading_info=True,  # missing / unexpected / mis-shaped weights, checked below
+        ignore_mismatched_sizes=True,  # so a wrong shape is reported there, by name, not raised as prose
+    )
+    if spec.quantization != "none":
+        kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        with _weights_progress(folder.name, progress, check):
+            try:
+                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            except ValueError as e:
+                if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
+                    raise
+                kwargs["attn_implementation"] = "eager"  # transformers has no sdpa for this class (softcap, sinks)
+                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except LoadCancelled:
+        raise
+    except torch.OutOfMemoryError:
+        raise EngineError(f"out of memory loading {folder.name} on {device}: try 8-bit/4-bit or the CPU") from None
+    except ImportError as e:
+        raise EngineError(f"missing package for {folder.name}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
+    _check_coverage(folder.name, model, loading_info)
+    return model
+
+
+def _check_against_model(folder: Path, config, tok, spec: ModelSpec) -> None:
+    """Before any weight is read: the files' tensor shapes and the tokenizer's ids against the model this
+    config builds, on the meta device (no memory, milliseconds even for billions of parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+        rows = getattr(skeleton.get_input_embeddings(), "num_embeddings", None)
+    except Exception:  # some models cannot be built on meta; the checks after loading still apply
+        return
+    check_shapes(folder.name, {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, folder)
+    check_tokenizer_fits(folder.name, tok, rows)
+
+
+def _check_coverage(name: str, model, loading_info: dict) -> None:
+    """Refuse weights that leave part of the model at its random initialisation (or carry extra tensors)."""
+    names = {n for n, _ in model.named_parameters()}  # a tied tensor once, under its first name
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    check_loading_info(name, loading_info, names, tied)
+
+
+@contextlib.contextmanager
+def _weights_progress(name: str, progress: Progress | None, check: Callable[[], None]):
+    """While transformers loads weights: report ``progress`` per tensor (fractions 0.15..0.95) and call
+    ``check`` (which raises ``LoadCancelled``) before each one, through transformers' public tqdm hook."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") != "Loading weights" or not args or not hasattr(args[0], "__len__"):
+            return factory(*args, **kwargs)  # any other progress bar: as transformers would make it
+        items, total = args[0], max(len(args[0]), 1)
+        every = max(1, total // 50)
+
+        def tensors():
+            for i, item in enumerate(items):
+                check()
+                if progress and i % every == 0:
+                    progress(f"loading {name}: tensor {i + 1} of {total}", 0.15 + 0.8 * i / total)
+                yield item
+
+        return tensors()
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice on stderr: the CLI prints one line per problem, the app its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
+    if spec.dtype != "auto":
+        return getattr(torch, spec.dtype)
+    if device == "cpu":
+        return torch.float32  # half-precision matmuls are slow or inexact on most CPUs
+    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = getattr(torch, cfg_dtype, None)
+    if cfg_dtype in (torch.float16, torch.bfloat16):
+        return cfg_dtype
+    return torch.float16
+
+
+def _bnb_config(kind: str, compute_dtype: torch.dtype):
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its CPU backend warns at import about an optional kernel: not one line
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise EngineError("8-bit/4-bit needs the bitsandbytes package (pip install bitsandbytes)") from None
+    finally:
+        log.setLevel(level)
+    if kind == "int8":
+        once_per_message("bitsandbytes.autograd._functions")  # its float16-cast warning: each matmul (175 lines)
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+
+
+def _fix_bnb_4bit_cpu(model) -> None:
+    """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
+    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return
+    for mod in model.modules():
+        if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
+            mod.support_avx512bf16_for_cpu = False
+
+
+def weights_bytes(model) -> int:
+    """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once)."""
+    return sum(t.numel() * t.element_size() for t in model.parameters())
+
+
+def _stop_ids(model, tok) -> tuple[int, ...]:
+    ids: list[int] = []
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.extend(int(e) for e in eos if e is not None)
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None and tok.eos_token_id not in ids:
+        ids.append(int(tok.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+def _config_int(config, name: str) -> int:
+    """A size from the configuration, 0 where it has none or only per-layer values (transformers raises for
+    those: e.g. head counts that differ between layers)."""
+    try:
+        return int(getattr(config, name, 0) or 0)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and kin
+        return 0
+
+
+def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
+            is_demo: bool) -> LoadedModel:
+    """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.model.arch.probe``) and
+    bundle it with its tokenizer (None: ids only)."""
+    from engine.model.arch import attention_impl, info_fields, probe
+    from engine.model.threads import apply as apply_threads
+    from engine.model.threads import choose as choose_threads
+    from engine.model.threads import cpu_features
+
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    q_heads = _config_int(text_cfg, "num_attention_heads")  # 0: none (Mamba, RWKV) or per layer: the probe says
+    # K/V come out of the projections in the activations' dtype (bitsandbytes computes in it too)
+    kv_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    if spec.quantization == "nf4":
+        kv_dtype = getattr(model.config, "dtype", None) or kv_dtype
+        if isinstance(kv_dtype, str):
+            kv_dtype = getattr(torch, kv_dtype)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    impl = attention_impl(model)
+    try:
+        facts, probe_refusal = probe(model)
+    except Exception as e:  # noqa: BLE001 - a model that cannot even run three tokens
+        raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    stop = _stop_ids(model, tok)
+    threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
+    apply_threads(threads)
+    info = ModelInfo(
+        name=name,
+        source=spec.source,
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        model_type=str(cfg.model_type),
+        num_layers=len(facts) or _config_int(text_cfg, "num_hidden_layers"),
+        num_q_heads=q_heads,
+        hidden_size=_config_int(text_cfg, "hidden_size"),
+        vocab_size=_config_int(text_cfg, "vocab_size"),
+        context_length=int(getattr(text_cfg, "max_position_embeddings", 2048) or 2048),
+        dtype=str(kv_dtype).replace("torch.", ""),
+        kv_dtype=str(kv_dtype).replace("torch.", ""),
+        device=device,
+        device_reason=reason,
+        quantization=spec.quantization,
+        weights_bytes=weights_bytes(model),
+        is_demo=is_demo,
+        has_chat_template=bool(getattr(tok, "chat_template", None)) if tok is not None else False,
+        stop_ids=stop,
+        attn_impl=impl,
+        threads=threads,
+        threads_reason=threads_reason,
+        cpu_features=cpu_features() if device == "cpu" else "",
+        **info_fields(facts, elem, text_cfg, probe_refusal),
+    )
+    return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)
