@@ -77,8 +77,7 @@ class EngineThread(QObject):
 
     def cancel(self, generation_id: int = 0) -> None:
         # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.
-        if generation_id in (0, self.worker._gen_id):
-            self.worker.request_cancel()
+        self.worker.request_cancel(generation_id)
         self._cancel.emit(generation_id)
 
     def apply_cache_config(self, cache: CacheConfig) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
@@ -54,6 +54,7 @@ from app.controls.spec_drafts import SpecDrafts, with_draft_pool
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
+from engine.vocab import FinishReason
 
 __all__ = ["EngineBackend", "EngineWorker", "default_backend"]
 
@@ -61,12 +62,12 @@ __all__ = ["EngineBackend", "EngineWorker", "default_backend"]
 class _Chats(Source):
     """The app's chats as a source of the core: idle chats give their pages back when a request needs room."""
 
-    def __init__(self, worker: "EngineWorker") -> None:
-        self.worker = worker
+    def __init__(self, pool: Callable[[], Any]) -> None:
+        self.pool = pool  # the worker's session pool now (None before a model is loaded)
 
     def reclaim(self) -> bool:
-        pool = self.worker._pool
-        return bool(pool is not None and hasattr(pool, "reclaim") and pool.reclaim())
+        pool = self.pool()
+        return bool(pool is not None and pool.reclaim())
 
 
 class EngineWorker(QObject):
@@ -113,6 +114,7 @@ class EngineWorker(QObject):
         self._comparison_id = 0
         self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
+        self._cancel_gen = 0  # the reply that flag is for (0: whichever runs), written with it
         self._core: EngineCore | None = None  # the loaded model's engine core (made with the model)
         self._request: Request | None = None  # the chat's reply on the core
         self._timer = QTimer(self)  # moves with the worker; runs one round of the core per event-loop turn
@@ -148,7 +150,7 @@ class EngineWorker(QObject):
             self._speculate_new_model()
             self._core = EngineCore(loaded)
             self._core.waker = self._woken.emit  # thread-safe: queued to this thread from another one
-            self._core.sources.append(_Chats(self))
+            self._core.sources.append(_Chats(lambda: self._pool))
             self._apply_fast_mode()
             self.disk.attach(loaded)  # the old model's tier writes its queue and stops
             if old is not None and hasattr(old, "close"):
@@ -214,10 +216,13 @@ class EngineWorker(QObject):
     def cancel(self, generation_id: int = 0) -> None:
         """Stop the reply ``generation_id`` (0: whatever is running)."""
         if self._gen_id and generation_id in (0, self._gen_id):
+            self._cancel_gen = generation_id
             self._cancel_flag.set()
 
-    def request_cancel(self) -> None:
-        """Thread-safe: ask the running reply to stop at the next step boundary."""
+    def request_cancel(self, generation_id: int = 0) -> None:
+        """Thread-safe: ask reply ``generation_id`` (0: whichever runs) to stop at the next step boundary. Only
+        the worker's thread reads which reply runs (``_pump``), so no other thread reads its generation id."""
+        self._cancel_gen = generation_id
         self._cancel_flag.set()
 
     @Slot(object)
@@ -391,7 +396,8 @@ class EngineWorker(QObject):
 
     def _pump(self) -> None:
         if self._cancel_flag.is_set() and self._request is not None:
-            self._request.cancel()
+            if self._cancel_gen in (0, self._gen_id):
+                self._request.cancel()
             self._cancel_flag.clear()
         if self._core is not None:
             self._core.round()
@@ -482,9 +488,9 @@ class EngineWorker(QObject):
             return
         stats = None
         try:
-            self._session.cancel()
-            result = self._session.step()  # ends the reply at once: no forward runs for a cancelled one
-            stats = result.stats
+            if self._request is not None:  # the core ends it now (no forward runs for a cancelled reply)
+                last = self._core.abort(self._request)
+                stats = last.stats if last is not None else None
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
         self._end(gen, "cancelled", stats, self._text)
@@ -497,8 +503,8 @@ class EngineWorker(QObject):
     def _drop_request(self) -> None:
         """The chat's reply is over: the core forgets it (if it ended outside a round)."""
         request, self._request = self._request, None
-        if request is not None:
-            request.done = True
+        if request is not None and self._core is not None:
+            self._core.finish(request, FinishReason.DONE)
 
     def _emit_idle_snapshot(self) -> None:
         try:

@@ -25,9 +25,10 @@ import enum
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from engine.snapshot import StepResult
+from engine.vocab import FinishReason, RequestStatus
 
 if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
     from engine.model.runner import Output
@@ -45,25 +46,47 @@ class Priority(enum.IntEnum):
     BACKGROUND = 2  # other chats' replies, comparisons
 
 
+class Steppable(Protocol):
+    """What the core steps: a ``ChatSession`` (``engine.core.session``) or anything with its step interface."""
+
+    generating: bool  # a reply is in progress
+    prefill_chunk: int
+    cache: Any  # its ``SeqCache`` (the pages it holds, for room and preemption)
+    lm: Any  # the ``LoadedModel`` it runs on (its runner batches forwards)
+
+    def step(self) -> StepResult: ...
+    def cancel(self) -> None: ...
+    def pending_tokens(self) -> int: ...
+    def shares(self) -> int: ...
+    def prepare(self) -> Any: ...
+    def finish(self, out: Any, written: tuple[int, ...] = ()) -> StepResult: ...
+    def abort(self, exc: BaseException) -> BaseException: ...
+
+
 @dataclass(eq=False)
 class Request:
-    """One reply in progress: a started ``ChatSession`` and where its results go (``sink(result)``, called on the
-    engine thread with a ``StepResult`` or the exception that ended the reply; the last call is a done result
-    or an exception)."""
+    """One reply in progress: a started session and where its results go (``sink(result)``, called on the engine
+    thread with a ``StepResult`` or the exception that ended the reply; the last call is a done result or an
+    exception). ``status`` and ``finish_reason`` are the core's to change (``EngineCore.finish`` / ``abort``)."""
 
-    session: Any
+    session: Steppable
     sink: Callable[[Any], None]
     priority: Priority = Priority.API
     hold: Callable[[], bool] = lambda: False  # True: not stepped this round (its source paused it)
-    done: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
     preempted: int = 0  # times its cache was given up for a request that came first (recomputed since)
+
+    @property
+    def done(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
     def cancel(self) -> None:
         """Stop the reply at its next step (engine thread, or any thread: only a flag is set)."""
         self.session.cancel()
 
 
-class Source:
+class Source(Protocol):
     """Something that submits work to the core (the app's worker, the API server). Hooks run on the engine thread."""
 
     def admit(self, core: "EngineCore") -> None:
@@ -71,7 +94,6 @@ class Source:
 
     def reclaim(self) -> bool:
         """Give back pages of idle caches (swap to host memory, or drop); True if any were given back."""
-        return False
 
 
 @dataclass(eq=False)
@@ -89,6 +111,7 @@ class EngineCore:
 
     def __init__(self, lm, prefill_budget: int = PREFILL_BUDGET) -> None:
         self.lm = lm
+        self._model = lm if hasattr(lm, "fast_step") else None  # a LoadedModel (tests drive the core without one)
         self.prefill_budget = prefill_budget
         self.requests: list[Request] = []
         self.tasks: list[Task] = []
@@ -122,8 +145,24 @@ class EngineCore:
     # -- the engine thread ---------------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
         """Run ``request`` (its session started) from the next round on."""
+        request.status = RequestStatus.WAITING
         self.requests.append(request)
         return request
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """``request`` is over (its reply ended, or its owner gave it up): it leaves at the end of this round."""
+        if request.status is not RequestStatus.FINISHED:
+            request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason(reason)
+
+    def abort(self, request: Request) -> StepResult | None:
+        """End ``request`` now, on the engine thread: a reply still running is cancelled and ends without a
+        forward (a cancelled session's step runs none); its last result is returned, not sent to the sink."""
+        last = None
+        if request.status is not RequestStatus.FINISHED and request.session.generating:
+            request.session.cancel()
+            last = request.session.step()
+        self.finish(request, FinishReason.CANCELLED)
+        return last
 
     def add_task(self, task: Task) -> Task:
         self.tasks.append(task)
@@ -133,18 +172,20 @@ class EngineCore:
         """One scheduling step (see the module doc). Returns ``busy``."""
         self.thread = threading.current_thread()
         self._woken = False
-        fast = getattr(self.lm, "fast_step", None)
+        fast = self._model.fast_step if self._model is not None else None
         if fast is not None:
             fast.poll()  # a compiled step built meanwhile is taken up between two rounds
         self._run_calls()
         for source in list(self.sources):
             source.admit(self)
         for r in self.requests:
-            if not r.done and not getattr(r.session, "generating", True):
-                r.done = True  # its reply ended outside a round (its owner stopped or stepped it): it leaves
+            if not r.done and not r.session.generating:
+                self.finish(r, FinishReason.DONE)  # its session ended the reply itself (closed, reset): it leaves
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:
             chosen = self._schedule(live)
+            for req in chosen:
+                req.status = RequestStatus.RUNNING
             for req, res in zip(chosen, step_all([r.session for r in chosen], before=self._make_room)):
                 self._deliver(req, res)
         self.requests = [r for r in self.requests if not r.done]
@@ -168,17 +209,18 @@ class EngineCore:
         always: the highest-priority one goes first)."""
         chosen, budget = [], self.prefill_budget
         for r in live:
-            s = r.session
-            pending = s.pending_tokens() if hasattr(s, "pending_tokens") else 1
+            pending = r.session.pending_tokens()
             if pending <= 1 or not chosen or budget > 0:
                 chosen.append(r)
                 if pending > 1:
-                    budget -= min(pending, getattr(s, "prefill_chunk", pending))
+                    budget -= min(pending, r.session.prefill_chunk)
         return chosen
 
     def _deliver(self, req: Request, res: Any) -> None:
-        if isinstance(res, BaseException) or res.done:
-            req.done = True
+        if isinstance(res, BaseException):
+            self.finish(req, FinishReason.ERROR)
+        elif res.done:
+            self.finish(req, FinishReason.parse(res.stop_reason, FinishReason.DONE))
         try:
             req.sink(res)
         except Exception:  # noqa: BLE001 - a client's trouble never stops the core
@@ -193,7 +235,7 @@ class EngineCore:
             self.tasks.remove(task)
             task.on_error(e)
             return
-        if getattr(task.job, "done", False):
+        if task.job.done:
             self.tasks.remove(task)
         task.on_step(out)
 
@@ -212,8 +254,8 @@ class EngineCore:
     def _make_room(self, session) -> None:
         """Before ``session``'s forward: if its cache cannot take the next chunk, idle caches give their pages
         back first, then running requests of lower priority are preempted (recomputed later)."""
-        c = getattr(session, "cache", None)
-        if c is None or c.store is None or not session.generating:
+        c = session.cache
+        if c.store is None or not session.generating:
             return
         need = min(max(1, session.pending_tokens()), session.prefill_chunk)
         if c.can_reserve(need):
@@ -225,18 +267,18 @@ class EngineCore:
         for r in sorted(self.requests, key=lambda r: -r.priority):
             if r.priority <= mine or r.session is session or c.can_reserve(need):
                 break
-            if _preempt(r):
+            if self._preempt(r):
                 self.preemptions += 1
 
-
-def _preempt(r: Request) -> bool:
-    """Give up ``r``'s cached K/V (its whole cache, kept intact by no policy): its next step re-prefills them."""
-    c = getattr(r.session, "cache", None)
-    if c is None or c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
-        return False
-    c.truncate(0)
-    r.preempted += 1
-    return True
+    def _preempt(self, r: Request) -> bool:
+        """Give up ``r``'s cached K/V (its whole cache, kept intact by no policy): its next step re-prefills them."""
+        c = r.session.cache
+        if c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
+            return False
+        c.truncate(0)
+        r.preempted += 1
+        r.status = RequestStatus.PREEMPTED
+        return True
 
 
 def batchable(sessions: Sequence) -> list[list]:
@@ -245,7 +287,7 @@ def batchable(sessions: Sequence) -> list[list]:
     mixes them; at least one decode and two sessions a group, at most ``MAX_BATCH``."""
     groups: dict[int, tuple[list, list]] = {}
     for s in sessions:
-        n = getattr(s, "shares", lambda: 0)()
+        n = s.shares()
         if n and not s.lm.runner.batch_refusal():
             decodes, prefills = groups.setdefault(id(s.lm.runner), ([], []))
             (decodes if n == 1 else prefills).append(s)
@@ -313,7 +355,7 @@ def _step_group(group: list, before) -> dict[int, Any]:
     written = _written_together(joined, works, outs)
     for s, o in zip(joined, outs):
         try:
-            out[id(s)] = s.finish(o, written.get(id(getattr(s.store, "arena", None)), ()))
+            out[id(s)] = s.finish(o, written.get(id(getattr(s.cache.store, "arena", None)), ()))
         except BaseException as e:  # noqa: BLE001 - this session's reply ended, typed
             out[id(s)] = e
     return out

@@ -22,6 +22,7 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.kv.tier.report import problems
 from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Source
+from engine.vocab import FinishReason
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
@@ -189,7 +190,7 @@ class Scheduler(Source):
             if self._waiting:
                 self.core.wake()
         if job.request is not None:
-            job.request.done = True
+            self.core.finish(job.request, FinishReason.ERROR)
         if s is not None:
             s.close()  # whatever state a failure left, its pages go back
         job.finished = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import time
 from pathlib import Path
 
@@ -74,7 +76,23 @@ def wait_reply(qtbot, window, timeout_ms: int = 60_000):
     return tuple(blocker.args)
 
 
-class ScriptedSession:
+class SessionFake:
+    """What the engine core asks of a session (``engine.core.scheduler.Steppable``), for the fakes: a token a step,
+    alone (never batched), no pages to make room for."""
+
+    generating = True
+    prefill_chunk = 512
+    cache = types.SimpleNamespace(store=None)
+    lm = None
+
+    def pending_tokens(self) -> int:
+        return 1
+
+    def shares(self) -> int:
+        return 0
+
+
+class ScriptedSession(SessionFake):
     """``chunks`` token-less prefill steps, then ``tokens`` tokens. From step 2 every snapshot repeats the
     pending note "dropped 120"; the last step warns "dropped 120" and "context full". A user message
     naming an exception makes ``start`` (``start:NAME``) or the first step (``step:NAME``) raise it."""

@@ -8,7 +8,7 @@ import shutil
 import sys
 
 import pytest
-from app_helpers import close_window, open_window, wait_reply
+from app_helpers import SessionFake, close_window, open_window, wait_reply
 
 from app.link.worker import EngineBackend
 from engine.config import ModelSpec
@@ -96,7 +96,7 @@ def test_a_broken_built_in_model_falls_back_to_the_demo(qtbot, data_dir, bad_fol
         close_window(w)
 
 
-class _Raising:
+class _Raising(SessionFake):
     def start(self, messages, sampling, generation_id):
         pass
 

@@ -9,6 +9,7 @@ import pytest
 from app.link.engine_thread import EngineThread
 from app.link.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from app_helpers import SessionFake
 
 SAMPLING = SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
@@ -107,7 +108,7 @@ class Boom(RuntimeError):
     pass
 
 
-class RaisingSession:
+class RaisingSession(SessionFake):
     """The only fake: a session whose third step raises."""
 
     def __init__(self) -> None:

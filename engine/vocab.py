@@ -1,0 +1,100 @@
+"""The engine's typed vocabulary: what a request is doing, why a reply ended, which path ran a forward, where a
+failure happened. Every surface (the app, the OpenAI server, ``engine attach``, the CLI) reads these values and
+puts them into its own words; none of them parses engine text.
+
+The string-valued enums compare equal to their values (``FinishReason.EOS == "eos"``) and serialise as them
+(JSON, SQLite), so records written before they existed read back unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class StrEnum(str, enum.Enum):
+    """A ``str`` enum whose ``str()`` and format are its value (Python 3.11's ``enum.StrEnum``, on 3.10 too)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, value: object, default: "StrEnum | None" = None):
+        """``value`` as a member (a member, or its string), else ``default`` (``ValueError`` without one)."""
+        try:
+            return cls(value)
+        except ValueError:
+            if default is None:
+                raise
+            return default
+
+
+class RequestStatus(enum.Enum):
+    """A request of the engine core; only the core changes it."""
+
+    WAITING = "waiting"  # added, not stepped yet (or held by its source)
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # its cache was given up for a request that came first: recomputed on its next step
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """Why a reply ended: one vocabulary for the engine, the server's ``finish_reason``, the app and remote chats."""
+
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP_STRING = "stop_string"  # a stop string the request gave
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_FULL = "context_full"
+    BUDGET_FULL = "budget_full"  # a policy's budget held nothing more it could evict
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    DONE = "done"  # ended without saying why (a remote server that sent no finish_reason)
+
+    @property
+    def openai(self) -> str:
+        """The OpenAI API's ``finish_reason`` for it."""
+        return _OPENAI.get(self, "stop")
+
+    @classmethod
+    def from_openai(cls, finish_reason: str | None) -> "FinishReason":
+        """A server's ``finish_reason`` in our words (``None``: it sent none)."""
+        return _FROM_OPENAI.get(finish_reason, cls.DONE)
+
+
+_OPENAI = {FinishReason.EOS: "stop", FinishReason.STOP_STRING: "stop", FinishReason.MAX_TOKENS: "length",
+           FinishReason.CONTEXT_FULL: "length", FinishReason.BUDGET_FULL: "length",
+           FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "error"}
+_FROM_OPENAI = {"stop": FinishReason.EOS, "length": FinishReason.MAX_TOKENS, "abort": FinishReason.CANCELLED,
+                "cancelled": FinishReason.CANCELLED, "error": FinishReason.ERROR}
+
+
+class Phase(StrEnum):
+    """What a forward was for: the prompt (its first token) or one more token."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class StepPath(StrEnum):
+    """What ran a forward (``ModelRunner`` chooses)."""
+
+    OFF = "off"  # cache off: the whole text again
+    EAGER = "eager"
+    SCORES = "scores"  # eager, reading attention scores for a policy
+    COMPILED = "compiled"
+    BATCHED = "batched"  # one forward for several sequences
+    SPECULATIVE = "speculative"  # a verification of drafted tokens
+
+
+class FailureStage(StrEnum):
+    """Where an operation failed; a failure at a reply stage ends that reply, the others leave the chat as it was."""
+
+    LOAD = "load"
+    START = "start"
+    SWAP = "swap"
+    STEP = "step"
+    APPLY = "apply"
+    SPECULATE = "speculate"
+    COMPARE = "compare"
+
+
+REPLY_STAGES = frozenset({FailureStage.START, FailureStage.SWAP, FailureStage.STEP})
