@@ -45,7 +45,7 @@ def page_map(cache: "SeqCache") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
 def _one_pool(cache: "SeqCache", store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     pool = store.arena.pool
     state = np.asarray(pool.page_states(), dtype=np.int8)
-    freed = {p for e in cache.evictions for p in e.freed_pages}
+    freed = {p for e in cache.last.evictions for p in e.freed_pages}
     for p in freed:
         if p < len(state) and state[p] == snap.PAGE_FREE:
             state[p] = snap.PAGE_EVICTED
@@ -142,7 +142,8 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
     else:
         per_layer = store.bytes_per_layer() if store is not None else [0] * L
     n_decode = max(0, len(t.generated) - 1)
-    evs = cache.evictions
+    last = cache.last
+    evs = last.evictions
     tokens = token_state(seq, cache)
     # positions this step evicted that are still evicted (a switch since may have restored them)
     evicted_now = tuple(sorted(p for p in {p for e in evs for p in e.positions}
@@ -173,11 +174,11 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         notes=tuple(seq.notes),
         page_groups=groups,
         layer_kinds=tuple(info.layer_kinds),
-        written_pages=tuple(p for p in cache.written if p < len(state)) if paged else (),
+        written_pages=tuple(p for p in last.written if p < len(state)) if paged else (),
         restored_pages=restored_pages(cache),
         page_mine=own_pages(cache, len(state), groups) if paged else None,
-        batch_size=cache.batch_size,
-        verified=cache.verified, rolled_back=cache.rolled_back,
-        step_path=cache.path,
+        batch_size=last.batch_size,
+        verified=last.verified, rolled_back=last.rolled_back,
+        step_path=last.path,
         fast_step=fast.describe() if fast is not None else "",
     )

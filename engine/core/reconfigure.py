@@ -178,7 +178,7 @@ def _evict_for(cache: "SeqCache", seq: "Sequence", policy: EvictionPolicy | None
         return []
     before = cache.index.n
     cx = cache.context(seq.protected, seq.priorities, len(seq.ids), max_chunk)
-    cache.evictions += cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx)
+    cache.record_evictions(cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx))
     seq.add_notes(cx.notes)
     return [f"{policy.describe()}: evicted {before - cache.index.n} tokens now"]
 

@@ -10,7 +10,7 @@ A forward goes through it as "can I?" then "do it"::
     c.commit(chunk, ids)            # count them as cached, name new full pages; or c.rollback()
     c.after_forward(cx)             # back under a policy's budget
 
-What the last forward did (``evictions``, ``written``, ``batch_size``, ``path``) is kept for the snapshot.
+What the last forward did is a frozen ``StepRecord`` (``engine.core.records``), kept as ``last`` for the snapshot.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.core import reconfigure
+from engine.core.records import IDLE, StepRecord
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError
 from engine.core.eviction import Eviction, EvictionContext, Evictor
@@ -26,6 +27,7 @@ from engine.kv.paged.positions import CacheIndex
 from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
+from engine.vocab import StepPath
 
 
 class SeqCache:
@@ -47,12 +49,9 @@ class SeqCache:
         self.chain: list[bytes] = []  # prefix-cache names of the sequence's first full pages
         self.root = ROOT  # where those names start: a server tenant's own root keeps its pages its own
         self.host: HostKV | None = None  # swapped-out K/V (``swap_out`` / ``swap_in``)
-        self.evictions: list[Eviction] = []  # what this step evicted
-        self.written: tuple[int, ...] = ()  # pages the last forward wrote (a batch: its other sequences' too)
-        self.batch_size = 1  # sequences the last forward decoded
-        self.path = "eager"  # what ran the last forward: eager | compiled | batched
+        self.last: StepRecord = IDLE  # what the last forward did (this class its only writer)
+        self._planned: list[Eviction] = []  # evicted for the forward being prepared (in its record at commit)
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
-        self.verified = self.rolled_back = 0  # the last forward's verification: slots written, slots cut back
         self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
         self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
         self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
@@ -110,8 +109,8 @@ class SeqCache:
                      written: tuple[int, ...] = ()) -> bool:
         """``work``'s forward ran (``out``): count its tokens as cached, evict back under a budget. True once
         every token of ``ids`` is fed (the logits then predict the next one)."""
-        self.path = out.path
         if self.store is None:
+            self.last = StepRecord(path=out.path, evictions=self._take_planned())
             return True
         self.commit(work.q, ids, out.path, out.batch, written)
         self.after_forward(cx)
@@ -150,13 +149,12 @@ class SeqCache:
         before = self.index.n
         self.store.commit()
         self.index.append(work.q)
-        self.written = self.pages_written(work.q)  # the provisional slots' pages, as the map draws them
+        written = self.pages_written(work.q)  # the provisional slots' pages, as the map draws them
         rolled = work.q - keep
         if rolled:
             self.truncate(before + keep)  # within the tail page of a quantized store (``draft_room``)
         self._register_pages(before, ids)
-        self.batch_size, self.path = 1, "speculative"
-        self.verified, self.rolled_back = work.q, rolled
+        self.last = StepRecord(StepPath.SPECULATIVE, 1, written, self._take_planned(), work.q, rolled)
         return rolled
 
     def fills_context(self, seq_len: int) -> bool:
@@ -169,8 +167,24 @@ class SeqCache:
     def plan(self, todo: int, cx: EvictionContext) -> int:
         """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
         chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
-        self.evictions += done
+        self._planned += done
         return chunk
+
+    def begin_step(self) -> None:
+        """A forward is being prepared: nothing evicted for it yet."""
+        self._planned = []
+
+    def settle(self) -> None:
+        """The reply ended: the last record as an idle chat shows it (no page being written)."""
+        self.last = self.last.settled()
+
+    def record_evictions(self, done: "list[Eviction]") -> None:
+        """Evictions made outside a forward (a policy switched on between two steps) join the last record."""
+        self.last = self.last.evicted(done)
+
+    def _take_planned(self) -> tuple[Eviction, ...]:
+        planned, self._planned = tuple(self._planned), []
+        return planned
 
     def can_reserve(self, q: int) -> bool:
         return self.store is not None and self.store.can_reserve(q)
@@ -202,12 +216,10 @@ class SeqCache:
         self.store.commit()
         self.index.append(q)
         self._register_pages(self.index.n - q, ids)
-        self.written = written or self.pages_written(q)
-        self.batch_size, self.path = batch, path
-        self.verified = self.rolled_back = 0
+        self.last = StepRecord(path, batch, written or self.pages_written(q), self._take_planned())
 
     def after_forward(self, cx: EvictionContext) -> None:
-        self.evictions += self.evictor.after_forward(self.store, self.index, self.policy, cx)
+        self.last = self.last.evicted(self.evictor.after_forward(self.store, self.index, self.policy, cx))
 
     def pages_written(self, q: int) -> tuple[int, ...]:
         """Pages holding the last ``q`` cached tokens (a plain paged store; else none)."""
@@ -399,7 +411,7 @@ class SeqCache:
         self.host = None
         self.index.reset()
         self.evictor.scores.stop()
-        self.chain, self.evictions = [], []
+        self.chain, self._planned, self.last = [], [], IDLE
 
     def free(self) -> None:
         """Give everything back for good (the store's pages, the host copy)."""

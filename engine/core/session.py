@@ -62,8 +62,7 @@ class ChatSession(Stepping):
     notes, protected, priorities = _via("sequence", "notes"), _via("sequence", "protected"), _via("sequence", "priorities")
     last_stats = _via("sequence", "last_stats")
     store, index, policy, host = _via("cache", "store"), _via("cache", "index"), _via("cache", "policy"), _via("cache", "host")
-    cache_config, evictor, evictions = _via("cache", "cache_config"), _via("cache", "evictor"), _via("cache", "evictions")
-    written, batch_size, step_path = _via("cache", "written"), _via("cache", "batch_size"), _via("cache", "path")
+    cache_config, evictor = _via("cache", "cache_config"), _via("cache", "evictor")
     swapped_in_pages = _via("cache", "swapped_in_pages")
     n_phys = cached_tokens = _via("cache", "n", "tokens per layer in the cache now")
 
@@ -137,7 +136,7 @@ class ChatSession(Stepping):
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
         if c.continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
             reply.reused, reply.dropped = keep - c.continued, c.continued
-        c.evictions = []
+        c.begin_step()
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
         q.add_notes(([room_note] if room_note else []) + c.disk_notes())
         if c.continued:

@@ -77,7 +77,7 @@ class Stepping:
         t0 = time.perf_counter()
         if q.reply.waited_ms < 0:  # the first forward: what came before it was waiting, not the model's work
             q.reply.waited_ms = (t0 - q.reply.t_start) * 1000.0
-        c.evictions = []
+        c.begin_step()
         drafts = self._drafts()
         if drafts:
             try:
@@ -194,8 +194,7 @@ class Stepping:
         self._open = None
         event, stats = self.sequence.end_reply(reason, event)
         snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
-        self.cache.written, self.cache.batch_size = (), 1  # an idle chat's picture shows no page being written
-        self.cache.verified = self.cache.rolled_back = 0
+        self.cache.settle()  # an idle chat's picture shows no page being written
         disk = self.cache.disk  # what its writer found since the reply began (a full disk): said with this reply
         self.sequence.add_notes(disk.take_notes() if disk is not None else ())
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,

@@ -1,0 +1,39 @@
+"""Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache.
+
+``SeqCache`` (``engine.core.seq_cache``) is their only writer: each forward's commit returns one and keeps it as
+``SeqCache.last`` until the next; ``engine.core.observe`` builds the step's ``CacheSnapshot`` from it. Nothing
+else writes what a forward did, so the page map, the timing panel and the server's counters read the same facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from engine.vocab import StepPath
+
+if TYPE_CHECKING:
+    from engine.core.eviction import Eviction
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward of one sequence's cache."""
+
+    path: StepPath = StepPath.EAGER  # what ran it
+    batch_size: int = 1  # sequences it decoded together
+    written: tuple[int, ...] = ()  # pages it wrote (a batched forward: every sequence's in this pool)
+    evictions: "tuple[Eviction, ...]" = ()  # what was evicted for it: planned before, trimmed after
+    verified: int = 0  # a verification's slots written
+    rolled_back: int = 0  # of them, cut back (drafts the model did not keep)
+
+    def evicted(self, more: "list[Eviction] | tuple[Eviction, ...]") -> "StepRecord":
+        """This record with ``more`` evictions after the ones it has."""
+        return replace(self, evictions=self.evictions + tuple(more)) if more else self
+
+    def settled(self) -> "StepRecord":
+        """As an idle chat's picture shows it, once its reply ended: no page being written, nothing verified."""
+        return replace(self, written=(), batch_size=1, verified=0, rolled_back=0)
+
+
+IDLE = StepRecord()
