@@ -95,6 +95,7 @@ class FailureStage(StrEnum):
     APPLY = "apply"
     SPECULATE = "speculate"
     COMPARE = "compare"
+    HISTORY = "history"  # the app's chat history file (damaged, read-only, gone)
 
 
 REPLY_STAGES = frozenset({FailureStage.START, FailureStage.SWAP, FailureStage.STEP})

@@ -31,9 +31,9 @@ from app.remote.saved import RemoteSaver
 from app.remote.worker import RemoteLink
 from app.chat.replies import pick_version, versions_of, with_version
 from engine.snapshot import TokenEvent
+from engine.vocab import FinishReason
 
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
-FINISH_REASONS = {"stop": "eos", "length": "max_tokens", "cancelled": "cancelled", None: "done"}
 QUEUED = "waiting for this server's reply in another remote chat to finish · Stop (Esc) cancels"
 PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
 # The pane's request signals and who answers them: the conversation's slot, or this controller's.
@@ -331,7 +331,7 @@ class RemoteChats(QObject, Connecting):
         rc.generation, rc.cancel = 0, None
         msg = rc.messages[-1]
         text = reply.text or msg.content
-        reason = "error" if reply.error else FINISH_REASONS.get(reply.finish_reason, reply.finish_reason)
+        reason = FinishReason.ERROR if reply.error else FinishReason.from_openai(reply.finish_reason)
         stats = reply_stats(reply, reason)
         if rc.versions:
             stats = with_version(rc.versions, text, stats)

@@ -33,8 +33,6 @@ from engine.server.schemas import GenRequest
 from engine.server.sessions import IdleSessions
 
 log = logging.getLogger("kvscope.server")
-FINISH = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "context_full": "length",
-          "budget_full": "length", "cancelled": "cancelled"}
 
 
 class Scheduler(Source):
@@ -279,10 +277,10 @@ class Scheduler(Source):
         self._running.remove(job)
         if self._waiting:
             self.core.wake()  # a slot is free: the next round admits a waiting request (else the core may sleep)
-        finish = FINISH.get(reason, "stop")
-        if reason == "cancelled" or result is None:
+        finish = FinishReason.parse(reason, FinishReason.EOS).openai
+        if reason == FinishReason.CANCELLED or result is None:
             s.close()  # the client is gone: free its pages now
-            finish = "cancelled"
+            finish = FinishReason.CANCELLED.openai
         else:
             tail = job.trim.finish()
             if tail:
