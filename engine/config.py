@@ -17,6 +17,7 @@ QUANTIZATIONS = ("none", "int8", "nf4")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 OVERFLOWS = ("stop", "truncate_middle", "rolling", "policy")
+OVERFLOW_EVICTS = ("truncate_middle", "rolling")  # the overflow settings that evict to go on past the context
 MAX_PAGE_SIZE = 256
 
 
@@ -88,6 +89,28 @@ class CacheConfig:
 
     def replace(self, **changes: Any) -> "CacheConfig":
         return dataclasses.replace(self, **changes)
+
+    # -- the rules every surface asks (the engine, the server, the app's send check): stated once, here --
+    @property
+    def overflow_evicts(self) -> bool:
+        """The overflow setting drops tokens to go on when the context is full (``truncate_middle``, ``rolling``)."""
+        return self.overflow in OVERFLOW_EVICTS
+
+    @property
+    def evicts_to_fit(self) -> bool:
+        """The cache makes room itself — an eviction policy, or an overflow setting that drops tokens, on a
+        cache that is on — so a reply never stops at the context's end."""
+        return self.mode != "off" and (self.policy != "none" or self.overflow_evicts)
+
+    @property
+    def bounded_by_context(self) -> bool:
+        """Nothing is ever dropped (no policy, overflow ``stop``): the context bounds a chat's length."""
+        return self.policy == "none" and self.overflow == "stop"
+
+    @property
+    def needs_spans(self) -> bool:
+        """Eviction may drop tokens, so it needs to know where each message starts (protected, pinned)."""
+        return not self.bounded_by_context
 
     @classmethod
     def from_flags(cls, policy: str = "none", flags: dict[str, Any] | None = None, **fields: Any) -> "CacheConfig":

@@ -42,8 +42,7 @@ class SendCheck(QObject):
     def _evicts(self) -> bool:
         """The cache makes room itself (as ``ChatSession`` decides: an eviction policy or an overflow mode
         that drops tokens, on a cache that is on), so the reply never stops at the context."""
-        cfg = self._cache()
-        return cfg.mode != "off" and (cfg.policy != "none" or cfg.overflow in ("truncate_middle", "rolling"))
+        return self._cache().evicts_to_fit
 
     def fits(self, text: str) -> bool:
         """True: send now. False: the count was asked for; ``_on_measured`` sends or warns."""

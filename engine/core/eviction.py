@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.config import OVERFLOW_EVICTS
 from engine.errors import ContextOverflowError, InternalError
 from engine.kv.store.attention import Rerotator
 from engine.kv.paged.positions import CacheIndex
@@ -117,7 +118,7 @@ class Evictor:
             if index.n >= policy.budget:
                 done += self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)
             chunk = max(1, min(chunk, policy.budget - index.n))
-        elif todo > ctx and cx.overflow in ("truncate_middle", "rolling"):
+        elif todo > ctx and cx.overflow in OVERFLOW_EVICTS:
             skip, first = todo - ctx // 2, index.next_pos
             index.skip(skip)  # these would be evicted before the reply starts: never fed
             cx.dropped += skip
@@ -125,7 +126,7 @@ class Evictor:
                             f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
             return self.plan(store, index, policy, todo - skip, cx)
         if index.next_rope + chunk > ctx:
-            if policy is None and cx.overflow not in ("truncate_middle", "rolling"):
+            if policy is None and cx.overflow not in OVERFLOW_EVICTS:
                 raise ContextOverflowError(f"the model's context of {ctx} tokens is full")
             done += self._evict(store, index, policy, self._overflow_target(policy, cx), self._reason(policy, cx),
                                 cx, force_rotate=True)
@@ -148,7 +149,7 @@ class Evictor:
         """The page pool (its page limit, or the memory limit) is full: evict half the cache if a policy or the
         overflow setting allows it. If that is not allowed or not enough, ``store.reserve`` refuses next with
         the arena's typed error (which limit, and what to change) before anything is written."""
-        if (policy is None and cx.overflow not in ("truncate_middle", "rolling")) or index.n < 2:
+        if (policy is None and cx.overflow not in OVERFLOW_EVICTS) or index.n < 2:
             return []
         return self._evict(store, index, policy, index.n // 2, self._reason(policy, cx), cx,
                            force_rotate=policy is None)

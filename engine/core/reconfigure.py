@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from engine.core.seq_cache import SeqCache
     from engine.core.sequence import Sequence
 
-OVERFLOW_EVICTS = ("truncate_middle", "rolling")
-
-
 def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
     """The policy ``cfg`` asks for, if ``cfg`` can run on this model (a ``LoadedModel``); ``ValueError`` says
     why not, before anything changes."""
@@ -43,7 +40,7 @@ def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
         raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o or priority)")
     layout = Layout(info.layer_kinds, info.windows)
     if info.layer_kinds and not layout.plain and cfg.mode != "off":
-        rotates = (policy is not None and policy.rope_in_cache) or cfg.overflow in OVERFLOW_EVICTS
+        rotates = (policy is not None and policy.rope_in_cache) or cfg.overflow_evicts
         if rotates:
             raise ValueError(f"{policy.name if policy is not None and policy.rope_in_cache else cfg.overflow}: "
                              "re-rotating keys to in-cache positions would desynchronise this model's sliding-window or "
@@ -51,14 +48,14 @@ def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
         if policy is not None and not layout.full:
             raise ValueError(f"policy {policy.name}: every layer of this model slides; its windows already bound the "
                              "cache")
-    elif cfg.mode != "off" and ((policy is not None and policy.rope_in_cache) or cfg.overflow in OVERFLOW_EVICTS):
+    elif cfg.mode != "off" and ((policy is not None and policy.rope_in_cache) or cfg.overflow_evicts):
         from engine.kv.store.rope import rerotation_refusal
 
         why = rerotation_refusal(lm.model)  # cached per model
         if why:
             what = f"policy {policy.name}" if policy is not None and policy.rope_in_cache else f"overflow {cfg.overflow}"
             raise ValueError(f"{what} moves kept keys to new positions, but {why}")
-    if cfg.mode == "off" and cfg.overflow in OVERFLOW_EVICTS:
+    if cfg.mode == "off" and cfg.overflow_evicts:
         raise ValueError(f"cache off: overflow '{cfg.overflow}' evicts from a cache; choose contiguous or paged")
     if policy is not None and policy.budget >= info.context_length:
         what = "sinks + window" if policy.rope_in_cache else "budget"

@@ -82,8 +82,7 @@ class SeqCache:
 
     def can_overflow(self) -> bool:
         """Can this cache evict to go on past the context (a policy, or an evicting overflow setting)?"""
-        return self.store is not None and (self.policy is not None or
-                                           self.cache_config.overflow in reconfigure.OVERFLOW_EVICTS)
+        return self.store is not None and self.cache_config.evicts_to_fit
 
     def context(self, protected: int, priorities, seq_len: int, max_chunk: int) -> EvictionContext:
         """What eviction needs to know of the conversation, for one step."""

@@ -91,8 +91,7 @@ class ChatSession(Stepping):
         self.check_open()
         messages = validate_messages(messages)
         ids = render_chat(self.tokenizer, messages)
-        needs_spans = self.cache.policy is not None or self.cache.cache_config.overflow != "stop"
-        spans = message_spans(self.tokenizer, messages) if needs_spans else []
+        spans = message_spans(self.tokenizer, messages) if self.cache.cache_config.needs_spans else []
         return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans)
 
     def start_rendered(self, ids: Seq[int], messages: Seq[dict], spans: Seq[tuple[int, int]] = (),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.config import OVERFLOW_EVICTS
 from engine.policies.base import EvictionPolicy, PolicyState, param_field
 
 
@@ -58,7 +59,7 @@ class OverflowPolicy(StreamingPolicy):
 
     @classmethod
     def for_mode(cls, mode: str, target: int, protected: int) -> "OverflowPolicy":
-        if mode not in ("truncate_middle", "rolling"):
+        if mode not in OVERFLOW_EVICTS:
             raise ValueError(f"overflow {mode!r} does not evict")
         sinks = protected if mode == "truncate_middle" else 1
         sinks = max(0, min(sinks, target - 1, 1024))

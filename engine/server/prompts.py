@@ -37,8 +37,7 @@ class Tokenizing:
 
     def __init__(self, lm, cache: CacheConfig, max_tokens: int) -> None:
         self.lm, self.cache, self.max_tokens = lm, cache, max_tokens
-        self.bounded = cache.policy == "none" and cache.overflow == "stop"  # the context bounds a chat
-        self.needs_spans = cache.policy != "none" or cache.overflow != "stop"
+        self.bounded, self.needs_spans = cache.bounded_by_context, cache.needs_spans
         self.small = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvscope-tokenize")
         self.large = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvscope-tokenize-large")
         self.started = {"small": 0, "large": 0}  # prompts each thread took up (tests, tools)
