@@ -99,3 +99,36 @@ class FailureStage(StrEnum):
 
 
 REPLY_STAGES = frozenset({FailureStage.START, FailureStage.SWAP, FailureStage.STEP})
+
+
+class NoteKind(StrEnum):
+    """What a note says; its fields (``Note.fields``) carry the values, so a surface can say it in its words."""
+
+    TEXT = "text"  # said as written
+    CACHE_SWITCH = "cache_switch"  # old, new (CacheConfig), rest: what the move cost
+    CACHE_OFF = "cache_off"  # tokens recomputed every step
+    POLICY_ON = "policy_on"  # policy (name), params (dict)
+    POLICY_EVICTED = "policy_evicted"  # policy, params, tokens
+    POLICY_SAYS = "policy_says"  # policy (name), rest: what the policy reports
+    INT8_KEYS = "int8_keys"  # layout ("channel" | "token"), head_dim, page_size, rest
+
+
+class Note(str):
+    """A note from the engine: its words for logs, the CLI and the API (the string itself), and what it is
+    (``kind``, ``fields``) for a surface that says it in its own words — the app renders by kind, never by
+    reading the text back. A plain ``str`` where a note is expected is a ``NoteKind.TEXT`` note."""
+
+    kind: NoteKind
+    fields: dict
+
+    def __new__(cls, text: str, kind: NoteKind = NoteKind.TEXT, **fields) -> "Note":
+        note = super().__new__(cls, text)
+        note.kind, note.fields = NoteKind(kind), fields
+        return note
+
+    def __reduce__(self):  # pickled (a process pool, a copy) with its kind and fields
+        return (_note, (str(self), self.kind.value, self.fields))
+
+
+def _note(text: str, kind: str, fields: dict) -> Note:
+    return Note(text, NoteKind(kind), **fields)

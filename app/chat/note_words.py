@@ -1,10 +1,10 @@
 """The engine's notes in the app's words, and the notes only the app can give.
 
-The engine writes its notes for logs and the CLI: cache settings as ``paged/4 K:int8 V:auto``, policies as
-``h2o(budget=260, recent=32)``. The user set them with controls named "Paged", "8-bit (int8)", "Full precision",
-"Heavy hitters (H2O)", so every note shown (under the cache controls, in the status bar, under a reply) is
-rewritten in those names (``glossary``) before it is shown. StreamingLLM protects its attention sinks, not the
-prompt: the engine's "smaller than the protected prompt" note is wrong for it and is said as what happens.
+The engine's notes are ``engine.vocab.Note``s: its own words for logs and the CLI (``paged/4 K:int8 V:auto``,
+``h2o(budget=260, recent=32)``) with what each says as a kind and fields. The user set those things with
+controls named "Paged", "8-bit (int8)", "Full precision", "Heavy hitters (H2O)", so every note shown (under the
+cache controls, in the status bar, under a reply) is said here from its kind and fields in those names
+(``glossary``) — never by reading the engine's text back. A note of a kind not listed is shown as written.
 
 ``precision_note`` says why 4-bit can hold as many bytes per token as 8-bit (stories260K: head dim 8, pages of 4
 tokens), which the memory readouts otherwise show without a reason.
@@ -12,33 +12,19 @@ tokens), which the memory readouts otherwise show without a reason.
 
 from __future__ import annotations
 
-import re
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from app.shell.glossary import KV_DTYPES, PARAMS, POLICIES, describe_cache
 from engine.kv.paged import sizes
-
-_CACHE = r"paged/\d+(?: K:\w+ V:\w+)?|contiguous|off"
-_SWITCH = re.compile(rf"^({_CACHE}) → ({_CACHE})(?=:)")
-_CANNOT = re.compile(rf"^({_CACHE})(?= cannot hold)")
-_ONE = re.compile(r"paged/(\d+)(?: K:(\w+) V:(\w+))?")
-_POLICY_CALL = re.compile(r"\b(none|streaming|h2o|priority|overflow)\(([^)]*)\)")
-_POLICY_LEAD = re.compile(r"^(none|streaming|h2o|priority|overflow): ")
-_STREAMING_PROMPT = re.compile(r"^streaming: the budget \((\d+)\) is smaller than the protected prompt "
-                               r"\(system \+ first message, (\d+) tokens\).*$")
+from engine.vocab import Note, NoteKind
 
 
-def cache_words(desc: str, precision: bool = False) -> str:
-    """'paged/4 K:int8 V:auto' → 'paged cache, 4-token pages, keys 8-bit' (the status bar's words);
-    ``precision``: say 'full precision' too (a switch from or to a quantized cache names both sides')."""
-    m = _ONE.fullmatch(desc)
-    cfg = SimpleNamespace(mode=desc, page_size=0, k_dtype="auto", v_dtype="auto", policy="none")
-    if m:
-        cfg = SimpleNamespace(mode="paged", page_size=int(m[1]), k_dtype=m[2] or "auto", v_dtype=m[3] or "auto",
-                              policy="none")
-    words = describe_cache(cfg).replace(" · ", ", ")
-    full = precision and desc != "off" and cfg.k_dtype == cfg.v_dtype == "auto"
+def cache_words(cfg: Any, precision: bool = False) -> str:
+    """A cache setting as the status bar says it ('paged cache, 4-token pages, keys 8-bit'), its policy left out
+    (notes name it apart); ``precision``: say 'full precision' too (a switch from or to a quantized cache names
+    both sides')."""
+    words = describe_cache(cfg.replace(policy="none")).replace(" · ", ", ")
+    full = precision and cfg.mode != "off" and cfg.k_dtype == cfg.v_dtype == "auto"
     return words + (f", {KV_DTYPES['auto'].short}" if full else "")
 
 
@@ -46,36 +32,31 @@ def _policy_name(name: str) -> str:
     return POLICIES[name].name if name in POLICIES else "the overflow setting"
 
 
-def _policy_words(m: re.Match) -> str:
-    """'h2o(budget=260, recent=32)' → 'Heavy hitters (H2O): 260 tokens kept per layer, 32 recent tokens always
-    kept'."""
-    args = [a.split("=", 1) for a in m[2].split(", ") if "=" in a]
-    said = ", ".join(f"{PARAMS[k][0].lower()} {v}" if k in PARAMS else f"{k} {v}" for k, v in args)
-    return _policy_name(m[1]) + (f" ({said})" if said else "")
+def policy_words(name: str, params: dict) -> str:
+    """'h2o', {budget: 260, recent: 32} → 'Heavy hitters (H2O) (tokens kept per layer 260, recent …)'."""
+    said = ", ".join(f"{PARAMS[k][0].lower()} {v}" if k in PARAMS else f"{k} {v}" for k, v in params.items())
+    return _policy_name(name) + (f" ({said})" if said else "")
 
 
-def _sinks(cfg: Any) -> int:
-    from engine.policies.streaming import StreamingPolicy
+def _switch(n: Note) -> str:
+    old, new = n.fields["old"], n.fields["new"]
+    quantized = any(d != "auto" for c in (old, new) if c.mode == "paged" for d in (c.k_dtype, c.v_dtype))
+    return f"{cache_words(old, quantized)} → {cache_words(new, quantized)}: {n.fields['rest']}"
 
-    params = dict(getattr(cfg, "policy_params", None) or {})
-    try:
-        return StreamingPolicy.Params(**{k: v for k, v in params.items() if k in ("sinks", "window")}).sinks
-    except (TypeError, ValueError):
-        return StreamingPolicy.Params().sinks
+
+_WORDS: dict[NoteKind, Callable[[Note], str]] = {
+    NoteKind.CACHE_SWITCH: _switch,
+    NoteKind.POLICY_ON: lambda n: f"{policy_words(n.fields['policy'], n.fields['params'])} on",
+    NoteKind.POLICY_EVICTED: lambda n: f"{policy_words(n.fields['policy'], n.fields['params'])}: {n.fields['rest']}",
+    NoteKind.POLICY_SAYS: lambda n: f"{_policy_name(n.fields['policy'])}: {n.fields['rest']}",
+    NoteKind.INT8_KEYS: lambda n: f"{KV_DTYPES['int8'].short} keys: {n.fields['rest']}",
+}
 
 
 def plain_note(note: str, cfg: Any = None) -> str:
-    """``note`` in the controls' words (``cfg``: the cache setting in force, for StreamingLLM's sinks)."""
-    m = _STREAMING_PROMPT.match(note)
-    if m:
-        return (f"{_policy_name('streaming')}: keeps the first {_sinks(cfg)} tokens (attention sinks) and the most "
-                f"recent ones, {m[1]} in all; the rest of the prompt (system + first message, {m[2]} tokens) is "
-                "dropped as the chat goes on")
-    note = _SWITCH.sub(lambda s: " → ".join(cache_words(d, "K:" in s[0]) for d in (s[1], s[2])), note)
-    note = _CANNOT.sub(lambda s: cache_words(s[1]), note)
-    note = _POLICY_CALL.sub(_policy_words, note)
-    note = _POLICY_LEAD.sub(lambda s: _policy_name(s[1]) + ": ", note)
-    return re.sub(r"^int(8|4) keys:", lambda s: f"{KV_DTYPES['int' + s[1]].short} keys:", note)
+    """``note`` in the controls' words (a plain string, or a kind said as written, as it is)."""
+    words = _WORDS.get(note.kind) if isinstance(note, Note) else None
+    return words(note) if words is not None else str(note)
 
 
 def precision_note(cfg: Any, info: Any) -> str:

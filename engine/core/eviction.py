@@ -24,6 +24,7 @@ from engine.errors import ContextOverflowError, InternalError
 from engine.kv.store.attention import Rerotator
 from engine.kv.paged.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
+from engine.vocab import Note, NoteKind
 
 
 
@@ -172,8 +173,8 @@ class Evictor:
         if policy.needs_scores and not self.scores.tracking:
             self.scores.start(index.n)
             if index.n > target:
-                cx.notes.append(f"{policy.name}: no attention scores yet for the {index.n} cached tokens; the "
-                                "oldest go first this time, scores count from now on")
+                cx.notes.append(_says(policy, f"no attention scores yet for the {index.n} cached tokens; the "
+                                      "oldest go first this time, scores count from now on"))
         return self._evict(store, index, policy, target, policy.name, cx)
 
     def _evict(self, store, index: CacheIndex, policy: EvictionPolicy | None, target: int, reason: str,
@@ -254,22 +255,27 @@ def _priorities(policy: EvictionPolicy, cx: EvictionContext) -> np.ndarray | Non
     return pri
 
 
+def _says(policy: EvictionPolicy, rest: str) -> Note:
+    """A policy's own note: its name, then what it reports."""
+    return Note(f"{policy.name}: {rest}", NoteKind.POLICY_SAYS, policy=policy.name, rest=rest)
+
+
 def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPolicy) -> list[str]:
     """Say so when the budget was too small for what should have stayed (the policy protected less). The
     text does not change from one eviction to the next, so a reply carries it once."""
     notes = []
     budget = getattr(policy, "budget", 0)
     if np.count_nonzero(gone < state.protected) and policy.name == "streaming":  # it keeps sinks, not the prompt
-        notes.append(f"streaming: keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
+        notes.append(_says(policy, f"keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
                      f"ones, {budget} in all; the rest of the prompt (system + first message, {state.protected} "
-                     "tokens) is dropped as the chat goes on")
+                     "tokens) is dropped as the chat goes on"))
     elif np.count_nonzero(gone < state.protected):
-        notes.append(f"{policy.name}: the budget ({budget}) is smaller than the protected prompt (system + first "
+        notes.append(_says(policy, f"the budget ({budget}) is smaller than the protected prompt (system + first "
                      f"message, {state.protected} tokens): its oldest tokens are evicted too; raise the budget to "
-                     "keep it all")
+                     "keep it all"))
     if state.priorities is not None:
         rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]
         if np.count_nonzero(state.priorities[rest] >= PINNED):
-            notes.append(f"{policy.name}: the budget ({budget}) cannot hold every pinned message: some pinned "
-                         "tokens were evicted; raise the budget or unpin some")
+            notes.append(_says(policy, f"the budget ({budget}) cannot hold every pinned message: some pinned "
+                         "tokens were evicted; raise the budget or unpin some"))
     return notes

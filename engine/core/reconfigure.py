@@ -20,6 +20,7 @@ from engine.kv.store.grouped import GroupedKV, Layout
 from engine.kv.store.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
+from engine.vocab import Note, NoteKind
 
 if TYPE_CHECKING:
     from engine.core.seq_cache import SeqCache
@@ -136,7 +137,8 @@ def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) 
     if policy is None or not policy.needs_scores:
         cache.evictor.scores.stop()
     if policy is not None and not evicted and (old_policy is None or old_policy.describe() != policy.describe()):
-        notes.append(f"{policy.describe()} on")
+        notes.append(Note(f"{policy.describe()} on", NoteKind.POLICY_ON, policy=policy.name,
+                          params=dataclasses.asdict(policy.params)))
     regrouped = cfg.k_dtype != old.k_dtype or cfg.page_size != old.page_size or old.mode != "paged"
     if cfg.mode == "paged" and cfg.k_dtype == "int8" and regrouped:
         notes.append(int8_key_note(cache.lm.info.head_dim, cfg.page_size))
@@ -177,7 +179,9 @@ def _evict_for(cache: "SeqCache", seq: "Sequence", policy: EvictionPolicy | None
     cx = cache.context(seq.protected, seq.priorities, len(seq.ids), max_chunk)
     cache.record_evictions(cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx))
     seq.add_notes(cx.notes)
-    return [f"{policy.describe()}: evicted {before - cache.index.n} tokens now"]
+    n = before - cache.index.n
+    return [Note(f"{policy.describe()}: evicted {n} tokens now", NoteKind.POLICY_EVICTED, policy=policy.name,
+                 params=dataclasses.asdict(policy.params), tokens=n, rest=f"evicted {n} tokens now")]
 
 
 def _slot_owners(src, n: int) -> list[int]:
@@ -227,20 +231,28 @@ def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: Cache
     if dst is None:
         cache.index.reset()
         cache.evictor.scores.stop()
-        return [f"cache off: {len(seq.ids)} tokens will be recomputed every step"]
+        return [Note(f"cache off: {len(seq.ids)} tokens will be recomputed every step", NoteKind.CACHE_OFF,
+                     tokens=len(seq.ids))]
     if copied:
-        return [f"{describe(old)} → {describe(cfg)}: moved {copied} tokens of KV in {ms:.1f} ms"]
+        return [_switch_note(old, cfg, f"moved {copied} tokens of KV in {ms:.1f} ms")]
     cache.index.reset()
     if seq.ids:
         pending = len(seq.ids) - (0 if seq.running else 1)
-        return [f"{describe(old)} → {describe(cfg)}: {pending} tokens re-prefilled on the next step"]
+        return [_switch_note(old, cfg, f"{pending} tokens re-prefilled on the next step")]
     return []
+
+
+def _switch_note(old: CacheConfig, new: CacheConfig, rest: str) -> Note:
+    return Note(f"{describe(old)} → {describe(new)}: {rest}", NoteKind.CACHE_SWITCH, old=old, new=new, rest=rest)
 
 
 def int8_key_note(head_dim: int, page_size: int) -> str:
     """How int8 keys are grouped at this page size, and why (``engine.kv.paged.sizes.int8_key_layout``)."""
-    if int8_key_layout(head_dim, page_size) == "channel":
-        return (f"int8 keys: per channel over each {page_size}-token page (KIVI), no dearer than per token "
-                f"at head dim {head_dim}")
-    return (f"int8 keys: one scale per token (q8_0-like); pages of {2 * head_dim}+ tokens would group them per "
-            f"channel at no extra cost, which keeps more precision")
+    layout = int8_key_layout(head_dim, page_size)
+    if layout == "channel":
+        rest = f"per channel over each {page_size}-token page (KIVI), no dearer than per token at head dim {head_dim}"
+    else:
+        rest = (f"one scale per token (q8_0-like); pages of {2 * head_dim}+ tokens would group them per channel at "
+                "no extra cost, which keeps more precision")
+    return Note(f"int8 keys: {rest}", NoteKind.INT8_KEYS, layout=layout, head_dim=head_dim, page_size=page_size,
+                rest=rest)
