@@ -134,6 +134,13 @@ class MessageView(QFrame):
         self.versions: list[dict[str, Any]] = []
         self.version = 0
         self.is_last = False
+        self._make_lines()
+        self._make_buttons(role)
+        self._lay_out()
+        self.render()
+
+    def _make_lines(self) -> None:
+        """The plain-text lines under the body: stats, cache, error, notes, save state (hidden until set)."""
         self.cache_label = QLabel("")
         self.cache_label.setObjectName("cacheLine")
         self.error_label = QLabel("")  # why an error stopped the reply
@@ -148,8 +155,7 @@ class MessageView(QFrame):
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             label.setVisible(False)
 
-        self._make_buttons(role)
-
+    def _lay_out(self) -> None:
         head = QHBoxLayout()
         head.setContentsMargins(0, 0, 0, 0)
         head.addWidget(self.role_label)
@@ -170,7 +176,6 @@ class MessageView(QFrame):
         layout.addWidget(self.stats_label)
         layout.addWidget(self.cache_label)
         layout.addWidget(self.save_label)
-        self.render()
 
     def _make_buttons(self, role: str) -> None:
         """The header's buttons: versions, copy, pin, edit, regenerate, save / cancel of an edit."""

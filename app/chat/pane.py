@@ -74,7 +74,15 @@ class ChatPane(QWidget):
         self.read_only = ""  # why nothing can be typed here (an API conversation is on screen); "" when it can
         self.priority = False  # the eviction policy is Priority pinning (pinned messages' lines say so)
         self.tint = False  # replies tint their accepted draft tokens (speculative decoding)
+        self._build_header()
+        self._build_transcript()
+        self._build_input()
+        self._lay_out()
+        self.set_ready(False, "Starting the engine…")
+        self.set_generating(False)
 
+    def _build_header(self) -> None:
+        """Title, New chat, the system prompt (sent 400 ms after the last keystroke) and the notice bar."""
         self.title = WordLabel("New chat")  # shortened at a word with "…"
         self.title.setObjectName("chatTitle")
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # never widens the pane
@@ -92,6 +100,8 @@ class ChatPane(QWidget):
         self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
         self.notice = NoticeBar()  # what is not part of the chat (a failed load, refused settings)
 
+    def _build_transcript(self) -> None:
+        """The scrolling transcript, with the empty chat's hint and suggestions."""
         self.empty_hint = QLabel()
         self.empty_hint.setObjectName("emptyHint")
         self.empty_hint.setAlignment(Qt.AlignmentFlag.AlignCenter)
@@ -108,6 +118,8 @@ class ChatPane(QWidget):
         self.scroll = Transcript(self._bubble, (self.empty_hint, self.suggestions))  # owns the bubbles
         self.scroll.setMinimumWidth(MIN_CHAT_PX)
 
+    def _build_input(self) -> None:
+        """The message box and its Send, Stop and Regenerate buttons."""
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
         self.input.setPlaceholderText(PLACEHOLDER)
@@ -128,6 +140,7 @@ class ChatPane(QWidget):
         self.new_button.clicked.connect(self.new_chat_requested)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self._on_escape)
 
+    def _lay_out(self) -> None:
         top = QHBoxLayout()
         top.addWidget(self.title, 1)
         top.addWidget(self.new_button)
@@ -145,10 +158,13 @@ class ChatPane(QWidget):
         layout.addWidget(self.notice)
         layout.addWidget(self.scroll, 1)
         layout.addLayout(bottom)
-        self.set_ready(False, "Starting the engine…")
-        self.set_generating(False)
 
     # state ----------------------------------------------------------------------------------------------
+    @property
+    def readiness(self) -> tuple[bool, str]:
+        """(a model is loaded, the hint the empty transcript shows): what ``set_ready`` was last given."""
+        return self._ready, self._hint
+
     def set_ready(self, ready: bool, hint: str = "") -> None:
         """Whether a model is loaded; ``hint`` shows in the empty transcript."""
         self._ready = ready

@@ -205,14 +205,6 @@ class HistoryStore(Recovery):
             self._update(found, stats=dict(stats))
             self._write("UPDATE messages SET stats = ? WHERE id = ?", (json.dumps(stats), message_id))
 
-    def delete_message(self, message_id: int) -> None:
-        found = self._find(message_id)
-        if found is not None:
-            del self._messages[found[0]][found[1]]
-            self._owner.pop(message_id, None)
-            self._dirty.discard(message_id)
-            self._write("DELETE FROM messages WHERE id = ?", (message_id,))
-
     def truncate_after(self, chat_id: int, position: int) -> None:
         """Delete every message after ``position`` (edit-and-resend, regenerate)."""
         msgs = self._chat_messages(chat_id)

@@ -141,18 +141,27 @@ class ModelsDialog(QDialog):
         self.spec: ModelSpec | None = None
         self._thread: QThread | None = None
         self._downloader: Downloader | None = None
+        self._build_list()
+        self._build_download()
+        self._build_options(settings)
+        self._lay_out()
+        self.populate(current)
 
+    def _build_list(self) -> None:
+        """The models on this computer, Open folder… and Use as draft model."""
         self.list = QListWidget()
         self.list.setObjectName("modelList")
         self.list.currentItemChanged.connect(lambda *_: self._update_estimate())
         self.list.itemDoubleClicked.connect(lambda *_: self.accept_choice())
-        open_button = QPushButton("Open folder…")
-        open_button.clicked.connect(self._open_folder)
+        self.open_button = QPushButton("Open folder…")
+        self.open_button.clicked.connect(self._open_folder)
         self.draft_button = QPushButton("Use as draft model")
         self.draft_button.setToolTip(CONTROLS["draft_path"].tip + "\nSpeculative decoding uses it from then on "
                                      "(the Speculation tab).")
         self.draft_button.clicked.connect(self.choose_draft)
 
+    def _build_download(self) -> None:
+        """A hub id to download, its progress and the dialog's message line."""
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("hub id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
         self.download_button = QPushButton("Download")
@@ -166,6 +175,8 @@ class ModelsDialog(QDialog):
         self.message.setObjectName("dialogMessage")
         self.message.setWordWrap(True)
 
+    def _build_options(self, settings: Settings) -> None:
+        """How to load it (weights, device) and the context its memory estimate is for; Load and Cancel."""
         self.quantization = QComboBox()
         for label, value in QUANT_CHOICES:
             self.quantization.addItem(label, value)
@@ -190,12 +201,14 @@ class ModelsDialog(QDialog):
         self.load_button = buttons.addButton("Load", QDialogButtonBox.ButtonRole.AcceptRole)
         buttons.accepted.connect(self.accept_choice)
         buttons.rejected.connect(self.reject)
+        self.buttons = buttons
 
+    def _lay_out(self) -> None:
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel("<b>Models on this computer</b>"))
         layout.addWidget(self.list, 1)
         row = QHBoxLayout()
-        row.addWidget(open_button)
+        row.addWidget(self.open_button)
         row.addStretch(1)
         row.addWidget(self.draft_button)
         layout.addLayout(row)
@@ -213,8 +226,7 @@ class ModelsDialog(QDialog):
         layout.addLayout(form)
         layout.addWidget(self.estimate_label)
         layout.addWidget(self.message)
-        layout.addWidget(buttons)
-        self.populate(current)
+        layout.addWidget(self.buttons)
 
     # -- the list -------------------------------------------------------------------------------------------
     def _add(self, text: str, source: str, folder: str | None, tip: str = "") -> QListWidgetItem:

@@ -220,7 +220,7 @@ class PageMapPanel(Panel):
         self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._layout.addWidget(self.hover)
         self.readout = " "  # what the hover line says when the mouse is not on a page: the last verification
-        self._hovering = False  # the hover line describes a page under the mouse
+        self._hovering = False  # the hover line describes a page under the mouse (``hovering``)
 
         self.snapshot: CacheSnapshot | None = None
         self.cols = 16
@@ -303,6 +303,11 @@ class PageMapPanel(Panel):
     def reset_view(self) -> None:
         self._shape = None  # the grid's range is set again from its shape
         super().reset_view()
+
+    @property
+    def hovering(self) -> bool:
+        """The mouse is on a page or token: the hover line describes it (a readout must not overwrite it)."""
+        return self._hovering
 
     def describe_page(self, page: int) -> str:
         """The hover text of one page."""

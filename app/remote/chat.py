@@ -129,7 +129,7 @@ class RemoteChats(QObject, Connecting):
         if w.api_view.session_id:
             w.api_list.deselect()
             w.api_view.session_id = 0
-        self._ready = (self.pane._ready, self.pane._hint)
+        self._ready = self.pane.readiness
         self._rewire(True)
         self.panels.borrow()
         self.redraw.start()

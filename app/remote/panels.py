@@ -273,7 +273,7 @@ class RemotePanels:
                 readout = f"{rc.link.error} (asking again in {rc.link.retry_in:.0f} s) · {readout}"
             w.page_map.caption.setText(caption)
             w.page_map.readout = readout
-            if not w.page_map._hovering:  # the mouse on a page: its description stays
+            if not w.page_map.hovering:  # the mouse on a page: its description stays
                 w.page_map.hover.setText(readout)
         if force or on_screen(w.occupancy):
             w.occupancy.caption.setText(occupancy_text(eng.metrics))

@@ -101,7 +101,7 @@ class SelfTest:
         """Apply ``cfg`` as the controls do; True once the worker confirmed it."""
         self.window.controls.set_config(cfg)
         self.window.apply_cache_config(cfg)
-        return wait_until(lambda: self.window._applied_cache == cfg, 30)
+        return wait_until(lambda: self.window.cache.applied == cfg, 30)
 
     def _send(self, text: str) -> int:
         """Send ``text``; the reply's generation id once it started, 0 if it was not sent (a message that would
@@ -260,7 +260,7 @@ def _mode_switches(t: SelfTest) -> None:
             f"switch paged → contiguous mid-reply: reply finished ({r['reason']}, {r.get('generated_tokens', 0)} "
             f"tokens, cache {r.get('mode')})")
     r = t.reply("And once more, back to pages.", during=lambda: t.apply(CacheConfig(mode="paged", page_size=8)))
-    t.check(t.finished_well(r) and r.get("mode") == "contiguous → paged" and w._applied_cache.page_size == 8,
+    t.check(t.finished_well(r) and r.get("mode") == "contiguous → paged" and w.cache.applied.page_size == 8,
             f"switch contiguous → paged (page size 8) mid-reply ({r.get('generated_tokens', 0)} tokens, "
             f"cache {r.get('mode')})")
 

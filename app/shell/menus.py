@@ -30,6 +30,12 @@ def build_menus(window) -> dict[str, Any]:
     window use, by name."""
     bar = window.menuBar()
     a: dict[str, Any] = {}
+    for build in (_file_menu, _view_menu, _tools_menu, _settings_menu, _server_menu, _help_menu):
+        build(window, bar, a)
+    return a
+
+
+def _file_menu(window, bar, a: dict[str, Any]) -> None:
     file_menu = bar.addMenu("&File")
     a["models"] = _action(window, "&Models…", window.models.open_models_dialog, "Ctrl+M")
     a["open"] = _action(window, "&Open model folder…", window.models.open_folder, QKeySequence.StandardKey.Open)
@@ -52,6 +58,8 @@ def build_menus(window) -> dict[str, Any]:
     file_menu.addSeparator()
     file_menu.addAction(_action(window, "&Quit", window.close, QKeySequence.StandardKey.Quit))
 
+
+def _view_menu(window, bar, a: dict[str, Any]) -> None:
     view = bar.addMenu("&View")
     for dock in window.docks.values():
         view.addAction(dock.toggleViewAction())
@@ -63,6 +71,8 @@ def build_menus(window) -> dict[str, Any]:
     view.addAction(_action(window, "Reset layout", window.layout_docks.arrange))
     view.addAction(_action(window, "Focus the message box", window.chat.input.setFocus, "Ctrl+L"))
 
+
+def _tools_menu(window, bar, a: dict[str, Any]) -> None:
     tools = bar.addMenu("&Tools")
     a["compare"] = _action(window, "&Compare cache settings on this chat…", window.open_compare, "Ctrl+K")
     tools.addAction(a["compare"])
@@ -75,12 +85,16 @@ def build_menus(window) -> dict[str, Any]:
                                  "use it where it measures faster; the timing panel says which ran each token")
     tools.addAction(a["fast_step"])
 
+
+def _settings_menu(window, bar, a: dict[str, Any]) -> None:
     settings = bar.addMenu("Se&ttings")
     a["kv_disk"] = _action(window, "&KV disk cache…", window.disk.open_dialog,
                            tip="Keep the chats' KV cache on disk (on/off, budget, location, Clear), so a chat reopened "
                                "after a restart is restored instead of read again")
     settings.addAction(a["kv_disk"])
 
+
+def _server_menu(window, bar, a: dict[str, Any]) -> None:
     server = bar.addMenu("&Server")
     a["serve_start"] = _action(window, "&Start serving", window.server.start,
                                tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port); "
@@ -89,10 +103,11 @@ def build_menus(window) -> dict[str, Any]:
     a["serve_stop"].setEnabled(False)
     server.addActions([a["serve_start"], a["serve_stop"]])
 
+
+def _help_menu(window, bar, a: dict[str, Any]) -> None:
     help_menu = bar.addMenu("&Help")
     a["what"] = _action(window, "What am I seeing?", window.show_help, "F1")
     a["shortcuts"] = _action(window, "Keyboard shortcuts", window.show_shortcuts)
     help_menu.addActions([a["what"], a["shortcuts"]])
     help_menu.addSeparator()
     help_menu.addAction(_action(window, "About KV Scope", window.about))
-    return a

@@ -226,7 +226,7 @@ class MainWindow(QMainWindow):
         return self.models.loading
 
     @property
-    def _applied_cache(self) -> CacheConfig:
+    def applied_cache(self) -> CacheConfig:
         return self.cache.applied
 
     @property

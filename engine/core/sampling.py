@@ -42,13 +42,6 @@ class Sampler:
             self.last_logprobs = top_logprobs(raw, token, self.cfg.logprobs)
         return token
 
-    @property
-    def tracks_reply(self) -> bool:
-        """Penalties on the reply's own tokens or log-probabilities asked for: every token must come from
-        ``__call__`` (a path that picks tokens otherwise would skip the counts and the log-probabilities)."""
-        c = self.cfg
-        return bool(c.presence_penalty or c.frequency_penalty or c.logprobs is not None)
-
     def processed(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``logits`` [vocab] after the penalties that depend on the context (float32)."""
         cfg = self.cfg

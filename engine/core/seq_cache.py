@@ -355,12 +355,6 @@ class SeqCache:
         self.host = host
         return host.nbytes
 
-    def can_swap_in(self, ids: Sequence[int]) -> bool:
-        if self.host is None:
-            return True
-        adopt, _ = self._cached_pages_of_host(ids)
-        return self.store.can_restore(self.host, adopt) if adopt else self.store.can_restore(self.host)
-
     def swap_in(self, ids: Sequence[int]) -> None:
         """Bring swapped-out K/V back. A typed error and no change (they stay in host memory) without room."""
         if self.host is None:

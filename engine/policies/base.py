@@ -116,10 +116,6 @@ class EvictionPolicy:
         return {f.metadata["flag"]: f.name for f in dataclasses.fields(cls.Params) if f.metadata.get("flag")}
 
 
-class NoPolicy(EvictionPolicy):
-    name = "none"
-
-
 def policy_names() -> list[str]:
     return ["none", *registry]
 

@@ -81,11 +81,3 @@ def bytes_per_token(kind: str, role: str, kv_heads: int, head_dim: int, page_siz
 def full_bytes_per_token(kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """Bytes one token's K or V takes in one layer at the model's precision."""
     return kv_heads * head_dim * elem_bytes
-
-
-def role_bytes_per_token(kind: str, role: str, kv_heads: int, head_dim: int, page_size: int,
-                         elem_bytes: int) -> float:
-    """Bytes per token of a role in one layer: ``kind`` "auto" is the model's precision."""
-    if kind == "auto":
-        return float(full_bytes_per_token(kv_heads, head_dim, elem_bytes))
-    return bytes_per_token(kind, role, kv_heads, head_dim, page_size)
