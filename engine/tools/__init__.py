@@ -1,5 +1,6 @@
-"""The command-line tools' shared parts: reading the user's files (``inputs``), checking arguments before any
-work (``arguments``), a library's repeated log line shown once (``log_once``).
+"""The command-line tools: ``cli`` (``python -m engine generate|serve|bench|quality|attach``), ``bench`` and its
+scenarios, ``quality``, ``compare`` (the app's Compare too), and reading the user's file arguments (``inputs``,
+``arguments``: size-capped, never blocking, one-line errors).
 
-May import ``engine``'s public face (config, errors) and the standard library; nothing here imports torch.
+May import every engine room; nothing imports the tools but ``engine.__main__`` and the app's Compare.
 """
