@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QThread, Signal
 
@@ -14,25 +15,11 @@ from engine.config import CacheConfig, ModelSpec, SamplingConfig
 class EngineThread(QObject):
     """Owns the QThread and the worker; the GUI talks to the engine only through this object.
 
-    Requests are signals connected (queued) to the worker's slots, wired before the thread starts.
+    Every command is one queued signal (``call``) carrying the worker method to run, wired before the thread starts.
     ``shutdown()`` stops any reply and joins the thread.
     """
 
-    _load = Signal(object, object)
-    _submit = Signal(int, object, object, object)
-    _forget = Signal(object)
-    _cancel = Signal(int)
-    _apply = Signal(object)
-    _speculate = Signal(object)
-    _fast = Signal(str)
-    _compare = Signal(int, object, object)
-    _describe = Signal(object, object)
-    _measure = Signal(int, object, int)
-    _cancel_compare = Signal(int)
-    _stop = Signal()
-    _serve = Signal()
-    _disk = Signal(object, str)
-    _disk_clear = Signal()
+    _call = Signal(object)  # one queued command: a callable run on the worker's thread, in the order sent
 
     def __init__(self, backend: EngineBackend | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -40,76 +27,68 @@ class EngineThread(QObject):
         self.thread.setObjectName("kvscope-engine")
         self.worker = EngineWorker(backend)
         self.worker.moveToThread(self.thread)
-        self._load.connect(self.worker.load)
-        self._submit.connect(self.worker.submit)
-        self._cancel.connect(self.worker.cancel)
-        self._apply.connect(self.worker.apply_cache_config)
-        self._speculate.connect(self.worker.speculate)
-        self._fast.connect(self.worker.set_fast_step)
-        self._compare.connect(self.worker.compare)
-        self._cancel_compare.connect(self.worker.cancel_compare)
-        self._stop.connect(self.worker.stop)
-        self._forget.connect(self.worker.forget_chat)
-        self._describe.connect(self.worker.describe_chat)
-        self._measure.connect(self.worker.measure)
-        self._serve.connect(self.worker.serve)
-        self._disk.connect(self.worker.disk.configure)
-        self._disk_clear.connect(self.worker.disk.clear)
+        self._call.connect(self.worker.run_call)
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
+    def call(self, slot: Callable[..., Any], *args: Any) -> None:
+        """Run ``slot(*args)`` (a worker method) on the worker's thread, queued behind the commands sent before
+        it — the one way the GUI thread reaches the worker (as ``EngineCore.call`` is the one way to the core)."""
+        self._call.emit(functools.partial(slot, *args))
+
+    # -- the commands, by name (each answered by the worker's signals) ------------------------------------
     def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
-        self._load.emit(spec, cache)
+        self.call(self.worker.load, spec, cache)
 
     def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
-        self._submit.emit(generation_id, messages, sampling, chat)
+        self.call(self.worker.submit, generation_id, messages, sampling, chat)
 
     def forget_chat(self, chat: Any) -> None:
-        self._forget.emit(chat)
+        self.call(self.worker.forget_chat, chat)
 
     def describe_chat(self, chat: Any, messages: list[dict]) -> None:
         """Ask for the chat's snapshot and token count (answered by ``worker.described``)."""
-        self._describe.emit(chat, messages)
+        self.call(self.worker.describe_chat, chat, messages)
 
     def measure(self, request: int, messages: list[dict], index: int = -1) -> None:
         """Ask for a token count (answered by ``worker.measured``)."""
-        self._measure.emit(request, messages, index)
+        self.call(self.worker.measure, request, messages, index)
 
     def cancel(self, generation_id: int = 0) -> None:
         # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.
         self.worker.request_cancel(generation_id)
-        self._cancel.emit(generation_id)
+        self.call(self.worker.cancel, generation_id)
 
     def apply_cache_config(self, cache: CacheConfig) -> None:
-        self._apply.emit(cache)
+        self.call(self.worker.apply_cache_config, cache)
 
     def speculate(self, cfg: Any) -> None:
         """Speculative decoding (a ``SpecConfig``) for every chat; answered by ``worker.speculated`` or ``failed``."""
-        self._speculate.emit(cfg)
+        self.call(self.worker.speculate, cfg)
 
     def set_fast_step(self, mode: str) -> None:
         """The compiled decode step: "auto" (compile in the background, keep it where it is faster) or "off"."""
-        self._fast.emit(mode)
+        self.call(self.worker.set_fast_step, mode)
 
     def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
         """Start comparison ``comparison_id`` (its rows and end carry that id); it replaces one running."""
-        self._compare.emit(comparison_id, messages, sampling)
+        self.call(self.worker.compare, comparison_id, messages, sampling)
 
     def cancel_compare(self, comparison_id: int = 0) -> None:
         """Stop comparison ``comparison_id`` (0: whichever runs) at its next step."""
-        self._cancel_compare.emit(comparison_id)
+        self.call(self.worker.cancel_compare, comparison_id)
 
     def serve(self) -> None:
         """Ask for the model and its engine core, for the API server (answered by ``worker.core_ready``)."""
-        self._serve.emit()
+        self.call(self.worker.serve)
 
     def configure_disk(self, cfg: Any, folder: str) -> None:
         """The KV disk tier's setting (``app.controls.disk_tier.DiskConfig``) at ``folder``; answered by ``worker.disk.changed``."""
-        self._disk.emit(cfg, folder)
+        self.call(self.worker.disk.configure, cfg, folder)
 
     def clear_disk(self) -> None:
         """Delete the KV disk tier's files (answered by ``worker.disk.changed``)."""
-        self._disk_clear.emit()
+        self.call(self.worker.disk.clear)
 
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
@@ -122,5 +101,5 @@ class EngineThread(QObject):
             return True
         self.worker.request_cancel()
         self.worker.load_cancel.set()  # a load in progress ends at its next tensor, not after the whole model
-        self._stop.emit()  # queued behind at most one step of the reply and one of a comparison
+        self.call(self.worker.stop)  # queued behind at most one step of the reply and one of a comparison
         return self.thread.wait(timeout_ms)

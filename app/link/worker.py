@@ -375,6 +375,11 @@ class EngineWorker(QObject):
             self._loaded.runner  # noqa: B018 - made here, on the engine thread, before the server reads it
         self.core_ready.emit(self._loaded, self._core if self._loaded is not None else None)
 
+    @Slot(object)
+    def run_call(self, call: Callable[[], Any]) -> None:
+        """A command from the GUI thread (``EngineThread.call``), run here, on the worker's thread."""
+        call()
+
     @Slot()
     def stop(self) -> None:
         """Last command: stop the pump and end the thread's event loop (runs on the worker thread, so the
