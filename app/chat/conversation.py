@@ -70,14 +70,7 @@ class Conversation(QObject):
         self.closed = False  # set at shutdown: signals still queued from the worker are ignored
         self.check = SendCheck(self, pane, engine, cache)
         self.notices = HistoryNotices(history, pane, self.failed.emit, lambda: self.chat_id, lambda: self.closed)
-        pane.send_requested.connect(self.send)
-        pane.stop_requested.connect(self.stop)
-        pane.regenerate_requested.connect(self.regenerate)
-        pane.edit_requested.connect(self.edit_and_resend)
-        pane.pin_requested.connect(self.set_pinned)
-        pane.version_requested.connect(self.show_version)
-        pane.new_chat_requested.connect(self.new_chat)
-        pane.system_prompt_changed.connect(self._on_system_prompt)
+        pane.new_chat_requested.connect(self.new_chat)  # the pane's other requests go to the chat on screen
         chat_list.chat_selected.connect(self.open_chat)
         chat_list.rename_requested.connect(self.rename_chat)
         chat_list.delete_requested.connect(self.delete_chat)
@@ -190,7 +183,14 @@ class Conversation(QObject):
         else:
             self._refresh_list()
 
-    def _on_system_prompt(self, text: str) -> None:
+    # the local chat's answers to the pane's requests (``app.shell.screen.ChatActions``), while it is on screen
+    def edit(self, position: int, text: str) -> None:
+        self.edit_and_resend(position, text)
+
+    def pin(self, position: int, pinned: bool) -> None:
+        self.set_pinned(position, pinned)
+
+    def set_system_prompt(self, text: str) -> None:
         if self.chat_id is not None:
             self.history.set_system_prompt(self.chat_id, text)
 

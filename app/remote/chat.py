@@ -31,17 +31,12 @@ from app.remote.saved import RemoteSaver
 from app.remote.worker import RemoteLink
 from app.chat.replies import pick_version, versions_of, with_version
 from engine.snapshot import TokenEvent
+from app.shell.screen import OnScreen
 from engine.vocab import FinishReason
 
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
 QUEUED = "waiting for this server's reply in another remote chat to finish · Stop (Esc) cancels"
 PIN_NOTE = "Pinning is a local cache policy: the server decides which blocks it keeps"
-# The pane's request signals and who answers them: the conversation's slot, or this controller's.
-PANE_SLOTS = (("send_requested", "send", "send"), ("stop_requested", "stop", "stop"),
-              ("regenerate_requested", "regenerate", "regenerate"), ("edit_requested", "edit_and_resend", "edit"),
-              ("pin_requested", "set_pinned", "pin"), ("version_requested", "show_version", "show_version"),
-              ("system_prompt_changed", "_on_system_prompt", "set_system_prompt"))
-
 
 def open_connect(window) -> ConnectDialog:
     """File ▸ Connect to a server…"""
@@ -106,6 +101,7 @@ class RemoteChats(QObject, Connecting):
         window.conversation.chat_opened.connect(self._on_local_opened)
         window.api_list.conversation_selected.connect(self._on_api_selected)
         window.models.ready_changed.connect(self._on_ready)
+        window.on_screen.register(OnScreen.REMOTE, self)
 
     # -- on screen ------------------------------------------------------------------------------------------
     def open_chat(self, chat_id: int) -> None:
@@ -130,7 +126,7 @@ class RemoteChats(QObject, Connecting):
             w.api_list.deselect()
             w.api_view.session_id = 0
         self._ready = self.pane.readiness
-        self._rewire(True)
+        self.window.on_screen.show(OnScreen.REMOTE)  # the pane's requests and the menu's come here now
         self.panels.borrow()
         self.redraw.start()
         self.poll.start()
@@ -177,23 +173,10 @@ class RemoteChats(QObject, Connecting):
             return
         self.current = None
         self.list.deselect()
-        self._rewire(False)
         self.redraw.stop()
         self.poll.stop()
         self.pane.set_ready(*self._ready)
         self.panels.give_back()
-
-    def _rewire(self, remote: bool) -> None:
-        conv = self.window.conversation
-        for name, theirs, mine in PANE_SLOTS:
-            signal = getattr(self.pane, name)
-            old, new = (getattr(conv, theirs), getattr(self, mine)) if remote else \
-                (getattr(self, mine), getattr(conv, theirs))
-            signal.disconnect(old)
-            signal.connect(new)
-        act = self.window.menu_actions["regenerate"].triggered  # Tools ▸ Regenerate (Ctrl+R) follows the pane
-        act.disconnect(conv.regenerate if remote else self.regenerate)
-        act.connect(self.regenerate if remote else conv.regenerate)
 
     def _no_pins(self) -> None:
         """Pinning is a local cache policy: a remote chat's bubbles do not offer it (bubbles are built lazily, so

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 from PySide6.QtCore import QObject
 
+from app.shell.screen import OnScreen, Screen
+
 READ_ONLY = ("An API conversation is on screen: its messages come from the API's client. Select a chat "
              "(or New chat) to type here.")
 
@@ -22,8 +24,9 @@ class ApiView(QObject):
     """Shows the selected API conversation in the chat pane (``show(session_id)``; 0: back to the chats)."""
 
     def __init__(self, conversation, api_list, server, settings, parent: QObject | None = None,
-                 entered=lambda _session_id: None) -> None:
+                 entered=lambda _session_id: None, screen: Screen | None = None) -> None:
         super().__init__(parent)
+        self.screen = screen  # the window's: which chat the pane's requests go to
         self._entered = entered  # what else follows the conversation on screen (``ChatSwitch.api_opened``)
         self.conversation = conversation
         self.pane = conversation.pane
@@ -44,6 +47,8 @@ class ApiView(QObject):
         if self.conversation.chat_id is not None:
             self.conversation.leave()
         self.session_id, self._text = session_id, None
+        if self.screen is not None:
+            self.screen.show(OnScreen.API)  # nothing typed or asked in the pane reaches a chat now
         self._entered(session_id)
         self.pane.notice.clear()  # it spoke of the chat that left the screen
         self.pane.set_chat(f"API #{session_id}", "")

@@ -76,7 +76,7 @@ def _tools_menu(window, bar, a: dict[str, Any]) -> None:
     tools = bar.addMenu("&Tools")
     a["compare"] = _action(window, "&Compare cache settings on this chat…", window.open_compare, "Ctrl+K")
     tools.addAction(a["compare"])
-    a["regenerate"] = _action(window, "&Regenerate the last reply", window.conversation.regenerate, "Ctrl+R")
+    a["regenerate"] = _action(window, "&Regenerate the last reply", window.on_screen.regenerate, "Ctrl+R")
     tools.addAction(a["regenerate"])
     tools.addSeparator()
     a["fast_step"] = _action(window, "Compiled &decode step", window.set_fast_step, checkable=True,

@@ -48,6 +48,7 @@ from app.panels.scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
 from app.remote.chat import restore as restore_remote
 from app.shell.readouts import ReplyReadouts
+from app.shell.screen import OnScreen, Screen
 from app.chat.reply_wait import ReplyWait
 from app.controls.sampling_form import SamplingForm
 from app.server.controller import ApiList, ChatsBox, ServerController
@@ -151,13 +152,22 @@ class MainWindow(QMainWindow):
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
             cache=lambda: self.cache.applied, parent=self)
+        self.on_screen = Screen()  # which chat is on screen: every request of the pane and the menus goes to it
+        self.on_screen.register(OnScreen.LOCAL, self.conversation)
+        self.conversation.chat_opened.connect(lambda _chat_id: self.on_screen.show(OnScreen.LOCAL))
+        pane, screen = self.chat, self.on_screen
+        for signal, action in ((pane.send_requested, screen.send), (pane.stop_requested, screen.stop),
+                               (pane.regenerate_requested, screen.regenerate), (pane.edit_requested, screen.edit),
+                               (pane.pin_requested, screen.pin), (pane.version_requested, screen.show_version),
+                               (pane.system_prompt_changed, screen.set_system_prompt)):
+            signal.connect(action)
         self.reply_wait = ReplyWait(self.chat, self.status, self)  # a reply's wait said, with how long
         self.reply_wait.connect(self.conversation, self.engine.worker)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
                                        lambda: self.cache.applied, self.show_error, api_list=self.api_list)
         self.chat_switch = ChatSwitch(self.conversation, self.status, self)  # drafts and tok/s per chat
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
-                                entered=self.chat_switch.api_opened)
+                                entered=self.chat_switch.api_opened, screen=self.on_screen)
         self.readouts = ReplyReadouts(self)  # the chat on screen's snapshots → panels, trace, status bar
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory],
                                         self.readouts.on_frame)
@@ -258,10 +268,10 @@ class MainWindow(QMainWindow):
         self.models.load(spec)
 
     def send(self, text: str) -> None:
-        self.conversation.send(text)
+        self.on_screen.send(text)
 
     def stop(self) -> None:
-        self.conversation.stop()
+        self.on_screen.stop()
 
     def new_chat(self) -> None:
         self.conversation.new_chat()

@@ -24,6 +24,7 @@ from app_helpers import close_window, open_window, wait_reply
 
 from app.shell.docks import on_screen
 from app.remote.chat import QUEUED
+from app.shell.screen import OnScreen
 
 from engine import snapshot as S
 from engine.config import SamplingConfig
@@ -160,10 +161,18 @@ def check_first_reply(qtbot, w, rc) -> None:
 
 def check_regenerate_switch_edit_stop(qtbot, w, rc, local_chat: int, occupancy_in_front: bool) -> None:
     # the same prompt again (regenerate): the server's prefix cache serves it, and the old reply is a version
+    local_before = [(m.role, m.content) for m in w.history.messages(local_chat)]
     with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
         w.menu_actions["regenerate"].trigger()  # Tools ▸ Regenerate (Ctrl+R) follows the chat on screen
     assert rc.reply.cached_tokens > 0 and len(rc.messages[-1].stats["versions"]) == 2
     assert "reused" in w.chat.bubbles[-1].cache_label.text()
+    # the bubble's own Regenerate too: both act on the remote chat, never on the local one behind it
+    with qtbot.waitSignal(w.remote.reply_finished, timeout=60_000):
+        w.chat.bubbles[-1].regen_button.click()
+    assert len(rc.messages[-1].stats["versions"]) == 3 and w.remote.current is rc
+    assert w.on_screen.kind is OnScreen.REMOTE and w.conversation.running is None
+    assert [(m.role, m.content) for m in w.history.messages(local_chat)] == local_before
+    assert not w.chat.stop_button.isEnabled() and "stories260K" not in w.statusBar().currentMessage()
 
     # back to the local chat: everything the remote chat borrowed comes back
     w.chat_list.setCurrentRow(w.chat_list.chat_ids().index(local_chat))
