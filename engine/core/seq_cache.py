@@ -339,6 +339,11 @@ class SeqCache:
         return run, base
 
     # -- the whole cache ---------------------------------------------------------------------------------
+    def apply(self, cfg: CacheConfig, seq, max_chunk: int) -> list[str]:
+        """Move to ``cfg`` between two steps (``engine.core.reconfigure`` does the moving, for this cache, its one
+        writer): notes on what it did and cost; a refusal (typed error) leaves it on its old setting."""
+        return reconfigure.apply(self, seq, cfg, max_chunk)
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
         self.store.truncate(n)

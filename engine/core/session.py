@@ -53,7 +53,7 @@ class ChatSession(Stepping):
         self.cache = SeqCache(loaded, cache or CacheConfig(), self.session_id)
         self.sequence = Sequence()
         self.prefill_chunk = prefill_chunk(sum(p.numel() for p in self.model.parameters()), loaded.device.type)
-        self._open: tuple | None = None  # the prepared forward: (t0, tokens in the step, its chunk, eviction context)
+        self._open = None  # the prepared forward (``engine.core.step.OpenStep``)
         self.spec: Speculator | None = None  # speculative decoding (``speculate``)
         self._ready: list = []  # a verification's tokens still to hand out (``engine.core.step``)
 
@@ -163,7 +163,7 @@ class ChatSession(Stepping):
         """Switch the cache setting between two steps, also mid-reply (``engine.core.reconfigure``): notes on what it
         did and cost; a refusal (typed error) leaves the session on its old setting."""
         self.check_open()
-        return reconfigure.apply(self.cache, self.sequence, cfg, self.prefill_chunk)
+        return self.cache.apply(cfg, self.sequence, self.prefill_chunk)
 
     def speculate(self, cfg: SpecConfig | None, drafter=None) -> str:
         """Turn speculative decoding on (``cfg``; a draft model's ``drafter`` from ``engine.speculation.draft_model``), change

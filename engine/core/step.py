@@ -21,10 +21,22 @@ from engine.snapshot import StepResult
 from engine.speculation.verify import verify
 
 if TYPE_CHECKING:
+    from engine.core.eviction import EvictionContext
     from engine.model.loader import LoadedModel
     from engine.core.seq_cache import SeqCache
     from engine.core.sequence import Sequence
     from engine.speculation.verify import Speculator
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenStep:
+    """A forward prepared and reserved, waiting for its output (``prepare`` → ``finish`` / ``abort``)."""
+
+    t0: float  # when it was prepared (its step's time counts from here)
+    n_in: int  # tokens it feeds
+    work: Work
+    cx: "EvictionContext | None"  # what eviction knew of the conversation (None: a verification)
+    drafts: list[int] | None  # a verification's draft tokens (None: a plain step)
 
 
 class Stepping:
@@ -34,7 +46,7 @@ class Stepping:
     sequence: "Sequence"
     cache: "SeqCache"
     prefill_chunk: int
-    _open: tuple | None  # the prepared forward: (t0, tokens in the step, its Work, eviction context, drafts)
+    _open: OpenStep | None  # the prepared forward
     spec: "Speculator | None"  # speculative decoding (``engine.speculation.verify``), None: off
     _ready: list  # tokens a verification gave beyond its first: (event, stop, text), one per step, no forward
 
@@ -84,7 +96,7 @@ class Stepping:
                 work = c.next_verify(q.ids, drafts, owner=q.turn)
             except BaseException as e:
                 raise self._fail(e) from e
-            self._open = (t0, len(drafts) + 1, work, None, drafts)
+            self._open = OpenStep(t0, len(drafts) + 1, work, None, drafts)
             return work
         try:
             work, cx = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
@@ -95,7 +107,7 @@ class Stepping:
             raise self._fail(e) from e
         q.planned(cx)  # its notes; prompt tokens it dropped unread are not counted as computed
         n_in = c.pending(len(q.ids))  # after planning: without the tokens dropped to fit the context
-        self._open = (t0, n_in, work, cx, None)
+        self._open = OpenStep(t0, n_in, work, cx, None)
         return work
 
     def _drafts(self) -> list[int]:
@@ -118,7 +130,8 @@ class Stepping:
     def finish(self, out: Output, written: tuple[int, ...] = ()) -> StepResult:
         """After the prepared forward (``out``; ``written``: pages a batched forward wrote in this pool): commit,
         then the prefill chunk's progress, or the token, its stop checks and the snapshot."""
-        (t0, n_in, work, cx, drafts), self._open = self._open, None
+        opened, self._open = self._open, None
+        t0, n_in, work, cx, drafts = opened.t0, opened.n_in, opened.work, opened.cx, opened.drafts
         if drafts:
             return self._finish_verify(t0, work, drafts, out)
         q, c, t = self.sequence, self.cache, self.sequence.reply
