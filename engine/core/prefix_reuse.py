@@ -1,0 +1,118 @@
+"""``PrefixReuse``: the part of ``SeqCache`` (``engine.core.seq_cache``) that reuses what is cached — the prefix
+cache's names of its full pages, a new prompt's common prefix, pages taken from the prefix cache or restored
+from the disk tier, and a stream that goes on after an eviction. A mixin, not an object of its own: the state
+it writes is the sequence cache's, whose one writer it stays.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.kv.paged.prefix import cached_run, extend_chain
+from engine.kv.store.storage import PagedKV
+
+
+class PrefixReuse:
+    """Reuse for a ``SeqCache`` (its store, index, chain, root, host, policy, config and evictor)."""
+
+    # -- the prefix cache --------------------------------------------------------------------------------
+    @property
+    def disk(self):
+        """The model's KV disk tier (``engine.kv.tier.disk``), or None."""
+        return getattr(getattr(self.lm, "arenas", None), "disk", None)
+
+    def disk_notes(self) -> list[str]:
+        """What the disk tier has to tell: the last reuse's restore, files dropped, writes stopped."""
+        return self.disk.take_notes(*self.disk_restored) if self.disk is not None else []
+
+    def prefix_store(self) -> PagedKV | None:
+        """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
+        a plain paged store at the model's own K/V precision and no eviction policy. Pages are registered while
+        the cache index is intact (every cached token at its own logical and RoPE position)."""
+        store = self.store
+        if type(store) is not PagedKV or self.policy is not None:
+            return None
+        return store if store.arena.kinds == {"k": "auto", "v": "auto"} else None
+
+    def _register_pages(self, before: int, ids: Sequence[int]) -> None:
+        """Put the pages that became full since ``before`` cached tokens into the prefix cache (intact ones)."""
+        store = self.prefix_store()
+        if store is None:
+            return
+        P = store.page_size
+        first, last = before // P, self.index.intact // P
+        if last <= first:
+            return
+        extend_chain(self.chain, ids, P, last, self.root)
+        pool, pages = store.arena.pool, store.table.pages
+        chain = self.chain
+        new = [j for j in range(first, min(last, len(chain)))
+               if pool.register(pages[j], chain[j], chain[j - 1] if j else None, ids[j * P:(j + 1) * P])]
+        if new and self.disk is not None:  # written off the decode path (``engine.kv.tier.disk``)
+            self.disk.save(store.arena, [pages[j] for j in new], [self.chain[j] for j in new])
+
+    def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
+        """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
+        full pages of the prefix cache named by ``ids`` — and take those pages. Returns (reused tokens, tokens
+        of them taken from the prefix cache, common prefix). At least one token of ``ids`` is left to prefill."""
+        from engine.core.sequence import common_prefix
+
+        self.continued = 0
+        goes_on = self._goes_on(cached_ids, ids)
+        if goes_on is not None:
+            return goes_on
+        common = common_prefix(list(cached_ids[:self.index.intact]), ids)
+        self.disk_restored, self.disk_pages = (0, 0.0), ()
+        if self.store is None:
+            return 0, 0, common
+        keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
+        keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
+        pages, base = self._take_cached(ids, keep)
+        if pages:
+            keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
+        self.truncate(keep)
+        shared = len(pages) * self.store.page_size if pages else 0
+        if pages:
+            self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
+            self.index.append(shared)
+            self.evictor.scores.grow(shared)
+        return keep + shared, shared, common
+
+    def _goes_on(self, cached_ids: Sequence[int], ids: list[int]) -> tuple[int, int, int] | None:
+        """After an eviction the cache no longer holds the chat from its first token at its own positions, so the
+        common-prefix reuse keeps only that intact start (the sinks: 'reused 12, recomputed 1132'). A prompt that
+        goes on from every token fed so far continues the stream instead, as StreamingLLM serves a conversation:
+        the cache stays as the policy left it and only the new tokens are fed. Returns (tokens fed before, 0,
+        common prefix) and sets ``continued`` to the tokens evicted earlier (neither reused nor recomputed), or
+        None when the prompt does not go on from the cache."""
+        ix = self.index
+        fed = ix.next_pos
+        if getattr(self.policy, "name", "") == "priority":
+            return None  # its priorities come from the messages (pins), which a new turn may change: recomputed
+        if (self.store is None or self.host is not None or ix.intact == fed or not self.cache_config.prefix_reuse
+                or len(ids) <= fed or len(cached_ids) < fed or list(cached_ids[:fed]) != list(ids[:fed])):
+            return None
+        self.disk_restored, self.disk_pages, self.chain = (0, 0.0), (), []
+        self.continued = int(ix.evicted_count())
+        return fed, 0, fed
+
+    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
+        """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
+        page index), empty when they would not cover more than ``keep`` tokens."""
+        store = self.prefix_store()
+        self.chain = []
+        if store is None or not self.cache_config.prefix_reuse or self.host is not None:
+            return [], 0
+        P = store.page_size
+        limit, base = (len(ids) - 1) // P, keep // P
+        if limit <= base:
+            return [], base
+        extend_chain(self.chain, ids, P, limit, self.root)
+        run = cached_run(store.arena.pool, self.chain, base)
+        if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
+            self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
+            run, before = cached_run(store.arena.pool, self.chain, base), len(run)
+            self.disk_pages = tuple(run[before:])
+        if (base + len(run)) * P <= keep:
+            return [], base
+        return run, base
