@@ -25,7 +25,7 @@ import enum
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from engine.snapshot import StepResult
 from engine.vocab import FinishReason, RequestStatus
@@ -370,6 +370,26 @@ def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict
             if pages is not None:
                 by_pool.setdefault(pages[0], set()).update(pages[1])
     return {k: tuple(sorted(v)) for k, v in by_pool.items()}
+
+
+def drive(session: Steppable, priority: Priority = Priority.FOREGROUND) -> Iterator[StepResult]:
+    """Each result of ``session``'s reply (started), stepped by a core of its own: the CLI, bench and quality
+    loops run their replies as the app and the server do, through ``EngineCore.round`` (one request, so a round
+    is one step). The exception that ended the reply is raised; the last result is ``done``."""
+    core, out = EngineCore(session.lm), deque()
+    request = core.add(Request(session, out.append, priority))
+    while True:
+        if not out:
+            if request.done:
+                return
+            core.round()
+            continue
+        result = out.popleft()
+        if isinstance(result, BaseException):
+            raise result
+        yield result
+        if result.done:
+            return
 
 
 class CoreThread:
