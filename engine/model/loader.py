@@ -35,7 +35,7 @@ from engine.model.model_files import (  # noqa: F401  (check_safetensors, check_
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
-from engine.tools.log_once import once_per_message
+from engine.model.log_once import once_per_message
 from engine.model.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
