@@ -1,6 +1,6 @@
 """The engine's notes in the app's words, and the notes only the app can give.
 
-The engine's notes are ``engine.vocab.Note``s: its own words for logs and the CLI (``paged/4 K:int8 V:auto``,
+The engine's notes are ``engine.core.vocab.Note``s: its own words for logs and the CLI (``paged/4 K:int8 V:auto``,
 ``h2o(budget=260, recent=32)``) with what each says as a kind and fields. The user set those things with
 controls named "Paged", "8-bit (int8)", "Full precision", "Heavy hitters (H2O)", so every note shown (under the
 cache controls, in the status bar, under a reply) is said here from its kind and fields in those names
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from app.shell.glossary import KV_DTYPES, PARAMS, POLICIES, describe_cache
 from engine.kv.paged import sizes
-from engine.vocab import Note, NoteKind
+from engine.core.vocab import Note, NoteKind
 
 
 def cache_words(cfg: Any, precision: bool = False) -> str:

@@ -54,7 +54,7 @@ from app.controls.spec_drafts import SpecDrafts, with_draft_pool
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
-from engine.vocab import FinishReason
+from engine.core.vocab import FinishReason
 
 __all__ = ["EngineBackend", "EngineWorker", "default_backend"]
 

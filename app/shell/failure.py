@@ -11,7 +11,7 @@ import traceback
 from dataclasses import dataclass
 
 from engine.errors import EngineError, InternalError, SessionClosedError
-from engine.vocab import REPLY_STAGES  # failures at these stages end the reply they belong to
+from engine.core.vocab import REPLY_STAGES  # failures at these stages end the reply they belong to
 
 
 @dataclass(frozen=True)

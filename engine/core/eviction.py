@@ -24,7 +24,7 @@ from engine.errors import ContextOverflowError, InternalError
 from engine.kv.store.attention import Rerotator
 from engine.kv.paged.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
-from engine.vocab import Note, NoteKind
+from engine.core.vocab import Note, NoteKind
 
 
 

@@ -20,7 +20,7 @@ from engine.kv.store.grouped import GroupedKV, Layout
 from engine.kv.store.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
-from engine.vocab import Note, NoteKind
+from engine.core.vocab import Note, NoteKind
 
 if TYPE_CHECKING:
     from engine.core.seq_cache import SeqCache

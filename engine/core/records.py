@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.vocab import StepPath
+from engine.core.vocab import StepPath
 
 if TYPE_CHECKING:
     from engine.core.eviction import Eviction

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from engine.snapshot import StepResult
-from engine.vocab import FinishReason, RequestStatus
+from engine.core.vocab import FinishReason, RequestStatus
 
 if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
     from engine.model.runner import Output

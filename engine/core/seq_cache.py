@@ -28,7 +28,7 @@ from engine.kv.paged.positions import CacheIndex
 from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
-from engine.vocab import StepPath
+from engine.core.vocab import StepPath
 
 
 class SeqCache(PrefixReuse):

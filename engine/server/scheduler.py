@@ -22,7 +22,7 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.kv.tier.report import problems
 from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Source
-from engine.vocab import FinishReason
+from engine.core.vocab import FinishReason
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits

@@ -1,6 +1,7 @@
 """The command-line tools: ``cli`` (``python -m engine generate|serve|bench|quality|attach``), ``bench`` and its
-scenarios, ``quality``, ``compare`` (the app's Compare too), and checking the user's arguments (``arguments``; files are read through
-``engine.inputs``: size-capped, never blocking, one-line errors).
+scenarios, ``quality``, ``compare`` (the app's Compare too), and reading what the user or a file gives (``inputs``: regular files only, size-capped, never
+blocking, one-line errors — also used by ``engine.remote`` and the disk tier's headers; ``arguments``).
 
-May import every engine room; nothing imports the tools but ``engine.__main__`` and the app's Compare.
+May import every engine room; nothing imports the tools but ``engine.__main__``, the app's Compare and, for
+``inputs`` alone, the rooms that read untrusted input.
 """

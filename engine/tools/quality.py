@@ -162,7 +162,7 @@ def _one_setting(a) -> Setting | None:
 
 def run_quality(a) -> int:
     from engine.tools.arguments import write_json
-    from engine.inputs import read_text
+    from engine.tools.inputs import read_text
 
     # every flag and the text file before the model loads: --page-size 0 is generate's one-line refusal,
     # and --text /dev/zero (read whole, it grew to 23.9 GB) or a FIFO (blocked forever) one line, exit 2
