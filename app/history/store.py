@@ -76,10 +76,6 @@ class HistoryStore(Recovery):
         self._set_db(None, False)
 
     @property
-    def journal_mode(self) -> str:
-        return self._db.execute("PRAGMA journal_mode").fetchone()[0] if self._db is not None else "memory"
-
-    @property
     def writable(self) -> bool:
         """The file is open for writing (changes reach it as they happen)."""
         return self._db is not None and self._writable

@@ -232,14 +232,6 @@ class MainWindow(QMainWindow):
         return self.models.info
 
     @property
-    def _loading(self) -> bool:
-        return self.models.loading
-
-    @property
-    def applied_cache(self) -> CacheConfig:
-        return self.cache.applied
-
-    @property
     def panel_seconds(self) -> float:
         return self.scheduler.seconds
 

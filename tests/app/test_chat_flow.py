@@ -150,10 +150,10 @@ def test_a_pinned_message_keeps_its_token_count_after_reopening(qtbot, data_dir,
         assert w.chat.bubbles[0].pinned
         assert w.chat.bubbles[0].stats_label.text() == off
         w.controls.policy.setCurrentIndex(w.controls.policy.findData("priority"))  # as the user does
-        qtbot.waitUntil(lambda: w.applied_cache.policy == "priority", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.policy == "priority", timeout=10_000)
         assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
         w.controls.policy.setCurrentIndex(w.controls.policy.findData("none"))
-        qtbot.waitUntil(lambda: w.applied_cache.policy == "none", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.policy == "none", timeout=10_000)
         assert w.chat.bubbles[0].stats_label.text() == off
     finally:
         close_window(w)

@@ -96,9 +96,9 @@ def test_precision_and_policy_switches_mid_reply_are_in_the_footer(qtbot, data_d
         qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
         c = w.controls
         c.k_dtype.setCurrentIndex(c.k_dtype.findData("int8"))  # as the user does
-        qtbot.waitUntil(lambda: w.applied_cache.k_dtype == "int8", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.k_dtype == "int8", timeout=10_000)
         c.policy.setCurrentIndex(c.policy.findData("h2o"))
-        qtbot.waitUntil(lambda: w.applied_cache.policy == "h2o", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.policy == "h2o", timeout=10_000)
         assert w.generation_id  # both landed mid-reply
         wait_reply(qtbot, w)
         line = w.chat.bubbles[-1].stats_label.text()

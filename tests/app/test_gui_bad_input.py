@@ -273,7 +273,7 @@ def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
         with qtbot.waitSignal(w.error_shown, timeout=10_000) as blocker:
             w.status.cancel.click()
         assert blocker.args[0] == "Loading /models/big was cancelled." == w.chat.notice.text
-        assert w.info.name == "first" and not w.status.cancel.isVisible() and not w._loading
+        assert w.info.name == "first" and not w.status.cancel.isVisible() and not w.models.loading
         assert w.chat.send_button.isEnabled()
     finally:
         close_window(w)

@@ -20,7 +20,9 @@ from app.history.store import HistoryStore
 
 def test_chats_messages_and_incremental_append(tmp_path):
     store = HistoryStore(tmp_path / "h.sqlite3")
-    assert store.journal_mode == "wal"
+    probe = sqlite3.connect(tmp_path / "h.sqlite3")  # the file itself is in WAL mode (a mode the file keeps)
+    assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    probe.close()
     chat = store.create_chat("First", "be brief")
     u = store.add_message(chat.id, "user", "hello")
     a = store.add_message(chat.id, "assistant")

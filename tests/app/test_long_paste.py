@@ -12,7 +12,7 @@ def test_a_paste_longer_than_the_context_says_what_was_dropped(qtbot, data_dir):
     w = open_window(qtbot, data_dir, "stories260K")
     try:
         w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("truncate_middle"))  # as the user does
-        qtbot.waitUntil(lambda: w.applied_cache.overflow == "truncate_middle", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.overflow == "truncate_middle", timeout=10_000)
         w.send("The little dog ran to the park and played with a big red ball. " * 200)  # ~3,000 tokens
         assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")
         stats = w.history.messages(w.chat_id)[-1].stats

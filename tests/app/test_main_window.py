@@ -64,10 +64,10 @@ def test_switch_mode_and_page_size_mid_reply(qtbot, data_dir, stories_path):
         w.send("The little dog")
         qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 3, timeout=30_000)
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("contiguous"))  # as the user does
-        qtbot.waitUntil(lambda: w.applied_cache.mode == "contiguous", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "contiguous", timeout=10_000)
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("paged"))
         w.controls.page_size.setValue(8)
-        qtbot.waitUntil(lambda: w.applied_cache.mode == "paged" and w.applied_cache.page_size == 8, timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "paged" and w.cache.applied.page_size == 8, timeout=10_000)
         assert w.generation_id, "the reply ended before both switches landed"
         gen, reason = wait_reply(qtbot, w)
         assert reason == "max_tokens"
@@ -209,14 +209,14 @@ def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path)
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
         field = w.status.context
-        w.status.show_context(100, 512, w.applied_cache.overflow)
+        w.status.show_context(100, 512, w.cache.applied.overflow)
         assert field.text() == "Context: 100 of 512 tokens" and "stops" in field.toolTip()
         assert field.level == "" and CONTEXT_FILLING not in field.styleSheet()
-        w.status.show_context(400, 512, w.applied_cache.overflow)
+        w.status.show_context(400, 512, w.cache.applied.overflow)
         assert field.level == "filling" and CONTEXT_FILLING in field.styleSheet() and "78%" in field.toolTip()
         w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("truncate_middle"))
-        qtbot.waitUntil(lambda: w.applied_cache.overflow == "truncate_middle", timeout=10_000)
-        w.status.show_context(470, 512, w.applied_cache.overflow)
+        qtbot.waitUntil(lambda: w.cache.applied.overflow == "truncate_middle", timeout=10_000)
+        w.status.show_context(470, 512, w.cache.applied.overflow)
         assert field.level == "full" and CONTEXT_FULL in field.styleSheet() and "first message" in field.toolTip()
     finally:
         close_window(w)
@@ -379,7 +379,7 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         assert w.last_stats["generated_tokens"] == 20 and w.last_stats["reused_tokens"] > 0
         # cache settings apply, and Stop stops, while it runs
         w.apply_cache_config(CacheConfig(mode="contiguous"))
-        qtbot.waitUntil(lambda: w.applied_cache.mode == "contiguous", timeout=10_000)
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "contiguous", timeout=10_000)
         w.sampling_override = SamplingConfig(temperature=0.0, max_new_tokens=300, ignore_eos=True)  # context 512
         w.send("And a bird?")
         qtbot.waitUntil(lambda: w.conversation.tokens_in_reply >= 2, timeout=30_000)

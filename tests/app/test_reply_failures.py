@@ -100,7 +100,7 @@ def test_the_next_message_after_an_engine_error_gets_a_normal_reply(qtbot, data_
         # story has a tie at 1e-6 (12.738513 vs 12.738512) seven tokens in
         messages = w.conversation.engine_messages()[:-1]
         first = messages[:next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
-        reference = ChatSession(stories, w.applied_cache)
+        reference = ChatSession(stories, w.cache.applied)
         reference.start(first, SAMPLING)
         for _ in range(fault.at - 1):  # the forwards before the injected fault: 5 tokens
             reference.step()

@@ -129,7 +129,7 @@ def test_budget_evicts_least_recently_used_files(fresh, tmp_path):
     chat(lm, a, n=1)
     chat(lm, b, n=1)
     lm.kv_arenas.disk.flush()
-    assert lm.kv_arenas.disk.num_files == 4
+    assert lm.kv_arenas.disk.stats()["files"] == len(page_files(folder)) == 4
     reader = fresh(folder, budget=4 * size)
     assert chat(reader, a, n=1)[1].disk_restored_tokens == 32  # a read: a's files are now the most recent
     chat(reader, c, n=1)  # two more files: b's two (least recently used) go

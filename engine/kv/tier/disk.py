@@ -85,10 +85,6 @@ class DiskTier:
         """Bytes of page files this tier knows of (its size readout)."""
         return self._bytes
 
-    @property
-    def num_files(self) -> int:
-        return len(self._files)
-
     def stats(self) -> dict:
         with self._lock:
             return {**self.counts, "bytes_on_disk": self._bytes, "files": len(self._files), "writable": self.writable}
