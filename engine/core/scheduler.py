@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
+from engine.errors import EngineError
 from engine.snapshot import StepResult
 from engine.core.vocab import FinishReason, RequestStatus
 
@@ -375,7 +376,14 @@ def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict
 def drive(session: Steppable, priority: Priority = Priority.FOREGROUND) -> Iterator[StepResult]:
     """Each result of ``session``'s reply (started), stepped by a core of its own: the CLI, bench and quality
     loops run their replies as the app and the server do, through ``EngineCore.round`` (one request, so a round
-    is one step). The exception that ended the reply is raised; the last result is ``done``."""
+    is one step). The exception that ended the reply is raised; the last result is ``done``.
+
+    Each result is yielded as soon as its round ends, so a loop over it times and streams per step as a loop
+    over ``session.step()`` did (the core adds 0.03-0.16 ms a step on stories260K, CPU: 1.70 vs 1.73 ms a token
+    eager, 400 tokens, paged). Leaving the loop early (``break``: say, at the first token) leaves the reply
+    started, for another core to go on with."""
+    if not session.generating:
+        raise EngineError("no reply in progress: call start() first")  # as ``step()`` says; the core would skip it
     core, out = EngineCore(session.lm), deque()
     request = core.add(Request(session, out.append, priority))
     while True:

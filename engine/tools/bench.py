@@ -69,6 +69,7 @@ def run_hf(lm, prompt: list[int], new_tokens: int, use_cache: bool) -> dict[str,
 def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig, a=None) -> dict[str, Any]:
     """One cold reply on the engine (``a``: the bench's flags, to speculate)."""
     from engine.tools import bench_spec
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     s = ChatSession(lm, cache.replace(prefix_reuse=False))  # a cold prefill: no pages of earlier repeats
@@ -77,9 +78,8 @@ def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig, a=Non
             bench_spec.speculate(s, a, lm)
         s.start_ids(prompt, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
         compiled = 0
-        while not (r := s.step()).done:
+        for r in drive(s):  # through a core, as the app's replies run (its stats time the same steps)
             compiled += r.event is not None and r.event.path == "compiled"
-        compiled += r.event is not None and r.event.path == "compiled"
         st = r.stats
         out = {"ttft_ms": st.ttft_ms, "decode_tokens_per_s": st.decode_tokens_per_s,
                "kv_bytes": r.snapshot.kv_bytes, "tokens": st.generated_tokens, "compiled_tokens": compiled}
@@ -92,6 +92,7 @@ def run_engine(lm, prompt: list[int], new_tokens: int, cache: CacheConfig, a=Non
 
 def run_turn_reuse(lm, history: int, new_user: int, cache: CacheConfig) -> dict[str, float]:
     """TTFT of a turn after ``history`` cached tokens: prefix reuse vs a full re-prefill."""
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     base = _prompt(lm.info.vocab_size, history, seed=1)
@@ -101,11 +102,11 @@ def run_turn_reuse(lm, history: int, new_user: int, cache: CacheConfig) -> dict[
         s = ChatSession(lm, cache.replace(prefix_reuse=reuse))
         try:
             s.start_ids(base, SamplingConfig(max_new_tokens=1, ignore_eos=True))
-            while not s.step().done:
+            for _ in drive(s):
                 pass
             prev = s.seq[:-1]
             s.start_ids(prev + extra, SamplingConfig(max_new_tokens=1, ignore_eos=True))
-            while not (r := s.step()).done:
+            for r in drive(s):
                 pass
             out["reuse" if reuse else "full"] = r.stats.ttft_ms
             out["reused_tokens" if reuse else "full_reused_tokens"] = r.stats.reused_tokens

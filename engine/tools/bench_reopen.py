@@ -33,12 +33,13 @@ def _chat_ids(vocab: int, n: int, seed: int) -> list[int]:
 
 def _run(lm, ids: list[int], new_tokens: int, page_size: int):
     """One greedy reply to ``ids``: its last ``TurnStats`` and tokens."""
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     s = ChatSession(lm, CacheConfig(mode="paged", page_size=page_size))
     try:
         s.start_ids(ids, SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
-        while not (r := s.step()).done:
+        for r in drive(s):
             pass
         return r.stats, s.generated_ids
     finally:

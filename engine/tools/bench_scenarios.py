@@ -31,9 +31,11 @@ def _pages_in_use(lm) -> int:
 
 def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batched: bool = True) -> dict[str, Any]:
     """``n`` sessions, each with its own ``context``-token prompt, generating ``new_tokens`` at once as a
-    server's requests do: every prompt is prefilled, then all decode together (``engine.core.scheduler.step_all``, or one
-    session after another per round when not ``batched``). Throughput = all sessions' tokens over wall time."""
-    from engine.core.scheduler import step_all
+    server's requests do: every prompt is prefilled (each through a core of its own, to its first token), then
+    all decode together in one core (its rounds batch them: ``engine.core.scheduler.step_all``), or, when not
+    ``batched``, in a core each, one session after another per round. Throughput = all sessions' tokens over
+    wall time."""
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
@@ -43,14 +45,12 @@ def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batch
         t0 = time.perf_counter()
         for i, s in enumerate(sessions):
             s.start_ids(_ids(lm.info.vocab_size, context, seed=200 + i), sampling)
-            while s.step().event is None:  # prefill chunks, then the first token
-                pass
+            for r in drive(s):  # prefill chunks, then the first token: the reply goes on below
+                if r.event is not None:
+                    break
             ttft.append(s.turn_state.ttft_ms)
         t1 = time.perf_counter()
-        while live := [s for s in sessions if s.generating]:
-            for r in (step_all(live) if batched else [_step(s) for s in live]):
-                if isinstance(r, BaseException):
-                    raise r
+        _decode_together(lm, sessions, batched)
         t2 = time.perf_counter()
         tokens = sum(len(s.generated_ids) for s in sessions)
     finally:
@@ -62,16 +62,27 @@ def concurrency(lm, n: int, context: int, new_tokens: int, page_size: int, batch
             "ttft_ms_median": round(statistics.median(ttft), 2), "batch_refused": lm.runner.batch_refused or None}
 
 
-def _step(s):
-    try:
-        return s.step()
-    except BaseException as e:  # noqa: BLE001
-        return e
+def _decode_together(lm, sessions: list, batched: bool) -> None:
+    """Every started reply of ``sessions`` to its end: one core for all (a round decodes them in one batched
+    forward), or a core each, rounded in turn (one forward a session). The first failure is raised."""
+    from engine.core.scheduler import EngineCore, Request
+
+    failed: list[BaseException] = []
+    sink = lambda r: failed.append(r) if isinstance(r, BaseException) else None  # noqa: E731
+    cores = [EngineCore(lm)] if batched else [EngineCore(lm) for _ in sessions]
+    for i, s in enumerate(sessions):
+        cores[i % len(cores)].add(Request(s, sink))
+    while any(c.busy for c in cores):
+        for c in cores:
+            c.round()
+        if failed:
+            raise failed[0]
 
 
 def prefix_cache(lm, requests: int, shared: int, new_tokens: int, page_size: int) -> dict[str, Any]:
     """``requests`` sessions, alive together as a server's would be, each a ``shared``-token system prompt
     plus its own question: time to first token of each, and the pages they hold against one request's."""
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     system = _ids(lm.info.vocab_size, shared, seed=11)
@@ -83,7 +94,7 @@ def prefix_cache(lm, requests: int, shared: int, new_tokens: int, page_size: int
             sessions.append(s)
             s.start_ids(system + _ids(lm.info.vocab_size, QUESTION_TOKENS, seed=100 + i),
                         SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True))
-            while not (r := s.step()).done:
+            for r in drive(s):
                 pass
             ttft.append(r.stats.ttft_ms)
             reused.append(r.stats.reused_tokens)
@@ -107,6 +118,7 @@ def server_overhead(lm, prompt: str, new_tokens: int, repeats: int = 3) -> dict[
     directly; alternating, medians."""
     import httpx
 
+    from engine.core.scheduler import drive
     from engine.server.service import KVServer, ServerThread
     from engine.core.session import ChatSession
 
@@ -120,7 +132,7 @@ def server_overhead(lm, prompt: str, new_tokens: int, repeats: int = 3) -> dict[
             s = ChatSession(lm, CacheConfig(prefix_reuse=False))
             t0 = time.perf_counter()
             s.start_completion(prompt, sampling)
-            while not s.step().done:
+            for _ in drive(s):  # a core of one request: the API's requests run through one too
                 pass
             direct.append(len(s.generated_ids) / (time.perf_counter() - t0))
             s.close()

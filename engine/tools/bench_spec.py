@@ -62,6 +62,7 @@ def copy_prompt(lm, new_tokens: int) -> list[int]:
     to repeat a passage with small changes does. The passage is the model's own greedy text after the opening
     (a model that follows no instruction, tiny or random-weight, then repeats it too), as long as the context
     allows with ``new_tokens`` after the prompt."""
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
     from engine.config import SamplingConfig, CacheConfig
 
@@ -76,7 +77,7 @@ def copy_prompt(lm, new_tokens: int) -> list[int]:
     s = ChatSession(lm, CacheConfig(prefix_reuse=False))
     try:
         s.start_ids(opening, SamplingConfig(max_new_tokens=length, ignore_eos=True))
-        while not s.step().done:
+        for _ in drive(s):
             pass
         passage = s.generated_ids
     finally:

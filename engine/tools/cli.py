@@ -325,19 +325,19 @@ def _speculate(session, cfg, lm) -> None:
 
 
 def _run_turn(session, a: argparse.Namespace) -> tuple[Any, list[dict]]:
-    """Step one reply to its end, streaming text unless ``--json``; the last result and every eviction.
-    What the engine tells the user (tokens dropped to fit the context, ...) goes to stderr as notes."""
+    """Run one reply to its end through a core (``engine.core.scheduler.drive``), streaming text unless ``--json``;
+    the last result and every eviction. What the engine tells the user (tokens dropped to fit the context, ...)
+    goes to stderr as notes."""
+    from engine.core.scheduler import drive
+
     evictions: list[dict] = []
-    while True:
-        r = session.step()
+    for r in drive(session):
         if r.snapshot is not None and r.snapshot.evicted_positions:
             evictions.append({"step": r.snapshot.step, "reason": r.snapshot.evict_reason,
                               "positions": list(r.snapshot.evicted_positions)})
         if not a.json and r.event is not None and r.event.text_delta:
             sys.stdout.write(r.event.text_delta)
             sys.stdout.flush()
-        if r.done:
-            break
     import dataclasses
 
     from engine.kv.tier.report import settled_notes

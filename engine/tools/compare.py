@@ -56,8 +56,10 @@ class ComparisonRow:
 
 
 class Comparison:
-    """A comparison run as steps, so a caller with its own loop (the app's worker) can interleave it with
-    other work: every ``step()`` runs at most one ``ChatSession.step()`` (one model forward).
+    """A comparison run as steps, a background task of an engine core (``engine.core.scheduler.Task``: the app's
+    worker and ``compare_settings`` submit it), so its steps interleave with other work and each runs alone, its
+    timing its own: every ``step()`` — called by ``EngineCore.round`` — runs at most one ``ChatSession.step()``
+    (one model forward).
 
     Order of work: one untimed warm-up reply of one token in the first setting (one-off costs must not land
     on the first row), then each setting in turn in a fresh session. ``step()`` returns the setting's
@@ -188,16 +190,22 @@ def compare_settings(lm, messages: Sequence[dict], sampling: SamplingConfig,
 
     ``on_row`` receives each row as soon as it is measured; setting ``cancel`` stops after the current
     step (the rows so far are returned). A setting that fails (say, cache off past the context) gives a
-    row with ``error`` and the comparison goes on. A loop over :class:`Comparison`.
+    row with ``error`` and the comparison goes on. A :class:`Comparison` run as a task of a core of its own, as
+    the app's worker runs it; an exception that ended it is raised.
     """
-    comparison = Comparison(lm, messages, sampling, settings)
+    from engine.core.scheduler import EngineCore, Task
+
+    comparison, failed = Comparison(lm, messages, sampling, settings), []
+    core = EngineCore(lm)
+    core.add_task(Task(comparison, lambda row: on_row(row) if row is not None and on_row is not None else None,
+                       failed.append))
     try:
-        while not comparison.done:
+        while core.busy:
             if cancel is not None and cancel.is_set():
                 comparison.cancel()
-            row = comparison.step()
-            if row is not None and on_row is not None:
-                on_row(row)
+            core.round()
+            if failed:
+                raise failed[0]
     finally:
         comparison.close()
     return comparison.rows

@@ -74,12 +74,13 @@ def teacher_forced(lm, setting: Setting, ids: list[int]) -> tuple[torch.Tensor, 
 
 
 def greedy(lm, setting: Setting, prompt: list[int], n: int) -> list[int]:
+    from engine.core.scheduler import drive
     from engine.core.session import ChatSession
 
     s = ChatSession(lm, setting.cache())
     s.start_ids(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
     try:
-        while not s.step().done:
+        for _ in drive(s):
             pass
         return s.generated_ids
     finally:
