@@ -5,7 +5,9 @@ a code path (contiguous buffers, int8 and int4 kernels, the no-cache path) lande
 first token: 4 / 99 / 1448 / 1163 / 1192 ms for one 13-token prompt. ``WarmedComparison`` first runs a
 one-token reply in every setting, each in a fresh session (so every row is measured the same way: warm),
 then steps the comparison itself. Both phases run one model forward per ``step()``, so the chat's own
-reply still goes on between them.
+reply still goes on between them. The worker submits it to its engine core as a background task
+(``engine.core.scheduler.Task``): every ``step()``, and so every step of its sessions, runs inside
+``EngineCore.round``, alone (its timing its own).
 """
 
 from __future__ import annotations
