@@ -1,9 +1,11 @@
 """The worker's speculative decoding: the setting in force on the engine thread and the draft model it loaded.
 
 One draft model is loaded (on the worker's thread, by the backend that loads the chat's model) and shared by
-every chat's drafter; each chat gets its own ``engine.speculation.draft_model.ModelDrafter`` (its own draft cache) from the
-session pool when it becomes active. A draft model is checked against the chat's model before anything
-changes ("can I?" before "do it"): one with another tokenizer is refused with the reason, the setting stays.
+every chat's drafter; each chat gets its own ``engine.speculation.draft_model.ModelDrafter`` (its own draft cache)
+from the session pool when it becomes active, through the engine's one set-up path (``engine.speculation.setup``).
+A draft model is checked against the chat's model before anything changes ("can I?" before "do it"): one with
+another tokenizer is refused with the reason, the setting stays. The draft model's pool in a chat's page map is
+the engine's snapshot's own (``engine.core.observe.with_draft_pool``).
 Imports torch only when a draft model is loaded (this module is imported with the worker, on the GUI thread).
 """
 
@@ -37,16 +39,12 @@ class SpecDrafts:
 
     def drafters(self, cfg: SpecConfig, target: Any, like: ModelSpec | None) -> Callable[[], Any] | None:
         """A maker of drafters for ``cfg`` on ``target`` (None unless a draft model), the draft model loaded
-        and checked first."""
+        and checked first (``engine.speculation.setup.Speculation.draft_model``)."""
         if cfg.method != "draft":
             return None
-        from engine.speculation.draft_model import DraftMismatchError, ModelDrafter, tokenizer_mismatch
+        from engine.speculation.setup import Speculation
 
-        draft = self._model(cfg.draft_path, target, like)
-        why = tokenizer_mismatch(draft, target)
-        if why:
-            raise DraftMismatchError(f"draft model {draft.info.name}: {why}")
-        return lambda: ModelDrafter(draft, target, check=False)
+        return Speculation.draft_model(cfg, self._model(cfg.draft_path, target, like), target).make_drafter
 
     def _model(self, path: str, target: Any, like: ModelSpec | None) -> Any:
         """The draft model at ``path`` on ``target``'s device: the one loaded already, or loaded now."""
@@ -59,27 +57,3 @@ class SpecDrafts:
         self._draft = (path, device, loaded)
         return loaded
 
-
-def with_draft_pool(snap: Any, session: Any) -> Any:
-    """``snap`` with the chat's draft model's pool drawn after the model's own (a second group of the page map:
-    "draft model: pages 32–63"), when the chat drafts with a draft model; else ``snap`` itself. The draft
-    model's pages are its own arena's, shared by every chat's drafter: this chat's are marked as its own."""
-    drafter = getattr(getattr(session, "spec", None), "drafter", None)
-    cache = getattr(drafter, "cache", None)
-    if snap is None or cache is None or cache.store is None or not snap.num_pages:
-        return snap
-    import numpy as np
-
-    from engine.core.observe import own_pages, page_map
-
-    state, owner, fill, ref, _held, groups = page_map(cache)
-    if groups or not len(state):  # a draft model whose layers differ: not drawn (its pools would not line up)
-        return snap
-    n = snap.num_pages
-    mine = snap.page_mine if snap.page_mine is not None else np.ones(n, dtype=bool)
-    return dataclasses.replace(
-        snap, num_pages=n + len(state),
-        page_state=np.concatenate([snap.page_state, state]), page_owner=np.concatenate([snap.page_owner, owner]),
-        page_fill=np.concatenate([snap.page_fill, fill]), page_refcount=np.concatenate([snap.page_refcount, ref]),
-        page_groups=tuple(snap.page_groups or (("model", n),)) + (("draft model", len(state)),),
-        page_mine=np.concatenate([mine, own_pages(cache, len(state), ())]))

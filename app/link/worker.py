@@ -50,7 +50,7 @@ from app.link.backend import EngineBackend, default_backend
 from app.compare.run import WarmedComparison
 from app.controls.disk_tier import DiskTierControl
 from app.shell.failure import Failure, describe, log
-from app.controls.spec_drafts import SpecDrafts, with_draft_pool
+from app.controls.spec_drafts import SpecDrafts
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
@@ -310,7 +310,7 @@ class EngineWorker(QObject):
         session = self._pool.get(chat) if self._pool is not None else None
         if session is not None and not (self._gen_id and self._chat == chat):
             try:
-                snap = with_draft_pool(session.snapshot(), session) if getattr(session, "cached_tokens", 1) else None
+                snap = session.snapshot() if getattr(session, "cached_tokens", 1) else None
             except BaseException:  # noqa: BLE001 - a description is a nicety; the chat is untouched
                 traceback.print_exc()
         self.described.emit(chat, snap, self._count(messages, -2))
@@ -418,7 +418,7 @@ class EngineWorker(QObject):
         if result.event is not None:
             self.token.emit(result.event)
         if result.snapshot is not None:
-            self.snapshot.emit(with_draft_pool(result.snapshot, self._session))
+            self.snapshot.emit(result.snapshot)
             self._note(gen, getattr(result.snapshot, "notes", ()))
         self._text = result.text or self._text
         if result.done:

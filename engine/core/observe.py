@@ -14,6 +14,7 @@ What a snapshot promises (tested after every step of a random walk through every
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -124,8 +125,9 @@ def restored_pages(cache: "SeqCache") -> tuple[int, ...]:
     return tuple(p for p in cache.disk_pages if p in held)
 
 
-def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
-    """A frozen picture of ``seq``'s cache now (read-only numpy copies)."""
+def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: float = 0.0,
+          draft: "SeqCache | None" = None) -> CacheSnapshot:
+    """A frozen picture of ``seq``'s cache now (read-only numpy copies); ``draft``'s pool after it (``with_draft_pool``)."""
     lm = cache.lm
     info, cfg, store, t = lm.info, cache.cache_config, cache.store, seq.reply
     L = info.num_layers
@@ -149,7 +151,7 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
     evicted_now = tuple(sorted(p for p in {p for e in evs for p in e.positions}
                                if p < len(tokens) and tokens[p] == snap.TOKEN_EVICTED))
     fast = lm.fast_step
-    return CacheSnapshot(
+    return with_draft_pool(CacheSnapshot(
         generation_id=seq.generation_id, step=t.step, mode=cfg.mode, policy=cfg.policy,
         page_size=cfg.page_size if cfg.mode == "paged" else 0, num_pages=len(state),
         pages_used_per_layer=np.asarray(store.layer_pages() if hasattr(store, "layer_pages") else [pages] * L,
@@ -181,4 +183,23 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         verified=last.verified, rolled_back=last.rolled_back,
         step_path=last.path,
         fast_step=fast.describe() if fast is not None else "",
-    )
+    ), draft)
+
+
+def with_draft_pool(snapshot: CacheSnapshot, draft: "SeqCache | None") -> CacheSnapshot:
+    """``snapshot`` with the draft model's pool drawn after the model's own (a second group of the page map:
+    "draft model: pages 32–63") when there is a ``draft`` cache; else ``snapshot`` itself. The draft model's
+    pages are its own arena's, shared by every chat's drafter: this chat's are marked as its own."""
+    if draft is None or draft.store is None or not snapshot.num_pages:
+        return snapshot
+    state, owner, fill, ref, _held, groups = page_map(draft)
+    if groups or not len(state):  # a draft model whose layers differ: not drawn (its pools would not line up)
+        return snapshot
+    s, n = snapshot, snapshot.num_pages
+    mine = s.page_mine if s.page_mine is not None else np.ones(n, dtype=bool)
+    return dataclasses.replace(
+        s, num_pages=n + len(state),
+        page_state=np.concatenate([s.page_state, state]), page_owner=np.concatenate([s.page_owner, owner]),
+        page_fill=np.concatenate([s.page_fill, fill]), page_refcount=np.concatenate([s.page_refcount, ref]),
+        page_groups=tuple(s.page_groups or (("model", n),)) + (("draft model", len(state)),),
+        page_mine=np.concatenate([mine, own_pages(draft, len(state), ())]))

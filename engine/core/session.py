@@ -30,7 +30,8 @@ from engine.core.sampling import Sampler
 from engine.core.seq_cache import SeqCache
 from engine.core.sequence import NullDecoder, Sequence, Status, TurnState, check_fits, prefill_chunk
 from engine.snapshot import TOKEN_EVICTED, CacheSnapshot, TurnStats
-from engine.speculation.verify import NgramDrafter, SpecConfig, Speculator
+from engine.speculation import setup as spec_setup
+from engine.speculation.verify import SpecConfig, Speculator
 from engine.core.step import Stepping
 from engine.model.threads import apply as apply_threads
 
@@ -167,25 +168,16 @@ class ChatSession(Stepping):
 
     def speculate(self, cfg: SpecConfig | None, drafter=None) -> str:
         """Turn speculative decoding on (``cfg``; a draft model's ``drafter`` from ``engine.speculation.draft_model``), change
-        it or turn it off (None / method off); allowed between any two steps, also mid-reply. Returns a note."""
+        it or turn it off (None / method off); allowed between any two steps, also mid-reply. Returns a note. Built by
+        ``engine.speculation.setup`` (a pool of sessions goes through its ``Speculation.onto``)."""
         self.check_open()
-        old, self.spec = self.spec, None
-        keep = (old is not None and cfg is not None and drafter is None and cfg.method == "draft"
-                and (old.cfg.method, old.cfg.draft_path) == ("draft", cfg.draft_path))  # the loaded draft model
-        if old is not None and not keep:
-            old.close()
-        if cfg is None or cfg.method == "off":
-            self.sequence.reply.spec = None
-            return "speculative decoding off"
-        if drafter is None:
-            drafter = old.drafter if keep else NgramDrafter(cfg.max_ngram) if cfg.method == "ngram" else None
-        if drafter is None:
-            raise EngineError("speculative decoding with a draft model needs the draft model loaded")
-        self.spec = Speculator(cfg, drafter, self.lm.runner.spec_verdicts)
-        if self.generating:  # mid-reply: the counts start now
-            self.sequence.reply.spec, self.sequence.reply.spec_label = self.spec.stats, cfg.label
-        return f"speculative decoding: {cfg.label}, " + (f"{cfg.draft_tokens} draft tokens per forward"
-                                                         if cfg.draft_tokens else "draft length adapts")
+        self.spec = spec_setup.speculator(self.spec, cfg, drafter, self.lm.runner.spec_verdicts)
+        reply = self.sequence.reply
+        if self.spec is None:
+            reply.spec = None
+        elif self.generating:  # mid-reply: the counts start now
+            reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
+        return spec_setup.describe(cfg)
 
     def swap_out(self) -> int:
         """Move this (idle) session's K/V to host memory and give its pages back. Returns bytes moved."""
@@ -222,5 +214,6 @@ class ChatSession(Stepping):
         self.sequence.status = Status.CLOSED
 
     def snapshot(self, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
-        """A frozen picture of the cache now (read-only numpy copies)."""
-        return observe.build(self.sequence, self.cache, phase, step_ms)
+        """A frozen picture of the cache now (read-only numpy copies); a draft model's pool drawn after the model's."""
+        draft = getattr(self.spec.drafter, "cache", None) if self.spec is not None else None
+        return observe.build(self.sequence, self.cache, phase, step_ms, draft)

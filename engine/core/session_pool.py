@@ -1,123 +1,236 @@
-"""``SessionPool``: one ``ChatSession`` per chat of a model, idle chats swapped out to host memory.
+"""``SessionPool``: the sessions of one model kept between their replies, so a conversation's next turn reuses
+its cache instead of prefilling its history again. Its two owners make room in two ways (``evict``):
 
-The app keeps many chats; only one generates at a time. Each chat keeps its own session (so returning to
-a chat reuses its cache instead of re-prefilling its history), and when another chat becomes active the
-idle ones move their K/V to host memory (``ChatSession.swap_out``), giving their pages back to the shared
-pool. The next turn of a swapped chat brings its K/V back (``swap_in``) before prefilling.
+- ``SWAP`` (the app's chats): one session per chat, by key (``activate``). Only one chat generates at a time;
+  when another becomes active the idle ones move their K/V to host memory (``ChatSession.swap_out``), giving
+  their pages back to the shared pool, and the next turn of a swapped chat brings its K/V back (``swap_in``)
+  before prefilling. A request that needs pages swaps every idle chat out (``reclaim``).
+- ``CLOSE`` (the API server's conversations): idle conversations keep their KV on the device; a request that
+  needs pages closes them (``reclaim``, each counted by ``on_evict``).
+
+Either way at most ``max_sessions`` are kept; the least recently used is closed first (its pages go back).
+
+A client of the OpenAI API sends the whole conversation every time: the previous messages, the reply it got,
+and a new user message. ``take`` picks the idle session whose tokens share the longest prefix with the new
+prompt; its ``start()`` then prefills only the rest (``TurnStats.reused_tokens``); ``put`` keeps it again when
+its reply is done. A prompt that shares less than ``min_shared`` tokens, or less than half, with every idle
+session (and does not extend one whole) gets a new session, so one conversation's cache is not thrown away
+for another's.
+
+Isolation (a client must not learn another conversation's prompt from ``cached_tokens`` or from timing): a
+session belongs to one tenant (``tenant``: the API key's and the request's ``cache_salt``'s digest; the app's
+chats are all tenant ``b""``) and only that tenant's requests take it; its pages are named from the tenant's
+own prefix-cache root, so another tenant's request never finds them in the pool either. Within a tenant, a
+request that does not go on with a whole idle conversation reuses it in whole pages only (``grain`` tokens):
+matching one more token of a secret then changes nothing the client can see, as vLLM's block-granular prefix
+caching.
+
+Every session speculates as the pool's ``speculation`` says (``engine.speculation.setup``), put on it when it is
+made and whenever it is handed out (``activate``, ``take``). Runs on the engine thread only (no locks).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator, Sequence
 
 from engine.config import CacheConfig, SpecConfig
-from engine.model.loader import LoadedModel
+from engine.core.sequence import common_prefix
 from engine.core.session import ChatSession
+from engine.kv.paged.prefix import salted_root
+from engine.model.loader import LoadedModel
+from engine.speculation.setup import Speculation
+
+SWAP, CLOSE = "swap", "close"  # what idle sessions do to give their pages to a request that needs them
 
 
 class SessionPool:
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, max_sessions: int = 32) -> None:
+    """Sessions of ``loaded`` on ``cache`` settings, least recently used first. ``evict``: ``SWAP`` or
+    ``CLOSE``; ``min_shared`` (default: ``grain``) for ``take``; ``on_evict`` called for each session closed to
+    make room; ``speculation`` for every session (default: off)."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig | None = None, max_sessions: int = 32, *,
+                 evict: str = SWAP, min_shared: int | None = None, on_evict: Callable[[], None] | None = None,
+                 speculation: Speculation | None = None) -> None:
+        if evict not in (SWAP, CLOSE):
+            raise ValueError(f"evict: {evict!r} is not {SWAP!r} or {CLOSE!r}")
         self.lm = loaded
         self.cache = cache or CacheConfig()
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[Hashable, ChatSession] = OrderedDict()  # least recently active first
-        self.active: Hashable | None = None
-        self.spec = SpecConfig()  # speculative decoding for every chat (off)
-        self._make_drafter: Callable[[], object] | None = None  # a new draft-model drafter per chat
+        self.evict = evict
+        self.max_sessions = max(0, max_sessions)
+        self._min_shared = min_shared
+        self.on_evict = on_evict or (lambda: None)
+        self.speculation = speculation or Speculation()
+        self._sessions: OrderedDict[Hashable, ChatSession] = OrderedDict()  # least recently used first
+        self.tenant_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its tenant
+        self.active: Hashable | None = None  # the chat ``activate`` made current
+
+    @property
+    def grain(self) -> int:
+        """Whole pages of the cache (16 tokens when not paged): the unit reused across conversations."""
+        return self.cache.page_size if self.cache.mode == "paged" else 16
+
+    @property
+    def min_shared(self) -> int:
+        return self._min_shared if self._min_shared is not None else self.grain
+
+    @property
+    def spec(self) -> SpecConfig:
+        """The speculation every session has (or gets when it is handed out)."""
+        return self.speculation.cfg
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __contains__(self, chat_id: Hashable) -> bool:
-        return chat_id in self._sessions
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._sessions
 
-    def get(self, chat_id: Hashable) -> ChatSession | None:
-        return self._sessions.get(chat_id)
+    def __iter__(self) -> Iterator[ChatSession]:
+        """The sessions kept, least recently used first (a copy: closing them while iterating is fine)."""
+        return iter(list(self._sessions.values()))
 
-    def activate(self, chat_id: Hashable) -> tuple[ChatSession, list[str]]:
-        """The session of ``chat_id`` (created on first use); every other idle session is swapped out.
+    def get(self, key: Hashable) -> ChatSession | None:
+        return self._sessions.get(key)
 
-        Returns the session and notes (what was swapped, what was dropped over ``max_sessions``).
-        """
+    # -- by key: the app's chats ----------------------------------------------------------------------------
+    def activate(self, key: Hashable) -> tuple[ChatSession, list[str]]:
+        """The session of chat ``key`` (made on first use), with the pool's cache settings and speculation;
+        in ``SWAP`` mode every other idle session is swapped out. Returns the session and notes (what was
+        swapped, what was dropped over ``max_sessions``)."""
         notes: list[str] = []
-        session = self._sessions.get(chat_id)
+        session = self._sessions.get(key)
         if session is None:
-            session = ChatSession(self.lm, self.cache)
-            self._sessions[chat_id] = session
+            session = self._sessions[key] = self.new_session()
         elif session.cache_config != self.cache:
             notes += session.apply(self.cache)
-        note = self._speculate(session)
+        note = self.speculation.onto(session)
         notes += [note] if note else []
-        self._sessions.move_to_end(chat_id)
-        for other_id, other in self._sessions.items():
-            if other_id != chat_id and not other.generating and not other.offloaded and other.cached_tokens:
-                moved = other.swap_out()
+        self._sessions.move_to_end(key)
+        if self.evict == SWAP:
+            for other_id, other in self._sessions.items():
+                moved = self._swap_out(other) if other_id != key else 0
                 if moved:
                     notes.append(f"chat {other_id}: {moved / 2**20:.1f} MiB of KV swapped to host memory")
-        while len(self._sessions) > self.max_sessions:
-            old_id, old = next(iter(self._sessions.items()))
-            old.close()
-            del self._sessions[old_id]
-            notes.append(f"chat {old_id}: cache dropped (more than {self.max_sessions} chats)")
-        self.active = chat_id
+        notes += self._trim(self.max_sessions)
+        self.active = key
         return session, notes
 
-    def reclaim(self) -> bool:
-        """Swap every idle chat's cache to host memory (a request needs its pages). True if any moved."""
-        moved = 0
-        for s in self._sessions.values():
-            if not s.generating and not s.offloaded and s.cached_tokens:
-                moved += s.swap_out()
-        return moved > 0
+    def drop(self, key: Hashable) -> None:
+        """Forget a chat (deleted by the user): its pages and host copy are freed."""
+        s = self._sessions.pop(key, None)
+        if s is not None:
+            s.close()
+        if self.active == key:
+            self.active = None
 
+    # -- by prefix: the server's conversations --------------------------------------------------------------
+    def take(self, ids: Sequence[int], tenant: bytes = b"") -> tuple[ChatSession, int]:
+        """(session, shared): the idle session of ``tenant`` sharing the longest prefix with ``ids`` (removed
+        from the pool until ``put`` back), cut back to whole pages unless ``ids`` goes on with all of it; or a
+        new session and 0."""
+        best, key, shared, whole = None, None, 0, False
+        for k, s in self._sessions.items():
+            if self.tenant_of.get(s) != tenant or s.generating or s.cache.host is not None or s.cache.store is None:
+                continue
+            cached = s.seq[:s.index.intact]
+            n = common_prefix(cached, ids)
+            if n > shared:
+                best, key, shared, whole = s, k, n, n == len(cached)
+        if not whole and best is not None:  # the last prompt token is always fed: whole pages before it
+            shared = best.cache.store.reusable(min(shared, len(ids) - 1) // self.grain * self.grain)
+        # a prompt that shares only a start (a chat template's header, a system prompt) with a conversation does
+        # not take it over: cutting it back would lose that conversation's cache to an unrelated request (its
+        # follow-up then found 8 of 111 tokens), and the new one gets the shared pages from the prefix cache anyway
+        mostly = best is not None and 2 * shared >= best.index.intact
+        if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
+            del self._sessions[key]
+            if not whole:
+                best.cache.truncate(shared)  # what lies past the last whole page is not reused
+            self.speculation.onto(best)
+            return best, shared
+        return self.new_session(tenant), 0
+
+    def put(self, session: ChatSession, key: Hashable | None = None) -> None:
+        """Keep a finished session (most recently used; ``key``: the session itself unless given); close the
+        oldest beyond ``max_sessions``."""
+        if session.closed:
+            return
+        key = session if key is None else key
+        self._sessions[key] = session
+        self._sessions.move_to_end(key)
+        self._trim(self.max_sessions)
+
+    def new_session(self, tenant: bytes = b"") -> ChatSession:
+        """A session of ``tenant`` (not kept yet): its full pages are named from the tenant's own prefix-cache
+        root (the shared root for ``b""``), with the pool's speculation."""
+        s = ChatSession(self.lm, self.cache)
+        s.cache.root = salted_root(tenant)
+        self.speculation.onto(s)  # a draft cache of its own; the draft model was checked when it was set
+        self.tenant_of[s] = tenant
+        return s
+
+    # -- settings and room ----------------------------------------------------------------------------------
     def apply(self, cache: CacheConfig) -> list[str]:
-        """New cache settings: applied to the active session now, to the others when they become active."""
+        """New cache settings: applied to the active session now, to the others when they become active (new
+        sessions are made with them)."""
         self.cache = cache
         s = self._sessions.get(self.active)
         return s.apply(cache) if s is not None else []
 
     def speculate(self, cfg: SpecConfig | None, make_drafter: Callable[[], object] | None = None) -> list[str]:
-        """Speculative decoding for every chat (``make_drafter``: a new ``engine.speculation.draft_model.ModelDrafter`` on the
-        shared draft model, for method draft): the active session now (also mid-reply), the others when they
-        become active. Turning the draft model off frees every idle chat's draft cache now. Returns notes."""
-        cfg = cfg or SpecConfig()
-        if cfg.method == "draft" and make_drafter is None:
-            raise ValueError("speculative decoding with a draft model needs the draft model loaded")
-        before = self.spec, self._make_drafter
-        self.spec, self._make_drafter = cfg, make_drafter if cfg.method == "draft" else None
+        """Speculative decoding for every session (``make_drafter``: a new drafter on the shared draft model,
+        for method draft; see ``Speculation``): the active session now (also mid-reply), the others when they
+        are handed out. Turning the draft model off frees every idle session's draft cache now. Returns notes;
+        a refusal (raised) leaves the setting in force as it was."""
+        before, self.speculation = self.speculation, Speculation.of(cfg, make_drafter)
         s = self._sessions.get(self.active)
         try:
-            note = self._speculate(s) if s is not None else ""
+            note = self.speculation.onto(s) if s is not None else ""
         except BaseException:
-            self.spec, self._make_drafter = before  # the setting in force stays what the chats have
+            self.speculation = before  # the setting in force stays what the sessions have
             raise
-        if cfg.method != "draft":  # cheap: no session keeps a draft model's cache it will not use
+        if self.speculation.cfg.method != "draft":  # cheap: no session keeps a draft model's cache it will not use
             for other in self._sessions.values():
                 if other is not s and other.spec is not None and other.spec.cfg.method == "draft":
-                    other.speculate(cfg)
+                    self.speculation.onto(other)
         return [note] if note else []
 
-    def _speculate(self, session: ChatSession) -> str:
-        """The pool's speculation onto ``session`` if it differs ("" when nothing changed). A drafter is made
-        first, so a failure leaves the session as it was."""
-        cfg, old = self.spec, session.spec.cfg if session.spec is not None else None
-        if old == cfg or (old is None and cfg.method == "off"):
-            return ""
-        same_model = old is not None and (old.method, old.draft_path) == ("draft", cfg.draft_path)
-        drafter = self._make_drafter() if cfg.method == "draft" and not same_model else None
-        return session.speculate(cfg, drafter)
+    def reclaim(self) -> bool:
+        """Idle sessions give their pages to a request that needs them: swapped to host memory (``SWAP``) or
+        closed (``CLOSE``, each an eviction). True if any gave pages back."""
+        if self.evict == SWAP:
+            return sum(self._swap_out(s) for s in self._sessions.values()) > 0
+        idle = [k for k, s in self._sessions.items() if not s.generating]
+        for k in idle:
+            self._sessions.pop(k).close()
+            self.on_evict()
+        return bool(idle)
 
-    def drop(self, chat_id: Hashable) -> None:
-        """Forget a chat (deleted by the user): its pages and host copy are freed."""
-        s = self._sessions.pop(chat_id, None)
-        if s is not None:
-            s.close()
-        if self.active == chat_id:
-            self.active = None
-
-    def close(self) -> None:
+    def close(self, evicted: bool = False) -> None:
+        """Close every session kept (``evicted``: each counted as an eviction, to make room)."""
         for s in self._sessions.values():
             s.close()
+            if evicted:
+                self.on_evict()
         self._sessions.clear()
         self.active = None
+
+    @staticmethod
+    def _swap_out(s: ChatSession) -> int:
+        """Bytes an idle session with a cache on the device moved to host memory (0: none to move)."""
+        if s.generating or s.offloaded or not s.cached_tokens:
+            return 0
+        return s.swap_out()
+
+    def _trim(self, limit: int) -> list[str]:
+        """Close the least recently used sessions beyond ``limit``; a note for each."""
+        notes = []
+        while len(self._sessions) > limit:
+            key, old = self._sessions.popitem(last=False)
+            old.close()
+            self.on_evict()
+            if self.active == key:
+                self.active = None
+            notes.append(f"chat {key}: cache dropped (more than {limit} chats)")
+        return notes

@@ -65,7 +65,7 @@ class Job:
                  tenant: bytes = b"", backlog: Backlog | None = None) -> None:
         self.id = next(_job_ids)
         self.request_id = request_id
-        self.tenant = tenant  # who may share its cache (``IdleSessions``)
+        self.tenant = tenant  # who may share its cache (``engine.core.session_pool.SessionPool.take``)
         self.req = req
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()

@@ -6,7 +6,8 @@ with ``Priority.API`` — next to the app's own chats when the app serves, on a 
 Torch is only ever called on the engine thread (``Scheduler.admit`` and the sinks run there); the HTTP side
 submits ``Job``s and reads their events from an asyncio queue (``Job.next``). A cancelled job (the client went
 away) has its session closed, so its pages go back to the pool at once; a finished one leaves its session idle
-for the next request of the same conversation (``IdleSessions``), whose pages the core may reclaim.
+for the next request of the same conversation (``engine.core.session_pool.SessionPool`` in ``CLOSE`` mode),
+whose pages the core may reclaim.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.errors import CacheCapacityError
 from engine.kv.tier.report import problems
 from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Source
+from engine.core.session_pool import CLOSE, SessionPool
 from engine.core.vocab import FinishReason
+from engine.speculation.setup import Speculation
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
@@ -30,7 +33,6 @@ from engine.server.prompts import Prepared, Tokenizing
 from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
-from engine.server.sessions import IdleSessions
 
 log = logging.getLogger("kvscope.server")
 
@@ -50,7 +52,11 @@ class Scheduler(Source):
         self.max_waiting = max(0, max_waiting)
         self.limits = limits or StreamLimits()
         self.tokenizing = Tokenizing(lm, cache, self.limits.max_tokens)
-        self.idle = IdleSessions(lm, cache, max_idle, on_evict=self.metrics.session_evicted, speculation=speculation)
+        # finished conversations kept with their KV, closed to make room; each speculates as ``serve`` says (its
+        # draft model checked against the model when it loaded)
+        spec, draft_lm = speculation
+        self.idle = SessionPool(lm, cache, max_idle, evict=CLOSE, on_evict=self.metrics.session_evicted,
+                                speculation=Speculation.draft_model(spec, draft_lm, lm, check=False))
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
         self._lock = threading.Lock()
@@ -167,10 +173,7 @@ class Scheduler(Source):
 
     def reclaim(self) -> bool:
         """Idle conversations give their pages to a request that needs them."""
-        if not len(self.idle):
-            return False
-        self.idle.close(evicted=True)
-        return True
+        return self.idle.reclaim()
 
     def _guard(self, fn: Callable[[Job], None], job: Job) -> None:
         """Run one job's begin or step; whatever it raises ends that job only (the server goes on)."""

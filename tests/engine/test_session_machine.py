@@ -471,11 +471,23 @@ def check_snapshot(s: ChatSession) -> None:
         assert sn.pages_used_per_layer[0] == len(pages) == -(-s.index.n // sn.page_size)
         assert all(s.store.arena.pool.ref[p] >= 1 for p in pages)
         assert (sn.page_state[pages] != snap.PAGE_FREE).all()
-        assert set(np.flatnonzero(sn.page_mine).tolist()) == set(pages)  # "this chat's" pages are its own
+        model = sn.page_groups[0][1] if sn.page_groups else sn.num_pages  # a draft model's pool comes after
+        assert set(np.flatnonzero(sn.page_mine[:model]).tolist()) == set(pages)  # "this chat's" pages are its own
+        check_draft_pool(s, sn, model)
     for w, win in getattr(s.store, "windows", {}).items():  # a window holds its window, from whole pages
         page = win.arena.page_size
         assert win.held <= w - 1 + page - 1 or win.base == 0, (w, page, win.base, win.held)
         assert len(win.inner.table.pages) == -(-win.held // page)
+
+
+def check_draft_pool(s: ChatSession, sn, model: int) -> None:
+    """A chat drafting with a draft model shows that model's pool after its own, its own draft pages marked."""
+    draft = getattr(s.spec.drafter, "cache", None) if s.spec is not None else None
+    if draft is None or draft.store is None:
+        assert len(sn.page_groups) < 2 or sn.page_groups[-1][0] != "draft model"
+        return
+    assert sn.page_groups[-1] == ("draft model", sn.num_pages - model)
+    assert set(np.flatnonzero(sn.page_mine[model:]).tolist()) == set(draft.store.table.pages)
 
 
 def check_pages(lm, sessions: list[ChatSession]) -> None:
