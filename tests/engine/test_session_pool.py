@@ -56,3 +56,29 @@ def test_new_settings_reach_each_chat_when_it_becomes_active(stories):
     assert a.cache_config.mode == "contiguous"
     _, notes = pool.activate("c")
     assert any("cache dropped" in n for n in notes) and "b" not in pool
+
+
+def test_close_mode_takes_the_longest_shared_prefix_of_the_tenant_and_closes_to_make_room(stories):
+    """The server's mode: an idle conversation goes on where a prompt extends it, only for its own tenant; at
+    most ``max_sessions`` idle ones are kept, and a request that needs pages closes them (each an eviction)."""
+    from engine.core.session_pool import CLOSE
+
+    evicted = []
+    pool = SessionPool(stories, CacheConfig(mode="paged", page_size=8), 2, evict=CLOSE,
+                       on_evict=lambda: evicted.append(1))
+    msgs = [{"role": "user", "content": "Tell me about a cat."}]
+    a, shared = pool.take([1, 2, 3], b"t1")
+    assert shared == 0 and len(pool) == 0
+    _, r = reply(a, msgs)
+    pool.put(a)
+    ids = list(a.seq) + [5, 6, 7]
+    other, shared = pool.take(ids, b"t2")  # another tenant never finds it
+    assert other is not a and shared == 0 and len(pool) == 1
+    again, shared = pool.take(ids, b"t1")
+    assert again is a and shared == a.index.intact and len(pool) == 0
+    for s in (a, other):
+        pool.put(s)
+    pool.put(pool.new_session(b"t3"))  # a third idle one: the least recently used is closed
+    assert len(pool) == 2 and a.closed and evicted == [1]
+    assert pool.reclaim() and len(pool) == 0 and evicted == [1, 1, 1]
+    assert not pool.reclaim()

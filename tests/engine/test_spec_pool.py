@@ -67,3 +67,34 @@ def test_pool_draft_model_per_chat_and_refusal_leaves_the_setting(stories, stori
     assert made[0].cache.n == 0 and a.spec is not None and a.spec.cfg.method == "ngram"
     pool.close()
     assert all(arena.pool.num_used == 0 for arena in draft.arenas)
+
+
+def test_one_set_up_path_checks_the_draft_model_once_and_changes_only_what_differs(stories, stories_path,
+                                                                                  demo_model):
+    """``engine.speculation.setup``: a draft model with another tokenizer is refused before any session changes;
+    a session keeps its drafter for the same draft model; a refused change leaves the session as it was."""
+    from engine.core.session import ChatSession
+    from engine.errors import EngineError
+    from engine.speculation.setup import Speculation
+
+    with pytest.raises(DraftMismatchError):
+        Speculation.draft_model(SpecConfig(method="draft", draft_path="demo"), demo_model, stories)
+    with pytest.raises(ValueError):
+        Speculation.of(SpecConfig(method="draft", draft_path="demo"))  # no draft model to draft with
+    draft = load_model(str(stories_path))
+    cfg = SpecConfig(method="draft", draft_path=str(stories_path), auto_off=False)
+    s = ChatSession(stories, CacheConfig())
+    assert Speculation.draft_model(cfg, draft, stories).onto(s).startswith("speculative decoding: draft")
+    drafter = s.spec.drafter
+    assert Speculation.draft_model(cfg, draft, stories).onto(s) == ""  # nothing differs: nothing made
+    k2 = SpecConfig(method="draft", draft_path=str(stories_path), draft_tokens=2, auto_off=False)
+    Speculation.draft_model(k2, draft, stories).onto(s)
+    assert s.spec.drafter is drafter and s.spec.cfg == k2  # the same draft model: its cache goes on
+    with pytest.raises(EngineError):
+        s.speculate(SpecConfig(method="draft", draft_path="elsewhere"))  # no drafter for another draft model
+    assert s.spec.cfg == k2 and s.spec.drafter is drafter
+    reply(s)
+    assert drafter.cache.n > 0
+    assert Speculation.of(None).onto(s) == "speculative decoding off" and s.spec is None
+    assert drafter.cache.n == 0  # its pages went back
+    s.close()
