@@ -33,7 +33,7 @@ from engine.snapshot import TokenEvent
 class Conversation(QObject):
     """Chats and replies. ``generation_id`` is the reply in flight in the chat on screen (0 when none).
 
-    Signals: ``reply_started(generation_id, cache_mode)``, ``token(TokenEvent)`` (the reply on screen only),
+    Signals: ``reply_started(generation_id, cache_mode)``, ``token(TokenEvent)`` (any reply's, in any chat),
     ``noted(list[str])`` (new notes of that reply), ``reply_finished(generation_id, stop_reason)`` (any
     reply), ``error(message)`` (a request that could not be made; nothing was saved), ``chat_opened(id)``,
     ``failed(Failure)`` (stage "history": the history file is damaged, read-only, gone or cannot be
@@ -356,7 +356,7 @@ class Conversation(QObject):
         reply.add_text(event.text_delta, event.draft)
         if reply.chat_id == self.chat_id:
             self.pane.append_delta(event.text_delta, event.draft)
-            self.token.emit(event)
+        self.token.emit(event)  # the timing panel counts a reply's tokens in the background too
 
     def flush(self) -> None:
         """Append the streamed text received since the last flush to each reply's row; let the history

@@ -59,8 +59,7 @@ class CacheController(QObject):
         if cfg != self.controls.config() and not self.controls.pending:
             self.controls.set_config(cfg)  # applied from elsewhere (Compare, the self-test): the controls agree
         self.controls.show_notes(list(notes))
-        self.status.show_cache(cfg)
-        self.changed.emit(cfg, list(notes))
+        self.changed.emit(cfg, list(notes))  # the window's readouts show it with the first frame under it
 
     def words(self, cfg: CacheConfig, notes: list) -> list[str]:
         """The worker's notes in the controls' words. They describe the chat whose cache the worker holds: when

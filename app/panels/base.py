@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.shell.format import human_bytes
+
 BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"
 GRID_ALPHA = 0.15
@@ -79,6 +81,11 @@ class Panel(QWidget):
 
     def show_snapshot(self, snapshot) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def show_caption(self, snapshot) -> None:
+        """The caption of ``snapshot`` alone (text only, cheap). The scheduler sets every panel's caption when it
+        takes a frame, in the same call as the status bar's readouts, so all of them say the same moment; the chart
+        follows at the panel's turn (``show_snapshot``, which writes the same caption)."""
 
     def clear(self) -> None:
         """Forget data (new model, or a chat with nothing cached yet)."""
@@ -260,6 +267,16 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
         plot.getAxis(side).enableAutoSIPrefix(False)
     cache_axes(plot)
     return plot
+
+
+def kv_words(snap, bold: bool = False) -> str:
+    """'KV 272 KiB', or where a chat's cache waits in host memory (swapped out while another chat ran) 'KV 272 KiB
+    in host memory': its bytes are no longer the device's (``kv_bytes`` 0) but its tokens are still cached."""
+    b, nb = ("<b>", "</b>") if bold else ("", "")
+    if getattr(snap, "offloaded", False):
+        held = int(sum(int(x) for x in snap.bytes_per_layer))
+        return f"KV {b}{human_bytes(held)}{nb} in host memory (swapped out)"
+    return f"KV {b}{human_bytes(snap.kv_bytes)}{nb}"
 
 
 def legend_html(chips: list[tuple[str, str]], prefix: str = "") -> str:

@@ -11,7 +11,7 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QWidget
 
 from app.shell.format import human_bytes
-from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, legend_row, styled_plot
+from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, kv_words, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 
 MIB = 1024.0 * 1024.0
@@ -51,6 +51,21 @@ class SplitBar(QWidget):
         p.drawText(r.adjusted(0, 0, -6, 0), Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight,
                    f"KV {human_bytes(self.kv)}")
         p.end()
+
+
+def memory_caption(snap: CacheSnapshot) -> str:
+    """'weights <b>1.0 MiB</b> · KV <b>272 KiB</b> (21.0%) · 1.2 KiB per token · device 3.0 MiB'."""
+    kv = int(sum(int(b) for b in snap.bytes_per_layer)) if snap.offloaded else snap.kv_bytes
+    share = kv / max(kv + snap.weights_bytes, 1)
+    held = int(np.max(snap.tokens_per_layer, initial=0))
+    text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · {kv_words(snap, bold=True)} ({100 * share:.1f}%)"
+    slots = int(np.max(snap.pages_used_per_layer, initial=0)) * snap.page_size if snap.page_size else held
+    if held and slots:  # bytes per token slot, as the model card counts: over tokens held, the last page's
+        # empty slots made it read 1.3 KiB beside the card's 1.2 KiB
+        text += f" · {human_bytes(kv / max(slots, held))} per token"
+    if snap.device_bytes:
+        text += f" · device {human_bytes(snap.device_bytes)}"
+    return text
 
 
 class MemoryPanel(Panel):
@@ -152,16 +167,10 @@ class MemoryPanel(Panel):
             self.plot.getAxis("left").setTicks(decade_ticks(decades[0], top))
         self._has_device = self._has_device or bool(snap.device_bytes)
         self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None
-        share = snap.kv_bytes / max(snap.kv_bytes + snap.weights_bytes, 1)
-        held = int(np.max(snap.tokens_per_layer, initial=0))
-        text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · KV <b>{human_bytes(snap.kv_bytes)}</b> ({100 * share:.1f}%)"
-        slots = int(np.max(snap.pages_used_per_layer, initial=0)) * snap.page_size if snap.page_size else held
-        if held and slots:  # bytes per token slot, as the model card counts: over tokens held, the last page's
-            # empty slots made it read 1.3 KiB beside the card's 1.2 KiB
-            text += f" · {human_bytes(snap.kv_bytes / max(slots, held))} per token"
-        if snap.device_bytes:
-            text += f" · device {human_bytes(snap.device_bytes)}"
-        self.caption.setText(text)
+        self.show_caption(snap)
+
+    def show_caption(self, snap: CacheSnapshot) -> None:
+        self.caption.setText(memory_caption(snap))
 
     def reset_view(self) -> None:
         self.x_range.reset()

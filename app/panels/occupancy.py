@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 
-from app.shell.format import human_bytes
-from app.panels.base import Panel, StickyRange, hover_tip, legend_row, styled_plot
+from app.panels.base import Panel, StickyRange, hover_tip, kv_words, legend_row, styled_plot
 from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
 # (name, colour) bottom to top
@@ -66,7 +65,7 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
     text = f"<b>{snap.mode}</b> · {held} tokens cached"
     if waiting == 1:  # the token just generated is fed (and cached) by the next step: not a lost token
         text += " (+1 just generated)"
-    text += f" · room for {snap.capacity_tokens} per layer · KV {human_bytes(snap.kv_bytes)}"
+    text += f" · room for {snap.capacity_tokens} per layer · {kv_words(snap)}"
     total_q = int(stack["quantized"].sum())
     if total_q:
         text += f" · {total_q // layers} quantized per layer"
@@ -141,6 +140,9 @@ class OccupancyPanel(Panel):
         self.stack = {}
         self.last_snapshot = None
         self.caption.setText("Nothing cached for this chat yet: the bars fill when you send a message.")
+
+    def show_caption(self, snap: CacheSnapshot) -> None:
+        self.caption.setText(occupancy_caption(snap, occupancy_stack(snap)))
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.last_snapshot = snap

@@ -188,6 +188,24 @@ def verify_text(snap: CacheSnapshot) -> str:
     return f"verified {snap.verified} slot{'s' if snap.verified != 1 else ''}, {snap.rolled_back} cut back"
 
 
+def page_caption(snap: CacheSnapshot) -> str:
+    """'<b>12</b>/64 pages used · page size 16 · 3 cached · dots: 1 written this step'."""
+    if snap.mode != "paged" and not snap.page_groups:
+        return f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"
+    counts = np.bincount(np.asarray(snap.page_state, dtype=np.int64), minlength=len(PAGE_STATE_NAMES))
+    used = snap.num_pages - int(counts[S.PAGE_FREE]) - int(counts[S.PAGE_EVICTED]) - int(counts[S.PAGE_CACHED])
+    parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
+    if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
+        parts.append(" · ".join(f"{label}: pages {start}–{start + n - 1}" for label, start, n in
+                                _group_spans(snap.page_groups)))
+    parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
+              if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
+    if snap.written_pages and not snap.verified:
+        parts.append(f"dots: {len(snap.written_pages)} written this step"
+                     + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
+    return " · ".join(parts)
+
+
 class PageMapPanel(Panel):
     """Grid of physical pages (row-major by page id) and a strip of token states."""
 
@@ -263,27 +281,17 @@ class PageMapPanel(Panel):
             self.grid_box.setRange(xRange=(0, self.cols * self.px), yRange=(0, self.grid.shape[0] * self.px),
                                    padding=0.02)
         self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, 1), padding=0)
-        counts = np.bincount(np.asarray(snap.page_state, dtype=np.int64), minlength=len(PAGE_STATE_NAMES))
-        used = snap.num_pages - int(counts[S.PAGE_FREE]) - int(counts[S.PAGE_EVICTED]) - int(counts[S.PAGE_CACHED])
-        parts = [f"<b>{used}</b>/{snap.num_pages} pages used · page size {snap.page_size}"]
-        parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
-                  if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
         said = [verify_text(snap) + " (pages framed)"] if snap.verified else []
         if restored:  # the chat's K/V read back from files instead of computed (a reopened chat)
             said.append(f"{len(restored)} page{'s' if len(restored) != 1 else ''} restored from disk (pink frames)")
         self.readout = " · ".join(said) or " "
         if not self._hovering:
             self.hover.setText(self.readout)
-        if snap.written_pages and not snap.verified:
-            parts.append(f"dots: {len(snap.written_pages)} written this step"
-                         + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
-        if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
-            parts.insert(1, " · ".join(f"{label}: pages {start}–{start + n - 1}" for label, start, n in
-                                       _group_spans(snap.page_groups)))
-        elif snap.mode != "paged":
-            parts = [f"<b>{snap.mode}</b> cache: no page pool (switch to paged to see pages)"]
-        self.caption.setText(" · ".join(parts))
+        self.show_caption(snap)
         self._count()
+
+    def show_caption(self, snap: CacheSnapshot) -> None:
+        self.caption.setText(page_caption(snap))
 
     def _aspect(self) -> float:
         """Width:height of the grid's box, in steps of 0.5 so the grid does not jitter while resizing."""

@@ -2,9 +2,9 @@
 
 The worker sends a snapshot per step; the scheduler keeps only the latest. Panels draw in *frames*: a
 frame is one snapshot, and every visible panel draws that same snapshot (one panel per tick, round robin)
-before the next frame takes the newest snapshot. So at any moment the panels describe the same step of
-the cache and agree with each other (and with the status bar, which ``frame_taken`` feeds), at the cost
-of lagging by at most one round.
+before the next frame takes the newest snapshot. Captions are cheap: every panel's is set when the frame is
+taken, in the same call as the status bar (``frame_taken``), so the words on screen always describe one
+snapshot; the charts follow within one round.
 
 Each panel's draw is timed: the next one may start only after ``PANEL_INTERVAL_S`` and after the panels
 have used at most ``PANEL_BUDGET`` of the GUI thread, so on a slow machine panels redraw less often instead
@@ -65,11 +65,19 @@ class PanelScheduler:
         if self.latest is None or self.latest is self.frame:
             return
         if self.frame is None or not self.enabled or not any(self._pending(p) for p in self.panels):
-            self.frame = self.latest
-            self.frame_taken(self.frame)
+            self._take(self.latest)
             for panel in self.panels:  # a series behind a tab keeps its points (the memory chart)
                 if hasattr(panel, "record") and not on_screen(panel):
                     panel.record(self.frame)
+
+    def _take(self, snap: CacheSnapshot) -> None:
+        """``snap`` is the frame: every panel's caption and the status bar say it now, in one call (no paint
+        between them); the charts follow, one per tick. Paused, the captions stay with the charts they describe."""
+        self.frame = snap
+        if self.enabled:
+            for panel in self.panels:
+                panel.show_caption(snap)
+        self.frame_taken(snap)
 
     def tick(self) -> None:
         """Draw at most one panel (the next one in turn that has not drawn the frame)."""
@@ -91,8 +99,7 @@ class PanelScheduler:
     def refresh_all(self) -> None:
         """Every panel draws the latest snapshot now (a reply ended, a chat was opened)."""
         if self.latest is not None and self.latest is not self.frame:
-            self.frame = self.latest
-            self.frame_taken(self.frame)
+            self._take(self.latest)
         if self.frame is None or not self.enabled:
             return
         for panel in self.panels:

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QLabel
 from app.panels.base import Panel, StickyRange, hover_tip, styled_plot
 from engine.snapshot import TokenEvent
 
+KEPT_REPLIES = 4  # replies whose tokens are kept for ``show_reply`` (their chats may be off screen)
 ROLLING = 16  # tokens in the rolling tok/s window
 BARS = "▁▂▃▄▅▆▇█"  # a share from 0 to 1 as a bar one character wide
 CURRENT = "#4c9be8"
@@ -37,6 +38,8 @@ class TokenSeries:
         self.n = 0
         self.prefill_ms = 0.0  # the prefill's work: every chunk's forward (the engine's, once a snapshot gave it)
         self.ttft_ms = 0.0  # the engine's TTFT (waits never in it); 0 until a snapshot gave it
+        self.speed = 0.0  # the engine's decode tok/s (the frame's, then the finished reply's): the status bar's figure
+        self.final = False  # the reply finished: ``speed`` and ``ttft_ms`` are its stats', no snapshot changes them
         self.prefill_tokens = 0
         self.label = ""
         self.paths: dict[str, int] = {}  # decode tokens per path that ran their forward (TokenEvent.path)
@@ -122,6 +125,12 @@ class TokenSeries:
         return np.where(span > 0, 1000.0 * (idx - lo) / np.maximum(span, 1e-9), 0.0)
 
 
+def series_speed(series: TokenSeries) -> float:
+    """A reply's decode tok/s: the engine's figure once it gave one, else from its tokens' times."""
+    ms = series.decode_ms
+    return series.speed or (1000.0 * len(ms) / ms.sum() if len(ms) and ms.sum() > 0 else 0.0)
+
+
 def step_text(paths: dict[str, int], n: int) -> str:
     """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
     "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
@@ -180,34 +189,77 @@ class TimingPanel(Panel):
         self.previous: TokenSeries | None = None
         self._dirty = False
         self._generation_id = 0
+        self._replies: dict[int, tuple[TokenSeries, TokenSeries | None]] = {}  # the last replies begun, any chat's
+        self._idle = ""  # the caption before any reply ("": the local one, with the compiled decode step)
         self._prev_drawn: TokenSeries | None = None  # the previous reply never changes: drawn once
         self._prev_top = (0.0, 0.0)  # its 98th-percentile latency and tok/s
         self._fast = ""  # the model's compiled decode step in words (CacheSnapshot.fast_step)
 
     # data in ------------------------------------------------------------------------------------------
     def begin_reply(self, generation_id: int, label: str) -> None:
-        """A new reply starts: the current one becomes the dashed 'previous'."""
+        """A new reply starts: the current one becomes the dashed 'previous'. Its tokens are counted from now on,
+        also while its chat is off screen (``show_reply`` brings the whole reply back)."""
         if self.current.n or self.current.prefill_ms:
             self.previous = self.current
         self.current = TokenSeries()
         self.current.label = label
         self._generation_id = generation_id
+        self._replies[generation_id] = (self.current, self.previous)
+        while len(self._replies) > KEPT_REPLIES:
+            self._replies.pop(next(iter(self._replies)))
         self._dirty = True
 
     def add_token(self, event: TokenEvent) -> None:
-        if self._generation_id and event.generation_id != self._generation_id:
+        """A token of any reply begun here (another chat's is counted, not drawn)."""
+        kept = self._replies.get(event.generation_id)
+        if kept is None and self._generation_id:
             return
-        self.current.add(event)
-        self._dirty = True
+        series = kept[0] if kept is not None else self.current
+        series.add(event)
+        self._dirty = self._dirty or series is self.current
 
-    def show_snapshot(self, snapshot) -> None:
-        """The engine's own prefill time and TTFT for the reply (a prompt read in chunks: every chunk, where the
-        first token's event times only the last; waits before the first forward are in neither)."""
+    def show_reply(self, generation_id: int) -> None:
+        """The chat of reply ``generation_id`` is on screen again: its whole reply so far, and the one before."""
+        kept = self._replies.get(generation_id)
+        if kept is not None:
+            self.current, self.previous = kept
+            self._generation_id = generation_id
+            self._dirty = True
+            self.refresh()
+
+    def finish_reply(self, generation_id: int, ttft_ms: float, speed: float) -> None:
+        """The reply's final stats (the ones saved with it and shown in the status bar)."""
+        kept = self._replies.get(generation_id)
+        if kept is not None:
+            series = kept[0]
+            series.ttft_ms, series.speed, series.final = ttft_ms or series.ttft_ms, speed or series.speed, True
+            self._dirty = self._dirty or series is self.current
+
+    def _take(self, snapshot) -> None:
+        """The engine's own prefill time, TTFT and decode speed for the reply (a prompt read in chunks: every chunk,
+        where the first token's event times only the last; waits before the first forward are in neither)."""
         self.set_fast_step(getattr(snapshot, "fast_step", ""), redraw=False)
         cur = self.current
-        if snapshot.generation_id == self._generation_id and snapshot.ttft_ms > 0 and cur.prefill_tokens:
+        if snapshot.generation_id != self._generation_id or cur.final:
+            return
+        if snapshot.ttft_ms > 0 and cur.prefill_tokens:
             if (snapshot.prefill_ms, snapshot.ttft_ms) != (cur.prefill_ms, cur.ttft_ms):
                 cur.prefill_ms, cur.ttft_ms, self._dirty = snapshot.prefill_ms, snapshot.ttft_ms, True
+        speed = getattr(snapshot, "decode_tokens_per_s", 0.0)
+        if speed and speed != cur.speed:
+            cur.speed, self._dirty = speed, True
+
+    def show_caption(self, snapshot) -> None:
+        self._take(snapshot)
+        self.caption.setText(self.caption_text())
+
+    def show_snapshot(self, snapshot) -> None:
+        self._take(snapshot)
+        self.refresh()
+
+    def set_idle_text(self, text: str) -> None:
+        """The caption before any reply ("": the local one, which names the compiled decode step)."""
+        self._idle, self._dirty = text, True
         self.refresh()
 
     def set_fast_step(self, text: str, redraw: bool = True) -> None:
@@ -275,21 +327,23 @@ class TimingPanel(Panel):
         # the 98th percentile, so one slow outlier token does not flatten the curve
         self.y_latency.fit(max(_p98(decode), self._prev_top[0]) * 1.05)
         self.y_tps.fit(max(_p98(cur_tps), self._prev_top[1]) * 1.05)
-        tps = 1000.0 * len(decode) / decode.sum() if len(decode) and decode.sum() > 0 else 0.0
+        self.caption.setText(self.caption_text())
+        self._count()
+
+    def caption_text(self) -> str:
+        """The caption of the reply shown: its TTFT and decode speed as the engine gave them (the status bar's
+        figures), from the tokens' own times until it did."""
+        cur, prev = self.current, self.previous
         if not cur.n and not cur.prefill_ms and prev is None:
             fast = f" Compiled decode step: {html.escape(self._fast)}." if self._fast else ""
-            self.caption.setText("Per-token latency of each reply; the previous reply is dashed." + fast)
-            self._count()
-            return
-        text = (
-            f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT {cur.ttft_ms or cur.prefill_ms:.0f} ms "
-            f"({cur.prefill_tokens} prompt tokens) · {len(decode)} decode tokens at <b>{tps:.1f} tok/s</b>"
-        )
+            return self._idle or "Per-token latency of each reply; the previous reply is dashed." + fast
+        text = (f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT "
+                f"{cur.ttft_ms or cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens) · {cur.n} decode tokens "
+                f"at <b>{series_speed(cur):.1f} tok/s</b>")
         if prev is not None and prev.n:
-            p_dec = prev.decode_ms
-            text += f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {1000 * prev.n / max(p_dec.sum(), 1e-9):.1f} tok/s</span>"
-        self.caption.setText(text)
-        self._count()
+            text += (f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {series_speed(prev):.1f} "
+                     "tok/s</span>")
+        return text
 
     def reset_view(self) -> None:
         for rng in self.ranges:

@@ -143,6 +143,8 @@ class RemoteChats(QObject, Connecting):
         p.set_generating(bool(rc.generation))
         self._no_pins()
         self.window.timing.clear()
+        if rc.generation:  # a reply streaming in the background: its timing so far
+            self.window.timing.show_reply(rc.generation)
         if not rc.connected:
             self._show_offline(rc)
             return
@@ -301,9 +303,9 @@ class RemoteChats(QObject, Connecting):
         rc.live_ids += ids
         if rc is self.current:
             self.pane.append_delta(text)
-            together = rc.chunks > 0 and arrival - rc.last_arrival < BURST_S
-            for event in chunk_events(generation, rc.chunks, arrival, rc.last_arrival, len(ids), together):
-                self.window.timing.add_token(event)
+        together = rc.chunks > 0 and arrival - rc.last_arrival < BURST_S
+        for event in chunk_events(generation, rc.chunks, arrival, rc.last_arrival, len(ids), together):
+            self.window.timing.add_token(event)  # counted off screen too (``TimingPanel.show_reply``)
         rc.chunks += 1
         rc.last_arrival = arrival
 
@@ -322,7 +324,7 @@ class RemoteChats(QObject, Connecting):
         if reply.prompt_ids:
             rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
         rc.reply = reply
-        if rc is self.current and reply.ttft_s is not None:  # the first bar: the client's TTFT, the prompt's size
+        if reply.ttft_s is not None:  # the first bar: the client's TTFT, the prompt's size
             self.window.timing.add_token(TokenEvent(generation, 0, -1, "", "prefill", reply.ttft_s * 1e3,
                                                     len(reply.prompt_ids)))
         rc.link.refresh(now=not reply.error)  # the reply moved the hit rate and occupancy (and the server is up)

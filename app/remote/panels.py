@@ -27,6 +27,8 @@ MIN_SHOWN = 256  # blocks the map draws at least (a pool that small is drawn who
 SHOWN_STEP = 128  # the drawn part grows in steps, so the grid does not reflow with every block
 TIMING_TIP = ("A remote reply's timing as this client measured it, network included: the first bar is the wait for "
               "the first token (TTFT), the curves the gaps between streamed chunks")
+TIMING_IDLE = ("Timing of this chat's replies as this client measures them (the network included): the wait for the "
+               "first token, then the gaps between streamed chunks.")
 OTHER_PANELS = "A remote chat is on screen: its server's cache is in the Page map."  # short: captions wrap in full
 
 
@@ -239,6 +241,8 @@ class RemotePanels:
         for panel in (w.occupancy, w.memory):
             panel.caption.setText(OTHER_PANELS)
         self._timing_tip = w.timing.caption.toolTip()
+        w.timing.set_idle_text(TIMING_IDLE)  # not the local model's compiled decode step
+        w.timing.caption.setToolTip(TIMING_TIP)
         dock = w.docks["page_map"]  # the remote view's panel comes to the front of its tabs
         self._front = next((d for d in [dock] + w.tabifiedDockWidgets(dock) if on_screen(d)), None)
         dock.raise_()
@@ -252,6 +256,7 @@ class RemotePanels:
         if self._front is not None and on_screen(w.docks["page_map"]):
             self._front.raise_()
         w.page_map.clear()
+        w.timing.set_idle_text("")
         w.timing.clear()
         w.timing.caption.setToolTip(self._timing_tip)
 

@@ -2,7 +2,10 @@
 side of the engine worker's snapshots (a reply in flight, an idle chat described, an API conversation selected).
 
 Only the chat on screen's snapshots reach the panels, so panels, captions and the status bar always describe the
-chat on screen. ``ReplyReadouts`` holds no state of its own: it routes between the window's parts (``w``).
+chat on screen — and one snapshot of it: the panel scheduler's frame sets every caption and the status bar's
+context and speed in one call (``on_frame``), and a cache setting applied reaches the status bar's cache field
+with the first frame taken under it (``unshown``), so no caption says the old page size beside the new setting.
+Besides that setting, ``ReplyReadouts`` holds no state: it routes between the window's parts (``w``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ class ReplyReadouts(QObject):
     def __init__(self, window) -> None:
         super().__init__(window)
         self.w = window
+        self.unshown: CacheConfig | None = None  # a setting applied, shown with the first frame under it
+
+    def show_setting(self) -> None:
+        """The status bar's cache field says the setting applied last (``on_cache_applied``)."""
+        if self.unshown is not None:
+            self.w.status.show_cache(self.unshown)
+            self.unshown = None
 
     def on_chat_opened(self, chat_id: int) -> None:
         """Another chat is on screen: the panels, the trace and the context readout start over for it."""
@@ -34,15 +44,21 @@ class ReplyReadouts(QObject):
         self.w.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
         self.w.controls.show_notes([])  # what the last change did was about the chat that left the screen
         self.w.scheduler.clear()
-        if not self.w.generation_id:  # else the reply running in it sends its own snapshots
+        self.show_setting()
+        if self.w.generation_id:  # the reply running in it sends its own snapshots; its timing so far comes back
+            self.w.timing.show_reply(self.w.generation_id)
+        else:
             self.describe_chat()
 
-    def describe_chat(self) -> None:
-        """Ask the worker for the chat on screen's cache and token count (``on_described``)."""
-        if self.w.chat_id is not None and self.w.info is not None:
-            self.w.engine.describe_chat(self.w.chat_id, self.w.conversation.engine_messages())
+    def describe_chat(self) -> bool:
+        """Ask the worker for the chat on screen's cache and token count (``on_described``); False: none to ask."""
+        if self.w.chat_id is None or self.w.info is None:
+            return False
+        self.w.engine.describe_chat(self.w.chat_id, self.w.conversation.engine_messages())
+        return True
 
     def on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
+        self.show_setting()  # the setting and the panels describing the chat under it change together
         if chat_id != self.w.chat_id or self.w.generation_id or self.w.api_list.selected:
             return  # another chat is on screen by now, or its own reply's snapshots describe it
         if snap is not None:
@@ -51,8 +67,10 @@ class ReplyReadouts(QObject):
         else:
             self.w.scheduler.clear()
             total = self.w.info.context_length if self.w.info is not None else 0
-            self.w.status.show_context(max(tokens, 0), total, self.w.cache.applied.overflow)
-            self.w.conversation.check.chat_tokens = max(tokens, 0)
+            chat = max(tokens, 0)  # a reopened chat may be longer than the context: at most all of it is read
+            self.w.status.show_context(min(chat, total) if total else chat, total, self.w.cache.applied.overflow,
+                                       chat)
+            self.w.conversation.check.chat_tokens = chat
 
     def on_snapshot(self, snap: CacheSnapshot) -> None:
         """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
@@ -67,6 +85,8 @@ class ReplyReadouts(QObject):
     def on_frame(self, snap: CacheSnapshot) -> None:
         """The panels' new frame: the status bar describes the same moment."""
         used, chat = context_counts(snap)  # the definitions the occupancy caption uses too
+        if self.unshown is not None and under(snap, self.unshown):
+            self.show_setting()
         self.w.status.show_context(used, snap.context_length, self.w.cache.applied.overflow, chat)
         if not self.w.generation_id:
             self.w.conversation.check.chat_tokens = used
@@ -87,7 +107,14 @@ class ReplyReadouts(QObject):
     def on_reply_finished(self, generation_id: int, reason: str) -> None:
         QTimer.singleShot(0, self.w.scheduler.refresh_all)  # every panel shows the reply's final state
         self.w.disk.refresh()  # the pages this reply wrote to the KV disk tier
-        speed = self.w.conversation.last_stats.get("decode_tokens_per_s")
+        self.show_setting()
+        c = self.w.conversation
+        last = c.last_reply
+        if last is not None and last.generation_id == generation_id and last.chat_id == c.chat_id:
+            stats = c.last_stats  # its timing says the stats the status bar and its footer say
+            self.w.timing.finish_reply(generation_id, stats.get("ttft_ms") or 0.0,
+                                       stats.get("decode_tokens_per_s") or 0.0)
+        speed = c.last_stats.get("decode_tokens_per_s")
         if speed:
             self.w.status.show_speed(speed)
         self.w.reply_finished.emit(generation_id, reason)
@@ -106,8 +133,9 @@ class ReplyReadouts(QObject):
         self.w.trace.notes.extend(notes)
         if notes:
             self.w.status.message("; ".join(notes), 6000)
-        if not self.w.generation_id:
-            self.describe_chat()  # the chat on screen under the new settings
+        self.unshown = cfg  # shown in the frame that describes the chat under it
+        if not self.w.generation_id and not self.describe_chat():  # the chat on screen under the new settings
+            self.show_setting()
 
     def on_api_selected(self, session_id: int) -> None:
         """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
@@ -115,7 +143,9 @@ class ReplyReadouts(QObject):
         self.w.trace.open(("api", session_id) if session_id else self.w.chat_id)
         self.w.scheduler.clear()
         self.w.api_view.show(session_id)
-        if not session_id:
+        if not session_id and self.w.generation_id:
+            self.w.timing.show_reply(self.w.generation_id)
+        elif not session_id:
             self.describe_chat()
 
     def on_api_snapshot(self, session_id: int, snap: CacheSnapshot) -> None:
@@ -124,3 +154,9 @@ class ReplyReadouts(QObject):
             self.w.scheduler.offer(snap)
             self.w.scheduler.refresh_all()
             self.w.api_snapshot_shown.emit(session_id, snap)
+
+
+def under(snap: CacheSnapshot, cfg: CacheConfig) -> bool:
+    """The snapshot was taken under ``cfg`` (its mode, page size, precision and policy)."""
+    return (snap.mode, snap.page_size, snap.policy, snap.k_dtype, snap.v_dtype) == (
+        cfg.mode, cfg.page_size if cfg.mode == "paged" else 0, cfg.policy, cfg.k_dtype, cfg.v_dtype)

@@ -15,7 +15,7 @@ from app.shell.widgets import WordLabel
 from engine.config import CacheConfig
 
 CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
-LOCAL_FIELDS = ("model", "device", "cache", "context", "speed")  # the fields a remote chat on screen describes
+LOCAL_FIELDS = ("model", "device", "cache", "context", "speed", "disk")  # what a remote chat on screen describes
 
 
 class StatusBar:
@@ -96,10 +96,9 @@ class StatusBar:
 
     def show_disk(self, nbytes: int, folder: str = "") -> None:
         """'KV on disk 12.3 MiB' (negative: the tier is off, the field hidden)."""
-        self.disk.setText(f"KV on disk {human_bytes(nbytes)}" if nbytes >= 0 else "")
-        self.disk.set_tip(f"KV disk cache in {folder}: a chat reopened after a restart is restored from these pages "
-                          "(Settings ▸ KV disk cache)" if nbytes >= 0 else "")
-        self.disk.setVisible(nbytes >= 0)
+        self._set("disk", text=f"KV on disk {human_bytes(nbytes)}" if nbytes >= 0 else "",
+                  tip=f"KV disk cache in {folder}: a chat reopened after a restart is restored from these pages "
+                      "(Settings ▸ KV disk cache)" if nbytes >= 0 else "", visible=nbytes >= 0)
 
     def show_speed(self, tokens_per_s: float) -> None:
         self._set("speed", text=f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "",

@@ -13,7 +13,7 @@ class FakePanel:
     """Records what it drew; always on screen."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.drawn, self.paused = name, [], False
+        self.name, self.drawn, self.paused, self.captioned = name, [], False, []
 
     def objectName(self) -> str:  # noqa: N802 - Qt name
         return self.name
@@ -23,6 +23,9 @@ class FakePanel:
 
     def show_snapshot(self, snap) -> None:
         self.drawn.append(snap)
+
+    def show_caption(self, snap) -> None:
+        self.captioned.append(snap)
 
     def repaint(self) -> None:
         pass
@@ -42,7 +45,9 @@ def test_every_panel_draws_the_same_snapshot_before_the_next(monkeypatch):
     monkeypatch.setattr(panel_scheduler, "PANEL_BUDGET", 1e9)
     panels = [FakePanel(n) for n in "abcd"]
     frames: list = []
-    s = panel_scheduler.PanelScheduler(panels, frames.append)
+    captions_when_taken: list = []  # each panel's caption as the status bar is told of a frame
+    s = panel_scheduler.PanelScheduler(panels, lambda f: (frames.append(f), captions_when_taken.append(
+        [p.captioned[-1] if p.captioned else None for p in panels])))
     snaps = [make_snapshot(step=i, kv_bytes=1000 + i) for i in range(10)]
     for i, snap in enumerate(snaps):  # a new snapshot on every tick, faster than the panels draw
         s.offer(snap)
@@ -51,11 +56,14 @@ def test_every_panel_draws_the_same_snapshot_before_the_next(monkeypatch):
     for p in panels:
         assert p.drawn == frames[: len(p.drawn)]
     assert frames == [snaps[0], snaps[4], snaps[8]] and all(len(p.drawn) >= 2 for p in panels)
+    # and every caption said the frame the status bar said, from the moment it was taken
+    assert captions_when_taken == [[f] * len(panels) for f in frames]
     s.set_enabled(False)
     assert all(p.paused for p in panels)
     s.offer(snaps[9])
     s.tick()
     assert frames[-1] is snaps[9] and all(snaps[9] not in p.drawn for p in panels)  # paused: status only
+    assert all(snaps[9] not in p.captioned for p in panels)  # paused: the captions stay with their charts
 
 
 def test_memory_chart_draws_idle_time_flat(qtbot):
