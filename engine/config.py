@@ -56,6 +56,8 @@ class CacheConfig:
     policy_params  keyword arguments for the policy's ``Params`` dataclass
     overflow    what happens when the context or budget is full: stop | truncate_middle | rolling | policy
     max_pages   cap on the page pool (None: grow as needed up to the model's context)
+    checkpoints positions kept per chat that a hybrid / sliding-window model's cache can be cut back to (the
+                recurrent states copied there, the window's pages held): 0..64, 0 off (``engine.kv.store.checkpoints``)
     """
 
     mode: str = "paged"
@@ -67,6 +69,7 @@ class CacheConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     overflow: str = "stop"
     max_pages: int | None = None
+    checkpoints: int = 8  # llama.cpp's --ctx-checkpoints default: a follow-up, a branch and a regenerate of 2-3 turns
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -82,6 +85,8 @@ class CacheConfig:
             raise ValueError(f"overflow: {self.overflow!r} is not one of {', '.join(OVERFLOWS)}")
         if self.max_pages is not None and self.max_pages < 1:
             raise ValueError(f"max pages: {self.max_pages} must be at least 1")
+        if isinstance(self.checkpoints, bool) or not isinstance(self.checkpoints, int) or not 0 <= self.checkpoints <= 64:
+            raise ValueError(f"checkpoints: {self.checkpoints!r} is not an integer in 0..64")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy: empty policy name")
         if not isinstance(self.policy_params, dict):

@@ -76,6 +76,8 @@ class PrefixReuse:
             self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
             self.index.append(shared)
             self.evictor.scores.grow(shared)
+        if self.cache_config.prefix_reuse:
+            self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
         return keep + shared, shared, common
 
     def _goes_on(self, cached_ids: Sequence[int], ids: list[int]) -> tuple[int, int, int] | None:

@@ -101,7 +101,7 @@ def _grouped_store(lm, cfg: CacheConfig, layout: Layout, session_id: int) -> Gro
         windows[w] = WindowKV(arena, w, session_id)
     config = lm.model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return GroupedKV(layout, full, windows, StateLayers(text, layout.states))
+    return GroupedKV(layout, full, windows, StateLayers(text, layout.states), cfg.checkpoints)
 
 
 def describe(cfg: CacheConfig) -> str:

@@ -52,6 +52,7 @@ class SeqCache(PrefixReuse):
         self.host: HostKV | None = None  # swapped-out K/V (``swap_out`` / ``swap_in``)
         self.last: StepRecord = IDLE  # what the last forward did (this class its only writer)
         self._planned: list[Eviction] = []  # evicted for the forward being prepared (in its record at commit)
+        self._checkpoint_at = -1  # the planned forward ends where the store keeps a checkpoint (``plan``)
         self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
         self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
         self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
@@ -165,9 +166,15 @@ class SeqCache(PrefixReuse):
         return self.index.next_rope + 1 >= ctx and not self.can_overflow()
 
     def plan(self, todo: int, cx: EvictionContext) -> int:
-        """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so)."""
+        """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so).
+        On a model whose cache can be cut back only to checkpoints, a prompt's last token is fed on its own, and
+        the position before it kept: a regenerate then reuses the whole prompt (one more 1-token forward)."""
         chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
         self._planned += done
+        ix = self.index
+        if self.store.stateful and todo > 1 and chunk == todo and ix.intact == ix.n and self.cache_config.checkpoints:
+            chunk -= 1
+            self._checkpoint_at = ix.next_pos + chunk
         return chunk
 
     def begin_step(self) -> None:
@@ -215,6 +222,9 @@ class SeqCache(PrefixReuse):
         """The forward (``path``, with ``batch`` sequences) wrote ``q`` tokens' K/V: count them as cached."""
         self.store.commit()
         self.index.append(q)
+        if self._checkpoint_at == self.index.next_pos:
+            self.store.checkpoint()
+        self._checkpoint_at = -1
         self._register_pages(self.index.n - q, ids)
         self.last = StepRecord(path, batch, written or self.pages_written(q), self._take_planned())
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.core import observe, reconfigure
+from engine.model.splice import splice
 from engine.model.chat import StreamDecoder, encode_prompt, message_spans, render_chat, validate_messages
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import EngineError, SessionClosedError
@@ -91,9 +92,20 @@ class ChatSession(Stepping):
         ``ContextOverflowError`` when the chat cannot fit and the overflow setting is ``stop``."""
         self.check_open()
         messages = validate_messages(messages)
-        ids = render_chat(self.tokenizer, messages)
+        ids = self.with_fed_ids(render_chat(self.tokenizer, messages))
         spans = message_spans(self.tokenizer, messages) if self.cache.cache_config.needs_spans else []
         return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans)
+
+    def fed_ids(self) -> list[int]:
+        """The ids this chat's cache was fed, in order (its last reply's included, but the last token)."""
+        return list(self.sequence.ids[:self.cache.index.next_pos]) if self.cache.store is not None else []
+
+    def with_fed_ids(self, ids: list[int]) -> list[int]:
+        """``ids`` (the chat rendered afresh) holding the ids this chat's cache was fed wherever they spell the
+        same text (``engine.model.splice``): a follow-up then reuses the reply, not only the prompt before it."""
+        if not self.cache.cache_config.prefix_reuse:
+            return ids
+        return splice(self.tokenizer, self.fed_ids(), ids).ids
 
     def start_rendered(self, ids: Seq[int], messages: Seq[dict], spans: Seq[tuple[int, int]] = (),
                        sampling: SamplingConfig | None = None, generation_id: int | None = None) -> TurnStats:

@@ -105,13 +105,18 @@ def test_sliding_pages_go_back_to_the_pool(zoo):
     name, model, lm = zoo
     if "sliding" not in lm.info.layer_kinds:
         pytest.skip("no sliding layers")
-    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
-    run(s, IDS, 80)
     window = next(w for k, w in zip(lm.info.layer_kinds, lm.info.windows) if k == "sliding")
-    win = s.store.windows[window]
-    assert len(win.inner.table.pages) == win.arena.pool.num_used <= -(-(window - 1) // 4) + 1
-    s.close()
-    assert win.arena.pool.num_used == 0
+    per_window = -(-(window - 1) // 4) + 1
+    for checkpoints in (0, 8):  # the prompt's checkpoint keeps the pages of its own window, no more
+        s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=checkpoints))
+        run(s, IDS, 80)
+        win = s.store.windows[window]
+        assert len(win.inner.table.pages) <= per_window
+        kept = s.store.checkpoint_bytes()[1] // win.arena.page_bytes // len(s.store.windows)
+        assert win.arena.pool.num_used == len(win.inner.table.pages) + kept
+        assert (kept == 0) if checkpoints == 0 else (0 < kept <= per_window)
+        s.close()
+        assert win.arena.pool.num_used == 0
 
 
 def test_two_turns_with_prefix_reuse_equal_re_prefilling(zoo):
@@ -136,10 +141,17 @@ def test_regenerate_reuses_what_the_windows_and_states_allow(zoo):
     again, _ = run(s, IDS, 30)  # regenerate: the prompt is a prefix of the cache
     assert again == first
     st = s.last_stats
-    if "state" in lm.info.layer_kinds:
-        assert st.reused_tokens == 0  # a recurrent state cannot be cut back
-    elif "sliding" in lm.info.layer_kinds:
-        assert st.reused_tokens == 0  # the windows have moved past the prompt's end
+    if "state" in lm.info.layer_kinds or "sliding" in lm.info.layer_kinds:
+        # a recurrent state cannot be cut back, and the windows moved past the prompt's end: the checkpoint
+        # taken before the prompt's last token is where the regenerate goes back to
+        assert st.reused_tokens == len(IDS) - 1
+    s.close()
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=0))
+    run(s, IDS, 30)
+    again, _ = run(s, IDS, 30)
+    assert again == first
+    if "state" in lm.info.layer_kinds or "sliding" in lm.info.layer_kinds:
+        assert s.last_stats.reused_tokens == 0  # without checkpoints: nothing to go back to
     s.close()
 
 

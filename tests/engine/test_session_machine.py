@@ -499,6 +499,8 @@ def check_pages(lm, sessions: list[ChatSession]) -> None:
         counts = [0] * pool.num_pages
         for s in sessions:
             parts = s.store.page_groups() if hasattr(s.store, "page_groups") else [("", s.store)]
+            for cp in getattr(s.store, "checkpoints", ()):  # a checkpoint's windows share pages too
+                parts += [("checkpoint", kept.inner) for kept in cp.windows.values()]
             for _, store in parts:
                 if getattr(store, "arena", None) is arena:
                     for p in store.table.pages:

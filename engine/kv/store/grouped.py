@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import CacheCapacityError
+from engine.kv.store.checkpoints import Checkpoint, Checkpoints
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 
@@ -65,8 +66,10 @@ class Layout:
 
 
 class GroupedKV(KVStore):
-    def __init__(self, layout: Layout, full: KVStore | None, windows: dict[int, WindowKV], states) -> None:
+    def __init__(self, layout: Layout, full: KVStore | None, windows: dict[int, WindowKV], states,
+                 checkpoints: int = 8) -> None:
         self.layout, self.full, self.windows, self.states = layout, full, windows, states
+        self.checkpoints = Checkpoints(checkpoints)  # where a reuse may cut back to (``engine.kv.store.checkpoints``)
         self.routes = layout.route()
         self.num_layers = len(layout.kinds)
         any_store = full if full is not None else next(iter(windows.values())).inner
@@ -125,12 +128,48 @@ class GroupedKV(KVStore):
         return [w.held_range() for w in self.windows.values()]
 
     def reusable(self, k: int) -> int:
-        """The longest prefix ``<= k`` every part can be cut back to (states: all they saw, or nothing)."""
-        if self.states and k != self._fed:
-            k = 0
-        for w in self.windows.values():
-            k = min(k, w.reusable(k))
-        return k
+        """The longest prefix ``<= k`` every part can be cut back to: where the states and the windows are now
+        (states: all they saw; windows: a position whose window they still hold), else a checkpoint's."""
+        k = min(k, self._fed)
+        return k if self._live(k) else self.checkpoints.best(k)
+
+    def _live(self, k: int) -> bool:
+        """Can the live states and windows go back to ``k`` by themselves?"""
+        return (not self.states or k == self._fed) and all(w.reusable(k) == k for w in self.windows.values())
+
+    def limit(self, k: int) -> str:
+        """Why ``reusable(k)`` is less than ``k`` (``k <=`` tokens fed): "state" (the recurrent layers were not
+        checkpointed there), "window" (a sliding layer no longer holds its window), or "" (it is not less)."""
+        k = min(k, self._fed)
+        if self.reusable(k) == k:
+            return ""
+        return "state" if self.states and all(w.reusable(k) == k for w in self.windows.values()) else "window"
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:  # noqa: D401 - overrides KVStore.stateful
+        """Only some positions can be cut back to (states or sliding windows)."""
+        return bool(self.states) or bool(self.windows)
+
+    def checkpoint(self) -> None:
+        """Keep where the cache is now (``_fed`` tokens) as a position a later prompt may cut back to."""
+        if not self.stateful or self._fed <= 0 or self._fed in self.checkpoints or self.checkpoints.limit == 0:
+            return
+        saved = self.states.snapshot() if self.states else None
+        self.checkpoints.add(Checkpoint(self._fed, saved, self.states.nbytes_of(saved) if saved else 0,
+                                        {w: win.keep() for w, win in self.windows.items()}))
+
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(bytes of the states' copies, bytes of window pages held only by checkpoints)."""
+        kept = 0
+        for w, win in self.windows.items():
+            mine = win.pages()
+            extra = {p for cp in self.checkpoints for p in cp.windows[w].pages()} - mine
+            kept += len(extra) * win.arena.page_bytes if extra else 0
+        return self.checkpoints.nbytes, kept
+
+    def checkpoint_positions(self) -> list[int]:
+        return self.checkpoints.positions()
 
     # -- the forward protocol ------------------------------------------------------------------------------
     def _parts(self) -> list:
@@ -172,16 +211,20 @@ class GroupedKV(KVStore):
         self._q = 0
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` tokens: only a ``reusable`` length (ValueError otherwise, nothing changed)."""
-        if self.reusable(n) != n:
+        """Keep the first ``n`` tokens: only a ``reusable`` length (ValueError otherwise, nothing changed). The
+        states and windows go back to the checkpoint at ``n`` where they cannot by themselves; checkpoints past
+        ``n`` are forgotten."""
+        if n and self.reusable(n) != n:
             raise ValueError(f"cannot cut this cache back to {n} tokens (sliding windows / states)")
+        cp = None if n == 0 or self._live(n) else self.checkpoints.get(n)
         if self.full is not None:
             self.full.truncate(n)
-        for w in self.windows.values():
-            w.truncate(n)
+        for w, win in self.windows.items():
+            win.go_back(cp.windows[w]) if cp is not None else win.truncate(n)
         if self.states and n != self._fed:
-            self.states.reset()
+            self.states.restore(cp.states) if cp is not None else self.states.reset()
         self._fed = n
+        self.checkpoints.drop_after(n)
 
     def free(self) -> None:
         for part in self._parts():
@@ -189,6 +232,7 @@ class GroupedKV(KVStore):
         if self.states:
             self.states.reset()
         self._fed = 0
+        self.checkpoints.clear()
 
     def compact(self, keep, rotate=None, start=0) -> list[int]:
         """Eviction acts on the full-attention layers (``keep`` has one row per full layer)."""
@@ -212,6 +256,7 @@ class GroupedKV(KVStore):
         if self.states:
             dst.states.restore(self.states.snapshot())  # dst's own objects: the source is freed next
         dst._fed = self._fed
+        dst.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: dst._moved_window(w, kept))
         return self.num_tokens
 
     def fork(self, session_id: int = -1) -> "GroupedKV":
@@ -224,12 +269,23 @@ class GroupedKV(KVStore):
             states.restore(self.states.snapshot())
         other = GroupedKV(self.layout, full, {w: win.fork(session_id) for w, win in self.windows.items()}, states)
         other._fed = self._fed
+        other.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: kept.fork(session_id))
+        return other
+
+    def _moved_window(self, w: int, kept) -> WindowKV:
+        """A checkpoint's window of another store (another page size or precision) in this store's arena."""
+        other = WindowKV(self.windows[w].arena, w, self.windows[w].inner.table.session_id)
+        other.base = kept.base
+        copy_kv(kept.inner, other.inner)
+        other.slide()
         return other
 
     def to_host(self, pin: bool = False) -> HostKV:
         parts = {"full": self.full.to_host(pin) if self.full is not None else None,
                  "windows": {w: win.to_host(pin) for w, win in self.windows.items()},
-                 "states": self.states.snapshot("cpu") if self.states else None, "fed": self._fed}
+                 "states": self.states.snapshot("cpu") if self.states else None, "fed": self._fed,
+                 "checkpoints": self.checkpoints.moved(lambda st: self.states.moved(st, "cpu"),
+                                                       lambda w, kept: kept.to_host(pin))}
         nbytes = (parts["full"].nbytes if parts["full"] else 0) + sum(h.nbytes for _, h in parts["windows"].values())
         nbytes += self.states.nbytes_of(parts["states"]) if self.states else 0
         return HostKV(self.num_tokens, [parts], nbytes, parts["full"].owners if parts["full"] else [])
@@ -248,6 +304,12 @@ class GroupedKV(KVStore):
         if self.states and parts["states"] is not None:
             self.states.restore(parts["states"])
         self._fed = parts["fed"]
+        self.checkpoints = parts["checkpoints"].moved(lambda st: self.states.moved(st, None), self._window_from_host)
+
+    def _window_from_host(self, w: int, host) -> WindowKV:
+        kept = WindowKV(self.windows[w].arena, w, self.windows[w].inner.table.session_id)
+        kept.from_host(host)
+        return kept
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_layer(self) -> list[int]:

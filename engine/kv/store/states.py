@@ -71,6 +71,17 @@ class StateLayers:
                 for name, flags in entry["flags"].items():
                     getattr(layer, name).update(flags)
 
+    def moved(self, saved: dict, to=None) -> dict:
+        """A ``snapshot`` copied to device ``to`` (None: each layer's own device): a checkpoint swapped out and in."""
+        out = {}
+        with torch.inference_mode():
+            for i, entry in saved.items():
+                device = to if to is not None else (entry["where"][0] or "cpu")
+                out[i] = {**entry, **{name: {k: None if t is None else t.to(device, copy=True)
+                                             for k, t in entry[name].items()}
+                                      for name in ("conv_states", "recurrent_states")}}
+        return out
+
     def nbytes_of(self, saved: dict) -> int:
         return sum(t.numel() * t.element_size() for e in saved.values() for name in ("conv_states", "recurrent_states")
                    for t in e[name].values() if t is not None)

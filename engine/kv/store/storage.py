@@ -28,7 +28,9 @@ from engine.kv.paged.pool import FLAG_QUANTIZED
 from engine.kv.quantized.roles import DevicePlan, KVShape
 
 ROLES = ("k", "v")
-Rotate = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]  # (layer, k [H, m, D], kept idx) -> k
+# (layer, k [H, m, D], kept idx) -> k; a ``role`` attribute "v" rotates the values instead (MLA caches its
+# rotary key there, ``engine.kv.store.rope``)
+Rotate = Callable[[int, torch.Tensor, np.ndarray], torch.Tensor]
 
 
 @dataclass
@@ -76,6 +78,19 @@ class KVStore:
     def reusable(self, k: int) -> int:
         """The longest prefix ``<= k`` this store can be cut back to (any, for keys and values of full layers)."""
         return k
+
+    stateful = False  # only some positions can be cut back to (``GroupedKV``: recurrent states, sliding windows)
+
+    def limit(self, k: int) -> str:
+        """Why ``reusable(k) < k``: "" here (full layers can go back anywhere)."""
+        return ""
+
+    def checkpoint(self) -> None:
+        """Keep the position now as one to cut back to: nothing to keep for full layers."""
+
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(bytes of recurrent-state copies, bytes of window pages held) kept for checkpoints: none here."""
+        return 0, 0
 
     def compact(self, keep: list[np.ndarray], rotate: Rotate | None = None, start: int = 0) -> list[int]:
         """Keep, per layer, the cached tokens at indices ``keep[l]`` (ascending, the same count in every layer),
@@ -163,7 +178,9 @@ class ContiguousKV(KVStore):
                 idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
                 k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
                 v = self.v[layer][:, :self._len].index_select(1, idx)
-                if rotate is not None:
+                if rotate is not None and getattr(rotate, "role", "k") == "v":  # MLA: its rotary key is the "value"
+                    v = rotate(layer, v, keep[layer][start:])
+                elif rotate is not None:
                     k = rotate(layer, k, keep[layer][start:])
                 self.k[layer][:, start:n_keep].copy_(k)
                 self.v[layer][:, start:n_keep].copy_(v)
@@ -306,7 +323,7 @@ class PagedKV(KVStore):
                 idx_t = torch.from_numpy(idx).to(self.device)
                 for role in ROLES:
                     x = self.views[role].read(layer, n, old).index_select(1, idx_t)  # [H, n_keep - s, D] copy
-                    if role == "k" and rotate is not None:
+                    if rotate is not None and role == getattr(rotate, "role", "k"):  # "v": MLA's rotary key
                         x = rotate(layer, x, idx)
                     self.views[role].write(layer, x, s, new, pool)
         except BaseException:

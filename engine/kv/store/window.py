@@ -81,6 +81,24 @@ class WindowKV:
             self.base += len(dropped) * P
             self.inner.commit()  # past_len follows the table
 
+    # -- checkpoints (``engine.kv.store.checkpoints``) ----------------------------------------------------------
+    def keep(self) -> "WindowKV":
+        """What a later reuse needs of this group to go back to ``end``: a group sharing the pages of the window
+        before it (ref + 1 each, so they outlive this group's sliding). Costs no copy; its pages cost memory
+        once this group has given them back."""
+        kept = self.fork(self.inner.table.session_id)
+        kept.slide()
+        return kept
+
+    def go_back(self, kept: "WindowKV") -> None:
+        """Hold what ``kept`` (a ``keep()``) holds instead of what this group holds: its end is ours now."""
+        self.inner.free()
+        self.inner = kept.inner.fork(self.inner.table.session_id)
+        self.base = kept.base
+
+    def pages(self) -> set[int]:
+        return set(self.inner.table.pages)
+
     # -- table changes ---------------------------------------------------------------------------------
     def truncate(self, k: int) -> None:
         """Keep logical ``[0, k)`` (``reusable(k) == k``, or 0)."""

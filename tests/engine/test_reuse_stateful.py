@@ -1,0 +1,76 @@
+"""Reuse on models whose cache cannot be cut back anywhere: sliding-window layers (Gemma 2/3, gpt-oss, Mistral's
+SWA) and recurrent / convolution state layers (LFM2, Falcon-H1, Qwen3-Next). A follow-up goes on from the cache;
+a regenerate, a branch and an edit go back to a checkpoint (``engine.kv.store.checkpoints``) — and the tokens
+are HF's greedy tokens for the same prompt whether a checkpoint was used or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.core.scheduler import drive
+from engine.core.session import ChatSession
+from engine.config import ModelSpec
+from engine.model.loader import wrap_model
+from arch_zoo import tiny_model
+from test_layer_kinds import CONFIGS, hf_greedy, tiny
+
+# sliding windows (8 tokens) | recurrent / conv states beside attention
+TYPES = ["gemma3_text", "gemma2", "mistral", "gpt_oss", "lfm2", "falcon_h1", "qwen3_next"]
+STATES = ("lfm2", "falcon_h1", "qwen3_next")
+N = 12
+
+
+def build(model_type: str):
+    if model_type in CONFIGS:
+        return tiny(model_type)
+    m, _ = tiny_model(model_type)  # the zoo's tiny config: one layer of each kind the architecture has
+    return m, wrap_model(m, None, ModelSpec(source="test"), "cpu", "CPU", name=model_type, path=None, is_demo=True)
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def model(request):
+    m, lm = build(request.param)
+    return request.param, m, lm
+
+
+def reply(s: ChatSession, ids, n=N):
+    stats = s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    for _ in drive(s):
+        pass
+    return stats.reused_tokens, list(s.generated_ids)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_follow_up_regenerate_branch_reuse_and_tokens(model, page_size):
+    name, m, lm = model
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=page_size))
+    p1 = list(range(5, 45))  # longer than the windows (8): they slide during the prompt
+    reused, g1 = reply(s, p1)
+    assert reused == 0 and g1 == hf_greedy(m, p1, N)
+    fed = p1 + g1[:-1]  # the last sampled token is never fed
+    p2 = p1 + g1 + list(range(60, 80))  # a follow-up
+    reused, g2 = reply(s, p2)
+    assert reused == len(fed), f"{name}: follow-up reused {reused} of {len(fed)} fed"
+    assert g2 == hf_greedy(m, p2, N)
+    reused, again = reply(s, p2)  # regenerate: the whole prompt but its last token
+    assert reused == len(p2) - 1 and again == g2
+    p3 = p1 + g1 + list(range(90, 100))  # a branch from turn 2's start (another second message)
+    reused, g3 = reply(s, p3)
+    # a state goes back to the checkpoint at turn 2's start; a window to any position it still holds
+    expected = len(fed)
+    assert reused == expected, f"{name}: branch reused {reused}, turn 2 started at {len(fed)}"
+    assert g3 == hf_greedy(m, p3, N)
+    p4 = p1[:-3] + [7, 8, 9]  # an edit of the first message: before any checkpoint but the sequence's start
+    reused, g4 = reply(s, p4)
+    assert g4 == hf_greedy(m, p4, N)
+    assert reused == 0  # the windows hold from the oldest checkpoint's window on (token 32), the states from 39
+
+
+def test_no_checkpoints_recomputes_and_gives_the_same_tokens(model):
+    name, m, lm = model
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=0))
+    p1 = list(range(5, 45))
+    _, g1 = reply(s, p1)
+    reused, again = reply(s, p1)
+    assert again == g1 and reused == 0  # nothing to go back to
