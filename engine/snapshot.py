@@ -6,6 +6,7 @@ can cross threads and be kept for plots and exports.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -224,6 +225,62 @@ class CacheSnapshot:
         return out
 
 
+class MissReason(str, enum.Enum):
+    """Why a prompt token was computed instead of read from the cache: one fixed vocabulary for every surface."""
+
+    __str__ = str.__str__
+
+    NEW = "new"  # this cache never held it
+    DIVERGED = "diverged"  # the prompt differs from the cached one from here on
+    EVICTED = "evicted"  # dropped for room (the context, the pool)
+    POLICY = "policy"  # an eviction policy dropped it
+    PARTIAL_PAGE = "partial_page"  # reused in whole pages only
+    SETTINGS = "settings"  # a setting (prefix reuse, page size, precision, model) kept it from being reused
+    WINDOW = "window"  # a sliding-window layer no longer held it
+    STATE = "state"  # no checkpoint of a recurrent layer there
+    DISK = "disk"  # its page file was missing or damaged
+    OFF = "off"  # the cache is off
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Prompt tokens ``[start, end)`` computed, and why (``detail``: one line in the engine's plain words)."""
+
+    start: int
+    end: int
+    reason: MissReason
+    detail: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "reason": str(self.reason.value), "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class CacheAccount:
+    """How one prompt used the cache: ``reused + recomputed + dropped == prompt`` and the misses cover the
+    recomputed tokens, in order (``engine.core.account`` builds it)."""
+
+    prompt: int = 0
+    reused: int = 0
+    recomputed: int = 0
+    dropped: int = 0  # evicted earlier and passed over (a stream that goes on under a policy): never computed
+    misses: tuple[Miss, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reused": self.reused, "recomputed": self.recomputed, "dropped": self.dropped,
+                "misses": [m.to_dict() for m in self.misses]}
+
+    def by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.misses:
+            out[m.reason.value] = out.get(m.reason.value, 0) + m.tokens
+        return out
+
+
 @dataclass(frozen=True)
 class TurnStats:
     """How one turn used the cache and how fast it ran."""
@@ -250,6 +307,7 @@ class TurnStats:
     accepted_by_position: tuple[int, ...] = ()  # accepted drafts at draft position 1, 2, ...
     verifications: int = 0  # speculative verification forwards
     spec_note: str = ""  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
+    cache: CacheAccount | None = None  # why each prompt token was reused or computed
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import dataclasses
+
+from engine.core.account import Facts, account, token_change
 from engine.kv.paged.prefix import cached_run, extend_chain
+from engine.snapshot import MissReason
 from engine.kv.store.storage import PagedKV
 
 
@@ -58,15 +62,21 @@ class PrefixReuse:
         from engine.core.sequence import common_prefix
 
         self.continued = 0
+        lost, self.lost = self.lost, (0, None, "")
         goes_on = self._goes_on(cached_ids, ids)
         if goes_on is not None:
+            fed = goes_on[0]
+            self.account = account(Facts(len(ids), fed - self.continued, fed, fed, fed, fed, fed,
+                                         dropped=self.continued))
             return goes_on
         common = common_prefix(list(cached_ids[:self.index.intact]), ids)
         self.disk_restored, self.disk_pages = (0, 0.0), ()
         if self.store is None:
+            self.account = account(Facts(len(ids), 0, 0, 0, 0, 0, 0, off=True))
             return 0, 0, common
-        keep = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
-        keep = self.store.reusable(keep)  # sliding windows and recurrent states limit what can be kept
+        wanted = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
+        keep = self.store.reusable(wanted)  # sliding windows and recurrent states limit what can be kept
+        facts = self._facts(cached_ids, ids, wanted, keep, lost)
         pages, base = self._take_cached(ids, keep)
         if pages:
             keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
@@ -78,7 +88,29 @@ class PrefixReuse:
             self.evictor.scores.grow(shared)
         if self.cache_config.prefix_reuse:
             self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
+        self.account = account(dataclasses.replace(facts, reused=keep + shared))
         return keep + shared, shared, common
+
+    def _facts(self, cached_ids: Sequence[int], ids: list[int], wanted: int, kept: int, lost: tuple) -> Facts:
+        """What the cache held before this reuse, for its account (``engine.core.account``)."""
+        from engine.core.sequence import common_prefix
+
+        ix = self.index
+        held = max(ix.next_pos, lost[0] if lost[1] is not None else 0)
+        seen = common_prefix(list(cached_ids[:held]), ids)
+        change = token_change(self.lm.tokenizer, cached_ids, ids, seen) if seen < min(held, len(ids)) else ""
+        windows = [w for w in self.lm.info.windows or () if w]
+        return Facts(len(ids), 0, ix.next_pos, ix.intact, seen, wanted, kept, self.store.limit(wanted),
+                     lost[0], lost[1], lost[2], self.policy.name if self.policy is not None else "",
+                     reuse_off=not self.cache_config.prefix_reuse, window=min(windows, default=0), diverged_at=change)
+
+    def cut_back(self, n: int, why: MissReason, detail: str) -> None:
+        """Keep the first ``n`` cached tokens for a reason the next prompt's account names (``why``: tokens the
+        cache held past ``n`` and that prompt shares are recomputed for it)."""
+        held = self.index.next_pos
+        self.truncate(n)
+        if held > n:
+            self.lost = (held, why, detail)
 
     def _goes_on(self, cached_ids: Sequence[int], ids: list[int]) -> tuple[int, int, int] | None:
         """After an eviction the cache no longer holds the chat from its first token at its own positions, so the

@@ -29,6 +29,7 @@ from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
 from engine.core.vocab import StepPath
+from engine.snapshot import CacheAccount
 
 
 class SeqCache(PrefixReuse):
@@ -57,6 +58,8 @@ class SeqCache(PrefixReuse):
         self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
         self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
         self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
+        self.account = CacheAccount()  # how the last prompt used the cache, why each computed token was (``reuse``)
+        self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
 
     # -- plumbing ----------------------------------------------------------------------------------------
     def set_store(self, store: KVStore | None) -> None:

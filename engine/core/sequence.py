@@ -79,6 +79,7 @@ class TurnState:
     forwards: int = 0  # forwards that gave tokens
     spec: Any = None  # ``engine.speculation.verify.SpecStats`` while the chat speculates
     spec_label: str = ""
+    account: Any = None  # ``engine.snapshot.CacheAccount`` of its prompt (``SeqCache.reuse``)
 
     def stats(self, reason: str) -> TurnStats:
         n = len(self.generated)
@@ -90,9 +91,16 @@ class TurnState:
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
             stop_reason=reason, shared_tokens=self.shared, threads=self.threads, forwards=self.forwards,
-            disk_restored_tokens=self.disk,
+            disk_restored_tokens=self.disk, cache=self._account(),
             **self._spec_stats(),
         )
+
+    def _account(self):
+        """The prompt's cache account, with what planning dropped unread since (``planned``)."""
+        a = self.account
+        if a is None or a.dropped == self.dropped:
+            return a
+        return dataclasses.replace(a, recomputed=self.recomputed, dropped=self.dropped)
 
     def _spec_stats(self) -> dict:
         s = self.spec

@@ -144,7 +144,7 @@ class ChatSession(Stepping):
         reply = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), t_start=time.perf_counter(),
                           decoder=StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder(),
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
-                          disk=c.disk_restored[0],
+                          disk=c.disk_restored[0], account=c.account,
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
         if c.continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
             reply.reused, reply.dropped = keep - c.continued, c.continued

@@ -35,6 +35,7 @@ import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterator, Sequence
 
+from engine.snapshot import MissReason
 from engine.config import CacheConfig, SpecConfig
 from engine.core.sequence import common_prefix
 from engine.core.session import ChatSession
@@ -146,7 +147,9 @@ class SessionPool:
         if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
             del self._sessions[key]
             if not whole:
-                best.cache.truncate(shared)  # what lies past the last whole page is not reused
+                best.cache.cut_back(shared, MissReason.PARTIAL_PAGE,  # past the last whole page is not reused
+                                    f"reused in whole pages of {self.grain} tokens only: this prompt does not go on "
+                                    "with the whole conversation")
             self.speculation.onto(best)
             return best, shared
         return self.new_session(tenant), 0
