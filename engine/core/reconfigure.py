@@ -20,6 +20,7 @@ from engine.kv.store.grouped import GroupedKV, Layout
 from engine.kv.store.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
+from engine.snapshot import MissReason
 from engine.core.vocab import Note, NoteKind
 
 if TYPE_CHECKING:
@@ -167,7 +168,8 @@ def _restore_evicted(cache: "SeqCache", ctx: int) -> list[str]:
         return [f"{total - index.n} evicted tokens cannot be restored: the conversation ({total} tokens) is longer "
                 f"than the model's context ({ctx}); the kept window stays"]
     kept = cache.store.reusable(index.intact)
-    cache.truncate(kept)
+    cache.cut_back(kept, MissReason.POLICY if cache.policy is not None else MissReason.EVICTED,
+                   "evicted earlier, computed again from the text once the eviction setting was switched off")
     return [f"restoring evicted tokens: {total - kept} tokens re-prefilled from the text on the next step"]
 
 
@@ -226,8 +228,14 @@ def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: Cache
         raise
     if src is not None:
         src.free()
+    fed = cache.index.next_pos if src is not None else 0
     cache.set_store(dst)
     ms = (time.perf_counter() - t0) * 1000.0
+    if not seq.running and not copied:  # what the next prompt shares with the chat is computed again: say why
+        held = fed or max(0, len(seq.ids) - 1)
+        why = MissReason.OFF if dst is None or old.mode == "off" else MissReason.SETTINGS
+        cache.lost = (held, why, "the cache was off" if why is MissReason.OFF else
+                      f"the cache setting changed ({describe(old)} → {describe(cfg)}) and its tokens were not moved")
     if dst is None:
         cache.index.reset()
         cache.evictor.scores.stop()
