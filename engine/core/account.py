@@ -39,6 +39,8 @@ class Facts:
     reuse_off: bool = False  # prefix reuse is switched off
     window: int = 0  # the smallest sliding window (for the detail)
     diverged_at: str = ""  # "'You are' → 'You're'": the cached and the new tokens where they differ
+    disk_at: int = -1  # the first token of a page the disk tier had but could not read (missing, damaged)
+    page: int = 0  # its page size
 
 
 def account(f: Facts) -> CacheAccount:
@@ -65,6 +67,9 @@ def account(f: Facts) -> CacheAccount:
     if f.intact < min(f.seen, f.fed, n - 1):  # the cache held them, evicted since
         reason = MissReason.POLICY if f.policy else MissReason.EVICTED
         add(min(f.seen, f.fed, n - 1), reason, f"evicted by {f.policy}" if f.policy else "evicted to make room")
+    if a == f.disk_at:
+        add(f.disk_at + f.page, MissReason.DISK, "its page file in the KV disk tier was missing or damaged "
+                                                 "(dropped)")
     if f.lost_why is not None and f.fed < min(f.lost, f.seen, n - 1):
         add(min(f.lost, f.seen, n - 1), f.lost_why, f.lost_detail)
     held = max(f.fed, f.lost if f.lost_why is not None else 0)

@@ -88,7 +88,8 @@ class PrefixReuse:
             self.evictor.scores.grow(shared)
         if self.cache_config.prefix_reuse:
             self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
-        self.account = account(dataclasses.replace(facts, reused=keep + shared))
+        self.account = account(dataclasses.replace(facts, reused=keep + shared, disk_at=self.disk_miss,
+                                                   page=self.store.page_size if self.disk_miss >= 0 else 0))
         return keep + shared, shared, common
 
     def _facts(self, cached_ids: Sequence[int], ids: list[int], wanted: int, kept: int, lost: tuple) -> Facts:
@@ -134,7 +135,7 @@ class PrefixReuse:
         """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
         page index), empty when they would not cover more than ``keep`` tokens."""
         store = self.prefix_store()
-        self.chain = []
+        self.chain, self.disk_miss = [], -1
         if store is None or not self.cache_config.prefix_reuse or self.host is not None:
             return [], 0
         P = store.page_size
@@ -144,9 +145,12 @@ class PrefixReuse:
         extend_chain(self.chain, ids, P, limit, self.root)
         run = cached_run(store.arena.pool, self.chain, base)
         if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
+            lost = self.disk.counts["dropped_files"] + self.disk.counts["missing_files"]
             self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
             run, before = cached_run(store.arena.pool, self.chain, base), len(run)
             self.disk_pages = tuple(run[before:])
+            if self.disk.counts["dropped_files"] + self.disk.counts["missing_files"] > lost:  # the page after the run was on disk, missing or damaged
+                self.disk_miss = (base + len(run)) * P
         if (base + len(run)) * P <= keep:
             return [], base
         return run, base

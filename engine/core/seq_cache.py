@@ -59,6 +59,7 @@ class SeqCache(PrefixReuse):
         self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
         self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
         self.account = CacheAccount()  # how the last prompt used the cache, why each computed token was (``reuse``)
+        self.disk_miss = -1  # the last reuse's first token of a page file found missing or damaged
         self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
 
     # -- plumbing ----------------------------------------------------------------------------------------

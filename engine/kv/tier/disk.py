@@ -62,7 +62,7 @@ class DiskTier:
         self.folder, self.model_fp, self.budget = os.path.abspath(folder), model_fp, budget
         self.flops_per_token, self.rate = flops_per_token, FLOPS.get(device_type, GPU_FLOPS)
         self.counts = dict.fromkeys(("hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "pages_written",
-                                     "skipped_pages", "dropped_files", "evicted_files"), 0)
+                                     "skipped_pages", "dropped_files", "evicted_files", "missing_files"), 0)
         self._notes: list[str] = []
         self._lock = threading.Lock()  # guards _files, _bytes, _pending, counts, _notes
         self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
@@ -293,9 +293,13 @@ class DiskTier:
 
     def _read_run(self, arena, names: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         folder, out = self.shelf(arena), []
-        for name in names:
+        for i, name in enumerate(names):
             kv = self._read(folder, name, arena)
             if kv is None:
+                later = names[i + 1] if i + 1 < len(names) else None
+                if later is not None and self._path(folder, later) in self._files:  # a gap in a chain on disk:
+                    with self._lock:  # this page was written once and is missing now
+                        self.counts["missing_files"] += 1
                 break
             out.append(kv)
         return out
