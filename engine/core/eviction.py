@@ -22,6 +22,8 @@ import torch
 from engine.config import OVERFLOW_EVICTS
 from engine.errors import ContextOverflowError, InternalError
 from engine.kv.store.attention import Rerotator
+from engine.kv.store.rope import keyless_layers, shift_all
+from engine.policies.layer_kinds import layer_kind_summary
 from engine.kv.paged.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
 from engine.core.vocab import Note, NoteKind
@@ -193,11 +195,12 @@ class Evictor:
         if any(len(k) != n_keep for k in keep) or n_keep > target:
             raise InternalError(f"policy {pol.name} chose an invalid eviction ({n} → {n_keep}, target {target})")
         rotate = pol.rope_in_cache or force_rotate
-        old_rope = np.array(index.rope)
+        old_rope, old_next = np.array(index.rope), index.next_rope
         start = _unchanged_prefix(keep, old_rope if rotate else None)
         held_before = index.held(index.next_pos)
         try:
-            freed = store.compact(keep, rotate=self._rotate_fn(old_rope, n_keep) if rotate else None, start=start)
+            freed = store.compact(keep, rotate=self._rotate_fn(store, old_rope, n_keep) if rotate else None,
+                                  start=start)
         except BaseException:
             if store.num_tokens != index.n:  # the store dropped a half-compacted cache: so does the index
                 index.truncate(0)
@@ -207,8 +210,10 @@ class Evictor:
         if rotate:
             index.rerotate()
         self.scores.keep(keep)
+        if rotate:
+            self._shift_windows(store, index, index.next_rope - old_next)
         gone = np.nonzero(held_before & ~index.held(index.next_pos))[0]
-        notes = _protection_notes(gone, state, pol)
+        notes = _protection_notes(gone, state, pol) + self._layer_notes(store, pol, reason, rotate)
         cx.notes.extend(notes)
         return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
 
@@ -219,17 +224,52 @@ class Evictor:
             self.scores.start(n)  # cannot happen when every change went through the evictor; stay safe
         return self.scores.numpy()
 
-    def _rotate_fn(self, old_rope: np.ndarray, n_keep: int):
+    def _rerotator_for(self, store) -> Rerotator:
         if self._rerotator is None:
-            self._rerotator = Rerotator(self.model)
-        rerotator = self._rerotator
+            kinds = getattr(getattr(store, "layout", None), "kinds", ())  # a GroupedKV's layer kinds
+            self._rerotator = Rerotator(self.model, keyless_layers(kinds))
+        return self._rerotator
+
+    def _rotate_fn(self, store, old_rope: np.ndarray, n_keep: int):
+        rerotator = self._rerotator_for(store)
+        layout = getattr(store, "layout", None)  # a GroupedKV compacts its full layers: row l is model layer full[l]
+        to_model = layout.full if layout is not None else list(range(len(old_rope)))
 
         def rotate(layer: int, k: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
             # k: [H, m, D], the last m kept keys (old slots idx); after compaction RoPE = slot index
             new = np.arange(n_keep - len(idx), n_keep)
-            return rerotator(layer, k, torch.from_numpy(new - old_rope[layer][idx]))
+            return rerotator(to_model[layer], k, torch.from_numpy(new - old_rope[layer][idx]))
 
+        rotate.role = rerotator.role  # MLA: the cached rotary key is the "value" (``KVStore.compact``)
         return rotate
+
+    def _shift_windows(self, store, index: CacheIndex, delta: int) -> None:
+        """The positions handed to the model just moved by ``delta`` (< 0): every key a sliding window holds moves
+        by the same ``delta``, so each query still sees its window at its true distances. Those keys then sit at
+        no position a cut-back could reuse: the index says so (``positions_moved``)."""
+        windows = getattr(store, "windows", None)
+        if not windows or delta == 0:
+            return
+        rerotator, groups = self._rerotator_for(store), store.layout.window_groups()
+        try:
+            for w, win in windows.items():
+                shift_all(win.inner, groups[w], delta, rerotator)
+        except BaseException:
+            store.free()  # some windows shifted, some not: start again from the text rather than run skewed
+            index.truncate(0)
+            self.scores.truncate(0)
+            raise
+        if any(rerotator.layers[m] is not None for layers in groups.values() for m in layers):
+            index.positions_moved()
+
+    def _layer_notes(self, store, pol: EvictionPolicy, reason: str, rotated: bool) -> list[Note]:
+        """What the eviction did on each kind of layer, where that is not simply the textbook method on every
+        layer (a model whose layers differ, MLA's rotary key). The text is the same at every eviction, so a reply
+        carries it once."""
+        layout = getattr(store, "layout", None)
+        rerotator = self._rerotator_for(store) if rotated else None
+        rest = layer_kind_summary(layout, pol, rerotator)
+        return [Note(f"{reason}: {rest}", NoteKind.POLICY_SAYS, policy=reason, rest=rest)] if rest else []
 
 
 def _unchanged_prefix(keep: list[np.ndarray], rope: np.ndarray | None) -> int:

@@ -40,23 +40,7 @@ def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
         raise ValueError("KV int8/int4 is kept per page: choose the paged cache mode")
     if cfg.overflow == "policy" and policy is None:
         raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o or priority)")
-    layout = Layout(info.layer_kinds, info.windows)
-    if info.layer_kinds and not layout.plain and cfg.mode != "off":
-        rotates = (policy is not None and policy.rope_in_cache) or cfg.overflow_evicts
-        if rotates:
-            raise ValueError(f"{policy.name if policy is not None and policy.rope_in_cache else cfg.overflow}: "
-                             "re-rotating keys to in-cache positions would desynchronise this model's sliding-window or "
-                             "state layers; use H2O or priority, or stop at the context limit")
-        if policy is not None and not layout.full:
-            raise ValueError(f"policy {policy.name}: every layer of this model slides; its windows already bound the "
-                             "cache")
-    elif cfg.mode != "off" and ((policy is not None and policy.rope_in_cache) or cfg.overflow_evicts):
-        from engine.kv.store.rope import rerotation_refusal
-
-        why = rerotation_refusal(lm.model)  # cached per model
-        if why:
-            what = f"policy {policy.name}" if policy is not None and policy.rope_in_cache else f"overflow {cfg.overflow}"
-            raise ValueError(f"{what} moves kept keys to new positions, but {why}")
+    _check_layer_kinds(cfg, policy, lm)
     if cfg.mode == "off" and cfg.overflow_evicts:
         raise ValueError(f"cache off: overflow '{cfg.overflow}' evicts from a cache; choose contiguous or paged")
     if policy is not None and policy.budget >= info.context_length:
@@ -64,6 +48,33 @@ def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
         raise ValueError(f"policy {policy.name}: {what} {policy.budget} must be below the model's context of "
                          f"{info.context_length}")
     return policy
+
+
+def _check_layer_kinds(cfg: CacheConfig, policy: EvictionPolicy | None, lm) -> None:
+    """Refuse what cannot run on this model's layers. Evicting runs on the full-attention layers; the sliding
+    windows and recurrent states go on as the model runs them (``engine.policies.layer_kinds``). Moving kept keys to
+    in-cache positions (StreamingLLM, the truncate-middle / rolling overflow) re-rotates them on every layer that
+    holds keys, the windows included, so it needs keys this module can re-rotate exactly."""
+    from engine.kv.store.rope import keyless_layers, rerotation_refusal
+
+    info = lm.info
+    if cfg.mode == "off":
+        return
+    layout = Layout(info.layer_kinds, info.windows)
+    sliding_only = bool(info.layer_kinds) and not layout.plain and not layout.full
+    if policy is not None and sliding_only:
+        raise ValueError(f"policy {policy.name}: every layer of this model slides; its windows already bound the "
+                         "cache")
+    moves = (policy is not None and policy.rope_in_cache) or cfg.overflow_evicts
+    if not moves:
+        return
+    what = f"policy {policy.name}" if policy is not None and policy.rope_in_cache else f"overflow {cfg.overflow}"
+    if sliding_only:
+        raise ValueError(f"{what}: every layer of this model slides (its windows bound the cache), so nothing can "
+                         "be evicted to go on past the context")
+    why = rerotation_refusal(lm.model, keyless_layers(info.layer_kinds))  # cached per model
+    if why:
+        raise ValueError(f"{what} moves kept keys to new positions, but {why}")
 
 
 def make_store(lm, cfg: CacheConfig, session_id: int) -> KVStore | None:

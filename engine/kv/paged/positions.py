@@ -10,7 +10,9 @@ Plus two counters: ``next_pos``, the logical position of the next token to feed 
 fed once; those no slot holds were evicted or skipped), and ``next_rope``, the RoPE position it will get.
 
 ``intact`` is the length of the leading run of slots where ``log == rope == slot index``: the part of the
-cache a new turn can reuse as a prefix. Arrays grow by doubling, so ``append`` costs O(L*q) per step.
+cache a new turn can reuse as a prefix; 0 once keys outside the index moved with the positions (a sliding
+window's, ``positions_moved``) until the cache starts again. Arrays grow by doubling, so ``append`` costs
+O(L*q) per step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class CacheIndex:
         self.next_pos = 0
         self.next_rope = 0
         self.intact = 0
+        self._moved = False  # keys this index does not describe (sliding windows) moved: nothing is intact
 
     # -- reading ---------------------------------------------------------------------------------------
     @property
@@ -94,23 +97,36 @@ class CacheIndex:
         self.next_rope = self.n
         self._recount()
 
+    def positions_moved(self) -> None:
+        """Keys outside the index (a sliding window's, shifted with the RoPE positions after a StreamingLLM-style
+        eviction) no longer sit at their own positions: no prefix is reusable, whatever the full layers hold,
+        until the cache starts again from token 0."""
+        self._moved = True
+        self.intact = 0
+
     def truncate(self, m: int) -> None:
         """Keep the first ``m`` slots; only within the intact prefix (so positions restart at ``m``)."""
         if not 0 <= m <= self.intact:
             raise ValueError(f"truncate: {m} is outside the intact prefix 0..{self.intact}")
         self.n = self.next_pos = self.next_rope = self.intact = m
+        self._moved = self._moved and m > 0
 
     def reset(self) -> None:
         self.n = self.next_pos = self.next_rope = self.intact = 0
+        self._moved = False
 
     def copy(self) -> "CacheIndex":
         other = CacheIndex(self.num_layers, self._log.shape[1])
         other._log[:, :self.n] = self._log[:, :self.n]
         other._rope[:, :self.n] = self._rope[:, :self.n]
         other.n, other.next_pos, other.next_rope, other.intact = self.n, self.next_pos, self.next_rope, self.intact
+        other._moved = self._moved
         return other
 
     def _recount(self) -> None:
+        if self._moved:
+            self.intact = 0
+            return
         ident = np.arange(self.n)
         ok = (self._log[:, :self.n] == ident).all(axis=0) & (self._rope[:, :self.n] == ident).all(axis=0)
         bad = np.nonzero(~ok)[0]
