@@ -73,7 +73,8 @@ def cache_configs(draw) -> CacheConfig:
     overflow = draw(st.sampled_from(overflows + (["policy"] if policy != "none" else [])))
     max_pages = draw(st.one_of(st.none(), st.none(), st.integers(2, 48))) if mode == "paged" else None
     return CacheConfig(mode=mode, page_size=page, k_dtype=k, v_dtype=v, policy=policy, policy_params=params,
-                       overflow=overflow, max_pages=max_pages, prefix_reuse=draw(st.booleans()))
+                       overflow=overflow, max_pages=max_pages, prefix_reuse=draw(st.booleans()),
+                       checkpoints=draw(st.sampled_from([8, 8, 1, 0])))
 
 
 @dataclass
@@ -417,6 +418,43 @@ class SlidingChatMachine(ChatMachine):
         self.lm = tiny_model(self.model_type, self.layer_types)
         self.chats = [Chat(ChatSession(self.lm, CacheConfig()))]
         self.draft_lm = None
+
+
+    @rule(i=st.integers(0, 99), back=st.integers(0, 60), words=st.lists(st.sampled_from(WORDS), max_size=6),
+          n=st.integers(1, 8))
+    def branch_from_cache(self, i, back, words, n):
+        """A branch from a point of what the chat's cache was fed (a checkpoint, the live end, or neither): its
+        greedy tokens equal a fresh session's that recomputes the whole prompt — tokens never depend on whether
+        a checkpoint was used — and its account sums up."""
+        chat = self._chat(i)
+        s = chat.session
+        cfg = s.cache_config
+        if s.generating or s.closed or s.store is None or cfg.k_dtype != "auto" or cfg.v_dtype != "auto" \
+                or cfg.policy != "none" or cfg.overflow != "stop":
+            return
+        fed = s.fed_ids()
+        extra = s.tokenizer(" ".join(words), add_special_tokens=False)["input_ids"] if words else []
+        ids = fed[:max(1, len(fed) - back)] + list(extra) + [13]
+        if len(ids) + n >= s.context_length:
+            return
+        sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True)
+        got = self._greedy(s, ids, sampling)
+        a = s.last_stats.cache
+        assert a.reused + a.recomputed + a.dropped == a.prompt == len(ids)
+        assert sum(m.tokens for m in a.misses) == a.recomputed
+        fresh = ChatSession(self.lm, CacheConfig(mode="paged", page_size=cfg.page_size, prefix_reuse=False))
+        try:
+            assert got == self._greedy(fresh, ids, sampling), "a checkpoint changed the tokens"
+        finally:
+            fresh.close()
+        chat.history = []  # the chat's messages no longer say what its cache holds
+
+    @staticmethod
+    def _greedy(s: ChatSession, ids, sampling) -> list[int]:
+        s.start_ids(ids, sampling)
+        while not s.step().done:
+            pass
+        return list(s.generated_ids)
 
 
 class StateChatMachine(SlidingChatMachine):
