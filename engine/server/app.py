@@ -178,9 +178,10 @@ async def _generate(request: Request, parse) -> Response:
         body = parse_body(raw)
     req = parse(body)
     check_model(req, server.model_ids)
-    prepared = await server.scheduler.prepare(req)  # rendered and tokenized off the engine thread; 400s here
+    tenant = tenant_of(key, req.cache_salt)
+    prepared = await server.scheduler.prepare(req, tenant)  # rendered and tokenized off the engine thread; 400s here
     shape = Shape(req.kind, server.model_id)
-    job = server.scheduler.submit(req, asyncio.get_running_loop(), prepared, shape.id, tenant_of(key, req.cache_salt))
+    job = server.scheduler.submit(req, asyncio.get_running_loop(), prepared, shape.id, tenant)
     shape.prompt_ids = prepared.ids if req.return_token_ids else None
     if req.stream:  # the role chunk at once, queued or not; a later failure comes as the stream's last event
         return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
@@ -239,7 +240,8 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
                 yield {"data": json.dumps(data.body())}
                 return
             elif kind == "done":
-                yield {"data": json.dumps(shape.last_chunk(data))}
+                # the cache account rides with the usage: on its chunk, or on this last one when there is none
+                yield {"data": json.dumps(shape.last_chunk(data, account=not include_usage))}
                 if include_usage:
                     yield {"data": json.dumps(shape.usage_chunk(data))}
                 yield {"data": "[DONE]"}

@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from engine.kv.tier.disk import METRICS as DISK_METRICS
+from engine.snapshot import MissReason
 
 RATE_WINDOW_S = 10.0
 OUTCOMES = ("stop", "length", "cancelled", "error", "rejected")
@@ -32,14 +33,18 @@ class Metrics:
         # speculative decoding, as vLLM counts it: verifications, draft tokens, accepted ones (and by position)
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.spec_by_pos: list[int] = []
+        self.recomputed = dict.fromkeys((r.value for r in MissReason), 0)  # prompt tokens computed, by reason
         self.closed = dict.fromkeys(("header_timeout", "body_timeout", "evicted", "over_limit"), 0)  # ``server.conn``
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
 
-    def request_started(self, prompt_tokens: int, reused_tokens: int) -> None:
+    def request_started(self, prompt_tokens: int, reused_tokens: int, recomputed: dict[str, int] | None = None) -> None:
+        """A request's prompt: its tokens, those reused, and those computed by reason (its cache account's)."""
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.prefix_queries += prompt_tokens
             self.prefix_hits += reused_tokens
+            for reason, n in (recomputed or {}).items():
+                self.recomputed[reason] = self.recomputed.get(reason, 0) + n
 
     def tokens(self, n: int, evicted: int = 0) -> None:
         now = time.monotonic()
@@ -143,6 +148,7 @@ class Metrics:
             ]
             by_pos = list(self.spec_by_pos)
             outcomes, stalls, closed = dict(self.outcomes), dict(self.stalls), dict(self.closed)
+            recomputed = dict(self.recomputed)
         rows += [(f"kvscope_{n}", kind, text, gauges[n]) for n, (kind, text) in DISK_METRICS.items() if n in gauges]
         out = []
         for name, kind, text, value in rows:
@@ -154,6 +160,8 @@ class Metrics:
                          "outcome", outcomes)
         out += _labelled("kvscope_streams_stalled_total", "Streams whose client stopped reading: held (paused), then "
                          "cancelled if it did not catch up", "action", stalls)
+        out += _labelled("kvscope_prompt_tokens_recomputed_total", "Prompt tokens computed instead of read from the "
+                         "cache, by reason (the requests' cache accounts)", "reason", recomputed)
         out += self._event_rows()
         out += _labelled("kvscope_connections_closed_total", "Connections the server closed: a request head or body "
                          "not complete in time, one without a request in flight making room, or a new one over the "

@@ -6,6 +6,8 @@ A 3.9 MB prompt took 4 s to tokenize (peak RSS 0.5 → 1.3 GB) on the engine thr
 tokenizer is only called, never reconfigured, so two calls at once are safe). It first refuses a prompt whose
 characters alone cannot fit the context: no token of this vocabulary spells more than ``max_token_chars``
 characters, so ``chars / max_token_chars`` tokens at least (x4 for normalizers that fold runs of characters).
+A chat whose assistant messages are replies this server gave holds the ids it fed through them
+(``engine.server.reply_ids``), so the follow-up reuses the reply too.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from dataclasses import dataclass
 
 from engine.config import CacheConfig
 from engine.server.errors import ApiError, bad_request
+from engine.server.reply_ids import ReplyIds
 from engine.server.schemas import GenRequest
 
 FOLD_MARGIN = 4  # a normalizer may fold a run of characters (spaces) into fewer tokens than chars / longest
 LARGE_CHARS = 32 * 1024  # ~8k tokens: tokenized in tens of ms; longer prompts take the other thread
+SPLICE_TRIES = 3  # assistant messages (latest first) looked up for the ids fed through them
 
 
 @dataclass(frozen=True)
@@ -38,23 +42,25 @@ class Tokenizing:
     def __init__(self, lm, cache: CacheConfig, max_tokens: int) -> None:
         self.lm, self.cache, self.max_tokens = lm, cache, max_tokens
         self.bounded, self.needs_spans = cache.bounded_by_context, cache.needs_spans
+        self.replies = ReplyIds()  # written by the engine thread at each chat reply's end (``Scheduler._end``)
         self.small = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvscope-tokenize")
         self.large = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvscope-tokenize-large")
         self.started = {"small": 0, "large": 0}  # prompts each thread took up (tests, tools)
         self.large_busy = 0  # long prompts being tokenized now
         self._max_chars: int | None = None
 
-    async def prepare(self, req: GenRequest) -> Prepared:
-        """The request's ``Prepared`` (400 naming the field for a prompt that cannot be served as asked)."""
+    async def prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
+        """The request's ``Prepared`` (400 naming the field for a prompt that cannot be served as asked);
+        ``tenant``: whose earlier replies' ids the prompt may hold."""
         chars = self._check_size(req)
         lane = "large" if chars > LARGE_CHARS else "small"
         self.started[lane] += 1
         pool = self.large if lane == "large" else self.small
         if lane == "small":
-            return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, req)
+            return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, req, tenant)
         self.large_busy += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, req)
+            return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, req, tenant)
         finally:
             self.large_busy -= 1
 
@@ -83,7 +89,7 @@ class Tokenizing:
                               f"characters). Please reduce the length of the {what}.", what, "context_length_exceeded")
         return chars
 
-    def _prepare(self, req: GenRequest) -> Prepared:
+    def _prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
         from engine.model.chat import encode_prompt, message_spans, render_chat
 
         tok = self.lm.tokenizer
@@ -92,7 +98,7 @@ class Tokenizing:
         spans: list[tuple[int, int]] = []
         try:
             if req.kind == "chat":
-                ids = render_chat(tok, list(req.messages))
+                ids = self.with_replies(render_chat(tok, list(req.messages)), req.messages, tenant)
                 spans = message_spans(tok, list(req.messages)) if self.needs_spans else []
             elif req.prompt is not None:
                 ids = encode_prompt(tok, req.prompt)
@@ -103,6 +109,28 @@ class Tokenizing:
         except ValueError as e:  # a template's refusal, text that is not Unicode: the request's fault
             raise bad_request(str(e).splitlines()[0], "messages" if req.kind == "chat" else "prompt") from None
         return Prepared(tuple(ids), tuple(spans), self.max_new(req, len(ids)))
+
+    def with_replies(self, ids: list[int], messages, tenant: bytes) -> list[int]:
+        """``ids`` (the chat rendered afresh) holding the ids this server fed through the latest of its assistant
+        messages it knows (``tenant``'s own), wherever they spell the same text (``engine.model.splice``)."""
+        if not self.cache.prefix_reuse:
+            return ids
+        from engine.model.splice import splice
+
+        tries = 0
+        for m in reversed(list(messages)):
+            if m["role"] != "assistant" or not m["content"]:
+                continue
+            fed = self.replies.find(tenant, m["content"])
+            if fed is None:
+                continue
+            s = splice(self.lm.tokenizer, fed, ids)
+            if s.spliced or s.common >= len(fed):  # spliced, or the fresh ids hold all of them already
+                return s.ids
+            tries += 1
+            if tries >= SPLICE_TRIES:  # an earlier reply's ids are a start of a later one's: rarely worth more
+                break
+        return ids
 
     def _checked_ids(self, ids) -> list[int]:
         vocab = self.lm.info.vocab_size

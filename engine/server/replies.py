@@ -1,4 +1,8 @@
-"""The JSON of a reply: a whole ``chat.completion`` / ``text_completion``, or its stream's chunks."""
+"""The JSON of a reply: a whole ``chat.completion`` / ``text_completion``, or its stream's chunks.
+
+Each reply carries its prompt's cache account beside the usage (``"kvscope": {"cache": {...}}``, built by
+``engine.server.account``): in the whole reply, on a stream's usage chunk, or on its last chunk when the request
+asked for no usage."""
 
 from __future__ import annotations
 
@@ -44,10 +48,11 @@ class Shape:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": lp,
                       "finish_reason": fr}
-            return self._with_ids({**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data)},
-                                  data)
+            return self._with_ids({**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data),
+                                   **kvscope(data)}, data)
         choice = {"index": 0, "text": data["text"], "logprobs": lp, "finish_reason": fr}
-        return self._with_ids({**self._head("text_completion"), "choices": [choice], "usage": self.usage(data)}, data)
+        return self._with_ids({**self._head("text_completion"), "choices": [choice], "usage": self.usage(data),
+                               **kvscope(data)}, data)
 
     def _with_ids(self, out: dict, data: dict) -> dict:
         if self.prompt_ids is not None:
@@ -79,13 +84,20 @@ class Shape:
             choice["token_ids"] = [token]
         return out
 
-    def last_chunk(self, data: dict) -> dict[str, Any]:
-        """A stream's chunk with the finish reason (and the engine's warnings, when it has any)."""
-        return with_warnings(self.chunk("" if self.kind == "completion" else {}, data["finish_reason"]), data)
+    def last_chunk(self, data: dict, account: bool = False) -> dict[str, Any]:
+        """A stream's chunk with the finish reason (and the engine's warnings, when it has any; the cache account
+        with ``account``: a stream without a usage chunk)."""
+        out = self.chunk("" if self.kind == "completion" else {}, data["finish_reason"])
+        return with_warnings({**out, **kvscope(data)} if account else out, data)
 
     def usage_chunk(self, data: dict) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage(data)}
+        return {**self._head(obj), "choices": [], "usage": self.usage(data), **kvscope(data)}
+
+
+def kvscope(data: dict) -> dict[str, Any]:
+    """``{"kvscope": {"cache": account}}`` of a finished reply's ``data`` (empty without an account)."""
+    return {"kvscope": {"cache": data["cache"]}} if data.get("cache") is not None else {}
 
 
 def with_warnings(out: dict, data: dict) -> dict:

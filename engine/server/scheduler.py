@@ -26,6 +26,7 @@ from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Sou
 from engine.core.session_pool import CLOSE, SessionPool
 from engine.core.vocab import FinishReason
 from engine.speculation.setup import Speculation
+from engine.server.account import public, recomputed_by_reason
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
@@ -104,9 +105,10 @@ class Scheduler(Source):
         self._attached = True
         self.core.call(lambda: self.core.sources.append(self))
 
-    async def prepare(self, req: GenRequest) -> Prepared:
-        """The request's prompt rendered and tokenized off the engine thread (400s for what cannot fit)."""
-        return await self.tokenizing.prepare(req)
+    async def prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
+        """The request's prompt rendered and tokenized off the engine thread (400s for what cannot fit), holding
+        the ids ``tenant``'s earlier replies were fed as (``engine.server.reply_ids``)."""
+        return await self.tokenizing.prepare(req, tenant)
 
     def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop, prepared: Prepared, request_id: str = "",
                tenant: bytes = b"") -> Job:
@@ -218,7 +220,9 @@ class Scheduler(Source):
         self._running.append(job)
         job.request = self.core.add(Request(job.session, lambda r, job=job: self._guard(lambda j: self._emit(j, r), job),
                                             Priority.API, hold=lambda job=job: self._paused or self._held(job)))
-        self.metrics.request_started(job.stats.prompt_tokens, job.stats.reused_tokens)
+        st = job.stats
+        self.metrics.request_started(st.prompt_tokens, st.reused_tokens,
+                                     recomputed_by_reason(st.cache, st.prompt_tokens, st.reused_tokens))
         job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
 
     def _held(self, job: Job) -> bool:
@@ -289,7 +293,10 @@ class Scheduler(Source):
             if tail:
                 job.post("delta", (tail, None, None))
             self.idle.put(s)
+            if job.req.kind == "chat":  # before "done": the client's follow-up may be rendered right after it
+                self.tokenizing.replies.put(job.tenant, job.trim.text, s.fed_ids())
         stats = job.stats
+        last = getattr(result, "stats", None) or stats  # the account as the reply left it (planning may drop)
         completion = len(s.turn_state.generated)
         self.records.append(JobRecord(job.id, job.request_id, s.session_id, stats.prompt_tokens, stats.reused_tokens,
                                       stats.recomputed_tokens, completion, finish))
@@ -303,7 +310,8 @@ class Scheduler(Source):
         job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
-                          "prompt_token_ids": list(job.prepared.ids), "warnings": warnings})
+                          "prompt_token_ids": list(job.prepared.ids), "warnings": warnings,
+                          "cache": public(last.cache, stats.prompt_tokens, stats.reused_tokens)})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""

@@ -261,6 +261,8 @@ def _turn_json(session, result, prompt_tokens: int, evictions: list[dict] | None
         "draft_tokens": st.draft_tokens,
         "accepted_draft_tokens": st.accepted_draft_tokens,
         "accepted_by_position": list(st.accepted_by_position),
+        # why each prompt token was reused or computed (``engine.snapshot.CacheAccount``), as the API tells it
+        "cache": st.cache.to_dict() if st.cache is not None else None,
     }
 
 
