@@ -197,6 +197,12 @@ class CacheSnapshot:
     step_path: str = "eager"  # what ran that forward: eager | compiled | batched (TokenEvent.path)
     fast_step: str = ""  # the model's compiled decode step in words (engine.model.fast_step.FastStep.describe)
     page_mine: np.ndarray | None = None  # [num_pages] bool: held by this chat (else: free, cached, other chats')
+    # where a hybrid / sliding-window cache can be cut back to (``engine.kv.store.checkpoints``; none on plain models)
+    checkpoints: tuple[int, ...] = ()  # positions (tokens fed before each), ascending
+    checkpoint_sizes: tuple[int, ...] = ()  # bytes of each: its states' copy + window pages the live windows gave back
+    checkpoint_bytes: int = 0  # all of them (states' copies + window pages held only by checkpoints; not in kv_bytes)
+    checkpoint_pages: tuple[int, ...] = ()  # pages of the map held only by checkpoints (old windows of sliding groups)
+    account: "CacheAccount | None" = None  # how this turn's prompt used the cache (``TurnStats.cache``)
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

@@ -125,6 +125,31 @@ def restored_pages(cache: "SeqCache") -> tuple[int, ...]:
     return tuple(p for p in cache.disk_pages if p in held)
 
 
+def checkpoint_fields(store, groups: tuple) -> dict:
+    """The snapshot's checkpoint facts (``engine.kv.store.checkpoints``; none for a plain store): their positions,
+    the bytes of each (its states' copy and the window pages the live windows no longer hold), all of them
+    together (pages two checkpoints share counted once: ``checkpoint_bytes``) and the page map's pages they alone
+    hold (in the map's order: the full pool, then each sliding group)."""
+    cps = getattr(store, "checkpoints", None)
+    if store is None or not cps or not hasattr(store, "checkpoint_positions"):
+        return {}
+    starts, at = {}, 0
+    for label, n in groups:
+        starts[label], at = at, at + n
+    sizes, pages = [], set()
+    for cp in cps:
+        own = cp.nbytes
+        for w, kept in cp.windows.items():
+            live = store.windows[w]
+            extra = kept.pages() - live.pages() if hasattr(kept, "pages") else set()
+            own += len(extra) * live.arena.page_bytes
+            if f"sliding {w}" in starts:
+                pages |= {starts[f"sliding {w}"] + p for p in extra}
+        sizes.append(own)
+    return dict(checkpoints=tuple(store.checkpoint_positions()), checkpoint_sizes=tuple(sizes),
+                checkpoint_bytes=int(sum(store.checkpoint_bytes())), checkpoint_pages=tuple(sorted(pages)))
+
+
 def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: float = 0.0,
           draft: "SeqCache | None" = None) -> CacheSnapshot:
     """A frozen picture of ``seq``'s cache now (read-only numpy copies); ``draft``'s pool after it (``with_draft_pool``)."""
@@ -181,7 +206,7 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         page_mine=own_pages(cache, len(state), groups) if paged else None,
         batch_size=last.batch_size,
         verified=last.verified, rolled_back=last.rolled_back,
-        step_path=last.path,
+        step_path=last.path, account=t.account, **checkpoint_fields(store, groups),
         fast_step=fast.describe() if fast is not None else "",
     ), draft)
 
