@@ -86,7 +86,7 @@ class PrefixReuse:
             self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
             self.index.append(shared)
             self.evictor.scores.grow(shared)
-        if self.cache_config.prefix_reuse:
+        if self.cache_config.prefix_reuse and self.index.intact == self.index.n:  # nothing to return to once evicted
             self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
         self.account = account(dataclasses.replace(facts, reused=keep + shared, disk_at=self.disk_miss,
                                                    page=self.store.page_size if self.disk_miss >= 0 else 0))

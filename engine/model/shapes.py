@@ -38,6 +38,15 @@ SHAPES: dict[str, dict] = {
                              sliding_window=128, num_local_experts=2, num_experts_per_tok=1,
                              max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * 12,
                              tie_word_embeddings=False),
+    # LiquidAI/LFM2-350M: 16 layers, 10 short-convolution (a fixed state) and 6 full attention, GQA 16/8 (vocabulary
+    # cut from 65,536 to 16,384 as above)
+    "lfm2-350m": dict(arch="lfm2", vocab_size=16384, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5,
+                      conv_L_cache=3, rope_theta=1000000.0, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+                      block_auto_adjust_ff_dim=True, tie_word_embeddings=True,
+                      layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
+                                   "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
+                                   "full_attention", "conv"]),
     # small shapes with the same structure, for tests
     "tiny-llama": dict(arch="llama", vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,

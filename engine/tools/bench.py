@@ -287,7 +287,7 @@ def run_bench(a) -> int:
     bench_spec.setup(a, lm)
     modes = bench_spec.with_spec(a, modes)
     a.contexts_list = contexts
-    if getattr(a, "scenario", "") == "reopen":
+    if getattr(a, "scenario", "") in ("reopen", "branch"):
         contexts = []  # the reopened chats' lengths (engine.tools.bench_reopen), not prompts for every mode
     torch.set_grad_enabled(False)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
@@ -318,6 +318,10 @@ def run_bench(a) -> int:
         from engine.tools import bench_reopen
 
         rows += bench_reopen.rows(lm, a, log)
+    if getattr(a, "scenario", "") == "branch":
+        from engine.tools import bench_branch
+
+        rows += bench_branch.rows(lm, a, log)
     if getattr(a, "scenario", "") == "copy":
         a.bench_modes = modes
         rows += bench_spec.copy_rows(lm, a, _measure, _rows, log)
@@ -361,7 +365,7 @@ def _scenarios(lm, a, log) -> dict[str, Any]:
 def _print_ratios(rows: list[dict], log) -> None:
     by = {(r["context"], r["mode"] + (":" + r["kv_dtype"] if "kv_dtype" in r else "")
            + (bench_spec.SUFFIX if r.get("speculative") else ""), r.get("kind", "")): r
-          for r in rows if "concurrency" not in r}
+          for r in rows if "concurrency" not in r and "mode" in r}
     for (ctx, mode, kind), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         hf = by.get((ctx, "dynamic", kind))
         if r["engine"] == "kvscope" and hf and hf["decode_tokens_per_s"]:

@@ -133,7 +133,7 @@ def _bench_parser(sub) -> None:
     b.add_argument("--shared-prompt", type=int, default=1000, help="tokens of that system prompt")
     b.add_argument("--kv-disk", default="off", metavar="DIR|off", help="--scenario reopen: the disk tier's folder "
                    "(default: a temporary one, removed after)")
-    b.add_argument("--scenario", default="", choices=("", "mixed", "copy", "reopen"),
+    b.add_argument("--scenario", default="", choices=("", "mixed", "copy", "reopen", "branch"),
                    help="mixed: an app-style chat message sent while 4 API streams decode, TTFT against idle; "
                    "copy: a passage of the model's own text, then its opening again (prompt lookup's best case); "
                    "reopen: a chat written, then reopened in a new process from the KV disk tier vs prefilled")

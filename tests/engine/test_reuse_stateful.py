@@ -74,3 +74,22 @@ def test_no_checkpoints_recomputes_and_gives_the_same_tokens(model):
     _, g1 = reply(s, p1)
     reused, again = reply(s, p1)
     assert again == g1 and reused == 0  # nothing to go back to
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "gemma3_text"])
+def test_bench_branch_scenario(model_type):
+    """``bench --scenario branch``: with checkpoints a regenerate and a branch reuse what they share; without, a
+    hybrid recomputes them whole (a sliding model keeps its follow-up)."""
+    from engine.tools import bench_branch
+
+    _, lm = build(model_type)
+    r = bench_branch.run(lm, 40, 4, reply=6)
+    w, wo = r["with"], r["without"]
+    follow = w["follow_up"]["prompt"]
+    assert w["follow_up"]["reused"] == wo["follow_up"]["reused"] == 40 + 6 - 1
+    # right after the follow-up a sliding window still holds its end: only a state needs the checkpoint
+    assert w["regenerate"]["reused"] == follow - 1
+    assert wo["regenerate"]["reused"] == (0 if model_type == "lfm2" else follow - 1)
+    assert w["branch"]["reused"] == 40 - 1 and wo["branch"]["reused"] == 0
+    assert w["checkpoints"] == 1 and wo["checkpoints"] == 0  # after the first turn: before its last token
+    assert (w["checkpoint_state_bytes"] > 0) == (model_type == "lfm2") and wo["checkpoint_state_bytes"] == 0
