@@ -117,7 +117,7 @@ class Tokenizing:
             return ids
         from engine.model.splice import splice
 
-        tries = 0
+        best, tries = None, 0
         for m in reversed(list(messages)):
             if m["role"] != "assistant" or not m["content"]:
                 continue
@@ -125,12 +125,14 @@ class Tokenizing:
             if fed is None:
                 continue
             s = splice(self.lm.tokenizer, fed, ids)
-            if s.spliced or s.common >= len(fed):  # spliced, or the fresh ids hold all of them already
+            if max(s.kept, s.common) >= len(fed):  # all of them: the usual follow-up (or the fresh ids had them)
                 return s.ids
+            if s.spliced and (best is None or s.kept > best.kept):  # a short reply ("OK") another chat gave too
+                best = s
             tries += 1
             if tries >= SPLICE_TRIES:  # an earlier reply's ids are a start of a later one's: rarely worth more
                 break
-        return ids
+        return best.ids if best is not None else ids
 
     def _checked_ids(self, ids) -> list[int]:
         vocab = self.lm.info.vocab_size

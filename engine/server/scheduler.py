@@ -292,9 +292,10 @@ class Scheduler(Source):
             tail = job.trim.finish()
             if tail:
                 job.post("delta", (tail, None, None))
-            self.idle.put(s)
-            if job.req.kind == "chat":  # before "done": the client's follow-up may be rendered right after it
+            if job.req.kind == "chat":  # before "done" (the follow-up may be rendered right after it) and before
+                # ``put``, which may close the session (no idle ones kept)
                 self.tokenizing.replies.put(job.tenant, job.trim.text, s.fed_ids())
+            self.idle.put(s)
         stats = job.stats
         last = getattr(result, "stats", None) or stats  # the account as the reply left it (planning may drop)
         completion = len(s.turn_state.generated)
