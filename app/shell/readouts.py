@@ -5,7 +5,8 @@ Only the chat on screen's snapshots reach the panels, so panels, captions and th
 chat on screen — and one snapshot of it: the panel scheduler's frame sets every caption and the status bar's
 context and speed in one call (``on_frame``), and a cache setting applied reaches the status bar's cache field
 with the first frame taken under it (``unshown``), so no caption says the old page size beside the new setting.
-Besides that setting, ``ReplyReadouts`` holds no state: it routes between the window's parts (``w``).
+Besides that setting and each chat's last reply (its timing comes back with it), ``ReplyReadouts`` holds no state:
+it routes between the window's parts (``w``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ReplyReadouts(QObject):
         super().__init__(window)
         self.w = window
         self.unshown: CacheConfig | None = None  # a setting applied, shown with the first frame under it
+        self.last_replies: dict[Any, int] = {}  # chat id → its last reply's generation id (since the app started)
 
     def show_setting(self) -> None:
         """The status bar's cache field says the setting applied last (``on_cache_applied``)."""
@@ -45,9 +47,9 @@ class ReplyReadouts(QObject):
         self.w.controls.show_notes([])  # what the last change did was about the chat that left the screen
         self.w.scheduler.clear()
         self.show_setting()
-        if self.w.generation_id:  # the reply running in it sends its own snapshots; its timing so far comes back
-            self.w.timing.show_reply(self.w.generation_id)
-        else:
+        # its last reply's timing comes back (the one running in it: so far; it sends its own snapshots)
+        self.w.timing.show_reply(self.w.generation_id or self.last_replies.get(chat_id, 0))
+        if not self.w.generation_id:
             self.describe_chat()
 
     def describe_chat(self) -> bool:
@@ -95,6 +97,7 @@ class ReplyReadouts(QObject):
 
     def on_reply_started(self, generation_id: int, mode: str) -> None:
         self.w.trace.begin(generation_id)
+        self.last_replies[self.w.chat_id] = generation_id
         self.w.timing.begin_reply(generation_id, self.timing_label([mode]))
 
     def timing_label(self, modes: list[str]) -> str:
@@ -105,19 +108,30 @@ class ReplyReadouts(QObject):
         return "cache " + " → ".join(modes) + threads
 
     def on_reply_finished(self, generation_id: int, reason: str) -> None:
+        last = self.w.conversation.last_reply
+        if last is not None and last.generation_id == generation_id:  # where its recomputed tokens sit in the chat
+            self.w.why.set_places(generation_id, last.places)
         QTimer.singleShot(0, self.w.scheduler.refresh_all)  # every panel shows the reply's final state
         self.w.disk.refresh()  # the pages this reply wrote to the KV disk tier
         self.show_setting()
         c = self.w.conversation
         last = c.last_reply
-        if last is not None and last.generation_id == generation_id and last.chat_id == c.chat_id:
-            stats = c.last_stats  # its timing says the stats the status bar and its footer say
+        if last is not None and last.generation_id == generation_id:  # its timing says what its footer says
+            stats = c.last_stats if last.chat_id == c.chat_id else next(
+                (m.stats for m in reversed(c.history.messages(last.chat_id)) if m.id == last.message_id), {})
             self.w.timing.finish_reply(generation_id, stats.get("ttft_ms") or 0.0,
                                        stats.get("decode_tokens_per_s") or 0.0)
         speed = c.last_stats.get("decode_tokens_per_s")
         if speed:
             self.w.status.show_speed(speed)
         self.w.reply_finished.emit(generation_id, reason)
+
+    def show_why(self) -> None:
+        """A reply footer's "Why?" (or View ▸ Why were tokens recomputed?): the readout in front, drawn now."""
+        dock = self.w.docks["why"]
+        dock.show()
+        dock.raise_()
+        self.w.scheduler.refresh_all()
 
     def on_reply_notes(self, notes: list) -> None:
         """Notes of the reply in flight (also shown under it): in the status bar and the trace."""
@@ -126,6 +140,7 @@ class ReplyReadouts(QObject):
 
     def on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
         self.w.chat.set_priority(cfg.policy == "priority")
+        self.w.model_card.set_reuse(cfg.checkpoints, cfg.page_size)  # what reuse costs on the model, under it
         if self.w.generation_id:
             # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
             self.w.conversation.note_mode(cfg.mode, describe_switches(self.w.cache.previous, cfg))

@@ -115,6 +115,11 @@ def test_returning_to_a_chat_replying_in_the_background_shows_its_whole_reply(qt
         assert prompt > 0 and decode == stats["generated_tokens"] - 1 == 479
         assert tps == speed_of_status(w) == f"{stats['decode_tokens_per_s']:.1f}"
         assert seen and all(a == b for a, b in seen), seen[:5]
+        caption, status = w.timing.caption.text(), w.status.speed.text()
+        w.new_chat()
+        assert "decode tokens" not in w.timing.caption.text()  # a new chat: no reply's timing
+        w.open_chat(replying)  # idle now: its last reply's timing and speed come back with it
+        assert w.timing.caption.text() == caption and w.status.speed.text() == status
     finally:
         close_window(w)
         w.close()
