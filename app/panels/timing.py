@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QLabel
 from app.panels.base import Panel, StickyRange, hover_tip, styled_plot
 from engine.snapshot import TokenEvent
 
+NARROW_PX = 340  # a panel narrower than this gives the prefill bars' room to the curves (the caption says the TTFT)
 KEPT_REPLIES = 4  # replies whose tokens are kept for ``show_reply`` (their chats may be off screen)
 ROLLING = 16  # tokens in the rolling tok/s window
 BARS = "▁▂▃▄▅▆▇█"  # a share from 0 to 1 as a bar one character wide
@@ -194,6 +195,18 @@ class TimingPanel(Panel):
         self._prev_drawn: TokenSeries | None = None  # the previous reply never changes: drawn once
         self._prev_top = (0.0, 0.0)  # its 98th-percentile latency and tok/s
         self._fast = ""  # the model's compiled decode step in words (CacheSnapshot.fast_step)
+        self.narrow = False  # the prefill chart is left out (``resizeEvent``)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        super().resizeEvent(event)
+        narrow = 0 < event.size().width() < NARROW_PX
+        if narrow != self.narrow:  # at 1024×768 the curves were left ~50 px beside the bars, their labels cut
+            self.narrow = narrow
+            if narrow:
+                self.view.ci.removeItem(self.prefill_plot)
+            else:
+                self.view.ci.addItem(self.prefill_plot, row=0, col=0, rowspan=2)
+            self.prefill_plot.setVisible(not narrow)
 
     # data in ------------------------------------------------------------------------------------------
     def begin_reply(self, generation_id: int, label: str) -> None:

@@ -45,7 +45,7 @@ from app.history.store import HistoryStore
 from app.shell.menus import build_menus
 from app.models.controller import ModelController
 from app.panels.scheduler import PanelScheduler
-from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel
+from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel, WhyPanel
 from app.remote.chat import restore as restore_remote
 from app.shell.readouts import ReplyReadouts
 from app.shell.screen import OnScreen, Screen
@@ -66,16 +66,19 @@ from engine.snapshot import ModelInfo
 REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
 DEFAULT_SIZE = QSize(1600, 960)
+SMALL_SCREEN_PX = 1280  # a screen narrower than this gets the whole of its free area
 
 
 def initial_size(window: QWidget) -> QSize:
-    """The first size of the window: 92% of the screen's free area (at most 2200×1300). Screens under
-    1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): they get 1600×960."""
+    """The first size of the window: 92% of the screen's free area (at most 2200×1300), all of it on a screen
+    under ``SMALL_SCREEN_PX`` wide (at 1024×768, 92% left the panels a column too narrow for their charts).
+    Screens under 1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): 1600×960."""
     screen = window.screen() or QGuiApplication.primaryScreen()
     free = screen.availableGeometry().size() if screen is not None else QSize(0, 0)
     if free.width() < 1000:
         return DEFAULT_SIZE
-    return QSize(min(int(free.width() * 0.92), 2200), min(int(free.height() * 0.92), 1300))
+    share = 1.0 if free.width() < SMALL_SCREEN_PX else 0.92
+    return QSize(min(int(free.width() * share), 2200), min(int(free.height() * share), 1300))
 
 
 class MainWindow(QMainWindow):
@@ -129,14 +132,16 @@ class MainWindow(QMainWindow):
         self.timing = TimingPanel()
         self.memory = MemoryPanel()
         self.model_card = ModelCardPanel()
-        self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card]
+        self.why = WhyPanel()  # the last prompt's misses: why tokens were recomputed
+        self.panels = [self.occupancy, self.page_map, self.timing, self.memory, self.model_card, self.why]
         for panel in self.panels:
             panel.help_requested.connect(app_help.show_panel_help)
             panel.view.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # charts take no keys: a Tab stop there showed nothing
         self.layout_docks = DockLayout(self, {
             "chats": self.chats_box, "sampling": self.sampling, "model": self.model_card, "controls": self.controls,
             "speculation": self.spec_controls,
-            "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory})
+            "occupancy": self.occupancy, "page_map": self.page_map, "timing": self.timing, "memory": self.memory,
+            "why": self.why})
         self.docks = self.layout_docks.docks
 
     def _build_parts(self) -> None:
@@ -169,7 +174,7 @@ class MainWindow(QMainWindow):
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
                                 entered=self.chat_switch.api_opened, screen=self.on_screen)
         self.readouts = ReplyReadouts(self)  # the chat on screen's snapshots → panels, trace, status bar
-        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory],
+        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory, self.why],
                                         self.readouts.on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
@@ -196,6 +201,7 @@ class MainWindow(QMainWindow):
         c.noted.connect(r.on_reply_notes)
         c.chat_opened.connect(r.on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
+        self.chat.why_requested.connect(r.show_why)
         srv = self.server
         srv.serving.connect(self._on_serving)
         srv.snapshot.connect(r.on_api_snapshot)
@@ -320,6 +326,7 @@ class MainWindow(QMainWindow):
 
     # -- events ---------------------------------------------------------------------------------------------
     def _on_loaded(self, info: ModelInfo) -> None:
+        self.model_card.set_reuse(self.cache.applied.checkpoints, self.cache.applied.page_size)
         self.model_card.show_model(info)
         for panel in (self.memory, self.occupancy):  # what they show before a chat holds a cache
             panel.set_model(info)
@@ -334,9 +341,6 @@ class MainWindow(QMainWindow):
             self.conversation.interrupt("another model was loaded")
         self.conversation.ready = ready
         self.chat.set_ready(ready, hint)
-
-
-
 
     def _on_failed(self, failure: Failure) -> None:
         """Route a worker failure by its stage: a reply's failure shows in that reply (the conversation saves
@@ -355,21 +359,12 @@ class MainWindow(QMainWindow):
                 self.speculation.refused()
             self.show_error(failure.message)
 
-
-
-
-
-
-
-
     def _on_serving(self, url: str) -> None:
         self.chats_box.set_serving(bool(url))
         self.menu_actions["serve_start"].setEnabled(not url)
         self.menu_actions["serve_stop"].setEnabled(bool(url))
         if not url:
             self.readouts.on_api_selected(0)
-
-
 
     def _save_sampling(self) -> None:
         try:

@@ -1,0 +1,57 @@
+"""A 1024×768 screen, as a user saw it: the window takes the whole of a small screen's free area, and a timing panel
+narrower than its bars and curves need gives the prefill bars' room to the curves (they were ~50 px wide, their
+axis labels cut: "ms / toker", "token i"); wider again, the bars come back."""
+
+from __future__ import annotations
+
+from app_helpers import close_window, open_window, wait_reply
+from PySide6.QtCore import QRect, QSize
+
+from app.panels.timing import NARROW_PX, TimingPanel
+from app.selftest.readouts import cut_captions
+from engine.config import SamplingConfig
+from engine.snapshot import TokenEvent
+
+
+def test_a_narrow_timing_panel_keeps_its_curves_readable(qtbot):
+    panel = TimingPanel()
+    qtbot.addWidget(panel)
+    panel.begin_reply(1, "cache paged")
+    for i in range(40):
+        panel.add_token(TokenEvent(1, i, 5, "x", "prefill" if i == 0 else "decode", 5.0 + i % 3, 1))
+    panel.refresh()
+    panel.show()
+    panel.resize(NARROW_PX - 50, 300)
+    qtbot.waitUntil(lambda: panel.narrow)
+    qtbot.wait(50)
+    assert not panel.prefill_plot.isVisible() and panel.latency_plot.width() > NARROW_PX - 100
+    assert "TTFT" in panel.caption.text()  # the bars' figure is still said
+    panel.resize(NARROW_PX + 200, 300)
+    qtbot.waitUntil(lambda: not panel.narrow)
+    qtbot.wait(50)
+    assert panel.prefill_plot.isVisible() and panel.prefill_plot.width() > 100
+    assert panel.latency_plot.width() > 200
+
+
+def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, monkeypatch):
+    from app.shell import window as window_module
+
+    class Screen:
+        def availableGeometry(self):  # noqa: N802 - Qt name
+            return QRect(0, 0, 1024, 740)
+
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=60))
+    try:
+        monkeypatch.setattr(w, "screen", lambda: Screen())
+        assert window_module.initial_size(w) == QSize(1024, 740)  # not 92%: 942 px left the panels 200 px
+        monkeypatch.setattr(Screen, "availableGeometry", lambda self: QRect(0, 0, 1920, 1040))
+        assert window_module.initial_size(w) == QSize(1766, 956)
+        w.resize(1024, 740)
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)
+        w.docks["timing"].raise_()
+        qtbot.waitUntil(lambda: w.timing.latency_plot.width() > 200, timeout=5000)
+        assert cut_captions(w) == []
+    finally:
+        close_window(w)
