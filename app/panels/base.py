@@ -269,14 +269,17 @@ def styled_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> pg.PlotI
     return plot
 
 
+def kv_held(snap) -> int:
+    """The bytes of a chat's KV cache: on the device, or in host memory while it is swapped out."""
+    return int(sum(int(x) for x in snap.bytes_per_layer)) if getattr(snap, "offloaded", False) else int(snap.kv_bytes)
+
+
 def kv_words(snap, bold: bool = False) -> str:
     """'KV 272 KiB', or where a chat's cache waits in host memory (swapped out while another chat ran) 'KV 272 KiB
     in host memory': its bytes are no longer the device's (``kv_bytes`` 0) but its tokens are still cached."""
     b, nb = ("<b>", "</b>") if bold else ("", "")
-    if getattr(snap, "offloaded", False):
-        held = int(sum(int(x) for x in snap.bytes_per_layer))
-        return f"KV {b}{human_bytes(held)}{nb} in host memory (swapped out)"
-    return f"KV {b}{human_bytes(snap.kv_bytes)}{nb}"
+    where = " in host memory (swapped out)" if getattr(snap, "offloaded", False) else ""
+    return f"KV {b}{human_bytes(kv_held(snap))}{nb}{where}"
 
 
 def legend_html(chips: list[tuple[str, str]], prefix: str = "") -> str:
