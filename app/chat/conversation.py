@@ -77,6 +77,7 @@ class Conversation(QObject):
         w = engine.worker
         w.token.connect(self._on_token)
         w.noted.connect(self._on_noted)
+        w.placed.connect(self._on_placed)
         w.failed.connect(self._on_failed)
         w.finished.connect(self._on_finished)
 
@@ -374,6 +375,11 @@ class Conversation(QObject):
         if reply.chat_id == self.chat_id:
             self.pane.show_reply_notes(reply.notes)
             self.noted.emit(list(notes))
+
+    def _on_placed(self, generation_id: int, places: list) -> None:
+        """Where the reply's recomputed prompt tokens sit in the chat (saved with it: its footer names the message)."""
+        if generation_id in self.replies:
+            self.replies[generation_id].places = list(places)
 
     def _on_failed(self, failure: Failure) -> None:
         """Keep the failure that ends a reply; ``_on_finished`` (always next) shows and saves it."""

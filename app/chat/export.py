@@ -8,6 +8,7 @@ from typing import Iterable
 
 from app.history.store import Chat, Message
 from app.chat.message_view import cache_line, error_line, note_lines, stats_line
+from app.shell.reuse_words import footer_line
 
 ROLE_TITLES = {"user": "You", "assistant": "Model", "system": "System"}
 
@@ -22,7 +23,8 @@ def chat_markdown(chat: Chat, messages: Iterable[Message], model: str = "", now:
         lines += ["## System", "", chat.system_prompt.strip(), ""]
     for m in messages:
         lines += [f"## {ROLE_TITLES.get(m.role, m.role.title())}", "", m.content.rstrip() or "_(empty)_", ""]
-        lines_of = (error_line(m.stats), *note_lines(m.stats), stats_line(m.stats), cache_line(m.stats))
+        lines_of = (error_line(m.stats), *note_lines(m.stats), stats_line(m.stats), cache_line(m.stats),
+                    footer_line(m.stats))
         info = [x for x in lines_of if x] if m.role == "assistant" else []
         if info:
             lines += ["> " + " — ".join(info), ""]

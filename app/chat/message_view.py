@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 from app.chat.draft_tint import add_span, tinted_html
 from app.shell.glossary import stop_mark
 from app.chat.markdown import to_html
+from app.shell.reuse_words import footer_line
 
 COPIED_MS = 1500  # how long "Copied" shows on the button
 
@@ -105,6 +106,7 @@ class MessageView(QFrame):
     regenerate_requested = Signal()
     pin_toggled = Signal(int, bool)  # position, pinned
     version_requested = Signal(int, int)  # position, version index
+    why_requested = Signal()  # its footer's "Why?" link: show the "Why recomputed?" readout
 
     def __init__(self, role: str, text: str = "", position: int = 0, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -149,10 +151,15 @@ class MessageView(QFrame):
         self.notes_label.setObjectName("noteLine")
         self.save_label = QLabel("")  # "not saved — retrying" while the history file cannot be written
         self.save_label.setObjectName("saveLine")
-        for label in (self.stats_label, self.cache_label, self.error_label, self.notes_label, self.save_label):
+        self.why_label = QLabel("")  # why prompt tokens were recomputed; its link opens the "Why recomputed?" readout
+        self.why_label.setObjectName("whyLine")
+        self.why_label.linkActivated.connect(lambda _link: self.why_requested.emit())
+        for label in (self.stats_label, self.cache_label, self.why_label, self.error_label, self.notes_label,
+                      self.save_label):
             label.setWordWrap(True)
-            label.setTextFormat(Qt.TextFormat.PlainText)
-            label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            label.setTextFormat(Qt.TextFormat.RichText if label is self.why_label else Qt.TextFormat.PlainText)
+            label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction if label is self.why_label
+                                          else Qt.TextInteractionFlag.TextSelectableByMouse)
             label.setVisible(False)
 
     def _lay_out(self) -> None:
@@ -175,6 +182,7 @@ class MessageView(QFrame):
         layout.addWidget(self.notes_label)
         layout.addWidget(self.stats_label)
         layout.addWidget(self.cache_label)
+        layout.addWidget(self.why_label)
         layout.addWidget(self.save_label)
 
     def _make_buttons(self, role: str) -> None:
@@ -270,6 +278,9 @@ class MessageView(QFrame):
                             (self.error_label, error_line(self.stats))):
             label.setText(text)
             label.setVisible(bool(text))
+        why = footer_line(self.stats)
+        self.why_label.setText(html.escape(why, quote=False) + " · <a href='why'>Why?</a>" if why else "")
+        self.why_label.setVisible(bool(why))
         self.set_notes(note_lines(self.stats))
         self.set_versions(self.stats.get("versions") or [], self.stats.get("version", 0))
         self._dirty = True

@@ -62,6 +62,7 @@ class ChatPane(QWidget):
     edit_requested = Signal(int, str)  # position of the user message, new text
     pin_requested = Signal(int, bool)  # position of the message, pinned
     version_requested = Signal(int, int)  # position of the reply, version to show
+    why_requested = Signal()  # a reply footer's "Why?": show the "Why recomputed?" readout
     new_chat_requested = Signal()
     system_prompt_changed = Signal(str)
 
@@ -259,6 +260,7 @@ class ChatPane(QWidget):
         bubble.regenerate_requested.connect(self.regenerate_requested)
         bubble.pin_toggled.connect(self.pin_requested)
         bubble.version_requested.connect(self.version_requested)
+        bubble.why_requested.connect(self.why_requested)
         return bubble
 
     def truncate_after(self, position: int) -> None:

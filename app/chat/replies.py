@@ -41,6 +41,7 @@ class Reply:
     stop_detail: str = ""  # why it was stopped when the user did not press Stop
     draft_spans: list[list[int]] = field(default_factory=list)  # characters of ``streamed`` from accepted drafts
     switches: list[str] = field(default_factory=list)  # cache changes made while it ran, besides the mode's
+    places: list[dict] = field(default_factory=list)  # where its recomputed prompt tokens sit (app.link.places)
 
     def add_text(self, delta: str, draft: bool) -> None:
         """A token's text arrived (``draft``: a draft token the model accepted)."""
@@ -55,6 +56,8 @@ class Reply:
         info.update(mode=" → ".join(self.modes), stop_reason=reason)
         if self.switches:
             info["switches"] = list(self.switches)
+        if self.places:  # the footer's "the system prompt changed at token 12"
+            info["cache_places"] = [dict(p) for p in self.places]
         info.setdefault("generated_tokens", self.tokens)
         if reason == "error" and self.failure is not None:
             info["error"] = self.failure.message

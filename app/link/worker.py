@@ -31,6 +31,8 @@ Signals (every reply event carries its ``generation_id``)::
     core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
                                     (None, None): no model
     waiting(int, str)               generation_id, what its reply waits for before its first step
+    placed(int, list)               generation_id, where its prompt's recomputed tokens sit in the chat (before
+                                    ``finished``; only when it has misses)
 
 For one reply the order is strict: ``started``, then ``token``/``snapshot``/``noted`` events, then
 (``failed`` if something raised) ``finished``; ``finished`` always fires, so the GUI can always leave
@@ -47,6 +49,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.link.backend import EngineBackend, default_backend
+from app.link.places import miss_places
 from app.compare.run import WarmedComparison
 from app.controls.disk_tier import DiskTierControl
 from app.shell.failure import Failure, describe, log
@@ -92,6 +95,7 @@ class EngineWorker(QObject):
     core_ready = Signal(object, object)
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
     waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.chat.reply_wait)
+    placed = Signal(int, object)  # generation_id, where its recomputed tokens sit in the chat (app.link.places)
     _woken = Signal()  # from any thread (the API server's): the core has work; queued to this thread
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
@@ -109,6 +113,7 @@ class EngineWorker(QObject):
         self._chat: Any = None  # the chat of that reply
         self.applied_chat: Any = None  # the chat the last ``applied`` notes describe (the GUI reads it)
         self._text = ""
+        self._messages: list[dict] = []  # the chat that reply answers (where its recomputed tokens sit: ``placed``)
         self._noted: set[str] = set()  # notes already sent for this reply
         self._comparison: Any = None
         self._comparison_id = 0
@@ -179,7 +184,7 @@ class EngineWorker(QObject):
         self._abort_running()
         self._cancel_flag.clear()
         self._noted = set()
-        self._chat = chat
+        self._chat, self._messages = chat, messages
         self.started.emit(generation_id)
         if self._loaded is None:
             self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
@@ -503,6 +508,9 @@ class EngineWorker(QObject):
     def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
         self._gen_id = 0
         self._drop_request()
+        places = miss_places(getattr(self._loaded, "tokenizer", None), self._messages, getattr(stats, "cache", None))
+        if places:
+            self.placed.emit(gen, places)
         self.finished.emit(gen, reason, stats, text)
 
     def _drop_request(self) -> None:

@@ -7,5 +7,6 @@ from app.panels.model_card import ModelCardPanel
 from app.panels.occupancy import OccupancyPanel
 from app.panels.page_map import PageMapPanel
 from app.panels.timing import TimingPanel
+from app.panels.why import WhyPanel
 
-__all__ = ["Panel", "OccupancyPanel", "PageMapPanel", "TimingPanel", "MemoryPanel", "ModelCardPanel"]
+__all__ = ["Panel", "OccupancyPanel", "PageMapPanel", "TimingPanel", "MemoryPanel", "ModelCardPanel", "WhyPanel"]

@@ -53,12 +53,22 @@ class SplitBar(QWidget):
         p.end()
 
 
+def cache_bytes(snap: CacheSnapshot) -> int:
+    """What the chat's cache holds on the device: its KV (and states) and its checkpoints' copies and pages."""
+    return snap.kv_bytes + snap.checkpoint_bytes
+
+
 def memory_caption(snap: CacheSnapshot) -> str:
-    """'weights <b>1.0 MiB</b> · KV <b>272 KiB</b> (21.0%) · 1.2 KiB per token · device 3.0 MiB'."""
+    """'weights <b>1.0 MiB</b> · KV <b>272 KiB</b> (21.0%) · 1.2 KiB per token · device 3.0 MiB', with ' + 3
+    checkpoints <b>12 KiB</b>' on a hybrid or sliding-window model (counted in the share, the bar and the chart)."""
     kv = int(sum(int(b) for b in snap.bytes_per_layer)) if snap.offloaded else snap.kv_bytes
-    share = kv / max(kv + snap.weights_bytes, 1)
+    cps = snap.checkpoint_bytes
+    share = (kv + cps) / max(kv + cps + snap.weights_bytes, 1)
     held = int(np.max(snap.tokens_per_layer, initial=0))
-    text = f"weights <b>{human_bytes(snap.weights_bytes)}</b> · {kv_words(snap, bold=True)} ({100 * share:.1f}%)"
+    n = len(snap.checkpoints)
+    extra = f" + {n} checkpoint{'s' if n != 1 else ''} <b>{human_bytes(cps)}</b>" if cps else ""
+    text = (f"weights <b>{human_bytes(snap.weights_bytes)}</b> · {kv_words(snap, bold=True)}{extra} "
+            f"({100 * share:.1f}%)")
     slots = int(np.max(snap.pages_used_per_layer, initial=0)) * snap.page_size if snap.page_size else held
     if held and slots:  # bytes per token slot, as the model card counts: over tokens held, the last page's
         # empty slots made it read 1.3 KiB beside the card's 1.2 KiB
@@ -140,7 +150,7 @@ class MemoryPanel(Panel):
             # a step) instead of letting the line slope across the gap.
             j = self.n - 1
             self._append(t - 1e-3, self.kv[j], self.w[j], self.dev[j])
-        self._append(t, snap.kv_bytes / MIB, snap.weights_bytes / MIB, snap.device_bytes / MIB)
+        self._append(t, cache_bytes(snap) / MIB, snap.weights_bytes / MIB, snap.device_bytes / MIB)
         self.last_snapshot = snap
 
     def show_snapshot(self, snap: CacheSnapshot, now: float | None = None) -> None:
@@ -156,7 +166,7 @@ class MemoryPanel(Panel):
             item.setSymbolSize(5)
         self.weights.setData(self.t[:n], self.w[:n])
         self.total.setData(self.t[:n], np.maximum(self.kv[:n], 1.0 / 1024))  # log axis: floor at 1 KiB
-        self.split.set_bytes(snap.weights_bytes, snap.kv_bytes)
+        self.split.set_bytes(snap.weights_bytes, cache_bytes(snap))
         self.x_range.fit(self.t[n - 1])
         values = np.concatenate([self.w[:n], np.maximum(self.kv[:n], 1.0 / 1024), self.dev[:n][self.dev[:n] > 0]])
         decades = (int(np.floor(np.log10(values.min()))), int(np.ceil(np.log10(values.max() * 1.2))))

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QLabel
 
 from app.shell.format import human_bytes, human_count
 from app.panels.base import Panel, styled_plot
+from app.shell.reuse_words import reuse_cost
 from engine.model.builtin import is_builtin
 from engine.snapshot import ModelInfo
 
@@ -55,7 +56,15 @@ class ModelCardPanel(Panel):
         self.view.setMinimumHeight(110)
         self._layout.addWidget(self.view, 1)
         self.info: ModelInfo | None = None
+        self.checkpoints, self.page_size = 8, 16  # the cache setting's (``set_reuse``): what reuse costs here
         self.caption.setText("<b>Model</b>")
+
+    def set_reuse(self, checkpoints: int, page_size: int) -> None:
+        """The cache setting's checkpoints per chat and page size (the "reuse" row); redrawn if a model is shown."""
+        if (checkpoints, page_size) != (self.checkpoints, self.page_size):
+            self.checkpoints, self.page_size = int(checkpoints), int(page_size)
+            if self.info is not None:
+                self.show_model(self.info)
 
     def show_model(self, info: ModelInfo) -> None:
         self.info = info
@@ -71,6 +80,8 @@ class ModelCardPanel(Panel):
         rows = [
             ("architecture", f"{info.architecture} · attention {info.attn_impl}"),
             ("layers", html.escape(info.layer_summary)),
+            *([("reuse", html.escape(reuse_cost(info, self.checkpoints, self.page_size)))]  # windowed / recurrent
+              if any(not k.startswith("full") or "state" in k for k in info.layer_kinds) else []),
             ("attention", f"<b>{info.attention_kind}</b>: {info.num_q_heads} Q heads, {info.num_kv_heads} KV heads"),
             ("head dim · hidden", _widths(info)),
             ("context", f"{human_count(info.context_length)} tokens"),

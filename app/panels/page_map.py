@@ -17,6 +17,9 @@ from PySide6.QtGui import QColor, QCursor
 from PySide6.QtWidgets import QSizePolicy, QToolTip
 
 from app.panels.base import Panel, legend_html, legend_row
+from app.panels.strip import (CHECKPOINT_PAGE_COLOUR, TOKEN_COLOURS, CheckpointTicks, checkpoint_near,
+                              checkpoint_text, reuse_legend, token_colours, token_words)
+from app.shell.format import human_bytes
 from app.shell.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
@@ -35,14 +38,6 @@ OTHER_COLOUR = "#59647a"  # pages other chats hold in the same pool (API request
 # Turns alternate light and dark blues: a green or teal turn read as "cached" (grey-green), a violet one as
 # "quantized"; blue is "in use" throughout.
 TURN_COLOURS = ("#3d7fd9", "#8ab8f2", "#2b5fb3", "#a9cdf7", "#4a66d0", "#9cc0f0")
-TOKEN_COLOURS = {  # TOKEN_* code -> colour
-    S.TOKEN_KEPT: "#4c9be8",
-    S.TOKEN_SINK: "#ffb347",
-    S.TOKEN_EVICTED: "#ff4b4b",
-    S.TOKEN_QUANTIZED: "#a470ff",
-    S.TOKEN_PINNED: "#ffd84a",
-    S.TOKEN_NOT_CACHED: "#5a606b",
-}
 PAD = (16, 18, 23, 255)  # cells past the last page
 VERIFY_COLOUR = "#ffb347"  # the frame of a page a speculative verification wrote provisional slots into
 RESTORED_COLOUR = "#ff7ad9"  # the frame of a page whose K/V this turn read from the KV disk tier (engine.kv.tier.disk)
@@ -101,6 +96,8 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     if mine is not None and len(mine) >= n:  # another chat's pages: one muted colour, whatever their turn
         other = (state == S.PAGE_ACTIVE) & ~np.asarray(mine[:n], dtype=bool)
         rgb[other] = _rgb(OTHER_COLOUR)
+    held_back = [p for p in snap.checkpoint_pages if p < n]  # a sliding group's old windows, for its checkpoints
+    rgb[held_back] = _rgb(CHECKPOINT_PAGE_COLOUR)
     holds = (state != S.PAGE_FREE) & (state != S.PAGE_EVICTED)  # free and just-evicted pages: not dimmed by fill
     scale = np.where(holds, 0.45 + 0.55 * np.clip(fill / max(snap.page_size, 1), 0, 1), 1.0)
     rgb = np.round(rgb * scale[:, None])
@@ -110,18 +107,6 @@ def page_colours(snap: CacheSnapshot, cols: int | None = None) -> np.ndarray:
     out[:n, :3] = rgb.astype(np.uint8)
     out[:n, 3] = 255
     return out.reshape(rows, cols, 4)
-
-
-def token_colours(snap: CacheSnapshot) -> np.ndarray:
-    """``[1, T, 4]`` uint8 RGBA for the token strip."""
-    states = np.asarray(snap.token_state).astype(np.int64)
-    table = np.stack([_rgb(TOKEN_COLOURS[i]) for i in range(len(TOKEN_COLOURS))])
-    out = np.full((1, max(len(states), 1), 4), 255, dtype=np.uint8)
-    if len(states):
-        out[0, :, :3] = table[np.clip(states, 0, len(table) - 1)].astype(np.uint8)
-    else:
-        out[0, 0] = PAD
-    return out
 
 
 def _group_spans(groups) -> list[tuple[str, int, int]]:
@@ -200,6 +185,9 @@ def page_caption(snap: CacheSnapshot) -> str:
                                 _group_spans(snap.page_groups)))
     parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
               if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
+    if snap.checkpoints:  # a hybrid / sliding-window model's: where a later prompt can cut the cache back to
+        parts.append(f"{len(snap.checkpoints)} checkpoint{'s' if len(snap.checkpoints) != 1 else ''} "
+                     f"({human_bytes(snap.checkpoint_bytes)})")
     if snap.written_pages and not snap.verified:
         parts.append(f"dots: {len(snap.written_pages)} written this step"
                      + (f" ({snap.batch_size} chats decoded together)" if snap.batch_size > 1 else ""))
@@ -219,6 +207,8 @@ class PageMapPanel(Panel):
         self.strip_box.setMaximumHeight(16)
         self.strip = pg.ImageItem(axisOrder="row-major")
         self.strip_box.addItem(self.strip)
+        self.ticks = CheckpointTicks(self.strip_box)  # where the cache can be cut back to (hybrid, sliding models)
+        self.strip_rows = 1  # 2 while this turn recomputed tokens for a reason (their reasons: the lower half)
         self.grid_box = self.view.addViewBox(row=1, col=0, enableMouse=False, invertY=True, lockAspect=True)
         self.image = pg.ImageItem(axisOrder="row-major")
         self.grid_box.addItem(self.image)
@@ -229,6 +219,9 @@ class PageMapPanel(Panel):
         self._layout.addWidget(self.legend)
         self.strip_legend = legend_row(LOCAL_STRIP, prefix="tokens (top strip):")
         self._layout.addWidget(self.strip_legend)
+        self.reuse_legend = legend_row([])  # this turn's reasons for recomputing, and the checkpoints (if any)
+        self.reuse_legend.setVisible(False)
+        self._layout.addWidget(self.reuse_legend)
         self.remote = False  # a remote chat is on screen: the map is its server's block pool (set_legend_mode)
         self.help_key = ""  # the "?" help's entry when it is not the panel's own (app.shell.help)
         # Shortened at a word to the dock's width (the full text in its tooltip and the cursor's): a page's long
@@ -275,12 +268,18 @@ class PageMapPanel(Panel):
         else:
             mark_written(big, snap.written_pages, self.cols, self.px)
         self.image.setImage(big, autoLevels=False, levels=(0, 255))
-        self.strip.setImage(token_colours(snap), autoLevels=False, levels=(0, 255))
+        strip = token_colours(snap)
+        self.strip.setImage(strip, autoLevels=False, levels=(0, 255))
+        self.strip_rows = strip.shape[0]
+        self.ticks.show(snap, self.strip_rows)
+        legend = "" if self.remote else reuse_legend(snap)
+        self.reuse_legend.setText(legend)
+        self.reuse_legend.setVisible(bool(legend))
         if self._shape != self.grid.shape:
             self._shape = self.grid.shape
             self.grid_box.setRange(xRange=(0, self.cols * self.px), yRange=(0, self.grid.shape[0] * self.px),
                                    padding=0.02)
-        self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, 1), padding=0)
+        self.strip_box.setRange(xRange=(0, max(len(snap.token_state), 1)), yRange=(0, self.strip_rows), padding=0)
         said = [verify_text(snap) + " (pages framed)"] if snap.verified else []
         if restored:  # the chat's K/V read back from files instead of computed (a reopened chat)
             said.append(f"{len(restored)} page{'s' if len(restored) != 1 else ''} restored from disk (pink frames)")
@@ -303,6 +302,8 @@ class PageMapPanel(Panel):
         self.grid = np.zeros((0, 0), dtype=np.int16)
         self.image.clear()
         self.strip.clear()
+        self.ticks.show(None, 1)
+        self.reuse_legend.setVisible(False)
         self.readout = " "
         if not self._hovering:
             self.hover.setText(" ")
@@ -333,6 +334,8 @@ class PageMapPanel(Panel):
             f"page {page} · {state} · {fill}/{s.page_size} tokens ({100 * fill // max(s.page_size, 1)}% full)"
             f" · ref count {int(s.page_refcount[page])} · owner {'turn ' + str(owner) if owner >= 0 else '—'}"
             + (" · restored from disk" if page in s.restored_pages else "")
+            + (" · held only by checkpoints (a window a later prompt may go back to)" if page in s.checkpoint_pages
+               else "")
         )
 
     def page_at(self, x: float, y: float) -> int:
@@ -349,13 +352,24 @@ class PageMapPanel(Panel):
         if s is None or not 0 <= index < len(s.token_state):
             return ""
         code = int(s.token_state[index])
-        name = REMOTE_TOKENS.get(code, "?") if self.remote else TOKEN_STATE_NAMES[code]
-        return f"token {index} of {len(s.token_state)} · {name}"
+        if self.remote:
+            return f"token {index} of {len(s.token_state)} · {REMOTE_TOKENS.get(code, '?')}"
+        return token_words(s, index, TOKEN_STATE_NAMES[code])
+
+    def describe_checkpoint(self, x: float) -> str:
+        """The hover text of a checkpoint's tick near strip position ``x`` ("" when none is within 3 pixels)."""
+        s = self.snapshot
+        if s is None or not s.checkpoints:
+            return ""
+        width = max(self.strip_box.width(), 1.0)
+        i = checkpoint_near(s, x, 3.0 * max(len(s.token_state), 1) / width)
+        return checkpoint_text(s, i) if i >= 0 else ""
 
     def _on_mouse(self, event) -> None:
         pos: QPointF = event[0]
         if self.strip.sceneBoundingRect().contains(pos):
-            text = self.describe_token(int(math.floor(self.strip.mapFromScene(pos).x())))
+            x = self.strip.mapFromScene(pos).x()
+            text = self.describe_checkpoint(x) or self.describe_token(int(math.floor(x)))
         elif self.image.sceneBoundingRect().contains(pos):
             p = self.image.mapFromScene(pos)
             text = self.describe_page(self.page_at(p.x(), p.y()))

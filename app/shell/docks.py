@@ -4,8 +4,9 @@ Two default arrangements, chosen by the window's width when it is laid out (View
 
 * **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / speculation / sampling / model on
   the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
-  timing / memory below). Nothing is squeezed below its size hint at 1280×720.
-* **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab).
+  timing / memory / why recomputed below). Nothing is squeezed below its size hint at 1280×720.
+* **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab; the "Why
+  recomputed?" readout is a tab behind the timing panel, brought forward by a reply footer's "Why?").
 
 Sizes are fractions of the window. When the window's size changes a lot (moved to another screen,
 maximised, restored) the fractions are applied again, so docks never keep the crushed sizes of a smaller
@@ -21,6 +22,7 @@ DOCKS = (  # key, title
     ("chats", "Chats"), ("controls", "Cache policy"), ("speculation", "Speculation"), ("sampling", "Sampling"),
     ("model", "Model"),
     ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
+    ("why", "Why recomputed?"),
 )
 SCROLLED = ("controls", "speculation", "sampling")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
@@ -119,6 +121,7 @@ class DockLayout:
         w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
         w.tabifyDockWidget(d["occupancy"], d["page_map"])
         w.tabifyDockWidget(d["timing"], d["memory"])
+        w.tabifyDockWidget(d["memory"], d["why"])
 
     def _wide(self) -> None:
         d, w = self.docks, self.window
@@ -127,6 +130,7 @@ class DockLayout:
         w.splitDockWidget(d["occupancy"], d["page_map"], Qt.Orientation.Horizontal)
         w.splitDockWidget(d["occupancy"], d["timing"], Qt.Orientation.Vertical)
         w.splitDockWidget(d["page_map"], d["memory"], Qt.Orientation.Vertical)
+        w.tabifyDockWidget(d["timing"], d["why"])  # next to the timing panel, behind it
 
     def fit(self) -> None:
         """Default sizes as fractions of the window; the chat in the middle gets what is left."""
@@ -179,9 +183,10 @@ class DockLayout:
             self.restored = False
         if self.restored:
             self.arrangement = "restored"
-            for dock in self.docks.values():  # one a saved layout does not know (added since): beside the controls
+            for key, dock in self.docks.items():  # one a saved layout does not know (added since): beside the
+                # controls, a panel beside the timing panel
                 if self.window.dockWidgetArea(dock) == Qt.DockWidgetArea.NoDockWidgetArea:
-                    self.window.tabifyDockWidget(self.docks["controls"], dock)
+                    self.window.tabifyDockWidget(self.docks["timing" if key == "why" else "controls"], dock)
             self._fitted = self.window.size()  # the user's sizes stand until the window changes a lot
         else:
             self.arrange()

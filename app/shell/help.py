@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QScrollArea, QVBoxLayout, QWidget
 
-from app.panels import memory, occupancy, page_map, timing
+from app.panels import memory, occupancy, page_map, strip, timing
+from app.shell.reuse_words import REASONS
 from engine import snapshot as S
 
 
@@ -43,13 +44,21 @@ PANEL_HELP = {
         "how many slots were written and how many were cut back. A draft model keeps its own small cache: its pages are "
         "drawn after the model's (the caption says which are which). With the KV disk cache on (Settings ▸ KV disk cache), a "
         "chat reopened after a restart takes its full pages from files instead of reading the chat again: those pages are "
-        "framed in pink (restored from disk) and the line under the legend counts them.",
+        "framed in pink (restored from disk) and the line under the legend counts them. When this turn's prompt "
+        "computed tokens the cache had held (the prompt changed, a window passed, no checkpoint there…), the strip "
+        "splits in two: its lower half colours those tokens by the reason (hover one for the details; View ▸ Why "
+        "were tokens recomputed? lists them). On a model with sliding-window or recurrent layers, white ticks on "
+        "the strip are checkpoints: the points a later prompt (a regenerate, a branch, an edit) can go back to — "
+        "a snapshot of the recurrent state and the window's pages there; hover one for its bytes. Pages only "
+        "checkpoints hold are drawn pale violet.",
         ((page_map.TURN_COLOURS[0], "page in use (colour = turn)"),
          (page_map.VERIFY_COLOUR, "frame: written by a check of guessed tokens (speculative decoding)"),
          (page_map.RESTORED_COLOUR, "frame: restored from disk (its K/V read from the KV disk cache)"))
         + tuple((page_map.STATE_COLOURS[c], S.PAGE_STATE_NAMES[c]) for c in page_map.STATE_COLOURS
                 if c != S.PAGE_ACTIVE)
-        + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)),
+        + tuple((page_map.TOKEN_COLOURS[c], "token " + S.TOKEN_STATE_NAMES[c]) for c in page_map.TOKEN_COLOURS)
+        + tuple(strip.reason_chips())
+        + ((strip.CHECKPOINT_PAGE_COLOUR, "page only checkpoints hold (a sliding window kept for going back)"),)),
     "RemotePageMap": PanelHelp(  # the page map while a remote chat is on screen (PageMapPanel.set_legend_mode)
         "Page map (remote chat)",
         "A remote chat is on screen: every square is one block of the server's KV cache (block size tokens each), "
@@ -84,7 +93,19 @@ PANEL_HELP = {
         "Model card",
         "Facts about the loaded model: its layers, how many key/value heads its attention has (MHA: one per "
         "query head; GQA: shared by groups; MQA: one), and so how many bytes each token costs in the KV cache. "
-        "The chart shows the KV memory at the full context as loaded, and what it would be as MHA or MQA."),
+        "The chart shows the KV memory at the full context as loaded, and what it would be as MHA or MQA. "
+        "\"reuse\" says where a later prompt can go back to on this model: anywhere with full attention only; "
+        "with sliding-window or recurrent layers only to checkpoints (turn starts and each prompt's end), and "
+        "what each costs."),
+    "WhyPanel": PanelHelp(
+        "Why recomputed?",
+        "The last prompt of the chat on screen, token range by range: which tokens were computed instead of read "
+        "from the cache, and why — new (never cached), the prompt changed (the message where it first differs, "
+        "and the text before and after), evicted (for room or by the eviction policy), in a partly filled page, a "
+        "setting changed, a sliding window passed, no checkpoint of a recurrent layer there, a page file on disk "
+        "lost, or the cache off. The prompt's last token is always computed: its logits give the reply's first "
+        "token. A reply's footer says the first reason in one line; its \"Why?\" brings this readout forward.",
+        tuple((strip.REASON_COLOURS[r], label) for r, (label, _) in REASONS.items())),
 }
 
 SHORTCUTS = (

@@ -27,7 +27,7 @@ def test_panels_as_png_say_where_and_leave_the_buttons_out(qtbot, data_dir, stor
         w.exporter.export_pngs()  # File ▸ Export ▸ Panels as PNG…
         message = w.statusBar().currentMessage()
         files = sorted(folder.glob("kvscope-*.png"))
-        assert len(files) == 5
+        assert len(files) == 6  # the five panels and the "Why recomputed?" readout
         assert str(folder) in message and all(f.name in message for f in files)
         assert panel.fit_button.isVisible() and panel.help_button.isVisible()  # back on screen
         from PySide6.QtGui import QImage

@@ -193,7 +193,7 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
         rows = (tmp_path / "t.csv").read_text().splitlines()
         assert rows[0].startswith("generation_id,step") and len(rows) == len(w.trace) + 1
         paths = w.export_panels(tmp_path / "png")
-        assert len(paths) == 5 and all(p.stat().st_size > 1000 for p in paths)
+        assert len(paths) == 6 and all(p.stat().st_size > 1000 for p in paths)  # the "Why recomputed?" readout too
         md = w.export_chat_markdown(tmp_path / "chat.md").read_text(encoding="utf-8")
         reply = w.history.messages(w.chat_id)[1].content
         assert md.startswith("# ") and "model stories260K" in md

@@ -1,0 +1,119 @@
+"""Why recomputed?: the misses of the chat on screen's last prompt — which prompt tokens were computed instead of
+read from the cache, and why (``engine.snapshot.CacheAccount`` from the snapshot; the words are
+``app.shell.reuse_words``'). Each range gets its reason's colour (the page map's token strip uses the same ones),
+where it sits in the chat when the reply knows (``set_places``), and the engine's one-line detail."""
+
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtWidgets import QLabel, QScrollArea
+
+from app.panels.base import Panel
+from app.panels.strip import REASON_COLOURS
+from app.shell.reuse_words import (ALL_REUSED, NO_TURN, MissRow, explained, misses_of, reason_label, recomputed_of,
+                                   where)
+from engine.snapshot import CacheSnapshot
+
+KEPT_PLACES = 64  # replies whose places are kept (their chats may come back on screen)
+MAX_ROWS = 200  # a prompt cut into more ranges lists the first ones
+
+
+def summary(account) -> str:
+    """'prompt 1,200 tokens: <b>50</b> reused, <b>1,150</b> computed, 20 dropped to fit the context'."""
+    get = account.get if isinstance(account, dict) else lambda k, d=0: getattr(account, k, d)
+    n, reused, dropped = int(get("prompt", 0)), int(get("reused", 0)), int(get("dropped", 0))
+    text = f"prompt {n:,} tokens: <b>{reused:,}</b> reused, <b>{recomputed_of(account):,}</b> computed"
+    return text + (f", {dropped:,} dropped unread to fit the context" if dropped else "")
+
+
+def row_html(m: MissRow, places: list[dict] | None) -> str:
+    """One miss: chip, range, reason, where in the chat; the detail under it."""
+    last = max(m.start, m.end - 1)
+    span = f"tokens {m.start:,}–{last:,}" if m.tokens > 1 else f"token {m.start:,}"
+    at, to = where(m.start, places), where(last, places)
+    inside = "" if at == "the prompt" else f" · {at}" + (f" to {to}" if to not in (at, "the prompt") else "")
+    colour = REASON_COLOURS.get(m.reason, "#ffffff")
+    return (f'<p style="margin:0 0 6px 0"><span style="color:{colour}; font-size:13px">■</span>&nbsp;'
+            f"<b>{html.escape(reason_label(m.reason))}</b> · {span} ({m.tokens:,}){html.escape(inside)}<br>"
+            f'<span style="color:#8a919c">{html.escape(m.detail)}</span></p>')
+
+
+def readout_html(account, places: list[dict] | None) -> str:
+    """The body: the empty state, or each miss in order."""
+    misses = misses_of(account)
+    if account is None or not (account.get("prompt", 0) if isinstance(account, dict) else account.prompt):
+        return html.escape(NO_TURN)
+    if not explained(misses):
+        if recomputed_of(account) <= 1:
+            return html.escape(ALL_REUSED)
+        head = "Nothing was recomputed: the tokens computed were new (not in the cache before)."
+    else:
+        head = ""
+    rows = "".join(row_html(m, places) for m in misses[:MAX_ROWS])
+    more = f"<p>… and {len(misses) - MAX_ROWS:,} more ranges</p>" if len(misses) > MAX_ROWS else ""
+    return (f"<p>{html.escape(head)}</p>" if head else "") + rows + more
+
+
+class WhyPanel(Panel):
+    """The last prompt's misses of the chat on screen, from its snapshots (any step of the reply: the account is
+    the prompt's)."""
+
+    title = "Why recomputed?"
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.body = QLabel(html.escape(NO_TURN))
+        self.body.setObjectName("whyReadout")
+        self.body.setWordWrap(True)
+        self.body.setTextFormat(Qt.TextFormat.RichText)
+        self.body.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.view = QScrollArea()
+        self.view.setWidgetResizable(True)
+        self.view.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.view.setWidget(self.body)
+        self._layout.addWidget(self.view, 1)
+        self.fit_button.setVisible(False)  # nothing to fit: a list
+        self.places: dict[int, list[dict]] = {}  # by generation id: where each reply's misses sit in its chat
+        self.caption.setText("<b>Why recomputed?</b> No turn yet.")
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        return QSize(320, 220)
+
+    def set_places(self, generation_id: int, places: list[dict] | None) -> None:
+        """Where reply ``generation_id``'s misses sit in its chat (``app.link.places``); drawn with its snapshot."""
+        if places:
+            self.places[generation_id] = list(places)
+            while len(self.places) > KEPT_PLACES:
+                self.places.pop(next(iter(self.places)))
+        if self.last_snapshot is not None and self.last_snapshot.generation_id == generation_id:
+            self.show_snapshot(self.last_snapshot)
+
+    def show_caption(self, snap: CacheSnapshot) -> None:
+        account = snap.account
+        said = summary(account) if account is not None and account.prompt else "no turn yet"
+        self.caption.setText(f"<b>Why recomputed?</b> last prompt of this chat · {said}")
+
+    def show_snapshot(self, snap: CacheSnapshot) -> None:
+        self.last_snapshot = snap
+        self.show_caption(snap)
+        text = readout_html(snap.account, self.places.get(snap.generation_id))
+        if text != self.body.text():
+            self.body.setText(text)
+        self._count()
+
+    def clear(self) -> None:
+        self.last_snapshot = None
+        self.caption.setText("<b>Why recomputed?</b> No turn yet.")
+        self.body.setText(html.escape(NO_TURN))
+
+    def text(self) -> str:
+        """The readout as plain text (what a user reads), for tests and exports."""
+        from PySide6.QtGui import QTextDocument
+
+        doc = QTextDocument()
+        doc.setHtml(self.body.text())
+        return doc.toPlainText()
