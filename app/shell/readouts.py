@@ -108,15 +108,13 @@ class ReplyReadouts(QObject):
         return "cache " + " → ".join(modes) + threads
 
     def on_reply_finished(self, generation_id: int, reason: str) -> None:
-        last = self.w.conversation.last_reply
-        if last is not None and last.generation_id == generation_id:  # where its recomputed tokens sit in the chat
-            self.w.why.set_places(generation_id, last.places)
         QTimer.singleShot(0, self.w.scheduler.refresh_all)  # every panel shows the reply's final state
         self.w.disk.refresh()  # the pages this reply wrote to the KV disk tier
         self.show_setting()
         c = self.w.conversation
         last = c.last_reply
         if last is not None and last.generation_id == generation_id:  # its timing says what its footer says
+            self.w.why.set_places(generation_id, last.places)  # where its recomputed tokens sit in the chat
             stats = c.last_stats if last.chat_id == c.chat_id else next(
                 (m.stats for m in reversed(c.history.messages(last.chat_id)) if m.id == last.message_id), {})
             self.w.timing.finish_reply(generation_id, stats.get("ttft_ms") or 0.0,
