@@ -76,6 +76,7 @@ class Job:
         self.prepared = None  # engine.server.prompts.Prepared: its prompt's ids, made ready before it queued
         self.sampling = None  # SamplingConfig, once admitted
         self.stats = None  # TurnStats of start()
+        self.own = False  # it goes on with a whole conversation of its session (``engine.server.account``)
         self.request = None  # its request on the engine core, once admitted
         self.trim = StopTrimmer(req.stop)
         self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token

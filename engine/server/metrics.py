@@ -37,7 +37,8 @@ class Metrics:
         self.closed = dict.fromkeys(("header_timeout", "body_timeout", "evicted", "over_limit"), 0)  # ``server.conn``
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
 
-    def request_started(self, prompt_tokens: int, reused_tokens: int, recomputed: dict[str, int] | None = None) -> None:
+    def request_started(self, prompt_tokens: int, reused_tokens: int,
+                        recomputed: dict[str, int] | None = None) -> None:
         """A request's prompt: its tokens, those reused, and those computed by reason (its cache account's)."""
         with self._lock:
             self.prompt_tokens += prompt_tokens

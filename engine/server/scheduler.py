@@ -25,6 +25,7 @@ from engine.kv.tier.report import problems
 from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Source
 from engine.core.session_pool import CLOSE, SessionPool
 from engine.core.vocab import FinishReason
+from engine.snapshot import MissReason
 from engine.speculation.setup import Speculation
 from engine.server.account import public, recomputed_by_reason
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
@@ -210,7 +211,10 @@ class Scheduler(Source):
                                       max_new_tokens=job.prepared.max_new, stop_strings=req.stop,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       logprobs=req.logprobs)
-        job.session, _ = self.idle.take(ids, job.tenant)
+        job.session, shared = self.idle.take(ids, job.tenant)
+        # a prompt that goes on with a whole conversation of its own, not one cut back to whole pages for it or a
+        # new session: only then is its account told to the token (``engine.server.account``)
+        job.own = shared > 0 and job.session.cache.lost[1] is not MissReason.PARTIAL_PAGE
         try:
             self._start_turn(job)
         except CacheCapacityError:
@@ -222,8 +226,12 @@ class Scheduler(Source):
                                             Priority.API, hold=lambda job=job: self._paused or self._held(job)))
         st = job.stats
         self.metrics.request_started(st.prompt_tokens, st.reused_tokens,
-                                     recomputed_by_reason(st.cache, st.prompt_tokens, st.reused_tokens))
+                                     recomputed_by_reason(self._account(job, st)))
         job.post("start", {"prompt_tokens": job.stats.prompt_tokens, "cached_tokens": job.stats.reused_tokens})
+
+    def _account(self, job: Job, stats) -> dict:
+        """The cache account of ``job``'s prompt as its client may see it (``stats``: a ``TurnStats``)."""
+        return public(stats.cache, job.stats.prompt_tokens, job.stats.reused_tokens, job.own, self.idle.grain)
 
     def _held(self, job: Job) -> bool:
         """Engine thread: is ``job``'s reader too far behind (``engine.server.jobs``)? A new hold is counted and
@@ -312,7 +320,7 @@ class Scheduler(Source):
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
                           "prompt_token_ids": list(job.prepared.ids), "warnings": warnings,
-                          "cache": public(last.cache, stats.prompt_tokens, stats.reused_tokens)})
+                          "cache": self._account(job, last)})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""

@@ -3,9 +3,10 @@ shows (``engine.server.account``): bounds, tenants apart, one writer and readers
 
 from __future__ import annotations
 
+import json
 import threading
 
-from engine.server.account import public, recomputed_by_reason
+from engine.server.account import cut_detail, public, recomputed_by_reason
 from engine.server.reply_ids import ReplyIds
 from engine.snapshot import CacheAccount, Miss, MissReason
 
@@ -65,13 +66,23 @@ def test_one_writer_and_readers_at_once():
     assert not errors and len(m) <= 64 and m.held <= 1 << 12
 
 
-def test_a_whole_page_cut_is_told_as_one_range():
-    """From the first partial_page miss on, one range of that reason: no token-exact divergence, no text."""
-    acc = CacheAccount(124, 96, 28, 0, (Miss(96, 110, MissReason.PARTIAL_PAGE, "reused in whole pages"),
-                                        Miss(110, 124, MissReason.DIVERGED, "at token 110: 'at' → 'o was'")))
-    out = public(acc, 124, 96)
-    assert out["misses"] == [{"start": 96, "end": 124, "reason": "partial_page", "detail": "reused in whole pages"}]
-    assert recomputed_by_reason(acc, 124, 96) == {"partial_page": 28}
+def test_a_prompt_not_its_own_conversation_is_told_in_whole_pages():
+    """A prompt that does not go on with a whole conversation: its new / diverged / partial_page tail is one range,
+    partial_page when whole pages were reused, new when none were; a right guess (partial_page, then diverged), a
+    wrong one (diverged, the cached text quoted) and a new session (new) all read the same."""
+    right = CacheAccount(34, 32, 2, 0, (Miss(32, 33, MissReason.PARTIAL_PAGE, "reused in whole pages"),
+                                        Miss(33, 34, MissReason.DIVERGED, "at token 33: 'a' → 'b'")))
+    wrong = CacheAccount(34, 32, 2, 0, (Miss(32, 34, MissReason.DIVERGED, "at token 32: '7' → '8'"),))
+    fresh = CacheAccount(34, 32, 2, 0, (Miss(32, 34, MissReason.NEW, "not in the cache before"),))
+    told = [public(a, 34, 32, own=False, grain=16) for a in (right, wrong, fresh)]
+    assert told[0] == told[1] == told[2] and "'" not in json.dumps(told)
+    assert told[0]["misses"] == [{"start": 32, "end": 34, "reason": "partial_page", "detail": cut_detail(16)}]
+    assert recomputed_by_reason(told[1]) == {"partial_page": 2}
+    none = CacheAccount(5, 0, 5, 0, (Miss(0, 5, MissReason.DIVERGED, "'x' → 'y'"),))
+    assert [m["reason"] for m in public(none, 5, 0, own=False)["misses"]] == ["new"]
+    disk = CacheAccount(50, 16, 34, 0, (Miss(16, 32, MissReason.DISK, "damaged"), Miss(32, 50, MissReason.NEW, "")))
+    assert [m["reason"] for m in public(disk, 50, 16, own=False)["misses"]] == ["disk", "partial_page"]
     own = CacheAccount(10, 4, 6, 0, (Miss(4, 9, MissReason.DIVERGED, "x"), Miss(9, 10, MissReason.NEW, "y")))
-    assert public(own, 10, 4) == own.to_dict()  # a conversation's own divergence is told as it is
-    assert public(None, 5, 2)["misses"] == [{"start": 2, "end": 5, "reason": "new", "detail": "not in the cache before"}]
+    assert public(own, 10, 4) == own.to_dict()  # its own conversation's divergence is told as it is
+    assert public(None, 5, 2)["misses"] == [{"start": 2, "end": 5, "reason": "new",
+                                             "detail": "not in the cache before"}]

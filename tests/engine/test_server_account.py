@@ -176,3 +176,31 @@ def test_metrics_count_recomputed_tokens_by_reason(served):
     for m in resp["kvscope"]["cache"]["misses"]:
         want[m["reason"]] = want.get(m["reason"], 0) + m["end"] - m["start"]
     assert {r: n for r, n in grew.items() if n} == want
+
+
+def test_the_pin_code_attack_learns_nothing_from_the_account(served, stories):
+    """Within one tenant, the pin-code attack (tests/engine/test_server_tenants.py) read through the account: the
+    guessed digit is the first token of a page, where the engine's own account differs between a right guess
+    (a partial_page range, then diverged) and a wrong one (diverged at once, quoting the victim's cached token).
+    The API tells every guess the same: one partial_page range from the last whole page (nothing quoted)."""
+    _, url = served
+    tok = stories.tokenizer
+    base = tok(SECRET)["input_ids"]
+    filler = [i for i in tok("Once upon a time there was a little girl who liked to play")["input_ids"]
+              if i != base[0]]
+    seven = tok.convert_tokens_to_ids("7")
+    pad = next(p for p in range(PAGE) if (base.index(seven) + p) % PAGE == 0)
+    ids = base[:1] + filler[:pad] + base[1:]
+    at = ids.index(seven)
+    seen = {}
+    for d in "0123456789":
+        post(url, "/v1/completions", {"prompt": ids, "max_tokens": 2}, KEY_B)  # the victim, idle again each time
+        guess = ids[:at] + [tok.convert_tokens_to_ids(d)] + [ids[at + 1]]
+        resp = post(url, "/v1/completions", {"prompt": guess, "max_tokens": 1}, KEY_B)
+        check(resp["kvscope"]["cache"], resp["usage"])
+        seen[d] = json.dumps(resp["kvscope"]["cache"], sort_keys=True)
+    # whether the pool took the victim's conversation or made a new session depends on the digit (the right one
+    # shares a token more, so the pool picks the victim's and finds it too little to take over): told alike
+    assert len(set(seen.values())) == 1, " ".join(d + json.loads(v)["misses"][0]["reason"][0] for d, v in seen.items())
+    assert [m["reason"] for m in json.loads(seen["7"])["misses"]] == ["partial_page"]
+    assert all("'" not in m["detail"] for v in seen.values() for m in json.loads(v)["misses"])
