@@ -16,6 +16,7 @@ window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for 
 from __future__ import annotations
 
 from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication, QDockWidget, QMainWindow, QScrollArea, QTabBar, QTabWidget, QWidget
 
 DOCKS = (  # key, title
@@ -27,6 +28,20 @@ DOCKS = (  # key, title
 SCROLLED = ("controls", "speculation", "sampling")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
 REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
+DEFAULT_SIZE = QSize(1600, 960)
+SMALL_SCREEN_PX = 1280  # a screen narrower than this gets the whole of its free area
+
+
+def initial_size(window: QWidget) -> QSize:
+    """The first size of the window: 92% of the screen's free area (at most 2200×1300), all of it on a screen
+    under ``SMALL_SCREEN_PX`` wide (at 1024×768, 92% left the panels a column too narrow for their charts).
+    Screens under 1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): 1600×960."""
+    screen = window.screen() or QGuiApplication.primaryScreen()
+    free = screen.availableGeometry().size() if screen is not None else QSize(0, 0)
+    if free.width() < 1000:
+        return DEFAULT_SIZE
+    share = 1.0 if free.width() < SMALL_SCREEN_PX else 0.92
+    return QSize(min(int(free.width() * share), 2200), min(int(free.height() * share), 1300))
 
 
 def scrolled(widget: QWidget) -> QScrollArea:

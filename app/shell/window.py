@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QGuiApplication
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QWidget
 
 from app.shell import help as app_help
@@ -37,7 +37,7 @@ from app.settings.cache_settings import sampling_from_settings, save_sampling
 from app.controls.cache_controls import CacheControls
 from app.chat.conversation import Conversation
 from app.controls.disk_dialog import DiskController
-from app.shell.docks import DockLayout, focus_unseen
+from app.shell.docks import DockLayout, focus_unseen, initial_size
 from app.chat.exports import Exporter
 from app.shell.failure import Failure
 from app.shell.gc_guard import MainThreadGC
@@ -65,20 +65,6 @@ from engine.snapshot import ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
-DEFAULT_SIZE = QSize(1600, 960)
-SMALL_SCREEN_PX = 1280  # a screen narrower than this gets the whole of its free area
-
-
-def initial_size(window: QWidget) -> QSize:
-    """The first size of the window: 92% of the screen's free area (at most 2200×1300), all of it on a screen
-    under ``SMALL_SCREEN_PX`` wide (at 1024×768, 92% left the panels a column too narrow for their charts).
-    Screens under 1000 pixels wide are offscreen or virtual ones (tests, the self-test: 800×600): 1600×960."""
-    screen = window.screen() or QGuiApplication.primaryScreen()
-    free = screen.availableGeometry().size() if screen is not None else QSize(0, 0)
-    if free.width() < 1000:
-        return DEFAULT_SIZE
-    share = 1.0 if free.width() < SMALL_SCREEN_PX else 0.92
-    return QSize(min(int(free.width() * share), 2200), min(int(free.height() * share), 1300))
 
 
 class MainWindow(QMainWindow):

@@ -34,7 +34,7 @@ def test_a_narrow_timing_panel_keeps_its_curves_readable(qtbot):
 
 
 def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, monkeypatch):
-    from app.shell import window as window_module
+    from app.shell import docks
 
     class Screen:
         def availableGeometry(self):  # noqa: N802 - Qt name
@@ -43,9 +43,9 @@ def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, mon
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=60))
     try:
         monkeypatch.setattr(w, "screen", lambda: Screen())
-        assert window_module.initial_size(w) == QSize(1024, 740)  # not 92%: 942 px left the panels 200 px
+        assert docks.initial_size(w) == QSize(1024, 740)  # not 92%: 942 px left the panels 200 px
         monkeypatch.setattr(Screen, "availableGeometry", lambda self: QRect(0, 0, 1920, 1040))
-        assert window_module.initial_size(w) == QSize(1766, 956)
+        assert docks.initial_size(w) == QSize(1766, 956)
         w.resize(1024, 740)
         w.send("Once upon a time")
         wait_reply(qtbot, w)
