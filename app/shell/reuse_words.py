@@ -83,9 +83,15 @@ def where(pos: int, places: list[dict] | None) -> str:
 
 
 def change_of(detail: str) -> str:
-    """"'You are' → 'You're'" from a diverged miss's detail ("" when it names none)."""
-    head, sep, tail = detail.partition(": ")
-    return tail if sep and " → " in tail else ""
+    """'“You are” → “You're”' from a diverged miss's detail ("...at token 12: 'You are' → 'You're'"; the
+    engine's quotes become curly ones, so an apostrophe in the text reads as one); "" when it names none."""
+    _head, sep, tail = detail.partition(": ")
+    if not sep or " → " not in tail:
+        return ""
+    old, arrow, new = tail.partition("' → '")
+    if arrow and old.startswith("'") and new.endswith("'"):
+        return f"“{old[1:]}” → “{new[:-1]}”"
+    return tail
 
 
 def cause(m: MissRow, places: list[dict] | None = None) -> str:
@@ -113,15 +119,17 @@ def cause(m: MissRow, places: list[dict] | None = None) -> str:
 
 def footer_line(stats: dict[str, Any]) -> str:
     """The reply footer's line on recomputed tokens ("" when only new tokens were computed: a new message, the
-    prompt's last token): the first miss with a reason, and how many other reasons the readout lists."""
+    prompt's last token): the largest miss with a reason (the first of them), and how many other reasons the
+    readout lists."""
     account = (stats or {}).get("cache")
     why = explained(misses_of(account))
     if not why:
         return ""
     n = recomputed_of(account)
-    line = f"recomputed {n:,} token{'s' if n != 1 else ''}: {cause(why[0], stats.get('cache_places'))}"
-    others = len({m.reason for m in why[1:]} - {why[0].reason})
-    return line + (f" (and {others} more reason{'s' if others > 1 else ''})" if others else "")
+    main = max(why, key=lambda m: m.tokens)  # the first of the largest: a changed prompt over the checkpoint before it
+    line = f"recomputed {n:,} token{'s' if n != 1 else ''}: {cause(main, stats.get('cache_places'))}"
+    others = len({m.reason for m in why} - {main.reason})
+    return line + (f" · and {others} more reason{'s' if others > 1 else ''}" if others else "")
 
 
 def hover_words(m: MissRow) -> str:
