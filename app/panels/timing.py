@@ -246,7 +246,9 @@ class TimingPanel(Panel):
         if kept is not None:
             series = kept[0]
             series.ttft_ms, series.speed, series.final = ttft_ms or series.ttft_ms, speed or series.speed, True
-            self._dirty = self._dirty or series is self.current
+            if series is self.current:  # now, with the status bar's speed (not at the panel's next turn)
+                self._dirty = True
+                self.refresh()
 
     def _take(self, snapshot) -> None:
         """The engine's own prefill time, TTFT and decode speed for the reply (a prompt read in chunks: every chunk,
