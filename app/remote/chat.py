@@ -30,6 +30,7 @@ from app.remote.redraw import Redraw
 from app.remote.saved import RemoteSaver
 from app.remote.worker import RemoteLink
 from app.chat.replies import pick_version, versions_of, with_version
+from engine.remote.why import Before
 from engine.snapshot import TokenEvent
 from app.shell.screen import OnScreen
 from engine.core.vocab import FinishReason
@@ -234,7 +235,8 @@ class RemoteChats(QObject, Connecting):
             bubble.set_waiting(QUEUED)  # one reply at a time per server: its chat thread streams them in turn
         self.pane.set_generating(True)
         w.timing.begin_reply(rc.generation, rc.label)
-        rc.link.chat(rc.generation, rc.model, api, sampling.max_new_tokens, sampling.temperature, rc.cancel)
+        rc.link.chat(rc.generation, rc.model, api, sampling.max_new_tokens, sampling.temperature, rc.cancel,
+                     rc.before)
         self._refresh_list()
 
     def stop(self) -> None:
@@ -323,6 +325,7 @@ class RemoteChats(QObject, Connecting):
         self.saver.finish(msg, text, stats)
         if reply.prompt_ids:
             rc.ids = list(reply.prompt_ids) + list(reply.token_ids)
+            rc.before = Before(tuple(rc.ids), tuple(rc.api_messages()), reply.finished_at)
         rc.reply = reply
         if reply.ttft_s is not None:  # the first bar: the client's TTFT, the prompt's size
             self.window.timing.add_token(TokenEvent(generation, 0, -1, "", "prefill", reply.ttft_s * 1e3,

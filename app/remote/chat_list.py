@@ -17,6 +17,8 @@ from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu, QWidget
 
 from app.chat.chat_list import REPLYING
+from app.shell.reuse_words import footer_line
+from engine.remote.why import account_dict, account_line
 
 MARK = "⇄"  # a chat whose replies come from a server
 
@@ -62,6 +64,7 @@ class RemoteChat:
     live_ids: list[int] = field(default_factory=list)  # the reply in flight's: prompt, then tokens as they stream
     live_prompt: bool = False  # its prompt ids came (until then its chain is unknown)
     reply: Any = None  # its last finished ``engine.remote.client.Reply``
+    before: Any = None  # its last request (``engine.remote.why.Before``): what the next one's account compares to
     chunks: int = 0  # streamed chunks of the reply in flight
     sent: float = 0.0  # when it was asked for (monotonic)
     last_arrival: float = 0.0  # its last chunk's arrival (monotonic)
@@ -189,6 +192,13 @@ def measured_speed(reply) -> float | None:
     return reply.decode_tokens_per_s
 
 
+def _worth_a_note(account) -> bool:
+    """Something was reused, or a reason other than new tokens stopped it (a first prompt's "never stored" is
+    no news)."""
+    first = account.misses[0] if account.misses else None
+    return first is not None and (first.start > 0 or first.reason.value != "new")
+
+
 def reply_stats(reply, reason: str) -> dict:
     """What shows under a remote reply: speed, TTFT, tokens, how it stopped, what the prefix cache reused."""
     stats = {"stop_reason": reason, "generated_tokens": max(len(reply.token_ids), len(reply.token_times))}
@@ -203,6 +213,12 @@ def reply_stats(reply, reason: str) -> dict:
     if prompt:  # the server's prefix cache: cached_tokens of the prompt were not computed again
         cached = reply.cached_tokens
         stats.update(reused_tokens=cached, recomputed_tokens=prompt - cached, first_divergence=cached if cached else -1)
+    if reply.cache is not None:  # why the rest was computed (engine.remote.why): the footer's line, the misses
+        a = reply.cache  # its reused tokens are the server's cached_tokens when it reports them
+        stats.update(reused_tokens=a.reused, recomputed_tokens=a.recomputed, cache=account_dict(a),
+                     first_divergence=a.misses[0].start if a.misses else -1, cache_line=account_line(a))
+        if _worth_a_note(a) and not footer_line(stats):  # the footer says nothing of new tokens: a note does
+            stats["notes"] = [*stats.get("notes", []), stats["cache_line"]]
     if reply.error:
         stats["error"] = reply.error
     return stats

@@ -42,9 +42,10 @@ def shown_slots(slots) -> np.ndarray:
     return a[: min(len(a), max(MIN_SHOWN, -(-last // SHOWN_STEP) * SHOWN_STEP))]
 
 
-def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheSnapshot:
+def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0, account=None) -> CacheSnapshot:
     """The remote pools (one per engine rank, side by side; each cut by ``shown_slots``) as a ``CacheSnapshot``
-    the page map draws."""
+    the page map draws; ``account``: why the last prompt was recomputed (``engine.remote.why``: the token strip's
+    reasons, the Why recomputed? readout)."""
     parts = [shown_slots(p.slots) for p in pools]
     slots = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     table = np.array([SLOT_STATES[i] for i in range(len(SLOT_STATES))], dtype=np.int8)
@@ -62,7 +63,7 @@ def cache_snapshot(pools: list, chat_tokens: int, generation: int = 0) -> CacheS
         capacity_tokens=n * block, page_state=state, page_owner=np.where(state == S.PAGE_ACTIVE, 0, -1),
         page_fill=np.where(held, block, 0), page_refcount=held.astype(np.int32), token_state=tokens,
         weights_bytes=0, kv_bytes=0, device_bytes=0, reused_tokens=0, recomputed_tokens=0, first_divergence=-1,
-        seq_len=chat_tokens, context_length=0, page_groups=groups, page_mine=state == S.PAGE_ACTIVE)
+        seq_len=chat_tokens, context_length=0, page_groups=groups, page_mine=state == S.PAGE_ACTIVE, account=account)
 
 
 def pool_texts(pools: list, metrics, cached_tokens: int | None, server: str, malformed: int = 0) -> tuple[str, str]:
@@ -238,6 +239,7 @@ class RemotePanels:
         w.status.show_remote({"model": (f"{MARK} a remote chat", "")})
         w.trace.reset()
         w.scheduler.clear()  # no local snapshot reaches the panels while no local chat is on screen
+        w.why.clear()  # the remote chat's account comes with its first draw
         for panel in (w.occupancy, w.memory):
             panel.caption.setText(OTHER_PANELS)
         self._timing_tip = w.timing.caption.toolTip()
@@ -256,6 +258,7 @@ class RemotePanels:
         if self._front is not None and on_screen(w.docks["page_map"]):
             self._front.raise_()
         w.page_map.clear()
+        w.why.clear()
         w.timing.set_idle_text("")
         w.timing.clear()
         w.timing.caption.setToolTip(self._timing_tip)
@@ -270,7 +273,11 @@ class RemotePanels:
         if force or on_screen(w.page_map):
             ids = rc.chain_ids
             pools = eng.view.snapshots(ids)
-            w.page_map.show_snapshot(cache_snapshot(pools, len(ids), rc.generation))
+            account = rc.reply.cache if rc.reply is not None and not rc.generation else None  # the ids' own
+            snap = cache_snapshot(pools, len(ids), rc.generation, account)
+            w.page_map.show_snapshot(snap)
+            if force or on_screen(w.why):
+                w.why.show_snapshot(snap)
             cached = rc.reply.cached_tokens if rc.reply is not None and not rc.reply.error else None
             caption, readout = pool_texts(pools, eng.metrics, cached, f"{rc.model} @ {rc.server}", eng.view.malformed)
             if rc.link.error:  # what is drawn is the last the server said

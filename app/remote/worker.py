@@ -66,9 +66,9 @@ class RemoteWorker(QObject):
         self.engine = engine
         self.opened.emit(engine)
 
-    @Slot(int, str, object, int, float, object)
+    @Slot(int, str, object, int, float, object, object)
     def chat(self, generation: int, model: str, messages: list, max_tokens: int, temperature: float,
-             cancel: Any) -> None:
+             cancel: Any, before: Any = None) -> None:
         reply = Reply()  # filled by the client: its prompt ids are read here as soon as they arrive
 
         def on_delta(text: str, ids: list) -> None:
@@ -87,7 +87,15 @@ class RemoteWorker(QObject):
             reply = Reply(error=one_line(e))
         except Exception as e:  # noqa: BLE001 - a reply always ends, with the reason
             reply = Reply(error=one_line(f"{type(e).__name__}: {e}"))
+        self._account(reply, before, messages, model)
         self.finished.emit(generation, reply)
+
+    def _account(self, reply: Reply, before, messages: list, model: str) -> None:
+        """Why its prompt was recomputed (``engine.remote.why``), from the events and this chat's last request."""
+        try:
+            reply.cache = self.engine.account(reply, before, messages, model or None) if reply.prompt_ids else None
+        except Exception:  # noqa: BLE001 - the account is a readout: a reply never fails for it
+            reply.cache = None
 
     @Slot()
     def refresh(self) -> None:
@@ -110,7 +118,7 @@ class RemoteLink(QObject):
     events = Signal()  # a KV event batch reached the view (emitted on the subscriber's thread, received queued)
     open_failed = Signal(str)
     _open = Signal(str, str, str)
-    _chat = Signal(int, str, object, int, float, object)
+    _chat = Signal(int, str, object, int, float, object, object)
     _refresh = Signal()
 
     def __init__(self) -> None:
@@ -161,9 +169,10 @@ class RemoteLink(QObject):
         self.opened.emit(self)
 
     def chat(self, generation: int, model: str, messages: list[dict], max_tokens: int, temperature: float,
-             cancel: threading.Event) -> None:
-        """Stream a reply from ``model`` (one of ``engine.models``) on the chat thread."""
-        self._chat.emit(generation, model, messages, max_tokens, temperature, cancel)
+             cancel: threading.Event, before=None) -> None:
+        """Stream a reply from ``model`` (one of ``engine.models``) on the chat thread; ``before``: the chat's last
+        request (``engine.remote.why.Before``: the reply's ``cache`` account says what changed since)."""
+        self._chat.emit(generation, model, messages, max_tokens, temperature, cancel, before)
 
     def refresh(self, now: bool = False) -> None:
         """Re-read ``/metrics`` on the poll thread, unless a read is in flight or the server failed recently

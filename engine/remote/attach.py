@@ -15,11 +15,13 @@ from engine.kv.paged.tenants import block_hashes
 from engine.remote.client import RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note
+from engine.remote.why import Before, fates, message_change, remote_account
 from engine.tools.inputs import read_json
 
 JOIN_S = 0.3  # a ZMQ subscriber misses what is published before its connection is up ("slow joiner")
 WATCH_MAX_S = 7 * 86400.0  # --watch and --events-timeout: a week at most (inf would sleep forever)
 MAX_NEW_TOKENS = 1 << 20
+ACCOUNT_WAIT_S = 0.3  # how long an account waits for the events of the prompt's blocks (they come within ms)
 
 
 class RemoteEngine:
@@ -45,6 +47,7 @@ class RemoteEngine:
             base = sources.get(0, {})
             sources = {0: {**base, "endpoint": events, "topic": topic if topic is not None else base.get("topic", "")}}
         self.subscribers: list[EventSubscriber] = []
+        self.detokenizes = True  # the server answers /detokenize (until it does not)
         refused = ""
         try:
             for rank, cfg in sorted(sources.items()):
@@ -85,6 +88,34 @@ class RemoteEngine:
              on_delta=None, cancel=None, reply: Reply | None = None, model: str | None = None) -> Reply:
         """Stream one reply from ``model`` (default: the first the server lists)."""
         return self.client.chat(model or self.model, messages, max_tokens, temperature, on_delta, cancel, reply)
+
+    def account(self, reply: Reply, before: Before | None = None, messages: list | None = None,
+                model: str | None = None):
+        """Why ``reply``'s prompt was recomputed, as a ``CacheAccount`` (``engine.remote.why``); ``before``: this
+        chat's last request, ``messages``: this one's. None without the prompt's ids or KV events. Waits up to
+        ``ACCOUNT_WAIT_S`` for the events of the prompt's blocks; may ask the server to decode the tokens where the
+        prompt parts from ``before``."""
+        ids, B = list(reply.prompt_ids), self.view.block_size or self.metrics.block_size
+        if not ids or B < 1 or not self.subscribers:
+            return None
+        end = time.monotonic() + ACCOUNT_WAIT_S
+        hist, cleared_at, resynced_at = self.view.history(ids)
+        while len(hist) < len(ids) // B and self.view.batches and time.monotonic() < end:  # (events flow)
+            time.sleep(0.02)
+            hist, cleared_at, resynced_at = self.view.history(ids)
+        details = reply.usage.get("prompt_tokens_details")
+        cached = reply.cached_tokens if isinstance(details, dict) and "cached_tokens" in details else None
+        b = before or Before()
+        change = message_change(b.messages, messages) if b.messages and messages is not None else None
+        return remote_account(ids, list(b.ids), B, fates(hist, reply.sent_at), cached,
+                              cleared=bool(b.ids) and cleared_at >= b.ended,
+                              missed=bool(b.ids) and resynced_at >= b.ended,
+                              decode=partial(self._decode, model or self.model), change=change)
+
+    def _decode(self, model: str, ids: list[int]) -> str | None:
+        text = self.client.detokenize(model, ids) if self.detokenizes else None
+        self.detokenizes = text is not None
+        return text
 
     def fixed_settings(self) -> dict[str, str]:
         """What the server fixed at start (shown read-only, with why)."""

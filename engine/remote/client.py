@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from engine.errors import EngineError
@@ -27,6 +28,8 @@ from engine.remote.wire import MAX_RANKS
 
 CHAT_FIRST_BYTE_S = 120.0  # a reply's headers and first token may wait on a long prefill or a queue
 MAX_MODELS = 10_000
+DETOKENIZE_MAX = 16  # token ids sent to /detokenize at once (a divergence is said in a few tokens)
+DETOKENIZE_S = 3.0  # its deadline: the reply's account waits for it
 MAX_ID = 512  # a model id (a path or a hub name with a LoRA suffix is under 200)
 
 
@@ -45,6 +48,9 @@ class Reply:
     ttft_s: float | None = None  # request sent → first token's text
     token_times: list[float] = field(default_factory=list)  # arrival of each chunk with text (monotonic)
     error: str | None = None
+    sent_at: float = 0.0  # when the request was sent, and when its stream ended (monotonic)
+    finished_at: float = 0.0
+    cache: Any = None  # why its prompt was recomputed (``engine.remote.why``: a CacheAccount), once known
 
     @property
     def cached_tokens(self) -> int:
@@ -232,8 +238,9 @@ class RemoteClient:
         idle = max(self.timeout, CHAT_FIRST_BYTE_S)
         caps = sse.StreamCaps.of(max_tokens, idle)
         sent = time.monotonic()
-        conn, resp, wd = self._open("POST", "/v1/chat/completions", body, timeout=idle, total=idle, cancel=cancel)
         reply = reply if reply is not None else Reply()
+        reply.sent_at = sent
+        conn, resp, wd = self._open("POST", "/v1/chat/completions", body, timeout=idle, total=idle, cancel=cancel)
         try:
             if resp.status != 200:
                 raise RemoteError(f"the server refused the request ({resp.status}): {self._error_body(resp)}")
@@ -249,11 +256,30 @@ class RemoteClient:
         finally:
             wd.close()
             conn.close()
+            reply.finished_at = time.monotonic()
         if cancel is not None and cancel.is_set() and reply.error is None and reply.finish_reason is None:
             reply.finish_reason = "cancelled"
         if reply.error is None and reply.finish_reason is None:
             reply.error = "the stream ended without a finish reason (the server closed it); the text so far is kept"
         return reply
+
+    def detokenize(self, model: str, ids: list[int]) -> str | None:
+        """The text of a few token ids (vLLM's ``POST /detokenize``); None when the server has no such endpoint or
+        answers something else (KV Scope's server: 404)."""
+        body = {"model": model, "tokens": [int(i) for i in ids[:DETOKENIZE_MAX]]}
+        try:
+            conn, resp, wd = self._open("POST", "/detokenize", body, timeout=min(self.timeout, DETOKENIZE_S))
+        except RemoteError:
+            return None
+        try:
+            raw = read_capped(resp, ERROR_BODY_BYTES) if resp.status == 200 else b""
+            text = json.loads(raw).get("prompt") if raw and not wd.fired else None
+        except (TooLarge, OSError, http.client.HTTPException, ValueError, RecursionError, AttributeError):
+            text = None
+        finally:
+            wd.close()
+            conn.close()
+        return printable(text.replace("\n", "\\n"), 200) if isinstance(text, str) else None
 
     @staticmethod
     def _error_body(resp) -> str:

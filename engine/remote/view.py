@@ -23,6 +23,7 @@ from engine.remote.wire import MAX_BLOCK_SIZE, MAX_RANKS, Batch, Cleared, Remove
 # model (12 KB of KV per token), 70,000 of an 8B one; 2^20 at ~200 bytes each stays under 250 MB here
 MAX_POOL_BLOCKS = 1 << 20
 EVICTED_S = 2.0  # a removed block's slot stays drawn as evicted this long (unless a new block takes it)
+GONE_MAX = 1 << 16  # removed blocks remembered (why a prompt missed them: ``RemotePool.history``), ~150 B each
 SLOT_FREE, SLOT_CHAT, SLOT_OTHER, SLOT_EVICTED = 0, 1, 2, 3
 
 
@@ -50,6 +51,7 @@ class RemotePool:
         self.rank, self.block_size, self.num_blocks = rank, block_size, num_blocks
         self.stored = self.removed = self.cleared = self.gaps = self.resyncs = 0
         self.last_ts = 0.0
+        self.cleared_at = self.resynced_at = -1.0  # when the server last cleared its cache, the view started over
         self._reset()
 
     def _reset(self) -> None:
@@ -60,6 +62,9 @@ class RemotePool:
         self._named: dict = {}  # name key -> hash, or [hash, hash ...] stored under it, oldest first
         self._slot_hash: list = []  # slot -> hash or None
         self._slot_key = array("q")  # slot -> the name key of the block in it
+        self._slot_t = array("d")  # slot -> when its block was stored (monotonic, here)
+        self._gone: dict = {}  # hash -> (name key, when it was removed), oldest first, at most GONE_MAX
+        self._gone_named: dict = {}  # name key -> the hash last removed under it
         self._free: list[int] = []
         self._evicted: dict[int, float] = {}  # slot -> when its block was removed
         self.held = 0  # blocks cached now (a hash held twice counts twice)
@@ -77,28 +82,30 @@ class RemotePool:
                 if self.held + len(e.hashes) > room:
                     left_out += 1
                     continue
-                self._store(e)
+                self._store(e, now)
             elif isinstance(e, Removed):
                 for h in e.hashes:
                     self._remove(h, now)
             elif isinstance(e, Cleared):
                 self.cleared += 1
+                self.cleared_at = now
                 self._reset()
         return left_out
 
-    def resync(self) -> None:
+    def resync(self, now: float | None = None) -> None:
         """Missing batches that no replay could fill: what the view knew may be wrong, so it starts over."""
         self.resyncs += 1
+        self.resynced_at = time.monotonic() if now is None else now
         self._reset()
 
-    def _store(self, e: Stored) -> None:
+    def _store(self, e: Stored, now: float) -> None:
         B = e.block_size or self.block_size
         self.block_size = self.block_size or B
         parent = e.parent
         for i, h in enumerate(e.hashes):
             key = _name_key(parent, e.token_ids[i * B:(i + 1) * B])
             cur = self._held.get(h)
-            slot = self._take_slot(h, key)
+            slot = self._take_slot(h, key, now)
             if cur is None:
                 self._held[h] = slot
                 self._name(h, key)
@@ -114,16 +121,16 @@ class RemotePool:
             self.held += 1
             parent = h
 
-    def _take_slot(self, h, key: int) -> int:
+    def _take_slot(self, h, key: int, now: float) -> int:
         while self._free:
             s = heapq.heappop(self._free)
             if self._slot_hash[s] is None:
-                self._slot_hash[s] = h
-                self._slot_key[s] = key
+                self._slot_hash[s], self._slot_key[s], self._slot_t[s] = h, key, now
                 self._evicted.pop(s, None)
                 return s
         self._slot_hash.append(h)
         self._slot_key.append(key)
+        self._slot_t.append(now)
         return len(self._slot_hash) - 1
 
     def _remove(self, h, now: float) -> None:
@@ -134,6 +141,7 @@ class RemotePool:
             s = cur
             del self._held[h]
             self._unname(h, self._slot_key[s])
+            self._forget(h, self._slot_key[s], now)
         else:
             s = cur.pop()  # the newer copy goes first
             if len(cur) == 1:
@@ -143,6 +151,17 @@ class RemotePool:
         self._slot_hash[s] = None
         self._evicted[s] = now
         heapq.heappush(self._free, s)
+
+    def _forget(self, h, key: int, now: float) -> None:
+        """``h`` is no longer cached: remembered (the newest ``GONE_MAX``) so a prompt that misses it can say why."""
+        self._gone.pop(h, None)
+        self._gone[h] = (key, now)
+        self._gone_named[key] = h
+        if len(self._gone) > GONE_MAX:
+            old = next(iter(self._gone))
+            k, _ = self._gone.pop(old)
+            if self._gone_named.get(k) == old:
+                del self._gone_named[k]
 
     def _name(self, h, key: int) -> None:
         v = self._named.get(key)
@@ -188,6 +207,28 @@ class RemotePool:
                 break
             out.append(found)
             parent = found
+        return out
+
+    def history(self, ids: Sequence[int], hashes: Sequence = ()) -> list[tuple[float, float]]:
+        """Per full block of ``ids`` from the first, while the view knows it (held now, or removed and
+        remembered): (when the oldest copy held now was stored, or -1: none is held; when the block was last
+        removed, or -1: never since the view joined). ``hashes`` as in ``chain_of``."""
+        B, out, parent = self.block_size, [], None
+        for j in range(len(ids) // B if B > 0 else 0):
+            key = _name_key(parent, ids[j * B:(j + 1) * B])
+            h = self._named.get(key)
+            h = h[-1] if isinstance(h, list) else h
+            if h is None:
+                h = self._gone_named.get(key)
+            if h is None and j < len(hashes) and (hashes[j] in self._held or hashes[j] in self._gone):
+                h = hashes[j]
+            if h is None:
+                break
+            cur = self._held.get(h)
+            slots = () if cur is None else (cur,) if isinstance(cur, int) else cur
+            gone = self._gone.get(h)
+            out.append((min((self._slot_t[s] for s in slots), default=-1.0), gone[1] if gone else -1.0))
+            parent = h
         return out
 
     def snapshot(self, chat_ids: Sequence[int] = (), now: float | None = None, hashes: Sequence = ()) -> PoolSnapshot:
@@ -334,6 +375,18 @@ class RemoteView:
                     named[p.block_size] = self.names(chat_ids, p.block_size)
             return [self.pools[r].snapshot(chat_ids, hashes=named.get(self.pools[r].block_size, ()))
                     for r in sorted(self.pools)]
+
+    def history(self, ids: Sequence[int]) -> tuple[list[tuple[float, float]], float, float]:
+        """``RemotePool.history`` of ``ids`` in the pool that knows most of them (a request runs on one engine),
+        with when that pool's server last cleared its cache and when the view last started over (-1: never)."""
+        with self.lock:
+            best, pool = [], None
+            for p in self.pools.values():
+                named = self.names(ids, p.block_size) if self.names is not None and ids else ()
+                h = p.history(ids, named)
+                if pool is None or len(h) > len(best):
+                    best, pool = h, p
+            return best, (pool.cleared_at if pool else -1.0), (pool.resynced_at if pool else -1.0)
 
     def chat_blocks(self, chat_ids: Sequence[int]) -> int:
         return sum(s.chat_blocks for s in self.snapshots(chat_ids))

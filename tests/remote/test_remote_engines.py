@@ -28,6 +28,8 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.remote.attach import RemoteEngine
 from engine.remote.client import RemoteError
 from engine.remote.view import SLOT_CHAT, view_note
+from engine.remote.why import Before, common_prefix
+from engine.snapshot import MissReason
 
 pytestmark = [pytest.mark.remote, pytest.mark.slow]
 B = env.BLOCK
@@ -105,6 +107,37 @@ def test_attach_cli_against_the_server(served):
     assert f"does not serve 'no-such-model'; it serves: {d['models'][0]}" in wrong.stderr
 
 
+def test_the_account_names_the_first_block_not_reused_and_why(served):
+    """#35: an edit of the chat's message diverges where the prompt parts (said as text where the server decodes:
+    vLLM's /detokenize; else as the message that changed), ``reused`` is the server's ``cached_tokens``."""
+    eng = RemoteEngine(served.url)
+    try:
+        msgs = [{"role": "user", "content": "EEE. " + STORY}]
+        first = eng.chat(msgs, max_tokens=40)
+        assert first.error is None and eng.account(first, None, msgs).reused == first.cached_tokens
+        before = Before(tuple(first.prompt_ids + first.token_ids),
+                        tuple(msgs + [{"role": "assistant", "content": first.text}]), first.finished_at)
+        edited = [{"role": "user", "content": "EEE. " + STORY.replace("big red ball", "small blue kite")}]
+        second = eng.chat(edited, max_tokens=8)
+        acc = eng.account(second, before, edited)
+        at = common_prefix(second.prompt_ids, before.ids)
+        assert acc.reused == second.cached_tokens and 0 < at // B * B <= acc.reused <= at  # vLLM: whole blocks
+        assert acc.reused + acc.recomputed == acc.prompt
+        m = acc.misses[0]
+        assert m.reason is MissReason.DIVERGED and m.start == acc.reused and f"at token {at}" in m.detail
+        if served.name == "vllm":  # the tokens, as vLLM decodes them
+            assert "big" in m.detail.split(" → ")[0] and "small" in m.detail.split(" → ")[1], m.detail
+        else:
+            assert "(your message 1 changed): '" in m.detail and "big red" in m.detail, m.detail
+        follow = list(before.messages) + [{"role": "user", "content": "And then?"}]
+        third = eng.chat(follow, max_tokens=8)  # the first chat again, one message more
+        acc = eng.account(third, before, follow)
+        assert acc.reused == third.cached_tokens > 0 and acc.misses[0].start == acc.reused
+        assert acc.misses[0].reason in (MissReason.NEW, MissReason.DIVERGED, MissReason.PARTIAL_PAGE), acc
+    finally:
+        eng.close()
+
+
 # -- the window against the real vLLM (here, not in a module of its own: each module that imports the session
 # fixtures gets its own instances, and a second vLLM would run beside the first until the session ends) ----------
 SHOTS = Path(os.environ.get("KVSCOPE_SHOTS", "/tmp"))
@@ -144,6 +177,14 @@ def test_the_window_draws_vllms_cache_for_its_chat(qtbot, tmp_path, stories_path
             w.menu_actions["regenerate"].trigger()
         assert rc.reply.cached_tokens >= env.BLOCK and rc.reply.cached_tokens % env.BLOCK == 0
         assert "reused" in w.chat.bubbles[-1].cache_label.text()
+        acc = rc.reply.cache  # why the rest was computed: the same prompt, so only its tail (#35)
+        assert acc.reused == rc.reply.cached_tokens and acc.misses[0].start == acc.reused
+        assert acc.misses[0].reason in (MissReason.PARTIAL_PAGE, MissReason.NEW), acc
+        bubble = w.chat.bubbles[-1]
+        if acc.misses[0].reason is MissReason.PARTIAL_PAGE:  # the footer's words (app.shell.reuse_words)
+            assert "sat in a partly filled one" in bubble.why_label.text()
+        else:  # new tokens the footer does not mention: the remote note names the block
+            assert f"from token {acc.reused} — new: " in bubble.notes_label.text()
         assert view.chat_blocks(rc.reply.prompt_ids + rc.reply.token_ids) >= full
         chat_id = rc.id
     finally:
