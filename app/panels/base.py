@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.shell.docks import on_screen
 from app.shell.format import human_bytes
 
 BACKGROUND = "#16191f"
@@ -78,6 +79,16 @@ class Panel(QWidget):
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
         """A chart reads well from about this size (a laptop's tab of panels is larger)."""
         return QSize(360, 260)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt name
+        """The layout's minimum, but for a panel behind another tab no more than its size hint's height: Qt shrinks
+        a hidden tab's dock to its minimum width (136 px), where every wrapped caption and legend is many lines
+        tall, and the tab group's minimum height — the tallest tab's — pushed a 720-pixel window off the screen
+        (a hybrid model's page map: its checkpoints line). Brought forward, it takes the group's width again."""
+        hint = super().minimumSizeHint()
+        if on_screen(self) or self.window() is self:
+            return hint
+        return QSize(hint.width(), min(hint.height(), self.sizeHint().height()))
 
     def show_snapshot(self, snapshot) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

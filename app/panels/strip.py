@@ -36,11 +36,11 @@ REASON_COLOURS = {  # MissReason value -> colour of its recomputed tokens (the s
     "new": "#43c59e",
     "diverged": "#ff8f3f",
     "evicted": "#e84855",
-    "policy": "#d65db1",
+    "policy": "#b0413e",
     "partial_page": "#b5d33d",
     "settings": "#5bc0eb",
     "window": "#f9e04b",
-    "state": "#c39bff",
+    "state": "#ff6fcf",
     "disk": "#b07d48",
     "off": "#8a919c",
 }

@@ -12,8 +12,8 @@ from PySide6.QtWidgets import QLabel, QScrollArea
 
 from app.panels.base import Panel
 from app.panels.strip import REASON_COLOURS
-from app.shell.reuse_words import (ALL_REUSED, NO_TURN, MissRow, explained, misses_of, reason_label, recomputed_of,
-                                   where)
+from app.shell.reuse_words import (ALL_REUSED, NO_TURN, MissRow, detail_words, explained, misses_of, reason_label,
+                                   recomputed_of, where)
 from engine.snapshot import CacheSnapshot
 
 KEPT_PLACES = 64  # replies whose places are kept (their chats may come back on screen)
@@ -37,7 +37,7 @@ def row_html(m: MissRow, places: list[dict] | None) -> str:
     colour = REASON_COLOURS.get(m.reason, "#ffffff")
     return (f'<p style="margin:0 0 6px 0"><span style="color:{colour}; font-size:13px">■</span>&nbsp;'
             f"<b>{html.escape(reason_label(m.reason))}</b> · {span} ({m.tokens:,}){html.escape(inside)}<br>"
-            f'<span style="color:#8a919c">{html.escape(m.detail)}</span></p>')
+            f'<span style="color:#8a919c">{html.escape(detail_words(m))}</span></p>')
 
 
 def readout_html(account, places: list[dict] | None) -> str:
@@ -78,7 +78,7 @@ class WhyPanel(Panel):
         self._layout.addWidget(self.view, 1)
         self.fit_button.setVisible(False)  # nothing to fit: a list
         self.places: dict[int, list[dict]] = {}  # by generation id: where each reply's misses sit in its chat
-        self.caption.setText("<b>Why recomputed?</b> No turn yet.")
+        self.caption.setText("Last prompt of this chat: no turn yet.")
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
         return QSize(320, 220)
@@ -95,7 +95,7 @@ class WhyPanel(Panel):
     def show_caption(self, snap: CacheSnapshot) -> None:
         account = snap.account
         said = summary(account) if account is not None and account.prompt else "no turn yet"
-        self.caption.setText(f"<b>Why recomputed?</b> last prompt of this chat · {said}")
+        self.caption.setText(f"Last prompt of this chat · {said}")
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.last_snapshot = snap
@@ -107,7 +107,7 @@ class WhyPanel(Panel):
 
     def clear(self) -> None:
         self.last_snapshot = None
-        self.caption.setText("<b>Why recomputed?</b> No turn yet.")
+        self.caption.setText("Last prompt of this chat: no turn yet.")
         self.body.setText(html.escape(NO_TURN))
 
     def text(self) -> str:

@@ -94,6 +94,12 @@ def change_of(detail: str) -> str:
     return tail
 
 
+def detail_words(m: MissRow) -> str:
+    """The engine's one-line detail of a miss, its texts in curly quotes as the footer writes them."""
+    change = change_of(m.detail) if m.reason == "diverged" else ""
+    return f"{m.detail.partition(': ')[0]}: {change}" if change else m.detail
+
+
 def cause(m: MissRow, places: list[dict] | None = None) -> str:
     """One miss in a sentence, with where it starts in the chat."""
     a, b, at = f"{m.start:,}", f"{max(m.start, m.end - 1):,}", where(m.start, places)
@@ -147,15 +153,15 @@ def checkpoint_words(pos: int, size: int, stateful: bool) -> str:
 
 def reuse_cost(info: Any, checkpoints: int, page_size: int) -> str:
     """The model card's line on reuse: where a later prompt can go back to on this model, and what it costs ('any
-    token (full attention)', 'checkpoints only: 8 per chat, ≤ ~24 KiB each (states copied, windows kept)')."""
+    token (full attention)', 'to checkpoints: 8 kept, ≤ 24 KiB each' — per chat; a checkpoint holds a copy of the
+    recurrent states and the sliding windows' pages there: one line, the card has no room for more)."""
     kinds = tuple(getattr(info, "layer_kinds", ()) or ())
     sliding = [w for k, w in zip(kinds, getattr(info, "windows", ())) if k.startswith("sliding")]
     states = any(k == "state" or k.endswith("+state") for k in kinds)
     if not sliding and not states:
         return "any token (full attention)"
     if checkpoints <= 0:
-        return "checkpoints off: only a follow-up reuses; a regenerate, branch or edit recomputes"
-    what = " and ".join(x for x in ("states copied" if states else "", "windows kept" if sliding else "") if x)
+        return "checkpoints off: only a follow-up goes on from the cache"
     per = int(getattr(info, "state_bytes", 0) or 0) + sum(
         (w + max(page_size, 1)) * info.layer_bytes_per_token for w in sliding)
-    return f"checkpoints only: {checkpoints} per chat, ≤ ~{human_bytes(per)} each ({what})"
+    return f"to checkpoints: {checkpoints} kept, ≤ {human_bytes(per)} each"

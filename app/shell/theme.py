@@ -26,6 +26,7 @@ QLabel#emptyHint {{ color: {MUTED}; font-size: 14px; padding: 40px; }}
 QLabel#roleLabel {{ color: {MUTED}; font-weight: 600; }}
 QLabel#statsLine {{ color: {MUTED}; font-size: 11px; }}
 QLabel#cacheLine {{ color: #43c59e; font-size: 11px; }}
+QLabel#whyLine {{ color: #f0a35e; font-size: 11px; }}
 QLabel#errorLine {{ color: #ff8080; }}
 QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
 QLabel#saveLine {{ color: #ffb347; font-size: 11px; }}

@@ -83,7 +83,7 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         qtbot.waitUntil(lambda: "prompt changed" in w.why.text())
         readout = w.why.text()
         assert f"prompt changed · tokens {at}–" in readout and "· the system prompt to reply 2" in readout
-        assert "'are a' → ''re a'" in readout  # the engine's detail under the range
+        assert f"the prompt differs from this chat's cache at token {at}: “are a” → “'re a”" in readout  # the detail
         assert f"<b>{n:,}</b> computed" in w.why.caption.text()
 
         _front(qtbot, w, "page_map")
@@ -126,7 +126,7 @@ def test_checkpoints_of_a_recurrent_model_on_the_strip_the_memory_readout_and_th
     try:
         card = w.model_card.table.text()
         assert "1 state (recurrent/conv)" in card
-        assert "checkpoints only: 8 per chat" in card and "(states copied)" in card
+        assert "to checkpoints: 8 kept, ≤ " in card
         _system_prompt(w, "You are a kind storyteller.")
         _say(qtbot, w, "Tell me about a cat.")
         _say(qtbot, w, "And a dog?")
@@ -162,7 +162,7 @@ def test_checkpoints_of_a_recurrent_model_on_the_strip_the_memory_readout_and_th
 def test_pages_only_checkpoints_hold_on_a_sliding_window_model(qtbot, tmp_path, hybrid_folders):
     w = open_window(qtbot, tmp_path, str(hybrid_folders / "gemma3_text"), sampling=SAMPLING)
     try:
-        assert "1 sliding (window 8)" in w.model_card.table.text() and "(windows kept)" in w.model_card.table.text()
+        assert "1 sliding (window 8)" in w.model_card.table.text() and "to checkpoints: 8 kept" in w.model_card.table.text()
         _say(qtbot, w, "Tell me about a cat, a dog and a bird, please.")
         _say(qtbot, w, "And a fish?")
         _front(qtbot, w, "page_map")
