@@ -15,6 +15,7 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import QPointF
 from PySide6.QtGui import QColor
 from test_hover_axes import _hover
+from test_layout import _settle
 
 from app.panels.strip import CHECKPOINT_PAGE_COLOUR, REASON_COLOURS
 from app.shell.docks import on_screen
@@ -163,8 +164,15 @@ def test_pages_only_checkpoints_hold_on_a_sliding_window_model(qtbot, tmp_path, 
     w = open_window(qtbot, tmp_path, str(hybrid_folders / "gemma3_text"), sampling=SAMPLING)
     try:
         assert "1 sliding (window 8)" in w.model_card.table.text() and "to checkpoints: 8 kept" in w.model_card.table.text()
+        _settle(qtbot, w, (1280, 720))
+        _system_prompt(w, "You are a kind storyteller.")
         _say(qtbot, w, "Tell me about a cat, a dog and a bird, please.")
         _say(qtbot, w, "And a fish?")
+        _system_prompt(w, "You're a kind storyteller.")
+        _say(qtbot, w, "And a bird?")  # the longest legends: two reasons, a checkpoint, its pages
+        qtbot.wait(300)
+        # the panels behind tabs (their legends many lines tall at a hidden tab's width) did not grow the window
+        assert (w.width(), w.height()) == (1280, 720) and on_screen(w.statusBar())
         _front(qtbot, w, "page_map")
         pm = w.page_map
         qtbot.waitUntil(lambda: pm.snapshot is not None and bool(pm.snapshot.checkpoint_pages))
