@@ -37,9 +37,9 @@ def message_at(tokenizer, messages: Sequence[dict], pos: int, ends: dict[int, in
 
 def miss_places(tokenizer, messages: Sequence[dict], account: Any) -> list[dict]:
     """``{"at", "message", "role", "number"}`` for the first and last token of each miss of ``account`` (a
-    ``CacheAccount``) but its new tokens' (those need no "why"): ``number`` counts that role's messages from 1; ``message`` -1 and role "header": the
-    reply's header. Empty without a tokenizer, messages or misses, or if rendering fails (a nicety, never an
-    error)."""
+    ``CacheAccount``) but its new tokens' (those need no "why"): ``number`` counts that role's messages from 1;
+    ``message`` -1 and role "header": the reply's header. Empty without a tokenizer, messages or misses, or if
+    rendering fails (a nicety, never an error)."""
     misses = getattr(account, "misses", ()) or ()
     if tokenizer is None or not messages or not misses:
         return []
@@ -47,7 +47,8 @@ def miss_places(tokenizer, messages: Sequence[dict], account: Any) -> list[dict]
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
         ends: dict[int, int] = {}
         out: dict[int, dict] = {}
-        for m in [m for m in misses if getattr(m.reason, "value", m.reason) != "new"][:MAX_MISSES]:
+        told = [m for m in misses if getattr(m.reason, "value", m.reason) != "new"]
+        for m in told[:MAX_MISSES]:
             for pos in (m.start, max(m.start, m.end - 1)):
                 if pos not in out:
                     out[pos] = _place(pos, message_at(tokenizer, msgs, pos, ends), msgs)

@@ -12,8 +12,8 @@ from PySide6.QtWidgets import QLabel, QScrollArea
 
 from app.panels.base import Panel
 from app.panels.strip import REASON_COLOURS
-from app.shell.reuse_words import (ALL_REUSED, NO_TURN, MissRow, detail_words, explained, misses_of, reason_label,
-                                   recomputed_of, where)
+from app.shell.reuse_words import (ALL_REUSED, NO_ACCOUNT, NO_TURN, MissRow, detail_words, explained, misses_of,
+                                   reason_label, recomputed_of, where)
 from engine.snapshot import CacheSnapshot
 
 KEPT_PLACES = 64  # replies whose places are kept (their chats may come back on screen)
@@ -100,7 +100,8 @@ class WhyPanel(Panel):
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.last_snapshot = snap
         self.show_caption(snap)
-        text = readout_html(snap.account, self.places.get(snap.generation_id))
+        text = (html.escape(NO_ACCOUNT) if snap.account is None and snap.seq_len else
+                readout_html(snap.account, self.places.get(snap.generation_id)))
         if text != self.body.text():
             self.body.setText(text)
         self._count()

@@ -30,6 +30,8 @@ REASONS: dict[str, tuple[str, str]] = {  # MissReason value -> (label, what it m
     "off": ("cache off", "the cache is off: every token is computed at every step"),
 }
 NO_TURN = "No turn yet: send a message and this lists why each prompt token was computed instead of reused."
+NO_ACCOUNT = ("This chat's cache tells no account of its prompts (a remote server's chat: the page map shows which "
+              "of its blocks the server holds).")
 ALL_REUSED = ("Every prompt token was reused (the last one is always computed: its logits give the reply's first "
               "token).")
 

@@ -74,7 +74,8 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         at, n = _first(stats, "diverged")["start"], stats["cache"]["recomputed"]
         footer = changed.why_label.text()
         assert changed.why_label.isVisible()
-        assert footer.startswith(f"recomputed {n:,} tokens: the system prompt changed at token {at} (“are a” → “'re a”)")
+        said = f"recomputed {n:,} tokens: the system prompt changed at token {at} (“are a” → “'re a”)"
+        assert footer.startswith(said)
         assert "Why?" in footer
 
         w.docks["timing"].raise_()  # the readout behind the timing panel again: the footer's link brings it forward
@@ -84,7 +85,7 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         qtbot.waitUntil(lambda: "prompt changed" in w.why.text())
         readout = w.why.text()
         assert f"prompt changed · tokens {at}–" in readout and "· the system prompt to reply 2" in readout
-        assert f"the prompt differs from this chat's cache at token {at}: “are a” → “'re a”" in readout  # the detail
+        assert f"the prompt differs from this chat's cache at token {at}: “are a” → “'re a”" in readout
         assert f"<b>{n:,}</b> computed" in w.why.caption.text()
 
         _front(qtbot, w, "page_map")
@@ -163,7 +164,8 @@ def test_checkpoints_of_a_recurrent_model_on_the_strip_the_memory_readout_and_th
 def test_pages_only_checkpoints_hold_on_a_sliding_window_model(qtbot, tmp_path, hybrid_folders):
     w = open_window(qtbot, tmp_path, str(hybrid_folders / "gemma3_text"), sampling=SAMPLING)
     try:
-        assert "1 sliding (window 8)" in w.model_card.table.text() and "to checkpoints: 8 kept" in w.model_card.table.text()
+        card = w.model_card.table.text()
+        assert "1 sliding (window 8)" in card and "to checkpoints: 8 kept" in card
         _settle(qtbot, w, (1280, 720))
         _system_prompt(w, "You are a kind storyteller.")
         _say(qtbot, w, "Tell me about a cat, a dog and a bird, please.")
@@ -191,3 +193,23 @@ def test_pages_only_checkpoints_hold_on_a_sliding_window_model(qtbot, tmp_path, 
 def _fill_scale(snap, page: int) -> float:
     """The page map's brightness of a page that holds tokens: fuller is brighter."""
     return 0.45 + 0.55 * min(1.0, snap.page_fill[page] / max(snap.page_size, 1))
+
+
+def test_the_readout_of_a_chat_without_an_account_and_of_a_prompt_computed_new(qtbot):
+    """A remote chat's snapshots carry no account; a reopened chat's first prompt computes every token new."""
+    from app_helpers import make_snapshot
+
+    from app.panels.why import WhyPanel
+    from app.shell.reuse_words import NO_ACCOUNT
+    from engine.snapshot import CacheAccount, Miss, MissReason
+
+    panel = WhyPanel()
+    qtbot.addWidget(panel)
+    panel.show_snapshot(make_snapshot(account=None))
+    assert panel.text() == NO_ACCOUNT
+    panel.show_snapshot(make_snapshot(account=CacheAccount(11, 0, 11, 0, (Miss(0, 11, MissReason.NEW, "not in the "
+                                                                                                      "cache before"),))))
+    assert panel.text().startswith("Nothing was recomputed: the tokens computed were new")
+    assert "new · tokens 0–10 (11)" in panel.text()
+    panel.clear()
+    assert panel.text() == NO_TURN
