@@ -14,6 +14,8 @@ positions count as evicted) and only the last ``context / 2`` are fed, one chunk
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,9 +43,9 @@ class Eviction:
     notes: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvictionContext:
-    """What the conversation says about its tokens (from the session, per step)."""
+    """What the conversation says about its tokens (from the session, per step): read, never written."""
 
     protected: int = 0  # logical [0, protected): system prompt + first message
     priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
@@ -52,8 +54,23 @@ class EvictionContext:
     overflow: str = "stop"
     context_length: int = 0
     max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.core.sequence.prefill_chunk``)
-    notes: list[str] = field(default_factory=list)
-    dropped: int = 0  # prompt tokens passed over unread to fit the context (never computed, so not "recomputed")
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """What the evictor decided for the next forward: the tokens it feeds (``chunk``), what was evicted for it,
+    prompt tokens passed over unread to fit the context (``dropped``: never computed, so not "recomputed"), and
+    the notes for the user. ``context``: what it was planned in (the forward's own eviction after it reads it)."""
+
+    chunk: int
+    evictions: tuple[Eviction, ...] = ()
+    dropped: int = 0
+    notes: tuple[str, ...] = ()
+    context: EvictionContext | None = None
+
+    @property
+    def all_notes(self) -> tuple[str, ...]:
+        return self.notes + tuple(n for e in self.evictions for n in e.notes)
 
 
 class Scores:
@@ -110,7 +127,7 @@ class Evictor:
 
     # -- planning a forward ----------------------------------------------------------------------------
     def plan(self, store, index: CacheIndex, policy: EvictionPolicy | None, todo: int,
-             cx: EvictionContext) -> tuple[int, list[Eviction]]:
+             cx: EvictionContext) -> EvictionPlan:
         """How many of the ``todo`` pending tokens the next forward feeds; evicts first where needed.
         Raises ``ContextOverflowError`` (overflow "stop") or ``CacheCapacityError`` (no room and nothing
         may be evicted) before anything changed."""
@@ -124,10 +141,10 @@ class Evictor:
         elif todo > ctx and cx.overflow in OVERFLOW_EVICTS:
             skip, first = todo - ctx // 2, index.next_pos
             index.skip(skip)  # these would be evicted before the reply starts: never fed
-            cx.dropped += skip
-            cx.notes.append(f"{skip:,} tokens of the prompt (positions {first:,}–{first + skip - 1:,}) were dropped to "
-                            f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
-            return self.plan(store, index, policy, todo - skip, cx)
+            note = (f"{skip:,} tokens of the prompt (positions {first:,}–{first + skip - 1:,}) were dropped to "
+                    f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
+            rest = self.plan(store, index, policy, todo - skip, cx)
+            return dataclasses.replace(rest, dropped=rest.dropped + skip, notes=(note,) + rest.notes)
         if index.next_rope + chunk > ctx:
             if policy is None and cx.overflow not in OVERFLOW_EVICTS:
                 raise ContextOverflowError(f"the model's context of {ctx} tokens is full")
@@ -138,7 +155,7 @@ class Evictor:
             chunk = (chunk + 1) // 2  # fewer tokens per forward before evicting for pages
         if not store.can_reserve(chunk):
             done += self._evict_for_pages(store, index, policy, cx)
-        return chunk, done
+        return EvictionPlan(chunk, tuple(done), context=cx)
 
     def after_forward(self, store, index: CacheIndex, policy: EvictionPolicy | None,
                       cx: EvictionContext) -> list[Eviction]:
@@ -172,12 +189,16 @@ class Evictor:
     def evict_now(self, store, index: CacheIndex, policy: EvictionPolicy, target: int,
                   cx: EvictionContext) -> list[Eviction]:
         """Evict down to ``target`` with ``policy`` (a policy switched on mid-chat)."""
+        first = ()
         if policy.needs_scores and not self.scores.tracking:
             self.scores.start(index.n)
             if index.n > target:
-                cx.notes.append(_says(policy, f"no attention scores yet for the {index.n} cached tokens; the "
-                                      "oldest go first this time, scores count from now on"))
-        return self._evict(store, index, policy, target, policy.name, cx)
+                first = (_says(policy, f"no attention scores yet for the {index.n} cached tokens; the oldest go "
+                                       "first this time, scores count from now on"),)
+        done = self._evict(store, index, policy, target, policy.name, cx)
+        if done and first:  # the note goes with what it explains
+            done[0] = dataclasses.replace(done[0], notes=first + done[0].notes)
+        return done
 
     def _evict(self, store, index: CacheIndex, policy: EvictionPolicy | None, target: int, reason: str,
                cx: EvictionContext, force_rotate: bool = False) -> list[Eviction]:
@@ -214,7 +235,6 @@ class Evictor:
             self._shift_windows(store, index, index.next_rope - old_next)
         gone = np.nonzero(held_before & ~index.held(index.next_pos))[0]
         notes = _protection_notes(gone, state, pol) + self._layer_notes(store, pol, reason, rotate)
-        cx.notes.extend(notes)
         return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
 
     def _scores_for(self, policy: EvictionPolicy, n: int) -> np.ndarray | None:

@@ -190,8 +190,9 @@ def _evict_for(cache: "SeqCache", seq: "Sequence", policy: EvictionPolicy | None
         return []
     before = cache.index.n
     cx = cache.context(seq.protected, seq.priorities, len(seq.ids), max_chunk)
-    cache.record_evictions(cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx))
-    seq.add_notes(cx.notes)
+    done = cache.evictor.evict_now(cache.store, cache.index, policy, policy.budget, cx)
+    cache.record_evictions(done)
+    seq.add_notes([n for e in done for n in e.notes])
     n = before - cache.index.n
     return [Note(f"{policy.describe()}: evicted {n} tokens now", NoteKind.POLICY_EVICTED, policy=policy.name,
                  params=dataclasses.asdict(policy.params), tokens=n, rest=f"evicted {n} tokens now")]
@@ -212,7 +213,7 @@ def _keep_owners(dst, owners: list[int]) -> None:
         return
     pool, P = dst.arena.pool, dst.page_size
     for j, page in enumerate(dst.table.pages):
-        pool.owner[page] = owners[min(j * P, len(owners) - 1)]
+        pool.set_owner(page, owners[min(j * P, len(owners) - 1)])
 
 
 def _move_store(cache: "SeqCache", seq: "Sequence", old: CacheConfig, cfg: CacheConfig) -> list[str]:

@@ -4,8 +4,8 @@ names of its full pages (``engine.kv.paged.prefix``) and its copy in host memory
 
 A forward goes through it as "can I?" then "do it"::
 
-    chunk = c.plan(todo, cx)        # how many tokens the next forward feeds (evicts first if a policy says so)
-    c.reserve(chunk, owner)         # room for them: a typed error, nothing changed, if there is none
+    plan = c.plan(todo, cx)         # how many tokens the next forward feeds (evicts first if a policy says so)
+    c.reserve(plan.chunk, owner)    # room for them: a typed error, nothing changed, if there is none
     ... ModelRunner writes their K/V into the reserved slots ...
     c.commit(chunk, ids)            # count them as cached, name new full pages; or c.rollback()
     c.after_forward(cx)             # back under a policy's budget
@@ -15,6 +15,8 @@ What the last forward did is a frozen ``StepRecord`` (``engine.core.records``), 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 from engine.core import reconfigure
@@ -22,7 +24,7 @@ from engine.core.prefix_reuse import PrefixReuse
 from engine.core.records import IDLE, StepRecord
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError
-from engine.core.eviction import Eviction, EvictionContext, Evictor
+from engine.core.eviction import Eviction, EvictionContext, EvictionPlan, Evictor
 from engine.kv.hf_cache import KVCache
 from engine.kv.paged.positions import CacheIndex
 from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
@@ -99,18 +101,18 @@ class SeqCache(PrefixReuse):
 
     # -- a forward ---------------------------------------------------------------------------------------
     def next_forward(self, ids: Sequence[int], protected: int, priorities, max_chunk: int,
-                     owner: int) -> tuple[Work, EvictionContext | None]:
+                     owner: int) -> tuple[Work, EvictionPlan | None]:
         """The next forward over the unfed tokens of ``ids``: planned (evicting first where a policy or the
         context says so) and its room reserved. A typed error, nothing reserved, if it cannot run."""
         if self.store is None:  # cache off: the whole text, every time
             return Work(tuple(ids), 0, None), None
         cx = self.context(protected, priorities, len(ids), max_chunk)
-        chunk = self.plan(len(ids) - self.index.next_pos, cx)
+        plan = self.plan(len(ids) - self.index.next_pos, cx)
         start = self.index.next_pos
-        self.reserve(chunk, owner=owner)
-        return Work(tuple(ids[start:start + chunk]), self.index.next_rope, self.kv), cx
+        self.reserve(plan.chunk, owner=owner)
+        return Work(tuple(ids[start:start + plan.chunk]), self.index.next_rope, self.kv), plan
 
-    def forward_done(self, work: Work, out: Output, cx: EvictionContext | None, ids: Sequence[int],
+    def forward_done(self, work: Work, out: Output, plan: EvictionPlan | None, ids: Sequence[int],
                      written: tuple[int, ...] = ()) -> bool:
         """``work``'s forward ran (``out``): count its tokens as cached, evict back under a budget. True once
         every token of ``ids`` is fed (the logits then predict the next one)."""
@@ -118,8 +120,12 @@ class SeqCache(PrefixReuse):
             self.last = StepRecord(path=out.path, evictions=self._take_planned())
             return True
         self.commit(work.q, ids, out.path, out.batch, written)
-        self.after_forward(cx)
+        self.after_forward(plan.context)
         return self.index.next_pos >= len(ids)
+
+    def notes(self) -> tuple[str, ...]:
+        """What the last forward's evictions have to tell the user."""
+        return tuple(n for e in self.last.evictions for n in e.notes)
 
     # -- a speculative verification ----------------------------------------------------------------------
     def draft_room(self, seq_len: int) -> int:
@@ -169,17 +175,18 @@ class SeqCache(PrefixReuse):
             return seq_len >= ctx
         return self.index.next_rope + 1 >= ctx and not self.can_overflow()
 
-    def plan(self, todo: int, cx: EvictionContext) -> int:
+    def plan(self, todo: int, cx: EvictionContext) -> EvictionPlan:
         """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so).
         On a model whose cache can be cut back only to checkpoints, a prompt's last token is fed on its own, and
         the position before it kept: a regenerate then reuses the whole prompt (one more 1-token forward)."""
-        chunk, done = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
-        self._planned += done
-        ix = self.index
-        if self.store.stateful and todo > 1 and chunk == todo and ix.intact == ix.n and self.cache_config.checkpoints:
-            chunk -= 1
-            self._checkpoint_at = ix.next_pos + chunk
-        return chunk
+        plan = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
+        self._planned += plan.evictions
+        ix, todo = self.index, todo - plan.dropped
+        if (self.store.stateful and todo > 1 and plan.chunk == todo and ix.intact == ix.n
+                and self.cache_config.checkpoints):
+            plan = dataclasses.replace(plan, chunk=plan.chunk - 1)
+            self._checkpoint_at = ix.next_pos + plan.chunk
+        return plan
 
     def begin_step(self) -> None:
         """A forward is being prepared: nothing evicted for it yet."""

@@ -193,16 +193,15 @@ class Sequence:
     def add_notes(self, notes: Seq[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]
 
-    def planned(self, cx) -> None:
-        """A forward was planned (``cx``: its ``engine.core.eviction.EvictionContext``, None with the cache off): its
+    def planned(self, plan) -> None:
+        """A forward was planned (``plan``: its ``engine.core.eviction.EvictionPlan``, None with the cache off): its
         notes for the user, and prompt tokens it dropped unread, which move from "to compute" to "dropped" so the
         prefill rate counts only tokens the model read."""
-        if cx is None:
+        if plan is None:
             return
-        self.add_notes(cx.notes)
-        self.reply.recomputed -= cx.dropped
-        self.reply.dropped += cx.dropped
-        cx.dropped = 0  # counted once, whoever looks at this context again
+        self.add_notes(plan.all_notes)
+        self.reply.recomputed -= plan.dropped
+        self.reply.dropped += plan.dropped
 
     def take_notes(self) -> tuple[str, ...]:
         notes, self.notes = tuple(self.notes), []

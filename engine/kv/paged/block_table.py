@@ -96,7 +96,7 @@ class BlockTable:
             last = self.pages[-1]
             if self.pool.ref[last] > 1:  # shared partial page: copy before writing into it
                 new = self.pool.allocate(1, owner=owner, session=self.session_id)[0]
-                self.pool.fill[new] = self.num_tokens % P
+                self.pool.set_fill(new, self.num_tokens % P)
                 self.pool.decref(last)
                 self.pages[-1] = new
                 copies.append((last, new))
@@ -108,7 +108,7 @@ class BlockTable:
         end = self.num_tokens + n
         first_page = self.num_tokens // P
         for i in range(first_page, total):
-            self.pool.fill[self.pages[i]] = min(P, end - i * P)
+            self.pool.set_fill(self.pages[i], min(P, end - i * P))
         self.num_tokens = end
         return copies
 
@@ -146,7 +146,7 @@ class BlockTable:
             old = self.pages[i]
             if self.pool.ref[old] > 1:
                 new = self.pool.allocate(1, owner=self.pool.owner[old], session=self.session_id)[0]
-                self.pool.fill[new] = self.pool.fill[old]
+                self.pool.set_fill(new, self.pool.fill[old])
                 self.pool.decref(old)
                 self.pages[i] = new
             else:
@@ -166,7 +166,7 @@ class BlockTable:
         if keep and self.pool.ref[self.pages[-1]] == 1:
             if n % P:
                 self.pool.unhash(self.pages[-1])  # partial now: it will be written again
-            self.pool.fill[self.pages[-1]] = n - (keep - 1) * P
+            self.pool.set_fill(self.pages[-1], n - (keep - 1) * P)
         return dropped
 
     def drop_front(self, pages: int) -> list[int]:

@@ -233,6 +233,16 @@ class PagePool:
             return True
         return False
 
+    def set_fill(self, page: int, tokens: int) -> None:
+        """``page`` holds ``tokens`` tokens (0..page_size): what its table wrote or kept there."""
+        if not 0 <= tokens <= self.page_size:
+            raise ValueError(f"page {page}: fill {tokens} is outside 0..{self.page_size}")
+        self.fill[page] = tokens
+
+    def set_owner(self, page: int, owner: int) -> None:
+        """``page``'s tokens belong to turn ``owner`` (-1: none): the page map colours them so."""
+        self.owner[page] = owner
+
     def set_flag(self, page: int, flag: int, on: bool = True) -> None:
         if on:
             self.flags[page] |= flag

@@ -372,7 +372,7 @@ class PagedKV(KVStore):
         self.table.append(host.n - start)
         pool = self.arena.pool
         for i, p in enumerate(self.table.pages):
-            pool.owner[p] = host.owners[min(i, len(host.owners) - 1)] if host.owners else -1
+            pool.set_owner(p, host.owners[min(i, len(host.owners) - 1)] if host.owners else -1)
         dp = self._plan(host.n)
         for layer, entry in enumerate(host.layers):
             for role in ROLES:

@@ -32,7 +32,7 @@ def install(arena, read: list, names: list[bytes]) -> tuple[list[int], str]:
             pool.decref(p)
         return [], f"restoring failed ({e}); the tokens are computed again"
     for p, name in zip(pages, names):
-        pool.fill[p] = P
+        pool.set_fill(p, P)
         pool.register(p, name)
     for p in pages:
         pool.decref(p)  # cached: the session adopts them as it adopts pages other sessions computed
