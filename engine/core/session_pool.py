@@ -144,6 +144,8 @@ class SessionPool:
         # not take it over: cutting it back would lose that conversation's cache to an unrelated request (its
         # follow-up then found 8 of 111 tokens), and the new one gets the shared pages from the prefix cache anyway
         mostly = best is not None and 2 * shared >= best.index.intact
+        if best is not None and shared >= self.min_shared and not whole and not mostly:
+            return self._branch(best, shared, tenant), shared
         if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
             del self._sessions[key]
             if not whole:
@@ -153,6 +155,17 @@ class SessionPool:
             self.speculation.onto(best)
             return best, shared
         return self.new_session(tenant), 0
+
+    def _branch(self, best: ChatSession, shared: int, tenant: bytes) -> ChatSession:
+        """A new session going on from ``best``'s first ``shared`` tokens, ``best`` kept as it is: a branch of a
+        conversation (another second message, an edit) reuses what it shares without taking the conversation's
+        cache from it (paged pages are shared, copy-on-write). On a hybrid model ``shared`` is a checkpoint."""
+        s = best.fork()
+        s.cache.cut_back(shared, MissReason.PARTIAL_PAGE, f"reused in whole pages of {self.grain} tokens only: this "
+                                                          "prompt does not go on with the whole conversation")
+        self.speculation.onto(s)
+        self.tenant_of[s] = tenant
+        return s
 
     def put(self, session: ChatSession, key: Hashable | None = None) -> None:
         """Keep a finished session (most recently used; ``key``: the session itself unless given); close the

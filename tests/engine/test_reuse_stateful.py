@@ -93,3 +93,31 @@ def test_bench_branch_scenario(model_type):
     assert w["branch"]["reused"] == 40 - 1 and wo["branch"]["reused"] == 0
     assert w["checkpoints"] == 1 and wo["checkpoints"] == 0  # after the first turn: before its last token
     assert (w["checkpoint_state_bytes"] > 0) == (model_type == "lfm2") and wo["checkpoint_state_bytes"] == 0
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "llama"])
+def test_an_api_branch_forks_the_conversation_and_keeps_it(model_type):
+    """The server's pool: a request that shares the start of an idle conversation (another second message)
+    goes on from a fork — the conversation keeps its cache for its own follow-up; on a hybrid the fork goes
+    back to the checkpoint at the second turn's start."""
+    from engine.core.session_pool import CLOSE, SessionPool
+
+    _, lm = build(model_type)
+    pool = SessionPool(lm, CacheConfig(page_size=4), evict=CLOSE)
+    p1 = list(range(5, 45))
+    s, _ = pool.take(p1)
+    _, g1 = reply(s, p1)
+    p2 = p1 + g1 + list(range(60, 140))  # a long second turn: the branch shares less than half
+    _, g2 = reply(s, p2)
+    pool.put(s)
+    branch = p1 + g1 + list(range(120, 130))
+    b, shared = pool.take(branch)
+    assert b is not s and len(pool) == 1  # a fork: the conversation stays in the pool
+    fed1 = len(p1) + len(g1) - 1
+    assert shared == (fed1 if model_type == "lfm2" else (len(p1) + len(g1)) // 4 * 4)
+    reused, got = reply(b, branch)
+    assert reused == shared and got == hf_greedy(lm.model, branch, N)
+    follow = p2 + g2 + [7, 8]  # the conversation's own follow-up still reuses all it was fed
+    s2, shared2 = pool.take(follow)
+    assert s2 is s and shared2 == len(p2) + len(g2) - 1
+    b.close(), s2.close()
