@@ -99,8 +99,7 @@ class RemoteChats(QObject, Connecting):
         self.list.chat_selected.connect(self.open_chat)
         self.list.new_requested.connect(self._new_like)
         self.list.close_requested.connect(self.close_chat)
-        window.conversation.chat_opened.connect(self._on_local_opened)
-        window.api_list.conversation_selected.connect(self._on_api_selected)
+        window.on_screen.subscribe(self._on_screen)  # a local chat or an API conversation took the screen
         window.models.ready_changed.connect(self._on_ready)
         window.on_screen.register(OnScreen.REMOTE, self)
 
@@ -187,11 +186,8 @@ class RemoteChats(QObject, Connecting):
         for bubble in self.pane.bubbles:
             bubble.pin_button.setVisible(False)
 
-    def _on_local_opened(self, _chat_id: int) -> None:
-        self.leave()
-
-    def _on_api_selected(self, session_id: int) -> None:
-        if session_id:
+    def _on_screen(self, old: OnScreen, new: OnScreen) -> None:
+        if old is OnScreen.REMOTE and new is not OnScreen.REMOTE:
             self.leave()
 
     def _on_ready(self, ready: bool, hint: str) -> None:
