@@ -21,7 +21,7 @@ from engine.snapshot import StepResult
 from engine.speculation.verify import verify
 
 if TYPE_CHECKING:
-    from engine.core.eviction import EvictionContext
+    from engine.core.eviction import EvictionPlan
     from engine.model.loader import LoadedModel
     from engine.core.seq_cache import SeqCache
     from engine.core.sequence import Sequence
@@ -35,7 +35,7 @@ class OpenStep:
     t0: float  # when it was prepared (its step's time counts from here)
     n_in: int  # tokens it feeds
     work: Work
-    cx: "EvictionContext | None"  # what eviction knew of the conversation (None: a verification)
+    plan: "EvictionPlan | None"  # what the evictor decided for it (None: a verification, or the cache off)
     drafts: list[int] | None  # a verification's draft tokens (None: a plain step)
 
 
@@ -99,15 +99,15 @@ class Stepping:
             self._open = OpenStep(t0, len(drafts) + 1, work, None, drafts)
             return work
         try:
-            work, cx = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
+            work, plan = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
         except ContextOverflowError as e:
             q.add_notes([str(e)])
             return self._finish("context_full", None)
         except BaseException as e:
             raise self._fail(e) from e
-        q.planned(cx)  # its notes; prompt tokens it dropped unread are not counted as computed
+        q.planned(plan)  # its notes; prompt tokens it dropped unread are not counted as computed
         n_in = c.pending(len(q.ids))  # after planning: without the tokens dropped to fit the context
-        self._open = OpenStep(t0, n_in, work, cx, None)
+        self._open = OpenStep(t0, n_in, work, plan, None)
         return work
 
     def _drafts(self) -> list[int]:
@@ -131,13 +131,13 @@ class Stepping:
         """After the prepared forward (``out``; ``written``: pages a batched forward wrote in this pool): commit,
         then the prefill chunk's progress, or the token, its stop checks and the snapshot."""
         opened, self._open = self._open, None
-        t0, n_in, work, cx, drafts = opened.t0, opened.n_in, opened.work, opened.cx, opened.drafts
+        t0, n_in, work, plan, drafts = opened.t0, opened.n_in, opened.work, opened.plan, opened.drafts
         if drafts:
             return self._finish_verify(t0, work, drafts, out)
         q, c, t = self.sequence, self.cache, self.sequence.reply
         try:
-            fed = c.forward_done(work, out, cx, q.ids, written)
-            q.add_notes(cx.notes if cx is not None else ())
+            fed = c.forward_done(work, out, plan, q.ids, written)
+            q.add_notes(c.notes())
             if not fed:  # a chunk of a longer prefill: Stop can act before the next
                 ms = (time.perf_counter() - t0) * 1000.0
                 t.prefill_ms += ms
