@@ -121,8 +121,9 @@ def capacity(cache: "SeqCache") -> int:
 
 def restored_pages(cache: "SeqCache") -> tuple[int, ...]:
     """The pages the chat's turn took from the KV disk tier that it still holds (a plain paged store's only)."""
-    held = set(getattr(getattr(cache.store, "table", None), "pages", ())) if cache.disk_pages else set()
-    return tuple(p for p in cache.disk_pages if p in held)
+    pages = cache.reused.disk_pages
+    held = set(getattr(getattr(cache.store, "table", None), "pages", ())) if pages else set()
+    return tuple(p for p in pages if p in held)
 
 
 def checkpoint_fields(store, groups: tuple) -> dict:

@@ -11,6 +11,7 @@ from typing import Sequence
 import dataclasses
 
 from engine.core.account import Facts, account, token_change
+from engine.core.records import ReuseRecord
 from engine.kv.paged.prefix import cached_run, extend_chain
 from engine.snapshot import MissReason
 from engine.kv.store.storage import PagedKV
@@ -27,7 +28,8 @@ class PrefixReuse:
 
     def disk_notes(self) -> list[str]:
         """What the disk tier has to tell: the last reuse's restore, files dropped, writes stopped."""
-        return self.disk.take_notes(*self.disk_restored) if self.disk is not None else []
+        r = self.reused
+        return self.disk.take_notes(r.disk_tokens, r.disk_ms) if self.disk is not None else []
 
     def prefix_store(self) -> PagedKV | None:
         """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:
@@ -61,23 +63,22 @@ class PrefixReuse:
         of them taken from the prefix cache, common prefix). At least one token of ``ids`` is left to prefill."""
         from engine.core.sequence import common_prefix
 
-        self.continued = 0
         lost, self.lost = self.lost, (0, None, "")
+        swapped, self._swapped_in = self._swapped_in, 0
         goes_on = self._goes_on(cached_ids, ids)
         if goes_on is not None:
-            fed = goes_on[0]
-            self.account = account(Facts(len(ids), fed - self.continued, fed, fed, fed, fed, fed,
-                                         dropped=self.continued))
+            fed, continued = goes_on[0], int(self.index.evicted_count())
+            self.reused = ReuseRecord(continued=continued, swapped_in_pages=swapped, account=account(
+                Facts(len(ids), fed - continued, fed, fed, fed, fed, fed, dropped=continued)))
             return goes_on
         common = common_prefix(list(cached_ids[:self.index.intact]), ids)
-        self.disk_restored, self.disk_pages = (0, 0.0), ()
         if self.store is None:
-            self.account = account(Facts(len(ids), 0, 0, 0, 0, 0, 0, off=True))
+            self.reused = ReuseRecord(account=account(Facts(len(ids), 0, 0, 0, 0, 0, 0, off=True)))
             return 0, 0, common
         wanted = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
         keep = self.store.reusable(wanted)  # sliding windows and recurrent states limit what can be kept
         facts = self._facts(cached_ids, ids, wanted, keep, lost)
-        pages, base = self._take_cached(ids, keep)
+        pages, base, disk = self._take_cached(ids, keep)
         if pages:
             keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
         self.truncate(keep)
@@ -88,8 +89,10 @@ class PrefixReuse:
             self.evictor.scores.grow(shared)
         if self.cache_config.prefix_reuse and self.index.intact == self.index.n:  # nothing to return to once evicted
             self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
-        self.account = account(dataclasses.replace(facts, reused=keep + shared, disk_at=self.disk_miss,
-                                                   page=self.store.page_size if self.disk_miss >= 0 else 0))
+        tokens, ms, disk_pages, miss = disk
+        page = self.store.page_size if miss >= 0 else 0  # a disk miss: a plain paged store's page
+        facts = dataclasses.replace(facts, reused=keep + shared, disk_at=miss, page=page)
+        self.reused = ReuseRecord(tokens, ms, disk_pages, 0, swapped, account(facts))
         return keep + shared, shared, common
 
     def _facts(self, cached_ids: Sequence[int], ids: list[int], wanted: int, kept: int, lost: tuple) -> Facts:
@@ -118,8 +121,8 @@ class PrefixReuse:
         common-prefix reuse keeps only that intact start (the sinks: 'reused 12, recomputed 1132'). A prompt that
         goes on from every token fed so far continues the stream instead, as StreamingLLM serves a conversation:
         the cache stays as the policy left it and only the new tokens are fed. Returns (tokens fed before, 0,
-        common prefix) and sets ``continued`` to the tokens evicted earlier (neither reused nor recomputed), or
-        None when the prompt does not go on from the cache."""
+        common prefix) — the tokens evicted earlier are neither reused nor recomputed — or None when the prompt
+        does not go on from the cache."""
         ix = self.index
         fed = ix.next_pos
         if getattr(self.policy, "name", "") == "priority":
@@ -127,30 +130,38 @@ class PrefixReuse:
         if (self.store is None or self.host is not None or ix.intact == fed or not self.cache_config.prefix_reuse
                 or len(ids) <= fed or len(cached_ids) < fed or list(cached_ids[:fed]) != list(ids[:fed])):
             return None
-        self.disk_restored, self.disk_pages, self.chain = (0, 0.0), (), []
-        self.continued = int(ix.evicted_count())
+        self.chain = []
         return fed, 0, fed
 
-    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int]:
+    def _take_cached(self, ids: list[int], keep: int) -> tuple[list[int], int, tuple]:
         """Pages of the prefix cache that extend the ``keep`` reused tokens of ``ids`` further: (pages, first
-        page index), empty when they would not cover more than ``keep`` tokens."""
+        page index, what the disk tier did), empty when they would not cover more than ``keep`` tokens. The
+        disk's part: (tokens restored, milliseconds, the pages they went to, the first token of a page file it
+        had but could not read or -1)."""
         store = self.prefix_store()
-        self.chain, self.disk_miss = [], -1
+        self.chain, disk = [], (0, 0.0, (), -1)
         if store is None or not self.cache_config.prefix_reuse or self.host is not None:
-            return [], 0
+            return [], 0, disk
         P = store.page_size
         limit, base = (len(ids) - 1) // P, keep // P
         if limit <= base:
-            return [], base
+            return [], base, disk
         extend_chain(self.chain, ids, P, limit, self.root)
         run = cached_run(store.arena.pool, self.chain, base)
         if self.disk is not None and base + len(run) < limit:  # then from disk, where memory's run ends
-            lost = self.disk.counts["dropped_files"] + self.disk.counts["missing_files"]
-            self.disk_restored = self.disk.restore(store.arena, self.chain, base + len(run), run)
-            run, before = cached_run(store.arena.pool, self.chain, base), len(run)
-            self.disk_pages = tuple(run[before:])
-            if self.disk.counts["dropped_files"] + self.disk.counts["missing_files"] > lost:  # the page after the run was on disk, missing or damaged
-                self.disk_miss = (base + len(run)) * P
+            disk = self._from_disk(store, base, run)
+            run = cached_run(store.arena.pool, self.chain, base)
         if (base + len(run)) * P <= keep:
-            return [], base
-        return run, base
+            return [], base, disk
+        return run, base, disk
+
+    def _from_disk(self, store, base: int, run: list[int]) -> tuple:
+        """Pages of the chain after ``run`` restored from the disk tier: the disk's part of ``_take_cached``."""
+        counts = self.disk.counts
+        lost = counts["dropped_files"] + counts["missing_files"]
+        tokens, ms = self.disk.restore(store.arena, self.chain, base + len(run), run)
+        after = cached_run(store.arena.pool, self.chain, base)
+        miss = -1
+        if counts["dropped_files"] + counts["missing_files"] > lost:  # the page after the run: missing or damaged
+            miss = (base + len(after)) * store.page_size
+        return tokens, ms, tuple(after[len(run):]), miss

@@ -1,4 +1,5 @@
-"""Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache.
+"""Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache, and ``ReuseRecord``,
+one per prompt's reuse of it.
 
 ``SeqCache`` (``engine.core.seq_cache``) is their only writer: each forward's commit returns one and keeps it as
 ``SeqCache.last`` until the next; ``engine.core.observe`` builds the step's ``CacheSnapshot`` from it. Nothing
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.core.vocab import StepPath
+from engine.snapshot import CacheAccount
 
 if TYPE_CHECKING:
     from engine.core.eviction import Eviction
@@ -37,3 +39,16 @@ class StepRecord:
 
 
 IDLE = StepRecord()
+
+
+@dataclass(frozen=True)
+class ReuseRecord:
+    """What one prompt's reuse of the cache did (``SeqCache.reuse``, its only writer; kept as ``SeqCache.reused``
+    until the next): the prefix cache's and the disk tier's part, a stream that went on, a swap-in, the account."""
+
+    disk_tokens: int = 0  # restored from the KV disk tier
+    disk_ms: float = 0.0  # reading them
+    disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
+    continued: int = 0  # the prompt went on from an evicted cache: its tokens evicted earlier (never recomputed)
+    swapped_in_pages: int = 0  # pages the swap-in before it took back from the prefix cache instead of copying
+    account: CacheAccount = CacheAccount()  # why each prompt token was reused or computed

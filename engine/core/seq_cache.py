@@ -21,7 +21,7 @@ from typing import Sequence
 
 from engine.core import reconfigure
 from engine.core.prefix_reuse import PrefixReuse
-from engine.core.records import IDLE, StepRecord
+from engine.core.records import IDLE, ReuseRecord, StepRecord
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError
 from engine.core.eviction import Eviction, EvictionContext, EvictionPlan, Evictor
@@ -31,7 +31,6 @@ from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
 from engine.core.vocab import StepPath
-from engine.snapshot import CacheAccount
 
 
 class SeqCache(PrefixReuse):
@@ -42,6 +41,8 @@ class SeqCache(PrefixReuse):
         self.policy = reconfigure.validate(cfg, lm)
         self.cache_config = cfg
         self.store: KVStore | None = None
+        self.reused = ReuseRecord()  # what the last prompt's reuse did (``reuse``: this class its only writer)
+        self._swapped_in = 0  # pages the swap-in before the next reuse took back from the prefix cache
         self.kv: KVCache | None = None  # transformers' view of the store (``engine.kv.hf_cache``)
         self.set_store(reconfigure.make_store(lm, cfg, owner_id))
         info = lm.info
@@ -56,12 +57,6 @@ class SeqCache(PrefixReuse):
         self.last: StepRecord = IDLE  # what the last forward did (this class its only writer)
         self._planned: list[Eviction] = []  # evicted for the forward being prepared (in its record at commit)
         self._checkpoint_at = -1  # the planned forward ends where the store keeps a checkpoint (``plan``)
-        self.swapped_in_pages = 0  # pages the last swap-in took back from the prefix cache instead of copying
-        self.disk_restored = (0, 0.0)  # the last reuse's tokens restored from the disk tier, and its milliseconds
-        self.continued = 0  # the last reuse went on from an evicted cache: its tokens evicted earlier (``_goes_on``)
-        self.disk_pages: tuple[int, ...] = ()  # the pages they went to (the page map marks them)
-        self.account = CacheAccount()  # how the last prompt used the cache, why each computed token was (``reuse``)
-        self.disk_miss = -1  # the last reuse's first token of a page file found missing or damaged
         self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
 
     # -- plumbing ----------------------------------------------------------------------------------------
@@ -69,7 +64,7 @@ class SeqCache(PrefixReuse):
         self.store = store
         self.kv = KVCache(store) if store is not None else None
         self.chain = []  # page names depend on the page size: a new store names its pages afresh
-        self.disk_pages = ()  # page ids of the old store's arena
+        self.reused = dataclasses.replace(self.reused, disk_pages=())  # page ids of the old store's arena
 
     @property
     def n(self) -> int:
@@ -293,7 +288,7 @@ class SeqCache(PrefixReuse):
             self.chain = chain[:len(adopt)]
         else:
             self.store.from_host(self.host)
-        self.swapped_in_pages = len(adopt)
+        self._swapped_in = len(adopt)  # the reuse that follows puts it in its record
         self.host = None
 
     def _cached_pages_of_host(self, ids: Sequence[int]) -> tuple[list[int], list[bytes]]:

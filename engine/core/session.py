@@ -65,7 +65,6 @@ class ChatSession(Stepping):
     last_stats = _via("sequence", "last_stats")
     store, index, policy, host = _via("cache", "store"), _via("cache", "index"), _via("cache", "policy"), _via("cache", "host")
     cache_config, evictor = _via("cache", "cache_config"), _via("cache", "evictor")
-    swapped_in_pages = _via("cache", "swapped_in_pages")
     n_phys = cached_tokens = _via("cache", "n", "tokens per layer in the cache now")
 
     generating = property(lambda self: self.sequence.running, doc="a reply is in progress")
@@ -144,16 +143,17 @@ class ChatSession(Stepping):
         reply = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), t_start=time.perf_counter(),
                           decoder=StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder(),
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
-                          disk=c.disk_restored[0], account=c.account,
+                          disk=c.reused.disk_tokens, account=c.reused.account,
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
-        if c.continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
-            reply.reused, reply.dropped = keep - c.continued, c.continued
+        continued = c.reused.continued
+        if continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
+            reply.reused, reply.dropped = keep - continued, continued
         c.begin_step()
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
         q.add_notes(([room_note] if room_note else []) + c.disk_notes())
-        if c.continued:
-            q.add_notes([f"went on from the cache the policy left: {keep - c.continued} tokens kept, "
-                         f"{c.continued} evicted earlier stay evicted, only the {len(ids) - keep} new ones computed"])
+        if continued:
+            q.add_notes([f"went on from the cache the policy left: {keep - continued} tokens kept, "
+                         f"{continued} evicted earlier stay evicted, only the {len(ids) - keep} new ones computed"])
         self._ready = []
         if self.spec is not None:
             note = self.spec.new_reply()
