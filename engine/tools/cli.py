@@ -24,6 +24,8 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="paged", choices=CACHE_MODES, help="KV cache mode (default paged)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page, 1..256 (default 16)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every turn from scratch")
+    p.add_argument("--checkpoints", type=int, default=8, metavar="N",
+                   help="positions per chat a hybrid / sliding-window model's cache can go back to, 0..64 (default 8)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="K and V precision")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K precision (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V precision (overrides --kv-dtype)")
@@ -234,6 +236,7 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
         k_dtype=a.k_dtype or a.kv_dtype,
         v_dtype=a.v_dtype or a.kv_dtype,
         overflow=getattr(a, "overflow", "stop"),
+        checkpoints=getattr(a, "checkpoints", 8),
     )
 
 
