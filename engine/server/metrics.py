@@ -155,8 +155,12 @@ class Metrics:
         for name, kind, text, value in rows:
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
         out += self._vllm_rows(gauges, by_pos)
-        out += _labelled("kvscope_spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted at each "
-                         "draft position (0: the first)", "position", dict(enumerate(by_pos)))
+        return "\n".join(out + self._labelled_rows(by_pos, outcomes, stalls, recomputed, closed)) + "\n"
+
+    def _labelled_rows(self, by_pos: list, outcomes: dict, stalls: dict, recomputed: dict, closed: dict) -> list[str]:
+        """The counters with a label (draft position, outcome, stall action, recompute reason, close reason)."""
+        out = _labelled("kvscope_spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted at each "
+                        "draft position (0: the first)", "position", dict(enumerate(by_pos)))
         out += _labelled("kvscope_requests_total", "Requests by outcome (finish reason, cancelled, error, rejected)",
                          "outcome", outcomes)
         out += _labelled("kvscope_streams_stalled_total", "Streams whose client stopped reading: held (paused), then "
@@ -167,7 +171,7 @@ class Metrics:
         out += _labelled("kvscope_connections_closed_total", "Connections the server closed: a request head or body "
                          "not complete in time, one without a request in flight making room, or a new one over the "
                          "limit", "reason", closed)
-        return "\n".join(out) + "\n"
+        return out
 
     def _event_rows(self) -> list[str]:
         """The KV events publisher's state (nothing when events are off): up or stopped, batches sent, replay
