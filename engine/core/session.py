@@ -65,7 +65,7 @@ class ChatSession(Stepping):
     last_stats = _via("sequence", "last_stats")
     store, index, policy, host = _via("cache", "store"), _via("cache", "index"), _via("cache", "policy"), _via("cache", "host")
     cache_config, evictor = _via("cache", "cache_config"), _via("cache", "evictor")
-    n_phys = cached_tokens = _via("cache", "n", "tokens per layer in the cache now")
+    cached_tokens = _via("cache", "n", "tokens per layer in the cache now")
 
     generating = property(lambda self: self.sequence.running, doc="a reply is in progress")
     closed = property(lambda self: self.sequence.status is Status.CLOSED)

@@ -182,6 +182,7 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
             qtbot.waitUntil(lambda: w.page_map.caption.isVisible() and w.timing.caption.isVisible())
             for cap in (w.page_map.caption, w.timing.caption):
                 assert cap.heightForWidth(cap.width()) <= cap.height(), (size, cap.text())
+        w.page_map.show_snapshot(cut)  # again: the window's own end-of-reply frame may have come since
         img, px, cols = w.page_map.image.image, w.page_map.px, w.page_map.cols
         amber = _rgb(VERIFY_COLOUR).astype(np.uint8)
         for page in cut.written_pages:

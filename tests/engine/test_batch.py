@@ -110,7 +110,7 @@ def test_a_session_without_room_fails_alone(lm):
     ra, rb = batch.step_all([a, b])
     assert isinstance(ra, CacheCapacityError) and not a.generating
     assert not isinstance(rb, BaseException) and rb.event is not None and rb.done
-    assert a.n_phys == 8 and b.n_phys == 7  # a's failed token left nothing behind
+    assert a.cached_tokens == 8 and b.cached_tokens == 7  # a's failed token left nothing behind
     b.close()
     a.start_ids(list(range(10, 18)), SamplingConfig(max_new_tokens=3, ignore_eos=True))
     while not (r := a.step()).done:
@@ -122,7 +122,7 @@ def test_a_failed_forward_ends_every_reply_it_carried_and_wedges_none(lm, monkey
     sessions = _start(lm, [CacheConfig(), CacheConfig(mode="contiguous")], 20)
     for _ in range(6):
         batch.step_all(sessions)
-    before = [(s.n_phys, len(s.seq)) for s in sessions]
+    before = [(s.cached_tokens, len(s.seq)) for s in sessions]
     real = attention.ragged_attention  # the registered function looks it up at each call
 
     def broken(*a, **k):
@@ -132,7 +132,7 @@ def test_a_failed_forward_ends_every_reply_it_carried_and_wedges_none(lm, monkey
     results = batch.step_all(sessions)
     monkeypatch.setattr(attention, "ragged_attention", real)
     assert all(isinstance(r, EngineError) for r in results)
-    assert [(s.n_phys, len(s.seq)) for s in sessions] == before and not any(s.generating for s in sessions)
+    assert [(s.cached_tokens, len(s.seq)) for s in sessions] == before and not any(s.generating for s in sessions)
     for s, p in zip(sessions, PROMPTS):  # the next turn works and is exact
         s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=10, ignore_eos=True))
     _run(sessions)
@@ -192,7 +192,7 @@ def test_snapshots_show_every_page_the_batched_forward_wrote(lm):
         while s.step().event is None:
             pass
     results = batch.step_all(sessions)
-    last = [s.store.table.pages[(s.n_phys - 1) // 4] for s in sessions[:2]]
+    last = [s.store.table.pages[(s.cached_tokens - 1) // 4] for s in sessions[:2]]
     assert last[0] != last[1]
     for i, r in enumerate(results[:2]):
         assert r.snapshot.batch_size == 3 and set(r.snapshot.written_pages) == set(last)

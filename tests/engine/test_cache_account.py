@@ -41,8 +41,16 @@ def reasons(a: CacheAccount) -> list[tuple[int, int, str]]:
 
 
 @pytest.fixture
-def chat(stories):
-    s = ChatSession(stories, CacheConfig(mode="paged", page_size=16))
+def own(stories):
+    """stories260K with page arenas of its own: these chats' pages never reach another test's prefix cache."""
+    import dataclasses
+
+    return dataclasses.replace(stories, arenas=None)
+
+
+@pytest.fixture
+def chat(own):
+    s = ChatSession(own, CacheConfig(mode="paged", page_size=16))
     yield s
     s.close()
 
@@ -73,8 +81,8 @@ def test_an_edit_of_the_last_message_diverges_inside_it(chat):
     assert a.prompt - 14 < b.misses[0].start < a.prompt - 8  # at 'cat' → 'dog', not before
 
 
-def test_an_eviction_policy(stories):
-    s = ChatSession(stories, CacheConfig(mode="paged", page_size=4, policy="streaming",
+def test_an_eviction_policy(own):
+    s = ChatSession(own, CacheConfig(mode="paged", page_size=4, policy="streaming",
                                          policy_params={"sinks": 4, "window": 32}))
     a, _ = turn(s, ids=list(range(5, 45)), n=30)
     b, _ = turn(s, ids=list(range(5, 45)) + [9, 9, 9])  # not a continuation of everything fed: from the text
@@ -82,9 +90,9 @@ def test_an_eviction_policy(stories):
     s.close()
 
 
-def test_a_full_context_evicts(stories):
-    ctx = stories.info.context_length
-    s = ChatSession(stories, CacheConfig(mode="paged", page_size=16, overflow="rolling"))
+def test_a_full_context_evicts(own):
+    ctx = own.info.context_length
+    s = ChatSession(own, CacheConfig(mode="paged", page_size=16, overflow="rolling"))
     ids = [5 + i % 300 for i in range(ctx - 40)]
     turn(s, ids=ids, n=80)  # past the context: the rolling overflow drops the oldest
     b, _ = turn(s, ids=ids[:100] + [7])
@@ -160,10 +168,10 @@ def test_a_damaged_disk_page(stories_path, tmp_path):
     disk.configure(again, None)
 
 
-def test_whole_pages_across_conversations(stories):
+def test_whole_pages_across_conversations(own):
     from engine.core.session_pool import CLOSE, SessionPool
 
-    pool = SessionPool(stories, CacheConfig(page_size=16), evict=CLOSE)
+    pool = SessionPool(own, CacheConfig(page_size=16), evict=CLOSE)
     s, _ = pool.take(list(range(5, 90)))
     turn(s, ids=list(range(5, 90)))
     pool.put(s)

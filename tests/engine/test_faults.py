@@ -56,7 +56,7 @@ def test_out_of_memory_while_the_arena_grows_leaves_every_chat_usable(stories, m
             pass
     assert isinstance(err.value, CacheCapacityError) and not c.generating
     assert arena.pool.num_pages == pages and [t.shape for t in arena.roles["k"].layers] == tensors
-    assert c.n_phys == 0 and c.store.num_tokens == 0  # the partial prefill was rolled back
+    assert c.cached_tokens == 0 and c.store.num_tokens == 0  # the partial prefill was rolled back
     for s in (a, b):  # memory is still short, but the chats that fit keep answering
         assert reply(s, "And then?").stop_reason in ("max_tokens", "eos")
     monkeypatch.undo()
@@ -72,7 +72,7 @@ def test_h2o_switched_on_mid_chat_longer_than_its_budget_evicts_and_keeps_going(
     for _ in range(120):
         s.step()
     notes = s.apply(CacheConfig(page_size=8, policy="h2o", policy_params={"budget": 64, "recent": 16}))
-    assert any("evicted" in n for n in notes) and s.n_phys <= 64
+    assert any("evicted" in n for n in notes) and s.cached_tokens <= 64
     while not (r := s.step()).done:
         assert r.snapshot.tokens_per_layer.max() <= 64
     assert r.stop_reason == "max_tokens"
@@ -206,7 +206,7 @@ def test_max_pages_is_honoured_and_checked_before_the_forward(stories):
         while True:
             r = s.step()
             assert r.snapshot.tokens_per_layer.max() <= r.snapshot.capacity_tokens == 32
-    assert not s.generating and s.n_phys == 32 and "eviction policy" in str(err.value)
+    assert not s.generating and s.cached_tokens == 32 and "eviction policy" in str(err.value)
     assert s.store.arena.pool.num_pages == 2
     s.apply(cfg.replace(overflow="rolling"))  # the overflow setting may now make room
     s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=60, ignore_eos=True))
@@ -242,12 +242,12 @@ def test_any_exception_in_a_step_ends_the_turn_typed_and_the_next_start_works(st
     monkeypatch.setattr(s.model, "forward", flaky)
     s.start([{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once."},
              {"role": "user", "content": "More."}], SamplingConfig(max_new_tokens=20, ignore_eos=True))
-    held = s.n_phys
+    held = s.cached_tokens
     with pytest.raises(EngineError, match="internal error in the reply.*injected failure") as err:
         while not s.step().done:
-            held = s.n_phys
+            held = s.cached_tokens
     assert isinstance(err.value.__cause__, RuntimeError) and not s.generating
-    assert s.n_phys == held == s.store.num_tokens  # the failed forward left nothing behind
+    assert s.cached_tokens == held == s.store.num_tokens  # the failed forward left nothing behind
     assert reply(s, "Again.").stop_reason in ("max_tokens", "eos")
     s.close()
 

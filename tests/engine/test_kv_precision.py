@@ -145,7 +145,7 @@ def test_swap_keeps_quantized_pages_as_held(stories, k, v):
     while not s.step().done:
         pass
     held = s.snapshot().kv_bytes
-    n = s.n_phys
+    n = s.cached_tokens
     assert n % 16 and n > 32  # full pages and a partial tail
     before = [tuple(t.clone() for t in s.store.read_layer(layer)) for layer in range(s.info.num_layers)]
     arena = s.store.arena

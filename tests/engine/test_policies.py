@@ -92,7 +92,7 @@ def test_streaming_session_keeps_sinks_and_window_and_reports_evictions(stories)
     assert ev and ev[0].evict_reason == "streaming"
     assert ev[0].evicted_positions[0] == 4  # the oldest token after the sinks goes first
     total = sum(len(sn.evicted_positions) for sn in snaps)
-    assert total == s.evicted_total == s.index.next_pos - s.n_phys
+    assert total == s.evicted_total == s.index.next_pos - s.cached_tokens
     last = snaps[-1]
     assert (last.token_state[:4] == snap.TOKEN_SINK).all()
     assert (last.token_state[4:s.index.next_pos - len(log) + 4] == snap.TOKEN_EVICTED).all()
@@ -125,7 +125,7 @@ def test_h2o_session_budget_and_per_layer_choice(stories):
     assert all(recent <= kept for kept in logs)
     assert float(s.evictor.scores.t[0].sum()) > 0  # the attention handed its probabilities over (scores path)
     # the accumulated scores rank what was kept above what was evicted in at least the first layer
-    assert s.evictor.scores.t[0].shape[1] == s.n_phys
+    assert s.evictor.scores.t[0].shape[1] == s.cached_tokens
 
 
 def test_priority_session_keeps_system_prompt_and_pinned_message(stories):
@@ -174,7 +174,7 @@ def test_enable_policy_mid_reply_evicts_now_and_disable_restores(stories):
     for _ in range(80):
         s.step()
     notes = s.apply(CacheConfig(mode="paged", page_size=4, policy="streaming", policy_params={"sinks": 4, "window": 28}))
-    assert any("evicted" in n for n in notes) and s.n_phys <= 32
+    assert any("evicted" in n for n in notes) and s.cached_tokens <= 32
     r = s.step()
     assert r.snapshot.policy == "streaming" and r.snapshot.tokens_per_layer[0] <= 32
     notes = s.apply(CacheConfig(mode="paged", page_size=4))

@@ -39,7 +39,7 @@ def test_the_next_turn_goes_on_from_the_evicted_cache(stories, policy):
     assert start.reused_tokens == fed - gone and second.recomputed_tokens == new and start.dropped_tokens == gone > 0
     assert start.reused_tokens + start.recomputed_tokens + start.dropped_tokens == start.prompt_tokens
     s.index.check()
-    assert s.n_phys <= sum(POLICIES[policy].values()) + 1
+    assert s.cached_tokens <= sum(POLICIES[policy].values()) + 1
 
 
 def test_a_prompt_that_does_not_go_on_recomputes_with_the_policy(stories):

@@ -332,7 +332,7 @@ def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
     expected = ref.generated_ids
     ref.close()
 
-    pages, n = list(s.store.table.pages), s.n_phys
+    pages, n = list(s.store.table.pages), s.cached_tokens
     full = n // 16
     s.swap_out()
     s.cache.swap_in(s.seq)

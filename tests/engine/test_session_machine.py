@@ -261,7 +261,7 @@ class ChatMachine(RuleBasedStateMachine):
             with pytest.raises(EngineError):
                 s.swap_out()
             return
-        held = s.n_phys
+        held = s.cached_tokens
         moved = s.swap_out()
         assert (moved > 0) == (held > 0 and s.store is not None) or s.offloaded
 
@@ -271,8 +271,11 @@ class ChatMachine(RuleBasedStateMachine):
         verified = len(chat.session._ready)  # a verification's tokens still to hand out go out first
         chat.session.cancel()
         if chat.session.generating:
-            got = [chat.session.step() for _ in range(verified + 1)]
-            r = next(r for r in got if r.done)
+            got = []
+            while not (got and got[-1].done) and len(got) <= verified:
+                got.append(chat.session.step())
+            r = got[-1]
+            assert r.done
             assert all(not x.done and x.event is not None for x in got[:got.index(r)])
             # cancelled, or a stop the verification had already reached (its last token was the reply's last)
             assert r.stop_reason == "cancelled" or (verified and got.index(r) == verified - 1)
@@ -692,7 +695,7 @@ class CoreMachine(ChatMachine):
             got = req.session.generated_ids
             assert got == self._hf(req.prompt, req.n), "a request's tokens depended on what shared its forwards"
         req.session.close()
-        assert req.session.n_phys == 0
+        assert req.session.cached_tokens == 0
 
     def _hf(self, ids: list[int], n: int) -> list[int]:
         before = self.hooked[0]
