@@ -35,6 +35,7 @@ import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterator, Sequence
 
+from engine.errors import CacheCapacityError
 from engine.snapshot import MissReason
 from engine.config import CacheConfig, SpecConfig
 from engine.core.sequence import common_prefix
@@ -145,7 +146,8 @@ class SessionPool:
         # follow-up then found 8 of 111 tokens), and the new one gets the shared pages from the prefix cache anyway
         mostly = best is not None and 2 * shared >= best.index.intact
         if best is not None and shared >= self.min_shared and not whole and not mostly:
-            return self._branch(best, shared, tenant), shared
+            branch = self._branch(best, shared, tenant)
+            return branch, (shared if branch.cached_tokens else 0)
         if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
             del self._sessions[key]
             if not whole:
@@ -160,7 +162,10 @@ class SessionPool:
         """A new session going on from ``best``'s first ``shared`` tokens, ``best`` kept as it is: a branch of a
         conversation (another second message, an edit) reuses what it shares without taking the conversation's
         cache from it (paged pages are shared, copy-on-write). On a hybrid model ``shared`` is a checkpoint."""
-        s = best.fork()
+        try:
+            s = best.fork()  # a contiguous cache is copied: it may not fit
+        except CacheCapacityError:
+            return self.new_session(tenant)  # ``best`` is untouched; the request prefills as a new conversation
         s.cache.cut_back(shared, MissReason.PARTIAL_PAGE, f"reused in whole pages of {self.grain} tokens only: this "
                                                           "prompt does not go on with the whole conversation")
         self.speculation.onto(s)

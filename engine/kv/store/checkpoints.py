@@ -45,7 +45,6 @@ class Checkpoints:
     def __init__(self, limit: int = 8) -> None:
         self.limit = max(0, int(limit))
         self._by_pos: dict[int, Checkpoint] = {}
-        self.dropped = 0  # taken and then dropped over ``limit`` (a reuse that needed one then says so)
 
     def __len__(self) -> int:
         return len(self._by_pos)
@@ -81,7 +80,6 @@ class Checkpoints:
         self._by_pos[cp.pos] = cp
         while len(self._by_pos) > self.limit:
             self._by_pos.pop(min(self._by_pos)).release()
-            self.dropped += 1
 
     def best(self, k: int) -> int:
         """The latest checkpoint at or before ``k``, or 0 (the sequence's start)."""
