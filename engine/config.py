@@ -7,6 +7,7 @@ the app and tests share one set of rules.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,19 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 OVERFLOWS = ("stop", "truncate_middle", "rolling", "policy")
 OVERFLOW_EVICTS = ("truncate_middle", "rolling")  # the overflow settings that evict to go on past the context
 MAX_PAGE_SIZE = 256
+
+
+class Need(enum.StrEnum):
+    """What a cache setting needs from the rest of its ``CacheConfig`` to run (``CacheConfig.need``)."""
+
+    CACHE = "cache"  # a cache that is on (contiguous or paged): there is something to evict from
+    PAGED = "paged"  # the paged cache: int8 / int4 codes are kept per page
+    POLICY = "policy"  # an eviction policy: overflow "policy" hands the choice to it
+
+
+# What a field falls back to when its value's need is not met (``CacheConfig.fitted``), in the order the rules
+# are read: the policy before the overflow, whose "policy" choice needs one.
+FALLBACK = {"k_dtype": "auto", "v_dtype": "auto", "policy": "none", "overflow": "stop"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,39 @@ class CacheConfig:
         """The cache makes room itself — an eviction policy, or an overflow setting that drops tokens, on a
         cache that is on — so a reply never stops at the context's end."""
         return self.mode != "off" and (self.policy != "none" or self.overflow_evicts)
+
+    @staticmethod
+    def need(name: str, value: Any) -> Need | None:
+        """What the value ``value`` of the field ``name`` needs from the rest of the config (None: nothing). The
+        engine refuses a config whose need is not met (``engine.core.reconfigure.validate``)."""
+        if name in ("k_dtype", "v_dtype") and value != "auto":
+            return Need.PAGED
+        if name == "policy" and value != "none":
+            return Need.CACHE
+        if name == "overflow" and value in OVERFLOW_EVICTS:
+            return Need.CACHE
+        if name == "overflow" and value == "policy":
+            return Need.POLICY
+        return None
+
+    def has(self, need: Need) -> bool:
+        """This config meets ``need``."""
+        return {Need.CACHE: self.mode != "off", Need.PAGED: self.mode == "paged",
+                Need.POLICY: self.policy != "none"}[need]
+
+    def unmet(self, name: str, value: Any = None) -> Need | None:
+        """The need of ``value`` (default: the field's own value) for the field ``name`` that this config does not
+        meet, or None when it could run."""
+        need = self.need(name, getattr(self, name) if value is None else value)
+        return need if need is not None and not self.has(need) else None
+
+    def fitted(self) -> "CacheConfig":
+        """This config with every value whose need is unmet set to its fallback (``FALLBACK``): one that runs."""
+        cfg = self
+        for name, fallback in FALLBACK.items():
+            if cfg.unmet(name) is not None:
+                cfg = cfg.replace(**{name: fallback}, **({"policy_params": {}} if name == "policy" else {}))
+        return cfg
 
     @property
     def bounded_by_context(self) -> bool:

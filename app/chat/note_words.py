@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from app.shell.glossary import KV_DTYPES, PARAMS, POLICIES, describe_cache
+from app.shell.glossary import KV_DTYPES, OVERFLOWS, PARAMS, POLICIES, describe_cache
 from engine.kv.paged import sizes
 from engine.core.vocab import Note, NoteKind
 
@@ -29,7 +29,9 @@ def cache_words(cfg: Any, precision: bool = False) -> str:
 
 
 def _policy_name(name: str) -> str:
-    return POLICIES[name].name if name in POLICIES else "the overflow setting"
+    """An eviction policy's name, or an overflow mode's (its evictions speak as it: "Drop the oldest …")."""
+    term = POLICIES.get(name) or OVERFLOWS.get(name)
+    return term.name if term else "the overflow setting"
 
 
 def policy_words(name: str, params: dict) -> str:

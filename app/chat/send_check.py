@@ -2,10 +2,12 @@
 
 Before a message goes out: if the prompt alone (the chat plus the new message) would leave less than
 ``ROOM`` of the model's context for the reply, the message is not sent; the notice bar says how much is
-left and offers "Send anyway" or a new chat, and the text goes back into the message box. The exact count
-needs the tokenizer (on the worker), so the chat's known token count plus the message's UTF-8 bytes (a
-token is at least one byte) decides first whether asking is needed at all: most messages go out at once.
-Settings that drop tokens to make room (an overflow mode or eviction policy) need no warning.
+left and offers the way on: "Drop the oldest and send" (the overflow setting that drops the chat's oldest tokens,
+the app's default), "Send anyway" where the reply has some room, or a new chat; the text goes back into the
+message box. The exact count needs the tokenizer (on the worker), so the chat's known token count plus the
+message's UTF-8 bytes (a token is at least one byte) decides first whether asking is needed at all: most messages
+go out at once. Settings that drop tokens to make room (an overflow mode or eviction policy) need no warning, and a
+setting changed while the notice shows says it again for that setting at once.
 
 A pinned message's token count is saved with it, so it shows under it, also after the chat is reopened.
 """
@@ -17,9 +19,11 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject
 
+from app.shell.glossary import OVERFLOWS
 from engine.config import CacheConfig
 
 ROOM = 0.10  # warn when the prompt leaves less than this share of the context
+WAY_ON = "rolling"  # the overflow setting the notice offers: it drops the oldest tokens, so the chat goes on
 TEMPLATE_SLACK = 32  # tokens the chat template may add around a new message
 
 
@@ -37,7 +41,9 @@ class SendCheck(QObject):
         self.chat_tokens = 0  # tokens the chat on screen takes now
         self._ids = itertools.count(1)
         self._asked: dict[int, tuple] = {}
+        self._warned: tuple[str, str, int, int] | None = None  # the notice shown, its text, tokens and context
         engine.worker.measured.connect(self._on_measured)
+        engine.worker.applied.connect(self._on_applied)
 
     def _evicts(self) -> bool:
         """The cache makes room itself (as ``ChatSession`` decides: an eviction policy or an overflow mode
@@ -78,28 +84,54 @@ class SendCheck(QObject):
         else:
             self.warn(text, tokens, ctx)
 
-    def warn(self, text: str, tokens: int, ctx: int) -> None:
-        """Give the text back to the message box and say how little room is left."""
+    def warn(self, text: str, tokens: int, ctx: int, cfg: CacheConfig | None = None) -> None:
+        """Give the text back to the message box and say how little room is left under ``cfg`` (default: the
+        setting in force), with the ways on as buttons."""
         if not self.pane.input.toPlainText().strip():
             self.pane.input.setPlainText(text)
-        left = max(ctx - tokens, 0)
-
-        def send_anyway() -> None:
-            self.pane.input.clear()
-            self.conv.send(text, checked=True)
-
+        cfg = cfg or self._cache()
+        size = f"Not sent yet: the chat and this message take {tokens:,} tokens"
+        if cfg.evicts_to_fit:  # a setting changed while the notice showed now makes room
+            notice = (f"{size} (the model's context holds {ctx:,}), and the setting now in force drops tokens to make "
+                      "room: it can be sent.")
+            self._show(notice, text, tokens, ctx, [("Send", lambda: self._send(text)), ("New chat", self.conv.new_chat)],
+                       tone="info")
+            return
         actions = [("New chat", self.conv.new_chat)]
         if tokens >= ctx:  # sent as it is it could only fail: no "Send anyway"
             room = (f"more than the model's context of {ctx:,}: it cannot read them all, and nothing set here drops "
                     "tokens to make them fit")
         else:
+            left = max(ctx - tokens, 0)
             room = (f"of the model's {ctx:,} context tokens, leaving {left:,} ({100 * left / max(ctx, 1):.0f}%) for "
                     "the reply, which stops when the context is full")
-            actions.insert(0, ("Send anyway", send_anyway))
-        self.pane.notice.show_message(
-            f"Not sent yet: the chat and this message take {tokens:,} tokens, {room}. Start a new chat, shorten "
-            "the message, or choose an overflow policy that drops tokens (Cache policy ▸ When the context is full).",
-            actions=actions)
+            actions.insert(0, ("Send anyway", lambda: self._send(text)))
+        way_on, name = cfg.replace(overflow=WAY_ON), OVERFLOWS[WAY_ON].name.split(" (")[0]
+        if way_on.evicts_to_fit:  # not with the cache off: it keeps nothing to drop
+            actions.insert(0, (f"{name} and send", lambda: self._send(text, way_on)))
+        self._show(f"{size}, {room}. Start a new chat, shorten the message, or choose an overflow policy that drops "
+                   f"tokens (Cache policy ▸ When the context is full ▸ \"{name}\").", text, tokens, ctx, actions)
+
+    def _show(self, notice: str, text: str, tokens: int, ctx: int, actions: list, tone: str = "problem") -> None:
+        self.pane.notice.show_message(notice, actions=actions, tone=tone)
+        self._warned = (notice, text, tokens, ctx)
+
+    def _send(self, text: str, cfg: CacheConfig | None = None) -> None:
+        """Send ``text`` as it was warned about, after switching to ``cfg`` first where given (the worker applies
+        calls in order: the setting is in force when the reply starts, and the controls show it)."""
+        self._warned = None
+        if cfg is not None:
+            self.engine.apply_cache_config(cfg)
+        self.pane.input.clear()
+        self.conv.send(text, checked=True)
+
+    def _on_applied(self, cfg: CacheConfig, _notes: list) -> None:
+        """A cache setting was applied while the notice warns about a message: it says so for that setting now."""
+        warned, self._warned = self._warned, None
+        if warned is None or self.conv.closed or self.pane.notice.text != warned[0]:
+            return  # dismissed, sent, or replaced by another message
+        _notice, text, tokens, ctx = warned
+        self.warn(text, tokens, ctx, cfg)
 
     def _save_pinned(self, chat_id: int, message_id: int, position: int, tokens: int) -> None:
         if tokens < 0:

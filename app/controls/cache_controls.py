@@ -28,9 +28,10 @@ from app.shell import glossary
 from app.controls import policies
 from app.shell.glossary import CONTROLS, Term
 from app.shell.widgets import DebouncedForm
-from engine.config import CACHE_MODES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
+from engine.config import CACHE_MODES, FALLBACK, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
 
 TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole
+TIP_ROLE = 257  # Qt.ItemDataRole.UserRole + 1: what the item does, before any reason it is greyed out
 
 
 def fill_combo(box: QComboBox, ids, table: dict[str, Term], control: str) -> None:
@@ -40,6 +41,7 @@ def fill_combo(box: QComboBox, ids, table: dict[str, Term], control: str) -> Non
         term = table.get(key)
         box.addItem(term.name if term else key, key)
         box.setItemData(box.count() - 1, term.tip if term else key, TOOLTIP_ROLE)
+        box.setItemData(box.count() - 1, term.tip if term else key, TIP_ROLE)
     box.setProperty("control", control)
     box.currentIndexChanged.connect(lambda _i, b=box: follow_tip(b))
     follow_tip(box)
@@ -50,6 +52,23 @@ def follow_tip(box: QComboBox) -> None:
     head = CONTROLS[box.property("control")].tip
     item = box.currentData(TOOLTIP_ROLE) or ""
     box.setToolTip(f"{head}\n\n{box.currentText()}: {item}" if item else head)
+
+
+def offer(box: QComboBox, why: dict[int, str]) -> None:
+    """Grey out the items of ``box`` named in ``why`` (index → the reason, first in its tooltip); the rest can be
+    chosen. The box's own tooltip says the reason too when its chosen item is one of them."""
+    model = box.model()
+    for i in range(box.count()):
+        reason, tip = why.get(i, ""), box.itemData(i, TIP_ROLE) or ""
+        model.item(i).setEnabled(not reason)
+        box.setItemData(i, f"{reason}\n\n{tip}" if reason else tip, TOOLTIP_ROLE)
+    follow_tip(box)
+
+
+def _enable(widget: QWidget, on: bool, reason: str, tip: str) -> None:
+    """Enable ``widget``, or disable it with ``reason`` first in its tooltip (``tip``: what it does)."""
+    widget.setEnabled(on)
+    widget.setToolTip(tip if on else f"{reason}\n\n{tip}")
 
 
 def param_label(name: str) -> str:
@@ -186,6 +205,13 @@ class CacheControls(DebouncedForm, QWidget):
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")
 
+        # the choices whose items depend on the rest (``CacheConfig.need``), and what the user last chose in each:
+        # a choice the cache mode or the policy forced back (``_fit``) returns when it can apply again
+        self._choices = {"k_dtype": self.k_dtype, "v_dtype": self.v_dtype, "policy": self.policy,
+                         "overflow": self.overflow}
+        self._wanted: dict[str, Any] = {}
+        self._kept_params: tuple[str, dict] = ("none", {})  # the policy _fit turned off, with its parameters
+
         self._lay_out()
         self.refresh_policies()
         self.set_config(config or CacheConfig())
@@ -219,11 +245,10 @@ class CacheControls(DebouncedForm, QWidget):
         self.mode.currentIndexChanged.connect(self._on_mode)
         self.page_size.valueChanged.connect(self._later)
         self.prefix_reuse.toggled.connect(self._now)
-        self.k_dtype.currentIndexChanged.connect(self._now)
-        self.v_dtype.currentIndexChanged.connect(self._now)
+        for name in ("k_dtype", "v_dtype", "overflow"):
+            self._choices[name].currentIndexChanged.connect(lambda _i, n=name: self._picked(n))
         self.policy.currentIndexChanged.connect(self._on_policy)
         self.params.edited.connect(self._later)
-        self.overflow.currentIndexChanged.connect(self._now)
 
     def refresh_policies(self) -> None:
         current = self.policy.currentData()
@@ -232,6 +257,7 @@ class CacheControls(DebouncedForm, QWidget):
         for name in policies.policy_names():
             self.policy.addItem(glossary.name_of(glossary.POLICIES, name), name)
             self.policy.setItemData(self.policy.count() - 1, policies.policy_tip(name), TOOLTIP_ROLE)
+            self.policy.setItemData(self.policy.count() - 1, policies.policy_tip(name), TIP_ROLE)
         idx = self.policy.findData(current) if current else 0
         self.policy.setCurrentIndex(max(idx, 0))
         follow_tip(self.policy)
@@ -257,6 +283,7 @@ class CacheControls(DebouncedForm, QWidget):
             self.params.build(cfg.policy, cfg.policy_params)
             self.policy_help.setText(policies.policy_summary(cfg.policy))
             self.overflow.setCurrentIndex(max(self.overflow.findData(cfg.overflow), 0))
+            self._wanted = {name: getattr(cfg, name) for name in self._choices}
             self._sync_enabled()
         finally:
             self._building = False
@@ -277,12 +304,52 @@ class CacheControls(DebouncedForm, QWidget):
         self.notes.setText("\n".join(f"• {n}" for n in notes))
 
     def _sync_enabled(self) -> None:
-        cached = self.mode.currentData() != "off"
-        self.page_size.setEnabled(self.mode.currentData() == "paged")
-        for w in (self.prefix_reuse, self.k_dtype, self.v_dtype, self.policy, self.params):
-            w.setEnabled(cached)
+        """Grey out what cannot apply with the rest as shown, the reason first in its tooltip (``glossary.NEEDS``):
+        nothing the engine would refuse can be chosen."""
+        mode = self.mode.currentData()
+        cfg = self.config()
+        cached = mode != "off"
+        _enable(self.page_size, mode == "paged", glossary.NEEDS["pages"], CONTROLS["page_size"].tip)
+        _enable(self.prefix_reuse, cached, glossary.NEEDS["cache"], CONTROLS["prefix_reuse"].tip)
+        self.params.setEnabled(cached)
+        for name, box in self._choices.items():
+            offer(box, {i: glossary.NEEDS[need] for i in range(box.count())
+                        if (need := cfg.unmet(name, box.itemData(i))) is not None})
+            if name != "overflow":  # nothing of these applies to a cache that is off ("Stop the reply" does)
+                _enable(box, cached, glossary.NEEDS["cache"], box.toolTip())
+
+    def _fit(self) -> None:
+        """After the cache mode or the policy changed: a choice the rest no longer allows falls back (``FALLBACK``:
+        full precision, keep everything, stop the reply), and one the user made that is allowed again returns."""
+        was = self._building
+        self._building = True
+        try:
+            for name in FALLBACK:  # in order: the policy before the overflow, whose "policy" choice needs one
+                box, cfg = self._choices[name], self.config()
+                current, wanted = box.currentData(), self._wanted.get(name, box.currentData())
+                value = wanted if cfg.unmet(name, wanted) is None else FALLBACK[name] if cfg.unmet(name) else current
+                if value == current or box.findData(value) < 0:
+                    continue
+                if name == "policy" and value == "none":
+                    self._kept_params = (current, self.params.values())
+                box.setCurrentIndex(box.findData(value))
+                if name == "policy":
+                    kept, params = self._kept_params
+                    self.params.build(value, params if kept == value else None)
+                    self.policy_help.setText(policies.policy_summary(value))
+        finally:
+            self._building = was
+
+    def _picked(self, name: str) -> None:
+        """The user chose in the combo ``name``: remembered (``_fit`` brings it back), and sent."""
+        if self._building:
+            return
+        self._wanted[name] = self._choices[name].currentData()
+        self._now()
 
     def _on_mode(self) -> None:
+        if not self._building:
+            self._fit()
         self._sync_enabled()
         self._now()
 
@@ -290,8 +357,11 @@ class CacheControls(DebouncedForm, QWidget):
         if self._building:
             return
         name = self.policy.currentData() or "none"
+        self._wanted["policy"] = name
         self.params.build(name)
         self.policy_help.setText(policies.policy_summary(name))
+        self._fit()
+        self._sync_enabled()
         self._now()
 
     def _emit(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from app.settings.store import CACHE_SKIP, SAMPLING_SKIP, Settings
+from app.settings.store import CACHE_DEFAULTS, CACHE_SKIP, SAMPLING_SKIP, Settings
 from engine.model.builtin import BUILTIN_MODEL, is_builtin
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 
@@ -21,7 +21,8 @@ def _names(cls: type, skip: tuple[str, ...]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name not in skip]
 
 
-def _load(settings: Settings, prefix: str, cls: type[T], skip: tuple[str, ...]) -> T:
+def _load(settings: Settings, prefix: str, cls: type[T], skip: tuple[str, ...],
+          defaults: dict[str, Any] | None = None) -> T:
     values: dict[str, Any] = {}
     for name in _names(cls, skip):
         value = settings.get(f"{prefix}/{name}")
@@ -29,7 +30,7 @@ def _load(settings: Settings, prefix: str, cls: type[T], skip: tuple[str, ...]) 
     try:
         return cls(**values)
     except (TypeError, ValueError):  # a hand-edited or outdated INI file: the defaults, never a crash
-        return cls()
+        return cls(**(defaults or {}))
 
 
 def _save(settings: Settings, prefix: str, cfg: Any, skip: tuple[str, ...]) -> None:
@@ -39,8 +40,9 @@ def _save(settings: Settings, prefix: str, cfg: Any, skip: tuple[str, ...]) -> N
 
 
 def cache_from_settings(settings: Settings) -> CacheConfig:
-    """The saved cache settings (the defaults if they are not valid any more)."""
-    return _load(settings, "cache", CacheConfig, CACHE_SKIP)
+    """The saved cache settings (the defaults if they are not valid any more), fitted to run: a value whose need
+    the rest does not meet (a cache that is off saved before drop-the-oldest became the default) falls back."""
+    return _load(settings, "cache", CacheConfig, CACHE_SKIP, CACHE_DEFAULTS).fitted()
 
 
 def save_cache(settings: Settings, cfg: CacheConfig) -> None:

@@ -32,6 +32,9 @@ class Setting:
 # The app's defaults for new chats where they differ from SamplingConfig's (which are the CLI's: greedy).
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
 CACHE_SKIP = ("max_pages",)  # engine-only (tests, benchmarks): not a user setting
+# The app's cache defaults where they differ from CacheConfig's (the CLI's: exact, nothing dropped). A chat goes on
+# past the model's context, the oldest tokens dropped and said so under the reply, as LM Studio's default does.
+CACHE_DEFAULTS = {"overflow": "rolling"}
 # per request, not persisted (the penalties and logprobs are the OpenAI API's; the sampling form has none)
 SAMPLING_SKIP = ("ignore_eos", "stop_strings", "presence_penalty", "frequency_penalty", "logprobs")
 
@@ -60,7 +63,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model/quantization", str, "none"),
     Setting("model/device", str, "auto"),
     Setting("model/context", int, 2048),
-    *dataclass_settings("cache", CacheConfig, CACHE_SKIP),
+    *dataclass_settings("cache", CacheConfig, CACHE_SKIP, CACHE_DEFAULTS),
     *dataclass_settings("sampling", SamplingConfig, SAMPLING_SKIP, SAMPLING_DEFAULTS),
     *dataclass_settings("spec", SpecConfig),  # speculative decoding (app.controls.spec_controller)
     Setting("spec/tint", bool, False),  # accepted draft tokens tinted in the replies

@@ -146,6 +146,18 @@ CONTROLS = {  # the other controls, by CacheConfig / SamplingConfig field name
                       "itself). Changes only how the reply looks."),
 }
 
+# Why a choice is greyed out: the tooltip's first line, in the controls' names. Keyed by ``engine.config.Need``
+# (what a value needs from the rest of the settings), plus "pages" for the page size.
+NEEDS = {
+    "cache": (f"Needs a cache: choose \"{MODES['contiguous'].name}\" or \"{MODES['paged'].name}\" under "
+              f"{CONTROLS['mode'].name} (with \"{MODES['off'].name.split(' (')[0]}\" nothing is kept, so there is "
+              "nothing to reuse or drop)."),
+    "paged": f"Kept per page: needs the \"{MODES['paged'].name}\" cache (under {CONTROLS['mode'].name}).",
+    "policy": (f"Needs an eviction policy to decide: choose one under {CONTROLS['policy'].name} (with "
+               f"\"{POLICIES['none'].name}\" nothing is dropped)."),
+    "pages": f"Only the \"{MODES['paged'].name}\" cache has pages (under {CONTROLS['mode'].name}).",
+}
+
 PARAMS = {  # policy parameters: plain names (the Params field's own help is the tooltip's first line)
     "sinks": ("First tokens kept (sinks)", "Memory: each kept token costs the same as any other."),
     "window": ("Recent tokens kept", "Memory: a larger window costs more; the model remembers more."),

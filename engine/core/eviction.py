@@ -234,7 +234,7 @@ class Evictor:
         if rotate:
             self._shift_windows(store, index, index.next_rope - old_next)
         gone = np.nonzero(held_before & ~index.held(index.next_pos))[0]
-        notes = _protection_notes(gone, state, pol) + self._layer_notes(store, pol, reason, rotate)
+        notes = _protection_notes(gone, state, pol, reason) + self._layer_notes(store, pol, reason, rotate)
         return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
 
     def _scores_for(self, policy: EvictionPolicy, n: int) -> np.ndarray | None:
@@ -320,19 +320,34 @@ def _says(policy: EvictionPolicy, rest: str) -> Note:
     return Note(f"{policy.name}: {rest}", NoteKind.POLICY_SAYS, policy=policy.name, rest=rest)
 
 
-def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPolicy) -> list[str]:
-    """Say so when the budget was too small for what should have stayed (the policy protected less). The
-    text does not change from one eviction to the next, so a reply carries it once."""
-    notes = []
+def _prompt_note(policy: EvictionPolicy, reason: str, protected: int) -> Note:
+    """What became of the protected prompt (system + first message) that an eviction reached into. Only a budget
+    that really is smaller than the prompt is called so; an overflow mode drops it by design."""
+    prompt, budget = f"system + first message, {protected} tokens", getattr(policy, "budget", 0)
+    if isinstance(policy, OverflowPolicy) and reason == "rolling":
+        rest = f"drops the oldest tokens to make room, the start of the chat ({prompt}) included: the model no " \
+               "longer reads them"
+        return Note(f"{reason}: {rest}", NoteKind.POLICY_SAYS, policy=reason, rest=rest)
+    if isinstance(policy, OverflowPolicy):  # truncate_middle: its sinks are the prompt, cut to the room there is
+        rest = f"keeps the start of the chat ({prompt}), but only {policy.params.sinks} of its tokens fit with the " \
+               "recent ones: the rest of it is dropped too"
+        return Note(f"{reason}: {rest}", NoteKind.POLICY_SAYS, policy=reason, rest=rest)
+    if policy.name == "streaming":  # it keeps sinks, not the prompt
+        return _says(policy, f"keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
+                     f"ones, {budget} in all; the rest of the prompt ({prompt}) is dropped as the chat goes on")
+    if budget < protected:
+        return _says(policy, f"the budget ({budget}) is smaller than the protected prompt ({prompt}): its oldest "
+                     "tokens are evicted too; raise the budget to keep it all")
+    return _says(policy, f"the budget ({budget}) cannot hold the protected prompt ({prompt}) and the recent tokens "
+                 "it keeps as well: the prompt's oldest tokens are evicted too; raise the budget to keep it all")
+
+
+def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPolicy, reason: str) -> list[str]:
+    """Say so when what should have stayed went (the policy protected less), in words true of the policy that
+    evicted (``reason``: its name, or the overflow mode). The text does not change from one eviction to the next,
+    so a reply carries it once."""
     budget = getattr(policy, "budget", 0)
-    if np.count_nonzero(gone < state.protected) and policy.name == "streaming":  # it keeps sinks, not the prompt
-        notes.append(_says(policy, f"keeps the first {policy.params.sinks} tokens (attention sinks) and the most recent "
-                     f"ones, {budget} in all; the rest of the prompt (system + first message, {state.protected} "
-                     "tokens) is dropped as the chat goes on"))
-    elif np.count_nonzero(gone < state.protected):
-        notes.append(_says(policy, f"the budget ({budget}) is smaller than the protected prompt (system + first "
-                     f"message, {state.protected} tokens): its oldest tokens are evicted too; raise the budget to "
-                     "keep it all"))
+    notes = [_prompt_note(policy, reason, state.protected)] if np.count_nonzero(gone < state.protected) else []
     if state.priorities is not None:
         rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]
         if np.count_nonzero(state.priorities[rest] >= PINNED):

@@ -60,6 +60,14 @@ def open_window(qtbot, data_dir: Path, model: str, timeout_ms: int = 120_000, ba
     return window
 
 
+def choose_overflow(qtbot, window, overflow: str) -> None:
+    """Choose "When the context is full" in the cache controls as the user does, and wait until it is in force
+    (the app's default drops the oldest; tests of what "Stop the reply" does choose it first)."""
+    box = window.controls.overflow
+    box.setCurrentIndex(box.findData(overflow))
+    qtbot.waitUntil(lambda: window.cache.applied.overflow == overflow, timeout=10_000)
+
+
 def close_window(window) -> None:
     window.shutdown()
     window.history.close()

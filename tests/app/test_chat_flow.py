@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from app_helpers import close_window, open_window, wait_reply
+from app_helpers import choose_overflow, close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
 
 from engine.config import SamplingConfig
@@ -197,14 +197,16 @@ def test_closing_during_a_reply_marks_it(qtbot, data_dir, stories_path):
 def test_a_message_that_leaves_no_room_asks_first(qtbot, data_dir, stories_path):
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
     try:
+        choose_overflow(qtbot, w, "stop")  # the default drops the oldest, so it never asks
         text = "the cat sat on the mat and " * 46  # 476 of stories260K's 512 tokens: 7% left
         w.chat.input.setPlainText(text)
         w.chat.submit()
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
         assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()  # kept
         assert "Not sent yet" in w.chat.notice.text and "leaving" in w.chat.notice.text
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["Send anyway", "New chat"]
-        w.chat.notice.action_buttons[0].click()  # Send anyway
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "Send anyway",
+                                                                     "New chat"]
+        w.chat.notice.action_buttons[1].click()  # Send anyway
         assert w.generation_id and w.chat.input.toPlainText() == ""
         gen, reason = wait_reply(qtbot, w)
         assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
@@ -217,14 +219,15 @@ def test_a_message_past_the_context_is_not_offered_send_anyway(qtbot, data_dir, 
     the notice says so and offers no "Send anyway"."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
     try:
-        assert w.cache.applied.overflow == "stop" and w.cache.applied.policy == "none"
+        choose_overflow(qtbot, w, "stop")
+        assert w.cache.applied.policy == "none"
         text = "the cat sat on the mat and " * 56  # ~580 of stories260K's 512 tokens
         w.chat.input.setPlainText(text)
         w.chat.submit()
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
         assert "more than the model's context of 512" in w.chat.notice.text
         assert "nothing set here drops tokens" in w.chat.notice.text
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["New chat"]
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "New chat"]
         assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()
     finally:
         close_window(w)
@@ -253,10 +256,11 @@ def test_chat_titles_are_plain_follow_an_edit_and_are_told_apart(qtbot, data_dir
 
 def test_a_second_turn_past_the_context_gets_what_fits_and_says_so(qtbot, data_dir, stories_path):
     """Issue 10, item 1: on a 512-token model, after a 256-token reply, the next reply is not refused: it
-    gets the tokens that fit and stops with reason "context full", saying what to do."""
+    gets the tokens that fit and stops with reason "context full", saying what to do (under "Stop the reply")."""
     w = open_window(qtbot, data_dir, str(stories_path),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=256, ignore_eos=True))
     try:
+        choose_overflow(qtbot, w, "stop")
         w.send("Once upon a time")
         assert wait_reply(qtbot, w)[1] == "max_tokens"
         w.send("And then what happened to the little dog in the park?")

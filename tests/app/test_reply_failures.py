@@ -6,7 +6,7 @@ thread: the model's forward raises ``RuntimeError("injected")`` on its Nth call 
 
 from __future__ import annotations
 
-from app_helpers import ScriptedSession, close_window, make_info, open_window, wait_reply
+from app_helpers import ScriptedSession, choose_overflow, close_window, make_info, open_window, wait_reply
 
 from app.link.worker import EngineBackend
 from engine.config import SamplingConfig
@@ -126,11 +126,12 @@ def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir
     stops when full)."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(max_new_tokens=600))
     try:
+        choose_overflow(qtbot, w, "stop")  # the default drops the oldest: such a prompt would go out at once
         failures: list = []
         w.engine.worker.failed.connect(failures.append)
         w.send("the cat sat on the mat and " * 60)  # about 620 tokens
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["New chat"]
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "New chat"]
         w.conversation.send(w.chat.input.toPlainText(), checked=True)
         assert wait_reply(qtbot, w)[1] == "error"
         (failure,) = failures
