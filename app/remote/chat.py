@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QLabel
 
 from app.remote.connect import Connecting, offline_text
 from app.remote.dialog import ConnectDialog
-from app.remote.chat_list import BURST_S, RemoteChat, RemoteList, reply_stats
+from app.remote.chat_list import RemoteChat, RemoteList, reply_stats
 from app.remote.panels import RemotePanels, chunk_events, fixed_text
 from app.remote.redraw import Redraw
 from app.remote.saved import RemoteSaver
@@ -293,7 +293,7 @@ class RemoteChats(QObject, Connecting):
             rc.live_ids = list(prompt_ids) + rc.live_ids  # the tokens streamed so far follow it
             rc.live_prompt = True
 
-    def _on_delta(self, generation: int, text: str, ids: list, arrival: float) -> None:
+    def _on_delta(self, generation: int, text: str, ids: list, arrival: float, together: bool = False) -> None:
         rc = self._chat_of(generation)
         if rc is None or self.closed:
             return
@@ -301,7 +301,7 @@ class RemoteChats(QObject, Connecting):
         rc.live_ids += ids
         if rc is self.current:
             self.pane.append_delta(text)
-        together = rc.chunks > 0 and arrival - rc.last_arrival < BURST_S
+        together = rc.chunks > 0 and together  # the same socket read as the chunk before (``Reply.together``)
         for event in chunk_events(generation, rc.chunks, arrival, rc.last_arrival, len(ids), together):
             self.window.timing.add_token(event)  # counted off screen too (``TimingPanel.show_reply``)
         rc.chunks += 1

@@ -16,7 +16,7 @@ import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
 from app.shell.docks import on_screen
-from app.remote.chat_list import BURST_S, MARK, measured_speed
+from app.remote.chat_list import MARK, measured_speed
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER, malformed_text
 from engine.snapshot import CacheSnapshot, TokenEvent
@@ -112,7 +112,7 @@ def timing_text(reply) -> str:
     speed = measured_speed(reply)
     if speed is None:
         return f"<b>remote reply</b> · {ttft} ({len(reply.prompt_ids)} prompt tokens) · {n} tokens in one burst"
-    together = int(np.count_nonzero(gaps < BURST_S * 1e3))
+    together = sum(reply.together(i) for i in range(1, len(reply.token_times)))
     if together * 2 > len(gaps):  # most came with the one before: their gaps are the way's buffering, not the server's
         itl = f" · {together} of {len(gaps)} arrived together with the one before (buffered on the way)"
     else:

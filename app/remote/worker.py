@@ -35,8 +35,9 @@ class RemoteWorker(QObject):
     """The calls of one server, run on the thread this object was moved to.
 
     Signals: ``opened(RemoteEngine)`` / ``open_failed(message)``; ``prompt(generation, prompt ids)`` once the
-    stream gave them (so the chat's blocks are found while it streams); ``delta(generation, text, ids, arrival)``
-    per streamed chunk (arrival: ``time.monotonic()`` here, so queueing to the GUI does not skew the timing);
+    stream gave them (so the chat's blocks are found while it streams); ``delta(generation, text, ids, arrival,
+    together)`` per streamed chunk (arrival: ``time.monotonic()`` here, so queueing to the GUI does not skew the
+    timing; together: it came in the same socket read as the chunk before, ``Reply.together``);
     ``finished(generation, Reply)`` — a failure is a ``Reply`` whose ``error`` says why (text kept);
     ``refreshed(Metrics)`` / ``refresh_failed(message)``.
     """
@@ -44,7 +45,7 @@ class RemoteWorker(QObject):
     opened = Signal(object)
     open_failed = Signal(str)
     prompt = Signal(int, object)  # generation, the prompt's token ids (once, with the first chunk that has them)
-    delta = Signal(int, str, object, float)
+    delta = Signal(int, str, object, float, bool)
     finished = Signal(int, object)
     refreshed = Signal(object)
     refresh_failed = Signal(str)
@@ -75,7 +76,7 @@ class RemoteWorker(QObject):
             if reply.prompt_ids and not told:
                 told.append(True)
                 self.prompt.emit(generation, list(reply.prompt_ids))
-            self.delta.emit(generation, text, list(ids), time.monotonic())
+            self.delta.emit(generation, text, list(ids), time.monotonic(), reply.together(len(reply.token_times) - 1))
 
         told: list = []
         if cancel.is_set():  # stopped while it waited for another chat's reply on this thread: never sent

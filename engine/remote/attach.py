@@ -5,6 +5,7 @@ KV event subscriber per engine (data-parallel rank) and the view they feed. Qt-f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -12,7 +13,8 @@ import time
 from functools import partial
 
 from engine.kv.paged.tenants import block_hashes
-from engine.remote.client import RemoteClient, RemoteError, Reply
+from engine.remote.budget import fit
+from engine.remote.client import ContextRefused, RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note
 from engine.remote.why import Before, fates, message_change, remote_account
@@ -86,8 +88,22 @@ class RemoteEngine:
 
     def chat(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.0,
              on_delta=None, cancel=None, reply: Reply | None = None, model: str | None = None) -> Reply:
-        """Stream one reply from ``model`` (default: the first the server lists)."""
-        return self.client.chat(model or self.model, messages, max_tokens, temperature, on_delta, cancel, reply)
+        """Stream one reply from ``model`` (default: the first the server lists), ``max_tokens`` fitted to the
+        model's context (``engine.remote.budget``: the reply's ``budget`` says when it was lowered)."""
+        model = model or self.model
+        budget = fit(max_tokens, self.client.contexts.get(model))
+        sent = budget.sent if budget is not None else max_tokens
+        reply = reply if reply is not None else Reply()
+        try:
+            reply = self.client.chat(model, messages, sent, temperature, on_delta, cancel, reply)
+        except ContextRefused:
+            if budget is None or sent is None:
+                raise  # the prompt alone is over the context: nothing left to lower
+            budget = dataclasses.replace(budget, sent=None, refused=True)
+            reply = self.client.chat(model, messages, None, temperature, on_delta, cancel, reply)
+        if budget is not None and budget.lowered:
+            reply.budget = dataclasses.replace(budget, prompt_tokens=len(reply.prompt_ids))
+        return reply
 
     def account(self, reply: Reply, before: Before | None = None, messages: list | None = None,
                 model: str | None = None):

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from engine.errors import EngineError
 from engine.remote import sse
+from engine.remote.budget import is_context_refusal
 from engine.remote.guard import (ERROR_BODY_BYTES, METRICS_MAX_BYTES, MODELS_MAX_BYTES, SOURCES_MAX_BYTES, TooLarge,
                                  Watchdog, printable, read_capped, size_words)
 from engine.remote.metrics import Metrics, metrics_of, parse_prometheus  # noqa: F401 - their home before
@@ -31,10 +32,17 @@ MAX_MODELS = 10_000
 DETOKENIZE_MAX = 16  # token ids sent to /detokenize at once (a divergence is said in a few tokens)
 DETOKENIZE_S = 3.0  # its deadline: the reply's account waits for it
 MAX_ID = 512  # a model id (a path or a hub name with a LoRA suffix is under 200)
+# Chunks parsed from one read are ~10 µs apart; no server streams a token in 50 µs (stories260K on its compiled
+# step: ~0.8 ms apart on loopback, which a 1 ms "burst" rule took for one burst)
+TOGETHER_S = 5e-5
 
 
 class RemoteError(EngineError):
     """The server cannot be used as asked: refused, unreachable, wrong key, not OpenAI-compatible, gone."""
+
+
+class ContextRefused(RemoteError):
+    """The server refused a reply's ``max_tokens`` beside its prompt: more than the model's context."""
 
 
 @dataclass
@@ -47,10 +55,12 @@ class Reply:
     finish_reason: str | None = None
     ttft_s: float | None = None  # request sent → first token's text
     token_times: list[float] = field(default_factory=list)  # arrival of each chunk with text (monotonic)
+    token_reads: list[int] = field(default_factory=list)  # which socket read of the stream each of them came in
     error: str | None = None
     sent_at: float = 0.0  # when the request was sent, and when its stream ended (monotonic)
     finished_at: float = 0.0
     cache: Any = None  # why its prompt was recomputed (``engine.remote.why``: a CacheAccount), once known
+    budget: Any = None  # ``engine.remote.budget.TokenBudget`` when max_tokens was fitted to the server's context
 
     @property
     def cached_tokens(self) -> int:
@@ -63,6 +73,22 @@ class Reply:
         t = self.token_times
         n = max(len(self.token_ids), len(t)) - 1
         return n / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
+
+    def together(self, i: int) -> bool:
+        """Chunk ``i`` came in the same socket read as the one before (buffered on the way: its arrival time is
+        that read's, not the server's pace). Without read numbers (a reply built elsewhere): within
+        ``TOGETHER_S`` of it."""
+        if i < 1 or i >= len(self.token_times):
+            return False
+        if len(self.token_reads) == len(self.token_times):
+            return self.token_reads[i] == self.token_reads[i - 1]
+        return self.token_times[i] - self.token_times[i - 1] < TOGETHER_S
+
+    @property
+    def in_one_burst(self) -> bool:
+        """All its chunks (more than two) came in one or two reads: their arrival says nothing of the pace."""
+        n = len(self.token_times)
+        return n > 2 and n - sum(self.together(i) for i in range(1, n)) <= 2
 
 
 class RemoteClient:
@@ -86,6 +112,7 @@ class RemoteClient:
             raise RemoteError("the API key has characters an HTTP header cannot carry: give it as printable ASCII "
                               "without spaces")
         self.api_key, self.timeout = api_key or None, timeout
+        self.contexts: dict[str, int] = {}  # model id -> max_model_len, as /v1/models reported (``models``)
 
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         if self.scheme == "https":
@@ -184,6 +211,9 @@ class RemoteClient:
             raise RemoteError(f"{self.url} is not an OpenAI-compatible server (GET /v1/models answered {status} "
                               f"without a model list)")
         ids = [m.get("id") for m in data[:MAX_MODELS + 1]]
+        # each model's context (vLLM's and KV Scope's ``max_model_len``): a reply's max_tokens is fitted to it
+        self.contexts = {m.get("id"): m["max_model_len"] for m in data[:MAX_MODELS]
+                         if type(m.get("max_model_len")) is int and 0 < m["max_model_len"] < 1 << 40}
         if len(ids) > MAX_MODELS:
             raise RemoteError(f"{self.url}: GET /v1/models lists more than {MAX_MODELS:,} models")
         if not all(isinstance(i, str) and 0 < len(i) <= MAX_ID and i.isprintable() for i in ids):
@@ -236,14 +266,16 @@ class RemoteClient:
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         idle = max(self.timeout, CHAT_FIRST_BYTE_S)
-        caps = sse.StreamCaps.of(max_tokens, idle)
+        caps = sse.StreamCaps.of(max_tokens or self.contexts.get(model), idle)
         sent = time.monotonic()
         reply = reply if reply is not None else Reply()
         reply.sent_at = sent
         conn, resp, wd = self._open("POST", "/v1/chat/completions", body, timeout=idle, total=idle, cancel=cancel)
         try:
             if resp.status != 200:
-                raise RemoteError(f"the server refused the request ({resp.status}): {self._error_body(resp)}")
+                why = self._error_body(resp)
+                refused = ContextRefused if resp.status == 400 and is_context_refusal(why) else RemoteError
+                raise refused(f"the server refused the request ({resp.status}): {why}")
             done = sse.read_stream(resp, reply, sent, on_delta, cancel, wd, caps, idle, self.url)
             if wd.fired and not done:
                 reply.error = f"{wd.fired}; the text so far is kept"

@@ -47,9 +47,11 @@ class StreamCaps:
 
 
 def lines(resp, watchdog, idle_s: float, deadline: float, what: str):
-    """The lines of ``resp`` (bytes, without their newline), each read under ``watchdog``: a read waits at most
-    ``idle_s``, a begun line ends within ``LINE_S``, nothing goes past ``deadline`` (monotonic)."""
+    """The lines of ``resp`` as (number of the read that completed it, bytes without the newline), each read under
+    ``watchdog``: a read waits at most ``idle_s``, a begun line ends within ``LINE_S``, nothing goes past
+    ``deadline`` (monotonic). The read's number tells which chunks came together (buffered on the way)."""
     buf = bytearray()
+    reads = 0
     started = 0.0  # when the partial line in ``buf`` began
     total = f"{what} did not finish the reply within {deadline - time.monotonic():.0f} s"
     while True:
@@ -66,11 +68,12 @@ def lines(resp, watchdog, idle_s: float, deadline: float, what: str):
             raise StreamError(watchdog.fired)
         if not data:
             break
+        reads += 1
         had_partial = bool(buf)
         buf += data
         start = 0
         while (i := buf.find(b"\n", start)) >= 0:
-            yield bytes(buf[start:i])
+            yield reads, bytes(buf[start:i])
             start = i + 1
         if start:
             del buf[:start]
@@ -79,7 +82,7 @@ def lines(resp, watchdog, idle_s: float, deadline: float, what: str):
         if len(buf) > LINE_MAX_BYTES:
             raise StreamError(f"{what} sent a line longer than {LINE_MAX_BYTES >> 20} MiB")
     if buf:
-        yield bytes(buf)
+        yield reads, bytes(buf)
 
 
 def _ids(value, where: str) -> list[int]:
@@ -114,8 +117,9 @@ def parse_chunk(data: str):
     return chunk
 
 
-def apply_chunk(reply, chunk: dict, sent: float, caps: StreamCaps, on_delta) -> None:
-    """Add one chunk to ``reply`` (``engine.remote.client.Reply``), checking every field it reads."""
+def apply_chunk(reply, chunk: dict, sent: float, caps: StreamCaps, on_delta, read: int = 0) -> None:
+    """Add one chunk to ``reply`` (``engine.remote.client.Reply``), checking every field it reads; ``read``: the
+    socket read it came in."""
     prompt = chunk.get("prompt_token_ids")
     if prompt is not None:
         reply.prompt_ids = _ids(prompt, "prompt_token_ids") or reply.prompt_ids
@@ -144,6 +148,7 @@ def apply_chunk(reply, chunk: dict, sent: float, caps: StreamCaps, on_delta) -> 
         if text or ids:
             now = time.monotonic()
             reply.token_times.append(now)
+            reply.token_reads.append(read)
             if reply.ttft_s is None:
                 reply.ttft_s = now - sent
         reply.text += text
@@ -158,7 +163,7 @@ def read_stream(resp, reply, sent: float, on_delta, cancel, watchdog, caps: Stre
     """Read the reply's events into ``reply``; True once the stream ended as a stream does (``[DONE]``, an error
     chunk, Stop). ``StreamError`` for a bound broken or a chunk that is not what the API sends."""
     count = 0
-    for raw in lines(resp, watchdog, idle_s, sent + caps.deadline_s, what):
+    for read, raw in lines(resp, watchdog, idle_s, sent + caps.deadline_s, what):
         if cancel is not None and cancel.is_set():
             reply.finish_reason = "cancelled"
             return True
@@ -175,7 +180,7 @@ def read_stream(resp, reply, sent: float, on_delta, cancel, watchdog, caps: Stre
         if "error" in chunk:
             reply.error = f"the server ended the reply: {error_message(chunk)}"
             return True
-        apply_chunk(reply, chunk, sent, caps, on_delta)
+        apply_chunk(reply, chunk, sent, caps, on_delta, read)
     return False
 
 
