@@ -26,8 +26,11 @@ _LONG_RUN = re.compile(r"\S{32,}")
 ZWSP = "\u200b"
 
 
-def _breakable(text: str, every: int = 24) -> str:
-    """Let Qt wrap very long runs without spaces (URLs, gibberish) by inserting zero-width spaces."""
+def breakable(text: str, every: int = 24) -> str:
+    """Let Qt wrap very long runs without spaces (URLs, base64, a long code line) by inserting zero-width
+    spaces every ``every`` characters: Qt breaks lines only at spaces, and one unbroken run made a label's
+    minimum width its whole length, widening the bubble past the column (its buttons cut off). Used on
+    prose, inline code and code blocks alike."""
     return _LONG_RUN.sub(lambda m: ZWSP.join(m.group(0)[i : i + every] for i in range(0, len(m.group(0)), every)), text)
 
 
@@ -38,10 +41,10 @@ def _inline(text: str) -> str:
         if i % 2 == 1:
             out.append(
                 f'<code style="background-color:{INLINE_CODE_BG}; font-family:monospace">'
-                f"&nbsp;{html.escape(part)}&nbsp;</code>"
+                f"&nbsp;{html.escape(breakable(part))}&nbsp;</code>"
             )
         else:
-            s = html.escape(_breakable(part))
+            s = html.escape(breakable(part))
             s = _BOLD.sub(r"<b>\1</b>", s)
             s = _ITALIC.sub(r"<i>\1</i>", s)
             out.append(s)
@@ -50,7 +53,7 @@ def _inline(text: str) -> str:
 
 def _code_block(code: str, lang: str) -> str:
     label = f'<div style="color:#7f8896; font-size:small">{html.escape(lang)}</div>' if lang else ""
-    body = html.escape(code.rstrip("\n")) or "&nbsp;"
+    body = html.escape(breakable(code.rstrip("\n"))) or "&nbsp;"
     return (
         f'<table width="100%" cellpadding="8" cellspacing="0" style="background-color:{CODE_BG}; '
         f'margin-top:4px; margin-bottom:4px"><tr><td>{label}'

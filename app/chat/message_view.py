@@ -17,80 +17,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat.draft_tint import add_span, tinted_html
-from app.shell.glossary import stop_mark
-from app.chat.markdown import to_html
+from app.chat.bubble_lines import cache_line, error_line, note_lines, pin_line, stats_line  # noqa: F401 - and
+# re-exported: app.chat.export and the tests take them from here
+from app.chat.draft_tint import add_span
+from app.chat.markdown import breakable
+from app.chat.message_body import MessageBody
 from app.shell.reuse_words import footer_line
 
 COPIED_MS = 1500  # how long "Copied" shows on the button
-
-
-def stats_line(stats: dict[str, Any]) -> str:
-    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens · cache paged', then how it
-    stopped when it did not simply end ('stopped: context full — ...'). Empty for a message that is not
-    a finished reply (a pinned user message shows ``pin_line``)."""
-    if not stats or ("stop_reason" not in stats and "generated_tokens" not in stats):
-        return ""
-    parts = []
-    if stats.get("prefill_tokens_per_s"):
-        parts.append(f"prefill {stats['prefill_tokens_per_s']:.0f} tok/s")
-    if stats.get("decode_tokens_per_s"):
-        parts.append(f"decode {stats['decode_tokens_per_s']:.1f} tok/s")
-    if stats.get("ttft_ms") is not None:
-        parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
-    parts.append(f"{stats.get('generated_tokens', 0)} tokens")
-    if stats.get("mode"):
-        parts.append(f"cache {stats['mode']}")
-    if stats.get("switches"):  # precision / policy / page size changed while it was written
-        parts.append("switched mid-reply: " + "; ".join(stats["switches"]))
-    if stats.get("spec_note"):  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
-        parts.append(stats["spec_note"])
-    mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))
-    if mark:
-        parts.append(mark)
-    return " · ".join(parts)
-
-
-def pin_line(stats: dict[str, Any], priority: bool = True) -> str:
-    """'pinned · 12 tokens kept by Priority pinning' for a pinned message ('' otherwise). ``priority``: that is
-    the eviction policy now; under another one nothing keeps a pinned message, and the line says so."""
-    if not stats or not stats.get("pinned"):
-        return ""
-    tokens = stats.get("tokens")
-    count = f" · {tokens} tokens" if tokens is not None else ""
-    if priority:
-        return f"pinned{count} kept by Priority pinning" if count else "pinned · kept by Priority pinning"
-    return f"pinned{count} · kept once the eviction policy is Priority pinning (it is not now)"
-
-
-def error_line(stats: dict[str, Any]) -> str:
-    """'Error: <why the reply stopped>' for a reply an error ended (saved with it), else ''."""
-    return f"Error: {stats['error']}" if stats and stats.get("error") else ""
-
-
-def note_lines(stats: dict[str, Any]) -> list[str]:
-    """What the engine told the user during the reply ("the oldest 120 tokens were dropped ...")."""
-    return [str(n) for n in (stats or {}).get("notes", ())]
-
-
-def cache_line(stats: dict[str, Any]) -> str:
-    """'reused N tokens, recomputed M, diverged at P', with 'dropped D unread to fit the context' when the prompt
-    did not fit (those were never computed: they are in neither count)."""
-    if not stats or "reused_tokens" not in stats:
-        return ""
-    div = stats.get("first_divergence", -1)
-    where = f"diverged at {div}" if div is not None and div >= 0 else ""
-    shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
-    disk = min(int(stats.get("disk_restored_tokens") or 0), shared)  # of them, read from the KV disk tier
-    if shared - disk:
-        where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
-    if disk:
-        where = f"{disk:,} restored from disk" + (f", {where}" if where else "")
-    where = where or "nothing cached before"
-    dropped = int(stats.get("dropped_tokens") or 0)
-    dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
-    return (f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}{dropped_text}, "
-            f"{where}")
 
 
 def shown_is_stored(versions: list, shown: int) -> bool:
@@ -124,12 +58,7 @@ class MessageView(QFrame):
 
         self.role_label = QLabel({"user": "You", "assistant": "Model"}.get(role, role.title()))
         self.role_label.setObjectName("roleLabel")
-        self.body = QLabel()
-        self.body.setObjectName("messageBody")
-        self.body.setTextFormat(Qt.TextFormat.RichText)
-        self.body.setWordWrap(True)
-        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
-        self.body.setOpenExternalLinks(False)
+        self.body = MessageBody()  # the text in pieces, laid out a frame's budget at a time; long ones collapse
         self.editor: QPlainTextEdit | None = None  # made on the first edit: 0.7 of a bubble's 3.5 ms
         self.stats_label = QLabel("")
         self.stats_label.setObjectName("statsLine")
@@ -160,6 +89,7 @@ class MessageView(QFrame):
             label.setTextFormat(Qt.TextFormat.RichText if label is self.why_label else Qt.TextFormat.PlainText)
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction if label is self.why_label
                                           else Qt.TextInteractionFlag.TextSelectableByMouse)
+            label.setMinimumWidth(1)  # never widens the bubble past the column (their text is made breakable)
             label.setVisible(False)
 
     def _lay_out(self) -> None:
@@ -254,12 +184,21 @@ class MessageView(QFrame):
             return False
         self._dirty = False
         if self.role == "user":
-            self.body.setText(to_html(self.text) if self.text else "")
+            self.body.show_text(self.text)
         else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
             empty = "no text" if self.stats else html.escape(self.waiting, quote=False) or "…"
-            body = tinted_html(self.text, self.draft_spans) if self.tint else to_html(self.text)
-            self.body.setText(body if self.text else f"<span style='color:#6d7480'>{empty}</span>")
+            self.body.show_text(self.text, self.draft_spans, self.tint,
+                                f"<span style='color:#6d7480'>{empty}</span>")
         return True
+
+    def set_live(self, live: bool) -> None:
+        """A reply being written shows all of its text as it grows (never collapsed under the reader); a
+        long one offers "Show less" once it ended."""
+        self.body.live = live
+        if live:
+            self.body.expanded = True
+        self._dirty = True
+        self.render()
 
     def set_waiting(self, text: str) -> None:
         """What the reply waits for before its first token ("" when the wait is over)."""
@@ -275,7 +214,7 @@ class MessageView(QFrame):
             self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
         line = stats_line(self.stats) or pin_line(self.stats, self.priority)
         for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
-                            (self.error_label, error_line(self.stats))):
+                            (self.error_label, breakable(error_line(self.stats)))):
             label.setText(text)
             label.setVisible(bool(text))
         why = footer_line(self.stats)
@@ -306,7 +245,7 @@ class MessageView(QFrame):
 
     def set_notes(self, notes: list[str]) -> None:
         """Show the reply's notes, one per line (also while it streams)."""
-        self.notes_label.setText("\n".join(f"• {n}" for n in notes))
+        self.notes_label.setText(breakable("\n".join(f"• {n}" for n in notes)))  # a path or URL in a note wraps
         self.notes_label.setVisible(bool(notes))
 
     def set_unsaved(self, text: str) -> None:

@@ -280,6 +280,7 @@ class ChatPane(QWidget):
     def begin_reply(self, position: int, earlier_versions: int = 0) -> MessageView:
         """A new reply's bubble (``earlier_versions``: versions it was regenerated from, shown as 'n / n')."""
         self.streaming = self.add_message("assistant", "", position)
+        self.streaming.set_live(True)
         if earlier_versions:
             self.streaming.set_versions([{}] * earlier_versions, earlier_versions)
         self.scroll.show_newest()
@@ -294,6 +295,7 @@ class ChatPane(QWidget):
             bubble = self.add_message("assistant", "", position)
         self.streaming = bubble
         bubble.stats = {}
+        bubble.set_live(True)
         bubble.append(pending)
         bubble.draft_spans = [list(span) for span in draft_spans]  # the reply's, over saved and pending text
         bubble.set_notes(notes)
@@ -348,6 +350,7 @@ class ChatPane(QWidget):
             self.streaming.set_text(text)
         self.streaming.render()
         self.streaming.set_stats(stats)
+        self.streaming.set_live(False)
         self.streaming = None
 
     def user_text_at(self, position: int) -> str:

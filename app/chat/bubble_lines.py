@@ -1,0 +1,75 @@
+"""The plain-text lines under a bubble's text: stats, pin, error, notes, cache reuse (no Qt here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.shell.glossary import stop_mark
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """'prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 128 tokens · cache paged', then how it
+    stopped when it did not simply end ('stopped: context full — ...'). Empty for a message that is not
+    a finished reply (a pinned user message shows ``pin_line``)."""
+    if not stats or ("stop_reason" not in stats and "generated_tokens" not in stats):
+        return ""
+    parts = []
+    if stats.get("prefill_tokens_per_s"):
+        parts.append(f"prefill {stats['prefill_tokens_per_s']:.0f} tok/s")
+    if stats.get("decode_tokens_per_s"):
+        parts.append(f"decode {stats['decode_tokens_per_s']:.1f} tok/s")
+    if stats.get("ttft_ms") is not None:
+        parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
+    parts.append(f"{stats.get('generated_tokens', 0)} tokens")
+    if stats.get("mode"):
+        parts.append(f"cache {stats['mode']}")
+    if stats.get("switches"):  # precision / policy / page size changed while it was written
+        parts.append("switched mid-reply: " + "; ".join(stats["switches"]))
+    if stats.get("spec_note"):  # "speculative: 212 of 290 draft tokens accepted (73%), 2.1 tokens per forward"
+        parts.append(stats["spec_note"])
+    mark = stop_mark(stats.get("stop_reason", ""), stats.get("stop_detail", ""))
+    if mark:
+        parts.append(mark)
+    return " · ".join(parts)
+
+
+def pin_line(stats: dict[str, Any], priority: bool = True) -> str:
+    """'pinned · 12 tokens kept by Priority pinning' for a pinned message ('' otherwise). ``priority``: that is
+    the eviction policy now; under another one nothing keeps a pinned message, and the line says so."""
+    if not stats or not stats.get("pinned"):
+        return ""
+    tokens = stats.get("tokens")
+    count = f" · {tokens} tokens" if tokens is not None else ""
+    if priority:
+        return f"pinned{count} kept by Priority pinning" if count else "pinned · kept by Priority pinning"
+    return f"pinned{count} · kept once the eviction policy is Priority pinning (it is not now)"
+
+
+def error_line(stats: dict[str, Any]) -> str:
+    """'Error: <why the reply stopped>' for a reply an error ended (saved with it), else ''."""
+    return f"Error: {stats['error']}" if stats and stats.get("error") else ""
+
+
+def note_lines(stats: dict[str, Any]) -> list[str]:
+    """What the engine told the user during the reply ("the oldest 120 tokens were dropped ...")."""
+    return [str(n) for n in (stats or {}).get("notes", ())]
+
+
+def cache_line(stats: dict[str, Any]) -> str:
+    """'reused N tokens, recomputed M, diverged at P', with 'dropped D unread to fit the context' when the prompt
+    did not fit (those were never computed: they are in neither count)."""
+    if not stats or "reused_tokens" not in stats:
+        return ""
+    div = stats.get("first_divergence", -1)
+    where = f"diverged at {div}" if div is not None and div >= 0 else ""
+    shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
+    disk = min(int(stats.get("disk_restored_tokens") or 0), shared)  # of them, read from the KV disk tier
+    if shared - disk:
+        where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
+    if disk:
+        where = f"{disk:,} restored from disk" + (f", {where}" if where else "")
+    where = where or "nothing cached before"
+    dropped = int(stats.get("dropped_tokens") or 0)
+    dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
+    return (f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}{dropped_text}, "
+            f"{where}")
