@@ -112,7 +112,7 @@ class Conversation(QObject):
         last = self.settings.get("window/last_chat")
         chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
         if chosen is None:
-            chosen = self.history.create_chat()
+            chosen = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"))
             chats = [chosen]
         self.chat_list.set_chats(chats, chosen.id)
         self.open_chat(chosen.id)
@@ -163,7 +163,7 @@ class Conversation(QObject):
         return out
 
     def new_chat(self) -> None:
-        chat = self.history.create_chat()
+        chat = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"))  # Settings ▸ New chats
         self.chat_list.set_chats(self.history.chats(), chat.id)
         self.open_chat(chat.id)
 
@@ -266,7 +266,7 @@ class Conversation(QObject):
             return  # the check sends it, or warns and gives the text back to the input
         self.notices.clear_notice()  # the user moved on from whatever it said
         if self.chat_id is None:
-            self.chat_id = self.history.create_chat().id
+            self.chat_id = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt")).id
         msg = self.history.add_message(self.chat_id, "user", text)
         if sum(m.role == "user" for m in self.history.messages(self.chat_id)) == 1:
             self._retitle("", text)

@@ -1,13 +1,14 @@
-"""Settings ▸ KV disk cache: the dialog, and ``DiskController``, which keeps the setting, sends it to the worker
-(``app.controls.disk_tier.DiskTierControl``) and shows the tier's size in the status bar."""
+"""Settings ▸ KV disk cache: the form (a page of the Settings dialog, ``app.settings.dialog``), and
+``DiskController``, which keeps the setting, sends it to the worker (``app.controls.disk_tier.DiskTierControl``)
+and shows the tier's size in the status bar and on the form."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
-from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
-                               QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPushButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
+                               QMessageBox, QPushButton, QWidget)
 
 from app.controls.disk_tier import DiskConfig, DiskState, disk_from_settings, resolve, save_disk
 from app.shell.format import human_bytes
@@ -27,7 +28,7 @@ class DiskController(QObject):
         self.settings, self.engine, self.status, self.show_error = settings, engine, status, show_error
         self.cfg, self.folder = disk_from_settings(settings)
         self.state = DiskState(None, self.folder)
-        self.dialog: DiskDialog | None = None
+        self.form: DiskForm | None = None  # the Settings dialog's page, once it was opened
         engine.worker.disk.changed.connect(self._on_changed)
         self._poll = QTimer(self)
         self._poll.setInterval(POLL_MS)
@@ -48,7 +49,7 @@ class DiskController(QObject):
         """Delete the tier's files after a confirmation. True if asked for."""
         if confirm:
             answer = QMessageBox.question(
-                self.dialog or self.parent(), "Clear the KV disk cache",
+                self.form.window() if self.form is not None else self.parent(), "Clear the KV disk cache",
                 f"Delete the {human_bytes(self.nbytes)} of KV pages in {self.folder}?\nChats are kept; reopening "
                 "one reads it again (once) instead of restoring its cache.")
             if answer != QMessageBox.StandardButton.Yes:
@@ -59,8 +60,8 @@ class DiskController(QObject):
     def refresh(self) -> None:
         """The status bar's readout from the tier's byte count."""
         self.status.show_disk(self.nbytes if self.state.tier is not None else -1, self.folder)
-        if self.dialog is not None:
-            self.dialog.show_size(self.nbytes, self.state.tier is not None)
+        if self.form is not None:
+            self.form.show_size(self.nbytes, self.state.tier is not None)
 
     def _on_changed(self, state: DiskState) -> None:
         self.state = state
@@ -73,28 +74,25 @@ class DiskController(QObject):
         self.refresh()
         self.changed.emit(state)
 
-    def open_dialog(self) -> "DiskDialog":
-        """Settings ▸ KV disk cache… (non-modal; OK applies)."""
-        if self.dialog is None:
-            self.dialog = DiskDialog(self, self.parent() if isinstance(self.parent(), QWidget) else None)
-            self.dialog.finished.connect(self._on_dialog_closed)
-        self.dialog.load(self.cfg)
+    def make_form(self) -> "DiskForm":
+        """The Settings dialog's page, showing the setting in force and the tier's size."""
+        self.form = DiskForm(self)
+        self.form.load(self.cfg)
         self.refresh()
-        self.dialog.show()
-        self.dialog.raise_()
-        return self.dialog
+        return self.form
 
-    def _on_dialog_closed(self, result: int) -> None:
-        if result == QDialog.DialogCode.Accepted and self.dialog is not None and self.dialog.config() != self.cfg:
-            self.apply(self.dialog.config())  # unchanged: the tier is left alone (a new one would rescan the folder)
+    def apply_form(self) -> None:
+        """The Settings dialog applied: the form's setting, if it changed (else the tier is left alone: a new one
+        would rescan the folder)."""
+        if self.form is not None and self.form.config() != self.cfg:
+            self.apply(self.form.config())
 
 
-class DiskDialog(QDialog):
+class DiskForm(QWidget):
     """On/off, budget, location, size and Clear."""
 
     def __init__(self, controller: DiskController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.setWindowTitle("KV disk cache")
         self.controller = controller
         self.enabled = QCheckBox("Keep the chats' KV cache on disk")
         self.enabled.setToolTip("Full pages of the cache are written to files, so a chat reopened after a restart "
@@ -123,12 +121,7 @@ class DiskDialog(QDialog):
         form.addRow("Budget", self.budget)
         form.addRow("Location", row)
         form.addRow("On disk", size_row)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        layout = QVBoxLayout(self)
-        layout.addLayout(form)
-        layout.addWidget(buttons)
+        self.setLayout(form)
 
     def load(self, cfg: DiskConfig) -> None:
         self.enabled.setChecked(cfg.enabled)

@@ -43,6 +43,7 @@ class ModelController(QObject):
         self.info: ModelInfo | None = None
         self.loading = False
         self.spec: ModelSpec | None = None
+        self.fallback = False  # the load in progress stands in for one that failed: not the user's choice
         self.environment: dict = {}
         w = engine.worker
         w.progress.connect(self._on_progress)
@@ -54,8 +55,11 @@ class ModelController(QObject):
         """Begin loading ``source`` (call after the window is shown: torch loads on the worker)."""
         self.load(model_spec(self.settings, source))
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelSpec, fallback: bool = False) -> None:
+        """Load ``spec`` on the worker; ``fallback``: it stands in for a load that failed, so it is not remembered
+        as the last model."""
         self.loading = True
+        self.fallback = fallback
         self.spec = spec
         self.ready_changed.emit(False, f"Loading {spec.source}…")
         self.status.set_loading(True, Path(spec.source).name or spec.source)
@@ -77,9 +81,9 @@ class ModelController(QObject):
         self.status.set_loading(False)
         self.status.message(f"{info.name} is ready", 4000)
         self.status.show_model(info.name, info.source, info.device, info.device_reason)
-        if not info.is_demo:
+        if not self.fallback:  # the last model chosen (the demo too, as --help says); a stand-in is not chosen
             self.settings.set("model/last", info.source)
-            if not is_builtin(info.source):  # the built-in model has its own line in the menus
+            if not info.is_demo and not is_builtin(info.source):  # both built-in models have their own menu lines
                 self.settings.add_recent_model(info.source)
         self.loaded.emit(info)
         self.ready_changed.emit(True, ready_hint(info))
@@ -93,7 +97,7 @@ class ModelController(QObject):
             fallback = "demo" if is_builtin(self.spec.source) else BUILTIN_MODEL
             label = DEMO_LABEL if fallback == "demo" else BUILTIN_LABEL
             self._show_error(f"{failure.message}\nOpening {label} instead.")
-            self.load(model_spec(self.settings, fallback))
+            self.load(model_spec(self.settings, fallback), fallback=True)
             return
         self._show_error(failure.message)
         if self.info is not None:

@@ -3,7 +3,8 @@ the status bar, and the API's conversations in their own list under the chats.
 
 Design — the server is one more client of the worker's engine core (``engine.core.scheduler.EngineCore``). Torch
 runs on one thread, the worker's: Start serving asks the worker for its model and core (``worker.core_ready``),
-then starts ``ServerThread(KVServer(model, cache, core=core))`` on 127.0.0.1. The HTTP thread queues requests
+then starts ``ServerThread(KVServer(model, cache, core=core))`` at the saved address (``app.server.address``:
+127.0.0.1 unless the user let other machines in, with API keys). The HTTP thread queues requests
 and wakes the core; the worker's rounds step them next to the chat's own reply (the chat on screen first,
 one-token decodes in one batched forward), so the user chats, compares and changes the cache while the
 model serves, and the page map draws the chats' and the API's pages in one pool. Stop serving ends the API's
@@ -22,10 +23,11 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
+from app.server.address import (PortState, ServerAddress, address_from_settings, check, describe_port, port_state,
+                                save_address)
 from engine.config import CacheConfig
 
 POLL_MS = 500
-HOST = "127.0.0.1"  # the app serves this machine only (the CLI's --host with --api-key is for other machines)
 
 
 class ApiList(QListWidget):
@@ -130,6 +132,16 @@ def _snapshot(scheduler, session_id: int):
     return None
 
 
+def start_problem(addr: ServerAddress) -> str:
+    """Why the server cannot listen at ``addr`` now (a busy port, an address not this machine's); "" if it can."""
+    state = port_state(addr.listen_host, addr.port)
+    if state is PortState.FREE:
+        return ""
+    if state is PortState.BUSY:
+        return f"Port {addr.port} is in use by another program: choose another port in Settings ▸ Server."
+    return describe_port(state, addr.listen_host, addr.port)
+
+
 class ServerController(QObject):
     """Starts and stops the server on the worker's model. ``serving(url)`` ("" once stopped);
     ``conversations(rows)`` (the list is filled already) on the GUI thread; ``snapshot(session_id, CacheSnapshot)``
@@ -151,6 +163,8 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         self._cache = cache
         self._show_error = show_error
         self.thread: Any = None  # the ServerThread while serving
+        self.serving_at: ServerAddress | None = None  # the address the running server listens on
+        self.choose_address: Callable[[], None] | None = None  # opens Settings ▸ Server (the window sets it)
         self.url = ""
         self.starting = False
         self.api_list = api_list if api_list is not None else ApiList()
@@ -168,7 +182,20 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
 
     @property
     def port(self) -> int:
-        return int(self.settings.get("server/port"))
+        return self.address.port
+
+    @property
+    def address(self) -> ServerAddress:
+        """The saved address: where the next Start serving listens."""
+        return address_from_settings(self.settings)
+
+    def apply_address(self, addr: ServerAddress) -> None:
+        """Settings ▸ Server applied: saved; a running server at another address starts again there (its
+        requests in progress end, as with Stop serving)."""
+        save_address(self.settings, addr)
+        if self.running and addr != self.serving_at:
+            self.stop()
+            self.start()
 
     def start(self) -> None:
         """Server ▸ Start serving: the worker hands over its model and core (``_on_core`` starts the server)."""
@@ -193,14 +220,20 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
             return
         from engine.server import KVServer, ServerOptions, ServerThread
 
-        port = self.port
+        addr = self.address
+        problem = check(addr) or start_problem(addr)
+        if problem:
+            self._refuse(f"The server did not start. {problem}")
+            return
+        keys = addr.api_keys
+        options = ServerOptions(host=addr.listen_host, port=addr.port, api_key=keys[0] if keys else None,
+                                api_keys=keys[1:])
         try:
-            server = KVServer(loaded, self._cache(), ServerOptions(host=HOST, port=port),
+            server = KVServer(loaded, self._cache(), options,
                               source=self.models.info.source if self.models.info else None, core=core)
-            thread = ServerThread(server, HOST, port)
-        except ValueError as e:  # the port is busy (or not ours)
-            self._show_error(f"Could not start the server: {e}. Choose another port (setting server/port) or "
-                             "stop what uses it.")
+            thread = ServerThread(server, addr.listen_host, addr.port)
+        except ValueError as e:  # the port is busy, or the address is not this machine's
+            self._refuse(f"The server did not start: {e}.")
             return
         try:
             self.url = thread.start()
@@ -208,6 +241,7 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
             self._show_error(f"Could not start the server: {e}")
             return
         self.thread = thread
+        self.serving_at = addr
         self._polling = False
         self.status.show_server(self.url + "/v1", server.model_id)
         self.status.message(f"Serving {server.model_id} at {self.url}/v1 — chats go on beside the API's requests",
@@ -215,12 +249,20 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         self._poll.start()
         self.serving.emit(self.url)
 
+    def _refuse(self, message: str) -> None:
+        """A start that cannot be: said once, with the way to another address (Settings ▸ Server)."""
+        if self.choose_address is None:
+            self._show_error(message)
+        else:
+            self._show_error(message, actions=[("Choose another port…", self.choose_address)])
+
     def stop(self) -> None:
         """Stop serving: the API's requests end (503) and its idle conversations close, then the HTTP server;
         the chats go on."""
         thread, self.thread = self.thread, None
         if thread is None:
             return
+        self.serving_at = None
         self._poll.stop()
         thread.stop()
         self.url = ""

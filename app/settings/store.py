@@ -73,7 +73,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("window/last_chat", int, -1),
     Setting("panels/enabled", bool, True),
     Setting("engine/fast_step", bool, True),  # the compiled decode step (engine.model.fast_step), Tools menu
-    Setting("server/port", int, 8000),  # Server ▸ Start serving listens on 127.0.0.1 at this port
+    # Server ▸ Start serving (app.server.address): 127.0.0.1 unless the user lets other machines in (Settings ▸ Server)
+    Setting("server/port", int, 8000),
+    Setting("server/remote", bool, False),  # the opt-in: listen on server/host, which then needs an API key
+    Setting("server/host", str, "0.0.0.0"),  # read only with server/remote
+    Setting("server/api_keys", list, []),  # in plain text, as the CLI's --api-key is on its command line
+    Setting("chat/system_prompt", str, ""),  # Settings ▸ New chats: each new chat starts with it
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
     # Settings ▸ KV disk cache (app.controls.disk_tier): full pages kept on disk, so a reopened chat is not read again
     Setting("kv_disk/enabled", bool, True),

@@ -120,6 +120,7 @@ SHORTCUTS = (
     ("Ctrl+K", "compare cache settings on this chat"),
     ("Ctrl+R", "regenerate the last reply"),
     ("Ctrl+L", "move to the message box"),
+    ("Ctrl+,", "settings (server, speculation, KV disk cache, new chats)"),
     ("F1", "what am I seeing? (help for every panel)"),
     ("Ctrl+Q", "quit"),
 )

@@ -8,6 +8,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMenu
 
 from app.remote.chat import open_connect
+from app.settings.dialog import open_settings
 
 
 def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) -> QAction:
@@ -91,20 +92,29 @@ def _tools_menu(window, bar, a: dict[str, Any]) -> None:
 
 def _settings_menu(window, bar, a: dict[str, Any]) -> None:
     settings = bar.addMenu("Se&ttings")
-    a["kv_disk"] = _action(window, "&KV disk cache…", window.disk.open_dialog,
+    a["settings"] = _action(window, "&Settings…", lambda: open_settings(window, "server"), "Ctrl+,",
+                            tip="The server's port, address and API keys, speculation's auto-off, the KV disk cache "
+                                "and what new chats start with")
+    a["kv_disk"] = _action(window, "&KV disk cache…", lambda: open_settings(window, "disk"),
                            tip="Keep the chats' KV cache on disk (on/off, budget, location, Clear), so a chat reopened "
                                "after a restart is restored instead of read again")
-    settings.addAction(a["kv_disk"])
+    settings.addActions([a["settings"], a["kv_disk"]])
 
 
 def _server_menu(window, bar, a: dict[str, Any]) -> None:
     server = bar.addMenu("&Server")
     a["serve_start"] = _action(window, "&Start serving", window.server.start,
-                               tip="Serve the loaded model as an OpenAI API on 127.0.0.1 (port: setting server/port); "
-                               "you go on chatting: your chat runs first, the API's requests beside it")
+                               tip="Serve the loaded model as an OpenAI API (on 127.0.0.1 unless Settings ▸ Server "
+                                   "lets other machines in); you go on chatting: your chat runs first, the API's "
+                                   "requests beside it")
     a["serve_stop"] = _action(window, "S&top serving", lambda: window.server.stop(), tip="Stop the API server")
     a["serve_stop"].setEnabled(False)
+    a["serve_settings"] = _action(window, "Server s&ettings…", lambda: open_settings(window, "server"),
+                                  tip="Port, other machines, API keys")
     server.addActions([a["serve_start"], a["serve_stop"]])
+    server.addSeparator()
+    server.addAction(a["serve_settings"])
+    window.server.choose_address = a["serve_settings"].trigger  # a start refused: its notice's way to another port
 
 
 def _help_menu(window, bar, a: dict[str, Any]) -> None:

@@ -302,11 +302,12 @@ class MainWindow(QMainWindow):
                           "occupancy, the page map, per-token timing and memory, with cache policies you can "
                           "change while it talks.")
 
-    def show_error(self, message: str, notice: bool = True) -> None:
-        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript.
-        Nothing here is saved; a reply's own failure is shown and saved with the reply."""
+    def show_error(self, message: str, notice: bool = True, actions=()) -> None:
+        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript, with
+        a button per (label, action) in ``actions``. Nothing here is saved; a reply's own failure is shown and
+        saved with the reply."""
         if notice:
-            self.chat.notice.show_message(message)
+            self.chat.notice.show_message(message, actions)
         self.status.message(message.splitlines()[0], 8000)
         self.error_shown.emit(message)
 

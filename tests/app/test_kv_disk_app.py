@@ -94,7 +94,9 @@ def test_a_reopened_chat_is_restored_from_disk_and_clear_empties_it(qtbot, data_
         w.page_map.grab().save(str(SHOTS / "kv_disk_page_map.png"))
 
         # Settings ▸ KV disk cache ▸ Clear…: a confirmation, then no files and a readout of 0
-        dialog = w.disk.open_dialog()
+        w.menu_actions["kv_disk"].trigger()
+        dialog = w.settings_dialog.disk
+        assert w.settings_dialog.tabs.currentWidget() is dialog
         assert dialog.enabled.isChecked() and dialog.size.text() != "0 B"
         poll, seen = answer_boxes(QMessageBox.StandardButton.Yes)
         try:
@@ -115,11 +117,12 @@ def test_the_setting_persists_and_a_folder_that_cannot_be_written_is_a_notice(qt
     blocked.write_text("not a folder")
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
-        dialog = w.disk.open_dialog()
+        w.menu_actions["kv_disk"].trigger()
+        dialog = w.settings_dialog.disk
         dialog.budget.setValue(0.5)
         dialog.folder.setText(str(blocked / "kv"))
         with qtbot.waitSignal(w.error_shown, timeout=30_000) as shown:
-            dialog.accept()
+            w.settings_dialog.accept()
         assert "cannot write" in shown.args[0] and str(blocked) in shown.args[0]
         assert w.chat.notice.isVisible()
         cfg, folder = disk_from_settings(w.settings)
@@ -127,10 +130,11 @@ def test_the_setting_persists_and_a_folder_that_cannot_be_written_is_a_notice(qt
         w.send("Once upon a time")  # the chat works without the tier
         assert wait_reply(qtbot, w)[1] != "error"
         # off: the status bar's field goes
-        dialog = w.disk.open_dialog()
+        w.menu_actions["kv_disk"].trigger()
+        dialog = w.settings_dialog.disk
         dialog.enabled.setChecked(False)
         with qtbot.waitSignal(w.disk.changed, timeout=30_000):
-            dialog.accept()
+            w.settings_dialog.accept()
         assert not w.status.disk.isVisible() and w.disk.state.tier is None
     finally:
         close_window(w)
