@@ -210,7 +210,8 @@ def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path)
     try:
         field = w.status.context
         w.status.show_context(100, 512, w.cache.applied.overflow)
-        assert field.text() == "Context: 100 of 512 tokens" and "stops" in field.toolTip()
+        # the default (#31 item 1): the chat goes on, the oldest dropped
+        assert field.text() == "Context: 100 of 512 tokens" and "the oldest tokens are dropped" in field.toolTip()
         assert field.level == "" and CONTEXT_FILLING not in field.styleSheet()
         w.status.show_context(400, 512, w.cache.applied.overflow)
         assert field.level == "filling" and CONTEXT_FILLING in field.styleSheet() and "78%" in field.toolTip()
