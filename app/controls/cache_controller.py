@@ -47,8 +47,15 @@ class CacheController(QObject):
         """Send a new cache configuration; the worker applies it between steps (also mid-reply)."""
         self.engine.apply_cache_config(cfg)
 
+    @property
+    def requested(self) -> CacheConfig:
+        """The setting a message sent now runs under: the last one sent to the worker, which applies commands in
+        order (a change chosen a moment ago is in force when the reply starts), else the one in force."""
+        return self.engine.sent_cache or self.applied
+
     def refused(self) -> None:
         """The worker refused the last change: the controls show what is really applied."""
+        self.engine.sent_cache = None
         self.controls.set_config(self.applied)
 
     def _on_applied(self, cfg: CacheConfig, notes: list) -> None:

@@ -28,6 +28,9 @@ class EngineThread(QObject):
         self.worker = EngineWorker(backend)
         self.worker.moveToThread(self.thread)
         self._call.connect(self.worker.run_call)
+        # the last cache setting sent (None: none since the last refusal): commands run in the order sent, so a
+        # reply asked for now runs under it, though the worker has not said ``applied`` yet
+        self.sent_cache: CacheConfig | None = None
         self.thread.finished.connect(self.worker.deleteLater)  # deleted on its own thread
         self.thread.start()
 
@@ -38,6 +41,8 @@ class EngineThread(QObject):
 
     # -- the commands, by name (each answered by the worker's signals) ------------------------------------
     def load(self, spec: ModelSpec, cache: CacheConfig | None = None) -> None:
+        if cache is not None:
+            self.sent_cache = cache
         self.call(self.worker.load, spec, cache)
 
     def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
@@ -60,6 +65,7 @@ class EngineThread(QObject):
         self.call(self.worker.cancel, generation_id)
 
     def apply_cache_config(self, cache: CacheConfig) -> None:
+        self.sent_cache = cache
         self.call(self.worker.apply_cache_config, cache)
 
     def speculate(self, cfg: Any) -> None:

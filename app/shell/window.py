@@ -142,7 +142,7 @@ class MainWindow(QMainWindow):
         self.conversation = Conversation(
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
-            cache=lambda: self.cache.applied, parent=self)
+            cache=lambda: self.cache.requested, parent=self)  # what a message sent now runs under
         self.on_screen = Screen()  # which chat is on screen: every request of the pane and the menus goes to it
         self.on_screen.register(OnScreen.LOCAL, self.conversation)
         self.conversation.chat_opened.connect(lambda _chat_id: self.on_screen.show(OnScreen.LOCAL))

@@ -83,3 +83,21 @@ def test_a_message_that_does_not_fit_offers_drop_the_oldest_and_the_notice_follo
         assert not w.chat.notice.isVisible() and w.chat.input.toPlainText() == ""
     finally:
         close_window(w)
+
+
+def test_a_message_sent_right_after_a_change_is_checked_against_that_change(qtbot, data_dir, stories_path):
+    """The worker applies a change and a message in the order sent: a message typed a moment after choosing "Stop
+    the reply" is checked under it (asked first), not sent under the setting still in force to fail at the start."""
+    w = open_window(qtbot, data_dir, str(stories_path),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True))
+    try:
+        w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("stop"))  # no wait: sent straight after
+        assert _type_and_send(qtbot, w, "the cat sat on the mat and " * 56) is None
+        assert "nothing set here drops tokens" in w.chat.notice.text and w.history.messages(w.chat_id) == []
+        w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("rolling"))
+        w.chat.input.setPlainText("Once upon a time")
+        w.chat.submit()  # sent under "Drop the oldest" a moment after it was chosen: its footer and reply agree
+        assert wait_reply(qtbot, w)[1] == "max_tokens"
+        assert "cache paged" in w.chat.bubbles[-1].stats_label.text() and w.cache.applied.overflow == "rolling"
+    finally:
+        close_window(w)
