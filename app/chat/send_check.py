@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject
 
-from app.shell.glossary import OVERFLOWS
+from app.shell.glossary import MODES, OVERFLOWS
 from engine.config import CacheConfig
 
 ROOM = 0.10  # warn when the prompt leaves less than this share of the context
@@ -107,10 +107,13 @@ class SendCheck(QObject):
                     "the reply, which stops when the context is full")
             actions.insert(0, ("Send anyway", lambda: self._send(text)))
         way_on, name = cfg.replace(overflow=WAY_ON), OVERFLOWS[WAY_ON].name.split(" (")[0]
-        if way_on.evicts_to_fit:  # not with the cache off: it keeps nothing to drop
+        where = f"Cache policy ▸ When the context is full ▸ \"{name}\""
+        if way_on.evicts_to_fit:
             actions.insert(0, (f"{name} and send", lambda: self._send(text, way_on)))
+        else:  # the cache is off: it keeps nothing to drop, so that choice waits for a cache
+            where = f"{MODES['paged'].name} under Cache, then {where}"
         self._show(f"{size}, {room}. Start a new chat, shorten the message, or choose an overflow policy that drops "
-                   f"tokens (Cache policy ▸ When the context is full ▸ \"{name}\").", text, tokens, ctx, actions)
+                   f"tokens ({where}).", text, tokens, ctx, actions)
 
     def _show(self, notice: str, text: str, tokens: int, ctx: int, actions: list, tone: str = "problem") -> None:
         self.pane.notice.show_message(notice, actions=actions, tone=tone)

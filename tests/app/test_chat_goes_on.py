@@ -73,6 +73,11 @@ def test_a_message_that_does_not_fit_offers_drop_the_oldest_and_the_notice_follo
         _choose_overflow(qtbot, w, "stop")  # and back
         qtbot.waitUntil(lambda: "nothing set here drops tokens" in w.chat.notice.text, timeout=5_000)
         assert _buttons(w) == ["Drop the oldest and send", "New chat"]
+        w.controls.mode.setCurrentIndex(w.controls.mode.findData("off"))  # nothing to drop from: not offered
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "off" and _buttons(w) == ["New chat"], timeout=5_000)
+        assert 'choose an overflow policy that drops tokens (Paged under Cache, then' in w.chat.notice.text
+        w.controls.mode.setCurrentIndex(w.controls.mode.findData("paged"))
+        qtbot.waitUntil(lambda: _buttons(w) == ["Drop the oldest and send", "New chat"], timeout=5_000)
 
         w.chat.notice.action_buttons[0].click()  # the one click: the setting changes, the message goes out
         gen, reason = wait_reply(qtbot, w)
