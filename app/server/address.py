@@ -116,7 +116,7 @@ def free_port(host: str = LOOPBACK) -> int:
 def describe_port(state: PortState, host: str, port: int) -> str:
     """The Settings dialog's line under the port."""
     if state is PortState.BUSY:
-        return f"Port {port} is in use by another program: pick another port (or Find a free port)."
+        return f"Port {port} is in use by another program: pick another (Find a free port)."
     if state is PortState.DENIED:
         return f"Port {port} needs administrator rights: pick one from 1024 up."
     if state is PortState.NO_ADDRESS:

@@ -23,8 +23,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
-from app.server.address import (PortState, ServerAddress, address_from_settings, check, describe_port, port_state,
-                                save_address)
+from app.server.address import PortState, ServerAddress, address_from_settings, check, port_state, save_address
 from engine.config import CacheConfig
 
 POLL_MS = 500
@@ -133,13 +132,15 @@ def _snapshot(scheduler, session_id: int):
 
 
 def start_problem(addr: ServerAddress) -> str:
-    """Why the server cannot listen at ``addr`` now (a busy port, an address not this machine's); "" if it can."""
+    """Why the server cannot listen at ``addr`` now, as the end of "The server did not start: …"; "" if it can."""
     state = port_state(addr.listen_host, addr.port)
-    if state is PortState.FREE:
-        return ""
     if state is PortState.BUSY:
-        return f"Port {addr.port} is in use by another program: choose another port in Settings ▸ Server."
-    return describe_port(state, addr.listen_host, addr.port)
+        return f"port {addr.port} is in use by another program."
+    if state is PortState.DENIED:
+        return f"port {addr.port} needs administrator rights (ports from 1024 up do not)."
+    if state is PortState.NO_ADDRESS:
+        return f"this machine has no address {addr.listen_host}."
+    return ""
 
 
 class ServerController(QObject):
@@ -221,9 +222,11 @@ is emitted on the server's engine thread (connect it to a QObject's method: it i
         from engine.server import KVServer, ServerOptions, ServerThread
 
         addr = self.address
-        problem = check(addr) or start_problem(addr)
-        if problem:
-            self._refuse(f"The server did not start. {problem}")
+        if check(addr):
+            self._refuse(f"The server did not start. {check(addr)}")
+            return
+        if start_problem(addr):  # one line, and the notice's button opens Settings ▸ Server
+            self._refuse(f"The server did not start: {start_problem(addr)}")
             return
         keys = addr.api_keys
         options = ServerOptions(host=addr.listen_host, port=addr.port, api_key=keys[0] if keys else None,

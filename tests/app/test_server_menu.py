@@ -159,8 +159,8 @@ def test_busy_port_is_told_and_the_chat_goes_on(qtbot, data_dir, stories_path):
     try:
         with qtbot.waitSignal(w.error_shown, timeout=DEADLINE_MS) as err:
             w.menu_actions["serve_start"].trigger()
-        assert err.args[0] == (f"The server did not start. Port {port} is in use by another program: choose "
-                               "another port in Settings ▸ Server.")
+        assert err.args[0] == f"The server did not start: port {port} is in use by another program."
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Choose another port…"]
         assert w.chat.notice.isVisible()
         assert w.server.thread is None and w.menu_actions["serve_start"].isEnabled()
         # the worker has its model back: a chat reply still works
