@@ -39,8 +39,9 @@ class Piece:
         return self.body if self.fence is None else f"```{self.fence}\n{self.body}"
 
 
-def cut(text: str, limit: int = PIECE_CHARS, lines: int = PIECE_LINES) -> int:
-    """Where the first piece of ``text`` ends (``len(text)`` when all of it fits in one)."""
+def cut(text: str, limit: int = PIECE_CHARS, lines: int = PIECE_LINES, fence: str | None = None) -> int:
+    """Where the first piece of ``text`` ends (``len(text)`` when all of it fits in one); ``fence``: the
+    code fence open where it starts."""
     window = text[:limit]
     nl, at = -1, 0
     for _ in range(lines):  # the end of the window's ``lines``-th line
@@ -55,9 +56,17 @@ def cut(text: str, limit: int = PIECE_CHARS, lines: int = PIECE_LINES) -> int:
     half = len(window) // 2
     for mark in ("\n\n", "\n", " "):
         at = window.rfind(mark)
+        while at >= half and _opens_fence(window, at, fence):  # a piece ending on "```" would show an empty block
+            at = window.rfind(mark, 0, at)
         if at >= half:
             return at + len(mark)
     return len(window)
+
+
+def _opens_fence(window: str, at: int, fence: str | None) -> bool:
+    """The line that ends at ``at`` opens a code fence (a closing one may end a piece)."""
+    line = window[window.rfind("\n", 0, at) + 1:at]
+    return line.strip().startswith("```") and fence_after(window[:at], fence) is not None
 
 
 def fence_after(body: str, fence: str | None) -> str | None:
@@ -90,7 +99,7 @@ class Pieces:
             self.frozen, end, changed = [], 0, True
         fence = fence_after(self.frozen[-1].body, self.frozen[-1].fence) if self.frozen else None
         while True:
-            at = end + cut(text[end:end + PIECE_CHARS + 1])  # one piece's worth: never copies the rest
+            at = end + cut(text[end:end + PIECE_CHARS + 1], fence=fence)  # one piece's worth, not the rest
             if at >= len(text):
                 break
             piece = Piece(end, text[end:at], fence)

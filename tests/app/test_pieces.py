@@ -31,6 +31,10 @@ def test_a_piece_ends_at_a_paragraph_then_a_line_then_a_space():
     assert cut("x" * 1500 + " " + "y" * 1000) == 1501
     assert cut("Pf" * 5000) == PIECE_CHARS  # nothing to break at: at the limit
     assert cut("a\n" * 100) == 2 * PIECE_LINES
+    head = "Look: " + "Pf" * 600 + "\n"
+    assert cut(head + "```\n" + "Pf" * 1200) == len(head)  # not after the fence line: no empty code block
+    code = "value = compute(x)  # a comment here\n" * 30 + "```\n"
+    assert cut(code + "Pf" * 1200, fence="python") == len(code)  # after a closing one: yes
 
 
 def test_streaming_gives_the_pieces_of_the_whole_text():
