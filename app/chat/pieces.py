@@ -8,7 +8,8 @@ label each, and a streaming reply re-renders only its last piece.
 Cutting is deterministic from the piece's start: a piece depends only on the ``PIECE_CHARS`` characters
 after it, so cutting text as it streams gives the same pieces as cutting it whole. A piece ends after a
 blank line, else after a line, else after a space, else at the limit (an unbroken run); never before half
-the limit, so a piece is not left nearly empty. A piece that starts inside a fenced code block reopens
+the limit, so a piece is not left nearly empty. The first piece is shorter (``HEAD_CHARS``): it is what a
+collapsed text shows. A piece that starts inside a fenced code block reopens
 the fence when drawn (``source``).
 """
 
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 PIECE_CHARS = 2000  # one label's text: 1–3 ms to lay out (a 100 KB label: 66–290 ms)
 PIECE_LINES = 40  # and at most 40 lines (~600 px): short lines lay out as slowly as long ones
-COLLAPSE_PIECES = 2  # a text of more pieces than this (> ~4,000 characters or ~80 lines) collapses
+HEAD_CHARS, HEAD_LINES = 600, 12  # the first piece, all a collapsed text shows: ~13 lines, ~200 px in the
+# narrowest column (300 px at 1024×768); a 2,000-character one was taller than the transcript there
+COLLAPSE_PIECES = 2  # a text of more pieces than this (> ~2,600 characters or ~52 lines) collapses
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class Pieces:
             self.frozen, end, changed = [], 0, True
         fence = fence_after(self.frozen[-1].body, self.frozen[-1].fence) if self.frozen else None
         while True:
-            at = end + cut(text[end:end + PIECE_CHARS + 1], fence=fence)  # one piece's worth, not the rest
+            limit, lines = (HEAD_CHARS, HEAD_LINES) if end == 0 else (PIECE_CHARS, PIECE_LINES)
+            at = end + cut(text[end:end + limit + 1], limit, lines, fence)  # one piece's worth, not the rest
             if at >= len(text):
                 break
             piece = Piece(end, text[end:at], fence)

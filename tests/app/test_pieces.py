@@ -4,7 +4,7 @@ streamed or came whole, covering it exactly, each within the limits, fences reop
 from __future__ import annotations
 
 from app.chat.markdown import to_html
-from app.chat.pieces import PIECE_CHARS, PIECE_LINES, Pieces, cut
+from app.chat.pieces import HEAD_CHARS, HEAD_LINES, PIECE_CHARS, PIECE_LINES, Pieces, cut
 
 PROSE = "The little dog ran to the park and played with a big red ball. "
 
@@ -21,6 +21,7 @@ def test_pieces_cover_the_text_within_the_limits():
         assert "".join(p.body for p in pieces) == text
         assert [p.start for p in pieces] == [0] + [p.end for p in pieces[:-1]]
         assert all(len(p.body) <= PIECE_CHARS and p.body.count("\n") <= PIECE_LINES for p in pieces)
+        assert len(pieces[0].body) <= HEAD_CHARS and pieces[0].body.count("\n") <= HEAD_LINES  # a collapsed text's
         assert len(pieces) >= len(text) // PIECE_CHARS
 
 
