@@ -31,7 +31,12 @@ from app.shell.widgets import WordLabel
 MIN_CHAT_PX = 340  # the chat pane never gets narrower than a bubble's buttons (so bubbles wrap, never clip)
 PLACEHOLDER = "Message the model — Enter to send, Shift+Enter for a new line"
 SEND_TIP = "Send the message (Enter or Ctrl+Enter)"
-SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?")
+# the last one repeats a line: the model goes on repeating it, which prompt lookup (Speculative decoding) guesses
+# right — stories260K, greedy: 212 of 269 draft tokens kept (79%); at temperature 0.7 10-20%
+REPEAT_STARTER = ("Tom has a big red ball. Tom has a big red ball. Tom has a big red ball. Tom has a big red "
+                  "ball.")
+SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?",
+               REPEAT_STARTER)
 
 
 class ChatInput(QPlainTextEdit):
@@ -111,7 +116,10 @@ class ChatPane(QWidget):
         row = QVBoxLayout(self.suggestions)
         row.setAlignment(Qt.AlignmentFlag.AlignHCenter)
         for prompt in SUGGESTIONS:
-            b = QPushButton(prompt)
+            b = QPushButton(prompt if prompt is not REPEAT_STARTER else "Tom has a big red ball. Tom has… (a repeat)")
+            if prompt is REPEAT_STARTER:  # a long label would widen the chat column
+                b.setToolTip(f"Sends “{prompt}”: the model repeats it, and Speculative decoding's prompt lookup "
+                             "guesses the repeats (best with temperature 0)")
             b.setObjectName("suggestion")
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))

@@ -298,3 +298,35 @@ def test_another_model_loaded_rechecks_the_draft_model(qtbot, data_dir, stories_
         assert _reply(qtbot, w) and not w.last_stats.get("speculative")  # the demo replies, plainly
     finally:
         close_window(w)
+
+
+def test_the_repeat_starter_shows_prompt_lookup_at_work_with_auto_off_on(qtbot, data_dir, stories_path):
+    """The empty chat's repeat starter, prompt lookup chosen, auto-off on (the default): the reply's footer counts
+    the guesses kept and the tint shows them. A later reply that does not copy still speculates and says its
+    acceptance, whatever auto-off then decides (a verdict of "slower" no longer turns replies off unseen)."""
+    from PySide6.QtWidgets import QPushButton
+
+    from app.chat.pane import REPEAT_STARTER
+
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=200))
+    try:
+        _choose(qtbot, w, "ngram")
+        assert w.spec_controls.config().auto_off
+        w.spec_controls.tint.setChecked(True)
+        w.new_chat()
+        qtbot.waitUntil(lambda: w.chat.suggestions.isVisible(), timeout=5000)
+        starter = next(b for b in w.chat.suggestions.findChildren(QPushButton) if REPEAT_STARTER in b.toolTip())
+        with qtbot.waitSignal(w.reply_finished, timeout=60_000):
+            starter.click()
+        stats, bubble = w.last_stats, w.chat.bubbles[-1]
+        assert bubble.text and w.chat.bubbles[0].text == REPEAT_STARTER
+        assert stats["accepted_draft_tokens"] >= 8, stats  # the repeats are guessed
+        assert stats["spec_note"].startswith("speculative: ") and stats["spec_note"] in bubble.stats_label.text()
+        assert bubble.draft_spans and TINT in bubble.body.text()
+        for text in ("Tell me a story about a dragon", "What is a KV cache?"):
+            _reply(qtbot, w, text)
+            note = w.last_stats["spec_note"]
+            assert note.startswith("speculative: ") and note in w.chat.bubbles[-1].stats_label.text()
+            assert "slower than decoding plainly on this model" not in w.chat.bubbles[-1].notes_label.text()
+    finally:
+        close_window(w)
