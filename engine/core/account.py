@@ -41,6 +41,8 @@ class Facts:
     diverged_at: str = ""  # "'You are' → 'You're'": the cached and the new tokens where they differ
     disk_at: int = -1  # the first token of a page the disk tier had but could not read (missing, damaged)
     page: int = 0  # its page size
+    shared_to: int = 0  # the prefix cache held the full-attention pages of the prompt's first tokens up to here
+    shared_limit: str = ""  # "state" / "window": what another chat's cache lacked to go on to ``shared_to``
 
 
 def account(f: Facts) -> CacheAccount:
@@ -64,6 +66,8 @@ def account(f: Facts) -> CacheAccount:
 
     if f.limit and f.kept < f.wanted:
         add(f.wanted, MissReason(f.limit), _limit_detail(f))
+    if f.shared_limit:
+        add(f.shared_to, MissReason(f.shared_limit), _shared_detail(f))
     if f.intact < min(f.seen, f.fed, n - 1):  # the cache held them, evicted since
         reason = MissReason.POLICY if f.policy else MissReason.EVICTED
         add(min(f.seen, f.fed, n - 1), reason, f"evicted by {f.policy}" if f.policy else "evicted to make room")
@@ -88,6 +92,14 @@ def _limit_detail(f: Facts) -> str:
                 f"{f.wanted} is at {f.kept}")
     return (f"a sliding-window layer ({f.window} tokens) no longer holds the window before token {f.wanted}; "
             f"the latest point it can go back to is {f.kept}")
+
+
+def _shared_detail(f: Facts) -> str:
+    if f.shared_limit == "state":
+        return (f"the prefix cache holds these tokens' attention pages, but no copy of the recurrent layers' state "
+                f"at a page boundary between token {f.reused} and {f.shared_to}")
+    return (f"the prefix cache no longer holds the sliding-window layers' pages ({f.window} tokens) before token "
+            f"{f.shared_to}")
 
 
 def token_change(tokenizer, cached: Sequence[int], new: Sequence[int], at: int, width: int = 3) -> str:

@@ -14,7 +14,15 @@ from engine.core.account import Facts, account, token_change
 from engine.core.records import ReuseRecord
 from engine.kv.paged.prefix import cached_run, extend_chain
 from engine.snapshot import MissReason
+from engine.kv.store.grouped import GroupedKV
 from engine.kv.store.storage import PagedKV
+
+SHARE_EVERY = 256  # tokens between the states a long prefill keeps on the shelf: ~0.1 MiB each on LFM2-350M
+
+
+def share_every(page_size: int) -> int:
+    """``SHARE_EVERY`` rounded up to whole pages."""
+    return -(-SHARE_EVERY // page_size) * page_size
 
 
 class PrefixReuse:
@@ -40,8 +48,23 @@ class PrefixReuse:
             return None
         return store if store.arena.kinds == {"k": "auto", "v": "auto"} else None
 
+    def prefix_groups(self):
+        """A hybrid / sliding-window model's store (``GroupedKV``) whose pages and states take part in the prefix
+        cache (``engine.kv.store.grouped_prefix``), or None: the same lossless settings as ``prefix_store``."""
+        store = self.store
+        if not isinstance(store, GroupedKV) or self.policy is not None or not store.prefix_parts():
+            return None
+        return store
+
+    @property
+    def shelf(self):
+        """The model's recurrent states at named page boundaries (``engine.kv.store.state_shelf``), or None."""
+        return getattr(getattr(self.lm, "arenas", None), "states", None)
+
     def _register_pages(self, before: int, ids: Sequence[int]) -> None:
         """Put the pages that became full since ``before`` cached tokens into the prefix cache (intact ones)."""
+        if self.prefix_groups() is not None:
+            return self._register_grouped(before, ids)
         store = self.prefix_store()
         if store is None:
             return
@@ -56,6 +79,21 @@ class PrefixReuse:
                if pool.register(pages[j], chain[j], chain[j - 1] if j else None, ids[j * P:(j + 1) * P])]
         if new and self.disk is not None:  # written off the decode path (``engine.kv.tier.disk``)
             self.disk.save(store.arena, [pages[j] for j in new], [self.chain[j] for j in new])
+
+    def _register_grouped(self, before: int, ids: Sequence[int]) -> None:
+        """``_register_pages`` on a ``GroupedKV``: every part's new full pages, and the states where this forward
+        stopped at a page boundary the plan chose (``SeqCache.plan``) or a multiple of ``SHARE_EVERY``."""
+        store, P = self.store, self.store.prefix_page_size
+        first, last = before // P, self.index.intact // P
+        if last > first:
+            extend_chain(self.chain, ids, P, last, self.root)
+            for arena, pages, names in store.name_pages(self.chain, first, last):
+                if self.disk is not None:
+                    self.disk.save(arena, pages, names)
+        end = self.index.next_pos
+        if store.states and end == self.index.intact and end % P == 0 and (end == self._share_at
+                                                                           or end % share_every(P) == 0):
+            store.share_states(self.chain, self.shelf)
 
     def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
         """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
@@ -78,6 +116,22 @@ class PrefixReuse:
         wanted = min(common, len(ids) - 1) if self.cache_config.prefix_reuse else 0
         keep = self.store.reusable(wanted)  # sliding windows and recurrent states limit what can be kept
         facts = self._facts(cached_ids, ids, wanted, keep, lost)
+        if self.prefix_groups() is not None and self.cache_config.prefix_reuse and self.host is None:
+            keep, shared, disk, limit = self._reuse_grouped(ids, keep, owner)
+            facts = dataclasses.replace(facts, shared_to=limit[0], shared_limit=limit[1])
+        else:
+            keep, shared, disk = self._reuse_plain(ids, keep, owner)
+        if self.cache_config.prefix_reuse and self.index.intact == self.index.n:  # nothing to return to once evicted
+            self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
+        tokens, ms, disk_pages, miss = disk
+        page = getattr(self.store, "page_size", 0) if miss >= 0 else 0  # a disk miss: a plain paged store's page
+        facts = dataclasses.replace(facts, reused=keep + shared, disk_at=miss, page=page)
+        self.reused = ReuseRecord(tokens, ms, disk_pages, 0, swapped, account(facts))
+        return keep + shared, shared, common
+
+    def _reuse_plain(self, ids: list[int], keep: int, owner: int) -> tuple[int, int, tuple]:
+        """Cut back to ``keep`` tokens, or to the page boundary where prefix-cache pages go on further, and take
+        those. Returns (tokens kept, tokens taken from the prefix cache, what the disk tier did)."""
         pages, base, disk = self._take_cached(ids, keep)
         if pages:
             keep = base * self.store.page_size  # cut back to a page boundary; the cached pages go on from it
@@ -87,13 +141,30 @@ class PrefixReuse:
             self.store.adopt(pages, owner=owner)  # ref + 1 each: as if this sequence had prefilled them
             self.index.append(shared)
             self.evictor.scores.grow(shared)
-        if self.cache_config.prefix_reuse and self.index.intact == self.index.n:  # nothing to return to once evicted
-            self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
-        tokens, ms, disk_pages, miss = disk
-        page = self.store.page_size if miss >= 0 else 0  # a disk miss: a plain paged store's page
-        facts = dataclasses.replace(facts, reused=keep + shared, disk_at=miss, page=page)
-        self.reused = ReuseRecord(tokens, ms, disk_pages, 0, swapped, account(facts))
-        return keep + shared, shared, common
+        return keep, shared, disk
+
+    def _reuse_grouped(self, ids: list[int], keep: int, owner: int) -> tuple[int, int, tuple, tuple[int, str]]:
+        """``_reuse_plain`` on a ``GroupedKV``: the longest prefix of full pages whose every part can be had (the
+        full pages, each window's pages before it, the states there) when it reaches past ``keep``. Returns (tokens
+        kept, tokens taken from the prefix cache, the disk's part, (end of the full pages the prefix cache held,
+        "state" / "window": what stopped the reuse short of them, or "")."""
+        store, P = self.store, self.store.prefix_page_size
+        limit = (len(ids) - 1) // P
+        self.chain, disk = [], (0, 0.0, (), -1)
+        extend_chain(self.chain, ids, P, limit, self.root)
+        full = cached_run(store.full.arena.pool, self.chain, 0) if store.full is not None else [None] * limit
+        j = len(full)
+        while j * P > keep and not store.available(self.chain, j, self.shelf):
+            j -= 1
+        why = ("" if j == len(full) else "state" if store.windows_available(self.chain, len(full)) else "window")
+        if j * P <= keep:
+            self.truncate(keep)
+            return keep, 0, disk, (len(full) * P, why)
+        self.truncate(0)
+        store.take_prefix(self.chain, j, full, self.shelf, owner)
+        self.index.append(j * P)
+        self.evictor.scores.grow(j * P)
+        return keep, j * P - keep, disk, (len(full) * P, why)
 
     def _facts(self, cached_ids: Sequence[int], ids: list[int], wanted: int, kept: int, lost: tuple) -> Facts:
         """What the cache held before this reuse, for its account (``engine.core.account``)."""

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Sequence
 
 from engine.core import reconfigure
-from engine.core.prefix_reuse import PrefixReuse
+from engine.core.prefix_reuse import PrefixReuse, share_every
 from engine.core.records import IDLE, ReuseRecord, StepRecord
 from engine.config import CacheConfig
 from engine.errors import CacheCapacityError
@@ -28,6 +28,7 @@ from engine.core.eviction import Eviction, EvictionContext, EvictionPlan, Evicto
 from engine.kv.hf_cache import KVCache
 from engine.kv.paged.positions import CacheIndex
 from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
+from engine.kv.store.grouped import GroupedKV
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
 from engine.core.vocab import StepPath
@@ -57,6 +58,7 @@ class SeqCache(PrefixReuse):
         self.last: StepRecord = IDLE  # what the last forward did (this class its only writer)
         self._planned: list[Eviction] = []  # evicted for the forward being prepared (in its record at commit)
         self._checkpoint_at = -1  # the planned forward ends where the store keeps a checkpoint (``plan``)
+        self._share_at = -1  # ... where the model's state shelf keeps the recurrent states (``plan``)
         self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
 
     # -- plumbing ----------------------------------------------------------------------------------------
@@ -177,11 +179,31 @@ class SeqCache(PrefixReuse):
         plan = self.evictor.plan(self.store, self.index, self.policy, todo, cx)
         self._planned += plan.evictions
         ix, todo = self.index, todo - plan.dropped
-        if (self.store.stateful and todo > 1 and plan.chunk == todo and ix.intact == ix.n
+        share = self._share_point(ix.next_pos, ix.next_pos + todo) if ix.intact == ix.n else -1
+        if ix.next_pos < share < ix.next_pos + plan.chunk:
+            plan = dataclasses.replace(plan, chunk=share - ix.next_pos)
+            self._share_at = share
+            if share == ix.next_pos + todo - 1 and self.store.stateful and self.cache_config.checkpoints:
+                self._checkpoint_at = share  # the prompt's last token is fed on its own anyway
+        elif (self.store.stateful and todo > 1 and plan.chunk == todo and ix.intact == ix.n
                 and self.cache_config.checkpoints):
             plan = dataclasses.replace(plan, chunk=plan.chunk - 1)
             self._checkpoint_at = ix.next_pos + plan.chunk
         return plan
+
+    def _share_point(self, start: int, end: int) -> int:
+        """Where a prefill of ``[start, end)`` on a model with recurrent layers stops so the state shelf keeps the
+        states at a named page boundary (another chat can then go on from it): the first multiple of
+        ``SHARE_EVERY`` after ``start``, else the last page boundary before the prompt's last token; -1: none."""
+        store = self.prefix_groups()
+        if store is None or not store.states or not self.cache_config.prefix_reuse or end - start < 2:
+            return -1
+        P, every = store.prefix_page_size, share_every(store.prefix_page_size)
+        step = (start // every + 1) * every
+        if step < end - 1:
+            return step
+        last = (end - 1) // P * P
+        return last if last > start else -1
 
     def begin_step(self) -> None:
         """A forward is being prepared: nothing evicted for it yet."""
@@ -226,12 +248,16 @@ class SeqCache(PrefixReuse):
 
     def commit(self, q: int, ids: Sequence[int], path: str, batch: int = 1, written: tuple[int, ...] = ()) -> None:
         """The forward (``path``, with ``batch`` sequences) wrote ``q`` tokens' K/V: count them as cached."""
-        self.store.commit()
+        grouped = isinstance(self.store, GroupedKV)
+        self.store.commit(slide=False) if grouped else self.store.commit()
         self.index.append(q)
         if self._checkpoint_at == self.index.next_pos:
             self.store.checkpoint()
         self._checkpoint_at = -1
-        self._register_pages(self.index.n - q, ids)
+        self._register_pages(self.index.n - q, ids)  # before the windows give back their pages: named, they stay
+        self._share_at = -1
+        if grouped:
+            self.store.slide()
         self.last = StepRecord(path, batch, written or self.pages_written(q), self._take_planned())
 
     def after_forward(self, cx: EvictionContext) -> None:

@@ -31,12 +31,20 @@ def _ttft(s: ChatSession, ids: list[int], n: int = 1) -> tuple[float, int, list[
     return first or 0.0, st.reused_tokens, list(s.generated_ids)
 
 
+def _cold(lm) -> None:
+    """Forget the model's prefix cache (its idle arenas and the states shelf): each row starts cold."""
+    lm.kv_arenas.drop_idle()
+    lm.kv_arenas.states.clear()
+
+
 def run(lm, context: int, page_size: int, reply: int = 16) -> dict[str, Any]:
-    """One context's row: TTFT of each next prompt with and without checkpoints, and the bytes."""
+    """One context's row: TTFT of each next prompt with and without checkpoints, and the bytes; then a new chat
+    that shares the chat's start (the prefix cache across chats: its pages, window pages and states)."""
     vocab = lm.info.vocab_size
     chat = _ids(vocab, context, 1)
     out: dict[str, Any] = {"context": context}
     for checkpoints in (8, 0):
+        _cold(lm)
         s = ChatSession(lm, CacheConfig(mode="paged", page_size=page_size, checkpoints=checkpoints))
         _, _, g = _ttft(s, chat, reply)
         states, windows = s.store.checkpoint_bytes()
@@ -44,12 +52,18 @@ def run(lm, context: int, page_size: int, reply: int = 16) -> dict[str, Any]:
         prompts = {"follow_up": chat + g + _ids(vocab, 32, 2), "regenerate": None, "branch": chat + _ids(vocab, 32, 3)}
         row = {"checkpoint_state_bytes": states, "checkpoint_window_bytes": windows, "kv_bytes": kv,
                "checkpoints": len(s.store.checkpoint_positions()) if hasattr(s.store, "checkpoint_positions") else 0}
+        if checkpoints:  # another chat, same start, after the first reply: from the prefix cache across chats
+            other = ChatSession(lm, CacheConfig(mode="paged", page_size=page_size))
+            ms, reused, _ = _ttft(other, chat + _ids(vocab, 32, 4))
+            row["new_chat"] = {"ttft_ms": round(ms, 1), "prompt": context + 32, "reused": reused}
+            other.close()
         for name, ids in prompts.items():
             ids = ids or prompts["follow_up"]  # regenerate: the follow-up again
             ms, reused, _ = _ttft(s, ids)
             row[name] = {"ttft_ms": round(ms, 1), "prompt": len(ids), "reused": reused}
         s.close()
         out["with" if checkpoints else "without"] = row
+    _cold(lm)
     fresh = ChatSession(lm, CacheConfig(mode="paged", page_size=page_size, prefix_reuse=False))
     ms, _, _ = _ttft(fresh, chat + _ids(vocab, 32, 3))
     fresh.close()
@@ -64,7 +78,8 @@ def rows(lm, a, log) -> list[dict[str, Any]]:
         w, wo = r["with"], r["without"]
         log(f"  branch @ {ctx}: TTFT follow-up {w['follow_up']['ttft_ms']} ms, regenerate "
             f"{w['regenerate']['ttft_ms']} / {wo['regenerate']['ttft_ms']} ms (with / without checkpoints), branch "
-            f"{w['branch']['ttft_ms']} / {wo['branch']['ttft_ms']} ms; full prefill {r['full_prefill_ms']} ms; "
+            f"{w['branch']['ttft_ms']} / {wo['branch']['ttft_ms']} ms; new chat with the same start "
+            f"{w['new_chat']['ttft_ms']} ms (reused {w['new_chat']['reused']} of {w['new_chat']['prompt']}); full prefill {r['full_prefill_ms']} ms; "
             f"checkpoints {w['checkpoints']}: {(w['checkpoint_state_bytes'] + w['checkpoint_window_bytes']) / 2**20:.1f}"
             f" MiB vs KV {w['kv_bytes'] / 2**20:.1f} MiB")
         out.append({"kind": "branch", **r})

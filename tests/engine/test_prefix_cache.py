@@ -351,3 +351,28 @@ def test_swap_in_takes_back_the_pages_still_cached_and_copies_the_rest(stories):
     _, r3 = reply(s, follow)
     assert s.cache.reused.swapped_in_pages == 0
     assert s.generated_ids == expected
+
+
+def test_pages_cached_after_the_arena_shrinks_keep_their_k_v(stories):
+    """A chat closes and the arena shrinks (``PageArena.trim``) while pages of the prefix cache stay named below
+    its new size: their K/V go with them, so the next chat's reuse gives HF's greedy tokens (the copy once kept
+    only the pages in use, leaving cached pages named over memory nobody wrote)."""
+    lm = fresh(stories)
+    cfg = CacheConfig(page_size=4)
+    ids = [5 + (i * 37) % 400 for i in range(200)]
+    a = ChatSession(lm, cfg)
+    a.start_ids(ids, SamplingConfig(max_new_tokens=1, ignore_eos=True))
+    while not a.step().done:
+        pass
+    arena = a.store.arena
+    arena.initial_pages = 8  # a small first size: closing the chat shrinks the arena to 8 pages, 0..7 kept cached
+    a.close()
+    assert arena.pool.num_pages == 8 and arena.pool.num_cached == 8
+    b = ChatSession(lm, cfg)
+    prompt = ids[:40] + [9, 9]
+    st = b.start_ids(prompt, SamplingConfig(max_new_tokens=8, ignore_eos=True))
+    while not b.step().done:
+        pass
+    assert st.reused_tokens == 32  # the 8 pages still cached
+    assert list(b.generated_ids) == hf_greedy(lm, prompt, 8)
+    b.close()

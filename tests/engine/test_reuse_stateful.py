@@ -64,16 +64,32 @@ def test_follow_up_regenerate_branch_reuse_and_tokens(model, page_size):
     p4 = p1[:-3] + [7, 8, 9]  # an edit of the first message: before any checkpoint but the sequence's start
     reused, g4 = reply(s, p4)
     assert g4 == hf_greedy(m, p4, N)
-    assert reused == 0  # the windows hold from the oldest checkpoint's window on (token 32), the states from 39
+    # before every checkpoint but the sequence's start: what goes on is the prefix cache's, at its last whole page
+    # (36) of the 37 tokens the edit shares — the states kept there by the first prompt's prefill, a window's pages
+    # while its pool has not given them to newer pages (its least recently used go first)
+    P = page_size
+    assert reused == (37 // P * P if name in STATES else reused) and reused in (0, 37 // P * P)
 
 
 def test_no_checkpoints_recomputes_and_gives_the_same_tokens(model):
     name, m, lm = model
-    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=0))
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=0, prefix_reuse=False))
     p1 = list(range(5, 45))
     _, g1 = reply(s, p1)
     reused, again = reply(s, p1)
     assert again == g1 and reused == 0  # nothing to go back to
+
+
+def test_without_checkpoints_the_prefix_cache_still_serves_whole_pages(model):
+    """Checkpoints off: a regenerate goes back to the prefix cache's last whole page before the prompt's last
+    token (the states the prefill kept there, the window's pages still in its pool), with the same tokens."""
+    name, m, lm = model
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, checkpoints=0))
+    p1 = list(range(6, 46))
+    _, g1 = reply(s, p1)
+    reused, again = reply(s, p1)
+    assert again == g1 == hf_greedy(m, p1, N) and reused == 36
+    assert s.last_stats.cache.misses[0].start == 36
 
 
 @pytest.mark.parametrize("model_type", ["lfm2", "gemma3_text"])
@@ -87,10 +103,16 @@ def test_bench_branch_scenario(model_type):
     w, wo = r["with"], r["without"]
     follow = w["follow_up"]["prompt"]
     assert w["follow_up"]["reused"] == wo["follow_up"]["reused"] == 40 + 6 - 1
-    # right after the follow-up a sliding window still holds its end: only a state needs the checkpoint
+    # right after the follow-up a sliding window still holds its end: only a state needs the checkpoint; without
+    # one, the states the follow-up's prefill left on the shelf at its last whole page (76)
     assert w["regenerate"]["reused"] == follow - 1
-    assert wo["regenerate"]["reused"] == (0 if model_type == "lfm2" else follow - 1)
-    assert w["branch"]["reused"] == 40 - 1 and wo["branch"]["reused"] == 0
+    assert wo["regenerate"]["reused"] == ((follow - 1) // 4 * 4 if model_type == "lfm2" else follow - 1)
+    # the branch shares the chat (40 tokens, 10 whole pages): a window's pages are all named, so the prefix cache
+    # serves all 40; the states were shelved at the chat's last whole page before its last token (36), which the
+    # checkpoint before that last token (39) beats
+    assert w["branch"]["reused"] == (39 if model_type == "lfm2" else 40)
+    assert wo["branch"]["reused"] == (36 if model_type == "lfm2" else 40)
+    assert w["new_chat"]["reused"] == (36 if model_type == "lfm2" else 40)  # another chat, the same 40 tokens
     assert w["checkpoints"] == 1 and wo["checkpoints"] == 0  # after the first turn: before its last token
     assert (w["checkpoint_state_bytes"] > 0) == (model_type == "lfm2") and wo["checkpoint_state_bytes"] == 0
 

@@ -28,6 +28,7 @@ import torch
 from engine.errors import CacheCapacityError, OutOfMemoryError, is_oom
 from engine.kv.paged.pool import PagePool
 from engine.kv.quantized.roles import KVShape, make_role
+from engine.kv.store.state_shelf import StateShelf
 
 GPU_SHARE = 0.8
 CPU_SHARE = 0.5
@@ -137,7 +138,9 @@ class PageArena:
             return 0
         target = max(self.initial_pages, 2 * top)
         try:
-            self._install(target, keep=top)
+            # every page below the new size is copied, not only those in use: cached pages there keep their names
+            # (the prefix cache), so their K/V must come along
+            self._install(target, keep=target)
         except OutOfMemoryError:
             return 0  # copying out needs memory too; keep the larger arena, nothing lost
         self.pool.shrink_to(target)
@@ -168,6 +171,7 @@ class ArenaRegistry:
         self.shape = shape
         self.context_length = context_length
         self.memory_limit = default_memory_limit(shape.device) if memory_limit == -1 else memory_limit
+        self.states = StateShelf()  # recurrent states at named page boundaries (``engine.kv.store.state_shelf``)
         self.disk = None  # engine.kv.tier.disk.DiskTier: full pages of the prefix cache kept on disk (``configure``)
         self.listener = None  # ``listener(arena, kind, page, digest, info)``: every pool's names (``set_listener``)
         self._arenas: dict[tuple, PageArena] = {}
@@ -211,8 +215,8 @@ class ArenaRegistry:
         key = (group, page_size, max_pages, k_kind, v_kind)
         arena = self._arenas.get(key)
         if arena is None:
-            for k in [k for k, a in self._arenas.items() if a.pool.num_used == 0]:
-                self._drop(k)  # an arena no session uses gives its memory back
+            for k in [k for k, a in self._arenas.items() if a.pool.num_used == 0 and k[1:] != key[1:]]:
+                self._drop(k)  # an arena no session uses gives its memory back (not a sibling group of this setting)
             tokens = tokens or min(self.context_length, 2048)
             arena = PageArena(shape or self.shape, page_size, -(-tokens // page_size), max_pages, k_kind, v_kind,
                               budget=self.budget)

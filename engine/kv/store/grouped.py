@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.errors import CacheCapacityError
 from engine.kv.store.checkpoints import Checkpoint, Checkpoints
+from engine.kv.store.grouped_prefix import GroupedPrefix
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 
@@ -65,7 +66,7 @@ class Layout:
         return self.kinds[m] == "state" or self.kinds[m].endswith("+state")
 
 
-class GroupedKV(KVStore):
+class GroupedKV(GroupedPrefix, KVStore):
     def __init__(self, layout: Layout, full: KVStore | None, windows: dict[int, WindowKV], states,
                  checkpoints: int = 8) -> None:
         self.layout, self.full, self.windows, self.states = layout, full, windows, states
@@ -196,11 +197,17 @@ class GroupedKV(KVStore):
             return self.full.update(route[1], k, v)
         return self.windows[route[1]].update(route[2], k, v)
 
-    def commit(self) -> None:
+    def commit(self, slide: bool = True) -> None:
+        """Count the reserved tokens as fed. ``slide=False``: the windows keep the pages that left them until
+        ``slide()``, so the prefix cache can name them first (``SeqCache.commit``)."""
         for part in self._parts():
-            part.commit()
+            part.inner.commit() if isinstance(part, WindowKV) and not slide else part.commit()
         self._fed += self._q
         self._q = 0
+
+    def slide(self) -> None:
+        for win in self.windows.values():
+            win.slide()
 
     def rollback(self) -> None:
         for part in self._parts():
