@@ -71,6 +71,7 @@ class DiskTier:
         self._shelves: dict[tuple, str] = {}
         self._sizes: dict[tuple[str, int], int] = {}  # (shelf, name length) -> bytes of a page file
         self._blocked: set[str] = set()  # page paths held by what cannot be removed: not read nor written again
+        self._dropped_meanwhile: set[str] | None = None  # paths the engine dropped while the writer listed the folder
         self.writable, self._closed = True, False
         self._lockfile = FolderLock(self.folder)
         self._queue: queue.Queue = queue.Queue()
@@ -238,9 +239,14 @@ class DiskTier:
 
     def _recount(self) -> None:
         """The folder as it is now (every process's files), oldest first; stale temporary files removed."""
+        with self._lock:
+            self._dropped_meanwhile = set()
         found, tmp_bytes, _ = scan(self.folder, self._lockfile.works, clear_tmp=True)
         files = OrderedDict((path, size) for _, path, size in found)
-        with self._lock:
+        with self._lock:  # a file the engine thread dropped after the listing saw it is gone (else never rewritten)
+            for path in self._dropped_meanwhile:
+                files.pop(path, None)
+            self._dropped_meanwhile = None
             self._files, self._bytes, self._tmp_bytes = files, sum(files.values()), tmp_bytes
 
     def flush(self) -> None:
@@ -329,6 +335,8 @@ class DiskTier:
         with self._lock:
             self._bytes -= self._files.pop(path, 0)
             self.counts["dropped_files"] += 1
+            if self._dropped_meanwhile is not None:
+                self._dropped_meanwhile.add(path)
         if gone:
             self.note(f"{NOTE}dropped a page file ({why}); its tokens are computed again")
         else:
