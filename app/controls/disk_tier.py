@@ -19,7 +19,8 @@ from PySide6.QtCore import QObject, Signal, Slot
 from app.shell.failure import describe, log
 from app.settings.store import Settings
 
-SUFFIX = ".kvp"  # engine.kv.tier.page_file.SUFFIX, repeated: importing the engine's module here would import torch
+# engine.kv.tier's page and state file suffixes, repeated: importing the engine's modules here would import torch
+SUFFIXES = (".kvp", ".kvs")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def save_disk(settings: Settings, cfg: DiskConfig) -> None:
 
 
 def clear_folder(folder: str) -> int:
-    """Delete the tier's files under ``folder`` (page files and temporary ones, in its shelves) and the shelves
+    """Delete the tier's files under ``folder`` (page and state files and temporary ones, in its shelves) and the shelves
     left empty; nothing else a user keeps there. Returns the bytes deleted."""
     freed = 0
     if not os.path.isdir(folder):
@@ -81,7 +82,8 @@ def clear_folder(folder: str) -> int:
         if not shelf.is_dir(follow_symlinks=False):
             continue
         for entry in os.scandir(shelf.path):
-            if entry.is_file(follow_symlinks=False) and (entry.name.endswith(SUFFIX) or ".kvp.tmp" in entry.name):
+            if entry.is_file(follow_symlinks=False) and (entry.name.endswith(SUFFIXES)
+                                                         or any(x + ".tmp" in entry.name for x in SUFFIXES)):
                 freed += entry.stat().st_size
                 os.unlink(entry.path)
         try:

@@ -93,7 +93,10 @@ class PrefixReuse:
         end = self.index.next_pos
         if store.states and end == self.index.intact and end % P == 0 and (end == self._share_at
                                                                            or end % share_every(P) == 0):
-            store.share_states(self.chain, self.shelf)
+            if store.share_states(self.chain, self.shelf) and self.disk is not None:
+                name = self.chain[end // P - 1]  # the states beside the pages: a restart goes on from here too
+                saved = self.shelf.get(P, name)
+                self.disk.save_states(P, store.states, name, saved, store.states.nbytes_of(saved))
 
     def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
         """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
@@ -124,7 +127,8 @@ class PrefixReuse:
         if self.cache_config.prefix_reuse and self.index.intact == self.index.n:  # nothing to return to once evicted
             self.store.checkpoint()  # the turn starts here: a branch or an edit of this turn comes back to it
         tokens, ms, disk_pages, miss = disk
-        page = getattr(self.store, "page_size", 0) if miss >= 0 else 0  # a disk miss: a plain paged store's page
+        page = 0 if miss < 0 else (self.store.prefix_page_size if isinstance(self.store, GroupedKV)
+                                   else self.store.page_size)  # a disk miss: the page whose file was bad
         facts = dataclasses.replace(facts, reused=keep + shared, disk_at=miss, page=page)
         self.reused = ReuseRecord(tokens, ms, disk_pages, 0, swapped, account(facts))
         return keep + shared, shared, common
@@ -153,8 +157,11 @@ class PrefixReuse:
         self.chain, disk = [], (0, 0.0, (), -1)
         extend_chain(self.chain, ids, P, limit, self.root)
         full = cached_run(store.full.arena.pool, self.chain, 0) if store.full is not None else [None] * limit
+        if store.full is not None and self.disk is not None and len(full) < limit:  # then from disk
+            disk = self._from_disk(store.full, 0, full)
+            full = cached_run(store.full.arena.pool, self.chain, 0)
         j = len(full)
-        while j * P > keep and not store.available(self.chain, j, self.shelf):
+        while j * P > keep and not self._grouped_at(store, j):
             j -= 1
         why = ("" if j == len(full) else "state" if store.windows_available(self.chain, len(full)) else "window")
         if j * P <= keep:
@@ -165,6 +172,27 @@ class PrefixReuse:
         self.index.append(j * P)
         self.evictor.scores.grow(j * P)
         return keep, j * P - keep, disk, (len(full) * P, why)
+
+    def _grouped_at(self, store, j: int) -> bool:
+        """``store.available`` at ``j`` full pages, after taking from the disk tier what memory lacks there: the
+        states at ``j`` (a state file) and each sliding group's window pages before it."""
+        if store.available(self.chain, j, self.shelf):
+            return True
+        P, disk, shelf = store.prefix_page_size, self.disk, self.shelf
+        if disk is None or j <= 0:
+            return False
+        name = self.chain[j - 1]
+        if store.states and shelf is not None and shelf.get(P, name) is None:
+            saved = disk.get_states(P, store.states, name, self.lm.device) if disk.has_states(
+                P, store.states, name) else None
+            if saved is None or not shelf.put(P, name, saved, store.states.nbytes_of(saved)):
+                return False
+        for win in store.windows.values():
+            first, names = store.window_pages_at(win, self.chain, j)
+            run = cached_run(win.arena.pool, names, 0)
+            if len(run) < len(names):
+                disk.restore(win.arena, self.chain[:j], first + len(run), run)
+        return store.available(self.chain, j, self.shelf)
 
     def _facts(self, cached_ids: Sequence[int], ids: list[int], wanted: int, kept: int, lost: tuple) -> Facts:
         """What the cache held before this reuse, for its account (``engine.core.account``)."""

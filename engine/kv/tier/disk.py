@@ -23,8 +23,10 @@ a restart), under the folder's lock so processes sharing the folder share the bu
 (``engine.kv.tier.folder``). Reads happen on the engine thread, at a prompt's start (``restore``): they replace
 the prefill of those tokens, and never wait for the lock.
 
-The tier covers what the prefix cache covers: plain paged stores at the model's own K/V precision, no eviction
-policy (``SeqCache.prefix_store``). Turn it on per loaded model with ``configure``.
+The tier covers what the prefix cache covers: paged stores at the model's own K/V precision, no eviction policy
+(``SeqCache.prefix_store`` / ``prefix_groups``) — on hybrid and sliding-window models each sliding group's pages on
+a shelf of their own and the recurrent states at named page boundaries as state files
+(``engine.kv.tier.disk_states``). Turn it on per loaded model with ``configure``.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from functools import partial
 
 import torch
 
 from engine.kv.tier.folder import PAGE_ERRNOS, FolderLock, clear_path, disk_full, folder_key, put, scan
+from engine.kv.tier.disk_states import StateFiles
 from engine.kv.tier.install import install
 from engine.kv.tier.report import METRICS, NOTE, gauges  # noqa: F401 - the tier's readouts, imported from here
 from engine.kv.tier.fingerprint import model_fingerprint, shelf_fingerprint
@@ -46,14 +50,13 @@ from engine.kv.tier.page_file import SUFFIX, PageFileError, encode, page_size, p
 
 DEFAULT_BUDGET = 4 << 30  # bytes on disk: ~45 chats of 2,000 tokens of a 135M model in float32 (92 MB each)
 MAX_PENDING = 256 << 20  # bytes queued for the writer; pages past it are skipped (counted), never waited for
-START = "start"  # the writer's first job: under the lock, stale temporary files out, the budget kept
 # prefill rate for the note's "re-reading them would take ~N s": ~240 GFLOP/s on a 2-core CPU (engine.core.sequence's
 # prefill chunks), ~20 TFLOP/s on a consumer GPU
 FLOPS = {"cpu": 2.4e11}
 GPU_FLOPS = 2e13
 
 
-class DiskTier:
+class DiskTier(StateFiles):
     """The page files of one loaded model under ``folder``, at most ``budget`` bytes. Engine-thread methods:
     ``save``, ``restore``, ``take_notes``; the writer thread owns the writes and the evictions."""
 
@@ -62,13 +65,14 @@ class DiskTier:
         self.folder, self.model_fp, self.budget = os.path.abspath(folder), model_fp, budget
         self.flops_per_token, self.rate = flops_per_token, FLOPS.get(device_type, GPU_FLOPS)
         self.counts = dict.fromkeys(("hit_tokens", "miss_tokens", "bytes_read", "bytes_written", "pages_written",
-                                     "skipped_pages", "dropped_files", "evicted_files", "missing_files"), 0)
+                                     "skipped_pages", "dropped_files", "evicted_files", "missing_files",
+                                     "state_files_written", "state_files_read"), 0)
         self._notes: list[str] = []
         self._lock = threading.Lock()  # guards _files, _bytes, _pending, counts, _notes
         self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
         self._bytes = self._pending = self._tmp_bytes = 0  # _tmp_bytes: other writers' files in flight
         self.max_pending = MAX_PENDING
-        self._shelves: dict[tuple, str] = {}
+        self._shelves: dict[tuple, str] = {}  # arena settings (or ("states", ...)) -> its shelf's folder
         self._sizes: dict[tuple[str, int], int] = {}  # (shelf, name length) -> bytes of a page file
         self._blocked: set[str] = set()  # page paths held by what cannot be removed: not read nor written again
         self._dropped_meanwhile: set[str] | None = None  # paths the engine dropped while the writer listed the folder
@@ -76,7 +80,7 @@ class DiskTier:
         self._lockfile = FolderLock(self.folder)
         self._queue: queue.Queue = queue.Queue()
         self._scan()
-        self._queue.put(START)
+        self._queue.put((self._start, 0))
         self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -138,7 +142,8 @@ class DiskTier:
         idx = torch.tensor([p for p, _ in todo], device=arena.shape.device)
         slots = (idx[:, None] * P + torch.arange(P, device=idx.device)).reshape(-1)  # [n * P]
         k, v = (torch.stack([t.index_select(1, slots) for t in arena.roles[r].layers]).to("cpu") for r in "kv")
-        self._queue.put((folder, [n for _, n in todo], k, v, size, P))  # k, v: [L, H, n * P, D] copies
+        names = [n for _, n in todo]
+        self._queue.put((partial(self._write_pages, folder, names, k, v, P), size))  # k, v: [L, H, n * P, D] copies
         return len(todo)
 
     def _path(self, folder: str, name: bytes) -> str:
@@ -146,15 +151,9 @@ class DiskTier:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            size = 0 if item is START else item[4]
+            job, size = item  # a bound method of the writer's and the bytes it holds in the queue
             try:
-                if item is START:
-                    self._start()
-                else:
-                    folder, names, k, v, size, P = item
-                    for i, name in enumerate(names):
-                        if self.writable:
-                            self._write(folder, name, k[:, :, i * P:(i + 1) * P], v[:, :, i * P:(i + 1) * P])
+                job()
             except Exception as e:  # noqa: BLE001 - a writer that dies would leave flush() waiting forever
                 self.writable = False
                 self.note(f"{NOTE}writing failed ({type(e).__name__}: {e}): pages are no longer saved")
@@ -179,12 +178,19 @@ class DiskTier:
         except OSError as e:
             self._stop(e)
 
-    def _write(self, folder: str, name: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One page file, made room for (LRU files out), written to a temporary name and renamed, under the lock.
-        What is in the way at the page's path skips that page, with a note; any other ``OSError`` stops all
-        writes, with a note."""
-        head, kb, vb = encode(name, os.path.basename(folder), k, v, self._key)
-        path, n = self._path(folder, name), len(head) + kb.nbytes + vb.nbytes
+    def _write_pages(self, folder: str, names: list[bytes], k: torch.Tensor, v: torch.Tensor, P: int) -> None:
+        for i, name in enumerate(names):
+            if self.writable:
+                head, kb, vb = encode(name, os.path.basename(folder), k[:, :, i * P:(i + 1) * P],
+                                      v[:, :, i * P:(i + 1) * P], self._key)
+                self._write(self._path(folder, name), (head, kb, vb))
+
+    def _write(self, path: str, parts: tuple) -> None:
+        """One file, made room for (LRU files out), written to a temporary name and renamed, under the lock.
+        What is in the way at its path skips that file, with a note; any other ``OSError`` stops all writes,
+        with a note."""
+        n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        folder = os.path.dirname(path)
         try:
             with self._lockfile.held() as others:
                 if others:  # another process wrote or evicted since: count the folder again
@@ -197,7 +203,7 @@ class DiskTier:
                     return self._skip(path, why)
                 self._lockfile.dirty = True
                 try:
-                    put(path, (head, kb, vb))
+                    put(path, parts)
                 except OSError as e:
                     if e.errno not in PAGE_ERRNOS:
                         raise
@@ -208,7 +214,7 @@ class DiskTier:
             self._bytes += n - self._files.pop(path, 0)
             self._files[path] = n
             self.counts["bytes_written"] += n
-            self.counts["pages_written"] += 1
+            self.counts["pages_written" if path.endswith(SUFFIX) else "state_files_written"] += 1
 
     def _skip(self, path: str, why: str) -> None:
         self._blocked.add(path)
@@ -338,7 +344,8 @@ class DiskTier:
             if self._dropped_meanwhile is not None:
                 self._dropped_meanwhile.add(path)
         if gone:
-            self.note(f"{NOTE}dropped a page file ({why}); its tokens are computed again")
+            what = "a page file" if path.endswith(SUFFIX) else "a state file"
+            self.note(f"{NOTE}dropped {what} ({why}); its tokens are computed again")
         else:
             self._blocked.add(path)
             self.note(f"{NOTE}skipped {path} ({why}; it cannot be removed); its tokens are computed again")

@@ -30,6 +30,8 @@ from typing import Iterator
 
 from engine.kv.tier.page_file import SUFFIX, kind, listdir, remove
 
+STATE_SUFFIX = ".kvs"  # a hybrid model's recurrent states at a page boundary (``engine.kv.tier.state_file``)
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; every write counts the folder again
@@ -131,9 +133,9 @@ def scan(folder: str, locked: bool, clear_tmp: bool) -> tuple[list[tuple[float, 
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if entry.endswith(SUFFIX):
+            if entry.endswith((SUFFIX, STATE_SUFFIX)):
                 found.append((st.st_mtime, path, st.st_size))
-            elif SUFFIX + ".tmp" in entry:
+            elif SUFFIX + ".tmp" in entry or STATE_SUFFIX + ".tmp" in entry:
                 if clear_tmp and (locked or _stale(entry, now - st.st_mtime)) and remove(path):
                     cleared += 1
                 else:

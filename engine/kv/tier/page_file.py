@@ -85,10 +85,10 @@ def page_size(name: bytes, shelf: str, arena) -> int:
     return len(_header(w["name"], shelf, w["dtype"], w["k"], w["v"], w["bytes"], "0" * 64)) + w["bytes"]
 
 
-def read_page(path: str, size: int) -> bytearray | None:
+def read_page(path: str, size: int, at_most: bool = False) -> bytearray | None:
     """The ``size`` bytes of the page file at ``path`` (its mtime touched: the LRU order), or None if there is
     none. ``PageFileError`` — nothing read — for a symbolic link, a FIFO, a directory, a device, or a regular
-    file of another size."""
+    file of another size (``at_most``: of more than ``size`` bytes; the file's own size is read)."""
     try:
         fd = os.open(path, OPEN_FLAGS)
     except FileNotFoundError:
@@ -101,9 +101,11 @@ def read_page(path: str, size: int) -> bytearray | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise PageFileError(f"{kind(st.st_mode)}, not a page file")
-        if st.st_size != size:
+        if at_most and st.st_size <= size:
+            size = st.st_size
+        elif st.st_size != size:
             how = "truncated" if st.st_size < size else "too large"
-            raise PageFileError(f"{how}: {st.st_size:,} bytes where a page file has {size:,}")
+            raise PageFileError(f"{how}: {st.st_size:,} bytes where a page file has {'at most ' * at_most}{size:,}")
         buf = bytearray(size)
         view, got = memoryview(buf), 0
         while got < size:
