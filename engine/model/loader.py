@@ -7,8 +7,6 @@ failure is a typed ``EngineError`` with a one-line reason.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from engine.model.builtin import builtin_model_dir, is_builtin
+from engine.model.gguf_file import looks_like_gguf
 from engine.config import ModelSpec
 from engine.errors import (
     EngineError,
@@ -35,7 +34,11 @@ from engine.model.model_files import (  # noqa: F401  (check_safetensors, check_
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
-from engine.model.log_once import once_per_message
+from engine.model.hf_load import bnb_config as _bnb_config
+from engine.model.hf_load import choose_dtype as _choose_dtype
+from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
+from engine.model.hf_load import quiet_transformers
+from engine.model.hf_load import weights_progress as _weights_progress
 from engine.model.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
@@ -211,8 +214,29 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         model.to(device)
         return wrap_model(model, tok, spec, device, reason, name="demo (random weights)", path=None, is_demo=True)
 
-    folder = resolve_source(spec, progress)
+    if looks_like_gguf(os.path.expanduser(spec.source)):  # a llama.cpp file: engine.model.gguf_load
+        from engine.model.gguf_load import load_gguf
+
+        model, tok, path = load_gguf(spec, device, progress, check)
+    else:
+        path = resolve_source(spec, progress)
+        model, tok = _load_folder(path, spec, device, progress, check)
     check()
+    if progress:
+        progress(f"moving {path.name} to {device}", 0.97)
+    if spec.quantization == "none":
+        model.to(device)
+    if spec.quantization == "nf4" and device == "cpu":
+        _fix_bnb_4bit_cpu(model)
+    model.eval()
+    lm = wrap_model(model, tok, spec, device, reason, name=path.name, path=str(path), is_demo=False)
+    if lm.info.unsupported:
+        raise UnsupportedModelError(f"{path.name}: {lm.info.unsupported}")
+    return lm
+
+
+def _load_folder(folder: Path, spec: ModelSpec, device: str, progress: Progress | None, check: Callable[[], None]):
+    """(model, tokenizer) of a Hugging Face folder, every file checked before transformers reads it."""
     cfg = check_folder(folder, spec)
     if progress:
         progress(f"loading {folder.name}", 0.1)
@@ -222,19 +246,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     tok = _load_tokenizer(folder, spec)
     check()
     _check_against_model(folder, config, tok, spec)
-    model = _load_weights(folder, config, spec, device, progress, check)
-    check()
-    if progress:
-        progress(f"moving {folder.name} to {device}", 0.97)
-    if spec.quantization == "none":
-        model.to(device)
-    if spec.quantization == "nf4" and device == "cpu":
-        _fix_bnb_4bit_cpu(model)
-    model.eval()
-    lm = wrap_model(model, tok, spec, device, reason, name=folder.name, path=str(folder), is_demo=False)
-    if lm.info.unsupported:
-        raise UnsupportedModelError(f"{folder.name}: {lm.info.unsupported}")
-    return lm
+    return _load_weights(folder, config, spec, device, progress, check), tok
 
 
 def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
@@ -326,84 +338,6 @@ def _check_coverage(name: str, model, loading_info: dict) -> None:
     names = {n for n, _ in model.named_parameters()}  # a tied tensor once, under its first name
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
     check_loading_info(name, loading_info, names, tied)
-
-
-@contextlib.contextmanager
-def _weights_progress(name: str, progress: Progress | None, check: Callable[[], None]):
-    """While transformers loads weights: report ``progress`` per tensor (fractions 0.15..0.95) and call
-    ``check`` (which raises ``LoadCancelled``) before each one, through transformers' public tqdm hook."""
-    from transformers.utils import logging as hf_logging
-
-    def hook(factory, args, kwargs):
-        if kwargs.get("desc") != "Loading weights" or not args or not hasattr(args[0], "__len__"):
-            return factory(*args, **kwargs)  # any other progress bar: as transformers would make it
-        items, total = args[0], max(len(args[0]), 1)
-        every = max(1, total // 50)
-
-        def tensors():
-            for i, item in enumerate(items):
-                check()
-                if progress and i % every == 0:
-                    progress(f"loading {name}: tensor {i + 1} of {total}", 0.15 + 0.8 * i / total)
-                yield item
-
-        return tensors()
-
-    previous = hf_logging.set_tqdm_hook(hook)
-    try:
-        yield
-    finally:
-        hf_logging.set_tqdm_hook(previous)
-
-
-def quiet_transformers() -> None:
-    """No progress bars or advice on stderr: the CLI prints one line per problem, the app its own progress."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
-def _choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
-    if spec.dtype != "auto":
-        return getattr(torch, spec.dtype)
-    if device == "cpu":
-        return torch.float32  # half-precision matmuls are slow or inexact on most CPUs
-    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg_dtype, str):
-        cfg_dtype = getattr(torch, cfg_dtype, None)
-    if cfg_dtype in (torch.float16, torch.bfloat16):
-        return cfg_dtype
-    return torch.float16
-
-
-def _bnb_config(kind: str, compute_dtype: torch.dtype):
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)  # its CPU backend warns at import about an optional kernel: not one line
-    try:
-        import bitsandbytes  # noqa: F401
-        from transformers import BitsAndBytesConfig
-    except ImportError:
-        raise EngineError("8-bit/4-bit needs the bitsandbytes package (pip install bitsandbytes)") from None
-    finally:
-        log.setLevel(level)
-    if kind == "int8":
-        once_per_message("bitsandbytes.autograd._functions")  # its float16-cast warning: each matmul (175 lines)
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
-
-
-def _fix_bnb_4bit_cpu(model) -> None:
-    """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
-    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return
-    for mod in model.modules():
-        if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
-            mod.support_avx512bf16_for_cpu = False
 
 
 def weights_bytes(model) -> int:

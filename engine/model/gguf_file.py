@@ -1,0 +1,407 @@
+"""GGUF files (llama.cpp's format: LM Studio, Ollama, Jan, KoboldCpp): what one holds, from its header only, and
+every reason one cannot be opened, as one line — before transformers reads a byte of it.
+
+The header is read here with the ``gguf`` package's definitions of the format (``GGUF_MAGIC``, ``GGUFValueType``,
+``GGMLQuantizationType``, ``GGML_QUANT_SIZES``) but not its ``GGUFReader``: that one memory-maps the whole file and
+builds a Python object per array element (a 150,000-token vocabulary with its merges: 19 s here, against ~0.1 s
+skipping them), and a truncated file or an unknown tensor type comes out of it as a numpy ``reshape`` or
+``ValueError`` that names neither the file nor the fix. Nothing here imports torch or transformers: the model
+catalog (``engine.model.catalog``) reads every GGUF on the machine with it, off the GUI thread.
+
+Safety: a path is looked at with ``stat`` before it is opened (a FIFO would block ``open`` forever, a directory, a
+device or a link loop is named), opened non-blocking and checked again with ``fstat``; every count and length in
+the header is bounded by the bytes left in the file before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from engine.errors import ModelFormatError, ModelNotFoundError
+
+SUFFIX = ".gguf"
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_MAX_KEY = 65_536  # bytes of a metadata key (llama.cpp's longest are ~60)
+_MAX_STRING = 64 << 20  # a chat template is tens of KiB; 64 MiB is a broken length, not text
+_KEEP = 4_096  # arrays of at most this many numbers are kept (per-layer lists); longer ones (a vocabulary) counted
+_MAX_DEPTH = 2  # arrays of arrays: the format allows them, nothing in use nests deeper
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_NATIVE = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")  # stored as plain numbers, no blocks
+_FIX = "re-download it"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]  # as GGUF lists it: fastest-varying dimension first
+    type_name: str
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GgufInfo:
+    """What a GGUF file holds, from its header: enough to list it, estimate its memory and refuse it early."""
+
+    path: str
+    name: str  # general.name, else the file's name without .gguf
+    architecture: str  # general.architecture as llama.cpp spells it ("llama", "qwen2", "qwen2moe", ...)
+    size_bytes: int  # on disk, every part of a split file together
+    n_params: int
+    type_counts: tuple[tuple[str, int], ...]  # tensors per GGML type, most first: (("Q8_0", 36), ("F32", 11))
+    metadata: dict[str, Any]  # scalars, strings and short arrays; a long array as {"count": n, "type": t}
+    tensors: tuple[TensorEntry, ...]
+    split_count: int = 1
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``{architecture}.key`` from the metadata (``context_length``, ``attention.head_count``, ...)."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def weights_type(self) -> str:
+        """The type the weights are stored in, as llama.cpp names the file ("Q4_K_M", "Q8_0", "F16"): its
+        ``general.file_type``, else the block type (or, with none, the plain type) holding the most bytes."""
+        import gguf
+
+        ftype = self.metadata.get("general.file_type")
+        if isinstance(ftype, int) and ftype in gguf.LlamaFileType._value2member_map_:
+            return gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        by_bytes: dict[str, int] = {}
+        for t in self.tensors:
+            by_bytes[t.type_name] = by_bytes.get(t.type_name, 0) + t.nbytes
+        blocks = {k: v for k, v in by_bytes.items() if k not in _NATIVE} or by_bytes
+        return max(blocks, key=blocks.__getitem__) if blocks else "F32"
+
+    @property
+    def quantized(self) -> bool:
+        """True when some weights are stored in blocks (Q8_0, Q4_K, ...) that loading dequantizes."""
+        return any(name not in _NATIVE for name, _ in self.type_counts)
+
+    @property
+    def context_length(self) -> int:
+        return int(_first(self.get("context_length")) or 0)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return isinstance(self.metadata.get("tokenizer.chat_template"), str)
+
+    def config(self) -> dict[str, Any]:
+        """The model's shape as ``config.json`` spells it (what the memory estimate reads); float32 weights."""
+        heads = int(_first(self.get("attention.head_count")) or 0)
+        kv = self.get("attention.head_count_kv")
+        kv_heads = max(kv) if isinstance(kv, list) and kv else int(kv or heads or 0)
+        hidden = int(self.get("embedding_length") or 0)
+        head_dim = int(self.get("attention.key_length") or (hidden // heads if heads else 0))
+        vocab = self.get("vocab_size") or (self.metadata.get("tokenizer.ggml.tokens") or {}).get("count", 0)
+        cfg = {"model_type": self.architecture, "num_hidden_layers": int(self.get("block_count") or 0),
+               "num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": hidden,
+               "head_dim": head_dim, "max_position_embeddings": self.context_length, "vocab_size": int(vocab or 0),
+               "torch_dtype": "float32", "tie_word_embeddings": not any(t.name == "output.weight" for t in self.tensors)}
+        window = self.get("attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
+        return cfg
+
+
+def _first(value: Any) -> Any:
+    """A per-layer list's largest entry (LFM2 lists head counts per layer), else the value."""
+    return max(value) if isinstance(value, list) and value else value
+
+
+def looks_like_gguf(path: str | os.PathLike) -> bool:
+    """A path to treat as a GGUF file: named ``*.gguf`` (whatever it turns out to be: a bad one is refused by
+    ``read_gguf`` in one line), or a regular file that starts with the GGUF magic (Ollama's blobs have no suffix).
+    Never opens anything but a regular file."""
+    if str(path).lower().endswith(SUFFIX):
+        return True
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _kind(mode: int) -> str | None:
+    """What a non-regular file is, in words; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def check_path(path: Path) -> int:
+    """The size of ``path`` if it is a regular file (or a link to one) with bytes in it; else ``ModelFormatError``
+    (``ModelNotFoundError`` when nothing is there), without opening it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ModelFormatError(f"{path.name} is a symbolic link loop, not a GGUF file") from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            if os.path.islink(path):
+                raise ModelFormatError(f"{path.name} is a broken link (it points to {os.readlink(path)})") from None
+            raise ModelNotFoundError(f"model file not found: {path}") from None
+        raise ModelFormatError(f"cannot read {path}: {e.strerror or e}") from None
+    kind = _kind(st.st_mode)
+    if kind:
+        raise ModelFormatError(f"{path.name} is {kind}, not a GGUF file")
+    if st.st_size == 0:
+        raise ModelFormatError(f"{path.name} is empty (0 bytes): not a GGUF file ({_FIX})")
+    return st.st_size
+
+
+def _open(path: Path) -> BinaryIO:
+    """Open a regular file without blocking (a FIFO swapped in after ``check_path`` cannot hang it) and check,
+    on the open descriptor, that it is still one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise ModelFormatError(f"cannot open {path}: {e.strerror or e}") from None
+    kind = _kind(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        raise ModelFormatError(f"{path.name} is {kind}, not a GGUF file")
+    return os.fdopen(fd, "rb", buffering=1 << 16)
+
+
+class _Header:
+    """Reads a GGUF header from ``f`` (``size`` bytes), every length bounded by what is left of the file."""
+
+    _SCALARS: dict[int, str] = {}
+
+    def __init__(self, f: BinaryIO, size: int, name: str) -> None:
+        import gguf
+
+        self.f, self.size, self.name, self.gguf = f, size, name, gguf
+        if not _Header._SCALARS:
+            v = gguf.GGUFValueType
+            _Header._SCALARS.update({v.UINT8: "<B", v.INT8: "<b", v.UINT16: "<H", v.INT16: "<h", v.UINT32: "<I",
+                                     v.INT32: "<i", v.FLOAT32: "<f", v.BOOL: "<?", v.UINT64: "<Q", v.INT64: "<q",
+                                     v.FLOAT64: "<d"})
+
+    def truncated(self) -> ModelFormatError:
+        return ModelFormatError(f"{self.name} is truncated: its header stops at byte {self.size} ({_FIX})")
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) < n:
+            raise self.truncated()
+        return data
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def count(self, what: str, each: int = 1) -> int:
+        n = self.u64()
+        if n * each > self.size - self.f.tell():
+            raise ModelFormatError(f"{self.name} is corrupt or truncated: {what} of {n:,} in a {self.size:,}-byte "
+                                   f"file ({_FIX})")
+        return n
+
+    def string(self, limit: int = _MAX_STRING) -> str:
+        n = self.count("a string", 1)
+        if n > limit:
+            raise ModelFormatError(f"{self.name} is corrupt: a string of {n:,} bytes in its header ({_FIX})")
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def vtype(self) -> int:
+        t = self.u32()
+        if t not in self.gguf.GGUFValueType._value2member_map_:
+            raise ModelFormatError(f"{self.name} is corrupt: unknown metadata value type {t} ({_FIX})")
+        return t
+
+    def value(self, t: int, depth: int = 0) -> Any:
+        v = self.gguf.GGUFValueType
+        if t == v.STRING:
+            return self.string()
+        if t != v.ARRAY:
+            fmt = self._SCALARS[t]
+            return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        item = self.vtype()
+        if depth >= _MAX_DEPTH and item == v.ARRAY:
+            raise ModelFormatError(f"{self.name} is corrupt: metadata arrays nested deeper than {_MAX_DEPTH} ({_FIX})")
+        width = struct.calcsize(self._SCALARS[item]) if item in self._SCALARS else 8
+        n = self.count("an array", width)
+        if item in self._SCALARS and n <= _KEEP:
+            return [self.value(item, depth + 1) for _ in range(n)]
+        if item in self._SCALARS:  # a long array of numbers (token scores, types): skipped, counted
+            self.f.seek(n * width, os.SEEK_CUR)
+            return {"count": n, "type": v(item).name}
+        for _ in range(n):  # strings (tokens, merges) or arrays: each read past, none kept
+            self.value(item, depth + 1) if item == v.ARRAY else self.f.seek(self.count("a string", 1), os.SEEK_CUR)
+        if self.f.tell() > self.size:
+            raise self.truncated()
+        return {"count": n, "type": v(item).name}
+
+
+def _tensor(h: _Header) -> tuple[str, tuple[int, ...], int, int]:
+    name = h.string(_MAX_KEY)
+    dims = h.u32()
+    if not 1 <= dims <= _MAX_DIMS:
+        raise ModelFormatError(f"{h.name} is corrupt: tensor {name!r} has {dims} dimensions ({_FIX})")
+    shape = tuple(h.u64() for _ in range(dims))
+    return name, shape, h.u32(), h.u64()
+
+
+def _entry(h: _Header, name: str, shape: tuple[int, ...], raw_type: int, offset: int) -> TensorEntry:
+    """One tensor's bytes from its GGML type, refusing a type the ``gguf`` package does not know or cannot
+    dequantize (transformers dequantizes through it)."""
+    gguf = h.gguf
+    if raw_type not in gguf.GGMLQuantizationType._value2member_map_:
+        raise ModelFormatError(
+            f"{h.name}: tensor {name!r} has unknown GGML type {raw_type} (newer than the gguf package "
+            f"{_gguf_version()} knows): open a GGUF quantized as Q8_0, Q4_K_M, F16 or another common type")
+    qtype = gguf.GGMLQuantizationType(raw_type)
+    dequantizable = set(getattr(gguf.quants, "_type_traits", {})) | {gguf.GGMLQuantizationType[n] for n in _NATIVE}
+    if qtype not in dequantizable:
+        raise ModelFormatError(f"{h.name}: tensor {name!r} is stored as {qtype.name}, which the gguf package "
+                               "cannot dequantize: open a GGUF quantized as Q8_0, Q4_K_M, F16 or another common type")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n = math.prod(shape)
+    if shape[0] % block:
+        raise ModelFormatError(f"{h.name} is corrupt: tensor {name!r} rows of {shape[0]} are not whole "
+                               f"{qtype.name} blocks of {block} ({_FIX})")
+    return TensorEntry(name, shape, qtype.name, offset, n // block * type_size)
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
+def _magic(h: _Header) -> None:
+    head = h.f.read(4)
+    if head == b"FUGG":
+        raise ModelFormatError(f"{h.name} is a big-endian GGUF (made for IBM Z machines): open the usual "
+                               "little-endian file")
+    if head != b"GGUF":
+        what = ("a safetensors file" if len(head) == 4 and head[3:] == b"\x00" else
+                "a zip / PyTorch file" if head.startswith(b"PK") else f"it starts with {head!r}")
+        raise ModelFormatError(f"{h.name} is not a GGUF file ({what}, not the GGUF signature)")
+    version = h.u32()
+    if version not in (2, 3):
+        raise ModelFormatError(f"{h.name} is GGUF version {version}; versions 2 and 3 can be read "
+                               "(re-convert it with a current llama.cpp)")
+
+
+def _parse(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
+    with _open(path) as f:
+        h = _Header(f, size, path.name)
+        _magic(h)
+        n_tensors = h.count("a tensor count", 24)  # each tensor's entry is at least 24 bytes
+        n_kv = h.count("a metadata count", 12)
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = h.string(_MAX_KEY)
+            meta[key] = h.value(h.vtype())
+        raw = [_tensor(h) for _ in range(n_tensors)]
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ModelFormatError(f"{path.name} is corrupt: general.alignment {align!r} is not a power of two ({_FIX})")
+        data_start = -(-f.tell() // align) * align
+        entries = [_entry(h, *r) for r in raw]
+    end = max((data_start + e.offset + e.nbytes for e in entries), default=data_start)
+    if end > size:
+        raise ModelFormatError(f"{path.name} is truncated: {size:,} bytes on disk, its tensors need {end:,} "
+                               f"({_FIX})")
+    return meta, entries
+
+
+def split_parts(path: Path, meta: dict[str, Any]) -> list[Path]:
+    """Every part of a split GGUF (``name-00001-of-00003.gguf``, ``split.count`` in each part's header) in order;
+    ``[path]`` for a single file."""
+    count = int(meta.get("split.count") or 1)
+    m = SPLIT_NAME.match(path.name)
+    if count <= 1 and not m:
+        return [path]
+    count = max(count, int(m.group("count")) if m else 1)
+    stem = m.group("stem") if m else path.stem
+    return [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def read_gguf(path: str | os.PathLike) -> GgufInfo:
+    """The header facts of the GGUF file at ``path`` (never its weights). Raises ``ModelFormatError`` with one line
+    for anything that is not a whole, readable, single-file GGUF: not a regular file (a directory, a FIFO, a
+    device, a link loop), empty, the wrong magic or version, a header cut short or with impossible counts, a
+    tensor type the gguf package does not know or cannot dequantize, tensors past the end of the file (a download
+    that stopped early), a split model with parts missing — or with all of them (transformers reads one file)."""
+    path = Path(os.path.expanduser(str(path)))
+    size = check_path(path)
+    meta, entries = _parse(path, size)
+    parts = split_parts(path, meta)
+    if len(parts) > 1:
+        missing = [p.name for p in parts if not os.path.isfile(p)]
+        if missing:
+            raise ModelFormatError(
+                f"{path.name} is one part of a model split in {len(parts)} files and {len(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} missing ({', '.join(missing[:3])}"
+                f"{' …' if len(missing) > 3 else ''}): download every part into {path.parent}")
+        raise ModelFormatError(
+            f"{path.name} is one part of a model split in {len(parts)} files; transformers reads a single file: "
+            f"merge them first (llama-gguf-split --merge {parts[0].name} merged.gguf)")
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[e.type_name] = counts.get(e.type_name, 0) + 1
+    name = meta.get("general.name")
+    return GgufInfo(
+        path=str(path), name=name if isinstance(name, str) and name.strip() else path.name.removesuffix(SUFFIX),
+        architecture=str(meta.get("general.architecture") or ""), size_bytes=size,
+        n_params=sum(math.prod(e.shape) for e in entries),
+        type_counts=tuple(sorted(counts.items(), key=lambda kv: -kv[1])), metadata=meta, tensors=tuple(entries))
+
+
+def human_bytes(n: float) -> str:
+    """1,536 → '1.5 KiB' (the engine's one-line notes; the app has its own formatter)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# bytes a parameter takes once loaded: bitsandbytes 8-bit ~1, NF4 ~0.56 (codes + per-block scales)
+_REQUANT = {"int8": 1.0, "nf4": 0.56}
+
+
+def load_note(info: GgufInfo, dtype: str, elem_bytes: int, quantization: str = "none") -> str:
+    """What loading ``info`` does to its weights and the memory they take, said before they are read, e.g.
+    'qwen2.5-0.5b-q8_0.gguf: Q8_0 weights (531.1 MiB on disk) are dequantized to float32 on load: 1.8 GiB of
+    weights in memory'."""
+    name = Path(info.path).name
+    dense = info.n_params * elem_bytes
+    verb = "are dequantized to" if info.quantized else "are loaded as"
+    if quantization in _REQUANT:
+        # bitsandbytes leaves the embeddings (and an untied output head) in the compute dtype
+        cfg = info.config()
+        embed = min(cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg["tie_word_embeddings"] else 2), info.n_params)
+        held = embed * elem_bytes + (info.n_params - embed) * _REQUANT[quantization]
+        kind = "8-bit" if quantization == "int8" else "NF4"
+        return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype}, then "
+                f"quantized to {kind} by bitsandbytes: ~{human_bytes(held)} of weights in memory "
+                f"(~{human_bytes(dense)} while loading)")
+    return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype} on load: "
+            f"{human_bytes(dense)} of weights in memory")

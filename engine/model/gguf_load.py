@@ -1,0 +1,188 @@
+"""Loading a GGUF file through transformers' GGUF support (``from_pretrained(dir, gguf_file=...)``) into the same
+engine as a folder's model: paged cache, every policy and panel, the tokenizer and chat template the file carries.
+
+Order ("can I?" before "do it"): ``engine.model.gguf_file.read_gguf`` refuses a bad file in one line before
+transformers opens it; the architecture is checked against what transformers can read from GGUF; the memory the
+weights will take is said (``progress``) before they are read. Quantized types (Q8_0, Q4_K, ...) are dequantized
+to the compute dtype (float32 on a CPU), as transformers' GGUF loader does for every architecture it reads with
+llama.cpp's tensor names; ``--quantize int8|nf4`` then re-quantizes the dequantized weights with bitsandbytes
+(transformers refuses a ``quantization_config`` next to ``gguf_file``, so that path hands it the state dict).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.config import ModelSpec
+from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError
+from engine.model.gguf_file import GgufInfo, load_note, read_gguf
+from engine.model.hf_load import Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
+from engine.model.model_files import check_loading_info, check_tokenizer_fits
+
+# llama.cpp's spelling of an architecture → transformers' model type, where they differ
+_SPELLINGS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+_NOT_GENERATIVE = {"t5": "an encoder-decoder model", "umt5": "an encoder-decoder model",
+                   "t5encoder": "an encoder", "general": "", "tokenizer": ""}
+
+
+def readable_architectures() -> tuple[str, ...]:
+    """The GGUF architectures (``general.architecture``, llama.cpp's spelling) transformers can read into a
+    text-generation model: its legacy table (dequantized through the gguf package) and its newer per-architecture
+    mappings."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        from transformers.integrations.gguf import GGUF_ARCHS
+    except ImportError:  # an older transformers: the legacy table only
+        GGUF_ARCHS = {}
+    back = {v: k for k, v in _SPELLINGS.items()}
+    names = {back.get(a, a) for a in (*GGUF_SUPPORTED_ARCHITECTURES, *GGUF_ARCHS)}
+    return tuple(sorted(n for n in names if n not in _NOT_GENERATIVE))
+
+
+def check_architecture(info: GgufInfo) -> None:
+    """Refuse a file whose architecture transformers cannot read from GGUF, naming those it can."""
+    name, arch = Path(info.path).name, info.architecture
+    if not arch:
+        raise ModelFormatError(f"{name} names no architecture (general.architecture is missing): not a model file")
+    if _NOT_GENERATIVE.get(arch):
+        raise UnsupportedModelError(f"{name} holds {_NOT_GENERATIVE[arch]} ({arch}), not a text-generation model")
+    readable = readable_architectures()
+    if arch not in readable:
+        raise UnsupportedModelError(
+            f"{name}: transformers cannot read architecture {arch!r} from GGUF; it reads {', '.join(readable)} "
+            "(or open the model's Hugging Face folder)")
+
+
+def _legacy(info: GgufInfo) -> bool:
+    """True when transformers reads this architecture with its legacy loader (dequantizing every tensor through
+    the gguf package), the path a bitsandbytes re-quantization can take."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return _SPELLINGS.get(info.architecture, info.architecture) in GGUF_SUPPORTED_ARCHITECTURES
+
+
+def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
+              check: Callable[[], None]) -> tuple[Any, Any, Path]:
+    """(model, tokenizer, path) of the GGUF file ``spec.source``; every refusal an ``EngineError`` with one line."""
+    info = read_gguf(spec.source)
+    check_architecture(info)
+    path = Path(info.path)
+    if spec.quantization in ("int8", "nf4") and not _legacy(info):
+        raise UnsupportedModelError(f"{path.name}: 8-bit/4-bit re-quantization of a {info.architecture} GGUF is not "
+                                    "available; load it without --quantize")
+    quiet_transformers()
+    config = _config(path)
+    dtype = choose_dtype(spec, config, device)
+    note = load_note(info, str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(),
+                     spec.quantization)
+    if progress:
+        progress(note, 0.1)
+    tok = _tokenizer(path)
+    check()
+    model = _weights(path, config, spec, dtype, device, progress, check)
+    check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None))
+    return model, tok, path
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+def _config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
+    except Exception as e:  # noqa: BLE001 - transformers' reader raises many kinds; all mean one thing here
+        raise ModelFormatError(f"cannot read the model's settings from {path.name}: {_first_line(e)}") from None
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelFormatError(f"no usable tokenizer in {path.name}: {_first_line(e)}") from None
+    if tok is None or not hasattr(tok, "decode"):
+        raise ModelFormatError(f"no usable tokenizer in {path.name}")
+    return tok
+
+
+@contextlib.contextmanager
+def _dequant_progress(name: str, progress: Progress | None, check: Callable[[], None]):
+    """While transformers' legacy GGUF loader dequantizes tensor after tensor (its loop runs through the module's
+    own ``tqdm``, not transformers' hook): progress per tensor (0.15..0.55) and cancel before each one."""
+    import transformers.modeling_gguf_pytorch_utils as legacy
+
+    original = getattr(legacy, "tqdm", None)
+
+    def tensors(items, *args, **kwargs):
+        total = max(len(items), 1)
+        every = max(1, total // 50)
+        for i, item in enumerate(items):
+            check()
+            if progress and i % every == 0:
+                progress(f"dequantizing {name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
+            yield item
+
+    legacy.tqdm = tensors  # loads run one at a time, on the engine's loading thread
+    try:
+        yield
+    finally:
+        legacy.tqdm = original
+
+
+def _weights(path: Path, config, spec: ModelSpec, dtype: torch.dtype, device: str, progress: Progress | None,
+             check: Callable[[], None]):
+    """The model with the file's weights (dequantized, then re-quantized with bitsandbytes if asked), refused
+    unless they cover it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise UnsupportedModelError(f"{path.name}: {config.model_type} is not a text-generation model") from None
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation="sdpa", output_loading_info=True)
+    try:
+        with _dequant_progress(path.name, progress, check), weights_progress(path.name, progress, check):
+            try:
+                model, info = _from_pretrained(cls, path, config, spec, dtype, device, kwargs)
+            except ValueError as e:
+                if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
+                    raise
+                kwargs["attn_implementation"] = "eager"  # no sdpa for this class (Gemma 2's softcapping)
+                model, info = _from_pretrained(cls, path, config, spec, dtype, device, kwargs)
+    except LoadCancelled:
+        raise
+    except torch.OutOfMemoryError:
+        raise EngineError(f"out of memory loading {path.name} on {device}: try 8-bit/4-bit or the CPU") from None
+    except ImportError as e:
+        raise EngineError(f"missing package for {path.name}: {_first_line(e)}") from None
+    except (OSError, ValueError, RuntimeError, KeyError, IndexError) as e:
+        raise ModelFormatError(f"cannot load the weights of {path.name}: {_first_line(e)}") from None
+    names = {n for n, _ in model.named_parameters()}
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    check_loading_info(path.name, info, names, tied)
+    return model
+
+
+def _from_pretrained(cls, path: Path, config, spec: ModelSpec, dtype: torch.dtype, device: str, kwargs: dict):
+    if spec.quantization not in ("int8", "nf4"):
+        from transformers import GgufConfig
+
+        # dequantize: a dense model the engine's paths and bitsandbytes know, not transformers' packed GGUF layers
+        return cls.from_pretrained(str(path.parent), gguf_file=str(path), config=config,
+                                   quantization_config=GgufConfig(dequantize=True), **kwargs)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = cls(config)  # names only: which GGUF tensor is which parameter
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
+    return cls.from_pretrained(None, config=config, state_dict=state, device_map={"": device},
+                               quantization_config=bnb_config(spec.quantization, dtype), **kwargs)

@@ -1,0 +1,95 @@
+"""transformers' loading knobs shared by every kind of model file (``engine.model.loader``'s folders and hub ids,
+``engine.model.gguf_load``'s GGUF files): the dtype, bitsandbytes' config, per-tensor progress and cancel, and quiet
+logging."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+
+from engine.config import ModelSpec
+from engine.errors import EngineError
+from engine.model.log_once import once_per_message
+
+Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
+
+
+@contextlib.contextmanager
+def weights_progress(name: str, progress: Progress | None, check: Callable[[], None]):
+    """While transformers loads weights: report ``progress`` per tensor (fractions 0.15..0.95) and call
+    ``check`` (which raises ``LoadCancelled``) before each one, through transformers' public tqdm hook."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") != "Loading weights" or not args or not hasattr(args[0], "__len__"):
+            return factory(*args, **kwargs)  # any other progress bar: as transformers would make it
+        items, total = args[0], max(len(args[0]), 1)
+        every = max(1, total // 50)
+
+        def tensors():
+            for i, item in enumerate(items):
+                check()
+                if progress and i % every == 0:
+                    progress(f"loading {name}: tensor {i + 1} of {total}", 0.15 + 0.8 * i / total)
+                yield item
+
+        return tensors()
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice on stderr: the CLI prints one line per problem, the app its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
+    if spec.dtype != "auto":
+        return getattr(torch, spec.dtype)
+    if device == "cpu":
+        return torch.float32  # half-precision matmuls are slow or inexact on most CPUs
+    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = getattr(torch, cfg_dtype, None)
+    if cfg_dtype in (torch.float16, torch.bfloat16):
+        return cfg_dtype
+    return torch.float16
+
+
+def bnb_config(kind: str, compute_dtype: torch.dtype):
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its CPU backend warns at import about an optional kernel: not one line
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise EngineError("8-bit/4-bit needs the bitsandbytes package (pip install bitsandbytes)") from None
+    finally:
+        log.setLevel(level)
+    if kind == "int8":
+        once_per_message("bitsandbytes.autograd._functions")  # its float16-cast warning: each matmul (175 lines)
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+
+
+def fix_bnb_4bit_cpu(model) -> None:
+    """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
+    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return
+    for mod in model.modules():
+        if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
+            mod.support_avx512bf16_for_cpu = False
