@@ -20,7 +20,7 @@ import torch
 from engine.config import ModelSpec
 from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError
 from engine.model.gguf_file import GgufInfo, load_note, read_gguf
-from engine.model.hf_load import Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
+from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
 
 # llama.cpp's spelling of an architecture → transformers' model type, where they differ
@@ -81,7 +81,7 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     note = load_note(info, str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(),
                      spec.quantization)
     if progress:
-        progress(note, 0.1)
+        progress(LoadNote(note), 0.1)
     tok = _tokenizer(path)
     check()
     model = _weights(path, config, spec, dtype, device, progress, check)

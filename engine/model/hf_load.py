@@ -17,6 +17,20 @@ from engine.model.log_once import once_per_message
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
 
 
+class LoadNote(str):
+    """A progress message the user must see, not only a stage: what loading does to the weights and the memory
+    they will take, said before they are read (``engine.model.gguf_file.load_note``). The app shows it as any
+    progress message; the command line prints these alone (``print_notes``)."""
+
+
+def print_notes(message: str, fraction: float) -> None:
+    """A ``Progress`` for the command line: each ``LoadNote`` as a ``note:`` line on stderr, stages unsaid."""
+    import sys
+
+    if isinstance(message, LoadNote):
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def weights_progress(name: str, progress: Progress | None, check: Callable[[], None]):
     """While transformers loads weights: report ``progress`` per tensor (fractions 0.15..0.95) and call

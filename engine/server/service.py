@@ -243,9 +243,10 @@ def serve(a, cache: CacheConfig, spec) -> int:
 
     speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
+    from engine.model.hf_load import print_notes
     from engine.model.loader import load_model
 
-    lm = load_model(spec)
+    lm = load_model(spec, print_notes)  # a GGUF's dequantization and its memory said before the weights load
     if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer: the server needs one")
     from engine.kv.tier.disk import configure_flag

@@ -291,7 +291,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.model.loader import load_model
     from engine.core.session import ChatSession
 
-    lm = load_model(spec)
+    from engine.model.hf_load import print_notes
+
+    lm = load_model(spec, print_notes)  # a GGUF's dequantization and its memory said before the weights load
     if lm.tokenizer is None:
         raise EngineError("this model has no tokenizer")
     configure_flag(lm, a)
