@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.chat.note_words import reprefill_footer
+from app.shell.format import count
 from app.shell.glossary import stop_mark
 
 
@@ -20,7 +22,9 @@ def stats_line(stats: dict[str, Any]) -> str:
         parts.append(f"decode {stats['decode_tokens_per_s']:.1f} tok/s")
     if stats.get("ttft_ms") is not None:
         parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
-    parts.append(f"{stats.get('generated_tokens', 0)} tokens")
+    if stats.get("reprefills"):  # a cache change mid-reply had tokens read again: its time apart from TTFT
+        parts.append(reprefill_footer(stats["reprefills"]))
+    parts.append(count(stats.get("generated_tokens", 0)))
     if stats.get("mode"):
         parts.append(f"cache {stats['mode']}")
     if stats.get("switches"):  # precision / policy / page size changed while it was written
@@ -39,10 +43,10 @@ def pin_line(stats: dict[str, Any], priority: bool = True) -> str:
     if not stats or not stats.get("pinned"):
         return ""
     tokens = stats.get("tokens")
-    count = f" · {tokens} tokens" if tokens is not None else ""
+    size = f" · {count(tokens)}" if tokens is not None else ""
     if priority:
-        return f"pinned{count} kept by Priority pinning" if count else "pinned · kept by Priority pinning"
-    return f"pinned{count} · kept once the eviction policy is Priority pinning (it is not now)"
+        return f"pinned{size} kept by Priority pinning" if size else "pinned · kept by Priority pinning"
+    return f"pinned{size} · kept once the eviction policy is Priority pinning (it is not now)"
 
 
 def error_line(stats: dict[str, Any]) -> str:
@@ -71,5 +75,5 @@ def cache_line(stats: dict[str, Any]) -> str:
     where = where or "nothing cached before"
     dropped = int(stats.get("dropped_tokens") or 0)
     dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
-    return (f"reused {stats['reused_tokens']} tokens, recomputed {stats.get('recomputed_tokens', 0)}{dropped_text}, "
+    return (f"reused {count(stats['reused_tokens'])}, recomputed {stats.get('recomputed_tokens', 0):,}{dropped_text}, "
             f"{where}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from app.shell.format import count
 from app.shell.glossary import KV_DTYPES, OVERFLOWS, PARAMS, POLICIES, describe_cache
 from engine.kv.paged import sizes
 from engine.core.vocab import Note, NoteKind
@@ -80,3 +81,67 @@ def precision_note(cfg: Any, info: Any) -> str:
             f"8-bit ({eight / h:.0f}): at head dim {d} with {p}-token pages, 4-bit keys keep a scale and a zero per "
             f"channel for each page, {keys4 / h:.0f} bytes per token against 8-bit's {keys8 / h:.0f}")
     return text + (f"; pages of {smaller} or more tokens make 4-bit the smaller" if smaller else "")
+
+
+# -- re-prefill after a cache change (``engine.core.records.Reprefill``: live, or as saved with a reply: a dict) --
+SHOW_AFTER_MS = 500.0  # a re-prefill expected (or found) to take longer than this is said in the reply's bubble
+
+
+def _field(r: Any, name: str, default: Any = None) -> Any:
+    return r.get(name, default) if isinstance(r, dict) else getattr(r, name, default)
+
+
+def _config(c: Any) -> Any:
+    """A setting as a ``CacheConfig`` (a saved reply holds it as a dict); None if it cannot be one."""
+    from engine.config import CacheConfig
+
+    if c is None or isinstance(c, CacheConfig):
+        return c
+    try:
+        return CacheConfig(**{k: v for k, v in dict(c).items() if k in CacheConfig.__dataclass_fields__})
+    except (TypeError, ValueError):
+        return None
+
+
+def reprefill_cause(r: Any) -> str:
+    """Why the tokens are read again, in the controls' words: 'after switching to Heavy hitters (H2O)'."""
+    old, new = _config(_field(r, "old")), _config(_field(r, "new"))
+    if old is None or new is None:
+        return "after the cache setting changed"
+    if old.mode == "off" and new.mode != "off":
+        return "after the cache was turned on"
+    if old.policy != new.policy or old.policy_params != new.policy_params:
+        if new.policy == "none":
+            return f"after {POLICIES['none'].name} was chosen (the evicted tokens come back)"
+        return f"after switching to {_policy_name(new.policy)}"
+    return f"after switching to {cache_words(new, precision=True)}"
+
+
+def _seconds(ms: float) -> str:
+    return f"{ms / 1000.0:.1f} s" if ms >= 100 else f"{ms:.0f} ms"
+
+
+def reprefill_shown(r: Any) -> bool:
+    """Worth a line in the bubble: expected to take longer than ``SHOW_AFTER_MS``, or found to while it runs."""
+    return _field(r, "estimate_ms", 0.0) > SHOW_AFTER_MS or _field(r, "ms", 0.0) > SHOW_AFTER_MS
+
+
+def reprefill_progress(r: Any) -> str:
+    """The bubble's line while it runs: 'Re-prefilling 916 tokens after switching to Heavy hitters (H2O): 312 of
+    916 (34%), about 0.8 s left · Stop (Esc) cancels'."""
+    tokens, done, ms = _field(r, "tokens", 0), _field(r, "done", 0), _field(r, "ms", 0.0)
+    per_token = ms / done if done else _field(r, "estimate_ms", 0.0) / max(1, tokens)
+    left = f", about {_seconds(per_token * (tokens - done))} left" if per_token > 0 else ""
+    return (f"Re-prefilling {tokens:,} tokens {reprefill_cause(r)}: {done:,} of {tokens:,} "
+            f"({100 * done // max(1, tokens)}%){left} · Stop (Esc) cancels")
+
+
+def reprefill_footer(rs: Any) -> str:
+    """The reply's footer part: 're-prefilled 916 tokens in 1.2 s after switching to Heavy hitters (H2O), not in
+    TTFT' (one per change; '120 of 916' when the reply ended before they were all read)."""
+    parts = []
+    for r in rs or ():
+        tokens, done = _field(r, "tokens", 0), _field(r, "done", 0)
+        said = f"{done:,} of {count(tokens)}" if done < tokens else count(tokens)
+        parts.append(f"re-prefilled {said} in {_seconds(_field(r, 'ms', 0.0))} {reprefill_cause(r)}")
+    return "; ".join(parts) + (", not in TTFT" if parts else "")

@@ -332,7 +332,7 @@ class PageMapPanel(Panel):
         fill = int(s.page_fill[page])
         return (
             f"page {page} · {state} · {fill}/{s.page_size} tokens ({100 * fill // max(s.page_size, 1)}% full)"
-            f" · ref count {int(s.page_refcount[page])} · owner {'turn ' + str(owner) if owner >= 0 else '—'}"
+            f" · ref count {int(s.page_refcount[page])} · owner {'turn ' + str(owner + 1) if owner >= 0 else '—'}"
             + (" · restored from disk" if page in s.restored_pages else "")
             + (" · held only by checkpoints (a window a later prompt may go back to)" if page in s.checkpoint_pages
                else "")

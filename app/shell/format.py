@@ -22,3 +22,9 @@ def human_count(n: float) -> str:
     if abs(n) >= 1e3:
         return f"{n / 1e3:.1f}k"
     return f"{n:.0f}"
+
+
+def count(n: int, word: str = "token", plural: str = "") -> str:
+    """1 -> '1 token', 1234 -> '1,234 tokens' (``plural`` when it is not ``word`` + 's')."""
+    n = int(n)
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"

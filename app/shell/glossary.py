@@ -167,9 +167,9 @@ PARAMS = {  # policy parameters: plain names (the Params field's own help is the
 }
 
 STOP_REASONS = {  # stop_reason -> the mark under a reply ("" for a reply that simply ended)
-    "eos": "",
+    "eos": "ended: the model finished its reply (end of text)",
     "done": "",
-    "stop_string": "",
+    "stop_string": "ended: a stop string was written",
     "max_tokens": "stopped: max new tokens reached",
     "cancelled": "stopped by you",
     "context_full": "stopped: context full — start a new chat, shorten it, or choose an overflow policy",

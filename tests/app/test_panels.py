@@ -65,7 +65,7 @@ def test_page_map_grid_and_colours(qtbot):
     np.testing.assert_array_equal(panel.colours[0, 8], PAD)
     drawn = panel.image.image
     np.testing.assert_array_equal(drawn, upscale(panel.colours, panel.px))
-    assert "page 1 · active · 2/4 tokens (50% full) · ref count 1 · owner turn 1" == panel.describe_page(1)
+    assert "page 1 · active · 2/4 tokens (50% full) · ref count 1 · owner turn 2" == panel.describe_page(1)
     assert panel.page_at(1 * panel.px + 1, 1) == 1
     assert panel.page_at(9 * panel.px + 1, 1) == -1  # past the last page
     assert "free" in panel.describe_page(3) and "owner —" in panel.describe_page(3)

@@ -110,7 +110,9 @@ def test_stop_marks_say_why_and_what_to_do():
     assert line.endswith("stopped: context full — start a new chat, shorten it, or choose an overflow policy")
     assert stats_line({"stop_reason": "cancelled", "stop_detail": "a message was sent in another chat"}).endswith(
         "stopped: a message was sent in another chat")
-    assert "stopped" not in stats_line({"stop_reason": "eos", "generated_tokens": 3})
+    assert stats_line({"stop_reason": "eos", "generated_tokens": 3}).endswith(
+        "3 tokens · ended: the model finished its reply (end of text)")  # a natural end says so too
+    assert stats_line({"stop_reason": "eos", "generated_tokens": 1}).startswith("1 token ·")
     assert stats_line({"pinned": True}) == "" and pin_line({"pinned": True, "tokens": 7}).startswith("pinned · 7")
 
 
@@ -216,3 +218,5 @@ def test_the_cache_line_says_where_reused_tokens_came_from():
         "reused 16 tokens, recomputed 7, 16 from another chat's cache"
     assert cache_line({"reused_tokens": 40, "recomputed_tokens": 3, "first_divergence": 40, "shared_tokens": 16}) == \
         "reused 40 tokens, recomputed 3, 16 from another chat's cache, diverged at 40"
+    assert cache_line({"reused_tokens": 1, "recomputed_tokens": 4033, "first_divergence": 1}) == \
+        "reused 1 token, recomputed 4,033, diverged at 1"  # not "reused 1 tokens"
