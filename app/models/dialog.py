@@ -1,15 +1,17 @@
-"""Choose a model: the built-in stories260K, the random-weight demo, recent models, models in the Hugging Face
-cache, a folder, or a hub id to download (with progress and cancel). Shows a memory estimate (weights + KV at
-the chosen context) and, on CUDA, whether it fits.
+"""Choose a model: the built-in stories260K, the random-weight demo, recent models, the models found on this computer
+(the Hugging Face cache, LM Studio, Ollama and the user's models folders: ``app.models.found``, scanned off the GUI
+thread), a folder or GGUF file, or a hub id to download (with progress and cancel). Shows a memory estimate (weights
++ KV at the chosen context; a GGUF's weights as dequantized) and, on CUDA, whether it fits; a model that cannot be
+opened says why in the dialog's banner, in one line.
 """
 
 from __future__ import annotations
 
-import threading
+import html
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import Qt, QThread, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -29,12 +31,16 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings.cache_settings import spec_for
-from app.models.estimate import MemoryEstimate, estimate_demo, estimate_folder
+from app.models.download import Downloader, HubDownload
+from app.models.estimate import MemoryEstimate, estimate_demo, estimate_folder, estimate_gguf
+from app.models.found import dequantized_words, estimate_found, item_text, item_tip, start_scan
 from app.shell.format import human_bytes
 from app.shell.glossary import CONTROLS
 from app.settings.store import Settings
 from engine.model.builtin import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, builtin_model_dir, is_builtin
 from engine.config import ModelSpec
+from engine.errors import EngineError
+from engine.model.gguf_file import looks_like_gguf
 
 QUANT_CHOICES = (("none (full precision)", "none"), ("bfloat16 (half the bytes)", "bf16"),
                  ("8-bit (bitsandbytes)", "int8"), ("4-bit NF4 (bitsandbytes)", "nf4"))
@@ -43,89 +49,7 @@ CURATED = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", 
 ROLE = Qt.ItemDataRole.UserRole
 
 
-def scan_hf_cache(cache_dir: str | None = None) -> list[tuple[str, str]]:
-    """(repo id, snapshot folder) of model repos in the local HF cache that have a config.json."""
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        info = scan_cache_dir(cache_dir)
-    except Exception:  # noqa: BLE001 - no cache, unreadable cache: nothing to list
-        return []
-    out = []
-    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model":
-            continue
-        revs = sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True)
-        for rev in revs:
-            if (Path(rev.snapshot_path) / "config.json").exists():
-                out.append((repo.repo_id, str(rev.snapshot_path)))
-                break
-    return out
-
-
-def describe_download_error(exc: BaseException, repo_id: str) -> str:
-    """A one-line reason for a failed download."""
-    name = exc.__class__.__name__
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if name in ("OfflineModeIsEnabled",) or "offline" in text.lower():
-        return f"Offline: cannot download {repo_id} (HF_HUB_OFFLINE is set). Open a local folder or use the demo."
-    if name in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
-        return f"{repo_id}: not found on the Hub, or it needs a login ({name})."
-    if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "LocalEntryNotFoundError", "MaxRetryError") \
-            or "connect" in text.lower() or "resolve" in text.lower():
-        return f"Offline: cannot reach huggingface.co to download {repo_id}. Open a local folder or use the demo."
-    if name == "DownloadCancelled":
-        return f"Download of {repo_id} cancelled."
-    return f"Download of {repo_id} failed: {name}: {text}"[:300]
-
-
-class DownloadCancelled(Exception):
-    """Raised inside the download's progress callback when the user presses Cancel."""
-
-
-class Downloader(QObject):
-    """Downloads one hub repo (safetensors, configs, tokenizer) on its own thread."""
-
-    progress = Signal(float, str)
-    done = Signal(str)  # local folder
-    failed = Signal(str)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cancelled = threading.Event()
-
-    @Slot(str)
-    def run(self, repo_id: str) -> None:
-        try:
-            from huggingface_hub import snapshot_download
-            from tqdm.auto import tqdm as base_tqdm
-
-            owner = self
-
-            class _Progress(base_tqdm):  # type: ignore[misc, valid-type]
-                def __init__(self, *a: Any, **k: Any) -> None:
-                    k.pop("name", None)
-                    super().__init__(*a, **k)
-
-                def update(self, n: float = 1) -> Any:
-                    if owner.cancelled.is_set():
-                        raise DownloadCancelled()
-                    out = super().update(n)
-                    if self.total:
-                        owner.progress.emit(min(self.n / self.total, 1.0), f"{human_bytes(self.n)} of {human_bytes(self.total)}")
-                    return out
-
-            path = snapshot_download(
-                repo_id,
-                allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja", "*.tiktoken"],
-                tqdm_class=_Progress,
-            )
-            self.done.emit(str(path))
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message
-            self.failed.emit(describe_download_error(exc, repo_id))
-
-
-class ModelsDialog(QDialog):
+class ModelsDialog(HubDownload, QDialog):
     """Pick a model and how to load it. After ``exec()`` returns true, ``spec`` is the choice."""
 
     _start_download = Signal(str)
@@ -155,6 +79,14 @@ class ModelsDialog(QDialog):
         self.list.itemDoubleClicked.connect(lambda *_: self.accept_choice())
         self.open_button = QPushButton("Open folder…")
         self.open_button.clicked.connect(self._open_folder)
+        self.open_file_button = QPushButton("Open GGUF file…")
+        self.open_file_button.clicked.connect(self._open_file)
+        self.add_folder_button = QPushButton("Add models folder…")
+        self.add_folder_button.setToolTip("A folder of models to list here from now on (its GGUF files and model "
+                                          "folders); nothing in it is written")
+        self.add_folder_button.clicked.connect(self._add_models_folder)
+        self.scan_label = QLabel("")
+        self.scan_label.setObjectName("scanState")
         self.draft_button = QPushButton("Use as draft model")
         self.draft_button.setToolTip(CONTROLS["draft_path"].tip + "\nSpeculative decoding uses it from then on "
                                      "(the Speculation tab).")
@@ -207,8 +139,11 @@ class ModelsDialog(QDialog):
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel("<b>Models on this computer</b>"))
         layout.addWidget(self.list, 1)
+        layout.addWidget(self.scan_label)
         row = QHBoxLayout()
         row.addWidget(self.open_button)
+        row.addWidget(self.open_file_button)
+        row.addWidget(self.add_folder_button)
         row.addStretch(1)
         row.addWidget(self.draft_button)
         layout.addLayout(row)
@@ -229,11 +164,16 @@ class ModelsDialog(QDialog):
         layout.addWidget(self.buttons)
 
     # -- the list -------------------------------------------------------------------------------------------
-    def _add(self, text: str, source: str, folder: str | None, tip: str = "") -> QListWidgetItem:
+    def _add(self, text: str, source: str, folder: str | None, tip: str = "", found: Any = None,
+             gguf: str | None = None, row: int | None = None) -> QListWidgetItem:
+        """One line: ``source`` is what loads; ``folder`` a local model folder, ``gguf`` a local GGUF file, ``found``
+        the catalog's ``FoundModel`` (its facts and any problem)."""
         item = QListWidgetItem(text)
-        item.setData(ROLE, {"source": source, "folder": folder})
+        item.setData(ROLE, {"source": source, "folder": folder, "found": found, "gguf": gguf})
         item.setToolTip(tip or source)
-        self.list.addItem(item)
+        if found is not None and found.problem:
+            item.setForeground(self.palette().placeholderText())
+        self.list.insertItem(self.list.count() if row is None else row, item)
         return item
 
     def populate(self, current: Any = None) -> None:
@@ -242,23 +182,44 @@ class ModelsDialog(QDialog):
                           "Karpathy's stories260K (MIT), shipped with KV Scope: 260K parameters, 512-token context")
         self._add(f"{DEMO_LABEL} — gibberish text, real cache, no download", "demo", None,
                   "a seeded random-weight Llama made in code, for shapes no shipped model has")
-        seen = {"demo", BUILTIN_MODEL}
+        self._seen = {"demo", BUILTIN_MODEL}
         for source in self.settings.get("model/recent"):
-            if source in seen:
+            if source in self._seen:
                 continue
-            seen.add(source)
-            folder = source if Path(source).is_dir() else None
-            self._add(f"Recent: {source}", source, folder)
-        cached = scan_hf_cache()
-        for repo_id, folder in cached:
-            if repo_id in seen:
-                continue
-            seen.add(repo_id)
-            self._add(f"HF cache: {repo_id}", repo_id, folder, folder)
-        for repo_id in CURATED:
-            if repo_id not in seen:
-                self._add(f"Suggested (download): {repo_id}", repo_id, None)
+            self._seen.add(source)
+            gguf = source if looks_like_gguf(source) else None
+            folder = source if not gguf and Path(source).is_dir() else None
+            self._add(f"Recent: {source}", source, folder, gguf=gguf)
+        self._suggested = [self._add(f"Suggested (download): {r}", r, None) for r in CURATED if r not in self._seen]
         self.list.setCurrentItem(first)
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Look for models on this computer again (off the GUI thread); their lines come before the suggestions."""
+        self.scan_label.setText("Looking for models on this computer (Hugging Face cache, LM Studio, Ollama, your "
+                                "folders)…")
+        start_scan(list(self.settings.get("model/folders")), self._on_scanned)
+
+    def _on_scanned(self, found: object) -> None:
+        if isinstance(found, str):
+            self.scan_label.setText(found)
+            return
+        for i in reversed(range(self.list.count())):  # a rescan replaces what the last one found
+            c = self.list.item(i).data(ROLE)
+            if c.get("found") is not None:
+                self.list.takeItem(i)
+        row = self.list.row(self._suggested[0]) if self._suggested else self.list.count()
+        for m in found:
+            if m.source in self._seen:
+                continue
+            folder = m.source if m.kind == "folder" else None
+            self._add(item_text(m), m.source, folder, item_tip(m), found=m,
+                      gguf=m.source if m.kind == "gguf" else None, row=row)
+            row += 1
+        usable = sum(1 for m in found if not m.problem)
+        self.scan_label.setText(f"Found {usable} model{'s' if usable != 1 else ''} on this computer"
+                                + (f" ({len(found) - usable} cannot be opened: select one to see why)."
+                                   if len(found) > usable else "."))
 
     def choice(self) -> dict | None:
         item = self.list.currentItem()
@@ -267,10 +228,10 @@ class ModelsDialog(QDialog):
     def choose_draft(self) -> None:
         """The selected local model drafts for speculative decoding (the worker checks its tokenizer)."""
         c = self.choice()
-        if c is None or not (c["folder"] or is_builtin(c["source"])):
+        if c is None or not (c["folder"] or c["gguf"] or is_builtin(c["source"])):
             self.message.setText("A draft model must be on this computer: the built-in model, a folder or the cache.")
             return
-        source = c["source"] if is_builtin(c["source"]) else c["folder"]
+        source = c["source"] if is_builtin(c["source"]) else (c["folder"] or c["gguf"])
         self.draft_chosen.emit(source)
         self.message.setText(f"Draft model for speculative decoding: {source} (the Speculation tab says if it fits).")
 
@@ -283,26 +244,104 @@ class ModelsDialog(QDialog):
         item = self._add(f"Folder: {folder}", folder, folder)
         self.list.setCurrentItem(item)
 
+    def _open_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF file", "", "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.open_file(path)
+
+    def open_file(self, path: str) -> bool:
+        """Add the GGUF file at ``path`` and select it; a file that cannot be opened is not added and the banner
+        says why, in one line."""
+        try:
+            _, info = estimate_gguf(path, self.context.value())
+        except EngineError as e:
+            self.show_problem(str(e))
+            return False
+        item = self._add(f"File: {path} — {info.architecture} · {info.weights_type}", path, None, path, gguf=path)
+        self.list.setCurrentItem(item)
+        return True
+
+    def _add_models_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")
+        if folder:
+            self.add_models_folder(folder)
+
+    def add_models_folder(self, folder: str) -> None:
+        """List the models in ``folder`` from now on (saved in the settings) and look again."""
+        folders = [f for f in self.settings.get("model/folders") if f != folder] + [folder]
+        self.settings.set("model/folders", folders)
+        self.rescan()
+
+    def show_problem(self, line: str) -> None:
+        """The dialog's banner: why the chosen model cannot be opened."""
+        self.message.setText(f"<span style='color:#ff8080'>{html.escape(line, quote=False)}</span>")
+
+    def problem(self) -> str:
+        """Why the selected model cannot be opened ("" when it can, as far as its files tell before loading)."""
+        c = self.choice()
+        if c is None:
+            return ""
+        if c["found"] is not None and c["found"].problem:
+            return c["found"].problem
+        if c["gguf"]:
+            try:
+                estimate_gguf(c["gguf"], self.context.value())
+            except EngineError as e:
+                return str(e)
+        return ""
+
     # -- estimate -------------------------------------------------------------------------------------------
+    def _device(self) -> str:
+        device = self.device.currentData()
+        return "cuda" if device == "auto" and self.environment.get("cuda") else ("cpu" if device == "auto" else device)
+
     def estimate(self) -> MemoryEstimate | None:
         c = self.choice()
         if c is None:
             return None
-        device = self.device.currentData()
-        dev = "cuda" if device == "auto" and self.environment.get("cuda") else ("cpu" if device == "auto" else device)
+        dev, ctx, quant = self._device(), self.context.value(), self.quantization.currentData()
         if c["source"] == "demo":
-            return estimate_demo(self.context.value(), dev)
+            return estimate_demo(ctx, dev)
+        if c["found"] is not None:
+            return estimate_found(c["found"], ctx, quant, dev)
+        if c["gguf"]:
+            try:
+                return estimate_gguf(c["gguf"], ctx, quant, dev)[0]
+            except EngineError:
+                return None
         if c["folder"]:
             try:
-                return estimate_folder(c["folder"], self.context.value(), self.quantization.currentData(), dev)
+                return estimate_folder(c["folder"], ctx, quant, dev)
             except (OSError, ValueError):
                 return None
         return None
 
+    def _gguf_words(self) -> str:
+        """The line under the estimate of a GGUF: its weights are dequantized when loaded."""
+        c = self.choice()
+        if c is None or not c["gguf"]:
+            return ""
+        m = c["found"]
+        if m is None:
+            try:
+                _, m = estimate_gguf(c["gguf"], self.context.value())
+            except EngineError:
+                return ""
+        return dequantized_words(m.weights_type, m.size_bytes, m.quantized, self._device(),
+                                 self.quantization.currentData())
+
     def _update_estimate(self) -> None:
-        est = self.estimate()
+        problem = self.problem()
+        if problem:
+            self.show_problem(problem)
+            self._problem_shown = True
+        elif getattr(self, "_problem_shown", False):
+            self.message.setText("")
+            self._problem_shown = False
+        est = None if problem else self.estimate()
         if est is None:
-            self.estimate_label.setText("Estimate: not available until the model's files are on this computer.")
+            self.estimate_label.setText("Estimate: not available until the model's files are on this computer."
+                                        if not problem else "Estimate: not available (this model cannot be opened).")
             return
         text = (f"Estimate: weights <b>{human_bytes(est.weights_bytes)}</b> + KV cache <b>{human_bytes(est.kv_bytes)}</b> "
                 f"at {est.context} tokens ({human_bytes(est.kv_bytes_per_token)}/token) = "
@@ -323,62 +362,10 @@ class ModelsDialog(QDialog):
                          "try 8-bit/4-bit weights, a shorter context, or the CPU.</span>")
         elif on_cuda:
             text += "<br>GPU memory is known once the engine has started."
+        words = self._gguf_words()
+        if words:
+            text += f"<br>{html.escape(words, quote=False)}"
         self.estimate_label.setText(text)
-
-    # -- download -------------------------------------------------------------------------------------------
-    def download(self) -> None:
-        repo_id = self.hub_id.text().strip()
-        if not repo_id:
-            c = self.choice()
-            repo_id = c["source"] if c and not c["folder"] and c["source"] != "demo" else ""
-        if not repo_id or "/" not in repo_id:
-            self.message.setText("Type a hub id such as owner/name.")
-            return
-        self._thread = QThread()
-        self._downloader = Downloader()
-        self._downloader.moveToThread(self._thread)
-        self._start_download.connect(self._downloader.run)
-        self._downloader.progress.connect(self._on_download_progress)
-        self._downloader.done.connect(self._on_downloaded)
-        self._downloader.failed.connect(self._on_download_failed)
-        self._thread.start()
-        self.download_bar.setVisible(True)
-        self.download_bar.setRange(0, 0)
-        self.download_button.setEnabled(False)
-        self.cancel_download_button.setEnabled(True)
-        self.message.setText(f"Downloading {repo_id}…")
-        self._repo = repo_id
-        self._start_download.emit(repo_id)
-
-    def cancel_download(self) -> None:
-        if self._downloader is not None:
-            self._downloader.cancelled.set()
-            self.message.setText("Cancelling…")
-
-    def _on_download_progress(self, fraction: float, text: str) -> None:
-        self.download_bar.setRange(0, 1000)
-        self.download_bar.setValue(int(fraction * 1000))
-        self.message.setText(f"Downloading {self._repo}: {text}")
-
-    def _on_downloaded(self, folder: str) -> None:
-        self._end_download()
-        self.message.setText(f"Downloaded {self._repo}.")
-        item = self._add(f"HF cache: {self._repo}", self._repo, folder, folder)
-        self.list.setCurrentItem(item)
-
-    def _on_download_failed(self, message: str) -> None:
-        self._end_download()
-        self.message.setText(f"<span style='color:#ff8080'>{message}</span>")
-
-    def _end_download(self) -> None:
-        self.download_bar.setVisible(False)
-        self.download_button.setEnabled(True)
-        self.cancel_download_button.setEnabled(False)
-        if self._thread is not None:
-            self._thread.quit()
-            self._thread.wait(5000)
-            self._thread = None
-        self._start_download.disconnect()
 
     def done(self, result: int) -> None:  # noqa: D401 - Qt override
         if self._downloader is not None:
@@ -393,8 +380,12 @@ class ModelsDialog(QDialog):
         c = self.choice()
         if c is None:
             return
+        problem = self.problem()  # "can I?" first: a bad file is said here, the dialog stays open
+        if problem:
+            self.show_problem(problem)
+            return
         # the built-in model by name, so the settings do not keep this installation's path
-        source = c["source"] if is_builtin(c["source"]) else (c["folder"] or c["source"])
+        source = c["source"] if is_builtin(c["source"]) else (c["folder"] or c["gguf"] or c["source"])
         try:
             if source == "demo":
                 self.spec = ModelSpec(source="demo", device=self.device.currentData())

@@ -104,5 +104,14 @@ def estimate_folder(folder: str | Path, context: int, quantization: str = "none"
     return estimate(config, weights, context, quantization, device)
 
 
+def estimate_gguf(path: str | Path, context: int, quantization: str = "none", device: str = "cpu"):
+    """``(estimate, header facts)`` of a GGUF file, from its header (weights as loaded: dequantized). Raises the
+    engine's one-line ``EngineError`` for a file that cannot be opened."""
+    from engine.model.gguf_file import read_gguf
+
+    info = read_gguf(path)
+    return estimate(info.config(), info.n_params * 4, context, quantization, device), info
+
+
 def estimate_demo(context: int, device: str = "cpu") -> MemoryEstimate:
     return estimate(DEMO, DEMO_WEIGHTS_BYTES, context, "none", device)

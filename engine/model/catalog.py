@@ -187,7 +187,7 @@ def _folder(store: Store, folder: Path, root: Path, name: str) -> FoundModel | N
     total = sum(_size(p) for p in folder.iterdir() if inside(p, root)) if folder.is_dir() else 0
     arch = (cfg.get("architectures") or [cfg.get("model_type") or ""])[0] if isinstance(cfg.get("architectures"), list) \
         else str(cfg.get("model_type") or "")
-    problem = "" if weights else f"no .safetensors weights in {folder.name}"
+    problem = "" if weights else f"no .safetensors weights in {name}"
     return FoundModel(store, name, str(folder), "folder", total, str(arch),
                       int(text.get("max_position_embeddings") or 0),
                       str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or ""), False,

@@ -226,7 +226,7 @@ def test_models_dialog_lists_the_built_in_models_and_estimates(qtbot, data_dir, 
 
 
 def test_hf_cache_scan_lists_model_snapshots(tmp_path):
-    from app.models.dialog import scan_hf_cache
+    from engine.model.catalog import Store, scan
 
     repo = tmp_path / "hub" / "models--someone--tiny-llm"
     snap = repo / "snapshots" / "0123abcd"
@@ -238,8 +238,10 @@ def test_hf_cache_scan_lists_model_snapshots(tmp_path):
     blob.write_text("{}")
     (snap / "config.json").symlink_to(blob)
     (tmp_path / "hub" / "models--other--no-config" / "snapshots" / "1").mkdir(parents=True)
-    assert scan_hf_cache(str(tmp_path / "hub")) == [("someone/tiny-llm", str(snap))]
-    assert scan_hf_cache(str(tmp_path / "missing")) == []
+    found = scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert [(m.store, m.name, m.source) for m in found] == [(Store.HF_CACHE, "someone/tiny-llm", str(snap))]
+    assert found[0].problem == "no .safetensors weights in someone/tiny-llm"
+    assert scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "missing")}) == []
 
 
 def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):
