@@ -3,8 +3,8 @@
 Two default arrangements, chosen by the window's width when it is laid out (View ▸ Reset layout):
 
 * **compact** (laptops, under ``WIDE_PX``): chats above a tab group of cache policy / speculation / sampling / model on
-  the left, the chat in the middle, and two tab groups of panels on the right (occupancy / page map above,
-  timing / memory / why recomputed below). Nothing is squeezed below its size hint at 1280×720.
+  the left, the chat in the middle — the widest column — and two tab groups of panels on the right (occupancy / page
+  map above, timing / memory / why recomputed below). Nothing is squeezed below its size hint at 1280×720.
 * **wide**: the same left column, and the four panels in a 2×2 grid on the right (none behind a tab; the "Why
   recomputed?" readout is a tab behind the timing panel, brought forward by a reply footer's "Why?").
 
@@ -30,6 +30,10 @@ WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
 REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
 DEFAULT_SIZE = QSize(1600, 960)
 SMALL_SCREEN_PX = 1280  # a screen narrower than this gets the whole of its free area
+# Compact: the chat takes 40% of the window and never less than the left column (at 1024 px: chat 381, panels 262;
+# at 1280×720's 1177 px: chat 471, panels 325 — the panels took 37% and left the chat 340-400 px, the narrowest part)
+CHAT_SHARE = 0.40
+PANELS_MIN_PX = 240
 
 
 def initial_size(window: QWidget) -> QSize:
@@ -158,8 +162,9 @@ class DockLayout:
             w.resizeDocks([d["chats"], d["occupancy"], d["page_map"]], [left, int(W * 0.21), int(W * 0.21)], H)
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
             w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
-        else:
-            w.resizeDocks([d["chats"], d["occupancy"]], [left, int(W * 0.37)], H)
+        else:  # the chat is what a laptop's screen is for: at least 40% and wider than the left column
+            chat = max(left + 12, int(W * CHAT_SHARE))
+            w.resizeDocks([d["chats"], d["occupancy"]], [left, max(PANELS_MIN_PX, W - left - chat - 12)], H)
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         self._fitted = w.size()
 

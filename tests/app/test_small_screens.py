@@ -1,6 +1,7 @@
 """A 1024×768 screen, as a user saw it: the window takes the whole of a small screen's free area, and a timing panel
 narrower than its bars and curves need gives the prefill bars' room to the curves (they were ~50 px wide, their
-axis labels cut: "ms / toker", "token i"); wider again, the bars come back."""
+axis labels cut: "ms / toker", "token i"); wider again, the bars come back. The chat is the widest column there
+(#31: it was the narrowest, 340-400 px against the panels' ~470)."""
 
 from __future__ import annotations
 
@@ -53,5 +54,12 @@ def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, mon
         w.docks["timing"].raise_()
         qtbot.waitUntil(lambda: w.timing.latency_plot.width() > 200, timeout=5000)
         assert cut_captions(w) == []
+        for size in (QSize(1024, 740), QSize(1177, 662)):  # the whole of 1024×768, 92% of 1280×720
+            w.resize(size)
+            qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)
+            qtbot.wait(50)
+            chat, left, panels = w.chat.width(), w.docks["controls"].width(), w.docks["occupancy"].width()
+            assert chat >= left and chat > panels and chat >= 0.38 * size.width(), (size, chat, left, panels)
+            assert w.timing.latency_plot.width() > 200 and cut_captions(w) == []
     finally:
         close_window(w)
