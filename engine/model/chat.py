@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 ROLES = ("system", "user", "assistant")
@@ -91,18 +92,43 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text)["input_ids"]]
 
 
+_BYTE_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def byte_tokens(tokenizer) -> dict[int, int]:
+    """id -> byte of a byte-fallback vocabulary's byte tokens (``<0x41>``: Llama 2, Mistral, Gemma's sentencepiece
+    models); empty for byte-level BPE (GPT-2, Llama 3, Qwen), whose every token is bytes. Once per tokenizer."""
+    try:
+        return _BYTE_TOKENS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = {i: int(t[3:5], 16) for t, i in tokenizer.get_vocab().items()
+           if len(t) == 6 and t.startswith("<0x") and t[5] == ">" and all(c in "0123456789ABCDEFabcdef" for c in t[3:5])}
+    try:
+        _BYTE_TOKENS[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
+
+
 class StreamDecoder:
-    """Incremental detokenization that never emits half a UTF-8 character.
+    """Incremental detokenization that never emits half a UTF-8 character, and writes exactly the text a decode
+    of the whole reply gives.
 
     Decodes a short window of ids (vLLM's prefix/read offsets): the text of ``ids[prefix:]`` minus the
     text of ``ids[prefix:read]`` is new. Only its end is held back while it is U+FFFD (an incomplete byte
     sequence: up to 3 bytes of a character) and released once the next token completes it; the text before
-    goes out at once, so a stream of byte tokens is not held until the reply ends.
+    goes out at once, so a stream of byte tokens is not held until the reply ends. A byte-fallback run
+    (``<0x73><0x1D><0xBF>…``) is held until a token that is not a byte ends it: the tokenizer decodes a run that
+    is not valid UTF-8 as one U+FFFD per byte, its valid start included, so text sent early ("s\x1d") would differ
+    from the reply's text as the chat template renders it again — and the next turn's prompt would leave the
+    cache there (``engine.model.splice``).
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self._byte_ids = byte_tokens(tokenizer)
         self.ids: list[int] = []  # the window's ids only: those before ``_prefix`` are dropped (see ``_trim``)
         self._prefix = 0
         self._read = 0
@@ -116,7 +142,12 @@ class StreamDecoder:
         self.ids.append(int(token_id))
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         new_text = self._decode(self.ids[self._prefix:])
-        held = new_text.endswith("\ufffd")
+        run = len(self.ids)  # where a byte-fallback run at the end starts
+        while run > self._read and self.ids[run - 1] in self._byte_ids:
+            run -= 1
+        held = run < len(self.ids) or new_text.endswith("\ufffd")
+        if run < len(self.ids):  # the text before the run only: the run's is known when it ends
+            new_text = self._decode(self.ids[self._prefix:run])
         ready = new_text.rstrip("\ufffd") if held else new_text
         start = len(prefix_text) + self._sent
         delta = ready[start:] if len(ready) > start else ""

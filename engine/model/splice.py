@@ -40,13 +40,40 @@ def _text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def _longest_text_prefix(tokenizer, fed: Sequence[int], lo: int, target: str) -> int:
-    """The largest ``m >= lo`` (``lo`` known good) with ``text(fed[:m])`` a prefix of ``target``: a binary search,
-    since a longer start of the ids spells a longer text."""
-    hi = len(fed)
+def _cuts(tokenizer, fed: Sequence[int], lo: int) -> list[int]:
+    """The ``m >= lo`` where ``fed`` may be cut: between tokens, but inside a run of byte-fallback tokens only
+    between two characters of a run that is UTF-8 — a run that is not decodes as one U+FFFD per byte, its valid
+    start included, so its text is known only whole (``engine.model.chat.byte_tokens``)."""
+    from engine.model.chat import byte_tokens
+
+    b, n, out, m = byte_tokens(tokenizer), len(fed), [], lo
+    while m <= n:
+        out.append(m)
+        if m < n and fed[m] in b and m > lo and fed[m - 1] in b:  # m is inside a run: drop it unless it may be cut
+            out.pop()
+        if m < n and fed[m] in b:  # the run from m: its inner cuts, then its end
+            end = m
+            while end < n and fed[end] in b:
+                end += 1
+            raw = bytes(b[i] for i in fed[m:end])
+            try:
+                raw.decode("utf-8")
+                out += [m + k for k in range(1, end - m) if (raw[k] & 0xC0) != 0x80]  # a character starts at k
+            except UnicodeDecodeError:
+                pass
+            m = end
+            continue
+        m += 1
+    return out
+
+
+def _longest_text_prefix(tokenizer, fed: Sequence[int], cuts: list[int], target: str) -> int:
+    """The index in ``cuts`` of the largest cut ``m`` (``cuts[0]`` known good) with ``text(fed[:m])`` a prefix of
+    ``target``: a binary search, since a longer start of the ids (cut between characters) spells a longer text."""
+    lo, hi = 0, len(cuts) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if target.startswith(_text(tokenizer, fed[:mid])):
+        if target.startswith(_text(tokenizer, fed[:cuts[mid]])):
             lo = mid
         else:
             hi = mid - 1
@@ -55,16 +82,17 @@ def _longest_text_prefix(tokenizer, fed: Sequence[int], lo: int, target: str) ->
 
 def _boundary(tokenizer, ids: Sequence[int], lo: int, text: str) -> int:
     """The ``j >= lo`` with ``text(ids[:j]) == text``, or -1: where the new prompt's own ids spell ``text``."""
-    lo_, hi = lo, len(ids)
-    while lo_ < hi:  # the first j whose text is at least as long
-        mid = (lo_ + hi) // 2
-        if len(_text(tokenizer, ids[:mid])) < len(text):
-            lo_ = mid + 1
+    cuts = _cuts(tokenizer, ids, lo)
+    a, b = 0, len(cuts)
+    while a < b:  # the first cut whose text is at least as long
+        mid = (a + b) // 2
+        if len(_text(tokenizer, ids[:cuts[mid]])) < len(text):
+            a = mid + 1
         else:
-            hi = mid
-    for j in (lo_, lo_ + 1):  # a byte-level token may leave half a character: the next one completes it
-        if j <= len(ids) and _text(tokenizer, ids[:j]) == text:
-            return j
+            b = mid
+    for k in (a, a + 1):  # a byte-level token may leave half a character: the next one completes it
+        if k < len(cuts) and _text(tokenizer, ids[:cuts[k]]) == text:
+            return cuts[k]
     return -1
 
 
@@ -77,8 +105,10 @@ def splice(tokenizer, fed: Sequence[int], ids: Sequence[int], tries: int = 4) ->
     if tokenizer is None or common >= len(fed) or common >= len(ids) - 1:
         return Splice(ids, common, common)
     target = _text(tokenizer, ids)
-    m = _longest_text_prefix(tokenizer, fed, common, target)
+    cuts = _cuts(tokenizer, fed, common)
+    at = _longest_text_prefix(tokenizer, fed, cuts, target)
     for _ in range(tries):
+        m = cuts[at]
         if m <= common:
             break
         j = _boundary(tokenizer, ids, common, _text(tokenizer, fed[:m]))
@@ -86,5 +116,5 @@ def splice(tokenizer, fed: Sequence[int], ids: Sequence[int], tries: int = 4) ->
             out = [int(t) for t in fed[:m]] + ids[j:]
             if len(out) > m and _text(tokenizer, out) == target:  # one token at least is left to feed
                 return Splice(out, m, common)
-        m -= 1
+        at -= 1
     return Splice(ids, common, common)
