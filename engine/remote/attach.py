@@ -17,7 +17,7 @@ from engine.remote.budget import fit
 from engine.remote.client import ContextRefused, RemoteClient, RemoteError, Reply
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note
-from engine.remote.why import Before, fates, message_change, remote_account
+from engine.remote.why import Before, account_dict, fates, message_change, remote_account
 from engine.tools.inputs import read_json
 
 JOIN_S = 0.3  # a ZMQ subscriber misses what is published before its connection is up ("slow joiner")
@@ -202,6 +202,8 @@ def run_attach(a) -> int:
                               f"{malformed_text(eng.view.malformed, eng.view.problem)}")
         eng.refresh()
         out = report(eng, reply, model)
+        account = eng.account(reply, messages=messages, model=model) if reply is not None else None
+        out["cache"] = account_dict(account) if account is not None else None  # why the prompt was recomputed
     finally:
         eng.close()
     text = json.dumps(out, indent=1)
@@ -255,6 +257,10 @@ def _human(out: dict) -> str:
                  f"stored, {e['removed']} removed, {e['gaps']} missed, {e['malformed']} malformed; prefix cache "
                  f"{out['prefix_cache']['hits']:.0f} of {out['prefix_cache']['queries']:.0f} tokens hit; KV usage "
                  f"{out['kv_usage']:.1%}")
+    if out.get("cache"):
+        c = out["cache"]
+        lines.append(f"prompt: {c['reused']:,} of {c['prompt']:,} tokens reused, {c['recomputed']:,} recomputed"
+                     + "".join(f"\n  {m['start']:,}–{m['end']:,} {m['reason']}: {m['detail']}" for m in c["misses"]))
     if out["note"]:
         lines.append(f"note: {out['note']}")
     return "\n".join(lines)

@@ -171,6 +171,9 @@ def test_attach_cli_reports_json_and_refuses_bad_servers(events_server, capsys):
     assert rc == 0 and out["block_size"] == P and out["usage"]["completion_tokens"] == 20
     assert out["chat_blocks"] == (out["chat_tokens"] - 1) // P and out["ttft_ms"] > 0
     assert set(out["events"]) >= {"stored", "removed", "cleared", "gaps"} and "hits" in out["prefix_cache"]
+    c = out["cache"]  # why the prompt was recomputed, from the server's events: as the API's account
+    assert c["prompt"] == out["usage"]["prompt_tokens"] and c["reused"] + c["recomputed"] + c["dropped"] == c["prompt"]
+    assert c["misses"] and c["misses"][-1]["end"] == c["prompt"] and {m["reason"] for m in c["misses"]} <= {"new"}
     for argv, says in [([url, "--api-key", "wrong"], "refused the API key (401)"),
                        ([f"http://127.0.0.1:{free_port()}"], "refused the connection"),
                        (["ftp://x"], "not a server address")]:
