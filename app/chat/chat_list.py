@@ -53,6 +53,7 @@ class ChatList(QListWidget):
         self.setObjectName("ChatList")
         self._filling = False
         self.busy: int | None = None  # the chat whose reply is being written (shown as "replying…")
+        self.model = ""  # the model loaded now: a chat another model wrote is marked with that model's name
         self._chats: list[Chat] = []
         self._current: int | None = None
         self.currentItemChanged.connect(self._on_current)
@@ -71,16 +72,25 @@ class ChatList(QListWidget):
             self.busy = chat_id
             self.set_chats(self._chats, self._current)
 
+    def set_model(self, name: str) -> None:
+        """The model loaded now (chats another model wrote are marked with theirs)."""
+        if name != self.model:
+            self.model = name
+            self.set_chats(self._chats, self._current)
+
     def set_chats(self, chats: list[Chat], current_id: int | None) -> None:
         self._filling = True
         self._chats, self._current = list(chats), current_id
         self.clear()
         titles = display_titles(chats)
         for chat in chats:
-            item = QListWidgetItem(titles[chat.id] + (REPLYING if chat.id == self.busy else ""))
+            other = chat.model_name if self.model and chat.model_name not in ("", self.model) else ""
+            item = QListWidgetItem(titles[chat.id] + (f" · {other}" if other else "")
+                                   + (REPLYING if chat.id == self.busy else ""))
             item.setData(Qt.ItemDataRole.UserRole, chat.id)
             started = time.strftime("%Y-%m-%d %H:%M", time.localtime(chat.created))
-            item.setToolTip(f"{chat.title}\nstarted {started}")
+            written = f"\nwritten by {chat.model_name}" if chat.model_name else ""
+            item.setToolTip(f"{chat.title}\nstarted {started}{written}")
             self.addItem(item)
             if chat.id == current_id:
                 self.setCurrentItem(item)

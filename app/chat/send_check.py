@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject
 
+from app.chat.model_tie import ModelTie
 from app.shell.glossary import MODES, OVERFLOWS
 from engine.config import CacheConfig
 
@@ -44,6 +45,7 @@ class SendCheck(QObject):
         self._warned: tuple[str, str, int, int] | None = None  # the notice shown, its text, tokens and context
         engine.worker.measured.connect(self._on_measured)
         engine.worker.applied.connect(self._on_applied)
+        self.tie = ModelTie(conversation, pane)  # a chat written by another model asks first
 
     def _evicts(self) -> bool:
         """The cache makes room itself (as ``ChatSession`` decides: an eviction policy or an overflow mode
@@ -51,7 +53,10 @@ class SendCheck(QObject):
         return self._cache().evicts_to_fit
 
     def fits(self, text: str) -> bool:
-        """True: send now. False: the count was asked for; ``_on_measured`` sends or warns."""
+        """True: send now. False: held — the chat was written by another model (``ModelTie`` asks), or the count
+        was asked for (``_on_measured`` sends or warns)."""
+        if self.tie.holds(text):
+            return False
         ctx = self.context_length
         if ctx <= 0 or self._evicts():
             return True

@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS chats (
     system_prompt TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
     updated REAL NOT NULL,
-    server TEXT NOT NULL DEFAULT ''
+    server TEXT NOT NULL DEFAULT '',
+    model TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -35,10 +36,11 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, position);
 """
-CHAT_COLUMNS = "id, title, system_prompt, created, updated, server"
-# A file written before remote chats were saved has no ``server`` column: read as local chats, and a writable
-# one gets the column (``ALTER TABLE ... ADD COLUMN`` rewrites nothing: old rows read its default).
-_OLD_CHAT_COLUMNS = "id, title, system_prompt, created, updated, '' AS server"
+CHAT_COLUMNS = "id, title, system_prompt, created, updated, server, model"
+# Columns added since the first files: ``server`` (remote chats), ``model`` (the model that wrote a chat). A file
+# without one reads it as '' (a local chat, its model not known), and a writable one gets the column (``ALTER TABLE
+# ... ADD COLUMN`` rewrites nothing: old rows read its default), so an older app still opens the file.
+ADDED_COLUMNS = ("server", "model")
 MESSAGE_COLUMNS = "id, chat_id, position, role, content, stats, created"
 
 # quick_check reads every page: 14 ms for a 5.5 MB history of 20,000 messages here (2.5 ms/MB), so a file up
@@ -85,8 +87,10 @@ def open_writable(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA foreign_keys=ON")
         db.executescript(SCHEMA)
         _check(db, path)
-        if not _has_server(db):
-            db.execute("ALTER TABLE chats ADD COLUMN server TEXT NOT NULL DEFAULT ''")
+        have = _columns(db)
+        for column in ADDED_COLUMNS:
+            if column not in have:
+                db.execute(f"ALTER TABLE chats ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
         # SQLite opens a read-only file without a word and fails only at the first write: write one now.
         version = db.execute("PRAGMA user_version").fetchone()[0]
         db.execute(f"PRAGMA user_version={int(version)}")
@@ -157,15 +161,18 @@ def next_ids(db: sqlite3.Connection) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def _has_server(db: sqlite3.Connection) -> bool:
-    return any(row[1] == "server" for row in db.execute("PRAGMA table_info(chats)"))
+def _columns(db: sqlite3.Connection) -> set[str]:
+    return {row[1] for row in db.execute("PRAGMA table_info(chats)")}
 
 
 def _chat_columns(db: sqlite3.Connection) -> str:
+    """``CHAT_COLUMNS`` as this file can give them (a column it lacks read as '')."""
     try:
-        return CHAT_COLUMNS if _has_server(db) else _OLD_CHAT_COLUMNS
+        have = _columns(db)
     except sqlite3.Error:  # a schema that cannot be read: the scan itself says what is wrong
         return CHAT_COLUMNS
+    return ", ".join(c if c in have or c not in ADDED_COLUMNS else f"'' AS {c}"
+                     for c in CHAT_COLUMNS.split(", "))
 
 
 def read_chats(db: sqlite3.Connection) -> list[tuple]:
@@ -286,7 +293,7 @@ def write_all(db: sqlite3.Connection, chats: Iterable[tuple], messages: Iterable
     try:
         db.execute("DELETE FROM messages")
         db.execute("DELETE FROM chats")
-        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", chats)
+        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", chats)
         db.executemany(f"INSERT INTO messages({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", messages)
         db.execute("COMMIT")
     except BaseException:

@@ -26,7 +26,9 @@ class Message:
 @dataclass(frozen=True)
 class Chat:
     """One stored chat (without its messages). ``server``: '' for a chat with this app's engine; for a remote
-    chat, JSON {"url", "model", "events"} of the server its replies came from (never its API key)."""
+    chat, JSON {"url", "model", "events"} of the server its replies came from (never its API key). ``model``: a
+    local chat's model, JSON {"name", "source"} of the one that wrote its last reply ('' before its first, or in a
+    file written before chats kept it)."""
 
     id: int
     title: str
@@ -34,6 +36,16 @@ class Chat:
     created: float
     updated: float
     server: str = ""
+    model: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The name of the model that wrote this local chat ('' when not known)."""
+        try:
+            found = json.loads(self.model) if self.model else {}
+        except ValueError:
+            return ""
+        return str(found.get("name") or "") if isinstance(found, dict) else ""
 
     @property
     def remote(self) -> dict[str, str] | None:
@@ -49,7 +61,7 @@ class Chat:
         return {k: str(found.get(k) or "") for k in ("url", "model", "events")}
 
     def row(self) -> tuple:
-        return (self.id, self.title, self.system_prompt, self.created, self.updated, self.server)
+        return (self.id, self.title, self.system_prompt, self.created, self.updated, self.server, self.model)
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,12 @@ class HistoryStore(Recovery):
             self._chats[chat_id] = replace(self._chats[chat_id], server=server)
             self._write("UPDATE chats SET server = ? WHERE id = ?", (server, chat_id))
 
+    def set_model(self, chat_id: int, model: str) -> None:
+        """The model that writes this local chat's replies now (``Chat.model``)."""
+        if chat_id in self._chats and model != self._chats[chat_id].model:
+            self._chats[chat_id] = replace(self._chats[chat_id], model=model)
+            self._write("UPDATE chats SET model = ? WHERE id = ?", (model, chat_id))
+
     def delete_chat(self, chat_id: int) -> None:
         self._chats.pop(chat_id, None)
         for m in self._messages.pop(chat_id, []):

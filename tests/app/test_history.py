@@ -181,6 +181,26 @@ def test_a_history_from_before_remote_chats_gets_the_column_and_keeps_its_chats(
     assert rows == [(1, ""), (remote.id, SERVER)]
 
 
+def test_a_history_from_before_chats_kept_their_model_gets_the_column(tmp_path):
+    """#31: a chat is tied to the model that wrote it. A file with a ``server`` column but no ``model`` one (the
+    last schema) opens writable, gains the column (its chats: model not known), and keeps a model set after."""
+    path = tmp_path / "h.sqlite3"
+    db = sqlite3.connect(str(path))
+    db.executescript(OLD_SCHEMA.replace("updated REAL NOT NULL)", "updated REAL NOT NULL, server TEXT NOT NULL "
+                                        "DEFAULT '')"))
+    db.execute("INSERT INTO chats VALUES (1, 'a story', '', 1.0, 2.0, '')")
+    db.commit()
+    db.close()
+    store = HistoryStore(path)
+    (chat,) = store.chats()
+    assert store.writable and chat.model == "" and chat.model_name == ""
+    store.set_model(chat.id, '{"name": "stories260K", "source": "stories260K"}')
+    store.close()
+    again = HistoryStore(path)
+    assert again.chat(1).model_name == "stories260K" and again.chat(1).title == "a story"
+    again.close()
+
+
 def test_an_old_read_only_history_reads_as_local_chats(tmp_path):
     path = tmp_path / "h.sqlite3"
     _old_file(path)
@@ -188,8 +208,8 @@ def test_an_old_read_only_history_reads_as_local_chats(tmp_path):
 
     db = hdb.open_read_only(path)
     try:
-        assert hdb.read_chats(db) == [(1, "old chat", "sys", 1.0, 2.0, "")]
-        assert hdb.salvage(db)[0] == [(1, "old chat", "sys", 1.0, 2.0, "")]
+        assert hdb.read_chats(db) == [(1, "old chat", "sys", 1.0, 2.0, "", "")]
+        assert hdb.salvage(db)[0] == [(1, "old chat", "sys", 1.0, 2.0, "", "")]
     finally:
         db.close()
 
