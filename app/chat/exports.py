@@ -8,14 +8,17 @@ and every failure to write becomes a message, never an exception.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from PySide6.QtCore import QStandardPaths
-from PySide6.QtWidgets import QFileDialog, QWidget
+from PySide6.QtCore import QStandardPaths, QUrl
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import QApplication, QFileDialog, QWidget
 
 from app.history.store import HistoryStore
 from app.settings.store import Settings
+from app.shell.docks import on_screen
 from app.shell.status_bar import StatusBar
 from app.panels.trace import CacheTrace
 
@@ -35,6 +38,26 @@ def unique_path(path: Path) -> Path:
         candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
         n += 1
     return candidate
+
+
+@contextmanager
+def in_front(panel: QWidget, docks: dict) -> Iterator[None]:
+    """``panel``'s dock brought in front of its tab group (and laid out) for as long as the block runs; the dock
+    that was in front comes back after."""
+    dock = next((d for d in docks.values() if d.widget() is panel or d.isAncestorOf(panel)), None)
+    if dock is None or on_screen(panel):
+        yield
+        return
+    window = dock.parentWidget()
+    group = [d for d in window.tabifiedDockWidgets(dock)] if hasattr(window, "tabifiedDockWidgets") else []
+    shown = next((d for d in group if d.widget() is not None and on_screen(d.widget())), None)
+    dock.raise_()
+    QApplication.processEvents()  # its page laid out at the group's size before the picture
+    try:
+        yield
+    finally:
+        if shown is not None:
+            shown.raise_()
 
 
 def safe_name(title: str) -> str:
@@ -69,7 +92,7 @@ class Exporter:
         try:
             write(path)
             self._remember(path)
-            self.status.message(f"Wrote {what} to {path}", 6000)
+            self._saved(f"Saved {what} as {path}.", Path(path).parent)
         except OSError as exc:
             self._show_error(f"Could not write {path}: {exc}")
 
@@ -86,7 +109,9 @@ class Exporter:
             self._write(path, write, f"the cache trace ({len(self.trace)} steps)")
 
     def export_panels(self, folder: str | Path) -> list[Path]:
-        """Save every panel as ``kvscope-<panel>-<time>.png`` in ``folder`` (never over an existing file)."""
+        """Save every panel as ``kvscope-<panel>-<time>.png`` in ``folder`` (never over an existing file), each as it
+        looks in front: a panel behind a tab is brought forward for its picture (Qt never lays out a hidden tab's
+        page: the Memory panel came out 119×264, its labels over its bar), then the tab shown before comes back."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -94,20 +119,31 @@ class Exporter:
         for panel in self.panels:
             name = panel.objectName().lower().replace("panel", "")
             path = unique_path(folder / f"kvscope-{name}-{stamp}.png")
-            if panel.export_png(str(path)):
-                out.append(path)
+            with in_front(panel, getattr(self.parent, "docks", {})):
+                if panel.export_png(str(path)):
+                    out.append(path)
         return out
 
     def export_pngs(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self.parent, "Export the panels as PNG into…", str(self.start_dir()))
+        folder = QFileDialog.getExistingDirectory(
+            self.parent, "Choose a folder for the panel pictures (one PNG file per panel)", str(self.start_dir()))
         if folder:
             try:
                 paths = self.export_panels(folder)
                 self._remember(folder)
-                names = ", ".join(p.name for p in paths)
-                self.status.message(f"Saved {len(paths)} panel pictures in {folder}: {names}", 12000)
+                self._saved(f"Saved {len(paths)} panel pictures (PNG) in {folder}: "
+                            f"{', '.join(p.name for p in paths)}.", folder)
             except OSError as exc:
                 self._show_error(f"Could not write the PNG files: {exc}")
+
+    def _saved(self, text: str, folder: str | Path) -> None:
+        """Say where an export went, in the message area (it stays until the next message), with the folder a
+        click away; the status bar says it too."""
+        self.status.message(text.splitlines()[0], 12000)
+        open_folder = lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder)))  # noqa: E731
+        notice = getattr(self.parent, "chat", None)
+        if notice is not None:
+            notice.notice.show_message(text, [("Open folder", open_folder)], tone="info")
 
     def export_chat_markdown(self, path: str | Path) -> Path:
         """Write the open chat as Markdown (messages, and each reply's stats and cache line)."""

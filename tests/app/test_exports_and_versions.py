@@ -1,5 +1,5 @@
-"""Issue #19 item 13 on the real window (stories260K): Panels as PNG says where it saved and leaves the ⟲ / ?
-buttons out; the cache trace of a chat survives a switch to another chat; Edit & resend keeps the old reply as
+"""Issue #19 item 13 on the real window (stories260K): Panels as PNG asks for a folder in so many words, says where it
+saved (#31) and leaves the ⟲ / ? buttons out, panels behind a tab at their size in front; the cache trace of a chat survives a switch to another chat; Edit & resend keeps the old reply as
 a version; precision and policy switches made mid-reply are named in the reply's footer."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from app_helpers import GREEDY, close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog
 
+from app.shell.docks import on_screen
+
 from engine.config import SamplingConfig
 
 
@@ -17,21 +19,34 @@ def test_panels_as_png_say_where_and_leave_the_buttons_out(qtbot, data_dir, stor
     w = open_window(qtbot, data_dir, str(stories_path))
     folder = tmp_path / "png"
     folder.mkdir()
-    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    asked = []
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda _parent, title, *a, **k: asked.append(title)
+                        or str(folder))
     try:
         w.send("Once upon a time")
         wait_reply(qtbot, w)
         qtbot.wait(100)
         panel = w.occupancy
         shown = panel.grab().toImage()
+        in_front = {k for k, d in w.docks.items() if on_screen(d.widget())}
         w.exporter.export_pngs()  # File ▸ Export ▸ Panels as PNG…
+        assert asked == ["Choose a folder for the panel pictures (one PNG file per panel)"]  # it says it wants a folder
         message = w.statusBar().currentMessage()
         files = sorted(folder.glob("kvscope-*.png"))
         assert len(files) == 6  # the five panels and the "Why recomputed?" readout
         assert str(folder) in message and all(f.name in message for f in files)
-        assert panel.fit_button.isVisible() and panel.help_button.isVisible()  # back on screen
+        # and it stays said above the chat, with the folder a click away
+        assert w.chat.notice.text.startswith(f"Saved 6 panel pictures (PNG) in {folder}: kvscope-")
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Open folder"]
         from PySide6.QtGui import QImage
 
+        # panels behind a tab are pictured as they look in front (Memory came out 119×264, its labels over its bar)
+        sizes = {f.name.split("-")[1]: QImage(str(f)).size() for f in files}
+        for behind, front in (("memory", w.timing), ("why", w.timing), ("pagemap", w.occupancy),
+                              ("modelcard", w.controls)):
+            assert sizes[behind].width() >= front.width() - 30 and sizes[behind].height() >= 200, (behind, sizes)
+        assert in_front == {k for k, d in w.docks.items() if on_screen(d.widget())}  # the same tabs in front after
+        assert panel.fit_button.isVisible() and panel.help_button.isVisible()  # back on screen
         saved = QImage(str(next(f for f in files if "occupancy" in f.name)))
         assert saved.size() == shown.size()
         for button in (panel.fit_button, panel.help_button):
