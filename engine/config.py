@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CACHE_MODES = ("off", "contiguous", "paged")
-KV_DTYPES = ("auto", "int8", "int4")
+KV_DTYPES = ("auto", "int8", "int4", "tq4", "tq3", "tq2")  # K and V (tq: rotated, engine.kv.quantized.tq_schemes)
+QJL_KEY_DTYPES = ("tq4-qjl", "tq3-qjl", "tq2-qjl")  # keys only: one of the bits a QJL sign of the residual
+K_DTYPES = KV_DTYPES + QJL_KEY_DTYPES
+
+
+def value_dtype(kv_dtype: str) -> str:
+    """The values' precision of a K-and-V setting (``--kv-dtype tq3-qjl``: keys tq3-qjl, values tq3)."""
+    return kv_dtype.removesuffix("-qjl")
 QUANTIZATIONS = ("none", "int8", "nf4")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -65,7 +72,8 @@ class CacheConfig:
     mode        off (recompute every step) | contiguous (one growing buffer per layer) | paged (page pool)
     page_size   tokens per page, 1..256 (paged mode)
     prefix_reuse  keep the cache across turns and prefill only what changed
-    k_dtype / v_dtype  auto (the model's compute dtype) | int8 | int4
+    k_dtype / v_dtype  auto (the model's compute dtype) | int8 | int4 | tq4 | tq3 | tq2; keys also tq4-qjl | tq3-qjl |
+                tq2-qjl (the tq kind of as many bits, one of them a QJL sign of the residual)
     policy      eviction policy name from ``engine.policies`` ("none", "streaming", "h2o", "priority")
     policy_params  keyword arguments for the policy's ``Params`` dataclass
     overflow    what happens when the context or budget is full: stop | truncate_middle | rolling | policy
@@ -92,9 +100,12 @@ class CacheConfig:
             raise ValueError(f"page size: {self.page_size!r} is not an integer")
         if not 1 <= self.page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page size: {self.page_size} is outside 1..{MAX_PAGE_SIZE}")
-        for name in ("k_dtype", "v_dtype"):
-            if getattr(self, name) not in KV_DTYPES:
-                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(KV_DTYPES)}")
+        if self.v_dtype in QJL_KEY_DTYPES:
+            raise ValueError(f"v_dtype: {self.v_dtype!r} is for keys only (values use "
+                             f"{self.v_dtype.removesuffix('-qjl')}: the QJL residual keeps query-key products unbiased)")
+        for name, kinds in (("k_dtype", K_DTYPES), ("v_dtype", KV_DTYPES)):
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(kinds)}")
         if self.overflow not in OVERFLOWS:
             raise ValueError(f"overflow: {self.overflow!r} is not one of {', '.join(OVERFLOWS)}")
         if self.max_pages is not None and self.max_pages < 1:

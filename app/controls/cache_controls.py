@@ -28,7 +28,7 @@ from app.shell import glossary
 from app.controls import policies
 from app.shell.glossary import CONTROLS, Term
 from app.shell.widgets import DebouncedForm
-from engine.config import CACHE_MODES, FALLBACK, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
+from engine.config import CACHE_MODES, FALLBACK, K_DTYPES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
 
 TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole
 TIP_ROLE = 257  # Qt.ItemDataRole.UserRole + 1: what the item does, before any reason it is greyed out
@@ -187,7 +187,7 @@ class CacheControls(DebouncedForm, QWidget):
         self.prefix_reuse.setToolTip(CONTROLS["prefix_reuse"].tip)
         self.k_dtype = QComboBox()
         self.v_dtype = QComboBox()
-        fill_combo(self.k_dtype, KV_DTYPES, glossary.KV_DTYPES, "k_dtype")
+        fill_combo(self.k_dtype, K_DTYPES, glossary.KV_DTYPES, "k_dtype")  # keys also take the QJL kinds
         fill_combo(self.v_dtype, KV_DTYPES, glossary.KV_DTYPES, "v_dtype")
         self.policy = QComboBox()
         self.policy.setProperty("control", "policy")

@@ -33,7 +33,7 @@ class MemoryEstimate:
         return self.weights_bytes + self.kv_bytes
 
     def kv_bytes_as(self, kind: str, page_size: int = 16) -> int:
-        """KV bytes at ``context`` tokens with K and V held as ``kind`` (int8 / int4) pages."""
+        """KV bytes at ``context`` tokens with K and V held as ``kind`` (int8, int4, tq4, tq3, tq2) pages."""
         per_token = sum(sizes.bytes_per_token(kind, role, self.kv_heads, self.head_dim, page_size)
                         for role in ("k", "v"))
         return int(self.layers * per_token * self.context)

@@ -150,7 +150,7 @@ class FastStep:
         if type(store) is not PagedKV:
             return "the step reads a plain paged cache (this chat is not on one)"
         if store.arena.quantized:
-            return "K/V pages are int8/int4"
+            return "K/V pages are quantized (int8 / int4 / tq)"
         if scores:
             return "the policy reads attention scores"
         return ""

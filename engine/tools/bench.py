@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.tools import bench_spec
-from engine.config import CacheConfig, SamplingConfig
+from engine.config import K_DTYPES, CacheConfig, SamplingConfig, value_dtype
 from engine.tools.arguments import write_json
 
 HF_MODES = {"hf-dynamic": "dynamic", "hf-no-cache": "no_cache"}
@@ -139,10 +139,10 @@ def _modes(a) -> list[str]:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:
         base, _, kv = m.partition(":")
-        if m not in HF_MODES and (base not in ENGINE_MODES or kv not in ("", "int8", "int4") or
+        if m not in HF_MODES and (base not in ENGINE_MODES or (kv and kv not in K_DTYPES) or
                                   (kv and base != "paged")):
             raise ValueError(f"bench mode {m!r} is not one of {', '.join(list(HF_MODES) + list(ENGINE_MODES))}"
-                             " (or paged:int8, paged:int4)")
+                             f" (or paged:KIND, KIND one of {', '.join(K_DTYPES[1:])})")
     return modes
 
 
@@ -219,7 +219,7 @@ def _measure(lm, a, mode: str, prompt: list[int], n: int) -> dict[str, Any]:
     spec = mode.endswith(bench_spec.SUFFIX)
     base, _, kv = mode.removesuffix(bench_spec.SUFFIX).partition(":")
     kv = kv or "auto"
-    cache = CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=kv)
+    cache = CacheConfig(mode=base, page_size=a.page_size, k_dtype=kv, v_dtype=value_dtype(kv))
     return run_engine(lm, prompt, n, cache, a if spec else None)
 
 

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.config import CacheConfig, SamplingConfig
+from engine.config import CacheConfig, SamplingConfig, value_dtype
 
 if TYPE_CHECKING:
     import torch  # imported where used: a refused flag or --text file exits in 0.2 s, not after torch's 1.7 s
@@ -139,6 +139,10 @@ def default_settings(n_tokens: int, ctx: int, page_size: int = 16) -> list[Setti
         Setting("int4", "int4"),
         Setting("int8", "auto"),
         Setting("auto", "int4"),
+        Setting("tq4", "tq4"),  # rotated low-bit (TurboQuant-class), engine.kv.quantized.tq_schemes
+        Setting("tq3", "tq3"),
+        Setting("tq2", "tq2"),
+        Setting("tq3-qjl", "tq3"),  # keys with the QJL residual, at the same 3 bits a coordinate
         Setting(policy="h2o", params={"budget": half, "recent": max(4, half // 4)}),
         Setting(policy="streaming", params={"sinks": 4, "window": window}),
         Setting(policy="priority", params={"budget": half, "recent": max(4, half // 4)}),
@@ -157,7 +161,7 @@ def _one_setting(a) -> Setting | None:
 
     cfg = CacheConfig.from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
                                  page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
-                                 v_dtype=a.v_dtype or a.kv_dtype or "auto")
+                                 v_dtype=a.v_dtype or value_dtype(a.kv_dtype or "auto"))
     return Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)
 
 

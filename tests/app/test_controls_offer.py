@@ -66,7 +66,8 @@ def test_precision_needs_pages_and_the_policy_overflow_needs_a_policy(qtbot):
     c.mode.setCurrentIndex(c.mode.findData("contiguous"))
     assert sent[-1].k_dtype == "auto" and c.k_dtype.currentText() == "Full precision"  # 8-bit is kept per page
     greyed = _greyed(c.k_dtype)
-    assert set(greyed) == {"8-bit (int8)", "4-bit (int4, KIVI)"}
+    assert set(greyed) == {"8-bit (int8)", "4-bit (int4, KIVI)", "4-bit rotated (tq4)", "3-bit rotated (tq3)",
+                           "2-bit rotated (tq2)", "4-bit rotated + QJL", "3-bit rotated + QJL", "2-bit rotated + QJL"}
     assert all(t.startswith('Kept per page: needs the "Paged" cache') for t in greyed.values())
     assert not c.page_size.isEnabled() and c.page_size.toolTip().startswith('Only the "Paged" cache has pages')
     c.mode.setCurrentIndex(c.mode.findData("paged"))

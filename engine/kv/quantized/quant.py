@@ -244,6 +244,8 @@ def stack(pages: Sequence[QuantizedPage]) -> QuantizedPage:
 
 def map_tensors(q: QuantizedPage, fn) -> QuantizedPage:
     """The same page object with ``fn`` applied to each of its tensors (``lambda t: t.to("cpu")``, ...)."""
+    if hasattr(q, "map"):  # the rotated pages (``engine.kv.quantized.turbo.QTurbo``)
+        return q.map(fn)
     if isinstance(q, _FullWidthPage):
         return type(q)(*(fn(getattr(q, name)) for name in q._tensors))
     if isinstance(q, QInt4):

@@ -146,6 +146,10 @@ class FullView:
         pages = dp.pages[:-(-n // P)]
         return t.view(H, S // P, P, D).index_select(1, pages).view(H, -1, D)[:, :n]  # [H, n, D]
 
+    def read_basis(self, layer: int, n: int, dp: DevicePlan) -> tuple[Tensor, None]:
+        """As ``read``: full-precision pages are never rotated."""
+        return self.read(layer, n, dp), None
+
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         pass
 
@@ -238,7 +242,7 @@ class QuantView:
                 m = (q - i) // P
                 block = x[:, i:i + m * P].reshape(x.shape[0], m, P, x.shape[2])  # [H, m, P, D]
                 ids = dp.pages[page_i:page_i + m]
-                store.put((slice(None), ids), role.scheme.quantize(block))
+                store.put((slice(None), ids), role.scheme.quantize(block, layer))
                 self._flag(pool, dp.plan.pages[page_i:page_i + m])
                 i += m * P
                 continue
@@ -246,7 +250,7 @@ class QuantView:
             tail[:, off:off + take].copy_(x[:, i:i + take])  # [H, take, D]
             i += take
             if off + take == P:
-                store.put((slice(None), dp.plan.pages[page_i]), role.scheme.quantize(tail))
+                store.put((slice(None), dp.plan.pages[page_i]), role.scheme.quantize(tail, layer))
                 self._flag(pool, dp.plan.pages[page_i:page_i + 1])
 
     @staticmethod
@@ -255,25 +259,47 @@ class QuantView:
             for p in pages:
                 pool.set_flag(p, FLAG_QUANTIZED)
 
-    def read(self, layer: int, n: int, dp: DevicePlan) -> Tensor:
-        """Tokens ``[0, n)`` dequantized: [H, n, D] (a view of a reused buffer; one layer at a time)."""
-        role = self.role
-        s, P = role.shape, role.page_size
-        full, fill = divmod(n, P)
-        buf = self._buf
-        if buf is None or buf.shape[1] < n:
+    def _buffer(self, n: int, width: int) -> Tensor:
+        """A reused ``[H, >= n, width]`` buffer (one layer at a time; grown by doubling)."""
+        role, buf = self.role, self._buf
+        P, s = role.page_size, role.shape
+        if buf is None or buf.shape[1] < n or buf.shape[2] != width:
             cap = max(n, 2 * (buf.shape[1] if buf is not None else P))
             with torch.inference_mode(False):  # a normal tensor: also written by switches outside a forward
-                buf = torch.empty((role.heads, -(-cap // P) * P, role.dim), dtype=s.dtype, device=s.device)
+                buf = torch.empty((role.heads, -(-cap // P) * P, width), dtype=s.dtype, device=s.device)
             self._buf = buf
+        return buf
+
+    def _full_pages(self, layer: int, full: int, dp: DevicePlan):
+        store = self.role.layers[layer]  # [H, N, P, ...]
+        first = dp.plan.full_run  # a run of the plan's full pages is a run of any prefix of them
+        return store[:, first:first + full] if first is not None else store[:, dp.pages[:full]]  # [H, full, P, ...]
+
+    def read(self, layer: int, n: int, dp: DevicePlan) -> Tensor:
+        """Tokens ``[0, n)`` dequantized: [H, n, D] (a view of a reused buffer; one layer at a time)."""
+        P = self.role.page_size
+        full, fill = divmod(n, P)
+        buf = self._buffer(n, self.role.dim)
         if full:
-            store = role.layers[layer]  # [H, N, P, ...]
-            first = dp.plan.full_run  # a run of the plan's full pages is a run of any prefix of them
-            q = store[:, first:first + full] if first is not None else store[:, dp.pages[:full]]  # [H, full, P, ...]
-            role.scheme.dequantize_into(q, buf[:, :full * P])  # [H, full*P, D]
+            self.role.scheme.dequantize_into(self._full_pages(layer, full, dp), buf[:, :full * P], layer)
         if fill:
             buf[:, full * P:n].copy_(self.tail[layer][:, :fill])  # [H, fill, D]
         return buf[:, :n]
+
+    def read_basis(self, layer: int, n: int, dp: DevicePlan) -> tuple[Tensor, Tensor | None]:
+        """Tokens ``[0, n)`` as attention can take them: a rotated scheme's pages left rotated, with the matrix the
+        attention turns by (``engine.kv.quantized.basis``); any other scheme's as ``read`` (and None)."""
+        scheme = self.role.scheme
+        if not scheme.rotated:
+            return self.read(layer, n, dp), None
+        P = self.role.page_size
+        full, fill = divmod(n, P)
+        buf = self._buffer(n, scheme.width)  # [H, cap, width]
+        if full:
+            scheme.read_rotated_into(self._full_pages(layer, full, dp), buf[:, :full * P], layer)
+        if fill:
+            buf[:, full * P:n].copy_(scheme.rotate(self.tail[layer][:, :fill], layer))  # [H, fill, width]
+        return buf[:, :n], scheme.read_map(layer, self.role.heads, buf.device, buf.dtype)
 
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         """Keep ``[0, n)``: when the new last page was full (quantized), bring it back to the tail."""
@@ -281,7 +307,7 @@ class QuantView:
         if n % P and (n // P + 1) * P <= old_n:
             page = dp.plan.pages[n // P]
             for layer, t in enumerate(self.tail):
-                t.copy_(self.role.scheme.dequantize(self.role.layers[layer][:, page], t.dtype))  # [H, P, D]
+                t.copy_(self.role.scheme.dequantize(self.role.layers[layer][:, page], t.dtype, layer))  # [H, P, D]
 
     def bytes_held(self, n: int, pages: int) -> int:
         full = n // self.role.page_size

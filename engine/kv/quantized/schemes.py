@@ -5,54 +5,19 @@ page_size)`` picks the layout by the rules of ``engine.kv.paged.sizes`` (the tor
 estimate shares); the arithmetic lives in ``engine.kv.quantized.quant``.
 
 Every method works on ``[..., T, D]`` (T = the tokens of one page): one page ``[H, P, D]`` or a layer's
-pages ``[H, N, P, D]``.
+pages ``[H, N, P, D]``. ``layer`` names the layer the pages belong to: the rotated schemes
+(``engine.kv.quantized.tq_schemes``: tq4 / tq3 / tq2, keys with a QJL residual) rotate each layer and head by its
+own seeded matrix; the int8 / int4 ones ignore it.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from torch import Tensor
 
-from engine.kv.quantized import quant
+from engine.kv.quantized import quant, tq_schemes  # noqa: F401 - tq_schemes registers the rotated schemes
+from engine.kv.quantized.scheme_base import Scheme, registry  # noqa: F401 - re-exported
 from engine.kv.paged import sizes
-
-registry: dict[str, type["Scheme"]] = {}
-
-
-class Scheme:
-    """One quantized layout for one role. Subclasses set ``name``, ``kind``, ``role`` and the two functions."""
-
-    name: ClassVar[str]
-    kind: ClassVar[str]
-    role: ClassVar[str]
-    per_channel: ClassVar[bool] = False  # statistics over a whole page: only full pages can be quantized
-
-    def __init_subclass__(cls, **kw) -> None:
-        super().__init_subclass__(**kw)
-        registry[cls.name] = cls
-
-    def __init__(self, head_dim: int, page_size: int) -> None:
-        self.head_dim = head_dim
-        self.page_size = page_size
-
-    def quantize(self, x: Tensor) -> quant.QuantizedPage:
-        raise NotImplementedError
-
-    def dequantize(self, q: quant.QuantizedPage, dtype: torch.dtype) -> Tensor:
-        return quant.dequantize(q, dtype)
-
-    def allocate(self, lead: tuple[int, ...], device) -> quant.QuantizedPage:
-        """Zeroed storage ``[*lead, page_size, head_dim]`` (dequantizes to 0)."""
-        return quant.allocate(self.kind, self.role, lead, self.page_size, self.head_dim, device=device)
-
-    def bytes_per_token(self, kv_heads: int) -> float:
-        return sizes.bytes_per_token(self.kind, self.role, kv_heads, self.head_dim, self.page_size)
-
-    def dequantize_into(self, q: quant.QuantizedPage, out: Tensor) -> None:
-        """Dequantize pages ``q`` ``[H, N, P, ...]`` into ``out`` ``[H, N*P, D]`` (computed in float32)."""
-        out.copy_(self.dequantize(q, out.dtype).reshape(out.shape[0], -1, self.head_dim))
 
 
 class Int8Tokens(Scheme):
@@ -60,10 +25,10 @@ class Int8Tokens(Scheme):
 
     name, kind, role = sizes.INT8_TOKENS, "int8", "v"
 
-    def quantize(self, x: Tensor) -> quant.QuantizedPage:
+    def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int8(x)
 
-    def dequantize_into(self, q, out) -> None:
+    def dequantize_into(self, q, out, layer: int = 0) -> None:
         h = out.shape[0]
         scale = q.scale.reshape(h, -1, 1).to(out.dtype)  # [H, N*P, 1]
         torch.mul(q.codes.reshape(h, -1, self.head_dim), scale, out=out)  # codes × scale in one pass
@@ -78,10 +43,10 @@ class Int8ChannelKeys(Scheme):
     name, kind, role = sizes.INT8_CHANNEL_KEYS, "int8", "k"
     per_channel = True
 
-    def quantize(self, x: Tensor) -> quant.QuantizedPage:
+    def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int8_keys(x)
 
-    def dequantize_into(self, q, out) -> None:
+    def dequantize_into(self, q, out, layer: int = 0) -> None:
         if out.dtype != torch.float32:  # computed in float32, one rounding to the cache dtype
             return super().dequantize_into(q, out)
         h = out.shape[0]
@@ -95,7 +60,7 @@ class Int4Keys(Scheme):
     name, kind, role = sizes.INT4_KEYS, "int4", "k"
     per_channel = True
 
-    def quantize(self, x: Tensor) -> quant.QuantizedPage:
+    def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int4_keys(x)
 
 
@@ -104,10 +69,12 @@ class Int4Values(Scheme):
 
     name, kind, role = sizes.INT4_VALUES, "int4", "v"
 
-    def quantize(self, x: Tensor) -> quant.QuantizedPage:
+    def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int4_values(x, sizes.INT4_VALUE_GROUP)
 
 
 def scheme_for(kind: str, role: str, head_dim: int, page_size: int) -> Scheme:
-    """The scheme ``kind`` ("int8" | "int4") uses for ``role`` at this head dim and page size."""
-    return registry[sizes.scheme_name(kind, role, head_dim, page_size)](head_dim, page_size)
+    """The scheme ``kind`` (``sizes.KINDS``: int8, int4, tq4 / tq3 / tq2, tqB-qjl keys) uses for ``role`` at this head
+    dim and page size."""
+    return registry[sizes.scheme_name(kind, role, head_dim, page_size)](head_dim, page_size, role)
+

@@ -72,6 +72,11 @@ class PageArena:
         return any(role.quantized for role in self.roles.values())
 
     @property
+    def rotated(self) -> bool:
+        """K or V pages can be read in a rotated basis (tq kinds: ``engine.kv.quantized.basis``)."""
+        return any(role.quantized and role.scheme.rotated for role in self.roles.values())
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page across all layers (K and V), as stored."""
         return self.shape.num_layers * sum(role.page_bytes() for role in self.roles.values())

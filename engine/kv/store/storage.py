@@ -25,6 +25,7 @@ from engine.errors import OutOfMemoryError, is_oom
 from engine.kv.store.arena import PageArena
 from engine.kv.paged.block_table import BlockTable
 from engine.kv.paged.pool import FLAG_QUANTIZED
+from engine.kv.quantized.basis import Basis
 from engine.kv.quantized.roles import DevicePlan, KVShape
 
 ROLES = ("k", "v")
@@ -80,6 +81,10 @@ class KVStore:
         return k
 
     stateful = False  # only some positions can be cut back to (``GroupedKV``: recurrent states, sliding windows)
+
+    def update_in_basis(self, layer, k, v):
+        """``update`` as ``(k, v, basis)``: a ``Basis`` the K/V were left rotated in (``PagedKV``), or None."""
+        return (*self.update(layer, k, v), None)
 
     def limit(self, k: int) -> str:
         """Why ``reusable(k) < k``: "" here (full layers can go back anywhere)."""
@@ -248,14 +253,29 @@ class PagedKV(KVStore):
             view.begin(self._n_before, q)
         self._dp = self._plan()
 
-    def update(self, layer, k, v):
+    def _write(self, layer, k, v) -> int:
         start, dp, pool = self._n_before, self._dp, self.arena.pool
         self.views["k"].write(layer, k[0], start, dp, pool)  # k: [1, H, q, D]
         self.views["v"].write(layer, v[0], start, dp, pool)
-        if start == 0:
+        return start
+
+    def update(self, layer, k, v):
+        if self._write(layer, k, v) == 0:
             return k, v  # nothing cached before: attention reads the (contiguous) new K/V, as HF does
-        n = start + self._n_new
+        n, dp = self._n_before + self._n_new, self._dp
         return self.views["k"].read(layer, n, dp)[None], self.views["v"].read(layer, n, dp)[None]  # [1, H, n, D]
+
+    def update_in_basis(self, layer, k, v):
+        """Rotated pages (tq kinds) are read back rotated: one ``[D, D]`` turn of the query and of the output instead
+        of one per cached token (``engine.kv.quantized.basis``)."""
+        if not self.arena.rotated:
+            return (*self.update(layer, k, v), None)
+        if self._write(layer, k, v) == 0:
+            return k, v, None
+        n, dp = self._n_before + self._n_new, self._dp
+        kk, mk = self.views["k"].read_basis(layer, n, dp)  # [H, n, Dk'], [H, Dk', Dk] or None
+        vv, mv = self.views["v"].read_basis(layer, n, dp)
+        return kk[None], vv[None], Basis(mk, mv)
 
     def commit(self) -> None:
         self._n_before, self._n_new, self._dp = self.table.num_tokens, 0, None

@@ -1,0 +1,137 @@
+"""The rotated low-bit schemes (TurboQuant-class): ``tq4`` / ``tq3`` / ``tq2`` for keys or values, and
+``tq4-qjl`` / ``tq3-qjl`` / ``tq2-qjl`` for keys (one of the bits a QJL sign of the residual).
+
+One class per layout, registered with the others in ``engine.kv.quantized.schemes``; the arithmetic is
+``engine.kv.quantized.turbo``, the matrices ``rotation``, the codebooks ``codebook``, the bytes ``engine.kv.paged.sizes``.
+Each layer, head and role has its own seeded rotation (and QJL projection), built on first use and kept per device
+(at 30 layers × 3 heads × 64² float32: 1.5 MB a role, not counted as KV bytes).
+
+Pages read back two ways: in the original basis (``dequantize_into``: the stores' default, every consumer's), or
+rotated (``read_rotated_into`` + ``rotate`` for the full-precision tail + ``read_map``), which the attention turns
+its queries and output for (``engine.kv.quantized.basis``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from engine.kv.paged import sizes
+from engine.kv.quantized import codebook, rotation, turbo
+from engine.kv.quantized.scheme_base import Scheme
+
+
+class _Turbo(Scheme):
+    """Rotated codes + a norm a vector (``qjl``: keys with the residual's QJL signs and norm)."""
+
+    kind: ClassVar[str]
+    qjl: ClassVar[bool] = False
+    rotated = True
+
+    def __init__(self, head_dim: int, page_size: int, role: str | None = None) -> None:
+        super().__init__(head_dim, page_size, role)
+        self.bits = sizes.tq_bits(self.kind) - (1 if self.qjl else 0)  # bits of the codes
+        self._centroids = torch.from_numpy(codebook.centroids(head_dim, self.bits))  # [2^bits]
+        self._thresholds = torch.from_numpy(codebook.thresholds(head_dim, self.bits))  # [2^bits - 1]
+        self._mats: dict[tuple, tuple[Tensor, Tensor | None]] = {}
+        self._maps: dict[tuple, Tensor] = {}
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def width(self) -> int:
+        """Width of a vector read in the rotated basis (QJL keys carry the projected residual beside it)."""
+        return 2 * self.head_dim if self.qjl else self.head_dim
+
+    def _table(self, device) -> tuple[Tensor, Tensor]:
+        device = torch.device(device)
+        if device not in self._tables:
+            self._tables[device] = (self._centroids.to(device), self._thresholds.to(device))
+        return self._tables[device]
+
+    def matrices(self, layer: int, heads: int, device) -> tuple[Tensor, Tensor | None]:
+        """(R ``[H, D, D]``, S ``[H, D, D]`` or None) of ``layer``, float32 on ``device``."""
+        key = (layer, heads, torch.device(device))
+        if key not in self._mats:
+            rot = rotation.stack(rotation.rotation, heads, self.head_dim, layer, self.role, device)
+            proj = rotation.stack(rotation.qjl, heads, self.head_dim, layer, self.role, device) if self.qjl else None
+            self._mats[key] = (rot, proj)
+        return self._mats[key]
+
+    # -- the Scheme surface (original basis) ----------------------------------------------------------
+    def quantize(self, x: Tensor, layer: int = 0) -> turbo.QTurbo:
+        rot, proj = self.matrices(layer, x.shape[0], x.device)
+        c, th = self._table(x.device)
+        return turbo.quantize(x, rot, c, th, self.bits, proj)
+
+    def dequantize(self, q: turbo.QTurbo, dtype: torch.dtype, layer: int = 0) -> Tensor:
+        rot, proj = self.matrices(layer, q.codes.shape[0], q.codes.device)
+        return turbo.dequantize(q, rot, self._table(q.codes.device)[0], proj).to(dtype)
+
+    def dequantize_into(self, q: turbo.QTurbo, out: Tensor, layer: int = 0) -> None:
+        out.copy_(self.dequantize(q, torch.float32, layer).reshape(out.shape[0], -1, self.head_dim))
+
+    def allocate(self, lead: tuple[int, ...], device) -> turbo.QTurbo:
+        return turbo.allocate(lead, self.page_size, self.head_dim, self.bits, self.qjl, device)
+
+    def bytes_per_token(self, kv_heads: int) -> float:
+        return sizes.bytes_per_token(self.kind, self.role, kv_heads, self.head_dim, self.page_size)
+
+    # -- the rotated basis --------------------------------------------------------------------------
+    def read_rotated_into(self, q: turbo.QTurbo, out: Tensor, layer: int = 0) -> None:
+        """Pages ``q`` ``[H, N, P, ...]`` into ``out`` ``[H, N*P, width]`` without turning them back: ŷ (and, for
+        QJL keys, α‖r‖z beside it)."""
+        h, d = out.shape[0], self.head_dim
+        c = self._table(q.codes.device)[0]
+        out4 = out.view(h, -1, self.page_size, out.shape[-1])  # [H, N, P, width]
+        vals = turbo.levels(q.codes, d, self.bits, c)  # [H, N, P, D] float32 levels
+        if self.qjl:
+            out4[..., :d].copy_(vals.mul_(q.norm.float()))
+            out4[..., d:].copy_(turbo.qjl_signs(q))
+        elif out.dtype == torch.float32:
+            torch.mul(vals, q.norm.float(), out=out4)  # levels × norm in one pass
+        else:
+            out4.copy_(vals.mul_(q.norm.float()))
+
+    def rotate(self, x: Tensor, layer: int = 0) -> Tensor:
+        """Full-precision vectors ``[H, T, D]`` into the rotated read basis ``[H, T, width]`` (exact: QJL keys get
+        zeros for the residual part)."""
+        rot, _ = self.matrices(layer, x.shape[0], x.device)
+        y = turbo.rotate(x.float(), rot)  # [H, T, D]
+        if self.qjl:
+            y = torch.cat([y, torch.zeros_like(y)], dim=-1)  # [H, T, 2D]
+        return y.to(x.dtype)
+
+    def read_map(self, layer: int, heads: int, device, dtype: torch.dtype) -> Tensor:
+        """What the attention turns by: keys M ``[H, width, D]`` (queries become q @ Mᵀ), values R ``[H, D, D]``."""
+        key = (layer, heads, torch.device(device), dtype)
+        if key not in self._maps:
+            rot, proj = self.matrices(layer, heads, device)
+            m = torch.cat([rot, torch.matmul(proj, rot)], dim=-2) if self.qjl else rot  # [H, width, D]
+            self._maps[key] = m.to(dtype)
+        return self._maps[key]
+
+
+class Turbo4(_Turbo):
+    name, kind = sizes.TQ_MSE[4], "tq4"
+
+
+class Turbo3(_Turbo):
+    name, kind = sizes.TQ_MSE[3], "tq3"
+
+
+class Turbo2(_Turbo):
+    name, kind = sizes.TQ_MSE[2], "tq2"
+
+
+class TurboQJL4(_Turbo):
+    name, kind, qjl = sizes.TQ_QJL[4], "tq4-qjl", True
+
+
+class TurboQJL3(_Turbo):
+    name, kind, qjl = sizes.TQ_QJL[3], "tq3-qjl", True
+
+
+class TurboQJL2(_Turbo):
+    name, kind, qjl = sizes.TQ_QJL[2], "tq2-qjl", True
