@@ -59,6 +59,7 @@ class SeqCache(PrefixReuse):
         self._planned: list[Eviction] = []  # evicted for the forward being prepared (in its record at commit)
         self._checkpoint_at = -1  # the planned forward ends where the store keeps a checkpoint (``plan``)
         self._share_at = -1  # ... where the model's state shelf keeps the recurrent states (``plan``)
+        self.mark = -1  # where this turn's prompt starts its last message: a checkpoint there serves a branch
         self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
 
     # -- plumbing ----------------------------------------------------------------------------------------
@@ -165,6 +166,12 @@ class SeqCache(PrefixReuse):
         self.last = StepRecord(StepPath.SPECULATIVE, 1, written, self._take_planned(), work.q, rolled)
         return rolled
 
+    def wants_mark(self) -> bool:
+        """Does a checkpoint where a prompt's last message starts serve this cache (one that cannot be cut back
+        anywhere: sliding windows, recurrent states)?"""
+        c = self.cache_config
+        return self.store is not None and self.store.stateful and c.checkpoints > 0 and c.prefix_reuse
+
     def fills_context(self, seq_len: int) -> bool:
         """Does the token just taken use the context's last position (and nothing can evict to go on)?"""
         ctx = self.lm.info.context_length
@@ -180,7 +187,12 @@ class SeqCache(PrefixReuse):
         self._planned += plan.evictions
         ix, todo = self.index, todo - plan.dropped
         share = self._share_point(ix.next_pos, ix.next_pos + todo) if ix.intact == ix.n else -1
-        if ix.next_pos < share < ix.next_pos + plan.chunk:
+        mark = self.mark if self.store.stateful and ix.intact == ix.n and self.cache_config.checkpoints else -1
+        if ix.next_pos < mark < ix.next_pos + plan.chunk and not ix.next_pos < share < mark:
+            plan = dataclasses.replace(plan, chunk=mark - ix.next_pos)  # another message in its place goes on here
+            self._checkpoint_at = mark
+            self._share_at = share if share == mark else -1
+        elif ix.next_pos < share < ix.next_pos + plan.chunk:
             plan = dataclasses.replace(plan, chunk=share - ix.next_pos)
             self._share_at = share
             if share == ix.next_pos + todo - 1 and self.store.stateful and self.cache_config.checkpoints:

@@ -23,7 +23,8 @@ import torch
 
 from engine.core import observe, reconfigure
 from engine.model.splice import splice
-from engine.model.chat import StreamDecoder, encode_prompt, message_spans, render_chat, validate_messages
+from engine.model.chat import (StreamDecoder, encode_prompt, last_message_at, message_spans, render_chat,
+                               validate_messages)
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import EngineError, SessionClosedError
 from engine.model.loader import LoadedModel
@@ -91,9 +92,11 @@ class ChatSession(Stepping):
         ``ContextOverflowError`` when the chat cannot fit and the overflow setting is ``stop``."""
         self.check_open()
         messages = validate_messages(messages)
-        ids = self.with_fed_ids(render_chat(self.tokenizer, messages))
+        fresh = render_chat(self.tokenizer, messages)
+        ids = self.with_fed_ids(fresh)
         spans = message_spans(self.tokenizer, messages) if self.cache.cache_config.needs_spans else []
-        return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans)
+        mark = last_message_at(self.tokenizer, messages, len(ids), len(fresh)) if self.cache.wants_mark() else -1
+        return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans, mark)
 
     def fed_ids(self) -> list[int]:
         """The ids this chat's cache was fed, in order (its last reply's included, but the last token)."""
@@ -107,12 +110,14 @@ class ChatSession(Stepping):
         return splice(self.tokenizer, self.fed_ids(), ids).ids
 
     def start_rendered(self, ids: Seq[int], messages: Seq[dict], spans: Seq[tuple[int, int]] = (),
-                       sampling: SamplingConfig | None = None, generation_id: int | None = None) -> TurnStats:
-        """``start`` for ``messages`` rendered already (``ids``; ``spans`` where a policy needs them): the server
-        renders and tokenizes on a thread of its own, so the engine thread never waits for a tokenizer."""
+                       sampling: SamplingConfig | None = None, generation_id: int | None = None,
+                       mark: int = -1) -> TurnStats:
+        """``start`` for ``messages`` rendered already (``ids``; ``spans`` where a policy needs them; ``mark``: where
+        the last message starts, -1 unknown): the server renders and tokenizes on a thread of its own, so the
+        engine thread never waits for a tokenizer."""
         self.check_open()
         return self._begin([int(i) for i in ids], sampling or SamplingConfig(), generation_id,
-                           validate_messages(messages), list(spans))
+                           validate_messages(messages), list(spans), mark)
 
     def start_completion(self, prompt: str, sampling: SamplingConfig | None = None,
                          generation_id: int | None = None) -> TurnStats:
@@ -128,11 +133,12 @@ class ChatSession(Stepping):
         return self._begin([int(i) for i in ids], sampling or SamplingConfig(), generation_id)
 
     def _begin(self, ids: list[int], sampling: SamplingConfig, generation_id: int | None,
-               messages: Seq[dict] | None = None, spans: Seq[tuple[int, int]] = ()) -> TurnStats:
+               messages: Seq[dict] | None = None, spans: Seq[tuple[int, int]] = (), mark: int = -1) -> TurnStats:
         self.check_open()
         if self.generating:
             raise EngineError("a reply is already in progress: cancel it or wait for it to finish")
         c, q = self.cache, self.sequence
+        c.mark = mark
         room_note = "" if c.can_overflow() else check_fits(len(ids), sampling.max_new_tokens, self.context_length)
         c.swap_in(q.ids)  # typed error, nothing changed, if there is no room
         cached = c.n

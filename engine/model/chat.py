@@ -76,6 +76,16 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool =
     return [int(t) for t in tokenizer(text)["input_ids"]]
 
 
+def last_message_at(tokenizer, messages: Sequence[dict[str, Any]], n: int, fresh_n: int) -> int:
+    """Where the last message starts in a prompt of ``n`` ids whose fresh render had ``fresh_n`` (the reply splice,
+    ``engine.model.splice``, changes only what comes before it: the tail is the fresh render's), or -1 for a
+    single message. A branch or another second message goes on from there."""
+    if len(messages) < 2:
+        return -1
+    at = n - (fresh_n - len(render_chat(tokenizer, messages[:-1], for_reply=False)))
+    return at if 0 < at < n else -1
+
+
 def message_spans(tokenizer, messages: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     """Token range ``[start, end)`` of each message in the rendered chat (ends found by rendering prefixes)."""
     spans, start = [], 0

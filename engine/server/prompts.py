@@ -34,6 +34,7 @@ class Prepared:
     ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     max_new: int
+    mark: int = -1  # where the last message starts: a checkpoint there on a hybrid / sliding model serves a branch
 
 
 class Tokenizing:
@@ -90,16 +91,20 @@ class Tokenizing:
         return chars
 
     def _prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
-        from engine.model.chat import encode_prompt, message_spans, render_chat
+        from engine.model.chat import encode_prompt, last_message_at, message_spans, render_chat
 
         tok = self.lm.tokenizer
         if tok is None:
             raise ApiError(503, "this model has no tokenizer", "server_error", None, "no_tokenizer")
         spans: list[tuple[int, int]] = []
+        mark = -1
         try:
             if req.kind == "chat":
-                ids = self.with_replies(render_chat(tok, list(req.messages)), req.messages, tenant)
+                fresh = render_chat(tok, list(req.messages))
+                ids = self.with_replies(fresh, req.messages, tenant)
                 spans = message_spans(tok, list(req.messages)) if self.needs_spans else []
+                if any(k != "full" for k in self.lm.info.layer_kinds):  # windows or states: cut back to checkpoints
+                    mark = last_message_at(tok, list(req.messages), len(ids), len(fresh))
             elif req.prompt is not None:
                 ids = encode_prompt(tok, req.prompt)
                 if not ids:
@@ -108,7 +113,7 @@ class Tokenizing:
                 ids = self._checked_ids(req.prompt_ids)
         except ValueError as e:  # a template's refusal, text that is not Unicode: the request's fault
             raise bad_request(str(e).splitlines()[0], "messages" if req.kind == "chat" else "prompt") from None
-        return Prepared(tuple(ids), tuple(spans), self.max_new(req, len(ids)))
+        return Prepared(tuple(ids), tuple(spans), self.max_new(req, len(ids)), mark)
 
     def with_replies(self, ids: list[int], messages, tenant: bytes) -> list[int]:
         """``ids`` (the chat rendered afresh) holding the ids this server fed through the latest of its assistant

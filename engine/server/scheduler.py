@@ -259,7 +259,7 @@ class Scheduler(Source):
     def _start_turn(job: Job) -> None:
         s, req, p = job.session, job.req, job.prepared
         if req.kind == "chat":  # rendered off this thread (``engine.server.prompts``)
-            job.stats = s.start_rendered(p.ids, list(req.messages), p.spans, job.sampling)
+            job.stats = s.start_rendered(p.ids, list(req.messages), p.spans, job.sampling, mark=p.mark)
         else:
             job.stats = s.start_ids(p.ids, job.sampling)
 

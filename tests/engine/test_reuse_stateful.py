@@ -143,3 +143,38 @@ def test_an_api_branch_forks_the_conversation_and_keeps_it(model_type):
     s2, shared2 = pool.take(follow)
     assert s2 is s and shared2 == len(p2) + len(g2) - 1
     b.close(), s2.close()
+
+
+def test_another_message_goes_on_from_where_the_last_message_started(model):
+    """A checkpoint where the prompt's last message starts (``mark``: the app and the server find it by rendering the
+    chat without that message): another message in its place (a branch, an edit) goes on from there on a model that
+    can go back only to checkpoints, not from the turn's start — with HF's greedy tokens."""
+    name, m, lm = model
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
+    p1 = list(range(5, 45))
+    _, g1 = reply(s, p1)
+    head = p1 + g1 + [60, 61]  # the next message's template header, say
+    msgs = [{"role": "user", "content": "-"}]
+    s.start_rendered(head + list(range(62, 80)), msgs, mark=len(head),
+                     sampling=SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    for _ in drive(s):
+        pass
+    other = head + list(range(90, 100))
+    stats = s.start_rendered(other, msgs, sampling=SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    for _ in drive(s):
+        pass
+    assert stats.reused_tokens >= len(head) and list(s.generated_ids) == hf_greedy(m, other, N)
+    assert s.cache.store.checkpoint_positions().count(len(head)) <= 1
+
+
+def test_last_message_at_finds_where_the_last_message_starts(stories):
+    from engine.model.chat import last_message_at, render_chat
+
+    tok = stories.tokenizer
+    msgs = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Tell me a story."}]
+    ids = render_chat(tok, msgs)
+    at = last_message_at(tok, msgs, len(ids), len(ids))
+    assert tok.decode(ids[at:]).startswith("User: Tell me a story.")
+    assert last_message_at(tok, msgs, len(ids) + 5, len(ids)) == at + 5  # a splice before it: the tail is the same
+    assert last_message_at(tok, msgs[-1:], len(ids), len(ids)) == -1
