@@ -297,7 +297,7 @@ class RemoteClient:
 
     def detokenize(self, model: str, ids: list[int]) -> str | None:
         """The text of a few token ids (vLLM's ``POST /detokenize``); None when the server has no such endpoint or
-        answers something else (KV Scope's server: 404)."""
+        answers something else."""
         body = {"model": model, "tokens": [int(i) for i in ids[:DETOKENIZE_MAX]]}
         try:
             conn, resp, wd = self._open("POST", "/detokenize", body, timeout=min(self.timeout, DETOKENIZE_S))

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.kv.paged.tenants import tenant_of
-from engine.server.errors import ApiError, from_exception
+from engine.server.errors import ApiError, bad_request, from_exception
 from engine.server.replies import Shape
 from engine.server.schemas import check_model, parse_body, parse_chat, parse_completion
 
@@ -156,6 +156,29 @@ async def kv_event_sources(request: Request) -> Response:
     pub = request.app.state.server.kv_events
     source = pub.source() if pub is not None else None  # None: its thread stopped, nothing is published
     return JSONResponse({"0": source} if source is not None else {})
+
+
+DETOKENIZE_MAX = 4096  # token ids a /detokenize request may hold (a remote account asks for a few)
+
+
+@api
+async def detokenize(request: Request) -> Response:
+    """vLLM's ``POST /detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt": text}``. The vocabulary is the
+    model's (nothing of any tenant's), so only the key is checked; decoded off the event loop."""
+    _check_key(request)
+    server = request.app.state.server
+    body = parse_body(await _read_body(request, 64 << 10))
+    ids, vocab = body.get("tokens"), server.lm.info.vocab_size
+    if body.get("model") is not None and body["model"] not in server.model_ids:
+        raise ApiError(404, f"The model `{body.get('model')}` does not exist: this server serves "
+                       f"`{server.model_id}`", "invalid_request_error", "model", "model_not_found")
+    if (not isinstance(ids, list) or len(ids) > DETOKENIZE_MAX
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)):
+        raise bad_request(f"tokens: give a list of at most {DETOKENIZE_MAX} token ids (0..{vocab - 1})", "tokens")
+    if server.lm.tokenizer is None:
+        raise ApiError(503, "this model has no tokenizer", "server_error", None, "no_tokenizer")
+    text = await asyncio.to_thread(server.lm.tokenizer.decode, ids)
+    return JSONResponse({"prompt": text})
 
 
 @api
@@ -326,6 +349,7 @@ def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),

@@ -204,3 +204,22 @@ def test_the_pin_code_attack_learns_nothing_from_the_account(served, stories):
     assert len(set(seen.values())) == 1, " ".join(d + json.loads(v)["misses"][0]["reason"][0] for d, v in seen.items())
     assert [m["reason"] for m in json.loads(seen["7"])["misses"]] == ["partial_page"]
     assert all("'" not in m["detail"] for v in seen.values() for m in json.loads(v)["misses"])
+
+
+def test_detokenize_answers_as_vllm_does(served, stories_path):
+    """``POST /detokenize`` (vLLM's): a remote chat's account quotes where a prompt diverged in the server's own
+    words. The key is checked; ids outside the vocabulary, too many or not ints are a 400 in one line."""
+    from engine.remote.client import RemoteClient
+
+    server, url = served
+    ids = server.lm.tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
+    assert post(url, "/detokenize", {"tokens": ids})["prompt"] == "Once upon a time"
+    assert RemoteClient(url, KEY_A).detokenize("stories260K", ids) == "Once upon a time"
+    for bad, says in [({"tokens": [512]}, "0..511"), ({"tokens": "12"}, "list"), ({"tokens": [True]}, "list"),
+                      ({"tokens": [1] * 5000}, "at most 4096")]:
+        r = httpx.post(url + "/detokenize", json=bad, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 400 and says in r.json()["error"]["message"]
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).status_code == 401
+    r = httpx.post(url + "/detokenize", json={"model": "other", "tokens": ids},
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 404
