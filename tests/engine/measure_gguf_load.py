@@ -22,15 +22,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch, transformers  # imported before the baseline: only the load is measured
 from engine.model.loader import load_model
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():  # the process's peak resident memory so far, KiB
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+base = hwm()
 t = time.perf_counter()
 lm = load_model(sys.argv[1])
 dt = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"s": dt, "peak_mib": (peak - base) / 1024, "weights_mib": lm.info.weights_bytes / 2**20}))
+print(json.dumps({"s": dt, "peak_mib": (hwm() - base) / 1024, "weights_mib": lm.info.weights_bytes / 2**20}))
 """
 
 
