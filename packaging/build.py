@@ -438,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deb", action="store_true", help="also build the .deb and self-test it from a dpkg -x root")
     p.add_argument("--deb-compression", default="zstd", choices=("zstd", "xz", "gzip", "none"),
                    help="zstd -3: ~10 s, 282 MB; xz -6: ~140 s, 186 MB (default zstd)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="also run the frozen --bundle-check on this GGUF file (loaded through transformers' GGUF support)")
     p.add_argument("--model", type=Path, default=None,
                    help="also run the frozen --bundle-check on this local model folder (float32 and NF4)")
     p.add_argument("--skip-self-test", action="store_true", help="build only (the bundle is NOT verified)")
@@ -489,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             bc_args = ["--bundle-check", "--json", str(out / "bundle-check.json")]
             if args.model:
                 bc_args += ["--model", str(args.model.resolve())]
+            if args.gguf:
+                bc_args += ["--gguf", str(args.gguf.resolve())]
             r = run_frozen(exe, bc_args, scratch)
             show(r, "frozen bundle check (dist)")
             report["bundle_check"] = r

@@ -6,12 +6,13 @@ It does three things the app itself should not have to know about:
   pyqtgraph's multiprocess helpers) runs its task instead of a second copy of the app;
 * in a Windows *windowed* build ``sys.stdout``/``sys.stderr`` are ``None``: they are pointed at a log file
   (``%TEMP%\\kvscope.log``, or ``$KVSCOPE_LOG``) so that prints and ``--self-test`` output do not crash;
-* ``kvscope --bundle-check [--model DIR] [--json FILE]``: a packaging probe that is independent of the app's
+* ``kvscope --bundle-check [--model DIR] [--gguf FILE] [--json FILE]``: a packaging probe that is independent of the app's
   GUI. It proves, inside the frozen bundle, what the installer needs: resources are found via
   ``sys._MEIPASS``, torch and bitsandbytes load their native libraries, transformers' lazily imported
   model classes for every architecture in ``ARCHITECTURES`` build and generate through the engine's paged
   KV cache, the shipped stories260K (the app's default model) loads from the bundle's own ``resources/`` and
-  writes its known greedy story, and (with ``--model``) a real checkpoint loads in float32 and bitsandbytes NF4.
+  writes its known greedy story, (with ``--model``) a real checkpoint loads in float32 and bitsandbytes NF4, and
+  (with ``--gguf``) a GGUF file loads through transformers' GGUF support.
 
 Everything else goes to ``app.main:main`` (``KVSCOPE_APP_MODULE`` at build time can name another module
 with a ``main(argv=None, t0=None)``; packaging/README.md explains why that exists).
@@ -137,6 +138,7 @@ def bundle_check(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="kvscope --bundle-check")
     p.add_argument("--model", default=None, help="a local model folder to load in float32 and nf4")
+    p.add_argument("--gguf", default=None, help="a GGUF file to load through transformers' GGUF support")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     p.add_argument("--no-gui", action="store_true", help="skip the Qt/pyqtgraph check")
     args = p.parse_args(argv)
@@ -259,11 +261,11 @@ def bundle_check(argv: list[str]) -> int:
         ids = _run_session(lm, prompt="Once upon a time", new_tokens=12)
         return {"name": lm.info.name, "path": str(folder), "ids": ids, "text": lm.tokenizer.decode(ids)}
 
-    def model_check(quantization: str):
+    def model_check(quantization: str, source: str | None = None):
         from engine.config import ModelSpec
         from engine.model.loader import load_model
 
-        lm = load_model(ModelSpec(source=args.model, quantization=quantization, device="cpu",
+        lm = load_model(ModelSpec(source=source or args.model, quantization=quantization, device="cpu",
                                   allow_download=False))
         ids = _run_session(lm, prompt="Once upon a time", new_tokens=12)
         return {"name": lm.info.name, "architecture": lm.info.architecture, "ids": ids,
@@ -281,6 +283,8 @@ def bundle_check(argv: list[str]) -> int:
     if args.model:
         check("model:float32", lambda: model_check("none"))
         check("model:nf4", lambda: model_check("nf4"))
+    if args.gguf:  # the gguf package and transformers' lazily imported GGUF loader are in the bundle
+        check("gguf:float32", lambda: model_check("none", args.gguf))
     results["failures"] = failures
     results["seconds"] = round(time.perf_counter() - _T0, 2)
     if args.json:

@@ -82,8 +82,7 @@ def test_the_remote_chat_says_which_block_was_evicted_and_where_an_edit_diverged
         assert diverged.reason is MissReason.DIVERGED and acc.reused == rc.reply.cached_tokens
         at = common_prefix(rc.reply.prompt_ids, prev)
         assert diverged.start <= at < diverged.start + 16  # in the first block not reused
-        # quoted in the server's own tokens (its POST /detokenize, as vLLM's)
-        assert f"the prompt differs from this chat's last prompt and reply at token {at}: 'Lily. She' → 'An'" \
+        assert f"the prompt differs from this chat's last prompt and reply at token {at} (your message 1 changed)" \
             in diverged.detail
         assert "the prompt changed at token" in footer(w) and "“… girl named Lily. She lo” → “… girl named Anna. " \
             "She lo”" in footer(w)

@@ -64,6 +64,7 @@ def built(tmp_path_factory):
     what = export_tree(src)
     cmd = [sys.executable, str(src / "packaging" / "build.py"), "--src", str(src), "--out", str(out), "--deb"]
     cmd += ["--model", str(src / MODEL.relative_to(ROOT))]  # the exported tree's copy
+    cmd += ["--gguf", str(_stories_gguf(base / "stories260K-F32.gguf"))]  # the same model as a GGUF file
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}  # no dev stand-ins
     r = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     log = r.stdout + r.stderr
@@ -75,6 +76,19 @@ def built(tmp_path_factory):
           f"total {report.get('total_seconds')} s")
     yield {"rc": r.returncode, "log": log, "report": report, "out": out, "bundle": out / "dist" / "kvscope"}
     shutil.rmtree(base, ignore_errors=True)  # ~2 GB: bundle, work dir, .deb
+
+
+def _stories_gguf(path: Path) -> Path:
+    """stories260K as an F32 GGUF (tests/engine/gguf_make.py, the gguf package's writer): the frozen bundle must
+    load it and write the folder's tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from gguf_make import write_gguf
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    return write_gguf(model, "llama", MODEL / "tokenizer.model", path, "F32")
 
 
 def _tail(text: str, n: int = 60) -> str:
@@ -105,6 +119,8 @@ def test_frozen_bundle_check(built):
     # NF4 on this CPU needs the engine's AVX512-BF16 workaround (packaging-notes.md); frozen == float32
     assert bc["model:nf4"]["ids"] == bc["model:float32"]["ids"]
     assert bc["model:float32"]["text"].strip()
+    # the GGUF path works frozen: the same model from an F32 GGUF writes the same tokens
+    assert bc["gguf:float32"]["ids"] == bc["model:float32"]["ids"]
 
 
 def test_bundle_layout_and_size_cuts(built):
@@ -126,7 +142,14 @@ def test_bundle_layout_and_size_cuts(built):
     for gone in ("PyQt5", "PyQt6", "tkinter", "_tkinter", "pytest", "hypothesis", "kernels"):
         # (*.dist-info folders may stay: the transformers hook copies metadata of its optional dependencies)
         assert not [p for p in internal.glob(f"{gone}*") if not p.name.endswith(".dist-info")], gone
-    assert built["report"]["size"]["total_mb"] < 1000
+    # torch's test libraries, a build machine's CUDA runtime and gguf's HTTP client stay out; torch's own
+    # libraries are stripped of their symbol tables (#32)
+    assert not [p.name for p in (internal / "torch" / "lib").glob("*test*.so")]
+    assert not list(internal.glob("libcudart*")) and not list(internal.glob("requests*"))
+    readelf = subprocess.run(["readelf", "-S", str(internal / "torch" / "lib" / "libtorch_cpu.so")],
+                             capture_output=True, text=True)
+    assert readelf.returncode == 0 and ".symtab" not in readelf.stdout
+    assert built["report"]["size"]["total_mb"] < 900 * 1.048576  # 900 MiB in MB
 
 
 def test_deb_contents_and_metadata(built):
