@@ -143,13 +143,13 @@ def _miss_at(p: _Prompt, a: int) -> Miss:
 def _diverged(p: _Prompt, a: int) -> Miss:
     at, end = p.same, min(len(p.ids), max(len(p.previous), a + 1))
     head = f"the prompt differs from this chat's last prompt and reply at token {at}"
-    was, now = _said(p, p.previous, at), _said(p, p.ids, at)
-    if was is not None and now is not None:
-        what = f"{was} → {now}" + (" (the same text, as other tokens)" if was == now else "")
-    elif p.change:  # "your message 1 changed: 'a' → 'b'": the pair last, as the footer quotes it
-        who, sep, pair = p.change.partition(": ")
+    if p.change:  # "your message 1 changed: 'a' → 'b'": the chat's own words, with their context; the pair last,
+        who, sep, pair = p.change.partition(": ")  # as the footer quotes it
         return Miss(a, end, MissReason.DIVERGED, f"{head} ({who}): {pair}" if sep and " → " in pair else
                     f"{head}: {p.change}")
+    was, now = _said(p, p.previous, at), _said(p, p.ids, at)  # else the server's tokens (its /detokenize)
+    if was is not None and now is not None:
+        what = f"{was} → {now}" + (" (the same text, as other tokens)" if was == now else "")
     elif p.change == "":  # the messages are what they were, as text
         what = ("this chat's messages are the same text: the server tokenized them otherwise (e.g. the last reply, "
                 "tokenized again, is not the ids it was generated as)")
