@@ -18,6 +18,7 @@ import numpy as np
 from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
 
+from app.selftest.quiet import LatencyProbe, QuietOffscreen
 from app.selftest.spec import check_speculative_reply
 from app.selftest.readouts import check_captions, check_context, check_wait
 from engine.config import CacheConfig, SamplingConfig
@@ -52,32 +53,6 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, step_ms: int = 10) ->
         QTimer.singleShot(step_ms, loop.quit)
         loop.exec()
     return True
-
-
-class LatencyProbe:
-    """A 10 ms QTimer that records how late each tick runs while ``active()`` is true."""
-
-    def __init__(self, active: Callable[[], bool], interval_ms: int = 10) -> None:
-        self.active = active
-        self.interval = interval_ms
-        self.samples: list[float] = []
-        self._last = time.perf_counter()
-        self.timer = QTimer()
-        self.timer.setInterval(interval_ms)
-        self.timer.timeout.connect(self._tick)
-        self.timer.start()
-
-    def _tick(self) -> None:
-        now = time.perf_counter()
-        if self.active():
-            self.samples.append(max(0.0, (now - self._last) * 1000.0 - self.interval))
-        self._last = now
-
-    def p95(self) -> float:
-        return float(np.percentile(self.samples, 95)) if self.samples else 0.0
-
-    def stop(self) -> None:
-        self.timer.stop()
 
 
 class SelfTest:
@@ -169,11 +144,16 @@ class SelfTest:
 def run_self_test(app: QApplication, model: str = "demo", screenshot: str | None = None, t0: float | None = None,
                   data_dir: Path | None = None, new_tokens: int = 24, measure_panels: bool = True) -> int:
     """Run every check on a fresh window; print the report; 0 if all passed, 1 otherwise."""
+    with QuietOffscreen():  # the offscreen platform's size-hint warnings, once per window shown, say nothing
+        return _run(app, model, screenshot, time.perf_counter() if t0 is None else t0, data_dir, new_tokens,
+                    measure_panels)
+
+
+def _run(app, model, screenshot, t0, data_dir, new_tokens, measure_panels) -> int:
     from app.history.store import HistoryStore
     from app.shell.window import MainWindow
     from app.settings.store import Settings
 
-    t0 = time.perf_counter() if t0 is None else t0
     tmp = None
     if data_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvscope-selftest-")
@@ -276,7 +256,8 @@ def _panels(t: SelfTest, probe: LatencyProbe) -> None:
     t.check(p.memory.updates > 0 and p.memory.n > 0, "memory panel has points")
     t.check(p.model_card.updates > 0 and p.model_card.info is not None, "model card filled")
     t.check(len(p.trace) > 0, f"cache trace recorded ({len(p.trace)} snapshots)")
-    t.lines.append(f"event-loop latency while streaming: p95 {probe.p95():.1f} ms over {len(probe.samples)} ticks")
+    t.lines.append(f"event-loop latency while streaming: p95 {probe.p95():.1f} ms over {len(probe.samples)} ticks; "
+                   f"between replies: p95 {probe.p95(idle=True):.1f} ms over {len(probe.idle)} ticks")
 
 
 def _eviction_switches(t: SelfTest) -> None:

@@ -62,6 +62,9 @@ def test_self_test_cli_passes_and_writes_a_screenshot(tmp_path):
     out = proc.stdout
     assert "kvscope self-test: OK" in out and "time to visible window" in out and "p95" in out
     assert "FAIL" not in out
+    # #31: the event loop measured idle and under load, and no offscreen size-hint noise before the report
+    assert "while streaming: p95" in out and "between replies: p95" in out
+    assert "propagateSizeHints" not in proc.stdout + proc.stderr
     assert shot.stat().st_size > 10_000 and (tmp_path / "shot-1920x1080.png").stat().st_size > 10_000
     assert "at 1280×720" in out and "at 1920×1080" in out
 
