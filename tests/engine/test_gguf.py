@@ -102,6 +102,18 @@ def test_gemma2_gguf_keeps_its_sliding_window(files):
     assert lm.info.layer_kinds == ("sliding", "full") and lm.info.windows[0] == 8
 
 
+def test_generate_says_the_dequantization_before_loading(files, capsys):
+    """``generate --model FILE.gguf``: the note with the memory on stderr, then the story."""
+    from engine.tools.cli import main
+
+    path = files["stories", "Q8_0"][0]
+    assert main(["generate", "--model", str(path), "--prompt", "Once upon a time", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.err.splitlines()[0] == ("note: stories-Q8_0.gguf: Q8_0 weights (444.0 KiB on disk) are dequantized to "
+                                       "float32 on load: 1015.8 KiB of weights in memory")
+    assert out.out.startswith(", there was a little girl")
+
+
 def test_requantize_on_load_says_so(files):
     """--quantize int8 re-quantizes the dequantized weights with bitsandbytes; the memory is said first."""
     said = []
