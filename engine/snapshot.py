@@ -73,6 +73,7 @@ class ModelInfo:
     threads: int = 0  # CPU threads torch uses for it (``engine.model.threads``), and why
     threads_reason: str = ""
     cpu_features: str = ""  # the CPU's vector level and native bf16 (``engine.model.threads.cpu_features``), CPU only
+    weights_kernel: str = ""  # how the linears' weights are held for the CPU's kernels (``engine.model.prepack``)
 
     @property
     def layer_bytes_per_token(self) -> int:

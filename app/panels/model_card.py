@@ -93,6 +93,7 @@ class ModelCardPanel(Panel):
             *([("CPU threads", html.escape(info.threads_reason))] if info.device == "cpu" and info.threads_reason
               else []),
             *([("CPU", html.escape(_cpu_note(info)))] if info.device == "cpu" and info.cpu_features else []),
+            *([("linears", html.escape(info.weights_kernel))] if info.weights_kernel else []),
         ]
         body = "".join(
             f"<tr><td style='color:#8a919c; padding-right:10px'>{k}</td><td>{v}</td></tr>" for k, v in rows

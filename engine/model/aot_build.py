@@ -34,6 +34,18 @@ def step_module(model):
     return Step()
 
 
+def _like_the_parent(model, job: dict) -> None:
+    """The parent's attention dispatcher and packed-linear structure (plain weights here: ``_linear_pointwise``
+    takes either, and the parent hands the package its packed ones)."""
+    from engine.kv.store.attention import DISPATCH_IMPL, use_attention
+    from engine.model.prepack import Plan, restructure
+
+    if job.get("attn") == DISPATCH_IMPL:
+        use_attention(model, DISPATCH_IMPL)
+    if job.get("prepack"):
+        restructure(model, Plan(tuple(tuple(g) for g in job["prepack"])), packed=False)
+
+
 def _build(build: Path) -> None:
     """The child: build the model with throwaway weights, export its step, compile, write the package."""
     import torch
@@ -46,6 +58,7 @@ def _build(build: Path) -> None:
     cls = getattr(transformers, job["class"])
     dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
     model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    _like_the_parent(model, job)
     L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
     P = 16
     ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-STEP_VERSION = 1  # bump when the step's inputs or outputs change: old packages are then never loaded
+STEP_VERSION = 2  # bump when the step's inputs or outputs change: old packages are then never loaded
 MIN_LEN = 2  # the dynamic lengths' floor: a size-1 example would specialise the graph
 
 
@@ -55,9 +55,26 @@ def package_key(model, device_type: str) -> str:
         cfg.pop(k, None)
     param = next(model.parameters())
     blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
-                       "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION},
-                      sort_keys=True, default=str)
+                       "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION,
+                       "attn": _attn(model), "prepack": _prepack(model)}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _attn(model) -> str:
+    """The attention the step is traced with: the runner's dispatcher where it selected one (bf16 decode attention
+    in float32, ``engine.kv.store.attention.sdpa``), else sdpa."""
+    from engine.kv.store.attention import DISPATCH_IMPL
+
+    return DISPATCH_IMPL if getattr(model.config, "_attn_implementation", None) == DISPATCH_IMPL else "sdpa"
+
+
+def _prepack(model) -> list | None:
+    """The packed linears' plan (``engine.model.prepack``): the child builds the same modules, so the package's
+    parameter names and its oneDNN calls match the parent's packed weights."""
+    from engine.model.prepack import plan_of
+
+    plan = plan_of(model)
+    return plan.to_json() if plan is not None else None
 
 
 def package_path(model, device_type: str) -> Path:
@@ -75,6 +92,7 @@ def write_job(lm, out: Path) -> Path:
     (build / "job.json").write_text(json.dumps({
         "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
         "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
+        "attn": _attn(lm.model), "prepack": _prepack(lm.model),
         "k": list(shape.of("k")), "v": list(shape.of("v"))}))
     return build
 

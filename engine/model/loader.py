@@ -373,6 +373,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
             is_demo: bool) -> LoadedModel:
     """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.model.arch.probe``) and
     bundle it with its tokenizer (None: ids only)."""
+    from engine.model import prepack
     from engine.model.arch import attention_impl, info_fields, probe
     from engine.model.threads import apply as apply_threads
     from engine.model.threads import choose as choose_threads
@@ -389,11 +390,13 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
             kv_dtype = getattr(torch, kv_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     impl = attention_impl(model)
+    watch = prepack.Watch(model)  # which linears the probe feeds one tensor (q/k/v, gate/up): merged when packed
     try:
         facts, probe_refusal = probe(model)
     except Exception as e:  # noqa: BLE001 - a model that cannot even run three tokens
         raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
                                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    weights_kernel = prepack.apply(model, watch.close(), device, spec.quantization)  # CPU: oneDNN-packed linears
     stop = _stop_ids(model, tok)
     threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
     apply_threads(threads)
@@ -420,6 +423,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         threads=threads,
         threads_reason=threads_reason,
         cpu_features=cpu_features() if device == "cpu" else "",
+        weights_kernel=weights_kernel,
         **info_fields(facts, elem, text_cfg, probe_refusal),
     )
     return LoadedModel(model=model, tokenizer=tok, info=info, stop_ids=stop, path=path)

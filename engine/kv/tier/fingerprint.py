@@ -24,6 +24,8 @@ VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash")  # config k
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.is_mkldnn:  # a linear's weight packed for oneDNN (``engine.model.prepack``): its values in plain layout
+        t = t.to_dense()
     flat = t.detach().reshape(-1)
     n = flat.numel()
     if n > WHOLE:
