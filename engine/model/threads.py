@@ -43,6 +43,41 @@ def choose(num_params: int, device_type: str) -> tuple[int, str]:
     return idle, f"{idle} of {n} cores (load {busy:.1f})"
 
 
+def physical_cores() -> int:
+    """Physical cores among those this process may run on (hyper-threads of one core counted once; Linux reads
+    the topology from /sys, elsewhere every logical CPU counts)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return cores()
+    seen = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "core_id") as f, open(base + "physical_package_id") as g:
+                seen.add((g.read().strip(), f.read().strip()))
+        except OSError:
+            seen.add(("cpu", str(cpu)))
+    return max(1, len(seen))
+
+
+def for_server(num_params: int, device_type: str) -> tuple[int, str]:
+    """(threads, why) for ``engine serve``: a server has no window to keep responsive and owns the machine, so as
+    vLLM's CPU backend does it takes every physical core (not only those idle at load time, the app's rule), one
+    thread each; a model under ``SMALL_PARAMS`` keeps one thread (measured: stories260K 224-239 tok/s on one,
+    20-32 on two). ``KVSCOPE_THREADS`` / ``OMP_NUM_THREADS`` win."""
+    for var in ("KVSCOPE_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"{value} ({var})"
+    if device_type != "cpu":
+        return torch.get_num_threads(), f"{torch.get_num_threads()} (the model runs on {device_type})"
+    if num_params < SMALL_PARAMS:
+        return 1, f"1 (a model under {SMALL_PARAMS // 1_000_000}M parameters: threads only add overhead)"
+    n = physical_cores()
+    return n, f"{n} (every physical core: a server)"
+
+
 def apply(threads: int) -> None:
     """Use ``threads`` for torch's CPU work from now on (process-wide; cheap when unchanged)."""
     if threads > 0 and torch.get_num_threads() != threads:

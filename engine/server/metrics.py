@@ -168,6 +168,7 @@ class Metrics:
         out += _labelled("kvscope_prompt_tokens_recomputed_total", "Prompt tokens computed instead of read from the "
                          "cache, by reason (the requests' cache accounts)", "reason", recomputed)
         out += self._event_rows()
+        out += self._thread_rows()
         out += _labelled("kvscope_connections_closed_total", "Connections the server closed: a request head or body "
                          "not complete in time, one without a request in flight making room, or a new one over the "
                          "limit", "reason", closed)
@@ -214,6 +215,16 @@ class Metrics:
         out += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{model},position="{i}"}} {n}'
                 for i, n in enumerate(by_pos)]
         return out
+
+
+    def _thread_rows(self) -> list[str]:
+        """The CPU threads torch runs the model on, and why (``engine.model.threads.for_server``), as a label."""
+        info = getattr(getattr(self.runner, "lm", None), "info", None)
+        if info is None or not info.threads:
+            return []
+        why = info.threads_reason.replace("\\", "\\\\").replace('"', '\\"')
+        return ["# HELP kvscope_cpu_threads CPU threads the model runs on (why: the label)",
+                "# TYPE kvscope_cpu_threads gauge", f'kvscope_cpu_threads{{reason="{why}"}} {info.threads}']
 
 
 def _labelled(name: str, text: str, label: str, values: dict) -> list[str]:

@@ -211,9 +211,22 @@ class ServerThread:
         self.sock.close()
 
 
+def server_threads(lm) -> None:
+    """A server's CPU threads (``engine.model.threads.for_server``: every physical core, vLLM's rule) instead of
+    the app's (idle cores at load), applied and kept in the model's info (startup line, ``/metrics``)."""
+    from engine.model.threads import apply, for_server
+
+    n, why = for_server(sum(p.numel() for p in lm.model.parameters()), lm.device.type)
+    apply(n)
+    lm.info = dataclasses.replace(lm.info, threads=n, threads_reason=why)
+
+
 def _say_ready(server: KVServer, url: str) -> None:
+    info = server.lm.info
+    threads = f"; CPU threads: {info.threads_reason}" if info.device == "cpu" and info.threads_reason else ""
     print(f"KV Scope serves {server.model_id} at {url}/v1 (OpenAI API; metrics at {url}/metrics"
-          f"{'' if server.options.metrics_public or not server.api_keys else ' with a key'}; Ctrl+C stops)", flush=True)
+          f"{'' if server.options.metrics_public or not server.api_keys else ' with a key'}{threads}; Ctrl+C stops)",
+          flush=True)
     if server.kv_events is not None:
         print(server.kv_events.describe(), flush=True)
 
@@ -247,6 +260,7 @@ def serve(a, cache: CacheConfig, spec) -> int:
     from engine.model.loader import load_model
 
     lm = load_model(spec, print_notes)  # a GGUF's dequantization and its memory said before the weights load
+    server_threads(lm)
     if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer: the server needs one")
     from engine.kv.tier.disk import configure_flag
