@@ -15,7 +15,7 @@ window; a default arrangement whose width crosses ``WIDE_PX`` is rearranged for 
 
 from __future__ import annotations
 
-from PySide6.QtCore import QByteArray, QPoint, QRect, QSize, Qt, QTimer
+from PySide6.QtCore import QByteArray, QEvent, QObject, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication, QDockWidget, QMainWindow, QScrollArea, QTabBar, QTabWidget, QWidget
 
@@ -82,6 +82,20 @@ def on_screen(widget: QWidget) -> bool:
     return window.rect().intersects(QRect(widget.mapTo(window, QPoint(0, 0)), widget.size()))
 
 
+class _Shown(QObject):
+    """Calls ``then()`` each time ``window`` is shown (a window arranged before it was shown is fitted then)."""
+
+    def __init__(self, window: QWidget, then) -> None:
+        super().__init__(window)
+        self.then = then
+        window.installEventFilter(self)
+
+    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name
+        if event.type() == QEvent.Type.Show:
+            self.then()
+        return False
+
+
 class DockLayout:
     """Creates the docks of ``window`` around ``widgets`` (keyed as in ``DOCKS``) and lays them out."""
 
@@ -105,6 +119,7 @@ class DockLayout:
         self._refit.setSingleShot(True)
         self._refit.setInterval(150)
         self._refit.timeout.connect(self._settled)
+        self._shown = _Shown(window, self.window_resized)
 
     @property
     def wide(self) -> bool:
@@ -122,8 +137,8 @@ class DockLayout:
         for key in ("controls", "occupancy", "timing"):
             self.docks[key].raise_()  # the first tab of each group
         self._fitted = QSize(0, 0)
-        if self.window.isVisible():
-            QTimer.singleShot(0, self.fit)
+        self._refit.start()  # once shown and laid out (a window arranged before it is shown was never fitted: at
+        # 1024×768 the docks kept Qt's sizes, the chat its 356 px minimum against panels of 291 px)
 
     def _left_column(self) -> None:
         d, w = self.docks, self.window
@@ -171,7 +186,7 @@ class DockLayout:
     def window_resized(self) -> None:
         """Call from the window's resize event: a much larger or smaller window gets the default sizes
         again (after the size settles)."""
-        if self._needs_refit() and self.window.isVisible():
+        if self._needs_refit():
             self._refit.start()
 
     def _needs_refit(self) -> bool:
@@ -186,6 +201,8 @@ class DockLayout:
         return not self._refit.isActive() and not self._needs_refit()
 
     def _settled(self) -> None:
+        if not self.window.isVisible():
+            return  # fitted when it is shown (``_Shown``)
         if self.arrangement in ("compact", "wide") and self.arrangement != ("wide" if self.wide else "compact"):
             self.arrange()
         else:

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
+from engine.kv.quantized.basis import KEY as BASIS_KEY
 from engine.kv.store.attention import RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
 from engine.kv.store.storage import KVStore
 
@@ -53,7 +54,13 @@ class _StoreLayer(_OurLayer):
         # key_states [1, k_heads, q, k_dim], value_states [1, v_heads, q, v_dim]: post-RoPE
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        k, v = self._cache.store.update(self._idx, key_states, value_states)  # [1, heads, past + q, dim]
+        attn = kwargs.get("kwargs")
+        if self._cache.rotated_ok and isinstance(attn, dict):  # the attention turns queries and output (tq pages)
+            k, v, basis = self._cache.store.update_in_basis(self._idx, key_states, value_states)
+            if basis is not None:
+                attn[BASIS_KEY] = basis
+        else:
+            k, v = self._cache.store.update(self._idx, key_states, value_states)  # [1, heads, past + q, dim]
         sink = self._cache.score_sink
         if sink is not None and self._score_idx is not None and isinstance(kwargs.get("kwargs"), dict):
             row = self._score_idx
@@ -86,6 +93,9 @@ class KVCache(Cache):
     def __init__(self, store: KVStore) -> None:
         self.store = store
         self.score_sink = None  # optional fn(score row, probs [1, Hq, q, L]) for attention scores
+        # the model's attention is ``engine.kv.store.attention.dispatch_attention`` and nothing reads its insides (the
+        # runner says, per forward): rotated pages (tq kinds) are then read rotated, the queries and output turned
+        self.rotated_ok = False
         routes = getattr(store, "routes", None)
         self.grouped = routes is not None
         layers = []

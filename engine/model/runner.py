@@ -26,6 +26,7 @@ theirs; a score-reading policy then switches them to the scores attention while 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ import torch
 
 from engine.kv.store.attention import DISPATCH_IMPL, SCORES_IMPL, use_attention
 from engine.kv.hf_cache import BatchCache, KVCache, RaggedUnsupported
+
+# KVSCOPE_ROTATED_READS=off reads tq pages back in the original basis (a D×D turn per cached token): to measure
+# what the rotated reads save (engine/README.md, "KV precision")
+ROTATED_READS = os.environ.get("KVSCOPE_ROTATED_READS", "on") != "off"
+
 
 @dataclass(frozen=True)
 class Work:
@@ -141,6 +147,8 @@ class ModelRunner:
     def _eager(self, w: Work) -> torch.Tensor:
         dev = self.lm.device
         self._select(w.scores)
+        # tq pages read rotated, the queries and output turned instead, by our attention when nothing reads its insides
+        w.kv.rotated_ok = self.dispatch and not w.scores and ROTATED_READS
         ids = torch.tensor([w.ids], dtype=torch.long, device=dev)  # [1, q]
         pos = torch.arange(w.rope, w.rope + w.q, device=dev)[None]  # [1, q] RoPE positions
         with torch.inference_mode():

@@ -41,12 +41,17 @@ def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, mon
         def availableGeometry(self):  # noqa: N802 - Qt name
             return QRect(0, 0, 1024, 740)
 
+    real_size = docks.initial_size
+    monkeypatch.setattr("app.shell.window.initial_size", lambda _w: QSize(1024, 740))  # as a 1024×768 screen gives
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=60))
     try:
+        # shown at that size and never resized: fitted once shown (it never was: the chat kept its 356 px minimum)
+        qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)
+        assert w.chat.width() >= w.docks["controls"].width() and w.chat.width() > w.docks["occupancy"].width()
         monkeypatch.setattr(w, "screen", lambda: Screen())
-        assert docks.initial_size(w) == QSize(1024, 740)  # not 92%: 942 px left the panels 200 px
+        assert real_size(w) == QSize(1024, 740)  # not 92%: 942 px left the panels 200 px
         monkeypatch.setattr(Screen, "availableGeometry", lambda self: QRect(0, 0, 1920, 1040))
-        assert docks.initial_size(w) == QSize(1766, 956)
+        assert real_size(w) == QSize(1766, 956)
         w.resize(1024, 740)
         w.send("Once upon a time")
         wait_reply(qtbot, w)

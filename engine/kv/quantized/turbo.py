@@ -165,14 +165,28 @@ def unpack(packed: Tensor, head_dim: int, bits: int) -> Tensor:
 def levels(packed: Tensor, head_dim: int, bits: int, table: Tensor) -> Tensor:
     """``table[code]`` for every code in the planes ``[..., C]`` → ``[..., D]`` (table ``[2^bits]`` float).
 
-    One plane (4 and 2 bits): a lookup straight from bytes to levels (a ``[256, 8/w]`` table); else the codes
-    first."""
+    One lookup a few codes, straight to levels: one plane (4, 2 and 1 bits) a byte's codes from a ``[256, 8/w]``
+    table; 3 bits four codes at once from a ``[4096, 4]`` table indexed by their 2-bit byte and 1-bit nibble
+    (~4x faster here than unpacking the codes first, at 2,048 tokens × 3 heads × 64)."""
     planes = sizes.TQ_PLANES[bits]
     if len(planes) == 1:
         w = planes[0]
         byte_table = table[_lut(w, table.device)]  # [256, 8/w] the levels of each byte's codes
         return torch.nn.functional.embedding(packed.long(), byte_table).flatten(-2)[..., :head_dim]
-    return torch.nn.functional.embedding(unpack(packed, head_dim, bits), table[:, None]).squeeze(-1)
+    if head_dim % 8:  # a plane's last byte is part-filled: unpack the codes first
+        return torch.nn.functional.embedding(unpack(packed, head_dim, bits), table[:, None]).squeeze(-1)
+    low, high = packed[..., :head_dim // 4], packed[..., head_dim // 4:]  # [..., D/4] 2-bit plane, [..., D/8] 1-bit
+    nibbles = torch.stack((high & 0x0F, high >> 4), dim=-1).flatten(-2)  # [..., D/4]: the high bits of 4 codes
+    idx = low.long() | (nibbles.long() << 8)  # [..., D/4] in 0..4095
+    return torch.nn.functional.embedding(idx, _table3(table)).flatten(-2)  # [..., D]
+
+
+def _table3(table: Tensor) -> Tensor:
+    """``[4096, 4]``: the levels of 4 codes whose low bits are byte ``i & 255`` (2 bits each) and high bits the
+    nibble ``i >> 8`` (1 bit each)."""
+    i = torch.arange(4096, device=table.device)
+    codes = torch.stack([((i >> (2 * j)) & 3) | (((i >> (8 + j)) & 1) << 2) for j in range(4)], dim=1)  # [4096, 4]
+    return table[codes]
 
 
 # ------------------------------------------------------------------------------------- quantize / dequantize

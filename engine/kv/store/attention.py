@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from engine.kv.quantized.basis import KEY as BASIS_KEY
 from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
@@ -110,9 +111,17 @@ def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
     """The one attention implementation the runner selects on an sdpa model: a batched decode (the cache handed
     each sequence's K/V) → ``ragged_attention``; a policy reading scores (the cache handed a sink) →
     ``scores_attention``; anything else → transformers' own sdpa, exactly as if "sdpa" were selected (HF
-    ``generate`` on the same model, the compiled step). The model's config never changes around a call."""
+    ``generate`` on the same model, the compiled step). The model's config never changes around a call. K/V the
+    cache left rotated (tq pages, ``engine.kv.quantized.basis``; never with a sink) come with the turn of the queries
+    and the output."""
     if kwargs.get(RAGGED_KEY) is not None:
         return ragged_attention(module, query, key, value, None, **kwargs)
+    basis = kwargs.pop(BASIS_KEY, None)
+    if basis is not None:  # the cache left rotated pages rotated: turn the queries, and the output back
+        if kwargs.get("scaling") is None:
+            kwargs["scaling"] = query.shape[-1] ** -0.5  # the query's own width (QJL keys widen it)
+        out, _ = sdpa_attention_forward(module, basis.queries(query), key, value, attention_mask, **kwargs)
+        return basis.outputs(out), None  # [1, q, Hq, Dv]
     if kwargs.get("kvscope_sink") is not None:
         return scores_attention(module, query, key, value, attention_mask, **kwargs)
     return sdpa(module, query, key, value, attention_mask, **kwargs)
