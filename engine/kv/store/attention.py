@@ -1,4 +1,5 @@
-"""Attention that also reports its probabilities (for H2O's accumulated-attention scores), and RoPE
+"""Attention that also reports its probabilities (for H2O's accumulated-attention scores) or its inputs (for
+Expected Attention's query statistics: ``kvscope_observer``), and RoPE
 re-rotation of cached keys (for StreamingLLM's in-cache positions; ``Rerotator`` and ``rerotation_refusal``
 live in ``engine.kv.store.rope`` and are re-exported here).
 
@@ -62,6 +63,9 @@ def scores_attention(module, query, key, value, attention_mask, scaling=None, dr
     sink = kwargs.get("kvscope_sink")
     if sink is not None:
         sink(module.layer_idx, probs)
+    observer = kwargs.get("kvscope_observer")
+    if observer is not None:
+        observer(query, key, value, scale)
     out = torch.matmul(probs.to(v.dtype), v)  # [1, Hq, q, D]
     return out.transpose(1, 2).contiguous(), None
 
@@ -120,10 +124,13 @@ def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
     if basis is not None:  # the cache left rotated pages rotated: turn the queries, and the output back
         if kwargs.get("scaling") is None:
             kwargs["scaling"] = query.shape[-1] ** -0.5  # the query's own width (QJL keys widen it)
-        out, _ = sdpa_attention_forward(module, basis.queries(query), key, value, attention_mask, **kwargs)
+        out, _ = sdpa(module, basis.queries(query), key, value, attention_mask, **kwargs)
         return basis.outputs(out), None  # [1, q, Hq, Dv]
     if kwargs.get("kvscope_sink") is not None:
         return scores_attention(module, query, key, value, attention_mask, **kwargs)
+    observer = kwargs.pop("kvscope_observer", None)
+    if observer is not None:  # a policy reading the queries (Expected Attention): the model's own SDPA beside it
+        observer(query, key, value, kwargs.get("scaling"))
     return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
