@@ -302,9 +302,14 @@ class TurnStats:
     decode_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    reprefilled_tokens: int = 0  # tokens read again after cache changes during the reply (not in recomputed_tokens)
+    reprefill_ms: float = 0.0  # reading them (in none of ttft_ms, prefill_ms, decode_ms)
+    reprefills: tuple = ()  # each change's ``engine.core.records.Reprefill`` (tokens, ms, the settings before/after)
     stop_reason: str = ""
     shared_tokens: int = 0  # of reused_tokens, those taken from pages other sessions computed (prefix cache)
     disk_restored_tokens: int = 0  # of shared_tokens, those read from the KV disk tier (engine.kv.tier.disk)
+    disk_ms: float = 0.0  # reading them
+    disk_again_ms: float = 0.0  # what computing them would take at the model's measured prefill rate
     dropped_tokens: int = 0  # prompt tokens dropped unread to fit the context (in neither reused nor recomputed)
     threads: int = 0  # CPU threads torch used (0: not on the CPU)
     forwards: int = 0  # forwards that gave tokens (the first token's, then decode or verification forwards)
@@ -328,3 +333,4 @@ class StepResult:
     text: str = ""  # the whole reply so far
     stats: TurnStats | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    reprefill: Any = None  # a re-prefill after a cache change this step moved on (``engine.core.records.Reprefill``)

@@ -71,9 +71,19 @@ def cache_line(stats: dict[str, Any]) -> str:
     if shared - disk:
         where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
     if disk:
-        where = f"{disk:,} restored from disk" + (f", {where}" if where else "")
+        where = f"{disk:,} restored from disk{disk_time(stats)}" + (f", {where}" if where else "")
     where = where or "nothing cached before"
     dropped = int(stats.get("dropped_tokens") or 0)
     dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
     return (f"reused {count(stats['reused_tokens'])}, recomputed {stats.get('recomputed_tokens', 0):,}{dropped_text}, "
             f"{where}")
+
+
+def disk_time(stats: dict[str, Any]) -> str:
+    """' in 19 ms (computing them again: ~185 ms at this chat's prefill rate)' for tokens restored from the KV disk
+    tier ('' for a reply saved before the footer kept the times)."""
+    ms, again = float(stats.get("disk_ms") or 0.0), float(stats.get("disk_again_ms") or 0.0)
+    if not ms:
+        return ""
+    by = "at this chat's prefill rate" if stats.get("disk_rate") == "chat" else "estimated"
+    return f" in {ms:,.0f} ms" + (f" (computing them again: ~{again:,.0f} ms, {by})" if again else "")

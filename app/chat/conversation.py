@@ -21,8 +21,8 @@ from app.chat.pane import ChatPane
 from app.shell.failure import Failure
 from app.history.store import HistoryStore
 from app.history.notice import HistoryNotices
-from app.chat.note_words import plain_note
-from app.chat.replies import Reply, edited_versions, interrupted, pick_version, versions_of
+from app.chat.note_words import plain_note, reply_notes
+from app.chat.replies import Reply, against_own_prefill, edited_versions, interrupted, pick_version, versions_of
 from app.chat.send_check import SendCheck
 from app.settings.store import Settings
 from app.link.engine_thread import EngineThread
@@ -131,8 +131,8 @@ class Conversation(QObject):
         self.chat_id = chat_id
         self.chat_list.select(chat_id)
         self.settings.set("window/last_chat", chat_id)
-        if self.pane.notice.action_buttons:  # a question about the chat left behind (send anyway?)
-            self.pane.notice.clear()
+        self.notices.clear_notice()  # what it said was about the chat left behind (or the app): only a standing
+        # history problem stays (a failed model load's banner followed into every new chat)
         self.pane.set_chat(chat.title, chat.system_prompt)
         self.pane.set_messages(self._mark_unfinished(chat_id))
         self.notices.show_unsaved()
@@ -370,7 +370,7 @@ class Conversation(QObject):
         reply = self.replies.get(generation_id)
         if self.closed or reply is None:
             return
-        notes = [plain_note(n, self._cache()) for n in notes]  # the controls' words, not the engine's
+        notes = [plain_note(n, self._cache()) for n in reply_notes(notes)]  # the controls' words, not the engine's
         reply.notes.extend(notes)
         if reply.chat_id == self.chat_id:
             self.pane.show_reply_notes(reply.notes)
@@ -393,7 +393,7 @@ class Conversation(QObject):
             return
         self.flush_reply(reply)
         text = text or reply.streamed
-        info = reply.stats(reason, stats, text)
+        info = against_own_prefill(reply.stats(reason, stats, text), self.history.messages(reply.chat_id)[:-1])
         if text != reply.streamed:
             self.history.set_content(reply.message_id, text)
         self.history.set_stats(reply.message_id, info)

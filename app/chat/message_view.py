@@ -83,8 +83,10 @@ class MessageView(QFrame):
         self.why_label = QLabel("")  # why prompt tokens were recomputed; its link opens the "Why recomputed?" readout
         self.why_label.setObjectName("whyLine")
         self.why_label.linkActivated.connect(lambda _link: self.why_requested.emit())
+        self.progress_label = QLabel("")  # work the reply waits on mid-way (tokens read again after a cache change)
+        self.progress_label.setObjectName("progressLine")
         for label in (self.stats_label, self.cache_label, self.why_label, self.error_label, self.notes_label,
-                      self.save_label):
+                      self.save_label, self.progress_label):
             label.setWordWrap(True)
             label.setTextFormat(Qt.TextFormat.RichText if label is self.why_label else Qt.TextFormat.PlainText)
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction if label is self.why_label
@@ -108,6 +110,7 @@ class MessageView(QFrame):
         layout.setSpacing(4)
         layout.addLayout(head)
         layout.addWidget(self.body)
+        layout.addWidget(self.progress_label)
         layout.addWidget(self.error_label)
         layout.addWidget(self.notes_label)
         layout.addWidget(self.stats_label)
@@ -207,11 +210,18 @@ class MessageView(QFrame):
             self._dirty = True
             self.render()
 
+    def set_progress(self, text: str) -> None:
+        """A line under the text while the reply waits on work mid-way ("" hides it): 'Re-prefilling 916 tokens
+        after switching to Heavy hitters (H2O): 312 of 916 (34%) …'."""
+        self.progress_label.setText(text)
+        self.progress_label.setVisible(bool(text))
+
     def set_stats(self, stats: dict[str, Any]) -> None:
         """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
         self.stats = dict(stats or {})
         if "stop_reason" in self.stats:  # a finished reply's record replaces what streaming collected
             self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
+            self.set_progress("")
         line = stats_line(self.stats) or pin_line(self.stats, self.priority)
         for label, text in ((self.stats_label, line), (self.cache_label, cache_line(self.stats)),
                             (self.error_label, breakable(error_line(self.stats)))):

@@ -56,6 +56,14 @@ _WORDS: dict[NoteKind, Callable[[Note], str]] = {
 }
 
 
+SAID_ELSEWHERE = {NoteKind.DISK_RESTORED}  # good news the reply's cache line says (green), not a note (amber)
+
+
+def reply_notes(notes: Any) -> list:
+    """The engine's notes a reply shows as notes (amber): those not said in its other lines."""
+    return [n for n in notes if not (isinstance(n, Note) and n.kind in SAID_ELSEWHERE)]
+
+
 def plain_note(note: str, cfg: Any = None) -> str:
     """``note`` in the controls' words (a plain string, or a kind said as written, as it is)."""
     words = _WORDS.get(note.kind) if isinstance(note, Note) else None

@@ -124,3 +124,21 @@ def interrupted(content: str, stats: dict[str, Any]) -> dict[str, Any]:
     if stats.get("versions") and stats.get("version", 0) >= len(stats["versions"]):
         return with_version(stats["versions"], content, dict(plain_stats(stats), **INTERRUPTED))
     return dict(stats, **INTERRUPTED)
+
+
+MEASURED_PREFILL = 64  # a prefill of at least this many tokens says how fast this chat's model reads
+
+
+def against_own_prefill(info: dict[str, Any], earlier: list) -> dict[str, Any]:
+    """``info`` (a finished reply's stats) with the tokens it restored from the KV disk tier weighed against this
+    chat's own prefill: the fastest earlier reply of the chat that computed at least ``MEASURED_PREFILL`` prompt
+    tokens (its tokens per second, saved with it), instead of the engine's guess (after a restart the model has
+    measured nothing yet; a guess from its size said 9 ms where this chat's prefill took 185 ms)."""
+    disk = int(info.get("disk_restored_tokens") or 0)
+    replies = [m.stats for m in earlier if m.role == "assistant"] + [v.get("stats", {}) for v in info.get("versions", ())]
+    rates = [float(r.get("prefill_tokens_per_s") or 0) for r in replies  # the chat's replies, and those this one
+             if int(r.get("recomputed_tokens") or 0) >= MEASURED_PREFILL]  # replaced (regenerate: its versions)
+    rate = max(rates, default=0.0)
+    if not disk or rate <= 0:
+        return info
+    return dict(info, disk_again_ms=disk / rate * 1000.0, disk_rate="chat")

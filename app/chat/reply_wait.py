@@ -15,6 +15,8 @@ import time
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
+from app.chat.reprefill_line import ReprefillLine
+
 TICK_MS = 500  # the seconds counter's refresh
 GENERIC_AFTER_S = 1.0  # a wait of unknown cause is shown from here on (shorter ones are not worth a flicker)
 GENERIC = "the engine to finish what it is doing"
@@ -48,6 +50,8 @@ class ReplyWait(QObject):
 
     def connect(self, conversation, worker) -> None:
         """Follow the conversation's replies and the worker's events (queued to this, the GUI thread)."""
+        self.reprefill = ReprefillLine(self.pane, self.status, self)  # a wait mid-reply: tokens read again, said
+        self.reprefill.connect(conversation, worker)
         conversation.reply_started.connect(self.begin)
         conversation.reply_finished.connect(self.step)
         worker.waiting.connect(self.cause)

@@ -31,6 +31,8 @@ Signals (every reply event carries its ``generation_id``)::
     core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
                                     (None, None): no model
     waiting(int, str)               generation_id, what its reply waits for before its first step
+    reprefilling(int, object)       generation_id, ``engine.core.records.Reprefill``: tokens a cache change made
+                                    mid-reply has it read again, as it begins and after each forward
     placed(int, list)               generation_id, where its prompt's recomputed tokens sit in the chat (before
                                     ``finished``; only when it has misses)
 
@@ -56,6 +58,7 @@ from app.shell.failure import Failure, describe, log
 from app.controls.spec_drafts import SpecDrafts
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
+from engine.core.reprefill import running as running_reprefill
 from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
 from engine.core.vocab import FinishReason
 
@@ -96,6 +99,7 @@ class EngineWorker(QObject):
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
     waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.chat.reply_wait)
     placed = Signal(int, object)  # generation_id, where its recomputed tokens sit in the chat (app.link.places)
+    reprefilling = Signal(int, object)  # generation_id, a cache change's re-prefill begun or moved on (app.chat.reprefill_line)
     _woken = Signal()  # from any thread (the API server's): the core has work; queued to this thread
 
     def __init__(self, backend: EngineBackend | None = None) -> None:
@@ -247,6 +251,11 @@ class EngineWorker(QObject):
         self.applied.emit(cache, notes)
         if not self._gen_id:
             self._emit_idle_snapshot()
+        else:
+            reply = getattr(self._session, "turn_state", None)
+            again = running_reprefill(reply) if reply is not None else None  # said before its first forward
+            if again is not None:
+                self.reprefilling.emit(self._gen_id, again)
 
     @Slot(object)
     def speculate(self, cfg: SpecConfig) -> None:
@@ -420,6 +429,8 @@ class EngineWorker(QObject):
         if isinstance(result, BaseException):
             self._fail_reply(gen, "step", result)
             return
+        if getattr(result, "reprefill", None) is not None:
+            self.reprefilling.emit(gen, result.reprefill)
         if result.event is not None:
             self.token.emit(result.event)
         if result.snapshot is not None:

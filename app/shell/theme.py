@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtGui import QColor, QPalette
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QProxyStyle, QStyle, QStyleFactory
 
 BG = "#1b1e24"
 BASE = "#16191f"
@@ -30,6 +30,7 @@ QLabel#whyLine {{ color: #f0a35e; font-size: 11px; }}
 QLabel#errorLine {{ color: #ff8080; }}
 QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
 QLabel#saveLine {{ color: #ffb347; font-size: 11px; }}
+QLabel#progressLine {{ color: {ACCENT}; font-size: 11px; }}
 QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 6px; }}
 QLabel#noticeText {{ color: #ffb0b0; }}
 QFrame#notice[tone="info"] {{ background: #1f2a3a; border: 1px solid #2f4a6b; }}
@@ -55,8 +56,18 @@ QGroupBox::title {{ subcontrol-origin: margin; left: 8px; padding: 0 4px; color:
 """
 
 
+class _Style(QProxyStyle):
+    """Fusion without icons on dialog buttons: its Close / Cancel / OK icons are drawn dark, unreadable on this
+    dark palette (the Compare dialog's Close showed a dark glyph on a dark button); the words say it all."""
+
+    def styleHint(self, hint, option=None, widget=None, data=None):  # noqa: N802 - Qt name
+        if hint == QStyle.StyleHint.SH_DialogButtonBox_ButtonsHaveIcons:
+            return 0
+        return super().styleHint(hint, option, widget, data)
+
+
 def apply_theme(app: QApplication) -> None:
-    app.setStyle("Fusion")
+    app.setStyle(_Style(QStyleFactory.create("Fusion")))
     p = QPalette()
     for role, colour in (
         (QPalette.ColorRole.Window, BG), (QPalette.ColorRole.WindowText, TEXT), (QPalette.ColorRole.Base, BASE),

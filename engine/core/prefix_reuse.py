@@ -10,8 +10,10 @@ from typing import Sequence
 
 import dataclasses
 
+from engine.core import reprefill
 from engine.core.account import Facts, account, token_change
 from engine.core.records import ReuseRecord
+from engine.core.vocab import Note, NoteKind
 from engine.kv.paged.prefix import cached_run, extend_chain
 from engine.snapshot import MissReason
 from engine.kv.store.grouped import GroupedKV
@@ -35,9 +37,19 @@ class PrefixReuse:
         return getattr(getattr(self.lm, "arenas", None), "disk", None)
 
     def disk_notes(self) -> list[str]:
-        """What the disk tier has to tell: the last reuse's restore, files dropped, writes stopped."""
+        """What the disk tier has to tell: the last reuse's restore (against what computing those tokens again takes
+        at this model's measured prefill rate), files dropped, writes stopped."""
         r = self.reused
-        return self.disk.take_notes(r.disk_tokens, r.disk_ms) if self.disk is not None else []
+        if self.disk is None:
+            return []
+        notes = self.disk.take_notes()
+        if r.disk_tokens:
+            again = reprefill.estimate_ms(self.lm, r.disk_tokens, False)
+            than = "faster than" if r.disk_ms <= again else "slower than"
+            notes.insert(0, Note(f"restored {r.disk_tokens:,} tokens from disk in {r.disk_ms:.0f} ms ({than} the "
+                                 f"~{again:.0f} ms computing them again would take)", NoteKind.DISK_RESTORED,
+                                 tokens=r.disk_tokens, ms=r.disk_ms, again_ms=again))
+        return notes
 
     def prefix_store(self) -> PagedKV | None:
         """The store whose full pages take part in automatic prefix caching, or None. Lossless settings only:

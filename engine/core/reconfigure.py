@@ -21,6 +21,7 @@ from engine.kv.store.storage import ContiguousKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
 from engine.snapshot import MissReason
+from engine.core import reprefill
 from engine.core.vocab import Note, NoteKind
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) 
             f"cache off recomputes the whole conversation ({len(seq.ids)} tokens), which is longer than "
             f"the model's context ({ctx}): keep a cache with an eviction policy")
     cache.swap_in(seq.ids)
+    fed = _fed(cache, seq)
     notes: list[str] = []
     if cache.store is not None and cache.index.n and not _keeps_evicted(cache.policy, policy):
         notes += _restore_evicted(cache, ctx)
@@ -156,7 +158,28 @@ def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) 
         notes.append(int8_key_note(cache.lm.info.head_dim, cfg.page_size))
     if cfg.prefix_reuse != old.prefix_reuse:
         notes.append("prefix reuse " + ("on" if cfg.prefix_reuse else "off") + " from the next turn")
+    _read_again(cache, seq, fed, old, cfg)
     return notes
+
+
+def _fed(cache: "SeqCache", seq: "Sequence") -> int:
+    """Positions of the running reply's sequence the model has read: the cache's fed tokens (cache off: every token
+    before the last while it decodes, nothing before its first forward)."""
+    if cache.store is not None:
+        return cache.index.next_pos
+    return len(seq.ids) - 1 if seq.running and seq.reply.generated else 0
+
+
+def _read_again(cache: "SeqCache", seq: "Sequence", fed: int, old: CacheConfig, cfg: CacheConfig) -> None:
+    """A running reply whose cache the change cut back below what it had read reads those tokens again before it
+    goes on: tracked (``engine.core.reprefill``), with what that should take, so the reply says so while it runs and
+    its time is not counted as TTFT. Cache off needs none: it reads the whole text every step anyway."""
+    if not seq.running or cache.store is None or cache.index.next_pos >= fed:
+        return
+    start = cache.index.next_pos
+    scores = cache.policy is not None and cache.policy.needs_scores
+    estimate = reprefill.estimate_ms(cache.lm, fed - start, scores)
+    reprefill.begin(seq.reply, start, fed, estimate, old, cfg)
 
 
 def _needs_new_store(old: CacheConfig, cfg: CacheConfig) -> bool:

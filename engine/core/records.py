@@ -1,7 +1,8 @@
 """Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache, and ``ReuseRecord``,
-one per prompt's reuse of it.
+one per prompt's reuse of it; and ``Reprefill``, tokens a cache change left to read again during a reply (its only
+writer: ``engine.core.reprefill``).
 
-``SeqCache`` (``engine.core.seq_cache``) is their only writer: each forward's commit returns one and keeps it as
+``SeqCache`` (``engine.core.seq_cache``) is the first two's only writer: each forward's commit returns one and keeps it as
 ``SeqCache.last`` until the next; ``engine.core.observe`` builds the step's ``CacheSnapshot`` from it. Nothing
 else writes what a forward did, so the page map, the timing panel and the server's counters read the same facts.
 """
@@ -15,6 +16,7 @@ from engine.core.vocab import StepPath
 from engine.snapshot import CacheAccount
 
 if TYPE_CHECKING:
+    from engine.config import CacheConfig
     from engine.core.eviction import Eviction
 
 
@@ -52,3 +54,21 @@ class ReuseRecord:
     continued: int = 0  # the prompt went on from an evicted cache: its tokens evicted earlier (never recomputed)
     swapped_in_pages: int = 0  # pages the swap-in before it took back from the prefix cache instead of copying
     account: CacheAccount = CacheAccount()  # why each prompt token was reused or computed
+
+
+@dataclass(frozen=True)
+class Reprefill:
+    """Tokens of a running reply that a cache change left to be read again, and how far that got
+    (``engine.core.reprefill``, its only writer). Positions ``[start, start + tokens)`` of the sequence."""
+
+    tokens: int  # to read again in all
+    start: int  # the first of them (where the change cut the cache back to)
+    done: int = 0  # read again so far
+    ms: float = 0.0  # spent reading them (never the reply's TTFT, prefill or decode time)
+    estimate_ms: float = 0.0  # what it should take, at the model's measured prefill rate (before it began)
+    old: "CacheConfig | None" = None  # the setting before the change
+    new: "CacheConfig | None" = None  # the setting that needs them read again
+
+    @property
+    def running(self) -> bool:
+        return self.done < self.tokens

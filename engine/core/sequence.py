@@ -74,12 +74,20 @@ class TurnState:
     divergence: int = -1
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     disk: int = 0  # of them, tokens restored from the KV disk tier (``engine.kv.tier.disk``)
+    disk_ms: float = 0.0  # reading them
+    disk_again_ms: float = 0.0  # what computing them would take, at the model's measured prefill rate
     threads: int = 0
     waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
     forwards: int = 0  # forwards that gave tokens
     spec: Any = None  # ``engine.speculation.verify.SpecStats`` while the chat speculates
     spec_label: str = ""
     account: Any = None  # ``engine.snapshot.CacheAccount`` of its prompt (``SeqCache.reuse``)
+    reprefills: list = field(default_factory=list)  # ``Reprefill``s: tokens cache changes had it read again
+
+    @property
+    def reprefill_ms(self) -> float:
+        """Time spent reading tokens again after cache changes: never TTFT, prefill or decode time."""
+        return sum(r.ms for r in self.reprefills)
 
     def stats(self, reason: str) -> TurnStats:
         n = len(self.generated)
@@ -90,8 +98,11 @@ class TurnState:
             prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
+            reprefilled_tokens=sum(r.done for r in self.reprefills), reprefill_ms=self.reprefill_ms,
+            reprefills=tuple(self.reprefills),
             stop_reason=reason, shared_tokens=self.shared, threads=self.threads, forwards=self.forwards,
-            disk_restored_tokens=self.disk, cache=self._account(),
+            disk_restored_tokens=self.disk, disk_ms=self.disk_ms, disk_again_ms=self.disk_again_ms,
+            cache=self._account(),
             **self._spec_stats(),
         )
 
@@ -226,7 +237,8 @@ class Sequence:
         phase = "prefill" if not t.generated else "decode"
         if phase == "prefill":
             t.prefill_ms += dt_ms
-            t.ttft_ms = (time.perf_counter() - t.t_start) * 1000.0 - max(0.0, t.waited_ms)
+            waited = max(0.0, t.waited_ms) + t.reprefill_ms  # a wait, or a cache change's re-prefill: not TTFT
+            t.ttft_ms = (time.perf_counter() - t.t_start) * 1000.0 - waited
         else:
             t.decode_ms += dt_ms
         index = len(t.generated)

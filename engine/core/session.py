@@ -21,7 +21,7 @@ from typing import Iterator, Sequence as Seq
 import numpy as np
 import torch
 
-from engine.core import observe, reconfigure
+from engine.core import observe, reconfigure, reprefill
 from engine.model.splice import splice
 from engine.model.chat import (StreamDecoder, encode_prompt, last_message_at, message_spans, render_chat,
                                validate_messages)
@@ -151,6 +151,8 @@ class ChatSession(Stepping):
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
                           disk=c.reused.disk_tokens, account=c.reused.account,
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
+        if reply.disk:  # restored from disk: against computing them again (the footer says both)
+            reply.disk_ms, reply.disk_again_ms = c.reused.disk_ms, reprefill.estimate_ms(self.lm, reply.disk, False)
         continued = c.reused.continued
         if continued:  # the cache goes on as the policy left it: its evicted tokens are dropped, not recomputed
             reply.reused, reply.dropped = keep - continued, continued

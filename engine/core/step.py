@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core import reprefill
 from engine.errors import ContextOverflowError, EngineError, as_engine_error
 from engine.model.runner import Output, Work
 from engine.snapshot import StepResult
@@ -98,8 +99,9 @@ class Stepping:
                 raise self._fail(e) from e
             self._open = OpenStep(t0, len(drafts) + 1, work, None, drafts)
             return work
+        chunk = reprefill.chunk(self.prefill_chunk) if reprefill.running(q.reply) else self.prefill_chunk
         try:
-            work, plan = c.next_forward(q.ids, q.protected, q.priorities, self.prefill_chunk, q.turn)
+            work, plan = c.next_forward(q.ids, q.protected, q.priorities, chunk, q.turn)
         except ContextOverflowError as e:
             q.add_notes([str(e)])
             return self._finish("context_full", None)
@@ -135,13 +137,19 @@ class Stepping:
         if drafts:
             return self._finish_verify(t0, work, drafts, out)
         q, c, t = self.sequence, self.cache, self.sequence.reply
+        at = c.index.next_pos if c.store is not None else 0  # where this forward's tokens start
         try:
             fed = c.forward_done(work, out, plan, q.ids, written)
             q.add_notes(c.notes())
+            ms = (time.perf_counter() - t0) * 1000.0
+            if out.batch == 1:  # alone: its time is its own (the model's prefill rate)
+                reprefill.record(self.lm, work.q, ms, work.scores)
+            moved, again_ms = reprefill.feed(t, at, work.q, ms)  # the share of a cache change's re-prefill
             if not fed:  # a chunk of a longer prefill: Stop can act before the next
-                ms = (time.perf_counter() - t0) * 1000.0
-                t.prefill_ms += ms
-                return StepResult(event=None, snapshot=self.snapshot("prefill", ms), done=False, text=t.decoder.text)
+                t.prefill_ms += ms - again_ms
+                return StepResult(event=None, snapshot=self.snapshot("prefill", ms - again_ms), done=False,
+                                  text=t.decoder.text, reprefill=moved)
+            t0 += again_ms / 1000.0  # the token's time (TTFT, decode) starts after it
             ctx_ids = torch.tensor(q.ids, dtype=torch.long) if t.sampling.repetition_penalty != 1.0 else None
             token = t.sampler(out.logits, ctx_ids)
         except BaseException as e:
@@ -153,9 +161,9 @@ class Stepping:
             self.spec.record_plain(event.step_ms)
         stop = stop or ("context_full" if c.fills_context(len(q.ids)) else "")
         if stop:
-            return self._finish(stop, event)
+            return self._finish(stop, event, moved)
         return StepResult(event=event, snapshot=self.snapshot(event.phase, event.step_ms), done=False,
-                          text=t.decoder.text)
+                          text=t.decoder.text, reprefill=moved)
 
     def _finish_verify(self, t0: float, work: Work, drafts: list[int], out: Output) -> StepResult:
         """After a verification: the tokens it yields (drafts that stay, then the model's own), each accepted
@@ -203,7 +211,7 @@ class Stepping:
         self.sequence.end("error")
         return as_engine_error(exc)
 
-    def _finish(self, reason: str, event) -> StepResult:
+    def _finish(self, reason: str, event, moved=None) -> StepResult:
         self._open = None
         event, stats = self.sequence.end_reply(reason, event)
         snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
@@ -211,5 +219,5 @@ class Stepping:
         disk = self.cache.disk  # what its writer found since the reply began (a full disk): said with this reply
         self.sequence.add_notes(disk.take_notes() if disk is not None else ())
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
-                          stats=stats, warnings=self.sequence.take_notes())
+                          stats=stats, warnings=self.sequence.take_notes(), reprefill=moved)
 

@@ -111,6 +111,7 @@ class NoteKind(StrEnum):
     POLICY_EVICTED = "policy_evicted"  # policy, params, tokens
     POLICY_SAYS = "policy_says"  # policy (name), rest: what the policy reports
     INT8_KEYS = "int8_keys"  # layout ("channel" | "token"), head_dim, page_size, rest
+    DISK_RESTORED = "disk_restored"  # tokens, ms (reading them), again_ms (computing them, at the measured rate)
 
 
 class Note(str):

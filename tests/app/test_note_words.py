@@ -67,3 +67,29 @@ def test_streaming_llm_names_its_sinks_not_the_prompt(qtbot, data_dir, stories_p
         assert not any(word in notes for word in ENGINE_WORDS), notes
     finally:
         close_window(w)
+
+
+def test_a_reprefill_in_words_live_and_as_saved():
+    """What the bubble and the footer say of tokens read again after a change (``engine.core.records.Reprefill``, or
+    the dict a saved reply holds), in the controls' words, shown from half a second on."""
+    from dataclasses import asdict
+
+    from app.chat import note_words as nw
+    from engine.core.records import Reprefill
+
+    streaming = CacheConfig(policy="streaming", policy_params={"sinks": 4, "window": 64})
+    r = Reprefill(tokens=916, start=4, done=312, ms=400.0, estimate_ms=1200.0, old=streaming,
+                  new=streaming.replace(policy="h2o", policy_params={}))
+    assert nw.reprefill_progress(r) == ("Re-prefilling 916 tokens after switching to Heavy hitters (H2O): 312 of 916 "
+                                        "(34%), about 0.8 s left · Stop (Esc) cancels")
+    assert nw.reprefill_shown(r) and not nw.reprefill_shown(Reprefill(tokens=9, start=0, estimate_ms=20.0))
+    assert nw.reprefill_shown(Reprefill(tokens=9, start=0, estimate_ms=20.0, ms=600.0))  # it turned out slower
+    saved = [asdict(Reprefill(tokens=916, start=4, done=916, ms=1234.0, old=streaming, new=streaming.replace(
+        policy="none", policy_params={}))), asdict(Reprefill(tokens=1, start=0, done=1, ms=3.0,
+                                                             old=CacheConfig(mode="off"), new=CacheConfig()))]
+    assert nw.reprefill_footer(saved) == (
+        "re-prefilled 916 tokens in 1.2 s after Keep everything was chosen (the evicted tokens come back); "
+        "re-prefilled 1 token in 3 ms after the cache was turned on, not in TTFT")
+    cut = Reprefill(tokens=916, start=4, done=120, ms=150.0, old=CacheConfig(), new=CacheConfig(k_dtype="int8"))
+    assert nw.reprefill_footer([cut]) == ("re-prefilled 120 of 916 tokens in 0.1 s after switching to paged cache, "
+                                          "16-token pages, keys 8-bit, not in TTFT")

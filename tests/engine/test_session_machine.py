@@ -231,6 +231,62 @@ class ChatMachine(RuleBasedStateMachine):
             return
         assert s.cache_config == cfg and isinstance(notes, list)
 
+    @rule(i=st.integers(0, 99), n=st.integers(0, 6), stop=st.booleans())
+    def switch_with_reprefill(self, i, n, stop):
+        """Mid-reply, a change that cuts the cache back below what the reply has read (eviction off after evicting:
+        the evicted tokens come back; or the cache off and on again: every token read again): the re-prefill is
+        tracked from the cut to what was read, moves on with every forward, may be stopped between two of its
+        forwards, and its time and tokens are the reply's re-prefill — not its TTFT, prompt or decode."""
+        chat = self._chat(i)
+        s = chat.session
+        if not s.generating or s._ready or s.store is None or not s.index.next_pos:
+            return
+        cfg, fed, records = s.cache_config, s.index.next_pos, len(s.turn_state.reprefills)
+        try:
+            if s.index.intact < s.index.n and s.policy is not None:
+                s.apply(cfg.replace(policy="none", policy_params={}, overflow="stop"))
+            elif s.turn_state.generated:  # (before its first token, cache off reads the prompt anew: no re-prefill)
+                s.apply(CacheConfig(mode="off"))
+                s.apply(cfg)
+            else:
+                return
+        except (ValueError, *REFUSALS):
+            return  # the chat no longer fits the context with the cache off, or the policy's refusal
+        r = s.turn_state.reprefills[-1] if len(s.turn_state.reprefills) > records else None
+        if s.index.next_pos >= fed:
+            assert r is None or not r.running or r.start + r.tokens >= fed
+            return
+        assert r is not None and r.running and r.start == s.index.next_pos and r.start + r.tokens == fed
+        assert r.estimate_ms > 0 and r.done == 0 and r.new == s.cache_config
+        done = 0
+        for k in range(n):
+            if stop and k == n - 1:
+                s.cancel()  # Stop after k forwards of it: it lands between two
+            try:
+                res = s.step()
+            except EngineError as e:
+                self._take(chat, e)
+                return
+            if res.reprefill is not None:
+                assert res.reprefill.done >= done and res.reprefill.tokens == r.tokens
+                done = res.reprefill.done
+                assert res.event is None or not res.reprefill.running  # no token before it is read again
+            if res.done:
+                st_ = s.last_stats
+                assert st_.reprefilled_tokens == sum(x.done for x in st_.reprefills) >= done
+                assert st_.reprefill_ms >= 0 and st_.ttft_ms >= 0
+                assert res.stop_reason == "cancelled" if stop and k == n - 1 else res.stop_reason != "cancelled"
+                chat.history, chat.asked = chat.asked + [{"role": "assistant", "content": res.text}], None
+                return
+            self._take(chat, res)
+
+    @invariant()
+    def reprefills_add_up(self):
+        for chat in self.chats:
+            rs = chat.session.turn_state.reprefills
+            assert all(0 <= r.done <= r.tokens and r.ms >= 0 for r in rs)
+            assert not any(r.running for r in rs[:-1]), "only the last re-prefill may still run"
+
     @rule(i=st.integers(0, 99))
     def apply_invalid(self, i):
         s = self._chat(i).session
