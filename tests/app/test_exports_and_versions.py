@@ -74,7 +74,7 @@ def test_the_cache_trace_survives_a_chat_switch(qtbot, data_dir, stories_path, t
         w.open_chat(first)
         assert len(w.trace) == steps and w.trace.generation_ids == gens
         w.exporter.export_trace("json")
-        assert not w.chat.notice.isVisible()
+        assert w.chat.notice.text.startswith("Saved ") and str(out) in w.chat.notice.text  # where it went, said
         data = json.loads(out.read_text())
         assert data["generation_ids"] == gens and len(data["snapshots"]) == steps
     finally:
