@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 from app.shell.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
-COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "same tokens as reference", "stopped")
+COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "tokens as in the reference", "stopped")
 
 
 def eta_text(seconds: float) -> str:
@@ -40,13 +40,23 @@ def eta_text(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {round(seconds % 3600 / 60)} min"
 
 
+def same_words(same: int, generated: int, reference: int) -> str:
+    """How a row's reply starts as the reference's: 'all 120 (identical)', 'the first 63 of 263, then it differs'
+    ('63/263' read as 63 of 263 matching anywhere)."""
+    if same == generated == reference:
+        return f"all {same} (identical)"
+    if same == generated:
+        return f"all {same}, then it stopped (the reference wrote {reference})"
+    if same == reference:
+        return f"all the reference's {same}, then {generated - same} more"
+    return f"the first {same} of {generated}, then it differs"
+
+
 def row_cells(row: dict[str, Any], reference_tokens: int) -> list[str]:
     """The table cells of one comparison row."""
     if row.get("error"):
         return [row["label"], "—", "—", "—", "—", "error: " + row["error"]]
-    same = f"{row['same_tokens']}/{row['generated_tokens']}"
-    if row["same_tokens"] == row["generated_tokens"] == reference_tokens:
-        same += " (identical)"
+    same = same_words(row["same_tokens"], row["generated_tokens"], reference_tokens)
     decode = f"{row['decode_tokens_per_s']:.1f}"
     if row.get("speculative"):  # a speculative row: how many tokens each forward gave
         decode += f" ({row.get('tokens_per_forward', 1.0):.1f} per forward)"

@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings.cache_settings import spec_for
-from app.models.download import Downloader, HubDownload
+from app.models.download import Downloader, HubDownload, folder_problem
 from app.models.estimate import MemoryEstimate, estimate_demo, estimate_folder, estimate_gguf
 from app.models.found import dequantized_words, estimate_found, item_text, item_tip, start_scan
 from app.shell.format import human_bytes
@@ -240,10 +240,6 @@ class ModelsDialog(HubDownload, QDialog):
         if folder:
             self.add_folder(folder)
 
-    def add_folder(self, folder: str) -> None:
-        item = self._add(f"Folder: {folder}", folder, folder)
-        self.list.setCurrentItem(item)
-
     def _open_file(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF file", "", "GGUF models (*.gguf);;All files (*)")
         if path:
@@ -283,6 +279,8 @@ class ModelsDialog(HubDownload, QDialog):
             return ""
         if c["found"] is not None and c["found"].problem:
             return c["found"].problem
+        if c["folder"] and not is_builtin(c["source"]):  # a recent folder may have changed since
+            return folder_problem(c["folder"])
         if c["gguf"]:
             try:
                 estimate_gguf(c["gguf"], self.context.value())

@@ -3,7 +3,9 @@ when it fails."""
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -25,6 +27,32 @@ def describe_download_error(exc: BaseException, repo_id: str) -> str:
     if name == "DownloadCancelled":
         return f"Download of {repo_id} cancelled."
     return f"Download of {repo_id} failed: {name}: {text}"[:300]
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # the Hub's owner/name (no path, no '..')
+
+
+def local_path(text: str) -> bool:
+    """``text`` names a place on this computer (absolute, home, relative from '.', a Windows path, or a file or folder
+    that exists), not a hub id (owner/name never starts with any of those)."""
+    if not text:
+        return False
+    if text.startswith(("/", "~", ".")) or "\\" in text or re.match(r"[A-Za-z]:", text):
+        return True
+    return Path(text).exists()
+
+
+def folder_problem(folder: str) -> str:
+    """Why ``folder`` cannot be loaded as a model folder ("" when it can, as far as its files tell)."""
+    path = Path(folder)
+    if not path.is_dir():
+        return f"{folder}: the folder is gone."
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" (it holds {ggufs[0]}: Open GGUF file… loads that)" if ggufs else ""
+        return (f"{folder} is not a model folder: it has no config.json (a Hugging Face model folder holds config.json, "
+                f"the weights and the tokenizer){hint}.")
+    return ""
 
 
 class DownloadCancelled(Exception):
@@ -74,8 +102,9 @@ class Downloader(QObject):
 
 
 class HubDownload:
-    """The models dialog's "Download from the Hugging Face Hub" row: a ``Downloader`` on its own ``QThread``,
-    progress, cancel and the result as a new line of the list. Mixed into ``ModelsDialog`` (which declares the
+    """The models dialog's "Download from the Hugging Face Hub" row — a ``Downloader`` on its own ``QThread``,
+    progress, cancel and the result as a new line of the list — and the folders opened or typed there (a path in the
+    hub id field is opened as one). Mixed into ``ModelsDialog`` (which declares the
     ``_start_download`` signal and owns ``hub_id``, ``download_bar``, the buttons, ``message`` and ``list``)."""
 
     def download(self) -> None:
@@ -83,8 +112,13 @@ class HubDownload:
         if not repo_id:
             c = self.choice()
             repo_id = c["source"] if c and not c["folder"] and c["source"] != "demo" else ""
-        if not repo_id or "/" not in repo_id:
-            self.message.setText("Type a hub id such as owner/name.")
+        if local_path(repo_id):  # a folder or a file typed where a hub id goes: opened as one, never sent to the Hub
+            self.open_typed_path(repo_id)
+            return
+        if not HUB_ID.fullmatch(repo_id):
+            self.message.setText(f"“{repo_id}” is not a hub id: type owner/name (such as "
+                                 "HuggingFaceTB/SmolLM2-135M-Instruct), or a model folder on this computer."
+                                 if repo_id else "Type a hub id such as owner/name.")
             return
         self._thread = QThread()
         self._downloader = Downloader()
@@ -101,6 +135,27 @@ class HubDownload:
         self.message.setText(f"Downloading {repo_id}…")
         self._repo = repo_id
         self._start_download.emit(repo_id)
+
+    def add_folder(self, folder: str) -> bool:
+        """List the model folder ``folder`` and select it; one without config.json is not a model folder: not
+        listed, and the banner says why."""
+        problem = folder_problem(folder)
+        if problem:
+            self.show_problem(problem)
+            return False
+        self.list.setCurrentItem(self._add(f"Folder: {folder}", folder, folder))
+        return True
+
+    def open_typed_path(self, text: str) -> None:
+        """A path typed in the hub id field: a model folder or GGUF file is opened as one (listed and selected);
+        anything else is said in one line."""
+        path = Path(text).expanduser()
+        if path.is_dir():
+            self.add_folder(str(path))
+        elif path.is_file():
+            self.open_file(str(path))
+        else:
+            self.show_problem(f"{text}: no such folder or file on this computer (a hub id is owner/name).")
 
     def cancel_download(self) -> None:
         if self._downloader is not None:

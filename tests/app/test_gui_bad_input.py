@@ -167,6 +167,48 @@ def test_failed_download_shows_a_message(qtbot, data_dir, monkeypatch):
     assert dlg.spec is not None and dlg.spec.source == "stories260K"
 
 
+def test_a_path_in_the_hub_id_field_opens_as_a_path_and_a_folder_without_config_is_not_listed(
+        qtbot, data_dir, stories_path, tmp_path):
+    """#31: a path typed where a hub id goes was sent to the Hub (a raw HFValidationError); a folder without
+    config.json was listed as loadable. A model folder typed there is opened as one; anything else says why in one
+    line and lists nothing."""
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
+
+    dlg = ModelsDialog(Settings.from_data_dir(data_dir))
+    qtbot.addWidget(dlg)
+    rows = dlg.list.count()
+    dlg.hub_id.setText(str(stories_path))
+    dlg.download()
+    assert dlg.list.currentItem().text() == f"Folder: {stories_path}" and dlg.list.count() == rows + 1
+    assert dlg.download_button.isEnabled() and not dlg.download_bar.isVisible()  # nothing went to the Hub
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hello")
+    for typed, words in ((str(empty), "is not a model folder: it has no config.json"),
+                         (str(tmp_path / "nowhere"), "no such folder or file on this computer"),
+                         ("~/no/such/model", "no such folder or file on this computer"),
+                         ("not a hub id", "is not a hub id: type owner/name")):
+        dlg.hub_id.setText(typed)
+        dlg.download()
+        assert words in dlg.message.text() and "HFValidationError" not in dlg.message.text(), typed
+        assert dlg.list.count() == rows + 1  # listed: nothing
+    dlg.add_folder(str(empty))  # Open folder… on it: the same line, not listed
+    assert "has no config.json" in dlg.message.text() and dlg.list.count() == rows + 1
+
+
+def test_a_failed_load_banner_does_not_follow_into_a_new_chat(qtbot, data_dir, stories_path, bad_folders):
+    w = open_window(qtbot, data_dir, str(stories_path))
+    try:
+        with qtbot.waitSignal(w.error_shown, timeout=60_000):
+            w.load_model(ModelSpec(source=str(bad_folders["corrupt"][0])))
+        qtbot.waitUntil(lambda: w.chat.notice.isVisibleTo(w), timeout=2_000)
+        w.new_chat()
+        assert not w.chat.notice.isVisibleTo(w) and w.chat.notice.text == ""
+    finally:
+        close_window(w)
+
+
 def test_download_cancel(qtbot, data_dir, monkeypatch):
     """Cancel raises inside the progress callback; simulated with a slow fake hub call."""
     import time

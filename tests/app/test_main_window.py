@@ -403,7 +403,7 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         cells = [[dlg.table.item(r, c).text() for c in range(len(COLUMNS))] for r in range(6)]
         assert [row[0] for row in cells] == ["paged (reference)", "paged, speculative (prompt lookup)", "contiguous",
                                              "paged, KV int8", "paged, KV int4", "cache off"]
-        assert all(cells[r][4] == "120/120 (identical)" for r in (0, 1, 2, 5))  # lossless settings
+        assert all(cells[r][4] == "all 120 (identical)" for r in (0, 1, 2, 5))  # lossless settings
         spec = dlg.rows[1]
         assert cells[1][2].endswith(f"({spec['tokens_per_forward']:.1f} per forward)") and "per forward" not in cells[0][2]
         assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only

@@ -220,3 +220,21 @@ def test_the_cache_line_says_where_reused_tokens_came_from():
         "reused 40 tokens, recomputed 3, 16 from another chat's cache, diverged at 40"
     assert cache_line({"reused_tokens": 1, "recomputed_tokens": 4033, "first_divergence": 1}) == \
         "reused 1 token, recomputed 4,033, diverged at 1"  # not "reused 1 tokens"
+
+
+def test_compare_says_how_a_reply_starts_as_the_reference_and_its_close_button_is_readable(qtbot):
+    """#31: '63/263' under 'same tokens as reference' read as 63 of 263 matching anywhere; Close had a dark icon on the
+    dark theme (every dialog button now shows its words only)."""
+    from PySide6.QtWidgets import QDialogButtonBox, QStyle
+
+    from app.compare.dialog import COLUMNS, same_words
+
+    assert COLUMNS[4] == "tokens as in the reference"
+    assert same_words(63, 263, 263) == "the first 63 of 263, then it differs"
+    assert same_words(120, 120, 120) == "all 120 (identical)"
+    assert same_words(50, 50, 120) == "all 50, then it stopped (the reference wrote 120)"
+    assert same_words(120, 130, 120) == "all the reference's 120, then 10 more"
+    box = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+    qtbot.addWidget(box)
+    assert box.style().styleHint(QStyle.StyleHint.SH_DialogButtonBox_ButtonsHaveIcons) == 0
+    assert box.button(QDialogButtonBox.StandardButton.Close).icon().isNull()
