@@ -121,16 +121,18 @@ def read_page(path: str, size: int, at_most: bool = False) -> bytearray | None:
         os.close(fd)
 
 
-def parse(buf: bytearray, name: bytes, shelf: str, arena, key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a page file's bytes; ``PageFileError`` (and nothing else) saying what does not match."""
-    m = len(MAGIC)
-    if bytes(buf[:m]) != MAGIC or len(buf) < m + 4:
-        raise PageFileError("not a page file")
+def read_header(buf: bytearray, magic: bytes = MAGIC, max_header: int = MAX_HEADER, max_depth: int = MAX_DEPTH,
+                what: str = "a page file") -> tuple[dict, int]:
+    """(the JSON header, where the payload starts) of a tier file's bytes, the header's length and nesting bounded
+    before ``json`` sees it and the payload exactly the header's ``bytes``; ``PageFileError`` saying what is wrong."""
+    m = len(magic)
+    if bytes(buf[:m]) != magic or len(buf) < m + 4:
+        raise PageFileError(f"not {what}")
     (hlen,) = struct.unpack("<I", buf[m:m + 4])
-    if hlen > MAX_HEADER or m + 4 + hlen > len(buf):
+    if hlen > max_header or m + 4 + hlen > len(buf):
         raise PageFileError("damaged header (its length)")
     text = bytes(buf[m + 4:m + 4 + hlen]).decode("utf-8", errors="replace")
-    if json_depth(text) > MAX_DEPTH:
+    if json_depth(text) > max_depth:
         raise PageFileError("damaged header (nested too deep)")
     try:
         h = json.loads(text)
@@ -139,6 +141,12 @@ def parse(buf: bytearray, name: bytes, shelf: str, arena, key: bytes) -> tuple[t
     off = m + 4 + hlen
     if not isinstance(h, dict) or len(buf) - off != h.get("bytes"):
         raise PageFileError("truncated or extended")
+    return h, off
+
+
+def parse(buf: bytearray, name: bytes, shelf: str, arena, key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a page file's bytes; ``PageFileError`` (and nothing else) saying what does not match."""
+    h, off = read_header(buf)
     want = _expected(name, shelf, arena)
     kn = want.pop("kn")
     for field, value in want.items():

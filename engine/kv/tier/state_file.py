@@ -29,8 +29,7 @@ import struct
 import torch
 
 from engine.kv.tier.folder import STATE_SUFFIX as SUFFIX
-from engine.kv.tier.page_file import ALIGN, PageFileError, dtype_name
-from engine.tools.inputs import json_depth
+from engine.kv.tier.page_file import ALIGN, PageFileError, dtype_name, read_header
 
 MAGIC = b"KVSCOPE-STATE-1\n"
 MAX_HEADER = 64 << 10  # bytes: ~60 per tensor entry; Qwen3-Next-80B's 36 linear layers x 2 fields fit in ~5 KB
@@ -86,26 +85,6 @@ def encode_states(name: bytes, shelf: str, saved: dict, key: bytes) -> tuple:
     return (MAGIC + struct.pack("<I", len(header)) + header, *parts)
 
 
-def _header(buf: bytearray) -> tuple[dict, int]:
-    m = len(MAGIC)
-    if bytes(buf[:m]) != MAGIC or len(buf) < m + 4:
-        raise PageFileError("not a state file")
-    (hlen,) = struct.unpack("<I", buf[m:m + 4])
-    if hlen > MAX_HEADER or m + 4 + hlen > len(buf):
-        raise PageFileError("damaged header (its length)")
-    text = bytes(buf[m + 4:m + 4 + hlen]).decode("utf-8", errors="replace")
-    if json_depth(text) > MAX_DEPTH:
-        raise PageFileError("damaged header (nested too deep)")
-    try:
-        h = json.loads(text)
-    except (ValueError, RecursionError):
-        raise PageFileError("damaged header") from None
-    off = m + 4 + hlen
-    if not isinstance(h, dict) or len(buf) - off != h.get("bytes"):
-        raise PageFileError("truncated or extended")
-    return h, off
-
-
 def _span(entry) -> int:
     """Bytes of one tensor entry; ``PageFileError`` for anything that is not ``[int, str, int, dtype, [dims]]``."""
     if not (isinstance(entry, list) and len(entry) == 5 and entry[3] in DTYPES and isinstance(entry[4], list)
@@ -118,7 +97,7 @@ def parse_states(buf: bytearray, name: bytes, shelf: str, layers: dict, key: byt
     """The ``StateLayers.snapshot`` of a state file's bytes, its tensors on the host and its layers' place
     ``device``; ``layers``: the model's state layers (``StateLayers.layers``: which layers and state indices a
     snapshot must hold). ``PageFileError`` (and nothing else) saying what does not match."""
-    h, off = _header(buf)
+    h, off = read_header(buf, MAGIC, MAX_HEADER, MAX_DEPTH, "a state file")
     if h.get("name") != name.hex() or h.get("shelf") != shelf:
         raise PageFileError("name does not match")
     entries, flags = h.get("entries"), h.get("flags")
