@@ -345,9 +345,9 @@ class ModelsDialog(HubDownload, QDialog):
                 f"at {est.context} tokens ({human_bytes(est.kv_bytes_per_token)}/token) = "
                 f"<b>{human_bytes(est.total_bytes)}</b>")
         if est.layers and est.kv_heads and est.head_dim:
-            text += (f"<br>KV cache as int8 pages {human_bytes(est.kv_bytes_as('int8'))}, as int4 "
-                     f"{human_bytes(est.kv_bytes_as('int4'))} "
-                     "(Cache policy ▸ Key precision / Value precision, pages of 16)")
+            text += ("<br>KV cache as " + ", ".join(f"{kind} {human_bytes(est.kv_bytes_as(kind))}"
+                                                   for kind in ("int8", "int4", "tq4", "tq3", "tq2"))
+                     + " pages (Cache policy ▸ Key precision / Value precision, pages of 16)")
         if est.max_context and self.context.value() > est.max_context:
             text += f"<br>The model's context is {est.max_context} tokens; the estimate uses that."
         total = int(self.environment.get("device_total_bytes") or 0)

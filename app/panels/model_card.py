@@ -13,6 +13,7 @@ from PySide6.QtWidgets import QLabel
 from app.shell.format import human_bytes, human_count
 from app.panels.base import Panel, styled_plot
 from app.shell.reuse_words import reuse_cost
+from engine.kv.paged import sizes
 from engine.model.builtin import is_builtin
 from engine.snapshot import ModelInfo
 
@@ -26,6 +27,23 @@ def kv_comparison(info: ModelInfo) -> dict[str, int]:
         "this model": info.kv_bytes_per_token,
         "MQA": info.kv_bytes_per_token_as(1),
     }
+
+
+PRECISIONS = ("int4", "tq4", "tq3", "tq2")  # the card's "KV pages" row: K and V both held so
+
+
+def kv_bytes_per_token_held_as(info: ModelInfo, kind: str, page_size: int) -> float:
+    """Bytes per token the KV cache holds with K and V as ``kind`` pages (full pages: the formulas the engine's
+    pages hold, ``engine.kv.paged.sizes``), over every attention layer."""
+    k = (info.k_heads or info.num_kv_heads, info.k_dim or info.head_dim)
+    v = (info.v_heads or k[0], info.v_dim or k[1])
+    return info.attention_layers * sum(sizes.bytes_per_token(kind, role, h, d, page_size)
+                                       for role, (h, d) in (("k", k), ("v", v)))
+
+
+def _as_kinds(info: ModelInfo, page_size: int) -> str:
+    return " · ".join(f"{kind} {human_bytes(round(kv_bytes_per_token_held_as(info, kind, page_size)))}"
+                      for kind in PRECISIONS)
 
 
 def _widths(info: ModelInfo) -> str:
@@ -88,6 +106,7 @@ class ModelCardPanel(Panel):
             ("weights", f"{human_bytes(info.weights_bytes)} · {info.dtype} · {info.quantization}"),
             ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype})"),
             ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
+            ("KV pages", _as_kinds(info, self.page_size)),
             ("KV at full context", human_bytes(at_ctx)),
             ("device", f"{info.device}<br><span style='color:#8a919c'>{html.escape(info.device_reason)}</span>"),
             *([("CPU threads", html.escape(info.threads_reason))] if info.device == "cpu" and info.threads_reason

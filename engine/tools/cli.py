@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Any
 
-from engine.config import CACHE_MODES, DEVICES, KV_DTYPES, OVERFLOWS, QUANTIZATIONS, CacheConfig, ModelSpec, SamplingConfig
+from engine.config import (CACHE_MODES, DEVICES, K_DTYPES, KV_DTYPES, OVERFLOWS, QUANTIZATIONS, CacheConfig, ModelSpec,
+                           SamplingConfig, value_dtype)
 from engine.errors import EngineError
 from engine.tools.arguments import check_disk_budget, check_output_path, read_messages
 
@@ -26,8 +27,9 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every turn from scratch")
     p.add_argument("--checkpoints", type=int, default=8, metavar="N",
                    help="positions per chat a hybrid / sliding-window model's cache can go back to, 0..64 (default 8)")
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="K and V precision")
-    p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K precision (overrides --kv-dtype)")
+    p.add_argument("--kv-dtype", default="auto", choices=K_DTYPES,
+                   help="K and V precision (tqN-qjl: keys tqN-qjl, values tqN)")
+    p.add_argument("--k-dtype", default=None, choices=K_DTYPES, help="K precision (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V precision (overrides --kv-dtype)")
     _policy_args(p)
     p.add_argument("--overflow", default="stop", choices=OVERFLOWS, help="what happens when the context is full")
@@ -96,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quality", help="score lossy cache settings against the full cache on one text")
     q.add_argument("--model", required=True, help="folder, hub id, or demo")
     q.add_argument("--text", help="UTF-8 text file (default: a built-in short story)")
-    q.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="score only this K and V precision")
-    q.add_argument("--k-dtype", default=None, choices=KV_DTYPES)
+    q.add_argument("--kv-dtype", default=None, choices=K_DTYPES, help="score only this K and V precision")
+    q.add_argument("--k-dtype", default=None, choices=K_DTYPES)
     q.add_argument("--v-dtype", default=None, choices=KV_DTYPES)
     _policy_args(q)  # score only this policy
     q.add_argument("--page-size", type=int, default=16)
@@ -120,7 +122,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--contexts", default="256,1024,2048", help="prompt lengths, comma separated")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--modes", default="hf-dynamic,hf-no-cache,off,contiguous,paged",
-                   help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged, paged:int8, paged:int4")
+                   help="comma list of hf-dynamic, hf-no-cache, off, contiguous, paged, paged:KIND "
+                        "(KIND int8, int4, tq4, tq3, tq2, tq3-qjl, ...: K and V)")
     b.add_argument("--page-size", type=int, default=16)
     b.add_argument("--repeats", type=int, default=1, help="round-robin repeats (median reported)")
     b.add_argument("--eager", action="store_true",
@@ -234,7 +237,7 @@ def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
         page_size=a.page_size,
         prefix_reuse=not getattr(a, "no_prefix_reuse", False),
         k_dtype=a.k_dtype or a.kv_dtype,
-        v_dtype=a.v_dtype or a.kv_dtype,
+        v_dtype=a.v_dtype or value_dtype(a.kv_dtype),
         overflow=getattr(a, "overflow", "stop"),
         checkpoints=getattr(a, "checkpoints", 8),
     )

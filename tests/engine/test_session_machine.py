@@ -56,8 +56,9 @@ def stories_model(path):
 def cache_configs(draw) -> CacheConfig:
     mode = draw(st.sampled_from(["off", "contiguous", "paged", "paged", "paged"]))
     page = draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 33, 64]))
-    kinds = ["auto", "int8", "int4"] if mode == "paged" else ["auto"]
-    k, v = draw(st.sampled_from(kinds)), draw(st.sampled_from(kinds))
+    kinds = ["auto", "int8", "int4", "tq4", "tq3", "tq2"] if mode == "paged" else ["auto"]
+    k = draw(st.sampled_from(kinds + (["tq3-qjl"] if mode == "paged" else [])))  # QJL: keys only
+    v = draw(st.sampled_from(kinds))
     policy = "none" if mode == "off" else draw(st.sampled_from(["none", "streaming", "h2o", "priority"]))
     params: dict = {}
     if policy == "streaming":

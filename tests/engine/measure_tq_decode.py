@@ -1,0 +1,74 @@
+"""The closing note's decode measure for the rotated precisions: decode tok/s with K and V as int4, tq4, tq3, tq2 and
+tq3-qjl keys, each ÷ full precision, on the SmolLM2-135M shape at 2,048 tokens of context, in one run.
+
+``engine bench --shape smollm2-135m --contexts 2048 --modes paged,paged:tq4,...`` prefills 2,048 tokens once per mode
+and repeat (on this shared 2-core machine at load ~13 that took over 25 minutes for no row); here one chat is
+prefilled once and its precision switched mid-reply (``ChatSession.apply`` quantizes or dequantizes the pages, as in
+the app) between segments of decoding, rounds interleaved: full, int4, tq4, tq3, tq2, tq3-qjl, full, ... Each
+segment's first step (the one after the switch) is not timed. Both reads of tq pages can be compared:
+``KVSCOPE_ROTATED_READS=off`` turns every cached token back instead of turning the query and output.
+
+Run: ``python tests/engine/measure_tq_decode.py [--rounds 3] [--tokens 12] [--context 2048] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+SETTINGS = (("auto", "auto"), ("int4", "int4"), ("tq4", "tq4"), ("tq3", "tq3"), ("tq2", "tq2"), ("tq3-qjl", "tq3"))
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.core.session import ChatSession
+    from engine.model.fast_step import FastStep
+    from engine.model import runner
+    from engine.model.shapes import build_shape
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=12)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--json", dest="json_file")
+    a = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    lm = build_shape("smollm2-135m")
+    lm.runner.fast = FastStep(lm, mode="off")  # every setting on the eager step (the compiled one takes only full)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, lm.info.vocab_size, (a.context,), generator=g).tolist()
+    n_steps = len(SETTINGS) * a.rounds * (a.tokens + 1) + 4
+    s = ChatSession(lm, CacheConfig(page_size=16))
+    s.start_ids(prompt, SamplingConfig(max_new_tokens=n_steps, ignore_eos=True))
+    s.step()  # the prefill
+    times: dict[str, list[float]] = {f"{k}/{v}": [] for k, v in SETTINGS}
+    for _ in range(a.rounds):
+        for k, v in SETTINGS:
+            s.apply(CacheConfig(page_size=16, k_dtype=k, v_dtype=v))
+            s.step()  # the first step after a switch: not timed
+            t0 = time.perf_counter()
+            for _ in range(a.tokens):
+                s.step()
+            times[f"{k}/{v}"].append(a.tokens / (time.perf_counter() - t0))
+    s.close()
+    full = statistics.median(times["auto/auto"])
+    rows = [{"k_dtype": key.split("/")[0], "v_dtype": key.split("/")[1], "decode_tokens_per_s": round(statistics.median(r), 2),
+             "ratio_to_full": round(statistics.median(r) / full, 3), "rounds": [round(x, 2) for x in r]}
+            for key, r in times.items()]
+    print(f"SmolLM2-135M shape, context {a.context}, {a.rounds} rounds of {a.tokens} tokens, threads "
+          f"{torch.get_num_threads()}, rotated reads {'on' if runner.ROTATED_READS else 'off'}")
+    for r in rows:
+        print(f"  K {r['k_dtype']:8s} V {r['v_dtype']:5s} {r['decode_tokens_per_s']:7.2f} tok/s  ×{r['ratio_to_full']:.3f}")
+    if a.json_file:
+        with open(a.json_file, "w") as f:
+            json.dump({"rows": rows, "rotated_reads": runner.ROTATED_READS, "context": a.context}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
