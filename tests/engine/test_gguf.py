@@ -221,3 +221,32 @@ def test_unsupported_architecture_names_the_readable_ones(files, tmp_path):
 def test_missing_file():
     with pytest.raises(ModelNotFoundError, match="model file not found"):
         load_model("/nonexistent/model.gguf")
+
+
+def test_served_gguf_answers_with_its_chat_template(files):
+    """``serve --model FILE.gguf``'s server: /v1/models names the file, a chat is rendered with the template the
+    file carries (its prompt tokens are that template's), and the reply is the engine's greedy continuation."""
+    import httpx
+
+    from engine.server import KVServer, ServerOptions, ServerThread
+
+    path = files["stories", "Q8_0"][0]
+    lm = load_model(str(path))
+    thread = ServerThread(KVServer(lm, CacheConfig(), ServerOptions(), source=str(path)))
+    url = thread.start()
+    try:
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["stories-Q8_0.gguf"]
+        messages = [{"role": "user", "content": "Once upon a time"}]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "stories-Q8_0.gguf", "messages": messages,
+                                                           "max_tokens": 8, "temperature": 0}, timeout=120).json()
+    finally:
+        thread.stop()
+    from engine.model.chat import render_chat
+
+    prompt = render_chat(lm.tokenizer, messages)
+    text = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|user|>\nOnce upon a time\n<|assistant|>\n")  # the file's template
+    assert lm.tokenizer.decode(prompt, skip_special_tokens=True).endswith("Once upon a time\n<|assistant|>\n")
+    assert r["usage"]["prompt_tokens"] == len(prompt)
+    want = engine_greedy(lm, prompt, 8, CacheConfig())
+    assert r["choices"][0]["message"]["content"] == lm.tokenizer.decode(want, skip_special_tokens=True)
