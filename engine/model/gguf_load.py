@@ -67,8 +67,10 @@ def _legacy(info: GgufInfo) -> bool:
 
 
 def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
-              check: Callable[[], None]) -> tuple[Any, Any, Path]:
-    """(model, tokenizer, path) of the GGUF file ``spec.source``; every refusal an ``EngineError`` with one line."""
+              check: Callable[[], None]) -> tuple[Any, Any, Path, str]:
+    """(model, tokenizer, path, name) of the GGUF file ``spec.source``; every refusal an ``EngineError`` with one
+    line. ``name`` is the file's name, or for a file without the .gguf suffix (an Ollama blob, ``sha256-<hex>``)
+    the model's own ``general.name``."""
     info = read_gguf(spec.source)
     check_architecture(info)
     path = Path(info.path)
@@ -86,7 +88,7 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     check()
     model = _weights(path, config, spec, dtype, device, progress, check)
     check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None))
-    return model, tok, path
+    return model, tok, path, path.name if path.name.lower().endswith(".gguf") else info.name
 
 
 def _first_line(e: BaseException) -> str:

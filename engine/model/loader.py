@@ -217,21 +217,22 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if looks_like_gguf(os.path.expanduser(spec.source)):  # a llama.cpp file: engine.model.gguf_load
         from engine.model.gguf_load import load_gguf
 
-        model, tok, path = load_gguf(spec, device, progress, check)
+        model, tok, path, name = load_gguf(spec, device, progress, check)
     else:
         path = resolve_source(spec, progress)
         model, tok = _load_folder(path, spec, device, progress, check)
+        name = path.name
     check()
     if progress:
-        progress(f"moving {path.name} to {device}", 0.97)
+        progress(f"moving {name} to {device}", 0.97)
     if spec.quantization == "none":
         model.to(device)
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    lm = wrap_model(model, tok, spec, device, reason, name=path.name, path=str(path), is_demo=False)
+    lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
     if lm.info.unsupported:
-        raise UnsupportedModelError(f"{path.name}: {lm.info.unsupported}")
+        raise UnsupportedModelError(f"{name}: {lm.info.unsupported}")
     return lm
 
 

@@ -154,3 +154,4 @@ def test_scan_opens_the_ollama_blob_as_a_model(laid_out):
     m = _by_name(laid_out[0])[Store.OLLAMA, "someone/stories:f32"]
     lm = load_model(m.source)  # a GGUF without the .gguf suffix: known by its magic
     assert lm.info.architecture == "LlamaForCausalLM" and lm.info.has_chat_template
+    assert lm.info.name == "kvscope-test-llama"  # the file's general.name, not "sha256-…"
