@@ -269,8 +269,9 @@ class ModelsDialog(HubDownload, QDialog):
         self.rescan()
 
     def show_problem(self, line: str) -> None:
-        """The dialog's banner: why the chosen model cannot be opened."""
+        """The dialog's banner: why the chosen (or just opened) model cannot be opened, until the choice changes."""
         self.message.setText(f"<span style='color:#ff8080'>{html.escape(line, quote=False)}</span>")
+        self._problem_shown = True
 
     def problem(self) -> str:
         """Why the selected model cannot be opened ("" when it can, as far as its files tell before loading)."""
@@ -332,8 +333,7 @@ class ModelsDialog(HubDownload, QDialog):
         problem = self.problem()
         if problem:
             self.show_problem(problem)
-            self._problem_shown = True
-        elif getattr(self, "_problem_shown", False):
+        elif getattr(self, "_problem_shown", False):  # a problem said before: gone with the choice
             self.message.setText("")
             self._problem_shown = False
         est = None if problem else self.estimate()

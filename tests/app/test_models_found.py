@@ -126,3 +126,83 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
         assert w.info.name == "stories260K-Q8_0.gguf"
     finally:
         close_window(w)
+
+
+def test_models_dialog_state_machine(qtbot, data_dir, store, monkeypatch):
+    """Selecting, opening good and bad files, changing the weights and pressing Load in any order: the banner
+    says the current model's problem (or the file just refused) and nothing else, a model that cannot be opened
+    is never chosen, only good files are added."""
+    from hypothesis import settings as hyp_settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+    from app.models.dialog import ModelsDialog
+    from app.settings.store import Settings
+
+    monkeypatch.setenv("HOME", str(store["home"]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(store["home"] / "no-hf-cache"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store["ollama"]))
+    s = Settings.from_data_dir(data_dir)
+    s.set("model/folders", [str(store["bad"])])
+
+    class Dialog(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.dlg = ModelsDialog(s, environment={"cuda": False})
+            qtbot.addWidget(self.dlg)
+            qtbot.waitUntil(lambda: self.dlg.scan_label.text().startswith("Found"), timeout=60_000)
+            self.count = self.dlg.list.count()
+            self.banner = ""  # the line the banner must hold ("" none)
+
+        def _chosen(self):
+            return self.dlg.problem()
+
+        @rule(row=st.integers(0, 30))
+        def select(self, row):
+            before = self.dlg.list.currentRow()
+            self.dlg.list.setCurrentRow(row % self.dlg.list.count())
+            if self.dlg.list.currentRow() != before:
+                self.banner = self._chosen()
+
+        @rule(name=st.sampled_from(sorted(BAD_LINES)))
+        def open_bad(self, name):
+            assert self.dlg.open_file(str(store["bad"] / name)) is False
+            self.banner = BAD_LINES[name]
+
+        @rule()
+        def open_good(self):
+            assert self.dlg.open_file(str(store["gguf"])) is True
+            self.count += 1
+            self.banner = ""
+
+        @rule(weights=st.sampled_from(["none", "bf16", "int8", "nf4"]))
+        def weights(self, weights):
+            box = self.dlg.quantization
+            before = box.currentIndex()
+            box.setCurrentIndex(box.findData(weights))
+            if box.currentIndex() != before:
+                self.banner = self._chosen()
+
+        @rule()
+        def load(self):
+            problem = self._chosen()
+            self.dlg.accept_choice()
+            if problem:
+                assert self.dlg.spec is None
+                self.banner = problem
+            else:
+                assert self.dlg.spec is not None
+                self.dlg.spec = None
+
+        @invariant()
+        def banner_says_the_problem(self):
+            text = self.dlg.message.text()
+            assert (self.banner in text) if self.banner else text == "", (self.banner, text)
+            cannot = "cannot be opened" in self.dlg.estimate_label.text()
+            assert cannot == bool(self._chosen())
+            assert self.dlg.list.count() == self.count
+
+        def teardown(self):
+            self.dlg.close()
+
+    run_state_machine_as_test(Dialog, settings=hyp_settings(max_examples=6, stateful_step_count=12, deadline=None))
