@@ -11,7 +11,6 @@ batches (``flush``), never as a rewrite of the chat.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -22,8 +21,10 @@ from app.shell.failure import Failure
 from app.history.store import HistoryStore
 from app.history.notice import HistoryNotices
 from app.chat.note_words import plain_note, reply_notes
-from app.chat.replies import Reply, against_own_prefill, edited_versions, interrupted, pick_version, versions_of
+from app.chat.replies import (Reply, against_own_prefill, edited_versions, mark_unfinished, pick_version,
+                              versions_of)
 from app.chat.send_check import SendCheck
+from app.chat.spec_demo import RepeatDemo
 from app.settings.store import Settings
 from app.link.engine_thread import EngineThread
 from engine.config import CacheConfig, SamplingConfig
@@ -68,7 +69,7 @@ class Conversation(QObject):
         self._next_generation = 0
         self.last_stats: dict[str, Any] = {}
         self.closed = False  # set at shutdown: signals still queued from the worker are ignored
-        self.check = SendCheck(self, pane, engine, cache)
+        self.check, self.demo = SendCheck(self, pane, engine, cache), RepeatDemo(self, pane)  # the repeat starter
         self.notices = HistoryNotices(history, pane, self.failed.emit, lambda: self.chat_id, lambda: self.closed)
         pane.new_chat_requested.connect(self.new_chat)  # the pane's other requests go to the chat on screen
         chat_list.chat_selected.connect(self.open_chat)
@@ -134,7 +135,7 @@ class Conversation(QObject):
         self.notices.clear_notice()  # what it said was about the chat left behind (or the app): only a standing
         # history problem stays (a failed model load's banner followed into every new chat)
         self.pane.set_chat(chat.title, chat.system_prompt)
-        self.pane.set_messages(self._mark_unfinished(chat_id))
+        self.pane.set_messages(mark_unfinished(self.history, chat_id, self.running))
         self.notices.show_unsaved()
         reply = self.reply
         if reply is not None:  # its bubble streams again from what is saved plus what is pending
@@ -148,19 +149,6 @@ class Conversation(QObject):
         self.chat_id = None
         self.chat_list.deselect()
         self.pane.set_generating(False)
-
-    def _mark_unfinished(self, chat_id: int) -> list:
-        """The chat's messages; a reply left without a stop reason (the app closed or crashed while it was
-        being written) is saved as interrupted, so it says why it stopped."""
-        messages = self.history.messages(chat_id)
-        running = self.running.message_id if self.running is not None else None
-        out = []
-        for m in messages:
-            if m.role == "assistant" and "stop_reason" not in m.stats and m.id != running:
-                m = replace(m, stats=interrupted(m.content, m.stats))
-                self.history.set_stats(m.id, m.stats)
-            out.append(m)
-        return out
 
     def new_chat(self) -> None:
         chat = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"))  # Settings ▸ New chats

@@ -69,6 +69,7 @@ class ChatPane(QWidget):
     version_requested = Signal(int, int)  # position of the reply, version to show
     why_requested = Signal()  # a reply footer's "Why?": show the "Why recomputed?" readout
     new_chat_requested = Signal()
+    repeat_requested = Signal(str)  # the repeat starter, when ``repeat_demo`` takes it (app.chat.spec_demo)
     system_prompt_changed = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -78,6 +79,7 @@ class ChatPane(QWidget):
         self._ready = False
         self._hint = ""
         self.read_only = ""  # why nothing can be typed here (an API conversation is on screen); "" when it can
+        self.repeat_demo = False  # the repeat starter shows prompt lookup (``repeat_requested``), not a plain send
         self.priority = False  # the eviction policy is Priority pinning (pinned messages' lines say so)
         self.tint = False  # replies tint their accepted draft tokens (speculative decoding)
         self._build_header()
@@ -116,10 +118,10 @@ class ChatPane(QWidget):
         row = QVBoxLayout(self.suggestions)
         row.setAlignment(Qt.AlignmentFlag.AlignHCenter)
         for prompt in SUGGESTIONS:
-            b = QPushButton(prompt if prompt is not REPEAT_STARTER else "Tom has a big red ball. Tom has… (a repeat)")
+            b = QPushButton(prompt if prompt is not REPEAT_STARTER else "Tom has a big red ball… (prompt lookup)")
             if prompt is REPEAT_STARTER:  # a long label would widen the chat column
-                b.setToolTip(f"Sends “{prompt}”: the model repeats it, and Speculative decoding's prompt lookup "
-                             "guesses the repeats (best with temperature 0)")
+                b.setToolTip(f"Sends “{prompt}” with prompt lookup (Speculative decoding) on and greedy sampling for "
+                             "this reply: the model repeats it, and the guesses it keeps are tinted")
             b.setObjectName("suggestion")
             b.setCursor(Qt.CursorShape.PointingHandCursor)
             b.clicked.connect(lambda _=False, p=prompt: self._suggest(p))
@@ -234,7 +236,8 @@ class ChatPane(QWidget):
 
     def _suggest(self, prompt: str) -> None:
         if self._ready and not self.generating and not self.read_only:
-            self.send_requested.emit(prompt)
+            demo = prompt is REPEAT_STARTER and self.repeat_demo
+            (self.repeat_requested if demo else self.send_requested).emit(prompt)
 
     def set_chat(self, title: str, system_prompt: str) -> None:
         self.title.setText(title)

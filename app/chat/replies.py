@@ -13,7 +13,7 @@ shown version's, so the engine continues the chat from the version on screen.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from app.chat.draft_tint import add_span
@@ -142,3 +142,15 @@ def against_own_prefill(info: dict[str, Any], earlier: list) -> dict[str, Any]:
     if not disk or rate <= 0:
         return info
     return dict(info, disk_again_ms=disk / rate * 1000.0, disk_rate="chat")
+
+
+def mark_unfinished(history: Any, chat_id: int, running: Reply | None) -> list:
+    """The chat's messages; a reply left without a stop reason (the app closed or crashed while it was being
+    written) is saved as interrupted, so it says why it stopped (``running``: the reply being written, left as is)."""
+    out = []
+    for m in history.messages(chat_id):
+        if m.role == "assistant" and "stop_reason" not in m.stats and (running is None or m.id != running.message_id):
+            m = replace(m, stats=interrupted(m.content, m.stats))
+            history.set_stats(m.id, m.stats)
+        out.append(m)
+    return out
