@@ -260,7 +260,7 @@ def test_models_dialog_lists_the_built_in_models_and_estimates(qtbot, data_dir, 
     assert "Will not fit" in dlg.estimate_label.text()  # 512 KiB of "GPU memory"
     # int8 at pages of 16: per-channel keys (16 >= 2 x 8) 8 + 2 B, per-token values 8 + 2 B per head and token
     assert est.kv_bytes_as("int8") == 5 * 4 * (10 + 10) * 512
-    assert "as int8 pages 200.0 KiB" in dlg.estimate_label.text()
+    assert "KV cache as int8 200.0 KiB, int4 " in dlg.estimate_label.text()
     dlg.quantization.setCurrentIndex(dlg.quantization.findData("int8"))
     dlg.accept_choice()
     assert dlg.spec.source == str(stories_path) and dlg.spec.quantization == "int8" and dlg.spec.device == "cuda"
