@@ -372,36 +372,3 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
         architecture=str(meta.get("general.architecture") or ""), size_bytes=size,
         n_params=sum(math.prod(e.shape) for e in entries),
         type_counts=tuple(sorted(counts.items(), key=lambda kv: -kv[1])), metadata=meta, tensors=tuple(entries))
-
-
-def human_bytes(n: float) -> str:
-    """1,536 → '1.5 KiB' (the engine's one-line notes; the app has its own formatter)."""
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-# bytes a parameter takes once loaded: bitsandbytes 8-bit ~1, NF4 ~0.56 (codes + per-block scales)
-_REQUANT = {"int8": 1.0, "nf4": 0.56}
-
-
-def load_note(info: GgufInfo, dtype: str, elem_bytes: int, quantization: str = "none") -> str:
-    """What loading ``info`` does to its weights and the memory they take, said before they are read, e.g.
-    'qwen2.5-0.5b-q8_0.gguf: Q8_0 weights (531.1 MiB on disk) are dequantized to float32 on load: 1.8 GiB of
-    weights in memory'."""
-    name = Path(info.path).name
-    dense = info.n_params * elem_bytes
-    verb = "are dequantized to" if info.quantized else "are loaded as"
-    if quantization in _REQUANT:
-        # bitsandbytes leaves the embeddings (and an untied output head) in the compute dtype
-        cfg = info.config()
-        embed = min(cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg["tie_word_embeddings"] else 2), info.n_params)
-        held = embed * elem_bytes + (info.n_params - embed) * _REQUANT[quantization]
-        kind = "8-bit" if quantization == "int8" else "NF4"
-        return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype}, then "
-                f"quantized to {kind} by bitsandbytes: ~{human_bytes(held)} of weights in memory "
-                f"(~{human_bytes(dense)} while loading)")
-    return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype} on load: "
-            f"{human_bytes(dense)} of weights in memory")

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import ModelSpec
 from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError
-from engine.model.gguf_file import GgufInfo, load_note, read_gguf
+from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
 
@@ -197,3 +197,36 @@ def _from_pretrained(cls, path: Path, config, spec: ModelSpec, dtype: torch.dtyp
     state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
     return cls.from_pretrained(None, config=config, state_dict=state, device_map={"": device},
                                quantization_config=bnb_config(spec.quantization, dtype), **kwargs)
+
+
+def human_bytes(n: float) -> str:
+    """1,536 → '1.5 KiB' (the engine's one-line notes; the app has its own formatter)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# bytes a parameter takes once loaded: bitsandbytes 8-bit ~1, NF4 ~0.56 (codes + per-block scales)
+_REQUANT = {"int8": 1.0, "nf4": 0.56}
+
+
+def load_note(info: GgufInfo, dtype: str, elem_bytes: int, quantization: str = "none") -> str:
+    """What loading ``info`` does to its weights and the memory they take, said before they are read, e.g.
+    'qwen2.5-0.5b-q8_0.gguf: Q8_0 weights (531.1 MiB on disk) are dequantized to float32 on load: 1.8 GiB of
+    weights in memory'."""
+    name = Path(info.path).name
+    dense = info.n_params * elem_bytes
+    verb = "are dequantized to" if info.quantized else "are loaded as"
+    if quantization in _REQUANT:
+        # bitsandbytes leaves the embeddings (and an untied output head) in the compute dtype
+        cfg = info.config()
+        embed = min(cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg["tie_word_embeddings"] else 2), info.n_params)
+        held = embed * elem_bytes + (info.n_params - embed) * _REQUANT[quantization]
+        kind = "8-bit" if quantization == "int8" else "NF4"
+        return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype}, then "
+                f"quantized to {kind} by bitsandbytes: ~{human_bytes(held)} of weights in memory "
+                f"(~{human_bytes(dense)} while loading)")
+    return (f"{name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk) {verb} {dtype} on load: "
+            f"{human_bytes(dense)} of weights in memory")

@@ -19,7 +19,7 @@ Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when un
 
 class LoadNote(str):
     """A progress message the user must see, not only a stage: what loading does to the weights and the memory
-    they will take, said before they are read (``engine.model.gguf_file.load_note``). The app shows it as any
+    they will take, said before they are read (``engine.model.gguf_load.load_note``). The app shows it as any
     progress message; the command line prints these alone (``print_notes``)."""
 
 
