@@ -46,8 +46,9 @@ def test_bad_model_shows_a_message_and_keeps_the_loaded_one(qtbot, data_dir, sto
         assert w.chat.bubbles == [] and words in w.chat.notice.text
         qtbot.waitUntil(lambda: w.chat.notice.isVisibleTo(w), timeout=2_000)
         assert w.info.name == "stories260K" and w.chat.send_button.isEnabled()
+        w.new_chat()  # #31: the banner is about the load, not this chat: it does not follow into a new one
+        assert not w.chat.notice.isVisibleTo(w) and w.chat.notice.text == ""
         w.send("Still here?")
-        assert not w.chat.notice.isVisibleTo(w)  # sending moves on from it
         gen, reason = wait_reply(qtbot, w)
         assert reason in ("max_tokens", "eos")
     finally:
@@ -195,18 +196,6 @@ def test_a_path_in_the_hub_id_field_opens_as_a_path_and_a_folder_without_config_
         assert dlg.list.count() == rows + 1  # listed: nothing
     dlg.add_folder(str(empty))  # Open folder… on it: the same line, not listed
     assert "has no config.json" in dlg.message.text() and dlg.list.count() == rows + 1
-
-
-def test_a_failed_load_banner_does_not_follow_into_a_new_chat(qtbot, data_dir, stories_path, bad_folders):
-    w = open_window(qtbot, data_dir, str(stories_path))
-    try:
-        with qtbot.waitSignal(w.error_shown, timeout=60_000):
-            w.load_model(ModelSpec(source=str(bad_folders["corrupt"][0])))
-        qtbot.waitUntil(lambda: w.chat.notice.isVisibleTo(w), timeout=2_000)
-        w.new_chat()
-        assert not w.chat.notice.isVisibleTo(w) and w.chat.notice.text == ""
-    finally:
-        close_window(w)
 
 
 def test_download_cancel(qtbot, data_dir, monkeypatch):
