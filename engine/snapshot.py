@@ -186,6 +186,9 @@ class CacheSnapshot:
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
+    policy_ms: float = 0.0  # the eviction policy's own work in this step's forward (observing, scoring, choosing)
+    policy_prefill_ms: float = 0.0  # ... over this reply's prefill
+    policy_decode_ms: float = 0.0  # ... over this reply's decode steps
     offloaded: bool = False
     notes: tuple[str, ...] = ()
     page_groups: tuple[tuple[str, int], ...] = ()  # models whose layers differ: (label, pages) per pool, in order
@@ -302,6 +305,8 @@ class TurnStats:
     decode_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    policy_prefill_ms: float = 0.0  # the eviction policy's own work (H2O's scores, Expected Attention's scoring)
+    policy_decode_ms: float = 0.0  # ... in the decode steps (ms over the reply)
     reprefilled_tokens: int = 0  # tokens read again after cache changes during the reply (not in recomputed_tokens)
     reprefill_ms: float = 0.0  # reading them (in none of ttft_ms, prefill_ms, decode_ms)
     reprefills: tuple = ()  # each change's ``engine.core.records.Reprefill`` (tokens, ms, the settings before/after)

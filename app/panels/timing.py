@@ -42,6 +42,8 @@ class TokenSeries:
         self.speed = 0.0  # the engine's decode tok/s (the frame's, then the finished reply's): the status bar's figure
         self.final = False  # the reply finished: ``speed`` and ``ttft_ms`` are its stats', no snapshot changes them
         self.prefill_tokens = 0
+        self.policy_prefill_ms = 0.0  # the eviction policy's own work (scoring, choosing) in the prefill
+        self.policy_decode_ms = 0.0  # ... over the decode steps so far
         self.label = ""
         self.paths: dict[str, int] = {}  # decode tokens per path that ran their forward (TokenEvent.path)
         self.forwards = 0  # decode forwards (a verification's later tokens come without one)
@@ -263,6 +265,10 @@ class TimingPanel(Panel):
         speed = getattr(snapshot, "decode_tokens_per_s", 0.0)
         if speed and speed != cur.speed:
             cur.speed, self._dirty = speed, True
+        policy = (getattr(snapshot, "policy_prefill_ms", 0.0), getattr(snapshot, "policy_decode_ms", 0.0))
+        if policy != (cur.policy_prefill_ms, cur.policy_decode_ms):
+            cur.policy_prefill_ms, cur.policy_decode_ms = policy
+            self._dirty = True
 
     def show_caption(self, snapshot) -> None:
         self._take(snapshot)
@@ -355,6 +361,9 @@ class TimingPanel(Panel):
         text = (f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT "
                 f"{cur.ttft_ms or cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens) · {cur.n} decode tokens "
                 f"at <b>{series_speed(cur):.1f} tok/s</b>")
+        if cur.policy_prefill_ms or cur.policy_decode_ms:  # what the eviction policy's scoring costs (H2O, expected)
+            text += (f" · eviction scoring {cur.policy_decode_ms / max(1, cur.n):.2f} ms a token, "
+                     f"{cur.policy_prefill_ms:.0f} ms in the prefill")
         if prev is not None and prev.n:
             text += (f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {series_speed(prev):.1f} "
                      "tok/s</span>")

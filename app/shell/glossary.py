@@ -80,6 +80,11 @@ POLICIES = {
                 "Keeps the tokens that received the most attention so far, plus a recent window.\n"
                 "Memory: fixed budget per layer.  Speed: a little slower (attention scores are collected).\n"
                 "Quality: usually close to the full cache at half the budget."),
+    "expected": Term("Expected attention", "expected attention",
+                     "Keeps the tokens the coming words are expected to look at (predicted from the recent words' "
+                     "attention queries), plus the first tokens and a recent window.\n"
+                     "Memory: fixed budget per layer.  Speed: scoring a few ms every few tokens (shown under Token "
+                     "timing).\nQuality: ranks above H2O and StreamingLLM on NVIDIA's kvpress benchmark."),
     "priority": Term("Priority pinning", "priority pinning",
                      "Keeps the system prompt and pinned messages; drops the lowest priority, then the oldest.\n"
                      "Memory: fixed budget.  Speed: unchanged.\n"
@@ -181,6 +186,8 @@ PARAMS = {  # policy parameters: plain names (the Params field's own help is the
     "budget": ("Tokens kept per layer", "Memory: the cache holds at most this many tokens per layer."),
     "recent": ("Recent tokens always kept", "Kept on top of the heavy hitters / priorities."),
     "default_priority": ("Priority of unpinned tokens", "0-99; pinned messages and the system prompt get 100."),
+    "queries": ("Recent words that predict", "How many of the latest tokens' attention queries predict what the "
+                "coming ones will look at.\nSpeed: more costs a little more at each eviction."),
 }
 
 STOP_REASONS = {  # stop_reason -> the mark under a reply ("" for a reply that simply ended)

@@ -15,6 +15,7 @@ positions count as evicted) and only the last ``context / 2`` are fed, one chunk
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from engine.policies.layer_kinds import layer_kind_summary
 from engine.kv.paged.positions import CacheIndex
 from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
 from engine.core.vocab import Note, NoteKind
+from engine.core.expected import QueryStats
 
 
 
@@ -74,12 +76,14 @@ class EvictionPlan:
 
 
 class Scores:
-    """Attention each cached slot has received, per layer ``[kv_heads, n]`` on the device; kept in step with
-    the cache index by the evictor (every append, keep, truncate and reset goes through it)."""
+    """Attention each cached slot has received (H2O: accumulated; Expected Attention: expected, replaced at each
+    scoring), per layer ``[kv_heads, n]`` on the device; kept in step with the cache index by the evictor (every
+    append, keep, truncate and reset goes through it)."""
 
     def __init__(self, num_layers: int, kv_heads: int, device) -> None:
         self.num_layers, self.kv_heads, self.device = num_layers, kv_heads, device
         self.t: list[torch.Tensor] | None = None  # None: not tracking
+        self.ms = 0.0  # time ``add`` took (H2O's part of the policy's cost; its explicit softmax is the step's own)
 
     @property
     def tracking(self) -> bool:
@@ -107,10 +111,23 @@ class Scores:
 
     def add(self, layer: int, probs: torch.Tensor) -> None:
         """probs: [1, Hq, q, L] → add the attention each key received, summed per KV head."""
+        t0 = time.perf_counter()
         got = probs[0].sum(dim=1)  # [Hq, L]
         got = got.view(self.kv_heads, -1, got.shape[-1]).sum(dim=1)  # [Hkv, L]
         s = self.t[layer]
         s[:, :got.shape[1]] += got.to(s.dtype)
+        self.ms += (time.perf_counter() - t0) * 1000.0
+
+    def put(self, layer: int, scores: torch.Tensor) -> None:
+        """scores: [H, L] for the first L slots of ``layer`` (an expected-attention scoring), replacing them. H is
+        the attention's KV heads; where the cache keeps other rows (MLA: one latent, heads decompressed from it),
+        the heads are summed into them."""
+        s = self.t[layer]
+        h, n = scores.shape
+        if h != s.shape[0]:
+            scores = (scores.reshape(s.shape[0], -1, n).sum(1) if h % s.shape[0] == 0
+                      else scores.sum(0, keepdim=True).expand(s.shape[0], n) / s.shape[0])  # [rows, L]
+        s[:, :n] = scores.to(s.dtype)
 
     def numpy(self) -> np.ndarray:
         """``[L, n]`` summed over KV heads (CPU)."""
@@ -123,7 +140,10 @@ class Evictor:
     def __init__(self, model, num_layers: int, kv_heads: int, device) -> None:
         self.model = model
         self.scores = Scores(num_layers, kv_heads, device)
+        self.queries = QueryStats(model, num_layers)  # the recent queries (a policy that ``needs_queries``)
+        self.queries.scores = self.scores
         self._rerotator: Rerotator | None = None
+        self.select_ms = 0.0  # the policy's choice at the evictions since ``take_ms`` (ranking and selecting)
 
     # -- planning a forward ----------------------------------------------------------------------------
     def plan(self, store, index: CacheIndex, policy: EvictionPolicy | None, todo: int,
@@ -190,11 +210,13 @@ class Evictor:
                   cx: EvictionContext) -> list[Eviction]:
         """Evict down to ``target`` with ``policy`` (a policy switched on mid-chat)."""
         first = ()
-        if policy.needs_scores and not self.scores.tracking:
+        if policy.scored and not self.scores.tracking:
             self.scores.start(index.n)
-            if index.n > target:
-                first = (_says(policy, f"no attention scores yet for the {index.n} cached tokens; the oldest go "
-                                       "first this time, scores count from now on"),)
+        scored = policy.needs_queries and index.n > target and self.queries.score_store(store, index.next_rope)
+        if policy.scored and index.n > target and not scored and not float(sum(s.sum() for s in self.scores.t)):
+            what = "no query statistics yet to score" if policy.needs_queries else "no attention scores yet for"
+            first = (_says(policy, f"{what} the {index.n} cached tokens; the oldest go first this time, "
+                                   "scores count from now on"),)
         done = self._evict(store, index, policy, target, policy.name, cx)
         if done and first:  # the note goes with what it explains
             done[0] = dataclasses.replace(done[0], notes=first + done[0].notes)
@@ -207,10 +229,12 @@ class Evictor:
         if n <= target and not force_rotate:
             return []
         pol = policy if policy is not None else OverflowPolicy.for_mode(cx.overflow, target, cx.protected)
+        t0 = time.perf_counter()
         state = PolicyState(positions=np.array(index.log), scores=self._scores_for(pol, n),
                             protected=cx.protected, priorities=_priorities(pol, cx), page_size=cx.page_size,
                             seq_len=cx.seq_len)
         drops = pol.select(state, target)
+        self.select_ms += (time.perf_counter() - t0) * 1000.0
         keep = [np.setdiff1d(np.arange(n), d, assume_unique=True) for d in drops]
         n_keep = len(keep[0])
         if any(len(k) != n_keep for k in keep) or n_keep > target:
@@ -238,7 +262,7 @@ class Evictor:
         return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
 
     def _scores_for(self, policy: EvictionPolicy, n: int) -> np.ndarray | None:
-        if not policy.needs_scores:
+        if not policy.scored:
             return None
         if not self.scores.tracking or self.scores.t[0].shape[1] != n:
             self.scores.start(n)  # cannot happen when every change went through the evictor; stay safe

@@ -198,6 +198,7 @@ def build(seq: "Sequence", cache: "SeqCache", phase: str = "decode", step_ms: fl
         evict_reason=evs[-1].reason if evs else "",
         phase=phase, step_ms=step_ms, prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms,
         decode_tokens_per_s=(n_decode / (t.decode_ms / 1000.0)) if t.decode_ms > 0 else 0.0,
+        policy_ms=last.policy_ms, policy_prefill_ms=t.policy_prefill_ms, policy_decode_ms=t.policy_decode_ms,
         offloaded=cache.host is not None,
         notes=tuple(seq.notes),
         page_groups=groups,

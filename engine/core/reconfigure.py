@@ -38,9 +38,9 @@ def validate(cfg: CacheConfig, lm) -> EvictionPolicy | None:
     if cfg.mode == "off" and (policy is not None or cfg.quantized):
         raise ValueError("cache off: KV precision and eviction policies need a cache (contiguous or paged)")
     if cfg.quantized and cfg.mode != "paged":
-        raise ValueError("KV int8/int4 is kept per page: choose the paged cache mode")
+        raise ValueError("KV int8/int4/tq is kept per page: choose the paged cache mode")
     if cfg.overflow == "policy" and policy is None:
-        raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o or priority)")
+        raise ValueError("overflow 'policy' needs an eviction policy (streaming, h2o, expected or priority)")
     _check_layer_kinds(cfg, policy, lm)
     if cfg.mode == "off" and cfg.overflow_evicts:
         raise ValueError(f"cache off: overflow '{cfg.overflow}' evicts from a cache; choose contiguous or paged")
@@ -142,13 +142,17 @@ def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) 
     notes: list[str] = []
     if cache.store is not None and cache.index.n and not _keeps_evicted(cache.policy, policy):
         notes += _restore_evicted(cache, ctx)
+    if _score_kind(cache.policy) != _score_kind(policy):  # H2O's sums and expected attention do not mix
+        cache.evictor.scores.stop()
+    if policy is None or not policy.needs_queries:
+        cache.evictor.queries.clear()
     evicted = _evict_for(cache, seq, policy, max_chunk)
     notes += evicted
     if _needs_new_store(old, cfg):
         notes += _move_store(cache, seq, old, cfg)
     old_policy = cache.policy
     cache.cache_config, cache.policy = cfg, policy
-    if policy is None or not policy.needs_scores:
+    if policy is None or not policy.scored:
         cache.evictor.scores.stop()
     if policy is not None and not evicted and (old_policy is None or old_policy.describe() != policy.describe()):
         notes.append(Note(f"{policy.describe()} on", NoteKind.POLICY_ON, policy=policy.name,
@@ -180,6 +184,13 @@ def _read_again(cache: "SeqCache", seq: "Sequence", fed: int, old: CacheConfig, 
     scores = cache.policy is not None and cache.policy.needs_scores
     estimate = reprefill.estimate_ms(cache.lm, fed - start, scores)
     reprefill.begin(seq.reply, start, fed, estimate, old, cfg)
+
+
+def _score_kind(policy: EvictionPolicy | None) -> str:
+    """What a policy's per-token scores mean: "" none, "attention" (H2O), "expected" (Expected Attention)."""
+    if policy is None or not policy.scored:
+        return ""
+    return "expected" if policy.needs_queries else "attention"
 
 
 def _needs_new_store(old: CacheConfig, cfg: CacheConfig) -> bool:

@@ -30,6 +30,7 @@ class StepRecord:
     evictions: "tuple[Eviction, ...]" = ()  # what was evicted for it: planned before, trimmed after
     verified: int = 0  # a verification's slots written
     rolled_back: int = 0  # of them, cut back (drafts the model did not keep)
+    policy_ms: float = 0.0  # the eviction policy's own work for it: queries observed, keys scored, tokens chosen
 
     def evicted(self, more: "list[Eviction] | tuple[Eviction, ...]") -> "StepRecord":
         """This record with ``more`` evictions after the ones it has."""

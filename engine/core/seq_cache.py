@@ -76,7 +76,8 @@ class SeqCache(PrefixReuse):
 
     @property
     def needs_scores(self) -> bool:
-        return self.policy is not None and self.policy.needs_scores
+        """The policy reads per-token scores the evictor keeps (H2O's attention, Expected Attention's)."""
+        return self.policy is not None and self.policy.scored
 
     def pending(self, seq_len: int) -> int:
         """Tokens of a ``seq_len``-token sequence still to feed (cache off: every one, every step)."""
@@ -238,18 +239,34 @@ class SeqCache(PrefixReuse):
 
     def reserve(self, q: int, owner: int) -> None:
         """Take room for ``q`` tokens before a forward (typed error, nothing changed, if there is none)."""
-        scores = self.evictor.scores
+        scores, policy = self.evictor.scores, self.policy
         if self.needs_scores and not scores.tracking:
             scores.start(self.index.n)
         elif not self.needs_scores:
             scores.stop()
-        self.kv.score_sink = scores.add if self.needs_scores else None
+        self.kv.score_sink = scores.add if policy is not None and policy.needs_scores else None
+        self.kv.query_sink = self._observe_queries(q) if policy is not None and policy.needs_queries else None
         self.store.reserve(q, owner=owner)
         try:
             scores.grow(q)
         except BaseException:
             self.store.rollback()
             raise
+
+    def _observe_queries(self, q: int):
+        """The attention's query observer for the next forward of ``q`` tokens (a policy that ``needs_queries``):
+        it scores every key when the evictor trims the cache after this forward (``after_forward``)."""
+        stats, p = self.evictor.queries, self.policy.params
+        stats.configure(p.queries, p.sinks, getattr(self.store, "layout", None))
+        stats.begin(self.index.next_rope, q, score=self.index.n + q >= self.policy.budget)
+        return stats.observe
+
+    def take_policy_ms(self) -> float:
+        """What the policy's own work cost since the last call (observing queries, scoring, choosing), in ms."""
+        ev = self.evictor
+        ms = ev.select_ms + ev.queries.ms + ev.scores.ms
+        ev.select_ms = ev.queries.ms = ev.scores.ms = 0.0
+        return ms
 
     def rollback(self) -> None:
         """The forward failed: store, index and scores back to where ``reserve`` found them."""
@@ -273,7 +290,8 @@ class SeqCache(PrefixReuse):
         self.last = StepRecord(path, batch, written or self.pages_written(q), self._take_planned())
 
     def after_forward(self, cx: EvictionContext) -> None:
-        self.last = self.last.evicted(self.evictor.after_forward(self.store, self.index, self.policy, cx))
+        last = self.last.evicted(self.evictor.after_forward(self.store, self.index, self.policy, cx))
+        self.last = dataclasses.replace(last, policy_ms=self.take_policy_ms())
 
     def pages_written(self, q: int) -> tuple[int, ...]:
         """Pages holding the last ``q`` cached tokens (a plain paged store; else none)."""
@@ -353,6 +371,7 @@ class SeqCache(PrefixReuse):
         other.index = self.index.copy()
         if self.evictor.scores.tracking:
             other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]
+        other.evictor.queries.copy_from(self.evictor.queries)
         return other
 
     def reset(self) -> None:
@@ -362,6 +381,7 @@ class SeqCache(PrefixReuse):
         self.host = None
         self.index.reset()
         self.evictor.scores.stop()
+        self.evictor.queries.clear()
         self.chain, self._planned, self.last = [], [], IDLE
 
     def free(self) -> None:

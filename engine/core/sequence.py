@@ -67,6 +67,8 @@ class TurnState:
     prefill_ms: float = 0.0  # every chunk of the prefill and the forward that gave the first token
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
+    policy_prefill_ms: float = 0.0  # the eviction policy's own work (scoring, choosing) in the prefill's forwards
+    policy_decode_ms: float = 0.0  # ... in the decode forwards
     prompt_len: int = 0
     reused: int = 0
     recomputed: int = 0  # prompt tokens computed (fed) in this reply
@@ -96,6 +98,7 @@ class TurnState:
             dropped_tokens=self.dropped,
             first_divergence=self.divergence, generated_tokens=n, ttft_ms=self.ttft_ms,
             prefill_ms=self.prefill_ms, decode_ms=self.decode_ms,
+            policy_prefill_ms=self.policy_prefill_ms, policy_decode_ms=self.policy_decode_ms,
             decode_tokens_per_s=(max(0, n - 1) / (self.decode_ms / 1000.0)) if self.decode_ms > 0 else 0.0,
             prefill_tokens_per_s=(self.recomputed / (self.prefill_ms / 1000.0)) if self.prefill_ms > 0 else 0.0,
             reprefilled_tokens=sum(r.done for r in self.reprefills), reprefill_ms=self.reprefill_ms,

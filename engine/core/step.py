@@ -140,6 +140,10 @@ class Stepping:
         at = c.index.next_pos if c.store is not None else 0  # where this forward's tokens start
         try:
             fed = c.forward_done(work, out, plan, q.ids, written)
+            if t.generated:
+                t.policy_decode_ms += c.last.policy_ms
+            else:
+                t.policy_prefill_ms += c.last.policy_ms
             q.add_notes(c.notes())
             ms = (time.perf_counter() - t0) * 1000.0
             if out.batch == 1:  # alone: its time is its own (the model's prefill rate)

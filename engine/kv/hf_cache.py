@@ -61,10 +61,13 @@ class _StoreLayer(_OurLayer):
                 attn[BASIS_KEY] = basis
         else:
             k, v = self._cache.store.update(self._idx, key_states, value_states)  # [1, heads, past + q, dim]
-        sink = self._cache.score_sink
-        if sink is not None and self._score_idx is not None and isinstance(kwargs.get("kwargs"), dict):
+        sink, observer = self._cache.score_sink, self._cache.query_sink
+        if self._score_idx is not None and isinstance(kwargs.get("kwargs"), dict):
             row = self._score_idx
-            kwargs["kwargs"]["kvscope_sink"] = lambda _layer, probs: sink(row, probs)  # the attention gets it next
+            if sink is not None:
+                kwargs["kwargs"]["kvscope_sink"] = lambda _layer, probs: sink(row, probs)  # the attention gets it next
+            if observer is not None:
+                kwargs["kwargs"]["kvscope_observer"] = lambda q, k, v, scale: observer(row, q, k, v, scale)
         return k, v
 
     def get_seq_length(self) -> int:
@@ -96,6 +99,7 @@ class KVCache(Cache):
         # the model's attention is ``engine.kv.store.attention.dispatch_attention`` and nothing reads its insides (the
         # runner says, per forward): rotated pages (tq kinds) are then read rotated, the queries and output turned
         self.rotated_ok = False
+        self.query_sink = None  # optional fn(score row, query, key, value, scale): the attention's inputs (post-RoPE)
         routes = getattr(store, "routes", None)
         self.grouped = routes is not None
         layers = []

@@ -58,8 +58,8 @@ class Work:
 
     @property
     def scores(self) -> bool:
-        """The sequence's policy reads attention probabilities (its cache carries a score sink)."""
-        return self.kv is not None and self.kv.score_sink is not None
+        """The sequence's policy reads attention probabilities or queries (its cache carries a sink or observer)."""
+        return self.kv is not None and (self.kv.score_sink is not None or self.kv.query_sink is not None)
 
 
 class Output(NamedTuple):
@@ -140,9 +140,9 @@ class ModelRunner:
         ids = torch.tensor([w.ids], dtype=torch.long, device=dev)  # [1, n]: the whole text
         pos = torch.arange(w.rope, w.rope + w.q, device=dev)[None]  # [1, n]
         with torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=0 if w.all_logits else 1)
         self.forwards += 1
-        return out.logits[0, -1]  # [vocab]
+        return out.logits[0] if w.all_logits else out.logits[0, -1]  # [n, vocab] or [vocab]
 
     def _eager(self, w: Work) -> torch.Tensor:
         dev = self.lm.device

@@ -10,7 +10,8 @@ from engine.policies.base import (DEFAULT_PRIORITY, PINNED, EvictionPolicy, Poli
                                   get_policy_class, policy_flags, policy_names, registry)
 from engine.policies.streaming import OverflowPolicy, StreamingPolicy  # noqa: I001  (registry order = menu order)
 from engine.policies.h2o import H2OPolicy
+from engine.policies.expected import ExpectedAttentionPolicy
 from engine.policies.priority import PriorityPolicy
 
 __all__ = ["EvictionPolicy", "PolicyState", "get_policy", "get_policy_class", "policy_flags", "policy_names", "registry",
-           "StreamingPolicy", "OverflowPolicy", "H2OPolicy", "PriorityPolicy", "PINNED", "DEFAULT_PRIORITY"]
+           "StreamingPolicy", "OverflowPolicy", "H2OPolicy", "ExpectedAttentionPolicy", "PriorityPolicy", "PINNED", "DEFAULT_PRIORITY"]

@@ -25,7 +25,8 @@ class PolicyState:
     """What a policy may look at (CPU numpy, one row per layer).
 
     positions  [L, n] logical position of each cached token, per layer (ascending)
-    scores     [L, n] accumulated attention each cached token received (H2O), or None
+    scores     [L, n] accumulated attention each cached token received (H2O), or the attention the coming
+               queries are expected to pay it (Expected Attention), or None
     protected  logical positions ``[0, protected)`` hold the system prompt / first message
     priorities [T] int 0..100 per logical position (the policy's default filled in), or None
     page_size  of the store (streaming evicts whole pages when it can)
@@ -52,6 +53,7 @@ class EvictionPolicy:
     label: ClassVar[str] = "No eviction"
     listed: ClassVar[bool] = True  # offered in the GUI and the CLI (overflow helpers are not)
     needs_scores: ClassVar[bool] = False  # accumulate attention scores (explicit softmax)
+    needs_queries: ClassVar[bool] = False  # score keys from the recent queries' statistics (``engine.core.expected``)
     rope_in_cache: ClassVar[bool] = False  # compaction re-rotates keys: positions are in-cache indices
 
     @dataclass(frozen=True)
@@ -84,6 +86,11 @@ class EvictionPolicy:
                 raise ValueError(f"policy {self.name}: {f.name} {v} must be >= {lo}")
             if hi is not None and v > hi:
                 raise ValueError(f"policy {self.name}: {f.name} {v} must be <= {hi}")
+
+    @property
+    def scored(self) -> bool:
+        """Ranks tokens by per-token scores the evictor keeps (``PolicyState.scores``)."""
+        return self.needs_scores or self.needs_queries
 
     @property
     def budget(self) -> int:

@@ -1,4 +1,4 @@
-"""Eviction policies on models whose layers differ (#35 item 1): StreamingLLM, H2O, priority and the evicting
+"""Eviction policies on models whose layers differ (#35 item 1): StreamingLLM, H2O, Expected Attention, priority and the evicting
 overflow modes on sliding-window models (Gemma 2/3, gpt-oss, EXAONE 4, Cohere 2), hybrids with recurrent /
 convolution state (LFM2, Falcon-H1, Qwen3-Next) and DeepSeek's multi-head latent attention.
 
@@ -32,6 +32,8 @@ POLICIES = {
     "streaming": STREAMING,
     "h2o": CacheConfig(mode="paged", page_size=4, policy="h2o", policy_params={"budget": 24, "recent": 8}),
     "priority": CacheConfig(mode="paged", page_size=4, policy="priority", policy_params={"budget": 24}),
+    "expected": CacheConfig(mode="paged", page_size=4, policy="expected",
+                            policy_params={"budget": 24, "recent": 8, "sinks": 2, "queries": 16}),
 }
 IDS = list(range(5, 25))
 
@@ -143,7 +145,8 @@ def test_rolling_overflow_goes_on_past_the_context(zoo):
 def test_below_the_budget_every_policy_is_exact(zoo, name):
     model_type, model, lm = zoo
     cfg = POLICIES[name]
-    roomy = {"streaming": {"sinks": 4, "window": 200}, "h2o": {"budget": 200, "recent": 8}, "priority": {"budget": 200}}
+    roomy = {"streaming": {"sinks": 4, "window": 200}, "h2o": {"budget": 200, "recent": 8}, "priority": {"budget": 200},
+             "expected": {"budget": 200, "recent": 8}}
     s = ChatSession(lm, CacheConfig(mode="paged", page_size=4, policy=cfg.policy, policy_params=roomy[name]))
     got, _, _, _ = run(s, IDS, 24)
     assert got == hf_greedy(model, IDS, 24)

@@ -16,7 +16,7 @@ def state(n, layers=2, **kw):
 
 
 def test_registry_and_params():
-    assert policy_names() == ["none", "streaming", "h2o", "priority"]
+    assert policy_names() == ["none", "streaming", "h2o", "expected", "priority"]
     assert get_policy("none") is None
     p = get_policy("streaming", {"sinks": 2, "window": 10})
     assert isinstance(p, StreamingPolicy) and p.budget == 12

@@ -11,6 +11,7 @@ from engine.core.session import ChatSession
 POLICIES = {
     "streaming": {"sinks": 4, "window": 60},
     "h2o": {"budget": 64, "recent": 32},
+    "expected": {"budget": 64, "recent": 16},
 }
 
 

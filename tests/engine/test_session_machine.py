@@ -59,13 +59,18 @@ def cache_configs(draw) -> CacheConfig:
     kinds = ["auto", "int8", "int4", "tq4", "tq3", "tq2"] if mode == "paged" else ["auto"]
     k = draw(st.sampled_from(kinds + (["tq3-qjl"] if mode == "paged" else [])))  # QJL: keys only
     v = draw(st.sampled_from(kinds))
-    policy = "none" if mode == "off" else draw(st.sampled_from(["none", "streaming", "h2o", "priority"]))
+    policy = "none" if mode == "off" else draw(st.sampled_from(["none", "streaming", "h2o", "expected", "priority"]))
     params: dict = {}
     if policy == "streaming":
         params = {"sinks": draw(st.integers(0, 8)), "window": draw(st.integers(2, 96))}
     elif policy == "h2o":
         budget = draw(st.integers(8, 120))
         params = {"budget": budget, "recent": draw(st.integers(1, budget - 1))}
+    elif policy == "expected":
+        budget = draw(st.integers(8, 120))
+        sinks = draw(st.integers(0, min(8, budget - 2)))
+        params = {"budget": budget, "recent": draw(st.integers(1, budget - sinks - 1)), "sinks": sinks,
+                  "queries": draw(st.sampled_from([1, 8, 128]))}
     elif policy == "priority":
         budget = draw(st.integers(8, 120))
         params = {"budget": budget, "recent": draw(st.integers(0, 16)),
