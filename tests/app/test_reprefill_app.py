@@ -64,7 +64,7 @@ def test_a_reprefill_is_said_while_it_runs_stop_ends_it_and_it_is_not_ttft(qtbot
 
 def _before_the_first_token(qtbot, w) -> None:
     """StreamingLLM reads a long prompt a few tokens a forward; H2O chosen half way reads what it evicted again
-    (0.1 s a forward here): the footer's TTFT leaves that time out and names it apart."""
+    (0.2 s a forward here): the footer's TTFT leaves that time out and names it apart."""
     worker, model = w.engine.worker, w.engine.worker._loaded.model
     _apply(qtbot, w, STREAMING)
     chunks = []
@@ -73,7 +73,7 @@ def _before_the_first_token(qtbot, w) -> None:
     w.send(LONG)
     qtbot.waitUntil(at_chunk.held.is_set, timeout=30_000)
     w.apply_cache_config(H2O)
-    slow = SlowForward(model, 0.1)
+    slow = SlowForward(model, 0.2)
     first = Hold(worker.token, lambda e: e.index == 0)
     at_chunk.release()
     try:
@@ -85,7 +85,7 @@ def _before_the_first_token(qtbot, w) -> None:
     _gen, reason = wait_reply(qtbot, w)
     assert reason == "max_tokens"
     stats = w.last_stats
-    assert stats["reprefilled_tokens"] > 16 and stats["reprefill_ms"] >= 100  # at least one slowed forward
+    assert stats["reprefilled_tokens"] > 16 and stats["reprefill_ms"] > 50  # its share of slowed forwards
     # By construction TTFT + the re-prefill fit in the time to the first token; counted in TTFT too, they would not
     assert stats["ttft_ms"] + stats["reprefill_ms"] <= wall_ms
     footer = w.chat.bubbles[-1].stats_label.text()

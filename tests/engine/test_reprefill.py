@@ -84,7 +84,7 @@ def test_its_time_is_not_the_replys_ttft(lm):
         slow.undo()
         slow = None
         (r,) = s.turn_state.reprefills
-        assert r.done == r.tokens > 16 and r.ms >= 50
+        assert r.done == r.tokens > 16 and r.ms > 10  # its share of the slowed forwards that read it
         assert s.turn_state.ttft_ms + r.ms <= wall_ms
         assert s.turn_state.prefill_ms + r.ms <= wall_ms
     finally:
