@@ -181,7 +181,7 @@ def _read_again(cache: "SeqCache", seq: "Sequence", fed: int, old: CacheConfig, 
     if not seq.running or cache.store is None or cache.index.next_pos >= fed:
         return
     start = cache.index.next_pos
-    scores = cache.policy is not None and cache.policy.needs_scores
+    scores = cache.policy is not None and cache.policy.scored  # H2O, Expected Attention: the scored path, slower
     estimate = reprefill.estimate_ms(cache.lm, fed - start, scores)
     reprefill.begin(seq.reply, start, fed, estimate, old, cfg)
 
