@@ -57,9 +57,10 @@ def mark(text: str, spans) -> str:
     return "\n".join(out)
 
 
-def tinted_html(text: str, spans) -> str:
-    """The reply's rich text with its accepted draft tokens on a tinted background."""
+def tinted_html(text: str, spans, colour: str = TINT) -> str:
+    """The reply's rich text with its accepted draft tokens (or other ``spans``, in ``colour``: the fidelity check's
+    worst tokens) on a tinted background."""
     if not spans:
         return to_html(text)
     html = to_html(mark(text, spans))
-    return html.replace(OPEN, f'<span style="background-color:{TINT}">').replace(CLOSE, "</span>")
+    return html.replace(OPEN, f'<span style="background-color:{colour}">').replace(CLOSE, "</span>")

@@ -16,7 +16,7 @@ from typing import Sequence
 from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtWidgets import QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.chat.draft_tint import tinted_html
+from app.chat.draft_tint import TINT, tinted_html
 from app.chat.markdown import to_html
 from app.chat.pieces import Piece, Pieces
 
@@ -65,6 +65,7 @@ class MessageBody(QWidget):
         self._spans: list[tuple[int, int]] = []
         self._ends: list[int] = []
         self._tint = False
+        self._colour = TINT
         self._placeholder = ""
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(0, 0, 0, 0)
@@ -81,11 +82,11 @@ class MessageBody(QWidget):
         self._more.timeout.connect(self._build)
 
     def show_text(self, text: str, spans: Sequence[Sequence[int]] = (), tint: bool = False,
-                  placeholder: str = "") -> None:
+                  placeholder: str = "", colour: str = TINT) -> None:
         """Show Markdown ``text`` (``placeholder``, rich text, while it is empty); with ``tint``, the
-        characters in ``spans`` on the draft tint."""
+        characters in ``spans`` on the draft tint (or ``colour``)."""
         self.pieces.update(text)
-        self._tint, self._placeholder = tint, placeholder
+        self._tint, self._placeholder, self._colour = tint, placeholder, colour
         self._spans = [(int(s), int(e)) for s, e in spans] if tint else []
         self._ends = [e for _, e in self._spans]
         self._build()
@@ -135,7 +136,7 @@ class MessageBody(QWidget):
         """Bring the labels up to date, at most ``FRAME_CHARS`` characters of them now."""
         wanted, budget = self._wanted(), FRAME_CHARS
         for i, piece in enumerate(wanted):
-            key = (piece, self._tint, self._piece_spans(piece), "" if piece.body else self._placeholder)
+            key = (piece, self._tint, self._piece_spans(piece), "" if piece.body else self._placeholder, self._colour)
             if i < len(self._keys) and self._keys[i] == key:
                 continue
             if budget < len(piece.body) and budget < FRAME_CHARS:  # one piece a call at least
@@ -166,7 +167,7 @@ class MessageBody(QWidget):
             html = self._placeholder
         else:
             source, spans = piece.source(), key[2]
-            html = tinted_html(source, [list(s) for s in spans]) if spans else to_html(source)
+            html = tinted_html(source, [list(s) for s in spans], key[4]) if spans else to_html(source)
         self.labels[i].setText(html)
         self._keys[i] = key
         self.laid_out_chars += len(piece.body)

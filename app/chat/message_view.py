@@ -25,6 +25,7 @@ from app.chat.message_body import MessageBody
 from app.shell.reuse_words import footer_line
 
 COPIED_MS = 1500  # how long "Copied" shows on the button
+FIDELITY_TINT = "#7a2f2f"  # a dark red the bubble's light text stays readable on: the fidelity check's worst tokens
 
 
 def shown_is_stored(versions: list, shown: int) -> bool:
@@ -50,6 +51,7 @@ class MessageView(QFrame):
         self.stats: dict[str, Any] = {}
         self.draft_spans: list[list[int]] = []  # characters of ``text`` from accepted draft tokens
         self.tint = False  # draw them tinted (the window's setting)
+        self.fidelity_spans: list[list[int]] = []  # the fidelity check's worst tokens here (drawn over the draft tint)
         self.priority = False  # the eviction policy is Priority pinning (what a pin line may promise)
         self.waiting = ""  # what an empty reply waits for, shown instead of "…" (``app.chat.reply_wait``)
         self._dirty = True
@@ -85,8 +87,10 @@ class MessageView(QFrame):
         self.why_label.linkActivated.connect(lambda _link: self.why_requested.emit())
         self.progress_label = QLabel("")  # work the reply waits on mid-way (tokens read again after a cache change)
         self.progress_label.setObjectName("progressLine")
+        self.fidelity_label = QLabel("")  # what the fidelity check found here (its worst tokens are tinted)
+        self.fidelity_label.setObjectName("fidelityLine")
         for label in (self.stats_label, self.cache_label, self.why_label, self.error_label, self.notes_label,
-                      self.save_label, self.progress_label):
+                      self.save_label, self.progress_label, self.fidelity_label):
             label.setWordWrap(True)
             label.setTextFormat(Qt.TextFormat.RichText if label is self.why_label else Qt.TextFormat.PlainText)
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction if label is self.why_label
@@ -116,6 +120,7 @@ class MessageView(QFrame):
         layout.addWidget(self.stats_label)
         layout.addWidget(self.cache_label)
         layout.addWidget(self.why_label)
+        layout.addWidget(self.fidelity_label)
         layout.addWidget(self.save_label)
 
     def _make_buttons(self, role: str) -> None:
@@ -176,7 +181,19 @@ class MessageView(QFrame):
             self.tint, self._dirty = on, True
             self.render()
 
+    def set_fidelity(self, spans, line: str = "") -> None:
+        """Tint the characters of the fidelity check's worst tokens (``spans``: [start, end) of ``text``; [] clears)
+        and say what it found under the text (``line``; "" hides it); redrawn now."""
+        self.fidelity_spans = [list(span) for span in spans]
+        self.fidelity_label.setText(line)
+        self.fidelity_label.setVisible(bool(line))
+        self._dirty = True
+        self.render()
+
     def set_text(self, text: str) -> None:
+        if text != self.text and self.fidelity_spans:  # another text: the check's places no longer hold
+            self.fidelity_spans = []
+            self.fidelity_label.setVisible(False)
         self.text = text
         self._dirty = True
         self.render()
@@ -186,7 +203,9 @@ class MessageView(QFrame):
         if not self._dirty:
             return False
         self._dirty = False
-        if self.role == "user":
+        if self.fidelity_spans:
+            self.body.show_text(self.text, self.fidelity_spans, True, colour=FIDELITY_TINT)
+        elif self.role == "user":
             self.body.show_text(self.text)
         else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
             empty = "no text" if self.stats else html.escape(self.waiting, quote=False) or "…"

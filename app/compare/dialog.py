@@ -19,12 +19,14 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QTabWidget,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
+from app.compare.fidelity_tab import FidelityTab
 from app.shell.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
@@ -70,7 +72,7 @@ class CompareDialog(QDialog):
     def __init__(self, engine, messages: list[dict], sampling, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Compare cache settings on this chat")
-        self.resize(860, 400)
+        self.resize(900, 520)
         self.engine = engine
         self.comparison_id = next(_ids)
         self.rows: list[dict[str, Any]] = []
@@ -106,11 +108,18 @@ class CompareDialog(QDialog):
         buttons.addButton(self.copy_button, QDialogButtonBox.ButtonRole.ActionRole)
         close = buttons.addButton(QDialogButtonBox.StandardButton.Close)
         close.clicked.connect(self.close)
+        replies = QWidget()
+        inner = QVBoxLayout(replies)
+        inner.addWidget(intro)
+        inner.addWidget(self.table, 1)
+        inner.addWidget(self.progress)
+        inner.addWidget(self.status)
+        self.fidelity = FidelityTab(getattr(parent, "fidelity", None), _precisions())
+        self.tabs = QTabWidget()
+        self.tabs.addTab(replies, "Replies")
+        self.tabs.addTab(self.fidelity, "Fidelity: bytes against quality")
         layout = QVBoxLayout(self)
-        layout.addWidget(intro)
-        layout.addWidget(self.table, 1)
-        layout.addWidget(self.progress)
-        layout.addWidget(self.status)
+        layout.addWidget(self.tabs, 1)
         layout.addWidget(buttons)
         engine.worker.compared.connect(self._on_row)
         engine.worker.compare_progress.connect(self._on_progress)
@@ -181,11 +190,19 @@ class CompareDialog(QDialog):
                 pass
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt name
+        self.fidelity.disconnect_all()  # a check it started goes on: its result is the Memory panel's
         if not self.finished_reason:
             self.engine.cancel_compare(self.comparison_id)  # rows that would still come have nowhere to go
             self.finished_reason = "cancelled"
             self._disconnect()
         super().closeEvent(event)
+
+
+def _precisions() -> tuple[str, ...]:
+    """The K/V precisions the engine offers, in its order (the plot's shapes)."""
+    from engine.config import KV_DTYPES
+
+    return tuple(KV_DTYPES)
 
 
 def open_compare(parent: QWidget, engine, running: "CompareDialog | None", ready: bool, messages: list[dict],

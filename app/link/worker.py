@@ -52,6 +52,7 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.link.backend import EngineBackend, default_backend
 from app.link.places import miss_places
+from app.compare.fidelity_task import FidelityControl
 from app.compare.run import WarmedComparison
 from app.controls.disk_tier import DiskTierControl
 from app.shell.failure import Failure, describe, log
@@ -132,6 +133,7 @@ class EngineWorker(QObject):
         self._timer.timeout.connect(self._pump)
         self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
         self.disk = DiskTierControl(self)  # the KV disk tier (a child: it moves to this thread with the worker)
+        self.fidelity = FidelityControl(self)  # the fidelity check on the user's chat (a background task of the core)
 
     # -- commands (queued slots) ------------------------------------------------------------------------
     @Slot(object, object)
@@ -155,6 +157,7 @@ class EngineWorker(QObject):
             else:
                 pool, session = None, self._backend.make_session(loaded, self._cache)
             self._close_comparison("cancelled")  # it ran on the model being replaced
+            self.fidelity.close("cancelled")  # likewise
             self._loaded, self._pool, self._session, self._model_spec = loaded, pool, session, spec
             self._speculate_new_model()
             self._core = EngineCore(loaded)
@@ -401,6 +404,7 @@ class EngineWorker(QObject):
         self._timer.stop()
         self._gen_id = 0
         self._close_comparison("cancelled")
+        self.fidelity.close("cancelled")
         fast = getattr(self._loaded, "fast_step", None)
         if fast is not None:
             fast.close()  # a build in flight stops with the app (the next launch builds it again)

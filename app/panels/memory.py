@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
 from app.shell.format import human_bytes
 from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, kv_words, legend_row, styled_plot
@@ -84,6 +84,8 @@ class MemoryPanel(Panel):
     while the chat is idle), and the legend sits under the chart, never over the data."""
 
     title = "Memory"
+    fidelity_requested = Signal()  # "Check fidelity": what the cache setting costs on this chat
+    fidelity_stop_requested = Signal()
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
@@ -107,6 +109,7 @@ class MemoryPanel(Panel):
         self.legend = legend_row([(WEIGHTS_COLOUR, "weights"), (KV_COLOUR, "KV cache"),
                                   (DEVICE_COLOUR, "device memory in use (CUDA only)")])
         self._layout.addWidget(self.legend)
+        self._fidelity_row()
         self.t = np.zeros(HISTORY)
         self.kv = np.zeros(HISTORY)
         self.w = np.zeros(HISTORY)
@@ -116,6 +119,34 @@ class MemoryPanel(Panel):
         self._has_device = False
         self.weights_bytes = 0  # the loaded model's (``set_model``): shown while no chat's cache is
         self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
+
+    def _fidelity_row(self) -> None:
+        """The button that checks the chat's fidelity under the cache setting, and what the check found."""
+        self.fidelity_button = QPushButton("Check fidelity")
+        self.fidelity_button.setToolTip(
+            "What the cache setting costs on this chat: its tokens read through a full-precision cache that keeps "
+            "everything and through your setting; per-token KL divergence, top-1 agreement and perplexity over the "
+            "last turn, the worst tokens tinted in the chat. Compare (Ctrl+K) plots every precision × eviction.")
+        self.fidelity_button.clicked.connect(self._on_fidelity_button)
+        self.fidelity_label = QLabel("")
+        self.fidelity_label.setObjectName("legendChip")
+        self.fidelity_label.setWordWrap(True)
+        self.fidelity_label.setMinimumWidth(1)
+        self.fidelity_running = False
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.fidelity_button, 0, Qt.AlignmentFlag.AlignTop)
+        row.addWidget(self.fidelity_label, 1)
+        self._layout.addLayout(row)
+
+    def _on_fidelity_button(self) -> None:
+        (self.fidelity_stop_requested if self.fidelity_running else self.fidelity_requested).emit()
+
+    def set_fidelity(self, text: str, running: bool) -> None:
+        """What the fidelity check says (its progress while ``running``, then its result)."""
+        self.fidelity_running = running
+        self.fidelity_button.setText("Stop check" if running else "Check fidelity")
+        self.fidelity_label.setText(text)
 
     def value_at(self, x: float) -> str:
         """The bytes at the recorded moment nearest to ``x`` seconds."""

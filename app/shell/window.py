@@ -33,6 +33,7 @@ from app.chat.chat_list import ChatList
 from app.chat.pane import ChatPane
 from app.chat.switch import ChatSwitch
 from app.compare.dialog import open_compare
+from app.compare.fidelity import FidelityController
 from app.settings.cache_settings import sampling_from_settings, save_sampling
 from app.controls.cache_controls import CacheControls
 from app.chat.conversation import Conversation
@@ -160,6 +161,7 @@ class MainWindow(QMainWindow):
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
                                 entered=self.chat_switch.api_opened, screen=self.on_screen)
         self.readouts = ReplyReadouts(self)  # the chat on screen's snapshots → panels, trace, status bar
+        self.fidelity = FidelityController(self)  # Memory's "Check fidelity", its worst tokens, Compare's front
         self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory, self.why],
                                         self.readouts.on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))

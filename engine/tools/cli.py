@@ -1,4 +1,4 @@
-"""``python -m engine generate|bench|quality|serve|attach`` (DESIGN.md §3).
+"""``python -m engine generate|bench|quality|fidelity|serve|attach`` (DESIGN.md §3).
 
 A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
 one).
@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--page-size", type=int, default=16)
     q.add_argument("--device", default="auto", choices=DEVICES)
     q.add_argument("--json", dest="json_file", required=True, help="output file")
+
+    from engine.tools.fidelity_report import add_parser as fidelity_parser
+
+    fidelity_parser(sub, _cache_args, _model_args)
     return parser
 
 
@@ -388,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.tools.quality import run_quality
 
             return run_quality(a)
+        if a.command == "fidelity":
+            from engine.tools.fidelity_report import run_fidelity
+
+            return run_fidelity(a, cache_config_from_args, _model_spec)
         parser.error(f"unknown command {a.command}")
     except (EngineError, ValueError) as e:
         if debug:

@@ -46,6 +46,7 @@ class Setting:
     policy: str = "none"
     params: dict[str, Any] = field(default_factory=dict)
     page_size: int = 16
+    fraction: float | None = None  # an eviction policy's budget as a fraction of the text (the row says so)
 
     def cache(self) -> CacheConfig:
         return CacheConfig(mode="paged", page_size=self.page_size, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
@@ -63,12 +64,15 @@ def teacher_forced(lm, setting: Setting, ids: list[int]) -> tuple[torch.Tensor, 
 
     from engine.core.session import ChatSession
 
+    from engine.core.teacher import teacher_force_chunks
+
     s = ChatSession(lm, setting.cache())
     try:
-        # one token at a time through the cache, evicting and quantizing as during a reply
-        rows = [logits.float().cpu() for logits in s.teacher_force(ids[:-1])]
+        # every token sees the cache as decoding it would (evicting and quantizing as during a reply), in the
+        # fewest forwards that keep it so
+        rows = [logits.float().cpu() for _, logits in teacher_force_chunks(s, ids[:-1])]
         snap = s.snapshot()
-        return torch.stack(rows), snap.kv_bytes, int(snap.tokens_per_layer.max())
+        return torch.cat(rows), snap.kv_bytes, int(snap.tokens_per_layer.max())
     finally:
         s.close()
 
@@ -124,6 +128,8 @@ def score(lm, ids: list[int], settings: list[Setting], greedy_prompt: int = 32, 
             "kv_bytes_per_token_ratio": round((kv_bytes / max(1, tokens)) / (ref_bytes / max(1, ref_tokens)), 4),
             "kv_tokens_held": tokens,
         }
+        if st.fraction is not None:
+            row["cache_fraction"] = st.fraction
         out["rows"].append(row)
         log(f"{st.label():40s} ppl {row['perplexity']:9.4f} (×{row['perplexity_ratio']:.4f})  top1 "
             f"{row['top1_agreement'] * 100:6.2f}%  greedy {match:4d}/{n_greedy}  KV B/tok "
@@ -132,7 +138,6 @@ def score(lm, ids: list[int], settings: list[Setting], greedy_prompt: int = 32, 
 
 
 def default_settings(n_tokens: int, ctx: int, page_size: int = 16) -> list[Setting]:
-    half = max(8, n_tokens // 2)
     window = min(256, ctx - 8)
     settings = [
         Setting("int8", "int8"),
@@ -143,14 +148,26 @@ def default_settings(n_tokens: int, ctx: int, page_size: int = 16) -> list[Setti
         Setting("tq3", "tq3"),
         Setting("tq2", "tq2"),
         Setting("tq3-qjl", "tq3"),  # keys with the QJL residual, at the same 3 bits a coordinate
-        Setting(policy="h2o", params={"budget": half, "recent": max(4, half // 4)}),
-        Setting(policy="streaming", params={"sinks": 4, "window": window}),
-        Setting(policy="priority", params={"budget": half, "recent": max(4, half // 4)}),
+        *policy_settings(n_tokens),
         Setting("int8", "int8", policy="streaming", params={"sinks": 4, "window": window}),
     ]
     for st in settings:
         st.page_size = page_size  # --page-size applies to every row, not only to one asked-for setting
     return settings
+
+
+def policy_settings(n_tokens: int, fractions=(0.5, 0.25)) -> list[Setting]:
+    """StreamingLLM, H2O, Expected Attention and priority each keeping half and a quarter of the text (H2O and
+    Expected Attention with the same recent window, a quarter of the budget)."""
+    out = []
+    for frac in fractions:
+        keep = max(8, int(n_tokens * frac))
+        recent = max(4, keep // 4)
+        out += [Setting(policy="streaming", params={"sinks": 4, "window": keep - 4}, fraction=frac),
+                Setting(policy="h2o", params={"budget": keep, "recent": recent}, fraction=frac),
+                Setting(policy="expected", params={"budget": keep, "recent": recent}, fraction=frac),
+                Setting(policy="priority", params={"budget": keep, "recent": recent}, fraction=frac)]
+    return out
 
 
 def _one_setting(a) -> Setting | None:

@@ -203,7 +203,7 @@ def test_every_control_says_what_it_does(qtbot):
             assert all(box.itemData(i, Qt.ItemDataRole.ToolTipRole) for i in range(box.count()))
     names = [c.policy.itemText(i) for i in range(c.policy.count())]
     assert names == ["Keep everything", "Attention sinks + recent window (StreamingLLM)", "Heavy hitters (H2O)",
-                     "Priority pinning"]
+                     "Expected attention", "Priority pinning"]
     assert "Memory" in c.policy.toolTip() and "Quality" in c.policy.toolTip()
     for term in (*glossary.MODES.values(), *glossary.KV_DTYPES.values(), *glossary.POLICIES.values()):
         assert "Memory" in term.tip and "Quality" in term.tip, term.name

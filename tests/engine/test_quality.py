@@ -56,3 +56,13 @@ def test_int8_meets_the_quality_target_on_the_whole_story(stories_path, tmp_path
     # float32 model: 31 full pages of codes + scales and one float32 page being filled; per-token int8 keys
     # held exactly as many bytes (0.334x): the per-channel layout costs nothing extra at page 16.
     assert row["kv_bytes_per_token_ratio"] < 0.34
+
+
+def test_default_rows_have_every_policy_at_half_and_a_quarter_of_the_text():
+    from engine.policies import registry
+    from engine.tools.quality import default_settings
+
+    rows = [(s.policy, s.fraction, s.params.get("budget") or s.params["sinks"] + s.params["window"])
+            for s in default_settings(511, 512) if s.fraction is not None]
+    assert sorted((p, f) for p, f, _ in rows) == sorted((p, f) for p in registry for f in (0.5, 0.25))
+    assert all(keep == int(511 * f) for _, f, keep in rows)  # each keeps that share of the text

@@ -1,0 +1,148 @@
+"""Compare ▸ Fidelity: every K/V precision × eviction policy measured on this chat (``engine.tools.fidelity``), as
+a table and as the user's own Pareto front (``FidelityPlot``). The check is the window's ``FidelityController``'s:
+one at a time, a background task of the engine, so the chat and the replies' comparison go on meanwhile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.compare.fidelity_plot import FidelityPlot
+from app.compare.fidelity_task import LABEL_SUFFIX
+
+COLUMNS = ("setting", "B / token", "top-1", "KL", "perplexity", "s")
+
+
+def row_cells(row: dict[str, Any]) -> list[str]:
+    if row.get("error"):
+        return [row["label"], "—", "—", "—", "—", "error: " + row["error"]]
+    return [row["label"], f"{row['bytes_per_token']:.0f}", f"{100 * row['top1_agreement']:.1f}%",
+            f"{row['mean_kl']:.4f}", f"×{row['perplexity_ratio']:.3f}", f"{row['seconds']:.1f}"]
+
+
+class FidelityTab(QWidget):
+    """The button that measures every setting, its progress, the Pareto plot and the rows."""
+
+    def __init__(self, controller, precisions: tuple[str, ...] = (), parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.controller = controller
+        intro = QLabel(
+            "What each setting costs on this chat: its tokens are read through a full-precision cache that keeps "
+            "everything and through every KV precision × eviction policy (policies keep half the chat), and each "
+            "is scored over the last turn — top-1 agreement (the same most likely next token) and KL divergence per "
+            "token — against the KV bytes it holds per token of the chat. The line joins the settings no other "
+            "beats (the Pareto front); your own setting is ringed.")
+        intro.setWordWrap(True)
+        self.run_button = QPushButton("Measure every precision × policy")
+        self.run_button.clicked.connect(self.run)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.stop_button.clicked.connect(self.stop)
+        self.status = QLabel("")
+        self.status.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(False)
+        self.plot = FidelityPlot(precisions)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self.plot)
+        split.addWidget(self.table)
+        split.setSizes([480, 400])
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(intro)
+        layout.addLayout(buttons)
+        layout.addWidget(split, 1)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.status)
+        if controller is None:
+            self.run_button.setEnabled(False)
+            self.status.setText("Fidelity checks run from the main window.")
+            return
+        controller.rows_changed.connect(self.show_rows)
+        controller.progress_changed.connect(self._on_progress)
+        controller.finished.connect(self._on_finished)
+        if controller.report and controller.report.get("grid"):  # the last grid measured: shown until a new one
+            report = controller.report
+            self.show_rows([report["reference"], report["setting"], *report["grid"]])
+            self.status.setText(f"Measured earlier on this chat in {report['seconds']:.0f} s.")
+
+    def run(self) -> None:
+        self.show_rows([])
+        if self.controller.check(grid=True):
+            self.run_button.setEnabled(False)
+            self.stop_button.setEnabled(True)
+            self.progress.setValue(0)
+            self.status.setText("Running: the reference first…")
+        else:
+            self.status.setText(self.controller.w.memory.fidelity_label.text())
+
+    def stop(self) -> None:
+        self.controller.cancel()
+
+    def show_rows(self, rows: list) -> None:
+        rows = [r for r in rows if r]
+        mine = next((r["label"] for r in rows if r.get("label", "").endswith(LABEL_SUFFIX)), "")
+        self.plot.set_rows(rows, mine)
+        shown = [r for r in rows if r.get("label") != "reference"]
+        self.table.setRowCount(len(shown))
+        for i, row in enumerate(shown):
+            for c, text in enumerate(row_cells(row)):
+                item = QTableWidgetItem(text)
+                if c:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(i, c, item)
+
+    def _on_progress(self, progress: tuple) -> None:
+        fraction, left, doing = progress
+        self.progress.setValue(int(fraction * 1000))
+        eta = f" · about {max(1, round(left))} s left" if left is not None else ""
+        self.status.setText(f"Running: {doing} · {100 * fraction:.0f}%{eta}")
+
+    def _on_finished(self, reason: str, report: Any) -> None:
+        self.run_button.setEnabled(True)
+        self.stop_button.setEnabled(False)
+        n = len(self.controller.rows)
+        if reason == "done":
+            self.progress.setValue(1000)
+            secs = report.get("seconds", 0.0) if report else 0.0
+            self.status.setText(f"Done: {max(0, n - 1)} settings on {report['scored_tokens'] if report else 0} tokens "
+                                f"of the last turn in {secs:.1f} s.")
+        elif reason == "cancelled":
+            self.status.setText(f"Stopped after {max(0, n - 1)} settings.")
+        else:
+            self.status.setText(f"Could not measure: {reason}")
+
+    def disconnect_all(self) -> None:
+        if self.controller is None:
+            return
+        for signal, slot in ((self.controller.rows_changed, self.show_rows),
+                             (self.controller.progress_changed, self._on_progress),
+                             (self.controller.finished, self._on_finished)):
+            try:
+                signal.disconnect(slot)
+            except (RuntimeError, TypeError):
+                pass
