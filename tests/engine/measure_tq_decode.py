@@ -5,10 +5,11 @@ tq3-qjl keys, each ÷ full precision, on the SmolLM2-135M shape at 2,048 tokens 
 and repeat (on this shared 2-core machine at load ~13 that took over 25 minutes for no row); here one chat is
 prefilled once and its precision switched mid-reply (``ChatSession.apply`` quantizes or dequantizes the pages, as in
 the app) between segments of decoding, rounds interleaved: full, int4, tq4, tq3, tq2, tq3-qjl, full, ... Each
-segment's first step (the one after the switch) is not timed. Both reads of tq pages can be compared:
-``KVSCOPE_ROTATED_READS=off`` turns every cached token back instead of turning the query and output.
+segment's first step (the one after the switch) is not timed. ``--both-reads`` adds tq4 and tq3 read in the original
+basis (every cached token turned back, ``KVSCOPE_ROTATED_READS=off``) to the same rounds.
 
-Run: ``python tests/engine/measure_tq_decode.py [--rounds 3] [--tokens 12] [--context 2048] [--json FILE]``.
+Run: ``python tests/engine/measure_tq_decode.py [--rounds 3] [--tokens 12] [--context 2048] [--both-reads]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import time
 
 SETTINGS = (("auto", "auto"), ("int4", "int4"), ("tq4", "tq4"), ("tq3", "tq3"), ("tq2", "tq2"), ("tq3-qjl", "tq3"))
+ORIGINAL = (("tq4", "tq4"), ("tq3", "tq3"))  # --both-reads: these again with every cached token turned back
 
 
 def main(argv: list[str]) -> int:
@@ -36,37 +38,43 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=12)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--json", dest="json_file")
+    p.add_argument("--both-reads", action="store_true", help="also tq4 and tq3 read in the original basis")
     a = p.parse_args(argv)
+    plan = [(k, v, True) for k, v in SETTINGS] + ([(k, v, False) for k, v in ORIGINAL] if a.both_reads else [])
+    a.rotated = runner.ROTATED_READS  # KVSCOPE_ROTATED_READS=off: every tq row reads in the original basis
     torch.set_grad_enabled(False)
     lm = build_shape("smollm2-135m")
     lm.runner.fast = FastStep(lm, mode="off")  # every setting on the eager step (the compiled one takes only full)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, lm.info.vocab_size, (a.context,), generator=g).tolist()
-    n_steps = len(SETTINGS) * a.rounds * (a.tokens + 1) + 4
+    n_steps = len(plan) * a.rounds * (a.tokens + 1) + 4
     s = ChatSession(lm, CacheConfig(page_size=16))
     s.start_ids(prompt, SamplingConfig(max_new_tokens=n_steps, ignore_eos=True))
     s.step()  # the prefill
-    times: dict[str, list[float]] = {f"{k}/{v}": [] for k, v in SETTINGS}
+    times: dict[str, list[float]] = {f"{k}/{v}" + ("" if rot else "/original"): [] for k, v, rot in plan}
     for _ in range(a.rounds):
-        for k, v in SETTINGS:
+        for k, v, rot in plan:
+            runner.ROTATED_READS = rot and a.rotated
             s.apply(CacheConfig(page_size=16, k_dtype=k, v_dtype=v))
             s.step()  # the first step after a switch: not timed
             t0 = time.perf_counter()
             for _ in range(a.tokens):
                 s.step()
-            times[f"{k}/{v}"].append(a.tokens / (time.perf_counter() - t0))
+            times[f"{k}/{v}" + ("" if rot else "/original")].append(a.tokens / (time.perf_counter() - t0))
     s.close()
     full = statistics.median(times["auto/auto"])
-    rows = [{"k_dtype": key.split("/")[0], "v_dtype": key.split("/")[1], "decode_tokens_per_s": round(statistics.median(r), 2),
+    rows = [{"k_dtype": key.split("/")[0], "v_dtype": key.split("/")[1], "reads": "original" if
+             key.endswith("/original") else "rotated", "decode_tokens_per_s": round(statistics.median(r), 2),
              "ratio_to_full": round(statistics.median(r) / full, 3), "rounds": [round(x, 2) for x in r]}
             for key, r in times.items()]
     print(f"SmolLM2-135M shape, context {a.context}, {a.rounds} rounds of {a.tokens} tokens, threads "
-          f"{torch.get_num_threads()}, rotated reads {'on' if runner.ROTATED_READS else 'off'}")
+          f"{torch.get_num_threads()}")
     for r in rows:
-        print(f"  K {r['k_dtype']:8s} V {r['v_dtype']:5s} {r['decode_tokens_per_s']:7.2f} tok/s  ×{r['ratio_to_full']:.3f}")
+        print(f"  K {r['k_dtype']:8s} V {r['v_dtype']:5s} reads {r['reads']:8s} {r['decode_tokens_per_s']:7.2f} tok/s  "
+              f"×{r['ratio_to_full']:.3f}")
     if a.json_file:
         with open(a.json_file, "w") as f:
-            json.dump({"rows": rows, "rotated_reads": runner.ROTATED_READS, "context": a.context}, f, indent=1)
+            json.dump({"rows": rows, "context": a.context}, f, indent=1)
     return 0
 
 

@@ -60,8 +60,9 @@ def token_ids() -> list[int]:
     return [int(t) for t in AutoTokenizer.from_pretrained(STORIES)(DEFAULT_TEXT)["input_ids"]][:TOKENS]
 
 
-def reference_rows(py: Path, ids: list[int], bits=(4, 3, 2), residuals=(16, 128)) -> list[dict]:
-    """The package's rows (one process each: its quantizers are module-level state)."""
+def reference_rows(py: Path, ids: list[int], bits=(4, 3, 2), residuals=(-16, 16, 128)) -> list[dict]:
+    """The package's rows (one process each: its quantizers are module-level state); a residual of -16: our page
+    policy (the page of 16 being filled exact) around its quantizer."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tokens = Path(tmp) / "ids.json"

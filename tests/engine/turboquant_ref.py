@@ -7,7 +7,7 @@ the project's own, by a .pth, so both sides run the same library versions):
 
 Feeds the tokens one at a time through HF's model with (a) ``DynamicCache`` and (b) ``TurboQuantCache(bits)``
 whose layers keep the ``RESIDUAL`` most recent tokens in full precision (the package's default is 128; its class
-takes it as an argument), and writes perplexity and top-1 agreement of (b) against (a) — the rows
+takes it as an argument; a negative RESIDUAL -P: our policy instead, the page of P tokens being filled exact), and writes perplexity and top-1 agreement of (b) against (a) — the rows
 ``python -m engine quality`` writes for ours.
 
 As shipped, 0.2.0 does not run here: its codebook calls ``np.trapz`` (gone in numpy 2) and its cache's ``update``
@@ -56,6 +56,18 @@ def main(model_dir: str, tokens: str, bits: int, residual: int, out: str) -> int
                 self.layers.append(layer(bits=self.bits, residual_len=residual))
             return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
 
+    class PageLayer(layer):
+        """The package's layer with our window: the page being filled (``-RESIDUAL`` tokens a page) stays exact and
+        is quantized whole when its last token is written — the package's quantizer, our policy."""
+
+        def update(self, key_states, value_states, cache_kwargs=None):
+            held = self._residual_keys.shape[-2] if self._residual_keys is not None else 0
+            total = held + key_states.shape[-2]
+            self.residual_len = total % -residual if total >= -residual else 10 ** 9  # whole pages quantized
+            return super().update(key_states, value_states, cache_kwargs)
+
+    if residual < 0:
+        layer = PageLayer
     got = forced_logits(model, ids, Cache(bits=bits))
     target = torch.tensor(ids[1:])
     ref_nll = torch.nn.functional.cross_entropy(ref, target).item()
