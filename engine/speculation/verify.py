@@ -177,6 +177,7 @@ class Speculator:
         self._paused = False  # turned off by the judge, prompt lookup guessing in the shadow (``_shadow``)
         self._pending: tuple[int, list[int]] | None = None  # a shadow guess: (where it starts, its tokens)
         self._guessed: list[int] = []  # the last WINDOW shadow guesses: tokens a verification would have yielded
+        self._told = False  # the reply's notes said why it paused once: a later pause is in ``off_reason`` only
         v = self.verdicts.get(self.cfg.label)
         self._plain_prior = v.plain_ms if v is not None else 0.0
         self.probe = PROBE_STEPS if self.cfg.auto_off and not self._plain_prior else 0
@@ -275,10 +276,15 @@ class Speculator:
         if pays:
             return ""
         self._paused = self.drafter.name == "ngram"  # a draft model's guesses cost a forward: no shadow
-        s.off_reason = (f"speculation off for this reply: {spec:.1f} ms per token against {plain:.1f} ms "
-                        f"decoding plainly ({s.rate():.0%} of draft tokens accepted)")
-        if self._paused:
-            s.off_reason += "; it comes back where the reply repeats what prompt lookup finds"
+        # the last verifications' cost, not the reply's acceptance so far: that changes, and the footer says it
+        # at the end (a note of "0% accepted" at an early pause stood under a footer of 86%)
+        took = (f"its last {len(self._recent)} verifications took {spec:.1f} ms per token against {plain:.1f} ms "
+                "decoding plainly")
+        s.off_reason = (f"speculation off for now: {took}; prompt lookup goes on guessing, and it comes back where "
+                        "the reply repeats" if self._paused else f"speculation off for this reply: {took}")
+        if self._told:  # paused again after it came back: said once a reply (four notes in one reply before)
+            return ""
+        self._told = True
         return s.off_reason
 
     def close(self) -> None:

@@ -270,6 +270,9 @@ def test_a_reply_after_a_verdict_of_slower_still_speculates_and_judges_at_once()
         sp.record_plain(1.0)
     notes = [sp.record_verify(4, 0, 1, 10.0) for _ in range(2)]
     assert "speculation off" in notes[1] and not sp.active and not verdicts["ngram"].pays
+    assert "% " not in notes[1]  # the verifications' cost, not an acceptance the reply's footer will contradict
+    sp.stats.off_reason, sp._paused = "", False  # back on (prompt lookup found a repeat), then slower again:
+    assert [sp.record_verify(4, 0, 1, 10.0) for _ in range(2)] == ["", ""] and not sp.active  # said once a reply
     other = Speculator(SpecConfig(method="ngram"), NgramDrafter(), verdicts)  # another chat of the model
     assert other.new_reply() == "" and other.active and other.probe == 0  # no probe: 1 ms per plain step known
     other.record_verify(4, 4, 5, 2.0)
