@@ -90,9 +90,9 @@ def test_nothing_evicted_gives_hf_greedy_tokens(stories, mode):
     ids = stories.tokenizer("Once upon a time, there was a little girl named Lily.")["input_ids"]
     x = torch.tensor([ids])
     with torch.inference_mode():
-        hf = stories.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=300, do_sample=False,
+        hf = stories.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=160, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    s, r, _, _ = _run(stories, CacheConfig(mode=mode, policy="expected", policy_params={"budget": 500}), ids, 300)
+    s, r, _, _ = _run(stories, CacheConfig(mode=mode, policy="expected", policy_params={"budget": 500}), ids, 160)
     assert s.generated_ids == hf and s.evicted_total == 0
     s.close()
 
