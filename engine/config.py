@@ -74,7 +74,7 @@ class CacheConfig:
     prefix_reuse  keep the cache across turns and prefill only what changed
     k_dtype / v_dtype  auto (the model's compute dtype) | int8 | int4 | tq4 | tq3 | tq2; keys also tq4-qjl | tq3-qjl |
                 tq2-qjl (the tq kind of as many bits, one of them a QJL sign of the residual)
-    policy      eviction policy name from ``engine.policies`` ("none", "streaming", "h2o", "priority")
+    policy      eviction policy name from ``engine.policies`` ("none", "streaming", "h2o", "expected", "priority")
     policy_params  keyword arguments for the policy's ``Params`` dataclass
     overflow    what happens when the context or budget is full: stop | truncate_middle | rolling | policy
     max_pages   cap on the page pool (None: grow as needed up to the model's context)
