@@ -53,16 +53,18 @@ KV_DTYPES = {
                       "TurboQuant: turns each key or value by a random rotation, then keeps "
                       f"{b} bits a number from a codebook made for rotated vectors, and the vector's length; the "
                       "page being filled stays exact.\n"
-                      f"Memory: {ratio} of 16-bit at head size 64 (int4: 0.34).  Speed: about as int4.\n"
+                      f"Memory: {ratio} of 16-bit at head size 64 (int4: 0.34).  Speed: slower than int4 (each "
+                      "code is looked up in a table).\n"
                       f"Quality: {quality}")
        for b, ratio, quality in (
-           (4, "0.27", "near int4 on values; keys lose more than int4's on small heads (stories260K's 8)."),
-           (3, "0.20", "visible drift; on small heads keys go astray: keep keys at int4 or tq4 there."),
+           (4, "0.27", "values near-exact; keys lose more than int4's on small heads (stories260K's 8)."),
+           (3, "0.20", "values close (4-bit keys with these values: near-exact on stories260K at 0.2 of "
+                       "float32); keys drift on small heads."),
            (2, "0.14", "coarse: for values, or to see what low bits cost."))},
     **{f"tq{b}-qjl": Term(f"{b}-bit rotated + QJL", f"{b}-bit rotated + QJL",
                           f"Keys only: {b - 1} bits of codebook and a 1-bit sign of what they missed (QJL, "
                           "TurboQuant's inner-product form), so query·key is right on average.\n"
-                          f"Memory: as tq{b} plus one number a vector.  Speed: about as int4.\n"
+                          f"Memory: as tq{b} plus one number a vector.  Speed: slower than int4.\n"
                           "Quality: unbiased but noisier than tq at the same bits: attention's softmax "
                           "amplifies the noise.")
        for b in (4, 3, 2)},
