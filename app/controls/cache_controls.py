@@ -211,6 +211,7 @@ class CacheControls(DebouncedForm, QWidget):
                          "overflow": self.overflow}
         self._wanted: dict[str, Any] = {}
         self._kept_params: tuple[str, dict] = ("none", {})  # the policy _fit turned off, with its parameters
+        self._chat = (0, 0)  # the chat on screen's tokens and the model's context (``set_chat_length``)
 
         self._lay_out()
         self.refresh_policies()
@@ -303,12 +304,22 @@ class CacheControls(DebouncedForm, QWidget):
     def show_notes(self, notes: list[str]) -> None:
         self.notes.setText("\n".join(f"• {n}" for n in notes))
 
+    def set_chat_length(self, tokens: int, context: int) -> None:
+        """The chat on screen's tokens (every one so far) and the model's context: with the cache off each step
+        reads the whole chat, which a chat as long as the context cannot be (the engine refuses it)."""
+        if (tokens, context) != self._chat:
+            self._chat = (tokens, context)
+            self._sync_enabled()
+
     def _sync_enabled(self) -> None:
         """Grey out what cannot apply with the rest as shown, the reason first in its tooltip (``glossary.NEEDS``):
         nothing the engine would refuse can be chosen."""
         mode = self.mode.currentData()
         cfg = self.config()
         cached = mode != "off"
+        tokens, ctx = self._chat
+        long = cached and 0 < ctx <= tokens  # the engine's refusal: cache off takes no chat as long as the context
+        offer(self.mode, {self.mode.findData("off"): glossary.off_too_long(tokens, ctx)} if long else {})
         _enable(self.page_size, mode == "paged", glossary.NEEDS["pages"], CONTROLS["page_size"].tip)
         _enable(self.prefix_reuse, cached, glossary.NEEDS["cache"], CONTROLS["prefix_reuse"].tip)
         self.params.setEnabled(cached)

@@ -172,6 +172,13 @@ CONTROLS = {  # the other controls, by CacheConfig / SamplingConfig field name
 
 # Why a choice is greyed out: the tooltip's first line, in the controls' names. Keyed by ``engine.config.Need``
 # (what a value needs from the rest of the settings), plus "pages" for the page size.
+def off_too_long(tokens: int, context: int) -> str:
+    """Why "cache off" cannot take the chat on screen (the engine's refusal, in the controls' words)."""
+    return (f"This chat ({tokens:,} tokens) is as long as the model's context ({context:,}) or longer: with "
+            f"\"{MODES['off'].name.split(' (')[0]}\" every step reads the whole chat, which the model cannot. Start a "
+            "new chat to compare without a cache.")
+
+
 NEEDS = {
     "cache": (f"Needs a cache: choose \"{MODES['contiguous'].name}\" or \"{MODES['paged'].name}\" under "
               f"{CONTROLS['mode'].name} (with \"{MODES['off'].name.split(' (')[0]}\" nothing is kept, so there is "

@@ -73,6 +73,7 @@ class ReplyReadouts(QObject):
             self.w.status.show_context(min(chat, total) if total else chat, total, self.w.cache.applied.overflow,
                                        chat)
             self.w.conversation.check.chat_tokens = chat
+            self.w.controls.set_chat_length(chat, total)
 
     def on_snapshot(self, snap: CacheSnapshot) -> None:
         """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
@@ -90,6 +91,7 @@ class ReplyReadouts(QObject):
         if self.unshown is not None and under(snap, self.unshown):
             self.show_setting()
         self.w.status.show_context(used, snap.context_length, self.w.cache.applied.overflow, chat)
+        self.w.controls.set_chat_length(chat, snap.context_length)
         if not self.w.generation_id:
             self.w.conversation.check.chat_tokens = used
         if self.w.generation_id and snap.decode_tokens_per_s:

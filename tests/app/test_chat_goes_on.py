@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from app_helpers import close_window, open_window, wait_reply
 
+from app.controls.cache_controls import TOOLTIP_ROLE
 from engine.config import SamplingConfig
 
 MESSAGES = ("Once upon a time there was a little dog.", "What did the dog do next?",
@@ -42,6 +43,12 @@ def test_five_messages_at_default_settings_are_all_answered(qtbot, data_dir, sto
         assert "dropped)" in w.status.context.text()
         notes = " ".join(b.notes_label.text() for b in replies)
         assert "smaller than the protected prompt" not in notes and "overflow setting" not in notes
+        # a chat past the context cannot go on with the cache off (every step would read all of it): not offered
+        c = w.controls
+        off = c.mode.model().item(c.mode.findData("off"))
+        assert not off.isEnabled() and c.mode.itemData(c.mode.findData("off"), TOOLTIP_ROLE).startswith("This chat (")
+        w.new_chat()
+        qtbot.waitUntil(lambda: off.isEnabled(), timeout=10_000)  # an empty chat can
     finally:
         close_window(w)
 
