@@ -136,7 +136,8 @@ def test_swap_out_and_back_gives_identical_tokens(stories, cache):
         assert (swapped.page_state == snap.PAGE_OFFLOADED).sum() == swapped.pages_used_per_layer[0] > 0
 
 
-@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4", "int4"), ("int8", "auto"), ("auto", "int4")])
+@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4", "int4"), ("int8", "auto"), ("auto", "int4"),
+                                 ("tq3-qjl", "tq2")])
 def test_swap_keeps_quantized_pages_as_held(stories, k, v):
     """A quantized chat swaps out at its quantized size (codes + scales + the full-precision tail page, the
     bytes its snapshot showed) and comes back bit for bit, not re-quantized from a dequantized copy."""
