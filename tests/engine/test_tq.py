@@ -181,3 +181,14 @@ def test_values_refuse_the_qjl_kinds_in_one_line():
     with pytest.raises(ValueError, match="'tq3-qjl' is for keys only"):
         CacheConfig(v_dtype="tq3-qjl")
     assert CacheConfig(k_dtype="tq3-qjl", v_dtype="tq3").k_dtype == "tq3-qjl"
+
+
+def test_quality_has_a_row_for_every_precision():
+    """``python -m engine quality`` scores every K/V precision, the rotated ones and QJL keys included."""
+    from engine.config import KV_DTYPES
+    from engine.tools.quality import default_settings
+
+    settings = default_settings(511, 512)
+    kinds = {s.k_dtype for s in settings} | {s.v_dtype for s in settings}
+    assert set(KV_DTYPES) | {"tq3-qjl"} <= kinds
+    assert all(any(s.k_dtype == s.v_dtype == k and s.policy == "none" for s in settings) for k in KV_DTYPES[1:])
