@@ -38,6 +38,7 @@ class _Turbo(Scheme):
         self._mats: dict[tuple, tuple[Tensor, Tensor | None]] = {}
         self._maps: dict[tuple, Tensor] = {}
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._pairs: dict[torch.device, Tensor | None] = {}  # two bytes of codes → their levels (4 and 2 bits)
 
     @property
     def width(self) -> int:
@@ -85,7 +86,10 @@ class _Turbo(Scheme):
         h, d = out.shape[0], self.head_dim
         c = self._table(q.codes.device)[0]
         out4 = out.view(h, -1, self.page_size, out.shape[-1])  # [H, N, P, width]
-        vals = turbo.levels(q.codes, d, self.bits, c)  # [H, N, P, D] float32 levels
+        dev = q.codes.device
+        if dev not in self._pairs:
+            self._pairs[dev] = turbo.pair_table(c, self.bits)
+        vals = turbo.levels(q.codes, d, self.bits, c, self._pairs[dev])  # [H, N, P, D] float32 levels
         if self.qjl:
             out4[..., :d].copy_(vals.mul_(q.norm.float()))
             out4[..., d:].copy_(turbo.qjl_signs(q))
