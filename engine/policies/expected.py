@@ -29,9 +29,9 @@ after which this policy evicts):
 Where kvpress's press differs: it compresses once, after the prefill, by a ratio, per KV head; this policy
 evicts during the whole chat (prefill and reply) to a budget, per layer, from the recent queries' statistics
 (kvpress: the whole prompt's), and also keeps the protected prompt (system + first message) and a recent
-window until nothing else is left. Tokens cached before the policy was switched on have no score until the
-next eviction's forward scores them (the first eviction after a mid-chat switch takes the oldest and says so).
-Original positions are kept (no re-rotation), as H2O keeps them.
+window until nothing else is left. Switched on mid-chat from another setting it has seen no queries: its first
+eviction takes the oldest and says so; its budget lowered mid-chat, it scores the held keys at once from the queries
+it saw. Original positions are kept (no re-rotation), as H2O keeps them.
 """
 
 from __future__ import annotations
