@@ -43,7 +43,7 @@ def _like_the_parent(model, job: dict) -> None:
     if job.get("attn") == DISPATCH_IMPL:
         use_attention(model, DISPATCH_IMPL)
     if job.get("prepack"):
-        restructure(model, Plan(tuple(tuple(g) for g in job["prepack"])), packed=False)
+        restructure(model, Plan.from_json(job["prepack"]), packed=False)
 
 
 def _build(build: Path) -> None:

@@ -1,25 +1,29 @@
-"""Linear weights pre-packed for the CPU kernel that reads them fastest, and sibling projections merged.
+"""Linear weights held in the layout the CPU kernel that reads them fastest wants, and sibling projections merged.
 
 Why: a decode step is bound by reading the weights once (SmolLM2-135M in float32: 425 MB a token). MKL's
-matrix-vector product on plain row-major weights streams them at ~15 GB/s on one core here (bf16 ~11), where
-the core streams 34 GB/s; oneDNN on weights reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what vLLM's CPU backend uses) reads them
-faster, and several rows at once (a batched decode, a verification) at little more than one row's cost.
-Siblings fed the same input (q/k/v, gate/up) become one matrix: one call, one pass over the input.
+matrix-vector product on plain row-major weights streams them at ~10 GB/s on one core here, where a ``sum`` over
+the same bytes streams ~20 and llama.cpp's dot products ~15. Two layouts read faster
+(``engine.model.packed_linear``): oneDNN's blocked layout (what vLLM's CPU backend uses; the fastest for several
+rows at once, and for bfloat16) and, for a float32 chat's one-row steps, sixteen outputs side by side
+(``blocked``). Only one copy of a weight exists, so the layout is chosen per model at load for its workload:
+a chat (the app, ``generate``, ``bench``) decodes one row at a time -> ``blocked`` for float32, ``onednn`` for
+bfloat16; a server (``engine serve``, ``set_workload("server")``) decodes batches -> ``onednn``.
+``KVSCOPE_PREPACK_KIND=onednn|blocked`` forces one. Siblings fed the same input (q/k/v, gate/up) become one matrix:
+one call, one pass over the input.
 
-What changes in the model: each chosen ``nn.Linear`` is replaced by ``PackedLinear`` (a merged group's first
-member holds the group's weight, the others ``MergedPart``, taking their columns of the group's output). The
-weight's storage is replaced, never duplicated: the packed tensor is the module's ``weight`` parameter, the
-plain one is freed (RSS measured the same). Only on CPU, float32 / bfloat16 weights of at least ``MIN_ELEMENTS``
-(smaller ones run faster unpacked: the call costs more than the bytes), plain ``nn.Linear`` (bitsandbytes and
-other subclasses untouched), never a weight tied to the embedding (the embedding reads its rows).
+What changes in the model: each chosen ``nn.Linear`` is replaced by a ``PackedLinear`` (a merged group's first
+member holds the group's weight, the others are ``MergedPart``). The weight's storage is replaced, never
+duplicated (RSS measured the same). Only on CPU, float32 / bfloat16 weights of at least ``MIN_ELEMENTS``
+(smaller ones run faster as they are: the call costs more than the bytes), plain ``nn.Linear`` that the probe
+forward called (bitsandbytes and other subclasses untouched; a linear never called may have its weight read by
+the model itself), never a weight tied to the embedding (the embedding reads its rows).
 
-Exactness: oneDNN sums in another order than MKL: float32 outputs differ in the last bits (measured within
-3e-5 on SmolLM2's projections); greedy ids stay HF's (tested on stories260K against an unpacked HF model).
+Exactness: the kernels sum in another order than MKL: float32 outputs differ in the last bits; greedy ids stay
+HF's (tested on stories260K against an unpacked HF model).
 
 ``KVSCOPE_PREPACK`` (``auto`` default, ``off``, ``on``: every eligible linear whatever its size, for tests).
-The compiled step's child builds the same structure with plain weights (``restructure(..., packed=False)``):
-``_linear_pointwise`` takes either, so the package's graph calls oneDNN and the parent hands it the packed ones.
+The compiled step's child builds the same structure with throwaway weights (``restructure(..., packed=False)``),
+so the package's graph calls the same kernels and the parent hands it its own weights.
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.model.packed_linear import BLOCK, MergedPart, PackedLinear, block
+
 MODES = ("auto", "on", "off")
+KINDS = ("onednn", "blocked")
+WORKLOADS = ("chat", "server")
+_workload = "chat"
 DTYPES = (torch.float32, torch.bfloat16)
 MIN_ELEMENTS = 1 << 16  # below this (stories260K's 64x64) a oneDNN call costs more than MKL's: measured 3-6x
 
@@ -45,61 +54,19 @@ def env_mode() -> str:
     return "auto"
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # [..., out]
+def set_workload(workload: str) -> None:
+    """What the models loaded from now on mostly run: ``chat`` (one row a step) or ``server`` (batches)."""
+    global _workload
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r} is not one of {', '.join(WORKLOADS)}")
+    _workload = workload
 
 
-class PackedLinear(nn.Module):
-    """``y = x Wᵀ + b`` by oneDNN over ``weight`` [out, in], packed (or plain, in the compiled step's child);
-    a merged group's owner when ``splits`` has several widths (``part``)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, splits: tuple[int, ...]) -> None:
-        super().__init__()
-        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.splits = splits
-        self.offsets = tuple(sum(splits[:i]) for i in range(len(splits) + 1))
-        self._held = threading.local()  # the group's last input and output while members still take their part
-
-    def extra_repr(self) -> str:
-        kind = "packed" if self.weight.is_mkldnn else "plain"
-        return f"in={self.in_features}, out={self.splits}, {kind}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.part(0, x)
-
-    def part(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Member ``j``'s columns of the group's output for ``x``: computed once for all members fed the same
-        tensor (the first asks, the others take their slice); a member asking again, or with another input,
-        computes afresh (exact either way)."""
-        if len(self.splits) == 1:
-            return _linear(x, self.weight, self.bias)
-        held = getattr(self._held, "v", None)
-        if held is None or held[0] is not x or j in held[2]:
-            held = (x, _linear(x, self.weight, self.bias), set())  # [..., sum(splits)]
-            self._held.v = held
-        held[2].add(j)
-        if len(held[2]) == len(self.splits):
-            self._held.v = None  # all taken: hold nothing between forwards
-        return held[1][..., self.offsets[j]:self.offsets[j + 1]]  # [..., splits[j]] (a view)
-
-
-class MergedPart(nn.Module):
-    """A merged group's other member (k_proj of q/k/v): its columns of the owner's output. The owner is
-    referenced, not registered, so the group's weight appears once among the model's parameters."""
-
-    def __init__(self, owner: PackedLinear, j: int) -> None:
-        super().__init__()
-        object.__setattr__(self, "owner", owner)
-        self.j = j
-        self.in_features, self.out_features = owner.in_features, owner.splits[j]
-
-    def extra_repr(self) -> str:
-        return f"part {self.j} of a merged linear"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.owner.part(self.j, x)
+def kind_for(dtype: torch.dtype, out_features: int) -> str:
+    """The layout for a weight of ``dtype`` with ``out_features`` rows, for this process's workload."""
+    forced = os.environ.get("KVSCOPE_PREPACK_KIND", "").strip().lower()
+    kind = forced if forced in KINDS else "blocked" if dtype == torch.float32 and _workload == "chat" else "onednn"
+    return kind if kind == "onednn" or out_features % BLOCK == 0 else "onednn"
 
 
 @dataclass(frozen=True)
@@ -107,9 +74,17 @@ class Plan:
     """Which linears to pack: groups of sibling module names (one name: packed alone), in module order."""
 
     groups: tuple[tuple[str, ...], ...]
+    kinds: tuple[str, ...] = ()  # each group's layout (``engine.model.packed_linear``); empty: all onednn
 
-    def to_json(self) -> list[list[str]]:
-        return [list(g) for g in self.groups]
+    def kind(self, i: int) -> str:
+        return self.kinds[i] if self.kinds else "onednn"
+
+    def to_json(self) -> list:
+        return [[self.kind(i), list(g)] for i, g in enumerate(self.groups)]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Plan":
+        return cls(tuple(tuple(g) for _, g in data), tuple(k for k, _ in data))
 
     @property
     def merged(self) -> int:
@@ -165,18 +140,17 @@ def plan(model, fed: dict[str, list], mode: str) -> Plan:
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         key = (parent, mod.weight.dtype, mod.in_features, mod.bias is not None, tuple(id(t) for t in calls))
         by_key.setdefault(key, []).append(name)
-    groups = []
-    for names in by_key.values():
-        groups.append(tuple(names))
     order = {n: i for i, n in enumerate(mods)}
-    return Plan(tuple(sorted(groups, key=lambda g: order[g[0]])))
+    groups = sorted((tuple(names) for names in by_key.values()), key=lambda g: order[g[0]])
+    kinds = [kind_for(mods[g[0]].weight.dtype, sum(mods[n].out_features for n in g)) for g in groups]
+    return Plan(tuple(groups), tuple(kinds))
 
 
 def restructure(model, p: Plan, packed: bool = True) -> None:
     """Replace the plan's linears in ``model`` (one group at a time: the plain weights are freed as it goes, so
     memory never holds two copies of more than one group). ``packed`` False keeps plain weights (the compiled
-    step's child: same structure and parameter names, its own throwaway weights)."""
-    for names in p.groups:
+    step's child: same structure and parameter names, its own throwaway weights, blocked where the plan says)."""
+    for i, names in enumerate(p.groups):
         mods = [model.get_submodule(n) for n in names]
         with torch.no_grad():
             w = mods[0].weight.detach() if len(mods) == 1 else torch.cat([m.weight.detach() for m in mods])
@@ -186,9 +160,12 @@ def restructure(model, p: Plan, packed: bool = True) -> None:
         splits = tuple(m.out_features for m in mods)
         for m in mods:  # drop the plain weights before packing: the merged copy is then the only one
             m.weight = None
-        if packed:
+        kind, n_in = p.kind(i), int(w.shape[1])
+        if kind == "blocked":
+            w = block(w)  # [out/16, in, 16]
+        elif packed:
             w = torch.ops.mkldnn._reorder_linear_weight(w, None)  # [out, in] in oneDNN's blocked layout
-        owner = PackedLinear(w, b, splits)
+        owner = PackedLinear(w, b, splits, kind, n_in)
         del w
         _put(model, names[0], owner)
         for j, n in enumerate(names[1:], start=1):
@@ -202,9 +179,10 @@ def _own_the_rest(model) -> None:
     """Copy the tensors left as loaded (embedding, norms) into memory of their own: the loader maps the weights
     file, and while any tensor still points into that mapping, the pages the packed linears were read from stay
     resident (RSS: SmolLM2-shape 1,209 MB packed vs 763 MB plain before this; after it, 763 MB)."""
+    ours = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear)}  # new tensors already
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            if t.device.type == "cpu" and not t.is_mkldnn:
+            if t.device.type == "cpu" and not t.is_mkldnn and id(t) not in ours:
                 t.data = t.data.clone()
 
 
@@ -241,6 +219,13 @@ def apply(model, fed: dict[str, list], device_type: str, quantization: str, mode
         return ""
     restructure(model, p)
     _trim()
-    n = sum(len(g) for g in p.groups)
+    return describe(p)
+
+
+def describe(p: Plan) -> str:
+    """The model card's line: how many linears in which layout, how many merged groups."""
+    count = {k: sum(len(g) for i, g in enumerate(p.groups) if p.kind(i) == k) for k in KINDS}
+    held = " · ".join(f"{n} {'blocked for one-row steps' if k == 'blocked' else 'oneDNN-packed'}"
+                      for k, n in count.items() if n)
     merged = f", {p.merged} merged groups (q/k/v, gate/up)" if p.merged else ""
-    return f"packed for oneDNN: {n} linear{'s' if n != 1 else ''}{merged}"
+    return f"{held}{merged}"

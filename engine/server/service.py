@@ -258,6 +258,9 @@ def serve(a, cache: CacheConfig, spec) -> int:
     sock = listen_socket(a.host, a.port)  # a busy port is told before the model loads
     from engine.model.hf_load import print_notes
     from engine.model.loader import load_model
+    from engine.model.prepack import set_workload
+
+    set_workload("server")  # batches: float32 linears oneDNN-packed, not blocked for one-row steps
 
     lm = load_model(spec, print_notes)  # a GGUF's dequantization and its memory said before the weights load
     server_threads(lm)

@@ -1,6 +1,7 @@
-"""Linear weights packed for oneDNN (``engine.model.prepack``) and bf16 decode attention in float32
-(``engine.kv.store.attention.sdpa``): HF's greedy tokens of the unpacked model, one copy of the weights, the packed
-kernel actually taken on the eager, batched and compiled paths; what auto leaves alone."""
+"""Linear weights held for the CPU kernels that read them fastest (``engine.model.prepack``: oneDNN-packed or
+blocked) and bf16 decode attention in float32 (``engine.kv.store.attention.sdpa``): HF's greedy tokens of the
+unpacked model, one copy of the weights, the kernels actually taken on the eager, batched and compiled paths; the
+layout each workload gets; what auto leaves alone."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.core.session import ChatSession
 from engine.model import prepack
 from engine.model.loader import load_model
+from engine.model.packed_linear import MergedPart, PackedLinear
 
 N = 300
-OP = "mkldnn::_linear_pointwise"
+OPS = ("mkldnn::_linear_pointwise", "aten::bmm")  # oneDNN-packed, blocked
 
 
 @pytest.fixture(scope="module")
 def packed(stories_path):
-    """stories260K with every linear packed (``on``: its 64-wide ones are below what auto packs)."""
+    """stories260K with every linear packed (``on``: its 64-wide ones are below what auto packs), as a chat's
+    float32 model: blocked where the width allows (q/k/v 128, o 64, down 64), oneDNN for gate/up (2 x 172)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("KVSCOPE_PREPACK", "on")
     try:
@@ -50,19 +53,21 @@ def greedy(lm, ids: list[int], n: int, cache: CacheConfig) -> list[int]:
     return s.generated_ids
 
 
-def pointwise_calls(fn) -> int:
+def kernel_calls(fn) -> dict[str, int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == OP)
+    return {e.key: e.count for e in prof.key_averages() if e.key in OPS}
 
 
 def test_the_reference_is_not_packed_and_the_packed_model_says_so(stories, packed):
     assert stories.info.weights_kernel == ""  # auto: stories260K's linears are all under MIN_ELEMENTS
-    assert packed.info.weights_kernel == "packed for oneDNN: 35 linears, 10 merged groups (q/k/v, gate/up)"
+    assert packed.info.weights_kernel == ("10 oneDNN-packed · 25 blocked for one-row steps, "
+                                          "10 merged groups (q/k/v, gate/up)")
     attn, mlp = packed.model.model.layers[0].self_attn, packed.model.model.layers[0].mlp
-    assert isinstance(attn.q_proj, prepack.PackedLinear) and attn.q_proj.splits == (64, 32, 32)
-    assert isinstance(attn.k_proj, prepack.MergedPart) and isinstance(mlp.up_proj, prepack.MergedPart)
-    assert attn.q_proj.weight.is_mkldnn and mlp.down_proj.weight.is_mkldnn
+    assert isinstance(attn.q_proj, PackedLinear) and attn.q_proj.splits == (64, 32, 32)
+    assert isinstance(attn.k_proj, MergedPart) and isinstance(mlp.up_proj, MergedPart)
+    assert attn.q_proj.kind == "blocked" and attn.q_proj.weight.shape == (128 // 16, 64, 16)
+    assert mlp.gate_proj.kind == "onednn" and mlp.gate_proj.weight.is_mkldnn  # 344 is no multiple of 16
 
 
 def test_packed_greedy_is_hf_greedy_of_the_unpacked_model(stories, packed, prompt):
@@ -97,9 +102,10 @@ def test_every_layer_runs_its_projections_through_the_packed_kernel(packed, prom
     s = ChatSession(packed, CacheConfig(mode="paged", page_size=16))
     s.start_ids(prompt, SamplingConfig(max_new_tokens=3, ignore_eos=True))
     s.step()  # prefill
-    calls = pointwise_calls(s.step)  # one decode step, eager
+    calls = kernel_calls(s.step)  # one decode step, eager
     s.close()
-    assert calls == 5 * 4  # 5 layers: q/k/v merged, o, gate/up merged, down (the tied lm_head stays the embedding's)
+    # 5 layers: q/k/v merged, o and down blocked; gate/up merged, oneDNN (the tied lm_head stays the embedding's)
+    assert calls == {"aten::bmm": 5 * 3, "mkldnn::_linear_pointwise": 5}
 
 
 def test_one_copy_of_the_weights(stories, packed):
@@ -169,10 +175,37 @@ def test_auto_leaves_small_quantized_uncalled_and_switched_off_linears_alone(mon
     assert prepack.apply(big, seen, "cuda", "none") == "" and type(big[0]) is nn.Linear
     assert prepack.apply(big, seen, "cpu", "none", mode="off") == "plain (KVSCOPE_PREPACK=off)"
     assert type(big[0]) is nn.Linear
-    assert prepack.apply(big, seen, "cpu", "none") == "packed for oneDNN: 1 linear"
-    assert isinstance(big[0], prepack.PackedLinear) and prepack.plan_of(big).groups == (("0",),)
+    assert prepack.apply(big, seen, "cpu", "none") == "1 blocked for one-row steps"
+    assert isinstance(big[0], PackedLinear) and prepack.plan_of(big).groups == (("0",),)
     monkeypatch.setenv("KVSCOPE_PREPACK", "sometimes")
     assert prepack.env_mode() == "auto"
+
+
+def test_each_workload_gets_the_layout_its_rows_read_fastest(monkeypatch):
+    monkeypatch.delenv("KVSCOPE_PREPACK_KIND", raising=False)
+    assert prepack.kind_for(torch.float32, 960) == "blocked"  # a chat's one-row steps
+    assert prepack.kind_for(torch.float32, 344) == "onednn"  # no multiple of 16
+    assert prepack.kind_for(torch.bfloat16, 960) == "onednn"
+    monkeypatch.setattr(prepack, "_workload", "chat")
+    prepack.set_workload("server")  # engine serve: batches
+    assert prepack.kind_for(torch.float32, 960) == "onednn"
+    monkeypatch.setenv("KVSCOPE_PREPACK_KIND", "blocked")
+    assert prepack.kind_for(torch.float32, 960) == "blocked" and prepack.kind_for(torch.bfloat16, 960) == "blocked"
+    with pytest.raises(ValueError, match="workload 'gpu' is not one of chat, server"):
+        prepack.set_workload("gpu")
+
+
+def test_blocked_products_at_every_row_count_match_plain_ones():
+    from engine.model.packed_linear import BLOCKED_MAX_ROWS, block, unblock
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 80), torch.randn(96)
+    wb = block(w)
+    assert torch.equal(unblock(wb), w)
+    lin = PackedLinear(wb, b, (96,), "blocked", 80)
+    for rows in (1, 3, BLOCKED_MAX_ROWS, BLOCKED_MAX_ROWS + 1, 200):  # bmm up to 64 rows, oneDNN on the plain beyond
+        x = torch.randn(2, rows, 80)
+        assert (lin(x) - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-4
 
 
 def test_bf16_attention_of_few_queries_runs_in_float32():
@@ -214,15 +247,16 @@ def test_the_compiled_step_calls_onednn_on_the_packed_weights_and_stays_exact(st
     assert paths[1:] == ["compiled"] * (len(paths) - 1)
     assert s.generated_ids == hf_greedy(stories, prompt, 100)
     s.close()
-    assert package_linear_calls(packed.fast.package) == 5 * 4  # the package's own calls, on the packed weights
+    assert package_linear_calls(packed.fast.package) == (5 * 3, 5)  # the package's own calls, on our weights
 
 
-def package_linear_calls(path) -> int:
-    """oneDNN linear calls in a compiled step's C++ (the profiler does not see inside the package)."""
+def package_linear_calls(path) -> tuple[int, int]:
+    """(batched products, oneDNN linear calls) in a compiled step's C++ (the profiler does not see inside it)."""
     import re
     import zipfile
 
     with zipfile.ZipFile(path) as z:
         code = "".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith("wrapper.cpp"))
-    return len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code))
+    return (len(re.findall(r"aoti_torch_cpu_bmm_out\(", code)),
+            len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code)))
     packed.runner.fast = FastStep(packed, mode="off")
