@@ -169,6 +169,7 @@ class PrefixReuse:
         self.chain, disk = [], (0, 0.0, (), -1)
         extend_chain(self.chain, ids, P, limit, self.root)
         full = cached_run(store.full.arena.pool, self.chain, 0) if store.full is not None else [None] * limit
+        in_memory = len(full)
         if store.full is not None and self.disk is not None and len(full) < limit:  # then from disk
             disk = self._from_disk(store.full, 0, full)
             full = cached_run(store.full.arena.pool, self.chain, 0)
@@ -178,12 +179,12 @@ class PrefixReuse:
         why = ("" if j == len(full) else "state" if store.windows_available(self.chain, len(full)) else "window")
         if j * P <= keep:
             self.truncate(keep)
-            return keep, 0, disk, (len(full) * P, why)
+            return keep, 0, _disk_used(disk, in_memory, 0, 0, P), (len(full) * P, why)
         self.truncate(0)
         store.take_prefix(self.chain, j, full, self.shelf, owner)
         self.index.append(j * P)
         self.evictor.scores.grow(j * P)
-        return keep, j * P - keep, disk, (len(full) * P, why)
+        return keep, j * P - keep, _disk_used(disk, in_memory, j, keep, P), (len(full) * P, why)
 
     def _grouped_at(self, store, j: int) -> bool:
         """``store.available`` at ``j`` full pages, after taking from the disk tier what memory lacks there: the
@@ -276,3 +277,12 @@ class PrefixReuse:
         if counts["dropped_files"] + counts["missing_files"] > lost:  # the page after the run: missing or damaged
             miss = (base + len(after)) * store.page_size
         return tokens, ms, tuple(after[len(run):]), miss
+
+
+def _disk_used(disk: tuple, first: int, j: int, keep: int, P: int) -> tuple:
+    """The disk tier's part of a reuse as far as it was taken: of the pages restored from page ``first`` on, those
+    before ``j`` and past the ``keep`` tokens kept (the rest stay cached for later; the turn did not read them)."""
+    tokens, ms, pages, miss = disk
+    end = min(j, first + len(pages))
+    used = max(0, end * P - max(first * P, keep))
+    return used, ms, tuple(pages[:max(0, end - first)]), miss

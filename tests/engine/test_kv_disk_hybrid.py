@@ -61,6 +61,8 @@ def test_restart_takes_pages_windows_and_states_from_disk(model, tmp_path):
         # prompt's last whole page before its last token (36) only
         stateful = name != "gemma3_text"
         assert stats.reused_tokens == (36 if stateful else 40)
+        # read from disk: what the turn took of it (page 9's file was read too, and stays cached for later)
+        assert stats.disk_restored_tokens == stats.shared_tokens == stats.reused_tokens
         assert tier.stats()["hit_tokens"] >= 40
         first = last.cache.misses[0]
         assert (first.start, first.reason) == ((36, MissReason.STATE) if stateful else (40, MissReason.NEW))
