@@ -21,11 +21,13 @@ class HistoryNotices:
         self._chat_id = chat_id
         self._closed = closed
         self.notice = ""  # the notice shown about a standing history problem
+        self.about_file = ""  # the last notice about the history file (standing or over: a damaged file set aside)
         history.on_change = self.changed
 
     def clear_notice(self) -> None:
-        """Close the notice, unless it is about a history problem that still stands."""
-        if not (self.history.problem and self.pane.notice.text == self.notice):
+        """Close the notice when another chat comes on screen, unless it is about the history file rather than the
+        chat left behind (a problem that stands, or one met at start and recovered from: said until closed)."""
+        if not (self.pane.notice.text and self.pane.notice.text == self.about_file):
             self.pane.notice.clear()
 
     def changed(self) -> None:
@@ -37,10 +39,12 @@ class HistoryNotices:
         if problems:
             text = "\n".join(n.message for n in problems)
             self.notice = text if self.history.problem else ""
+            self.about_file = text
             kind = "".join(w.title() for w in problems[-1].kind.split("_"))
             self._fail(Failure(0, "history", text, f"History{kind}"))
         elif notices and self.notice and self.pane.notice.text == self.notice:
             self.notice = ""
+            self.about_file = notices[-1].message
             self.pane.notice.show_message(notices[-1].message)  # "saved again" replaces the problem
         self.show_unsaved()
 
