@@ -86,7 +86,8 @@ class Peer:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     data = json.loads(line[6:])
-                    if any(c.get("text") for c in data.get("choices") or []):
+                    # a token's event: text, or none yet (a character's bytes held back) and not the finish
+                    if any(c.get("text") or c.get("finish_reason") is None for c in data.get("choices") or []):
                         chunks += 1
                         if s.first is None:
                             s.first = time.perf_counter() - t0
