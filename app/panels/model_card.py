@@ -8,7 +8,7 @@ import html
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QSize
-from PySide6.QtWidgets import QLabel
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea
 
 from app.shell.format import human_bytes, human_count
 from app.panels.base import Panel, styled_plot
@@ -63,7 +63,11 @@ class ModelCardPanel(Panel):
         self.table = QLabel("No model loaded yet.")
         self.table.setObjectName("modelCard")
         self.table.setWordWrap(True)
-        self._layout.addWidget(self.table)
+        self.scroll = QScrollArea()  # a short dock (1280×720) scrolls the facts instead of cutting the last ones
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setWidget(self.table)
+        self._layout.addWidget(self.scroll, 3)
         self.view = pg.PlotWidget()
         self.plot = styled_plot(self.view.getPlotItem(), left="KV MiB at full context")
         self.bars = pg.BarGraphItem(x=[0, 1, 2], height=[0, 0, 0], width=0.6, brushes=list(BAR_COLOURS), pen=None)
@@ -104,16 +108,18 @@ class ModelCardPanel(Panel):
             ("head dim · hidden", _widths(info)),
             ("context", f"{human_count(info.context_length)} tokens"),
             ("weights", f"{human_bytes(info.weights_bytes)} · {info.dtype} · {info.quantization}"),
-            ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype})"),
-            ("as MHA / MQA", f"{human_bytes(comp['MHA'])} / {human_bytes(comp['MQA'])} per token"),
+            ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype}) · as MHA "
+                             f"{human_bytes(comp['MHA'])} / MQA {human_bytes(comp['MQA'])}"),
             ("KV pages", _as_kinds(info, self.page_size)),
             ("KV at full context", human_bytes(at_ctx)),
             ("device", f"{info.device}<br><span style='color:#8a919c'>{html.escape(info.device_reason)}</span>"),
             *([("CPU threads", html.escape(info.threads_reason))] if info.device == "cpu" and info.threads_reason
               else []),
-            *([("CPU", html.escape(_cpu_note(info)))] if info.device == "cpu" and info.cpu_features else []),
-            *([("linears", html.escape(info.weights_kernel))] if info.weights_kernel else []),
-        ]
+            *([("CPU", html.escape(" · ".join(x for x in (_cpu_note(info) if info.cpu_features else "",
+                                                         f"linears {info.weights_kernel}" if info.weights_kernel else "")
+                                             if x)))]
+              if info.device == "cpu" and (info.cpu_features or info.weights_kernel) else []),
+        ]  # one row each: at 1280×720 the card's table has 285 px above its chart
         body = "".join(
             f"<tr><td style='color:#8a919c; padding-right:10px'>{k}</td><td>{v}</td></tr>" for k, v in rows
         )
