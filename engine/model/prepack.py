@@ -225,7 +225,6 @@ def apply(model, fed: dict[str, list], device_type: str, quantization: str, mode
 def describe(p: Plan) -> str:
     """The model card's line: how many linears in which layout, how many merged groups."""
     count = {k: sum(len(g) for i, g in enumerate(p.groups) if p.kind(i) == k) for k in KINDS}
-    held = " · ".join(f"{n} {'blocked for one-row steps' if k == 'blocked' else 'oneDNN-packed'}"
-                      for k, n in count.items() if n)
-    merged = f", {p.merged} merged groups (q/k/v, gate/up)" if p.merged else ""
-    return f"{held}{merged}"
+    held = [f"{n} {'blocked' if k == 'blocked' else 'oneDNN-packed'}" for k, n in count.items() if n]
+    merged = [f"{p.merged} merged (q/k/v, gate/up)"] if p.merged else []
+    return " · ".join(held + merged)

@@ -61,8 +61,7 @@ def kernel_calls(fn) -> dict[str, int]:
 
 def test_the_reference_is_not_packed_and_the_packed_model_says_so(stories, packed):
     assert stories.info.weights_kernel == ""  # auto: stories260K's linears are all under MIN_ELEMENTS
-    assert packed.info.weights_kernel == ("10 oneDNN-packed · 25 blocked for one-row steps, "
-                                          "10 merged groups (q/k/v, gate/up)")
+    assert packed.info.weights_kernel == "10 oneDNN-packed · 25 blocked · 10 merged (q/k/v, gate/up)"
     attn, mlp = packed.model.model.layers[0].self_attn, packed.model.model.layers[0].mlp
     assert isinstance(attn.q_proj, PackedLinear) and attn.q_proj.splits == (64, 32, 32)
     assert isinstance(attn.k_proj, MergedPart) and isinstance(mlp.up_proj, MergedPart)
@@ -175,7 +174,7 @@ def test_auto_leaves_small_quantized_uncalled_and_switched_off_linears_alone(mon
     assert prepack.apply(big, seen, "cuda", "none") == "" and type(big[0]) is nn.Linear
     assert prepack.apply(big, seen, "cpu", "none", mode="off") == "plain (KVSCOPE_PREPACK=off)"
     assert type(big[0]) is nn.Linear
-    assert prepack.apply(big, seen, "cpu", "none") == "1 blocked for one-row steps"
+    assert prepack.apply(big, seen, "cpu", "none") == "1 blocked"
     assert isinstance(big[0], PackedLinear) and prepack.plan_of(big).groups == (("0",),)
     monkeypatch.setenv("KVSCOPE_PREPACK", "sometimes")
     assert prepack.env_mode() == "auto"
@@ -229,7 +228,7 @@ def test_bf16_attention_of_few_queries_runs_in_float32():
 
 
 @pytest.mark.slow
-def test_the_compiled_step_calls_onednn_on_the_packed_weights_and_stays_exact(stories, packed, prompt):
+def test_the_compiled_step_runs_on_the_packed_and_blocked_weights_and_stays_exact(stories, packed, prompt):
     """The child builds the same merged modules with plain weights; the package's graph calls oneDNN, and the
     parent hands it the packed weights (no copy): HF's greedy ids, every decode step compiled."""
     from engine.model.fast_step import FastStep, machine_refusal
@@ -263,144 +262,3 @@ def package_calls(path) -> dict[str, int]:
     return {"onednn": len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code)),
             "mm": len(re.findall(r"aoti_torch_cpu_(?:addmm|mm)_out\(", code)),
             "blocked": len(re.findall(r"cpp_fused_\w*bmm\w*\(", code)) + len(re.findall(r"aoti_torch_cpu_bmm_out\(", code))}
-
-
-class Twins(nn.Module):
-    """Two blocks: one whose siblings share their input, one whose k sees another tensor (cross-attention)."""
-
-    def __init__(self, width: int = 256) -> None:
-        super().__init__()
-        self.a = nn.ModuleDict({n: nn.Linear(width, width, bias=n == "v") for n in ("q", "k", "v")})
-        self.b = nn.ModuleDict({n: nn.Linear(width, width) for n in ("q", "k")})
-
-    def forward(self, x):
-        y = self.a["q"](x) + self.a["k"](x) * 2
-        z = self.a["v"](x)
-        return self.b["q"](y) - self.b["k"](z)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_siblings_merge_only_where_they_share_their_input(dtype):
-    torch.manual_seed(0)
-    m = Twins().to(dtype).eval()
-    x = torch.randn(3, 256, dtype=dtype)
-    watch = prepack.Watch(m)
-    with torch.inference_mode():
-        want = m(x)
-    plan = prepack.plan(m, watch.close(), "auto")
-    assert set(plan.groups) == {("a.q", "a.k"), ("a.v",), ("b.q",), ("b.k",)}  # bias differs: v alone
-    prepack.restructure(m, plan)
-    with torch.inference_mode():
-        got = m(x)
-        assert torch.equal(m(x), got)  # the held output is let go once both members took theirs
-        k_alone = m.a["k"](x)  # a member asking on its own computes afresh
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (got.float() - want.float()).abs().max().item() < tol
-    assert k_alone.shape == (3, 256)
-
-
-def fed(model, *shape) -> dict:
-    watch = prepack.Watch(model)
-    with torch.inference_mode():
-        model(torch.randn(*shape))
-    return watch.close()
-
-
-def test_auto_leaves_small_quantized_uncalled_and_switched_off_linears_alone(monkeypatch):
-    small = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    assert prepack.plan(small, fed(small, 2, 64), "auto").groups == ()
-    assert prepack.plan(small, fed(small, 2, 64), "on").groups == (("0",), ("1",))
-    big = nn.Sequential(nn.Linear(256, 256))
-    seen = fed(big, 2, 256)
-    assert prepack.plan(big, {}, "auto").groups == ()  # never called in the probe: the model may read its weight
-    assert prepack.apply(big, seen, "cpu", "int8") == "" and type(big[0]) is nn.Linear  # bitsandbytes models
-    assert prepack.apply(big, seen, "cuda", "none") == "" and type(big[0]) is nn.Linear
-    assert prepack.apply(big, seen, "cpu", "none", mode="off") == "plain (KVSCOPE_PREPACK=off)"
-    assert type(big[0]) is nn.Linear
-    assert prepack.apply(big, seen, "cpu", "none") == "1 blocked for one-row steps"
-    assert isinstance(big[0], PackedLinear) and prepack.plan_of(big).groups == (("0",),)
-    monkeypatch.setenv("KVSCOPE_PREPACK", "sometimes")
-    assert prepack.env_mode() == "auto"
-
-
-def test_each_workload_gets_the_layout_its_rows_read_fastest(monkeypatch):
-    monkeypatch.delenv("KVSCOPE_PREPACK_KIND", raising=False)
-    assert prepack.kind_for(torch.float32, 960) == "blocked"  # a chat's one-row steps
-    assert prepack.kind_for(torch.float32, 344) == "onednn"  # no multiple of 16
-    assert prepack.kind_for(torch.bfloat16, 960) == "onednn"
-    monkeypatch.setattr(prepack, "_workload", "chat")
-    prepack.set_workload("server")  # engine serve: batches
-    assert prepack.kind_for(torch.float32, 960) == "onednn"
-    monkeypatch.setenv("KVSCOPE_PREPACK_KIND", "blocked")
-    assert prepack.kind_for(torch.float32, 960) == "blocked" and prepack.kind_for(torch.bfloat16, 960) == "blocked"
-    with pytest.raises(ValueError, match="workload 'gpu' is not one of chat, server"):
-        prepack.set_workload("gpu")
-
-
-def test_blocked_products_at_every_row_count_match_plain_ones():
-    from engine.model.packed_linear import BLOCKED_MAX_ROWS, block, unblock
-
-    torch.manual_seed(0)
-    w, b = torch.randn(96, 80), torch.randn(96)
-    wb = block(w)
-    assert torch.equal(unblock(wb), w)
-    lin = PackedLinear(wb, b, (96,), "blocked", 80)
-    for rows in (1, 3, BLOCKED_MAX_ROWS, BLOCKED_MAX_ROWS + 1, 200):  # bmm up to 64 rows, oneDNN on the plain beyond
-        x = torch.randn(2, rows, 80)
-        assert (lin(x) - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-4
-
-
-def test_bf16_attention_of_few_queries_runs_in_float32():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from engine.kv.store.attention import UPCAST_MAX_Q, sdpa
-
-    mod = nn.Module()
-    mod.is_causal, mod.num_key_value_groups = True, 3
-    torch.manual_seed(0)
-    k, v = torch.randn(1, 3, 512, 64, dtype=torch.bfloat16), torch.randn(1, 3, 512, 64, dtype=torch.bfloat16)
-    q = torch.randn(1, 9, 1, 64, dtype=torch.bfloat16)
-    out, _ = sdpa(mod, q, k, v, None)
-    f32, _ = sdpa_attention_forward(mod, q.float(), k.float(), v.float(), None)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, f32.to(torch.bfloat16))
-    long_q = torch.randn(1, 9, UPCAST_MAX_Q + 1, 64, dtype=torch.bfloat16)
-    mask = torch.ones(UPCAST_MAX_Q + 1, 512, dtype=torch.bool).tril(512 - UPCAST_MAX_Q - 1)[None, None]
-    got, _ = sdpa(mod, long_q, k, v, mask)
-    plain, _ = sdpa_attention_forward(mod, long_q, k, v, mask)
-    assert torch.equal(got, plain)  # a prompt keeps the bf16 kernel
-
-
-@pytest.mark.slow
-def test_the_compiled_step_calls_onednn_on_the_packed_weights_and_stays_exact(stories, packed, prompt):
-    """The child builds the same merged modules with plain weights; the package's graph calls oneDNN, and the
-    parent hands it the packed weights (no copy): HF's greedy ids, every decode step compiled."""
-    from engine.model.fast_step import FastStep, machine_refusal
-
-    if machine_refusal(torch.device("cpu")):
-        pytest.skip(machine_refusal(torch.device("cpu")))
-    packed.runner.fast = FastStep(packed, mode="on")
-    packed.fast.start()
-    assert packed.fast.wait(1800) and packed.fast.state == "on", packed.fast.describe()
-    s = ChatSession(packed, CacheConfig(mode="paged", page_size=16))
-    s.start_ids(prompt, SamplingConfig(max_new_tokens=100, ignore_eos=True))
-    paths = []
-    while not (r := s.step()).done:
-        paths.append(r.event.path)
-    assert paths[1:] == ["compiled"] * (len(paths) - 1)
-    assert s.generated_ids == hf_greedy(stories, prompt, 100)
-    s.close()
-    calls = package_calls(packed.fast.package)  # the package's own calls, on our weights
-    assert calls["onednn"] == 5 and calls["mm"] == 1  # gate/up; MKL only for the tied lm_head
-    assert calls["blocked"] >= 5  # inductor fused each layer's blocked products into its own C++ loops
-
-
-def package_linear_calls(path) -> tuple[int, int]:
-    """(batched products, oneDNN linear calls) in a compiled step's C++ (the profiler does not see inside it)."""
-    import re
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        code = "".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith("wrapper.cpp"))
-    return (len(re.findall(r"aoti_torch_cpu_bmm_out\(", code)),
-            len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code)))
-    packed.runner.fast = FastStep(packed, mode="off")
