@@ -173,7 +173,9 @@ def test_attach_cli_reports_json_and_refuses_bad_servers(events_server, capsys):
     assert set(out["events"]) >= {"stored", "removed", "cleared", "gaps"} and "hits" in out["prefix_cache"]
     c = out["cache"]  # why the prompt was recomputed, from the server's events: as the API's account
     assert c["prompt"] == out["usage"]["prompt_tokens"] and c["reused"] + c["recomputed"] + c["dropped"] == c["prompt"]
-    assert c["misses"] and c["misses"][-1]["end"] == c["prompt"] and {m["reason"] for m in c["misses"]} <= {"new"}
+    # the module's server may hold the story from an earlier test: then only its last partial block is computed
+    assert c["misses"] and c["misses"][-1]["end"] == c["prompt"]
+    assert {m["reason"] for m in c["misses"]} <= {"new", "partial_page"}
     for argv, says in [([url, "--api-key", "wrong"], "refused the API key (401)"),
                        ([f"http://127.0.0.1:{free_port()}"], "refused the connection"),
                        (["ftp://x"], "not a server address")]:
