@@ -322,8 +322,8 @@ def test_the_ngram_index_proposes_what_a_full_scan_does():
 
 def test_paused_prompt_lookup_comes_back_where_the_reply_repeats():
     """Turned off by its judge, prompt lookup goes on guessing in the shadow: once its last 4 guesses would have
-    paid (guesses of k = 2 all true: 3 tokens a verification at 2 ms, under 0.75 x 1 ms a plain step per token),
-    the reply speculates again."""
+    paid (guesses of 4 all true, not of the k = 2 the misses shrank: 5 tokens a verification at 2 ms, under 0.75 x 1
+    ms a plain step per token), the reply speculates again."""
     from engine.speculation.verify import WINDOW
 
     sp = Speculator(SpecConfig(method="ngram"), NgramDrafter())
