@@ -115,6 +115,8 @@ class DockLayout:
         self.restored = False
         self.arrangement = ""  # "compact" or "wide" (a default one), "restored" (the user's saved one)
         self._fitted = QSize(0, 0)  # the window size the default sizes were applied for
+        self._planned: dict[str, int] = {}  # the widths the last fit asked of the docks
+        self._checks = 0  # looks still to take at whether they took
         self._refit = QTimer(window)
         self._refit.setSingleShot(True)
         self._refit.setInterval(150)
@@ -167,7 +169,17 @@ class DockLayout:
         w.tabifyDockWidget(d["timing"], d["why"])  # next to the timing panel, behind it
 
     def fit(self) -> None:
-        """Default sizes as fractions of the window; the chat in the middle gets what is left."""
+        """Default sizes as fractions of the window; the chat in the middle gets what is left. Looked at again
+        twice after a layout pass: Qt may not apply them before its first one (a loaded host kept Qt's own sizes
+        at 1024×768: the chat at its 356 px minimum, the left column 369 px)."""
+        self._apply()
+        self._checks = 2
+        self._refit.start()
+
+    def _took(self) -> bool:
+        return all(abs(self.docks[key].width() - px) <= 16 for key, px in self._planned.items())
+
+    def _apply(self) -> None:
         d, w = self.docks, self.window
         W, Hh = max(w.width(), 800), max(w.height(), 500)
         H, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
@@ -175,11 +187,14 @@ class DockLayout:
         w.resizeDocks([d["chats"], d["controls"]], [int(Hh * 0.28), int(Hh * 0.72)], V)
         if self.wide:
             w.resizeDocks([d["chats"], d["occupancy"], d["page_map"]], [left, int(W * 0.21), int(W * 0.21)], H)
+            self._planned = {"chats": left}  # the panels share what the chat leaves by their hints
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
             w.resizeDocks([d["page_map"], d["memory"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         else:  # the chat is what a laptop's screen is for: at least 40% and wider than the left column
             chat = max(left + 12, int(W * CHAT_SHARE))
-            w.resizeDocks([d["chats"], d["occupancy"]], [left, max(PANELS_MIN_PX, W - left - chat - 12)], H)
+            panels = max(PANELS_MIN_PX, W - left - chat - 12)
+            w.resizeDocks([d["chats"], d["occupancy"]], [left, panels], H)
+            self._planned = {"chats": left, "occupancy": panels}
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
         self._fitted = w.size()
 
@@ -205,6 +220,14 @@ class DockLayout:
             return  # fitted when it is shown (``_Shown``)
         if self.arrangement in ("compact", "wide") and self.arrangement != ("wide" if self.wide else "compact"):
             self.arrange()
+        elif self._checks and not self._needs_refit():  # a fit being looked at after a layout pass
+            self._checks -= 1
+            if self._took():
+                self._checks = 0
+            else:
+                self._apply()
+                if self._checks:
+                    self._refit.start()
         else:
             self.fit()
 
