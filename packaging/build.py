@@ -143,18 +143,23 @@ def clean_env(home: Path) -> dict:
     return env
 
 
-def run_frozen(exe: Path, args: list[str], scratch: Path, timeout: int = 600) -> dict:
+def run_frozen(exe: Path, args: list[str], scratch: Path, timeout: int = 600, by_name: bool = False) -> dict:
+    """Runs ``exe`` from a fresh home with a scrubbed environment; ``by_name``: started as a user types it, by its
+    name found on PATH (its folder first), not by its path."""
     home = Path(tempfile.mkdtemp(prefix="home-", dir=scratch))
+    env = clean_env(home)
+    if by_name:
+        env["PATH"] = f"{exe.parent}{os.pathsep}{env['PATH']}"
     t = time.perf_counter()
     try:
-        r = subprocess.run([str(exe), *args], cwd=home, env=clean_env(home), capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run([exe.name if by_name else str(exe), *args], cwd=home, env=env, capture_output=True,
+                           text=True, timeout=timeout)
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = -9, f"{(e.stdout or b'').decode(errors='replace')}\nTIMEOUT after {timeout} s"
     if (home / "kvscope.log").is_file():
         out += (home / "kvscope.log").read_text(encoding="utf-8", errors="replace")
-    return {"cmd": [str(exe), *args], "rc": rc, "seconds": round(time.perf_counter() - t, 2), "output": out}
+    return {"cmd": [exe.name if by_name else str(exe), *args], "rc": rc, "seconds": round(time.perf_counter() - t, 2), "output": out}
 
 
 def show(result: dict, what: str) -> None:
@@ -518,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["deb"][key] = installed[key]
             if not args.skip_self_test:
                 r = run_frozen(installed["exe"], ["--self-test", "--screenshot", str(out / "self-test-deb.png")],
-                               scratch)
-                show(r, "frozen self-test (from the .deb, via /usr/bin/kvscope)")
+                               scratch, by_name=True)
+                show(r, "frozen self-test (from the .deb: kvscope by name, /usr/bin on PATH)")
                 report["deb_self_test"] = r
                 checks.append(("self-test from the .deb", r))
             shutil.rmtree(installed["root"], ignore_errors=True)
