@@ -15,18 +15,16 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
-    QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
     QTabWidget,
-    QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from app.compare.fidelity_tab import FidelityTab
+from app.compare.fidelity_tab import FidelityTab, results_table
 from app.shell.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
@@ -87,13 +85,7 @@ class CompareDialog(QDialog):
             "and its cache are not changed, and you can go on chatting meanwhile (the timings then share the "
             "machine with your chat).")
         intro.setWordWrap(True)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setStretchLastSection(True)
+        self.table = results_table(COLUMNS)
         self.status = QLabel("Running…")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)

@@ -33,6 +33,18 @@ def row_cells(row: dict[str, Any]) -> list[str]:
             f"{row['mean_kl']:.4f}", f"×{row['perplexity_ratio']:.3f}", f"{row['seconds']:.1f}"]
 
 
+
+def results_table(columns: tuple[str, ...]) -> QTableWidget:
+    """A read-only table of one row per setting under ``columns``: Compare's timings and its fidelity rows."""
+    table = QTableWidget(0, len(columns))
+    table.setHorizontalHeaderLabels(columns)
+    table.verticalHeader().setVisible(False)
+    table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    header.setStretchLastSection(True)
+    return table
+
 class FidelityTab(QWidget):
     """The button that measures every setting, its progress, the Pareto plot and the rows."""
 
@@ -57,13 +69,7 @@ class FidelityTab(QWidget):
         self.progress.setRange(0, 1000)
         self.progress.setTextVisible(False)
         self.plot = FidelityPlot(precisions)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setStretchLastSection(True)
+        self.table = results_table(COLUMNS)
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self.plot)
         split.addWidget(self.table)
