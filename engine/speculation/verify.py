@@ -51,6 +51,7 @@ MIN_VERIFY, WINDOW, PROBE_STEPS, PAYS = 2, 4, 2, 0.97
 # Paused, it resumes when the last WINDOW guesses would have cost under RESUMES x a plain step per token: a margin,
 # as plain steps between verifications run slower (above) and the copy scenario resumed into losses at PAYS.
 RESUMES = 0.75
+SHADOW_K = 2 * START_K  # a paused prompt lookup's guesses: longer ones take as many plain steps to be decided
 RETRY_EVERY = 4  # kept for callers: every reply tries now (a verdict no longer turns replies off from the start)
 
 
@@ -223,13 +224,14 @@ class Speculator:
         # kept the repeat starter paused for a whole reply of repeats
         per_verify = min((m for m, _ in self._recent), default=0.0)
         if len(self._guessed) == WINDOW and per_verify / (sum(self._guessed) / WINDOW) < RESUMES * self._plain_ms():
+            run = round(sum(self._guessed) / WINDOW) - 1  # the drafts a guess kept: where the schedule goes on
             self.stats.off_reason, self._paused, self._recent, self._guessed, self.probe = "", False, [], [], 0
-            self.k = self.cfg.draft_tokens or START_K
+            self.k = self.cfg.draft_tokens or max(START_K, min(SHADOW_K, run))
             return []
-        # as long as a resumed verification guesses, not the k the misses before the pause shrank (2 after two misses:
-        # at most 3 tokens a verification, so a 27 ms verification against a 9.5 ms plain step on a loaded host never
-        # resumed on a reply of repeats)
-        n = min(self.cfg.draft_tokens or max(START_K, self.k), room)
+        # SHADOW_K tokens, not the k the misses before the pause shrank (2 after two misses: at most 3 tokens a
+        # verification, so a 27 ms verification against a 9.5 ms plain step on a loaded host never resumed on a reply
+        # of repeats); the schedule grows k to MAX_DRAFT on a long copy, and a resumed one starts at what they kept
+        n = min(self.cfg.draft_tokens or SHADOW_K, room)
         guess = list(self.drafter.propose(ids, n, sampler))[:n]
         self._pending = (len(ids), guess) if guess else None
         return []

@@ -322,22 +322,23 @@ def test_the_ngram_index_proposes_what_a_full_scan_does():
 
 def test_paused_prompt_lookup_comes_back_where_the_reply_repeats():
     """Turned off by its judge, prompt lookup goes on guessing in the shadow: once its last 4 guesses would have
-    paid (guesses of 4 all true, not of the k = 2 the misses shrank: 5 tokens a verification at 2 ms, under 0.75 x 1
-    ms a plain step per token), the reply speculates again."""
-    from engine.speculation.verify import WINDOW
+    paid (guesses of SHADOW_K = 8 all true, not of the k = 2 the misses shrank: 9 tokens a verification at 2 ms,
+    under 0.75 x 1 ms a plain step per token), the reply speculates again, with k at what the guesses kept."""
+    from engine.speculation.verify import SHADOW_K, WINDOW
 
     sp = Speculator(SpecConfig(method="ngram"), NgramDrafter())
     for _ in range(2):
         assert sp.propose([1, 2, 1, 2], 8, None) == []  # the probe
         sp.record_plain(1.0)
     assert "comes back" in [sp.record_verify(4, 0, 1, 2.0) for _ in range(2)][1] and not sp.active
-    ids = [5, 6, 7, 8] * 3  # the reply now repeats a line: every guess of 4 comes true
-    for _ in range(4 * WINDOW + 1):
-        assert sp.propose(ids, 8, None) == []  # plain steps while paused
+    ids = [5, 6, 7, 8] * 3  # the reply now repeats a line: every guess comes true
+    for step in range((SHADOW_K + 1) * WINDOW + 2):
+        assert sp.propose(ids, 16, None) == []  # plain steps while paused
         ids.append(ids[-4])
         if sp.active:
             break
-    assert sp.active and ids[-2:] == [8, 5] and sp.propose(ids, 8, None) == [6, 7, 8, 5]  # k from 4 again
+    assert sp.active and step >= SHADOW_K * WINDOW - 1  # four guesses of 8, each decided when all of it came
+    assert sp.propose(ids, 16, None) == [ids[len(ids) - 4 + i % 4] for i in range(SHADOW_K)]  # k = 8 again
     other = Speculator(SpecConfig(method="ngram"), NgramDrafter())
     for _ in range(2):
         other.propose([1, 2, 1, 2], 8, None)
