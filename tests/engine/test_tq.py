@@ -12,7 +12,7 @@ import torch
 from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
 from engine.kv.paged import sizes
-from engine.kv.quantized import codebook, rotation, turbo
+from engine.kv.quantized import codebook, native, rotation, tq_attend, turbo
 from engine.kv.quantized.basis import Basis
 from engine.kv.quantized.roles import KVShape
 from engine.kv.quantized.schemes import scheme_for
@@ -137,6 +137,13 @@ def test_store_reads_rotated_pages_both_ways_alike(k_kind, v_kind):
     assert torch.equal(plain[0][0, :, 2 * P:], torch.cat([k[0, :, 2 * P:], k1[0]], 1))  # the tail: exact
     query = torch.randn(1, 2 * H, 1, D, generator=g)  # GQA: 2 query heads a KV head
     want = torch.nn.functional.scaled_dot_product_attention(query, plain[0], plain[1], enable_gqa=True)
+    fused = basis.fused  # a decode step whose two roles the fused kernel reads: placeholders, the pages as codes
+    assert (fused is not None) == (native.library() is not None and {k_kind, v_kind} <= {"tq4", "tq3", "tq2"})
+    if fused is not None:
+        assert rotated_k is fused.key_placeholder and rotated_k.shape == (1, H, n + 1, D)
+        out = tq_attend.attend(fused, basis.queries(query), rotated_k, None, {"scaling": D ** -0.5})
+        assert torch.allclose(basis.outputs(out), want.transpose(1, 2), atol=1e-5)
+        rotated_k, rotated_v = fused.materialize()
     got = torch.nn.functional.scaled_dot_product_attention(basis.queries(query), rotated_k, rotated_v,
                                                            enable_gqa=True, scale=D ** -0.5)
     assert torch.allclose(basis.outputs(got.transpose(1, 2)), want.transpose(1, 2), atol=1e-5)

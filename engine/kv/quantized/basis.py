@@ -26,6 +26,7 @@ KEY = "kvscope_basis"  # the attention kwargs entry that carries a ``Basis``
 class Basis:
     keys: Tensor | None  # [Hk, Dk', Dk]: queries become q @ keys[h].T (Dk' = Dk, or 2 Dk with QJL)
     values: Tensor | None  # [Hv, Dv, Dv]: the output becomes out @ values[h]
+    fused: object | None = None  # ``tq_attend.FusedPages``: a decode step's pages left as codes (K/V placeholders)
 
     def queries(self, query: Tensor) -> Tensor:
         """query ``[B, Hq, L, D]`` → ``[B, Hq, L, D']`` (query head h reads kv head h // (Hq / Hk))."""

@@ -25,6 +25,7 @@ from engine.kv.quantized import quant
 from engine.kv.paged.block_table import SlotPlan
 from engine.kv.paged.pool import FLAG_QUANTIZED, PagePool
 from engine.kv.quantized.schemes import Scheme
+from engine.kv.quantized.tq_attend import RolePages
 
 
 @dataclass
@@ -149,6 +150,10 @@ class FullView:
     def read_basis(self, layer: int, n: int, dp: DevicePlan) -> tuple[Tensor, None]:
         """As ``read``: full-precision pages are never rotated."""
         return self.read(layer, n, dp), None
+
+    def read_fused(self, layer: int, n: int, dp: DevicePlan) -> None:
+        """Full-precision pages are never read by the fused tq kernel."""
+        return None
 
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         pass
@@ -300,6 +305,25 @@ class QuantView:
         if fill:
             buf[:, full * P:n].copy_(scheme.rotate(self.tail[layer][:, :fill], layer))  # [H, fill, width]
         return buf[:, :n], scheme.read_map(layer, self.role.heads, buf.device, buf.dtype)
+
+    def read_fused(self, layer: int, n: int, dp: DevicePlan) -> tuple[RolePages, Tensor] | None:
+        """Tokens ``[0, n)`` left as codes for the fused decode kernel (``engine.kv.quantized.tq_attend``), with the
+        matrix the attention turns by; None where the kernel does not read this scheme (then ``read_basis``)."""
+        scheme = self.role.scheme
+        tables = scheme.fused_table(self.role.shape.device) if scheme.rotated else None
+        if tables is None:
+            return None
+        P, H = self.role.page_size, self.role.heads
+        full, fill = divmod(n, P)
+        pages = self._full_pages(layer, full, dp)  # QTurbo [H, full, P, C]
+        codes = pages.codes
+        if codes.stride()[1:] != (P * codes.shape[-1], codes.shape[-1], 1):
+            codes = codes.contiguous()
+        codes = codes.view(H, full * P, codes.shape[-1])  # [H, rows, C]: rows C bytes apart in each head
+        norms = pages.norm.reshape(H, full * P).float().contiguous()  # [H, rows]
+        tail = scheme.rotate(self.tail[layer][:, :fill], layer).float().contiguous()  # [H, fill, D]
+        read_map = scheme.read_map(layer, H, self.role.shape.device, self.role.shape.dtype)
+        return RolePages(codes, norms, *tables, scheme.bits, tail), read_map
 
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         """Keep ``[0, n)``: when the new last page was full (quantized), bring it back to the tail."""

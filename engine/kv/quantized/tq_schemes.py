@@ -39,6 +39,7 @@ class _Turbo(Scheme):
         self._maps: dict[tuple, Tensor] = {}
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._pairs: dict[torch.device, Tensor | None] = {}  # two bytes of codes → their levels (4 and 2 bits)
+        self._fused: dict[torch.device, tuple[Tensor, Tensor]] = {}  # a byte of codes → their levels, for the fused kernel
 
     @property
     def width(self) -> int:
@@ -97,6 +98,22 @@ class _Turbo(Scheme):
             torch.mul(vals, q.norm.float(), out=out4)  # levels × norm in one pass
         else:
             out4.copy_(vals.mul_(q.norm.float()))
+
+    def fused_table(self, device) -> tuple[Tensor, Tensor] | None:
+        """The fused decode kernel's tables (``engine.kv.quantized.tq_attend.RolePages``: the levels padded to 16,
+        the byte table), or None where the kernel does not read this layout (QJL keys; a head_dim whose codes do
+        not fill whole bytes)."""
+        d, g = self.head_dim, 8 // self.bits if self.bits in (4, 2) else 4
+        if self.qjl or d % (8 if self.bits == 3 else g):
+            return None
+        device = torch.device(device)
+        if device not in self._fused:
+            c = self._table(device)[0]
+            t = turbo.table3(c) if self.bits == 3 else c[turbo.byte_fields(self.bits, device)]  # [4096, 4] / [256, g]
+            padded = torch.zeros(16, dtype=torch.float32, device=device)
+            padded[:c.numel()] = c
+            self._fused[device] = (padded, t.float().contiguous())
+        return self._fused[device]
 
     def rotate(self, x: Tensor, layer: int = 0) -> Tensor:
         """Full-precision vectors ``[H, T, D]`` into the rotated read basis ``[H, T, width]`` (exact: QJL keys get

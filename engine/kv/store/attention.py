@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from engine.kv.quantized import tq_attend
 from engine.kv.quantized.basis import KEY as BASIS_KEY
 from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
@@ -124,7 +125,13 @@ def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
     if basis is not None:  # the cache left rotated pages rotated: turn the queries, and the output back
         if kwargs.get("scaling") is None:
             kwargs["scaling"] = query.shape[-1] ** -0.5  # the query's own width (QJL keys widen it)
-        out, _ = sdpa(module, basis.queries(query), key, value, attention_mask, **kwargs)
+        turned = basis.queries(query)
+        if basis.fused is not None:  # a decode step's pages left as codes: the fused kernel, else read them now
+            out = tq_attend.attend(basis.fused, turned, key, attention_mask, kwargs)
+            if out is not None:
+                return basis.outputs(out), None  # [1, 1, Hq, Dv]
+            key, value = basis.fused.materialize()
+        out, _ = sdpa(module, turned, key, value, attention_mask, **kwargs)
         return basis.outputs(out), None  # [1, q, Hq, Dv]
     if kwargs.get("kvscope_sink") is not None:
         return scores_attention(module, query, key, value, attention_mask, **kwargs)

@@ -25,6 +25,7 @@ from engine.errors import OutOfMemoryError, is_oom
 from engine.kv.store.arena import PageArena
 from engine.kv.paged.block_table import BlockTable
 from engine.kv.paged.pool import FLAG_QUANTIZED
+from engine.kv.quantized import native, tq_attend
 from engine.kv.quantized.basis import Basis
 from engine.kv.quantized.roles import DevicePlan, KVShape
 
@@ -273,9 +274,30 @@ class PagedKV(KVStore):
         if self._write(layer, k, v) == 0:
             return k, v, None
         n, dp = self._n_before + self._n_new, self._dp
+        fused = self._read_fused(layer, n, dp, k) if self._n_new == 1 else None
+        if fused is not None:
+            return fused
         kk, mk = self.views["k"].read_basis(layer, n, dp)  # [H, n, Dk'], [H, Dk', Dk] or None
         vv, mv = self.views["v"].read_basis(layer, n, dp)
         return kk[None], vv[None], Basis(mk, mv)
+
+    def _read_fused(self, layer, n, dp, k):
+        """A decode step's pages left as codes for the fused tq kernel (both roles rotated low-bit kinds it reads,
+        the kernel built): placeholders for K/V and the pages in the ``Basis``; None: read them as tensors."""
+        if native.library() is None:
+            return None
+        kf, vf = self.views["k"].read_fused(layer, n, dp), self.views["v"].read_fused(layer, n, dp)
+        if kf is None or vf is None:
+            return None
+
+        def materialize():
+            return (self.views["k"].read_basis(layer, n, dp)[0][None],  # [1, H, n, Dk]
+                    self.views["v"].read_basis(layer, n, dp)[0][None])
+
+        (kp, mk), (vp, mv) = kf, vf
+        key = tq_attend.placeholder(kp.codes.shape[0], n, kp.dim, k.dtype, k.device)
+        value = tq_attend.placeholder(vp.codes.shape[0], n, vp.dim, k.dtype, k.device)
+        return key, value, Basis(mk, mv, tq_attend.FusedPages(kp, vp, key, materialize))
 
     def commit(self) -> None:
         self._n_before, self._n_new, self._dp = self.table.num_tokens, 0, None

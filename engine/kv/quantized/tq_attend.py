@@ -1,0 +1,106 @@
+"""Fused decode attention over rotated low-bit pages: one new token's attention read straight from the codes.
+
+The cache hands a decode step's rotated K/V over as ``FusedPages`` (codes, norms and the exact tail of each role,
+``QuantView.read_fused``) with placeholders in place of the K/V tensors; the attention (``attend``) runs the native
+kernel (``engine.kv.quantized.tq_kernel``) on them in the rotated basis, or, where it cannot (a mask that hides
+tokens, soft-capping, attention sinks, a model that changed what the cache returned), reads the pages as before
+(``materialize``) and runs SDPA. Both give the same attention up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from engine.kv.quantized import native
+
+
+@dataclass(frozen=True, eq=False)
+class RolePages:
+    """One role's tokens ``[0, n)`` of one layer as the kernel reads them.
+
+    codes  uint8 ``[H, rows, C]`` with rows ``C`` bytes apart (any head stride): the full pages' codes
+    norms  float32 ``[H, rows]`` contiguous
+    levels float32 ``[16]``: the 2^bits levels, padded with zeros
+    table  float32 ``[entries, g]``: the levels of each byte's codes (``g`` codes an entry; 3 bits: ``[4096, 4]``)
+    bits   bits a code;  tail  float32 ``[H, nt, D]`` contiguous: the page being filled, rotated, exact
+    """
+
+    codes: Tensor
+    norms: Tensor
+    levels: Tensor
+    table: Tensor
+    bits: int
+    tail: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.tail.shape[-1]
+
+
+@dataclass(frozen=True, eq=False)
+class FusedPages:
+    """A decode step's keys and values left as pages, the placeholders handed in their place, and how to read
+    them as tensors instead (``[1, H, n, D]`` each, rotated)."""
+
+    keys: RolePages
+    values: RolePages
+    key_placeholder: Tensor
+    materialize: Callable[[], tuple[Tensor, Tensor]]
+
+
+def placeholder(heads: int, n: int, dim: int, dtype: torch.dtype, device) -> Tensor:
+    """``[1, heads, n, dim]`` zeros that take no memory (one row, expanded): the shape a model expects back."""
+    return torch.zeros((1, heads, 1, dim), dtype=dtype, device=device).expand(1, heads, n, dim)
+
+
+def _plain_mask(mask: Tensor | None) -> bool:
+    """The mask lets the query see every cached token (a decode step of one sequence: None, or all true / 0)."""
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def attend(fused: FusedPages, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict) -> Tensor | None:
+    """The attention output ``[1, 1, Hq, Dv]`` (rotated basis, the query's dtype) of one query ``[1, Hq, 1, Dk]``
+    (already turned into the rotated basis), or None where the kernel does not apply (then ``materialize``)."""
+    lib = native.library()
+    if (lib is None or query.shape[0] != 1 or query.shape[2] != 1 or key is not fused.key_placeholder
+            or query.device.type != "cpu" or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            or kwargs.get("sliding_window") is not None or not _plain_mask(mask)):
+        return None
+    k, v = fused.keys, fused.values
+    hq, hk = query.shape[1], k.codes.shape[0]
+    if hq % hk or v.codes.shape[0] != hk or k.rows != v.rows or query.shape[-1] != k.dim:
+        return None
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    out = run(lib, query[0, :, 0].float() * scale, k, v)  # [Hq, Dv]
+    return None if out is None else out.to(query.dtype)[None, None]  # [1, 1, Hq, Dv]
+
+
+def run(lib, q: Tensor, k: RolePages, v: RolePages) -> Tensor | None:
+    """The kernel itself: scaled queries ``q`` ``[Hq, Dk]`` (float32, rotated) → ``[Hq, Dv]`` (None: it refused)."""
+    q = q.contiguous()
+    hq, hk = q.shape[0], k.codes.shape[0]
+    n, nt = k.rows, k.tail.shape[1]
+    scratch = torch.empty((hq // hk, n + nt), dtype=torch.float32)  # [rep, n + nt]: one KV head's probabilities
+    out = torch.empty((hq, v.dim), dtype=torch.float32)
+    rc = lib.kvs_tq_decode(hk, hq // hk, k.dim, v.dim, _ptr(q), n, nt, *_role(k), *_role(v), _ptr(scratch), _ptr(out))
+    return None if rc else out
+
+
+def _role(r: RolePages) -> tuple:
+    return (_ptr(r.codes), r.codes.stride(0), r.codes.shape[2], _ptr(r.norms), _ptr(r.levels), _ptr(r.table), r.bits,
+            _ptr(r.tail))
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())

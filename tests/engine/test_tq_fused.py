@@ -1,0 +1,108 @@
+"""The fused decode attention over rotated low-bit pages (``engine.kv.quantized.tq_attend`` and its C kernel):
+the same attention as reading the pages back and running SDPA, for every layout it reads, in both builds (this
+CPU's and the portable one); greedy chats give the same tokens with it and without; where it does not apply, or
+cannot be built, the torch path runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, SamplingConfig
+from engine.core.session import ChatSession
+from engine.kv.quantized import native, tq_attend, turbo
+from engine.kv.quantized.schemes import scheme_for
+from engine.model.shapes import build_shape
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.why()}")
+KINDS = ("tq4", "tq3", "tq2")
+
+
+def _role(kind, role, heads, rows, tail, d, g):
+    """Random vectors quantized as ``kind`` (rows in pages of 16) → RolePages, and the same K/V read back rotated."""
+    scheme = scheme_for(kind, role, d, 16)
+    q = scheme.quantize(torch.randn(heads, max(rows // 16, 1), 16, d, generator=g), 0)[:, :rows // 16]  # [H, pages, 16, .]
+    exact = torch.randn(heads, tail, d, generator=g)  # the page being filled, already rotated
+    codes = q.codes.reshape(heads, rows, q.codes.shape[-1])
+    pages = tq_attend.RolePages(codes, q.norm.reshape(heads, rows).float().contiguous(), *scheme.fused_table("cpu"),
+                                scheme.bits, exact)
+    read = torch.cat([turbo.rotated_values(q, scheme._table("cpu")[0]).reshape(heads, rows, d), exact], 1)
+    return pages, read  # read: [H, rows + tail, D]
+
+
+@pytest.mark.parametrize("build", ["this CPU", "portable"])
+@pytest.mark.parametrize("d", [8, 16, 64, 128])
+@pytest.mark.parametrize("k_kind,v_kind", [(k, v) for k in KINDS for v in KINDS])
+def test_the_kernel_gives_sdpas_attention(build, d, k_kind, v_kind):
+    lib = native.library() if build == "this CPU" else native.load(())
+    g = torch.Generator().manual_seed(d)
+    for heads, rep, rows, tail in ((2, 3, 48, 5), (1, 1, 32, 0), (3, 2, 0, 7)):
+        kp, k = _role(k_kind, "k", heads, rows, tail, d, g)
+        vp, v = _role(v_kind, "v", heads, rows, tail, d, g)
+        q = torch.randn(heads * rep, d, generator=g)
+        got = tq_attend.run(lib, q * d ** -0.5, kp, vp)  # [Hq, D]
+        want = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)
+        assert torch.allclose(got, want[0, :, 0], atol=2e-6, rtol=1e-5), (heads, rep, rows, tail)
+
+
+def _greedy(lm, k, v, prompt, n=40):
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=16, k_dtype=k, v_dtype=v))
+    s.start_ids(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    while not (r := s.step()).done:
+        pass
+    assert r.stop_reason == "max_tokens"
+    s.close()
+    return list(s.generated_ids)
+
+
+@pytest.fixture(scope="module")
+def hd64():
+    return build_shape("tiny-llama-hd64")
+
+
+@pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4")])
+def test_greedy_chats_are_the_same_with_the_kernel_and_without(hd64, monkeypatch, k, v):
+    """head_dim 64, GQA 3 query heads a KV head, 72 prompt tokens (4 pages and a partial one) and 40 new ones."""
+    prompt = torch.randint(3, 320, (72,), generator=torch.Generator().manual_seed(7)).tolist()
+    calls = []
+    run = tq_attend.run
+    monkeypatch.setattr(tq_attend, "run", lambda *a: calls.append(1) or run(*a))
+    fused = _greedy(hd64, k, v, prompt)
+    assert len(calls) == 39 * 2  # every decode step after the first token, both layers
+    monkeypatch.setenv("KVSCOPE_NATIVE", "off")
+    assert native.library() is None and native.why() == "KVSCOPE_NATIVE=off"
+    assert _greedy(hd64, k, v, prompt) == fused
+    assert len(calls) == 78
+
+
+def test_a_mask_that_hides_tokens_or_more_queries_take_the_torch_path():
+    g = torch.Generator().manual_seed(3)
+    kp, _ = _role("tq4", "k", 2, 32, 3, 64, g)
+    vp, _ = _role("tq4", "v", 2, 32, 3, 64, g)
+    key = tq_attend.placeholder(2, 35, 64, torch.float32, "cpu")
+    fused = tq_attend.FusedPages(kp, vp, key, lambda: None)
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    assert tq_attend.attend(fused, q, key, None, {}) is not None
+    assert tq_attend.attend(fused, q, key, torch.ones(1, 1, 1, 35, dtype=torch.bool), {}) is not None
+    hides = torch.ones(1, 1, 1, 35, dtype=torch.bool)
+    hides[..., 0] = False
+    assert tq_attend.attend(fused, q, key, hides, {}) is None
+    assert tq_attend.attend(fused, torch.randn(1, 4, 2, 64), key, None, {}) is None  # two queries: a prefill
+    assert tq_attend.attend(fused, q, key.clone(), None, {}) is None  # the model changed what the cache returned
+    assert tq_attend.attend(fused, q, key, None, {"softcap": 30.0}) is None
+
+
+def test_no_compiler_leaves_the_torch_path_and_says_why_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", None)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.library() is None and native.library() is None
+    assert native.why() == "false failed: exit status 1"
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV kernels: the fused tq attention is off, the torch path runs instead (false failed: exit status 1)"]
+    assert not list(tmp_path.rglob("*.so"))
