@@ -18,32 +18,38 @@ from engine.model.shapes import build_shape
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.why()}")
 KINDS = ("tq4", "tq3", "tq2")
+QJL = ("tq4-qjl", "tq3-qjl", "tq2-qjl")
 
 
 def _role(kind, role, heads, rows, tail, d, g):
-    """Random vectors quantized as ``kind`` (rows in pages of 16) → RolePages, and the same K/V read back rotated."""
+    """Random vectors quantized as ``kind`` (rows in pages of 16) → RolePages, and the same K/V read back rotated
+    (``[H, rows + tail, W]``; QJL keys: W = 2 D, the tail's second half zero as the store hands it)."""
     scheme = scheme_for(kind, role, d, 16)
     q = scheme.quantize(torch.randn(heads, max(rows // 16, 1), 16, d, generator=g), 0)[:, :rows // 16]  # [H, pages, 16, .]
-    exact = torch.randn(heads, tail, d, generator=g)  # the page being filled, already rotated
+    exact = scheme.rotate(torch.randn(heads, tail, d, generator=g), 0).contiguous()  # the page being filled
     codes = q.codes.reshape(heads, rows, q.codes.shape[-1])
+    signs = scheme.fused_signs(q) if scheme.qjl else (None, None, None)
     pages = tq_attend.RolePages(codes, q.norm.reshape(heads, rows).float().contiguous(), *scheme.fused_table("cpu"),
-                                scheme.bits, exact)
-    read = torch.cat([turbo.rotated_values(q, scheme._table("cpu")[0]).reshape(heads, rows, d), exact], 1)
-    return pages, read  # read: [H, rows + tail, D]
+                                scheme.bits, exact, *signs)
+    held = torch.empty(heads, rows, scheme.width)
+    if rows:
+        scheme.read_rotated_into(q, held, 0)
+    return pages, torch.cat([held, exact], 1)
 
 
 @pytest.mark.parametrize("build", ["this CPU", "portable"])
 @pytest.mark.parametrize("d", [8, 16, 64, 128])
-@pytest.mark.parametrize("k_kind,v_kind", [(k, v) for k in KINDS for v in KINDS])
+@pytest.mark.parametrize("k_kind,v_kind", [(k, v) for k in KINDS + QJL for v in KINDS])
 def test_the_kernel_gives_sdpas_attention(build, d, k_kind, v_kind):
     lib = native.library() if build == "this CPU" else native.load(())
     g = torch.Generator().manual_seed(d)
     for heads, rep, rows, tail in ((2, 3, 48, 5), (1, 1, 32, 0), (3, 2, 0, 7)):
         kp, k = _role(k_kind, "k", heads, rows, tail, d, g)
         vp, v = _role(v_kind, "v", heads, rows, tail, d, g)
-        q = torch.randn(heads * rep, d, generator=g)
+        q = torch.randn(heads * rep, k.shape[-1], generator=g)  # queries in the keys' read basis
         got = tq_attend.run(lib, q * d ** -0.5, kp, vp)  # [Hq, D]
-        want = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True,
+                                                                scale=d ** -0.5)
         assert torch.allclose(got, want[0, :, 0], atol=2e-6, rtol=1e-5), (heads, rep, rows, tail)
 
 
@@ -62,7 +68,7 @@ def hd64():
     return build_shape("tiny-llama-hd64")
 
 
-@pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4")])
+@pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4"), ("tq3-qjl", "tq3")])
 def test_greedy_chats_are_the_same_with_the_kernel_and_without(hd64, monkeypatch, k, v):
     """head_dim 64, GQA 3 query heads a KV head, 72 prompt tokens (4 pages and a partial one) and 40 new ones."""
     prompt = torch.randint(3, 320, (72,), generator=torch.Generator().manual_seed(7)).tolist()

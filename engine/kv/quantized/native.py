@@ -113,12 +113,19 @@ def why() -> str | None:
     return "KVSCOPE_NATIVE=off" if not enabled() else _why
 
 
+class Role(ctypes.Structure):
+    """``kvs_role`` of the kernel source: one role's pages of one layer."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("head_stride", ctypes.c_int64), ("row_bytes", ctypes.c_int),
+                ("bits", ctypes.c_int), ("dim", ctypes.c_int), ("width", ctypes.c_int), ("norms", ctypes.c_void_p),
+                ("levels", ctypes.c_void_p), ("table", ctypes.c_void_p), ("tail", ctypes.c_void_p),
+                ("signs", ctypes.c_void_p), ("sign_head_stride", ctypes.c_int64), ("sign_row_bytes", ctypes.c_int),
+                ("sign_norms", ctypes.c_void_p), ("sign_levels", ctypes.c_void_p), ("sign_table", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    p, i, i64, role = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(Role)
     fn = lib.kvs_tq_decode
     fn.restype = i
-    fn.argtypes = [i, i, i, i, p, i64, i64,  # hk rep dk dv q n nt
-                   p, i64, i, p, p, p, i, p,  # keys: codes, head stride, row bytes, norms, levels, table, bits, tail
-                   p, i64, i, p, p, p, i, p,  # values: the same
-                   p, p]  # scratch, out
+    fn.argtypes = [i, i, p, i64, i64, role, role, p, p]  # hk rep q n nt keys values scratch out
     return lib

@@ -323,7 +323,8 @@ class QuantView:
         norms = pages.norm.reshape(H, full * P).float().contiguous()  # [H, rows]
         tail = scheme.rotate(self.tail[layer][:, :fill], layer).float().contiguous()  # [H, fill, D]
         read_map = scheme.read_map(layer, H, self.role.shape.device, self.role.shape.dtype)
-        return RolePages(codes, norms, *tables, scheme.bits, tail), read_map
+        signs = scheme.fused_signs(pages) if scheme.qjl else (None, None, None)
+        return RolePages(codes, norms, *tables, scheme.bits, tail, *signs), read_map
 
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         """Keep ``[0, n)``: when the new last page was full (quantized), bring it back to the tail."""

@@ -27,7 +27,10 @@ class RolePages:
     norms  float32 ``[H, rows]`` contiguous
     levels float32 ``[16]``: the 2^bits levels, padded with zeros
     table  float32 ``[entries, g]``: the levels of each byte's codes (``g`` codes an entry; 3 bits: ``[4096, 4]``)
-    bits   bits a code;  tail  float32 ``[H, nt, D]`` contiguous: the page being filled, rotated, exact
+    bits   bits a code;  tail  float32 ``[H, nt, W]`` contiguous: the page being filled, rotated, exact (W: D, or
+           2 D for QJL keys, whose second half is zero there)
+    signs  QJL keys: uint8 ``[H, rows, D/8]`` the residual's signs, and ``sign_norms`` float32 ``[H, rows]``
+           (‖r‖·√(π/2)/D), ``sign_tables`` ({-1, +1} padded to 16, ``[256, 8]``); else None
     """
 
     codes: Tensor
@@ -36,14 +39,29 @@ class RolePages:
     table: Tensor
     bits: int
     tail: Tensor
+    signs: Tensor | None = None
+    sign_norms: Tensor | None = None
+    sign_tables: tuple[Tensor, Tensor] | None = None
 
     @property
     def rows(self) -> int:
         return self.codes.shape[1]
 
     @property
-    def dim(self) -> int:
+    def width(self) -> int:
         return self.tail.shape[-1]
+
+    @property
+    def dim(self) -> int:
+        return self.width // 2 if self.signs is not None else self.width
+
+    def struct(self) -> native.Role:
+        signs = self.signs
+        sl, st = self.sign_tables if signs is not None else (None, None)
+        return native.Role(_ptr(self.codes), self.codes.stride(0), self.codes.shape[2], self.bits, self.dim,
+                           self.width, _ptr(self.norms), _ptr(self.levels), _ptr(self.table), _ptr(self.tail),
+                           _ptr(signs), 0 if signs is None else signs.stride(0),
+                           0 if signs is None else signs.shape[2], _ptr(self.sign_norms), _ptr(sl), _ptr(st))
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,9 +97,9 @@ def attend(fused: FusedPages, query: Tensor, key: Tensor, mask: Tensor | None, k
         return None
     k, v = fused.keys, fused.values
     hq, hk = query.shape[1], k.codes.shape[0]
-    if hq % hk or v.codes.shape[0] != hk or k.rows != v.rows or query.shape[-1] != k.dim:
+    if hq % hk or v.codes.shape[0] != hk or k.rows != v.rows or query.shape[-1] != k.width:
         return None
-    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    scale = kwargs.get("scaling") or k.dim ** -0.5
     out = run(lib, query[0, :, 0].float() * scale, k, v)  # [Hq, Dv]
     return None if out is None else out.to(query.dtype)[None, None]  # [1, 1, Hq, Dv]
 
@@ -93,14 +111,10 @@ def run(lib, q: Tensor, k: RolePages, v: RolePages) -> Tensor | None:
     n, nt = k.rows, k.tail.shape[1]
     scratch = torch.empty((hq // hk, n + nt), dtype=torch.float32)  # [rep, n + nt]: one KV head's probabilities
     out = torch.empty((hq, v.dim), dtype=torch.float32)
-    rc = lib.kvs_tq_decode(hk, hq // hk, k.dim, v.dim, _ptr(q), n, nt, *_role(k), *_role(v), _ptr(scratch), _ptr(out))
+    ks, vs = k.struct(), v.struct()
+    rc = lib.kvs_tq_decode(hk, hq // hk, _ptr(q), n, nt, ctypes.byref(ks), ctypes.byref(vs), _ptr(scratch), _ptr(out))
     return None if rc else out
 
 
-def _role(r: RolePages) -> tuple:
-    return (_ptr(r.codes), r.codes.stride(0), r.codes.shape[2], _ptr(r.norms), _ptr(r.levels), _ptr(r.table), r.bits,
-            _ptr(r.tail))
-
-
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())

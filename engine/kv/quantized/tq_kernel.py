@@ -60,6 +60,12 @@ static inline void interleave4(__m512 f0, __m512 f1, __m512 f2, __m512 f3, float
 static inline int levels_avx512(const uint8_t *src, int bits, int d, const float *tab16, float *lv) {
     __m512 t = _mm512_loadu_ps(tab16);
     __m512i m2 = _mm512_set1_epi32(3);
+    if (bits == 1 && (d & 15) == 0) {  /* 16 signs a mask: level 1 where the bit is set, level 0 elsewhere */
+        __m512 t0 = _mm512_set1_ps(tab16[0]), t1 = _mm512_set1_ps(tab16[1]);
+        for (int j = 0; j < d / 8; j += 2)
+            _mm512_storeu_ps(lv + 8 * j, _mm512_mask_blend_ps((__mmask16)(src[j] | (src[j + 1] << 8)), t0, t1));
+        return 1;
+    }
     if (bits == 4 && (d & 31) == 0) {
         __m512i lo = _mm512_loadu_si512(KVS_LO32), hi = _mm512_loadu_si512(KVS_HI32);
         for (int j = 0; j < d / 2; j += 16) {
@@ -103,7 +109,9 @@ static inline void levels(const uint8_t *src, int bits, int d, const float *tab1
 #ifdef __AVX512F__
     if (levels_avx512(src, bits, d, tab16, lv)) return;
 #endif
-    if (bits == 4) {  /* [256, 2]: 8 bytes of levels a byte of codes */
+    if (bits == 1) {  /* QJL signs, [256, 8]: 32 bytes a byte */
+        for (int j = 0; j < d / 8; j++) memcpy(lv + 8 * j, tab + 8 * src[j], 32);
+    } else if (bits == 4) {  /* [256, 2]: 8 bytes of levels a byte of codes */
         for (int j = 0; j < d / 2; j++) memcpy(lv + 2 * j, tab + 2 * src[j], 8);
     } else if (bits == 2) {  /* [256, 4]: 16 bytes a byte */
         for (int j = 0; j < d / 4; j++) memcpy(lv + 4 * j, tab + 4 * src[j], 16);
@@ -176,26 +184,50 @@ static void softmax(float *x, int64_t len) {
     for (int64_t i = 0; i < len; i++) x[i] *= inv;
 }
 
-/* One KV head of one decode step. q [rep, dk] (rotated, scaled), out [rep, dv] (rotated; zeroed here).
-   Quantized rows first (codes with row stride kcb / vcb bytes, norms as float), then the exact tail rows.
-   s: scratch [rep, n + nt]. Returns 0. */
-int kvs_tq_head(int rep, int dk, int dv, const float *q, int64_t n, int64_t nt,
-                const uint8_t *kc, int kcb, const float *kn, const float *klev, const float *ktab, int kbits,
-                const float *kt, const uint8_t *vc, int vcb, const float *vn, const float *vlev, const float *vtab,
-                int vbits, const float *vt, float *s, float *out) {
-    float lv[1024] __attribute__((aligned(64)));
-    int64_t len = n + nt;
+/* One role's pages of one layer, every KV head (head h's rows start at codes + h * head_stride bytes). */
+typedef struct {
+    const uint8_t *codes;
+    int64_t head_stride;
+    int row_bytes, bits, dim, width;  /* codes a row; a row's width in the read basis (QJL keys: 2 dim) */
+    const float *norms;  /* [hk, n] */
+    const float *levels;  /* [16]: the 2^bits levels, zero-padded */
+    const float *table;  /* the byte table of ``levels`` */
+    const float *tail;  /* [hk, nt, width]: the page being filled, rotated, exact */
+    const uint8_t *signs;  /* QJL keys: the residual's signs, a 1-bit plane (else NULL) */
+    int64_t sign_head_stride;
+    int sign_row_bytes;
+    const float *sign_norms;  /* [hk, n]: ||r|| sqrt(pi/2) / dim */
+    const float *sign_levels;  /* {-1, +1, 0, ...} */
+    const float *sign_table;  /* [256, 8] */
+} kvs_role;
+
+/* One KV head h of one decode step. q [rep, k->width] (rotated, scaled), out [rep, v->dim] (rotated; zeroed here).
+   Quantized rows first, then the exact tail rows. s: scratch [rep, n + nt]. */
+static int head(int h, int rep, const float *q, int64_t n, int64_t nt, const kvs_role *k, const kvs_role *v,
+                float *s, float *out) {
+    float lv[1024] __attribute__((aligned(64))), zv[1024] __attribute__((aligned(64)));
+    const int dk = k->dim, wk = k->width, dv = v->dim;
+    const int64_t len = n + nt;
     if (dk > 1024 || dv > 1024) return -1;
+    const uint8_t *kc = k->codes + h * k->head_stride, *vc = v->codes + h * v->head_stride;
+    const float *kn = k->norms + h * n, *vn = v->norms + h * n;
+    const float *kt = k->tail + h * nt * wk, *vt = v->tail + h * nt * dv;
     for (int64_t i = 0; i < n; i++) {
-        levels(kc + i * kcb, kbits, dk, klev, ktab, lv);
-        for (int r = 0; r < rep; r++) s[r * len + i] = dot(q + r * dk, lv, dk) * kn[i];
+        levels(kc + i * k->row_bytes, k->bits, dk, k->levels, k->table, lv);
+        for (int r = 0; r < rep; r++) s[r * len + i] = dot(q + r * wk, lv, dk) * kn[i];
+        if (k->signs) {  /* QJL: + q_proj . (alpha ||r|| z) */
+            levels(k->signs + h * k->sign_head_stride + i * k->sign_row_bytes, 1, dk, k->sign_levels, k->sign_table,
+                   zv);
+            const float a = k->sign_norms[h * n + i];
+            for (int r = 0; r < rep; r++) s[r * len + i] += dot(q + r * wk + dk, zv, dk) * a;
+        }
     }
     for (int64_t i = 0; i < nt; i++)
-        for (int r = 0; r < rep; r++) s[r * len + n + i] = dot(q + r * dk, kt + i * dk, dk);
+        for (int r = 0; r < rep; r++) s[r * len + n + i] = dot(q + r * wk, kt + i * wk, wk);
     for (int r = 0; r < rep; r++) softmax(s + r * len, len);
     memset(out, 0, sizeof(float) * rep * dv);
     for (int64_t i = 0; i < n; i++) {
-        levels(vc + i * vcb, vbits, dv, vlev, vtab, lv);
+        levels(vc + i * v->row_bytes, v->bits, dv, v->levels, v->table, lv);
         for (int r = 0; r < rep; r++) axpy(s[r * len + i] * vn[i], lv, out + r * dv, dv);
     }
     for (int64_t i = 0; i < nt; i++)
@@ -203,16 +235,12 @@ int kvs_tq_head(int rep, int dk, int dv, const float *q, int64_t n, int64_t nt,
     return 0;
 }
 
-/* Every KV head: head h's codes at kc + h * kch (bytes), norms at kn + h * n, tails at kt + h * nt * dk; the
-   query heads of KV head h are h * rep .. h * rep + rep - 1 (q [hk * rep, dk], out [hk * rep, dv]). */
-int kvs_tq_decode(int hk, int rep, int dk, int dv, const float *q, int64_t n, int64_t nt,
-                  const uint8_t *kc, int64_t kch, int kcb, const float *kn, const float *klev, const float *ktab,
-                  int kbits, const float *kt, const uint8_t *vc, int64_t vch, int vcb, const float *vn,
-                  const float *vlev, const float *vtab, int vbits, const float *vt, float *s, float *out) {
+/* Every KV head; the query heads of KV head h are h * rep .. h * rep + rep - 1: q [hk * rep, k->width],
+   out [hk * rep, v->dim]. Returns 0, or -1 for a head_dim over 1024. */
+int kvs_tq_decode(int hk, int rep, const float *q, int64_t n, int64_t nt, const kvs_role *k, const kvs_role *v,
+                  float *s, float *out) {
     for (int h = 0; h < hk; h++) {
-        int rc = kvs_tq_head(rep, dk, dv, q + (int64_t)h * rep * dk, n, nt, kc + h * kch, kcb, kn + h * n, klev,
-                             ktab, kbits, kt + h * nt * dk, vc + h * vch, vcb, vn + h * n, vlev, vtab, vbits,
-                             vt + h * nt * dv, s, out + (int64_t)h * rep * dv);
+        int rc = head(h, rep, q + (int64_t)h * rep * k->width, n, nt, k, v, s, out + (int64_t)h * rep * v->dim);
         if (rc) return rc;
     }
     return 0;

@@ -39,7 +39,7 @@ class _Turbo(Scheme):
         self._maps: dict[tuple, Tensor] = {}
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._pairs: dict[torch.device, Tensor | None] = {}  # two bytes of codes → their levels (4 and 2 bits)
-        self._fused: dict[torch.device, tuple[Tensor, Tensor]] = {}  # a byte of codes → their levels, for the fused kernel
+        self._fused: dict[object, tuple[Tensor, Tensor]] = {}  # a byte of codes → their levels, for the fused kernel
 
     @property
     def width(self) -> int:
@@ -104,7 +104,7 @@ class _Turbo(Scheme):
         the byte table), or None where the kernel does not read this layout (QJL keys; a head_dim whose codes do
         not fill whole bytes)."""
         d, g = self.head_dim, 8 // self.bits if self.bits in (4, 2) else 4
-        if self.qjl or d % (8 if self.bits == 3 else g):
+        if d % (8 if self.bits == 3 or self.qjl else g):
             return None
         device = torch.device(device)
         if device not in self._fused:
@@ -114,6 +114,20 @@ class _Turbo(Scheme):
             padded[:c.numel()] = c
             self._fused[device] = (padded, t.float().contiguous())
         return self._fused[device]
+
+    def fused_signs(self, q: turbo.QTurbo) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """QJL keys' residual for the fused kernel: signs ``[H, rows, D/8]``, ‖r‖·√(π/2)/D float32 ``[H, rows]``,
+        and the sign tables ({-1, +1} padded to 16, ``[256, 8]``)."""
+        h, dev = q.signs.shape[0], q.signs.device
+        if ("signs", dev) not in self._fused:
+            pm = torch.tensor([-1.0, 1.0], device=dev)
+            padded = torch.zeros(16, dtype=torch.float32, device=dev)
+            padded[:2] = pm
+            self._fused[("signs", dev)] = (padded, pm[turbo.byte_fields(1, dev)].float().contiguous())  # [256, 8]
+        rows = q.signs.shape[1] * q.signs.shape[2]
+        signs = q.signs.reshape(h, rows, q.signs.shape[-1])  # [H, rows, D/8]
+        scale = q.rnorm.reshape(h, rows).float() * (turbo.QJL_SCALE / self.head_dim)  # [H, rows]
+        return signs, scale.contiguous(), self._fused[("signs", dev)]
 
     def rotate(self, x: Tensor, layer: int = 0) -> Tensor:
         """Full-precision vectors ``[H, T, D]`` into the rotated read basis ``[H, T, width]`` (exact: QJL keys get
