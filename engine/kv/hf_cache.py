@@ -132,7 +132,10 @@ class _BatchLayer(_OurLayer):
             raise RaggedUnsupported("this model's attention does not hand its arguments to the cache")
         lens = self._cache.lens
         ks, vs = key_states.split(lens, dim=2), value_states.split(lens, dim=2)  # B x [1, H, q_b, D]
-        parts = [store.update(self._idx, k, v) for store, k, v in zip(self._cache.stores, ks, vs)]  # [1, H, n_b, D]
+        # (K [1, H, n_b, D], V, Basis or None): tq pages stay rotated, a decode token's as codes (tq_attend)
+        read = (lambda st, k, v: st.update_in_basis(self._idx, k, v)) if self._cache.rotated_ok else \
+            (lambda st, k, v: (*st.update(self._idx, k, v), None))
+        parts = [read(store, k, v) for store, k, v in zip(self._cache.stores, ks, vs)]
         attn_kwargs[RAGGED_KEY] = (parts, lens)
         return key_states, value_states  # not read: the ragged attention takes the parts
 
@@ -149,8 +152,9 @@ class BatchCache(Cache, PagedAttentionCache):
     ``PagedAttentionCache`` to transformers' mask builder, which then builds none: the ragged attention masks
     each segment itself."""
 
-    def __init__(self, stores: list[KVStore], lens: list[int]) -> None:
+    def __init__(self, stores: list[KVStore], lens: list[int], rotated_ok: bool = True) -> None:
         self.stores, self.lens = stores, lens
+        self.rotated_ok = rotated_ok  # tq pages may be read rotated (the ragged attention turns queries and output)
         Cache.__init__(self, layers=[_BatchLayer(self, i) for i in range(stores[0].num_layers)])
 
 

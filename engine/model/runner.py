@@ -173,7 +173,7 @@ class ModelRunner:
         ids = torch.tensor([[t for w in works for t in w.ids]], dtype=torch.long, device=dev)  # [1, N]
         pos = torch.tensor([[p for w in works for p in range(w.rope, w.rope + w.q)]], device=dev)  # [1, N] RoPE
         last = torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1  # [B] each segment's last token
-        cache = BatchCache([w.kv.store for w in works], lens)
+        cache = BatchCache([w.kv.store for w in works], lens, rotated_ok=ROTATED_READS)
         with torch.inference_mode():
             out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=last)
         self.forwards += 1

@@ -77,6 +77,33 @@ def test_lossy_and_policy_sessions_get_what_they_get_alone(lm):
     assert sessions[1].evicted_total > 0  # the window moved while batched
 
 
+def test_tq_sessions_batched_read_their_pages_as_alone(lm, monkeypatch):
+    """Rotated low-bit sessions join the batch with their pages read as alone: rotated, a decode token's straight
+    from the codes (the fused kernel where it is built), so each reply is the one its session gives by itself."""
+    from engine.kv.quantized import native, tq_attend
+
+    cfgs = [CacheConfig(mode="paged", page_size=8, k_dtype="tq4", v_dtype="tq4"),
+            CacheConfig(mode="paged", page_size=4, k_dtype="tq3-qjl", v_dtype="tq2"),
+            CacheConfig(mode="paged", page_size=16, k_dtype="int4", v_dtype="tq3"),
+            CacheConfig(mode="paged", page_size=16)]
+    n = 60
+    alone = []
+    for c, p in zip(cfgs, PROMPTS):
+        (s,) = _start(lm, [c], n, [p])
+        _run([s])
+        alone.append(s.generated_ids)
+    calls = []
+    run = tq_attend.run
+    monkeypatch.setattr(tq_attend, "run", lambda *a: calls.append(1) or run(*a))
+    sessions = _start(lm, cfgs, n)
+    counts: list[int] = []
+    _run(sessions, counts)
+    assert counts.count(4) >= n - 2
+    assert [s.generated_ids for s in sessions] == alone
+    if native.library() is not None:  # the two all-tq sessions, 5 layers, every batched decode step
+        assert len(calls) >= 2 * 5 * (n - 2)
+
+
 def test_replies_of_different_lengths_and_a_cancel(lm):
     sessions = _start(lm, [CacheConfig()] * 3, 40)
     sessions[1].turn_state.sampling = dataclasses.replace(sessions[1].turn_state.sampling, max_new_tokens=7)

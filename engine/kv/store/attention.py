@@ -93,13 +93,23 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Attention of a batched forward whose sequences' tokens lie end to end: segment b of the queries attends to
     sequence b's own cached K/V (lengths differ, no padding), each with torch's SDPA as the model's own ``sdpa``
     path calls it — one new token sees everything its sequence caches; a prefill chunk is causal, aligned to
-    the end of its K/V. query [1, Hq, N, D]; ``kwargs["kvscope_ragged"]``: (B pairs of [1, Hkv, n_b, D] /
-    [1, Hkv, n_b, Dv], the B segment lengths). Returns ([1, N, Hq, Dv], None)."""
+    the end of its K/V. query [1, Hq, N, D]; ``kwargs["kvscope_ragged"]``: (B triples of [1, Hkv, n_b, D] /
+    [1, Hkv, n_b, Dv] / a ``Basis`` they were left rotated in or None, the B segment lengths); a decode token's tq
+    pages left as codes go to the fused kernel. Returns ([1, N, Hq, Dv], None)."""
     parts, lens = kwargs.pop(RAGGED_KEY, (None, None))
     if parts is None or len(parts) != len(lens) or query.shape[0] != 1 or sum(lens) != query.shape[2]:
         raise RaggedUnsupported("batched forward: the attention did not get each sequence's K/V for its queries")
     outs = []
-    for q, (k, v) in zip(query.split(lens, dim=2), parts):  # q [1, Hq, q_b, D]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5  # the query's own width (QJL keys widen)
+    for q, (k, v, basis) in zip(query.split(lens, dim=2), parts):  # q [1, Hq, q_b, D]
+        if basis is not None:  # tq pages left rotated (engine.kv.quantized.basis)
+            q = basis.queries(q)
+            if basis.fused is not None:
+                o = tq_attend.attend(basis.fused, q, k, None, {"scaling": scaling, **kwargs})
+                if o is not None:
+                    outs.append(basis.outputs(o))  # [1, 1, Hq, Dv]
+                    continue
+                k, v = basis.fused.materialize()
         if k.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
             raise RaggedUnsupported(f"batched forward: cached keys {tuple(k.shape)} do not match queries "
                                     f"{tuple(q.shape)} (the model transforms what it caches)")
@@ -108,7 +118,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         if q_len > 1:  # causal, aligned bottom-right: query i sees keys <= kv_len - q_len + i
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)[None, None]
         o, _ = sdpa(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-        outs.append(o)  # [1, q_b, Hq, Dv]
+        outs.append(o if basis is None else basis.outputs(o))  # [1, q_b, Hq, Dv]
     return torch.cat(outs, 1), None  # [1, N, Hq, Dv]
 
 
