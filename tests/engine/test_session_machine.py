@@ -11,6 +11,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from engine import snapshot as snap
 from engine.config import CacheConfig, SamplingConfig
 from engine.kv.tier import disk as kv_disk
 from engine.kv.paged.prefix import extend_chain
-from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, SessionClosedError
+from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, InternalError, SessionClosedError
 from engine.model.fast_step import machine_refusal
 from engine.core.session import ChatSession
 
@@ -81,6 +82,14 @@ def cache_configs(draw) -> CacheConfig:
     return CacheConfig(mode=mode, page_size=page, k_dtype=k, v_dtype=v, policy=policy, policy_params=params,
                        overflow=overflow, max_pages=max_pages, prefix_reuse=draw(st.booleans()),
                        checkpoints=draw(st.sampled_from([8, 8, 1, 0])))
+
+
+def _no_bug(r) -> None:
+    """An ``InternalError`` is a bug in the engine (nothing in these walks simulates one): fail with its cause's
+    traceback, which the walk's other checks (a forward the runner did not count, a reply that ended) would hide."""
+    if isinstance(r, InternalError):
+        cause = "".join(traceback.format_exception(r.__cause__)) if r.__cause__ is not None else "no cause"
+        raise AssertionError(f"{r}\n{cause}")
 
 
 @dataclass
@@ -178,6 +187,7 @@ class ChatMachine(RuleBasedStateMachine):
         return self._take(chat, r)
 
     def _take(self, chat: Chat, r) -> bool:
+        _no_bug(r)
         if isinstance(r, EngineError):
             assert not chat.session.generating, f"{type(r).__name__} left the reply running"
             self._prove_not_wedged(chat)
@@ -712,6 +722,7 @@ class CoreMachine(ChatMachine):
         self.core.add_task(Task(comp, lambda row: None, self._compare_failed))
 
     def _compare_failed(self, e: BaseException) -> None:
+        _no_bug(e)
         assert isinstance(e, EngineError), e
 
     @rule(i=st.integers(0, 99), method=st.sampled_from(["off", "ngram", "draft"]), k=st.sampled_from([0, 2, 5]))
@@ -758,6 +769,7 @@ class CoreMachine(ChatMachine):
         self.api.remove(req)
         last = req.results[-1]
         if isinstance(last, BaseException):
+            _no_bug(last)
             assert isinstance(last, EngineError), last
         elif last.stop_reason == "max_tokens" and not req.request.preempted:
             got = req.session.generated_ids

@@ -17,24 +17,24 @@ from engine.kv.quantized.schemes import scheme_for
 from engine.model.shapes import build_shape
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.why()}")
-KINDS = ("tq4", "tq3", "tq2")
+KINDS = ("tq4", "tq3", "tq2", "int4")
 QJL = ("tq4-qjl", "tq3-qjl", "tq2-qjl")
 
 
 def _role(kind, role, heads, rows, tail, d, g):
-    """Random vectors quantized as ``kind`` (rows in pages of 16) → RolePages, and the same K/V read back rotated
-    (``[H, rows + tail, W]``; QJL keys: W = 2 D, the tail's second half zero as the store hands it)."""
+    """Random vectors quantized as ``kind`` (rows in pages of 16) → the kernel's RolePages (as the store builds them),
+    and the same K/V as the attention would otherwise read them (``[H, rows + tail, W]``, rotated for tq kinds; QJL
+    keys: W = 2 D)."""
     scheme = scheme_for(kind, role, d, 16)
     q = scheme.quantize(torch.randn(heads, max(rows // 16, 1), 16, d, generator=g), 0)[:, :rows // 16]  # [H, pages, 16, .]
-    exact = scheme.rotate(torch.randn(heads, tail, d, generator=g), 0).contiguous()  # the page being filled
-    codes = q.codes.reshape(heads, rows, q.codes.shape[-1])
-    signs = scheme.fused_signs(q) if scheme.qjl else (None, None, None)
-    pages = tq_attend.RolePages(codes, q.norm.reshape(heads, rows).float().contiguous(), *scheme.fused_table("cpu"),
-                                scheme.bits, exact, *signs)
-    held = torch.empty(heads, rows, scheme.width)
-    if rows:
-        scheme.read_rotated_into(q, held, 0)
-    return pages, torch.cat([held, exact], 1)
+    exact = torch.randn(heads, tail, d, generator=g)  # the page being filled
+    pages, _ = scheme.fused_role(q, exact, 0)
+    if scheme.rotated:
+        held = torch.empty(heads, rows, scheme.width)
+        if rows:
+            scheme.read_rotated_into(q, held, 0)
+        return pages, torch.cat([held, scheme.rotate(exact, 0)], 1)
+    return pages, torch.cat([scheme.dequantize(q, torch.float32).reshape(heads, rows, d), exact], 1)
 
 
 @pytest.mark.parametrize("build", ["this CPU", "portable"])
@@ -68,7 +68,8 @@ def hd64():
     return build_shape("tiny-llama-hd64")
 
 
-@pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4"), ("tq3-qjl", "tq3")])
+@pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4"), ("tq3-qjl", "tq3"), ("int4", "int4"),
+                                 ("int4", "tq3")])
 def test_greedy_chats_are_the_same_with_the_kernel_and_without(hd64, monkeypatch, k, v):
     """head_dim 64, GQA 3 query heads a KV head, 72 prompt tokens (4 pages and a partial one) and 40 new ones."""
     prompt = torch.randint(3, 320, (72,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -120,7 +120,9 @@ class Role(ctypes.Structure):
                 ("bits", ctypes.c_int), ("dim", ctypes.c_int), ("width", ctypes.c_int), ("norms", ctypes.c_void_p),
                 ("levels", ctypes.c_void_p), ("table", ctypes.c_void_p), ("tail", ctypes.c_void_p),
                 ("signs", ctypes.c_void_p), ("sign_head_stride", ctypes.c_int64), ("sign_row_bytes", ctypes.c_int),
-                ("sign_norms", ctypes.c_void_p), ("sign_levels", ctypes.c_void_p), ("sign_table", ctypes.c_void_p)]
+                ("sign_norms", ctypes.c_void_p), ("sign_levels", ctypes.c_void_p), ("sign_table", ctypes.c_void_p),
+                ("mode", ctypes.c_int), ("page_size", ctypes.c_int), ("group", ctypes.c_int),
+                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

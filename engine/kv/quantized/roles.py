@@ -25,7 +25,7 @@ from engine.kv.quantized import quant
 from engine.kv.paged.block_table import SlotPlan
 from engine.kv.paged.pool import FLAG_QUANTIZED, PagePool
 from engine.kv.quantized.schemes import Scheme
-from engine.kv.quantized.tq_attend import RolePages
+from engine.kv.quantized.tq_attend import RolePages  # noqa: F401 - named in a signature
 
 
 @dataclass
@@ -269,7 +269,10 @@ class QuantView:
         role, buf = self.role, self._buf
         P, s = role.page_size, role.shape
         if buf is None or buf.shape[1] < n or buf.shape[2] != width:
-            cap = max(n, 2 * (buf.shape[1] if buf is not None else P))
+            held = buf.shape[1] if buf is not None else 0
+            # doubled only when the tokens outgrow it: a read of another width (QJL keys rotated are 2 D wide, read
+            # back turned D) keeps the size; doubling on every change of width asked for 64 GB after 30 steps
+            cap = held if held >= n else max(n, 2 * max(held, P))
             with torch.inference_mode(False):  # a normal tensor: also written by switches outside a forward
                 buf = torch.empty((role.heads, -(-cap // P) * P, width), dtype=s.dtype, device=s.device)
             self._buf = buf
@@ -306,25 +309,14 @@ class QuantView:
             buf[:, full * P:n].copy_(scheme.rotate(self.tail[layer][:, :fill], layer))  # [H, fill, width]
         return buf[:, :n], scheme.read_map(layer, self.role.heads, buf.device, buf.dtype)
 
-    def read_fused(self, layer: int, n: int, dp: DevicePlan) -> tuple[RolePages, Tensor] | None:
+    def read_fused(self, layer: int, n: int, dp: DevicePlan) -> tuple[RolePages, Tensor | None] | None:
         """Tokens ``[0, n)`` left as codes for the fused decode kernel (``engine.kv.quantized.tq_attend``), with the
-        matrix the attention turns by; None where the kernel does not read this scheme (then ``read_basis``)."""
+        matrix the attention turns by (None: not rotated); None where the kernel does not read this scheme."""
         scheme = self.role.scheme
-        tables = scheme.fused_table(self.role.shape.device) if scheme.rotated else None
-        if tables is None:
+        if not scheme.fusable(self.role.shape.device):
             return None
-        P, H = self.role.page_size, self.role.heads
-        full, fill = divmod(n, P)
-        pages = self._full_pages(layer, full, dp)  # QTurbo [H, full, P, C]
-        codes = pages.codes
-        if codes.stride()[1:] != (P * codes.shape[-1], codes.shape[-1], 1):
-            codes = codes.contiguous()
-        codes = codes.view(H, full * P, codes.shape[-1])  # [H, rows, C]: rows C bytes apart in each head
-        norms = pages.norm.reshape(H, full * P).float().contiguous()  # [H, rows]
-        tail = scheme.rotate(self.tail[layer][:, :fill], layer).float().contiguous()  # [H, fill, D]
-        read_map = scheme.read_map(layer, H, self.role.shape.device, self.role.shape.dtype)
-        signs = scheme.fused_signs(pages) if scheme.qjl else (None, None, None)
-        return RolePages(codes, norms, *tables, scheme.bits, tail, *signs), read_map
+        full, fill = divmod(n, self.role.page_size)
+        return scheme.fused_role(self._full_pages(layer, full, dp), self.tail[layer][:, :fill], layer)
 
     def truncate(self, old_n: int, n: int, dp: DevicePlan) -> None:
         """Keep ``[0, n)``: when the new last page was full (quantized), bring it back to the tail."""

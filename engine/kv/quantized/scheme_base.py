@@ -47,6 +47,15 @@ class Scheme:
     def bytes_per_token(self, kv_heads: int) -> float:
         return sizes.bytes_per_token(self.kind, self.role, kv_heads, self.head_dim, self.page_size)
 
+    def fusable(self, device) -> bool:
+        """The fused decode kernel reads this scheme's pages (``engine.kv.quantized.tq_attend``)."""
+        return False
+
+    def fused_role(self, pages, tail: Tensor, layer: int):
+        """Full pages ``[H, N, P, ...]`` and the exact tail ``[H, fill, D]`` as the kernel reads them:
+        (``tq_attend.RolePages``, the matrix the attention turns by or None)."""
+        raise NotImplementedError
+
     def dequantize_into(self, q: quant.QuantizedPage, out: Tensor, layer: int = 0) -> None:
         """Dequantize pages ``q`` ``[H, N, P, ...]`` into ``out`` ``[H, N*P, D]`` (computed in float32)."""
         out.copy_(self.dequantize(q, out.dtype, layer).reshape(out.shape[0], -1, self.head_dim))

@@ -54,7 +54,28 @@ class Int8ChannelKeys(Scheme):
         torch.mul(q.codes, q.scale.float(), out=out4).add_(q.zero.float())  # × [H, N, 1, D] + zero
 
 
-class Int4Keys(Scheme):
+class _Int4(Scheme):
+    """What the int4 layouts share: the fused decode kernel reads their nibbles as codes 0..15."""
+
+    _tables: dict = {}
+
+    def fusable(self, device) -> bool:
+        return self.head_dim % 2 == 0 and self.head_dim % self._group() == 0
+
+    def _group(self) -> int:
+        return self.head_dim
+
+    def _codes(self, device) -> tuple[Tensor, Tensor]:
+        """The levels 0..15 and the byte table ``[256, 2]`` (low nibble, high nibble)."""
+        key = torch.device(device)
+        if key not in _Int4._tables:
+            b = torch.arange(256, device=key)
+            _Int4._tables[key] = (torch.arange(16, dtype=torch.float32, device=key),
+                                  torch.stack([b & 15, b >> 4], 1).float().contiguous())
+        return _Int4._tables[key]
+
+
+class Int4Keys(_Int4):
     """int4 keys per channel over the page (KIVI), two codes per byte."""
 
     name, kind, role = sizes.INT4_KEYS, "int4", "k"
@@ -63,14 +84,40 @@ class Int4Keys(Scheme):
     def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int4_keys(x)
 
+    def fused_role(self, pages: quant.QInt4, tail: Tensor, layer: int):
+        from engine.kv.quantized import tq_attend
 
-class Int4Values(Scheme):
+        h, n = pages.codes.shape[:2]
+        scale = pages.scale.reshape(h, n, self.head_dim).float().contiguous()  # [H, N, D] per page and channel
+        zero = pages.zero.reshape(h, n, self.head_dim).float().contiguous()
+        role = tq_attend.RolePages(tq_attend.row_view(pages.codes), None, *self._codes(pages.codes.device), 4,
+                                   tail.float().contiguous(), mode=tq_attend.INT4_KEYS, page_size=self.page_size,
+                                   scale=scale, zero=zero)
+        return role, None
+
+
+class Int4Values(_Int4):
     """int4 values per token in groups of 32 channels (KIVI), two codes per byte."""
 
     name, kind, role = sizes.INT4_VALUES, "int4", "v"
 
     def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int4_values(x, sizes.INT4_VALUE_GROUP)
+
+    def _group(self) -> int:
+        return min(sizes.INT4_VALUE_GROUP, self.head_dim)
+
+    def fused_role(self, pages: quant.QInt4, tail: Tensor, layer: int):
+        from engine.kv.quantized import tq_attend
+
+        h, rows = pages.codes.shape[0], pages.codes.shape[1] * pages.codes.shape[2]
+        groups = self.head_dim // self._group()
+        scale = pages.scale.reshape(h, rows, groups).float().contiguous()  # [H, rows, G] per token and group
+        zero = pages.zero.reshape(h, rows, groups).float().contiguous()
+        role = tq_attend.RolePages(tq_attend.row_view(pages.codes), None, *self._codes(pages.codes.device), 4,
+                                   tail.float().contiguous(), mode=tq_attend.INT4_VALUES, group=self._group(),
+                                   scale=scale, zero=zero)
+        return role, None
 
 
 def scheme_for(kind: str, role: str, head_dim: int, page_size: int) -> Scheme:

@@ -19,6 +19,9 @@ from torch import Tensor
 from engine.kv.quantized import native
 
 
+TQ, INT4_KEYS, INT4_VALUES = 0, 1, 2  # RolePages.mode: how a row's levels become the vector
+
+
 @dataclass(frozen=True, eq=False)
 class RolePages:
     """One role's tokens ``[0, n)`` of one layer as the kernel reads them.
@@ -31,6 +34,9 @@ class RolePages:
            2 D for QJL keys, whose second half is zero there)
     signs  QJL keys: uint8 ``[H, rows, D/8]`` the residual's signs, and ``sign_norms`` float32 ``[H, rows]``
            (‖r‖·√(π/2)/D), ``sign_tables`` ({-1, +1} padded to 16, ``[256, 8]``); else None
+    mode   ``TQ`` (levels × norm), ``INT4_KEYS`` (code × scale + zero, ``scale`` / ``zero`` float32
+           ``[H, pages, D]``, per page and channel; ``norms`` unused) or ``INT4_VALUES`` (``[H, rows, D / group]``,
+           per token and group of channels)
     """
 
     codes: Tensor
@@ -42,6 +48,11 @@ class RolePages:
     signs: Tensor | None = None
     sign_norms: Tensor | None = None
     sign_tables: tuple[Tensor, Tensor] | None = None
+    mode: int = 0
+    page_size: int = 0
+    group: int = 0
+    scale: Tensor | None = None
+    zero: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -61,7 +72,8 @@ class RolePages:
         return native.Role(_ptr(self.codes), self.codes.stride(0), self.codes.shape[2], self.bits, self.dim,
                            self.width, _ptr(self.norms), _ptr(self.levels), _ptr(self.table), _ptr(self.tail),
                            _ptr(signs), 0 if signs is None else signs.stride(0),
-                           0 if signs is None else signs.shape[2], _ptr(self.sign_norms), _ptr(sl), _ptr(st))
+                           0 if signs is None else signs.shape[2], _ptr(self.sign_norms), _ptr(sl), _ptr(st),
+                           self.mode, self.page_size, self.group, _ptr(self.scale), _ptr(self.zero))
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +85,14 @@ class FusedPages:
     values: RolePages
     key_placeholder: Tensor
     materialize: Callable[[], tuple[Tensor, Tensor]]
+
+
+def row_view(codes: Tensor) -> Tensor:
+    """Pages' codes ``[H, N, P, C]`` as ``[H, N*P, C]`` rows ``C`` bytes apart in each head (copied if they are not)."""
+    h, n, p, c = codes.shape
+    if codes.stride()[1:] != (p * c, c, 1):
+        codes = codes.contiguous()
+    return codes.view(h, n * p, c)
 
 
 def placeholder(heads: int, n: int, dim: int, dtype: torch.dtype, device) -> Tensor:

@@ -169,6 +169,16 @@ static inline void axpy(float w, const float *x, float *y, int d) {
     for (int i = 0; i < d; i++) y[i] += w * x[i];
 }
 
+static inline void axpyb(float a, const float *x, float b, float *y, int d) {  /* y += a x + b */
+#ifdef KVS_VECTORS
+    if ((d & 15) == 0) {
+        for (int i = 0; i < d; i += 16) *(v16u *)(y + i) += a * *(const v16u *)(x + i) + b;
+        return;
+    }
+#endif
+    for (int i = 0; i < d; i++) y[i] += a * x[i] + b;
+}
+
 /* In place. Sixteen running maxima and sums (one per lane) so the loops vectorize without reassociation flags. */
 static void softmax(float *x, int64_t len) {
     float m[16], sum[16];
@@ -199,6 +209,10 @@ typedef struct {
     const float *sign_norms;  /* [hk, n]: ||r|| sqrt(pi/2) / dim */
     const float *sign_levels;  /* {-1, +1, 0, ...} */
     const float *sign_table;  /* [256, 8] */
+    int mode;  /* 0: level x norm (tq); 1: code x scale + zero per page and channel (int4 keys, KIVI);
+                  2: code x scale + zero per token and group of channels (int4 values) */
+    int page_size, group;
+    const float *scale, *zero;  /* mode 1: [hk, n / page_size, dim]; mode 2: [hk, n, dim / group] */
 } kvs_role;
 
 /* One KV head h of one decode step. q [rep, k->width] (rotated, scaled), out [rep, v->dim] (rotated; zeroed here).
@@ -206,14 +220,27 @@ typedef struct {
 static int head(int h, int rep, const float *q, int64_t n, int64_t nt, const kvs_role *k, const kvs_role *v,
                 float *s, float *out) {
     float lv[1024] __attribute__((aligned(64))), zv[1024] __attribute__((aligned(64)));
+    float qs[4096] __attribute__((aligned(64))), cst[64];  /* int4 keys: the queries times the page's scales */
     const int dk = k->dim, wk = k->width, dv = v->dim;
     const int64_t len = n + nt;
-    if (dk > 1024 || dv > 1024) return -1;
+    if (dk > 1024 || dv > 1024 || (k->mode == 1 && (rep * dk > 4096 || rep > 64))) return -1;
     const uint8_t *kc = k->codes + h * k->head_stride, *vc = v->codes + h * v->head_stride;
-    const float *kn = k->norms + h * n, *vn = v->norms + h * n;
+    const float *kn = k->mode == 0 ? k->norms + h * n : 0, *vn = v->mode == 0 ? v->norms + h * n : 0;
     const float *kt = k->tail + h * nt * wk, *vt = v->tail + h * nt * dv;
     for (int64_t i = 0; i < n; i++) {
         levels(kc + i * k->row_bytes, k->bits, dk, k->levels, k->table, lv);
+        if (k->mode == 1) {  /* q . (code s + z) = (q s) . code + q . z, s and z the page's */
+            if (i % k->page_size == 0) {
+                const int64_t pg = h * (n / k->page_size) + i / k->page_size;
+                const float *sc = k->scale + pg * dk, *zr = k->zero + pg * dk;
+                for (int r = 0; r < rep; r++) {
+                    for (int c = 0; c < dk; c++) qs[r * dk + c] = q[r * wk + c] * sc[c];
+                    cst[r] = dot(q + r * wk, zr, dk);
+                }
+            }
+            for (int r = 0; r < rep; r++) s[r * len + i] = dot(qs + r * dk, lv, dk) + cst[r];
+            continue;
+        }
         for (int r = 0; r < rep; r++) s[r * len + i] = dot(q + r * wk, lv, dk) * kn[i];
         if (k->signs) {  /* QJL: + q_proj . (alpha ||r|| z) */
             levels(k->signs + h * k->sign_head_stride + i * k->sign_row_bytes, 1, dk, k->sign_levels, k->sign_table,
@@ -228,6 +255,16 @@ static int head(int h, int rep, const float *q, int64_t n, int64_t nt, const kvs
     memset(out, 0, sizeof(float) * rep * dv);
     for (int64_t i = 0; i < n; i++) {
         levels(vc + i * v->row_bytes, v->bits, dv, v->levels, v->table, lv);
+        if (v->mode == 2) {  /* p (code s + z), s and z the token's group's */
+            const int ng = dv / v->group;
+            const float *sc = v->scale + (h * n + i) * ng, *zr = v->zero + (h * n + i) * ng;
+            for (int r = 0; r < rep; r++) {
+                const float p = s[r * len + i];
+                for (int g = 0; g < ng; g++)
+                    axpyb(p * sc[g], lv + g * v->group, p * zr[g], out + r * dv + g * v->group, v->group);
+            }
+            continue;
+        }
         for (int r = 0; r < rep; r++) axpy(s[r * len + i] * vn[i], lv, out + r * dv, dv);
     }
     for (int64_t i = 0; i < nt; i++)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from engine.kv.paged import sizes
-from engine.kv.quantized import codebook, rotation, turbo
+from engine.kv.quantized import codebook, rotation, tq_attend, turbo
 from engine.kv.quantized.scheme_base import Scheme
 
 
@@ -114,6 +114,19 @@ class _Turbo(Scheme):
             padded[:c.numel()] = c
             self._fused[device] = (padded, t.float().contiguous())
         return self._fused[device]
+
+    def fusable(self, device) -> bool:
+        return self.fused_table(device) is not None
+
+    def fused_role(self, pages: turbo.QTurbo, tail: Tensor, layer: int):
+        h, dev = pages.codes.shape[0], pages.codes.device
+        rows = pages.codes.shape[1] * pages.codes.shape[2]
+        codes = tq_attend.row_view(pages.codes)  # [H, rows, C]
+        norms = pages.norm.reshape(h, rows).float().contiguous()  # [H, rows]
+        exact = self.rotate(tail, layer).float().contiguous()  # [H, fill, width]
+        signs = self.fused_signs(pages) if self.qjl else (None, None, None)
+        role = tq_attend.RolePages(codes, norms, *self.fused_table(dev), self.bits, exact, *signs)
+        return role, self.read_map(layer, h, dev, tail.dtype)
 
     def fused_signs(self, q: turbo.QTurbo) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """QJL keys' residual for the fused kernel: signs ``[H, rows, D/8]``, ‖r‖·√(π/2)/D float32 ``[H, rows]``,

@@ -77,6 +77,11 @@ class PageArena:
         return any(role.quantized and role.scheme.rotated for role in self.roles.values())
 
     @property
+    def fusable(self) -> bool:
+        """The fused decode kernel reads both K and V pages (tq and int4 kinds: ``engine.kv.quantized.tq_attend``)."""
+        return all(role.quantized and role.scheme.fusable(self.shape.device) for role in self.roles.values())
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page across all layers (K and V), as stored."""
         return self.shape.num_layers * sum(role.page_bytes() for role in self.roles.values())

@@ -268,24 +268,26 @@ class PagedKV(KVStore):
 
     def update_in_basis(self, layer, k, v):
         """Rotated pages (tq kinds) are read back rotated: one ``[D, D]`` turn of the query and of the output instead
-        of one per cached token (``engine.kv.quantized.basis``)."""
-        if not self.arena.rotated:
+        of one per cached token (``engine.kv.quantized.basis``); a decode token's tq and int4 pages are left as
+        codes for the fused kernel (``engine.kv.quantized.tq_attend``)."""
+        fusable = self._n_new == 1 and self.arena.fusable and native.library() is not None
+        if not (self.arena.rotated or fusable):
             return (*self.update(layer, k, v), None)
         if self._write(layer, k, v) == 0:
             return k, v, None
         n, dp = self._n_before + self._n_new, self._dp
-        fused = self._read_fused(layer, n, dp, k) if self._n_new == 1 else None
+        fused = self._read_fused(layer, n, dp, k) if fusable else None
         if fused is not None:
             return fused
+        if not self.arena.rotated:
+            return self.views["k"].read(layer, n, dp)[None], self.views["v"].read(layer, n, dp)[None], None
         kk, mk = self.views["k"].read_basis(layer, n, dp)  # [H, n, Dk'], [H, Dk', Dk] or None
         vv, mv = self.views["v"].read_basis(layer, n, dp)
         return kk[None], vv[None], Basis(mk, mv)
 
     def _read_fused(self, layer, n, dp, k):
-        """A decode step's pages left as codes for the fused tq kernel (both roles rotated low-bit kinds it reads,
-        the kernel built): placeholders for K/V and the pages in the ``Basis``; None: read them as tensors."""
-        if native.library() is None:
-            return None
+        """A decode step's pages left as codes for the fused kernel (both roles kinds it reads, the kernel built):
+        placeholders for K/V and the pages in the ``Basis``; None: read them as tensors."""
         kf, vf = self.views["k"].read_fused(layer, n, dp), self.views["v"].read_fused(layer, n, dp)
         if kf is None or vf is None:
             return None
