@@ -47,15 +47,17 @@ KV_DTYPES = {
                  "Quality: near-exact (usually the same words)."),
     "int4": Term("4-bit (int4, KIVI)", "4-bit",
                  "Stores full pages as 4-bit codes (KIVI: keys per channel, values per token); the page being "
-                 "filled stays exact.\nMemory: about a quarter of float32.  Speed: slower (decoding the codes).\n"
+                 "filled stays exact.\nMemory: about a quarter of float32.  Speed: decoding reads the codes in a "
+                 "fused kernel (built once with the machine's C compiler): about as fast as full precision at "
+                 "2,048 tokens; without a compiler, slower (decoding the codes).\n"
                  "Quality: small drift; long replies may diverge."),
     **{f"tq{b}": Term(f"{b}-bit rotated (tq{b})", f"{b}-bit rotated",
                       "TurboQuant: turns each key or value by a random rotation, then keeps "
                       f"{b} bits a number from a codebook made for rotated vectors, and the vector's length; the "
                       "page being filled stays exact.\n"
                       f"Memory: {ratio} of 16-bit at head size 64 (int4: 0.34).  Speed: decoding reads the "
-                      "codes in a fused kernel (built once with the machine's C compiler): about 0.85 of full "
-                      "precision at 2,048 tokens, faster than int4; without a compiler, slower than int4.\n"
+                      "codes in a fused kernel (built once with the machine's C compiler): about as fast as full "
+                      "precision at 2,048 tokens; without a compiler, slower than int4.\n"
                       f"Quality: {quality}")
        for b, ratio, quality in (
            (4, "0.27", "values near-exact; keys lose more than int4's on small heads (stories260K's 8)."),
@@ -66,7 +68,7 @@ KV_DTYPES = {
                           f"Keys only: {b - 1} bits of codebook and a 1-bit sign of what they missed (QJL, "
                           "TurboQuant's inner-product form), so query·key is right on average.\n"
                           f"Memory: as tq{b} plus one number a vector.  Speed: a little slower than tq{b} "
-                          "(the signs are read too: about 0.7 of full precision at 2,048 tokens).\n"
+                          "(the signs are read too: about 0.9 of full precision at 2,048 tokens).\n"
                           "Quality: unbiased but noisier than tq at the same bits: attention's softmax "
                           "amplifies the noise.")
        for b in (4, 3, 2)},
