@@ -43,6 +43,16 @@ def _run(sessions, counts=None):
     return out
 
 
+def _alone(lm, cfgs, n) -> list[list[int]]:
+    """Each setting's reply to its prompt when its session runs by itself."""
+    out = []
+    for c, p in zip(cfgs, PROMPTS):
+        (s,) = _start(lm, [c], n, [p])
+        _run([s])
+        out.append(s.generated_ids)
+    return out
+
+
 def test_four_sessions_with_different_settings_decode_together_exactly(lm):
     n = 300
     cfgs = [CacheConfig(mode="paged", page_size=16), CacheConfig(mode="paged", page_size=3),
@@ -64,11 +74,7 @@ def test_lossy_and_policy_sessions_get_what_they_get_alone(lm):
             CacheConfig(mode="paged", page_size=8, policy="h2o", policy_params={"budget": 32, "recent": 8}),
             CacheConfig(mode="paged", page_size=16)]
     n = 80
-    alone = []
-    for c, p in zip(cfgs, PROMPTS):
-        (s,) = _start(lm, [c], n, [p])
-        _run([s])
-        alone.append(s.generated_ids)
+    alone = _alone(lm, cfgs, n)
     sessions = _start(lm, cfgs, n)
     counts: list[int] = []
     _run(sessions, counts)
@@ -87,11 +93,7 @@ def test_tq_sessions_batched_read_their_pages_as_alone(lm, monkeypatch):
             CacheConfig(mode="paged", page_size=16, k_dtype="int4", v_dtype="tq3"),
             CacheConfig(mode="paged", page_size=16)]
     n = 60
-    alone = []
-    for c, p in zip(cfgs, PROMPTS):
-        (s,) = _start(lm, [c], n, [p])
-        _run([s])
-        alone.append(s.generated_ids)
+    alone = _alone(lm, cfgs, n)
     calls = []
     run = tq_attend.run
     monkeypatch.setattr(tq_attend, "run", lambda *a: calls.append(1) or run(*a))
