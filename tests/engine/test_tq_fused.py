@@ -12,7 +12,7 @@ import torch
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
-from engine.kv.quantized import native, tq_attend, turbo
+from engine.kv.quantized import native, tq_attend
 from engine.kv.quantized.schemes import scheme_for
 from engine.model.shapes import build_shape
 
@@ -113,3 +113,20 @@ def test_no_compiler_leaves_the_torch_path_and_says_why_once(monkeypatch, tmp_pa
     assert [r.getMessage() for r in caplog.records] == [
         "KV kernels: the fused tq attention is off, the torch path runs instead (false failed: exit status 1)"]
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cc = native._compiler()
+    target = native.cached_path(cc, ())
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not a shared library")  # cut short, or copied in from elsewhere
+    lib = native.load(())
+    g = torch.Generator().manual_seed(5)
+    kp, k = _role("tq4", "k", 1, 16, 2, 64, g)
+    vp, v = _role("int4", "v", 1, 16, 2, 64, g)
+    q = torch.randn(2, 64, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)
+    assert torch.allclose(tq_attend.run(lib, q * 64 ** -0.5, kp, vp), want[0, :, 0], atol=2e-6)
+    assert target.read_bytes()[:4] == b"\x7fELF" or target.stat().st_size > 1000
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no build folder left behind

@@ -58,9 +58,11 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, tune: tuple[str, ...], target: Path) -> None:
-    """Compile into a temporary file and rename it into place (a concurrent build of the same hash is harmless)."""
+    """Compile into a temporary folder beside ``target`` and rename the library into place: a rename is atomic
+    only within one file system (a /tmp on tmpfs and a home on disk: EXDEV), and a concurrent build of the same hash
+    then only replaces one whole file with another."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvscope-native-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
         src = Path(tmp) / "kernels.c"
         src.write_text(tq_kernel.SOURCE)
         out = Path(tmp) / "kernels.so"
@@ -78,11 +80,22 @@ def load(tune: tuple[str, ...] = TUNE) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    key = hashlib.sha256("\0".join((tq_kernel.SOURCE, *FLAGS, *tune, cc, _cpu())).encode()).hexdigest()[:20]
-    target = cache_dir() / f"kernels-{key}.so"
+    target = cached_path(cc, tune)
     if not target.exists():
         _build(cc, tune, target)
-    return _declare(ctypes.CDLL(str(target)))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:  # a cached file that does not load (cut short by a full disk, copied in): built again, once
+        target.unlink(missing_ok=True)
+        _build(cc, tune, target)
+        lib = ctypes.CDLL(str(target))
+    return _declare(lib)
+
+
+def cached_path(cc: str, tune: tuple[str, ...] = TUNE) -> Path:
+    """Where the library built by ``cc`` with ``tune`` for this CPU is kept."""
+    key = hashlib.sha256("\0".join((tq_kernel.SOURCE, *FLAGS, *tune, cc, _cpu())).encode()).hexdigest()[:20]
+    return cache_dir() / f"kernels-{key}.so"
 
 
 def library() -> ctypes.CDLL | None:

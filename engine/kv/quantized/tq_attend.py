@@ -1,6 +1,7 @@
-"""Fused decode attention over rotated low-bit pages: one new token's attention read straight from the codes.
+"""Fused decode attention over quantized pages (tq kinds, rotated; int4, KIVI): one new token's attention read
+straight from the codes.
 
-The cache hands a decode step's rotated K/V over as ``FusedPages`` (codes, norms and the exact tail of each role,
+The cache hands a decode step's K/V over as ``FusedPages`` (codes, norms and the exact tail of each role,
 ``QuantView.read_fused``) with placeholders in place of the K/V tensors; the attention (``attend``) runs the native
 kernel (``engine.kv.quantized.tq_kernel``) on them in the rotated basis, or, where it cannot (a mask that hides
 tokens, soft-capping, attention sinks, a model that changed what the cache returned), reads the pages as before

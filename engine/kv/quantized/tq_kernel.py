@@ -1,4 +1,4 @@
-"""The C source of the fused decode attention over rotated low-bit pages (built by ``engine.kv.quantized.native``).
+"""The C source of the fused decode attention over tq and int4 pages (built by ``engine.kv.quantized.native``).
 
 One new query token per sequence attends to its cached tokens straight from their codes: each cached row is turned
 into its levels once (a byte → levels table, in L1), dotted with the ``rep`` query heads that share its KV head
