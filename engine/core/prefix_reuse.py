@@ -180,8 +180,9 @@ class PrefixReuse:
         if j * P <= keep:
             self.truncate(keep)
             return keep, 0, _disk_used(disk, in_memory, 0, 0, P), (len(full) * P, why)
-        self.truncate(0)
-        store.take_prefix(self.chain, j, full, self.shelf, owner)
+        if not store.take_prefix(self.chain, j, lambda: self.truncate(0), self.shelf, owner):
+            self.truncate(keep)  # a page left memory while the disk tier filled another (not expected)
+            return keep, 0, _disk_used(disk, in_memory, 0, 0, P), (len(full) * P, "window")
         self.index.append(j * P)
         self.evictor.scores.grow(j * P)
         return keep, j * P - keep, _disk_used(disk, in_memory, j, keep, P), (len(full) * P, why)

@@ -180,3 +180,50 @@ def test_last_message_at_finds_where_the_last_message_starts(stories):
     assert tok.decode(ids[at:]).startswith("User: Tell me a story.")
     assert last_message_at(tok, msgs, len(ids) + 5, len(ids)) == at + 5  # a splice before it: the tail is the same
     assert last_message_at(tok, msgs[-1:], len(ids), len(ids)) == -1
+
+
+@pytest.mark.parametrize("first,cut", [(106, 104), (60, 40), (120, 100)])
+def test_a_branch_from_the_prefix_cache_outlives_the_checkpoints_it_drops(first, cut):
+    """A branch before the live window, served by the prefix cache: going there drops the chat's checkpoints,
+    and the window pages only a checkpoint still held go back to their arena, which may shrink then and forget
+    the named free pages above those in use. The pages are held by name before that: the window holds them
+    after, and the tokens are HF's (before, the window came back empty and the branch read no window)."""
+    m, lm = tiny("gemma3_text", vocab_size=256)
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
+    p1 = [5 + (i * 7) % 200 for i in range(first)]
+    _, g1 = reply(s, p1, 2)
+    fed = p1 + g1[:1]
+    branch = fed[:cut] + [13]
+    reused, got = reply(s, branch, 3)
+    assert got == hf_greedy(m, branch, 3) and reused == cut
+    win = next(iter(s.cache.store.windows.values()))
+    assert win.held >= 8 - 1 and win.end == len(branch) + 2  # its window, then the 3 tokens' feeds but the last
+    s.close()
+    for arena in lm.arenas:
+        assert arena.pool.num_used == 0
+
+
+def test_a_setting_whose_page_limit_cannot_hold_the_checkpoints_drops_them_and_keeps_the_count():
+    """A new setting whose page limit holds the chat but not its checkpoints' windows: the checkpoints that do
+    not fit are left out (a later branch recomputes more), the switch goes through, and no page is left held
+    by nobody (before, the pages copied for the first checkpoints stayed taken after the switch failed)."""
+    from test_session_machine import check_pages
+
+    m, lm = tiny("gemma3_text", vocab_size=256)
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
+    p1 = [5 + (i * 7) % 200 for i in range(20)]
+    _, g1 = reply(s, p1, 4)
+    p2 = p1 + g1 + [9, 10]
+    _, g2 = reply(s, p2, 2)
+    before = s.cache.store.checkpoint_positions()
+    assert len(before) >= 2 and s.cache.index.n <= 32
+    s.apply(CacheConfig(mode="paged", page_size=16, max_pages=2))  # the chat: 2 pages; the window: 1 of its own
+    check_pages(lm, [s])
+    after = s.cache.store.checkpoint_positions()
+    assert set(after) < set(before)  # the newest that fit are kept
+    follow = p2 + g2 + [12, 13]
+    reused, got = reply(s, follow, 3)
+    assert reused == len(p2) + len(g2) - 1 and got == hf_greedy(m, follow, 3)
+    s.close()
+    for arena in lm.arenas:
+        assert arena.pool.num_used == 0

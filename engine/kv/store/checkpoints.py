@@ -90,16 +90,40 @@ class Checkpoints:
         for p in [p for p in self._by_pos if p > n]:
             self._by_pos.pop(p).release()
 
+    def drop_oldest_with_windows(self) -> bool:
+        """Drop the oldest checkpoint that holds window pages (their arena is full). False if none does."""
+        for p in sorted(self._by_pos):
+            if self._by_pos[p].windows:
+                self._by_pos.pop(p).release()
+                return True
+        return False
+
     def clear(self) -> None:
         for cp in self._by_pos.values():
             cp.release()
         self._by_pos.clear()
 
-    def moved(self, states, windows) -> "Checkpoints":
+    def moved(self, states, windows, limit: int | None = None, skip: tuple = ()) -> "Checkpoints":
         """The same checkpoints, each states copy passed through ``states`` and each window through ``windows``:
-        a fork (new refs to the same pages), or to host memory and back. This set is left as it was."""
-        other = Checkpoints(self.limit)
-        other._by_pos = {p: Checkpoint(p, None if c.states is None else states(c.states), c.nbytes,
-                                       {w: windows(w, kept) for w, kept in c.windows.items()})
-                         for p, c in self._by_pos.items()}
+        a fork (new refs to the same pages), into another store's arena, or to host memory and back. This set is
+        left as it was. At most ``limit`` are kept (default: this set's). A checkpoint whose window raises one of
+        ``skip`` (an arena with no room for it) is left out with the pages it had taken: it only saves a later
+        recompute. Any other error gives back every page taken and propagates."""
+        other = Checkpoints(self.limit if limit is None else limit)
+        try:
+            for p in sorted(self._by_pos)[len(self._by_pos) - other.limit:] if other.limit else []:
+                c, made = self._by_pos[p], {}
+                try:
+                    for w, kept in c.windows.items():
+                        made[w] = windows(w, kept)
+                except skip:
+                    Checkpoint(p, None, 0, made).release()
+                    continue
+                except BaseException:
+                    Checkpoint(p, None, 0, made).release()
+                    raise
+                other.add(Checkpoint(p, None if c.states is None else states(c.states), c.nbytes, made))
+        except BaseException:
+            other.clear()
+            raise
         return other

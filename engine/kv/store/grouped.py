@@ -177,9 +177,30 @@ class GroupedKV(GroupedPrefix, KVStore):
         return ([self.full] if self.full is not None else []) + list(self.windows.values())
 
     def can_reserve(self, q: int) -> bool:
-        return all(p.can_reserve(q) for p in self._parts())
+        """Every part can take ``q`` tokens, counting the window pages only checkpoints hold as free (``reserve``
+        lets checkpoints go for the live cache)."""
+        if self.full is not None and not self.full.can_reserve(q):
+            return False
+        for w, win in self.windows.items():
+            spare = len({p for cp in self.checkpoints for p in cp.windows[w].pages()} - win.pages())
+            if not win.arena.can_provide(win.inner.table.pages_needed(q) - spare):
+                return False
+        return True
 
     def reserve(self, q: int, owner: int = -1) -> None:
+        """Room for ``q`` tokens in every part, or a typed error and nothing changed. Checkpoints give way: while
+        an arena is full and a checkpoint holds window pages, the oldest is dropped (a later branch to it
+        recomputes; the chat's own tokens come first)."""
+        while True:
+            try:
+                return self._reserve(q, owner)
+            except CacheCapacityError:
+                if self.full is not None and not self.full.can_reserve(q):
+                    raise  # the full layers' arena: no checkpoint holds pages there
+                if not self.checkpoints.drop_oldest_with_windows():
+                    raise
+
+    def _reserve(self, q: int, owner: int) -> None:
         done = []
         try:
             for part in self._parts():
@@ -263,7 +284,8 @@ class GroupedKV(GroupedPrefix, KVStore):
         if self.states:
             dst.states.restore(self.states.snapshot())  # dst's own objects: the source is freed next
         dst._fed = self._fed
-        dst.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: dst._moved_window(w, kept))
+        dst.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: dst._moved_window(w, kept),
+                                                 limit=dst.checkpoints.limit, skip=(CacheCapacityError,))
         return self.num_tokens
 
     def fork(self, session_id: int = -1) -> "GroupedKV":
@@ -311,7 +333,8 @@ class GroupedKV(GroupedPrefix, KVStore):
         if self.states and parts["states"] is not None:
             self.states.restore(parts["states"])
         self._fed = parts["fed"]
-        self.checkpoints = parts["checkpoints"].moved(lambda st: self.states.moved(st, None), self._window_from_host)
+        self.checkpoints = parts["checkpoints"].moved(lambda st: self.states.moved(st, None), self._window_from_host,
+                                                      skip=(CacheCapacityError,))
 
     def _window_from_host(self, w: int, host) -> WindowKV:
         kept = WindowKV(self.windows[w].arena, w, self.windows[w].inner.table.session_id)

@@ -15,6 +15,7 @@ The sequence's cache is the one writer of what it takes; the pools and the shelf
 
 from __future__ import annotations
 
+from engine.kv.paged.block_table import BlockTable
 from engine.kv.paged.prefix import cached_run
 from engine.kv.store.storage import PagedKV
 
@@ -78,19 +79,36 @@ class GroupedPrefix:
         return not self.states or (j > 0 and shelf is not None and shelf.get(self.prefix_page_size, chain[j - 1])
                                    is not None)
 
-    def take_prefix(self, chain: list[bytes], j: int, full_pages: list[int], shelf, owner: int = -1) -> None:
-        """Hold the first ``j`` full pages' prefix (``available``; ``full_pages``: the full part's pages of it)
-        instead of whatever this cache held. Nothing of this store is kept; ``_fed`` is ``j * P`` after."""
-        self.truncate(0)
-        if self.full is not None:
-            self.full.adopt(full_pages[:j], owner=owner)
-        for win in self.windows.values():
-            first, names = self.window_pages_at(win, chain, j)
-            win.inner.adopt(cached_run(win.arena.pool, names, 0), owner=owner)
-            win.base = first * win.arena.page_size
-        if self.states:
-            self.states.restore(shelf.get(self.prefix_page_size, chain[j - 1]))
-        self._fed = j * self.prefix_page_size
+    def take_prefix(self, chain: list[bytes], j: int, let_go, shelf, owner: int = -1) -> bool:
+        """Hold the first ``j`` full pages' prefix (``available``) instead of whatever this cache held; ``let_go()``
+        lets go of this cache's tokens (its caller's index with them). Nothing of this store is kept; ``_fed`` is
+        ``j * P`` after. The pages are found by name and held before ``let_go``: it drops this cache's checkpoints,
+        and a window page given back then may trim its arena, which forgets the named free pages above the pages
+        still in use — a page list found before would point at pages that no longer hold the prefix. False (and
+        ``let_go`` not called) if a page is gone since ``available``."""
+        parts = ([(self.full, chain[:j])] if self.full is not None else []) + \
+            [(win.inner, self.window_pages_at(win, chain, j)[1]) for win in self.windows.values()]
+        pins = []
+        try:
+            for part, names in parts:
+                pin = BlockTable(part.arena.pool, part.table.session_id)
+                pin.adopt(cached_run(part.arena.pool, names, 0), owner=owner)
+                pins.append(pin)
+                if len(pin.pages) < len(names):
+                    return False
+            let_go()
+            self.truncate(0)
+            for (part, _), pin in zip(parts, pins):
+                part.adopt(pin.pages, owner=owner)
+            for win in self.windows.values():
+                win.base = self.window_pages_at(win, chain, j)[0] * win.arena.page_size
+            if self.states:
+                self.states.restore(shelf.get(self.prefix_page_size, chain[j - 1]))
+            self._fed = j * self.prefix_page_size
+            return True
+        finally:
+            for pin in pins:  # the parts hold them now (or nobody asked for them)
+                pin.truncate(0)
 
     def share_states(self, chain: list[bytes], shelf) -> bool:
         """Keep the states at ``_fed`` (a page boundary named by ``chain``) on the model's shelf."""
