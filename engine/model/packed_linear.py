@@ -23,6 +23,8 @@ import threading
 import torch
 from torch import nn
 
+from engine.model import linear_kernel
+
 BLOCK = 16  # outputs per block: one AVX-512 vector of float32
 BLOCKED_MAX_ROWS = 64  # more rows than this (a prompt chunk): oneDNN on the plain layout restored for the call
 
@@ -48,6 +50,8 @@ def _blocked(x: torch.Tensor, wb: torch.Tensor, b: torch.Tensor | None) -> torch
     rows = x2.shape[0]
     if rows > BLOCKED_MAX_ROWS:
         y = _onednn(x2, unblock(wb), b)  # [rows, out]
+    elif linear_kernel.usable(x2, wb):
+        y = linear_kernel.product(x2, wb, b)  # [rows, out]: a batched decode step, each block's weights read once
     else:
         y = torch.matmul(x2, wb).transpose(0, 1).reshape(rows, -1)  # [out/B, rows, B] -> [rows, out]
         if b is not None:

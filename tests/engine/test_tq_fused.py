@@ -104,14 +104,13 @@ def test_a_mask_that_hides_tokens_or_more_queries_take_the_torch_path():
 def test_no_compiler_leaves_the_torch_path_and_says_why_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_why", None)
+    monkeypatch.setattr(native, "TQ", native.Native("kernels", native.tq_kernel.SOURCE, native._declare,
+                                                    "the fused tq attention"))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.library() is None and native.library() is None
     assert native.why() == "false failed: exit status 1"
     assert [r.getMessage() for r in caplog.records] == [
-        "KV kernels: the fused tq attention is off, the torch path runs instead (false failed: exit status 1)"]
+        "native kernels for the fused tq attention are off, the torch path runs instead (false failed: exit status 1)"]
     assert not list(tmp_path.rglob("*.so"))
 
 

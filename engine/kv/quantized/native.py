@@ -1,8 +1,9 @@
-"""The native kernels of the quantized cache: C source built once with the machine's C compiler, cached, loaded
-with ctypes.
+"""Native kernels: C source built once with the machine's C compiler, cached, loaded with ctypes (``Native``). Two
+sources use it: the quantized cache's fused attention (``TQ``, ``library()``) and the batched linears
+(``engine.model.linear_kernel``).
 
 Built on first use (a few hundred ms: one small file, no torch headers) into
-``$XDG_CACHE_HOME/kvscope/native/<hash>.so``; the hash covers the source, the flags, the compiler and the CPU (the
+``$XDG_CACHE_HOME/kvscope/native/<name>-<hash>.so``; the hash covers the source, the flags, the compiler and the CPU (the
 code is built for this CPU), so a cached library is never loaded on a machine it was not built for. No compiler, a
 failed build or ``KVSCOPE_NATIVE=off``: ``library()`` is None, said once in the log, and every caller keeps its
 torch path (the same results up to summation order).
@@ -28,11 +29,6 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno")
 TUNE = ("-march=native",)  # dropped when the compiler refuses it (Apple clang on arm64 before 15)
 BUILD_TIMEOUT_S = 60
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_why: str | None = None  # why there is no library (None: there is one, or nobody asked yet)
-
 
 def enabled() -> bool:
     return os.environ.get("KVSCOPE_NATIVE", "on") != "off"
@@ -57,73 +53,80 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str, tune: tuple[str, ...], target: Path) -> None:
-    """Compile into a temporary folder beside ``target`` and rename the library into place: a rename is atomic
-    only within one file system (a /tmp on tmpfs and a home on disk: EXDEV), and a concurrent build of the same hash
-    then only replaces one whole file with another."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
-        src = Path(tmp) / "kernels.c"
-        src.write_text(tq_kernel.SOURCE)
-        out = Path(tmp) / "kernels.so"
-        r = subprocess.run([cc, *FLAGS, *tune, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
-                           timeout=BUILD_TIMEOUT_S)
-        if r.returncode != 0:
-            last = (r.stderr or r.stdout).strip().splitlines()
-            raise RuntimeError(f"{Path(cc).name} failed: {last[-1] if last else 'exit status ' + str(r.returncode)}")
-        os.replace(out, target)
+class Native:
+    """One C source built once per machine into a cached library (``name-<hash>.so``), loaded with ctypes and its
+    functions declared by ``declare``; ``what`` names, in the one log line, what runs on torch without it. The
+    fused tq attention is one (``library()`` here); the batched linears of ``engine.model.linear_kernel`` another."""
 
+    def __init__(self, name: str, source: str, declare, what: str) -> None:
+        self.name, self.source, self.declare, self.what = name, source, declare, what
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+        self._why: str | None = None  # why there is no library (None: there is one, or nobody asked yet)
 
-def load(tune: tuple[str, ...] = TUNE) -> ctypes.CDLL:
-    """The kernels built with ``tune`` (``()``: for any CPU of this architecture), from the cache or built now.
-    Raises RuntimeError / OSError when that cannot be done."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    target = cached_path(cc, tune)
-    if not target.exists():
-        _build(cc, tune, target)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:  # a cached file that does not load (cut short by a full disk, copied in): built again, once
-        target.unlink(missing_ok=True)
-        _build(cc, tune, target)
-        lib = ctypes.CDLL(str(target))
-    return _declare(lib)
+    def _build(self, cc: str, tune: tuple[str, ...], target: Path) -> None:
+        """Compile into a temporary folder beside ``target`` and rename the library into place: a rename is atomic
+        only within one file system (a /tmp on tmpfs and a home on disk: EXDEV), and a concurrent build of the same
+        hash then only replaces one whole file with another."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
+            src = Path(tmp) / f"{self.name}.c"
+            src.write_text(self.source)
+            out = Path(tmp) / f"{self.name}.so"
+            r = subprocess.run([cc, *FLAGS, *tune, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
+                               timeout=BUILD_TIMEOUT_S)
+            if r.returncode != 0:
+                last = (r.stderr or r.stdout).strip().splitlines()
+                raise RuntimeError(f"{Path(cc).name} failed: {last[-1] if last else 'exit status ' + str(r.returncode)}")
+            os.replace(out, target)
 
+    def load(self, tune: tuple[str, ...] = TUNE) -> ctypes.CDLL:
+        """The library built with ``tune`` (``()``: for any CPU of this architecture), from the cache or built now.
+        Raises RuntimeError / OSError when that cannot be done."""
+        cc = _compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+        target = self.cached_path(cc, tune)
+        if not target.exists():
+            self._build(cc, tune, target)
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:  # a cached file that does not load (cut short by a full disk, copied in): built again, once
+            target.unlink(missing_ok=True)
+            self._build(cc, tune, target)
+            lib = ctypes.CDLL(str(target))
+        return self.declare(lib)
 
-def cached_path(cc: str, tune: tuple[str, ...] = TUNE) -> Path:
-    """Where the library built by ``cc`` with ``tune`` for this CPU is kept."""
-    key = hashlib.sha256("\0".join((tq_kernel.SOURCE, *FLAGS, *tune, cc, _cpu())).encode()).hexdigest()[:20]
-    return cache_dir() / f"kernels-{key}.so"
+    def cached_path(self, cc: str, tune: tuple[str, ...] = TUNE) -> Path:
+        """Where the library built by ``cc`` with ``tune`` for this CPU is kept."""
+        key = hashlib.sha256("\0".join((self.source, *FLAGS, *tune, cc, _cpu())).encode()).hexdigest()[:20]
+        return cache_dir() / f"{self.name}-{key}.so"
 
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library, built for this CPU the first time (portable where the compiler refuses that); None,
+        said once in the log and in ``why()``, where it cannot be."""
+        if not enabled():
+            return None
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if self._tried:
+                return self._lib
+            for tune in (TUNE, ()):
+                try:
+                    self._lib, self._why = self.load(tune), None
+                    break
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    self._why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if self._lib is None:
+                log.warning("native kernels for %s are off, the torch path runs instead (%s)", self.what, self._why)
+            self._tried = True
+        return self._lib
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built for this CPU the first time (portable where the compiler refuses that); None, said
-    once in the log and in ``why()``, where they cannot be."""
-    global _lib, _tried, _why
-    if not enabled():
-        return None
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        for tune in (TUNE, ()):
-            try:
-                _lib, _why = load(tune), None
-                break
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if _lib is None:
-            log.warning("KV kernels: the fused tq attention is off, the torch path runs instead (%s)", _why)
-        _tried = True
-    return _lib
-
-
-def why() -> str | None:
-    """Why ``library()`` is None (after it was asked), else None."""
-    return "KVSCOPE_NATIVE=off" if not enabled() else _why
+    def why(self) -> str | None:
+        """Why ``library()`` is None (after it was asked), else None."""
+        return "KVSCOPE_NATIVE=off" if not enabled() else self._why
 
 
 class Role(ctypes.Structure):
@@ -144,3 +147,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.restype = i
     fn.argtypes = [i, i, p, i64, i64, role, role, p, p]  # hk rep q n nt keys values scratch out
     return lib
+
+
+TQ = Native("kernels", tq_kernel.SOURCE, _declare, "the fused tq attention")
+
+
+def library() -> ctypes.CDLL | None:
+    """The fused tq attention's kernels (``Native.library``)."""
+    return TQ.library()
+
+
+def load(tune: tuple[str, ...] = TUNE) -> ctypes.CDLL:
+    return TQ.load(tune)
+
+
+def cached_path(cc: str, tune: tuple[str, ...] = TUNE) -> Path:
+    return TQ.cached_path(cc, tune)
+
+
+def why() -> str | None:
+    return TQ.why()

@@ -1,0 +1,71 @@
+"""The native product of the blocked linears at 2-8 rows (``engine.model.linear_kernel``): the plain product's
+values at every row count it takes, with and without a bias, at widths that are and are not multiples of its
+vectors; what it leaves to torch; and a batched decode of chats on blocked weights going through it with HF's
+greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.core import scheduler as batch
+from engine.core.session import ChatSession
+from engine.model import linear_kernel
+from engine.model.loader import load_model
+from engine.model.packed_linear import PackedLinear, block, unblock
+
+pytestmark = pytest.mark.skipif(linear_kernel.LINEAR.library() is None,
+                                reason=f"no native kernels here: {linear_kernel.LINEAR.why()}")
+
+
+@pytest.mark.parametrize("rows", range(2, linear_kernel.MAX_ROWS + 1))
+@pytest.mark.parametrize("out,n_in", [(16, 7), (96, 80), (960, 576)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out + n_in)
+    w, x = torch.randn(out, n_in, generator=g), torch.randn(rows, n_in, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    assert linear_kernel.usable(x, block(w))
+    got = linear_kernel.product(x, block(w), b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    assert got.shape == (rows, out)
+    assert (got.double() - want).abs().max().item() <= 2e-6 * n_in ** 0.5 * 8  # float32 sums of n_in terms
+
+
+def test_what_it_leaves_to_torch(monkeypatch):
+    wb = block(torch.randn(32, 8))
+    assert not linear_kernel.usable(torch.randn(1, 8), wb)  # one row: the compiled step's path
+    assert not linear_kernel.usable(torch.randn(linear_kernel.MAX_ROWS + 1, 8), wb)
+    assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb.bfloat16())
+    monkeypatch.setenv("KVSCOPE_NATIVE", "off")
+    assert not linear_kernel.usable(torch.randn(4, 8), wb)
+    lin = PackedLinear(wb, None, (32,), "blocked", 8)  # and the torch path gives the same
+    x = torch.randn(4, 8)
+    assert torch.allclose(lin(x), x @ unblock(wb).T, atol=1e-5)
+
+
+def test_batched_chats_on_blocked_weights_run_through_it_with_hf_tokens(stories, stories_path, monkeypatch):
+    """stories260K with every linear packed (q/k/v, o and down blocked): three chats decoded together."""
+    monkeypatch.setenv("KVSCOPE_PREPACK", "on")
+    lm = load_model(ModelSpec(source=str(stories_path)))
+    monkeypatch.delenv("KVSCOPE_PREPACK")
+    calls = []
+    real = linear_kernel.product
+    monkeypatch.setattr(linear_kernel, "product", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    tok = stories.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("Once upon a time", "Lily saw a big red ball", "Tim ran")]
+    sessions = [ChatSession(lm, CacheConfig(mode="paged", page_size=16)) for _ in prompts]
+    for s, ids in zip(sessions, prompts):
+        s.start_ids(ids, SamplingConfig(max_new_tokens=40, ignore_eos=True))
+    while live := [s for s in sessions if s.generating]:
+        batch.step_all(live)
+    # every round of the three (39 after the prefills) through it: 5 layers x (q/k/v merged, o, down)
+    assert calls.count(3) >= 39 * 5 * 3
+    for s, ids in zip(sessions, prompts):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            want = stories.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, min_new_tokens=40,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert s.generated_ids == want
+        s.close()
