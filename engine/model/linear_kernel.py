@@ -79,7 +79,9 @@ LINEAR = Native("linear", SOURCE, _declare, "the batched linears")
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
     """Can ``product`` take these (float32 on the CPU, 2..MAX_ROWS rows, eager: not inside a trace)?"""
     return (2 <= x2.shape[0] <= MAX_ROWS and x2.dtype == torch.float32 and wb.dtype == torch.float32
-            and x2.device.type == "cpu" and not torch.compiler.is_compiling() and LINEAR.library() is not None)
+            and x2.device.type == "cpu" and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
+            and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and LINEAR.library() is not None)
 
 
 def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
