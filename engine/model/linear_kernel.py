@@ -5,7 +5,8 @@ multiplies several rows by it as one small matrix product per block (``bmm``), a
 four rows cost 2.5x one: 46-61 ms for the SmolLM2 shape's linears at 4 rows against 22-38 ms at one (one thread,
 this 2-core host). The kernel below keeps one sixteen-wide accumulator per row and streams each block's weights
 once for every row: 20-29 ms at 2 and 4 rows, 31-35 at 8 (13-20 GB/s against torch's 5-9). One row stays on
-torch (the compiled step's path, and as fast there). Built and cached as the tq kernels are
+torch (the compiled step's path, and as fast there), and so does a model torch runs on several threads (the
+kernel runs on one; ``engine.model.threads`` gives the models of this size one on a 2-core machine). Built and cached as the tq kernels are
 (``engine.kv.quantized.native``); without a compiler the torch path runs. Results differ from torch's only in
 summation order.
 """
@@ -77,8 +78,10 @@ LINEAR = Native("linear", SOURCE, _declare, "the batched linears")
 
 
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
-    """Can ``product`` take these (float32 on the CPU, 2..MAX_ROWS rows, eager: not inside a trace)?"""
+    """Can ``product`` take these (float32 on the CPU, 2..MAX_ROWS rows, torch on one thread, eager: not inside a
+    trace)?"""
     return (2 <= x2.shape[0] <= MAX_ROWS and x2.dtype == torch.float32 and wb.dtype == torch.float32
+            and torch.get_num_threads() == 1  # one thread: with more, MKL's bmm shares the blocks among them
             and x2.device.type == "cpu" and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
             and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
             and LINEAR.library() is not None)

@@ -19,6 +19,15 @@ pytestmark = pytest.mark.skipif(linear_kernel.LINEAR.library() is None,
                                 reason=f"no native kernels here: {linear_kernel.LINEAR.why()}")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As a model of these sizes runs here (``engine.model.threads``); the kernel is left alone on more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rows", range(2, linear_kernel.MAX_ROWS + 1))
 @pytest.mark.parametrize("out,n_in", [(16, 7), (96, 80), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
@@ -38,6 +47,9 @@ def test_what_it_leaves_to_torch(monkeypatch):
     assert not linear_kernel.usable(torch.randn(1, 8), wb)  # one row: the compiled step's path
     assert not linear_kernel.usable(torch.randn(linear_kernel.MAX_ROWS + 1, 8), wb)
     assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb.bfloat16())
+    torch.set_num_threads(2)
+    assert not linear_kernel.usable(torch.randn(4, 8), wb)  # MKL shares the blocks among its threads
+    torch.set_num_threads(1)
     monkeypatch.setenv("KVSCOPE_NATIVE", "off")
     assert not linear_kernel.usable(torch.randn(4, 8), wb)
     lin = PackedLinear(wb, None, (32,), "blocked", 8)  # and the torch path gives the same
