@@ -251,13 +251,17 @@ class ChatMachine(RuleBasedStateMachine):
     def switch_with_reprefill(self, i, n, stop):
         """Mid-reply, a change that cuts the cache back below what the reply has read (eviction off after evicting:
         the evicted tokens come back; or the cache off and on again: every token read again): the re-prefill is
-        tracked from the cut to what was read, moves on with every forward, may be stopped between two of its
-        forwards, and its time and tokens are the reply's re-prefill — not its TTFT, prompt or decode."""
+        tracked from the cut to what was read (or to the end of one still running), moves on with every forward,
+        may be stopped between two of its forwards, and its time and tokens are the reply's re-prefill — not its
+        TTFT, prompt or decode."""
         chat = self._chat(i)
         s = chat.session
         if not s.generating or s._ready or s.store is None or not s.index.next_pos:
             return
         cfg, fed, records = s.cache_config, s.index.next_pos, len(s.turn_state.reprefills)
+        rs = s.turn_state.reprefills
+        prev = rs[-1] if rs and rs[-1].running else None  # one still running: the new one reads through its end too
+        until = max(fed, prev.start + prev.tokens) if prev is not None else fed
         try:
             if s.index.intact < s.index.n and s.policy is not None:
                 s.apply(cfg.replace(policy="none", policy_params={}, overflow="stop"))
@@ -268,11 +272,12 @@ class ChatMachine(RuleBasedStateMachine):
                 return
         except (ValueError, *REFUSALS):
             return  # the chat no longer fits the context with the cache off, or the policy's refusal
-        r = s.turn_state.reprefills[-1] if len(s.turn_state.reprefills) > records else None
+        rs = s.turn_state.reprefills
+        r = rs[-1] if rs and (len(rs) > records or prev is not None) else None
         if s.index.next_pos >= fed:
             assert r is None or not r.running or r.start + r.tokens >= fed
             return
-        assert r is not None and r.running and r.start == s.index.next_pos and r.start + r.tokens == fed
+        assert r is not None and r.running and r.start == s.index.next_pos and r.start + r.tokens == until
         assert r.estimate_ms > 0 and r.done == 0 and r.new == s.cache_config
         done = 0
         for k in range(n):
