@@ -43,7 +43,7 @@ class Scheduler(Source):
     """The API's requests on an engine core: ``core`` (shared with the app), or one of its own on a
     ``CoreThread`` started by ``start``."""
 
-    def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 8,
+    def __init__(self, lm, cache: CacheConfig, metrics: Metrics | None = None, max_running: int = 16,
                  max_waiting: int = 32, max_idle: int = 4, core: EngineCore | None = None,
                  limits: StreamLimits | None = None, speculation: tuple = (None, None)) -> None:
         """``speculation``: (SpecConfig or None, its draft model or None) for every conversation."""

@@ -165,7 +165,8 @@ def _serve_parser(sub) -> None:
                    "KVSCOPE_API_KEY); repeatable: each key a tenant whose cached prompts the others cannot reach")
     s.add_argument("--cors", action="append", metavar="ORIGIN", help="allow browser requests from this origin "
                    "(repeatable; default: none)")
-    s.add_argument("--max-running", type=int, default=8, help="requests generated in turn (default 8)")
+    s.add_argument("--max-running", type=int, default=16,
+                   help="requests generated in turn, decoded together (default 16: one batched forward)")
     s.add_argument("--max-queued", type=int, default=32, help="requests waiting beyond those; more get 429")
     s.add_argument("--max-idle", type=int, default=4, help="finished conversations kept with their cache")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
