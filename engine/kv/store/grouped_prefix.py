@@ -98,7 +98,8 @@ class GroupedPrefix:
                     return False
             let_go()
             self.truncate(0)
-            for (part, _), pin in zip(parts, pins):
+            held = ([self.full] if self.full is not None else []) + [w.inner for w in self.windows.values()]
+            for part, pin in zip(held, pins):  # (the parts as they are after letting go, in the same order)
                 part.adopt(pin.pages, owner=owner)
             for win in self.windows.values():
                 win.base = self.window_pages_at(win, chain, j)[0] * win.arena.page_size
