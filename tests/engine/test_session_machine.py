@@ -281,8 +281,11 @@ class ChatMachine(RuleBasedStateMachine):
         assert r.estimate_ms > 0 and r.done == 0 and r.new == s.cache_config
         done = 0
         for k in range(n):
-            if stop and k == n - 1:
-                s.cancel()  # Stop after k forwards of it: it lands between two
+            if stop and k == n - 1:  # Stop after k forwards of it: it lands between two
+                self.cancel(i)  # (tokens a verification already accepted go out first, as the cancel rule knows)
+                st_ = s.last_stats
+                assert not s.generating and st_.reprefilled_tokens == sum(x.done for x in st_.reprefills) >= done
+                return
             try:
                 res = s.step()
             except EngineError as e:
@@ -296,7 +299,7 @@ class ChatMachine(RuleBasedStateMachine):
                 st_ = s.last_stats
                 assert st_.reprefilled_tokens == sum(x.done for x in st_.reprefills) >= done
                 assert st_.reprefill_ms >= 0 and st_.ttft_ms >= 0
-                assert res.stop_reason == "cancelled" if stop and k == n - 1 else res.stop_reason != "cancelled"
+                assert res.stop_reason != "cancelled"
                 chat.history, chat.asked = chat.asked + [{"role": "assistant", "content": res.text}], None
                 return
             self._take(chat, res)
