@@ -6,9 +6,9 @@ four rows cost 2.5x one: 46-61 ms for the SmolLM2 shape's linears at 4 rows agai
 this 2-core host). The kernel below keeps one sixteen-wide accumulator per row and streams each block's weights
 once for every row: 20-29 ms at 2 and 4 rows, 31-35 at 8 (13-20 GB/s against torch's 5-9). One row stays on
 torch (the compiled step's path, and as fast there), and so does a model torch runs on several threads (the
-kernel runs on one; ``engine.model.threads`` gives the models of this size one on a 2-core machine). Built and cached as the tq kernels are
-(``engine.kv.quantized.native``); without a compiler the torch path runs. Results differ from torch's only in
-summation order.
+kernel runs on one; ``engine.model.threads`` gives the models of this size one on a 2-core machine). Built and
+cached as the tq kernels are (``engine.kv.quantized.native``); without a compiler the torch path runs. Results
+differ from torch's only in summation order.
 """
 
 from __future__ import annotations
