@@ -182,6 +182,8 @@ class GroupedKV(GroupedPrefix, KVStore):
         if self.full is not None and not self.full.can_reserve(q):
             return False
         for w, win in self.windows.items():
+            if win.can_reserve(q):
+                continue  # (the common case: the checkpoints' pages are only counted when they would matter)
             spare = len({p for cp in self.checkpoints for p in cp.windows[w].pages()} - win.pages())
             if not win.arena.can_provide(win.inner.table.pages_needed(q) - spare):
                 return False
