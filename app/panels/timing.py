@@ -137,7 +137,7 @@ def series_speed(series: TokenSeries) -> float:
 def step_text(paths: dict[str, int], n: int) -> str:
     """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
     "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
-    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched") if n and paths.get(p)]
+    parts = [f"{p} {paths[p]}/{n}" for p in ("compiled", "batched", "compiled batch") if n and paths.get(p)]
     return " + ".join(parts) if parts else "eager"
 
 

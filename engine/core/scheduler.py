@@ -366,7 +366,7 @@ def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict
     """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
     by_pool: dict[int, set[int]] = {}
     for s, w, o in zip(sessions, works, outs):
-        if o.path == "batched":
+        if o.path in ("batched", "compiled batch"):
             pages = s.cache.reserved_pages(w.q)
             if pages is not None:
                 by_pool.setdefault(pages[0], set()).update(pages[1])

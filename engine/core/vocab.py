@@ -82,6 +82,7 @@ class StepPath(StrEnum):
     SCORES = "scores"  # eager, reading attention scores for a policy
     COMPILED = "compiled"
     BATCHED = "batched"  # one forward for several sequences
+    COMPILED_BATCH = "compiled batch"  # several sequences' one token each through the compiled batched step
     SPECULATIVE = "speculative"  # a verification of drafted tokens
 
 

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from engine.kv.quantized.basis import KEY as BASIS_KEY
-from engine.kv.store.attention import RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
+from engine.kv.store.attention import PADDED_KEY, RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
 from engine.kv.store.storage import KVStore
 
 
@@ -201,4 +201,44 @@ class StepCache(Cache, PagedAttentionCache):
 
     def new_kv(self) -> tuple[list, list]:
         """The new token's K and V of every layer, as the model computed them: [1, H, 1, D] each."""
+        return [layer.new[0] for layer in self.layers], [layer.new[1] for layer in self.layers]
+
+
+class _BatchStepLayer(_StepLayer):
+    """One layer of the compiled batched decode step (``engine.model.fast_batch``): each sequence's past K/V gathered
+    from its page slots, padded to the longest; the attention masks the padding (``PADDED_KEY``). Nothing is
+    written inside the step (``_StepLayer``)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states [B, Hk, 1, Dk], value_states [B, Hv, 1, Dv]: post-RoPE, each sequence's new token
+        attn = kwargs.get("kwargs")
+        if not isinstance(attn, dict):
+            raise RaggedUnsupported("this model's attention does not hand its arguments to the cache")
+        self.new = (key_states, value_states)
+        slots = self._cache.slots  # [B, n]
+        b, n = slots.shape
+        k, v = (t.index_select(1, slots.reshape(-1)).view(t.shape[0], b, n, t.shape[2]).transpose(0, 1)
+                for t in (self.k, self.v))  # [B, H, n, D]
+        attn[PADDED_KEY] = self._cache.keep
+        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [B, H, n + 1, D]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.slots.shape[1] + query_length, 0
+
+
+class BatchStepCache(Cache, PagedAttentionCache):
+    """A transformers ``Cache`` for the compiled batched decode step: B sequences' one new token each over one
+    arena's page tensors. ``slots`` [B, n] long: each sequence's cached tokens' slots in order, padded (any slot)
+    to the longest, ``lens`` [B] long: how many are its own. A ``PagedAttentionCache`` to transformers' mask builder
+    (no mask built, see ``StepCache``): the keep mask goes to the attention instead."""
+
+    def __init__(self, ks: list, vs: list, slots, lens) -> None:
+        self.slots = slots
+        n = slots.shape[1]
+        at = torch.arange(n + 1, device=slots.device)[None]  # [1, n + 1]
+        self.keep = ((at < lens[:, None]) | (at == n))[:, None, None]  # [B, 1, 1, n + 1]: own keys and the new one
+        Cache.__init__(self, layers=[_BatchStepLayer(self, i, k, v) for i, (k, v) in enumerate(zip(ks, vs))])
+
+    def new_kv(self) -> tuple[list, list]:
+        """Each layer's new K and V of every sequence: [B, H, 1, D] each."""
         return [layer.new[0] for layer in self.layers], [layer.new[1] for layer in self.layers]

@@ -1,6 +1,6 @@
 """The child process that builds the compiled decode step (``engine.model.aot_step`` says why and where): the model's
-class from its config with throwaway weights, ``torch.export`` of ``engine.model.runner.step_function`` with the
-lengths dynamic, AOTInductor with the weights left out, the package written atomically.
+class from its config with throwaway weights, ``torch.export`` of ``engine.model.runner.step_function`` (or
+``batch_step_function``: ``job["kind"]``) with the lengths (and the batch) dynamic, AOTInductor with the weights left out, the package written atomically.
 
 ``python -m engine.model.aot_build BUILD_DIR`` (``BUILD_DIR/job.json``); the last line of its output says why it failed.
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.model.aot_step import MIN_LEN
+from engine.model.aot_step import MAX_BATCH, MIN_LEN
 
 
 def step_module(model):
@@ -32,6 +32,52 @@ def step_module(model):
             return self._step(ids, pos, slots, ks, vs)
 
     return Step()
+
+
+def batch_module(model):
+    """``engine.model.runner.batch_step_function`` as an ``nn.Module`` for ``torch.export``."""
+    import torch
+
+    from engine.model.runner import batch_step_function
+
+    class BatchStep(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+            self._step = batch_step_function(model)
+
+        def forward(self, ids, pos, slots, lens, ks, vs):
+            return self._step(ids, pos, slots, lens, ks, vs)
+
+    return BatchStep()
+
+
+def _export(model, job: dict, dtype, dev):
+    """The exported step of ``job["kind"]`` over example page tensors, the lengths (and the batch) dynamic."""
+    import torch
+
+    L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
+    P = 16
+    ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows
+    vs = [torch.zeros((hv, 4 * P, dv), dtype=dtype, device=dev) for _ in range(L)]
+    S = torch.export.Dim("S", min=MIN_LEN, max=1 << 24)
+    N = torch.export.Dim("N", min=MIN_LEN, max=1 << 24)
+    pages = [{1: S}] * L
+    if job.get("kind", "step") == "batch":
+        B = torch.export.Dim("B", min=2, max=MAX_BATCH)
+        b = 3  # the example batch: no size the tracer would specialise on (0, 1, or N's)
+        slots = torch.arange(2 * P, device=dev).repeat(b, 1)  # [B, N] each sequence's cached slots, padded
+        lens = torch.full((b,), 2 * P, dtype=torch.long, device=dev)  # [B] how many are its own
+        ids = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        pos = torch.full((b, 1), 2 * P, dtype=torch.long, device=dev)
+        args = (ids, pos, slots, lens, ks, vs)
+        dims = ({0: B}, {0: B}, {0: B, 1: N}, {0: B}, pages, pages)
+        return torch.export.export(batch_module(model), args, strict=False, dynamic_shapes=dims)
+    slots = torch.arange(2 * P, device=dev)  # [N] the cached tokens' slots
+    ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
+    return torch.export.export(step_module(model), (ids, pos, slots, ks, vs), strict=False,
+                               dynamic_shapes=(None, None, {0: N}, pages, pages))
 
 
 def _like_the_parent(model, job: dict) -> None:
@@ -59,19 +105,9 @@ def _build(build: Path) -> None:
     dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
     model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     _like_the_parent(model, job)
-    L, (hk, dk), (hv, dv) = job["layers"], job["k"], job["v"]
-    P = 16
-    ks = [torch.zeros((hk, 4 * P, dk), dtype=dtype, device=dev) for _ in range(L)]  # [H, S, D] page rows
-    vs = [torch.zeros((hv, 4 * P, dv), dtype=dtype, device=dev) for _ in range(L)]
-    slots = torch.arange(2 * P, device=dev)  # [N] the cached tokens' slots
-    ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
-    pos = torch.full((1, 1), 2 * P, dtype=torch.long, device=dev)
-    S = torch.export.Dim("S", min=MIN_LEN, max=1 << 24)
-    N = torch.export.Dim("N", min=MIN_LEN, max=1 << 24)
     t0 = time.perf_counter()
     with torch.no_grad():
-        ep = torch.export.export(step_module(model), (ids, pos, slots, ks, vs), strict=False,
-                                 dynamic_shapes=(None, None, {0: N}, [{1: S}] * L, [{1: S}] * L))
+        ep = _export(model, job, dtype, dev)
     t1 = time.perf_counter()
     out = Path(job["out"])
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")

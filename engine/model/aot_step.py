@@ -26,6 +26,7 @@ from pathlib import Path
 
 STEP_VERSION = 2  # bump when the step's inputs or outputs change: old packages are then never loaded
 MIN_LEN = 2  # the dynamic lengths' floor: a size-1 example would specialise the graph
+MAX_BATCH = 64  # the most sequences the batched step takes in one call (``engine serve`` runs up to 16 by default)
 
 
 def cache_root() -> Path:
@@ -45,8 +46,12 @@ def inductor_cache_dir() -> str:
     return os.path.join(base, "kvscope", "torch-compile")
 
 
-def package_key(model, device_type: str) -> str:
-    """What the compiled code depends on: the model's class and config, its dtype, the device type, versions."""
+KINDS = ("step", "batch")  # one sequence's decode step; several sequences' (``engine.model.fast_batch``)
+
+
+def package_key(model, device_type: str, kind: str = "step") -> str:
+    """What the compiled code depends on: the model's class and config, its dtype, the device type, versions, and
+    which step it is."""
     import torch
     import transformers
 
@@ -56,7 +61,8 @@ def package_key(model, device_type: str) -> str:
     param = next(model.parameters())
     blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
                        "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION,
-                       "attn": _attn(model), "prepack": _prepack(model)}, sort_keys=True, default=str)
+                       "attn": _attn(model), "prepack": _prepack(model),
+                       **({"kind": kind} if kind != "step" else {})}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -77,11 +83,11 @@ def _prepack(model) -> list | None:
     return plan.to_json() if plan is not None else None
 
 
-def package_path(model, device_type: str) -> Path:
-    return cache_root() / f"step-{package_key(model, device_type)}.pt2"
+def package_path(model, device_type: str, kind: str = "step") -> Path:
+    return cache_root() / f"{kind}-{package_key(model, device_type, kind)}.pt2"
 
 
-def write_job(lm, out: Path) -> Path:
+def write_job(lm, out: Path, kind: str = "step") -> Path:
     """The child's instructions next to ``out``: the model's class, config and dtype, its device type and the
     shape of what its layers cache (``LoadedModel.kv_shape``)."""
     build = out.with_suffix(".build")
@@ -90,7 +96,7 @@ def write_job(lm, out: Path) -> Path:
     param = next(lm.model.parameters())
     shape = lm.kv_shape
     (build / "job.json").write_text(json.dumps({
-        "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
+        "kind": kind, "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
         "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
         "attn": _attn(lm.model), "prepack": _prepack(lm.model),
         "k": list(shape.of("k")), "v": list(shape.of("v"))}))
@@ -132,7 +138,7 @@ def open_package(path: Path, device):
 
 def load(runner, model):
     """``runner`` (``open_package``) fed ``model``'s own weights (no copy): a callable (ids, pos, slots, ks, vs) ->
-    (logits, new ks, new vs). Raises with the reason when the package does not fit the model."""
+    (logits, new ks, new vs) (the batched step's also takes ``lens`` after ``slots``). Raises with the reason when the package does not fit the model."""
     named = {f"m.{k}": v for k, v in model.named_parameters(remove_duplicate=False)}
     named.update({f"m.{k}": v for k, v in model.named_buffers(remove_duplicate=False)})
     fqns = runner.get_constant_fqns()

@@ -86,7 +86,10 @@ def machine_refusal(device: torch.device) -> str:
 
 
 class FastStep:
-    """The compiled decode step of one loaded model, its state and its measurements (see the module doc)."""
+    """The compiled decode step of one loaded model, its state and its measurements (see the module doc). It owns
+    the model's compiled batched step (``batch``, ``engine.model.fast_batch``): the same setting, built after it."""
+
+    kind = "step"  # which package (``aot_step.KINDS``)
 
     def __init__(self, lm, mode: str | None = None) -> None:
         self.lm = lm
@@ -106,6 +109,11 @@ class FastStep:
         self.on_change = None  # fn(describe()) when a build starts or ends (engine thread)
         self.waker = None  # fn() the watcher calls when the child ends, so the engine thread polls soon
         self._refresh()
+        self.batch = None
+        if self.kind == "step":
+            from engine.model.fast_batch import BatchStep
+
+            self.batch = BatchStep(lm, self.mode)
 
     # -- setting ---------------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:
@@ -114,6 +122,8 @@ class FastStep:
             raise ValueError(f"fast step: {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
         self._refresh()
+        if self.batch is not None:
+            self.batch.set_mode(mode)
 
     def _refresh(self) -> None:
         if self.state == "compiling":
@@ -223,7 +233,7 @@ class FastStep:
             return
         log, other = None, None
         try:
-            self.package = aot_step.package_path(self.lm.model, self.lm.device.type)
+            self.package = aot_step.package_path(self.lm.model, self.lm.device.type, self.kind)
             self._proc = None
             other = aot_step.running_build(self.package)  # another process builds it now: wait for its package
             if not self.package.exists() and other is None:
@@ -241,7 +251,7 @@ class FastStep:
     def _spawn(self):
         """The child that builds the package (``engine.model.aot_build``): (its log file, the process)."""
         self.package.parent.mkdir(parents=True, exist_ok=True)
-        build = aot_step.write_job(self.lm, self.package)
+        build = aot_step.write_job(self.lm, self.package, self.kind)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=compile_cache_dir(),
                    PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]),
                                                           os.environ.get("PYTHONPATH", "")] if p))
@@ -281,8 +291,19 @@ class FastStep:
             except Exception:  # noqa: BLE001 - the next step polls anyway
                 pass
 
+    def start_batch(self) -> None:
+        """Engine thread, when several sequences decode together: open or build the batched step (``batch``),
+        unless this step's own build runs (two builds on a small machine would each take twice as long)."""
+        b = self.batch
+        if b is None or b.state != "idle" or self.state in ("idle", "compiling"):
+            return  # idle: nobody asked for compiled steps (the owner starts this one first)
+        b.waker, b.on_change = self.waker, (lambda _text: self._notify())
+        b.start()
+
     def poll(self) -> None:
         """Engine thread: if the child has ended, load its package (or keep the reason it failed)."""
+        if self.batch is not None:
+            self.batch.poll()
         if self.state != "compiling" or not self._built.is_set():
             return
         proc, self._proc = self._proc, None
@@ -337,6 +358,8 @@ class FastStep:
         proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()
+        if self.batch is not None:
+            self.batch.close()
 
     def describe(self) -> str:
         """One line for the model card / timing caption."""

@@ -80,11 +80,11 @@ LINEAR = Native("linear", SOURCE, _declare, "the batched linears")
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
     """Can ``product`` take these (float32 on the CPU, 2..MAX_ROWS rows, torch on one thread, eager: not inside a
     trace)?"""
-    return (2 <= x2.shape[0] <= MAX_ROWS and x2.dtype == torch.float32 and wb.dtype == torch.float32
+    return (not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # first: no guard on rows
+            and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
+            and 2 <= x2.shape[0] <= MAX_ROWS and x2.dtype == torch.float32 and wb.dtype == torch.float32
             and torch.get_num_threads() == 1  # one thread: with more, MKL's bmm shares the blocks among them
-            and x2.device.type == "cpu" and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
-            and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and LINEAR.library() is not None)
+            and x2.device.type == "cpu" and LINEAR.library() is not None)
 
 
 def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

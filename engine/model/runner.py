@@ -15,6 +15,9 @@ Paths, chosen here and nowhere else:
     batched   several sequences in one forward, their tokens end to end — decode tokens, and a prefill chunk
               beside them: the weights are read once for all; attention stays per sequence
               (``engine.kv.store.attention.ragged_attention``)
+    compiled batch
+              one token of each of several sequences on plain paged stores of one arena, through the compiled
+              batched step (``engine.model.fast_batch``) when it is ready and measured faster
 
 Attention: the runner selects one implementation on the model once, ``kvscope`` (a dispatcher registered with
 transformers' ``AttentionInterface``: sdpa unless the cache hands the call a batch's per-sequence K/V or a
@@ -64,7 +67,7 @@ class Work:
 
 class Output(NamedTuple):
     logits: torch.Tensor  # [vocab]: the last fed position's; [q, vocab] for ``Work.all_logits``
-    path: str  # eager | compiled | batched | speculative
+    path: str  # eager | compiled | batched | compiled batch | speculative
     batch: int = 1  # sequences the forward carried
 
 
@@ -168,6 +171,36 @@ class ModelRunner:
         return logits
 
     def _batched(self, works: Sequence[Work]) -> list[Output]:
+        """Several sequences in one forward: the compiled batched step (``engine.model.fast_batch``) for one token
+        each when it is ready and measured faster, else the eager batched forward."""
+        batch, path = self.fast.batch, ""
+        if batch is not None and all(w.q == 1 for w in works):
+            self.fast.start_batch()  # built once several sequences decode together
+            path = batch.choose([w.kv.store for w in works])
+        t0 = time.perf_counter()
+        logits = self._batched_compiled(works) if path == "compiled" else None
+        if logits is None:
+            logits, path = self._batched_eager(works), path and "eager"
+        if path:
+            if self.lm.device.type == "cuda":
+                torch.cuda.synchronize(self.lm.device)
+            batch.record(path, (time.perf_counter() - t0) * 1000.0 / len(works))  # per sequence: batches differ
+        self.forwards += 1
+        self.batched_forwards += 1
+        self.batched_tokens += len(works)
+        kind = "compiled batch" if path == "compiled" else "batched"
+        return [Output(logits[b], kind, len(works)) for b in range(len(works))]
+
+    def _batched_compiled(self, works: Sequence[Work]) -> torch.Tensor | None:
+        """The compiled batched step's logits [B, vocab]; None if it failed (nothing was written: eager answers)."""
+        try:
+            return self.fast.batch.forward([w.kv.store for w in works], [w.ids[0] for w in works],
+                                           [w.rope for w in works])
+        except Exception as e:  # noqa: BLE001 - the eager path answers; the reason is kept and shown
+            self.fast.batch.fail(e)
+            return None
+
+    def _batched_eager(self, works: Sequence[Work]) -> torch.Tensor:
         dev = self.lm.device
         lens = [w.q for w in works]
         ids = torch.tensor([[t for w in works for t in w.ids]], dtype=torch.long, device=dev)  # [1, N]
@@ -176,11 +209,7 @@ class ModelRunner:
         cache = BatchCache([w.kv.store for w in works], lens, rotated_ok=ROTATED_READS)
         with torch.inference_mode():
             out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=last)
-        self.forwards += 1
-        self.batched_forwards += 1
-        self.batched_tokens += len(works)
-        logits = out.logits[0]  # [B, vocab]
-        return [Output(logits[b], "batched", len(works)) for b in range(len(works))]
+        return out.logits[0]  # [B, vocab]
 
     def _select(self, scores: bool) -> None:
         """The attention this forward needs: with the dispatcher selected, nothing to change."""
@@ -199,6 +228,21 @@ def step_function(model):
         out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         nk, nv = cache.new_kv()
         return out.logits[0, -1], nk, nv  # [vocab], L x [1, Hk, 1, Dk], L x [1, Hv, 1, Dv]
+
+    return step
+
+
+def batch_step_function(model):
+    """The compiled batched step's body: one token of each of B sequences over one arena's page tensors, read
+    through ``engine.kv.hf_cache.BatchStepCache`` (padded to the longest, the padding masked); nothing is written
+    (the new K/V come back). Built like ``step_function``; the runner calls it through ``engine.model.fast_batch``."""
+    from engine.kv.hf_cache import BatchStepCache
+
+    def step(ids, pos, slots, lens, ks, vs):
+        cache = BatchStepCache(ks, vs, slots, lens)
+        out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        nk, nv = cache.new_kv()
+        return out.logits[:, -1], nk, nv  # [B, vocab], L x [B, Hk, 1, Dk], L x [B, Hv, 1, Dv]
 
     return step
 

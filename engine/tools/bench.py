@@ -269,7 +269,16 @@ def _fast_step(lm, a, log) -> dict[str, Any]:
         fast.start()
         fast.wait()
     log(f"  decode step: {fast.describe()}" + (f" (compiled in {fast.compile_s:.1f} s)" if fast.compile_s else ""))
-    return {"state": fast.state, "reason": fast.reason, "compile_s": round(fast.compile_s, 2)}
+    out = {"state": fast.state, "reason": fast.reason, "compile_s": round(fast.compile_s, 2)}
+    batch = fast.batch
+    if batch is not None and any(n > 1 for n in _levels(a)):  # several chats decode together: their compiled step too
+        if batch.state == "idle":
+            log("  compiling the batched decode step ...")
+        fast.start_batch()
+        batch.wait()
+        log(f"  batched step: {batch.describe()}" + (f" (compiled in {batch.compile_s:.1f} s)" if batch.compile_s else ""))
+        out["batch"] = {"state": batch.state, "reason": batch.reason, "compile_s": round(batch.compile_s, 2)}
+    return out
 
 
 def _turn_reuse(lm, a, log) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - r
 SCORES_IMPL = "kvscope_scores"
 DISPATCH_IMPL = "kvscope"  # what ``engine.model.runner`` selects once on an sdpa model: see ``dispatch_attention``
 RAGGED_KEY = "kvscope_ragged"  # the attention kwargs entry with each sequence's K/V of a batched decode
+PADDED_KEY = "kvscope_padded"  # the attention kwargs entry with a compiled batched step's keep mask [B, 1, 1, n]
 
 
 class RaggedUnsupported(RuntimeError):
@@ -122,15 +123,36 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(outs, 1), None  # [1, N, Hq, Dv]
 
 
+def padded_attention(module, query, key, value, keep, scaling=None, dropout=0.0, **kwargs):
+    """Attention of the compiled batched decode step (``engine.model.fast_batch``): one new token per sequence over
+    K/V padded to the longest sequence, ``keep`` [B, 1, 1, n] bool saying which keys are the sequence's own.
+    Each K/V head's group of query heads becomes its queries (transformers' ``pack_gqa``, which it skips under a
+    tracer), so GQA K/V are read once rather than repeated per query head (SmolLM2: 3 heads, not 9 copies). A
+    bfloat16 / float16 attention runs in float32 on a CPU, as ``sdpa`` does. query [B, Hq, 1, D], key/value
+    [B, Hk, n, D] / [B, Hk, n, Dv]. Returns ([B, 1, Hq, Dv], None)."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise RaggedUnsupported("the compiled batched step runs plain softmax attention (no soft-capping or sinks)")
+    b, hq, _, d = query.shape
+    hk, dt = key.shape[1], query.dtype
+    q = query.reshape(b, hk, hq // hk, d)  # [B, Hk, rep, D]: query head h = kv head h // rep
+    if query.device.type == "cpu" and dt in (torch.bfloat16, torch.float16):
+        q, key, value = q.float(), key.float(), value.float()
+    o = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=keep, scale=scaling)  # [B, Hk, rep, Dv]
+    return o.to(dt).reshape(b, hq, 1, -1).transpose(1, 2).contiguous(), None  # [B, 1, Hq, Dv]
+
+
 def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
     """The one attention implementation the runner selects on an sdpa model: a batched decode (the cache handed
-    each sequence's K/V) → ``ragged_attention``; a policy reading scores (the cache handed a sink) →
+    each sequence's K/V) → ``ragged_attention``; the compiled batched step (a keep mask) → ``padded_attention``; a policy reading scores (the cache handed a sink) →
     ``scores_attention``; anything else → transformers' own sdpa, exactly as if "sdpa" were selected (HF
     ``generate`` on the same model, the compiled step). The model's config never changes around a call. K/V the
     cache left rotated (tq pages, ``engine.kv.quantized.basis``; never with a sink) come with the turn of the queries
     and the output."""
     if kwargs.get(RAGGED_KEY) is not None:
         return ragged_attention(module, query, key, value, None, **kwargs)
+    keep = kwargs.pop(PADDED_KEY, None)
+    if keep is not None:
+        return padded_attention(module, query, key, value, keep, **kwargs)
     basis = kwargs.pop(BASIS_KEY, None)
     if basis is not None:  # the cache left rotated pages rotated: turn the queries, and the output back
         if kwargs.get("scaling") is None:
