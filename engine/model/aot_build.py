@@ -84,8 +84,10 @@ def _like_the_parent(model, job: dict) -> None:
     """The parent's attention dispatcher and packed-linear structure (plain weights here: ``_linear_pointwise``
     takes either, and the parent hands the package its packed ones)."""
     from engine.kv.store.attention import DISPATCH_IMPL, use_attention
+    from engine.model import linear_kernel
     from engine.model.prepack import Plan, restructure
 
+    linear_kernel.IN_GRAPH = bool(job.get("native_linear"))  # the blocked linears call the native product
     if job.get("attn") == DISPATCH_IMPL:
         use_attention(model, DISPATCH_IMPL)
     if job.get("prepack"):

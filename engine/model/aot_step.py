@@ -62,7 +62,8 @@ def package_key(model, device_type: str, kind: str = "step") -> str:
     blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
                        "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION,
                        "attn": _attn(model), "prepack": _prepack(model),
-                       **({"kind": kind} if kind != "step" else {})}, sort_keys=True, default=str)
+                       **({"kind": kind} if kind != "step" else {}),
+                       **({"native_linear": True} if _native_linear(model) else {})}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -83,6 +84,21 @@ def _prepack(model) -> list | None:
     return plan.to_json() if plan is not None else None
 
 
+def _native_linear(model) -> bool:
+    """Does a step built now call the native product for the model's blocked linears
+    (``engine.model.linear_kernel.in_graph``)? The package's graph differs, so its key does."""
+    from engine.model import linear_kernel
+
+    plan = _prepack_plan(model)
+    return plan is not None and "blocked" in plan.kinds and linear_kernel.in_graph()
+
+
+def _prepack_plan(model):
+    from engine.model.prepack import plan_of
+
+    return plan_of(model)
+
+
 def package_path(model, device_type: str, kind: str = "step") -> Path:
     return cache_root() / f"{kind}-{package_key(model, device_type, kind)}.pt2"
 
@@ -98,7 +114,7 @@ def write_job(lm, out: Path, kind: str = "step") -> Path:
     (build / "job.json").write_text(json.dumps({
         "kind": kind, "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
         "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
-        "attn": _attn(lm.model), "prepack": _prepack(lm.model),
+        "attn": _attn(lm.model), "prepack": _prepack(lm.model), "native_linear": _native_linear(lm.model),
         "k": list(shape.of("k")), "v": list(shape.of("v"))}))
     return build
 

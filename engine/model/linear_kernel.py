@@ -26,17 +26,25 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+/* sixteen bfloat16 weights as float32: a bfloat16 is the top half of a float32 */
+static inline v16 ldh(const uint16_t* p) {
+    h16 h; memcpy(&h, p, 32);
+    u16 u = __builtin_convertvector(h, u16) << 16;
+    v16 v; memcpy(&v, &u, 64); return v;
+}
 
 /* y[r, b*16 + j] = sum_i x[r, i] * wb[b, i, j] (+ bias[b*16 + j]), blocks b0 <= b < b1, R rows: each block's
    weights are read once for every row. x: [R, n_in] rows n_in apart; y: rows ldy apart. */
-#define KVS_ROWS(R) \
+#define KVS_ROWS(R, T, LD) \
     for (int64_t b = b0; b < b1; b++) { \
-        const float* w = wb + b * (int64_t)n_in * 16; \
+        const T* w = wb + b * (int64_t)n_in * 16; \
         v16 acc[R]; \
         for (int r = 0; r < R; r++) acc[r] = (v16){0}; \
         for (int i = 0; i < n_in; i++) { \
-            v16 wv = ld(w + (int64_t)i * 16); \
+            v16 wv = LD(w + (int64_t)i * 16); \
             __builtin_prefetch(w + (int64_t)(i + 16) * 16); \
             for (int r = 0; r < R; r++) acc[r] += x[(int64_t)r * n_in + i] * wv; \
         } \
@@ -47,54 +55,133 @@ static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
         } \
     }
 
+/* One row (a chat's decode step): four accumulators, so the adds do not wait on each other's latency; no
+   prefetch hint (the hardware's streams it: a hint 16-128 rows ahead read 12-17 GB/s where none reads 17-21). */
+#define KVS_ONE(T, LD) \
+    for (int64_t b = b0; b < b1; b++) { \
+        const T* w = wb + b * (int64_t)n_in * 16; \
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; \
+        int i = 0; \
+        for (; i + 4 <= n_in; i += 4) { \
+            a0 += x[i] * LD(w + (int64_t)i * 16); \
+            a1 += x[i + 1] * LD(w + (int64_t)(i + 1) * 16); \
+            a2 += x[i + 2] * LD(w + (int64_t)(i + 2) * 16); \
+            a3 += x[i + 3] * LD(w + (int64_t)(i + 3) * 16); \
+        } \
+        for (; i < n_in; i++) a0 += x[i] * LD(w + (int64_t)i * 16); \
+        v16 o = (a0 + a1) + (a2 + a3); \
+        if (bias) o += ld(bias + b * 16); \
+        memcpy(y + b * 16, &o, 64); \
+    }
+
+#define KVS_SWITCH(T, LD) \
+    switch (rows) { \
+    case 1: KVS_ONE(T, LD) break; \
+    case 2: KVS_ROWS(2, T, LD) break; \
+    case 3: KVS_ROWS(3, T, LD) break; \
+    case 4: KVS_ROWS(4, T, LD) break; \
+    case 5: KVS_ROWS(5, T, LD) break; \
+    case 6: KVS_ROWS(6, T, LD) break; \
+    case 7: KVS_ROWS(7, T, LD) break; \
+    case 8: KVS_ROWS(8, T, LD) break; \
+    default: return -1; \
+    } \
+    return 0;
+
 int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, const float* wb, const float* bias,
                    float* y, int64_t ldy)
 {
-    switch (rows) {
-    case 1: KVS_ROWS(1) break;
-    case 2: KVS_ROWS(2) break;
-    case 3: KVS_ROWS(3) break;
-    case 4: KVS_ROWS(4) break;
-    case 5: KVS_ROWS(5) break;
-    case 6: KVS_ROWS(6) break;
-    case 7: KVS_ROWS(7) break;
-    case 8: KVS_ROWS(8) break;
-    default: return -1;
-    }
-    return 0;
+    KVS_SWITCH(float, ld)
+}
+
+/* the same over bfloat16 weights (x, bias and y float32) */
+int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const float* x, const uint16_t* wb,
+                     const float* bias, float* y, int64_t ldy)
+{
+    KVS_SWITCH(uint16_t, ldh)
 }
 """
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn = lib.kvs_blocked_mm
-    fn.restype = i
-    fn.argtypes = [i, i, i64, i64, p, p, p, p, i64]  # rows n_in b0 b1 x wb bias y ldy
+    for fn in (lib.kvs_blocked_mm, lib.kvs_blocked_mm_h):
+        fn.restype = i
+        fn.argtypes = [i, i, i64, i64, p, p, p, p, i64]  # rows n_in b0 b1 x wb bias y ldy
     return lib
 
 
-LINEAR = Native("linear", SOURCE, _declare, "the batched linears")
+LINEAR = Native("linear", SOURCE, _declare, "the blocked linears")
+
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
-    """Can ``product`` take these (float32 on the CPU, 2..MAX_ROWS rows, torch on one thread, eager: not inside a
-    trace)?"""
+    """Can ``product`` take these (float32 or bfloat16 weights on the CPU, 1..MAX_ROWS rows, torch on one thread,
+    eager: not inside a trace)?"""
     return (not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # first: no guard on rows
             and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
-            and 2 <= x2.shape[0] <= MAX_ROWS and x2.dtype == torch.float32 and wb.dtype == torch.float32
-            and torch.get_num_threads() == 1  # one thread: with more, MKL's bmm shares the blocks among them
+            and 1 <= x2.shape[0] <= MAX_ROWS and wb.dtype in DTYPES and x2.dtype == wb.dtype
+            # float32 on one thread: with more, MKL's bmm shares the blocks among them; bfloat16 always (torch's
+            # per-block bfloat16 product reads 5 GB/s, this one 18-19 on one thread)
+            and (torch.get_num_threads() == 1 or wb.dtype == torch.bfloat16)
             and x2.device.type == "cpu" and LINEAR.library() is not None)
 
 
 def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out] (``usable`` first)."""
-    x2 = x2.contiguous()
+    """x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out] in x2's dtype (``usable``
+    first). bfloat16 weights are widened in registers; the sums are float32 either way."""
+    xf = x2.float().contiguous()  # [rows, in]
     wb = wb.contiguous()
-    rows, n_in = x2.shape
+    rows, n_in = xf.shape
     nb = wb.shape[0]
     y = torch.empty(rows, nb * BLOCK, dtype=torch.float32)  # [rows, out]
-    b = bias.contiguous() if bias is not None else None
-    LINEAR.library().kvs_blocked_mm(rows, n_in, 0, nb, x2.data_ptr(), wb.data_ptr(),
-                                    b.data_ptr() if b is not None else None, y.data_ptr(), nb * BLOCK)
-    return y
+    b = bias.float().contiguous() if bias is not None else None
+    fn = LINEAR.library().kvs_blocked_mm if wb.dtype == torch.float32 else LINEAR.library().kvs_blocked_mm_h
+    fn(rows, n_in, 0, nb, xf.data_ptr(), wb.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+       nb * BLOCK)
+    return y if x2.dtype == torch.float32 else y.to(x2.dtype)
+
+
+def blocked_product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [rows, in] times blocked wb (+ bias) -> [rows, out]: the native product eight rows at a time where it
+    can run (``usable``), torch's otherwise."""
+    rows = x2.shape[0]
+    if rows == 0 or not usable(x2[:1], wb):
+        return torch_product(x2, wb, bias)
+    if rows <= MAX_ROWS:
+        return product(x2, wb, bias)
+    return torch.cat([product(x2[r:r + MAX_ROWS], wb, bias) for r in range(0, rows, MAX_ROWS)])  # [rows, out]
+
+
+def torch_product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The same with torch's ops: one small matrix product per block (MKL's ``bmm``)."""
+    rows = x2.shape[0]
+    y = torch.matmul(x2, wb).transpose(0, 1).reshape(rows, -1)  # [out/B, rows, B] -> [rows, out]
+    return y + bias if bias is not None else y
+
+
+# -- in a compiled step -------------------------------------------------------------------------------------
+# A compiled step (``engine.model.aot_build``) cannot call ctypes, but it can call an operator registered with
+# torch: AOTInductor's package calls it through torch's dispatcher (~10 us a call here, ~1.2 ms for the 121
+# linears of a SmolLM2-shape step). ``IN_GRAPH`` says whether a package being built calls it (the parent's
+# ``in_graph()`` at the time it asked, part of the package's key): the child sets it from the job.
+IN_GRAPH = False
+
+
+def in_graph() -> bool:
+    """Will a compiled step built now call the native product for its blocked linears?"""
+    return LINEAR.library() is not None
+
+
+@torch.library.custom_op("kvscope::blocked_linear", mutates_args=())
+def blocked_linear(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``blocked_product`` as an operator a compiled step's package calls (the package is the same whether the
+    native product or torch's runs inside)."""
+    return blocked_product(x2, wb, bias)
+
+
+@blocked_linear.register_fake
+def _(x2, wb, bias):
+    return x2.new_empty(x2.shape[0], wb.shape[0] * wb.shape[2])  # [rows, out]

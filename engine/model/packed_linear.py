@@ -1,15 +1,16 @@
 """The linears ``engine.model.prepack`` puts in a model: one weight, held in the layout its kernel reads fastest.
 
 ``onednn``  [out, in] reordered once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
-            multiplied by ``_linear_pointwise``: the fastest here for several rows (a batched decode, a prompt) and
-            for bfloat16 at one row.
-``blocked`` float32 [out/16, in, 16]: sixteen outputs' weights side by side for each input, so one row's product
-            is a batched matrix product (``torch.matmul`` -> MKL) that streams the weights in order with one
-            vector accumulator per sixteen outputs and no horizontal sums. One row (a chat's decode step) reads
-            the SmolLM2 shape's linears in 24-32 ms against oneDNN's 40-45 and MKL's 38-44 on plain weights (CPU
-            time, 5 fresh processes, one thread, the 2-core host loaded); four rows take 49 ms against oneDNN's
-            32, and prompts (rows > ``BLOCKED_MAX_ROWS``) restore the plain layout per call and use oneDNN
-            (512 rows: 1.28 s vs 1.08 packed).
+            multiplied by ``_linear_pointwise``: the fastest here for many rows (a server's batches, a prompt).
+``blocked`` float32 or bfloat16 [out/16, in, 16]: sixteen outputs' weights side by side for each input, so a
+            row's product streams the weights in order with one vector accumulator per sixteen outputs and no
+            horizontal sums: the native product (``engine.model.linear_kernel``, 1-8 rows, eight at a time up to
+            ``BLOCKED_MAX_ROWS``; in a compiled step through the ``kvscope::blocked_linear`` operator), else one
+            small matrix product per block (``torch.matmul`` -> MKL). One row of the SmolLM2 shape's linears:
+            float32 20-21 ms native against 25-37 torch's and 32-35 oneDNN's; bfloat16 11-12 ms native against
+            16-18 oneDNN's (one thread, 2026-12-03; a ``sum`` reads 25 GB/s here). Prompts (rows >
+            ``BLOCKED_MAX_ROWS``) restore the plain layout per call and use oneDNN (512 rows: 1.28 s vs 1.08
+            packed).
 
 A merged group (q/k/v, gate/up) is one of these whose output its members slice (``part``); the other members are
 ``MergedPart`` and hold no weight. In the compiled step's child the weights are plain or blocked throwaway ones:
@@ -48,14 +49,12 @@ def _blocked(x: torch.Tensor, wb: torch.Tensor, b: torch.Tensor | None) -> torch
     n_in = wb.shape[1]
     x2 = x.reshape(-1, n_in)  # [rows, in]
     rows = x2.shape[0]
-    if rows > BLOCKED_MAX_ROWS:
+    if linear_kernel.IN_GRAPH and (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
+        y = torch.ops.kvscope.blocked_linear(x2, wb, b)  # [rows, out]: a compiled step calls the native product
+    elif rows > BLOCKED_MAX_ROWS:
         y = _onednn(x2, unblock(wb), b)  # [rows, out]
-    elif linear_kernel.usable(x2, wb):
-        y = linear_kernel.product(x2, wb, b)  # [rows, out]: a batched decode step, each block's weights read once
     else:
-        y = torch.matmul(x2, wb).transpose(0, 1).reshape(rows, -1)  # [out/B, rows, B] -> [rows, out]
-        if b is not None:
-            y = y + b
+        y = linear_kernel.blocked_product(x2, wb, b)  # [rows, out]: native where it can, each block read once
     return y.reshape(*x.shape[:-1], y.shape[-1])  # [..., out]
 
 

@@ -4,10 +4,10 @@ Why: a decode step is bound by reading the weights once (SmolLM2-135M in float32
 matrix-vector product on plain row-major weights streams them at ~10 GB/s on one core here, where a ``sum`` over
 the same bytes streams ~20 and llama.cpp's dot products ~15. Two layouts read faster
 (``engine.model.packed_linear``): oneDNN's blocked layout (what vLLM's CPU backend uses; the fastest for several
-rows at once, and for bfloat16) and, for a float32 chat's one-row steps, sixteen outputs side by side
-(``blocked``). Only one copy of a weight exists, so the layout is chosen per model at load for its workload:
-a chat (the app, ``generate``, ``bench``) decodes one row at a time -> ``blocked`` for float32, ``onednn`` for
-bfloat16; a server (``engine serve``, ``set_workload("server")``) decodes batches -> ``onednn``.
+rows at once) and, for a chat's one-row steps, sixteen outputs side by side (``blocked``). Only one copy of a
+weight exists, so the layout is chosen per model at load for its workload: a chat (the app, ``generate``,
+``bench``) decodes one row at a time -> ``blocked`` for float32, and for bfloat16 where the native product is
+built (else ``onednn``); a server (``engine serve``, ``set_workload("server")``) decodes batches -> ``onednn``.
 ``KVSCOPE_PREPACK_KIND=onednn|blocked`` forces one. Siblings fed the same input (q/k/v, gate/up) become one matrix:
 one call, one pass over the input.
 
@@ -65,8 +65,16 @@ def set_workload(workload: str) -> None:
 def kind_for(dtype: torch.dtype, out_features: int) -> str:
     """The layout for a weight of ``dtype`` with ``out_features`` rows, for this process's workload."""
     forced = os.environ.get("KVSCOPE_PREPACK_KIND", "").strip().lower()
-    kind = forced if forced in KINDS else "blocked" if dtype == torch.float32 and _workload == "chat" else "onednn"
+    kind = forced if forced in KINDS else "blocked" if _workload == "chat" and _blocked_pays(dtype) else "onednn"
     return kind if kind == "onednn" or out_features % BLOCK == 0 else "onednn"
+
+
+def _blocked_pays(dtype: torch.dtype) -> bool:
+    """float32: always (torch's per-block product streams it too); bfloat16: only with the native product, which
+    reads it at 18-19 GB/s where oneDNN's one-row product reads 12-14 (torch's per-block product: 5)."""
+    from engine.model import linear_kernel
+
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and linear_kernel.LINEAR.library() is not None)
 
 
 @dataclass(frozen=True)

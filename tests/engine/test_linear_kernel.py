@@ -1,7 +1,7 @@
-"""The native product of the blocked linears at 2-8 rows (``engine.model.linear_kernel``): the plain product's
-values at every row count it takes, with and without a bias, at widths that are and are not multiples of its
-vectors; what it leaves to torch; and a batched decode of chats on blocked weights going through it with HF's
-greedy tokens."""
+"""The native product of the blocked linears at 1-8 rows (``engine.model.linear_kernel``): the plain product's
+values at every row count it takes, float32 and bfloat16 weights, with and without a bias, at widths that are and
+are not multiples of its vectors; more rows eight at a time; the operator a compiled step calls; what it leaves
+to torch; and a batched decode of chats on blocked weights going through it with HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", range(2, linear_kernel.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, linear_kernel.MAX_ROWS + 1))
 @pytest.mark.parametrize("out,n_in", [(16, 7), (96, 80), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
@@ -42,13 +42,49 @@ def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
     assert (got.double() - want).abs().max().item() <= 2e-6 * n_in ** 0.5 * 8  # float32 sums of n_in terms
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("out,n_in", [(16, 7), (960, 576)])
+def test_bfloat16_weights_give_the_float32_sum_of_their_products(rows, out, n_in):
+    """bfloat16 weights and rows: the products are exact in float32 and summed there, then rounded once to
+    bfloat16 — within one bfloat16 rounding of the exact sum (13 rows: eight, then five)."""
+    g = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, n_in, generator=g).bfloat16()
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    b = torch.randn(out, generator=g).bfloat16()
+    got = linear_kernel.blocked_product(x, block(w), b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * n_in ** 0.5).all()
+
+
+def test_the_operator_a_compiled_step_calls_gives_the_same_and_traces(monkeypatch):
+    """``kvscope::blocked_linear``: eager it is ``blocked_product``; traced it stays one call whose output shape
+    the graph knows without running it."""
+    w, x = torch.randn(96, 80), torch.randn(5, 80)
+    got = torch.ops.kvscope.blocked_linear(x, block(w), None)
+    assert torch.equal(got, linear_kernel.blocked_product(x, block(w), None))
+    ep = torch.export.export(_Op(block(w)), (x,), strict=False)
+    assert [n.target for n in ep.graph.nodes if n.op == "call_function"] == [torch.ops.kvscope.blocked_linear.default]
+    assert torch.allclose(ep.module()(x), x @ w.T, atol=1e-5)
+
+
+class _Op(torch.nn.Module):
+    def __init__(self, wb):
+        super().__init__()
+        self.wb = torch.nn.Parameter(wb, requires_grad=False)
+
+    def forward(self, x):
+        return torch.ops.kvscope.blocked_linear(x, self.wb, None)
+
+
 def test_what_it_leaves_to_torch(monkeypatch):
     wb = block(torch.randn(32, 8))
-    assert not linear_kernel.usable(torch.randn(1, 8), wb)  # one row: the compiled step's path
-    assert not linear_kernel.usable(torch.randn(linear_kernel.MAX_ROWS + 1, 8), wb)
-    assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb.bfloat16())
+    assert not linear_kernel.usable(torch.randn(linear_kernel.MAX_ROWS + 1, 8), wb)  # eight at a time, by the caller
+    assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.float16), wb.half())
+    assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb)  # mixed dtypes
     torch.set_num_threads(2)
     assert not linear_kernel.usable(torch.randn(4, 8), wb)  # MKL shares the blocks among its threads
+    assert linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb.bfloat16())  # torch's bf16: 5 GB/s
     torch.set_num_threads(1)
     monkeypatch.setenv("KVSCOPE_NATIVE", "off")
     assert not linear_kernel.usable(torch.randn(4, 8), wb)

@@ -97,14 +97,24 @@ def test_batched_decoding_on_packed_weights_is_exact(stories, packed, prompt):
         s.close()
 
 
-def test_every_layer_runs_its_projections_through_the_packed_kernel(packed, prompt):
+def test_every_layer_runs_its_projections_through_the_packed_kernel(packed, prompt, monkeypatch):
+    from engine.model import linear_kernel
+
+    native = []
+    real = linear_kernel.product
+    monkeypatch.setattr(linear_kernel, "product", lambda *a: native.append(a[0].shape[0]) or real(*a))
     s = ChatSession(packed, CacheConfig(mode="paged", page_size=16))
     s.start_ids(prompt, SamplingConfig(max_new_tokens=3, ignore_eos=True))
-    s.step()  # prefill
+    s.step()  # prefill (its 5 rows go through the native product too)
+    native.clear()
     calls = kernel_calls(s.step)  # one decode step, eager
     s.close()
-    # 5 layers: q/k/v merged, o and down blocked; gate/up merged, oneDNN (the tied lm_head stays the embedding's)
-    assert calls == {"aten::bmm": 5 * 3, "mkldnn::_linear_pointwise": 5}
+    # 5 layers: q/k/v merged, o and down blocked; gate/up merged, oneDNN (the tied lm_head stays the embedding's).
+    # The blocked ones run the native product where it is built (torch's profiler does not see it), else bmm.
+    if linear_kernel.LINEAR.library() is not None and torch.get_num_threads() == 1:
+        assert calls == {"mkldnn::_linear_pointwise": 5} and native == [1] * (5 * 3)
+    else:
+        assert calls == {"aten::bmm": 5 * 3, "mkldnn::_linear_pointwise": 5}
 
 
 def test_one_copy_of_the_weights(stories, packed):
@@ -184,7 +194,13 @@ def test_each_workload_gets_the_layout_its_rows_read_fastest(monkeypatch):
     monkeypatch.delenv("KVSCOPE_PREPACK_KIND", raising=False)
     assert prepack.kind_for(torch.float32, 960) == "blocked"  # a chat's one-row steps
     assert prepack.kind_for(torch.float32, 344) == "onednn"  # no multiple of 16
+    from engine.model import linear_kernel
+
+    native = linear_kernel.LINEAR.library() is not None  # bfloat16 blocked only with the native product
+    assert prepack.kind_for(torch.bfloat16, 960) == ("blocked" if native else "onednn")
+    monkeypatch.setenv("KVSCOPE_NATIVE", "off")
     assert prepack.kind_for(torch.bfloat16, 960) == "onednn"
+    monkeypatch.delenv("KVSCOPE_NATIVE")
     monkeypatch.setattr(prepack, "_workload", "chat")
     prepack.set_workload("server")  # engine serve: batches
     assert prepack.kind_for(torch.float32, 960) == "onednn"
@@ -248,12 +264,18 @@ def test_the_compiled_step_runs_on_the_packed_and_blocked_weights_and_stays_exac
     s.close()
     calls = package_calls(packed.fast.package)  # the package's own calls, on our weights
     assert calls["onednn"] == 5 and calls["mm"] == 1  # gate/up; MKL only for the tied lm_head
-    assert calls["blocked"] >= 5  # inductor fused each layer's blocked products into its own C++ loops
+    from engine.model import linear_kernel
+
+    if linear_kernel.in_graph():  # each blocked product calls the native one (kvscope::blocked_linear)
+        assert calls["native"] == 5 * 3 and calls["blocked"] == 0
+    else:
+        assert calls["blocked"] >= 5  # inductor fused each layer's blocked products into its own C++ loops
 
 
 def package_calls(path) -> dict[str, int]:
     """What a compiled step's C++ calls (the profiler does not see inside the package): oneDNN linears, MKL
-    matmuls, and fused loops that hold a blocked product (inductor writes one-row bmm as its own loop)."""
+    matmuls, fused loops that hold a blocked product (inductor writes one-row bmm as its own loop), and
+    operators called through torch's dispatcher (the native blocked product)."""
     import re
     import zipfile
 
@@ -261,4 +283,5 @@ def package_calls(path) -> dict[str, int]:
         code = "".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith("wrapper.cpp"))
     return {"onednn": len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code)),
             "mm": len(re.findall(r"aoti_torch_cpu_(?:addmm|mm)_out\(", code)),
-            "blocked": len(re.findall(r"cpp_fused_\w*bmm\w*\(", code)) + len(re.findall(r"aoti_torch_cpu_bmm_out\(", code))}
+            "blocked": len(re.findall(r"cpp_fused_\w*bmm\w*\(", code)) + len(re.findall(r"aoti_torch_cpu_bmm_out\(", code)),
+            "native": len(re.findall(r"aoti_torch_proxy_executor_call_function\(", code))}
