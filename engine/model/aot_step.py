@@ -147,6 +147,10 @@ def open_package(path: Path, device):
     it is made off the engine thread (``engine.model.fast_step``'s watcher)."""
     import torch._inductor
 
+    from engine.model import linear_kernel, linear_op
+
+    if device.type == "cpu" and linear_kernel.in_graph():
+        linear_op.attach()  # the blocked linears' C++ kernel: ~2 us a call where the Python one costs ~17
     if device.type == "cuda":
         return torch._inductor.aoti_load_package(str(path), device_index=device.index or 0)
     return torch._inductor.aoti_load_package(str(path))

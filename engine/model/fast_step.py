@@ -366,4 +366,8 @@ class FastStep:
         text = {"off": "off", "idle": "not compiled yet", "compiling": "compiling in the background",
                 "trial": "compiled, measuring against eager", "on": "compiled step in use",
                 "slower": "eager (compiled measured slower)", "failed": "eager (compile failed)"}[self.state]
-        return f"{text} — {self.reason}" if self.reason else text
+        text = f"{text} — {self.reason}" if self.reason else text
+        b = self.batch
+        if b is not None and b.state not in ("idle", "off"):  # several chats decoded together at least once
+            text += f"; several chats at once: {b.describe()}"
+        return text

@@ -129,10 +129,13 @@ async def health(request: Request) -> Response:
         except ApiError:
             return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
     fast = server.lm.fast_step  # read from this thread: a state string and its reason, both plain attributes
-    step = {"state": fast.state, "reason": fast.reason} if fast is not None else {"state": "off", "reason": ""}
+    off = {"state": "off", "reason": ""}
+    step = {"state": fast.state, "reason": fast.reason} if fast is not None else off
+    b = fast.batch if fast is not None else None
+    batch = {"state": b.state, "reason": b.reason} if b is not None else off
     return JSONResponse({"status": "ok" if ok else "stopped", "model": server.model_id,
                          "running": server.scheduler.running, "waiting": server.scheduler.waiting,
-                         "compiled_step": step}, status_code=200 if ok else 503)
+                         "compiled_step": step, "compiled_batch_step": batch}, status_code=200 if ok else 503)
 
 
 @api

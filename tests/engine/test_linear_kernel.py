@@ -68,6 +68,21 @@ def test_the_operator_a_compiled_step_calls_gives_the_same_and_traces(monkeypatc
     assert torch.allclose(ep.module()(x), x @ w.T, atol=1e-5)
 
 
+def test_the_operators_cpp_kernel_gives_what_the_python_one_gives():
+    """``engine.model.linear_op`` registers a C++ CPU kernel for the operator (a compiled step's calls then skip
+    Python): bit for bit the Python kernel's values, float32 and bfloat16, one to thirteen rows, with a bias."""
+    from engine.model import linear_op
+
+    if not linear_op.attach():
+        pytest.skip(f"no C++ kernel here: {linear_op.why()}")
+    for dt in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(1)
+        wb, b = block(torch.randn(48, 40, generator=g).to(dt)), torch.randn(48, generator=g).to(dt)
+        for rows in (1, 8, 13):
+            x = torch.randn(rows, 40, generator=g).to(dt)
+            assert torch.equal(torch.ops.kvscope.blocked_linear(x, wb, b), linear_kernel.blocked_product(x, wb, b))
+
+
 class _Op(torch.nn.Module):
     def __init__(self, wb):
         super().__init__()

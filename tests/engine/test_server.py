@@ -514,6 +514,7 @@ def test_health_says_what_the_compiled_step_is_doing(served):
     h = httpx.get(url + "/health", headers=AUTH).json()
     assert h["status"] == "ok" and h["compiled_step"]["state"] == server.lm.fast.state  # "off" in the tests
     assert h["compiled_step"]["reason"] == server.lm.fast.reason
+    assert h["compiled_batch_step"] == {"state": server.lm.fast.batch.state, "reason": server.lm.fast.batch.reason}
 
 
 def test_non_loopback_bind_refused_by_server_thread(stories):
