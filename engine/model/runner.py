@@ -131,11 +131,16 @@ class ModelRunner:
         logits = self._compiled(w) if path == "compiled" else None
         if logits is None:
             logits, path = self._eager(w), path and "eager"
-        if path:
-            if self.lm.device.type == "cuda":
-                torch.cuda.synchronize(self.lm.device)  # the trial times the forward, not its launch
-            fast.record(path, (time.perf_counter() - t0) * 1000.0)
+        self._timed(fast, path, t0, 1)
         return Output(logits, path or "eager")
+
+    def _timed(self, fast, path: str, t0: float, n: int) -> None:
+        """A trial's time of an eligible forward begun at ``t0`` (per sequence of ``n``: batches differ)."""
+        if not path:
+            return
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)  # the trial times the forward, not its launch
+        fast.record(path, (time.perf_counter() - t0) * 1000.0 / n)
 
     def _off(self, w: Work) -> torch.Tensor:
         dev = self.lm.device
@@ -181,10 +186,7 @@ class ModelRunner:
         logits = self._batched_compiled(works) if path == "compiled" else None
         if logits is None:
             logits, path = self._batched_eager(works), path and "eager"
-        if path:
-            if self.lm.device.type == "cuda":
-                torch.cuda.synchronize(self.lm.device)
-            batch.record(path, (time.perf_counter() - t0) * 1000.0 / len(works))  # per sequence: batches differ
+        self._timed(batch, path, t0, len(works))
         self.forwards += 1
         self.batched_forwards += 1
         self.batched_tokens += len(works)
