@@ -87,7 +87,8 @@ def machine_refusal(device: torch.device) -> str:
 
 class FastStep:
     """The compiled decode step of one loaded model, its state and its measurements (see the module doc). It owns
-    the model's compiled batched step (``batch``, ``engine.model.fast_batch``): the same setting, built after it."""
+    the model's compiled batched step (``batch``, ``engine.model.fast_batch``, given by the runner): the same
+    setting, built after it."""
 
     kind = "step"  # which package (``aot_step.KINDS``)
 
@@ -109,11 +110,7 @@ class FastStep:
         self.on_change = None  # fn(describe()) when a build starts or ends (engine thread)
         self.waker = None  # fn() the watcher calls when the child ends, so the engine thread polls soon
         self._refresh()
-        self.batch = None
-        if self.kind == "step":
-            from engine.model.fast_batch import BatchStep
-
-            self.batch = BatchStep(lm, self.mode)
+        self.batch = None  # the compiled batched step (``engine.model.fast_batch``): the runner gives it one
 
     # -- setting ---------------------------------------------------------------------------------------
     def set_mode(self, mode: str) -> None:

@@ -83,10 +83,24 @@ class ModelRunner:
         if self.dispatch:
             use_attention(self.model, DISPATCH_IMPL)
         self.batch_refused = ""  # why this model's sequences cannot decode in one forward, once found
-        self.fast = FastStep(lm)
+        self.fast = FastStep(lm)  # with its batched step (the setter)
         self.forwards = 0  # forwards run (tests check every forward of the engine came through here)
         self.batched_forwards = self.batched_tokens = 0  # forwards that decoded several sequences, their tokens
         self.spec_verdicts: dict = {}  # drafter label -> engine.speculation.verify.Verdict: did speculation pay here
+
+    @property
+    def fast(self):
+        """The model's compiled decode step (``engine.model.fast_step``) and, as its ``batch``, the compiled batched
+        step (``engine.model.fast_batch``)."""
+        return self._fast
+
+    @fast.setter
+    def fast(self, step) -> None:
+        from engine.model.fast_batch import BatchStep
+
+        if step.kind == "step" and step.batch is None:
+            step.batch = BatchStep(step.lm, step.mode)
+        self._fast = step
 
     # -- can I? -----------------------------------------------------------------------------------------
     def batch_refusal(self) -> str:
