@@ -196,6 +196,8 @@ class RemoteLink(QObject):
             self.error, self.failures = result, self.failures + 1
             self._next_poll = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** (self.failures - 1))
         else:
+            if self.failures and self.engine is not None:
+                self.engine.came_back()  # it may have restarted: its event numbers begin again
             self.error, self.failures, self._next_poll = "", 0, 0.0
 
     def abandon(self) -> None:

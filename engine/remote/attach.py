@@ -149,6 +149,11 @@ class RemoteEngine:
             time.sleep(0.05)
         return bool(self.view.batches or self.view.malformed)
 
+    def came_back(self) -> None:
+        """The server answered again after failing to: each event stream may begin anew (``EventSubscriber.came_back``)."""
+        for sub in self.subscribers:
+            sub.came_back()
+
     def close(self) -> None:
         for sub in self.subscribers:
             sub.stop()

@@ -134,6 +134,7 @@ class EventSubscriber:
         self.reconnects = 0  # connections dropped (the server went, or sent a frame over MAX_MSG_BYTES)
         self.error: str | None = None  # why the socket could not be opened
         self._expected: int | None = None
+        self._new_stream = threading.Event()  # the server came back: the next batch may begin its numbers anew
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvscope-kv-events-{rank}", daemon=True)
@@ -141,6 +142,14 @@ class EventSubscriber:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def came_back(self) -> None:
+        """The server answered again after failing to (any thread). A restarted server numbers its batches from 0
+        again, and its first batches may have gone out before ZMQ reconnected; when the first one heard has a number
+        at or above the last one's, nothing in the numbers says so. So the next batch starts a new stream: the
+        view starts over and the replay endpoint is asked for everything before it (a server that only dropped
+        the connection replays what the view had: the same state)."""
+        self._new_stream.set()
 
     def start(self, timeout: float = 5.0) -> None:
         """Open the socket (``ValueError`` with one line when it cannot be) and start receiving."""
@@ -230,6 +239,10 @@ class EventSubscriber:
             self.view.skip(1, f"a message of {len(frames)} frames, not [topic, 8-byte sequence number, batch]")
             return
         seq = seq_of(frames[1])
+        if self._new_stream.is_set():  # the server came back (``came_back``): its numbers may have begun again
+            self._new_stream.clear()
+            self.view.gap(self.rank, 0, replayed=False)  # starts over
+            self._expected = 0
         expected = 0 if self._expected is None else self._expected  # joined late: batches 0.. came before us
         if seq > expected:
             missing = seq - expected

@@ -119,6 +119,33 @@ def test_a_late_subscriber_gets_the_missed_batches_from_replay(events_server):
         late.close()
 
 
+def test_a_server_that_came_back_starts_a_new_stream_read_from_replay(events_server):
+    """After the server failed to answer and answered again (the app's /metrics backoff), its numbers may have
+    begun anew with the first batches lost before ZMQ reconnected: the next batch starts over — the view is
+    cleared and everything before it comes from the replay endpoint, so the blocks of a reply sent right after
+    are drawn even when its first batches were missed live."""
+    server, url = events_server
+    eng = RemoteEngine(url, "sekret")
+    try:
+        first = eng.chat([{"role": "user", "content": "A cat sat on the mat. " * 4}], max_tokens=20)
+        time.sleep(0.3)
+        sub = eng.subscribers[0]
+        replayed = sub.replayed
+        time.sleep(1.5)  # the replay endpoint answers 2 requests a second (kv_replay.RATE): the earlier tests' are spent
+        eng.came_back()
+        second = eng.chat([{"role": "user", "content": STORY}], max_tokens=40)
+        ids = second.prompt_ids + second.token_ids
+        deadline = time.monotonic() + 5
+        while eng.view.chat_blocks(ids) < (len(ids) - 1) // P and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.view.chat_blocks(ids) == (len(ids) - 1) // P > 2
+        assert sub.replayed > replayed  # started over: everything before the next batch read from replay
+        earlier = first.prompt_ids + first.token_ids
+        assert eng.view.chat_blocks(earlier) == (len(earlier) - 1) // P  # the batches before: back from replay
+    finally:
+        eng.close()
+
+
 def test_sources_metrics_and_token_ids_over_http(events_server):
     import httpx
 
