@@ -89,14 +89,10 @@ def _native_linear(model) -> bool:
     (``engine.model.linear_kernel.in_graph``)? The package's graph differs, so its key does."""
     from engine.model import linear_kernel
 
-    plan = _prepack_plan(model)
-    return plan is not None and "blocked" in plan.kinds and linear_kernel.in_graph()
-
-
-def _prepack_plan(model):
     from engine.model.prepack import plan_of
 
-    return plan_of(model)
+    plan = plan_of(model)
+    return plan is not None and "blocked" in plan.kinds and linear_kernel.in_graph()
 
 
 def package_path(model, device_type: str, kind: str = "step") -> Path:

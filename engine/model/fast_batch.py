@@ -21,6 +21,7 @@ the longest context doubles. ``KVSCOPE_FAST_BATCH=off`` keeps the batches eager 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -29,14 +30,27 @@ from engine.model import aot_step
 from engine.model.fast_step import FastStep
 
 
+def env_off() -> bool:
+    """``KVSCOPE_FAST_BATCH=off``; any other value than on / auto / off is warned about (then not off)."""
+    value = os.environ.get("KVSCOPE_FAST_BATCH", "").strip().lower()
+    if value not in ("", "on", "auto", "off") and value not in _warned:
+        _warned.add(value)
+        logging.getLogger("kvscope").warning("KVSCOPE_FAST_BATCH=%r is not one of on, auto, off: ignored", value)
+    return value == "off"
+
+
+_warned: set[str] = set()
+
+
 class BatchStep(FastStep):
     """The compiled batched decode step of one loaded model (owned by its ``FastStep``: same setting, same waker)."""
 
     kind = "batch"
+    per = "a sequence"  # rounds of different sizes are timed per sequence
 
     def _refresh(self) -> None:
         super()._refresh()
-        if os.environ.get("KVSCOPE_FAST_BATCH", "").strip().lower() == "off" and self.state != "compiling":
+        if env_off() and self.state != "compiling":
             self.state, self.reason = "off", "KVSCOPE_FAST_BATCH=off"  # to measure the eager batch beside it
 
     def refusal_of(self, stores) -> str:
@@ -64,7 +78,8 @@ class BatchStep(FastStep):
     def forward(self, stores, tokens, ropes):
         """The compiled forward of ``tokens[b]`` at RoPE position ``ropes[b]`` over ``stores[b]`` (room reserved by
         the caller; one arena): the logits [B, vocab], the new K/V written to each sequence's slot. Raises on
-        failure; the pages are then untouched."""
+        failure; then at most those reserved slots were written, and the eager batch that answers instead writes
+        them again."""
         dev = self.lm.device
         arena = stores[0].arena
         P = arena.page_size

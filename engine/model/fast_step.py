@@ -91,6 +91,7 @@ class FastStep:
     setting, built after it."""
 
     kind = "step"  # which package (``aot_step.KINDS``)
+    per = "a step"  # what a trial's time is of
 
     def __init__(self, lm, mode: str | None = None) -> None:
         self.lm = lm
@@ -196,9 +197,9 @@ class FastStep:
             return
         mc, me = statistics.median(c), statistics.median(e)
         if mc < me:
-            self.state, self.reason = "on", f"compiled {mc:.1f} ms vs eager {me:.1f} ms a step (measured)"
+            self.state, self.reason = "on", f"compiled {mc:.1f} ms vs eager {me:.1f} ms {self.per} (measured)"
         else:
-            self.state, self.reason = "slower", f"compiled {mc:.1f} ms vs eager {me:.1f} ms a step: eager kept"
+            self.state, self.reason = "slower", f"compiled {mc:.1f} ms vs eager {me:.1f} ms {self.per}: eager kept"
 
     def forward(self, store, token: int, rope: int):
         """The compiled forward of one token over ``store`` (room reserved by the caller): the logits [vocab],

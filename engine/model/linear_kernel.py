@@ -1,14 +1,16 @@
-"""A native product for the blocked linears (``engine.model.packed_linear``) at 2-8 rows: a batched decode step.
+"""A native product for the blocked linears (``engine.model.packed_linear``): one to eight rows at a time.
 
 The blocked layout holds sixteen outputs' weights side by side for each input (``[out/16, in, 16]``). torch
-multiplies several rows by it as one small matrix product per block (``bmm``), and MKL's per-block overhead makes
-four rows cost 2.5x one: 46-61 ms for the SmolLM2 shape's linears at 4 rows against 22-38 ms at one (one thread,
-this 2-core host). The kernel below keeps one sixteen-wide accumulator per row and streams each block's weights
-once for every row: 20-29 ms at 2 and 4 rows, 31-35 at 8 (13-20 GB/s against torch's 5-9). One row stays on
-torch (the compiled step's path, and as fast there), and so does a model torch runs on several threads (the
-kernel runs on one; ``engine.model.threads`` gives the models of this size one on a 2-core machine). Built and
-cached as the tq kernels are (``engine.kv.quantized.native``); without a compiler the torch path runs. Results
-differ from torch's only in summation order.
+multiplies rows by it as one small matrix product per block (``bmm``): MKL's per-block overhead makes four rows
+cost 2.5x one (46-61 ms for the SmolLM2 shape's linears at 4 rows), and its bfloat16 ``bmm`` reads 5 GB/s. The
+kernel below keeps one sixteen-wide accumulator per row (four for a single row, so the adds overlap) and streams
+each block's weights once for every row: one row of those linears in 20-21 ms float32 and 10-12 ms bfloat16
+(18-21 GB/s, a ``sum`` reads 25 here), four rows in 20-29 ms. bfloat16 is widened in registers and summed in
+float32, rounded once. float32 runs it only on one torch thread (with more, MKL's ``bmm`` shares the blocks among
+them; ``engine.model.threads`` gives models of this size one on a 2-core machine), bfloat16 always. A compiled
+step calls it as the operator ``kvscope::blocked_linear`` (below; ``engine.model.linear_op`` gives that a C++
+kernel). Built and cached as the tq kernels are (``engine.kv.quantized.native``); without a compiler the torch
+path runs. Results differ from torch's only in summation order.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ static inline void sth(uint16_t* y, v16 o) {
     h16 h = __builtin_convertvector(r, h16);
     memcpy(y, &h, 32);
 }
-static inline v16 ldbh(const uint16_t* p) { return ldh(p); }
 
 /* y[r, b*16 + j] = sum_i x[r, i] * wb[b, i, j] (+ bias[b*16 + j]), blocks b0 <= b < b1, R rows: each block's
    weights are read once for every row. x: [R, n_in] rows n_in apart; y: rows ldy apart. T: the weights' type,
@@ -115,7 +116,7 @@ int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, c
 int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t* x, const uint16_t* wb,
                      const uint16_t* bias, uint16_t* y, int64_t ldy)
 {
-    KVS_SWITCH(uint16_t, ldh, xbf, ldbh, sth)
+    KVS_SWITCH(uint16_t, ldh, xbf, ldh, sth)
 }
 """
 

@@ -157,7 +157,7 @@ def test_auto_mode_measures_the_batch_both_ways_then_keeps_one(lm, built):
         trial = paths[0][1:TRIAL_STEPS + 1]
         assert trial.count("batched") == TRIAL_STEPS // 4  # one round in four runs eager while measuring
         assert built.state in ("on", "slower"), built.describe()
-        assert "compiled" in built.reason and "ms" in built.reason
+        assert "compiled" in built.reason and "ms a sequence" in built.reason  # rounds of any size, per sequence
         kept = "compiled batch" if built.state == "on" else "batched"
         assert set(paths[0][TRIAL_STEPS + 1:]) == {kept}
         for ids, prompt in zip(got, PROMPTS):
@@ -175,3 +175,17 @@ def test_the_batched_step_is_built_only_after_the_single_step_was_asked_for(stor
     assert lm.fast.batch.state == "idle" and lm.fast.batch._proc is None
     assert all(set(p[1:]) == {"batched"} for p in paths)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_environment_switch_is_off_or_warned_about(stories, monkeypatch, caplog):
+    from engine.model.fast_batch import BatchStep
+
+    monkeypatch.setenv("KVSCOPE_FAST_BATCH", "off")
+    b = BatchStep(stories, "on")
+    assert b.state == "off" and b.reason == "KVSCOPE_FAST_BATCH=off"
+    b.start()
+    assert b._proc is None and b.state == "off"
+    monkeypatch.setenv("KVSCOPE_FAST_BATCH", "of")
+    with caplog.at_level("WARNING", logger="kvscope"):
+        assert BatchStep(stories, "on").state != "off"
+    assert "KVSCOPE_FAST_BATCH='of' is not one of on, auto, off" in caplog.text
