@@ -133,10 +133,14 @@ def test_a_server_that_came_back_starts_a_new_stream_read_from_replay(events_ser
         replayed = sub.replayed
         time.sleep(1.5)  # the replay endpoint answers 2 requests a second (kv_replay.RATE): the earlier tests' are spent
         eng.came_back()
-        second = eng.chat([{"role": "user", "content": STORY}], max_tokens=40)
+        # a prompt no earlier test sent: its blocks are new, so they are drawn only from batches after came_back
+        # (STORY's were already in the view, and a check could pass before the next batch had arrived)
+        second = eng.chat([{"role": "user", "content": "Once upon a time a small fox found a red ball. " * 5}],
+                          max_tokens=40)
         ids = second.prompt_ids + second.token_ids
-        deadline = time.monotonic() + 5
-        while eng.view.chat_blocks(ids) < (len(ids) - 1) // P and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while ((eng.view.chat_blocks(ids) < (len(ids) - 1) // P or sub.replayed <= replayed)
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         assert eng.view.chat_blocks(ids) == (len(ids) - 1) // P > 2
         assert sub.replayed > replayed  # started over: everything before the next batch read from replay
