@@ -47,7 +47,7 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
 }
 
 // x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out], as linear_kernel.blocked_product:
-// the native product eight rows at a time; torch's per-block product for float32 on several threads or other
+// the native product; torch's per-block product for float32 on several threads or other
 // dtypes.
 static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, const std::optional<at::Tensor>& bias) {
     const bool f32 = wb.scalar_type() == at::kFloat, bf16 = wb.scalar_type() == at::kBFloat16;
@@ -60,16 +60,12 @@ static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, con
     at::Tensor y = at::empty({rows, out}, x.options());
     at::Tensor b;
     if (bias.has_value()) b = bias->to(x.scalar_type()).contiguous();
-    for (int64_t r = 0; r < rows; r += 8) {
-        const int n = (int)std::min<int64_t>(8, rows - r);
-        if (f32)
-            kvs_blocked_mm(n, (int)n_in, 0, nb, x.data_ptr<float>() + r * n_in, w.data_ptr<float>(),
-                           b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>() + r * out, out);
-        else
-            kvs_blocked_mm_h(n, (int)n_in, 0, nb, (const uint16_t*)x.data_ptr() + r * n_in,
-                             (const uint16_t*)w.data_ptr(), b.defined() ? (const uint16_t*)b.data_ptr() : nullptr,
-                             (uint16_t*)y.data_ptr() + r * out, out);
-    }
+    if (f32)
+        kvs_blocked_mm((int)rows, (int)n_in, 0, nb, x.data_ptr<float>(), w.data_ptr<float>(),
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), out);
+    else
+        kvs_blocked_mm_h((int)rows, (int)n_in, 0, nb, (const uint16_t*)x.data_ptr(), (const uint16_t*)w.data_ptr(),
+                         b.defined() ? (const uint16_t*)b.data_ptr() : nullptr, (uint16_t*)y.data_ptr(), out);
     return y;
 }
 

@@ -4,13 +4,13 @@
             multiplied by ``_linear_pointwise``: the fastest here for many rows (a server's batches, a prompt).
 ``blocked`` float32 or bfloat16 [out/16, in, 16]: sixteen outputs' weights side by side for each input, so a
             row's product streams the weights in order with one vector accumulator per sixteen outputs and no
-            horizontal sums: the native product (``engine.model.linear_kernel``, 1-8 rows, eight at a time up to
-            ``BLOCKED_MAX_ROWS``; in a compiled step through the ``kvscope::blocked_linear`` operator), else one
-            small matrix product per block (``torch.matmul`` -> MKL). One row of the SmolLM2 shape's linears:
-            float32 20-21 ms native against 25-37 torch's and 32-35 oneDNN's; bfloat16 11-12 ms native against
-            16-18 oneDNN's (one thread, 2026-12-03; a ``sum`` reads 25 GB/s here). Prompts (rows >
-            ``BLOCKED_MAX_ROWS``) restore the plain layout per call and use oneDNN (512 rows: 1.28 s vs 1.08
-            packed).
+            horizontal sums: the native product (``engine.model.linear_kernel``, any number of rows where it
+            beats oneDNN, ``native_max_rows``; in a compiled step through the ``kvscope::blocked_linear``
+            operator), else one small matrix product per block (``torch.matmul`` -> MKL). One row of the SmolLM2
+            shape's linears: float32 19-21 ms native against 25-37 torch's and 32-35 oneDNN's; bfloat16 8 ms
+            native by pairs (10-12 widened) against 16-18 oneDNN's (one thread, 2026-12-04; a ``sum`` reads
+            25 GB/s here). Without the native product, prompts (rows > ``BLOCKED_MAX_ROWS``) restore the plain
+            layout per call and use oneDNN.
 
 A merged group (q/k/v, gate/up) is one of these whose output its members slice (``part``); the other members are
 ``MergedPart`` and hold no weight. In the compiled step's child the weights are plain or blocked throwaway ones:
@@ -28,10 +28,16 @@ from engine.model import linear_kernel
 
 BLOCK = 16  # outputs per block: one AVX-512 vector of float32
 BLOCKED_MAX_ROWS = 64  # more rows than this (a prompt chunk): oneDNN on the plain layout restored for the call
-# ... unless the native product takes them, eight at a time, up to this many rows: all of the SmolLM2 shape's
-# linears, one thread, float32 128 rows 343 ms native vs 469 restored + oneDNN, 512 rows 1.24 vs 1.27 s;
-# bfloat16 16 rows 62 vs 79 ms, 24 rows 97 vs 84 (oneDNN's bf16 tiles win from there)
-NATIVE_MAX_ROWS = {torch.float32: 512, torch.bfloat16: 16}
+# ... unless the native product takes them (all of the SmolLM2 shape's linears, one thread): float32 at any count
+# (128 rows 281 ms against 469 restored + oneDNN, 512 rows 1.01 s against 1.19), bfloat16 at any count where it
+# sums by pairs (AVX512_BF16: 128 rows 149 ms against 218), else up to 16 rows (widened: 16 rows 62 ms against
+# 79, 24 rows 97 against 84 — oneDNN's bf16 tiles win from there)
+
+
+def native_max_rows(dtype: torch.dtype) -> float:
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and linear_kernel.bf16_pairs()):
+        return float("inf")
+    return 16 if dtype == torch.bfloat16 else 0
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -55,8 +61,8 @@ def _blocked(x: torch.Tensor, wb: torch.Tensor, b: torch.Tensor | None) -> torch
     rows = x2.shape[0]
     if linear_kernel.IN_GRAPH and (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
         y = torch.ops.kvscope.blocked_linear(x2, wb, b)  # [rows, out]: a compiled step calls the native product
-    elif rows <= NATIVE_MAX_ROWS.get(wb.dtype, 0) and linear_kernel.usable(x2[:1], wb):
-        y = linear_kernel.blocked_product(x2, wb, b)  # [rows, out]: native, each block read once per 8 rows
+    elif rows <= native_max_rows(wb.dtype) and linear_kernel.usable(x2, wb):
+        y = linear_kernel.blocked_product(x2, wb, b)  # [rows, out]: native, each block read once
     elif rows > BLOCKED_MAX_ROWS:
         y = _onednn(x2, unblock(wb), b)  # [rows, out]
     else:

@@ -1,7 +1,8 @@
-"""The native product of the blocked linears at 1-8 rows (``engine.model.linear_kernel``): the plain product's
-values at every row count it takes, float32 and bfloat16 weights, with and without a bias, at widths that are and
-are not multiples of its vectors; more rows eight at a time; the operator a compiled step calls; what it leaves
-to torch; and a batched decode of chats on blocked weights going through it with HF's greedy tokens."""
+"""The native product of the blocked linears (``engine.model.linear_kernel``): the plain product's values at one
+row, at every group size (1-8 rows a block's weights are read for at once) and at many rows (groups of eight and
+a rest), float32 and bfloat16 weights (by pairs of inputs where the CPU can), with and without a bias, at widths
+that are and are not multiples of its vectors; the operator a compiled step calls; what it leaves to torch; and a
+batched decode of chats on blocked weights going through it with HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", range(1, linear_kernel.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, linear_kernel.GROUP + 2), 13, 130])
 @pytest.mark.parametrize("out,n_in", [(16, 7), (96, 80), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
@@ -42,11 +43,12 @@ def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
     assert (got.double() - want).abs().max().item() <= 2e-6 * n_in ** 0.5 * 8  # float32 sums of n_in terms
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-@pytest.mark.parametrize("out,n_in", [(16, 7), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 130])
+@pytest.mark.parametrize("out,n_in", [(16, 7), (960, 576), (48, 33)])
 def test_bfloat16_weights_give_the_float32_sum_of_their_products(rows, out, n_in):
     """bfloat16 weights and rows: the products are exact in float32 and summed there, then rounded once to
-    bfloat16 — within one bfloat16 rounding of the exact sum (13 rows: eight, then five)."""
+    bfloat16 — within one bfloat16 rounding of the exact sum (13 rows: eight, then five; an odd width's last input
+    outside the pairs)."""
     g = torch.Generator().manual_seed(rows + out)
     w = torch.randn(out, n_in, generator=g).bfloat16()
     x = torch.randn(rows, n_in, generator=g).bfloat16()
@@ -55,6 +57,23 @@ def test_bfloat16_weights_give_the_float32_sum_of_their_products(rows, out, n_in
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * n_in ** 0.5).all()
+
+
+def test_the_portable_build_gives_the_same_without_pairs():
+    """Built for any CPU of this architecture (no AVX512_BF16: bfloat16 widened in registers), the product gives
+    what this CPU's build gives: float32 to summation order, bfloat16 within one rounding."""
+    lib = linear_kernel.LINEAR.load(())
+    assert not lib.kvs_bf16_pairs()
+    g = torch.Generator().manual_seed(3)
+    for dt, fn in ((torch.float32, lib.kvs_blocked_mm), (torch.bfloat16, lib.kvs_blocked_mm_h)):
+        w, b = torch.randn(48, 33, generator=g).to(dt), torch.randn(48, generator=g).to(dt)
+        for rows in (1, 5, 21):
+            x = torch.randn(rows, 33, generator=g).to(dt)
+            y = torch.empty(rows, 48, dtype=dt)
+            wb = block(w)
+            assert fn(rows, 33, 0, 3, x.data_ptr(), wb.data_ptr(), b.data_ptr(), y.data_ptr(), 48) == 0
+            want = linear_kernel.product(x, wb, b).double()
+            assert ((y.double() - want).abs() <= want.abs() * (2 ** -7 if dt == torch.bfloat16 else 1e-6) + 1e-5).all()
 
 
 def test_the_operator_a_compiled_step_calls_gives_the_same_and_traces(monkeypatch):
@@ -70,7 +89,7 @@ def test_the_operator_a_compiled_step_calls_gives_the_same_and_traces(monkeypatc
 
 def test_the_operators_cpp_kernel_gives_what_the_python_one_gives():
     """``engine.model.linear_op`` registers a C++ CPU kernel for the operator (a compiled step's calls then skip
-    Python): bit for bit the Python kernel's values, float32 and bfloat16, one to thirteen rows, with a bias."""
+    Python): bit for bit the Python kernel's values, float32 and bfloat16, one to seventy rows, with a bias."""
     from engine.model import linear_op
 
     if not linear_op.attach():
@@ -78,7 +97,7 @@ def test_the_operators_cpp_kernel_gives_what_the_python_one_gives():
     for dt in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(1)
         wb, b = block(torch.randn(48, 40, generator=g).to(dt)), torch.randn(48, generator=g).to(dt)
-        for rows in (1, 8, 13):
+        for rows in (1, 8, 13, 70):
             x = torch.randn(rows, 40, generator=g).to(dt)
             assert torch.equal(torch.ops.kvscope.blocked_linear(x, wb, b), linear_kernel.blocked_product(x, wb, b))
 
@@ -94,7 +113,8 @@ class _Op(torch.nn.Module):
 
 def test_what_it_leaves_to_torch(monkeypatch):
     wb = block(torch.randn(32, 8))
-    assert not linear_kernel.usable(torch.randn(linear_kernel.MAX_ROWS + 1, 8), wb)  # eight at a time, by the caller
+    assert linear_kernel.usable(torch.randn(200, 8), wb)  # any number of rows, one call
+    assert not linear_kernel.usable(torch.randn(0, 8), wb)
     assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.float16), wb.half())
     assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb)  # mixed dtypes
     torch.set_num_threads(2)
