@@ -23,6 +23,9 @@ from engine.kv.quantized.native import Native
 
 GROUP = 8  # rows a block's weights are read for at once (registers: eight accumulators and the weights' vector)
 BLOCK = 16
+# Set once ``engine.model.linear_op`` has loaded the operator's C++ kernel: it shares a product's blocks among
+# torch's threads, so ``product`` calls it on several threads (on one, the library straight: no dispatch).
+PARALLEL = False
 
 SOURCE = r"""
 #include <stdint.h>
@@ -194,9 +197,9 @@ def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
     return (not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # first: no guard on rows
             and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
             and x2.shape[0] >= 1 and wb.dtype in DTYPES and x2.dtype == wb.dtype
-            # float32 on one thread: with more, MKL's bmm shares the blocks among them; bfloat16 always (torch's
-            # per-block bfloat16 product reads 5 GB/s, this one 18-19 on one thread)
-            and (torch.get_num_threads() == 1 or wb.dtype == torch.bfloat16)
+            # float32 on several threads only when the operator's C++ kernel shares the blocks among them
+            # (``PARALLEL``), else MKL's bmm does; bfloat16 always (torch's per-block bfloat16 product reads 5 GB/s)
+            and (torch.get_num_threads() == 1 or PARALLEL or wb.dtype == torch.bfloat16)
             and x2.device.type == "cpu" and LINEAR.library() is not None)
 
 
@@ -211,6 +214,8 @@ def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> to
     nb = wb.shape[0]
     y = torch.empty(rows, nb * BLOCK, dtype=x2.dtype)  # [rows, out]
     b = bias.to(x2.dtype).contiguous() if bias is not None else None
+    if PARALLEL and torch.get_num_threads() > 1:
+        return torch.ops.kvscope.blocked_linear(x2, wb, bias)  # the C++ kernel: the blocks shared among threads
     lib = LINEAR.library()
     fn = lib.kvs_blocked_mm if wb.dtype == torch.float32 else lib.kvs_blocked_mm_h
     fn(rows, n_in, 0, nb, x2.data_ptr(), wb.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),

@@ -39,6 +39,8 @@ SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 
+static const int64_t GRAIN = 1 << 16;  // multiply-adds a thread's share holds at least: ~5-15 us of work
+
 extern "C" {
 int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, const float* wb, const float* bias,
                    float* y, int64_t ldy);
@@ -47,11 +49,11 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
 }
 
 // x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out], as linear_kernel.blocked_product:
-// the native product; torch's per-block product for float32 on several threads or other
-// dtypes.
+// the native product, its blocks shared among torch's threads (at::parallel_for: torch's own pool, no second one);
+// torch's per-block product for other dtypes.
 static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, const std::optional<at::Tensor>& bias) {
     const bool f32 = wb.scalar_type() == at::kFloat, bf16 = wb.scalar_type() == at::kBFloat16;
-    if (!(f32 || bf16) || x2.scalar_type() != wb.scalar_type() || (f32 && at::get_num_threads() != 1)) {
+    if (!(f32 || bf16) || x2.scalar_type() != wb.scalar_type() || x2.size(0) < 1) {
         at::Tensor y = at::matmul(x2, wb).transpose(0, 1).reshape({x2.size(0), -1});
         return bias.has_value() ? y + *bias : y;
     }
@@ -60,12 +62,18 @@ static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, con
     at::Tensor y = at::empty({rows, out}, x.options());
     at::Tensor b;
     if (bias.has_value()) b = bias->to(x.scalar_type()).contiguous();
-    if (f32)
-        kvs_blocked_mm((int)rows, (int)n_in, 0, nb, x.data_ptr<float>(), w.data_ptr<float>(),
-                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), out);
-    else
-        kvs_blocked_mm_h((int)rows, (int)n_in, 0, nb, (const uint16_t*)x.data_ptr(), (const uint16_t*)w.data_ptr(),
-                         b.defined() ? (const uint16_t*)b.data_ptr() : nullptr, (uint16_t*)y.data_ptr(), out);
+    // a thread's share is at least GRAIN multiply-adds (a fork and join costs a few microseconds: a share must
+    // take far longer), so small linears and one thread run inline
+    const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, rows * n_in * 16));
+    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+        if (f32)
+            kvs_blocked_mm((int)rows, (int)n_in, b0, b1, x.data_ptr<float>(), w.data_ptr<float>(),
+                           b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), out);
+        else
+            kvs_blocked_mm_h((int)rows, (int)n_in, b0, b1, (const uint16_t*)x.data_ptr(),
+                             (const uint16_t*)w.data_ptr(), b.defined() ? (const uint16_t*)b.data_ptr() : nullptr,
+                             (uint16_t*)y.data_ptr(), out);
+    });
     return y;
 }
 
@@ -125,10 +133,18 @@ def attach() -> bool:
                 _build(cxx, kernel, target)
             torch.ops.load_library(str(target))
             _state["loaded"] = True
+            linear_kernel.PARALLEL = True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _state["why"] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             log.warning("the compiled step's blocked linears call their Python kernel (%s)", _state["why"])
         return _state["loaded"]
+
+
+def attach_soon() -> None:
+    """``attach`` on a thread of its own (a model on several threads: its blocked linears' products are shared
+    among them once the kernel loads; until then they run as on one thread or through MKL)."""
+    if not _state["tried"]:
+        threading.Thread(target=attach, name="kvscope-linear-op", daemon=True).start()
 
 
 def why() -> str:

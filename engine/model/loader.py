@@ -401,6 +401,10 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     stop = _stop_ids(model, tok)
     threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
     apply_threads(threads)
+    if threads > 1 and weights_kernel and "blocked" in weights_kernel:
+        from engine.model import linear_op
+
+        linear_op.attach_soon()  # blocked linears on several threads: the C++ kernel shares their blocks
     info = ModelInfo(
         name=name,
         source=spec.source,

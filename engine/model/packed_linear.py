@@ -33,14 +33,16 @@ BLOCKED_MAX_ROWS = 64  # more rows than this (a prompt chunk): oneDNN on the pla
 # ... unless the native product takes them (all of the SmolLM2 shape's linears, one thread): float32 at any count
 # (128 rows 281 ms against 469 restored + oneDNN, 512 rows 1.01 s against 1.19), bfloat16 at any count where it
 # sums by pairs (AVX512_BF16: 128 rows 149 ms against 218), else up to 16 rows (widened: 16 rows 62 ms against
-# 79, 24 rows 97 against 84 — oneDNN's bf16 tiles win from there). The native product runs on one thread: with
-# more, a prompt's bfloat16 rows stay oneDNN's, which shares them among the threads (float32 goes to MKL's bmm).
+# 79, 24 rows 97 against 84 — oneDNN's bf16 tiles win from there). On several threads the native product shares
+# the blocks among them once the operator's C++ kernel is loaded (``linear_kernel.PARALLEL``); until then a
+# prompt's bfloat16 rows stay oneDNN's, which shares them, and float32 goes to MKL's bmm.
 def native_max_rows(dtype: torch.dtype) -> float:
     """The most rows of ``dtype`` a blocked linear gives the native product (more: oneDNN or MKL)."""
     if dtype == torch.float32:
         return float("inf")
     if dtype == torch.bfloat16:
-        return float("inf") if linear_kernel.bf16_pairs() and torch.get_num_threads() == 1 else 16
+        shared = torch.get_num_threads() == 1 or linear_kernel.PARALLEL
+        return float("inf") if linear_kernel.bf16_pairs() and shared else 16
     return 0
 
 

@@ -102,6 +102,29 @@ def test_the_operators_cpp_kernel_gives_what_the_python_one_gives():
             assert torch.equal(torch.ops.kvscope.blocked_linear(x, wb, b), linear_kernel.blocked_product(x, wb, b))
 
 
+def test_on_several_threads_the_cpp_kernel_shares_the_blocks_bit_for_bit():
+    """Once ``linear_op`` is loaded, a product on several torch threads splits its blocks among them (``PARALLEL``):
+    each block is summed as on one thread, so the values are the same bit for bit, float32 and bfloat16, one row
+    and many; float32 on several threads is then native too."""
+    from engine.model import linear_op
+
+    if not linear_op.attach():
+        pytest.skip(f"no C++ kernel here: {linear_op.why()}")
+    assert linear_kernel.PARALLEL
+    g = torch.Generator().manual_seed(2)
+    for dt in (torch.float32, torch.bfloat16):
+        wb, b = block(torch.randn(960, 576, generator=g).to(dt)), torch.randn(960, generator=g).to(dt)
+        for rows in (1, 4, 70):
+            x = torch.randn(rows, 576, generator=g).to(dt)
+            one = linear_kernel.product(x, wb, b)
+            torch.set_num_threads(2)
+            try:
+                assert linear_kernel.usable(x, wb)
+                assert torch.equal(linear_kernel.product(x, wb, b), one)
+            finally:
+                torch.set_num_threads(1)
+
+
 class _Op(torch.nn.Module):
     def __init__(self, wb):
         super().__init__()
@@ -118,6 +141,7 @@ def test_what_it_leaves_to_torch(monkeypatch):
     assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.float16), wb.half())
     assert not linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb)  # mixed dtypes
     torch.set_num_threads(2)
+    monkeypatch.setattr(linear_kernel, "PARALLEL", False)  # the C++ kernel not loaded (yet)
     assert not linear_kernel.usable(torch.randn(4, 8), wb)  # MKL shares the blocks among its threads
     assert linear_kernel.usable(torch.randn(4, 8, dtype=torch.bfloat16), wb.bfloat16())  # torch's bf16: 5 GB/s
     torch.set_num_threads(1)
