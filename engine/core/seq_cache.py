@@ -152,10 +152,11 @@ class SeqCache(PrefixReuse):
         self.reserve(1 + len(drafts), owner=owner)
         return Work((*ids[start:], *drafts), self.index.next_rope, self.kv, all_logits=True)
 
-    def commit_verify(self, work: Work, keep: int, ids: Sequence[int]) -> int:
+    def commit_verify(self, work: Work, keep: int, ids: Sequence[int], batch: int = 1) -> int:
         """The verification wrote ``work.q`` slots; keep the first ``keep`` (the fed token and the drafts that
         stayed), cut the rest back (their pages freed, a quantized tail re-formed) and name the pages that are
-        full with committed tokens (``ids``: the chat with the kept tokens). Returns the slots rolled back."""
+        full with committed tokens (``ids``: the chat with the kept tokens); ``batch``: sequences its forward
+        carried. Returns the slots rolled back."""
         before = self.index.n
         self.store.commit()
         self.index.append(work.q)
@@ -164,7 +165,7 @@ class SeqCache(PrefixReuse):
         if rolled:
             self.truncate(before + keep)  # within the tail page of a quantized store (``draft_room``)
         self._register_pages(before, ids)
-        self.last = StepRecord(StepPath.SPECULATIVE, 1, written, self._take_planned(), work.q, rolled)
+        self.last = StepRecord(StepPath.SPECULATIVE, batch, written, self._take_planned(), work.q, rolled)
         return rolled
 
     def wants_mark(self) -> bool:

@@ -71,9 +71,10 @@ class Stepping:
 
     def shares(self) -> int:
         """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
-        of more); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
+        of more; a speculating chat's one may become a verification of its drafts, which shares the forward
+        too); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
         ok = self.generating and not self.sequence.reply.cancel and self.cache.can_share(len(self.seq))
-        ok = ok and not self._ready and not (self.spec is not None and self.spec.active)  # verifies alone
+        ok = ok and not self._ready  # a verification's later tokens are handed out without a forward
         return self.cache.pending(len(self.seq)) if ok else 0
 
     def prepare(self) -> Work | StepResult:
@@ -191,7 +192,7 @@ class Stepping:
                 break
         kept = len(ready) - 1  # drafts that stay (a stop can end the reply on an accepted draft)
         try:
-            c.commit_verify(work, len(ready), q.ids)
+            c.commit_verify(work, len(ready), q.ids, out.batch)
         except BaseException as e:
             raise self._fail(e) from e
         t.forwards += 1

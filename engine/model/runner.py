@@ -115,12 +115,11 @@ class ModelRunner:
         return ""
 
     def can_batch(self, work: Work) -> bool:
-        """May ``work`` join a batched forward? Tokens (one to decode, or a prefill chunk) on a plain store, no
-        score sink."""
+        """May ``work`` join a batched forward? Tokens (one to decode, a prefill chunk, or a verification's token
+        and drafts) on a plain store, no score sink."""
         from engine.kv.store.storage import ContiguousKV, PagedKV
 
-        return (work.kv is not None and not work.scores and not work.all_logits
-                and type(work.kv.store) in (PagedKV, ContiguousKV))
+        return work.kv is not None and not work.scores and type(work.kv.store) in (PagedKV, ContiguousKV)
 
     # -- do it ------------------------------------------------------------------------------------------
     def run(self, works: Sequence[Work]) -> list[Output]:
@@ -191,7 +190,8 @@ class ModelRunner:
 
     def _batched(self, works: Sequence[Work]) -> list[Output]:
         """Several sequences in one forward: the compiled batched step (``engine.model.fast_batch``) for one token
-        each when it is ready and measured faster, else the eager batched forward."""
+        each when it is ready and measured faster, else the eager batched forward (prefill chunks and
+        verifications beside the decodes, ragged: k + 1 positions for a verification, its logits at each)."""
         batch, path = self.fast.batch, ""
         if batch is not None and all(w.q == 1 for w in works):
             self.fast.start_batch()  # built once several sequences decode together
@@ -205,7 +205,15 @@ class ModelRunner:
         self.batched_forwards += 1
         self.batched_tokens += len(works)
         kind = "compiled batch" if path == "compiled" else "batched"
-        return [Output(logits[b], kind, len(works)) for b in range(len(works))]
+        outs, at = [], 0
+        for w in works:  # logits [M, vocab]: each work's last position, every position of a verification
+            if w.all_logits:
+                outs.append(Output(logits[at:at + w.q], "speculative", len(works)))  # [q, vocab]
+                at += w.q
+            else:
+                outs.append(Output(logits[at], kind, len(works)))  # [vocab]
+                at += 1
+        return outs
 
     def _batched_compiled(self, works: Sequence[Work]) -> torch.Tensor | None:
         """The compiled batched step's logits [B, vocab]; None if it failed (nothing was written: eager answers)."""
@@ -221,11 +229,13 @@ class ModelRunner:
         lens = [w.q for w in works]
         ids = torch.tensor([[t for w in works for t in w.ids]], dtype=torch.long, device=dev)  # [1, N]
         pos = torch.tensor([[p for w in works for p in range(w.rope, w.rope + w.q)]], device=dev)  # [1, N] RoPE
-        last = torch.tensor(list(itertools.accumulate(lens)), device=dev) - 1  # [B] each segment's last token
+        ends = list(itertools.accumulate(lens))
+        keep = [i for w, end in zip(works, ends) for i in (range(end - w.q, end) if w.all_logits else (end - 1,))]
+        keep = torch.tensor(keep, device=dev)  # [M]: each segment's last token, a verification's every token
         cache = BatchCache([w.kv.store for w in works], lens, rotated_ok=ROTATED_READS)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=last)
-        return out.logits[0]  # [B, vocab]
+            out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=keep)
+        return out.logits[0]  # [M, vocab]
 
     def _select(self, scores: bool) -> None:
         """The attention this forward needs: with the dispatcher selected, nothing to change."""

@@ -274,3 +274,34 @@ def test_a_prefill_shares_the_forward_of_decoding_chats_and_every_reply_stays_ex
     assert late.generated_ids == hf_greedy(lm, prompt, 30)
     for s, p in zip(sessions, PROMPTS):
         assert s.generated_ids == hf_greedy(lm, lm.tokenizer(p)["input_ids"], 30)
+
+
+def test_speculating_chats_verify_in_the_forward_of_the_others_and_stay_exact(lm):
+    """Speculation with everyone else: two chats drafting by prompt lookup and two decoding plainly share one
+    forward a step — each verification's token and drafts laid beside the others' tokens (its logits read at every
+    position) — and every reply is HF's greedy one, whatever its page size."""
+    from engine.config import SpecConfig
+
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
+             "big dog. Once upon a time, there was a little girl named Lily. She loved")
+    prompts = [story, PROMPTS[0], story + " to play", PROMPTS[2]]
+    cfgs = [CacheConfig(page_size=16), CacheConfig(page_size=8), CacheConfig(page_size=4), CacheConfig(mode="contiguous")]
+    sessions = [ChatSession(lm, c) for c in cfgs]
+    for i in (0, 2):
+        sessions[i].speculate(SpecConfig(method="ngram", draft_tokens=4, auto_off=False))
+    n = 60
+    for s, p in zip(sessions, prompts):
+        s.start_ids(lm.tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    shared = []
+    while live := [s for s in sessions if s.generating]:
+        groups = batch.batchable(live)
+        for s, r in zip(live, batch.step_all(live)):
+            assert not isinstance(r, BaseException), r
+            ev = r.event
+            if ev is not None and ev.path == "speculative" and r.snapshot.batch_size > 1 and groups:
+                shared.append(ev.tokens_in_step)
+    assert shared and max(shared) > 1  # verifications of drafts rode in the others' forwards
+    for s, p in zip(sessions, prompts):
+        assert s.generated_ids == hf_greedy(lm, lm.tokenizer(p)["input_ids"], n), p[:20]
+        assert s.store.num_tokens == s.index.n  # no provisional slot left behind
+    assert sum(s.spec.stats.accepted for s in (sessions[0], sessions[2])) > 0
