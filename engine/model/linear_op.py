@@ -31,6 +31,9 @@ from engine.model import linear_kernel
 
 log = logging.getLogger(__name__)
 BUILD_TIMEOUT_S = 300
+# -fopenmp: at::parallel_for's OpenMP loop is compiled into this library (without it the pragma is dropped and
+# the loop runs on one thread); its libgomp is the one torch loaded (the same soname: the loader reuses it)
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20", "-w", "-fopenmp")
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -89,7 +92,7 @@ def _compiler() -> str | None:
 
 
 def cached_path(cxx: str, kernel: Path) -> Path:
-    key = hashlib.sha256("\0".join((SOURCE, cxx, str(kernel), native._cpu(), torch.__version__)).encode()).hexdigest()
+    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, cxx, str(kernel), native._cpu(), torch.__version__)).encode()).hexdigest()
     return native.cache_dir() / f"linear_op-{key[:20]}.so"
 
 
@@ -103,7 +106,7 @@ def _build(cxx: str, kernel: Path, target: Path) -> None:
     with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
         src, out = Path(tmp) / "linear_op.cpp", Path(tmp) / "linear_op.so"
         src.write_text(SOURCE)
-        cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(src),
+        cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(src),
                str(kernel), "-o", str(out), *[f"-I{p}" for p in cpp_extension.include_paths()],
                *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch",
                *[f"-Wl,-rpath,{p}" for p in libs], f"-Wl,-rpath,{kernel.parent}"]
