@@ -9,7 +9,8 @@ script whose results engine/README.md reports).
 converted by llama.cpp's own ``convert_hf_to_gguf.py``. Each ``--kvscope NAME=CHECKOUT`` runs that checkout's
 ``python -m engine bench --modes paged`` (its compiled step, built before the timed tokens); each round runs every
 side at every dtype once, one process at a time, so a shared machine's drifting load hits all alike. One thread
-each. Medians over rounds; ratios of every kvscope side to llama.cpp in the same run.
+each (``--threads N``: N on both sides). Medians over rounds; ratios of every kvscope side to llama.cpp in the same
+run.
 
 This file also runs itself under ``LC_VENV``'s python as the llama.cpp side (``--peer``): token ids fed directly
 (no tokenizer), a CTX-token prompt evaluated at once, then single-token evals.
@@ -53,7 +54,8 @@ def peer(gguf: str, threads: int, new_tokens: int, contexts: list[int]) -> dict:
 
 
 def run_peer(a, gguf: str) -> dict:
-    cmd = [a.lc_python, os.path.abspath(__file__), "--peer", gguf, "--new-tokens", str(a.new_tokens)]
+    cmd = [a.lc_python, os.path.abspath(__file__), "--peer", gguf, "--new-tokens", str(a.new_tokens),
+           "--threads", str(a.threads)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if p.returncode:
         raise RuntimeError(f"llama.cpp side failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -65,7 +67,7 @@ def run_kvscope(a, checkout: str, dtype: str) -> dict:
         out = os.path.join(tmp, "bench.json")
         cmd = [sys.executable, "-m", "engine", "bench", "--model", a.hf, "--contexts", ",".join(map(str, CONTEXTS)),
                "--new-tokens", str(a.new_tokens), "--modes", "paged", "--dtype", dtype, "--json", out]
-        env = dict(os.environ, KVSCOPE_THREADS="1", PYTHONPATH=checkout)
+        env = dict(os.environ, KVSCOPE_THREADS=str(a.threads), PYTHONPATH=checkout)
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=checkout, env=env, timeout=7200)
         if p.returncode:
             raise RuntimeError(f"kvscope ({checkout}) failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -86,10 +88,11 @@ def main() -> int:
     p.add_argument("--kvscope", action="append", default=[], metavar="NAME=CHECKOUT")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for both sides (the issue's measure: 1)")
     p.add_argument("--json", dest="json_file")
     a = p.parse_args()
     if a.peer:
-        print(json.dumps(peer(a.peer, 1, a.new_tokens, list(CONTEXTS))))
+        print(json.dumps(peer(a.peer, a.threads, a.new_tokens, list(CONTEXTS))))
         return 0
     ggufs = dict(g.split("=", 1) for g in a.gguf)
     sides = dict(k.split("=", 1) for k in a.kvscope)
