@@ -1,4 +1,4 @@
-"""The fused decode attention over rotated low-bit pages (``engine.kv.quantized.tq_attend`` and its C kernel):
+"""The fused decode attention over quantized pages (tq, int4, int8; ``engine.kv.quantized.tq_attend`` and its C kernel):
 the same attention as reading the pages back and running SDPA, for every layout it reads, in both builds (this
 CPU's and the portable one); greedy chats give the same tokens with it and without; where it does not apply, or
 cannot be built, the torch path runs."""
@@ -17,7 +17,7 @@ from engine.kv.quantized.schemes import scheme_for
 from engine.model.shapes import build_shape
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.why()}")
-KINDS = ("tq4", "tq3", "tq2", "int4")
+KINDS = ("tq4", "tq3", "tq2", "int4", "int8")  # int8 keys: per channel at head_dim 8 (pages of 16), per token above
 QJL = ("tq4-qjl", "tq3-qjl", "tq2-qjl")
 
 
@@ -69,7 +69,7 @@ def hd64():
 
 
 @pytest.mark.parametrize("k,v", [("tq4", "tq4"), ("tq3", "tq2"), ("tq2", "tq4"), ("tq3-qjl", "tq3"), ("int4", "int4"),
-                                 ("int4", "tq3")])
+                                 ("int4", "tq3"), ("int8", "int8"), ("int8", "tq4")])
 def test_greedy_chats_are_the_same_with_the_kernel_and_without(hd64, monkeypatch, k, v):
     """head_dim 64, GQA 3 query heads a KV head, 72 prompt tokens (4 pages and a partial one) and 40 new ones."""
     prompt = torch.randint(3, 320, (72,), generator=torch.Generator().manual_seed(7)).tolist()

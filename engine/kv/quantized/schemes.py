@@ -20,10 +20,37 @@ from engine.kv.quantized.scheme_base import Scheme, registry  # noqa: F401 - re-
 from engine.kv.paged import sizes
 
 
+def _int8_table(signed: bool, device) -> tuple[Tensor, Tensor]:
+    """The fused kernel's levels (unused at eight bits: zeros) and byte table ``[256]``: each byte's code as a float,
+    read as int8 (``signed``) or uint8."""
+    key = (signed, torch.device(device))
+    if key not in _INT8_TABLES:
+        b = torch.arange(256, dtype=torch.int32, device=key[1])
+        codes = torch.where(b > 127, b - 256, b) if signed else b
+        _INT8_TABLES[key] = (torch.zeros(16, dtype=torch.float32, device=key[1]), codes.float().contiguous())
+    return _INT8_TABLES[key]
+
+
+_INT8_TABLES: dict = {}
+
+
 class Int8Tokens(Scheme):
-    """int8, one scale per token and head (q8_0-like): values always, keys on short pages."""
+    """int8, one scale per token and head (q8_0-like): values always, keys on short pages. The fused decode kernel
+    reads a row as its codes times its scale (the kernel's norm)."""
 
     name, kind, role = sizes.INT8_TOKENS, "int8", "v"
+
+    def fusable(self, device) -> bool:
+        return True
+
+    def fused_role(self, pages: quant.QInt8, tail: Tensor, layer: int):
+        from engine.kv.quantized import tq_attend
+
+        h = pages.codes.shape[0]
+        norms = pages.scale.reshape(h, -1).float().contiguous()  # [H, rows]: each token's scale
+        role = tq_attend.RolePages(tq_attend.row_view(pages.codes), norms, *_int8_table(True, pages.codes.device), 8,
+                                   tail.float().contiguous(), mode=tq_attend.TQ)
+        return role, None
 
     def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int8(x)
@@ -45,6 +72,21 @@ class Int8ChannelKeys(Scheme):
 
     def quantize(self, x: Tensor, layer: int = 0) -> quant.QuantizedPage:
         return quant.quantize_int8_keys(x)
+
+    def fusable(self, device) -> bool:
+        return True
+
+    def fused_role(self, pages: quant.QInt8Keys, tail: Tensor, layer: int):
+        """As int4 keys (code × scale + zero per page and channel), a byte a code."""
+        from engine.kv.quantized import tq_attend
+
+        h, n = pages.codes.shape[:2]
+        scale = pages.scale.reshape(h, n, self.head_dim).float().contiguous()  # [H, N, D] per page and channel
+        zero = pages.zero.reshape(h, n, self.head_dim).float().contiguous()
+        role = tq_attend.RolePages(tq_attend.row_view(pages.codes), None, *_int8_table(False, pages.codes.device), 8,
+                                   tail.float().contiguous(), mode=tq_attend.INT4_KEYS, page_size=self.page_size,
+                                   scale=scale, zero=zero)
+        return role, None
 
     def dequantize_into(self, q, out, layer: int = 0) -> None:
         if out.dtype != torch.float32:  # computed in float32, one rounding to the cache dtype

@@ -1,4 +1,4 @@
-"""The C source of the fused decode attention over tq and int4 pages (built by ``engine.kv.quantized.native``).
+"""The C source of the fused decode attention over tq, int4 and int8 pages (built by ``engine.kv.quantized.native``).
 
 One new query token per sequence attends to its cached tokens straight from their codes: each cached row is turned
 into its levels once (a byte → levels table, in L1), dotted with the ``rep`` query heads that share its KV head
@@ -102,10 +102,15 @@ static inline int levels_avx512(const uint8_t *src, int bits, int d, const float
 }
 #endif
 
-/* The levels of one row of codes into lv[d] (tab16: the 2^bits levels; tab: the byte tables below). One bit plane
+/* The levels of one row of codes into lv[d] (tab16: the 2^bits levels; tab: the byte tables below). Eight bits:
+   a byte's level from tab[256]. One bit plane
    (4 or 2 bits): a byte's g = 8 / bits codes from tab[byte * g]. Three bits: a 2-bit plane (d/4 bytes) then a 1-bit
    plane (d/8 bytes); four codes at once from tab[(low byte | high nibble << 8) * 4]. */
 static inline void levels(const uint8_t *src, int bits, int d, const float *tab16, const float *tab, float *lv) {
+    if (bits == 8) {  /* int8: one code a byte, its level from tab[256] (signed or unsigned: the table says) */
+        for (int j = 0; j < d; j++) lv[j] = tab[src[j]];
+        return;
+    }
 #ifdef __AVX512F__
     if (levels_avx512(src, bits, d, tab16, lv)) return;
 #endif
