@@ -1,4 +1,4 @@
-"""Fused decode attention over quantized pages (tq kinds, rotated; int4, KIVI): one new token's attention read
+"""Fused decode attention over quantized pages (tq kinds, rotated; int4, KIVI; int8): one new token's attention read
 straight from the codes.
 
 The cache hands a decode step's K/V over as ``FusedPages`` (codes, norms and the exact tail of each role,
@@ -30,14 +30,15 @@ class RolePages:
     codes  uint8 ``[H, rows, C]`` with rows ``C`` bytes apart (any head stride): the full pages' codes
     norms  float32 ``[H, rows]`` contiguous
     levels float32 ``[16]``: the 2^bits levels, padded with zeros
-    table  float32 ``[entries, g]``: the levels of each byte's codes (``g`` codes an entry; 3 bits: ``[4096, 4]``)
+    table  float32 ``[entries, g]``: the levels of each byte's codes (``g`` codes an entry; 3 bits: ``[4096, 4]``;
+           8 bits: ``[256]``, each byte's code, signed or not)
     bits   bits a code;  tail  float32 ``[H, nt, W]`` contiguous: the page being filled, rotated, exact (W: D, or
            2 D for QJL keys, whose second half is zero there)
     signs  QJL keys: uint8 ``[H, rows, D/8]`` the residual's signs, and ``sign_norms`` float32 ``[H, rows]``
            (‖r‖·√(π/2)/D), ``sign_tables`` ({-1, +1} padded to 16, ``[256, 8]``); else None
-    mode   ``TQ`` (levels × norm), ``INT4_KEYS`` (code × scale + zero, ``scale`` / ``zero`` float32
-           ``[H, pages, D]``, per page and channel; ``norms`` unused) or ``INT4_VALUES`` (``[H, rows, D / group]``,
-           per token and group of channels)
+    mode   ``TQ`` (levels × norm; per-token int8: codes × scale), ``INT4_KEYS`` (code × scale + zero, ``scale`` /
+           ``zero`` float32 ``[H, pages, D]``, per page and channel; ``norms`` unused; also per-channel int8 keys)
+           or ``INT4_VALUES`` (``[H, rows, D / group]``, per token and group of channels)
     """
 
     codes: Tensor
