@@ -92,7 +92,8 @@ def _compiler() -> str | None:
 
 
 def cached_path(cxx: str, kernel: Path) -> Path:
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, cxx, str(kernel), native._cpu(), torch.__version__)).encode()).hexdigest()
+    parts = (SOURCE, *FLAGS, cxx, str(kernel), native._cpu(), torch.__version__)
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     return native.cache_dir() / f"linear_op-{key[:20]}.so"
 
 

@@ -1,5 +1,5 @@
-"""The closing note's decode measure for the quantized precisions: decode tok/s with K and V as int8, int4, tq4, tq3, tq2 and
-tq3-qjl keys, each ÷ full precision, on the SmolLM2-135M shape at 2,048 tokens of context, in one run.
+"""The closing note's decode measure for the quantized precisions: decode tok/s with K and V as int8, int4, tq4, tq3,
+tq2 and tq3-qjl keys, each ÷ full precision, on the SmolLM2-135M shape at 2,048 tokens of context, in one run.
 
 ``engine bench --shape smollm2-135m --contexts 2048 --modes paged,paged:tq4,...`` prefills 2,048 tokens once per mode
 and repeat (on this shared 2-core machine at load ~13 that took over 25 minutes for no row); here one chat is
@@ -72,9 +72,9 @@ def main(argv: list[str]) -> int:
     s.close()
     full = statistics.median(times["auto/auto"])
     rows = [{"k_dtype": key.split("/")[0], "v_dtype": key.split("/")[1],
-             "reads": key.split("/")[2] if key.count("/") == 2 else "rotated", "decode_tokens_per_s": round(statistics.median(r), 2),
-             "ratio_to_full": round(statistics.median(r) / full, 3), "rounds": [round(x, 2) for x in r]}
-            for key, r in times.items()]
+             "reads": key.split("/")[2] if key.count("/") == 2 else "rotated",
+             "decode_tokens_per_s": round(statistics.median(r), 2), "ratio_to_full": round(statistics.median(r) / full, 3),
+             "rounds": [round(x, 2) for x in r]} for key, r in times.items()]
     print(f"SmolLM2-135M shape, context {a.context}, {a.rounds} rounds of {a.tokens} tokens, threads "
           f"{torch.get_num_threads()}")
     for r in rows:

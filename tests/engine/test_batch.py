@@ -285,7 +285,8 @@ def test_speculating_chats_verify_in_the_forward_of_the_others_and_stay_exact(lm
     story = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
              "big dog. Once upon a time, there was a little girl named Lily. She loved")
     prompts = [story, PROMPTS[0], story + " to play", PROMPTS[2]]
-    cfgs = [CacheConfig(page_size=16), CacheConfig(page_size=8), CacheConfig(page_size=4), CacheConfig(mode="contiguous")]
+    cfgs = [CacheConfig(page_size=16), CacheConfig(page_size=8), CacheConfig(page_size=4),
+            CacheConfig(mode="contiguous")]
     sessions = [ChatSession(lm, c) for c in cfgs]
     for i in (0, 2):
         sessions[i].speculate(SpecConfig(method="ngram", draft_tokens=4, auto_off=False))
@@ -305,3 +306,40 @@ def test_speculating_chats_verify_in_the_forward_of_the_others_and_stay_exact(lm
         assert s.generated_ids == hf_greedy(lm, lm.tokenizer(p)["input_ids"], n), p[:20]
         assert s.store.num_tokens == s.index.n  # no provisional slot left behind
     assert sum(s.spec.stats.accepted for s in (sessions[0], sessions[2])) > 0
+
+
+def test_speculating_chats_on_quantized_pages_get_in_a_batch_what_they_get_alone(lm):
+    """int4 and tq3 pages under speculation, beside an int8 chat decoding plainly: a verification in the shared
+    forward reads its pages as it does alone (drafts never complete a quantized page), so each reply is the one
+    the same setting gives by itself."""
+    from engine.config import SpecConfig
+
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
+             "big dog. Once upon a time, there was a little girl named Lily. She loved")
+    prompts = [story, PROMPTS[1], story + " to play"]
+    cfgs = [CacheConfig(page_size=8, k_dtype="int4", v_dtype="int4"),
+            CacheConfig(page_size=16, k_dtype="int8", v_dtype="int8"),
+            CacheConfig(page_size=16, k_dtype="tq3", v_dtype="tq3")]
+    spec = SpecConfig(method="ngram", draft_tokens=4, auto_off=False)
+
+    def start(cfg, prompt):
+        s = ChatSession(lm, cfg)
+        if cfg.k_dtype != "int8":
+            s.speculate(spec)
+        s.start_ids(lm.tokenizer(prompt)["input_ids"], SamplingConfig(max_new_tokens=50, ignore_eos=True))
+        return s
+
+    alone = []
+    for c, p in zip(cfgs, prompts):
+        s = start(c, p)
+        _run([s])
+        alone.append(s.generated_ids)
+    together = [start(c, p) for c, p in zip(cfgs, prompts)]
+    sizes = []
+    while live := [s for s in together if s.generating]:
+        for s, r in zip(live, batch.step_all(live)):
+            assert not isinstance(r, BaseException), r
+            if r.event is not None and r.event.path == "speculative":
+                sizes.append(r.snapshot.batch_size)
+    assert max(sizes) > 1  # verifications shared the forward
+    assert [s.generated_ids for s in together] == alone
