@@ -82,6 +82,11 @@ class ModelRunner:
         self.dispatch = self.base_impl == "sdpa" and not _tests_for_sdpa(lm.model)
         if self.dispatch:
             use_attention(self.model, DISPATCH_IMPL)
+        # the cache's K/V reach the attention as they are (not MLA's latent, which the model expands after the
+        # cache: pages left rotated or as codes for the fused kernel would be expanded as placeholders)
+        cfg = lm.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.reads_as_cached = getattr(text, "kv_lora_rank", None) is None
         self.batch_refused = ""  # why this model's sequences cannot decode in one forward, once found
         self.fast = FastStep(lm)  # with its batched step (the setter)
         self.forwards = 0  # forwards run (tests check every forward of the engine came through here)
@@ -169,7 +174,7 @@ class ModelRunner:
         dev = self.lm.device
         self._select(w.scores)
         # tq pages read rotated, the queries and output turned instead, by our attention when nothing reads its insides
-        w.kv.rotated_ok = self.dispatch and not w.scores and ROTATED_READS
+        w.kv.rotated_ok = self.dispatch and self.reads_as_cached and not w.scores and ROTATED_READS
         ids = torch.tensor([w.ids], dtype=torch.long, device=dev)  # [1, q]
         pos = torch.arange(w.rope, w.rope + w.q, device=dev)[None]  # [1, q] RoPE positions
         with torch.inference_mode():
@@ -232,7 +237,7 @@ class ModelRunner:
         ends = list(itertools.accumulate(lens))
         keep = [i for w, end in zip(works, ends) for i in (range(end - w.q, end) if w.all_logits else (end - 1,))]
         keep = torch.tensor(keep, device=dev)  # [M]: each segment's last token, a verification's every token
-        cache = BatchCache([w.kv.store for w in works], lens, rotated_ok=ROTATED_READS)
+        cache = BatchCache([w.kv.store for w in works], lens, rotated_ok=ROTATED_READS and self.reads_as_cached)
         with torch.inference_mode():
             out = self.model(input_ids=ids, cache=cache, position_ids=pos, use_cache=True, logits_to_keep=keep)
         return out.logits[0]  # [M, vocab]
