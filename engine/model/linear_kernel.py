@@ -214,11 +214,11 @@ def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> to
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     rows, n_in = x2.shape
+    if PARALLEL and torch.get_num_threads() > 1:
+        return torch.ops.kvscope.blocked_linear(x2, wb, bias)  # the C++ kernel: the blocks shared among threads
     nb = wb.shape[0]
     y = torch.empty(rows, nb * BLOCK, dtype=x2.dtype)  # [rows, out]
     b = bias.to(x2.dtype).contiguous() if bias is not None else None
-    if PARALLEL and torch.get_num_threads() > 1:
-        return torch.ops.kvscope.blocked_linear(x2, wb, bias)  # the C++ kernel: the blocks shared among threads
     lib = LINEAR.library()
     fn = lib.kvs_blocked_mm if wb.dtype == torch.float32 else lib.kvs_blocked_mm_h
     fn(rows, n_in, 0, nb, x2.data_ptr(), wb.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
@@ -236,7 +236,14 @@ def bf16_pairs() -> bool:
     """Does the native product sum bfloat16 by pairs of inputs (AVX512_BF16: twice the products a cycle, so it
     beats oneDNN at every row count here, where the widened product loses to it beyond ~16 rows)?"""
     lib = LINEAR.library()
-    return lib is not None and bool(lib.kvs_bf16_pairs())
+    if lib is None:
+        return False
+    if _PAIRS.get(id(lib)) is None:  # asked per linear call: the library's answer is kept
+        _PAIRS[id(lib)] = bool(lib.kvs_bf16_pairs())
+    return _PAIRS[id(lib)]
+
+
+_PAIRS: dict[int, bool] = {}
 
 
 def torch_product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
