@@ -19,6 +19,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 from engine.kv.quantized.basis import KEY as BASIS_KEY
 from engine.kv.store.attention import PADDED_KEY, RAGGED_KEY, RaggedUnsupported  # noqa: F401 - RaggedUnsupported re-exported
+from engine.kv.store.paged_decode import STEP_KEY
 from engine.kv.store.storage import KVStore
 
 
@@ -177,7 +178,11 @@ class _StepLayer(_OurLayer):
         self.new = (key_states, value_states)
         slots = self._cache.slots
         k, v = (t.index_select(1, slots)[None] for t in (self.k, self.v))  # [1, H, n, D]
-        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [1, H, n + 1, D]
+        k, v = torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [1, H, n + 1, D]
+        attn = kwargs.get("kwargs")
+        if isinstance(attn, dict):  # the attention may read the pages in place instead: the compiler drops k, v then
+            attn[STEP_KEY] = (self.k, self.v, slots, None, key_states, value_states, k, v)
+        return k, v
 
     def get_seq_length(self) -> int:
         return 0  # positions are passed explicitly; no mask is built (see StepCache)
@@ -220,7 +225,10 @@ class _BatchStepLayer(_StepLayer):
         k, v = (t.index_select(1, slots.reshape(-1)).view(t.shape[0], b, n, t.shape[2]).transpose(0, 1)
                 for t in (self.k, self.v))  # [B, H, n, D]
         attn[PADDED_KEY] = self._cache.keep
-        return torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [B, H, n + 1, D]
+        k, v = torch.cat([k, key_states], 2), torch.cat([v, value_states], 2)  # [B, H, n + 1, D]
+        # the attention may read the pages in place instead (the compiler then drops k, v and the mask)
+        attn[STEP_KEY] = (self.k, self.v, slots, self._cache.lens, key_states, value_states, k, v)
+        return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.slots.shape[1] + query_length, 0
@@ -233,7 +241,7 @@ class BatchStepCache(Cache, PagedAttentionCache):
     (no mask built, see ``StepCache``): the keep mask goes to the attention instead."""
 
     def __init__(self, ks: list, vs: list, slots, lens) -> None:
-        self.slots = slots
+        self.slots, self.lens = slots, lens
         n = slots.shape[1]
         at = torch.arange(n + 1, device=slots.device)[None]  # [1, n + 1]
         self.keep = ((at < lens[:, None]) | (at == n))[:, None, None]  # [B, 1, 1, n + 1]: own keys and the new one

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-STEP_VERSION = 2  # bump when the step's inputs or outputs change: old packages are then never loaded
+STEP_VERSION = 4  # bump when the step's inputs or outputs change: old packages are then never loaded
 MIN_LEN = 2  # the dynamic lengths' floor: a size-1 example would specialise the graph
 MAX_BATCH = 64  # the most sequences the batched step takes in one call (``engine serve`` runs up to 16 by default)
 
@@ -162,4 +162,35 @@ def load(runner, model):
     if missing:
         raise ValueError(f"the compiled step expects weights the model does not have: {', '.join(missing[:3])}")
     runner.load_constants({f: named[f] for f in fqns}, check_full_update=True, user_managed=True)
-    return runner
+    return FlatCall(runner)
+
+
+class FlatCall:
+    """A loaded package called with its inputs already flat: (tensors..., ks, vs) -> (logits, new ks, new vs).
+
+    The package's own ``__call__`` parses its input and output specs from JSON and walks both trees at every call
+    (~0.3 ms of a ~12 ms bfloat16 SmolLM2-shape step: 60 page tensors in, 60 new K/V out); here the specs are read
+    once, and checked to be that shape: leading tensors, then two lists of L tensors in, a tensor and two lists of
+    L out."""
+
+    def __init__(self, runner) -> None:
+        from torch.utils import _pytree as pytree
+
+        self.runner, self.loader = runner, runner.loader
+        in_spec, out_spec = (pytree.treespec_loads(x) for x in self.loader.get_call_spec())
+        args = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)[0]  # (tensor, ..., [L], [L])
+        self.layers = len(args[-1])
+        out = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
+        ok = (len(args) >= 2 and all(isinstance(a, int) for a in args[:-2]) and len(args[-2]) == self.layers
+              and len(out) == 3 and isinstance(out[0], int) and len(out[1]) == len(out[2]) == self.layers)
+        if not ok:
+            raise ValueError("the compiled step's inputs or outputs are not the ones this version calls it with")
+
+    def __call__(self, *args):
+        *lead, ks, vs = args
+        out = self.loader.boxed_run([*lead, *ks, *vs])
+        L = self.layers
+        return out[0], out[1:1 + L], out[1 + L:]
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)

@@ -266,16 +266,18 @@ def test_the_compiled_step_runs_on_the_packed_and_blocked_weights_and_stays_exac
     assert calls["onednn"] == 5 and calls["mm"] == 1  # gate/up; MKL only for the tied lm_head
     from engine.model import linear_kernel
 
-    if linear_kernel.in_graph():  # each blocked product calls the native one (kvscope::blocked_linear)
-        assert calls["native"] == 5 * 3 and calls["blocked"] == 0
+    if linear_kernel.in_graph():  # each blocked product calls the native one (kvscope::blocked_linear), and each
+        # layer's attention reads its pages in place (kvscope::paged_decode): no flash attention over gathered K/V
+        assert calls["native"] == 5 * 3 + 5 and calls["blocked"] == 0 and calls["flash"] == 0
     else:
         assert calls["blocked"] >= 5  # inductor fused each layer's blocked products into its own C++ loops
 
 
 def package_calls(path) -> dict[str, int]:
     """What a compiled step's C++ calls (the profiler does not see inside the package): oneDNN linears, MKL
-    matmuls, fused loops that hold a blocked product (inductor writes one-row bmm as its own loop), and
-    operators called through torch's dispatcher (the native blocked product)."""
+    matmuls, fused loops that hold a blocked product (inductor writes one-row bmm as its own loop), operators
+    called through torch's dispatcher (the native blocked product, the paged decode attention) and torch's flash
+    attention."""
     import re
     import zipfile
 
@@ -284,4 +286,5 @@ def package_calls(path) -> dict[str, int]:
     return {"onednn": len(re.findall(r"aoti_torch_cpu__linear_pointwise(?:_binary)?\(", code)),
             "mm": len(re.findall(r"aoti_torch_cpu_(?:addmm|mm)_out\(", code)),
             "blocked": len(re.findall(r"cpp_fused_\w*bmm\w*\(", code)) + len(re.findall(r"aoti_torch_cpu_bmm_out\(", code)),
-            "native": len(re.findall(r"aoti_torch_proxy_executor_call_function\(", code))}
+            "native": len(re.findall(r"aoti_torch_proxy_executor_call_function\(", code)),
+            "flash": len(re.findall(r"aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu\(", code))}

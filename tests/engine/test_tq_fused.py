@@ -6,6 +6,9 @@ cannot be built, the torch path runs."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import time
 
 import pytest
 import torch
@@ -104,7 +107,7 @@ def test_a_mask_that_hides_tokens_or_more_queries_take_the_torch_path():
 def test_no_compiler_leaves_the_torch_path_and_says_why_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(native, "TQ", native.Native("kernels", native.tq_kernel.SOURCE, native._declare,
+    monkeypatch.setattr(native, "TQ", native.Native("kernels", native.SOURCE, native._declare,
                                                     "the fused tq attention"))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.library() is None and native.library() is None
@@ -129,3 +132,14 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     assert torch.allclose(tq_attend.run(lib, q * 64 ** -0.5, kp, vp), want[0, :, 0], atol=2e-6)
     assert target.read_bytes()[:4] == b"\x7fELF" or target.stat().st_size > 1000
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no build folder left behind
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups")
+def test_a_compiler_past_its_time_is_stopped_with_what_it_started(tmp_path):
+    """``cc`` compiles in child processes (``cc1``): a timed-out build must not leave them running (seen: a dozen
+    orphaned ``cc1`` slowing the machine for minutes)."""
+    marker = tmp_path / "still-running"
+    with pytest.raises(subprocess.TimeoutExpired):
+        native.compile_run(["sh", "-c", f"(sleep 2; touch {marker}) & sleep 30"], 0.5)
+    time.sleep(2.5)
+    assert not marker.exists()

@@ -17,12 +17,13 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
-from engine.kv.quantized import tq_kernel
+from engine.kv.quantized import plain_kernel, tq_kernel
 
 log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno")
@@ -53,6 +54,26 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def compile_run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a compiler, its output captured; past ``timeout`` seconds the compiler and the programs it started are
+    stopped (``cc`` runs ``cc1`` and ``as`` as children: killing the driver alone left them compiling) and
+    ``subprocess.TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=os.name == "posix")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if os.name == "posix":
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 class Native:
     """One C source built once per machine into a cached library (``name-<hash>.so``), loaded with ctypes and its
     functions declared by ``declare``; ``what`` names, in the one log line, what runs on torch without it. The
@@ -74,8 +95,7 @@ class Native:
             src = Path(tmp) / f"{self.name}.c"
             src.write_text(self.source)
             out = Path(tmp) / f"{self.name}.so"
-            r = subprocess.run([cc, *FLAGS, *tune, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
-                               timeout=BUILD_TIMEOUT_S)
+            r = compile_run([cc, *FLAGS, *tune, "-o", str(out), str(src), "-lm"], BUILD_TIMEOUT_S)
             if r.returncode != 0:
                 last = (r.stderr or r.stdout).strip().splitlines()
                 raise RuntimeError(f"{Path(cc).name} failed: {last[-1] if last else 'exit status ' + str(r.returncode)}")
@@ -146,10 +166,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.kvs_tq_decode
     fn.restype = i
     fn.argtypes = [i, i, p, i64, i64, role, role, p, p]  # hk rep q n nt keys values scratch out
+    fn = lib.kvs_plain_decode
+    fn.restype = i
+    # h0 h1 rep n dk dv bf16 kp k_head vp v_head slots q nk nv scale out
+    fn.argtypes = [i, i, i, i64, i, i, i, p, i64, p, i64, p, p, p, p, ctypes.c_float, p]
     return lib
 
 
-TQ = Native("kernels", tq_kernel.SOURCE, _declare, "the fused tq attention")
+SOURCE = tq_kernel.SOURCE + plain_kernel.SOURCE  # the fused decode attention over quantized pages, then plain ones
+TQ = Native("kernels", SOURCE, _declare, "the fused decode attention")
 
 
 def library() -> ctypes.CDLL | None:

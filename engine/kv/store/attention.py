@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.kv.quantized import tq_attend
 from engine.kv.quantized.basis import KEY as BASIS_KEY
+from engine.kv.store import paged_decode
 from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
@@ -150,7 +151,12 @@ def dispatch_attention(module, query, key, value, attention_mask, **kwargs):
     and the output."""
     if kwargs.get(RAGGED_KEY) is not None:
         return ragged_attention(module, query, key, value, None, **kwargs)
+    step = kwargs.pop(paged_decode.STEP_KEY, None)
     keep = kwargs.pop(PADDED_KEY, None)
+    if step is not None:  # a compiled decode step: its pages read in place where the operator applies
+        out = paged_decode.attend(query, key, value, attention_mask, step, kwargs)
+        if out is not None:
+            return out, None  # [B, 1, Hq, Dv]
     if keep is not None:
         return padded_attention(module, query, key, value, keep, **kwargs)
     basis = kwargs.pop(BASIS_KEY, None)
