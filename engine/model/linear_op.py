@@ -17,6 +17,7 @@ the CPU and torch's version.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -191,6 +192,21 @@ static void write_slot(at::TensorList pages, at::TensorList rows, int64_t slot) 
     }
 }
 
+extern "C" int kvs_tq_decode_heads(int h0, int h1, int rep, const float* q, int64_t n, int64_t nt, const void* k,
+                                   const void* v, float* out);
+
+// The fused tq decode attention (engine.kv.quantized.tq_attend) with its KV heads shared among torch's threads:
+// called through ctypes (the roles are the kernel's own structs), not as an operator.
+extern "C" int kvs_tq_decode_parallel(int hk, int rep, const float* q, int64_t n, int64_t nt, const void* k,
+                                      const void* v, float* out, int64_t width, int64_t dv) {
+    const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, (n + nt) * rep * (width + dv)));
+    std::atomic<int> rc{0};
+    at::parallel_for(0, hk, grain, [&](int64_t h0, int64_t h1) {
+        if (kvs_tq_decode_heads((int)h0, (int)h1, rep, q, n, nt, k, v, out)) rc = 1;
+    });
+    return rc;
+}
+
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
     m.impl("write_slot", &write_slot);
     m.impl("blocked_linear", &blocked_linear);
@@ -253,12 +269,22 @@ def attach() -> bool:
             if not target.exists():
                 _build(cxx, kernels, target)
             torch.ops.load_library(str(target))
+            _declare_parallel(ctypes.CDLL(str(target)))
             _state["loaded"] = True
             linear_kernel.PARALLEL = True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _state["why"] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             log.warning("the compiled step's blocked linears call their Python kernel (%s)", _state["why"])
         return _state["loaded"]
+
+
+def _declare_parallel(lib: ctypes.CDLL) -> None:
+    """Hand the quantized pages' fused attention its several-thread entry (``native.PARALLEL_TQ``)."""
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn = lib.kvs_tq_decode_parallel
+    fn.restype = i
+    fn.argtypes = [i, i, p, i64, i64, p, p, p, i64, i64]  # hk rep q n nt keys values out width dv
+    native.PARALLEL_TQ = fn
 
 
 def attach_soon() -> None:

@@ -401,10 +401,11 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     stop = _stop_ids(model, tok)
     threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
     apply_threads(threads)
-    if threads > 1 and weights_kernel and "blocked" in weights_kernel:
+    if threads > 1 and str(device) == "cpu":
         from engine.model import linear_op
 
-        linear_op.attach_soon()  # blocked linears on several threads: the C++ kernel shares their blocks
+        # several threads: the C++ kernels share a blocked linear's blocks, and quantized pages' attention heads
+        linear_op.attach_soon()
     info = ModelInfo(
         name=name,
         source=spec.source,

@@ -143,3 +143,27 @@ def test_a_compiler_past_its_time_is_stopped_with_what_it_started(tmp_path):
         native.compile_run(["sh", "-c", f"(sleep 2; touch {marker}) & sleep 30"], 0.5)
     time.sleep(2.5)
     assert not marker.exists()
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler")
+def test_several_threads_share_the_heads_and_give_the_one_thread_answer_bit_for_bit(monkeypatch):
+    """The C++ library (``engine.model.linear_op``) shares a layer's KV heads among torch's threads; each head is
+    computed as on one thread, so the answer is the same to the bit."""
+    from engine.model import linear_op
+
+    if not linear_op.attach():
+        pytest.skip(f"no C++ kernels here: {linear_op.why()}")
+    assert native.PARALLEL_TQ is not None
+    g = torch.Generator().manual_seed(5)
+    kp, _ = _role("tq3", "k", 4, 1024, 5, 64, g)
+    vp, _ = _role("tq4", "v", 4, 1024, 5, 64, g)
+    q = torch.randn(4 * 3, 64, generator=g) * 0.125  # 4 KV heads of 3 query heads, 1,029 tokens: a share each
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        par = tq_attend.run(native.library(), q, kp, vp)
+        monkeypatch.setattr(native, "PARALLEL_TQ", None)
+        one = tq_attend.run(native.library(), q, kp, vp)
+    finally:
+        torch.set_num_threads(threads)
+    assert par is not None and torch.equal(par, one)

@@ -173,6 +173,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+# kvs_tq_decode with the KV heads shared among torch's threads, set once ``engine.model.linear_op`` has loaded its
+# C++ library (ctypes function: hk rep q n nt keys values out width dv); None until then
+PARALLEL_TQ = None
 SOURCE = tq_kernel.SOURCE + plain_kernel.SOURCE  # the fused decode attention over quantized pages, then plain ones
 TQ = Native("kernels", SOURCE, _declare, "the fused decode attention")
 

@@ -131,9 +131,13 @@ def run(lib, q: Tensor, k: RolePages, v: RolePages) -> Tensor | None:
     q = q.contiguous()
     hq, hk = q.shape[0], k.codes.shape[0]
     n, nt = k.rows, k.tail.shape[1]
-    scratch = torch.empty((hq // hk, n + nt), dtype=torch.float32)  # [rep, n + nt]: one KV head's probabilities
     out = torch.empty((hq, v.dim), dtype=torch.float32)
     ks, vs = k.struct(), v.struct()
+    par = native.PARALLEL_TQ
+    if par is not None and torch.get_num_threads() > 1:  # the heads shared among torch's threads
+        rc = par(hk, hq // hk, _ptr(q), n, nt, ctypes.byref(ks), ctypes.byref(vs), _ptr(out), k.width, v.dim)
+        return None if rc else out
+    scratch = torch.empty((hq // hk, n + nt), dtype=torch.float32)  # [rep, n + nt]: one KV head's probabilities
     rc = lib.kvs_tq_decode(hk, hq // hk, _ptr(q), n, nt, ctypes.byref(ks), ctypes.byref(vs), _ptr(scratch), _ptr(out))
     return None if rc else out
 

@@ -13,6 +13,7 @@ exp), and the same file builds on x86 and ARM. The scores are exact float32 dot 
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -314,5 +315,18 @@ int kvs_tq_decode(int hk, int rep, const float *q, int64_t n, int64_t nt, const 
         if (rc) return rc;
     }
     return 0;
+}
+
+/* KV heads h0 .. h1 - 1 only, with scratch of their own (so threads may split the heads: ``engine.model.linear_op``
+   shares them among torch's threads). Returns -1 as kvs_tq_decode does, or where memory runs out. */
+int kvs_tq_decode_heads(int h0, int h1, int rep, const float *q, int64_t n, int64_t nt, const kvs_role *k,
+                        const kvs_role *v, float *out) {
+    float *s = (float *)malloc(sizeof(float) * rep * (n + nt));
+    if (!s) return -1;
+    int rc = 0;
+    for (int h = h0; h < h1 && !rc; h++)
+        rc = head(h, rep, q + (int64_t)h * rep * k->width, n, nt, k, v, s, out + (int64_t)h * rep * v->dim);
+    free(s);
+    return rc;
 }
 """
