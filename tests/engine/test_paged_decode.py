@@ -118,3 +118,28 @@ def test_a_batch_of_sequences_gets_what_each_gets_alone(dt):
     for name, out in outs.items():
         assert out.shape == (B, 1, hk * rep, d) and out.dtype == dt, name
         assert (out.float() - alone).abs().max().item() < tol, name
+
+
+@needs_native
+def test_an_eager_bfloat16_decode_reads_its_run_of_pages_in_place():
+    """transformers' attention hands a decode step the K/V its cache returned (here a view of one run of pages: head
+    stride of the whole page tensor); the bfloat16 query takes the native kernel, with what float32 SDPA gives."""
+    from types import SimpleNamespace
+
+    from engine.kv.store.attention import sdpa
+
+    g = torch.Generator().manual_seed(3)
+    pages_k, pages_v = (torch.randn(2, 256, 64, generator=g).to(torch.bfloat16) for _ in range(2))  # [Hk, S, D]
+    k, v = pages_k[None, :, 32:32 + 91], pages_v[None, :, 32:32 + 91]  # [1, Hk, 91, D]: one run, in place
+    q = torch.randn(1, 6, 1, 64, generator=g).to(torch.bfloat16)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=3, training=False)
+    out, _ = sdpa(module, q, k, v, None, scaling=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125,
+                                                            enable_gqa=True).transpose(1, 2)  # [1, 1, Hq, D]
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 1, 6, 64)
+    assert (out.float() - want).abs().max().item() < 1e-2
+    assert pd.attend_tensors(q, k, v, None, {"scaling": 0.125}) is not None  # the kernel answered
+    assert pd.attend_tensors(q.float(), k.float(), v.float(), None, {}) is None  # float32: torch's, exactly
+    hide = torch.ones(1, 1, 1, 91, dtype=torch.bool)
+    hide[..., 5] = False
+    assert pd.attend_tensors(q, k, v, hide, {}) is None  # a mask that hides a key: SDPA

@@ -83,6 +83,9 @@ def sdpa(module, query, key, value, attention_mask, **kwargs):
     slower than a float32 one. Prompts (more queries) keep the reduced-precision kernel, faster there. The output
     comes back in the model's dtype; the softmax was float32 either way."""
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] <= UPCAST_MAX_Q:
+        out = paged_decode.attend_tensors(query, key, value, attention_mask, kwargs)  # one bf16 query: in place
+        if out is not None:
+            return out, None  # [1, 1, Hq, Dv]
         mask = attention_mask
         if mask is not None and mask.is_floating_point():
             mask = mask.float()  # an additive mask in the model's dtype

@@ -138,5 +138,40 @@ def attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, step:
     return torch.ops.kvscope.paged_decode_batch(query, kp, vp, slots, lens, nk, nv, scale)
 
 
+def attend_tensors(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, kwargs: dict) -> Tensor | None:
+    """An eager decode step's attention of one bfloat16 query over the K/V its cache returned ([1, Hk, n + 1, D], a
+    view of one run of pages or a gathered copy: any head stride, rows D apart) by the native kernel through
+    ctypes, the cached rows read in place: [1, 1, Hq, Dv], or None where it does not apply (the caller's SDPA then
+    answers). bfloat16 only: float32 stays exactly torch's, as HF's greedy ids are compared against it."""
+    if (query.dtype != torch.bfloat16 or query.shape[0] != 1 or query.shape[2] != 1 or query.device.type != "cpu"
+            or torch.compiler.is_compiling() or torch.compiler.is_exporting() or type(query) is not Tensor
+            or key.dim() != 4 or key.shape[0] != 1 or key.dtype != query.dtype or value.dtype != query.dtype
+            or any(kwargs.get(a) is not None for a in ("softcap", "s_aux", "sliding_window"))
+            or kwargs.get("dropout", 0.0) or not _all_visible(mask)):
+        return None
+    n = key.shape[2] - 1
+    kp, vp = key[0], value[0]  # [Hk, n + 1, D]: the cached rows 0 .. n - 1, then the new token's
+    scale = kwargs.get("scaling")
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    return native_run(query, kp, vp, _arange(n), key[:, :, n:], value[:, :, n:], scale)
+
+
+def _all_visible(mask: Tensor | None) -> bool:
+    """The mask lets the one query see every key (None, or all true / 0)."""
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+_ARANGE: list[Tensor] = [torch.arange(0)]
+
+
+def _arange(n: int) -> Tensor:
+    """0 .. n - 1 (the rows of a run read in place), kept and grown, so a decode step makes none."""
+    if _ARANGE[0].shape[0] < n:
+        _ARANGE[0] = torch.arange(max(n, 2 * _ARANGE[0].shape[0], 1024))
+    return _ARANGE[0][:n]
+
+
 def _ptr(t: Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
