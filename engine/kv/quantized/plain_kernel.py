@@ -116,13 +116,7 @@ static int plain_head(int h, int rep, int64_t n, int dk, int dv, int bf16, const
     return 0;
 }
 
-/* The register-held paths below where vectors are wide (AVX2, AVX-512, NEON): built for a plain x86-64 (SSE2) their
-   sixteen-lane vectors split into many small ones and the compiler takes minutes over them. */
-#if defined(KVS_VECTORS) && (defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON))
-#define KVS_PLAIN_WIDE 1
-#endif
-
-#ifdef KVS_PLAIN_WIDE
+#ifdef KVS_WIDE
 typedef uint16_t kvs_h16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t kvs_u16 __attribute__((vector_size(64)));
 
@@ -133,26 +127,6 @@ static inline v16 plain_ld(const void *base, int64_t off, int bf16) {
     v16 v;
     memcpy(&v, &u, 64);
     return v;
-}
-
-/* lane k of the result: the sum of x[k]'s lanes (a 16 x 16 transpose and add in 30 shuffles, where sixteen
-   separate sums take ~100 instructions) */
-static inline v16 sums16(const v16 *x) {
-    v16 a[8], b[4], c[2];
-    for (int k = 0; k < 8; k++)
-        a[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                       30, 31);
-    for (int k = 0; k < 4; k++)
-        b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
-                                       30, 31);
-    for (int k = 0; k < 2; k++)
-        c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
-                                       30, 31);
-    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* R query heads (first .. first + R - 1) of KV head h, head_dim 16 C (keys and values), R and C constants once
@@ -227,7 +201,7 @@ int kvs_plain_decode(int h0, int h1, int rep, int64_t n, int dk, int dv, int bf1
     if (!s) return -1;
     int rc = 0;
     for (int h = h0; h < h1 && !rc; h++) {
-#ifdef KVS_PLAIN_WIDE
+#ifdef KVS_WIDE
         if (dk == dv && (dk == 64 || dk == 128)) {  /* the query heads four at a time (rep 7: 4 + 3) */
             for (int g = 0; g < rep; g += 4) {
                 const int64_t first = (int64_t)h * rep + g;

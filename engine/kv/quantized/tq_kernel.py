@@ -176,6 +176,42 @@ static inline float hsum(v16 x) {
 }
 #endif
 
+/* The paths that hold sixteen rows' partial sums (here and in the plain pages' kernel) where vectors are wide (AVX2,
+   AVX-512, NEON): built for a plain x86-64 (SSE2) their sixteen-lane vectors split into many small ones and the
+   compiler takes minutes over them. */
+#if defined(KVS_VECTORS) && (defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON))
+#define KVS_WIDE 1
+#endif
+
+#ifdef KVS_WIDE
+/* lane k of the result: the sum of x[k]'s lanes (a 16 x 16 transpose and add in 30 shuffles, where sixteen
+   separate sums take ~100 instructions) */
+static inline v16 sums16(const v16 *x) {
+    v16 a[8], b[4], c[2];
+    for (int k = 0; k < 8; k++)
+        a[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int k = 0; k < 4; k++)
+        b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                       30, 31);
+    for (int k = 0; k < 2; k++)
+        c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
+                                       30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* a . b as sixteen partial sums (d a multiple of 16), reduced later sixteen rows at a time (sums16) */
+static inline v16 dotv(const float *a, const float *b, int d) {
+    v16 acc = *(const v16u *)a * *(const v16u *)b;
+    for (int i = 16; i < d; i += 16) acc += *(const v16u *)(a + i) * *(const v16u *)(b + i);
+    return acc;
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int d) {
 #ifdef KVS_VECTORS
     if ((d & 15) == 0) {
@@ -249,6 +285,52 @@ typedef struct {
     const float *scale, *zero;  /* mode 1: [hk, n / page_size, dim]; mode 2: [hk, n, dim / group] */
 } kvs_role;
 
+#ifdef KVS_WIDE
+/* The quantized rows' scores of KV head h, sixteen rows at a time: each row's levels dotted with the rep queries as
+   sixteen partial sums, the sixteen rows' sums reduced at once (sums16: a tenth of the shuffles of one sum each).
+   Scratch as head()'s. */
+static void scores16(int h, int rep, const float *q, int64_t n, const kvs_role *k, const uint8_t *kc, const float *kn,
+                     float *s, int64_t len, float *lv, float *zv, float *qs, float *cst) {
+    const int dk = k->dim, wk = k->width;
+    v16 part[16][16];
+    float add[16][16], res[16] __attribute__((aligned(64)));
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+        for (int t = 0; t < 16; t++) {
+            const int64_t i = i0 + t;
+            if (t >= cnt) {
+                for (int r = 0; r < rep; r++) part[r][t] = (v16){0}, add[r][t] = 0.0f;
+                continue;
+            }
+            levels(kc + i * k->row_bytes, k->bits, dk, k->levels, k->table, lv);
+            if (k->mode == 1) {  /* q . (code s + z) = (q s) . code + q . z, s and z the page's */
+                if (i % k->page_size == 0) {
+                    const int64_t pg = h * (n / k->page_size) + i / k->page_size;
+                    const float *sc = k->scale + pg * dk, *zr = k->zero + pg * dk;
+                    for (int r = 0; r < rep; r++) {
+                        for (int c = 0; c < dk; c++) qs[r * dk + c] = q[r * wk + c] * sc[c];
+                        cst[r] = dot(q + r * wk, zr, dk);
+                    }
+                }
+                for (int r = 0; r < rep; r++) part[r][t] = dotv(qs + r * dk, lv, dk), add[r][t] = cst[r];
+                continue;
+            }
+            for (int r = 0; r < rep; r++) part[r][t] = dotv(q + r * wk, lv, dk) * kn[i], add[r][t] = 0.0f;
+            if (k->signs) {  /* QJL: + q_proj . (alpha ||r|| z) */
+                levels(k->signs + h * k->sign_head_stride + i * k->sign_row_bytes, 1, dk, k->sign_levels,
+                       k->sign_table, zv);
+                const float a = k->sign_norms[h * n + i];
+                for (int r = 0; r < rep; r++) part[r][t] += dotv(q + r * wk + dk, zv, dk) * a;
+            }
+        }
+        for (int r = 0; r < rep; r++) {
+            *(v16 *)res = sums16(part[r]);
+            for (int t = 0; t < cnt; t++) s[r * len + i0 + t] = res[t] + add[r][t];
+        }
+    }
+}
+#endif
+
 /* One KV head h of one decode step. q [rep, k->width] (rotated, scaled), out [rep, v->dim] (rotated; zeroed here).
    Quantized rows first, then the exact tail rows. s: scratch [rep, n + nt]. */
 static int head(int h, int rep, const float *q, int64_t n, int64_t nt, const kvs_role *k, const kvs_role *v,
@@ -261,7 +343,14 @@ static int head(int h, int rep, const float *q, int64_t n, int64_t nt, const kvs
     const uint8_t *kc = k->codes + h * k->head_stride, *vc = v->codes + h * v->head_stride;
     const float *kn = k->mode == 0 ? k->norms + h * n : 0, *vn = v->mode == 0 ? v->norms + h * n : 0;
     const float *kt = k->tail + h * nt * wk, *vt = v->tail + h * nt * dv;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t n_done = 0;
+#ifdef KVS_WIDE
+    if ((dk & 15) == 0 && rep <= 16) {
+        scores16(h, rep, q, n, k, kc, kn, s, len, lv, zv, qs, cst);
+        n_done = n;
+    }
+#endif
+    for (int64_t i = n_done; i < n; i++) {
         levels(kc + i * k->row_bytes, k->bits, dk, k->levels, k->table, lv);
         if (k->mode == 1) {  /* q . (code s + z) = (q s) . code + q . z, s and z the page's */
             if (i % k->page_size == 0) {
