@@ -143,3 +143,32 @@ def test_an_eager_bfloat16_decode_reads_its_run_of_pages_in_place():
     hide = torch.ones(1, 1, 1, 91, dtype=torch.bool)
     hide[..., 5] = False
     assert pd.attend_tensors(q, k, v, hide, {}) is None  # a mask that hides a key: SDPA
+
+
+@needs_native
+def test_an_eager_bfloat16_chat_takes_the_kernel_at_every_decode_step_and_keeps_its_reply(monkeypatch):
+    """A bfloat16 model decoding eager (the installed app has no compiler): every layer of every decode step reads
+    its pages through the kernel, and the greedy reply is the one the float32 SDPA path gives."""
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.core.session import ChatSession
+    from engine.model.shapes import build_shape
+
+    lm = build_shape("tiny-llama-hd64", dtype=torch.bfloat16)
+    lm.fast.set_mode("off")
+
+    def reply():
+        s = ChatSession(lm, CacheConfig(page_size=16))
+        s.start_ids(list(range(5, 60)), SamplingConfig(max_new_tokens=40, ignore_eos=True))
+        while not s.step().done:
+            pass
+        ids = s.generated_ids
+        s.close()
+        return ids
+
+    calls = []
+    real = pd.native_run
+    monkeypatch.setattr(pd, "native_run", lambda *a: calls.append(1) or real(*a))
+    with_kernel = reply()
+    assert len(calls) == 39 * lm.info.num_layers  # every decode step after the prefill's token, every layer
+    monkeypatch.setattr(pd, "attend_tensors", lambda *a: None)
+    assert reply() == with_kernel
