@@ -32,7 +32,8 @@ TOKEN_EVICTED = 2
 TOKEN_QUANTIZED = 3
 TOKEN_PINNED = 4
 TOKEN_NOT_CACHED = 5  # cache off, or not fed yet (a prefill in chunks, the token just sampled)
-TOKEN_STATE_NAMES = ("kept", "sink", "evicted", "quantized", "pinned", "not cached")
+TOKEN_PARTIAL = 6  # a per-head eviction dropped it from some KV heads of every layer; others keep it
+TOKEN_STATE_NAMES = ("kept", "sink", "evicted", "quantized", "pinned", "not cached", "kept by some heads")
 
 
 @dataclass(frozen=True)

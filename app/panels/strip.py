@@ -31,6 +31,7 @@ TOKEN_COLOURS = {  # TOKEN_* code -> colour
     S.TOKEN_QUANTIZED: "#a470ff",
     S.TOKEN_PINNED: "#ffd84a",
     S.TOKEN_NOT_CACHED: "#5a606b",
+    S.TOKEN_PARTIAL: "#f29a9a",
 }
 REASON_COLOURS = {  # MissReason value -> colour of its recomputed tokens (the strip's lower half, the readout)
     "new": "#43c59e",

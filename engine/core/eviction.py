@@ -102,8 +102,14 @@ class Scores:
             self.t = [torch.cat([s, s.new_zeros(s.shape[0], q)], dim=1) for s in self.t]  # [Hkv, n + q]
 
     def keep(self, keep: list[np.ndarray]) -> None:
-        if self.t is not None:
-            self.t = [s[:, torch.from_numpy(np.asarray(k, dtype=np.int64)).to(s.device)] for s, k in zip(self.t, keep)]
+        """Per layer the slots kept: ``[m]``, or ``[H, m]`` per KV head (``CacheIndex.keep``)."""
+        if self.t is None:
+            return
+        out = []
+        for s, k in zip(self.t, keep):
+            idx = torch.from_numpy(np.asarray(k, dtype=np.int64)).to(s.device)
+            out.append(s[:, idx] if idx.dim() == 1 else s.gather(1, idx))  # [Hkv, m]
+        self.t = out
 
     def truncate(self, n: int) -> None:
         if self.t is not None:
@@ -132,6 +138,10 @@ class Scores:
     def numpy(self) -> np.ndarray:
         """``[L, n]`` summed over KV heads (CPU)."""
         return np.stack([s.sum(dim=0).cpu().numpy() for s in self.t])
+
+    def rows(self) -> np.ndarray:
+        """``[L * Hkv, n]``: one row per layer and KV head (CPU), as a per-head eviction ranks them."""
+        return torch.cat(self.t).cpu().numpy()
 
 
 class Evictor:
@@ -230,17 +240,19 @@ class Evictor:
             return []
         pol = policy if policy is not None else OverflowPolicy.for_mode(cx.overflow, target, cx.protected)
         t0 = time.perf_counter()
-        state = PolicyState(positions=np.array(index.log), scores=self._scores_for(pol, n),
+        by_head = index.heads > 1 and (pol.per_head or index.split)  # one row per layer and KV head
+        positions = index.log.reshape(-1, n) if by_head else index.layer_log  # [L*H, n] or [L, n]
+        state = PolicyState(positions=np.array(positions), scores=self._scores_for(pol, n, by_head),
                             protected=cx.protected, priorities=_priorities(pol, cx), page_size=cx.page_size,
                             seq_len=cx.seq_len)
         drops = pol.select(state, target)
         self.select_ms += (time.perf_counter() - t0) * 1000.0
-        keep = [np.setdiff1d(np.arange(n), d, assume_unique=True) for d in drops]
-        n_keep = len(keep[0])
-        if any(len(k) != n_keep for k in keep) or n_keep > target:
+        keep = _keep_rows(drops, n, index.heads if by_head else 0)
+        n_keep = np.shape(keep[0])[-1]
+        if any(np.shape(k)[-1] != n_keep for k in keep) or n_keep > target:
             raise InternalError(f"policy {pol.name} chose an invalid eviction ({n} → {n_keep}, target {target})")
         rotate = pol.rope_in_cache or force_rotate
-        old_rope, old_next = np.array(index.rope), index.next_rope
+        old_rope, old_next = np.array(index.rope), index.next_rope  # [L, H, n]
         start = _unchanged_prefix(keep, old_rope if rotate else None)
         held_before = index.held(index.next_pos)
         try:
@@ -261,12 +273,12 @@ class Evictor:
         notes = _protection_notes(gone, state, pol, reason) + self._layer_notes(store, pol, reason, rotate)
         return [Eviction(reason, n - n_keep, tuple(int(p) for p in gone), tuple(freed), tuple(notes))]
 
-    def _scores_for(self, policy: EvictionPolicy, n: int) -> np.ndarray | None:
+    def _scores_for(self, policy: EvictionPolicy, n: int, by_head: bool) -> np.ndarray | None:
         if not policy.scored:
             return None
         if not self.scores.tracking or self.scores.t[0].shape[1] != n:
             self.scores.start(n)  # cannot happen when every change went through the evictor; stay safe
-        return self.scores.numpy()
+        return self.scores.rows() if by_head else self.scores.numpy()
 
     def _rerotator_for(self, store) -> Rerotator:
         if self._rerotator is None:
@@ -280,9 +292,14 @@ class Evictor:
         to_model = layout.full if layout is not None else list(range(len(old_rope)))
 
         def rotate(layer: int, k: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-            # k: [H, m, D], the last m kept keys (old slots idx); after compaction RoPE = slot index
-            new = np.arange(n_keep - len(idx), n_keep)
-            return rerotator(to_model[layer], k, torch.from_numpy(new - old_rope[layer][idx]))
+            # k: [H, m, D], the last m kept keys (old slots idx: [m], or [H, m] per head); after compaction
+            # RoPE = slot index
+            m = np.shape(idx)[-1]
+            new = np.arange(n_keep - m, n_keep)
+            rope = old_rope[layer]  # [Hi, n]: Hi the index's heads (1 where they cannot part)
+            was = np.take_along_axis(rope, np.broadcast_to(idx, (rope.shape[0], m)), axis=1)  # [Hi, m]
+            delta = new - (was[0] if (was == was[:1]).all() else was)  # [m], or [H, m] where the heads differ
+            return rerotator(to_model[layer], k, torch.from_numpy(np.ascontiguousarray(delta)))
 
         rotate.role = rerotator.role  # MLA: the cached rotary key is the "value" (``KVStore.compact``)
         return rotate
@@ -317,14 +334,30 @@ class Evictor:
 
 
 def _unchanged_prefix(keep: list[np.ndarray], rope: np.ndarray | None) -> int:
-    """Leading slots every layer keeps in place (and, when re-rotating, already at RoPE = slot index)."""
-    m = len(keep[0])
+    """Leading slots every layer and head keeps in place (and, when re-rotating, already at RoPE = slot index).
+    ``keep``: per layer ``[m]`` or ``[H, m]``; ``rope``: ``[L, H, n]``."""
+    m = np.shape(keep[0])[-1]
     ident = np.arange(m)
-    same = np.all(np.stack([k == ident for k in keep]), axis=0)
+    same = np.all(np.stack([np.all(np.atleast_2d(k) == ident, axis=0) for k in keep]), axis=0)
     if rope is not None:
-        same &= np.all(rope[:, :m] == ident, axis=0)
+        same &= np.all(rope[:, :, :m] == ident, axis=(0, 1))
     bad = np.nonzero(~same)[0]
     return int(bad[0]) if len(bad) else m
+
+
+def _keep_rows(drops: list[np.ndarray], n: int, heads: int) -> list[np.ndarray]:
+    """The slots each layer keeps: ``[m]`` from one drop list per layer (``heads`` 0), or ``[H, m]`` from one per
+    layer and head (a layer whose heads all keep the same slots gets ``[m]``: compaction takes one gather)."""
+    kept = [np.setdiff1d(np.arange(n), d, assume_unique=True) for d in drops]
+    if not heads:
+        return kept
+    if any(len(k) != len(kept[0]) for k in kept):
+        return kept  # the caller reports the invalid choice
+    out = []
+    for layer in range(len(kept) // heads):
+        rows = np.stack(kept[layer * heads:(layer + 1) * heads])  # [H, m]
+        out.append(rows[0] if (rows == rows[:1]).all() else rows)
+    return out
 
 
 def _priorities(policy: EvictionPolicy, cx: EvictionContext) -> np.ndarray | None:

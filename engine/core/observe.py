@@ -96,8 +96,10 @@ def token_state(seq: "Sequence", cache: "SeqCache") -> np.ndarray:
     cfg = cache.cache_config
     if cfg.quantized and cfg.mode == "paged" and index.num_layers:
         full = (index.n // cfg.page_size) * cfg.page_size
-        q = index.log[0][:full]
+        q = index.log[0][:, :full]  # [H, full]: layer 0's tokens in whole (quantized) pages
         state[q[q < T]] = snap.TOKEN_QUANTIZED
+    if index.split:  # a per-head eviction: some heads of every layer dropped these
+        state[held & ~index.held_by_all(T)] = snap.TOKEN_PARTIAL
     if cache.policy is not None:
         sinks = cache.policy.sink_count(T)
         state[:sinks][held[:sinks]] = snap.TOKEN_SINK

@@ -50,7 +50,7 @@ class SeqCache(PrefixReuse):
         L = info.num_layers  # the cache index and the scores follow the full-attention layers
         if info.layer_kinds:
             L = sum(1 for k in info.layer_kinds if k.split("+")[0] == "full")
-        self.index = CacheIndex(L)
+        self.index = CacheIndex(L, heads=_index_heads(lm))
         self.evictor = Evictor(lm.model, L, info.num_kv_heads, lm.device)
         self.chain: list[bytes] = []  # prefix-cache names of the sequence's first full pages
         self.root = ROOT  # where those names start: a server tenant's own root keeps its pages its own
@@ -392,3 +392,11 @@ class SeqCache(PrefixReuse):
         self.host = None
         self.index.reset()
         self.evictor.scores.stop()
+
+
+def _index_heads(lm) -> int:
+    """KV heads whose cached tokens a per-head eviction may part (``CacheIndex``): every head of K and V alike;
+    1 where K and V differ in heads (MLA's one latent and rotary key)."""
+    info = lm.info
+    hk, hv = info.k_heads or info.num_kv_heads, info.v_heads or info.k_heads or info.num_kv_heads
+    return info.num_kv_heads if hk == hv == info.num_kv_heads else 1

@@ -22,10 +22,11 @@ DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 
 @dataclass
 class PolicyState:
-    """What a policy may look at (CPU numpy, one row per layer).
+    """What a policy may look at (CPU numpy, one row per layer; per layer and KV head, ``[L * H, n]``, for a
+    ``per_head`` policy or once a layer's heads hold different tokens).
 
-    positions  [L, n] logical position of each cached token, per layer (ascending)
-    scores     [L, n] accumulated attention each cached token received (H2O), or the attention the coming
+    positions  [rows, n] logical position of each cached token, per row (ascending)
+    scores     [rows, n] accumulated attention each cached token received (H2O), or the attention the coming
                queries are expected to pay it (Expected Attention), or None
     protected  logical positions ``[0, protected)`` hold the system prompt / first message
     priorities [T] int 0..100 per logical position (the policy's default filled in), or None
@@ -43,9 +44,9 @@ class PolicyState:
 class EvictionPolicy:
     """Base class. Subclasses set ``name``, a ``Params`` dataclass and implement ``select``.
 
-    ``select`` contract: for every layer, indices into the n cached tokens to drop so that exactly
-    ``min(n, target)`` stay, for any ``target >= 1``. When what the policy protects (sinks, the protected
-    prompt, pinned messages, the recent window) is more than ``target``, it protects less instead of
+    ``select`` contract: for every row (layer, or layer and head), indices into the n cached tokens to drop so
+    that exactly ``min(n, target)`` stay, for any ``target >= 1``. When what the policy protects (sinks, the
+    protected prompt, pinned messages, the recent window) is more than ``target``, it protects less instead of
     failing; ``engine.core.eviction`` tells the user.
     """
 
@@ -55,6 +56,7 @@ class EvictionPolicy:
     needs_scores: ClassVar[bool] = False  # accumulate attention scores (explicit softmax)
     needs_queries: ClassVar[bool] = False  # score keys from the recent queries' statistics (``engine.core.expected``)
     rope_in_cache: ClassVar[bool] = False  # compaction re-rotates keys: positions are in-cache indices
+    per_head: ClassVar[bool] = False  # each KV head keeps its own tokens (one ``PolicyState`` row per layer and head)
 
     @dataclass(frozen=True)
     class Params:
@@ -80,6 +82,10 @@ class EvictionPolicy:
         for f in dataclasses.fields(self.params):
             v = getattr(self.params, f.name)
             lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            if isinstance(f.default, bool):  # a switch (the GUI's check box)
+                if not isinstance(v, bool):
+                    raise ValueError(f"policy {self.name}: {f.name} {v!r} is not true or false")
+                continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"policy {self.name}: {f.name} {v!r} is not an integer")
             if lo is not None and v < lo:

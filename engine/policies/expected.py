@@ -23,11 +23,13 @@ after which this policy evicts):
    Gaussian moment of ``exp(s q.k)``), normalised over the keys (softmax), averaged over the heads of the
    key's KV group and multiplied by the value's norm ``||v||`` (what dropping the token takes from the
    output);
-4. per layer the KV heads' scores are summed (the paged cache keeps one token list per layer: each head
-   keeping its own tokens, as kvpress does, would need a block table per head), and the lowest go first.
+4. each KV head of each layer drops its own lowest-scored tokens, as kvpress's press does: every head keeps
+   as many tokens, so a layer's pages stay one block of slots in which each head packs its own kept tokens
+   (``engine.kv.paged.positions.CacheIndex``); the page map counts slots, and the token strip shows a token
+   some heads dropped as "kept by some heads". ``per_head`` off: a layer's heads keep one set (scores summed).
 
-Where kvpress's press differs: it compresses once, after the prefill, by a ratio, per KV head; this policy
-evicts during the whole chat (prefill and reply) to a budget, per layer, from the recent queries' statistics
+Where kvpress's press differs: it compresses once, after the prefill, by a ratio; this policy evicts during
+the whole chat (prefill and reply) to a budget, per layer and head, from the recent queries' statistics
 (kvpress: the whole prompt's), and also keeps the protected prompt (system + first message) and a recent
 window until nothing else is left. Switched on mid-chat from another setting it has seen no queries: its first
 eviction takes the oldest and says so; its budget lowered mid-chat, it scores the held keys at once from the queries
@@ -57,6 +59,8 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         sinks: int = param_field(4, min=0, max=1024, help="first tokens always kept (attention sinks)",
                                  flag="sinks")
         queries: int = param_field(128, min=1, max=4096, help="recent queries whose statistics predict the coming ones")
+        per_head: bool = param_field(True, help="each KV head keeps its own tokens (kvpress's way); off: a layer's "
+                                     "heads keep one set, their scores summed")
 
     def validate(self) -> None:
         super().validate()
@@ -69,6 +73,10 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     def budget(self) -> int:
         return self.params.budget
 
+    @property
+    def per_head(self) -> bool:  # type: ignore[override]
+        return self.params.per_head
+
     def slack(self, page_size: int) -> int:
         p = self.params
         return max(1, min(page_size, p.budget // 8, p.budget - p.recent - p.sinks - 1))
@@ -77,12 +85,12 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         return min(self.params.sinks, n_tokens)
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
-        """Drop order per layer: unprotected tokens by expected attention (lowest first, ties oldest first), then
+        """Drop order per layer and KV head: unprotected tokens by expected attention (lowest first, ties oldest first), then
         the protected prompt (same order), then the sinks and the recent window (oldest first)."""
         out = []
-        for layer, pos in enumerate(state.positions):
+        for row, pos in enumerate(state.positions):
             n = len(pos)
-            scores = state.scores[layer] if state.scores is not None else np.zeros(n)
+            scores = state.scores[row] if state.scores is not None else np.zeros(n)
             idx = np.arange(n)
             keep_always = (idx >= n - min(self.params.recent, n)) | (pos < self.params.sinks)
             tier = np.where(keep_always, 2, np.where(pos < state.protected, 1, 0))

@@ -344,7 +344,7 @@ def test_pin_a_message_keeps_it_under_the_priority_policy(qtbot, data_dir, stori
         session = w.engine.worker._pool.get(w.chat_id)  # read after the reply: the worker is idle
         em = w.conversation.engine_messages()
         spans = message_spans(session.tokenizer, em)
-        kept = set(session.index.log[0].tolist())
+        kept = set(session.index.layer_log[0].tolist())
         assert session.evicted_total > 0
         assert set(range(*spans[2])) <= kept  # the pinned message
         assert not set(range(*spans[1])) <= kept  # the first reply (not pinned) lost tokens

@@ -97,17 +97,24 @@ def test_nothing_evicted_gives_hf_greedy_tokens(stories, mode):
     s.close()
 
 
-def test_under_a_budget_it_keeps_sinks_and_recent_per_layer_and_says_what_scoring_cost(stories):
+def test_under_a_budget_each_head_keeps_sinks_and_recent_and_its_own_tokens_and_says_what_scoring_cost(stories):
     ids = stories.tokenizer("Once upon a time, there was a little girl named Lily.")["input_ids"]
     cfg = CacheConfig(mode="paged", page_size=8, policy="expected",
                       policy_params={"budget": 64, "recent": 16, "sinks": 4, "queries": 32})
     s, r, snaps, _ = _run(stories, cfg, ids, 150)
     assert all(sn.tokens_per_layer.max() <= 64 for sn in snaps) and s.evicted_total > 0
-    logs = [set(s.index.log[layer].tolist()) for layer in range(stories.info.num_layers)]
-    assert any(logs[0] != other for other in logs[1:])  # each layer kept its own tokens
+    heads = stories.info.num_kv_heads
+    assert s.index.heads == heads > 1 and s.index.split
+    logs = [[set(row.tolist()) for row in s.index.log[layer]] for layer in range(stories.info.num_layers)]
+    assert any(len({frozenset(h) for h in layer}) > 1 for layer in logs)  # the heads of a layer kept their own
+    assert any(logs[0][0] != other[0] for other in logs[1:])  # and the layers theirs
     recent = set(range(s.index.next_pos - 16, s.index.next_pos))
-    assert all(recent <= kept and {0, 1, 2, 3} <= kept for kept in logs)
+    assert all(recent <= kept and {0, 1, 2, 3} <= kept for layer in logs for kept in layer)
     assert (r.snapshot.token_state[:4] == snap.TOKEN_SINK).all()  # the strip draws the sinks
+    state = r.snapshot.token_state
+    some = set().union(*(h for layer in logs for h in layer))
+    partial = {p for p in some if not any(all(p in h for h in layer) for layer in logs)}
+    assert partial and set(np.nonzero(state == snap.TOKEN_PARTIAL)[0].tolist()) == partial - {0, 1, 2, 3}
     assert float(s.evictor.scores.t[0].sum()) > 0  # the forward before each eviction scored the keys
     assert r.stats.policy_decode_ms > 0 and any(sn.policy_ms > 0 for sn in snaps)
     s.close()

@@ -85,7 +85,7 @@ def test_streaming_session_keeps_sinks_and_window_and_reports_evictions(stories)
                                            policy_params={"sinks": 4, "window": 32}), 120)
     budget = 36
     assert all(sn.tokens_per_layer.max() <= budget for sn in snaps)
-    log = s.index.log[0]
+    log = s.index.layer_log[0]
     assert log[:4].tolist() == [0, 1, 2, 3]  # sinks never evicted
     assert log[4:].tolist() == list(range(s.index.next_pos - (len(log) - 4), s.index.next_pos))  # the most recent window
     ev = [sn for sn in snaps if sn.evicted_positions]
@@ -119,7 +119,7 @@ def test_h2o_session_budget_and_per_layer_choice(stories):
                                            policy_params={"budget": 64, "recent": 16}), 150)
     assert all(sn.tokens_per_layer.max() <= 64 for sn in snaps)
     assert s.evicted_total > 0
-    logs = [set(s.index.log[layer].tolist()) for layer in range(stories.info.num_layers)]
+    logs = [set(s.index.layer_log[layer].tolist()) for layer in range(stories.info.num_layers)]
     assert any(logs[0] != other for other in logs[1:])  # layers kept different tokens
     recent = set(range(s.index.next_pos - 16, s.index.next_pos))
     assert all(recent <= kept for kept in logs)
@@ -140,7 +140,7 @@ def test_priority_session_keeps_system_prompt_and_pinned_message(stories):
     spans = message_spans(stories.tokenizer, msgs)
     s, r, snaps = run(stories, CacheConfig(mode="paged", page_size=4, policy="priority",
                                            policy_params={"budget": 80, "recent": 8}), 60, messages=msgs)
-    kept = set(s.index.log[0].tolist())
+    kept = set(s.index.layer_log[0].tolist())
     system = set(range(*spans[0]))
     pinned = set(range(*spans[3]))
     assert system <= kept and pinned <= kept
@@ -157,7 +157,7 @@ def test_context_overflow_choices_keep_generating(stories, overflow):
     assert all(sn.tokens_per_layer.max() <= 512 for sn in snaps)
     assert any(sn.evict_reason == overflow for sn in snaps)
     if overflow == "rolling":
-        assert s.index.log[0][0] == 0  # the first (BOS) token stays
+        assert s.index.layer_log[0][0] == 0  # the first (BOS) token stays
 
 
 def test_context_overflow_stop_is_reported(stories):

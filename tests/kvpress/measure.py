@@ -48,9 +48,10 @@ def main() -> int:
     t0 = time.perf_counter()
     theirs = sbs.run_theirs(py, str(MODEL), items, KEEPS, extra=EXTRA)
     t1 = time.perf_counter()
-    once = sbs.run_ours(lm, items, KEEPS, after_context=True)
+    ours = (*sbs.METHODS, "expected/layer")
+    once = sbs.run_ours(lm, items, KEEPS, ours, after_context=True)
     t2 = time.perf_counter()
-    reading = sbs.run_ours(lm, items, KEEPS, after_context=False)
+    reading = sbs.run_ours(lm, items, KEEPS, ours, after_context=False)
     t3 = time.perf_counter()
     print(f"{len(items)} texts ({sum(t.kind == 'story' for t in items)} stories); kvpress {t1 - t0:.0f} s, ours "
           f"{t2 - t1:.0f} s + {t3 - t2:.0f} s (one thread each)")

@@ -12,8 +12,9 @@ Ours reads the same text through a ``ChatSession`` (``teacher_force_chunks``: as
 ``keep * N + M / 2`` tokens (M: the continuation's tokens; kvpress's cache grows from ``keep * N`` to
 ``keep * N + M`` over the continuation: the same on average) and pages of 4 (evicting up to 4 tokens at once).
 Where the methods differ (said in the report): ours evicts as it reads (each eviction scored from the recent
-queries), per layer with the KV heads' scores summed, keeps a recent window, and StreamingLLM re-rotates kept keys;
-kvpress compresses once after the whole context, per KV head, from all the prompt's queries.
+queries), keeps a recent window, and StreamingLLM re-rotates kept keys; kvpress compresses once after the whole
+context, from all the prompt's queries. Expected Attention keeps its tokens per KV head in both; "expected/layer"
+is ours with a layer's heads keeping one set (their scores summed), beside kvpress's per-layer variant.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def texts(tokenizer, needles: int = 24) -> list[Text]:
 def our_config(method: str, keep: float, text: Text):
     from engine.config import CacheConfig
 
+    method, _, layer = method.partition("/")  # "expected/layer": a layer's heads keep one set (``per_head`` off)
     m = len(text.ids) - text.context
     budget = max(8, round(keep * text.context) + m // 2)
     params = {"expected": {"budget": budget, "recent": RECENT, "sinks": 4},  # kvpress: sinks, no recent window
               "h2o": {"budget": budget, "recent": budget // 2},  # the H2O paper's half heavy hitters, half recent
               "streaming": {"sinks": 4, "window": budget - 4}}[method]
+    if layer:
+        params["per_head"] = False
     return CacheConfig(mode="paged", page_size=4, policy=method, policy_params=params, prefix_reuse=False)
 
 

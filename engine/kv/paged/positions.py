@@ -1,10 +1,15 @@
-"""The cache index: what every cached slot holds, per layer. numpy only; the one owner of that state.
+"""The cache index: what every cached slot holds, per layer and KV head. numpy only; the one owner of that state.
 
-For layer ``l`` and slot ``i`` (``0 <= i < n``, the same ``n`` in every layer):
+For layer ``l``, KV head ``h`` and slot ``i`` (``0 <= i < n``, the same ``n`` in every layer and head):
 
-- ``log[l, i]``: the logical position in the conversation of the token in that slot (ascending per layer);
-- ``rope[l, i]``: the RoPE position its key was rotated to (equal to ``log`` until StreamingLLM-style
+- ``log[l, h, i]``: the logical position in the conversation of the token in that slot (ascending per row);
+- ``rope[l, h, i]``: the RoPE position its key was rotated to (equal to ``log`` until StreamingLLM-style
   compaction re-rotates the kept keys to their in-cache index).
+
+The heads of a layer hold the same tokens until a per-head policy (Expected Attention, as kvpress evicts) keeps
+different ones in each: every head keeps as many, so a layer's pages stay one block of ``n`` slots, and slot ``i``
+of head ``h`` holds head ``h``'s ``i``-th kept token. ``heads`` is 1 where the heads cannot part (MLA's one latent).
+``layer_log`` / ``layer_rope`` read ``[L, n]`` while the heads agree (``split`` False).
 
 Plus two counters: ``next_pos``, the logical position of the next token to feed (every token before it was
 fed once; those no slot holds were evicted or skipped), and ``next_rope``, the RoPE position it will get.
@@ -21,9 +26,9 @@ import numpy as np
 
 
 class CacheIndex:
-    def __init__(self, num_layers: int, capacity: int = 64) -> None:
-        self.num_layers = num_layers
-        self._log = np.zeros((num_layers, max(1, capacity)), dtype=np.int64)
+    def __init__(self, num_layers: int, capacity: int = 64, heads: int = 1) -> None:
+        self.num_layers, self.heads = num_layers, max(1, heads)
+        self._log = np.zeros((num_layers, self.heads, max(1, capacity)), dtype=np.int64)
         self._rope = np.zeros_like(self._log)
         self.n = 0
         self.next_pos = 0
@@ -34,23 +39,54 @@ class CacheIndex:
     # -- reading ---------------------------------------------------------------------------------------
     @property
     def log(self) -> np.ndarray:
-        """``[L, n]`` logical positions (a read-only view)."""
-        v = self._log[:, :self.n]
+        """``[L, H, n]`` logical positions (a read-only view)."""
+        v = self._log[:, :, :self.n]
         v.flags.writeable = False
         return v
 
     @property
     def rope(self) -> np.ndarray:
-        """``[L, n]`` RoPE positions (a read-only view)."""
-        v = self._rope[:, :self.n]
+        """``[L, H, n]`` RoPE positions (a read-only view)."""
+        v = self._rope[:, :, :self.n]
         v.flags.writeable = False
         return v
 
+    @property
+    def split(self) -> bool:
+        """Do the heads of some layer hold different tokens (a per-head eviction)?"""
+        log = self._log[:, :, :self.n]
+        return bool(self.heads > 1 and (log != log[:, :1]).any())
+
+    @property
+    def layer_log(self) -> np.ndarray:
+        """``[L, n]`` logical positions per layer; only while the heads agree (``split`` False)."""
+        if self.split:
+            raise ValueError("layer_log: the heads of a layer hold different tokens")
+        return self.log[:, 0]
+
+    @property
+    def layer_rope(self) -> np.ndarray:
+        """``[L, n]`` RoPE positions per layer; only while the heads agree."""
+        if self.split:
+            raise ValueError("layer_rope: the heads of a layer hold different tokens")
+        return self.rope[:, 0]
+
     def held(self, upto: int) -> np.ndarray:
-        """``[upto]`` bool: logical positions ``< upto`` that at least one layer holds."""
+        """``[upto]`` bool: logical positions ``< upto`` that at least one layer and head holds."""
         out = np.zeros(upto, dtype=bool)
-        log = self._log[:, :self.n]
+        log = self._log[:, :, :self.n]
         out[log[log < upto]] = True
+        return out
+
+    def held_by_all(self, upto: int) -> np.ndarray:
+        """``[upto]`` bool: logical positions ``< upto`` that every head of some layer holds (the rest of
+        ``held``: kept by some heads only, after a per-head eviction)."""
+        out = np.zeros(upto, dtype=bool)
+        if not self.n:
+            return out
+        for layer in self._log[:, :, :self.n]:  # [H, n]
+            counts = np.bincount(layer[layer < upto], minlength=upto)
+            out |= counts[:upto] >= self.heads
         return out
 
     def evicted_count(self) -> int:
@@ -64,12 +100,12 @@ class CacheIndex:
             cap = max(self.n + q, 2 * self._log.shape[1])
             for name in ("_log", "_rope"):
                 old = getattr(self, name)
-                new = np.zeros((self.num_layers, cap), dtype=np.int64)
-                new[:, :self.n] = old[:, :self.n]
+                new = np.zeros((self.num_layers, self.heads, cap), dtype=np.int64)
+                new[:, :, :self.n] = old[:, :, :self.n]
                 setattr(self, name, new)
         was_intact = self.intact == self.n == self.next_pos == self.next_rope
-        self._log[:, self.n:self.n + q] = np.arange(self.next_pos, self.next_pos + q)
-        self._rope[:, self.n:self.n + q] = np.arange(self.next_rope, self.next_rope + q)
+        self._log[:, :, self.n:self.n + q] = np.arange(self.next_pos, self.next_pos + q)
+        self._rope[:, :, self.n:self.n + q] = np.arange(self.next_rope, self.next_rope + q)
         self.n += q
         self.next_pos += q
         self.next_rope += q
@@ -81,19 +117,24 @@ class CacheIndex:
         self.next_pos += m
 
     def keep(self, keep: list[np.ndarray]) -> None:
-        """Keep, per layer, the slots at indices ``keep[l]`` (ascending, the same count in every layer)."""
-        m = len(keep[0])
-        if any(len(k) != m for k in keep) or len(keep) != self.num_layers:
+        """Keep, per layer, the slots at indices ``keep[l]``: ``[m]`` (every head the same slots) or ``[H, m]``
+        (each head its own; ascending, the same count in every layer and head)."""
+        m = np.shape(keep[0])[-1]
+        if len(keep) != self.num_layers or any(np.shape(k)[-1] != m for k in keep):
             raise ValueError("keep: every layer must keep the same number of slots")
+        if any(np.ndim(k) == 2 and np.shape(k)[0] != self.heads for k in keep):
+            raise ValueError(f"keep: per-head slots need one row per head ({self.heads})")
         for layer, idx in enumerate(keep):
-            self._log[layer, :m] = self._log[layer, idx]
-            self._rope[layer, :m] = self._rope[layer, idx]
+            idx = np.broadcast_to(np.asarray(idx, dtype=np.int64), (self.heads, m))  # [H, m]
+            for name in ("_log", "_rope"):
+                a = getattr(self, name)
+                a[layer, :, :m] = np.take_along_axis(a[layer, :, :self.n], idx, axis=1)
         self.n = m
         self._recount()
 
     def rerotate(self) -> None:
         """Every kept key now sits at RoPE position = its slot index; the next token continues from ``n``."""
-        self._rope[:, :self.n] = np.arange(self.n)
+        self._rope[:, :, :self.n] = np.arange(self.n)
         self.next_rope = self.n
         self._recount()
 
@@ -116,9 +157,9 @@ class CacheIndex:
         self._moved = False
 
     def copy(self) -> "CacheIndex":
-        other = CacheIndex(self.num_layers, self._log.shape[1])
-        other._log[:, :self.n] = self._log[:, :self.n]
-        other._rope[:, :self.n] = self._rope[:, :self.n]
+        other = CacheIndex(self.num_layers, self._log.shape[2], self.heads)
+        other._log[:, :, :self.n] = self._log[:, :, :self.n]
+        other._rope[:, :, :self.n] = self._rope[:, :, :self.n]
         other.n, other.next_pos, other.next_rope, other.intact = self.n, self.next_pos, self.next_rope, self.intact
         other._moved = self._moved
         return other
@@ -128,15 +169,15 @@ class CacheIndex:
             self.intact = 0
             return
         ident = np.arange(self.n)
-        ok = (self._log[:, :self.n] == ident).all(axis=0) & (self._rope[:, :self.n] == ident).all(axis=0)
+        ok = (self._log[:, :, :self.n] == ident).all(axis=(0, 1)) & (self._rope[:, :, :self.n] == ident).all(axis=(0, 1))
         bad = np.nonzero(~ok)[0]
         self.intact = int(bad[0]) if len(bad) else self.n
 
     def check(self) -> None:
         """Raise AssertionError if an invariant is broken (tests)."""
-        log, rope = self._log[:, :self.n], self._rope[:, :self.n]
-        assert (np.diff(log, axis=1) > 0).all(), "logical positions not ascending"
+        log, rope = self._log[:, :, :self.n], self._rope[:, :, :self.n]
+        assert (np.diff(log, axis=2) > 0).all(), "logical positions not ascending"
         assert self.n == 0 or log.max() < self.next_pos, "a slot holds a token not fed yet"
         assert self.n == 0 or rope.max() < self.next_rope, "a key rotated past the next RoPE position"
         ident = np.arange(self.intact)
-        assert (log[:, :self.intact] == ident).all() and (rope[:, :self.intact] == ident).all()
+        assert (log[:, :, :self.intact] == ident).all() and (rope[:, :, :self.intact] == ident).all()

@@ -111,15 +111,16 @@ class Rerotator:
 
     def __call__(self, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``k``: [H, n, D] cached keys (MLA: the cached rotary keys) of model layer ``layer``; ``delta``: [n]
-        int position change of each token (new - old). Returns [H, n, D] in ``k``'s dtype."""
+        int position change of each token (new - old), or [H, n] where each head moved its own tokens (a per-head
+        eviction). Returns [H, n, D] in ``k``'s dtype."""
         spec = self.layers[layer]
         if spec is None or not bool((delta != 0).any()):
             return k  # a NoPE layer's keys carry no position
         if k.shape[-1] < spec.rotary_dim or (spec.role == "v" and k.shape[-1] != spec.rotary_dim):
             raise ValueError(f"layer {layer}: keys of width {k.shape[-1]} for rotary width {spec.rotary_dim}")
         # angles in float64 on the CPU: exact for any Δ (float32 Δ·θ loses ~1e-4 rad at Δ≈4k), and MPS has no f64
-        angles = delta.detach().cpu().double()[:, None] * spec.inv_freq[None]  # [n, R/2]
-        cos = angles.cos().to(device=k.device, dtype=torch.float32)  # [n, R/2]
+        angles = delta.detach().cpu().double()[..., None] * spec.inv_freq  # [n, R/2] or [H, n, R/2]
+        cos = angles.cos().to(device=k.device, dtype=torch.float32)  # [n, R/2] or [H, n, R/2]
         sin = angles.sin().to(device=k.device, dtype=torch.float32)
         return rotate(k.float(), cos, sin, spec.rotary_dim, spec.interleaved).to(k.dtype)
 

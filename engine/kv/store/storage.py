@@ -99,10 +99,19 @@ class KVStore:
         return 0, 0
 
     def compact(self, keep: list[np.ndarray], rotate: Rotate | None = None, start: int = 0) -> list[int]:
-        """Keep, per layer, the cached tokens at indices ``keep[l]`` (ascending, the same count in every layer),
-        packed to the front in that order, in place. Tokens before ``start`` are kept where they are in every
-        layer. ``rotate`` may re-rotate the moved keys. Returns the pages freed."""
+        """Keep, per layer, the cached tokens at indices ``keep[l]`` (``[m]``, or ``[H, m]`` where each KV head
+        keeps its own; ascending, the same count in every layer), packed to the front in that order, in place.
+        Tokens before ``start`` are kept where they are in every layer. ``rotate`` may re-rotate the moved keys.
+        Returns the pages freed."""
         raise NotImplementedError
+
+
+def take_slots(x: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    """x [H, n, D] → [H, m, D]: the slots ``idx`` ([m]: the same in every head; [H, m]: each head its own)."""
+    t = torch.from_numpy(idx).to(x.device)
+    if t.dim() == 1:
+        return x.index_select(1, t)
+    return x.gather(1, t[:, :, None].expand(-1, -1, x.shape[-1]))  # per head: [H, m, D]
 
 
 class ContiguousKV(KVStore):
@@ -178,16 +187,16 @@ class ContiguousKV(KVStore):
         return self.k[layer][:, :self._len], self.v[layer][:, :self._len]  # [H, n, D] views
 
     def compact(self, keep, rotate=None, start=0) -> list[int]:
-        n_keep = len(keep[0])
+        n_keep = np.shape(keep[0])[-1]
         try:
             for layer in range(self.num_layers):
-                idx = torch.from_numpy(np.asarray(keep[layer][start:], dtype=np.int64)).to(self.device)
-                k = self.k[layer][:, :self._len].index_select(1, idx)  # [H, n_keep - start, D] copies
-                v = self.v[layer][:, :self._len].index_select(1, idx)
+                idx = np.asarray(keep[layer], dtype=np.int64)[..., start:]  # [m] or [H, m] (per head)
+                k = take_slots(self.k[layer][:, :self._len], idx)  # [H, n_keep - start, D] copies
+                v = take_slots(self.v[layer][:, :self._len], idx)
                 if rotate is not None and getattr(rotate, "role", "k") == "v":  # MLA: its rotary key is the "value"
-                    v = rotate(layer, v, keep[layer][start:])
+                    v = rotate(layer, v, idx)
                 elif rotate is not None:
-                    k = rotate(layer, k, keep[layer][start:])
+                    k = rotate(layer, k, idx)
                 self.k[layer][:, start:n_keep].copy_(k)
                 self.v[layer][:, start:n_keep].copy_(v)
         except BaseException:
@@ -353,7 +362,7 @@ class PagedKV(KVStore):
         return tuple(self.views[r].read(layer, n, dp).clone() for r in ROLES)
 
     def compact(self, keep, rotate=None, start=0) -> list[int]:
-        n, n_keep, P = self.table.num_tokens, len(keep[0]), self.page_size
+        n, n_keep, P = self.table.num_tokens, np.shape(keep[0])[-1], self.page_size
         s = (start // P) * P  # rewrite whole pages from here
         first, last = s // P, -(-n_keep // P)
         self.arena.ensure_free(self.table.shared_pages(first, last))  # before any change
@@ -363,10 +372,9 @@ class PagedKV(KVStore):
         pool = self.arena.pool
         try:
             for layer in range(self.num_layers):
-                idx = np.asarray(keep[layer][s:], dtype=np.int64)
-                idx_t = torch.from_numpy(idx).to(self.device)
+                idx = np.asarray(keep[layer], dtype=np.int64)[..., s:]  # [m] or [H, m] (per head)
                 for role in ROLES:
-                    x = self.views[role].read(layer, n, old).index_select(1, idx_t)  # [H, n_keep - s, D] copy
+                    x = take_slots(self.views[role].read(layer, n, old), idx)  # [H, n_keep - s, D] copy
                     if rotate is not None and role == getattr(rotate, "role", "k"):  # "v": MLA's rotary key
                         x = rotate(layer, x, idx)
                     self.views[role].write(layer, x, s, new, pool)
