@@ -6,8 +6,9 @@ kvpress 0.5.5 needs transformers < 5.3: it runs in a venv of its own (``kvpress_
 ``python tests/kvpress/kvpress_env.py`` (or here with ``KVSCOPE_KVPRESS=build``) and cached. Opt-in
 (``KVSCOPE_KVPRESS=1``: ~30 s of CPU); skipped otherwise, or without the venv, saying how to run it. The
 margins: perplexity ratio within 0.05 and top-1 agreement within 10
-points of kvpress's (a needle set's answer is ~24 tokens: one token is 4 points), except where ours keeps what
-kvpress drops by design (its per-head choice drops a needle's tokens in some heads; ours keeps one set per layer):
+points of kvpress's (a needle set's answer is ~24 tokens: one token is 4 points), except for Expected Attention on
+the needles, where ours keeps the name kvpress's press drops (both choosing per KV head, and both per layer in the
+"/layer" variants: not the granularity; ours keeps a recent window and averages RoPE from the true next position):
 there ours may be better, never worse by more than the margin.
 """
 
@@ -27,7 +28,10 @@ import side_by_side as sbs  # noqa: E402
 pytestmark = [pytest.mark.kvpress, pytest.mark.slow]
 KEEPS = (0.5, 0.25)
 PPL, TOP1 = 0.05, 0.10
-ONE_SIDED = {("needle", "expected")}  # ours keeps the needle per layer where kvpress's heads drop it
+METHODS = (*sbs.METHODS, "expected/layer")  # Expected Attention per KV head (default) and per layer, both sides
+# ours keeps the needle kvpress's press drops; "/layer" is not kvpress's own press (our wrapper summing its heads'
+# scores, ``kvpress_run.per_layer``): there ours is held to "never worse by more than the margin" too
+ONE_SIDED = {("needle", "expected"), ("needle", "expected/layer"), ("story", "expected/layer")}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +56,8 @@ def test_ours_is_within_the_margin_of_kvpress_at_half_and_a_quarter_of_the_cache
 
     torch.set_grad_enabled(False)
     items = sbs.texts(stories.tokenizer, needles=8)
-    theirs = sbs.run_theirs(kvpress_python, str(stories_path), items, KEEPS)
-    ours = sbs.run_ours(stories, items, KEEPS)
+    theirs = sbs.run_theirs(kvpress_python, str(stories_path), items, KEEPS, METHODS)
+    ours = sbs.run_ours(stories, items, KEEPS, METHODS)
     for key, t in theirs.items():
         assert "error" not in t, f"kvpress {key}: {t.get('error')}"
         o = ours[key]
