@@ -34,6 +34,7 @@ class CacheIndex:
         self.next_pos = 0
         self.next_rope = 0
         self.intact = 0
+        self._split = False  # the heads of some layer hold different tokens (``split``)
         self._moved = False  # keys this index does not describe (sliding windows) moved: nothing is intact
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -53,9 +54,9 @@ class CacheIndex:
 
     @property
     def split(self) -> bool:
-        """Do the heads of some layer hold different tokens (a per-head eviction)?"""
-        log = self._log[:, :, :self.n]
-        return bool(self.heads > 1 and (log != log[:, :1]).any())
+        """Do the heads of some layer hold different tokens (a per-head eviction)? Kept by ``keep`` (the only
+        change that can part them), so a snapshot's question costs nothing."""
+        return self._split
 
     @property
     def layer_log(self) -> np.ndarray:
@@ -130,6 +131,8 @@ class CacheIndex:
                 a = getattr(self, name)
                 a[layer, :, :m] = np.take_along_axis(a[layer, :, :self.n], idx, axis=1)
         self.n = m
+        log = self._log[:, :, :m]
+        self._split = bool(self.heads > 1 and (log != log[:, :1]).any())
         self._recount()
 
     def rerotate(self) -> None:
@@ -151,17 +154,18 @@ class CacheIndex:
             raise ValueError(f"truncate: {m} is outside the intact prefix 0..{self.intact}")
         self.n = self.next_pos = self.next_rope = self.intact = m
         self._moved = self._moved and m > 0
+        self._split = False  # the intact prefix: every head holds tokens 0..m-1
 
     def reset(self) -> None:
         self.n = self.next_pos = self.next_rope = self.intact = 0
-        self._moved = False
+        self._moved = self._split = False
 
     def copy(self) -> "CacheIndex":
         other = CacheIndex(self.num_layers, self._log.shape[2], self.heads)
         other._log[:, :, :self.n] = self._log[:, :, :self.n]
         other._rope[:, :, :self.n] = self._rope[:, :, :self.n]
         other.n, other.next_pos, other.next_rope, other.intact = self.n, self.next_pos, self.next_rope, self.intact
-        other._moved = self._moved
+        other._moved, other._split = self._moved, self._split
         return other
 
     def _recount(self) -> None:
@@ -181,3 +185,4 @@ class CacheIndex:
         assert self.n == 0 or rope.max() < self.next_rope, "a key rotated past the next RoPE position"
         ident = np.arange(self.intact)
         assert (log[:, :, :self.intact] == ident).all() and (rope[:, :, :self.intact] == ident).all()
+        assert self._split == bool(self.heads > 1 and (log != log[:, :1]).any()), "split flag out of step"
