@@ -8,7 +8,7 @@ import numpy as np
 import pyqtgraph as pg
 
 from app.panels.base import Panel, StickyRange, hover_tip, kv_words, legend_row, styled_plot
-from engine.snapshot import TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
+from engine.snapshot import TOKEN_NOT_CACHED, TOKEN_PARTIAL, TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
 # (name, colour) bottom to top
 SEGMENTS = (
@@ -61,7 +61,10 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
     """'paged · 275 tokens cached (+1 just generated) · room for 2048 per layer · KV 272 KiB · ...'."""
     held = int(np.max(snap.tokens_per_layer, initial=0))
     layers = max(len(snap.tokens_per_layer), 1)
-    waiting = snap.seq_len - held - snap.evicted_total
+    states = np.asarray(snap.token_state)
+    partial = int(np.count_nonzero(states == TOKEN_PARTIAL))  # a per-head eviction: held by some heads only
+    waiting = snap.seq_len - held - snap.evicted_total if not partial else int(np.count_nonzero(
+        states == TOKEN_NOT_CACHED))
     text = f"<b>{snap.mode}</b> · {held} tokens cached"
     if waiting == 1:  # the token just generated is fed (and cached) by the next step: not a lost token
         text += " (+1 just generated)"
@@ -71,6 +74,8 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
         text += f" · {total_q // layers} quantized per layer"
     if snap.evicted_total:
         text += f" · {snap.evicted_total} evicted"
+    if partial:
+        text += f" · {partial} kept by some heads only"
     kinds = snap.layer_kinds
     if any(k.startswith("sliding") for k in kinds):
         text += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window"

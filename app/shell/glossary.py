@@ -201,6 +201,8 @@ PARAMS = {  # policy parameters: plain names (the Params field's own help is the
     "default_priority": ("Priority of unpinned tokens", "0-99; pinned messages and the system prompt get 100."),
     "queries": ("Recent words that predict", "How many of the latest tokens' attention queries predict what the "
                 "coming ones will look at.\nSpeed: more costs a little more at each eviction."),
+    "per_head": ("Each KV head keeps its own", "Off: a layer's heads keep the same tokens (their scores summed).\n"
+                 "Memory: the same either way: every head keeps as many tokens."),
 }
 
 STOP_REASONS = {  # stop_reason -> the mark under a reply ("" for a reply that simply ended)

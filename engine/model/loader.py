@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,10 +57,14 @@ class LoadedModel:
     path: str | None = None
     arenas: Any = None  # engine.kv.store.arena.ArenaRegistry, made on first use (``kv_arenas``)
     model_runner: Any = None  # engine.model.runner.ModelRunner, made on first use (``runner``)
+    _device: Any = field(default=None, init=False, repr=False)  # ``device``, once read
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the weights are (read once: walking the parameters is ~50 us, and a step asks several times)."""
+        if self._device is None:
+            self._device = next(self.model.parameters()).device
+        return self._device
 
     @property
     def kv_shape(self):

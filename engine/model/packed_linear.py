@@ -19,6 +19,7 @@ A merged group (q/k/v, gate/up) is one of these whose output its members slice (
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -42,12 +43,28 @@ def native_max_rows(dtype: torch.dtype) -> float:
         return float("inf")
     if dtype == torch.bfloat16:
         shared = torch.get_num_threads() == 1 or linear_kernel.PARALLEL
-        return float("inf") if linear_kernel.bf16_pairs() and shared else 16
+        return float("inf") if (linear_kernel.bf16_pairs() and shared) or not onednn_takes(dtype) else 16
     return 0
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # [..., out]
+
+
+@functools.cache
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Does oneDNN's linear run ``dtype`` on this CPU? Its bfloat16 product needs AVX-512: on a CPU with AVX2 only
+    (many AMD EPYC / Ryzen and older Intel parts) it refuses every call ("could not create a primitive
+    descriptor"), so bfloat16 weights there are never oneDNN's. Asked once, with two rows."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    try:
+        _onednn(torch.ones(2, 16, dtype=dtype), torch.ones(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def block(w: torch.Tensor) -> torch.Tensor:
@@ -69,7 +86,7 @@ def _blocked(x: torch.Tensor, wb: torch.Tensor, b: torch.Tensor | None) -> torch
         y = torch.ops.kvscope.blocked_linear(x2, wb, b)  # [rows, out]: a compiled step calls the native product
     elif rows <= native_max_rows(wb.dtype) and linear_kernel.usable(x2, wb):
         y = linear_kernel.blocked_product(x2, wb, b)  # [rows, out]: native, each block read once
-    elif rows > BLOCKED_MAX_ROWS:
+    elif rows > BLOCKED_MAX_ROWS and onednn_takes(wb.dtype):
         y = _onednn(x2, unblock(wb), b)  # [rows, out]
     else:
         y = linear_kernel.torch_product(x2, wb, b)  # [rows, out]

@@ -62,10 +62,17 @@ def set_workload(workload: str) -> None:
 
 
 def kind_for(dtype: torch.dtype, out_features: int) -> str:
-    """The layout for a weight of ``dtype`` with ``out_features`` rows, for this process's workload."""
+    """The layout for a weight of ``dtype`` with ``out_features`` rows, for this process's workload ("": none,
+    left as loaded: bfloat16 where oneDNN cannot run it and the rows are no multiple of 16)."""
+    from engine.model.packed_linear import onednn_takes
+
     forced = os.environ.get("KVSCOPE_PREPACK_KIND", "").strip().lower()
     kind = forced if forced in KINDS else "blocked" if _workload == "chat" and _blocked_pays(dtype) else "onednn"
-    return kind if kind == "onednn" or out_features % BLOCK == 0 else "onednn"
+    if kind == "onednn" and not onednn_takes(dtype):
+        kind = "blocked"  # an AVX2-only CPU: oneDNN has no bfloat16 product there
+    if kind == "onednn" or out_features % BLOCK == 0:
+        return kind
+    return "onednn" if onednn_takes(dtype) else ""
 
 
 def _blocked_pays(dtype: torch.dtype) -> bool:
@@ -150,7 +157,8 @@ def plan(model, fed: dict[str, list], mode: str) -> Plan:
     order = {n: i for i, n in enumerate(mods)}
     groups = sorted((tuple(names) for names in by_key.values()), key=lambda g: order[g[0]])
     kinds = [kind_for(mods[g[0]].weight.dtype, sum(mods[n].out_features for n in g)) for g in groups]
-    return Plan(tuple(groups), tuple(kinds))
+    kept = [i for i, k in enumerate(kinds) if k]  # no layout for it here: left as loaded
+    return Plan(tuple(groups[i] for i in kept), tuple(kinds[i] for i in kept))
 
 
 def restructure(model, p: Plan, packed: bool = True) -> None:

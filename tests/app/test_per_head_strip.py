@@ -29,5 +29,7 @@ def test_the_strip_shows_tokens_kept_by_some_heads(qtbot, data_dir, stories_path
         image = w.page_map.strip.image  # [rows, T, 4]
         assert np.any(np.all(image[..., :3] == _rgb(TOKEN_COLOURS[S.TOKEN_PARTIAL]).astype(np.uint8), axis=-1))
         assert "kept by some heads" in w.page_map.strip_legend.text()
+        caption = w.occupancy.caption.text()
+        assert f"{len(partial)} kept by some heads only" in caption and f"{snap.evicted_total} evicted" in caption
     finally:
         close_window(w)

@@ -196,10 +196,13 @@ def test_each_workload_gets_the_layout_its_rows_read_fastest(monkeypatch):
     assert prepack.kind_for(torch.float32, 344) == "onednn"  # no multiple of 16
     from engine.model import linear_kernel
 
+    from engine.model.packed_linear import onednn_takes
+
     native = linear_kernel.LINEAR.library() is not None  # bfloat16 blocked only with the native product
-    assert prepack.kind_for(torch.bfloat16, 960) == ("blocked" if native else "onednn")
+    bf16 = "onednn" if onednn_takes(torch.bfloat16) else "blocked"  # AVX2 only: oneDNN has no bfloat16 product
+    assert prepack.kind_for(torch.bfloat16, 960) == ("blocked" if native else bf16)
     monkeypatch.setenv("KVSCOPE_NATIVE", "off")
-    assert prepack.kind_for(torch.bfloat16, 960) == "onednn"
+    assert prepack.kind_for(torch.bfloat16, 960) == bf16
     monkeypatch.delenv("KVSCOPE_NATIVE")
     monkeypatch.setattr(prepack, "_workload", "chat")
     prepack.set_workload("server")  # engine serve: batches
@@ -210,17 +213,49 @@ def test_each_workload_gets_the_layout_its_rows_read_fastest(monkeypatch):
         prepack.set_workload("gpu")
 
 
-def test_blocked_products_at_every_row_count_match_plain_ones():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_products_at_every_row_count_match_plain_ones(dtype):
+    """At every row count, on every CPU: bfloat16 prompts too where oneDNN has no bfloat16 product (AVX2 only:
+    it refused every prompt of more than 64 tokens there)."""
     from engine.model.packed_linear import BLOCKED_MAX_ROWS, block, unblock
 
     torch.manual_seed(0)
-    w, b = torch.randn(96, 80), torch.randn(96)
+    w, b = torch.randn(96, 80).to(dtype), torch.randn(96).to(dtype)
     wb = block(w)
     assert torch.equal(unblock(wb), w)
     lin = PackedLinear(wb, b, (96,), "blocked", 80)
-    for rows in (1, 3, BLOCKED_MAX_ROWS, BLOCKED_MAX_ROWS + 1, 200):  # bmm up to 64 rows, oneDNN on the plain beyond
-        x = torch.randn(2, rows, 80)
-        assert (lin(x) - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-4
+    for rows in (1, 3, 17, BLOCKED_MAX_ROWS, BLOCKED_MAX_ROWS + 1, 200):  # native, bmm or oneDNN by rows and CPU
+        x = torch.randn(2, rows, 80).to(dtype)
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        # bfloat16: the output rounded to 8 bits of mantissa (0.4 %), torch's partial sums rounded too
+        tol = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+        assert (lin(x).float() - want).abs().max().item() < tol
+
+
+def test_without_a_onednn_bfloat16_product_bfloat16_weights_are_blocked_or_left_alone(monkeypatch):
+    """An AVX2-only CPU (oneDNN's bfloat16 product needs AVX-512): bfloat16 linears are never oneDNN's, in a chat
+    or a server; one whose rows are no multiple of 16 stays as loaded, and a 100-token prompt runs through."""
+    from engine.model import packed_linear
+
+    monkeypatch.delenv("KVSCOPE_PREPACK_KIND", raising=False)
+    monkeypatch.setattr(packed_linear, "onednn_takes", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(prepack, "_workload", "chat")
+    for workload in ("chat", "server"):
+        prepack.set_workload(workload)
+        assert prepack.kind_for(torch.bfloat16, 960) == "blocked" and prepack.kind_for(torch.bfloat16, 344) == ""
+    assert prepack.kind_for(torch.float32, 344) == "onednn"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 344)).to(torch.bfloat16)
+    x = torch.randn(100, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = m(x).float()
+    watch = prepack.Watch(m)
+    with torch.inference_mode():
+        m(x[:2])
+    assert prepack.apply(m, watch.close(), "cpu", "none") == "1 blocked"
+    assert isinstance(m[0], PackedLinear) and type(m[1]) is nn.Linear
+    with torch.inference_mode():
+        assert (m(x).float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
 
 
 def test_bf16_attention_of_few_queries_runs_in_float32():
