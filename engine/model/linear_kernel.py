@@ -150,12 +150,95 @@ int kvs_bf16_pairs(void) { return 1; }
 int kvs_bf16_pairs(void) { return 0; }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* CPUs with AVX2 but no AVX-512 (many AMD EPYC / Ryzen, Intel before Ice Lake). GCC splits the sixteen-wide
+   vectors above into two 256-bit halves, and there the rows' accumulators of a group of eight no longer fit the
+   sixteen registers: every add went through memory. Written with the 256-bit registers instead (AMD EPYC, one
+   thread, 2026-12-04; a ``sum`` reads 16.7 GB/s there): one row reads float32 at 17.4 GB/s (11.7 before) and
+   bfloat16 at 13.3 (6.3) with eight accumulators; six rows at a time multiply at 95 GFLOP/s (7 before: 128 rows
+   of the SmolLM2 shape's linears 13x faster). bfloat16 weights are widened by interleaving them with zeros:
+   outputs 0-3 and 8-11 in the low half, 4-7 and 12-15 in the high one, put back in order once at the end. */
+static inline void w8f(const float* p, __m256* lo, __m256* hi) {
+    *lo = _mm256_loadu_ps(p); *hi = _mm256_loadu_ps(p + 8);
+}
+static inline void w8h(const uint16_t* p, __m256* lo, __m256* hi) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p), z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h)); *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+static inline v16 join(__m256 lo, __m256 hi) { v16 o; memcpy(&o, &lo, 32); memcpy((char*)&o + 32, &hi, 32); return o; }
+static inline v16 joinf(__m256 lo, __m256 hi) { return join(lo, hi); }
+static inline v16 joinh(__m256 lo, __m256 hi) {
+    return join(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#define A2_ONE(T, W8, FIX, X, LB, ST) \
+    for (int64_t b = b0; b < b1; b++) { \
+        const T* w = wb + b * (int64_t)n_in * 16; \
+        __m256 a[8], wl, wh; \
+        for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps(); \
+        int i = 0; \
+        for (; i + 4 <= n_in; i += 4) \
+            for (int k = 0; k < 4; k++) { \
+                __m256 xv = _mm256_set1_ps(X(x + i + k)); \
+                W8(w + (int64_t)(i + k) * 16, &wl, &wh); \
+                a[2 * k] = _mm256_fmadd_ps(xv, wl, a[2 * k]); \
+                a[2 * k + 1] = _mm256_fmadd_ps(xv, wh, a[2 * k + 1]); \
+            } \
+        for (; i < n_in; i++) { \
+            __m256 xv = _mm256_set1_ps(X(x + i)); \
+            W8(w + (int64_t)i * 16, &wl, &wh); \
+            a[0] = _mm256_fmadd_ps(xv, wl, a[0]); a[1] = _mm256_fmadd_ps(xv, wh, a[1]); \
+        } \
+        v16 o = FIX(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])), \
+                    _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7]))); \
+        if (bias) o += LB(bias + b * 16); \
+        ST(y + b * 16, o); \
+    }
+#define A2_GROUP(R, T, W8, FIX, X, LB, ST) { \
+        const T* w = wb + b * (int64_t)n_in * 16; \
+        const T* xr = x + (int64_t)r0 * n_in; \
+        __m256 lo[R], hi[R], wl, wh; \
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps(); \
+        for (int i = 0; i < n_in; i++) { \
+            W8(w + (int64_t)i * 16, &wl, &wh); \
+            for (int r = 0; r < R; r++) { \
+                __m256 xv = _mm256_set1_ps(X(xr + (int64_t)r * n_in + i)); \
+                lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]); hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]); \
+            } \
+        } \
+        for (int r = 0; r < R; r++) { \
+            v16 o = FIX(lo[r], hi[r]); \
+            if (bias) o += LB(bias + b * 16); \
+            ST(y + (int64_t)(r0 + r) * ldy + b * 16, o); \
+        } \
+    }
+/* all rows six at a time (twelve accumulators, two weight halves and a broadcast: fifteen registers) */
+#define A2_MANY(...) \
+    for (int64_t b = b0; b < b1; b++) { \
+        int r0 = 0; \
+        for (; r0 + 6 <= rows; r0 += 6) A2_GROUP(6, __VA_ARGS__) \
+        switch (rows - r0) { \
+        case 1: A2_GROUP(1, __VA_ARGS__) break; \
+        case 2: A2_GROUP(2, __VA_ARGS__) break; \
+        case 3: A2_GROUP(3, __VA_ARGS__) break; \
+        case 4: A2_GROUP(4, __VA_ARGS__) break; \
+        case 5: A2_GROUP(5, __VA_ARGS__) break; \
+        } \
+    }
+#define KVS_AVX2 1
+#endif
+
 int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, const float* wb, const float* bias,
                    float* y, int64_t ldy)
 {
     if (rows < 1) return -1;
+#ifdef KVS_AVX2
+    if (rows == 1) { A2_ONE(float, w8f, joinf, xf32, ld, st) }
+    else { A2_MANY(float, w8f, joinf, xf32, ld, st) }
+#else
     if (rows == 1) { KVS_ONE(float, ld, xf32, ld, st) }
     else { KVS_MANY(KVS_GROUP, float, ld, xf32, ld, st) }
+#endif
     return 0;
 }
 
@@ -169,6 +252,9 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
     for (int j = 0; j < 16; j++) { order[2 * j] = (short)j; order[2 * j + 1] = (short)(16 + j); }
     const __m512i pairs = _mm512_loadu_si512(order);
     KVS_MANY(KVS_PAIRS_OF, 0)
+#elif defined(KVS_AVX2)
+    if (rows == 1) { A2_ONE(uint16_t, w8h, joinh, xbf, ldh, sth) }
+    else { A2_MANY(uint16_t, w8h, joinh, xbf, ldh, sth) }
 #else
     if (rows == 1) { KVS_ONE(uint16_t, ldh, xbf, ldh, sth) }
     else { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ldh, sth) }
