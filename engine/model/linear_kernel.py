@@ -31,6 +31,7 @@ PARALLEL = False
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
@@ -196,13 +197,13 @@ static inline v16 joinh(__m256 lo, __m256 hi) {
     }
 #define A2_GROUP(R, T, W8, FIX, X, LB, ST) { \
         const T* w = wb + b * (int64_t)n_in * 16; \
-        const T* xr = x + (int64_t)r0 * n_in; \
+        const float* xr = xs + (int64_t)r0 * n_in; \
         __m256 lo[R], hi[R], wl, wh; \
         for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps(); \
         for (int i = 0; i < n_in; i++) { \
             W8(w + (int64_t)i * 16, &wl, &wh); \
             for (int r = 0; r < R; r++) { \
-                __m256 xv = _mm256_set1_ps(X(xr + (int64_t)r * n_in + i)); \
+                __m256 xv = _mm256_broadcast_ss(xr + (int64_t)r * n_in + i); \
                 lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]); hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]); \
             } \
         } \
@@ -212,7 +213,9 @@ static inline v16 joinh(__m256 lo, __m256 hi) {
             ST(y + (int64_t)(r0 + r) * ldy + b * 16, o); \
         } \
     }
-/* all rows six at a time (twelve accumulators, two weight halves and a broadcast: fifteen registers) */
+/* all rows six at a time (twelve accumulators, two weight halves and a broadcast: fifteen registers); the rows
+   are read as float32 from ``xs`` (bfloat16 rows widened once per call: a broadcast from memory is one instruction,
+   a bfloat16 one four, six rows of them per weight vector) */
 #define A2_MANY(...) \
     for (int64_t b = b0; b < b1; b++) { \
         int r0 = 0; \
@@ -233,6 +236,7 @@ int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, c
 {
     if (rows < 1) return -1;
 #ifdef KVS_AVX2
+    const float* xs = x;
     if (rows == 1) { A2_ONE(float, w8f, joinf, xf32, ld, st) }
     else { A2_MANY(float, w8f, joinf, xf32, ld, st) }
 #else
@@ -254,7 +258,13 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
     KVS_MANY(KVS_PAIRS_OF, 0)
 #elif defined(KVS_AVX2)
     if (rows == 1) { A2_ONE(uint16_t, w8h, joinh, xbf, ldh, sth) }
-    else { A2_MANY(uint16_t, w8h, joinh, xbf, ldh, sth) }
+    else {
+        float* xs = (float*)malloc((size_t)rows * n_in * sizeof(float));
+        if (!xs) { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ldh, sth) return 0; }  /* slower, same sums */
+        for (int64_t k = 0; k < (int64_t)rows * n_in; k++) xs[k] = bf(x[k]);
+        A2_MANY(uint16_t, w8h, joinh, xbf, ldh, sth)
+        free(xs);
+    }
 #else
     if (rows == 1) { KVS_ONE(uint16_t, ldh, xbf, ldh, sth) }
     else { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ldh, sth) }

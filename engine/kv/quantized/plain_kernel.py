@@ -116,12 +116,74 @@ static int plain_head(int h, int rep, int64_t n, int dk, int dv, int bf16, const
     return 0;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(KVS_VECTORS)
+#include <immintrin.h>
+#define KVS_AVX2_HEAD 1
+/* CPUs with AVX2 but no AVX-512. The sixteen-wide paths above split into pairs of 256-bit registers there, and their
+   sixteen rows' partial sums (256 floats) no longer fit: a layer of the SmolLM2 shape at 512 tokens took 270-380 us
+   (AMD EPYC, one thread, 2026-12-04). Here eight rows at a time, in 256-bit registers: each query head's eight dot
+   products as eight partial sums reduced together (sums8), then each query head's output accumulated over the rows
+   sixty-four columns at a time (eight registers). */
+static inline __m256 ld8(const void *base, int64_t off, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + off);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  /* exact: the top half */
+}
+/* lane t of the result: the sum of x[t]'s eight lanes */
+static inline __m256 sums8(const __m256 *x) {
+    __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));  /* x0..x3: low | high */
+    __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+static int plain_head8(int h, int rep, int64_t n, int dk, int dv, int bf16, const void *kp, int64_t k_head,
+                       const void *vp, int64_t v_head, const int64_t *slots, const void *q, const void *nk,
+                       const void *nv, float scale, float *s, int64_t ls, void *out) {
+    float qf[1024] __attribute__((aligned(32))), acc[1024], sums[1024], buf[1024];
+    if (dk > 1024 || dv > 1024 || rep > 1024 || dk % 8 || dv % 64) return -1;
+    const int64_t len = n + 1;
+    for (int r = 0; r < rep; r++) {
+        const float *qr = plain_row(q, ((int64_t)h * rep + r) * dk, dk, bf16, buf);
+        for (int c = 0; c < dk; c++) qf[c] = qr[c] * scale;
+        for (int64_t i0 = 0; i0 < len; i0 += 8) {
+            __m256 part[8];
+            for (int t = 0; t < 8; t++) {
+                const int64_t i = i0 + t < len ? i0 + t : len - 1;  /* past the end: a row again, its score unused */
+                const void *base = i < n ? kp : nk;
+                const int64_t off = i < n ? h * k_head + slots[i] * dk : (int64_t)h * dk;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qf), ld8(base, off, bf16));
+                for (int c = 8; c < dk; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), ld8(base, off + c, bf16), a);
+                part[t] = a;
+            }
+            _mm256_storeu_ps(s + r * ls + i0, sums8(part));  /* ls >= len rounded up to 16 */
+        }
+    }
+    plain_softmax(s, rep, len, ls, sums);
+    for (int r = 0; r < rep; r++) {
+        const float *p = s + r * ls;
+        for (int c0 = 0; c0 < dv; c0 += 64) {
+            __m256 o[8];
+            for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < len; i++) {
+                const void *base = i < n ? vp : nv;
+                const int64_t off = (i < n ? h * v_head + slots[i] * dv : (int64_t)h * dv) + c0;
+                const __m256 w = _mm256_set1_ps(p[i]);
+                for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(w, ld8(base, off + 8 * j, bf16), o[j]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sums[r]);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + c0 + 8 * j, _mm256_mul_ps(o[j], inv));
+        }
+        plain_store(out, ((int64_t)h * rep + r) * dv, acc, dv, bf16);
+    }
+    return 0;
+}
+#endif
+
 #ifdef KVS_WIDE
 typedef uint16_t kvs_h16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t kvs_u16 __attribute__((vector_size(64)));
 
 /* sixteen elements of a row as float32 (bfloat16 widened in registers) */
-static inline v16 plain_ld(const void *base, int64_t off, int bf16) {
+static inline __attribute__((always_inline)) v16 plain_ld(const void *base, int64_t off, int bf16) {
     if (!bf16) return *(const v16u *)((const float *)base + off);
     kvs_u16 u = __builtin_convertvector(*(const kvs_h16 *)((const uint16_t *)base + off), kvs_u16) << 16;
     v16 v;
@@ -201,6 +263,12 @@ int kvs_plain_decode(int h0, int h1, int rep, int64_t n, int dk, int dv, int bf1
     if (!s) return -1;
     int rc = 0;
     for (int h = h0; h < h1 && !rc; h++) {
+#ifdef KVS_AVX2_HEAD
+        if (dk % 8 == 0 && dv % 64 == 0) {
+            rc = plain_head8(h, rep, n, dk, dv, bf16, kp, k_head, vp, v_head, slots, q, nk, nv, scale, s, ls, out);
+            continue;
+        }
+#endif
 #ifdef KVS_WIDE
         if (dk == dv && (dk == 64 || dk == 128)) {  /* the query heads four at a time (rep 7: 4 + 3) */
             for (int g = 0; g < rep; g += 4) {

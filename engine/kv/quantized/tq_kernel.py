@@ -148,7 +148,7 @@ typedef int32_t kvs_i16 __attribute__((vector_size(64)));
 
 /* fast_exp on sixteen lanes, the same steps (compilers leave the scalar loop unvectorized: floorf and the int
    conversion) */
-static inline v16 fast_exp16(v16 x) {
+static inline __attribute__((always_inline)) v16 fast_exp16(v16 x) {
     const v16 lo = (v16){0} - 87.0f;
     kvs_i16 small = x < lo, xi, li;
     memcpy(&xi, &x, 64);
@@ -168,7 +168,7 @@ static inline v16 fast_exp16(v16 x) {
     return p * scale;
 }
 
-static inline float hsum(v16 x) {
+static inline __attribute__((always_inline)) float hsum(v16 x) {
     v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13,
                                                                                              14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -186,7 +186,7 @@ static inline float hsum(v16 x) {
 #ifdef KVS_WIDE
 /* lane k of the result: the sum of x[k]'s lanes (a 16 x 16 transpose and add in 30 shuffles, where sixteen
    separate sums take ~100 instructions) */
-static inline v16 sums16(const v16 *x) {
+static inline __attribute__((always_inline)) v16 sums16(const v16 *x) {
     v16 a[8], b[4], c[2];
     for (int k = 0; k < 8; k++)
         a[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -205,7 +205,7 @@ static inline v16 sums16(const v16 *x) {
 }
 
 /* a . b as sixteen partial sums (d a multiple of 16), reduced later sixteen rows at a time (sums16) */
-static inline v16 dotv(const float *a, const float *b, int d) {
+static inline __attribute__((always_inline)) v16 dotv(const float *a, const float *b, int d) {
     v16 acc = *(const v16u *)a * *(const v16u *)b;
     for (int i = 16; i < d; i += 16) acc += *(const v16u *)(a + i) * *(const v16u *)(b + i);
     return acc;
