@@ -176,10 +176,11 @@ static inline __attribute__((always_inline)) float hsum(v16 x) {
 }
 #endif
 
-/* The paths that hold sixteen rows' partial sums (here and in the plain pages' kernel) where vectors are wide (AVX2,
-   AVX-512, NEON): built for a plain x86-64 (SSE2) their sixteen-lane vectors split into many small ones and the
-   compiler takes minutes over them. */
-#if defined(KVS_VECTORS) && (defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON))
+/* The paths that hold sixteen rows' partial sums (here and in the plain pages' kernel) where vectors are wide
+   (AVX-512, NEON): built for a plain x86-64 (SSE2) their sixteen-lane vectors split into many small ones and the
+   compiler takes minutes over them; with AVX2 they split into register pairs and spill (a layer of the SmolLM2
+   shape at 2,048 tq3 tokens: 1.85 ms with them, 0.75 without and the 256-bit dot and axpy above; AMD EPYC). */
+#if defined(KVS_VECTORS) && (defined(__AVX512F__) || defined(__ARM_NEON))
 #define KVS_WIDE 1
 #endif
 
@@ -212,7 +213,30 @@ static inline __attribute__((always_inline)) v16 dotv(const float *a, const floa
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define KVS_AVX2_ROWS 1
+/* AVX2 without AVX-512: the sixteen-wide vectors below split into register pairs and their horizontal sums went
+   through memory; these keep to 256-bit registers. */
+static inline float dot8(const float *a, const float *b, int d) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)), a1 = _mm256_setzero_ps();
+    int i = 8;
+    for (; i + 16 <= d; i += 16) {
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a0);
+    }
+    if (i < d) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a1);
+    __m256 x = _mm256_add_ps(a0, a1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int d) {
+#ifdef KVS_AVX2_ROWS
+    if ((d & 7) == 0) return dot8(a, b, d);
+#endif
 #ifdef KVS_VECTORS
     if ((d & 15) == 0) {
         v16 acc = {0};
@@ -226,6 +250,13 @@ static inline float dot(const float *a, const float *b, int d) {
 }
 
 static inline void axpy(float w, const float *x, float *y, int d) {
+#ifdef KVS_AVX2_ROWS
+    if ((d & 7) == 0) {
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        return;
+    }
+#endif
 #ifdef KVS_VECTORS
     if ((d & 15) == 0) {
         for (int i = 0; i < d; i += 16) *(v16u *)(y + i) += w * *(const v16u *)(x + i);
