@@ -85,8 +85,9 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         return min(self.params.sinks, n_tokens)
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
-        """Drop order per layer and KV head: unprotected tokens by expected attention (lowest first, ties oldest first), then
-        the protected prompt (same order), then the sinks and the recent window (oldest first)."""
+        """Drop order per row (layer, or layer and KV head): unprotected tokens by expected attention (lowest first,
+        ties oldest first), then the protected prompt (same order), then the sinks and the recent window (oldest
+        first)."""
         out = []
         for row, pos in enumerate(state.positions):
             n = len(pos)

@@ -173,7 +173,8 @@ class CacheIndex:
             self.intact = 0
             return
         ident = np.arange(self.n)
-        ok = (self._log[:, :, :self.n] == ident).all(axis=(0, 1)) & (self._rope[:, :, :self.n] == ident).all(axis=(0, 1))
+        log, rope = self._log[:, :, :self.n], self._rope[:, :, :self.n]
+        ok = (log == ident).all(axis=(0, 1)) & (rope == ident).all(axis=(0, 1))
         bad = np.nonzero(~ok)[0]
         self.intact = int(bad[0]) if len(bad) else self.n
 

@@ -151,7 +151,8 @@ static int plain_head8(int h, int rep, int64_t n, int dk, int dv, int bf16, cons
                 const void *base = i < n ? kp : nk;
                 const int64_t off = i < n ? h * k_head + slots[i] * dk : (int64_t)h * dk;
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qf), ld8(base, off, bf16));
-                for (int c = 8; c < dk; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), ld8(base, off + c, bf16), a);
+                for (int c = 8; c < dk; c += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), ld8(base, off + c, bf16), a);
                 part[t] = a;
             }
             _mm256_storeu_ps(s + r * ls + i0, sums8(part));  /* ls >= len rounded up to 16 */

@@ -160,7 +160,8 @@ static inline int levels_avx2(const uint8_t *src, int bits, int d, const float *
                 memcpy(&w, hb + j / 2, 4);
                 __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts);
                 for (int k = 0; k < 4; k++)
-                    f[k] = _mm256_or_si256(f[k], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(nib, k), one), 2));
+                    f[k] = _mm256_or_si256(f[k],
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(nib, k), one), 2));
             }
             interleave4_8(_mm256_permutevar8x32_ps(t, f[0]), _mm256_permutevar8x32_ps(t, f[1]),
                           _mm256_permutevar8x32_ps(t, f[2]), _mm256_permutevar8x32_ps(t, f[3]), lv + 4 * j);
@@ -323,7 +324,8 @@ static inline void axpy(float w, const float *x, float *y, int d) {
 #ifdef KVS_AVX2_ROWS
     if ((d & 7) == 0) {
         const __m256 wv = _mm256_set1_ps(w);
-        for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        for (int i = 0; i < d; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
         return;
     }
 #endif
