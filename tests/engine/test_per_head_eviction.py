@@ -53,6 +53,21 @@ def test_the_index_keeps_each_heads_own_slots_and_says_which_tokens_some_heads_d
         index.keep([np.zeros((2, 3), dtype=np.int64)] * 2)
 
 
+@pytest.mark.parametrize("heads", [1, 3])
+def test_the_index_grows_by_doubling_and_a_step_writes_in_place(heads):
+    """A decode step appends one token: into the arrays it has while there is room (a copy of the whole index at
+    every step would cost O(L*H*n) a token), doubling them when there is none."""
+    index = CacheIndex(2, capacity=4, heads=heads)
+    grown = 0
+    for _ in range(1000):
+        before = index._log
+        index.append(1)
+        grown += index._log is not before
+    assert index.n == 1000 and grown == 8  # 4 -> 8 -> ... -> 1024
+    assert index._log.shape == (2, heads, 1024) and index.log[:, :, -1].tolist() == [[999] * heads] * 2
+    index.check()
+
+
 def _stores(kind: str, L: int, H: int, D: int):
     shape = KVShape(L, H, D, torch.float32, torch.device("cpu"))
     if kind == "contiguous":

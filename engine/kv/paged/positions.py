@@ -82,13 +82,10 @@ class CacheIndex:
     def held_by_all(self, upto: int) -> np.ndarray:
         """``[upto]`` bool: logical positions ``< upto`` that every head of some layer holds (the rest of
         ``held``: kept by some heads only, after a per-head eviction)."""
-        out = np.zeros(upto, dtype=bool)
-        if not self.n:
-            return out
-        for layer in self._log[:, :, :self.n]:  # [H, n]
-            counts = np.bincount(layer[layer < upto], minlength=upto)
-            out |= counts[:upto] >= self.heads
-        return out
+        log = self._log[:, :, :self.n]  # [L, H, n]
+        flat = (log + np.arange(self.num_layers)[:, None, None] * upto)[log < upto]  # layer l's token p: l*upto + p
+        counts = np.bincount(flat, minlength=self.num_layers * upto).reshape(self.num_layers, upto)  # [L, upto]
+        return (counts >= self.heads).any(axis=0)
 
     def evicted_count(self) -> int:
         """Tokens fed but held by no layer (evicted or skipped)."""
@@ -97,8 +94,8 @@ class CacheIndex:
     # -- changes ---------------------------------------------------------------------------------------
     def append(self, q: int) -> None:
         """``q`` tokens fed: logical ``next_pos..``, RoPE ``next_rope..``, into slots ``n..n+q``."""
-        if self.n + q > self._log.shape[1]:
-            cap = max(self.n + q, 2 * self._log.shape[1])
+        if self.n + q > self._log.shape[2]:
+            cap = max(self.n + q, 2 * self._log.shape[2])
             for name in ("_log", "_rope"):
                 old = getattr(self, name)
                 new = np.zeros((self.num_layers, self.heads, cap), dtype=np.int64)
