@@ -168,7 +168,6 @@ static inline void w8h(const uint16_t* p, __m256* lo, __m256* hi) {
     *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h)); *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
 }
 static inline v16 join(__m256 lo, __m256 hi) { v16 o; memcpy(&o, &lo, 32); memcpy((char*)&o + 32, &hi, 32); return o; }
-static inline v16 joinf(__m256 lo, __m256 hi) { return join(lo, hi); }
 static inline v16 joinh(__m256 lo, __m256 hi) {
     return join(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
@@ -237,8 +236,8 @@ int kvs_blocked_mm(int rows, int n_in, int64_t b0, int64_t b1, const float* x, c
     if (rows < 1) return -1;
 #ifdef KVS_AVX2
     const float* xs = x;
-    if (rows == 1) { A2_ONE(float, w8f, joinf, xf32, ld, st) }
-    else { A2_MANY(float, w8f, joinf, xf32, ld, st) }
+    if (rows == 1) { A2_ONE(float, w8f, join, xf32, ld, st) }
+    else { A2_MANY(float, w8f, join, xf32, ld, st) }
 #else
     if (rows == 1) { KVS_ONE(float, ld, xf32, ld, st) }
     else { KVS_MANY(KVS_GROUP, float, ld, xf32, ld, st) }

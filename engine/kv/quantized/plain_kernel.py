@@ -184,7 +184,7 @@ typedef uint16_t kvs_h16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t kvs_u16 __attribute__((vector_size(64)));
 
 /* sixteen elements of a row as float32 (bfloat16 widened in registers) */
-static inline __attribute__((always_inline)) v16 plain_ld(const void *base, int64_t off, int bf16) {
+static inline v16 plain_ld(const void *base, int64_t off, int bf16) {
     if (!bf16) return *(const v16u *)((const float *)base + off);
     kvs_u16 u = __builtin_convertvector(*(const kvs_h16 *)((const uint16_t *)base + off), kvs_u16) << 16;
     v16 v;

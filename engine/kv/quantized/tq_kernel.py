@@ -6,9 +6,9 @@ into its levels once (a byte → levels table, in L1), dotted with the ``rep`` q
 The materialized read it replaces wrote [H, n, D] float32 twice a layer (3 MB at 2,048 tokens × 3 heads × 64) and
 then ran SDPA over it: on the SmolLM2-135M shape that read was ~0.8 ms a layer, the fused pass ~0.1–0.2 ms.
 
-Plain C99, intrinsics only where a CPU's own instructions pay (x86 levels; AVX2's 256-bit dot and axpy): the loops are
-written so a compiler vectorizes them (16-lane accumulators, a branch-free
-exp), and the same file builds on x86 and ARM. The scores are exact float32 dot products up to summation order;
+Plain C99, intrinsics only where a CPU's own instructions pay (x86 levels; AVX2's 256-bit dot and axpy): the loops
+are written so a compiler vectorizes them (16-lane accumulators, a branch-free exp), and the same file builds on x86
+and ARM. The scores are exact float32 dot products up to summation order;
 ``fast_exp`` is within 2 ulp of ``expf`` over the softmax's range (x ≤ 0). The x86 code-to-level readers are in
 ``engine.kv.quantized.levels_x86``.
 """
@@ -81,9 +81,18 @@ typedef float v4 __attribute__((vector_size(16)));
 
 typedef int32_t kvs_i16 __attribute__((vector_size(64)));
 
+/* AVX2 without AVX-512: GCC left these two out of line, passing sixteen-wide vectors through memory at every call
+   (the int8 pages' fused attention, a SmolLM2-shape layer at 2,048 tokens, two runs each on a noisy host: 1.1-1.4
+   ms out of line, 0.69-0.72 inlined; AMD EPYC); elsewhere the compiler's own choice stands. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define KVS_HOT __attribute__((always_inline))
+#else
+#define KVS_HOT
+#endif
+
 /* fast_exp on sixteen lanes, the same steps (compilers leave the scalar loop unvectorized: floorf and the int
    conversion) */
-static inline __attribute__((always_inline)) v16 fast_exp16(v16 x) {
+static inline KVS_HOT v16 fast_exp16(v16 x) {
     const v16 lo = (v16){0} - 87.0f;
     kvs_i16 small = x < lo, xi, li;
     memcpy(&xi, &x, 64);
@@ -103,7 +112,7 @@ static inline __attribute__((always_inline)) v16 fast_exp16(v16 x) {
     return p * scale;
 }
 
-static inline __attribute__((always_inline)) float hsum(v16 x) {
+static inline KVS_HOT float hsum(v16 x) {
     v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13,
                                                                                              14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -122,7 +131,7 @@ static inline __attribute__((always_inline)) float hsum(v16 x) {
 #ifdef KVS_WIDE
 /* lane k of the result: the sum of x[k]'s lanes (a 16 x 16 transpose and add in 30 shuffles, where sixteen
    separate sums take ~100 instructions) */
-static inline __attribute__((always_inline)) v16 sums16(const v16 *x) {
+static inline v16 sums16(const v16 *x) {
     v16 a[8], b[4], c[2];
     for (int k = 0; k < 8; k++)
         a[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -141,7 +150,7 @@ static inline __attribute__((always_inline)) v16 sums16(const v16 *x) {
 }
 
 /* a . b as sixteen partial sums (d a multiple of 16), reduced later sixteen rows at a time (sums16) */
-static inline __attribute__((always_inline)) v16 dotv(const float *a, const float *b, int d) {
+static inline v16 dotv(const float *a, const float *b, int d) {
     v16 acc = *(const v16u *)a * *(const v16u *)b;
     for (int i = 16; i < d; i += 16) acc += *(const v16u *)(a + i) * *(const v16u *)(b + i);
     return acc;
