@@ -1,5 +1,5 @@
 """The native product of the blocked linears (``engine.model.linear_kernel``): the plain product's values at one
-row, at every group size (1-8 rows a block's weights are read for at once) and at many rows (groups of eight and
+row, at every group size (1-8 rows a block's weights are read for at once) and at many rows (groups of eight or six and
 a rest), float32 and bfloat16 weights (by pairs of inputs where the CPU can), with and without a bias, at widths
 that are and are not multiples of its vectors; the operator a compiled step calls; what it leaves to torch; and a
 batched decode of chats on blocked weights going through it with HF's greedy tokens."""
@@ -29,7 +29,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", [*range(1, linear_kernel.GROUP + 2), 13, 130])
+@pytest.mark.parametrize("rows", [*range(1, linear_kernel.GROUP + 2), 13, 16, 130])
 @pytest.mark.parametrize("out,n_in", [(16, 7), (96, 80), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
@@ -43,7 +43,7 @@ def test_the_kernel_gives_the_plain_product(rows, out, n_in, bias):
     assert (got.double() - want).abs().max().item() <= 2e-6 * n_in ** 0.5 * 8  # float32 sums of n_in terms
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 130])
 @pytest.mark.parametrize("out,n_in", [(16, 7), (960, 576), (48, 33)])
 def test_bfloat16_weights_give_the_float32_sum_of_their_products(rows, out, n_in):
     """bfloat16 weights and rows: the products are exact in float32 and summed there, then rounded once to
