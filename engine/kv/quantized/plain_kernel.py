@@ -123,11 +123,23 @@ static int plain_head(int h, int rep, int64_t n, int dk, int dv, int bf16, const
    sixteen rows' partial sums (256 floats) no longer fit: a layer of the SmolLM2 shape at 512 tokens took 270-380 us
    (AMD EPYC, one thread, 2026-12-04). Here eight rows at a time, in 256-bit registers: each query head's eight dot
    products as eight partial sums reduced together (sums8), then each query head's output accumulated over the rows
-   sixty-four columns at a time (eight registers). */
+   sixty-four columns at a time (eight registers). Every query head of the KV head is served from a block of rows
+   while it is in L1 (eight keys; KVS_VROWS values, the outputs kept in ``acc`` between blocks), so a row comes
+   from memory once, not once per query head; the rows are asked for KVS_AHEAD ahead. The sums are taken in the
+   same order as one head at a time would: the same values. */
+#define KVS_HEAD8_MAX 4096  /* rep * head_dim the queries and outputs are kept for (rep 32 at head_dim 128) */
+#define KVS_VROWS 32  /* value rows a block: 8 KB of float32 at head_dim 64 */
 static inline __m256 ld8(const void *base, int64_t off, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)base + off);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  /* exact: the top half */
+}
+/* a cached row's cache lines asked for ahead of its use: a sequence's rows lie in pages of their own (16 rows, 4 KB of
+   one head's float32 keys at head_dim 64), where the hardware's prefetchers stop at each page's end */
+#define KVS_AHEAD 32  /* rows ahead: ~300 cycles of a row's products, one memory latency */
+static inline void plain_prefetch(const void *base, int64_t off, int d, int bf16) {
+    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
+    for (int c = 0; c < d * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(p + c);
 }
 /* lane t of the result: the sum of x[t]'s eight lanes */
 static inline __m256 sums8(const __m256 *x) {
@@ -138,42 +150,61 @@ static inline __m256 sums8(const __m256 *x) {
 static int plain_head8(int h, int rep, int64_t n, int dk, int dv, int bf16, const void *kp, int64_t k_head,
                        const void *vp, int64_t v_head, const int64_t *slots, const void *q, const void *nk,
                        const void *nv, float scale, float *s, int64_t ls, void *out) {
-    float qf[1024] __attribute__((aligned(32))), acc[1024], sums[1024], buf[1024];
-    if (dk > 1024 || dv > 1024 || rep > 1024 || dk % 8 || dv % 64) return -1;
+    float qf[KVS_HEAD8_MAX] __attribute__((aligned(32))), acc[KVS_HEAD8_MAX], sums[KVS_HEAD8_MAX / 8], buf[1024];
+    if (dk > 1024 || dv > 1024 || rep * dk > KVS_HEAD8_MAX || rep * dv > KVS_HEAD8_MAX || dk % 8 || dv % 64) return -1;
     const int64_t len = n + 1;
     for (int r = 0; r < rep; r++) {
         const float *qr = plain_row(q, ((int64_t)h * rep + r) * dk, dk, bf16, buf);
-        for (int c = 0; c < dk; c++) qf[c] = qr[c] * scale;
-        for (int64_t i0 = 0; i0 < len; i0 += 8) {
+        for (int c = 0; c < dk; c++) qf[r * dk + c] = qr[c] * scale;
+    }
+    for (int64_t i0 = 0; i0 < len; i0 += 8) {
+        const void *kb[8];
+        int64_t ko[8];
+        for (int t = 0; t < 8; t++) {
+            const int64_t i = i0 + t < len ? i0 + t : len - 1;  /* past the end: a row again, its score unused */
+            kb[t] = i < n ? kp : nk;
+            ko[t] = i < n ? h * k_head + slots[i] * dk : (int64_t)h * dk;
+        }
+        for (int64_t i = i0 + KVS_AHEAD; i < i0 + KVS_AHEAD + 8 && i < n; i++)
+            plain_prefetch(kp, h * k_head + slots[i] * dk, dk, bf16);
+        for (int r = 0; r < rep; r++) {  /* the eight rows from memory once, from L1 for the heads after the first */
+            const float *qr = qf + r * dk;
             __m256 part[8];
-            for (int t = 0; t < 8; t++) {
-                const int64_t i = i0 + t < len ? i0 + t : len - 1;  /* past the end: a row again, its score unused */
-                const void *base = i < n ? kp : nk;
-                const int64_t off = i < n ? h * k_head + slots[i] * dk : (int64_t)h * dk;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qf), ld8(base, off, bf16));
-                for (int c = 8; c < dk; c += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c), ld8(base, off + c, bf16), a);
-                part[t] = a;
+            for (int t = 0; t < 8; t++) part[t] = _mm256_mul_ps(_mm256_load_ps(qr), ld8(kb[t], ko[t], bf16));
+            for (int c = 8; c < dk; c += 8) {  /* eight independent chains of multiply-adds, one a row */
+                const __m256 qv = _mm256_load_ps(qr + c);
+                for (int t = 0; t < 8; t++) part[t] = _mm256_fmadd_ps(qv, ld8(kb[t], ko[t] + c, bf16), part[t]);
             }
             _mm256_storeu_ps(s + r * ls + i0, sums8(part));  /* ls >= len rounded up to 16 */
         }
     }
     plain_softmax(s, rep, len, ls, sums);
-    for (int r = 0; r < rep; r++) {
-        const float *p = s + r * ls;
-        for (int c0 = 0; c0 < dv; c0 += 64) {
-            __m256 o[8];
-            for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < len; i++) {
-                const void *base = i < n ? vp : nv;
-                const int64_t off = (i < n ? h * v_head + slots[i] * dv : (int64_t)h * dv) + c0;
-                const __m256 w = _mm256_set1_ps(p[i]);
-                for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(w, ld8(base, off + 8 * j, bf16), o[j]);
+    memset(acc, 0, sizeof(float) * rep * dv);
+    for (int64_t i0 = 0; i0 < len; i0 += KVS_VROWS) {
+        const int64_t i1 = i0 + KVS_VROWS < len ? i0 + KVS_VROWS : len;
+        for (int64_t i = i0 + KVS_AHEAD; i < i1 + KVS_AHEAD && i < n; i++)
+            plain_prefetch(vp, h * v_head + slots[i] * dv, dv, bf16);
+        for (int r = 0; r < rep; r++) {  /* the block's rows from memory once, from L1 for the heads after the first */
+            const float *p = s + r * ls;
+            for (int c0 = 0; c0 < dv; c0 += 64) {
+                float *a = acc + r * dv + c0;
+                __m256 o[8];
+                for (int j = 0; j < 8; j++) o[j] = _mm256_loadu_ps(a + 8 * j);
+                for (int64_t i = i0; i < i1; i++) {
+                    const void *base = i < n ? vp : nv;
+                    const int64_t off = (i < n ? h * v_head + slots[i] * dv : (int64_t)h * dv) + c0;
+                    const __m256 w = _mm256_set1_ps(p[i]);
+                    for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(w, ld8(base, off + 8 * j, bf16), o[j]);
+                }
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(a + 8 * j, o[j]);
             }
-            const __m256 inv = _mm256_set1_ps(1.0f / sums[r]);
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + c0 + 8 * j, _mm256_mul_ps(o[j], inv));
         }
-        plain_store(out, ((int64_t)h * rep + r) * dv, acc, dv, bf16);
+    }
+    for (int r = 0; r < rep; r++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / sums[r]);
+        float *a = acc + r * dv;
+        for (int c = 0; c < dv; c += 8) _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), inv));
+        plain_store(out, ((int64_t)h * rep + r) * dv, a, dv, bf16);
     }
     return 0;
 }
@@ -265,7 +296,7 @@ int kvs_plain_decode(int h0, int h1, int rep, int64_t n, int dk, int dv, int bf1
     int rc = 0;
     for (int h = h0; h < h1 && !rc; h++) {
 #ifdef KVS_AVX2_HEAD
-        if (dk % 8 == 0 && dv % 64 == 0) {
+        if (dk % 8 == 0 && dv % 64 == 0 && rep * dk <= KVS_HEAD8_MAX && rep * dv <= KVS_HEAD8_MAX) {
             rc = plain_head8(h, rep, n, dk, dv, bf16, kp, k_head, vp, v_head, slots, q, nk, nv, scale, s, ls, out);
             continue;
         }
