@@ -36,3 +36,18 @@ def demo_model():
     from engine.model.loader import load_model
 
     return load_model("demo")
+
+
+def pytest_collection_finish(session) -> None:
+    """The session's slow one-time set-ups begun in the background as soon as it is known which tests run: each
+    selected test module's ``early_start()`` (vLLM's venv to install, the bundle to build: ~5 and ~7 minutes on
+    CI's 2 cores), so they run on the second core beside the first tests instead of in line with their own."""
+    if session.config.option.collectonly:
+        return
+    seen = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        start = getattr(module, "early_start", None)
+        if callable(start) and id(module) not in seen:
+            seen.add(id(module))
+            start()

@@ -11,7 +11,6 @@ import json
 import sys
 import tempfile
 import subprocess
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

