@@ -217,8 +217,8 @@ static inline v16 joinh(__m256 lo, __m256 hi) {
    are read as float32 from ``xs`` (bfloat16 rows widened once per call: a broadcast from memory is one instruction,
    a bfloat16 one four, six rows of them per weight vector). The weights are asked for sixteen inputs ahead: the
    multiply-adds of six rows leave the hardware's prefetcher behind (2-16 rows of the SmolLM2 shape's linears,
-   float32: 5-15% faster with it; evening the groups out, 4 + 4 for eight rows, and two inputs a pass for two or
-   three rows were measured too, and were slower) */
+   float32: 0.80-0.94 of the time without it; evening the groups out, 4 + 4 for eight rows, and two inputs a pass
+   for two or three rows were measured too, and were slower) */
 #define A2_MANY(...) \
     for (int64_t b = b0; b < b1; b++) { \
         int r0 = 0; \

@@ -66,7 +66,12 @@ def early_start() -> None:
     """Called by tests/conftest.py once these tests are collected: the build begun in the background (~7 minutes on
     CI's 2 cores, mostly PyInstaller's one-threaded analysis) beside the tests before these; ``built`` waits for it."""
     if _can_build() and "future" not in _BUILD:
-        _begin()
+        try:
+            _begin()
+        except Exception as e:  # noqa: BLE001 - the export or the GGUF failed: the packaging tests fail with it,
+            fut = concurrent.futures.Future()  # not the whole session at collection
+            fut.set_exception(e)
+            _BUILD["future"] = fut
 
 
 def _can_build() -> bool:
@@ -76,7 +81,8 @@ def _can_build() -> bool:
 def _begin() -> None:
     """Export the tree and write the GGUF here (the caller's thread: transformers sets torch's default dtype for the
     whole process while it builds a model), then run build.py on a thread that only waits for it."""
-    base = Path(tempfile.mkdtemp(prefix="kvscope-packaging-"))
+    base = _BUILD["base"] = Path(tempfile.mkdtemp(prefix="kvscope-packaging-"))
+    atexit.register(_stop)  # a session that ends before the tests: the build stopped, its ~2 GB removed
     src, out = base / "src", base / "out"
     src.mkdir()
     what = export_tree(src)
@@ -85,8 +91,7 @@ def _begin() -> None:
     cmd += ["--gguf", str(_stories_gguf(base / "stories260K-F32.gguf"))]  # the same model as a GGUF file
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}  # no dev stand-ins
     fut = concurrent.futures.Future()
-    _BUILD.update(future=fut, base=base)
-    atexit.register(_stop)  # a session that ends before the tests: the build stopped, its ~2 GB removed
+    _BUILD["future"] = fut
 
     def run() -> None:
         try:
