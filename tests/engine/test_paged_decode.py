@@ -29,6 +29,7 @@ def _case(dt, hk, rep, dk, dv, n, seed=0, pages=64):
 SHAPES = [  # (hk, rep, dk, dv, n): the vector paths (head_dim 64 / 128, query heads four at a time), the others
     (3, 3, 64, 64, 129), (1, 1, 64, 64, 2), (2, 8, 128, 128, 300), (4, 4, 64, 64, 16), (2, 2, 64, 64, 17),
     (1, 12, 64, 64, 40), (1, 7, 128, 128, 50), (2, 3, 48, 48, 33), (2, 2, 80, 80, 31), (2, 2, 64, 32, 20),
+    (2, 5, 96, 96, 45),  # AVX2: query heads two at a time and one left; values thirty-two columns at a time
     (1, 40, 128, 128, 20),  # more query heads a KV head than the AVX2 path keeps (40 x 128 > 4,096): the plain one
 ]
 
