@@ -405,6 +405,10 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     stop = _stop_ids(model, tok)
     threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
     apply_threads(threads)
+    if str(device) == "cpu":
+        from engine.model import heap
+
+        heap.keep_freed_memory()  # a prompt's activations reused, not faulted in again at every layer
     if threads > 1 and str(device) == "cpu":
         from engine.model import linear_op
 
