@@ -214,7 +214,8 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_new_tokens: int = 256
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # a stop token does not end the reply (it is part of it): max new tokens does
+    min_new_tokens: int = 0  # until the reply has this many, stop tokens are not chosen and stop strings not looked for
     stop_strings: tuple[str, ...] = ()
     presence_penalty: float = 0.0  # OpenAI's: minus this from a token's logit once it was generated in the reply
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often it was generated in the reply
@@ -229,7 +230,8 @@ class SamplingConfig:
                 raise ValueError(f"{label}: {value!r} is not a number")
             if not math.isfinite(value):
                 raise ValueError(f"{label}: {value} is not a finite number")
-        for name, label in (("top_k", "top-k"), ("max_new_tokens", "max new tokens"), ("seed", "seed")):
+        for name, label in (("top_k", "top-k"), ("max_new_tokens", "max new tokens"), ("seed", "seed"),
+                            ("min_new_tokens", "min new tokens")):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{label}: {value!r} is not an integer")
@@ -245,6 +247,8 @@ class SamplingConfig:
             raise ValueError(f"repetition penalty: {self.repetition_penalty} must be > 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens: {self.max_new_tokens} must be at least 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min new tokens: {self.min_new_tokens} must be in 0..{self.max_new_tokens} (max new tokens)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:

@@ -21,9 +21,12 @@ class Sampler:
     do), and ``last_logprobs``: (chosen token's log-probability, [(id, log-probability)] of the top
     ``cfg.logprobs``)."""
 
-    def __init__(self, cfg: SamplingConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: SamplingConfig, device: torch.device | str = "cpu", stop_ids: tuple[int, ...] = ()) -> None:
         self.cfg = cfg
         self.counts: dict[int, int] = {}  # token id -> times chosen in this reply
+        self.chosen = 0  # tokens chosen in this reply
+        # the model's stop tokens, never chosen before ``cfg.min_new_tokens`` (as vLLM's min_tokens)
+        self.stop_ids = list(stop_ids) if cfg.min_new_tokens else []
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
@@ -38,6 +41,7 @@ class Sampler:
         raw, logits = logits, self.processed(logits, context_ids)
         token = int(torch.argmax(logits)) if self.cfg.greedy else self.draw(sampling_probs(logits, self.cfg))
         self.counts[token] = self.counts.get(token, 0) + 1
+        self.chosen += 1
         if self.cfg.logprobs is not None:
             self.last_logprobs = top_logprobs(raw, token, self.cfg.logprobs)
         return token
@@ -55,6 +59,9 @@ class Sampler:
             logits = apply_repetition_penalty(logits, context_ids, cfg.repetition_penalty)
         if (cfg.presence_penalty or cfg.frequency_penalty) and self.counts:
             logits = apply_openai_penalties(logits, self.counts, cfg.presence_penalty, cfg.frequency_penalty)
+        if self.stop_ids and self.chosen < cfg.min_new_tokens:
+            logits = logits.clone()
+            logits[self.stop_ids] = -math.inf  # [vocab]: a stop token cannot end the reply before its minimum
         return logits
 
     def draw(self, probs: torch.Tensor) -> int:

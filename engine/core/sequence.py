@@ -61,6 +61,7 @@ class TurnState:
     sampler: Sampler | None = None
     decoder: Any = None
     generated: list[int] = field(default_factory=list)
+    stop_from: int = 0  # characters of the text stop strings are not looked for in: the first min_new_tokens'
     cancel: bool = False
     step: int = 0
     t_start: float = 0.0
@@ -250,10 +251,14 @@ class Sequence:
         t.step += 1
         is_stop_token = token in stop_ids and not t.sampling.ignore_eos
         delta = "" if is_stop_token else t.decoder.push(token)
+        before_min = len(t.generated) <= t.sampling.min_new_tokens
+        if before_min:
+            t.stop_from = len(t.decoder.text)  # vLLM's min_tokens: stop strings in this text do not count
         stop = ""
         if is_stop_token:
             stop = "eos"
-        elif t.sampling.stop_strings and any(s in t.decoder.text for s in t.sampling.stop_strings):
+        elif (not before_min and t.sampling.stop_strings
+              and any(s in t.decoder.text[t.stop_from:] for s in t.sampling.stop_strings)):
             stop = "stop_string"
         elif len(t.generated) >= t.sampling.max_new_tokens:
             stop = "max_tokens"

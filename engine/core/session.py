@@ -146,7 +146,8 @@ class ChatSession(Stepping):
         cpu = self.lm.device.type == "cpu"
         if cpu:  # another model may have changed it since this one was loaded
             apply_threads(self.info.threads)
-        reply = TurnState(sampling=sampling, sampler=Sampler(sampling, self.lm.device), t_start=time.perf_counter(),
+        sampler = Sampler(sampling, self.lm.device, self.lm.stop_ids)
+        reply = TurnState(sampling=sampling, sampler=sampler, t_start=time.perf_counter(),
                           decoder=StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder(),
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
                           disk=c.reused.disk_tokens, account=c.reused.account,

@@ -210,7 +210,9 @@ class Scheduler(Source):
         job.sampling = SamplingConfig(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                       max_new_tokens=job.prepared.max_new, stop_strings=req.stop,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                      logprobs=req.logprobs)
+                                      logprobs=req.logprobs, top_k=req.top_k, min_p=req.min_p,
+                                      repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+                                      min_new_tokens=min(req.min_tokens, job.prepared.max_new))
         job.session, shared = self.idle.take(ids, job.tenant)
         # a prompt that goes on with a whole conversation of its own, not one cut back to whole pages for it or a
         # new session: only then is its account told to the token (``engine.server.account``)
@@ -270,7 +272,8 @@ class Scheduler(Source):
         evicted = len(r.snapshot.evicted_positions) if r.snapshot is not None else 0
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:  # a chunk per token, its text empty while a character or a stop string is held
-            job.post("delta", (job.trim.push(r.event.text_delta), self._logprob(job, r.event.token_id),
+            look = r.event.index >= job.sampling.min_new_tokens  # min_tokens: the first ones' text not searched
+            job.post("delta", (job.trim.push(r.event.text_delta, look), self._logprob(job, r.event.token_id),
                                r.event.token_id))
         if r.done:
             self._end(job, r.stop_reason, r)

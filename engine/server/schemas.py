@@ -5,7 +5,9 @@ developer (taken as system) / user / assistant. Fields OpenAI clients send that 
 (``user``, ``logit_bias`` empty, ``tools`` the model may leave alone, ...) are ignored; a field given with the
 wrong type is a 400 naming it, and so is one asking for what the engine cannot do (``refuse_unsupported``):
 a forced tool call, a JSON response format, a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
-``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured.
+``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured, and so
+are vLLM's sampling extensions the engine has: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
+``min_tokens`` (benchmark clients send the last two to get replies of an exact length).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class GenRequest:
     logprobs: int | None = None  # top alternatives per token to report (0: the chosen token's only); None: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0  # vLLM's extensions (0 / -1: off)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each chunk's token_ids in the reply
 
@@ -119,7 +126,8 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
     mct = _int(body, "max_completion_tokens", 1)
     mt = _int(body, "max_tokens", 1)
     refuse_unsupported(body, kind)
-    return dict(kind=kind, model=model, stream=stream, include_usage=bool(opts.get("include_usage")),
+    return dict(**_extensions(body, mct if mct is not None else mt),
+                kind=kind, model=model, stream=stream, include_usage=bool(opts.get("include_usage")),
                 logprobs=_logprobs(body, kind), presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                 frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                 max_tokens=mct if mct is not None else mt,
@@ -127,6 +135,24 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt,
                 return_token_ids=bool(body.get("return_token_ids")))
+
+
+def _extensions(body: dict, max_tokens: int | None) -> dict[str, Any]:
+    """vLLM's sampling parameters beyond OpenAI's, with vLLM's ranges (``top_k`` -1 is off, as 0 is)."""
+    top_k = _int(body, "top_k", -1)
+    min_tokens = _int(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens: {min_tokens} is above max_tokens ({max_tokens})", "min_tokens",
+                          "invalid_value")
+    ignore_eos = body.get("ignore_eos", False)
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad_request(f"ignore_eos: {ignore_eos!r} is not a boolean", "ignore_eos", "invalid_type")
+    rep = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    if min_p == 1.0:
+        raise bad_request("min_p: 1.0 is outside [0.0, 1.0)", "min_p", "invalid_value")
+    return dict(top_k=max(0, top_k or 0), min_p=min_p, repetition_penalty=rep, ignore_eos=bool(ignore_eos),
+                min_tokens=min_tokens)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

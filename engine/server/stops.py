@@ -1,5 +1,6 @@
 """Stop sequences as the OpenAI API has them: the text ends before the first stop sequence, and a stream
-never shows a piece of one (text that could begin a stop sequence is held back until it cannot)."""
+never shows a piece of one (text that could begin a stop sequence is held back until it cannot). The text of a
+request's first ``min_tokens`` tokens is not searched (vLLM's rule; ``push(..., look=False)``)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,19 @@ class StopTrimmer:
         self.text = ""  # the reply so far, cut before the first stop sequence
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
+        self.floor = 0  # characters of ``text`` not searched for stop sequences
 
-    def push(self, delta: str) -> str:
-        """Add generated text; returns what can be shown now."""
+    def push(self, delta: str, look: bool = True) -> str:
+        """Add generated text (``look`` False: a token before the reply's minimum, not searched); returns what can
+        be shown now."""
         if self.stopped or not delta:
             return ""
         self.text += delta
-        if not self.stops:
+        if not look:
+            self.floor = len(self.text)
+        if not self.stops or not look:
             return self._release(len(self.text))
-        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        cuts = [i for i in (self.text.find(s, self.floor) for s in self.stops) if i >= 0]
         if cuts:
             self.stopped = True
             self.text = self.text[:min(cuts)]
@@ -35,7 +40,7 @@ class StopTrimmer:
         """Length of the longest end of ``text`` that is the start of a stop sequence."""
         best = 0
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+            for k in range(min(len(s) - 1, len(self.text) - self.floor), best, -1):
                 if self.text.endswith(s[:k]):
                     best = k
                     break

@@ -95,3 +95,25 @@ def test_a_seed_a_generator_cannot_hold_is_refused_by_name():
             SamplingConfig(temperature=1.0, seed=seed)
     Sampler(SamplingConfig(temperature=1.0, seed=(1 << 64) - 1))  # the edges are fine
     Sampler(SamplingConfig(temperature=1.0, seed=-(1 << 63)))
+
+
+def test_min_new_tokens_keeps_the_stop_tokens_out_until_then():
+    s = Sampler(SamplingConfig(min_new_tokens=2), stop_ids=(1,))
+    assert [s(torch.tensor([0.1, 3.0, 2.0])) for _ in range(3)] == [2, 2, 1]  # [vocab]: stop token 1 leads
+    with pytest.raises(ValueError, match="min new tokens"):
+        SamplingConfig(min_new_tokens=5, max_new_tokens=4)
+
+
+def test_stop_strings_are_looked_for_only_after_the_minimum(stories):
+    def reply(least):
+        s = ChatSession(stories, CacheConfig())
+        s.start_completion("Once upon a time", SamplingConfig(max_new_tokens=40, min_new_tokens=least,
+                                                              stop_strings=("a",)))
+        while not (r := s.step()).done:
+            pass
+        return len(s.generated_ids), r.stop_reason
+
+    first = reply(0)
+    assert first[1] == "stop_string" and first[0] < 12  # "a" comes early in this story
+    n, reason = reply(12)  # the first twelve tokens' "a"s do not count (vLLM's min_tokens): the next one does
+    assert reason == "stop_string" and 12 < n < 40

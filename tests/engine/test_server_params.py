@@ -151,3 +151,85 @@ def test_what_changes_nothing_is_still_accepted(served, extra):
     _, url = served
     r = post(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, **extra})
     assert r.status_code == 200, r.text
+
+
+@torch.no_grad()
+def _at_a_stop(lm) -> list[int]:
+    """Prompt ids whose greedy next token is a stop token: a story of HF's greedy reply, cut just before its end."""
+    ids = lm.tokenizer("Sara saw a big dog.")["input_ids"]
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=300, do_sample=False)[0].tolist()
+    assert out[-1] in lm.stop_ids and len(out) < len(ids) + 300  # the story ended by itself
+    return out[:-1]
+
+
+@torch.no_grad()
+def _greedy_without_stops(lm, ids: list[int], n: int) -> list[int]:
+    """HF forwards, the stop tokens' logits set to -inf (vLLM's min_tokens) for ``n`` tokens."""
+    ids, out = list(ids), []
+    for _ in range(n):
+        logits = lm.model(torch.tensor([ids])).logits[0, -1]
+        logits[list(lm.stop_ids)] = float("-inf")
+        out.append(int(torch.argmax(logits)))
+        ids.append(out[-1])
+    return out
+
+
+def test_ignore_eos_and_min_tokens_give_replies_of_the_length_asked(served, stories):
+    """vLLM's benchmark clients send both: the reply is exactly max_tokens long. Without them the reply ends at
+    the model's stop token (the bench of #34 read a 1-token stream as a 128-token one's share)."""
+    _, url = served
+    prompt = _at_a_stop(stories)
+    plain = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                          "return_token_ids": True}).json()
+    assert plain["usage"]["completion_tokens"] == 1 and plain["choices"][0]["finish_reason"] == "stop"
+    eos = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                        "return_token_ids": True}).json()
+    assert eos["usage"]["completion_tokens"] == 8 and eos["choices"][0]["finish_reason"] == "length"
+    assert eos["choices"][0]["token_ids"][0] in stories.stop_ids  # the stop token is part of the reply
+    least = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "min_tokens": 8, "temperature": 0,
+                                          "return_token_ids": True}).json()
+    got = least["choices"][0]["token_ids"]
+    assert got[:8] == _greedy_without_stops(stories, prompt, 8)  # no stop token chosen before the 8th
+    assert not set(got[:8]) & set(stories.stop_ids) and len(got) >= 8
+
+
+def test_stop_sequences_in_the_first_min_tokens_do_not_end_the_reply(served):
+    _, url = served
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stop": ["a"]}
+    early = post(url, "/v1/completions", body).json()
+    assert early["choices"][0]["finish_reason"] == "stop" and early["usage"]["completion_tokens"] < 12
+    late = post(url, "/v1/completions", {**body, "min_tokens": 12}).json()
+    choice = late["choices"][0]
+    assert choice["finish_reason"] == "stop" and 12 < late["usage"]["completion_tokens"] < 40
+    assert "a" in choice["text"] and len(choice["text"]) > len(early["choices"][0]["text"])  # not cut at the first
+
+
+def test_top_k_min_p_and_repetition_penalty_are_honoured(served, stories):
+    _, url = served
+    prompt = "Once upon a time"
+    ids = stories.tokenizer(prompt)["input_ids"]
+    ref = stories.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, repetition_penalty=1.3)
+    ref_text = stories.tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True)
+    plain = stories.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
+    assert ref_text != stories.tokenizer.decode(plain[0, len(ids):], skip_special_tokens=True)  # it can fail
+    r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 48, "temperature": 0,
+                                      "repetition_penalty": 1.3})
+    assert r.json()["choices"][0]["text"] == ref_text
+    # top_k 1 and min_p 0.999 leave one token to draw from: the greedy reply whatever the seed
+    greedy = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+    for extra in ({"top_k": 1}, {"min_p": 0.999}):
+        hot = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 1.5, "seed": 3,
+                                            **extra}).json()
+        assert hot["choices"][0]["text"] == greedy["choices"][0]["text"], extra
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"top_k": "3"}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.0}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+])
+def test_vllms_extensions_out_of_range_are_a_400_naming_them(served, extra, param):
+    _, url = served
+    r = post(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
