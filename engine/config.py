@@ -216,6 +216,7 @@ class SamplingConfig:
     max_new_tokens: int = 256
     ignore_eos: bool = False  # a stop token does not end the reply (it is part of it): max new tokens does
     min_new_tokens: int = 0  # until the reply has this many, stop tokens are not chosen and stop strings not looked for
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the reply (vLLM's), whatever ignore_eos says
     stop_strings: tuple[str, ...] = ()
     presence_penalty: float = 0.0  # OpenAI's: minus this from a token's logit once it was generated in the reply
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often it was generated in the reply
@@ -247,6 +248,8 @@ class SamplingConfig:
             raise ValueError(f"repetition penalty: {self.repetition_penalty} must be > 0")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens: {self.max_new_tokens} must be at least 1")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop token ids: {self.stop_token_ids!r} must be token ids (integers >= 0)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min new tokens: {self.min_new_tokens} must be in 0..{self.max_new_tokens} (max new tokens)")
         for name in ("presence_penalty", "frequency_penalty"):

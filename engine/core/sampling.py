@@ -25,8 +25,10 @@ class Sampler:
         self.cfg = cfg
         self.counts: dict[int, int] = {}  # token id -> times chosen in this reply
         self.chosen = 0  # tokens chosen in this reply
-        # the model's stop tokens, never chosen before ``cfg.min_new_tokens`` (as vLLM's min_tokens)
-        self.stop_ids = list(stop_ids) if cfg.min_new_tokens else []
+        # the tokens that would end the reply, never chosen before ``cfg.min_new_tokens`` (vLLM's min_tokens: the
+        # model's stop tokens unless ignore_eos, and the request's own)
+        ends = ([] if cfg.ignore_eos else list(stop_ids)) + list(cfg.stop_token_ids)
+        self.stop_ids = sorted(set(ends)) if cfg.min_new_tokens else []
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
         self.generator: torch.Generator | None = None
         if not cfg.greedy:

@@ -249,7 +249,7 @@ class Sequence:
         t.generated.append(token)
         self.ids.append(token)
         t.step += 1
-        is_stop_token = token in stop_ids and not t.sampling.ignore_eos
+        is_stop_token = (token in stop_ids and not t.sampling.ignore_eos) or token in t.sampling.stop_token_ids
         delta = "" if is_stop_token else t.decoder.push(token)
         before_min = len(t.generated) <= t.sampling.min_new_tokens
         if before_min:

@@ -212,7 +212,8 @@ class Scheduler(Source):
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       logprobs=req.logprobs, top_k=req.top_k, min_p=req.min_p,
                                       repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                                      min_new_tokens=min(req.min_tokens, job.prepared.max_new))
+                                      min_new_tokens=min(req.min_tokens, job.prepared.max_new),
+                                      stop_token_ids=req.stop_token_ids)
         job.session, shared = self.idle.take(ids, job.tenant)
         # a prompt that goes on with a whole conversation of its own, not one cut back to whole pages for it or a
         # new session: only then is its account told to the token (``engine.server.account``)

@@ -6,8 +6,9 @@ developer (taken as system) / user / assistant. Fields OpenAI clients send that 
 wrong type is a 400 naming it, and so is one asking for what the engine cannot do (``refuse_unsupported``):
 a forced tool call, a JSON response format, a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
 ``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured, and so
-are vLLM's sampling extensions the engine has: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
-``min_tokens`` (benchmark clients send the last two to get replies of an exact length).
+are vLLM's sampling extensions the engine has: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos`` and ``min_tokens`` (benchmark clients send the last two to get replies of an exact length); vLLM's
+that it has not (guided decoding, beam search, allowed or banned tokens, prompt logprobs) are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from engine.server.errors import ApiError, bad_request
 ROLE_ALIASES = {"developer": "system"}
 KNOWN_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
+# vLLM's request fields for what this engine does not do: a 400 naming them, never ignored
+VLLM_UNSUPPORTED = (("guided_json", "guided decoding"), ("guided_regex", "guided decoding"),
+                    ("guided_choice", "guided decoding"), ("guided_grammar", "guided decoding"),
+                    ("structured_outputs", "structured outputs"), ("use_beam_search", "beam search"),
+                    ("allowed_token_ids", "allowed_token_ids"), ("bad_words", "bad_words"),
+                    ("logits_processors", "logits processors"), ("prompt_logprobs", "prompt logprobs"))
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class GenRequest:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each chunk's token_ids in the reply
 
@@ -151,8 +159,12 @@ def _extensions(body: dict, max_tokens: int | None) -> dict[str, Any]:
     min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
     if min_p == 1.0:
         raise bad_request("min_p: 1.0 is outside [0.0, 1.0)", "min_p", "invalid_value")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise bad_request("stop_token_ids: expected a list of token ids (integers >= 0)", "stop_token_ids",
+                          "invalid_type")
     return dict(top_k=max(0, top_k or 0), min_p=min_p, repetition_penalty=rep, ignore_eos=bool(ignore_eos),
-                min_tokens=min_tokens)
+                min_tokens=min_tokens, stop_token_ids=tuple(dict.fromkeys(ids)))
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -189,6 +201,10 @@ def refuse_unsupported(body: dict, kind: str) -> None:
         raise no("response_format", f"response_format {kind_of_fmt!r} (only 'text')")
     if body.get("logit_bias"):
         raise no("logit_bias", "a non-empty logit_bias")
+    for param, why in VLLM_UNSUPPORTED:
+        v = body.get(param)
+        if not (v is None or v is False or v == [] or v == {}):  # 0 asks too (prompt_logprobs 0)
+            raise no(param, why)
     if kind == "completion":
         if body.get("echo"):
             raise no("echo", "echo (the prompt in the reply)")

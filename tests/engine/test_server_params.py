@@ -204,6 +204,20 @@ def test_stop_sequences_in_the_first_min_tokens_do_not_end_the_reply(served):
     assert "a" in choice["text"] and len(choice["text"]) > len(early["choices"][0]["text"])  # not cut at the first
 
 
+def test_stop_token_ids_end_the_reply_and_min_tokens_keeps_them_out(served, stories):
+    _, url = served
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    plain = post(url, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    stop = plain[4]  # the fifth token of the greedy reply
+    first = plain.index(stop)
+    r = post(url, "/v1/completions", {**body, "stop_token_ids": [stop]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["token_ids"] == plain[:first + 1]
+    assert r["usage"]["completion_tokens"] == first + 1
+    held = post(url, "/v1/completions", {**body, "stop_token_ids": [stop], "min_tokens": 8,
+                                         "ignore_eos": True}).json()["choices"][0]["token_ids"]
+    assert stop not in held[:8] and len(held) >= 8  # masked until the eighth token (ignore_eos leaves it a stop)
+
+
 def test_top_k_min_p_and_repetition_penalty_are_honoured(served, stories):
     _, url = served
     prompt = "Once upon a time"
@@ -227,6 +241,10 @@ def test_top_k_min_p_and_repetition_penalty_are_honoured(served, stories):
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"top_k": "3"}, "top_k"), ({"top_k": -2}, "top_k"),
     ({"min_p": 1.0}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop_token_ids": [3, "4"]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"bad_words": ["dog"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
 ])
 def test_vllms_extensions_out_of_range_are_a_400_naming_them(served, extra, param):
     _, url = served
