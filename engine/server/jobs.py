@@ -78,7 +78,7 @@ class Job:
         self.stats = None  # TurnStats of start()
         self.own = False  # it goes on with a whole conversation of its session (``engine.server.account``)
         self.request = None  # its request on the engine core, once admitted
-        self.trim = StopTrimmer(req.stop)
+        self.trim = StopTrimmer(req.stop, req.include_stop_str_in_output)
         self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
         self.scheduler = None  # the Scheduler that runs it
         self.on_taken: Callable[[], None] = lambda: None  # a held job's reader caught up: wake the engine

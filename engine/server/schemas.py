@@ -7,8 +7,9 @@ wrong type is a 400 naming it, and so is one asking for what the engine cannot d
 a forced tool call, a JSON response format, a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
 ``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured, and so
 are vLLM's sampling extensions the engine has: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos`` and ``min_tokens`` (benchmark clients send the last two to get replies of an exact length); vLLM's
-that it has not (guided decoding, beam search, allowed or banned tokens, prompt logprobs) are a 400 naming them.
+``ignore_eos``, ``min_tokens`` (benchmark clients send the last two to get replies of an exact length) and
+``include_stop_str_in_output``; vLLM's that it has not (guided decoding, beam search, allowed or banned tokens,
+prompt logprobs, a request's chat template, ...) are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ VLLM_UNSUPPORTED = (("guided_json", "guided decoding"), ("guided_regex", "guided
                     ("guided_choice", "guided decoding"), ("guided_grammar", "guided decoding"),
                     ("structured_outputs", "structured outputs"), ("use_beam_search", "beam search"),
                     ("allowed_token_ids", "allowed_token_ids"), ("bad_words", "bad_words"),
-                    ("logits_processors", "logits processors"), ("prompt_logprobs", "prompt logprobs"))
+                    ("logits_processors", "logits processors"), ("prompt_logprobs", "prompt logprobs"),
+                    ("chat_template", "a chat template from the request"),
+                    ("chat_template_kwargs", "chat template arguments"),
+                    ("truncate_prompt_tokens", "truncating the prompt"))
+# ... and those the engine does only as their default does
+VLLM_DEFAULTS_ONLY = (("skip_special_tokens", True, "skip_special_tokens false (special tokens in the text)"),
+                      ("spaces_between_special_tokens", True, "spaces_between_special_tokens false"),
+                      ("add_generation_prompt", True, "add_generation_prompt false"),
+                      ("continue_final_message", False, "continue_final_message (going on with the last message)"))
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class GenRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop sequence, not before it
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each chunk's token_ids in the reply
 
@@ -163,8 +173,12 @@ def _extensions(body: dict, max_tokens: int | None) -> dict[str, Any]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise bad_request("stop_token_ids: expected a list of token ids (integers >= 0)", "stop_token_ids",
                           "invalid_type")
+    keep = body.get("include_stop_str_in_output", False)
+    if keep is not None and not isinstance(keep, bool):
+        raise bad_request(f"include_stop_str_in_output: {keep!r} is not a boolean", "include_stop_str_in_output",
+                          "invalid_type")
     return dict(top_k=max(0, top_k or 0), min_p=min_p, repetition_penalty=rep, ignore_eos=bool(ignore_eos),
-                min_tokens=min_tokens, stop_token_ids=tuple(dict.fromkeys(ids)))
+                min_tokens=min_tokens, stop_token_ids=tuple(dict.fromkeys(ids)), include_stop_str_in_output=bool(keep))
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -204,6 +218,10 @@ def refuse_unsupported(body: dict, kind: str) -> None:
     for param, why in VLLM_UNSUPPORTED:
         v = body.get(param)
         if not (v is None or v is False or v == [] or v == {}):  # 0 asks too (prompt_logprobs 0)
+            raise no(param, why)
+    for param, default, why in VLLM_DEFAULTS_ONLY:
+        v = body.get(param)
+        if v is not None and v != default:
             raise no(param, why)
     if kind == "completion":
         if body.get("echo"):

@@ -8,8 +8,9 @@ from typing import Sequence
 
 
 class StopTrimmer:
-    def __init__(self, stops: Sequence[str] = ()) -> None:
+    def __init__(self, stops: Sequence[str] = (), keep: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.keep = keep  # the text ends after the stop sequence (vLLM's include_stop_str_in_output)
         self.text = ""  # the reply so far, cut before the first stop sequence
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
@@ -25,10 +26,11 @@ class StopTrimmer:
             self.floor = len(self.text)
         if not self.stops or not look:
             return self._release(len(self.text))
-        cuts = [i for i in (self.text.find(s, self.floor) for s in self.stops) if i >= 0]
+        cuts = [(i, len(s)) for i, s in ((self.text.find(s, self.floor), s) for s in self.stops) if i >= 0]
         if cuts:
             self.stopped = True
-            self.text = self.text[:min(cuts)]
+            at, n = min(cuts)
+            self.text = self.text[:at + n if self.keep else at]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held())
 

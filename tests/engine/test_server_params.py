@@ -204,6 +204,19 @@ def test_stop_sequences_in_the_first_min_tokens_do_not_end_the_reply(served):
     assert "a" in choice["text"] and len(choice["text"]) > len(early["choices"][0]["text"])  # not cut at the first
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_sequence(served):
+    _, url = served
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stop": ["Lily"]}
+    cut = post(url, "/v1/completions", body).json()["choices"][0]
+    kept = post(url, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop" and "Lily" not in cut["text"]
+    assert kept["text"] == cut["text"] + "Lily"
+    # the defaults asked for explicitly change nothing
+    same = post(url, "/v1/completions", {**body, "skip_special_tokens": True, "add_generation_prompt": True,
+                                         "include_stop_str_in_output": False}).json()["choices"][0]
+    assert same["text"] == cut["text"]
+
+
 def test_stop_token_ids_end_the_reply_and_min_tokens_keeps_them_out(served, stories):
     _, url = served
     body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
@@ -245,6 +258,9 @@ def test_top_k_min_p_and_repetition_penalty_are_honoured(served, stories):
     ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ({"bad_words": ["dog"]}, "bad_words"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"include_stop_str_in_output": 1},
+                                                               "include_stop_str_in_output"),
 ])
 def test_vllms_extensions_out_of_range_are_a_400_naming_them(served, extra, param):
     _, url = served
