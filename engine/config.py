@@ -251,7 +251,8 @@ class SamplingConfig:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop token ids: {self.stop_token_ids!r} must be token ids (integers >= 0)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min new tokens: {self.min_new_tokens} must be in 0..{self.max_new_tokens} (max new tokens)")
+            raise ValueError(f"min new tokens: {self.min_new_tokens} must be in 0..{self.max_new_tokens} "
+                             "(max new tokens)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:

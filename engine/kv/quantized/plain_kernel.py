@@ -156,7 +156,8 @@ static inline __m256 sums8(const __m256 *x) {
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
     __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00138888892f), _mm256_set1_ps(0.00833333377f));
     p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.0416666679f));
     p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.166666672f));
@@ -238,7 +239,8 @@ KVS_AI void head8(const int BF, int h, int rep, int64_t n, int dk, int dv, const
             const int64_t i = i0 + t < len ? i0 + t : len - 1;  /* past the end: a row again, its score unused */
             kr[t] = i < n ? kh + slots[i] * dk * es : nk + (int64_t)h * dk * es;
         }
-        for (int64_t i = i0 + KVS_AHEAD; i < i0 + KVS_AHEAD + 8 && i < n; i++) plain_prefetch(kh + slots[i] * dk * es, dk * es);
+        for (int64_t i = i0 + KVS_AHEAD; i < i0 + KVS_AHEAD + 8 && i < n; i++)
+            plain_prefetch(kh + slots[i] * dk * es, dk * es);
         int r = 0;
         for (; r + 2 <= rep; r += 2) scores8(2, BF, qf + r * dk, dk, kr, s + r * ls + i0, ls);
         if (r < rep) scores8(1, BF, qf + r * dk, dk, kr, s + r * ls + i0, ls);
@@ -251,7 +253,8 @@ KVS_AI void head8(const int BF, int h, int rep, int64_t n, int dk, int dv, const
             const int64_t i = i0 + t;
             vr[t] = i < n ? vh + slots[i] * dv * es : nv + (int64_t)h * dv * es;
         }
-        for (int64_t i = i0 + KVS_AHEAD; i < i0 + rows + KVS_AHEAD && i < n; i++) plain_prefetch(vh + slots[i] * dv * es, dv * es);
+        for (int64_t i = i0 + KVS_AHEAD; i < i0 + rows + KVS_AHEAD && i < n; i++)
+            plain_prefetch(vh + slots[i] * dv * es, dv * es);
         for (int c0 = 0; c0 < dv; c0 += 32) {
             int r = 0;
             for (; r + 2 <= rep; r += 2) values32(2, BF, s + r * ls + i0, ls, rows, vr, c0, acc + r * dv, dv);
