@@ -17,7 +17,9 @@ measured an hour after another is not compared with it), each scenario in turn:
 Prompts are token ids below ``--vocab`` (500: inside any tokenizer), temperature 0, ``ignore_eos`` / ``min_tokens``
 asked (vLLM and llama.cpp honour them; a server that stops early is measured on the tokens it sent:
 ``usage.completion_tokens``). Medians over rounds; every figure also as a ratio to the first server's in the same
-run. Bad arguments or a server that does not answer: one line on stderr, exit 2.
+run. ``--warmup`` rounds come first on prompts of their own and are not counted; the rounds' prompts follow
+``--seed``: a server that ran the bench before holds the last run's prompts in its prefix cache, so give another
+seed or restart it. Bad arguments or a server that does not answer: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -144,23 +146,32 @@ def shared_prefix(peer: Peer, prefix: list[int], questions: list[list[int]], new
 
 
 def run(peers: list[Peer], a) -> dict[str, Any]:
-    """Every round: every server, every scenario; then medians and ratios to the first server."""
+    """The warm-up rounds (not counted), then every round: every server, every scenario; then medians and ratios
+    to the first server."""
     raw: dict[str, dict[str, list[dict]]] = {p.name: {} for p in peers}
+    for w in range(a.warmup):
+        one_round(peers, a, random.Random(f"warm-up {a.seed} {w}"), {p.name: {} for p in peers}, f"warm-up {w + 1}")
     for r in range(a.rounds):
-        rng = random.Random(1000 + r)  # the same prompts for every server in a round, new ones each round
-        prompts = {c: [_ids(rng, a.prompt_tokens, a.vocab) for _ in range(c)] for c in a.clients}
-        prefix = _ids(rng, a.shared_prefix, a.vocab) if a.shared_prefix else []
-        questions = [_ids(rng, QUESTION, a.vocab) for _ in range(a.prefix_requests)]
-        for p in peers:
-            for c in a.clients:
-                res = streams(p, prompts[c], a.new_tokens)
-                raw[p.name].setdefault(f"streams_{c}", []).append(res)
-                _say(a, f"round {r + 1} {p.name} {c} client(s): {_line(res)}")
-            if prefix:
-                res = shared_prefix(p, prefix, questions, a.new_tokens)
-                raw[p.name].setdefault("shared_prefix", []).append(res)
-                _say(a, f"round {r + 1} {p.name} shared prefix: {_line(res)}")
+        # the same prompts for every server in a round, new ones each round (and each --seed: a server that ran
+        # this bench before has the last run's prompts in its prefix cache)
+        one_round(peers, a, random.Random(a.seed + r), raw, f"round {r + 1}")
     return summarize(raw, [p.name for p in peers])
+
+
+def one_round(peers: list[Peer], a, rng: random.Random, raw: dict[str, dict[str, list[dict]]], label: str) -> None:
+    """Every server, every scenario, on prompts drawn from ``rng``; the results appended to ``raw``."""
+    prompts = {c: [_ids(rng, a.prompt_tokens, a.vocab) for _ in range(c)] for c in a.clients}
+    prefix = _ids(rng, a.shared_prefix, a.vocab) if a.shared_prefix else []
+    questions = [_ids(rng, QUESTION, a.vocab) for _ in range(a.prefix_requests)]
+    for p in peers:
+        for c in a.clients:
+            res = streams(p, prompts[c], a.new_tokens)
+            raw[p.name].setdefault(f"streams_{c}", []).append(res)
+            _say(a, f"{label} {p.name} {c} client(s): {_line(res)}")
+        if prefix:
+            res = shared_prefix(p, prefix, questions, a.new_tokens)
+            raw[p.name].setdefault("shared_prefix", []).append(res)
+            _say(a, f"{label} {p.name} shared prefix: {_line(res)}")
 
 
 def summarize(raw: dict[str, dict[str, list[dict]]], names: list[str]) -> dict[str, Any]:
@@ -233,6 +244,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefix-requests", type=int, default=4, help="requests sharing it, one after another")
     p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from 3 .. VOCAB-1")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="rounds first on prompts of their own, not counted (compiles, caches, thread pools)")
+    p.add_argument("--seed", type=int, default=1000,
+                   help="the rounds' prompts (round r: SEED + r); change it for servers that ran this bench before")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--json", dest="json_file", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="print only the table")
@@ -249,6 +264,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
               (a.prompt_tokens < 1 or a.new_tokens < 1, "--prompt-tokens and --new-tokens: at least 1"),
               (a.shared_prefix < 0 or a.prefix_requests < 2, "--shared-prefix >= 0 and --prefix-requests >= 2"),
               (a.vocab < 4, "--vocab: at least 4"), (a.rounds < 1, "--rounds: at least 1"),
+              (a.warmup < 0, "--warmup: 0 or more"),
               (any(not u.startswith(("http://", "https://")) for u in a.urls), "a server is http(s)://HOST:PORT")]
     for bad, why in checks:
         if bad:
@@ -267,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     result = run(peers, a)
     result["settings"] = {k: getattr(a, k) for k in ("urls", "names", "clients", "prompt_tokens", "new_tokens",
-                                                    "shared_prefix", "prefix_requests", "rounds")}
+                                                    "shared_prefix", "prefix_requests", "rounds", "warmup", "seed")}
     result["models"] = {p.name: p.model for p in peers}
     print(table(result), flush=True)
     if a.json_file:

@@ -61,6 +61,27 @@ def test_side_by_side_streams_and_shared_prefix_with_ratios(served, tmp_path, ca
     assert "| streams_3 | tokens_per_s |" in table and "two ÷ one" in table
 
 
+def test_warm_up_rounds_run_first_on_prompts_of_their_own_and_are_not_counted(served, tmp_path, capsys, monkeypatch):
+    _, url = served
+    drawn = []
+    real = bench_peers._ids
+    monkeypatch.setattr(bench_peers, "_ids", lambda rng, n, vocab: drawn.append(real(rng, n, vocab)) or drawn[-1])
+    out = tmp_path / "peers.json"
+    argv = [url, "--names", "one", "--clients", "1", "--prompt-tokens", "20", "--new-tokens", "2", "--shared-prefix",
+            "0", "--prefix-requests", "2", "--rounds", "1", "--warmup", "1", "--json", str(out)]
+    assert bench_peers.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "warm-up 1 one 1 client(s)" in said and "round 1 one 1 client(s)" in said
+    res = json.loads(out.read_text())
+    assert len(res["rounds"]["one"]["streams_1"]) == 1 and res["settings"]["warmup"] == 1  # the warm-up not counted
+    warm, measured = drawn[0], drawn[3]  # each round: the prompt, then the two questions
+    assert warm != measured
+    assert bench_peers.main(argv + ["--seed", "7", "--warmup", "0"]) == 0
+    assert drawn[6] != measured  # another seed, other prompts
+    assert bench_peers.main(argv + ["--warmup", "0"]) == 0
+    assert drawn[9] == measured  # the same seed, the same prompts
+
+
 @pytest.mark.parametrize("argv, says", [
     (["http://127.0.0.1:1"], "http://127.0.0.1:1: "),  # nothing listens there
     (["localhost:8000"], "a server is http(s)://HOST:PORT"),
