@@ -238,7 +238,7 @@ def _build(cxx: str, kernels: tuple[Path, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
         src, out = Path(tmp) / "linear_op.cpp", Path(tmp) / "linear_op.so"
-        src.write_text(SOURCE)
+        src.write_text(SOURCE, encoding="utf-8")
         cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(src),
                *map(str, kernels), "-o", str(out), *[f"-I{p}" for p in cpp_extension.include_paths()],
                *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch",

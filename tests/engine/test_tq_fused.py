@@ -134,6 +134,22 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no build folder left behind
 
 
+@pytest.mark.skipif(os.name != "posix", reason="an ASCII locale")
+def test_the_kernels_build_under_an_ascii_locale(tmp_path):
+    """The sources' comments hold UTF-8 (arrows, dashes): written in the locale's encoding they raised
+    UnicodeEncodeError under LC_ALL=C without Python's UTF-8 mode, a traceback instead of the kernels."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "XDG_CACHE_HOME": str(tmp_path)}
+    code = ("import locale; from engine.kv.quantized import native; from engine.model import linear_kernel; "
+            "print(locale.getpreferredencoding(), native.library() is not None, "
+            "linear_kernel.LINEAR.library() is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ANSI_X3.4-1968", "True", "True"], out.stdout + out.stderr[-500:]
+
+
 @pytest.mark.skipif(os.name != "posix", reason="process groups")
 def test_a_compiler_past_its_time_is_stopped_with_what_it_started(tmp_path):
     """``cc`` compiles in child processes (``cc1``): a timed-out build must not leave them running (seen: a dozen

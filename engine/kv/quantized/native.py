@@ -93,7 +93,7 @@ class Native:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
             src = Path(tmp) / f"{self.name}.c"
-            src.write_text(self.source)
+            src.write_text(self.source, encoding="utf-8")  # UTF-8 comments, whatever the locale (ASCII on some)
             out = Path(tmp) / f"{self.name}.so"
             r = compile_run([cc, *FLAGS, *tune, "-o", str(out), str(src), "-lm"], BUILD_TIMEOUT_S)
             if r.returncode != 0:

@@ -131,9 +131,9 @@ static int plain_head(int h, int rep, int64_t n, int dk, int dv, int bf16, const
    A row comes from memory once, not once per query head (the heads after the first read it from L1), asked for
    KVS_AHEAD rows ahead. Scores and outputs are summed in the order one query head alone would sum them.
    Against the code before (one query head and eight rows at a time, the row pointers reloaded at every step),
-   one thread, 3 KV heads x 3 query heads x 64: a layer of 2,048 tokens in L3 ×0.61 of the time; 8 sequences x 30
-   layers from memory: 256 tokens ×0.79, 2,048 ×0.93 float32 and ×0.77 bfloat16 (memory-bound: ~8 GB/s of K/V,
-   where one core's sum streams ~19 — the core's outstanding misses, not the arithmetic, bound it). */
+   one thread, 3 KV heads x 3 query heads x 64: a layer of 2,048 tokens in L3 0.61 of the time; 8 sequences x 30
+   layers from memory: 256 tokens 0.79, 2,048 0.93 float32 and 0.77 bfloat16 (memory-bound: ~8 GB/s of K/V,
+   where one core's sum streams ~19; the core's outstanding misses, not the arithmetic, bound it). */
 #define KVS_HEAD8_MAX 4096  /* rep * head_dim the queries and outputs are kept for (rep 32 at head_dim 128) */
 #define KVS_VROWS 32  /* value rows a block: 8 KB of float32 at head_dim 64 */
 #define KVS_AHEAD 32  /* rows ahead: ~300 cycles of a row's products, one memory latency */
