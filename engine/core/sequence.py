@@ -258,7 +258,7 @@ class Sequence:
         if is_stop_token:
             stop = "eos"
         elif (not before_min and t.sampling.stop_strings
-              and any(s in t.decoder.text[t.stop_from:] for s in t.sampling.stop_strings)):
+              and any(t.decoder.text.find(s, t.stop_from) >= 0 for s in t.sampling.stop_strings)):
             stop = "stop_string"
         elif len(t.generated) >= t.sampling.max_new_tokens:
             stop = "max_tokens"

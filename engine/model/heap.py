@@ -11,7 +11,7 @@ A worker thread's arena kept more already (0-28,000 faults a prefill before, 100
 The rules: blocks up to 32 MB come from the heap (glibc's largest mmap threshold on 64-bit), and the heap keeps up
 to 256 MB free at its top (64 MB grown at a time) instead of returning it. The process holds that much more memory
 between prompts, at most. Left alone where the user set glibc's malloc variables, on other C libraries and
-systems, and with ``KVSCOPE_HEAP=default``.
+systems, and with ``KVSCOPE_HEAP=default`` (or ``off``; ``keep``, the default, sets them).
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def keep_freed_memory() -> str:
 
 
 def _apply() -> str:
-    if os.environ.get("KVSCOPE_HEAP", "").strip().lower() == "default":
-        return "glibc's own rules (KVSCOPE_HEAP=default)"
+    choice = os.environ.get("KVSCOPE_HEAP", "").strip().lower()
+    if choice in ("default", "off"):
+        return f"glibc's own rules (KVSCOPE_HEAP={choice})"
+    if choice not in ("", "keep"):
+        log.warning("KVSCOPE_HEAP=%s is not one of keep, default, off: the heap's rules are set (keep)", choice)
     if not sys.platform.startswith("linux"):
         return f"the system's own rules ({sys.platform})"
     user = [v for v in USER_VARS if v in os.environ]

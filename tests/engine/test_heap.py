@@ -71,9 +71,21 @@ def test_freed_activations_are_reused_not_faulted_in_again():
 def test_the_off_switch_and_the_users_variables_are_said(monkeypatch):
     monkeypatch.setenv("KVSCOPE_HEAP", "default")
     assert heap._apply() == "glibc's own rules (KVSCOPE_HEAP=default)"
+    monkeypatch.setenv("KVSCOPE_HEAP", "Off")
+    assert heap._apply() == "glibc's own rules (KVSCOPE_HEAP=off)"
     monkeypatch.delenv("KVSCOPE_HEAP")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
     assert heap._apply() == "the rules the user set (MALLOC_TRIM_THRESHOLD_)"
+
+
+@linux_glibc
+def test_an_unknown_switch_value_is_said_once_in_the_log(monkeypatch, caplog):
+    monkeypatch.setenv("KVSCOPE_HEAP", "sometimes")
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "0")  # the user's rules: nothing is set in this process
+    with caplog.at_level("WARNING", logger=heap.__name__):
+        assert heap._apply() == "the rules the user set (MALLOC_TOP_PAD_)"
+    assert [r.getMessage() for r in caplog.records] == [
+        "KVSCOPE_HEAP=sometimes is not one of keep, default, off: the heap's rules are set (keep)"]
 
 
 @linux_glibc
