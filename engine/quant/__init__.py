@@ -1,0 +1,8 @@
+"""GGUF weights kept as the file stores them and multiplied by native kernels: the block types' facts
+(``formats``: what each type costs in memory, read by the fit estimate), the C kernels' one build path
+(``build``, sources in ``csrc/``), their Python face (``kernel``), the modules a model holds them in
+(``modules``) and the loader that maps a GGUF file's tensors into them (``gguf_keep``).
+
+Qt-free; imports torch and ``engine.kv.quantized.native`` (the compiler runner and cache folder), never the core,
+the server or the model room.
+"""

@@ -1,0 +1,149 @@
+"""The GGUF block kernels from Python: products of float32 activations with weights kept as the file stores them,
+embedding rows dequantized as they are looked up, whole tensors dequantized (tests, the fallback).
+
+Weights are uint8 tensors ``[rows, row_bytes]`` (transformers' ``GgufLinear`` layout: one GGUF row of blocks per
+output), usually views of the memory-mapped file. Every call checks the shapes against the type before the C code
+reads a byte (``check_rows``): a tensor shorter than its rows need is refused, never read past.
+
+Roads (``ROADS``): ``int8`` quantizes each activation row to 8-bit blocks and multiplies integers (llama.cpp's
+numerics and speed; the default), ``float`` dequantizes each weight row to float32 (the model the gguf package
+dequantizes, up to summation order). ``KVSCOPE_GGUF_ROAD=float`` makes float the default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from engine.quant import formats
+from engine.quant.build import Kernels
+
+ROADS = ("int8", "float")
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kq_matmul.restype = i
+    # type w rb n_out n x m ldx y ldy bias map road threads
+    lib.kq_matmul.argtypes = [i, p, i64, i64, i64, p, i64, i64, p, i64, p, p, i, i]
+    lib.kq_get_rows.restype = i
+    lib.kq_get_rows.argtypes = [i, p, i64, i64, i64, p, i64, p]  # type w rb n_rows n ids count out
+    lib.kq_dequant.restype = i
+    lib.kq_dequant.argtypes = [i, p, i64, i64, i64, i64, p]  # type w rb r0 r1 n out
+    lib.kq_quantize_act.restype = i
+    lib.kq_quantize_act.argtypes = [i, p, i64, i64, p, p, p, p]  # kind x m n qs d s bsums
+    lib.kq_row_bytes_of.restype = i64
+    lib.kq_row_bytes_of.argtypes = [i, i64]
+    lib.kq_isa_name.restype = ctypes.c_char_p
+    lib.kq_isa_name.argtypes = []
+    return lib
+
+
+KERNELS = Kernels(_declare)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (None where there are none: ``why()``)."""
+    return KERNELS.library()
+
+
+def why() -> str | None:
+    return KERNELS.why()
+
+
+def isa() -> str:
+    """The instruction set the integer products were built for ('' without the library)."""
+    lib = library()
+    return lib.kq_isa_name().decode() if lib is not None else ""
+
+
+def default_road() -> str:
+    road = os.environ.get("KVSCOPE_GGUF_ROAD", "int8").strip().lower()
+    return road if road in ROADS else "int8"
+
+
+def check_rows(w: torch.Tensor, ggml_type: int, n_in: int) -> int:
+    """Refuse a weight ``w`` that is not ``[rows, row_bytes]`` uint8 of ``ggml_type`` for ``n_in`` inputs, contiguous
+    in its rows, on the CPU; returns the row stride in bytes."""
+    need = formats.row_bytes(ggml_type, n_in)
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != need or w.stride(1) != 1 or w.device.type != "cpu":
+        raise ValueError(f"{formats.name(ggml_type)} weight: expected uint8 [rows, {need}] on the CPU for {n_in} "
+                         f"inputs, got {w.dtype} {tuple(w.shape)} on {w.device.type}")
+    return int(w.stride(0))
+
+
+def matmul(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None = None,
+           out_map: torch.Tensor | None = None, road: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32 (``+ bias``; output
+    row o written to column ``out_map[o]``)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"GGUF block kernels are not available ({why()})")
+    rb = check_rows(w, ggml_type, n_in)
+    if x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in:
+        raise ValueError(f"activations: expected float32 [m, {n_in}], got {x2.dtype} {tuple(x2.shape)}")
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, n_out = x2.shape[0], w.shape[0]
+    y = torch.empty(m, n_out, dtype=torch.float32)  # [m, n_out]
+    if m == 0:
+        return y
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n_out):
+        bias = bias.to(torch.float32).contiguous().reshape(-1)
+    if out_map is not None and (out_map.dtype != torch.int32 or out_map.numel() != n_out):
+        raise ValueError("out_map: expected int32 with one entry per output")
+    rc = lib.kq_matmul(ggml_type, w.data_ptr(), rb, n_out, n_in, x2.data_ptr(), m, x2.stride(0), y.data_ptr(), n_out,
+                       bias.data_ptr() if bias is not None else None,
+                       out_map.data_ptr() if out_map is not None else None,
+                       ROADS.index(road or default_road()), threads or torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("the GGUF block product refused its arguments" if rc == -1 else "out of memory")
+    return y
+
+
+def get_rows(w: torch.Tensor, ggml_type: int, n: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the GGUF table w [rows, row_bytes] dequantized: [*ids.shape, n] float32. An id
+    outside the table raises IndexError (nothing read)."""
+    lib = library()
+    rb = check_rows(w, ggml_type, n)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), n, dtype=torch.float32)  # [count, n]
+    if flat.numel():
+        if lib is None:
+            raise RuntimeError(f"GGUF block kernels are not available ({why()})")
+        if lib.kq_get_rows(ggml_type, w.data_ptr(), rb, w.shape[0], n, flat.data_ptr(), flat.numel(),
+                           out.data_ptr()) != 0:
+            raise IndexError(f"an id outside the table's {w.shape[0]} rows")
+    return out.reshape(*ids.shape, n)
+
+
+def dequantize(w: torch.Tensor, ggml_type: int, n: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The GGUF weight w [rows, row_bytes] (or its rows ``rows``) as float32 [rows, n]."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"GGUF block kernels are not available ({why()})")
+    rb = check_rows(w, ggml_type, n)
+    r0, r1 = rows or (0, w.shape[0])
+    if not 0 <= r0 <= r1 <= w.shape[0]:
+        raise IndexError(f"rows {r0}..{r1} outside 0..{w.shape[0]}")
+    out = torch.empty(r1 - r0, n, dtype=torch.float32)  # [r1 - r0, n]
+    lib.kq_dequant(ggml_type, w.data_ptr(), rb, r0, r1, n, out.data_ptr())
+    return out
+
+
+def quantize_activations(x2: torch.Tensor, kind: int) -> tuple[torch.Tensor, ...]:
+    """The 8-bit rows the integer road makes of x2 [m, n] float32 (tests): kind 0 -> (qs, d, s) per 32, kind 1 ->
+    (qs, d, bsums) as ggml's Q8_K."""
+    lib = library()
+    x2 = x2.to(torch.float32).contiguous()
+    m, n = x2.shape
+    blk = 256 if kind == 1 else 32
+    qs = torch.empty(m, n, dtype=torch.int8)
+    d = torch.empty(m, n // blk, dtype=torch.float32)
+    extra = torch.empty(m, n // 16, dtype=torch.int16) if kind == 1 else torch.empty(m, n // 32, dtype=torch.float32)
+    if lib.kq_quantize_act(kind, x2.data_ptr(), m, n, qs.data_ptr(), d.data_ptr(),
+                           None if kind == 1 else extra.data_ptr(), extra.data_ptr() if kind == 1 else None) != 0:
+        raise ValueError(f"{n} is not a multiple of {blk}")
+    return qs, d, extra
