@@ -25,10 +25,9 @@ class HistoryNotices:
         history.on_change = self.changed
 
     def clear_notice(self) -> None:
-        """Close the notice when another chat comes on screen, unless it is about the history file rather than the
-        chat left behind (a problem that stands, or one met at start and recovered from: said until closed)."""
-        if not (self.pane.notice.text and self.pane.notice.text == self.about_file):
-            self.pane.notice.clear()
+        """Close the chat notice when another chat comes on screen; problems (the history file's among them) stay
+        until dismissed (``app.shell.notice``)."""
+        self.pane.notice.clear()
 
     def changed(self) -> None:
         """Say what happened to the history file and mark the unsaved messages."""
@@ -42,10 +41,11 @@ class HistoryNotices:
             self.about_file = text
             kind = "".join(w.title() for w in problems[-1].kind.split("_"))
             self._fail(Failure(0, "history", text, f"History{kind}"))
-        elif notices and self.notice and self.pane.notice.text == self.notice:
+        elif notices and self.notice and self.notice in self.pane.notice.problems:
+            self.pane.notice.resolve(self.notice)  # "saved again" replaces the problem
             self.notice = ""
             self.about_file = notices[-1].message
-            self.pane.notice.show_message(notices[-1].message)  # "saved again" replaces the problem
+            self.pane.notice.show_message(notices[-1].message, tone="info")
         self.show_unsaved()
 
     def show_unsaved(self) -> None:

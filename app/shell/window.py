@@ -306,10 +306,10 @@ class MainWindow(QMainWindow):
 
     def show_error(self, message: str, notice: bool = True, actions=()) -> None:
         """Every failure ends here: the status bar, and (``notice``) the message area above the transcript, with
-        a button per (label, action) in ``actions``. Nothing here is saved; a reply's own failure is shown and
-        saved with the reply."""
+        a button per (label, action) in ``actions``, kept there until the user dismisses it. Nothing here is saved;
+        a reply's own failure is shown and saved with the reply."""
         if notice:
-            self.chat.notice.show_message(message, actions)
+            self.chat.notice.add_problem(message, actions)
         self.status.message(message.splitlines()[0], 8000)
         self.error_shown.emit(message)
 
