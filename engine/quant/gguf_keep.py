@@ -1,0 +1,234 @@
+"""A GGUF file's model with its weights kept as the file stores them: the file memory-mapped once, each linear's
+and the embedding's tensor a view of the mapping (``BlockLinear`` / ``BlockEmbedding``), nothing dequantized but
+the 1-D tensors (norms, biases) and weights of a type the kernels do not multiply.
+
+Why not transformers' own ``GgufConfig(dequantize=False)``: in 5.24 it keeps blocks only for the architectures of
+its new GGUF path (qwen3.5, lfm2) and only where the ``kernels`` package fetches ggml's GPU kernels from the hub;
+and its lazy tensors copy every tensor out of the mapping (``np.copy`` in ``LazyGgufTensor``), so a load's peak is
+the file in anonymous memory plus the mapping's pages. Here the modules take transformers' layout
+(``[out_features, bytes_per_row]`` uint8, as its ``GgufLinear``) and its name mapping and tensor processors
+(``get_gguf_hf_weights_map``, ``TENSOR_PROCESSORS``: llama.cpp's names, Gemma's norms stored as 1 + w), so the
+model is the one transformers builds from the same file; llama's query / key rows, stored in llama.cpp's rotary
+order, stay in it and the product writes each output where the model wants it (``out_map``).
+
+Peak memory: the model is built with its parameters on the meta device (``accelerate.init_empty_weights``,
+buffers real), so nothing is allocated for a weight that stays in the file; the mapping's pages count in the
+process's RSS as the products first read them (as llama.cpp's mmap does).
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.quant import formats, kernel
+from engine.quant.modules import BlockEmbedding, BlockLinear
+
+_SIMPLE = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+# ggml types transformers' GPU path can multiply or dequantize (its GGML_BLOCK): others are dequantized on CUDA
+_CUDA_TYPES = frozenset((2, 3, 8, 12, 13, 14))
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+
+
+class Table:
+    """Where each tensor's bytes are in the mapped file: ``entries[name] = (ggml_type, torch_shape, start, nbytes)``."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+        self.size = len(self.map)
+        self.entries: dict[str, tuple[int, tuple[int, ...], int, int]] = {}
+        try:
+            self._parse(path.name)
+        except struct.error:
+            raise ValueError(f"{path.name}: the header is cut short") from None
+
+    def _parse(self, name: str) -> None:
+        m, pos = self.map, 8
+        n_tensors, n_kv = struct.unpack_from("<QQ", m, pos)
+        pos += 16
+        align = 32
+        for _ in range(n_kv):
+            key, pos = self._string(pos)
+            (vt,) = struct.unpack_from("<I", m, pos)
+            if key == "general.alignment" and vt == 4:
+                (align,) = struct.unpack_from("<I", m, pos + 4)
+            pos = self._skip(vt, pos + 4, 0)
+        raw = []
+        for _ in range(n_tensors):
+            tname, pos = self._string(pos)
+            (dims,) = struct.unpack_from("<I", m, pos)
+            shape = struct.unpack_from(f"<{dims}Q", m, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * dims)
+            pos += 4 + 8 * dims + 12
+            raw.append((tname, ggml_type, tuple(reversed(shape)), offset))
+        data = -(-pos // align) * align
+        for tname, ggml_type, shape, offset in raw:
+            nbytes = formats.file_bytes(ggml_type, shape) if ggml_type in formats.TYPES else -1
+            start = data + offset
+            if nbytes < 0 or start + nbytes > self.size:
+                raise ValueError(f"{name}: tensor {tname!r} lies past the end of the file or has an unknown type")
+            self.entries[tname] = (ggml_type, shape, start, nbytes)
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self.map, pos)
+        if pos + 8 + n > self.size:
+            raise struct.error("string past the end")
+        return self.map[pos + 8:pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+
+    def _skip(self, vt: int, pos: int, depth: int) -> int:
+        if vt in _SCALAR:
+            return pos + _SCALAR[vt]
+        if vt == 8:
+            (n,) = struct.unpack_from("<Q", self.map, pos)
+            return pos + 8 + n
+        if vt == 9 and depth < 2:
+            et, count = struct.unpack_from("<IQ", self.map, pos)
+            pos += 12
+            if et in _SCALAR:
+                return pos + count * _SCALAR[et]
+            for _ in range(count):
+                pos = self._skip(et, pos, depth + 1)
+                if pos > self.size:
+                    raise struct.error("array past the end")
+            return pos
+        raise struct.error(f"value type {vt}")
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as uint8 [rows, row_bytes], a view of the mapping (no copy)."""
+        t, shape, start, nbytes = self.entries[name]
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=start)
+        return flat.view(rows, nbytes // rows)  # [rows, row_bytes]
+
+    def floats(self, name: str) -> np.ndarray:
+        """The tensor dequantized by the gguf package to float32, in torch order (a copy)."""
+        import gguf
+
+        t, shape, start, nbytes = self.entries[name]
+        raw = np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=start)
+        return np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)), dtype=np.float32).reshape(shape)
+
+
+def refusal(architecture: str, device: str) -> str:
+    """Why this file's weights cannot stay as blocks here ('' when they can)."""
+    if architecture not in formats.ARCHITECTURES:
+        return f"{architecture} GGUF weights are dequantized on load (blocks are kept for {', '.join(sorted(formats.ARCHITECTURES))})"
+    if device == "cpu" and kernel.library() is None:
+        return f"no GGUF block kernels on this machine ({kernel.why()})"
+    if device not in ("cpu", "cuda"):
+        return f"GGUF blocks are multiplied on the CPU and CUDA, not {device}"
+    return ""
+
+
+@contextmanager
+def _cached_name_map():
+    """transformers builds gguf's tensor-name map again for every submodule (~85 ms each, hundreds of them): one
+    map per load (it is read-only)."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor | None:
+    """Where each stored row goes in the model's weight (llama's query / key rows), or None: the same order."""
+    if type(processor).__name__ != "LlamaTensorProcessor" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        return None
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    moved = processor.process(weights=index, name=gguf_name).weights[:, 0].astype(np.int64)  # model row i <- moved[i]
+    out = np.empty(rows, dtype=np.int32)
+    out[moved] = np.arange(rows, dtype=np.int32)  # stored row moved[i] is the model's output i
+    return None if np.array_equal(out, np.arange(rows)) else torch.from_numpy(out)
+
+
+def _keep(ggml_type: int, shape: tuple[int, ...], device: str) -> bool:
+    return formats.is_kept(ggml_type, shape) and (device == "cpu" or ggml_type in _CUDA_TYPES)
+
+
+def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device: str, attn: str,
+          progress: Callable[[str, float], None] | None = None, check: Callable[[], None] = lambda: None):
+    """The model of the GGUF file at ``path`` (``architecture`` its ``general.architecture``, ``config`` read from
+    it, ``cls`` its causal-LM class) with the
+    weights of kept types as blocks mapped from the file and everything else in ``dtype``; on ``device``. Raises
+    ValueError naming what does not fit (a tensor the model does not have, a parameter the file lacks)."""
+    import accelerate
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    table = Table(path)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    if type(processor).__name__ not in _SIMPLE:
+        raise ValueError(f"{architecture}: its GGUF tensors are reshaped on load, so they cannot stay as blocks")
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
+    with _cached_name_map():
+        names = get_gguf_hf_weights_map(model, processor)
+    total = max(len(table.entries), 1)
+    for i, (gname, (t, shape, _, _)) in enumerate(table.entries.items()):
+        check()
+        if progress and i % max(1, total // 50) == 0:
+            progress(f"mapping {path.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
+        hf = names.get(gname)
+        if hf is None:
+            continue  # llama.cpp's extras the model has no place for (rope_freqs): transformers skips them too
+        _place(model, table, processor, gname, hf, t, shape, dtype, device)
+    _tie_head(model, config)
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
+    model.eval()
+    return model
+
+
+def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: tuple[int, ...],
+           dtype: torch.dtype, device: str) -> None:
+    """Put the file's tensor ``gname`` where the model's ``hf`` is: a kept weight replaces its module, anything
+    else is dequantized (and processed as transformers would) into the parameter."""
+    owner_name, leaf = hf.rsplit(".", 1)
+    owner = model.get_submodule(owner_name)
+    current = getattr(owner, leaf)
+    if leaf == "weight" and _keep(t, shape, device) and tuple(current.shape) == shape:
+        if type(owner) is nn.Linear:
+            bias = owner.bias
+            new = BlockLinear(table.blocks(gname).to(device), t, shape[1], bias if bias is not None else None,
+                              _row_order(processor, gname, shape[0]))
+            model.set_submodule(owner_name, new)
+            return
+        if isinstance(owner, nn.Embedding):
+            scale = getattr(owner, "embed_scale", None)
+            scale = float(scale) if scale is not None else None
+            new = BlockEmbedding(table.blocks(gname).to(device), t, shape[1], dtype, owner.padding_idx, scale)
+            model.set_submodule(owner_name, new)
+            return
+    data = processor.process(weights=table.floats(gname), name=gname).weights
+    value = torch.from_numpy(np.ascontiguousarray(data)).to(dtype).reshape(current.shape).to(device)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+def _tie_head(model, config) -> None:
+    """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or not weight.is_meta:
+        return
+    if isinstance(embed, BlockEmbedding):
+        name = next(n for n, m in model.named_modules() if m is head)
+        model.set_submodule(name, BlockLinear(embed.weight.data, embed.ggml_type, embed.embedding_dim,
+                                              head.bias if head.bias is not None and not head.bias.is_meta else None))
+    else:
+        head.weight = embed.weight

@@ -1,0 +1,118 @@
+"""The modules a model holds GGUF weights in, as the file stores them: ``BlockLinear`` (an ``nn.Linear``) and
+``BlockEmbedding`` (an ``nn.Embedding``).
+
+The weight is transformers' ``GgufLinear`` layout, ``[out_features, bytes_per_row]`` uint8 (one GGUF row of blocks
+per output), usually a view of the memory-mapped file: loading copies nothing, and the pages are read from the
+file's page cache as the products first touch them.
+
+On the CPU the product is ``engine.quant.kernel.matmul`` (8-bit activations by default, float ones on the
+``float`` road). A compiled step calls it as the operator ``kvscope::gguf_linear``. On CUDA the blocks are
+multiplied by ggml's published kernels through transformers (``mul_mat_vec``, up to its row limit) where the
+``kernels`` package has them, else dequantized a chunk of rows at a time and multiplied by cuBLAS (transformers'
+``GgufLinear`` does the same): the weights stay as blocks in the GPU's memory either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quant import formats, kernel
+
+
+@torch.library.custom_op("kvscope::gguf_linear", mutates_args=())
+def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
+                out_map: torch.Tensor | None, road: int) -> torch.Tensor:
+    """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32."""
+    return kernel.matmul(x2, w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+
+
+@gguf_linear.register_fake
+def _(x2, w, ggml_type, n_in, bias, out_map, road):
+    return x2.new_empty(x2.shape[0], w.shape[0])  # [m, n_out]
+
+
+def _cuda_product(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, n_out: int) -> torch.Tensor:
+    """transformers' GGUF product on a GPU: ggml's kernel where published and the rows are few, else the blocks
+    dequantized a chunk at a time by torch and multiplied by cuBLAS (never the whole weight at once)."""
+    from transformers.integrations.gguf import kernels as hf
+
+    k = hf.get_gguf_kernel()
+    if k and k.supports(ggml_type) and x2.shape[0] <= hf.MAX_GEMV_ROWS:
+        return hf.mul_mat_vec(w, x2, ggml_type, n_out).to(x2.dtype)
+    rows = max(1, hf.DEQUANT_CHUNK_ELEMS // n_in)
+    out = torch.empty(x2.shape[0], n_out, dtype=x2.dtype, device=x2.device)  # [m, n_out]
+    for start in range(0, n_out, rows):
+        chunk = hf.dequantize_blocks(w[start:start + rows], ggml_type, min(rows, n_out - start), n_in, x2.dtype)
+        out[:, start:start + rows] = x2 @ chunk.T
+    return out
+
+
+class BlockLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W kept as GGUF blocks of ``ggml_type`` (module doc). ``out_map`` (int32, optional):
+    output row o of the stored weight is the model's output ``out_map[o]`` (llama.cpp's query / key row order)."""
+
+    def __init__(self, weight: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None,
+                 out_map: torch.Tensor | None = None, road: str | None = None) -> None:
+        super().__init__()
+        if weight.device.type == "cpu":
+            kernel.check_rows(weight, ggml_type, in_features)
+        self.ggml_type, self.in_features, self.out_features = int(ggml_type), int(in_features), int(weight.shape[0])
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False) if bias is not None else None
+        self.register_buffer("out_map", out_map, persistent=False)
+        self.road = road or kernel.default_road()
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {formats.name(self.ggml_type)} blocks, "
+                f"{self.road} activations" + (", rows reordered" if self.out_map is not None else ""))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [m, in]
+        if self.weight.device.type == "cuda":
+            y = _cuda_product(x2, self.weight, self.ggml_type, self.in_features, self.out_features)
+            if self.out_map is not None:
+                y = torch.empty_like(y).index_copy_(1, self.out_map.long(), y)
+            y = y + self.bias.to(y.dtype) if self.bias is not None else y
+        else:
+            x2 = x2.to(torch.float32)
+            road = kernel.ROADS.index(self.road)
+            if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+                y = torch.ops.kvscope.gguf_linear(x2, self.weight, self.ggml_type, self.in_features, self.bias,
+                                                  self.out_map, road)
+            else:
+                y = kernel.matmul(x2, self.weight, self.ggml_type, self.in_features, self.bias, self.out_map,
+                                  self.road)  # [m, out]
+        y = y.reshape(*x.shape[:-1], self.out_features)  # [..., out]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: the rows looked up are dequantized (to ``dtype``), nothing else.
+    ``scale`` multiplies them (Gemma 3's scaled embedding)."""
+
+    def __init__(self, weight: torch.Tensor, ggml_type: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
+                 padding_idx: int | None = None, scale: float | None = None) -> None:
+        super().__init__()
+        if weight.device.type == "cpu":
+            kernel.check_rows(weight, ggml_type, embedding_dim)
+        self.ggml_type, self.embedding_dim = int(ggml_type), int(embedding_dim)
+        self.num_embeddings = int(weight.shape[0])
+        self.padding_idx, self.scale, self.dtype = padding_idx, scale, dtype
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {formats.name(self.ggml_type)} blocks"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.device.type == "cuda":
+            from transformers.integrations.gguf import kernels as hf
+
+            flat = ids.reshape(-1)
+            out = hf.dequantize_blocks(self.weight, self.ggml_type, flat.numel(), self.embedding_dim, self.dtype,
+                                       indices=flat).reshape(*ids.shape, self.embedding_dim)
+        else:
+            out = kernel.get_rows(self.weight, self.ggml_type, self.embedding_dim, ids.cpu())  # [*ids, dim]
+        if self.scale is not None:
+            out = out * self.scale
+        return out.to(self.dtype)
