@@ -1,0 +1,154 @@
+"""The GGUF block kernels (``engine.quant``): every type's blocks against the ``gguf`` package's dequantize (the
+float reference), both roads of the product, one and several rows and threads, bad shapes refused before a byte
+is read.
+
+Random block bytes are valid blocks (every bit pattern decodes); only the half-precision scales are set, so the
+values are finite and of a model's size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from engine.quant import formats, kernel  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+QUANT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FLOAT = ("F32", "F16", "BF16")
+# where each type keeps its half-precision scale(s) in a block: (offset, count)
+SCALES = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+          "Q5_K": (0, 2), "Q6_K": (208, 1)}
+
+pytestmark = pytest.mark.skipif(kernel.library() is None, reason="no C compiler for the GGUF block kernels")
+
+
+def blocks(name: str, rows: int, n: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes] of ``name``: random bytes with finite, small scales (or random floats)."""
+    rng = np.random.default_rng(seed)
+    if name in FLOAT:
+        x = rng.standard_normal((rows, n)).astype(np.float32)
+        if name == "F16":
+            return x.astype(np.float16).view(np.uint8)
+        if name == "BF16":
+            return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return x.view(np.uint8)
+    kind = T[name]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(rows, n // block, size), dtype=np.uint8)
+    at, count = SCALES[name]
+    for k in range(count):
+        d = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[:, :, at + 2 * k:at + 2 * k + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, name: str) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(raw, T[name]), dtype=np.float64)
+
+
+@pytest.mark.parametrize("name", QUANT + FLOAT)
+def test_dequantize_equals_the_gguf_package(name):
+    raw = blocks(name, 5, 512)
+    got = kernel.dequantize(torch.from_numpy(raw), T[name].value, 512).numpy()
+    assert np.array_equal(got, gguf.quants.dequantize(raw, T[name]))
+    ids = torch.tensor([[4, 0], [2, 2]])
+    rows = kernel.get_rows(torch.from_numpy(raw), T[name].value, 512, ids)
+    assert rows.shape == (2, 2, 512) and torch.equal(rows[0, 0], torch.from_numpy(got[4]))
+
+
+@pytest.mark.parametrize("name", QUANT + FLOAT)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_float_road_is_the_dequantized_product(name, m):
+    n, out = 768 if name not in ("Q4_K", "Q5_K", "Q6_K") else 512, 20
+    raw = blocks(name, out, n, seed=m)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(out)
+    y = kernel.matmul(x, torch.from_numpy(raw), T[name].value, n, bias=bias, road="float").numpy()
+    ref = x.double().numpy() @ reference(raw, name).T + bias.double().numpy()
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def _ggml_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_K_ref in numpy: per 256, scale by the value of largest magnitude (signed)."""
+    b = x.reshape(x.shape[0], -1, 256).astype(np.float32)
+    at = np.abs(b).argmax(-1)
+    mx = np.take_along_axis(b, at[..., None], -1)
+    iscale = np.float32(-127.0) / mx
+    q = np.minimum(127, np.rint(iscale * b)).astype(np.int8)
+    return q.reshape(x.shape), (1 / iscale)[..., 0], q.reshape(x.shape[0], -1, 16).astype(np.int32).sum(-1)
+
+
+def test_activations_are_ggml_blocks():
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    qs, d, s = kernel.quantize_activations(x, 0)  # Q8_0 with the sums
+    q8 = gguf.quants.quantize(x.numpy(), T.Q8_0).reshape(3, 16, 34)
+    assert np.array_equal(qs.numpy().reshape(3, 16, 32), q8[:, :, 2:].view(np.int8))
+    assert np.array_equal(d.numpy(), q8[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    assert np.allclose(s.numpy(), d.numpy() * qs.numpy().reshape(3, 16, 32).astype(np.float32).sum(-1))
+    qk, dk, bs = kernel.quantize_activations(x, 1)  # Q8_K
+    rq, rd, rbs = _ggml_q8_k(x.numpy())
+    assert np.array_equal(qk.numpy(), rq) and np.allclose(dk.numpy(), rd, rtol=1e-6)
+    assert np.array_equal(bs.numpy(), rbs)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_int8_road_is_exact_on_the_quantized_activations(name):
+    n, out, m = 512, 24, 7  # 7 rows: a group of four, then three
+    raw = blocks(name, out, n, seed=3)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
+    w = torch.from_numpy(raw)
+    y = kernel.matmul(x, w, T[name].value, n, road="int8").numpy()
+    kind = 1 if name.endswith("_K") else 0
+    qs, d, _ = kernel.quantize_activations(x, kind)
+    xq = qs.double().numpy() * np.repeat(d.double().numpy(), 256 if kind else 32, axis=1)
+    ref = xq @ reference(raw, name).T
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+    one = np.stack([kernel.matmul(x[i:i + 1], w, T[name].value, n, road="int8").numpy()[0] for i in range(m)])
+    assert np.array_equal(one, y)  # a row's sums do not depend on the rows beside it
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "BF16"])
+def test_threads_share_rows_and_change_nothing(name):
+    n, out = 512, 37
+    w = torch.from_numpy(blocks(name, out, n, seed=5))
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(5))
+    one = kernel.matmul(x, w, T[name].value, n, threads=1)
+    two = kernel.matmul(x, w, T[name].value, n, threads=2)
+    assert torch.equal(one, two)
+
+
+def test_out_map_writes_each_row_where_asked():
+    n, out = 256, 8
+    w = torch.from_numpy(blocks("Q4_K", out, n))
+    x = torch.randn(2, n)
+    perm = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4], dtype=torch.int32)
+    plain = kernel.matmul(x, w, T.Q4_K.value, n)
+    moved = kernel.matmul(x, w, T.Q4_K.value, n, out_map=perm)
+    assert torch.equal(moved[:, perm.long()], plain)
+
+
+def test_bad_shapes_are_refused_before_reading():
+    w = torch.from_numpy(blocks("Q4_K", 4, 512))
+    with pytest.raises(ValueError, match="Q4_K weight: expected uint8"):
+        kernel.matmul(torch.randn(1, 512), w[:, :200], T.Q4_K.value, 512)  # rows cut short: never read past
+    with pytest.raises(ValueError, match="multiples of 256 elements, not 500"):
+        kernel.matmul(torch.randn(1, 500), w, T.Q4_K.value, 500)  # 500 is no whole number of blocks
+    with pytest.raises(IndexError, match="outside"):
+        kernel.get_rows(w, T.Q4_K.value, 512, torch.tensor([4]))
+    with pytest.raises(ValueError, match="activations"):
+        kernel.matmul(torch.randn(1, 256), w, T.Q4_K.value, 512)
+
+
+def test_formats_count_what_is_held():
+    shape = (2048, 8192)
+    assert formats.held_bytes(T.Q4_K.value, shape) == 2048 * 32 * 144
+    assert formats.held_bytes(T.Q4_K.value, shape, kept=False) == 2048 * 8192 * 4
+    assert formats.held_bytes(T.Q3_K.value, shape) == 2048 * 8192 * 4  # no kernel: dequantized
+    assert formats.held_bytes(T.F32.value, (2048,)) == 2048 * 4
+    mapped, copied = formats.model_bytes([(T.Q8_0.value, (64, 64)), (T.F32.value, (64,))])
+    assert (mapped, copied) == (64 * 2 * 34, 256)
+    assert "Q6_K" in formats.kept_names() and formats.name(99) == "type 99"
