@@ -221,6 +221,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0  # OpenAI's: minus this from a token's logit once it was generated in the reply
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often it was generated in the reply
     logprobs: int | None = None  # record the chosen token's log-probability and this many top alternatives
+    grammar: Any = None  # engine.core.grammar.Grammar: every token chosen is one it allows (structured output)
 
     def __post_init__(self) -> None:
         # types first: NaN passes every ``<`` check below, and a str or None would raise TypeError there

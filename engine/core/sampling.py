@@ -30,6 +30,7 @@ class Sampler:
         ends = ([] if cfg.ignore_eos else list(stop_ids)) + list(cfg.stop_token_ids)
         self.stop_ids = sorted(set(ends)) if cfg.min_new_tokens else []
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
+        self.grammar = cfg.grammar.start() if cfg.grammar is not None else None  # this reply's GrammarState
         self.generator: torch.Generator | None = None
         if not cfg.greedy:
             self.generator = torch.Generator(device="cpu")
@@ -44,6 +45,8 @@ class Sampler:
         token = int(torch.argmax(logits)) if self.cfg.greedy else self.draw(sampling_probs(logits, self.cfg))
         self.counts[token] = self.counts.get(token, 0) + 1
         self.chosen += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if self.cfg.logprobs is not None:
             self.last_logprobs = top_logprobs(raw, token, self.cfg.logprobs)
         return token
@@ -51,6 +54,7 @@ class Sampler:
     def processed(self, logits: torch.Tensor, context_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``logits`` [vocab] after the penalties that depend on the context (float32)."""
         cfg = self.cfg
+        raw = logits
         logits = logits.float()
         top = float(logits.max())  # NaN anywhere makes the max NaN; one scalar read, as the token's own
         if not math.isfinite(top):
@@ -64,7 +68,27 @@ class Sampler:
         if self.stop_ids and self.chosen < cfg.min_new_tokens:
             logits = logits.clone()
             logits[self.stop_ids] = -math.inf  # [vocab]: a stop token cannot end the reply before its minimum
+        if self.grammar is not None:
+            logits = self.constrained(logits, raw)
         return logits
+
+    def constrained(self, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """``logits`` [vocab] with what the grammar does not allow now at -inf. Where the grammar allows only what
+        the penalties or ``min_tokens`` ruled out (a complete JSON value: only a stop token), the grammar wins."""
+        allowed = self.grammar.allowed()  # [n_vocab] bool
+        n = min(allowed.numel(), logits.numel())
+        out = torch.full_like(logits, -math.inf)  # [vocab]: ids past the grammar's vocabulary are never allowed
+        out[:n] = logits[:n].masked_fill(~allowed[:n], -math.inf)
+        if not math.isfinite(float(out.max())):
+            out[:n] = raw.float()[:n].masked_fill(~allowed[:n], -math.inf)
+        return out
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """A speculative draft cut to the tokens the grammar takes in order (all of it without a grammar): a
+        verification never feeds a token the grammar refuses."""
+        if self.grammar is None or not drafts:
+            return drafts
+        return drafts[:self.grammar.valid_prefix(drafts)]
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token from ``probs`` [vocab] with this reply's generator. Only ``__call__`` draws, once per token of

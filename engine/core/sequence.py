@@ -270,9 +270,10 @@ class Sequence:
         return self.reply.decoder.text if self.reply.decoder is not None else ""
 
     def end_reply(self, reason: str, event: TokenEvent | None) -> tuple[TokenEvent | None, TurnStats]:
-        """The reply ends with ``reason``: text the decoder held back goes out with the last event."""
+        """The reply ends with ``reason``: text the decoder held back goes out with the last event (a stop token
+        too: a byte-fallback run just before it, ``<0x7D>`` for "}", is text the reply wrote)."""
         d = self.reply.decoder
-        tail = d.flush() if d is not None and reason != "eos" else ""
+        tail = d.flush() if d is not None else ""
         if tail and event is not None:
             event = dataclasses.replace(event, text_delta=event.text_delta + tail)
         return event, self.end(reason)

@@ -121,7 +121,7 @@ class Stepping:
         if spec is None or not t.generated or t.cancel or t.sampling.logprobs is not None:
             return []  # log-probabilities are the sampler's of each token it picks: decoded one by one
         room = min(c.draft_room(len(q.ids)), t.sampling.max_new_tokens - len(t.generated) - 1)
-        drafts = spec.propose(q.ids, room, t.sampler) if room > 0 else []
+        drafts = t.sampler.valid_drafts(spec.propose(q.ids, room, t.sampler)) if room > 0 else []
         return drafts if drafts and c.can_reserve(len(drafts) + 1) else []
 
     def abort(self, exc: BaseException) -> BaseException:

@@ -65,6 +65,8 @@ def _check_key(request: Request) -> str | None:
     if not keys:
         return None
     given = request.headers.get("authorization", "")
+    if not given and request.headers.get("x-api-key"):  # Anthropic's clients send the key this way
+        given = "Bearer " + request.headers["x-api-key"]
     scheme, _, token = given.partition(" ")
     token_b = token.strip().encode("latin-1", "replace")
     found = None
@@ -266,6 +268,8 @@ async def _events(job, shape: "Shape", include_usage: bool) -> AsyncIterator[dic
                 yield {"data": json.dumps(data.body())}
                 return
             elif kind == "done":
+                for chunk in shape.tool_chunks(data):
+                    yield {"data": json.dumps(chunk)}
                 # the cache account rides with the usage: on its chunk, or on this last one when there is none
                 yield {"data": json.dumps(shape.last_chunk(data, account=not include_usage))}
                 if include_usage:
@@ -346,9 +350,9 @@ class BrowserGuard:
         return None
 
 
-def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
-    """The ASGI app of ``server`` (``engine.server.service.KVServer``)."""
-    routes = [
+def build_app(server, cors: tuple[str, ...] = (), extra: tuple = ()) -> Starlette:
+    """The ASGI app of ``server`` (``engine.server.service.KVServer``); ``extra``: more routes (Anthropic's)."""
+    routes = [*extra,
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -360,7 +364,8 @@ def build_app(server, cors: tuple[str, ...] = ()) -> Starlette:
     middleware = [Middleware(BrowserGuard, server=server, cors=tuple(cors))]
     if cors:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "X-Api-Key",
+                                                    "Anthropic-Version"]))
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _bug}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
     app.state.server = server

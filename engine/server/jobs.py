@@ -81,7 +81,44 @@ class Job:
         self.trim = StopTrimmer(req.stop, req.include_stop_str_in_output)
         self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
         self.scheduler = None  # the Scheduler that runs it
+        self.tools = None  # engine.server.tool_calls.ToolStream: the reply is read for tool calls (``read_tools``)
+        self.raw = None  # its text decoded with special tokens kept (markers such as [TOOL_CALLS] are special)
+        self.stop_set: frozenset[int] = frozenset()
+        self.content = ""  # what the client was sent as content, when the reply is read for calls
         self.on_taken: Callable[[], None] = lambda: None  # a held job's reader caught up: wake the engine
+
+    def read_tools(self, fmt: str, specials: tuple[str, ...], tokenizer, stop_ids) -> None:
+        """Read this reply for tool calls in ``fmt`` (``engine.server.tool_calls``)."""
+        from engine.model.chat import StreamDecoder
+        from engine.server.tool_calls import ToolStream
+
+        self.tools = ToolStream(fmt, specials)
+        self.raw = StreamDecoder(tokenizer, skip_special_tokens=False)
+        ends = ([] if self.req.ignore_eos else list(stop_ids)) + list(self.req.stop_token_ids)
+        self.stop_set = frozenset(ends)
+
+    def text_of(self, token: int, plain_delta: str, look: bool) -> str:
+        """The text a token adds to the reply as the client sees it (stop sequences cut; tool calls kept out)."""
+        if self.tools is None:
+            return self.trim.push(plain_delta, look)
+        raw = "" if token in self.stop_set else self.raw.push(token)
+        out = self.tools.push(self.trim.push(raw, look))
+        self.content += out
+        return out
+
+    def finish_text(self) -> tuple[str, list]:
+        """(the text still to send, the tool calls read) at the reply's end."""
+        if self.tools is None:
+            return self.trim.finish(), []
+        tail = self.tools.push(self.trim.push(self.raw.flush()) + self.trim.finish())
+        rest, calls = self.tools.finish()
+        self.content += tail + rest
+        return tail + rest, calls
+
+    @property
+    def text(self) -> str:
+        """The reply's text as the client got it."""
+        return self.content if self.tools is not None else self.trim.text
 
     def post(self, kind: str, data: Any) -> None:
         self.backlog.posted += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import CacheConfig
 from engine.server.errors import ApiError, bad_request
@@ -35,6 +36,7 @@ class Prepared:
     spans: tuple[tuple[int, int], ...]
     max_new: int
     mark: int = -1  # where the last message starts: a checkpoint there on a hybrid / sliding model serves a branch
+    constraint: Any = None  # engine.server.constrain.Constraint: a grammar, the tool-call format to read
 
 
 class Tokenizing:
@@ -91,7 +93,9 @@ class Tokenizing:
         return chars
 
     def _prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
-        from engine.model.chat import encode_prompt, last_message_at, message_spans, render_chat
+        from engine.model.chat import encode_prompt
+        from engine.server.constrain import constraint_of
+        from engine.server.render import render_messages, spans as message_spans
 
         tok = self.lm.tokenizer
         if tok is None:
@@ -100,11 +104,13 @@ class Tokenizing:
         mark = -1
         try:
             if req.kind == "chat":
-                fresh = render_chat(tok, list(req.messages))
+                fresh = render_messages(tok, req.messages, req.tools)
                 ids = self.with_replies(fresh, req.messages, tenant)
-                spans = message_spans(tok, list(req.messages)) if self.needs_spans else []
-                if any(k != "full" for k in self.lm.info.layer_kinds):  # windows or states: cut back to checkpoints
-                    mark = last_message_at(tok, list(req.messages), len(ids), len(fresh))
+                spans = message_spans(tok, req.messages, req.tools) if self.needs_spans else []
+                if any(k != "full" for k in self.lm.info.layer_kinds) and len(req.messages) > 1:
+                    # windows or states: cut back to checkpoints; the tail after the splice is the fresh render's
+                    at = len(ids) - (len(fresh) - len(render_messages(tok, req.messages[:-1], req.tools, False)))
+                    mark = at if 0 < at < len(ids) else -1
             elif req.prompt is not None:
                 ids = encode_prompt(tok, req.prompt)
                 if not ids:
@@ -113,7 +119,7 @@ class Tokenizing:
                 ids = self._checked_ids(req.prompt_ids)
         except ValueError as e:  # a template's refusal, text that is not Unicode: the request's fault
             raise bad_request(str(e).splitlines()[0], "messages" if req.kind == "chat" else "prompt") from None
-        return Prepared(tuple(ids), tuple(spans), self.max_new(req, len(ids)), mark)
+        return Prepared(tuple(ids), tuple(spans), self.max_new(req, len(ids)), mark, constraint_of(self.lm, req))
 
     def with_replies(self, ids: list[int], messages, tenant: bytes) -> list[int]:
         """``ids`` (the chat rendered afresh) holding the ids this server fed through the latest of its assistant
@@ -123,10 +129,13 @@ class Tokenizing:
         from engine.model.splice import splice
 
         best, tries = None, 0
+        from engine.server.render import reply_text
+
         for m in reversed(list(messages)):
-            if m["role"] != "assistant" or not m["content"]:
+            key = reply_text(m) if m["role"] == "assistant" else ""
+            if not key:
                 continue
-            fed = self.replies.find(tenant, m["content"])
+            fed = self.replies.find(tenant, key)
             if fed is None:
                 continue
             s = splice(self.lm.tokenizer, fed, ids)
@@ -160,7 +169,12 @@ class Tokenizing:
             raise bad_request(f"max_tokens: {req.max_tokens} is above this server's limit of {cap} tokens per reply "
                               "(its --max-tokens)", "max_tokens", "invalid_value")
         if req.max_tokens is None:
-            return min(cap, max(1, ctx - n) if bounded else ctx)
+            room = min(cap, max(1, ctx - n) if bounded else ctx)
+            if req.min_tokens > room:
+                raise bad_request(f"min_tokens: {req.min_tokens} is more than this reply can hold ({room} tokens: the "
+                                  f"context of {ctx} less the {n} of the {what}, at most {cap} per reply)", "min_tokens",
+                                  "invalid_value")
+            return room
         if bounded and n + req.max_tokens > ctx:
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
                               f"{n + req.max_tokens} tokens ({n} in the {what}, {req.max_tokens} in the completion). "

@@ -46,8 +46,11 @@ class Shape:
     def whole(self, data: dict) -> dict[str, Any]:
         fr, lp = data["finish_reason"], self._logprobs(data.get("logprobs"))
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": data["text"]}, "logprobs": lp,
-                      "finish_reason": fr}
+            calls = data.get("tool_calls") or []
+            message = {"role": "assistant", "content": data["text"] if data["text"] or not calls else None}
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": fr}
             return self._with_ids({**self._head("chat.completion"), "choices": [choice], "usage": self.usage(data),
                                    **kvscope(data)}, data)
         choice = {"index": 0, "text": data["text"], "logprobs": lp, "finish_reason": fr}
@@ -83,6 +86,11 @@ class Shape:
         if self.prompt_ids is not None and token is not None:
             choice["token_ids"] = [token]
         return out
+
+    def tool_chunks(self, data: dict) -> list[dict[str, Any]]:
+        """A streamed chat's tool calls: a chunk per call, ``delta.tool_calls`` with its index, id, name and
+        arguments (sent whole: the reply is read for calls once it ends)."""
+        return [self.chunk({"tool_calls": [c.openai(i)]}, None) for i, c in enumerate(data.get("tool_calls") or [])]
 
     def last_chunk(self, data: dict, account: bool = False) -> dict[str, Any]:
         """A stream's chunk with the finish reason (and the engine's warnings, when it has any; the cache account

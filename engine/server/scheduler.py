@@ -32,6 +32,8 @@ from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
 from engine.server.prompts import Prepared, Tokenizing
+from engine.server.render import reply_text, session_messages
+from engine.server.tool_calls import as_message
 from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.schemas import GenRequest
@@ -213,7 +215,10 @@ class Scheduler(Source):
                                       logprobs=req.logprobs, top_k=req.top_k, min_p=req.min_p,
                                       repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                                       min_new_tokens=min(req.min_tokens, job.prepared.max_new),
-                                      stop_token_ids=req.stop_token_ids)
+                                      stop_token_ids=req.stop_token_ids, grammar=job.prepared.constraint.grammar)
+        if job.prepared.constraint.tool_format:
+            job.read_tools(job.prepared.constraint.tool_format, job.prepared.constraint.specials, self.lm.tokenizer,
+                           self.lm.stop_ids)
         job.session, shared = self.idle.take(ids, job.tenant)
         # a prompt that goes on with a whole conversation of its own, not one cut back to whole pages for it or a
         # new session: only then is its account told to the token (``engine.server.account``)
@@ -262,7 +267,7 @@ class Scheduler(Source):
     def _start_turn(job: Job) -> None:
         s, req, p = job.session, job.req, job.prepared
         if req.kind == "chat":  # rendered off this thread (``engine.server.prompts``)
-            job.stats = s.start_rendered(p.ids, list(req.messages), p.spans, job.sampling, mark=p.mark)
+            job.stats = s.start_rendered(p.ids, session_messages(req.messages), p.spans, job.sampling, mark=p.mark)
         else:
             job.stats = s.start_ids(p.ids, job.sampling)
 
@@ -274,8 +279,8 @@ class Scheduler(Source):
         self.metrics.tokens(1 if r.event is not None else 0, evicted)
         if r.event is not None:  # a chunk per token, its text empty while a character or a stop string is held
             look = r.event.index >= job.sampling.min_new_tokens  # min_tokens: the first ones' text not searched
-            job.post("delta", (job.trim.push(r.event.text_delta, look), self._logprob(job, r.event.token_id),
-                               r.event.token_id))
+            job.post("delta", (job.text_of(r.event.token_id, r.event.text_delta, look),
+                               self._logprob(job, r.event.token_id), r.event.token_id))
         if r.done:
             self._end(job, r.stop_reason, r)
 
@@ -297,16 +302,19 @@ class Scheduler(Source):
         if self._waiting:
             self.core.wake()  # a slot is free: the next round admits a waiting request (else the core may sleep)
         finish = FinishReason.parse(reason, FinishReason.EOS).openai
+        calls: list = []
         if reason == FinishReason.CANCELLED or result is None:
             s.close()  # the client is gone: free its pages now
             finish = FinishReason.CANCELLED.openai
         else:
-            tail = job.trim.finish()
+            tail, calls = job.finish_text()
             if tail:
                 job.post("delta", (tail, None, None))
+            if calls and finish == "stop":
+                finish = "tool_calls"
             if job.req.kind == "chat":  # before "done" (the follow-up may be rendered right after it) and before
                 # ``put``, which may close the session (no idle ones kept)
-                self.tokenizing.replies.put(job.tenant, job.trim.text, s.fed_ids())
+                self.tokenizing.replies.put(job.tenant, reply_text(as_message(job.text, calls)), s.fed_ids())
             self.idle.put(s)
         stats = job.stats
         last = getattr(result, "stats", None) or stats  # the account as the reply left it (planning may drop)
@@ -320,7 +328,9 @@ class Scheduler(Source):
         warnings = problems(result.warnings) if result is not None else []
         for note in warnings:  # the operator's console too: a full disk is the server's problem, not the client's
             log.warning("%s", note)
-        job.post("done", {"finish_reason": finish, "text": job.trim.text, "prompt_tokens": stats.prompt_tokens,
+        job.post("done", {"finish_reason": finish, "text": job.text, "tool_calls": calls,
+                          "stop_sequence": job.trim.matched,
+                          "prompt_tokens": stats.prompt_tokens,
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
                           "prompt_token_ids": list(job.prepared.ids), "warnings": warnings,

@@ -1,17 +1,17 @@
 """Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, checked into a ``GenRequest``.
 
 Only what the engine can honour is accepted: one choice (``n`` 1), text content, the roles system /
-developer (taken as system) / user / assistant. Fields OpenAI clients send that change nothing here
-(``user``, ``logit_bias`` empty, ``tools`` the model may leave alone, ...) are ignored; a field given with the
-wrong type is a 400 naming it, and so is one asking for what the engine cannot do (``refuse_unsupported``):
-a forced tool call, a JSON response format, a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
+developer (taken as system) / user / assistant / tool. Agents' fields — ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``response_format`` and the messages carrying calls and their results — are checked in
+``engine.server.tool_request``. Fields OpenAI clients send that change nothing here (``user``, ``logit_bias``
+empty, ...) are ignored; a field given with the wrong type is a 400 naming it, and so is one asking for what the
+engine cannot do (``refuse_unsupported``): a non-empty ``logit_bias``, completions' ``echo`` / ``suffix`` /
 ``best_of``. ``logprobs`` / ``top_logprobs`` and ``presence_penalty`` / ``frequency_penalty`` are honoured, and so
 are vLLM's sampling extensions the engine has: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``min_tokens`` (benchmark clients send the last two to get replies of an exact length) and
 ``include_stop_str_in_output``; vLLM's that it has not (guided decoding, beam search, allowed or banned tokens,
 prompt logprobs, a request's chat template, ...) are a 400 naming them.
 """
-
 from __future__ import annotations
 
 import json
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.server.errors import ApiError, bad_request
+from engine.server.tool_request import (chat_messages, parse_parallel, parse_response_format, parse_tool_choice,
+                                        parse_tools)
 
-ROLE_ALIASES = {"developer": "system"}
-KNOWN_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 # vLLM's request fields for what this engine does not do: a 400 naming them, never ignored
 VLLM_UNSUPPORTED = (("guided_json", "guided decoding"), ("guided_regex", "guided decoding"),
@@ -68,6 +68,10 @@ class GenRequest:
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop sequence, not before it
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt (and API key)
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and each chunk's token_ids in the reply
+    tools: tuple[dict, ...] = ()  # function tools, checked (``engine.server.tool_request``)
+    tool_choice: str = "none"  # auto | none | required | the name of the function to call
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None  # None (text), {"type": "json_object"} or {"type": "json_schema", ...}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -152,7 +156,7 @@ def _common(body: dict, kind: str) -> dict[str, Any]:
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 seed=_int(body, "seed"), stop=_stop(body), cache_salt=salt,
-                return_token_ids=bool(body.get("return_token_ids")))
+                return_token_ids=bool(body.get("return_token_ids")), response_format=parse_response_format(body))
 
 
 def _extensions(body: dict, max_tokens: int | None) -> dict[str, Any]:
@@ -206,13 +210,6 @@ def refuse_unsupported(body: dict, kind: str) -> None:
     def no(param: str, why: str) -> ApiError:
         return bad_request(f"{param}: {why} is not supported by this server", param, "unsupported_parameter")
 
-    choice = body.get("tool_choice")
-    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
-        raise no("tool_choice", "forcing a tool call" if choice == "required" else "calling a named tool")
-    fmt = body.get("response_format")
-    kind_of_fmt = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if fmt is not None and kind_of_fmt != "text":
-        raise no("response_format", f"response_format {kind_of_fmt!r} (only 'text')")
     if body.get("logit_bias"):
         raise no("logit_bias", "a non-empty logit_bias")
     for param, why in VLLM_UNSUPPORTED:
@@ -233,25 +230,6 @@ def refuse_unsupported(body: dict, kind: str) -> None:
             raise no("best_of", f"best_of {best_of!r} (one candidate per request)")
 
 
-def _content(m: dict, i: int) -> str:
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if c is None and m.get("role") == "assistant":
-        return ""
-    if isinstance(c, list):  # content parts: text only
-        parts = []
-        for p in c:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise bad_request(f"messages[{i}].content: only text parts are supported ({kind!r} given)",
-                                  f"messages[{i}].content", "invalid_value")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise bad_request(f"messages[{i}].content: expected a string or a list of text parts",
-                      f"messages[{i}].content", "invalid_type")
-
-
 def parse_chat(body: dict[str, Any]) -> GenRequest:
     common = _common(body, "chat")
     if "messages" not in body:
@@ -259,20 +237,13 @@ def parse_chat(body: dict[str, Any]) -> GenRequest:
     msgs = body["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages: expected a non-empty list of {role, content}", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}]: expected an object with role and content", f"messages[{i}]",
-                              "invalid_type")
-        role = m.get("role")
-        if role not in KNOWN_ROLES:
-            raise bad_request(f"messages[{i}].role: {role!r} is not supported (one of {', '.join(KNOWN_ROLES)})",
-                              f"messages[{i}].role", "invalid_value")
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": _content(m, i)})
-    if out[-1]["role"] != "user":
-        raise bad_request(f"messages[{len(out) - 1}]: the last message must be from the user (role "
-                          f"{out[-1]['role']!r} given)", f"messages[{len(out) - 1}].role", "invalid_value")
-    return GenRequest(messages=tuple(out), **common)
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    if choice != "none" and common["response_format"] is not None:
+        raise bad_request("response_format: give it or a tool the model must call, not both (tool_choice "
+                          f"{choice!r})", "response_format", "invalid_value")
+    return GenRequest(messages=tuple(chat_messages(msgs)), tools=tools, tool_choice=choice,
+                      parallel_tool_calls=parse_parallel(body), **common)
 
 
 def parse_completion(body: dict[str, Any]) -> GenRequest:

@@ -117,7 +117,9 @@ class KVServer:
                                               private=bool(self.api_keys))
             self.kv_events.attach(lm.kv_arenas)
         self.metrics.kv_events = self.kv_events
-        self.app = build_app(self, tuple(o.cors))
+        from engine.server.anthropic import routes as anthropic_routes
+
+        self.app = build_app(self, tuple(o.cors), anthropic_routes())
 
     def start(self) -> None:
         self.scheduler.start()

@@ -15,6 +15,7 @@ class StopTrimmer:
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False
         self.floor = 0  # characters of ``text`` not searched for stop sequences
+        self.matched: str | None = None  # the stop sequence that ended the text
 
     def push(self, delta: str, look: bool = True) -> str:
         """Add generated text (``look`` False: a token before the reply's minimum, not searched); returns what can
@@ -30,6 +31,7 @@ class StopTrimmer:
         if cuts:
             self.stopped = True
             at, n = min(cuts)
+            self.matched = next(s for s in self.stops if self.text.find(s, self.floor) == at and len(s) == n)
             self.text = self.text[:at + n if self.keep else at]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held())

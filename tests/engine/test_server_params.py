@@ -118,12 +118,23 @@ TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "o
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": "required"}, "tool_choice"),
+    # stories260K's template writes no tools: tools are a 400 saying so (tests/engine/test_server_tools.py: ones that do)
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": "auto"}, "tools"),
+    ("/v1/chat/completions", {"tools": TOOL}, "tools"),
+    ("/v1/chat/completions", {"tools": "x"}, "tools"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": 5}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": "g"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": "json"}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                        "schema": {"type": 7}}}},
+     "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "The end."}, "suffix"),
@@ -144,7 +155,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(served, path, extra, param):
     assert err["param"] == param and param in err["message"], err
 
 
-@pytest.mark.parametrize("extra", [{"tools": TOOL, "tool_choice": "auto"}, {"tools": TOOL},
+@pytest.mark.parametrize("extra", [{"tool_choice": "none"}, {"tools": []},
                                    {"response_format": {"type": "text"}}, {"logit_bias": {}},
                                    {"logprobs": False}])
 def test_what_changes_nothing_is_still_accepted(served, extra):
@@ -267,3 +278,14 @@ def test_vllms_extensions_out_of_range_are_a_400_naming_them(served, extra, para
     r = post(url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon a time"}),
+                                       ("/v1/chat/completions", {"messages": USER})])
+def test_min_tokens_beyond_the_context_without_max_tokens_is_a_400_naming_it(served, path, body):
+    server, url = served
+    for n in (10 ** 30, server.lm.info.context_length):  # neither fits the room the prompt leaves
+        r = post(url, path, {**body, "min_tokens": n})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "min_tokens" and str(n) in err["message"], err
