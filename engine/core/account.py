@@ -86,6 +86,15 @@ def account(f: Facts) -> CacheAccount:
     return CacheAccount(n, r, n - r - f.dropped, f.dropped, tuple(misses))
 
 
+def with_dropped(a: CacheAccount, dropped: int) -> CacheAccount:
+    """``a`` after planning passed over ``dropped`` prompt tokens unread in all (to fit the context): they sit right
+    after the reused ones, so the misses start after them — what the reply's footer and the Why readout count
+    (they said "dropped 558 unread" and "814 computed" of one prompt)."""
+    start = min(a.reused + dropped, a.prompt)
+    misses = tuple(Miss(max(m.start, start), m.end, m.reason, m.detail) for m in a.misses if m.end > start)
+    return CacheAccount(a.prompt, a.reused, a.prompt - a.reused - dropped, dropped, misses)
+
+
 def _limit_detail(f: Facts) -> str:
     if f.limit == "state":
         return (f"the recurrent layers' state can go back only to a checkpoint: the latest at or before token "

@@ -19,6 +19,7 @@ import numpy as np
 from engine.config import SamplingConfig
 from engine.errors import ContextOverflowError
 from engine.policies import PINNED
+from engine.core.account import with_dropped
 from engine.core.sampling import Sampler
 from engine.snapshot import TokenEvent, TurnStats
 from engine.core.token_ids import interned
@@ -217,6 +218,8 @@ class Sequence:
         self.add_notes(plan.all_notes)
         self.reply.recomputed -= plan.dropped
         self.reply.dropped += plan.dropped
+        if plan.dropped and self.reply.account is not None:  # the account every surface shows says so too
+            self.reply.account = with_dropped(self.reply.account, self.reply.dropped)
 
     def take_notes(self) -> tuple[str, ...]:
         notes, self.notes = tuple(self.notes), []

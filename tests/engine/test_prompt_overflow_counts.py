@@ -38,6 +38,11 @@ def test_dropped_prompt_tokens_are_neither_computed_nor_reused(stories, overflow
     first = events[0]
     assert first.phase == "prefill" and first.tokens_in_step == read
     assert r.snapshot.recomputed_tokens == read
+    # the account the Why readout and the footer show says the same, its misses after the dropped tokens
+    for account in (st.cache, r.snapshot.account):
+        assert (account.prompt, account.reused, account.recomputed, account.dropped) == (PROMPT, 0, read, PROMPT - read)
+        assert account.misses[0].start == PROMPT - read and account.misses[-1].end == PROMPT
+        assert sum(m.tokens for m in account.misses) == read
     note = f"{PROMPT - read:,} tokens of the prompt (positions 0–{PROMPT - read - 1:,}) were dropped to fit the " \
            f"context of {ctx} tokens, unread; the {read} after them were read"
     assert note in warnings, warnings
