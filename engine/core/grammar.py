@@ -15,8 +15,10 @@ speculative draft is cut to the tokens the grammar allows before it is verified 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -70,25 +72,33 @@ class Grammar:
         return GrammarState(m, self.n_vocab, self.stop_ids)
 
 
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvscope-grammar")
+        return _POOL
+
+
 class GrammarState:
-    """One reply's place in the grammar: ``allowed()`` the tokens it may take now, ``accept(token)`` after each."""
+    """One reply's place in the grammar: ``allowed()`` the tokens it may take now, ``accept(token)`` after each.
+
+    The next mask is computed on a worker thread from the moment a token is accepted, while the model's forward
+    for that token runs (llguidance lets go of the GIL): ``allowed()`` then only waits for what is left of it."""
 
     def __init__(self, matcher, n_vocab: int, stop_ids: tuple[int, ...]) -> None:
         self.m = matcher
         self.n_vocab = n_vocab
         self.stop_ids = stop_ids
         self.tokens = 0  # tokens accepted (the cost measure's denominator)
-        self.mask_s = 0.0  # seconds spent computing masks
+        self.mask_s = 0.0  # seconds spent computing masks (on the worker thread or not)
+        self.wait_s = 0.0  # seconds the sampler waited for them
+        self._next: concurrent.futures.Future | None = None
 
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and allows nothing more (only a stop token can follow)."""
-        return self.m.is_stopped()
-
-    def allowed(self) -> torch.Tensor:
-        """[n_vocab] bool: the tokens the grammar allows next (the stop tokens where it is complete)."""
-        import time
-
+    def _mask(self) -> torch.Tensor:
         t0 = time.perf_counter()
         if self.m.is_error():
             raise ValueError(f"the grammar failed: {self.m.get_error()}")
@@ -100,17 +110,31 @@ class GrammarState:
         self.mask_s += time.perf_counter() - t0
         return out
 
+    def allowed(self) -> torch.Tensor:
+        """[n_vocab] bool: the tokens the grammar allows next (the stop tokens where it is complete)."""
+        t0 = time.perf_counter()
+        fut, self._next = self._next, None
+        out = fut.result() if fut is not None else self._mask()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
     def accept(self, token: int) -> None:
+        if self._next is not None:  # a mask nobody asked for (the reply ended): finished before the matcher moves
+            self._next.result()
+            self._next = None
         if token in self.stop_ids or self.m.is_stopped():
             return
         if not self.m.consume_token(int(token)):
             raise ValueError(f"the grammar refused token {token}: {self.m.get_error()}")
         self.tokens += 1
+        self._next = _pool().submit(self._mask)  # while the forward for this token runs
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (a speculative draft) the grammar would take in order from here."""
         if not tokens or self.m.is_stopped():
             return 0
+        if self._next is not None:  # the matcher is not to be read while its mask is computed
+            self._next.result()
         return int(self.m.validate_tokens([int(t) for t in tokens]))
 
 

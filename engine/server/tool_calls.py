@@ -26,7 +26,7 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes", "llama3", "mistral", "harmony", "json")
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "json")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def as_message(content: str, calls: list[ToolCall]) -> dict:
 
 
 def new_call_id(fmt: str) -> str:
-    if fmt == "mistral":  # Mistral's templates refuse any other id
+    if fmt.startswith("mistral"):  # Mistral's templates refuse any other id
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return "call_" + secrets.token_hex(12)
 
@@ -62,7 +62,7 @@ def detect_format(template: str) -> str:
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
-        return "mistral"
+        return "mistral_args" if "[ARGS]" in template else "mistral"
     if "to=functions." in template or ("<|channel|>" in template and "<|call|>" in template):
         return "harmony"
     if "<|python_tag|>" in template or ("ipython" in template and '"parameters": ' in template):
@@ -88,7 +88,8 @@ def _call_from(obj, fmt: str) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], _args_text(args), new_call_id(fmt))
+    cid = obj.get("id")  # Mistral's calls carry their id (the template writes it back)
+    return ToolCall(obj["name"], _args_text(args), cid if isinstance(cid, str) and cid else new_call_id(fmt))
 
 
 def _json_values(text: str) -> list:
@@ -112,8 +113,9 @@ class Parsed:
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?=<\|call\|>|<\|end\|>|"
-                           r"<\|start\|>|$)", re.S)
+# the recipient in the header's role part (as the template writes it) or in its channel part (as the model may)
+_HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)(?:[^<]|<\|channel\|>|<\|constrain\|>)*?<\|message\|>(.*?)"
+                           r"(?=<\|call\|>|<\|end\|>|<\|start\|>|$)", re.S)
 _HARMONY_MSG = re.compile(r"<\|channel\|>(\w+)(?:\s[^<]*)?<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)",
                           re.S)
 
@@ -142,7 +144,7 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
             calls = [_call_from(v, fmt) for v in vals]
             if calls and all(calls):
                 return Parsed("", calls)
-    elif fmt == "mistral" and "[TOOL_CALLS]" in text:
+    elif fmt in ("mistral", "mistral_args") and "[TOOL_CALLS]" in text:
         head, _, rest = text.partition("[TOOL_CALLS]")
         calls = _mistral_calls(rest)
         if calls:
@@ -216,7 +218,7 @@ class ToolStream:
         self.text = ""
         self.sent = 0
         self.in_call = False
-        self.markers = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+        self.markers = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "mistral_args": ("[TOOL_CALLS]",),
                         "harmony": ("<|channel|>", "<|start|>"), "llama3": ("{", "<|python_tag|>"),
                         "json": ("[",)}[fmt]
         self.lead_only = fmt in ("llama3", "json")  # a call is the whole reply: only a marker at its start counts
@@ -296,16 +298,23 @@ def call_grammar(fmt: str, tools: list[dict], parallel: bool, marker_id) -> str:
         return f"start: {start}\ncall: {call}\nbody: {body}\n"
     if fmt == "llama3":
         return f"start: body\nbody: {_json_rule(_call_schema(tools, 'parameters'))}\n"
-    if fmt == "mistral":
+    if fmt == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "a1b2c3d4e"}, ...]
         tc = _lit("[TOOL_CALLS]", marker_id("[TOOL_CALLS]"))
         items = 'body (", " body)*' if parallel else "body"
-        return f'start: {tc} "[" {items} "]"\nbody: {_json_rule(_call_schema(tools, "arguments"))}\n'
-    if fmt == "harmony":
-        ch, msg, con = (_lit(m, marker_id(m)) for m in ("<|channel|>", "<|message|>", "<|constrain|>"))
-        alts = " | ".join(f'"{t["function"]["name"]} " {con} "json" {msg} a{i}' for i, t in enumerate(tools))
+        schema = _call_schema(tools, "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
+        return f'start: {tc} "[" {items} "]"\nbody: {_json_rule(schema)}\n'
+    if fmt == "mistral_args":  # [TOOL_CALLS]name[ARGS]{...} per call
+        tc, args = _lit("[TOOL_CALLS]", marker_id("[TOOL_CALLS]")), _lit("[ARGS]", marker_id("[ARGS]"))
+        alts = " | ".join(f'"{t["function"]["name"]}" {args} a{i}' for i, t in enumerate(tools))
         rules = "".join(f'a{i}: {_json_rule(t["function"].get("parameters") or {"type": "object"})}\n'
                         for i, t in enumerate(tools))
-        return f'start: {ch} "commentary to=functions." call\ncall: {alts}\n{rules}'
+        return f"start: call{'+' if parallel else ''}\ncall: {tc} ({alts})\n{rules}"
+    if fmt == "harmony":  # after "<|start|>assistant": " to=functions.NAME<|channel|>commentary json<|message|>{...}"
+        ch, msg = (_lit(m, marker_id(m)) for m in ("<|channel|>", "<|message|>"))
+        alts = " | ".join(f'"{t["function"]["name"]}" {ch} "commentary json" {msg} a{i}' for i, t in enumerate(tools))
+        rules = "".join(f'a{i}: {_json_rule(t["function"].get("parameters") or {"type": "object"})}\n'
+                        for i, t in enumerate(tools))
+        return f'start: " to=functions." call\ncall: {alts}\n{rules}'
     schema = {"type": "array", "items": _call_schema(tools, "parameters"), "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
