@@ -39,6 +39,7 @@ from engine.model.hf_load import choose_dtype as _choose_dtype
 from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
+from engine.model import weights_read
 from engine.model.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
@@ -301,16 +302,23 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
     )
     if spec.quantization != "none":
         kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
-        kwargs["device_map"] = {"": device}
+    if spec.quantization != "none" or device != "cpu":
+        kwargs["device_map"] = {"": device}  # each tensor to the device as it is read: never the model in RAM
+    if weights_read.readable(folder, spec.trust_remote_code):
+        def read():  # tensor by tensor, each into a buffer freed once it is converted (engine.model.weights_read)
+            return weights_read.from_folder(folder, config, kwargs)
+    else:
+        def read():
+            return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     try:
         with _weights_progress(folder.name, progress, check):
             try:
-                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+                model, loading_info = read()
             except ValueError as e:
                 if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
                     raise
                 kwargs["attn_implementation"] = "eager"  # transformers has no sdpa for this class (softcap, sinks)
-                model, loading_info = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+                model, loading_info = read()
     except LoadCancelled:
         raise
     except torch.OutOfMemoryError:
