@@ -87,6 +87,7 @@ class ModelsDialog(HubDownload, QDialog):
         self.add_folder_button.clicked.connect(self._add_models_folder)
         self.scan_label = QLabel("")
         self.scan_label.setObjectName("scanState")
+        self.scan_label.setWordWrap(True)  # a walk that stopped says where, in a line of its own
         self.draft_button = QPushButton("Use as draft model")
         self.draft_button.setToolTip(CONTROLS["draft_path"].tip + "\nSpeculative decoding uses it from then on "
                                      "(the Speculation tab).")
@@ -200,10 +201,11 @@ class ModelsDialog(HubDownload, QDialog):
                                 "folders)…")
         start_scan(list(self.settings.get("model/folders")), self._on_scanned)
 
-    def _on_scanned(self, found: object) -> None:
-        if isinstance(found, str):
-            self.scan_label.setText(found)
+    def _on_scanned(self, result: object) -> None:
+        if isinstance(result, str):
+            self.scan_label.setText(result)
             return
+        found, notes = result.models, result.notes  # engine.model.catalog.Scan
         for i in reversed(range(self.list.count())):  # a rescan replaces what the last one found
             c = self.list.item(i).data(ROLE)
             if c.get("found") is not None:
@@ -219,7 +221,7 @@ class ModelsDialog(HubDownload, QDialog):
         usable = sum(1 for m in found if not m.problem)
         self.scan_label.setText(f"Found {usable} model{'s' if usable != 1 else ''} on this computer"
                                 + (f" ({len(found) - usable} cannot be opened: select one to see why)."
-                                   if len(found) > usable else "."))
+                                   if len(found) > usable else ".") + "".join(f"\n{n}." for n in notes))
 
     def choice(self) -> dict | None:
         item = self.list.currentItem()

@@ -22,11 +22,11 @@ _LIVE: set["_Relay"] = set()  # relays of scans in flight: alive until their ans
 class _Relay(QObject):
     """Carries one scan's answer from its thread to the GUI thread (a queued signal: it lives in the GUI thread)."""
 
-    found = Signal(object)  # list[FoundModel], or a str: why the scan failed
+    found = Signal(object)  # engine.model.catalog.Scan, or a str: why the scan failed
 
 
 def start_scan(folders: list[str], done: Callable[[object], None]) -> None:
-    """Scan the stores and ``folders`` on a daemon thread; ``done(list[FoundModel] | str)`` runs on the GUI thread.
+    """Scan the stores and ``folders`` on a daemon thread; ``done(Scan | str)`` runs on the GUI thread.
     A dialog closed meanwhile simply never hears back (its slot is disconnected with it)."""
     from engine.model.catalog import scan
 

@@ -92,7 +92,7 @@ class ChatSession(Stepping):
         ``ContextOverflowError`` when the chat cannot fit and the overflow setting is ``stop``."""
         self.check_open()
         messages = validate_messages(messages)
-        fresh = render_chat(self.tokenizer, messages)
+        fresh = render_chat(self.tokenizer, messages, model=self.info.name)
         ids = self.with_fed_ids(fresh)
         spans = message_spans(self.tokenizer, messages) if self.cache.cache_config.needs_spans else []
         mark = last_message_at(self.tokenizer, messages, len(ids), len(fresh)) if self.cache.wants_mark() else -1

@@ -70,27 +70,38 @@ def default_roots(env: Mapping[str, str] | None = None, home: str | None = None)
             Store.OLLAMA: [Path(env.get("OLLAMA_MODELS") or h / ".ollama" / "models")]}
 
 
+@dataclass(frozen=True)
+class Scan:
+    """What ``scan`` found: the models (good and bad, each bad one with its ``problem``) and what the scan itself
+    has to say — a walk that stopped at ``MAX_ENTRIES``, a store that could not be read."""
+
+    models: tuple[FoundModel, ...]
+    notes: tuple[str, ...] = ()
+
+
 def scan(folders: Iterable[str | os.PathLike] = (), env: Mapping[str, str] | None = None,
-         home: str | None = None) -> list[FoundModel]:
+         home: str | None = None) -> Scan:
     """Every model in the stores and in ``folders`` (the user's), in store order then by name; a file found under
-    two roots (a user folder that is also LM Studio's) once, under the first."""
+    two roots (a user folder that is also LM Studio's) once, under the first. Never raises for what it finds: a
+    model that cannot be read is listed with the reason, and the others still are."""
     roots = default_roots(env, home)
+    notes: list[str] = []
     found: list[FoundModel] = []
     for root in roots[Store.HF_CACHE]:
-        found += _hf_cache(root)
+        found += _hf_cache(root, notes)
     for root in roots[Store.LM_STUDIO]:
-        found += [_gguf(Store.LM_STUDIO, p, root) for p in _ggufs(root)]
+        found += [_gguf(Store.LM_STUDIO, p, root) for p in _ggufs(root, notes)]
     for root in roots[Store.OLLAMA]:
-        found += _ollama(root)
+        found += _ollama(root, notes)
     for folder in folders:
-        found += _user_folder(Path(os.path.expanduser(str(folder))))
+        found += _user_folder(Path(os.path.expanduser(str(folder))), notes)
     first: dict[str, Store] = {}
     out = []
     for m in found:  # one blob under two Ollama tags: both names; one file in two roots: the first root's
         key = os.path.realpath(m.source)
         if first.setdefault(key, m.store) == m.store:
             out.append(m)
-    return out
+    return Scan(tuple(out), tuple(dict.fromkeys(notes)))
 
 
 # -- fences -------------------------------------------------------------------------------------------------------
@@ -103,14 +114,17 @@ def inside(path: Path, root: Path) -> bool:
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
-def _walk(root: Path) -> Iterable[tuple[Path, list[str], list[str]]]:
-    """``os.walk`` without following links, pruned at ``MAX_DEPTH`` and ``MAX_ENTRIES``; hidden folders skipped."""
+def _walk(root: Path, notes: list[str]) -> Iterable[tuple[Path, list[str], list[str]]]:
+    """``os.walk`` without following links, pruned at ``MAX_DEPTH`` and ``MAX_ENTRIES`` (said in ``notes``, with
+    where it stopped); hidden folders skipped."""
     seen = 0
     base = len(root.parts)
     for top, dirs, files in os.walk(root, followlinks=False):
         here = Path(top)
         seen += len(dirs) + len(files)
         if seen > MAX_ENTRIES:
+            notes.append(f"Stopped looking in {root} after {MAX_ENTRIES:,} files and folders (at {here}): models "
+                         "further in are not listed; add their folder itself")
             return
         dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if len(here.parts) - base < MAX_DEPTH else []
         yield here, dirs, sorted(files)
@@ -129,13 +143,13 @@ def _read_json(path: Path, root: Path) -> Any:
 
 
 # -- GGUF files ---------------------------------------------------------------------------------------------------
-def _ggufs(root: Path) -> list[Path]:
+def _ggufs(root: Path, notes: list[str]) -> list[Path]:
     """The model GGUFs under ``root``: ``*.gguf`` but vision projectors (``mmproj-*``) and the later parts of a
     split model (its first part stands for it)."""
     out = []
     if not root.is_dir():
         return out
-    for here, _, files in _walk(root):
+    for here, _, files in _walk(root, notes):
         for f in files:
             m = SPLIT_NAME.match(f)
             if f.lower().endswith(SUFFIX) and not f.lower().startswith("mmproj") and (not m or m.group("no") == "00001"):
@@ -153,19 +167,35 @@ def _gguf(store: Store, path: Path, root: Path, name: str | None = None) -> Foun
         info = read_gguf(path)
     except EngineError as e:
         return FoundModel(store, display, str(path), "gguf", _size(path), problem=str(e))
-    problem = _unreadable_architecture(info)
+    except Exception as e:  # noqa: BLE001 - one file the reader did not expect: listed with why, the scan goes on
+        return FoundModel(store, display, str(path), "gguf", _size(path), problem=_unexpected(path, e))
+    problem = _gguf_problem(info)
     return FoundModel(store, display, str(path), "gguf", info.size_bytes, info.architecture, info.context_length,
-                      info.weights_type, info.quantized, info.config(), info.n_params * 4, problem)
+                      info.weights_type, info.quantized, {} if problem else info.config(), info.n_params * 4, problem)
 
 
-def _unreadable_architecture(info) -> str:
+def _gguf_problem(info) -> str:
+    """Why a readable GGUF cannot be opened: an architecture transformers cannot read, or a header whose sizes
+    do not describe its tensors (``engine.model.gguf_checks``); "" when it can."""
+    from engine.model.gguf_checks import check_model
     from engine.model.gguf_load import check_architecture
 
     try:
         check_architecture(info)
+        check_model(info)
     except EngineError as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001
+        return _unexpected(Path(info.path), e)
     return ""
+
+
+def _unexpected(path: Path, e: BaseException) -> str:
+    return f"{path.name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def _whole(v: Any) -> int:
+    return v if type(v) is int and v > 0 else 0
 
 
 def _size(path: Path) -> int:
@@ -177,7 +207,17 @@ def _size(path: Path) -> int:
 
 # -- Hugging Face folders -----------------------------------------------------------------------------------------
 def _folder(store: Store, folder: Path, root: Path, name: str) -> FoundModel | None:
-    """A folder with a ``config.json`` (a Hugging Face model): its shape from that file, its weights' bytes."""
+    """A folder with a ``config.json`` (a Hugging Face model): its shape from that file, its weights' bytes; a
+    folder that cannot be read is listed with why."""
+    try:
+        return _folder_facts(store, folder, root, name)
+    except Exception as e:  # noqa: BLE001 - one folder the scan did not expect: listed with why, the scan goes on
+        return FoundModel(store, name, str(folder), "folder", 0, problem=_unexpected(folder, e))
+
+
+def _folder_facts(store: Store, folder: Path, root: Path, name: str) -> FoundModel | None:
+    from engine.model.model_files import config_problem
+
     cfg = _read_json(folder / "config.json", root)
     if not isinstance(cfg, dict):
         return None
@@ -185,16 +225,17 @@ def _folder(store: Store, folder: Path, root: Path, name: str) -> FoundModel | N
     weights = [p for p in folder.glob("*.safetensors") if inside(p, root)]
     stored = sum(_size(p) for p in weights)
     total = sum(_size(p) for p in folder.iterdir() if inside(p, root)) if folder.is_dir() else 0
-    arch = (cfg.get("architectures") or [cfg.get("model_type") or ""])[0] if isinstance(cfg.get("architectures"), list) \
-        else str(cfg.get("model_type") or "")
-    problem = "" if weights else f"no .safetensors weights in {name}"
-    return FoundModel(store, name, str(folder), "folder", total, str(arch),
-                      int(text.get("max_position_embeddings") or 0),
-                      str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or ""), False,
-                      cfg, stored, problem)
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else cfg.get("model_type") or ""
+    bad = config_problem(cfg)
+    problem = f"{name}: config.json's {bad}" if bad else "" if weights else f"no .safetensors weights in {name}"
+    dtype = text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or ""
+    return FoundModel(store, name, str(folder), "folder", total, str(arch)[:100],
+                      _whole(text.get("max_position_embeddings")), str(dtype)[:20], False,
+                      {} if bad else cfg, stored, problem)
 
 
-def _hf_cache(root: Path) -> list[FoundModel]:
+def _hf_cache(root: Path, notes: list[str]) -> list[FoundModel]:
     """Model repos in a Hugging Face hub cache (``huggingface_hub.scan_cache_dir``): the newest revision of each,
     as a folder model when it has a config.json, and each GGUF file in it."""
     if not root.is_dir():
@@ -203,7 +244,8 @@ def _hf_cache(root: Path) -> list[FoundModel]:
         from huggingface_hub import scan_cache_dir
 
         info = scan_cache_dir(root)
-    except Exception:  # noqa: BLE001 - a cache it cannot read: nothing to list
+    except Exception as e:  # noqa: BLE001 - a cache it cannot read: said, nothing listed from it
+        notes.append(f"The Hugging Face cache in {root} cannot be read ({type(e).__name__}): its models are not listed")
         return []
     out: list[FoundModel] = []
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
@@ -214,28 +256,29 @@ def _hf_cache(root: Path) -> list[FoundModel]:
         m = _folder(Store.HF_CACHE, snap, root, repo.repo_id)
         if m is not None:
             out.append(m)
-        out += [_gguf(Store.HF_CACHE, p, root, f"{repo.repo_id}/{p.relative_to(snap)}") for p in _ggufs_in_snapshot(snap)]
+        out += [_gguf(Store.HF_CACHE, p, root, f"{repo.repo_id}/{p.relative_to(snap)}")
+                for p in _ggufs_in_snapshot(snap, notes)]
     return out
 
 
-def _ggufs_in_snapshot(snap: Path) -> list[Path]:
+def _ggufs_in_snapshot(snap: Path, notes: list[str]) -> list[Path]:
     """A snapshot's GGUF files: links into the cache's blobs, so listed by name, not walked by real path."""
     out = []
-    for here, _, files in _walk(snap):
+    for here, _, files in _walk(snap, notes):
         out += [here / f for f in files if f.lower().endswith(SUFFIX) and not f.lower().startswith("mmproj")
                 and (not SPLIT_NAME.match(f) or SPLIT_NAME.match(f).group("no") == "00001")]
     return out
 
 
 # -- Ollama -------------------------------------------------------------------------------------------------------
-def _ollama(root: Path) -> list[FoundModel]:
+def _ollama(root: Path, notes: list[str]) -> list[FoundModel]:
     """Each model tag in an Ollama store: ``manifests/<host>/<namespace>/<name>/<tag>`` (JSON) names its weights'
     blob by digest (the layer of mediaType ``application/vnd.ollama.image.model``) in ``blobs/sha256-<hex>``."""
     manifests = root / "manifests"
     if not manifests.is_dir():
         return []
     out = []
-    for here, _, files in _walk(manifests):
+    for here, _, files in _walk(manifests, notes):
         rel = here.relative_to(manifests).parts
         if len(rel) != 3:  # host / namespace / name
             continue
@@ -268,16 +311,16 @@ def _ollama_tag(root: Path, manifest: Path, name: str) -> FoundModel | None:
 
 
 # -- the user's folders -------------------------------------------------------------------------------------------
-def _user_folder(root: Path) -> list[FoundModel]:
+def _user_folder(root: Path, notes: list[str]) -> list[FoundModel]:
     """A folder the user added: itself or any folder below with a config.json, and every GGUF file below it."""
     if not root.is_dir():
         return []
     out: list[FoundModel] = []
-    for here, dirs, files in _walk(root):
+    for here, dirs, files in _walk(root, notes):
         if "config.json" in files:
             m = _folder(Store.FOLDER, here, root, str(here.relative_to(root)) if here != root else root.name)
             if m is not None:
                 out.append(m)
                 dirs[:] = []  # a model folder's subfolders are its own (onnx/, original/), not other models
-    out += [_gguf(Store.FOLDER, p, root) for p in _ggufs(root)]
+    out += [_gguf(Store.FOLDER, p, root) for p in _ggufs(root, notes)]
     return out

@@ -54,18 +54,24 @@ def plain_prompt(messages: Sequence[dict[str, str]]) -> str:
     return "".join(parts) + "Assistant:"
 
 
-def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool = True) -> list[int]:
+def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool = True, model: str = "") -> list[int]:
     """Token ids of the whole conversation, ready for the assistant's reply (``for_reply``), or as a
-    prefix of a longer chat (no generation prompt: used to find where each message ends)."""
+    prefix of a longer chat (no generation prompt: used to find where each message ends). ``model`` names the
+    model in the one line of a template that refuses the chat or goes past a render's bounds."""
     messages = validate_messages(messages, for_reply)
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tokenizer, "chat_template", None):
+        from engine.model import template_guard
+
+        template_guard.install()  # rendered within bounds: output, loop steps, time
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=for_reply, tokenize=True)
+        except template_guard.TemplateLimitError as e:
+            raise ValueError(f"the chat template of {model or 'the model'} went past a render's bounds: {e}") from None
         except Exception as e:  # noqa: BLE001 - jinja2's TemplateError: the template refuses these messages
             if type(e).__module__.split(".")[0] != "jinja2":
                 raise
-            raise ValueError(f"the model's chat template refused these messages: {e}") from None
+            raise ValueError(f"the chat template of {model or 'the model'} refused these messages: {e}") from None
         if hasattr(ids, "keys"):  # BatchEncoding / dict in transformers 5
             ids = ids["input_ids"]
         if ids and isinstance(ids[0], list):

@@ -36,6 +36,7 @@ _MAX_DEPTH = 2  # arrays of arrays: the format allows them, nothing in use nests
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _NATIVE = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")  # stored as plain numbers, no blocks
 _FIX = "re-download it"
+MAX_SPLIT = 65_535  # llama.cpp's gguf-split writes split.count as a uint16
 
 
 @dataclass(frozen=True)
@@ -87,33 +88,37 @@ class GgufInfo:
 
     @property
     def context_length(self) -> int:
-        return int(_first(self.get("context_length")) or 0)
+        return _whole(self.get("context_length"))
 
     @property
     def has_chat_template(self) -> bool:
         return isinstance(self.metadata.get("tokenizer.chat_template"), str)
 
     def config(self) -> dict[str, Any]:
-        """The model's shape as ``config.json`` spells it (what the memory estimate reads); float32 weights."""
-        heads = int(_first(self.get("attention.head_count")) or 0)
-        kv = self.get("attention.head_count_kv")
-        kv_heads = max(kv) if isinstance(kv, list) and kv else int(kv or heads or 0)
-        hidden = int(self.get("embedding_length") or 0)
-        head_dim = int(self.get("attention.key_length") or (hidden // heads if heads else 0))
-        vocab = self.get("vocab_size") or (self.metadata.get("tokenizer.ggml.tokens") or {}).get("count", 0)
-        cfg = {"model_type": self.architecture, "num_hidden_layers": int(self.get("block_count") or 0),
+        """The model's shape as ``config.json`` spells it (what the memory estimate reads); float32 weights. A value
+        of the wrong type reads as 0 here: ``engine.model.gguf_checks`` is what refuses it."""
+        heads = _whole(self.get("attention.head_count"))
+        kv_heads = _whole(self.get("attention.head_count_kv")) or heads
+        hidden = _whole(self.get("embedding_length"))
+        head_dim = _whole(self.get("attention.key_length")) or (hidden // heads if heads else 0)
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        vocab = _whole(self.get("vocab_size")) or (tokens.get("count", 0) if isinstance(tokens, dict) else 0)
+        cfg = {"model_type": self.architecture, "num_hidden_layers": _whole(self.get("block_count")),
                "num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": hidden,
                "head_dim": head_dim, "max_position_embeddings": self.context_length, "vocab_size": int(vocab or 0),
                "torch_dtype": "float32", "tie_word_embeddings": not any(t.name == "output.weight" for t in self.tensors)}
-        window = self.get("attention.sliding_window")
+        window = _whole(self.get("attention.sliding_window"))
         if window:
-            cfg["sliding_window"] = int(window)
+            cfg["sliding_window"] = window
         return cfg
 
 
-def _first(value: Any) -> Any:
-    """A per-layer list's largest entry (LFM2 lists head counts per layer), else the value."""
-    return max(value) if isinstance(value, list) and value else value
+def _whole(value: Any) -> int:
+    """A count from the header: a per-layer list's largest entry (LFM2 lists head counts per layer), else the
+    value; 0 for anything that is not a whole number at least 0."""
+    if isinstance(value, list):
+        value = max((v for v in value if isinstance(v, int) and not isinstance(v, bool)), default=0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def looks_like_gguf(path: str | os.PathLike) -> bool:
@@ -322,25 +327,47 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
         align = meta.get("general.alignment", 32)
         if not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ModelFormatError(f"{path.name} is corrupt: general.alignment {align!r} is not a power of two ({_FIX})")
-        data_start = -(-f.tell() // align) * align
+        header_end = f.tell()
+        data_start = -(-header_end // align) * align
         entries = [_entry(h, *r) for r in raw]
-    end = max((data_start + e.offset + e.nbytes for e in entries), default=data_start)
+    # no tensors: nothing after the header, not even the padding (a vocabulary-only file, or not a model at all)
+    end = max((data_start + e.offset + e.nbytes for e in entries), default=header_end)
     if end > size:
         raise ModelFormatError(f"{path.name} is truncated: {size:,} bytes on disk, its tensors need {end:,} "
                                f"({_FIX})")
     return meta, entries
 
 
-def split_parts(path: Path, meta: dict[str, Any]) -> list[Path]:
-    """Every part of a split GGUF (``name-00001-of-00003.gguf``, ``split.count`` in each part's header) in order;
-    ``[path]`` for a single file."""
-    count = int(meta.get("split.count") or 1)
+def split_count(path: Path, meta: dict[str, Any]) -> int:
+    """How many files a GGUF is split in (``split.count`` in its header, or its name's ``-of-00003``); 1 for a
+    single file. ``ModelFormatError`` for a count that is not a whole number of at most ``MAX_SPLIT`` (llama.cpp's
+    gguf-split writes it as a 16-bit number: a header saying 10^9 is not a real file)."""
+    count = meta.get("split.count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SPLIT:
+        shown = f"{count:,}" if isinstance(count, int) and not isinstance(count, bool) else repr(count)[:40]
+        raise ModelFormatError(f"{path.name} is corrupt: split.count is {shown} (a model is split in 1 to "
+                               f"{MAX_SPLIT:,} files; {_FIX})")
     m = SPLIT_NAME.match(path.name)
-    if count <= 1 and not m:
-        return [path]
-    count = max(count, int(m.group("count")) if m else 1)
+    return max(count, int(m.group("count")) if m else 1)
+
+
+def split_part(path: Path, count: int, i: int) -> Path:
+    """Part ``i`` (1-based) of ``count`` of the split GGUF ``path`` belongs to (derived, never listed)."""
+    m = SPLIT_NAME.match(path.name)
     stem = m.group("stem") if m else path.stem
-    return [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")
+
+
+def missing_parts(path: Path, count: int, show: int = 3) -> tuple[int, list[str]]:
+    """How many parts of a split GGUF are not in its folder, and the names of the first ``show`` of them."""
+    missing, names = 0, []
+    for i in range(1, count + 1):
+        p = split_part(path, count, i)
+        if not os.path.isfile(p):
+            missing += 1
+            if len(names) < show:
+                names.append(p.name)
+    return missing, names
 
 
 def read_gguf(path: str | os.PathLike) -> GgufInfo:
@@ -352,17 +379,17 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
     path = Path(os.path.expanduser(str(path)))
     size = check_path(path)
     meta, entries = _parse(path, size)
-    parts = split_parts(path, meta)
-    if len(parts) > 1:
-        missing = [p.name for p in parts if not os.path.isfile(p)]
+    count = split_count(path, meta)
+    if count > 1:
+        missing, names = missing_parts(path, count)
         if missing:
             raise ModelFormatError(
-                f"{path.name} is one part of a model split in {len(parts)} files and {len(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} missing ({', '.join(missing[:3])}"
-                f"{' …' if len(missing) > 3 else ''}): download every part into {path.parent}")
+                f"{path.name} is one part of a model split in {count:,} files and {missing:,} "
+                f"{'is' if missing == 1 else 'are'} missing ({', '.join(names)}"
+                f"{' …' if missing > len(names) else ''}): download every part into {path.parent}")
         raise ModelFormatError(
-            f"{path.name} is one part of a model split in {len(parts)} files; transformers reads a single file: "
-            f"merge them first (llama-gguf-split --merge {parts[0].name} merged.gguf)")
+            f"{path.name} is one part of a model split in {count:,} files; transformers reads a single file: "
+            f"merge them first (llama-gguf-split --merge {split_part(path, count, 1).name} merged.gguf)")
     counts: dict[str, int] = {}
     for e in entries:
         counts[e.type_name] = counts.get(e.type_name, 0) + 1

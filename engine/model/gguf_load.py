@@ -19,6 +19,8 @@ import torch
 
 from engine.config import ModelSpec
 from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError
+from engine.model import template_guard
+from engine.model.gguf_checks import check_model
 from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
@@ -73,6 +75,7 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     the model's own ``general.name``."""
     info = read_gguf(spec.source)
     check_architecture(info)
+    check_model(info)  # the header's sizes against its tensors, before transformers builds anything from them
     path = Path(info.path)
     if spec.quantization in ("int8", "nf4") and not _legacy(info):
         raise UnsupportedModelError(f"{path.name}: 8-bit/4-bit re-quantization of a {info.architecture} GGUF is not "
@@ -80,11 +83,12 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     quiet_transformers()
     config = _config(path)
     dtype = choose_dtype(spec, config, device)
+    tok = _tokenizer(path)
+    template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
     note = load_note(info, str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(),
                      spec.quantization)
     if progress:
         progress(LoadNote(note), 0.1)
-    tok = _tokenizer(path)
     check()
     model = _weights(path, config, spec, dtype, device, progress, check)
     check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None))
@@ -92,7 +96,9 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
 
 
 def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    """An exception's first line, without transformers' pointer to a report it printed to the log."""
+    line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    return line.replace(" For details look at the above report!", "").strip() or type(e).__name__
 
 
 def _config(path: Path):

@@ -40,6 +40,7 @@ from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
 from engine.model import weights_read
+from engine.model import template_guard
 from engine.model.weight_index import check_index
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
@@ -250,6 +251,7 @@ def _load_folder(folder: Path, spec: ModelSpec, device: str, progress: Progress 
     config = _load_config(folder, cfg, spec)
     check_index(folder.name, config, folder)  # sizes, pickle files, layer count: before anything is built
     tok = _load_tokenizer(folder, spec)
+    template_guard.trial(tok, folder.name)
     check()
     _check_against_model(folder, config, tok, spec)
     return _load_weights(folder, config, spec, device, progress, check), tok

@@ -157,6 +157,47 @@ def weight_files(folder: Path) -> list[Path]:
     return [single] if os.path.lexists(single) else sorted(folder.glob("*.safetensors"))
 
 
+# config.json fields transformers builds the model from: whole numbers (null where optional), and real numbers
+_WHOLE_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
+                 "vocab_size", "head_dim", "max_position_embeddings", "sliding_window", "n_layer", "n_head",
+                 "n_embd", "n_positions", "num_layers", "num_heads", "n_ctx")
+_REAL_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def _value_words(v: Any) -> str:
+    if isinstance(v, str):
+        return f"a string ({v[:40]!r})"
+    if isinstance(v, (list, dict)):
+        return _json_kind(v)
+    return repr(v)
+
+
+def config_problem(cfg: Mapping[str, Any]) -> str:
+    """What is wrong with the sizes in a parsed config.json (and its ``text_config``), in words ("" when
+    nothing): a string, a list, a fraction, infinity or a negative number where transformers needs a whole
+    number, or a non-finite epsilon / rope base — transformers raises a multi-line validation error for them."""
+    for part in (cfg, cfg.get("text_config")):
+        if not isinstance(part, Mapping):
+            continue
+        for key in _WHOLE_FIELDS:
+            v = part.get(key)
+            if v is None:
+                continue
+            if type(v) is not int:
+                return f"{key} is {_value_words(v)}, not a whole number"
+            if v < 0:
+                return f"{key} is {v}: it cannot be negative"
+        for key in _REAL_FIELDS:
+            v = part.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return f"{key} is {_value_words(v)}, not a number"
+            if not math.isfinite(v) or v <= 0:
+                return f"{key} is {v}: it must be a finite number above 0"
+    return ""
+
+
 def check_folder(folder: Path, spec: ModelSpec) -> dict:
     """Reject what we cannot or must not load; returns the parsed config.json."""
     cfg_path = folder / "config.json"
@@ -171,6 +212,10 @@ def check_folder(folder: Path, spec: ModelSpec) -> dict:
         raise ModelFormatError(f"{cfg_path} is not valid JSON") from None
     if not isinstance(cfg, dict):
         raise ModelFormatError(f"{cfg_path} is not a JSON object")
+    problem = config_problem(cfg)
+    if problem:
+        raise ModelFormatError(f"{folder.name}: config.json's {problem} (use the config.json that came with these "
+                               "weights)")
     if "auto_map" in cfg and not spec.trust_remote_code:
         raise UnsafeModelError(
             f"{folder.name} needs custom code from the model repository (auto_map in config.json); "

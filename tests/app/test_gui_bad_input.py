@@ -273,10 +273,10 @@ def test_hf_cache_scan_lists_model_snapshots(tmp_path):
     blob.write_text("{}")
     (snap / "config.json").symlink_to(blob)
     (tmp_path / "hub" / "models--other--no-config" / "snapshots" / "1").mkdir(parents=True)
-    found = scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "hub")})
+    found = scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "hub")}).models
     assert [(m.store, m.name, m.source) for m in found] == [(Store.HF_CACHE, "someone/tiny-llm", str(snap))]
     assert found[0].problem == "no .safetensors weights in someone/tiny-llm"
-    assert scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "missing")}) == []
+    assert scan(env={"HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "missing")}).models == ()
 
 
 def test_cancel_a_slow_load_keeps_the_model_loaded_before(qtbot, data_dir):

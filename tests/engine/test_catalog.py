@@ -94,7 +94,7 @@ def laid_out(tmp_path_factory, stories_path):
     os.mkfifo(mine / "ggufs" / "pipe.gguf")
     env = {"HOME": str(home), "HF_HUB_CACHE": str(hf), "OLLAMA_MODELS": str(ollama)}
     before = _tree(t)
-    found = scan([mine], env=env)
+    found = scan([mine], env=env).models
     assert _tree(t) == before  # nothing written, not even an access-time-free lock or cache file
     return found, {"q8": len(q8), "f32": len(f32), "folder": sum(map(len, folder_files.values()))}, t
 
