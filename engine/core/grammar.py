@@ -131,10 +131,10 @@ class GrammarState:
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (a speculative draft) the grammar would take in order from here."""
-        if not tokens or self.m.is_stopped():
-            return 0
         if self._next is not None:  # the matcher is not to be read while its mask is computed
             self._next.result()
+        if not tokens or self.m.is_stopped():
+            return 0
         return int(self.m.validate_tokens([int(t) for t in tokens]))
 
 

@@ -168,13 +168,15 @@ async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as the model's template renders it (no reply is generated)."""
     from engine.server.render import render_messages
 
-    server, req, _tenant = await _start(request, lambda body: parse_chat(openai_body(body, count_only=True)))
-    tok = server.lm.tokenizer
+    server, req, tenant = await _start(request, lambda body: parse_chat(openai_body(body, count_only=True)))
+    tok, tokenizing = server.lm.tokenizer, server.scheduler.tokenizing
     if tok is None:
         raise ApiError(503, "this model has no tokenizer", "server_error", None, "no_tokenizer")
-    pool = server.scheduler.tokenizing.small
-    ids = await asyncio.get_running_loop().run_in_executor(pool, render_messages, tok, req.messages, req.tools)
-    return JSONResponse({"input_tokens": len(ids)})
+
+    def count() -> int:  # as a request would feed it: the ids of this tenant's earlier replies spliced in
+        return len(tokenizing.with_replies(render_messages(tok, req.messages, req.tools), req.messages, tenant))
+
+    return JSONResponse({"input_tokens": await asyncio.get_running_loop().run_in_executor(tokenizing.small, count)})
 
 
 def routes() -> tuple[Route, ...]:

@@ -64,9 +64,9 @@ def function_of(f: dict, where: str, seen: set) -> dict:
     strict = f.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict: expected a boolean", f"{where}.strict", "invalid_type")
-    out = {"name": name, "parameters": params}
-    if desc:
-        out["description"] = desc
+    # the client's own order: templates print the tool as JSON, and the prompt is then the one it would render
+    out = {k: f[k] for k in f if k in ("name", "description", "parameters", "strict") and f[k] is not None}
+    out.setdefault("parameters", params)
     return out
 
 
