@@ -85,3 +85,17 @@ def as_engine_error(exc: BaseException, during: str = "the reply") -> BaseExcept
         return EngineError(first or type(exc).__name__)
     return InternalError(f"internal error in {during} ({type(exc).__name__}: {first}); {during} was stopped "
                          "and the chat can go on")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` in one line for a user: its first line — with the next one when the first only introduces it
+    (transformers' "Validation error for field 'x':" is followed by what is wrong) — without pointers to reports
+    printed elsewhere; the exception's type name when it says nothing."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    line = lines[0]
+    if line.endswith(":") and len(lines) > 1:
+        line = f"{line} {lines[1]}"
+    line = line.replace(" For details look at the above report!", "").strip()
+    return line[:limit] or type(exc).__name__

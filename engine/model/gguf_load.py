@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import ModelSpec
-from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError
+from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError, first_line
 from engine.model import template_guard
 from engine.model.gguf_checks import check_model
 from engine.model.gguf_file import GgufInfo, read_gguf
@@ -95,19 +95,13 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     return model, tok, path, path.name if path.name.lower().endswith(".gguf") else info.name
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception's first line, without transformers' pointer to a report it printed to the log."""
-    line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    return line.replace(" For details look at the above report!", "").strip() or type(e).__name__
-
-
 def _config(path: Path):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001 - transformers' reader raises many kinds; all mean one thing here
-        raise ModelFormatError(f"cannot read the model's settings from {path.name}: {_first_line(e)}") from None
+        raise ModelFormatError(f"cannot read the model's settings from {path.name}: {first_line(e)}") from None
 
 
 def _tokenizer(path: Path):
@@ -116,7 +110,7 @@ def _tokenizer(path: Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001
-        raise ModelFormatError(f"no usable tokenizer in {path.name}: {_first_line(e)}") from None
+        raise ModelFormatError(f"no usable tokenizer in {path.name}: {first_line(e)}") from None
     if tok is None or not hasattr(tok, "decode"):
         raise ModelFormatError(f"no usable tokenizer in {path.name}")
     return tok
@@ -180,9 +174,9 @@ def _weights(path: Path, config, spec: ModelSpec, dtype: torch.dtype, device: st
     except torch.OutOfMemoryError:
         raise EngineError(f"out of memory loading {path.name} on {device}: try 8-bit/4-bit or the CPU") from None
     except ImportError as e:
-        raise EngineError(f"missing package for {path.name}: {_first_line(e)}") from None
+        raise EngineError(f"missing package for {path.name}: {first_line(e)}") from None
     except (OSError, ValueError, RuntimeError, KeyError, IndexError) as e:
-        raise ModelFormatError(f"cannot load the weights of {path.name}: {_first_line(e)}") from None
+        raise ModelFormatError(f"cannot load the weights of {path.name}: {first_line(e)}") from None
     names = {n for n, _ in model.named_parameters()}
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
     check_loading_info(path.name, info, names, tied)

@@ -25,6 +25,7 @@ from engine.errors import (
     ModelNotFoundError,
     OfflineError,
     UnsupportedModelError,
+    first_line,
 )
 from engine.model.model_files import (  # noqa: F401  (check_safetensors, check_folder: public from here too)
     check_folder,
@@ -265,9 +266,9 @@ def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
     try:
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
     except ValueError as e:
-        raise UnsupportedModelError(f"unsupported model type {cfg.get('model_type')!r}: {str(e).splitlines()[0]}") from None
+        raise UnsupportedModelError(f"unsupported model type {cfg.get('model_type')!r}: {first_line(e)}") from None
     except Exception as e:
-        raise ModelFormatError(f"cannot read the config in {folder}: {str(e).splitlines()[0]}") from None
+        raise ModelFormatError(f"cannot read the config in {folder}: {first_line(e)}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not spec.trust_remote_code:
         raise UnsupportedModelError(
             f"{folder.name}: model type {config.model_type!r} is not a text-generation (causal LM) architecture"
