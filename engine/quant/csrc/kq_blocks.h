@@ -101,6 +101,10 @@ void kq_quant_actk(const float* x, int64_t n, int8_t* qs, float* d, int16_t* bsu
 /* dot products of one weight row with R (1..4) quantized activation rows: out[r] = row . act_r */
 typedef void (*kq_dot_fn)(const void* row, const kq_act* a, int64_t r0, int R, float* out);
 kq_dot_fn kq_dot_for(int type);
+/* the AVX-512 products (NULL: not built for AVX-512, or not this type) and the activation layout they read:
+   0 natural, 2 k-quant quarters swapped, 3 32-block pairs' quarters swapped (kq_dot512.c) */
+kq_dot_fn kq_dot512_for(int type);
+int kq_act_layout(int type);
 /* which instruction set the integer products were built for, in words */
 const char* kq_isa(void);
 

@@ -236,7 +236,11 @@ INLINE void q6_K_r(const void* row, const kq_act* a, int64_t r0, int R, float* o
 }
 
 const char* kq_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return "AVX-512 + VNNI";
+#elif defined(__AVX512BW__) && defined(__AVX512VL__)
+    return "AVX-512";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return "AVX2 + AVX512-VNNI";
 #elif defined(__AVXVNNI__)
     return "AVX2 + AVX-VNNI";
@@ -383,6 +387,7 @@ static void NAME(const void* row, const kq_act* a, int64_t r0, int R, float* out
 ENTRY(q4_0) ENTRY(q4_1) ENTRY(q5_0) ENTRY(q5_1) ENTRY(q8_0) ENTRY(q4_K) ENTRY(q5_K) ENTRY(q6_K)
 
 kq_dot_fn kq_dot_for(int type) {
+    if (kq_dot512_for(type)) return kq_dot512_for(type);
     switch (type) {
     case KQ_Q4_0: return q4_0;
     case KQ_Q4_1: return q4_1;

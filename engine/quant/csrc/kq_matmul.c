@@ -72,12 +72,27 @@ static void rows_int(kq_dot_fn dot, const uint8_t* w, int64_t rb, int64_t o0, in
     }
 }
 
-static void quantize_rows(int kind, const float* x, int64_t ldx, int64_t r0, int64_t r1, const kq_act* a) {
+/* swap the second and third quarter (q bytes each) of every whole 4q-byte chunk of a row's quants: the order the
+   AVX-512 products read (kq_dot512.c: layout 2 with q = 32, layout 3 with q = 16) */
+static void swap_quarters(int8_t* qs, int64_t n, int q) {
+    int8_t t[32];
+    for (int64_t c = 0; c + 4 * q <= n; c += 4 * q) {
+        memcpy(t, qs + c + q, q);
+        memcpy(qs + c + q, qs + c + 2 * q, q);
+        memcpy(qs + c + 2 * q, t, q);
+    }
+}
+
+static void quantize_rows(int kind, int layout, const float* x, int64_t ldx, int64_t r0, int64_t r1,
+                          const kq_act* a) {
     for (int64_t r = r0; r < r1; r++) {
+        int8_t* qs = a->qs + r * a->n;
         if (kind == 1)
-            kq_quant_actk(x + r * ldx, a->n, a->qs + r * a->n, a->d + r * (a->n / QKK), a->bsums + r * (a->n / 16));
+            kq_quant_actk(x + r * ldx, a->n, qs, a->d + r * (a->n / QKK), a->bsums + r * (a->n / 16));
         else
-            kq_quant_act32(x + r * ldx, a->n, a->qs + r * a->n, a->d + r * (a->n / QK), a->s + r * (a->n / QK));
+            kq_quant_act32(x + r * ldx, a->n, qs, a->d + r * (a->n / QK), a->s + r * (a->n / QK));
+        if (layout == 2) swap_quarters(qs, a->n, 32);
+        if (layout == 3) swap_quarters(qs, a->n, 16);
     }
 }
 
@@ -133,7 +148,7 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
 #endif
             int64_t b0, b1;
             share(m, t, nt, 1, &b0, &b1);
-            quantize_rows(kind, x, ldx, b0, b1, &a);
+            quantize_rows(kind, kq_act_layout(type), x, ldx, b0, b1, &a);
 #pragma omp barrier
             share(n_out, t, nt, 4, &b0, &b1);
             rows_int(dot, w, rb, b0, b1, &a, m, y, ldy, bias, map);
@@ -165,7 +180,7 @@ int kq_dequant(int type, const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, i
 int kq_quantize_act(int kind, const float* x, int64_t m, int64_t n, int8_t* qs, float* d, float* s, int16_t* bs) {
     if (n % (kind == 1 ? QKK : QK)) return -1;
     kq_act a = {qs, d, s, bs, n};
-    quantize_rows(kind, x, n, 0, m, &a);
+    quantize_rows(kind, 0, x, n, 0, m, &a);
     return 0;
 }
 
