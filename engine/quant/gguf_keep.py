@@ -215,7 +215,7 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
     data = processor.process(weights=table.floats(gname), name=gname).weights
     value = torch.from_numpy(np.ascontiguousarray(data)).to(dtype).reshape(current.shape).to(device)
     if leaf in owner._parameters:
-        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
     else:
         owner._buffers[leaf] = value
 

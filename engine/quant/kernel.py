@@ -23,8 +23,17 @@ from engine.quant.build import Kernels
 ROADS = ("int8", "float")
 
 
+class Weight(ctypes.Structure):
+    """``kq_weight`` of kq_matmul.c: a linear's weight and what goes with it, made once per linear (``weight``)."""
+
+    _fields_ = [("type", ctypes.c_int32), ("road", ctypes.c_int32), ("w", ctypes.c_void_p), ("rb", ctypes.c_int64),
+                ("n_out", ctypes.c_int64), ("n", ctypes.c_int64), ("bias", ctypes.c_void_p), ("map", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kq_linear.restype = i
+    lib.kq_linear.argtypes = [p, p, i64, p, i]  # &weight x m y threads
     lib.kq_matmul.restype = i
     # type w rb n_out n x m ldx y ldy bias map road threads
     lib.kq_matmul.argtypes = [i, p, i64, i64, i64, p, i64, i64, p, i64, p, p, i, i]
@@ -72,6 +81,31 @@ def check_rows(w: torch.Tensor, ggml_type: int, n_in: int) -> int:
         raise ValueError(f"{formats.name(ggml_type)} weight: expected uint8 [rows, {need}] on the CPU for {n_in} "
                          f"inputs, got {w.dtype} {tuple(w.shape)} on {w.device.type}")
     return int(w.stride(0))
+
+
+def weight(w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None, out_map: torch.Tensor | None,
+           road: str) -> Weight:
+    """The descriptor ``linear`` takes, checked once (the caller keeps ``w``, ``bias`` and ``out_map`` alive:
+    the descriptor holds their addresses). ``bias`` float32 contiguous, ``out_map`` int32, one per output."""
+    rb = check_rows(w, ggml_type, n_in)
+    n_out = w.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n_out):
+        raise ValueError(f"bias: expected float32 [{n_out}] contiguous")
+    if out_map is not None and (out_map.dtype != torch.int32 or not out_map.is_contiguous() or out_map.numel() != n_out
+                                or sorted(out_map.tolist()) != list(range(n_out))):
+        raise ValueError("out_map: expected an int32 permutation of the outputs")
+    return Weight(ggml_type, ROADS.index(road), w.data_ptr(), rb, n_out, n_in,
+                  bias.data_ptr() if bias is not None else None, out_map.data_ptr() if out_map is not None else None)
+
+
+def linear(desc: Weight, x2: torch.Tensor, threads: int) -> torch.Tensor:
+    """x2 [m, n] float32 contiguous (the caller's duty: nothing is checked here but the return code) times the
+    weight of ``desc`` -> [m, n_out] float32. The lean path a model's linears take (``BlockLinear``)."""
+    m = x2.shape[0]
+    y = torch.empty(m, desc.n_out, dtype=torch.float32)  # [m, n_out]
+    if m and KERNELS.library().kq_linear(ctypes.addressof(desc), x2.data_ptr(), m, y.data_ptr(), threads) != 0:
+        raise RuntimeError("the GGUF block product refused its arguments or ran out of memory")
+    return y
 
 
 def matmul(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None = None,

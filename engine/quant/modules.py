@@ -14,6 +14,8 @@ multiplied by ggml's published kernels through transformers (``mul_mat_vec``, up
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -62,27 +64,54 @@ class BlockLinear(nn.Module):
         self.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False) if bias is not None else None
         self.register_buffer("out_map", out_map, persistent=False)
         self.road = road or kernel.default_road()
+        self._desc = None  # the kernel's descriptor (``kernel.weight``), made at the first product
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("weight", "bias", "out_map", "road"):
+            self.__dict__["_desc"] = None  # it points into the tensors being replaced
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__["_desc"] = None  # .to(), .float(): new tensors
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {formats.name(self.ggml_type)} blocks, "
                 f"{self.road} activations" + (", rows reordered" if self.out_map is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a decode step calls this ~110 times (1B shape): every microsecond here is 0.1 ms a token, so the common
+        # case (float32, contiguous, CPU, eager) goes straight to the library with the descriptor made once
+        d = self._desc
+        if d is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return self._general(x)
+        if x.dtype is not torch.float32 or not x.is_contiguous():
+            return self.forward(x.to(torch.float32).contiguous()).to(x.dtype)
+        y = torch.empty(x.shape[:-1] + (self.out_features,), dtype=torch.float32)  # [..., out]
+        m = x.numel() // self.in_features
+        if m and d[0](d[1], x.data_ptr(), m, y.data_ptr(), torch.get_num_threads()) != 0:
+            raise RuntimeError("the GGUF block product refused its arguments or ran out of memory")
+        return y
+
+    def _general(self, x: torch.Tensor) -> torch.Tensor:
+        """The first call (makes the descriptor), a trace (the operator), a GPU (ggml's kernels or cuBLAS)."""
         x2 = x.reshape(-1, self.in_features)  # [m, in]
         if self.weight.device.type == "cuda":
             y = _cuda_product(x2, self.weight, self.ggml_type, self.in_features, self.out_features)
             if self.out_map is not None:
                 y = torch.empty_like(y).index_copy_(1, self.out_map.long(), y)
             y = y + self.bias.to(y.dtype) if self.bias is not None else y
+        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            y = torch.ops.kvscope.gguf_linear(x2.to(torch.float32), self.weight, self.ggml_type, self.in_features,
+                                              self.bias, self.out_map, kernel.ROADS.index(self.road))
+        elif self.weight.device.type == "cpu":
+            bias = self.bias.detach() if self.bias is not None else None
+            desc = kernel.weight(self.weight.detach(), self.ggml_type, self.in_features, bias, self.out_map, self.road)
+            # (the library's function, the descriptor's address, the descriptor: kept alive with the module)
+            self.__dict__["_desc"] = (kernel.library().kq_linear, ctypes.addressof(desc), desc)
+            return self.forward(x)
         else:
-            x2 = x2.to(torch.float32)
-            road = kernel.ROADS.index(self.road)
-            if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-                y = torch.ops.kvscope.gguf_linear(x2, self.weight, self.ggml_type, self.in_features, self.bias,
-                                                  self.out_map, road)
-            else:
-                y = kernel.matmul(x2, self.weight, self.ggml_type, self.in_features, self.bias, self.out_map,
-                                  self.road)  # [m, out]
+            raise RuntimeError(f"GGUF blocks are multiplied on the CPU and CUDA, not {self.weight.device.type}")
         y = y.reshape(*x.shape[:-1], self.out_features)  # [..., out]
         return y if y.dtype == x.dtype else y.to(x.dtype)
 

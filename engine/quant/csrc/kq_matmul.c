@@ -158,6 +158,22 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
     return rc;
 }
 
+/* A weight as the model's linears hold it (built once per linear, so a call passes five arguments: ctypes
+   converts each one, ~0.5 us apiece) */
+typedef struct {
+    int32_t type, road;
+    const uint8_t* w;
+    int64_t rb, n_out, n;
+    const float* bias;
+    const int32_t* map;
+} kq_weight;
+
+/* y [m, n_out] = x [m, n] times the weight (rows contiguous) */
+int kq_linear(const kq_weight* W, const float* x, int64_t m, float* y, int threads) {
+    return kq_matmul(W->type, W->w, W->rb, W->n_out, W->n, x, m, W->n, y, W->n_out, W->bias, W->map, W->road,
+                     threads);
+}
+
 /* out[i, :] = row ids[i] of W dequantized (an embedding lookup); -1 when an id is outside [0, n_rows) (nothing
    read) or the type is unknown */
 int kq_get_rows(int type, const uint8_t* w, int64_t rb, int64_t n_rows, int64_t n, const int64_t* ids,
