@@ -28,6 +28,8 @@ import torch
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema or grammar text beyond 1 MB is refused before the library sees it
+# over every constrained reply of the process: tokens, seconds computing masks, seconds the sampler waited (tools)
+TOTALS = {"tokens": 0, "mask_s": 0.0, "wait_s": 0.0}
 
 
 def _ll():
@@ -107,7 +109,9 @@ class GrammarState:
         out = torch.from_numpy(allowed.copy())
         if self.m.is_accepting():
             out[list(self.stop_ids)] = True
-        self.mask_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.mask_s += dt
+        TOTALS["mask_s"] += dt
         return out
 
     def allowed(self) -> torch.Tensor:
@@ -115,7 +119,9 @@ class GrammarState:
         t0 = time.perf_counter()
         fut, self._next = self._next, None
         out = fut.result() if fut is not None else self._mask()
-        self.wait_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.wait_s += dt
+        TOTALS["wait_s"] += dt
         return out
 
     def accept(self, token: int) -> None:
@@ -127,6 +133,7 @@ class GrammarState:
         if not self.m.consume_token(int(token)):
             raise ValueError(f"the grammar refused token {token}: {self.m.get_error()}")
         self.tokens += 1
+        TOTALS["tokens"] += 1
         self._next = _pool().submit(self._mask)  # while the forward for this token runs
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:

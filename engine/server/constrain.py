@@ -73,7 +73,8 @@ def check_schemas(tools) -> None:
     for i, t in enumerate(tools):
         where = f"tools[{i}].function.parameters"
         try:
-            err = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(json.dumps(t["function"]["parameters"])))
+            schema = json.dumps(t["function"]["parameters"])
+            err = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
         except ValueError as e:
             err = str(e)
         if err:

@@ -172,8 +172,8 @@ class Tokenizing:
             room = min(cap, max(1, ctx - n) if bounded else ctx)
             if req.min_tokens > room:
                 raise bad_request(f"min_tokens: {req.min_tokens} is more than this reply can hold ({room} tokens: the "
-                                  f"context of {ctx} less the {n} of the {what}, at most {cap} per reply)", "min_tokens",
-                                  "invalid_value")
+                                  f"context of {ctx} less the {n} of the {what}, at most {cap} per reply)",
+                                  "min_tokens", "invalid_value")
             return room
         if bounded and n + req.max_tokens > ctx:
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "

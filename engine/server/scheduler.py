@@ -241,6 +241,16 @@ class Scheduler(Source):
         """The cache account of ``job``'s prompt as its client may see it (``stats``: a ``TurnStats``)."""
         return public(stats.cache, job.stats.prompt_tokens, job.stats.reused_tokens, job.own, self.idle.grain)
 
+    def _placed(self, job: Job, account: dict) -> dict:
+        """The account with the message (and its kind: a tool call, a tool result, ...) each recomputed range
+        starts in (``engine.server.places``). A prompt that left a conversation is told only where computing began,
+        which ``cached_tokens`` says already: placing it in the client's own messages tells nothing more."""
+        if job.req.kind != "chat":
+            return account
+        from engine.server.places import place_misses
+
+        return place_misses(self.lm.tokenizer, job.req.messages, job.req.tools, account)
+
     def _held(self, job: Job) -> bool:
         """Engine thread: is ``job``'s reader too far behind (``engine.server.jobs``)? A new hold is counted and
         a timer armed on the HTTP loop that cancels the job if it is still held ``stall_s`` later."""
@@ -334,7 +344,7 @@ class Scheduler(Source):
                           "completion_tokens": completion, "cached_tokens": stats.reused_tokens,
                           "logprobs": job.logprobs, "token_ids": list(s.turn_state.generated),
                           "prompt_token_ids": list(job.prepared.ids), "warnings": warnings,
-                          "cache": self._account(job, last)})
+                          "cache": self._placed(job, self._account(job, last))})
 
     def _shutdown(self) -> None:
         """Engine thread: leave the core; running and waiting requests end with 503; idle sessions close."""

@@ -292,7 +292,8 @@ def call_grammar(fmt: str, tools: list[dict], parallel: bool, marker_id) -> str:
     """Lark text for a reply that is one call (``parallel``: one or more) of ``tools`` in ``fmt``;
     ``marker_id(text)`` gives a marker's token id when the vocabulary has it as one token."""
     if fmt == "hermes":
-        call = f'{_lit("<tool_call>", marker_id("<tool_call>"))} "\\n" body "\\n" {_lit("</tool_call>", marker_id("</tool_call>"))}'
+        opening, closing = (_lit(m, marker_id(m)) for m in ("<tool_call>", "</tool_call>"))
+        call = f'{opening} "\\n" body "\\n" {closing}'
         body = _json_rule(_call_schema(tools, "arguments"))
         start = 'call ("\\n" call)*' if parallel else "call"
         return f"start: {start}\ncall: {call}\nbody: {body}\n"

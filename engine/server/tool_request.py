@@ -32,9 +32,10 @@ def parse_tools(body: dict) -> tuple[dict, ...]:
     out, seen = [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise bad_request(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\"}}}}",
-                              where, "invalid_type")
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(t.get("function"), dict)):
+            raise bad_request(f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\", "
+                              "\"parameters\"}}", where, "invalid_type")
         f = t["function"]
         out.append({"type": "function", "function": function_of(f, f"{where}.function", seen)})
     return tuple(out)

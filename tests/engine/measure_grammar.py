@@ -1,7 +1,7 @@
 """llguidance against xgrammar on the fifty schemas (``json_schemas``) with Qwen2.5's vocabulary (151,665 tokens):
-the time to compile each schema, and the time to compute the next token's mask at each token of a valid
-instance (the first token's apart: it builds lexer states) (tokenized as the tokenizer reads it), then consuming that token. Both single-threaded calls on the same
-tokens, libraries interleaved schema by schema; medians and 90th percentiles.
+the time to compile each schema, and the time to compute the next token's mask at each token of a valid instance
+(tokenized as the tokenizer reads it; the first token's apart), then consuming that token. Both single-threaded,
+on the same tokens; medians and 90th percentiles.
 
     python tests/engine/measure_grammar.py [--json out.json]
 

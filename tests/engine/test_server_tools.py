@@ -279,3 +279,29 @@ def test_anthropic_errors_are_anthropic_shaped(served, claude):
         err = r.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert err["error"]["message"].startswith(field), err
+
+
+def test_a_client_that_rewrites_an_earlier_tool_result_is_told_where(served, client):
+    """An agent's client sends an earlier tool result changed (a truncated log, a re-rendered table): the account
+    places the recomputed range in the client's own messages — the rewritten tool result, or the call just before
+    it when the range starts at that page's first token (a prompt that leaves its conversation is reused in
+    whole pages)."""
+    server, _ = served
+    tok = server.lm.tokenizer
+    msgs = [USER[0], {"role": "user", "content": "Weather in Oslo, then Bergen?"}]
+    for step in range(2):
+        r = client.chat.completions.create(model=server.model_id, messages=msgs, tools=TOOLS, max_tokens=80,
+                                           temperature=0, tool_choice="required", parallel_tool_calls=False)
+        call = r.choices[0].message.tool_calls[0].model_dump()
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": f"result {step}: 7 C, rain " * 3}]
+    msgs[3] = {**msgs[3], "content": "result 0: (truncated)"}  # the first tool result, rewritten
+    r = client.chat.completions.create(model=server.model_id, messages=msgs, tools=TOOLS, max_tokens=80,
+                                       temperature=0, tool_choice="required")
+    miss = next(m for m in r.model_extra["kvscope"]["cache"]["misses"] if m["reason"] != "new")
+    ends = [len(tok.apply_chat_template(msgs[: i + 1], tools=TOOLS, tokenize=True, return_dict=True)["input_ids"])
+            for i in range(len(msgs))]
+    at = next(i for i, e in enumerate(ends) if e > miss["start"])  # the message its first token is in
+    kinds = {2: "tool_call", 3: "tool_result"}
+    assert at in kinds and miss["where"] == {"message": at, "kind": kinds[at], "number": 1}, (miss, ends)
+    assert r.usage.prompt_tokens_details.cached_tokens == miss["start"] and miss["start"] < ends[3]
