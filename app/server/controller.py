@@ -27,6 +27,7 @@ from app.server.address import PortState, ServerAddress, address_from_settings, 
 from engine.config import CacheConfig
 
 POLL_MS = 500
+MAX_STEPS = 50  # a conversation's requests listed in its tooltip (the latest)
 
 
 class ApiList(QListWidget):
@@ -50,9 +51,12 @@ class ApiList(QListWidget):
         self.clear()
         for row in rows:
             state = "replying…" if row["running"] else f"{row['tokens']:,} tokens"
-            item = QListWidgetItem(f"API #{row['session_id']} — {state}")
+            steps = row.get("steps") or []
+            last = f" · step {len(steps)}: {step_words(steps[-1])}" if steps else ""
+            item = QListWidgetItem(f"API #{row['session_id']} — {state}{last}")
             item.setData(Qt.ItemDataRole.UserRole, row["session_id"])
-            item.setToolTip(row.get("text", ""))
+            tip = "\n".join(f"step {i + 1}: {step_words(s)}" for i, s in enumerate(steps))
+            item.setToolTip((tip + "\n\n" if tip else "") + row.get("text", ""))
             self.addItem(item)
             if row["session_id"] == current:
                 self.setCurrentItem(item)
@@ -104,17 +108,27 @@ class ChatsBox(QWidget):
         return self.layout().itemAt(0).widget().sizeHint()
 
 
+def step_words(step: dict) -> str:
+    """One request of a conversation: '3,120 reused, 208 recomputed' (its prompt's tokens)."""
+    return f"{step['reused']:,} reused, {step['recomputed']:,} recomputed"
+
+
 def _describe(scheduler) -> list[dict]:
-    """The server's conversations (engine thread)."""
+    """The server's conversations (engine thread), each with its requests so far (``steps``: reused and
+    recomputed prompt tokens of each, oldest first — an agent's loop, step by step)."""
     rows = []
     tok = scheduler.lm.tokenizer
+    steps: dict[int, list[dict]] = {}
+    for r in scheduler.records:
+        steps.setdefault(r.session_id, []).append({"reused": r.reused_tokens, "recomputed": r.recomputed_tokens})
     for s, running in scheduler.conversations():
         text = ""
         try:
             text = tok.decode(list(s.seq[-200:])) if tok is not None else ""
         except Exception:  # noqa: BLE001 - a tooltip
             pass
-        rows.append({"session_id": s.session_id, "tokens": len(s.seq), "running": running, "text": text})
+        rows.append({"session_id": s.session_id, "tokens": len(s.seq), "running": running, "text": text,
+                     "steps": steps.get(s.session_id, [])[-MAX_STEPS:]})
     return rows
 
 

@@ -81,6 +81,7 @@ def where(pos: int, places: list[dict] | None) -> str:
         return "the prompt"
     role, n = place.get("role"), place.get("number", 0)
     return {"system": "the system prompt", "user": f"your message {n}", "assistant": f"reply {n}",
+            "tool_call": f"tool call {n}", "tool_result": f"tool result {n}",
             "header": "the reply's header"}.get(role, "the prompt")
 
 

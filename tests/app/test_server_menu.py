@@ -80,6 +80,10 @@ def test_serve_from_the_menu_chat_completion_list_and_panels(qtbot, data_dir, st
         # the user's chats are apart: the API's conversation is not one of them
         assert [w.chat_list.item(i).text() for i in range(w.chat_list.count())] == chats
         assert "API #" in w.api_list.item(0).text()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]  # the conversation's requests, step by step
+        step = f"step 1: {cached:,} reused, {usage['prompt_tokens'] - cached:,} recomputed"
+        qtbot.waitUntil(lambda: step in w.api_list.item(0).text(), timeout=DEADLINE_MS)
+        assert step in w.api_list.item(0).toolTip()
         sid = w.api_list.session_ids()[0]
         with qtbot.waitSignal(w.api_snapshot_shown, timeout=DEADLINE_MS) as shown:
             w.api_list.setCurrentRow(0)
