@@ -3,10 +3,12 @@ engine as a folder's model: paged cache, every policy and panel, the tokenizer a
 
 Order ("can I?" before "do it"): ``engine.model.gguf_file.read_gguf`` refuses a bad file in one line before
 transformers opens it; the architecture is checked against what transformers can read from GGUF; the memory the
-weights will take is said (``progress``) before they are read. Quantized types (Q8_0, Q4_K, ...) are dequantized
-to the compute dtype (float32 on a CPU), as transformers' GGUF loader does for every architecture it reads with
-llama.cpp's tensor names; ``--quantize int8|nf4`` then re-quantizes the dequantized weights with bitsandbytes
-(transformers refuses a ``quantization_config`` next to ``gguf_file``, so that path hands it the state dict).
+weights will take is said (``progress``) before they are read. The weights of the architectures
+``engine.quant.formats.ARCHITECTURES`` lists stay as the file stores them, mapped from it, and are multiplied by the
+GGUF block kernels (``engine.quant``); other architectures, and machines without the kernels, get them dequantized
+to the compute dtype (float32 on a CPU), as transformers' GGUF loader does; ``--quantize int8|nf4`` then
+re-quantizes the dequantized weights with bitsandbytes (transformers refuses a ``quantization_config`` next to
+``gguf_file``, so that path hands it the state dict).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.model.gguf_checks import check_model
 from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
+from engine.quant import gguf_keep
 
 # llama.cpp's spelling of an architecture → transformers' model type, where they differ
 _SPELLINGS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
@@ -85,14 +88,49 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     dtype = choose_dtype(spec, config, device)
     tok = _tokenizer(path)
     template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
-    note = load_note(info, str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(),
-                     spec.quantization)
+    keep = spec.quantization not in ("int8", "nf4") and not gguf_keep.refusal(info.architecture, device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    note = (kept_note(info, gguf_keep.plan(info, device, elem)) if keep
+            else load_note(info, str(dtype).removeprefix("torch."), elem, spec.quantization))
     if progress:
         progress(LoadNote(note), 0.1)
     check()
-    model = _weights(path, config, spec, dtype, device, progress, check)
+    model = _kept(path, info, config, dtype, device, progress, check) if keep else \
+        _weights(path, config, spec, dtype, device, progress, check)
     check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None))
     return model, tok, path, path.name if path.name.lower().endswith(".gguf") else info.name
+
+
+def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, progress: Progress | None,
+          check: Callable[[], None]):
+    """The model with the file's weights kept as blocks, mapped from it (``engine.quant.gguf_keep``)."""
+    try:
+        model = gguf_keep.load(path, info, config, dtype, device, progress, check)
+    except LoadCancelled:
+        raise
+    except KeyError:
+        raise UnsupportedModelError(f"{path.name}: {config.model_type} is not a text-generation model") from None
+    except torch.OutOfMemoryError:
+        raise EngineError(f"out of memory loading {path.name} on {device}") from None
+    except (OSError, ValueError, RuntimeError, IndexError) as e:
+        raise ModelFormatError(f"cannot load the weights of {path.name}: {first_line(e)}") from None
+    p = gguf_keep.plan(info, device, torch.empty((), dtype=dtype).element_size())
+    model._kvscope_blocks = f"GGUF {info.weights_type}, {p.bits:.2f} bits per weight, {p.where} ({p.road})"
+    return model
+
+
+def kept_note(info: GgufInfo, p) -> str:
+    """What loading ``info`` with its blocks kept holds (``gguf_keep.Plan``), said before the weights are read, e.g.
+    'm-q4_k_m.gguf: Q4_K_M weights (558.1 MiB on disk, 4.81 bits per weight) stay as the file stores them, mapped
+    from the file: 558.3 MiB of weights in memory (int8 activations, AVX-512 + VNNI)'."""
+    from engine.quant import formats
+
+    note = (f"{Path(info.path).name}: {info.weights_type} weights ({human_bytes(info.size_bytes)} on disk, "
+            f"{p.bits:.2f} bits per weight) stay as the file stores them, {p.where}: "
+            f"{human_bytes(p.mapped + p.copied)} of weights in memory ({p.road})")
+    if p.lost:
+        note += f"; {', '.join(p.lost)} weights have no block kernel and are dequantized (kept: {formats.kept_names()})"
+    return note
 
 
 def _config(path: Path):

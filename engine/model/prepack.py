@@ -195,6 +195,9 @@ def _own_the_rest(model) -> None:
     file, and while any tensor still points into that mapping, the pages the packed linears were read from stay
     resident (RSS: SmolLM2-shape 1,209 MB packed vs 763 MB plain before this; after it, 763 MB)."""
     ours = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear)}  # new tensors already
+    # a GGUF's blocks are the mapping itself, read in place (engine.quant): a copy would double their memory
+    ours |= {id(t) for m in model.modules() if getattr(m, "maps_file", False)
+             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if t.device.type == "cpu" and not t.is_mkldnn and id(t) not in ours:

@@ -22,6 +22,7 @@ import functools
 import mmap
 import struct
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -232,3 +233,52 @@ def _tie_head(model, config) -> None:
                                               head.bias if head.bias is not None and not head.bias.is_meta else None))
     else:
         head.weight = embed.weight
+
+
+def tensor_types(info) -> list[tuple[int, tuple[int, ...]]]:
+    """(ggml type, torch-order shape) of every tensor of a ``GgufInfo`` (its header, read before)."""
+    import gguf
+
+    return [(gguf.GGMLQuantizationType[t.type_name].value, tuple(reversed(t.shape))) for t in info.tensors]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What loading a file with its blocks kept holds: bytes mapped from the file (or copied to the GPU) and
+    copied into the process, the file's bits per weight, the types dequantized for want of a kernel, the road."""
+
+    mapped: int
+    copied: int
+    bits: float
+    lost: tuple[str, ...]
+    device: str
+    road: str  # "int8 activations, AVX-512 + VNNI"
+
+    @property
+    def where(self) -> str:
+        return "mapped from the file" if self.device == "cpu" else f"copied to {self.device} layer by layer"
+
+
+def plan(info, device: str, compute_bytes: int) -> Plan:
+    """The ``Plan`` of a ``GgufInfo`` loaded kept on ``device`` in a compute dtype of ``compute_bytes``."""
+    types = [(t if len(s) != 2 or _keep(t, s, device) else -1, s) for t, s in tensor_types(info)]
+    mapped, copied = formats.model_bytes([(t if t >= 0 else 99, s) for t, s in types], compute_bytes)
+    lost = tuple(sorted({formats.name(t) for t, s in tensor_types(info) if len(s) == 2 and not _keep(t, s, device)}))
+    road = (f"{kernel.default_road()} activations, {kernel.isa()}" if device == "cpu"
+            else "ggml's kernels or cuBLAS on dequantized chunks")
+    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road)
+
+
+def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None):
+    """``build`` from the loader: the causal-LM class of ``config``, sdpa attention where the class has it (else
+    eager: Gemma 2's softcapping). ValueError / RuntimeError name what does not fit."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    try:
+        model = build(path, info.architecture, config, cls, dtype, device, "sdpa", progress, check)
+    except ValueError as e:
+        if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
+            raise
+        model = build(path, info.architecture, config, cls, dtype, device, "eager", progress, check)
+    return model

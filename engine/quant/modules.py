@@ -54,6 +54,8 @@ class BlockLinear(nn.Module):
     """``y = x Wᵀ + b`` with W kept as GGUF blocks of ``ggml_type`` (module doc). ``out_map`` (int32, optional):
     output row o of the stored weight is the model's output ``out_map[o]`` (llama.cpp's query / key row order)."""
 
+    maps_file = True  # its weight is read in place from the file's mapping: never copied by the loader
+
     def __init__(self, weight: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None,
                  out_map: torch.Tensor | None = None, road: str | None = None) -> None:
         super().__init__()
@@ -107,8 +109,10 @@ class BlockLinear(nn.Module):
         elif self.weight.device.type == "cpu":
             bias = self.bias.detach() if self.bias is not None else None
             desc = kernel.weight(self.weight.detach(), self.ggml_type, self.in_features, bias, self.out_map, self.road)
-            # (the library's function, the descriptor's address, the descriptor: kept alive with the module)
-            self.__dict__["_desc"] = (kernel.library().kq_linear, ctypes.addressof(desc), desc)
+            # (the library's function, the descriptor's address, the descriptor and the storages it points into:
+            # kept alive with it, so a tensor whose .data someone replaces never leaves it pointing at freed memory)
+            held = tuple(t.untyped_storage() for t in (self.weight, bias, self.out_map) if t is not None)
+            self.__dict__["_desc"] = (kernel.library().kq_linear, ctypes.addressof(desc), desc, held)
             return self.forward(x)
         else:
             raise RuntimeError(f"GGUF blocks are multiplied on the CPU and CUDA, not {self.weight.device.type}")
@@ -119,6 +123,8 @@ class BlockLinear(nn.Module):
 class BlockEmbedding(nn.Module):
     """An embedding table kept as GGUF blocks: the rows looked up are dequantized (to ``dtype``), nothing else.
     ``scale`` multiplies them (Gemma 3's scaled embedding)."""
+
+    maps_file = True
 
     def __init__(self, weight: torch.Tensor, ggml_type: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
                  padding_idx: int | None = None, scale: float | None = None) -> None:

@@ -20,11 +20,14 @@ import numpy as np
 from gguf_make import CHAT_TEMPLATE, _hyperparameters, _permute, _vocab
 
 ALL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
-K_SCALES = {"Q4_K": (150.0, 7.5), "Q5_K": (300.0, 15.5), "Q6_K": (600.0, 0.0)}  # d = std / a, dmin = b * d
+# d = std / a, dmin = b * d; where the half-precision d (and dmin) sit in a block
+K_SCALES = {"Q4_K": (150.0, 7.5), "Q5_K": (300.0, 15.5), "Q6_K": (600.0, 0.0), "Q3_K": (60.0, 0.0),
+            "Q2_K": (20.0, 1.5)}
+D_AT = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 208, "Q3_K": 108, "Q2_K": 80}
 
 
 def random_k_blocks(data: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q5_K / Q6_K blocks for data's shape [rows, n] (n a multiple of 256), uint8 [rows, bytes]."""
+    """Random k-quant blocks (Q2_K .. Q6_K) for data's shape [rows, n] (n a multiple of 256), uint8 [rows, bytes]."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[qtype]
@@ -33,11 +36,11 @@ def random_k_blocks(data: np.ndarray, qtype: str, rng: np.random.Generator) -> n
     raw = rng.integers(0, 256, size=(rows, n // block, size), dtype=np.uint8)
     a, b = K_SCALES[qtype]
     d = np.full(raw.shape[:2], max(float(data.std()), 1e-3) / a, dtype=np.float16)
-    at = 208 if qtype == "Q6_K" else 0  # Q6_K keeps its scale last
+    at = D_AT[qtype]
     raw[:, :, at:at + 2] = d.view(np.uint8).reshape(*d.shape, 2)
-    if qtype != "Q6_K":
+    if b:
         dmin = (d.astype(np.float32) * b).astype(np.float16)
-        raw[:, :, 2:4] = dmin.view(np.uint8).reshape(*d.shape, 2)
+        raw[:, :, at + 2:at + 4] = dmin.view(np.uint8).reshape(*d.shape, 2)
     return raw.reshape(rows, -1)
 
 
@@ -67,13 +70,19 @@ def write_blocks(model, arch: str, tokenizer_model: Path, path: Path,
     if file_type is not None:
         writer.add_file_type(file_type)
     pieces, scores, token_types = _vocab(tokenizer_model)
+    bos, eos, unk = 1, 2, 0
+    if arch == "gemma2":  # Gemma's special pieces where its vocabulary has them (as gguf_make writes them)
+        pieces[:5] = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+        token_types[:5] = [3, 3, 3, 2, 3]
+        bos, eos, unk = 2, 1, 3
+        writer.add_pad_token_id(0)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(pieces)
     writer.add_token_scores(scores)
     writer.add_token_types(token_types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_unk_token_id(unk)
     writer.add_add_bos_token(True)
     if chat_template:
         writer.add_chat_template(chat_template)

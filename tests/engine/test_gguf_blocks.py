@@ -1,0 +1,142 @@
+"""GGUF files whose weights stay as blocks (``engine.quant``) through the engine: files written in the test with
+every block type (``gguf_blocks``), loaded by ``load_model`` as a user opens them.
+
+Exactness, the two roads: with float activations (``KVSCOPE_GGUF_ROAD=float``) the engine's greedy tokens equal HF
+``generate``'s on the model the gguf package dequantizes from the same file; with 8-bit activations (the default,
+llama.cpp's numerics) every lossless cache mode gives the tokens of the engine's own forward without a cache.
+The weights are the file's mapping (no copy), the kept types are said before the load, a type without a kernel is
+dequantized with one line naming it and the kept ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from gguf_blocks import ALL, cycle, write_blocks  # noqa: E402  (tests/engine is on sys.path)
+from test_exact import engine_greedy, hf_greedy  # noqa: E402
+
+from engine.config import CacheConfig, ModelSpec  # noqa: E402
+from engine.model.loader import load_model  # noqa: E402
+from engine.quant import gguf_keep, kernel  # noqa: E402
+from engine.quant.modules import BlockEmbedding, BlockLinear  # noqa: E402
+
+pytestmark = pytest.mark.skipif(kernel.library() is None, reason="no C compiler for the GGUF block kernels")
+
+N = 16
+BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SHAPES = {"llama": dict(tie_word_embeddings=False), "qwen2": dict(tie_word_embeddings=True),
+          "gemma2": dict(head_dim=64, sliding_window=8, bos_token_id=2, eos_token_id=1)}
+PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 79, 63, 115, 151]
+
+
+def _random(arch: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, **{**BASE, **SHAPES[arch]})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, stories_path):
+    """{arch: a GGUF whose 2-D weights cycle through every type (F32 ... Q6_K)}."""
+    d = tmp_path_factory.mktemp("gguf-blocks")
+    return {a: write_blocks(_random(a), a, stories_path / "tokenizer.model", d / f"{a}-mixed.gguf", cycle(ALL))
+            for a in SHAPES}
+
+
+def _hf_dequantized(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=str(path), dtype=torch.float32)
+    return model.eval()
+
+
+class _Wrap:  # hf_greedy reads ``.model``
+    def __init__(self, model):
+        self.model = model
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_float_road_gives_hf_greedy_on_the_dequantized_model(files, arch, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_GGUF_ROAD", "float")
+    lm = load_model(ModelSpec(source=str(files[arch])))
+    kinds = {type(m) for m in lm.model.modules()}
+    assert BlockLinear in kinds and BlockEmbedding in kinds
+    assert "bits per weight, mapped from the file (float activations" in lm.info.weights_kernel
+    ref = hf_greedy(_Wrap(_hf_dequantized(files[arch])), PROMPT, N)
+    assert engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4)) == ref
+    with torch.inference_mode():  # the logits themselves: float tolerance
+        ids = torch.tensor([PROMPT])
+        got, want = lm.model(ids).logits, _hf_dequantized(files[arch])(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_int8_road_cache_modes_equal_the_forward_without_cache(files, arch):
+    lm = load_model(ModelSpec(source=str(files[arch])))
+    assert "int8 activations" in lm.info.weights_kernel
+    ref = engine_greedy(lm, PROMPT, N, CacheConfig(mode="off"))
+    for cache in (CacheConfig(mode="contiguous"), CacheConfig(mode="paged", page_size=1),
+                  CacheConfig(mode="paged", page_size=16)):
+        assert engine_greedy(lm, PROMPT, N, cache) == ref, cache
+
+
+def test_weights_are_the_files_mapping(files):
+    path = files["llama"]
+    lm = load_model(ModelSpec(source=str(path)))
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            spans.append((lo, hi))
+    blocks = [m.weight for m in lm.model.modules() if isinstance(m, (BlockLinear, BlockEmbedding))]
+    assert spans and blocks
+    assert all(any(lo <= w.data_ptr() < hi for lo, hi in spans) for w in blocks)  # in place: no copy
+
+
+def test_two_threads_give_the_same_tokens(files):
+    lm = load_model(ModelSpec(source=str(files["qwen2"])))
+    one = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = engine_greedy(lm, PROMPT, 8, CacheConfig(mode="paged", page_size=4))
+        torch.set_num_threads(2)
+        b = engine_greedy(lm, PROMPT, 8, CacheConfig(mode="paged", page_size=4))
+    finally:
+        torch.set_num_threads(one)
+    assert a == b
+
+
+def test_a_type_without_kernel_is_dequantized_and_named(tmp_path, stories_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_GGUF_ROAD", "float")
+
+    def types(name, shape):
+        return "Q3_K" if name.endswith("up_proj.weight") else "Q4_K" if shape[-1] % 256 == 0 else None
+    path = write_blocks(_random("llama"), "llama", stories_path / "tokenizer.model", tmp_path / "q3.gguf", types)
+    notes = []
+    lm = load_model(ModelSpec(source=str(path)), progress=lambda m, f: notes.append(str(m)))
+    note = next(n for n in notes if "stay as the file stores them" in n)
+    assert "Q3_K weights have no block kernel and are dequantized (kept: F32, F16, BF16, Q4_0" in note
+    up = lm.model.model.layers[0].mlp.up_proj
+    assert type(up) is not BlockLinear and up.weight.dtype == torch.float32  # dequantized, then packed or not
+    ref = hf_greedy(_Wrap(_hf_dequantized(path)), PROMPT, 8)
+    assert engine_greedy(lm, PROMPT, 8, CacheConfig(mode="paged", page_size=4)) == ref
+
+
+def test_a_tensor_past_the_end_is_refused(files, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    shutil.copy(files["llama"], cut)
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size - 100)
+    with pytest.raises(ValueError, match="past the end of the file"):
+        gguf_keep.Table(cut)
