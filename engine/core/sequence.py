@@ -23,6 +23,7 @@ from engine.core.account import with_dropped
 from engine.core.sampling import Sampler
 from engine.snapshot import TokenEvent, TurnStats
 from engine.core.token_ids import interned
+from engine.model.chunks import CHUNK_FLOPS_CPU, CHUNK_FLOPS_GPU, MAX_CHUNK, MIN_CHUNK, prefill_chunk  # noqa: F401
 
 
 class Status(enum.Enum):
@@ -145,26 +146,6 @@ def protection(messages: Seq[dict] | None, spans: Seq[tuple[int, int]],
         if p is not None:
             pri[a:min(b, n)] = p
     return protected, pri
-
-
-# A chunk is ~1e12 FLOPs: ~5 s of prefill on this 2-core CPU (~200 GFLOP/s), ~1 s on an 8-core laptop. Smaller
-# chunks cost TTFT: a 4,096-token prompt of a Gemma-3-1B shape took x1.39 of one forward in 128-token chunks
-# (every chunk attends through an explicit mask); 512-token chunks keep Stop within seconds.
-CHUNK_FLOPS_CPU = 1.2e12
-CHUNK_FLOPS_GPU = 2e13  # the same wait on a consumer GPU
-MIN_CHUNK, MAX_CHUNK = 64, 2048
-
-
-def prefill_chunk(num_params: int, device_type: str) -> int:
-    """Tokens per prefill forward, so that Stop acts within about a second or two: ~2 FLOPs per parameter per
-    token, rounded down to a power of two in 64..2048. A fixed number per model and device, so chunking
-    never depends on timing (and a prompt that fits one chunk is prefilled exactly as HF does)."""
-    budget = CHUNK_FLOPS_CPU if device_type == "cpu" else CHUNK_FLOPS_GPU
-    tokens = budget / max(1, 2 * num_params)
-    chunk = MIN_CHUNK
-    while chunk * 2 <= min(tokens, MAX_CHUNK):
-        chunk *= 2
-    return chunk
 
 
 def check_fits(prompt: int, max_new: int, ctx: int) -> str:

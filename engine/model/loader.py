@@ -40,7 +40,7 @@ from engine.model.hf_load import choose_dtype as _choose_dtype
 from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
-from engine.model import weights_read
+from engine.model import fit, weights_read
 from engine.model import template_guard
 from engine.model.weight_index import check_index
 
@@ -224,10 +224,12 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if looks_like_gguf(os.path.expanduser(spec.source)):  # a llama.cpp file: engine.model.gguf_load
         from engine.model.gguf_load import load_gguf
 
+        # before any weight; the GGUF loader says its own note of the memory its weights take
+        verdict = fit.check(Path(os.path.expanduser(spec.source)), spec, device, progress, say=False)
         model, tok, path, name = load_gguf(spec, device, progress, check)
     else:
         path = resolve_source(spec, progress)
-        model, tok = _load_folder(path, spec, device, progress, check)
+        model, tok, verdict = _load_folder(path, spec, device, progress, check)
         name = path.name
     check()
     if progress:
@@ -238,6 +240,8 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         _fix_bnb_4bit_cpu(model)
     model.eval()
     lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
+    if verdict is not None:
+        lm.info = held_info(lm.info, verdict.weights, model)
     if lm.info.unsupported:
         raise UnsupportedModelError(f"{name}: {lm.info.unsupported}")
     return lm
@@ -255,7 +259,8 @@ def _load_folder(folder: Path, spec: ModelSpec, device: str, progress: Progress 
     template_guard.trial(tok, folder.name)
     check()
     _check_against_model(folder, config, tok, spec)
-    return _load_weights(folder, config, spec, device, progress, check), tok
+    verdict = fit.check(folder, spec, device, progress)  # WontFitError before a weight is read
+    return _load_weights(folder, config, spec, device, progress, check), tok, verdict
 
 
 def _load_config(folder: Path, cfg: dict, spec: ModelSpec):
@@ -357,8 +362,45 @@ def _check_coverage(name: str, model, loading_info: dict) -> None:
 
 
 def weights_bytes(model) -> int:
-    """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once)."""
-    return sum(t.numel() * t.element_size() for t in model.parameters())
+    """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once), with
+    what a quantized weight keeps beside it: bitsandbytes' int8 row scales (``SCB``) and 4-bit block scales and
+    codebook (``quant_state``: 58 MB of NF4 scales on the 1B shape, left out before)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for mod in model.modules():
+        add(getattr(getattr(mod, "state", None), "SCB", None))  # Linear8bitLt keeps its scales there once run
+        for p in mod.parameters(recurse=False):
+            add(p)
+            add(getattr(p, "SCB", None))
+            qs = getattr(p, "quant_state", None)
+            while qs is not None:
+                add(getattr(qs, "absmax", None))
+                add(getattr(qs, "code", None))
+                qs = getattr(qs, "state2", None)
+    return total
+
+
+def held_info(info: ModelInfo, plan, model) -> ModelInfo:
+    """``info`` with the weights' format as loaded (``engine.model.weights_plan``: "Q4_K_M, mapped from the file",
+    "F32 converted from BF16") and their bits per weight as held."""
+    import dataclasses
+
+    from engine.model.weights_plan import as_loaded
+
+    dtypes = {p.dtype for p in model.parameters()}
+    floats = all(d.is_floating_point for d in dtypes)
+    big = max(model.parameters(), key=lambda p: p.numel(), default=None)
+    fmt, held = as_loaded(plan, str(big.dtype).replace("torch.", "") if floats and big is not None else "")
+    params = plan.params or sum(p.numel() for p in model.parameters())
+    return dataclasses.replace(info, weights_format=fmt, weights_stored=plan.stored, weights_held=str(held),
+                               weights_bits=round(8 * info.weights_bytes / max(1, params), 2))
 
 
 def _stop_ids(model, tok) -> tuple[int, ...]:

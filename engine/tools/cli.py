@@ -1,4 +1,4 @@
-"""``python -m engine generate|bench|quality|fidelity|serve|attach`` (DESIGN.md §3).
+"""``python -m engine generate|bench|quality|fidelity|serve|attach|models`` (DESIGN.md §3).
 
 A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
 one).
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.tools.fidelity_report import add_parser as fidelity_parser
 
     fidelity_parser(sub, _cache_args, _model_args)
+    from engine.tools.models import add_parser as models_parser
+
+    models_parser(sub, _model_args)
     return parser
 
 
@@ -397,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.tools.fidelity_report import run_fidelity
 
             return run_fidelity(a, cache_config_from_args, _model_spec)
+        if a.command == "models":
+            from engine.tools.models import run_models
+
+            return run_models(a)
         parser.error(f"unknown command {a.command}")
     except (EngineError, ValueError) as e:
         if debug:

@@ -160,8 +160,9 @@ def test_int8_on_a_cpu_generates_and_says_its_float16_cast_once(stories_path):
                 "--ignore-eos", "--quantize", "int8", "--device", "cpu", "--json")
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(json.loads(p.stdout)["token_ids"]) == 3
-    assert p.stderr.splitlines() in ([], ["MatMul8bitLt: inputs will be cast from torch.float32 to float16 "
-                                          "during quantization"])  # 175 lines before: one per 8-bit matmul
+    said = [line for line in p.stderr.splitlines() if not line.startswith("note: ")]  # the memory verdict
+    assert said in ([], ["MatMul8bitLt: inputs will be cast from torch.float32 to float16 "
+                         "during quantization"])  # 175 lines before: one per 8-bit matmul
 
 
 def test_once_per_message_passes_each_distinct_message_once():

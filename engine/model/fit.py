@@ -1,0 +1,407 @@
+"""Will it fit? The memory a model will take, said before it loads: its weights as they will be held
+(``engine.model.weights_plan``), the KV cache's bytes per token for each K/V precision (``engine.kv.paged.sizes``,
+the formulas the cache itself uses), and the longest context that fits in the free RAM (CPU) or GPU memory.
+
+The loader refuses a model that does not fit (``WontFitError``, with the numbers) before reading a weight: a load
+the system would kill never starts. ``Fit`` is the type; the command line's words are ``describe`` / ``refusal``
+here, the app's are its own (``app.shell.format``).
+
+What the process will hold, beyond what it holds now (measured on the Llama-3.2-1B shape, AMD EPYC, 2026-12-06,
+``tests/engine/measure_fit.py``):
+
+    loading   libraries + weights + in flight      in flight = the largest tensor's elements x LOAD_BYTES_PER_ELEMENT
+    running   libraries + weights + activations + KV   activations = a prefill chunk's, for min(chunk, context)
+
+``KVSCOPE_AVAILABLE_MEMORY`` (bytes, or with a unit: ``1.5GiB``, ``800MB``) stands in for the free memory: a small
+machine simulated, for tests and for the user who wants the engine to keep within a budget.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import EngineError
+from engine.model.hf_load import LoadNote
+from engine.kv.paged import sizes
+from engine.model.weights_plan import Held, WeightsPlan
+
+ENV = "KVSCOPE_AVAILABLE_MEMORY"
+KV_KINDS = ("auto", "int8", "int4", "tq4", "tq3", "tq2")  # the K/V precisions a model can be run with
+PAGE_SIZE = 16  # the paged cache's default: quantized pages' scales are per page
+MIN_CONTEXT = 512  # a model that cannot hold this many tokens (or its whole context, if less) is refused
+HEADROOM = 256 << 20  # left free for the system and the app around the model
+MiB = 1 << 20
+# what a load imports beyond an idle engine (transformers' model and tokenizer code; bitsandbytes): measured
+# +133 MB (none) and +170 MB (int8 / nf4) over the idle process on the 1B shape
+LIBRARIES = {"none": 135 * MiB, "int8": 170 * MiB, "nf4": 170 * MiB}
+# bytes in flight while loading, per element of the largest tensor: a tensor read (2 B/weight for bf16) and
+# converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
+# the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
+# (a GGUF kept as blocks: its largest tensor copied out of the file, a norm or a type with no block kernel)
+LOAD_BYTES_PER_ELEMENT = {Held.CONVERTED: 8, Held.READ: 4, Held.QUANTIZED: 14, Held.MAPPED: 4}
+
+
+class WontFitError(EngineError):
+    """The model will not fit in the memory there is; ``fit`` says by how much."""
+
+    def __init__(self, message: str, fit: "Fit") -> None:
+        super().__init__(message)
+        self.fit = fit
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What a token costs the KV cache: layers of full attention, sliding-window layers and their window, and the
+    K/V heads' widths."""
+
+    full: int
+    sliding: int
+    window: int
+    kv_heads: int
+    head_dim: int
+
+    def per_token(self, kind: str, elem_bytes: int) -> float:
+        """One token's K and V in one layer as ``kind`` ("auto": the compute dtype's ``elem_bytes``)."""
+        if self.kv_heads < 1 or self.head_dim < 1:
+            return 0.0
+        if kind == "auto":
+            return 2.0 * sizes.full_bytes_per_token(self.kv_heads, self.head_dim, elem_bytes)
+        return sum(sizes.bytes_per_token(kind, role, self.kv_heads, self.head_dim, PAGE_SIZE) for role in "kv")
+
+    @property
+    def held(self) -> int:
+        """Tokens a sliding layer holds at most: the window less the query (as HF's cache and ``ModelInfo``)."""
+        return max(0, self.window - 1)
+
+    def bytes_at(self, tokens: int, layer_bytes: float) -> float:
+        return layer_bytes * (self.full * tokens + self.sliding * min(tokens, self.held))
+
+    def cache_bytes(self, kind: str, elem_bytes: int, tokens: int) -> float:
+        """What a chat's cache holds at ``tokens`` tokens as ``kind``: its pages, and for a quantized kind the
+        page being filled, kept at full precision until it is whole (``QuantView.tail``)."""
+        layer = self.per_token(kind, elem_bytes)
+        held = self.bytes_at(tokens, layer)
+        if kind != "auto":
+            held += self.bytes_at(min(tokens, PAGE_SIZE), self.per_token("auto", elem_bytes) - layer)
+        return held
+
+    def working_bytes(self, kind: str, elem_bytes: int, tokens: int) -> float:
+        """Beside a quantized cache: one layer's K and V dequantized for attention (``QuantView``'s buffer)."""
+        return 0.0 if kind == "auto" or not self.full + self.sliding else \
+            tokens * self.per_token("auto", elem_bytes)
+
+    def longest(self, kind: str, elem_bytes: int, budget: float, cap: int, activations=lambda n: 0) -> int:
+        """The most tokens (at most ``cap``) whose cache, working buffer and ``activations(tokens)`` fit in
+        ``budget`` bytes."""
+        def need(n: int) -> float:
+            return self.cache_bytes(kind, elem_bytes, n) + self.working_bytes(kind, elem_bytes, n) + activations(n)
+
+        if need(cap) <= budget:
+            return cap
+        lo, hi = 0, cap  # need(lo) <= budget < need(hi)
+        if need(0) > budget:
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid)
+        return lo
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """One K/V precision: its bytes per token (every layer, K and V) and the longest context that fits."""
+
+    kind: str  # "auto" is the compute dtype (``Fit.compute_dtype``)
+    bytes_per_token: float
+    longest_context: int
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The verdict before a load: the weights as held, the rest of what the process will take, the memory there
+    is, and per K/V precision the bytes a token costs and the longest context that fits."""
+
+    name: str
+    device: str  # "cpu" | "cuda" | "mps"
+    compute_dtype: str  # the activations' and the full-precision cache's dtype
+    weights: WeightsPlan
+    libraries: int
+    loading: int  # in flight while loading, beyond the kept weights
+    activations: int  # bytes a prompt token's activations take in a prefill forward
+    chunk: int  # tokens a prefill forward feeds at most (``engine.model.chunks``)
+    available: int
+    available_from: str  # "free RAM", "free GPU memory", or the variable that set it
+    context: int  # the model's own context length
+    kv: tuple[KVCost, ...]
+    attention: Attention
+
+    @property
+    def elem_bytes(self) -> int:
+        return 4 if self.compute_dtype == "float32" else 2
+
+    def kv_bytes(self, kind: str, tokens: int) -> float:
+        """What a chat's cache holds at ``tokens`` tokens as ``kind`` (``Attention.cache_bytes``)."""
+        return self.attention.cache_bytes(kind, self.elem_bytes, tokens)
+
+    @property
+    def load_bytes(self) -> int:
+        """The peak while loading, beyond what the process holds now."""
+        return self.libraries + self.weights.bytes + self.loading
+
+    @property
+    def resident_bytes(self) -> int:
+        """Held once loaded and running, before any KV."""
+        return self.libraries + self.weights.bytes + self.compute_at(self.context or self.chunk)
+
+    def compute_at(self, tokens: int) -> int:
+        """A prefill forward's activations for a prompt of ``tokens`` tokens."""
+        return self.activations * min(tokens, self.chunk)
+
+    @property
+    def min_context(self) -> int:
+        return min(MIN_CONTEXT, self.context) if self.context else MIN_CONTEXT
+
+    @property
+    def fits(self) -> bool:
+        return self.load_bytes <= self.available and any(k.longest_context >= self.min_context for k in self.kv)
+
+    def cost(self, kind: str) -> KVCost:
+        return next(k for k in self.kv if k.kind == kind)
+
+
+# -- the memory there is ----------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1.5GiB', '800MB', '2g', '123456' -> bytes (ValueError with one line otherwise)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{ENV}={text!r}: expected a size such as 8GiB, 800MB or 123456 (bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """Bytes free for a model on ``device`` now, less ``HEADROOM``, and where the number came from."""
+    if os.environ.get(ENV, "").strip():
+        return parse_bytes(os.environ[ENV]), ENV
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return max(0, free - HEADROOM), "free GPU memory"
+    import psutil
+
+    return max(0, psutil.virtual_memory().available - HEADROOM), "free RAM"
+
+
+# -- the model's shape ------------------------------------------------------------------------------------------
+def text_config(config: dict) -> dict:
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def _int(c: dict, *names: str) -> int:
+    for n in names:
+        v = c.get(n)
+        if type(v) is int and v > 0:
+            return v
+    return 0
+
+
+def attention_of(config: dict) -> Attention:
+    """Layers that cache K/V (full and sliding-window: ``layer_types`` as transformers reads it; recurrent and
+    convolution layers hold none) and the K/V heads' widths, from a ``config.json``."""
+    c = text_config(config)
+    layers = _int(c, "num_hidden_layers", "n_layer")
+    q_heads = _int(c, "num_attention_heads", "n_head")
+    kv_heads = _int(c, "num_key_value_heads") or q_heads
+    hidden = _int(c, "hidden_size", "n_embd")
+    head_dim = _int(c, "head_dim") or (hidden // q_heads if q_heads else 0)
+    window = _int(c, "sliding_window", "attention_chunk_size")
+    types = c.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return Attention(layers, 0, 0, kv_heads, head_dim)
+    attn = [t for t in types if isinstance(t, str) and t.endswith("attention")]
+    sliding = sum(1 for t in attn if t in ("sliding_attention", "chunked_attention")) if window else 0
+    return Attention(len(attn) - sliding, sliding, window, kv_heads, head_dim)
+
+
+def activation_bytes(config: dict, elem_bytes: int) -> int:
+    """A prompt token's activations in a prefill forward (hidden states, the MLP's products, the logits) in the
+    compute dtype."""
+    c = text_config(config)
+    hidden = _int(c, "hidden_size", "n_embd")
+    inter = _int(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    return (6 * hidden + 4 * inter + _int(c, "vocab_size")) * elem_bytes
+
+
+def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dtype: str,
+             available: int | None = None, available_from: str = "") -> Fit:
+    """The verdict for ``plan`` (see ``weights_for``) on ``device``; ``available`` None: measured now."""
+    if available is None:
+        available, available_from = available_memory(device)
+    elem = {"float32": 4, "float16": 2, "bfloat16": 2}[compute_dtype]
+    gpu = device != "cpu"
+    libraries = 0 if gpu else LIBRARIES.get(plan.quantization, LIBRARIES["none"])
+    loading = (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it dequantizes
+               else plan.largest * LOAD_BYTES_PER_ELEMENT.get(plan.held, 8))
+    from engine.model.chunks import prefill_chunk
+
+    act, chunk = activation_bytes(config, elem), prefill_chunk(plan.params, device)
+    c = text_config(config)
+    context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
+    attn = attention_of(config)
+    budget = available - (libraries + plan.bytes)
+    cap = context or (1 << 20)
+    kv = []
+    for kind in KV_KINDS:
+        per_token = attn.bytes_at(1, attn.per_token(kind, elem))
+        kv.append(KVCost(kind, per_token, attn.longest(kind, elem, budget, cap, lambda n: act * min(n, chunk))))
+    return Fit(name, device, compute_dtype, plan, libraries, int(loading), act, chunk, int(available),
+               available_from, context, tuple(kv), attn)
+
+
+# -- words for the command line ---------------------------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def held_words(w: WeightsPlan) -> str:
+    """'Q4_K_M, 4.85 bits per weight, mapped from the file' / 'F32 (converted from BF16), 32.0 bits per weight'."""
+    how = {Held.MAPPED: "mapped from the file", Held.READ: "read as stored",
+           Held.CONVERTED: f"converted from {w.stored} as read",
+           Held.QUANTIZED: f"quantized from {w.stored} as read (bitsandbytes)",
+           Held.DEQUANTIZED: f"dequantized from {w.stored} as read"}[w.held]
+    return f"{w.format}, {w.bits_per_weight:.2f} bits per weight, {how}"
+
+
+def describe(fit: Fit) -> str:
+    """One line: the weights as held, what a token costs for each K/V precision and the longest context."""
+    kv = ", ".join(f"{_kind(fit, k)} {human_bytes(k.bytes_per_token)}" for k in fit.kv)
+    where = f"{human_bytes(fit.available)} of {fit.available_from}"
+    if all(k.longest_context >= fit.context for k in fit.kv) and fit.context:
+        room = f"its whole context ({fit.context:,} tokens) fits at every precision in {where}"
+    else:
+        room = f"longest context in {where}: " + ", ".join(f"{_kind(fit, k)} {k.longest_context:,}" for k in fit.kv)
+    return (f"{fit.name}: weights {human_bytes(fit.weights.bytes)} ({held_words(fit.weights)}), "
+            f"{human_bytes(fit.resident_bytes)} with the runtime; KV cache per token: {kv}; {room}")
+
+
+def _kind(fit: Fit, k: KVCost) -> str:
+    return fit.compute_dtype if k.kind == "auto" else k.kind
+
+
+def refusal(fit: Fit, alternatives: list[tuple[str, Fit]] = ()) -> str:
+    """Why ``fit`` does not fit, with the numbers, and the settings that would."""
+    if fit.load_bytes > fit.available:
+        why = (f"loading needs {human_bytes(fit.load_bytes)} (weights {human_bytes(fit.weights.bytes)} as "
+               f"{fit.weights.format}, {human_bytes(fit.libraries + fit.loading)} for the libraries and the "
+               f"tensor being read)")
+    else:
+        best = max(fit.kv, key=lambda k: k.longest_context)
+        why = (f"after its weights ({human_bytes(fit.resident_bytes)} with the runtime) the KV cache has room for "
+               f"{best.longest_context:,} tokens at most ({_kind(fit, best)}), fewer than {fit.min_context:,}")
+    others = [f"{flag} needs {human_bytes(f.load_bytes)}" for flag, f in alternatives if f.fits]
+    tip = f"; {'; '.join(others)}" if others else ""
+    return (f"{fit.name} will not fit: {why}, and {human_bytes(fit.available)} of {fit.available_from} "
+            f"is available{tip}")
+
+
+# -- a model's files -> the verdict -----------------------------------------------------------------------------
+def compute_dtype(spec, config: dict, device: str) -> str:
+    """The dtype the loader computes in (``hf_load.choose_dtype``), by name."""
+    from types import SimpleNamespace
+
+    from engine.model.hf_load import choose_dtype
+
+    c = text_config(config)
+    ns = SimpleNamespace(dtype=c.get("dtype") or config.get("dtype"),
+                         torch_dtype=c.get("torch_dtype") or config.get("torch_dtype"))
+    return str(choose_dtype(spec, ns, device)).replace("torch.", "")
+
+
+def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
+    """(config, how the weights will be held, compute dtype) of a model folder or GGUF file, from headers only.
+    ``EngineError`` (one line) for files that cannot be read."""
+    from engine.model import weights_plan as wp
+    from engine.model.gguf_file import looks_like_gguf
+
+    if looks_like_gguf(str(path)):
+        from engine.model.gguf_checks import check_model
+        from engine.model.gguf_file import read_gguf
+        from engine.model.gguf_load import check_architecture
+
+        info = read_gguf(path)
+        check_architecture(info)  # a bad header gets its own one line, and no estimate
+        check_model(info)
+        config = info.config()
+        dtype = compute_dtype(spec, config, device)
+        return config, wp.plan_gguf(info, device, dtype, spec.quantization), dtype
+    from engine.model.model_files import check_folder
+
+    config = check_folder(path, spec)  # the files and config.json's sizes, each problem in its own one line
+    dtype = compute_dtype(spec, config, device)
+    tensors, size = wp.folder_tensors(path)
+    return config, wp.plan_tensors(tensors, dtype, spec.quantization, size), dtype
+
+
+def estimate_path(path: Path, spec, device: str, available: int | None = None, available_from: str = "",
+                  name: str = "") -> Fit:
+    """The verdict for the model at ``path`` (a folder or a GGUF file) loaded as ``spec`` says on ``device``
+    (``available`` None: the memory free now)."""
+    config, plan, dtype = weights_for(path, spec, device)
+    return estimate(name or path.name, config, plan, device, dtype, available,
+                    available_from or ("" if available is None else "the memory given"))
+
+
+class FitNote(LoadNote):
+    """The verdict said before the weights load (``describe``'s words; ``fit`` for whoever words it otherwise)."""
+
+    fit: Fit
+
+
+def check(path: Path, spec, device: str, progress=None, name: str = "", say: bool = True) -> Fit | None:
+    """Before a load reads a weight: ``WontFitError`` with the numbers (and the settings that would fit) when the
+    model will not fit; else the verdict, said through ``progress`` as a ``FitNote`` (unless ``say`` is False). None
+    when the files cannot be read here (the loader's own checks then say why, in their words)."""
+    try:
+        f = estimate_path(path, spec, device, name=name)
+    except Exception:  # noqa: BLE001 - unreadable files are the loader's checks' to name
+        return None
+    if not f.fits:
+        raise WontFitError(refusal(f, alternatives(path, spec, device, f)), f)
+    if progress is not None and say:
+        note = FitNote(describe(f))
+        note.fit = f
+        progress(note, 0.12)
+    return f
+
+
+def alternatives(path: Path, spec, device: str, fit: Fit) -> list[tuple[str, Fit]]:
+    """The smaller ways to hold these weights (``--dtype bfloat16`` where float32 was chosen, ``--quantize``),
+    each with its verdict in the same memory."""
+    import dataclasses
+
+    out = []
+    for flag, change in (("--dtype bfloat16", {"dtype": "bfloat16"}), ("--quantize int8", {"quantization": "int8"}),
+                         ("--quantize nf4", {"quantization": "nf4"})):
+        alt = dataclasses.replace(spec, **change)
+        if alt == spec:
+            continue
+        try:
+            g = estimate_path(path, alt, device, fit.available, fit.available_from, fit.name)
+        except Exception:  # noqa: BLE001
+            continue
+        if g.weights.bytes < fit.weights.bytes:
+            out.append((flag, g))
+    return out
