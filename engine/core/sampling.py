@@ -75,7 +75,7 @@ class Sampler:
     def constrained(self, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """``logits`` [vocab] with what the grammar does not allow now at -inf. Where the grammar allows only what
         the penalties or ``min_tokens`` ruled out (a complete JSON value: only a stop token), the grammar wins."""
-        allowed = self.grammar.allowed()  # [n_vocab] bool
+        allowed = self.grammar.allowed().to(logits.device)  # [n_vocab] bool, made on the host
         n = min(allowed.numel(), logits.numel())
         out = torch.full_like(logits, -math.inf)  # [vocab]: ids past the grammar's vocabulary are never allowed
         out[:n] = logits[:n].masked_fill(~allowed[:n], -math.inf)

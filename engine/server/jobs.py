@@ -82,17 +82,20 @@ class Job:
         self.logprobs: list[dict] | None = [] if req.logprobs is not None else None  # one entry per token
         self.scheduler = None  # the Scheduler that runs it
         self.tools = None  # engine.server.tool_calls.ToolStream: the reply is read for tool calls (``read_tools``)
+        self.tokenizer = None
         self.raw = None  # its text decoded with special tokens kept (markers such as [TOOL_CALLS] are special)
         self.stop_set: frozenset[int] = frozenset()
         self.content = ""  # what the client was sent as content, when the reply is read for calls
         self.on_taken: Callable[[], None] = lambda: None  # a held job's reader caught up: wake the engine
 
     def read_tools(self, fmt: str, specials: tuple[str, ...], tokenizer, stop_ids) -> None:
-        """Read this reply for tool calls in ``fmt`` (``engine.server.tool_calls``)."""
+        """Read this reply for tool calls in ``fmt`` (``engine.server.tool_calls``; with transformers' response
+        parsing where the tokenizer has a ``response_template``)."""
         from engine.model.chat import StreamDecoder
         from engine.server.tool_calls import ToolStream
 
         self.tools = ToolStream(fmt, specials)
+        self.tokenizer = tokenizer
         self.raw = StreamDecoder(tokenizer, skip_special_tokens=False)
         ends = ([] if self.req.ignore_eos else list(stop_ids)) + list(self.req.stop_token_ids)
         self.stop_set = frozenset(ends)
@@ -112,6 +115,11 @@ class Job:
             return self.trim.finish(), []
         tail = self.tools.push(self.trim.push(self.raw.flush()) + self.trim.finish())
         rest, calls = self.tools.finish()
+        if getattr(self.tokenizer, "response_template", None) is not None:
+            from engine.server.tool_calls import transformers_calls
+
+            prefix = self.tokenizer.decode(list(self.prepared.ids), skip_special_tokens=False)
+            calls = transformers_calls(self.tokenizer, self.tools.text, prefix, self.req.tools) or calls
         self.content += tail + rest
         return tail + rest, calls
 

@@ -262,6 +262,25 @@ class ToolStream:
         return rest, parsed.calls
 
 
+def transformers_calls(tok, text: str, prefix: str, tools) -> list[ToolCall] | None:
+    """The calls transformers' response parsing reads in ``text`` (the tokenizer's ``response_template``), None
+    when the tokenizer has none or the parsing fails (the format's own parser is used then)."""
+    if getattr(tok, "response_template", None) is None:
+        return None
+    try:
+        msg = tok.parse_response(text, prefix=prefix, tools=list(tools) or None)
+    except Exception:  # noqa: BLE001 - a template that cannot read this reply: ours reads it
+        return None
+    out = []
+    for c in msg.get("tool_calls") or [] if isinstance(msg, dict) else []:
+        f = c.get("function", c) if isinstance(c, dict) else None
+        call = _call_from({"name": f.get("name"), "arguments": f.get("arguments", {})}, "json") if f else None
+        if call is None:
+            return None
+        out.append(call)
+    return out
+
+
 # -- grammars for forced calls (llguidance's Lark; engine.core.grammar compiles them) -------------------------
 def _lit(text: str, token_id: int | None) -> str:
     return f"<[{token_id}]>" if token_id is not None else json.dumps(text)

@@ -110,3 +110,22 @@ def test_content_before_a_call_streams_at_once_and_the_marker_is_held(tok):
     assert plain.push("a <b> <tool") == "a <b> "
     assert plain.push(" no") == "<tool no"  # the held piece was no marker after all
     assert plain.finish() == ("", [])
+
+
+def test_a_tokenizer_with_a_response_template_is_read_by_transformers(tok):
+    """transformers' own response parsing is used where the tokenizer has a ``response_template``."""
+    from engine.server.tool_calls import transformers_calls
+
+    text = 'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"q": "umbrella"}}\n</tool_call>'
+    assert transformers_calls(tok, text, "", TOOLS) is None  # none: the format's parser reads it
+    tok.response_template = {"version": 1, "start_anchor": "<|im_start|>assistant\n", "fields": {
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                       "transform": {"type": "function", "function": {"name": "{content.name}",
+                                                                      "arguments": "{content.arguments}"}}},
+        "content": {}}}
+    try:
+        calls = transformers_calls(tok, text, "<|im_start|>assistant\n", TOOLS)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"q": "umbrella"})]
+        assert transformers_calls(tok, "<tool_call>\n{broken\n</tool_call>", "", TOOLS) is None
+    finally:
+        tok.response_template = None
