@@ -114,8 +114,7 @@ class GgufInfo:
 
 
 def _whole(value: Any) -> int:
-    """A count from the header: a per-layer list's largest entry (LFM2 lists head counts per layer), else the
-    value; 0 for anything that is not a whole number at least 0."""
+    """A count from the header (a per-layer list's largest entry: LFM2's head counts); 0 unless a whole number."""
     if isinstance(value, list):
         value = max((v for v in value if isinstance(v, int) and not isinstance(v, bool)), default=0)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -64,9 +64,8 @@ class _Budget:
             raise TemplateLimitError(f"it ran longer than {SECONDS:g} s")
 
 
-def _budget() -> _Budget:
+def _budget() -> _Budget:  # outside a render (Jinja folds constants as it compiles): a budget for this one check
     b = getattr(_local, "budget", None)
-    # outside a render (Jinja folds constant expressions while it compiles): a budget for this one check
     return _Budget() if b is None else b
 
 
@@ -98,7 +97,7 @@ def _size(value: Any, limit: int = VALUE) -> int:
     return total
 
 
-def _int_ok(v: Any) -> None:
+def _int_ok(v: Any) -> None:  # a width or a count
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > VALUE:
         raise TemplateLimitError(f"it asked for a width or count of {v:,} (at most {VALUE:,})")
 
@@ -180,7 +179,7 @@ def _bounded_concat(parts: Any) -> str:
     return "".join(out)
 
 
-def _finalize(value: Any) -> Any:
+def _finalize(value: Any) -> Any:  # what ``{{ value }}`` writes: str() of a list walks all of it in C
     if not isinstance(value, str):
         _size(value)
     return value
@@ -285,7 +284,7 @@ class _Renderer:
                 self.active = False
             done.set()
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # called past the render's time, from the waiting thread
         with self.ready:
             if self.active and self.thread.ident is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident), ctypes.py_object(_Stop))
@@ -362,14 +361,9 @@ def compile_template(text: str):
     return _environment().from_string(text)
 
 
-_installed = False
-
-
+@functools.lru_cache(maxsize=1)
 def install() -> None:
     """Make transformers compile (and so render) every chat template within the bounds. Idempotent."""
-    global _installed
-    if _installed:
-        return
     from transformers.utils import chat_template_utils as ctu
 
     ctu._compile_jinja_template = functools.lru_cache(maxsize=64)(compile_template)
@@ -377,7 +371,6 @@ def install() -> None:
         cached = getattr(ctu, helper, None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
-    _installed = True
 
 
 _TRIAL = ([{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello"},
