@@ -97,10 +97,12 @@ def test_activations_are_ggml_blocks():
 
 @pytest.mark.parametrize("name", QUANT)
 @pytest.mark.parametrize("blocks_odd", [False, True])
-def test_int8_road_is_exact_on_the_quantized_activations(name, blocks_odd):
+@pytest.mark.parametrize("m", [7, 37])
+def test_int8_road_is_exact_on_the_quantized_activations(name, blocks_odd, m):
+    """7 rows: the row products (four, then three); 37: the GEMM's tiles of sixteen, the last one padded."""
     if blocks_odd and name.endswith("_K"):
         pytest.skip("a k-quant row is whole blocks of 256")
-    n, out, m = 544 if blocks_odd else 512, 24, 7  # 17 blocks: an odd last one; 7 rows: four, then three
+    n, out = 544 if blocks_odd else 512, 21  # 17 blocks: an odd last one; 21 outputs: a pass of 8 and a tail
     raw = blocks(name, out, n, seed=3)
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
     w = torch.from_numpy(raw)
@@ -111,7 +113,10 @@ def test_int8_road_is_exact_on_the_quantized_activations(name, blocks_odd):
     ref = xq @ reference(raw, name).T
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
     one = np.stack([kernel.matmul(x[i:i + 1], w, T[name].value, n, road="int8").numpy()[0] for i in range(m)])
-    assert np.array_equal(one, y)  # a row's sums do not depend on the rows beside it
+    if m < 16:
+        assert np.array_equal(one, y)  # a row's sums do not depend on the rows beside it
+    else:  # the GEMM sums in another order than a row alone: float rounding apart, the same
+        assert np.abs(one - y).max() <= 2e-6 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "BF16"])

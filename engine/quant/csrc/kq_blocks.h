@@ -105,6 +105,13 @@ kq_dot_fn kq_dot_for(int type);
    0 natural, 2 k-quant quarters swapped, 3 32-block pairs' quarters swapped (kq_dot512.c) */
 kq_dot_fn kq_dot512_for(int type);
 int kq_act_layout(int type);
+/* many rows on AVX-512 VNNI (kq_gemm.c): the group size of a type's scales there (0: no GEMM for it here), the
+   activations packed sixteen rows a tile, weight rows [o0, o1) times them */
+int kq_gemm_group(int type);
+void kq_gemm_pack(const kq_act* a, int kind, int G, int64_t r0, int64_t m, int32_t* qt, float* dx, float* xs);
+int kq_gemm_rows(int type, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n, const int32_t* qt,
+                 const float* dx, const float* xs, int64_t m, float* y, int64_t ldy, const float* bias,
+                 const int32_t* map);
 /* which instruction set the integer products were built for, in words */
 const char* kq_isa(void);
 

@@ -20,7 +20,9 @@
 #include <omp.h>
 #endif
 
-#define FLOAT_TILE 4  /* activation rows a float product reads per pass over a dequantized weight row */
+/* from this many rows the integer road takes the GEMM (kq_gemm.c) where it is built: sixteen rows fill its
+   vectors; fewer are padded, and below 16 the row products waste less */
+#define GEMM_MIN_ROWS 16
 
 static int is_float(int type) { return type == KQ_F32 || type == KQ_F16 || type == KQ_BF16; }
 
@@ -130,16 +132,21 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
     }
     const int kind = kq_act_kind(type);
     const int64_t nd = n / (kind == 1 ? QKK : QK);
+    const int G = m >= GEMM_MIN_ROWS ? kq_gemm_group(type) : 0;  /* 0: the row products */
+    const int64_t tiles = (m + 15) / 16;
     kq_act a = {0};
     a.n = n;
     a.qs = malloc((size_t)(m * n));
     a.d = malloc((size_t)(m * nd) * sizeof(float));
     if (kind == 1) a.bsums = malloc((size_t)(m * (n / 16)) * sizeof(int16_t));
     else a.s = malloc((size_t)(m * nd) * sizeof(float));
+    int32_t* qt = G ? malloc((size_t)(tiles * 16 * n)) : NULL;
+    float* dx = G ? malloc((size_t)(2 * tiles * 16 * (n / (G ? G : 1))) * sizeof(float)) : NULL;
     int rc = 0;
-    if (!a.qs || !a.d || (kind == 1 ? !a.bsums : !a.s)) rc = -2;
+    if (!a.qs || !a.d || (kind == 1 ? !a.bsums : !a.s) || (G && (!qt || !dx))) rc = -2;
     else {
         kq_dot_fn dot = kq_dot_for(type);
+        float* xs = G ? dx + tiles * 16 * (n / G) : NULL;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
             int t = 0, nt = 1;
@@ -148,12 +155,22 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
 #endif
             int64_t b0, b1;
             share(m, t, nt, 1, &b0, &b1);
-            quantize_rows(kind, kq_act_layout(type), x, ldx, b0, b1, &a);
+            quantize_rows(kind, G ? 0 : kq_act_layout(type), x, ldx, b0, b1, &a);
 #pragma omp barrier
-            share(n_out, t, nt, 4, &b0, &b1);
-            rows_int(dot, w, rb, b0, b1, &a, m, y, ldy, bias, map);
+            if (G) {
+                share(tiles, t, nt, 1, &b0, &b1);
+                for (int64_t k = b0; k < b1; k++)
+                    kq_gemm_pack(&a, kind, G, 16 * k, m, qt + k * 4 * n, dx + k * 16 * (n / G), xs + k * 16 * (n / G));
+#pragma omp barrier
+                share(n_out, t, nt, 8, &b0, &b1);
+                if (kq_gemm_rows(type, w, rb, b0, b1, n, qt, dx, xs, m, y, ldy, bias, map) != 0) rc = -2;
+            } else {
+                share(n_out, t, nt, 4, &b0, &b1);
+                rows_int(dot, w, rb, b0, b1, &a, m, y, ldy, bias, map);
+            }
         }
     }
+    free(qt); free(dx);
     free(a.qs); free(a.d); free(a.s); free(a.bsums);
     return rc;
 }
