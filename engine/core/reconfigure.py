@@ -166,6 +166,43 @@ def apply(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig, max_chunk: int) 
     return notes
 
 
+def rereads(cache: "SeqCache", seq: "Sequence", cfg: CacheConfig) -> int:
+    """Tokens ``apply(cfg)`` would have this chat's model read again — before a running reply goes on, or with an
+    idle chat's next message — because the change cuts its cache back below what was read: what an eviction policy
+    dropped comes back from the text (StreamingLLM → H2O, eviction off), a cache turned on reads the chat. Asked
+    before applying, nothing changed (0 for a change that moves or keeps the cached tokens)."""
+    old = cache.cache_config
+    if cfg == old or cfg.mode == "off":
+        return 0  # cache off reads the whole chat at every step anyway: its own note says so
+    if cache.store is None:  # the cache turned on: everything read so far is read into it
+        return _fed(cache, seq) if seq.running else max(0, len(seq.ids) - 1)
+    try:
+        policy = get_policy(cfg.policy, cfg.policy_params)
+    except (TypeError, ValueError):
+        return 0  # ``apply`` refuses it, saying why
+    index = cache.index
+    if not index.n or _keeps_evicted(cache.policy, policy) or index.intact == index.n == index.next_pos:
+        return 0
+    if index.next_pos > cache.lm.info.context_length - 1:
+        return 0  # too long to restore: the kept window stays (``_restore_evicted``)
+    try:
+        kept = cache.store.reusable(index.intact)
+    except Exception:  # noqa: BLE001 - a store swapped to host memory: its intact prefix is the estimate
+        kept = index.intact
+    return max(0, index.next_pos - kept)
+
+
+def rereads_ms(cache: "SeqCache", tokens: int, cfg: CacheConfig) -> float:
+    """What reading ``tokens`` again under ``cfg`` should take at the model's measured prefill rate."""
+    if tokens <= 0:
+        return 0.0
+    try:
+        policy = get_policy(cfg.policy, cfg.policy_params)
+    except (TypeError, ValueError):
+        policy = None
+    return reprefill.estimate_ms(cache.lm, tokens, policy is not None and policy.scored)
+
+
 def _fed(cache: "SeqCache", seq: "Sequence") -> int:
     """Positions of the running reply's sequence the model has read: the cache's fed tokens (cache off: every token
     before the last while it decodes, nothing before its first forward)."""

@@ -148,7 +148,8 @@ class ChatSession(Stepping):
             apply_threads(self.info.threads)
         sampler = Sampler(sampling, self.lm.device, self.lm.stop_ids)
         reply = TurnState(sampling=sampling, sampler=sampler, t_start=time.perf_counter(),
-                          decoder=StreamDecoder(self.tokenizer) if self.tokenizer is not None else NullDecoder(),
+                          decoder=StreamDecoder(self.tokenizer, context=ids) if self.tokenizer is not None
+                          else NullDecoder(),
                           prompt_len=len(ids), reused=keep, recomputed=len(ids) - keep, shared=shared,
                           disk=c.reused.disk_tokens, account=c.reused.account,
                           divergence=common if cached > 0 else -1, threads=self.info.threads if cpu else 0)
@@ -186,6 +187,14 @@ class ChatSession(Stepping):
         did and cost; a refusal (typed error) leaves the session on its old setting."""
         self.check_open()
         return self.cache.apply(cfg, self.sequence, self.prefill_chunk)
+
+    def rereads(self, cfg: CacheConfig) -> tuple[int, float]:
+        """(tokens, ms): what ``apply(cfg)`` would have this chat read again, and what that should take at the model's
+        measured prefill rate (``engine.core.reconfigure.rereads``); asked before applying, nothing changes."""
+        if self.closed:
+            return 0, 0.0
+        n = reconfigure.rereads(self.cache, self.sequence, cfg)
+        return n, reconfigure.rereads_ms(self.cache, n, cfg)
 
     def speculate(self, cfg: SpecConfig | None, drafter=None) -> str:
         """Turn speculative decoding on (``cfg``; a draft model's ``drafter`` from ``engine.speculation.draft_model``), change

@@ -127,9 +127,12 @@ def byte_tokens(tokenizer) -> dict[int, int]:
     return ids
 
 
+CONTEXT_IDS = 5  # prompt ids a reply's first tokens are decoded after (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+
+
 class StreamDecoder:
     """Incremental detokenization that never emits half a UTF-8 character, and writes exactly the text a decode
-    of the whole reply gives.
+    of the whole reply gives after ``context`` (the prompt's last ids: a reply's leading space is kept).
 
     Decodes a short window of ids (vLLM's prefix/read offsets): the text of ``ids[prefix:]`` minus the
     text of ``ids[prefix:read]`` is new. Only its end is held back while it is U+FFFD (an incomplete byte
@@ -141,13 +144,18 @@ class StreamDecoder:
     cache there (``engine.model.splice``).
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self._byte_ids = byte_tokens(tokenizer)
-        self.ids: list[int] = []  # the window's ids only: those before ``_prefix`` are dropped (see ``_trim``)
+        # The prompt's last ids, read but never written (vLLM's prefix offset): the reply's first token is decoded
+        # after them, as it sits in the chat. Decoded alone, a SentencePiece token "▁Hello" loses its space ("Hello"),
+        # the chat template then renders "\nHello", which tokenizes to other ids, and the next turn recomputed the
+        # whole reply (Phi-3's tokenizer: 27-65% of the previous prompt + reply reused).
+        tail = list(context)
+        self.ids: list[int] = [int(i) for i in tail[max(0, len(tail) - CONTEXT_IDS):]]  # the window's ids (``_trim``)
         self._prefix = 0
-        self._read = 0
+        self._read = len(self.ids)
         self._sent = 0  # characters past the prefix's text already handed out while the window's end was held
         self.text = ""
 
