@@ -120,4 +120,19 @@ def token_change(tokenizer, cached: Sequence[int], new: Sequence[int], at: int, 
         t = tokenizer.decode(list(ids[at:at + width]), skip_special_tokens=False).replace("\n", "\\n")
         return "'" + t[:40] + ("…" if len(t) > 40 else "") + "'"
 
-    return f"{text(cached)} → {text(new)}" if at < len(cached) and at < len(new) else ""
+    if at >= len(cached) or at >= len(new):
+        return ""
+    old, now = text(cached), text(new)
+    if old == now:  # the same text from other tokens ("'t` n' → 't` n'"): the tokens say what differs
+        return f"{pieces(tokenizer, cached[at:at + width])} → {pieces(tokenizer, new[at:at + width])} (the same text, " \
+               "other tokens)"
+    return f"{old} → {now}"
+
+
+def pieces(tokenizer, ids: Sequence[int]) -> str:
+    """'[▁t #260, ` #96]': each token's piece and id (a byte token's piece names its byte, <0x0A>)."""
+    try:
+        names = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    except Exception:  # noqa: BLE001 - a tokenizer without pieces: the ids alone
+        names = [""] * len(ids)
+    return "[" + ", ".join(f"{n} #{int(i)}" if n else f"#{int(i)}" for n, i in zip(names, ids)) + "]"

@@ -182,3 +182,16 @@ def test_whole_pages_across_conversations(own):
     a, _ = turn(s2, ids=other)
     assert reasons(a)[0] == (64, 70, "partial_page") and "whole pages of 16" in a.misses[0].detail
     s2.close()
+
+
+def test_a_divergence_that_prints_the_same_names_the_tokens(stories):
+    """Two token sequences with the same text ("▁t" against "▁" "t"): the detail says which tokens differ, not
+    "'t' → 't'" (two identical strings, #49 item 5)."""
+    from engine.core.account import token_change
+
+    tok = stories.tokenizer
+    one, space, t = tok.convert_tokens_to_ids(["▁t", "▁", "t"])
+    said = token_change(tok, [1, one], [1, space, t], 1)
+    assert said == f"[▁t #{one}] → [▁ #{space}, t #{t}] (the same text, other tokens)", said
+    a = tok.convert_tokens_to_ids("a")
+    assert token_change(tok, [1, one], [1, a], 1) == "'t' → 'a'"  # different texts: quoted as before
