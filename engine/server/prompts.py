@@ -55,7 +55,7 @@ class Tokenizing:
     async def prepare(self, req: GenRequest, tenant: bytes = b"") -> Prepared:
         """The request's ``Prepared`` (400 naming the field for a prompt that cannot be served as asked);
         ``tenant``: whose earlier replies' ids the prompt may hold."""
-        chars = self._check_size(req)
+        chars = self._check_size(req) + (len(repr(req.tools)) if req.tools else 0)  # tools are rendered too
         lane = "large" if chars > LARGE_CHARS else "small"
         self.started[lane] += 1
         pool = self.large if lane == "large" else self.small
