@@ -133,7 +133,7 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
             ok = ok and call is not None
             calls.append(call)
         if ok and calls:
-            return Parsed(_strip(_HERMES.sub("", text), specials), calls)
+            return Parsed(_content(_HERMES.sub("", text), specials), calls)
     elif fmt == "llama3":
         body = text.replace("<|python_tag|>", "").strip()
         if body.startswith("{"):
@@ -148,7 +148,7 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
         head, _, rest = text.partition("[TOOL_CALLS]")
         calls = _mistral_calls(rest)
         if calls:
-            return Parsed(_strip(head, specials), calls)
+            return Parsed(_content(head, specials), calls)
     elif fmt == "harmony":
         return _harmony(text, specials)
     elif fmt == "json" and text.lstrip().startswith("["):
@@ -159,7 +159,7 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
             calls = []
         if calls and all(calls):
             return Parsed("", calls)
-    return Parsed(_strip(text, specials))
+    return Parsed(_content(text, specials))
 
 
 def _mistral_calls(rest: str) -> list[ToolCall]:
@@ -192,20 +192,27 @@ def _harmony(text: str, specials: tuple[str, ...]) -> Parsed:
         except ValueError:
             call = None
         if call is None:
-            return Parsed(_strip(text, specials))
+            return Parsed(_content(text, specials))
         calls.append(call)
     msgs = _HARMONY_MSG.findall(text)
     final = "".join(b for ch, b in msgs if ch == "final")
     reasoning = "".join(b for ch, b in msgs if ch == "analysis")
     if not msgs:
         final = text
-    return Parsed(_strip(final, specials), calls, reasoning)
+    return Parsed(_content(final, specials), calls, reasoning)
 
 
 def _strip(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` without special tokens' texts."""
     for s in specials:
         text = text.replace(s, "")
-    return text.strip() if text.strip() == "" else text
+    return text
+
+
+def _content(text: str, specials: tuple[str, ...]) -> str:
+    """A whole reply's content: no special tokens, and nothing when only spaces are left (a newline before a call)."""
+    text = _strip(text, specials)
+    return "" if not text.strip() else text
 
 
 class ToolStream:
@@ -255,10 +262,8 @@ class ToolStream:
         if not parsed.calls:
             rest = self._release(len(self.text))
             return rest, []
-        sent_text = self.text[:self.sent]
-        content = parsed.content
-        rest = content[len(_strip(sent_text, self.specials)):] if content.startswith(_strip(sent_text, self.specials)) \
-            else ""
+        sent = _strip(self.text[:self.sent], self.specials)
+        rest = parsed.content[len(sent):] if parsed.content.startswith(sent) else ""
         return rest, parsed.calls
 
 

@@ -129,3 +129,28 @@ def test_a_tokenizer_with_a_response_template_is_read_by_transformers(tok):
         assert transformers_calls(tok, "<tool_call>\n{broken\n</tool_call>", "", TOOLS) is None
     finally:
         tok.response_template = None
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(content=st.text(alphabet="ab <>/_tolcaTOL[]{}\"", max_size=30), with_call=st.booleans(),
+       cuts=st.lists(st.integers(min_value=1, max_value=7), max_size=40))
+def test_any_split_of_a_streamed_reply_gives_the_whole_replys_reading(content, with_call, cuts):
+    """However the reply's text arrives (token pieces of any length), what the stream shows and its calls are what
+    reading the whole reply gives: content before a call, never a piece of a marker, the call at the end."""
+    call = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>' if with_call else ""
+    text = content + call
+    whole = parse("hermes", text)
+    s, shown, i = ToolStream("hermes"), "", 0
+    for n in cuts + [len(text)]:
+        shown += s.push(text[i:i + n])
+        i += n
+    rest, calls = s.finish()
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    if whole.calls:  # nothing shown that the reading drops (but spaces before a call, which it reads as none)
+        assert whole.content.startswith(shown) or (whole.content == "" and shown.strip() == "")
+        assert "<tool_call>" not in shown + rest
+    else:
+        assert shown + rest == text
