@@ -45,6 +45,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kq_quantize_act.argtypes = [i, p, i64, i64, p, p, p, p]  # kind x m n qs d s bsums
     lib.kq_row_bytes_of.restype = i64
     lib.kq_row_bytes_of.argtypes = [i, i64]
+    lib.kq_gemm_float_pairs.restype = i
+    lib.kq_gemm_float_pairs.argtypes = [i, i]
     lib.kq_isa_name.restype = ctypes.c_char_p
     lib.kq_isa_name.argtypes = []
     return lib

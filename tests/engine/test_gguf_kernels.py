@@ -61,7 +61,7 @@ def test_dequantize_equals_the_gguf_package(name):
 
 
 @pytest.mark.parametrize("name", QUANT + FLOAT)
-@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("m", [1, 3, 6, 37])
 def test_float_road_is_the_dequantized_product(name, m):
     n, out = 768 if name not in ("Q4_K", "Q5_K", "Q6_K") else 512, 20
     raw = blocks(name, out, n, seed=m)
@@ -69,6 +69,21 @@ def test_float_road_is_the_dequantized_product(name, m):
     bias = torch.randn(out)
     y = kernel.matmul(x, torch.from_numpy(raw), T[name].value, n, bias=bias, road="float").numpy()
     ref = x.double().numpy() @ reference(raw, name).T + bias.double().numpy()
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_bf16_rows_take_bfloat16_activations_on_the_default_road():
+    """BF16 weights, 16 rows and more, default road: activations rounded to bfloat16 (as llama.cpp rounds them for
+    its bf16 products), sums in float32; fewer rows: float32 activations."""
+    n, out = 512, 19
+    raw = blocks("BF16", out, n)
+    w = torch.from_numpy(raw)
+    x = torch.randn(37, n, generator=torch.Generator().manual_seed(2))
+    y = kernel.matmul(x, w, T.BF16.value, n).numpy()
+    wd = reference(raw, "BF16")
+    pairs = kernel.library().kq_gemm_float_pairs(T.BF16.value, 0)  # AVX512_BF16 here
+    xr = x.to(torch.bfloat16).double().numpy() if pairs else x.double().numpy()
+    ref = xr @ wd.T
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 

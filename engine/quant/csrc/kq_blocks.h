@@ -112,6 +112,12 @@ void kq_gemm_pack(const kq_act* a, int kind, int G, int64_t r0, int64_t m, int32
 int kq_gemm_rows(int type, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n, const int32_t* qt,
                  const float* dx, const float* xs, int64_t m, float* y, int64_t ldy, const float* bias,
                  const int32_t* map);
+/* the float types' GEMM (kq_gemm.c): built (1) or not; BF16 by bfloat16 pairs on this road (1) or float32 */
+int kq_gemm_float(void);
+int kq_gemm_float_pairs(int type, int road);
+void kq_gemm_pack_float(const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t m, int pairs, void* xt);
+int kq_gemm_float_rows(int type, int pairs, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n,
+                       const void* xt, int64_t m, float* y, int64_t ldy, const float* bias, const int32_t* map);
 /* which instruction set the integer products were built for, in words */
 const char* kq_isa(void);
 

@@ -205,7 +205,120 @@ int kq_gemm_rows(int type, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1,
     free(so);
     return 0;
 }
+
+/* -- float weights (F32, F16, BF16) --------------------------------------------------------------------------
+   The same outer products in floating point. BF16 weights on the default road take bfloat16 activations (rounded
+   to nearest even, as llama.cpp rounds them for its bf16 products) and AVX512_BF16's vdpbf16ps: two multiply-adds
+   per lane, 32 an instruction; the float road (and F32 / F16 weights) widen the weights to float32 once per pass
+   and take float32 activations: 16 an instruction. */
+
+/* x rows [r0, r0 + 16) transposed: xt[k][lane] float32 (pairs = 0), or xt[k / 2][lane] two bfloat16 (pairs = 1) */
+void kq_gemm_pack_float(const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t m, int pairs, void* xt) {
+    for (int lane = 0; lane < LANES; lane++) {
+        const int64_t r = r0 + lane;
+        const float* xr = x + r * ldx;
+        if (!pairs) {
+            float* t = xt;
+            for (int64_t k = 0; k < n; k++) t[k * LANES + lane] = r < m ? xr[k] : 0.f;
+            continue;
+        }
+        uint32_t* t = xt;
+        for (int64_t k = 0; k < n / 2; k++) {
+            uint32_t pair = 0;
+            if (r < m)
+                for (int h = 0; h < 2; h++) {
+                    uint32_t u; memcpy(&u, xr + 2 * k + h, 4);
+                    const uint32_t b = (u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40 : (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+                    pair |= (b & 0xffff) << (16 * h);
+                }
+            t[k * LANES + lane] = pair;
+        }
+    }
+}
+
+INLINE void tile_f32(int W, int64_t n, const float* wf, const float* xt, float out[WROWS][LANES]) {
+    __m512 acc[WROWS];
+    for (int w = 0; w < W; w++) acc[w] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k++) {
+        const __m512 xv = _mm512_loadu_ps(xt + k * LANES);
+        for (int w = 0; w < W; w++) acc[w] = _mm512_fmadd_ps(_mm512_set1_ps(wf[w * n + k]), xv, acc[w]);
+    }
+    for (int w = 0; w < W; w++) _mm512_storeu_ps(out[w], acc[w]);
+}
+
+#if defined(__AVX512BF16__)
+INLINE void tile_bf16(int W, int64_t n, const uint8_t* w, int64_t rb, const uint32_t* xt, float out[WROWS][LANES]) {
+    __m512 acc[WROWS];
+    for (int k = 0; k < W; k++) acc[k] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n / 2; c++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xt + c * LANES);
+        for (int k = 0; k < W; k++) {
+            int32_t pair;
+            memcpy(&pair, w + k * rb + 4 * c, 4);
+            acc[k] = _mm512_dpbf16_ps(acc[k], xv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    for (int k = 0; k < W; k++) _mm512_storeu_ps(out[k], acc[k]);
+}
+#endif
+
+int kq_gemm_float_pairs(int type, int road) {
+#if defined(__AVX512BF16__)
+    return type == KQ_BF16 && road == 0;
 #else
+    (void)type; (void)road;
+    return 0;
+#endif
+}
+
+/* weight rows [o0, o1) of a float type times the packed activation tiles (kq_gemm_pack_float) into y */
+int kq_gemm_float_rows(int type, int pairs, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n,
+                       const void* xt, int64_t m, float* y, int64_t ldy, const float* bias, const int32_t* map) {
+    const int64_t tiles = (m + LANES - 1) / LANES;
+    float* wf = pairs ? NULL : malloc((size_t)(WROWS * n) * sizeof(float));
+    if (!pairs && !wf) return -2;
+    float out[WROWS][LANES];
+    for (int64_t ob = o0; ob < o1; ob += WROWS) {
+        const int W = o1 - ob < WROWS ? (int)(o1 - ob) : WROWS;
+        if (!pairs)
+            for (int k = 0; k < W; k++) kq_dequant_row(type, w + (ob + k) * rb, wf + k * n, n);
+        for (int64_t t = 0; t < tiles; t++) {
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                const uint32_t* xtt = (const uint32_t*)xt + t * (n / 2) * LANES;
+                if (W == WROWS) tile_bf16(WROWS, n, w + ob * rb, rb, xtt, out);
+                else for (int k = 0; k < W; k++) tile_bf16(1, n, w + (ob + k) * rb, rb, xtt, out + k);
+            } else
+#endif
+            {
+                const float* xtt = (const float*)xt + t * n * LANES;
+                if (W == WROWS) tile_f32(WROWS, n, wf, xtt, out);
+                else for (int k = 0; k < W; k++) tile_f32(1, n, wf + k * n, xtt, out + k);
+            }
+            const int rows = m - t * LANES < LANES ? (int)(m - t * LANES) : LANES;
+            for (int k = 0; k < W; k++) {
+                const int64_t col = map ? map[ob + k] : ob + k;
+                const float bv = bias ? bias[ob + k] : 0.f;
+                for (int lane = 0; lane < rows; lane++) y[(t * LANES + lane) * ldy + col] = out[k][lane] + bv;
+            }
+        }
+    }
+    free(wf);
+    return 0;
+}
+int kq_gemm_float(void) { return 1; }
+#else
+int kq_gemm_float(void) { return 0; }
+int kq_gemm_float_pairs(int type, int road) { (void)type; (void)road; return 0; }
+void kq_gemm_pack_float(const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t m, int pairs, void* xt) {
+    (void)x; (void)ldx; (void)n; (void)r0; (void)m; (void)pairs; (void)xt;
+}
+int kq_gemm_float_rows(int type, int pairs, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n,
+                       const void* xt, int64_t m, float* y, int64_t ldy, const float* bias, const int32_t* map) {
+    (void)type; (void)pairs; (void)w; (void)rb; (void)o0; (void)o1; (void)n; (void)xt; (void)m; (void)y; (void)ldy;
+    (void)bias; (void)map;
+    return -1;
+}
 int kq_gemm_group(int type) { (void)type; return 0; }
 void kq_gemm_pack(const kq_act* a, int kind, int G, int64_t r0, int64_t m, int32_t* qt, float* dx, float* xs) {
     (void)a; (void)kind; (void)G; (void)r0; (void)m; (void)qt; (void)dx; (void)xs;

@@ -106,6 +106,32 @@ static void share(int64_t total, int t, int nt, int64_t align, int64_t* b0, int6
     *b1 = u1 * align < total ? u1 * align : total;
 }
 
+/* the float road (and float weights) from 16 rows: the activations packed once, the weight rows shared */
+static int float_gemm(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, const float* x, int64_t m,
+                      int64_t ldx, float* y, int64_t ldy, const float* bias, const int32_t* map, int road,
+                      int threads) {
+    const int pairs = kq_gemm_float_pairs(type, road);
+    const int64_t tiles = (m + 15) / 16, tile_bytes = 16 * n * (pairs ? 2 : 4);
+    uint8_t* xt = malloc((size_t)(tiles * tile_bytes));
+    if (!xt) return -2;
+    int rc = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num(); nt = omp_get_num_threads();
+#endif
+        int64_t b0, b1;
+        share(tiles, t, nt, 1, &b0, &b1);
+        for (int64_t k = b0; k < b1; k++) kq_gemm_pack_float(x, ldx, n, 16 * k, m, pairs, xt + k * tile_bytes);
+#pragma omp barrier
+        share(n_out, t, nt, 8, &b0, &b1);
+        if (kq_gemm_float_rows(type, pairs, w, rb, b0, b1, n, xt, m, y, ldy, bias, map) != 0) rc = -2;
+    }
+    free(xt);
+    return rc;
+}
+
 /* 0 done; -1 bad arguments (an unknown type, n not a whole number of blocks, row_bytes too small); -2 no memory */
 int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, const float* x, int64_t m,
               int64_t ldx, float* y, int64_t ldy, const float* bias, const int32_t* map, int road, int threads) {
@@ -114,6 +140,8 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
     if (threads < 1) threads = 1;
     if (is_float(type) || road == 1 || kq_act_kind(type) < 0) {
         if (!is_float(type) && kq_act_kind(type) < 0) return -1;
+        if (m >= GEMM_MIN_ROWS && kq_gemm_float() && (n % 2 == 0 || !kq_gemm_float_pairs(type, road)))
+            return float_gemm(type, w, rb, n_out, n, x, m, ldx, y, ldy, bias, map, road, threads);
         int fail = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
