@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.core.grammar import compile_lark
 from engine.server.constrain import marker_ids
@@ -129,9 +131,6 @@ def test_a_tokenizer_with_a_response_template_is_read_by_transformers(tok):
         assert transformers_calls(tok, "<tool_call>\n{broken\n</tool_call>", "", TOOLS) is None
     finally:
         tok.response_template = None
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)
