@@ -341,3 +341,32 @@ def test_inductor_keeps_its_cache_in_the_users_cache_folder(stories_path, tmp_pa
     mine = subprocess.run([sys.executable, "-c", code], env=dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "x")),
                           capture_output=True, text=True, timeout=300)
     assert mine.stdout.strip().splitlines()[-1] == str(tmp_path / "x")
+
+
+@needs_compile
+def test_a_reply_under_a_grammar_on_the_compiled_step_is_the_eager_ones(lm, stories):
+    """Structured output on the compiled step: its logits go through the same sampler mask, so the reply is the
+    eager one's, token for token, and parses."""
+    import json
+
+    from engine.core.grammar import compile_json_schema
+
+    lm.fast.start()
+    assert lm.fast.wait(300) and lm.fast.state == "on"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "pet": {"enum": ["cat", "dog"]}},
+              "required": ["name", "pet"], "additionalProperties": False}
+    chat = [{"role": "user", "content": "Tell me about Lily."}]
+    out = {}
+    for name, model in (("compiled", lm), ("eager", stories)):
+        s = ChatSession(model, CacheConfig())
+        g = compile_json_schema(model.tokenizer, model.info.vocab_size, model.stop_ids, schema, "test")
+        s.start(chat, SamplingConfig(max_new_tokens=80, grammar=g))
+        paths = []
+        while not (r := s.step()).done:
+            paths.append(r.event.path if r.event is not None else "")
+        out[name] = (r.text, list(s.generated_ids), paths)
+        s.close()
+    assert "compiled" in out["compiled"][2] and "compiled" not in out["eager"][2]
+    assert out["compiled"][:2] == out["eager"][:2]
+    assert json.loads(out["compiled"][0])["pet"] in ("cat", "dog")
