@@ -72,7 +72,8 @@ def child_llama(path: str, threads: int, ctx: int, new: int) -> dict:
             return p
         ll.llama_cpp.llama_model_default_params = params
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=ctx + new + 16, n_threads=threads, n_threads_batch=threads,
+    # the engine's paged pool starts at min(context, 2048) tokens: llama.cpp's cache sized alike
+    llm = llama_cpp.Llama(model_path=path, n_ctx=max(2048, ctx + new + 16), n_threads=threads, n_threads_batch=threads,
                           n_batch=512, verbose=False, flash_attn=True, logits_all=False)
     load_s = time.perf_counter() - t0
     rss_load = _rss_mb()
