@@ -104,7 +104,7 @@ class Tokenizing:
         mark = -1
         try:
             if req.kind == "chat":
-                fresh = render_messages(tok, req.messages, req.tools)
+                fresh = render_messages(tok, req.messages, req.tools, model=self.lm.info.name)
                 ids = self.with_replies(fresh, req.messages, tenant)
                 spans = message_spans(tok, req.messages, req.tools) if self.needs_spans else []
                 if any(k != "full" for k in self.lm.info.layer_kinds) and len(req.messages) > 1:

@@ -40,6 +40,9 @@ def tool_format(tok) -> str | None:
         probe = [{"type": "function", "function": {"name": PROBE, "description": "probe",
                                                    "parameters": {"type": "object", "properties": {}}}}]
         try:
+            from engine.model import template_guard
+
+            template_guard.install()
             text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
                                            add_generation_prompt=True)
             fmt = detect_format(template) if PROBE in text else None
@@ -52,14 +55,21 @@ def tool_format(tok) -> str | None:
     return fmt
 
 
-def _apply(tok, messages: list[dict], tools: Sequence[dict], for_reply: bool) -> list[int]:
+def _apply(tok, messages: list[dict], tools: Sequence[dict], for_reply: bool, model: str) -> list[int]:
+    from engine.model import template_guard
+
+    template_guard.install()  # rendered within bounds: output, loop steps, time
     try:
         ids = tok.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=for_reply,
                                       tokenize=True)
+    except template_guard.TemplateLimitError as e:
+        raise bad_request(f"messages: the chat template of {model or 'the model'} went past a render's bounds: {e}",
+                          "messages") from None
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception): the template refuses them
         if type(e).__module__.split(".")[0] != "jinja2":
             raise
-        raise bad_request(f"messages: the model's chat template refused them: {e}", "messages") from None
+        raise bad_request(f"messages: the chat template of {model or 'the model'} refused them: {e}",
+                          "messages") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     if ids and isinstance(ids[0], list):
@@ -68,18 +78,20 @@ def _apply(tok, messages: list[dict], tools: Sequence[dict], for_reply: bool) ->
 
 
 def render_messages(tok, messages: Sequence[dict[str, Any]], tools: Sequence[dict] = (),
-                    for_reply: bool = True) -> list[int]:
+                    for_reply: bool = True, model: str = "") -> list[int]:
     """Token ids of the chat (ready for the reply with ``for_reply``). Plain chats take the engine's own path
-    (``engine.model.chat.render_chat``); chats with tools or tool messages go through the template with them."""
+    (``engine.model.chat.render_chat``); chats with tools or tool messages go through the template with them. Both
+    render within the template guard's bounds (``engine.model.template_guard``); past one, a 400 naming ``model``."""
     if not needs_tools(messages, tools):
         from engine.model.chat import render_chat
 
-        return render_chat(tok, [{"role": m["role"], "content": m["content"]} for m in messages], for_reply)
+        return render_chat(tok, [{"role": m["role"], "content": m["content"]} for m in messages], for_reply,
+                           model=model)
     if tool_format(tok) is None:
         what = "tools" if tools else "messages"
         raise bad_request(f"{what}: this model's chat template has no tool support (it does not write the tools "
                           "it is given)", what, "invalid_value")
-    return _apply(tok, [dict(m) for m in messages], tools, for_reply)
+    return _apply(tok, [dict(m) for m in messages], tools, for_reply, model)
 
 
 def spans(tok, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[tuple[int, int]]:

@@ -305,3 +305,41 @@ def test_a_client_that_rewrites_an_earlier_tool_result_is_told_where(served, cli
     kinds = {2: "tool_call", 3: "tool_result"}
     assert at in kinds and miss["where"] == {"message": at, "kind": kinds[at], "number": 1}, (miss, ends)
     assert r.usage.prompt_tokens_details.cached_tokens == miss["start"] and miss["start"] < ends[3]
+
+
+BOOM = "{% for m in messages %}{% if 'boom' in m.content %}{{ 'x' * 10**9 }}{% endif %}{% endfor %}"
+
+
+def test_a_template_past_its_bounds_for_one_request_is_a_400_naming_the_model(stories_path, tmp_path):
+    """A template that passes the load's trial render but builds 10^9 characters when a message says 'boom': that
+    request is a 400 naming the model and the bound (with tools or without), and the server goes on."""
+    import shutil
+
+    from engine.model.loader import load_model
+    from tool_models import template
+
+    folder = tmp_path / "boom-model"
+    shutil.copytree(stories_path, folder)
+    tc = folder / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text())
+    cfg.pop("chat_template", None)
+    tc.write_text(json.dumps(cfg))
+    (folder / "chat_template.jinja").write_text(BOOM + template("qwen2.5"))
+    lm = load_model(str(folder))
+    server = KVServer(lm, CacheConfig(page_size=16), ServerOptions(), source=str(folder))
+    thread = ServerThread(server)
+    url = thread.start()
+    try:
+        for extra in ({}, {"tools": TOOLS}):
+            r = httpx.post(url + "/v1/chat/completions", timeout=DEADLINE_S, json={
+                "model": server.model_id, "max_tokens": 2, "messages": [{"role": "user", "content": "boom"}], **extra})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "messages", err
+            assert f"the chat template of {lm.info.name} went past a render's bounds: it repeats a value " \
+                   "1,000,000,000 times" in err["message"], err
+        ok = httpx.post(url + "/v1/chat/completions", timeout=DEADLINE_S, json={
+            "model": server.model_id, "max_tokens": 2, "messages": [{"role": "user", "content": "calm"}]})
+        assert ok.status_code == 200, ok.text  # (the tools' preamble does not fit stories260K's 512 tokens)
+    finally:
+        thread.stop()
