@@ -175,3 +175,17 @@ def test_formats_count_what_is_held():
     mapped, copied = formats.model_bytes([(T.Q8_0.value, (64, 64)), (T.F32.value, (64,))])
     assert (mapped, copied) == (64 * 2 * 34, 256)
     assert "Q6_K" in formats.kept_names() and formats.name(99) == "type 99"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_gpu_product_dequantizes_chunks_as_the_file_says(name):
+    """The GPU's path without ggml's kernels (transformers' torch dequantizer, a chunk of rows at a time, then a
+    matrix product), run on the CPU: the float road's result."""
+    from engine.quant.modules import _cuda_product
+
+    n, out = 512, 24
+    w = torch.from_numpy(blocks(name, out, n, seed=4))
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(4))
+    got = _cuda_product(x, w, T[name].value, n, out)
+    want = kernel.matmul(x, w, T[name].value, n, road="float")
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
