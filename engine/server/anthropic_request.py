@@ -165,8 +165,12 @@ def openai_body(body: dict, count_only: bool = False) -> dict:
     for key, val in (("tools", tools), ("tool_choice", choice), ("parallel_tool_calls", parallel)):
         if val is not None:
             oa[key] = val
-    if count_only:
-        return oa
+    return oa if count_only else _sampling(body, oa)
+
+
+def _sampling(body: dict, oa: dict) -> dict:
+    """``oa`` with the reply's settings of Anthropic's ``body``: max_tokens, stop_sequences, output_config's
+    JSON schema, temperature (0..1), top_p, top_k, stream."""
     mt = body.get("max_tokens")
     if mt is None:
         raise bad_request("max_tokens: required", "max_tokens", "missing_required_parameter")

@@ -26,7 +26,6 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "json")
 
 
 @dataclass(frozen=True)
