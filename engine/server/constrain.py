@@ -53,6 +53,10 @@ def constraint_of(lm, req: GenRequest) -> Constraint:
         return Constraint(None, fmt, marks)
     from engine.server.tool_calls import call_grammar
 
+    if fmt == "gemma":
+        raise bad_request(f"tool_choice: {req.tool_choice!r} (a forced call) is not offered for this model's tool "
+                          "format (Gemma's own argument syntax, which the grammar library does not write): use "
+                          "'auto'", "tool_choice", "unsupported_parameter")
     tools = [t for t in req.tools if req.tool_choice == "required" or t["function"]["name"] == req.tool_choice]
     parallel = req.tool_choice == "required" and req.parallel_tool_calls
     lark = call_grammar(fmt, tools, parallel, marker_ids(tok))

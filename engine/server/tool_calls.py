@@ -11,6 +11,8 @@ Formats (the families people run; the template's text says which):
   per call (Small 3.2, Ministral, Devstral); call ids of 9 letters and digits, as those templates demand;
 - ``harmony``: gpt-oss — ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, ended by
   ``<|call|>`` (a stop token);
+- ``gemma``: Gemma 4 — ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>``, its own argument syntax
+  (read into JSON; a forced call is not offered: the grammar library writes JSON);
 - ``json``: any other template that renders tools — a forced call is a JSON array ``[{"name", "parameters"}]``
   (vLLM's way), and a free reply is text.
 
@@ -58,6 +60,8 @@ def new_call_id(fmt: str) -> str:
 
 def detect_format(template: str) -> str:
     """The tool-call format a chat template's text asks for (``json`` when it names none we know)."""
+    if "<|tool_call>call:" in template:
+        return "gemma"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -115,6 +119,10 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 # the recipient in the header's role part (as the template writes it) or in its channel part (as the model may)
 _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)(?:[^<]|<\|channel\|>|<\|constrain\|>)*?<\|message\|>(.*?)"
                            r"(?=<\|call\|>|<\|end\|>|<\|start\|>|$)", re.S)
+_GEMMA = re.compile(r"<\|tool_call>call:([^\s{<]+)(\{.*?\})(?=<tool_call\|>|$)", re.S)
+_GEMMA_BLOCK = re.compile(r"<\|tool_call>.*?(?:<tool_call\|>|$)", re.S)
+_GEMMA_QUOTE = '<|"|>'
+_WORD = re.compile(r"[A-Za-z_][\w.\-]*")
 _HARMONY_MSG = re.compile(r"<\|channel\|>(\w+)(?:\s[^<]*)?<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)",
                           re.S)
 
@@ -150,6 +158,18 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
             return Parsed(_content(head, specials), calls)
     elif fmt == "harmony":
         return _harmony(text, specials)
+    elif fmt == "gemma" and "<|tool_call>" in text:
+        calls = []
+        for name, body in _GEMMA.findall(text):
+            try:
+                call = _call_from({"name": name, "arguments": gemma_args(body)}, fmt)
+            except ValueError:
+                call = None
+            if call is None:
+                return Parsed(_content(text, specials))
+            calls.append(call)
+        if calls:
+            return Parsed(_content(_GEMMA_BLOCK.sub("", text), specials), calls)
     elif fmt == "json" and text.lstrip().startswith("["):
         try:
             vals = json.loads(text)
@@ -159,6 +179,30 @@ def parse(fmt: str, text: str, specials: tuple[str, ...] = ()) -> Parsed:
         if calls and all(calls):
             return Parsed("", calls)
     return Parsed(_content(text, specials))
+
+
+def gemma_args(text: str) -> dict:
+    """Gemma 4's arguments (``{city:<|"|>Paris<|"|>,days:3,tags:[<|"|>a<|"|>]}``) as a JSON object; ``ValueError``
+    when they are not that syntax."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith(_GEMMA_QUOTE, i):  # a string, written between <|"|> marks, with no escapes
+            j = text.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+            if j < 0:
+                raise ValueError("an unterminated string")
+            out.append(json.dumps(text[i + len(_GEMMA_QUOTE):j]))
+            i = j + len(_GEMMA_QUOTE)
+        elif (m := _WORD.match(text, i)) is not None:  # a key (before ":") or true / false / null
+            word = m.group()
+            out.append(json.dumps(word) if text.startswith(":", m.end()) else word)
+            i = m.end()
+        else:
+            out.append(text[i])
+            i += 1
+    value = json.loads("".join(out))
+    if not isinstance(value, dict):
+        raise ValueError("the arguments are not an object")
+    return value
 
 
 def _mistral_calls(rest: str) -> list[ToolCall]:
@@ -226,6 +270,7 @@ class ToolStream:
         self.in_call = False
         self.markers = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "mistral_args": ("[TOOL_CALLS]",),
                         "harmony": ("<|channel|>", "<|start|>"), "llama3": ("{", "<|python_tag|>"),
+                        "gemma": ("<|tool_call>",),
                         "json": ("[",)}[fmt]
         self.lead_only = fmt in ("llama3", "json")  # a call is the whole reply: only a marker at its start counts
 

@@ -26,8 +26,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 USER = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 ARGS = {"city": "Paris", "days": 3}
 FORMATS = {"qwen2.5": "hermes", "hermes3": "hermes", "llama3.1": "llama3", "mistral-nemo": "mistral",
-           "ministral3": "mistral_args", "gpt-oss": "harmony"}
-ENDS = ("<|im_end|>\n", "<|im_end|>", "<|eot_id|>", "<|call|>", "</s>")  # each template's end of the turn
+           "ministral3": "mistral_args", "gpt-oss": "harmony", "gemma4": "gemma"}
+# each template's end of the turn (Gemma 4 opens the tool's response after a call: its stop token then)
+ENDS = ("<|im_end|>\n", "<|im_end|>", "<|eot_id|>", "<|call|>", "</s>", "<turn|>\n", "<|tool_response>")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def rendered_call(tok, name: str, calls: list[dict]) -> str:
         {"id": f"call{i}abcd", "type": "function", "function": c} for i, c in enumerate(calls)]}
     pre = tok.apply_chat_template(USER, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     full = tok.apply_chat_template(USER + [msg], tools=TOOLS, tokenize=False, add_generation_prompt=False)
+    if name == "gemma4":  # its generation prompt opens an empty thought channel the rendered turn leaves out
+        pre = pre.removesuffix("<|channel>thought\n<channel|>")
     assert full.startswith(pre), name
     text = full[len(pre):]
     for end in ENDS:
@@ -67,7 +70,7 @@ def test_each_templates_call_is_read_back(tok, name):
     assert shown + rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", ARGS)]
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo", "ministral3"])
+@pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo", "ministral3", "gemma4"])
 def test_parallel_calls_are_read_in_order(tok, name):
     calls = [{"name": "get_weather", "arguments": ARGS}, {"name": "search", "arguments": {"q": "umbrella"}}]
     got = parse(FORMATS[name], rendered_call(tok, name, calls), ())
@@ -75,7 +78,7 @@ def test_parallel_calls_are_read_in_order(tok, name):
     assert len({c.id for c in got.calls}) == 2
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", [n for n in FORMATS if n != "gemma4"])  # Gemma's syntax is not JSON: not forced
 def test_the_forced_call_grammar_takes_the_templates_own_rendering(tok, name):
     """The grammar's call is the template's call to the token: every token of the rendering is allowed in turn
     and the grammar is complete at its end (a mismatch of one space would fail here)."""
@@ -153,3 +156,14 @@ def test_any_split_of_a_streamed_reply_gives_the_whole_replys_reading(content, w
         assert "<tool_call>" not in shown + rest
     else:
         assert shown + rest == text
+
+
+def test_gemma_arguments_are_read_into_json():
+    from engine.server.tool_calls import gemma_args
+
+    text = '{city:<|"|>Paris, "the" {city}<|"|>,days:-3.5,ok:true,none:null,opts:{u:<|"|>C<|"|>},tags:[<|"|>a<|"|>,1]}'
+    assert gemma_args(text) == {"city": 'Paris, "the" {city}', "days": -3.5, "ok": True, "none": None,
+                                "opts": {"u": "C"}, "tags": ["a", 1]}
+    for bad in ('{city:<|"|>Paris}', "[1, 2]", "{city: Paris}"):
+        with pytest.raises(ValueError):
+            gemma_args(bad)

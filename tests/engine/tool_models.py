@@ -21,11 +21,11 @@ QWEN_VOCAB = 151936  # Qwen2.5's embedding rows (the tokenizer's 151,665 ids, pa
 
 def template(name: str) -> str:
     """A published chat template's text: ``qwen2.5``, ``llama3.1``, ``mistral-nemo``, ``ministral3``, ``gpt-oss``,
-    ``hermes3``."""
+    ``hermes3``, ``gemma4``."""
     files = {"qwen2.5": "Qwen-Qwen2.5-7B-Instruct", "llama3.1": "meta-llama-Llama-3.1-8B-Instruct",
              "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407",
              "ministral3": "mistralai-Ministral-3-14B-Reasoning-2512", "gpt-oss": "openai-gpt-oss-120b",
-             "hermes3": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"}
+             "hermes3": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "gemma4": "google-gemma-4-31B-it"}
     return (TEMPLATES / f"{files[name]}.jinja").read_text()
 
 
