@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import struct
@@ -170,6 +171,23 @@ def show(result: dict, what: str) -> None:
 
 
 # -- PyInstaller ------------------------------------------------------------------------------------------
+def prebuild_quant_kernels(src: Path) -> list[str]:
+    """The GGUF block kernels (engine/quant/csrc) compiled for each x86 level into engine/quant/prebuilt, which the
+    spec bundles: a machine without a C compiler runs them (the engine picks the best level its CPU has). Without a
+    compiler here the bundle is built without them, said in one line: GGUF weights are then dequantized on load."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log("GGUF block kernels: no prebuilt levels for this architecture (built at first use where a compiler is)")
+        return []
+    r = subprocess.run([sys.executable, "-m", "engine.quant.build", "--prebuild",
+                        str(src / "engine" / "quant" / "prebuilt")], cwd=src, capture_output=True, text=True)
+    if r.returncode != 0:
+        log(f"GGUF block kernels NOT prebuilt: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return []
+    made = [Path(line).name for line in r.stdout.split()]
+    log(f"GGUF block kernels prebuilt: {', '.join(made)}")
+    return made
+
+
 def pyinstaller(src: Path, out: Path, clean: bool, extra_env: dict) -> float:
     spec = src / "packaging" / "kvscope.spec"
     cmd = [sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN",
@@ -462,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report["pyinstaller"] = ensure_pyinstaller(install=not args.no_install)
         report["env"] = check_build_env()
+        report["quant_kernels"] = prebuild_quant_kernels(src)
         log(f"freezing {src} with {report['env']} (PyInstaller, hooks-contrib {report['pyinstaller']})")
         extra = {k: v for k, v in os.environ.items() if k.startswith("KVSCOPE_")}
         report["build_seconds"] = round(pyinstaller(src, out, args.clean, extra), 1)
