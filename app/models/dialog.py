@@ -1,8 +1,9 @@
 """Choose a model: the built-in stories260K, the random-weight demo, recent models, the models found on this computer
 (the Hugging Face cache, LM Studio, Ollama and the user's models folders: ``app.models.found``, scanned off the GUI
-thread), a folder or GGUF file, or a hub id to download (with progress and cancel). Shows a memory estimate (weights
-+ KV at the chosen context; a GGUF's weights as dequantized) and, on CUDA, whether it fits; a model that cannot be
-opened says why in the dialog's banner, in one line.
+thread), a folder or GGUF file, or a hub id to download (with progress and cancel). Shows the engine's memory
+verdict before loading (``engine.model.fit``: the weights as they will be held, the KV cache at the chosen context and
+a token's bytes at every precision, the longest context that fits in the free RAM or GPU memory); a model that cannot
+be opened, or will not fit, says why in the dialog's banner, in one line.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from PySide6.QtWidgets import (
 
 from app.settings.cache_settings import spec_for
 from app.models.download import Downloader, HubDownload, folder_problem
-from app.models.estimate import MemoryEstimate, estimate_demo, estimate_folder, estimate_gguf
-from app.models.found import dequantized_words, estimate_found, item_text, item_tip, start_scan
-from app.shell.format import human_bytes
+from app.models.estimate import available, verdict, verdict_demo, weights
+from app.models.found import item_text, item_tip, start_scan
+from app.shell.format import fit_html, wont_fit_words
 from app.shell.glossary import CONTROLS
 from app.settings.store import Settings
 from engine.model.builtin import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, builtin_model_dir, is_builtin
@@ -250,8 +251,14 @@ class ModelsDialog(HubDownload, QDialog):
     def open_file(self, path: str) -> bool:
         """Add the GGUF file at ``path`` and select it; a file that cannot be opened is not added and the banner
         says why, in one line."""
+        from engine.model.gguf_checks import check_model
+        from engine.model.gguf_file import read_gguf
+        from engine.model.gguf_load import check_architecture
+
         try:
-            _, info = estimate_gguf(path, self.context.value())
+            info = read_gguf(path)
+            check_architecture(info)
+            check_model(info)
         except EngineError as e:
             self.show_problem(str(e))
             return False
@@ -276,7 +283,11 @@ class ModelsDialog(HubDownload, QDialog):
         self._problem_shown = True
 
     def problem(self) -> str:
-        """Why the selected model cannot be opened ("" when it can, as far as its files tell before loading)."""
+        """Why the selected model cannot be opened, or will not fit ("" when it can, as far as its files and the
+        free memory tell before loading)."""
+        return self._file_problem() or self._fit_problem()
+
+    def _file_problem(self) -> str:
         c = self.choice()
         if c is None:
             return ""
@@ -286,86 +297,58 @@ class ModelsDialog(HubDownload, QDialog):
             return folder_problem(c["folder"])
         if c["gguf"]:
             try:
-                estimate_gguf(c["gguf"], self.context.value())
+                self._verdict(c)
             except EngineError as e:
                 return str(e)
         return ""
+
+    def _fit_problem(self) -> str:
+        est = self.estimate()
+        return wont_fit_words(est) if est is not None and not est.fits else ""
 
     # -- estimate -------------------------------------------------------------------------------------------
     def _device(self) -> str:
         device = self.device.currentData()
         return "cuda" if device == "auto" and self.environment.get("cuda") else ("cpu" if device == "auto" else device)
 
-    def estimate(self) -> MemoryEstimate | None:
+    def _verdict(self, c: dict):
+        """The engine's verdict for choice ``c`` (``EngineError`` for files it cannot read; None: not on disk)."""
+        dev = self._device()
+        free = available(dev, self.environment)
+        if c["source"] == "demo":
+            return verdict_demo(dev, free)
+        path = c["found"].source if c["found"] is not None else (c["gguf"] or c["folder"])
+        if not path:
+            return None
+        key = (path, self.quantization.currentData(), dev)
+        if getattr(self, "_planned", (None, None))[0] != key:  # headers read once per choice, not per context step
+            self._planned = (key, weights(path, self.quantization.currentData(), dev))
+        return verdict(path, self.quantization.currentData(), dev, free, self._planned[1])
+
+    def estimate(self):
+        """The memory verdict of the chosen model (``engine.model.fit.Fit``), None when there is none to give."""
         c = self.choice()
         if c is None:
             return None
-        dev, ctx, quant = self._device(), self.context.value(), self.quantization.currentData()
-        if c["source"] == "demo":
-            return estimate_demo(ctx, dev)
-        if c["found"] is not None:
-            return estimate_found(c["found"], ctx, quant, dev)
-        if c["gguf"]:
-            try:
-                return estimate_gguf(c["gguf"], ctx, quant, dev)[0]
-            except EngineError:
-                return None
-        if c["folder"]:
-            try:
-                return estimate_folder(c["folder"], ctx, quant, dev)
-            except (OSError, ValueError):
-                return None
-        return None
-
-    def _gguf_words(self) -> str:
-        """The line under the estimate of a GGUF: its weights are dequantized when loaded."""
-        c = self.choice()
-        if c is None or not c["gguf"]:
-            return ""
-        m = c["found"]
-        if m is None:
-            try:
-                _, m = estimate_gguf(c["gguf"], self.context.value())
-            except EngineError:
-                return ""
-        return dequantized_words(m.weights_type, m.size_bytes, m.quantized, self._device(),
-                                 self.quantization.currentData())
+        try:
+            return self._verdict(c)
+        except EngineError:
+            return None
 
     def _update_estimate(self) -> None:
-        problem = self.problem()
+        cannot = self._file_problem()
+        problem = cannot or self._fit_problem()
         if problem:
             self.show_problem(problem)
         elif getattr(self, "_problem_shown", False):  # a problem said before: gone with the choice
             self.message.setText("")
             self._problem_shown = False
-        est = None if problem else self.estimate()
+        est = None if cannot else self.estimate()
         if est is None:
             self.estimate_label.setText("Estimate: not available until the model's files are on this computer."
-                                        if not problem else "Estimate: not available (this model cannot be opened).")
+                                        if not cannot else "Estimate: not available (this model cannot be opened).")
             return
-        text = (f"Estimate: weights <b>{human_bytes(est.weights_bytes)}</b> + KV cache <b>{human_bytes(est.kv_bytes)}</b> "
-                f"at {est.context} tokens ({human_bytes(est.kv_bytes_per_token)}/token) = "
-                f"<b>{human_bytes(est.total_bytes)}</b>")
-        if est.layers and est.kv_heads and est.head_dim:
-            text += ("<br>KV cache as " + ", ".join(f"{kind} {human_bytes(est.kv_bytes_as(kind))}"
-                                                   for kind in ("int8", "int4", "tq4", "tq3", "tq2"))
-                     + " pages (Cache policy ▸ Key precision / Value precision, pages of 16)")
-        if est.max_context and self.context.value() > est.max_context:
-            text += f"<br>The model's context is {est.max_context} tokens; the estimate uses that."
-        total = int(self.environment.get("device_total_bytes") or 0)
-        on_cuda = self.device.currentData() == "cuda" or (self.device.currentData() == "auto" and self.environment.get("cuda"))
-        if on_cuda and total:
-            if est.fits(total):
-                text += f"<br><span style='color:#43c59e'>Fits in {human_bytes(total)} of GPU memory.</span>"
-            else:
-                text += (f"<br><span style='color:#ff8080'>Will not fit in {human_bytes(total)} of GPU memory: "
-                         "try 8-bit/4-bit weights, a shorter context, or the CPU.</span>")
-        elif on_cuda:
-            text += "<br>GPU memory is known once the engine has started."
-        words = self._gguf_words()
-        if words:
-            text += f"<br>{html.escape(words, quote=False)}"
-        self.estimate_label.setText(text)
+        self.estimate_label.setText(fit_html(est, self.context.value()))
 
     def done(self, result: int) -> None:  # noqa: D401 - Qt override
         if self._downloader is not None:

@@ -10,7 +10,6 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from app.models.estimate import MemoryEstimate, estimate
 from app.shell.format import human_bytes
 from engine.model.catalog import FoundModel, Store
 
@@ -62,22 +61,6 @@ def item_text(m: FoundModel) -> str:
 
 def item_tip(m: FoundModel) -> str:
     return f"{m.source}\n{m.problem}" if m.problem else m.source
-
-
-def estimate_found(m: FoundModel, context: int, quantization: str, device: str) -> MemoryEstimate | None:
-    """The memory estimate of a found model, from the facts the scan read (None: not enough of them)."""
-    if m.problem or not m.config or not m.stored_weights_bytes:
-        return None
-    return estimate(dict(m.config), m.stored_weights_bytes, context, quantization, device)
-
-
-def dequantized_words(weights_type: str, file_bytes: int, quantized: bool, device: str, quantization: str) -> str:
-    """What loading a GGUF does to its weights, under the estimate (which counts them as loaded, not as stored)."""
-    dtype = "bfloat16" if quantization == "bf16" else "float32" if device == "cpu" else "float16"
-    then = {"int8": ", then quantized to 8-bit", "nf4": ", then quantized to 4-bit NF4"}.get(quantization, "")
-    verb = "are dequantized to" if quantized else "load as"
-    return (f"GGUF: the file's {weights_type} weights ({human_bytes(file_bytes)}) {verb} {dtype}{then}; "
-            "the estimate counts them as loaded.")
 
 
 def source_name(source: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
-from app.shell.format import human_bytes
+from app.shell.format import human_bytes, info_weights_words
 from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, kv_words, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 
@@ -117,6 +118,7 @@ class MemoryPanel(Panel):
         self.n = 0
         self._t0: float | None = None
         self._has_device = False
+        self.weights_words = ""  # how they are held (``set_model``)
         self.weights_bytes = 0  # the loaded model's (``set_model``): shown while no chat's cache is
         self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
 
@@ -225,14 +227,16 @@ class MemoryPanel(Panel):
         self.last_snapshot = None
         self.split.set_bytes(self.weights_bytes, 0)
         if self.weights_bytes:
-            self.caption.setText(f"weights <b>{human_bytes(self.weights_bytes)}</b> · KV <b>0 B</b>: this chat "
-                                 "holds no cache yet")
+            self.caption.setText(f"weights <b>{human_bytes(self.weights_bytes)}</b> ({html.escape(self.weights_words)})"
+                                 " · KV <b>0 B</b>: this chat holds no cache yet")
         else:
             self.caption.setText("Weights and KV cache bytes over time.")
 
     def set_model(self, info) -> None:
         """A model was loaded (``ModelInfo``): a new series, with its weights."""
         self.weights_bytes = int(info.weights_bytes)
+        self.weights_words = info_weights_words(info)  # the format as loaded: 'Q4_K_M, 4.85 bits per weight, ...'
+        self.caption.setToolTip(f"weights: {self.weights_words}")
         self.x_range.reset()
         self.x_range.fit(10)
         self._decades = None

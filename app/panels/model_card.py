@@ -10,7 +10,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QSize
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea
 
-from app.shell.format import human_bytes, human_count
+from app.shell.format import human_bytes, human_count, info_weights_words
 from app.panels.base import Panel, styled_plot
 from app.shell.reuse_words import reuse_cost
 from engine.kv.paged import sizes
@@ -107,7 +107,7 @@ class ModelCardPanel(Panel):
             ("attention", f"<b>{info.attention_kind}</b>: {info.num_q_heads} Q heads, {info.num_kv_heads} KV heads"),
             ("head dim · hidden", _widths(info)),
             ("context", f"{human_count(info.context_length)} tokens"),
-            ("weights", f"{human_bytes(info.weights_bytes)} · {info.dtype} · {info.quantization}"),
+            ("weights", f"{human_bytes(info.weights_bytes)} · {html.escape(info_weights_words(info))}"),
             ("KV per token", f"<b>{human_bytes(comp['this model'])}</b> ({info.kv_dtype}) · as MHA "
                              f"{human_bytes(comp['MHA'])} / MQA {human_bytes(comp['MQA'])}"),
             ("KV pages", _as_kinds(info, self.page_size)),

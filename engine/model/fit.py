@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError
-from engine.model.hf_load import LoadNote
+from engine.model.notes import LoadNote
 from engine.kv.paged import sizes
 from engine.model.weights_plan import Held, WeightsPlan
 
@@ -38,6 +38,12 @@ MiB = 1 << 20
 # what a load imports beyond an idle engine (transformers' model and tokenizer code; bitsandbytes): measured
 # +133 MB (none) and +170 MB (int8 / nf4) over the idle process on the 1B shape
 LIBRARIES = {"none": 135 * MiB, "int8": 170 * MiB, "nf4": 170 * MiB}
+# what a first reply adds beyond its activations and cache: the sessions' modules, the compiled decode step
+# (measured 66-78 MB on the 1B shape, from two context lengths)
+RUNTIME = 70 * MiB
+# a prompt token's activations against the estimate's float formula: bitsandbytes' int8 product casts, quantizes
+# and widens its inputs (x4.2 measured at 512-token chunks), NF4 dequantizes (x1.6)
+ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}
 # bytes in flight while loading, per element of the largest tensor: a tensor read (2 B/weight for bf16) and
 # converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
 # the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
@@ -130,6 +136,7 @@ class Fit:
     compute_dtype: str  # the activations' and the full-precision cache's dtype
     weights: WeightsPlan
     libraries: int
+    runtime: int  # a first reply's modules and compiled step
     loading: int  # in flight while loading, beyond the kept weights
     activations: int  # bytes a prompt token's activations take in a prefill forward
     chunk: int  # tokens a prefill forward feeds at most (``engine.model.chunks``)
@@ -155,7 +162,13 @@ class Fit:
     @property
     def resident_bytes(self) -> int:
         """Held once loaded and running, before any KV."""
-        return self.libraries + self.weights.bytes + self.compute_at(self.context or self.chunk)
+        return self.libraries + self.runtime + self.weights.bytes + self.compute_at(self.context or self.chunk)
+
+    def total_at(self, tokens: int, kind: str = "auto") -> int:
+        """All the process will hold beyond what it holds now, running a chat of ``tokens`` tokens with ``kind``
+        K/V: libraries, runtime, weights, a prefill's activations, the cache and its working buffer."""
+        return int(self.libraries + self.runtime + self.weights.bytes + self.compute_at(tokens)
+                   + self.kv_bytes(kind, tokens) + self.attention.working_bytes(kind, self.elem_bytes, tokens))
 
     def compute_at(self, tokens: int) -> int:
         """A prefill forward's activations for a prompt of ``tokens`` tokens."""
@@ -231,13 +244,14 @@ def attention_of(config: dict) -> Attention:
     return Attention(len(attn) - sliding, sliding, window, kv_heads, head_dim)
 
 
-def activation_bytes(config: dict, elem_bytes: int) -> int:
+def activation_bytes(config: dict, elem_bytes: int, quantization: str = "none") -> int:
     """A prompt token's activations in a prefill forward (hidden states, the MLP's products, the logits) in the
-    compute dtype."""
+    compute dtype (``ACTIVATION_FACTOR`` more for bitsandbytes' products)."""
     c = text_config(config)
     hidden = _int(c, "hidden_size", "n_embd")
     inter = _int(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    return (6 * hidden + 4 * inter + _int(c, "vocab_size")) * elem_bytes
+    per = (6 * hidden + 4 * inter + _int(c, "vocab_size")) * elem_bytes
+    return int(per * ACTIVATION_FACTOR.get(quantization, 1.0))
 
 
 def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dtype: str,
@@ -252,17 +266,18 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
                else plan.largest * LOAD_BYTES_PER_ELEMENT.get(plan.held, 8))
     from engine.model.chunks import prefill_chunk
 
-    act, chunk = activation_bytes(config, elem), prefill_chunk(plan.params, device)
+    act, chunk = activation_bytes(config, elem, plan.quantization), prefill_chunk(plan.params, device)
     c = text_config(config)
     context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
     attn = attention_of(config)
-    budget = available - (libraries + plan.bytes)
+    runtime = RUNTIME
+    budget = available - (libraries + runtime + plan.bytes)
     cap = context or (1 << 20)
     kv = []
     for kind in KV_KINDS:
         per_token = attn.bytes_at(1, attn.per_token(kind, elem))
         kv.append(KVCost(kind, per_token, attn.longest(kind, elem, budget, cap, lambda n: act * min(n, chunk))))
-    return Fit(name, device, compute_dtype, plan, libraries, int(loading), act, chunk, int(available),
+    return Fit(name, device, compute_dtype, plan, libraries, runtime, int(loading), act, chunk, int(available),
                available_from, context, tuple(kv), attn)
 
 
@@ -320,14 +335,11 @@ def refusal(fit: Fit, alternatives: list[tuple[str, Fit]] = ()) -> str:
 # -- a model's files -> the verdict -----------------------------------------------------------------------------
 def compute_dtype(spec, config: dict, device: str) -> str:
     """The dtype the loader computes in (``hf_load.choose_dtype``), by name."""
-    from types import SimpleNamespace
-
-    from engine.model.hf_load import choose_dtype
+    from engine.model.weights_plan import compute_dtype_name
 
     c = text_config(config)
-    ns = SimpleNamespace(dtype=c.get("dtype") or config.get("dtype"),
-                         torch_dtype=c.get("torch_dtype") or config.get("torch_dtype"))
-    return str(choose_dtype(spec, ns, device)).replace("torch.", "")
+    stored = c.get("dtype") or c.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype") or ""
+    return compute_dtype_name(spec.dtype, str(stored).replace("torch.", ""), device)
 
 
 def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:

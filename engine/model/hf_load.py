@@ -13,22 +13,9 @@ import torch
 from engine.config import ModelSpec
 from engine.errors import EngineError
 from engine.model.log_once import once_per_message
+from engine.model.notes import LoadNote, print_notes  # noqa: F401 (the loaders' notes, named from here too)
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
-
-
-class LoadNote(str):
-    """A progress message the user must see, not only a stage: what loading does to the weights and the memory
-    they will take, said before they are read (``engine.model.gguf_load.load_note``). The app shows it as any
-    progress message; the command line prints these alone (``print_notes``)."""
-
-
-def print_notes(message: str, fraction: float) -> None:
-    """A ``Progress`` for the command line: each ``LoadNote`` as a ``note:`` line on stderr, stages unsaid."""
-    import sys
-
-    if isinstance(message, LoadNote):
-        print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -68,16 +55,12 @@ def quiet_transformers() -> None:
 
 
 def choose_dtype(spec: ModelSpec, config, device: str) -> torch.dtype:
-    if spec.dtype != "auto":
-        return getattr(torch, spec.dtype)
-    if device == "cpu":
-        return torch.float32  # half-precision matmuls are slow or inexact on most CPUs
+    """The compute dtype (``weights_plan.compute_dtype_name``: the memory estimate asks it without torch)."""
+    from engine.model.weights_plan import compute_dtype_name
+
     cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg_dtype, str):
-        cfg_dtype = getattr(torch, cfg_dtype, None)
-    if cfg_dtype in (torch.float16, torch.bfloat16):
-        return cfg_dtype
-    return torch.float16
+    return getattr(torch, compute_dtype_name(spec.dtype, str(cfg_dtype).replace("torch.", "") if cfg_dtype else "",
+                                             device))
 
 
 def bnb_config(kind: str, compute_dtype: torch.dtype):

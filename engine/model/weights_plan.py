@@ -85,6 +85,16 @@ class WeightsPlan:
         return 8.0 * self.bytes / self.params if self.params else 0.0
 
 
+def compute_dtype_name(spec_dtype: str, config_dtype: str, device: str) -> str:
+    """The dtype a load computes in: the one asked for, else float32 on a CPU (half-precision matmuls are slow or
+    inexact on most CPUs), else the checkpoint's half type, else float16."""
+    if spec_dtype != "auto":
+        return spec_dtype
+    if device == "cpu":
+        return "float32"
+    return config_dtype if config_dtype in ("float16", "bfloat16") else "float16"
+
+
 def stored_format(tensors: Iterable[Tensor]) -> str:
     """The type holding the most bytes among the 2-D+ weights (all tensors when none is)."""
     by_bytes: dict[str, int] = {}

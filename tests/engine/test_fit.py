@@ -48,9 +48,9 @@ def bf16_folder(tmp_path_factory, stories_path) -> Path:
 
 @pytest.fixture(scope="module")
 def wide_folder(tmp_path_factory, stories_path) -> Path:
-    """31M parameters (63 MB in bfloat16): the weights, not the libraries, decide what fits."""
-    return _folder(tmp_path_factory.mktemp("fit") / "wide-bf16", stories_path, hidden_size=1024,
-                   intermediate_size=4096, num_attention_heads=8, head_dim=128)
+    """122M parameters (244 MB in bfloat16): the weights, not the libraries, decide what fits."""
+    return _folder(tmp_path_factory.mktemp("fit") / "wide-bf16", stories_path, hidden_size=2048,
+                   intermediate_size=8192, num_attention_heads=16, head_dim=128)
 
 
 @pytest.mark.parametrize("quant,dtype,held,fmt", [
@@ -145,9 +145,12 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 def test_a_model_that_cannot_fit_is_refused_with_its_numbers_before_a_weight_is_read(wide_folder, monkeypatch,
                                                                                        capsys):
     need = fit.estimate_path(wide_folder, ModelSpec(source="x", device="cpu"), "cpu", 1 << 40)
-    budget = need.load_bytes - 1
-    small = fit.estimate_path(wide_folder, ModelSpec(source="x", quantization="nf4", device="cpu"), "cpu", budget)
-    assert small.fits  # float32 does not fit, NF4 does
+    nf4 = ModelSpec(source="x", quantization="nf4", device="cpu")
+    small = fit.estimate_path(wide_folder, nf4, "cpu", 1 << 40)
+    budget = max(small.load_bytes, small.libraries + small.runtime + small.weights.bytes + small.compute_at(1024)
+                 + int(small.kv_bytes("auto", 1024)))
+    small = fit.estimate_path(wide_folder, nf4, "cpu", budget)
+    assert small.fits and budget < need.load_bytes  # float32 does not fit, NF4 does
     monkeypatch.setenv(fit.ENV, str(budget))
     seen = []
     with pytest.raises(fit.WontFitError) as e:

@@ -169,12 +169,12 @@ def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path
     assert "Linear4bit" in {type(m).__name__ for m in lm.model.modules()}
     prompt = _prompt(lm.info.vocab_size, 64)
     a = agreement(lm, prompt, CacheConfig(mode="paged", page_size=16))
-    from app.models.estimate import estimate_folder
+    from app.models.estimate import verdict
 
-    est = estimate_folder(folder, 4096, "nf4", device=DEVICE)
-    record("top1-nf4", weights_bytes=weights, estimated_weights_bytes=est.weights_bytes, **a)
+    est = verdict(folder, "nf4", DEVICE, (1 << 40, "the test's budget")).weights.bytes
+    record("top1-nf4", weights_bytes=weights, estimated_weights_bytes=est, **a)
     assert a["agree"] >= AGREE_MIN and a["max_abs_logit_diff"] <= NOISE_MAX * a["logit_scale"], a
-    assert abs(est.weights_bytes - weights) <= 0.15 * weights, (est.weights_bytes, weights)
+    assert abs(est - weights) <= 0.15 * weights, (est, weights)
     del lm
     if cuda:
         torch.cuda.empty_cache()
@@ -183,8 +183,8 @@ def test_nf4_paged_top1_agreement_and_estimate(qwen_bf16, stories_path, tmp_path
 def test_memory_readout_and_fit(qwen_bf16, record):
     """The memory panel's device figure is CUDA's own; weights + KV at 4k agree with the models dialog's
     estimate, and the KV arena's limit follows the GPU's free memory."""
-    from app.models.estimate import estimate
     from engine.kv.store.arena import GPU_SHARE, default_memory_limit
+    from engine.model import fit
 
     if DEVICE != "cuda":
         pytest.skip("CUDA memory figures")
@@ -197,15 +197,15 @@ def test_memory_readout_and_fit(qwen_bf16, record):
     assert 0 < snap.device_bytes <= torch.cuda.max_memory_allocated()
     assert snap.weights_bytes + snap.kv_bytes <= snap.device_bytes
     config = qwen_bf16.model.config.to_dict()
-    est = estimate(config, snap.weights_bytes, 4096, "none", device=DEVICE)
+    kv = fit.attention_of(config).cache_bytes("auto", 2, 4096)  # the engine's verdict: bfloat16 K/V at 4k
     free, total = torch.cuda.mem_get_info()
     limit = default_memory_limit(torch.device("cuda"))
     record("memory-4k-bf16", weights_bytes=snap.weights_bytes, kv_bytes=snap.kv_bytes,
-           estimated_kv_bytes=est.kv_bytes, device_bytes=snap.device_bytes, total_bytes=total,
-           kv_limit_bytes=limit, fits=est.fits(total))
+           estimated_kv_bytes=kv, device_bytes=snap.device_bytes, total_bytes=total,
+           kv_limit_bytes=limit, fits=snap.weights_bytes + kv <= total)
     s.close()
-    assert abs(est.kv_bytes - snap.kv_bytes) <= 0.05 * snap.kv_bytes  # pages round up by < one page per layer
-    assert est.fits(total)
+    assert abs(kv - snap.kv_bytes) <= 0.05 * snap.kv_bytes  # pages round up by < one page per layer
+    assert snap.weights_bytes + kv <= total
     assert abs(limit - GPU_SHARE * free) <= 0.01 * total
 
 
