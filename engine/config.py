@@ -24,8 +24,10 @@ def value_dtype(kv_dtype: str) -> str:
 QUANTIZATIONS = ("none", "int8", "nf4")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-OVERFLOWS = ("stop", "truncate_middle", "rolling", "policy")
-OVERFLOW_EVICTS = ("truncate_middle", "rolling")  # the overflow settings that evict to go on past the context
+OVERFLOWS = ("stop", "turns", "truncate_middle", "rolling", "policy")
+# the overflow settings that evict to go on past the context; "turns" drops the oldest whole messages, never the
+# system prompt, a pinned message or the latest one (``engine.policies.streaming.TurnsOverflow``)
+OVERFLOW_EVICTS = ("turns", "truncate_middle", "rolling")
 MAX_PAGE_SIZE = 256
 
 
@@ -76,7 +78,7 @@ class CacheConfig:
                 tq2-qjl (the tq kind of as many bits, one of them a QJL sign of the residual)
     policy      eviction policy name from ``engine.policies`` ("none", "streaming", "h2o", "expected", "priority")
     policy_params  keyword arguments for the policy's ``Params`` dataclass
-    overflow    what happens when the context or budget is full: stop | truncate_middle | rolling | policy
+    overflow    what happens when the context or budget is full: stop | turns | truncate_middle | rolling | policy
     max_pages   cap on the page pool (None: grow as needed up to the model's context)
     checkpoints positions kept per chat that a hybrid / sliding-window model's cache can be cut back to (the
                 recurrent states copied there, the window's pages held): 0..64, 0 off (``engine.kv.store.checkpoints``)

@@ -7,6 +7,7 @@ from typing import Any
 from app.chat.note_words import reprefill_footer
 from app.shell.format import count
 from app.shell.glossary import stop_mark
+from app.shell.reuse_words import Counts, computed_words, counts_of
 
 
 def stats_line(stats: dict[str, Any]) -> str:
@@ -60,23 +61,26 @@ def note_lines(stats: dict[str, Any]) -> list[str]:
 
 
 def cache_line(stats: dict[str, Any]) -> str:
-    """'reused N tokens, recomputed M, diverged at P', with 'dropped D unread to fit the context' when the prompt
-    did not fit (those were never computed: they are in neither count)."""
+    """'reused N tokens, computed M (K recomputed, J new)', with 'dropped D unread to fit the context' when the prompt
+    did not fit (never computed: in neither count) and where reused tokens came from. The numbers are the prompt's
+    cache account's (``stats["cache"]``), the ones the Why readout and the timing caption say."""
     if not stats or "reused_tokens" not in stats:
         return ""
-    div = stats.get("first_divergence", -1)
-    where = f"diverged at {div}" if div is not None and div >= 0 else ""
+    account = stats.get("cache")
+    if account:
+        c = counts_of(account)
+    else:  # a reply saved before replies kept their account
+        n, dropped = int(stats.get("recomputed_tokens") or 0), int(stats.get("dropped_tokens") or 0)
+        c = Counts(int(stats.get("prompt_tokens") or 0), int(stats["reused_tokens"]), n, 0, n, dropped)
     shared = int(stats.get("shared_tokens") or 0)  # pages another chat computed (automatic prefix cache)
     disk = min(int(stats.get("disk_restored_tokens") or 0), shared)  # of them, read from the KV disk tier
-    if shared - disk:
-        where = f"{shared - disk} from another chat's cache" + (f", {where}" if where else "")
+    where = []
     if disk:
-        where = f"{disk:,} restored from disk{disk_time(stats)}" + (f", {where}" if where else "")
-    where = where or "nothing cached before"
-    dropped = int(stats.get("dropped_tokens") or 0)
-    dropped_text = f", dropped {dropped:,} unread to fit the context" if dropped else ""
-    return (f"reused {count(stats['reused_tokens'])}, recomputed {stats.get('recomputed_tokens', 0):,}{dropped_text}, "
-            f"{where}")
+        where.append(f"{disk:,} restored from disk{disk_time(stats)}")
+    if shared - disk:
+        where.append(f"{shared - disk:,} from another chat's cache")
+    dropped = f", dropped {c.dropped:,} unread to fit the context" if c.dropped else ""
+    return f"reused {count(c.reused)}, {computed_words(c)}{dropped}" + ("; " + ", ".join(where) if where else "")
 
 
 def disk_time(stats: dict[str, Any]) -> str:

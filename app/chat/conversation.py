@@ -18,6 +18,7 @@ from PySide6.QtCore import QObject, Signal
 from app.chat.chat_list import ChatList, title_from
 from app.chat.pane import ChatPane
 from app.shell.failure import Failure
+from app.shell.status_bar import context_counts
 from app.history.store import HistoryStore
 from app.history.notice import HistoryNotices
 from app.chat.note_words import plain_note, reply_notes
@@ -52,7 +53,8 @@ class Conversation(QObject):
 
     def __init__(self, history: HistoryStore, settings: Settings, pane: ChatPane, chat_list: ChatList,
                  engine: EngineThread, sampling: Callable[[], SamplingConfig], cache: Callable[[], CacheConfig],
-                 parent: QObject | None = None) -> None:
+                 parent: QObject | None = None, apply_cache: Callable[[CacheConfig], None] | None = None,
+                 new_settings: Callable[[], str] = lambda: "") -> None:
         super().__init__(parent)
         self.history = history
         self.settings = settings
@@ -61,6 +63,8 @@ class Conversation(QObject):
         self.engine = engine
         self._sampling = sampling
         self._cache = cache
+        self._new_settings = new_settings  # a new chat's own settings: the user's defaults
+        self.apply_cache = apply_cache or (lambda cfg: engine.apply_cache_config(cfg))
         self.ready = False  # a model is loaded
         self.chat_id: int | None = None
         self.replies: dict[int, Reply] = {}  # by generation id, until the worker's ``finished``
@@ -77,6 +81,7 @@ class Conversation(QObject):
         chat_list.delete_requested.connect(self.delete_chat)
         w = engine.worker
         w.token.connect(self._on_token)
+        w.snapshot.connect(self._on_snapshot)
         w.noted.connect(self._on_noted)
         w.placed.connect(self._on_placed)
         w.failed.connect(self._on_failed)
@@ -113,7 +118,8 @@ class Conversation(QObject):
         last = self.settings.get("window/last_chat")
         chosen = next((c for c in chats if c.id == last), chats[0] if chats else None)
         if chosen is None:
-            chosen = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"))
+            chosen = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"),
+                                            settings=self._new_settings())
             chats = [chosen]
         self.chat_list.set_chats(chats, chosen.id)
         self.open_chat(chosen.id)
@@ -151,7 +157,8 @@ class Conversation(QObject):
         self.pane.set_generating(False)
 
     def new_chat(self) -> None:
-        chat = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"))  # Settings ▸ New chats
+        chat = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"),
+                                            settings=self._new_settings())  # Settings ▸ New chats
         self.chat_list.set_chats(self.history.chats(), chat.id)
         self.open_chat(chat.id)
 
@@ -182,6 +189,9 @@ class Conversation(QObject):
     def set_system_prompt(self, text: str) -> None:
         if self.chat_id is not None:
             self.history.set_system_prompt(self.chat_id, text)
+            last = next((m for m in reversed(self.history.messages(self.chat_id)) if m.role == "assistant"), None)
+            if last is not None and "context" in last.stats:  # its counts no longer describe the chat: counted anew
+                self.history.set_stats(last.id, {k: v for k, v in last.stats.items() if k != "context"})
 
     def _retitle(self, old_first: str, new_first: str) -> None:
         """The chat's first message changed: a title made from it follows (a title the user gave stays)."""
@@ -254,7 +264,8 @@ class Conversation(QObject):
             return  # the check sends it, or warns and gives the text back to the input
         self.notices.clear_notice()  # the user moved on from whatever it said
         if self.chat_id is None:
-            self.chat_id = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt")).id
+            self.chat_id = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"),
+                                            settings=self._new_settings()).id
         msg = self.history.add_message(self.chat_id, "user", text)
         if sum(m.role == "user" for m in self.history.messages(self.chat_id)) == 1:
             self._retitle("", text)
@@ -346,6 +357,13 @@ class Conversation(QObject):
         if reply.chat_id == self.chat_id:
             self.pane.append_delta(event.text_delta, event.draft)
         self.token.emit(event)  # the timing panel counts a reply's tokens in the background too
+
+    def _on_snapshot(self, snap) -> None:
+        """A step of a reply: its chat's context then (the one saved with it is its last)."""
+        reply = self.replies.get(snap.generation_id)
+        if reply is not None and not self.closed:
+            used, chat = context_counts(snap)
+            reply.context = {"used": used, "total": int(snap.context_length), "chat": chat}
 
     def flush(self) -> None:
         """Append the streamed text received since the last flush to each reply's row; let the history

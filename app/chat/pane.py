@@ -24,6 +24,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.message_view import MessageView
+from app.controls.lossy import lossy_parts
+from app.shell.screen import OnScreen
 from app.shell.notice import NoticeBar
 from app.chat.transcript import Transcript
 from app.shell.widgets import WordLabel
@@ -107,6 +109,9 @@ class ChatPane(QWidget):
         self._sys_timer.timeout.connect(lambda: self.system_prompt_changed.emit(self.system_prompt.text()))
         self.system_prompt.textEdited.connect(lambda _t: self._sys_timer.start())
         self.notice = NoticeBar()  # what is not part of the chat (a failed load, refused settings)
+        self.lossy_chip = QLabel("")  # the chat's cache loses information (K/V below 8 bits, eviction): said while on
+        self.lossy_chip.setObjectName("lossyChip")
+        self.lossy_chip.setVisible(False)
 
     def _build_transcript(self) -> None:
         """The scrolling transcript, with the empty chat's hint and suggestions."""
@@ -154,6 +159,7 @@ class ChatPane(QWidget):
     def _lay_out(self) -> None:
         top = QHBoxLayout()
         top.addWidget(self.title, 1)
+        top.addWidget(self.lossy_chip)
         top.addWidget(self.new_button)
         buttons = QVBoxLayout()
         buttons.addWidget(self.send_button)
@@ -331,6 +337,26 @@ class ChatPane(QWidget):
         """Streamed text of the reply (``draft``: an accepted draft token's)."""
         if self.streaming is not None:
             self.streaming.append(delta, draft)
+
+    def watch(self, screen) -> None:
+        """Follow the cache setting applied to the chat on screen (``app.shell.screen.Screen``): pinned messages' lines
+        say whether Priority pinning keeps them."""
+        screen.connect("settings", lambda _cfg: self._on_settings(screen))
+        screen.connect("kind", lambda _kind: self._on_settings(screen))
+
+    def _on_settings(self, screen) -> None:
+        """The chat's cache setting: pinned lines say whether Priority pinning keeps them, and a lossy setting
+        (K/V below 8 bits, an eviction policy) is marked on the chat while it is on."""
+        cfg = screen.settings
+        if cfg is None:
+            return
+        self.set_priority(cfg.policy == "priority")
+        parts = lossy_parts(cfg) if screen.kind is OnScreen.LOCAL else []
+        self.lossy_chip.setText("lossy cache" if parts else "")
+        self.lossy_chip.setToolTip("This chat's cache loses information (" + ", ".join(parts) + "): replies may "
+                                   "differ from the full cache's. Cache policy changes it; Memory ▸ Check fidelity "
+                                   "measures it." if parts else "")
+        self.lossy_chip.setVisible(bool(parts))
 
     def set_priority(self, on: bool) -> None:
         """Priority pinning is (not) the eviction policy: pinned messages' lines say whether it keeps them."""

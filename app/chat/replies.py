@@ -42,6 +42,7 @@ class Reply:
     draft_spans: list[list[int]] = field(default_factory=list)  # characters of ``streamed`` from accepted drafts
     switches: list[str] = field(default_factory=list)  # cache changes made while it ran, besides the mode's
     places: list[dict] = field(default_factory=list)  # where its recomputed prompt tokens sit (app.link.places)
+    context: dict[str, int] = field(default_factory=dict)  # its chat's context at its last snapshot: used, total, chat
 
     def add_text(self, delta: str, draft: bool) -> None:
         """A token's text arrived (``draft``: a draft token the model accepted)."""
@@ -58,6 +59,8 @@ class Reply:
             info["switches"] = list(self.switches)
         if self.places:  # the footer's "the system prompt changed at token 12"
             info["cache_places"] = [dict(p) for p in self.places]
+        if self.context:  # the chat's counts as it left them: shown again when it is reopened, after a restart too
+            info["context"] = dict(self.context)
         info.setdefault("generated_tokens", self.tokens)
         if reason == "error" and self.failure is not None:
             info["error"] = self.failure.message

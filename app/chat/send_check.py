@@ -24,13 +24,13 @@ from app.shell.glossary import MODES, OVERFLOWS
 from engine.config import CacheConfig
 
 ROOM = 0.10  # warn when the prompt leaves less than this share of the context
-WAY_ON = "rolling"  # the overflow setting the notice offers: it drops the oldest tokens, so the chat goes on
+WAY_ON = "turns"  # the overflow setting the notice offers: it drops the oldest whole turns, so the chat goes on
 TEMPLATE_SLACK = 32  # tokens the chat template may add around a new message
 
 
 class SendCheck(QObject):
-    """Owned by the ``Conversation``; ``context_length`` and ``chat_tokens`` are kept up to date by the
-    window (model loaded, chat described, reply snapshots)."""
+    """Owned by the ``Conversation``; ``context_length`` is the loaded model's (the window sets it), the chat's
+    tokens are read from the screen's record (``watch``)."""
 
     def __init__(self, conversation: Any, pane: Any, engine: Any, cache: Callable[[], CacheConfig]) -> None:
         super().__init__(conversation)
@@ -39,13 +39,24 @@ class SendCheck(QObject):
         self.engine = engine
         self._cache = cache
         self.context_length = 0
-        self.chat_tokens = 0  # tokens the chat on screen takes now
+        self.screen = None  # the screen's record (``watch``): the chat on screen's context counts
         self._ids = itertools.count(1)
         self._asked: dict[int, tuple] = {}
         self._warned: tuple[str, str, int, int] | None = None  # the notice shown, its text, tokens and context
         engine.worker.measured.connect(self._on_measured)
         engine.worker.applied.connect(self._on_applied)
         self.tie = ModelTie(conversation, pane)  # a chat written by another model asks first
+
+    def watch(self, screen) -> None:
+        """Read the chat on screen's tokens from the screen's record (``app.shell.screen.Screen``)."""
+        self.screen = screen
+
+    @property
+    def chat_tokens(self) -> int:
+        """Tokens the chat on screen takes now: every token of it (a prompt under settings that drop nothing holds
+        them all), as the screen's record counts them."""
+        context = self.screen.context if self.screen is not None else None
+        return context.chat if context is not None else 0
 
     def _evicts(self) -> bool:
         """The cache makes room itself (as ``ChatSession`` decides: an eviction policy or an overflow mode
@@ -58,9 +69,14 @@ class SendCheck(QObject):
         if self.tie.holds(text):
             return False
         ctx = self.context_length
-        if ctx <= 0 or self._evicts():
+        if ctx <= 0:
             return True
-        if self.chat_tokens + len(text.encode("utf-8")) + TEMPLATE_SLACK <= (1 - ROOM) * ctx:
+        # Settings that drop tokens go on from the cache: only the new message is read, so it is asked about only
+        # when it alone may not fit the context (its bytes bound its tokens); the others when the whole prompt may not
+        # leave the reply room.
+        before = 0 if self._evicts() else self.chat_tokens
+        room = ctx if self._evicts() else (1 - ROOM) * ctx
+        if before + len(text.encode("utf-8")) + TEMPLATE_SLACK <= room:
             return True
         request = next(self._ids)
         self._asked[request] = ("send", self.conv.chat_id, text)
@@ -84,21 +100,30 @@ class SendCheck(QObject):
             return
         _kind, chat_id, text = asked
         ctx = self.context_length
-        if chat_id == self.conv.chat_id and (tokens < 0 or tokens <= (1 - ROOM) * ctx):
+        if self._evicts():  # what is read this turn: the prompt past what the chat's cache was fed already
+            new = tokens - self.chat_tokens if tokens >= 0 else -1
+            fits = new <= ctx
+        else:
+            new, fits = tokens, tokens <= (1 - ROOM) * ctx
+        if chat_id == self.conv.chat_id and (tokens < 0 or fits):
             self.conv.send(text, checked=True)
         else:
-            self.warn(text, tokens, ctx)
+            self.warn(text, tokens, ctx, new=new)
 
-    def warn(self, text: str, tokens: int, ctx: int, cfg: CacheConfig | None = None) -> None:
+    def warn(self, text: str, tokens: int, ctx: int, cfg: CacheConfig | None = None, new: int | None = None) -> None:
         """Give the text back to the message box and say how little room is left under ``cfg`` (default: the
-        setting in force), with the ways on as buttons."""
+        setting in force), with the ways on as buttons; ``new``: the tokens this turn reads (past the cache)."""
         if not self.pane.input.toPlainText().strip():
             self.pane.input.setPlainText(text)
         cfg = cfg or self._cache()
         size = f"Not sent yet: the chat and this message take {tokens:,} tokens"
-        if cfg.evicts_to_fit:  # a setting changed while the notice showed now makes room
+        if cfg.evicts_to_fit:  # it drops tokens to make room: said before, with how many are never read
+            new = tokens if new is None else new
+            read = ctx // 2 if new > ctx else new
+            dropped = (f": {new - read:,} of them are dropped unread (the oldest), the model reads the last "
+                       f"{read:,}" if new > ctx else "")
             notice = (f"{size} (the model's context holds {ctx:,}), and the setting now in force drops tokens to make "
-                      "room: it can be sent.")
+                      f"room{dropped}; it can be sent.")
             self._show(notice, text, tokens, ctx, [("Send", lambda: self._send(text)), ("New chat", self.conv.new_chat)],
                        tone="info")
             return
@@ -129,7 +154,7 @@ class SendCheck(QObject):
         calls in order: the setting is in force when the reply starts, and the controls show it)."""
         self._warned = None
         if cfg is not None:
-            self.engine.apply_cache_config(cfg)
+            self.conv.apply_cache(cfg)
         self.pane.input.clear()
         self.conv.send(text, checked=True)
 

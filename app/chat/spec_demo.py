@@ -36,7 +36,7 @@ class RepeatDemo(QObject):
 
     def send(self, prompt: str) -> None:
         w = self.window
-        if w.speculation.applied.method == "off":
+        if w.speculation.requested.method == "off":
             w.speculation.apply(SpecConfig(method="ngram"))  # the worker applies it before the reply starts
         if not w.speculation.tint:
             w.speculation.set_tint(True)

@@ -1,7 +1,6 @@
-"""What follows the chat on screen besides its transcript and panels: the message being typed and the status
-bar's decode speed. A draft belongs to the chat it was typed in (a new chat starts with an empty input; going
-back brings the draft back), and the speed shown is the chat on screen's last reply's (none in a new chat), so
-nothing of one chat is shown as another's.
+"""What follows the chat on screen besides its transcript and panels: the message being typed. A draft belongs to
+the chat it was typed in (a new chat starts with an empty input; going back brings the draft back), so nothing of
+one chat is shown as another's (its decode speed comes from the screen's record, ``app.shell.readouts``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from PySide6.QtCore import QObject
 
 
 class ChatSwitch(QObject):
-    """Keeps drafts per chat (``drafts``) and shows each chat's own decode speed when it is opened."""
+    """Keeps drafts per chat (``drafts``)."""
 
     def __init__(self, conversation, status, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -36,13 +35,11 @@ class ChatSwitch(QObject):
         self.pane.input.setPlainText(self.drafts.pop(owner, ""))
 
     def api_opened(self, session_id: int) -> None:
-        """An API conversation took the chat's place: the chat's draft waits for it, and no chat's speed shows."""
+        """An API conversation took the chat's place: the chat's draft waits for it."""
         self.switch_draft(("api", session_id))
-        self.status.show_speed(0)
 
     def _on_chat_opened(self, chat_id: int) -> None:
         self.switch_draft(chat_id)
-        self.status.show_speed(self.last_speed(chat_id))
 
     def last_speed(self, chat_id: int) -> float:
         """The decode speed of the chat's last reply (0: it has none yet)."""

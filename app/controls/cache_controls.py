@@ -16,9 +16,12 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QFrame,
     QGroupBox,
+    QHBoxLayout,
     QLabel,
     QLineEdit,
+    QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -26,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from app.shell import glossary
 from app.controls import policies
+from app.controls.lossy import lossy_parts
 from app.shell.glossary import CONTROLS, Term
 from app.shell.widgets import DebouncedForm
 from engine.config import CACHE_MODES, FALLBACK, K_DTYPES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
@@ -166,10 +170,71 @@ class PolicyParamsForm(QWidget):
         return out
 
 
+class PageSizeBox(QSpinBox):
+    """Tokens per page: the arrows and the wheel double and halve (16 → 32, not 17: page sizes that are not powers
+    of two are rarely what anyone wants); any size in range can still be typed."""
+
+    def stepBy(self, steps: int) -> None:  # noqa: N802 - Qt name
+        value = self.value()
+        for _ in range(abs(steps)):
+            power = value & (value - 1) == 0
+            if steps > 0:
+                value = 1 << value.bit_length()  # the next power of two above
+            elif value > 1:
+                value = 1 << (value.bit_length() - (2 if power else 1))  # the next one below
+        self.setValue(max(self.minimum(), min(self.maximum(), value)))
+
+
+class AskStrip(QFrame):
+    """A question about the change just chosen, under the controls: what it costs, and a button to go ahead or keep
+    the setting in force. Hidden when nothing is asked."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("notice")
+        self.setProperty("tone", "info")
+        self.text = QLabel("")
+        self.text.setObjectName("noticeText")
+        self.text.setWordWrap(True)
+        self.yes = QPushButton("Use it")
+        self.no = QPushButton("Cancel")
+        self.no.setToolTip("Keep the setting in force")
+        row = QHBoxLayout()
+        row.addWidget(self.yes)
+        row.addWidget(self.no)
+        row.addStretch(1)
+        box = QVBoxLayout(self)
+        box.setContentsMargins(8, 6, 8, 6)
+        box.addWidget(self.text)
+        box.addLayout(row)
+        self._actions: tuple = (None, None)
+        self.yes.clicked.connect(lambda: self._answer(0))
+        self.no.clicked.connect(lambda: self._answer(1))
+        self.setVisible(False)
+
+    def ask(self, text: str, yes: str, on_yes, on_no) -> None:
+        self.text.setText(text)
+        self.yes.setText(yes)
+        self._actions = (on_yes, on_no)
+        self.setVisible(True)
+
+    def clear(self) -> None:
+        self._actions = (None, None)
+        self.setVisible(False)
+
+    def _answer(self, which: int) -> None:
+        action = self._actions[which]
+        self.clear()
+        if action is not None:
+            action()
+
+
 class CacheControls(DebouncedForm, QWidget):
-    """The cache-policy form. ``config()`` is the current ``CacheConfig``; ``set_config`` shows one."""
+    """The cache-policy form. ``config()`` is the current ``CacheConfig``; ``set_config`` shows one.
+    ``default_requested``: "Make default for new chats" was pressed."""
 
     changed = Signal(object)
+    default_requested = Signal()
 
     def __init__(self, config: CacheConfig | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -179,7 +244,7 @@ class CacheControls(DebouncedForm, QWidget):
 
         self.mode = QComboBox()
         fill_combo(self.mode, CACHE_MODES, glossary.MODES, "mode")
-        self.page_size = QSpinBox()
+        self.page_size = PageSizeBox()
         self.page_size.setRange(1, MAX_PAGE_SIZE)
         self.page_size.setSuffix(" tokens")
         self.page_size.setToolTip(CONTROLS["page_size"].tip)
@@ -204,6 +269,18 @@ class CacheControls(DebouncedForm, QWidget):
         self.notes = QLabel("")
         self.notes.setWordWrap(True)
         self.notes.setObjectName("hint")
+        self.asking_strip = AskStrip()
+        self.scope = QLabel("These settings belong to this chat.")
+        self.scope.setObjectName("hint")
+        self.scope.setWordWrap(True)
+        self.default_button = QPushButton("Make default for new chats")
+        self.default_button.setToolTip("New chats start with these cache settings and this chat's speculative decoding "
+                                       "(each chat keeps its own: opening a chat puts its settings back in force)")
+        self.default_button.clicked.connect(self.default_requested)
+        self.lossy_line = QLabel("")
+        self.lossy_line.setObjectName("noteLine")
+        self.lossy_line.setWordWrap(True)
+        self.lossy_line.setVisible(False)
 
         # the choices whose items depend on the rest (``CacheConfig.need``), and what the user last chose in each:
         # a choice the cache mode or the policy forced back (``_fit``) returns when it can apply again
@@ -239,7 +316,13 @@ class CacheControls(DebouncedForm, QWidget):
         pform.addWidget(QLabel(CONTROLS["overflow"].name))
         pform.addWidget(self.overflow)
         layout.addWidget(policy_box)
+        layout.addWidget(self.asking_strip)
+        layout.addWidget(self.lossy_line)
         layout.addWidget(self.notes)
+        scope = QHBoxLayout()
+        scope.addWidget(self.scope, 1)
+        scope.addWidget(self.default_button)
+        layout.addLayout(scope)
         layout.addStretch(1)
 
     def _connect(self) -> None:
@@ -304,6 +387,25 @@ class CacheControls(DebouncedForm, QWidget):
     def show_notes(self, notes: list[str]) -> None:
         self.notes.setText("\n".join(f"• {n}" for n in notes))
 
+    # -- a question about the change chosen (``app.controls.cache_controller``) --------------------------------
+    @property
+    def asking(self) -> bool:
+        return self.asking_strip.isVisibleTo(self) or self.asking_strip._actions[0] is not None
+
+    def ask(self, text: str, yes: str, on_yes, on_no) -> None:
+        """Hold the change shown: ``text`` and a button ``yes`` (``on_yes``) or Cancel (``on_no``)."""
+        self.asking_strip.ask(text, yes, on_yes, on_no)
+
+    def clear_ask(self) -> None:
+        self.asking_strip.clear()
+
+    def show_lossy(self, cfg: CacheConfig) -> None:
+        """The setting in force loses information: said under the controls while it is on."""
+        parts = lossy_parts(cfg)
+        self.lossy_line.setText(("Lossy: " + ", ".join(parts) + " — replies may differ from the full cache's")
+                                if parts else "")
+        self.lossy_line.setVisible(bool(parts))
+
     def set_chat_length(self, tokens: int, context: int) -> None:
         """The chat on screen's tokens (every one so far) and the model's context: with the cache off each step
         reads the whole chat, which a chat as long as the context cannot be (the engine refuses it)."""
@@ -338,6 +440,10 @@ class CacheControls(DebouncedForm, QWidget):
             for name in FALLBACK:  # in order: the policy before the overflow, whose "policy" choice needs one
                 box, cfg = self._choices[name], self.config()
                 current, wanted = box.currentData(), self._wanted.get(name, box.currentData())
+                if wanted != current and cfg.unmet(name) is None and \
+                        lossy_parts(cfg.replace(**{name: wanted})) != lossy_parts(cfg):
+                    self._wanted[name] = current  # lossy: it comes back only when chosen again, never by itself
+                    continue
                 value = wanted if cfg.unmet(name, wanted) is None else FALLBACK[name] if cfg.unmet(name) else current
                 if value == current or box.findData(value) < 0:
                     continue

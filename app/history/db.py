@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS chats (
     created REAL NOT NULL,
     updated REAL NOT NULL,
     server TEXT NOT NULL DEFAULT '',
-    model TEXT NOT NULL DEFAULT ''
+    model TEXT NOT NULL DEFAULT '',
+    settings TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -36,11 +37,12 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, position);
 """
-CHAT_COLUMNS = "id, title, system_prompt, created, updated, server, model"
-# Columns added since the first files: ``server`` (remote chats), ``model`` (the model that wrote a chat). A file
+CHAT_COLUMNS = "id, title, system_prompt, created, updated, server, model, settings"
+# Columns added since the first files: ``server`` (remote chats), ``model`` (the model that wrote a chat),
+# ``settings`` (a chat's own cache and speculation settings). A file
 # without one reads it as '' (a local chat, its model not known), and a writable one gets the column (``ALTER TABLE
 # ... ADD COLUMN`` rewrites nothing: old rows read its default), so an older app still opens the file.
-ADDED_COLUMNS = ("server", "model")
+ADDED_COLUMNS = ("server", "model", "settings")
 MESSAGE_COLUMNS = "id, chat_id, position, role, content, stats, created"
 
 # quick_check reads every page: 14 ms for a 5.5 MB history of 20,000 messages here (2.5 ms/MB), so a file up
@@ -293,7 +295,7 @@ def write_all(db: sqlite3.Connection, chats: Iterable[tuple], messages: Iterable
     try:
         db.execute("DELETE FROM messages")
         db.execute("DELETE FROM chats")
-        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", chats)
+        db.executemany(f"INSERT INTO chats({CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", chats)
         db.executemany(f"INSERT INTO messages({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", messages)
         db.execute("COMMIT")
     except BaseException:

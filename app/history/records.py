@@ -28,7 +28,8 @@ class Chat:
     """One stored chat (without its messages). ``server``: '' for a chat with this app's engine; for a remote
     chat, JSON {"url", "model", "events"} of the server its replies came from (never its API key). ``model``: a
     local chat's model, JSON {"name", "source"} of the one that wrote its last reply ('' before its first, or in a
-    file written before chats kept it)."""
+    file written before chats kept it). ``settings``: a local chat's own settings, JSON {"cache": {CacheConfig's
+    fields}, "spec": {SpecConfig's}} ('' in a file written before chats kept them: the user's defaults)."""
 
     id: int
     title: str
@@ -37,6 +38,7 @@ class Chat:
     updated: float
     server: str = ""
     model: str = ""
+    settings: str = ""
 
     @property
     def model_name(self) -> str:
@@ -61,7 +63,18 @@ class Chat:
         return {k: str(found.get(k) or "") for k in ("url", "model", "events")}
 
     def row(self) -> tuple:
-        return (self.id, self.title, self.system_prompt, self.created, self.updated, self.server, self.model)
+        return (self.id, self.title, self.system_prompt, self.created, self.updated, self.server, self.model,
+                self.settings)
+
+    @property
+    def own_settings(self) -> dict:
+        """The chat's own settings ({"cache": {...}, "spec": {...}}; {} when it has none saved or they are
+        unreadable)."""
+        try:
+            found = json.loads(self.settings) if self.settings else {}
+        except ValueError:
+            return {}
+        return found if isinstance(found, dict) else {}
 
 
 @dataclass(frozen=True)

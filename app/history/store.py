@@ -105,15 +105,17 @@ class HistoryStore(Recovery):
         self._changed()
 
     # chats -------------------------------------------------------------------------------------------
-    def create_chat(self, title: str = "New chat", system_prompt: str = "", server: str = "") -> Chat:
-        """A new chat; ``server``: a remote chat's server (``Chat.server``), '' for a chat with this app's engine."""
+    def create_chat(self, title: str = "New chat", system_prompt: str = "", server: str = "",
+                    settings: str = "") -> Chat:
+        """A new chat; ``server``: a remote chat's server (``Chat.server``), '' for a chat with this app's engine;
+        ``settings``: its own settings (``Chat.settings``: a new local chat starts from the user's defaults)."""
         now = time.time()
-        chat = Chat(self._next_chat, title, system_prompt, now, now, server)
+        chat = Chat(self._next_chat, title, system_prompt, now, now, server, "", settings)
         self._next_chat += 1
         self._chats[chat.id] = chat
         self._messages[chat.id] = []
-        self._write("INSERT INTO chats(id, title, system_prompt, created, updated, server) VALUES (?, ?, ?, ?, ?, ?)",
-                    (chat.id, title, system_prompt, now, now, server))
+        self._write("INSERT INTO chats(id, title, system_prompt, created, updated, server, settings) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)", (chat.id, title, system_prompt, now, now, server, settings))
         return chat
 
     def chats(self, remote: bool = False) -> list[Chat]:
@@ -146,6 +148,12 @@ class HistoryStore(Recovery):
         if chat_id in self._chats and model != self._chats[chat_id].model:
             self._chats[chat_id] = replace(self._chats[chat_id], model=model)
             self._write("UPDATE chats SET model = ? WHERE id = ?", (model, chat_id))
+
+    def set_settings(self, chat_id: int, settings: str) -> None:
+        """A local chat's own settings changed (``Chat.settings``)."""
+        if chat_id in self._chats and settings != self._chats[chat_id].settings:
+            self._chats[chat_id] = replace(self._chats[chat_id], settings=settings)
+            self._write("UPDATE chats SET settings = ? WHERE id = ?", (settings, chat_id))
 
     def delete_chat(self, chat_id: int) -> None:
         self._chats.pop(chat_id, None)

@@ -64,9 +64,11 @@ class EngineThread(QObject):
         self.worker.request_cancel(generation_id)
         self.call(self.worker.cancel, generation_id)
 
-    def apply_cache_config(self, cache: CacheConfig) -> None:
+    def apply_cache_config(self, cache: CacheConfig, chat: Any = None, ask_ms: float | None = None) -> None:
+        """``cache`` for ``chat`` (None: the active one); with ``ask_ms``, a change that would read tokens again for
+        that long is not applied but answered by ``worker.asked`` (see ``EngineWorker.apply_cache_config``)."""
         self.sent_cache = cache
-        self.call(self.worker.apply_cache_config, cache)
+        self.call(self.worker.apply_cache_config, cache, chat, ask_ms)
 
     def speculate(self, cfg: Any) -> None:
         """Speculative decoding (a ``SpecConfig``) for every chat; answered by ``worker.speculated`` or ``failed``."""

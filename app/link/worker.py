@@ -22,6 +22,8 @@ Signals (every reply event carries its ``generation_id``)::
     finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
     failed(Failure)                 what raised, at which stage (see ``app.shell.failure``)
     applied(object, object)         CacheConfig, list of notes
+    asked(object, object, int, float)  CacheConfig, chat, tokens, ms: that change would read this many tokens
+                                    again (about ms): not applied until asked again without a limit
     speculated(object, object)      SpecConfig now in force, list of notes (``failed``, stage "speculate": refused)
     compared(int, dict)             comparison id, one row
     compare_progress(int, tuple)    comparison id, (fraction done, seconds left or None, what runs now)
@@ -63,7 +65,9 @@ from engine.core.reprefill import running as running_reprefill
 from engine.core.scheduler import EngineCore, Priority, Request, Source, Task
 from engine.core.vocab import FinishReason
 
-__all__ = ["EngineBackend", "EngineWorker", "default_backend"]
+__all__ = ["EngineBackend", "EngineWorker", "default_backend", "NEXT_MESSAGE"]
+
+NEXT_MESSAGE = "taken for the chat's next message"  # a setting for a chat whose cache is not the one in use now
 
 
 class _Chats(Source):
@@ -90,6 +94,7 @@ class EngineWorker(QObject):
     finished = Signal(int, str, object, str)
     failed = Signal(object)
     applied = Signal(object, object)
+    asked = Signal(object, object, int, float)  # cfg, chat, tokens to read again, ms (``apply_cache_config``'s ask_ms)
     speculated = Signal(object, object)
     compared = Signal(int, object)
     compare_progress = Signal(int, object)
@@ -237,10 +242,26 @@ class EngineWorker(QObject):
         self._cancel_gen = generation_id
         self._cancel_flag.set()
 
-    @Slot(object)
-    def apply_cache_config(self, cache: CacheConfig) -> None:
+    @Slot(object, object, object)
+    def apply_cache_config(self, cache: CacheConfig, chat: Any = None, ask_ms: float | None = None) -> None:
+        """``cache`` for ``chat`` (None: the active chat): applied now to its session when that is the active one (a
+        reply running in it switches between two steps), else taken for the chat and given to its session when it
+        next runs (another chat's reply running in the background keeps its own). ``ask_ms``: when the change would
+        have the chat read tokens again for at least that long (at the model's measured prefill rate), nothing is
+        applied and ``asked`` says how many (the GUI asks the user, then sends it again without a limit)."""
+        pool = self._pool
+        if pool is not None and chat is not None and chat != pool.active:
+            if ask_ms is not None and self._ask(pool.get(chat), cache, chat, ask_ms):
+                return
+            self._cache = pool.cache = cache  # new sessions, and this chat's at its next reply (``activate``)
+            self.applied_chat = chat
+            self.applied.emit(cache, [NEXT_MESSAGE] if pool.get(chat) is not None or pool.active is not None else [])
+            return
+        target = pool if pool is not None else self._session
+        if ask_ms is not None and target is not None and self._ask(
+                pool.get(pool.active) if pool is not None else self._session, cache, chat, ask_ms):
+            return
         self._cache = cache
-        target = self._pool if self._pool is not None else self._session
         if target is None:
             self.applied.emit(cache, [])
             return
@@ -259,6 +280,21 @@ class EngineWorker(QObject):
             again = running_reprefill(reply) if reply is not None else None  # said before its first forward
             if again is not None:
                 self.reprefilling.emit(self._gen_id, again)
+
+    def _ask(self, session: Any, cache: CacheConfig, chat: Any, ask_ms: float) -> bool:
+        """True (and ``asked`` sent) when ``cache`` would have ``session`` read tokens again for ``ask_ms`` or more."""
+        estimate = getattr(session, "rereads", None)
+        if estimate is None:
+            return False
+        try:
+            tokens, ms = estimate(cache)
+        except BaseException:  # noqa: BLE001 - an estimate is a nicety: the change goes ahead
+            traceback.print_exc()
+            return False
+        if tokens > 0 and ms >= ask_ms:
+            self.asked.emit(cache, chat, int(tokens), float(ms))
+            return True
+        return False
 
     @Slot(object)
     def speculate(self, cfg: SpecConfig) -> None:

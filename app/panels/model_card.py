@@ -81,6 +81,10 @@ class ModelCardPanel(Panel):
         self.checkpoints, self.page_size = 8, 16  # the cache setting's (``set_reuse``): what reuse costs here
         self.caption.setText("<b>Model</b>")
 
+    def watch(self, screen) -> None:
+        """What reuse costs on the model under the cache setting applied to the chat on screen."""
+        screen.connect("settings", lambda cfg: cfg is not None and self.set_reuse(cfg.checkpoints, cfg.page_size))
+
     def set_reuse(self, checkpoints: int, page_size: int) -> None:
         """The cache setting's checkpoints per chat and page size (the "reuse" row); redrawn if a model is shown."""
         if (checkpoints, page_size) != (self.checkpoints, self.page_size):

@@ -183,8 +183,12 @@ def page_caption(snap: CacheSnapshot) -> str:
     if snap.page_groups:  # one pool per kind of layer: full layers first, then each sliding window
         parts.append(" · ".join(f"{label}: pages {start}–{start + n - 1}" for label, start, n in
                                 _group_spans(snap.page_groups)))
-    parts += [f"{counts[i]} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
-              if i not in (S.PAGE_FREE, S.PAGE_ACTIVE) and counts[i]]
+    parts += [f"{counts[i]} {'page' if counts[i] == 1 else 'pages'} {PAGE_STATE_NAMES[i]}" for i in STATE_COLOURS
+              if i not in (S.PAGE_FREE, S.PAGE_ACTIVE, S.PAGE_EVICTED) and counts[i]]
+    if counts[S.PAGE_EVICTED] or snap.evicted_total:  # pages freed just now; tokens dropped over the whole chat
+        pages = int(counts[S.PAGE_EVICTED])
+        said = f"{pages} {'page' if pages == 1 else 'pages'} evicted this step · " if pages else ""
+        parts.append(f"{said}{snap.evicted_total:,} tokens evicted in all")
     if snap.checkpoints:  # a hybrid / sliding-window model's: where a later prompt can cut the cache back to
         parts.append(f"{len(snap.checkpoints)} checkpoint{'s' if len(snap.checkpoints) != 1 else ''} "
                      f"({human_bytes(snap.checkpoint_bytes)})")

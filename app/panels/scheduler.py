@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from PySide6.QtCore import QTimer
+
 from app.shell.docks import on_screen
 from app.panels.base import Panel
 from engine.snapshot import CacheSnapshot
@@ -38,6 +40,25 @@ class PanelScheduler:
         self._shown: dict[str, CacheSnapshot] = {}  # the snapshot each panel drew last
         self._turn = 0
         self._next = 0.0  # perf_counter() time the next panel may draw
+        self._screen = None  # the record it draws (``watch``)
+
+    def watch(self, screen) -> None:
+        """Draw the screen's record (``app.shell.screen.Screen``): another chat on screen starts over, its newest
+        snapshot is offered (an idle chat's, or an API conversation's, drawn at once), and a reply that ended is
+        drawn whole."""
+        self._screen = screen
+        screen.connect("chat", lambda _chat: self.clear())
+        screen.connect("latest", self._on_latest)
+        screen.connect("generation", lambda gen: gen or QTimer.singleShot(0, self.refresh_all))
+
+    def _on_latest(self, snap: CacheSnapshot | None) -> None:
+        if snap is None:
+            if self.latest is not None or self.frame is not None:
+                self.clear()
+            return
+        self.offer(snap)
+        if not self._screen.generation:
+            self.refresh_all()
 
     def offer(self, snap: CacheSnapshot) -> None:
         """A new snapshot of the chat on screen."""

@@ -134,6 +134,17 @@ def series_speed(series: TokenSeries) -> float:
     return series.speed or (1000.0 * len(ms) / ms.sum() if len(ms) and ms.sum() > 0 else 0.0)
 
 
+def saved_text(stats: dict) -> str:
+    """The caption of a chat's last reply from an earlier run: its figures as saved with it (the footer's)."""
+    if not stats or not stats.get("generated_tokens"):
+        return ""
+    ttft = f"TTFT {stats['ttft_ms']:.0f} ms · " if stats.get("ttft_ms") else ""
+    speed = f" at <b>{stats['decode_tokens_per_s']:.1f} tok/s</b>" if stats.get("decode_tokens_per_s") else ""
+    mode = f"cache {stats['mode']} · " if stats.get("mode") else ""
+    return (f"<b>last reply</b> (saved: its tokens' times are not kept) · {mode}{ttft}"
+            f"{int(stats['generated_tokens']):,} tokens{speed}")
+
+
 def step_text(paths: dict[str, int], n: int) -> str:
     """What ran this reply's decode steps, short enough for the caption's first line: "compiled 95/95",
     "batched 12/40", or "eager" (the compiled step's state and reasons are in the caption's tooltip)."""
@@ -197,6 +208,8 @@ class TimingPanel(Panel):
         self._prev_drawn: TokenSeries | None = None  # the previous reply never changes: drawn once
         self._prev_top = (0.0, 0.0)  # its 98th-percentile latency and tok/s
         self._fast = ""  # the model's compiled decode step in words (CacheSnapshot.fast_step)
+        self._saved = ""  # the chat's last reply as saved (an earlier run's: no token times to draw)
+        self._accounts: dict[int, tuple[int, int]] = {}  # generation id → (prompt tokens computed, prompt tokens)
         self.narrow = False  # the prefill chart is left out (``resizeEvent``)
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt name
@@ -211,9 +224,48 @@ class TimingPanel(Panel):
             self.prefill_plot.setVisible(not narrow)
 
     # data in ------------------------------------------------------------------------------------------
+    def watch(self, screen) -> None:
+        """Follow the screen's record (``app.shell.screen.Screen``): the reply it shows for the chat on screen — one
+        beginning, one running (its label follows cache switches), one finished with the figures saved with it, or
+        the chat's last reply from an earlier run (its saved figures only: its tokens' times were not kept)."""
+        screen.connect("reply", self._on_reply)
+        screen.connect("account", self._on_account)
+
+    def _on_account(self, account: dict | None) -> None:
+        """The prompt's cache account of the reply shown: its caption counts the prompt tokens it computed (every
+        chunk; the first token's event counts only the last chunk's: it said "(1 prompt tokens)" of 20)."""
+        if account and account.get("prompt"):
+            self._accounts[int(account.get("generation_id") or 0)] = (int(account.get("recomputed", 0)),
+                                                                     int(account["prompt"]))
+            while len(self._accounts) > KEPT_REPLIES * 2:
+                self._accounts.pop(next(iter(self._accounts)))
+            self._dirty = True
+
+    def _on_reply(self, view) -> None:
+        gen = view.generation_id
+        if view.running:
+            if gen not in self._replies:
+                self.begin_reply(gen, view.label)
+                return
+            self.show_reply(gen)
+            if view.label and self.current.label != view.label:
+                self.current.label, self._dirty = view.label, True
+                self.refresh()
+            return
+        stats = view.stats or {}
+        if gen in self._replies:
+            self.show_reply(gen)
+            self.finish_reply(gen, float(stats.get("ttft_ms") or 0.0), float(stats.get("decode_tokens_per_s") or 0.0))
+            return
+        self.clear()
+        self._saved = saved_text(stats)
+        self._dirty = True
+        self.refresh()
+
     def begin_reply(self, generation_id: int, label: str) -> None:
         """A new reply starts: the current one becomes the dashed 'previous'. Its tokens are counted from now on,
         also while its chat is off screen (``show_reply`` brings the whole reply back)."""
+        self._saved = ""
         if self.current.n or self.current.prefill_ms:
             self.previous = self.current
         self.current = TokenSeries()
@@ -237,6 +289,7 @@ class TimingPanel(Panel):
         """The chat of reply ``generation_id`` is on screen again: its whole reply so far, and the one before."""
         kept = self._replies.get(generation_id)
         if kept is not None:
+            self._saved = ""
             self.current, self.previous = kept
             self._generation_id = generation_id
             self._dirty = True
@@ -356,11 +409,14 @@ class TimingPanel(Panel):
         figures), from the tokens' own times until it did."""
         cur, prev = self.current, self.previous
         if not cur.n and not cur.prefill_ms and prev is None:
+            if self._saved:
+                return self._saved
             fast = f" Compiled decode step: {html.escape(self._fast)}." if self._fast else ""
             return self._idle or "Per-token latency of each reply; the previous reply is dashed." + fast
+        computed, prompt = self._accounts.get(self._generation_id, (cur.prefill_tokens, cur.prefill_tokens))
         text = (f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT "
-                f"{cur.ttft_ms or cur.prefill_ms:.0f} ms ({cur.prefill_tokens} prompt tokens) · {cur.n} decode tokens "
-                f"at <b>{series_speed(cur):.1f} tok/s</b>")
+                f"{cur.ttft_ms or cur.prefill_ms:.0f} ms ({computed:,} of {prompt:,} prompt tokens computed) · "
+                f"{cur.n} decode tokens at <b>{series_speed(cur):.1f} tok/s</b>")
         if cur.policy_prefill_ms or cur.policy_decode_ms:  # what the eviction policy's scoring costs (H2O, expected)
             text += (f" · eviction scoring {cur.policy_decode_ms / max(1, cur.n):.2f} ms a token, "
                      f"{cur.policy_prefill_ms:.0f} ms in the prefill")
@@ -378,6 +434,7 @@ class TimingPanel(Panel):
     def clear(self) -> None:
         for rng in self.ranges:
             rng.reset()
+        self._saved = ""
         self.current = TokenSeries()
         self.previous = None
         self._dirty = True

@@ -59,6 +59,15 @@ class CacheTrace:
         self.key: Any = None  # the chat this trace is of (``open``)
         self._kept: OrderedDict[Any, tuple] = OrderedDict()  # other chats' traces, least recently shown first
 
+    def watch(self, screen) -> None:
+        """Record what the screen's record (``app.shell.screen.Screen``) says of the chat on screen: which chat it is,
+        its replies as they begin, every snapshot of them, and the engine's notes."""
+        screen.connect("chat", self.open)
+        screen.connect("reply", lambda view: view.running and self.begin(view.generation_id))
+        screen.connect("latest", lambda snap: (snap is not None and snap.generation_id == screen.generation
+                                               and self.add(snap)))  # a reply's steps, not an idle description
+        screen.connect("said", lambda notes: self.notes.extend(notes))
+
     @property
     def generation_id(self) -> int:
         """The latest reply (0 before the first)."""

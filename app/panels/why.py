@@ -12,20 +12,20 @@ from PySide6.QtWidgets import QLabel, QScrollArea
 
 from app.panels.base import Panel
 from app.panels.strip import REASON_COLOURS
-from app.shell.reuse_words import (ALL_REUSED, NO_ACCOUNT, NO_TURN, MissRow, detail_words, explained, misses_of,
-                                   reason_label, recomputed_of, where)
+from app.shell.reuse_words import (ALL_REUSED, NO_ACCOUNT, NO_TURN, MissRow, computed_words, counts_of, detail_words,
+                                   explained, misses_of, reason_label, recomputed_of, where)
 from engine.snapshot import CacheSnapshot
 
-KEPT_PLACES = 64  # replies whose places are kept (their chats may come back on screen)
 MAX_ROWS = 200  # a prompt cut into more ranges lists the first ones
 
 
 def summary(account) -> str:
-    """'prompt 1,200 tokens: <b>50</b> reused, <b>1,150</b> computed, 20 dropped to fit the context'."""
-    get = account.get if isinstance(account, dict) else lambda k, d=0: getattr(account, k, d)
-    n, reused, dropped = int(get("prompt", 0)), int(get("reused", 0)), int(get("dropped", 0))
-    text = f"prompt {n:,} tokens: <b>{reused:,}</b> reused, <b>{recomputed_of(account):,}</b> computed"
-    return text + (f", {dropped:,} dropped unread to fit the context" if dropped else "")
+    """'prompt 1,200 tokens: <b>50</b> reused, <b>1,150</b> computed (1,149 recomputed, 1 new), 20 dropped unread to
+    fit the context' — the reply footer's numbers and words (``reuse_words.computed_words``)."""
+    c = counts_of(account)
+    computed = computed_words(c).replace(f"computed {c.computed:,}", f"<b>{c.computed:,}</b> computed", 1)
+    text = f"prompt {c.prompt:,} tokens: <b>{c.reused:,}</b> reused, {computed}"
+    return text + (f", {c.dropped:,} dropped unread to fit the context" if c.dropped else "")
 
 
 def row_html(m: MissRow, places: list[dict] | None) -> str:
@@ -77,20 +77,31 @@ class WhyPanel(Panel):
         self.view.setWidget(self.body)
         self._layout.addWidget(self.view, 1)
         self.fit_button.setVisible(False)  # nothing to fit: a list
-        self.places: dict[int, list[dict]] = {}  # by generation id: where each reply's misses sit in its chat
         self.caption.setText("Last prompt of this chat: no turn yet.")
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt name
         return QSize(320, 220)
 
-    def set_places(self, generation_id: int, places: list[dict] | None) -> None:
-        """Where reply ``generation_id``'s misses sit in its chat (``app.link.places``); drawn with its snapshot."""
-        if places:
-            self.places[generation_id] = list(places)
-            while len(self.places) > KEPT_PLACES:
-                self.places.pop(next(iter(self.places)))
-        if self.last_snapshot is not None and self.last_snapshot.generation_id == generation_id:
-            self.show_snapshot(self.last_snapshot)
+    def watch(self, screen) -> None:
+        """Show the account the screen's record (``app.shell.screen.Screen``) holds for the chat on screen: its last
+        prompt's, live while a reply reads it, as saved with the reply after (the footer's numbers, after a restart
+        too)."""
+        screen.connect("account", self.show_account)
+
+    def show_account(self, account: dict | None) -> None:
+        """``account``: a cache account as saved with a reply (``CacheAccount.to_dict`` and ``prompt``), with where its
+        misses sit in the chat (``places``); None: no turn yet."""
+        self.last_snapshot = None
+        if not account:
+            self.clear()
+            return
+        places = account.get("places") or None
+        said = summary(account) if account.get("prompt") else "no turn yet"
+        self.caption.setText(f"Last prompt of this chat · {said}")
+        text = readout_html(account, places)
+        if text != self.body.text():
+            self.body.setText(text)
+        self._count()
 
     def show_caption(self, snap: CacheSnapshot) -> None:
         account = snap.account
@@ -101,7 +112,7 @@ class WhyPanel(Panel):
         self.last_snapshot = snap
         self.show_caption(snap)
         text = (html.escape(NO_ACCOUNT) if snap.account is None and snap.seq_len else
-                readout_html(snap.account, self.places.get(snap.generation_id)))
+                readout_html(snap.account, None))
         if text != self.body.text():
             self.body.setText(text)
         self._count()

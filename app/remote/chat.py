@@ -32,7 +32,7 @@ from app.remote.worker import RemoteLink
 from app.chat.replies import pick_version, versions_of, with_version
 from engine.remote.why import Before
 from engine.snapshot import TokenEvent
-from app.shell.screen import OnScreen
+from app.shell.screen import OnScreen, ReplyView
 from engine.core.vocab import FinishReason
 
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)
@@ -133,6 +133,9 @@ class RemoteChats(QObject, Connecting):
 
     def _show(self, rc: RemoteChat) -> None:
         p = self.pane
+        # the screen's record: a remote chat, whose panels this controller draws from the server's view
+        self.window.on_screen.update(chat=("remote", rc.id), generation=0, latest=None, frame=None,
+                                     reply=ReplyView(), account=None, speed=0.0, context=None)
         p.notice.clear()
         p.set_read_only("")
         p.set_ready(rc.connected, self._hint(rc))

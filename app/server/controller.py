@@ -72,6 +72,11 @@ class ApiList(QListWidget):
         item = self.currentItem()
         return int(item.data(Qt.ItemDataRole.UserRole)) if item is not None and item.isSelected() else 0
 
+    def watch(self, screen) -> None:
+        """A chat on screen (not an API conversation): none of these is selected."""
+        screen.connect("chat", lambda chat: chat is not None and not (isinstance(chat, tuple) and chat[0] == "api")
+                       and self.deselect())
+
     def deselect(self) -> None:
         self._filling = True
         self.setCurrentRow(-1)

@@ -8,6 +8,7 @@ by hand; ``model_spec`` is the one place a ``ModelSpec`` is built from the saved
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, TypeVar
 
 from app.settings.store import CACHE_DEFAULTS, CACHE_SKIP, SAMPLING_SKIP, Settings
@@ -46,7 +47,41 @@ def cache_from_settings(settings: Settings) -> CacheConfig:
 
 
 def save_cache(settings: Settings, cfg: CacheConfig) -> None:
+    """``cfg`` as the user's defaults: what a new chat starts with (each chat keeps its own: ``chat_cache``)."""
     _save(settings, "cache", cfg, CACHE_SKIP)
+
+
+def chat_cache(own: dict, defaults: CacheConfig) -> CacheConfig:
+    """A chat's own cache settings (``Chat.own_settings``' "cache"), fitted to run; ``defaults`` where it has none
+    saved or they are not valid any more (a hand-edited file, a field renamed)."""
+    found = own.get("cache") if isinstance(own, dict) else None
+    if not isinstance(found, dict):
+        return defaults
+    names = _names(CacheConfig, CACHE_SKIP)
+    try:
+        return CacheConfig(**{k: v for k, v in found.items() if k in names}).fitted()
+    except (TypeError, ValueError):
+        return defaults
+
+
+def chat_settings_json(own: dict, cfg: Any, part: str = "cache") -> str:
+    """``own`` (a chat's saved settings) with its ``part`` ("cache": a ``CacheConfig``, "spec": a ``SpecConfig``)
+    set to ``cfg``, as the history row keeps them."""
+    out = dict(own) if isinstance(own, dict) else {}
+    out[part] = {name: getattr(cfg, name) for name in _names(type(cfg), CACHE_SKIP if part == "cache" else ())}
+    return json.dumps(out, sort_keys=True)
+
+
+def chat_spec(own: dict, defaults: T) -> T:
+    """A chat's own speculation (``Chat.own_settings``' "spec"); ``defaults`` where it has none or it is not valid."""
+    found = own.get("spec") if isinstance(own, dict) else None
+    if not isinstance(found, dict):
+        return defaults
+    names = _names(type(defaults), ())
+    try:
+        return type(defaults)(**{k: v for k, v in found.items() if k in names})
+    except (TypeError, ValueError):
+        return defaults
 
 
 def sampling_from_settings(settings: Settings) -> SamplingConfig:

@@ -139,6 +139,9 @@ class SettingsDialog(QDialog):
         spec = self.speculation.config(w.speculation.applied)
         if spec != w.speculation.applied:
             w.speculation.apply(spec)
+        defaults = self.speculation.config(w.speculation.defaults)  # new chats' too: this page is not one chat's
+        if defaults != w.speculation.defaults:
+            w.speculation.set_defaults(defaults)
         w.disk.apply_form()
         w.settings.set("chat/system_prompt", self.chats.system_prompt.text().strip())
         w.settings.sync()

@@ -33,10 +33,11 @@ class Setting:
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
 CACHE_SKIP = ("max_pages",)  # engine-only (tests, benchmarks): not a user setting
 # The app's cache defaults where they differ from CacheConfig's (the CLI's: exact, nothing dropped). A chat goes on
-# past the model's context, the oldest tokens dropped and said so under the reply, as LM Studio's default does.
-CACHE_DEFAULTS = {"overflow": "rolling"}
+# past the model's context, its oldest whole turns dropped (never the system prompt or a pinned message) and said so
+# under the reply.
+CACHE_DEFAULTS = {"overflow": "turns"}
 # per request, not persisted (the penalties and logprobs are the OpenAI API's; the sampling form has none)
-SAMPLING_SKIP = ("ignore_eos", "stop_strings", "presence_penalty", "frequency_penalty", "logprobs")
+SAMPLING_SKIP = ("ignore_eos", "stop_strings", "presence_penalty", "frequency_penalty", "logprobs", "grammar")
 
 
 def dataclass_settings(prefix: str, cls: type, skip: tuple[str, ...] = (),
@@ -80,6 +81,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server/host", str, "0.0.0.0"),  # read only with server/remote
     Setting("server/api_keys", list, []),  # in plain text, as the CLI's --api-key is on its command line
     Setting("chat/system_prompt", str, ""),  # Settings ▸ New chats: each new chat starts with it
+    # what the fidelity check measured per model and setting (app.controls.lossy): said before a lossy one is used
+    Setting("fidelity/measured", dict, {}),
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
     # Settings ▸ KV disk cache (app.controls.disk_tier): full pages kept on disk, so a reopened chat is not read again
     Setting("kv_disk/enabled", bool, True),

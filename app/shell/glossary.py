@@ -101,6 +101,10 @@ OVERFLOWS = {
     "stop": Term("Stop the reply", "stops when full",
                  "When the context is full the reply stops and says so; nothing is dropped.\n"
                  "Start a new chat, shorten this one, or choose another option to go on."),
+    "turns": Term("Drop the oldest turns", "drops the oldest turns",
+                  "When the context is full, the oldest whole messages are dropped, as few as make room; the system "
+                  "prompt, pinned messages and the latest message stay.\nMemory: stays at the context.  Quality: "
+                  "the model forgets the oldest turns, never its instructions or what you pinned."),
     "truncate_middle": Term("Drop the middle", "drops the middle",
                             "When the context is full, the middle of the chat is dropped; the system prompt and "
                             "the first message stay.\nMemory: stays at the context.  Quality: the model forgets "

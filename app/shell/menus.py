@@ -65,7 +65,7 @@ def _view_menu(window, bar, a: dict[str, Any]) -> None:
     for dock in window.docks.values():
         view.addAction(dock.toggleViewAction())
     view.addSeparator()
-    a["why"] = _action(window, "Why were tokens recomputed?", window.readouts.show_why,
+    a["why"] = _action(window, "Why were tokens recomputed?", window.show_why,
                        tip="The last prompt of this chat: which tokens were computed instead of reused, and why")
     view.addAction(a["why"])
     a["panels"] = _action(window, "Live panels", window.set_panels_enabled, checkable=True,

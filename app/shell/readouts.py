@@ -1,174 +1,217 @@
-"""What the panels, the trace and the status bar show of the chat on screen and its replies — the window's
-side of the engine worker's snapshots (a reply in flight, an idle chat described, an API conversation selected).
+"""``ScreenWriter``: the news about the chat on screen, written into the one record of what the screen shows
+(``app.shell.screen.Screen``) — the worker's snapshots and descriptions, the conversation's replies, the cache
+controller's settings, the API server's snapshots.
 
-Only the chat on screen's snapshots reach the panels, so panels, captions and the status bar always describe the
-chat on screen — and one snapshot of it: the panel scheduler's frame sets every caption and the status bar's
-context and speed in one call (``on_frame``), and a cache setting applied reaches the status bar's cache field
-with the first frame taken under it (``unshown``), so no caption says the old page size beside the new setting.
-Besides that setting and each chat's last reply (its timing comes back with it), ``ReplyReadouts`` holds no state:
-it routes between the window's parts (``w``).
+It writes fields, never widgets: the status bar, the panels' scheduler, the trace, the timing panel, the Why dock,
+the cache controls, the send check and the chat pane subscribe to the fields they show (``Screen.connect``). Only the
+chat on screen's snapshots are written, so every surface describes the chat on screen — and one snapshot of it: the
+panel scheduler's frame, its context counts, its speed and the setting it was taken under are set in one update
+(``on_frame``), and a cache setting applied is named in the status bar with the first frame taken under it, so no
+caption says the old page size beside the new setting.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject
 
 from app.shell.glossary import describe_switches
+from app.shell.screen import Context, OnScreen, ReplyView, Screen
 from app.shell.status_bar import context_counts
 from engine.config import CacheConfig
 from engine.snapshot import CacheSnapshot
 
 
-class ReplyReadouts(QObject):
-    """Connected by the window to the worker's, the conversation's, the cache controller's and the server's
-    signals; ``describe_chat`` asks the worker for the chat on screen (after a load, a switch, a change).
+class ScreenWriter(QObject):
+    """Connected by the window to the worker's, the conversation's, the cache controller's and the server's signals;
+    ``describe_chat`` asks the worker for the chat on screen (after a load, a switch, a change).
 
-    A ``QObject`` of the GUI thread on purpose: the worker's signals reach its methods queued, on this thread
-    (a plain object's methods would run on the worker's thread and draw the panels from there)."""
+    A ``QObject`` of the GUI thread on purpose: the worker's signals reach its methods queued, on this thread."""
 
-    def __init__(self, window) -> None:
-        super().__init__(window)
-        self.w = window
-        self.unshown: CacheConfig | None = None  # a setting applied, shown with the first frame under it
-        self.last_replies: dict[Any, int] = {}  # chat id → its last reply's generation id (since the app started)
+    def __init__(self, screen: Screen, conversation, engine, cache, info: Callable[[], Any],
+                 api_selected: Callable[[], int], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.screen = screen
+        self.conversation = conversation
+        self.engine = engine
+        self.cache = cache  # the CacheController: the setting in force and the one before it
+        self._info = info
+        self._api_selected = api_selected
+        self.unshown: CacheConfig | None = None  # a setting applied, named with the first frame under it
+        self.replies: dict[Any, ReplyView] = {}  # chat id → its last reply begun since the app started
+        self._saved_for: Any = None  # the chat whose context shown is its last reply's saved record
 
+    # -- the chat on screen -------------------------------------------------------------------------------------
     def show_setting(self) -> None:
-        """The status bar's cache field says the setting applied last (``on_cache_applied``)."""
+        """The status bar's cache field names the setting applied last (``on_cache_applied``)."""
         if self.unshown is not None:
-            self.w.status.show_cache(self.unshown)
-            self.unshown = None
+            cfg, self.unshown = self.unshown, None
+            self.screen.update(shown_settings=cfg)
 
     def on_chat_opened(self, chat_id: int) -> None:
-        """Another chat is on screen: the panels, the trace and the context readout start over for it."""
-        self.w.api_list.deselect()
-        self.w.trace.open(chat_id)  # its replies' steps since the app started (kept while other chats were shown)
-        self.w.controls.show_notes([])  # what the last change did was about the chat that left the screen
-        self.w.scheduler.clear()
+        """Another local chat is on screen: its reply, its speed and its account; its cache is asked for."""
+        c = self.conversation
+        view = self.replies.get(chat_id) if c.generation_id else None
+        view = view or self._saved_reply(chat_id)
+        context = None if c.generation_id else self._saved_context(view)
+        self._saved_for = chat_id if context is not None else None
+        self.screen.update(chat=chat_id, generation=c.generation_id, latest=None, frame=None, reply=view,
+                           speed=float(view.stats.get("decode_tokens_per_s") or 0.0) if not c.generation_id else 0.0,
+                           account=self._account_of(view), context=context)
         self.show_setting()
-        # its last reply's timing comes back (the one running in it: so far; it sends its own snapshots)
-        self.w.timing.show_reply(self.w.generation_id or self.last_replies.get(chat_id, 0))
-        if not self.w.generation_id:
+        if not c.generation_id:
             self.describe_chat()
+
+    def _saved_reply(self, chat_id: int) -> ReplyView:
+        """The chat's last reply: the one begun in this run (its timing is kept), else the last saved one."""
+        last = next((m for m in reversed(self.conversation.history.messages(chat_id)) if m.role == "assistant"), None)
+        begun = self.replies.get(chat_id)
+        stats = dict(last.stats) if last is not None else {}
+        if begun is not None:
+            return ReplyView(begun.generation_id, begun.label, False, stats)
+        return ReplyView(0, "", False, stats)
+
+    @staticmethod
+    def _account_of(view: ReplyView) -> dict | None:
+        account = view.stats.get("cache")
+        if not account:
+            return None
+        return {**account, "places": view.stats.get("cache_places") or [], "generation_id": view.generation_id}
+
+    def _saved_context(self, view: ReplyView) -> Context | None:
+        """The chat's context as its last reply left it (saved with it): the same numbers after a restart."""
+        saved = view.stats.get("context")
+        if not isinstance(saved, dict):
+            return None
+        try:
+            return Context(int(saved["used"]), int(saved["total"]), int(saved["chat"]), self.cache.applied.overflow)
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def describe_chat(self) -> bool:
         """Ask the worker for the chat on screen's cache and token count (``on_described``); False: none to ask."""
-        if self.w.chat_id is None or self.w.info is None:
+        c = self.conversation
+        if c.chat_id is None or self._info() is None:
             return False
-        self.w.engine.describe_chat(self.w.chat_id, self.w.conversation.engine_messages())
+        self.engine.describe_chat(c.chat_id, c.engine_messages())
         return True
 
     def on_described(self, chat_id: Any, snap: CacheSnapshot | None, tokens: int) -> None:
         self.show_setting()  # the setting and the panels describing the chat under it change together
-        if chat_id != self.w.chat_id or self.w.generation_id or self.w.api_list.selected:
+        c = self.conversation
+        if chat_id != c.chat_id or c.generation_id or self._api_selected():
             return  # another chat is on screen by now, or its own reply's snapshots describe it
         if snap is not None:
-            self.w.scheduler.offer(snap)
-            self.w.scheduler.refresh_all()
-        else:
-            self.w.scheduler.clear()
-            total = self.w.info.context_length if self.w.info is not None else 0
-            chat = max(tokens, 0)  # a reopened chat may be longer than the context: at most all of it is read
-            self.w.status.show_context(min(chat, total) if total else chat, total, self.w.cache.applied.overflow,
-                                       chat)
-            self.w.conversation.check.chat_tokens = chat
-            self.w.controls.set_chat_length(chat, total)
+            self._saved_for = None
+            self.screen.update(latest=snap)
+            return
+        info = self._info()
+        total = info.context_length if info is not None else 0
+        saved = self.screen.context
+        if self._saved_for == chat_id and saved is not None and saved.total == total:
+            return  # its last reply's record stands: counting the text again gives other numbers (its end tokens)
+        chat = max(tokens, 0)  # a reopened chat may be longer than the context: at most all of it is read
+        self.screen.update(latest=None, frame=None,
+                           context=Context(min(chat, total) if total else chat, total, chat, self.cache.applied.overflow))
 
     def on_snapshot(self, snap: CacheSnapshot) -> None:
-        """A snapshot of the reply in flight; only the chat on screen's reaches the panels (idle chats are
-        described by ``on_described``)."""
-        gen = self.w.conversation.generation_id
-        if not gen or snap.generation_id != gen:
-            return
-        self.w.scheduler.offer(snap)
-        self.w.trace.add(snap)
-        self.w.conversation.check.chat_tokens = snap.seq_len - snap.evicted_total
+        """A snapshot of the reply in flight; only the chat on screen's is written (idle chats are described by
+        ``on_described``)."""
+        gen = self.conversation.generation_id
+        if gen and snap.generation_id == gen:
+            self.screen.update(latest=snap, **({"account": self._live_account(snap)} if snap.account else {}))
+
+    def _live_account(self, snap: CacheSnapshot) -> dict:
+        old = self.screen.account or {}
+        places = old.get("places", []) if old.get("generation_id") == snap.generation_id else []
+        return {**snap.account.to_dict(), "prompt": snap.account.prompt, "places": places,
+                "generation_id": snap.generation_id}
 
     def on_frame(self, snap: CacheSnapshot) -> None:
-        """The panels' new frame: the status bar describes the same moment."""
+        """The panels' new frame: its counts, speed and setting are written with it."""
         used, chat = context_counts(snap)  # the definitions the occupancy caption uses too
         if self.unshown is not None and under(snap, self.unshown):
             self.show_setting()
-        self.w.status.show_context(used, snap.context_length, self.w.cache.applied.overflow, chat)
-        self.w.controls.set_chat_length(chat, snap.context_length)
-        if not self.w.generation_id:
-            self.w.conversation.check.chat_tokens = used
-        if self.w.generation_id and snap.decode_tokens_per_s:
-            self.w.status.show_speed(snap.decode_tokens_per_s)
+        changes: dict[str, Any] = {"frame": snap,
+                                   "context": Context(used, snap.context_length, chat, self.cache.applied.overflow)}
+        if self.conversation.generation_id and snap.decode_tokens_per_s:
+            changes["speed"] = float(snap.decode_tokens_per_s)
+        self.screen.update(**changes)
 
+    # -- replies ------------------------------------------------------------------------------------------------
     def on_reply_started(self, generation_id: int, mode: str) -> None:
-        self.w.trace.begin(generation_id)
-        self.last_replies[self.w.chat_id] = generation_id
-        self.w.timing.begin_reply(generation_id, self.timing_label([mode]))
+        view = ReplyView(generation_id, self.timing_label([mode]), True, {})
+        self.replies[self.conversation.chat_id] = view
+        self._saved_for = None
+        self.screen.update(generation=generation_id, reply=view)
 
     def timing_label(self, modes: list[str]) -> str:
         """The timing caption's name of a reply: its cache mode(s) and, on a CPU, the threads it ran on."""
-        info = self.w.info
+        info = self._info()
         threads = f" · {info.threads} CPU thread{'s' if info.threads > 1 else ''}" if (
             info is not None and info.device == "cpu" and info.threads) else ""
         return "cache " + " → ".join(modes) + threads
 
     def on_reply_finished(self, generation_id: int, reason: str) -> None:
-        QTimer.singleShot(0, self.w.scheduler.refresh_all)  # every panel shows the reply's final state
-        self.w.disk.refresh()  # the pages this reply wrote to the KV disk tier
+        """Any reply finished (the chat on screen's or one in the background): its record, with what was saved."""
         self.show_setting()
-        c = self.w.conversation
+        c = self.conversation
         last = c.last_reply
-        if last is not None and last.generation_id == generation_id:  # its timing says what its footer says
-            self.w.why.set_places(generation_id, last.places)  # where its recomputed tokens sit in the chat
-            stats = c.last_stats if last.chat_id == c.chat_id else next(
-                (m.stats for m in reversed(c.history.messages(last.chat_id)) if m.id == last.message_id), {})
-            self.w.timing.finish_reply(generation_id, stats.get("ttft_ms") or 0.0,
-                                       stats.get("decode_tokens_per_s") or 0.0)
-        speed = c.last_stats.get("decode_tokens_per_s")
-        if speed:
-            self.w.status.show_speed(speed)
-        self.w.reply_finished.emit(generation_id, reason)
-
-    def show_why(self) -> None:
-        """A reply footer's "Why?" (or View ▸ Why were tokens recomputed?): the readout in front, drawn now."""
-        dock = self.w.docks["why"]
-        dock.show()
-        dock.raise_()
-        self.w.scheduler.refresh_all()
+        if last is None or last.generation_id != generation_id:
+            return
+        stats = c.last_stats if last.chat_id == c.chat_id else next(
+            (m.stats for m in reversed(c.history.messages(last.chat_id)) if m.id == last.message_id), {})
+        begun = next((v for v in self.replies.values() if v.generation_id == generation_id), None)
+        view = ReplyView(generation_id, begun.label if begun is not None else "", False, dict(stats))
+        self.replies[last.chat_id] = view
+        if last.chat_id != c.chat_id or self.screen.kind is not OnScreen.LOCAL:
+            return
+        changes: dict[str, Any] = {"generation": c.generation_id, "reply": view, "account": self._account_of(view)}
+        if stats.get("decode_tokens_per_s"):
+            changes["speed"] = float(stats["decode_tokens_per_s"])
+        self.screen.update(**changes)
 
     def on_reply_notes(self, notes: list) -> None:
-        """Notes of the reply in flight (also shown under it): in the status bar and the trace."""
-        self.w.trace.notes.extend(notes)
-        self.w.status.message("; ".join(notes), 6000)
+        """Notes of the reply in flight (also shown under it)."""
+        if notes:
+            self.screen.update(said=tuple(notes))
 
     def on_cache_applied(self, cfg: CacheConfig, notes: list) -> None:
-        self.w.chat.set_priority(cfg.policy == "priority")
-        self.w.model_card.set_reuse(cfg.checkpoints, cfg.page_size)  # what reuse costs on the model, under it
-        if self.w.generation_id:
+        c = self.conversation
+        if c.generation_id:
             # the reply's stats line shows e.g. "cache paged → off · switched mid-reply: keys full precision → 8-bit"
-            self.w.conversation.note_mode(cfg.mode, describe_switches(self.w.cache.previous, cfg))
-            self.w.timing.current.label = self.timing_label(self.w.conversation.modes)
-        self.w.trace.notes.extend(notes)
-        if notes:
-            self.w.status.message("; ".join(notes), 6000)
-        self.unshown = cfg  # shown in the frame that describes the chat under it
-        if not self.w.generation_id and not self.describe_chat():  # the chat on screen under the new settings
+            c.note_mode(cfg.mode, describe_switches(self.cache.previous, cfg))
+            view = self.screen.reply
+            if view.running:
+                view = ReplyView(view.generation_id, self.timing_label(c.modes), True, {})
+                self.replies[c.chat_id] = view
+                self.screen.update(reply=view)
+        self.screen.update(settings=cfg, **({"said": tuple(notes)} if notes else {}))
+        self.unshown = cfg  # named in the frame that describes the chat under it
+        if not c.generation_id and not self.describe_chat():  # the chat on screen under the new settings
             self.show_setting()
 
+    # -- API conversations ----------------------------------------------------------------------------------------
     def on_api_selected(self, session_id: int) -> None:
-        """An API conversation was selected (0: none): it takes the chat's place on screen and the panels wait
-        for its snapshot, or the chat comes back with its panels."""
-        self.w.trace.open(("api", session_id) if session_id else self.w.chat_id)
-        self.w.scheduler.clear()
-        self.w.api_view.show(session_id)
-        if not session_id and self.w.generation_id:
-            self.w.timing.show_reply(self.w.generation_id)
-        elif not session_id:
+        """An API conversation was selected (0: none): the panels wait for its snapshot, or the chat comes back."""
+        c = self.conversation
+        if session_id:
+            self.screen.update(chat=("api", session_id), generation=0, latest=None, frame=None, reply=ReplyView(),
+                               account=None, speed=0.0)
+            return
+        if c.chat_id is None:
+            return
+        view = self.replies.get(c.chat_id) if c.generation_id else self._saved_reply(c.chat_id)
+        self.screen.update(chat=c.chat_id, generation=c.generation_id, latest=None, frame=None,
+                           reply=view or ReplyView(), account=self._account_of(view) if view else None)
+        if not c.generation_id:
             self.describe_chat()
 
     def on_api_snapshot(self, session_id: int, snap: CacheSnapshot) -> None:
-        """A snapshot of an API conversation (taken on the server's engine thread): drawn while selected."""
-        if session_id and session_id == self.w.api_list.selected:
-            self.w.scheduler.offer(snap)
-            self.w.scheduler.refresh_all()
-            self.w.api_snapshot_shown.emit(session_id, snap)
+        """A snapshot of an API conversation (taken on the server's engine thread): written while selected."""
+        if session_id and session_id == self._api_selected():
+            self.screen.update(latest=snap)
 
 
 def under(snap: CacheSnapshot, cfg: CacheConfig) -> bool:

@@ -62,7 +62,39 @@ def misses_of(account: Any) -> list[MissRow]:
 
 
 def recomputed_of(account: Any) -> int:
+    """Tokens the prompt's model read this turn: the account's ``recomputed`` (new ones and ones read again)."""
     return int(account.get("recomputed", 0) if isinstance(account, dict) else getattr(account, "recomputed", 0))
+
+
+class Counts(NamedTuple):
+    """One prompt's numbers, as every surface says them: ``reused`` read from the cache, ``computed`` read by the
+    model this turn — ``again`` of them had been cached before (a reason other than new), ``new`` never were —
+    and ``dropped`` passed over unread."""
+
+    prompt: int
+    reused: int
+    computed: int
+    again: int
+    new: int
+    dropped: int
+
+
+def counts_of(account: Any) -> Counts:
+    get = account.get if isinstance(account, dict) else lambda k, d=0: getattr(account, k, d)
+    misses = misses_of(account)
+    again = sum(m.tokens for m in explained(misses))
+    computed = recomputed_of(account)
+    return Counts(int(get("prompt", 0)), int(get("reused", 0)), computed, again, max(computed - again, 0),
+                  int(get("dropped", 0)))
+
+
+def computed_words(c: Counts) -> str:
+    """'computed 46 (45 recomputed, 1 new)', 'computed 1 (new)', 'computed 12 (recomputed)'."""
+    if c.again and c.new:
+        split = f"{c.again:,} recomputed, {c.new:,} new"
+    else:
+        split = "recomputed" if c.again else "new"
+    return f"computed {c.computed:,} ({split})" if c.computed else "computed 0"
 
 
 def explained(misses: list[MissRow]) -> list[MissRow]:
@@ -134,7 +166,7 @@ def footer_line(stats: dict[str, Any]) -> str:
     why = explained(misses_of(account))
     if not why:
         return ""
-    n = recomputed_of(account)
+    n = sum(m.tokens for m in why)  # read again: what the Why readout lists, not the new tokens beside them
     main = max(why, key=lambda m: m.tokens)  # the first of the largest: a changed prompt over the checkpoint before it
     line = f"recomputed {n:,} token{'s' if n != 1 else ''}: {cause(main, stats.get('cache_places'))}"
     others = len({m.reason for m in why} - {main.reason})

@@ -54,6 +54,20 @@ class StatusBar:
         self.disk.setVisible(False)
         self._local: dict[str, dict] | None = None  # while a remote chat is shown: the local fields to give back
 
+    def watch(self, screen) -> None:
+        """Show what the screen's record (``app.shell.screen.Screen``) says of the chat on screen: its context, the
+        cache setting it runs under, its decode speed, and what the engine just said of it."""
+        screen.connect("context", self._on_context)
+        screen.connect("shown_settings", lambda cfg: cfg is not None and self.show_cache(cfg))
+        screen.connect("speed", self.show_speed)
+        screen.connect("said", lambda notes: notes and self.message("; ".join(notes), 6000))
+
+    def _on_context(self, c) -> None:
+        if c is None:
+            self._set("context", text="Context: —", style="", level="", tip="")
+        else:
+            self.show_context(c.used, c.total, c.overflow, c.chat)
+
     def message(self, text: str, ms: int = 0) -> None:
         self.bar.showMessage(text, ms)
 

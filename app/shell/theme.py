@@ -29,6 +29,7 @@ QLabel#cacheLine {{ color: #43c59e; font-size: 11px; }}
 QLabel#whyLine {{ color: #f0a35e; font-size: 11px; }}
 QLabel#errorLine {{ color: #ff8080; }}
 QLabel#noteLine {{ color: #ffb347; font-size: 11px; }}
+QLabel#lossyChip {{ color: #1b1e24; background: #ffb347; border-radius: 8px; padding: 1px 8px; font-size: 11px; }}
 QLabel#saveLine {{ color: #ffb347; font-size: 11px; }}
 QLabel#progressLine {{ color: {ACCENT}; font-size: 11px; }}
 QFrame#notice {{ background: #3a1f24; border: 1px solid #6b2b33; border-radius: 6px; }}

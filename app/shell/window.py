@@ -7,7 +7,8 @@ wiring between the parts that do the work:
 ``CacheController``    the cache settings in force (``app.controls.cache_controller``)
 ``SpecController``     speculative decoding's setting in force and the tint of its tokens (``app.controls.spec_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panels.scheduler``)
-``ReplyReadouts``      the chat on screen's snapshots → panels, trace, status bar (``app.shell.readouts``)
+``Screen``             what the screen shows of the chat on screen, one evented record (``app.shell.screen``)
+``ScreenWriter``       the worker's, conversation's, cache's and server's news → that record (``app.shell.readouts``)
 ``StatusBar``          the status bar in words (``app.shell.status_bar``)
 ``ServerController``   Server ▸ Start / Stop serving: the API server as a client of the worker's engine core (``app.server.controller``)
 ``Exporter``           File ▸ Export (``app.chat.exports``)
@@ -15,7 +16,8 @@ wiring between the parts that do the work:
 =====================  ==================================================================================
 
 Snapshots of any reply but the one on screen are dropped (``app.shell.readouts``), so panels, captions and the
-status bar always describe the chat on screen.
+status bar always describe the chat on screen. The surfaces subscribe to the record (each its own ``watch``): no
+part writes another's widgets.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from app.models.controller import ModelController
 from app.panels.scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel, WhyPanel
 from app.remote.chat import restore as restore_remote
-from app.shell.readouts import ReplyReadouts
+from app.shell.readouts import ScreenWriter
 from app.shell.screen import OnScreen, Screen
 from app.chat.reply_wait import ReplyWait
 from app.controls.sampling_form import SamplingForm
@@ -133,17 +135,19 @@ class MainWindow(QMainWindow):
 
     def _build_parts(self) -> None:
         self.cache = CacheController(self.settings, self.controls, self.engine, self.status, self, info=lambda: self.info,
-                                     notes_on_screen=lambda: self.engine.worker.applied_chat in (None, self.chat_id))
-        self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self)
+                                     notes_on_screen=lambda: self.engine.worker.applied_chat in (None, self.chat_id),
+                                     history=self.history)  # each chat's own settings, kept in its row
+        self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self, history=self.history)
         self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
         self.chat.set_tint(self.speculation.tint)
-        self.chat.set_priority(self.cache.applied.policy == "priority")  # and on each change (``ReplyReadouts.on_cache_applied``)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
         self.conversation = Conversation(
             self.history, self.settings, self.chat, self.chat_list, self.engine,
             sampling=lambda: self.sampling_override or self.sampling.sampling(),
-            cache=lambda: self.cache.requested, parent=self)  # what a message sent now runs under
+            cache=lambda: self.cache.requested, parent=self,  # what a message sent now runs under
+            apply_cache=lambda cfg: self.cache.apply(cfg, confirmed=True),  # a notice's "… and send"
+            new_settings=lambda: self.cache.new_chat_settings(self.speculation.defaults))  # a new chat: the defaults
         self.on_screen = Screen()  # which chat is on screen: every request of the pane and the menus goes to it
         self.on_screen.register(OnScreen.LOCAL, self.conversation)
         self.conversation.chat_opened.connect(lambda _chat_id: self.on_screen.show(OnScreen.LOCAL))
@@ -160,14 +164,23 @@ class MainWindow(QMainWindow):
         self.chat_switch = ChatSwitch(self.conversation, self.status, self)  # drafts and tok/s per chat
         self.api_view = ApiView(self.conversation, self.api_list, self.server, self.settings, self,
                                 entered=self.chat_switch.api_opened, screen=self.on_screen)
-        self.readouts = ReplyReadouts(self)  # the chat on screen's snapshots → panels, trace, status bar
+        self.readouts = ScreenWriter(self.on_screen, self.conversation, self.engine, self.cache, lambda: self.info,
+                                     lambda: self.api_list.selected, self)  # the news → the screen's record
         self.fidelity = FidelityController(self)  # Memory's "Check fidelity", its worst tokens, Compare's front
-        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory, self.why],
+        self.scheduler = PanelScheduler([self.occupancy, self.page_map, self.timing, self.memory],
                                         self.readouts.on_frame)
         self.scheduler.set_enabled(bool(self.settings.get("panels/enabled")))
+        self._watch(self.on_screen)
         self.exporter = Exporter(self, self.settings, self.history, self.trace, self.panels, self.status,
                                  chat=lambda: (self.chat_id, self.info.name if self.info else ""),
                                  flush=self.conversation.flush, show_error=self.show_error)
+
+    def _watch(self, screen: Screen) -> None:
+        """Every surface subscribes to the fields of the screen's record it shows."""
+        for part in (self.status, self.scheduler, self.trace, self.timing, self.why, self.cache, self.speculation,
+                     self.chat, self.model_card, self.conversation.check, self.api_list):
+            part.watch(screen)
+        screen.update(settings=self.cache.applied, shown_settings=self.cache.applied)
 
     def _connect(self) -> None:
         w = self.engine.worker
@@ -183,17 +196,18 @@ class MainWindow(QMainWindow):
         c = self.conversation
         c.reply_started.connect(r.on_reply_started)
         c.token.connect(self.timing.add_token)
-        c.reply_finished.connect(r.on_reply_finished)
+        c.reply_finished.connect(self._on_reply_finished)
         c.error.connect(self.show_error)
         c.failed.connect(self._on_failed)  # the history file's troubles (stage "history")
         c.noted.connect(r.on_reply_notes)
         c.chat_opened.connect(r.on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
-        self.chat.why_requested.connect(r.show_why)
+        self.controls.default_requested.connect(self.speculation.make_default)  # "Make default for new chats"
+        self.chat.why_requested.connect(self.show_why)
         srv = self.server
         srv.serving.connect(self._on_serving)
-        srv.snapshot.connect(r.on_api_snapshot)
-        self.api_list.conversation_selected.connect(r.on_api_selected)
+        srv.snapshot.connect(self._on_api_snapshot)
+        self.api_list.conversation_selected.connect(self._on_api_selected)
 
     def _start_timers(self) -> None:
         self._refresh = QTimer(self)
@@ -266,7 +280,8 @@ class MainWindow(QMainWindow):
         self.conversation.open_chat(chat_id)
 
     def apply_cache_config(self, cfg: CacheConfig) -> None:
-        self.cache.apply(cfg)
+        """``cfg`` for the chat on screen, as chosen (Compare, the self-test, tests): nothing asked first."""
+        self.cache.apply(cfg, confirmed=True)
 
     def set_fast_step(self, on: bool) -> None:
         """Tools ▸ Compiled decode step: compile the model's decode step in the background and use it where it
@@ -315,7 +330,6 @@ class MainWindow(QMainWindow):
 
     # -- events ---------------------------------------------------------------------------------------------
     def _on_loaded(self, info: ModelInfo) -> None:
-        self.model_card.set_reuse(self.cache.applied.checkpoints, self.cache.applied.page_size)
         self.model_card.show_model(info)
         for panel in (self.memory, self.occupancy):  # what they show before a chat holds a cache
             panel.set_model(info)
@@ -323,6 +337,28 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"KV Scope — {info.name}")
         self.readouts.describe_chat()
         self.model_loaded.emit(info)
+
+    def _on_reply_finished(self, generation_id: int, reason: str) -> None:
+        self.readouts.on_reply_finished(generation_id, reason)
+        self.disk.refresh()  # the pages this reply wrote to the KV disk tier
+        self.reply_finished.emit(generation_id, reason)
+
+    def _on_api_selected(self, session_id: int) -> None:
+        """An API conversation was selected (0: none): it takes the chat's place on screen, or the chat comes back."""
+        self.api_view.show(session_id)
+        self.readouts.on_api_selected(session_id)
+
+    def _on_api_snapshot(self, session_id: int, snap) -> None:
+        if session_id and session_id == self.api_list.selected:
+            self.readouts.on_api_snapshot(session_id, snap)
+            self.api_snapshot_shown.emit(session_id, snap)
+
+    def show_why(self) -> None:
+        """A reply footer's "Why?" (or View ▸ Why were tokens recomputed?): the readout in front."""
+        dock = self.docks["why"]
+        dock.show()
+        dock.raise_()
+        self.scheduler.refresh_all()
 
     def _on_ready(self, ready: bool, hint: str) -> None:
         if not ready and self.models.loading:
@@ -353,7 +389,7 @@ class MainWindow(QMainWindow):
         self.menu_actions["serve_start"].setEnabled(not url)
         self.menu_actions["serve_stop"].setEnabled(bool(url))
         if not url:
-            self.readouts.on_api_selected(0)
+            self._on_api_selected(0)
 
     def _save_sampling(self) -> None:
         try:

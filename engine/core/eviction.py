@@ -56,6 +56,7 @@ class EvictionContext:
     overflow: str = "stop"
     context_length: int = 0
     max_chunk: int = 512  # most tokens one prefill forward feeds (``engine.core.sequence.prefill_chunk``)
+    turns: tuple[int, ...] = ()  # where each message starts (overflow "turns" drops whole ones)
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,13 @@ class Evictor:
 
     @staticmethod
     def _overflow_target(policy: EvictionPolicy | None, cx: EvictionContext) -> int:
-        """Tokens to keep when the context (not a policy budget) is full."""
+        """Tokens to keep when the context (not a policy budget) is full. Dropping whole turns keeps all but an
+        eighth of the context (the fewest turns that make that room: an overflow of 14 tokens dropped 256 with
+        half of it); the other overflow settings keep half."""
         if policy is not None and policy.budget < cx.context_length:
             return policy.budget - policy.slack(cx.page_size)
+        if policy is None and cx.overflow == "turns":
+            return cx.context_length - max(1, cx.context_length // 8)
         return cx.context_length // 2
 
     @staticmethod
@@ -244,7 +249,7 @@ class Evictor:
         positions = index.log.reshape(-1, n) if by_head else index.layer_log  # [L*H, n] or [L, n]
         state = PolicyState(positions=np.array(positions), scores=self._scores_for(pol, n, by_head),
                             protected=cx.protected, priorities=_priorities(pol, cx), page_size=cx.page_size,
-                            seq_len=cx.seq_len)
+                            seq_len=cx.seq_len, turns=tuple(cx.turns))
         drops = pol.select(state, target)
         self.select_ms += (time.perf_counter() - t0) * 1000.0
         keep = _keep_rows(drops, n, index.heads if by_head else 0)
@@ -404,6 +409,10 @@ def _protection_notes(gone: np.ndarray, state: PolicyState, policy: EvictionPoli
     evicted (``reason``: its name, or the overflow mode). The text does not change from one eviction to the next,
     so a reply carries it once."""
     budget = getattr(policy, "budget", 0)
+    if reason == "turns" and len(gone):  # whole messages by design: say what stays (the same words every time)
+        rest = ("drops the oldest whole messages to make room; the system prompt, pinned messages and the latest "
+                "message stay")
+        return [Note(f"{reason}: {rest}", NoteKind.POLICY_SAYS, policy=reason, rest=rest)]
     notes = [_prompt_note(policy, reason, state.protected)] if np.count_nonzero(gone < state.protected) else []
     if state.priorities is not None:
         rest = gone[(gone >= state.protected) & (gone < len(state.priorities))]

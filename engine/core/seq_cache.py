@@ -61,6 +61,7 @@ class SeqCache(PrefixReuse):
         self._share_at = -1  # ... where the model's state shelf keeps the recurrent states (``plan``)
         self.mark = -1  # where this turn's prompt starts its last message: a checkpoint there serves a branch
         self.lost: tuple = (0, None, "")  # tokens held before a cut the next account names (``cut_back``)
+        self.turn_starts: tuple[int, ...] = ()  # where each message of the chat starts (overflow "turns")
 
     # -- plumbing ----------------------------------------------------------------------------------------
     def set_store(self, store: KVStore | None) -> None:
@@ -96,7 +97,8 @@ class SeqCache(PrefixReuse):
         cfg = self.cache_config
         return EvictionContext(protected=protected, priorities=priorities,
                                page_size=cfg.page_size if cfg.mode == "paged" else 16, seq_len=seq_len,
-                               overflow=cfg.overflow, context_length=self.lm.info.context_length, max_chunk=max_chunk)
+                               overflow=cfg.overflow, context_length=self.lm.info.context_length, max_chunk=max_chunk,
+                               turns=self.turn_starts)
 
     # -- a forward ---------------------------------------------------------------------------------------
     def next_forward(self, ids: Sequence[int], protected: int, priorities, max_chunk: int,

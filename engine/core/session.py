@@ -160,6 +160,7 @@ class ChatSession(Stepping):
             reply.reused, reply.dropped = keep - continued, continued
         c.begin_step()
         q.begin(ids, reply, generation_id if generation_id is not None else next(_generation_ids), messages, spans)
+        c.turn_starts = tuple(int(a) for a, _ in spans or ())
         q.add_notes(([room_note] if room_note else []) + c.disk_notes())
         if continued:
             q.add_notes([f"went on from the cache the policy left: {keep - continued} tokens kept, "

@@ -39,6 +39,7 @@ class PolicyState:
     priorities: np.ndarray | None = None
     page_size: int = 16
     seq_len: int = 0
+    turns: tuple[int, ...] = ()  # where each message of the chat starts (logical positions, ascending)
 
 
 class EvictionPolicy:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import OVERFLOW_EVICTS
-from engine.policies.base import EvictionPolicy, PolicyState, param_field
+from engine.policies.base import PINNED, EvictionPolicy, PolicyState, param_field
 
 
 class StreamingPolicy(EvictionPolicy):
@@ -61,6 +61,55 @@ class OverflowPolicy(StreamingPolicy):
     def for_mode(cls, mode: str, target: int, protected: int) -> "OverflowPolicy":
         if mode not in OVERFLOW_EVICTS:
             raise ValueError(f"overflow {mode!r} does not evict")
+        if mode == "turns":
+            return TurnsOverflow(sinks=1, window=max(1, target - 1))
         sinks = protected if mode == "truncate_middle" else 1
         sinks = max(0, min(sinks, target - 1, 1024))
         return cls(sinks=sinks, window=max(1, target - sinks))
+
+
+class TurnsOverflow(OverflowPolicy):
+    """Overflow "turns": drop the oldest whole messages until the cache fits, never the system prompt, a pinned
+    message (``PINNED`` priorities), the latest message (the one being answered, and the reply after it) or what
+    sits before the first message (BOS, a template's header). Only when that is not enough (one message longer than
+    the room) are the oldest tokens outside those dropped, then the oldest of any. Fewer than ``target`` may stay:
+    whole messages go."""
+
+    name = "overflow"
+    listed = False
+
+    def default_priority(self) -> int:
+        return 0  # reads the messages' priorities: the pinned ones (and the system prompt) are ``PINNED``
+
+    def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
+        starts = sorted(set(int(a) for a in state.turns))
+        pri = state.priorities
+        last = starts[-1] if starts else 0
+        out = []
+        for pos in state.positions:
+            pos = np.asarray(pos)
+            need = len(pos) - max(1, target)
+            if need <= 0:
+                out.append(np.zeros(0, dtype=np.int64))
+                continue
+            dropped = np.zeros(len(pos), dtype=bool)
+            for a, b in zip(starts, starts[1:]):
+                if need <= 0:
+                    break
+                if pri is not None and a < len(pri) and pri[a] >= PINNED:
+                    continue  # the system prompt, a pinned message
+                inside = (pos >= a) & (pos < b) & ~dropped
+                dropped |= inside
+                need -= int(np.count_nonzero(inside))
+            if need > 0:  # no whole message is left to drop: the oldest tokens, kept ones last
+                kept = pos >= last
+                if pri is not None:
+                    kept |= pri[np.clip(pos, 0, len(pri) - 1)] >= PINNED
+                for group in (~dropped & ~kept, ~dropped):
+                    idx = np.flatnonzero(group[:-1])[:need]
+                    dropped[idx] = True
+                    need -= len(idx)
+                    if need <= 0:
+                        break
+            out.append(np.flatnonzero(dropped).astype(np.int64))
+        return out

@@ -68,6 +68,16 @@ def choose_overflow(qtbot, window, overflow: str) -> None:
     qtbot.waitUntil(lambda: window.cache.applied.overflow == overflow, timeout=10_000)
 
 
+def use_lossy(qtbot, window) -> str:
+    """A lossy setting was chosen in the controls: it asks first (what it was measured to cost here); answer
+    "Use it" as the user does. Returns what it said."""
+    strip = window.controls.asking_strip
+    qtbot.waitUntil(lambda: strip.isVisibleTo(window.controls), timeout=10_000)
+    said = strip.text.text()
+    strip.yes.click()
+    return said
+
+
 def close_window(window) -> None:
     window.shutdown()
     window.history.close()

@@ -21,7 +21,7 @@ def test_chat_markdown_has_every_message_and_the_cache_lines():
         "## You\n\nTell me about dogs.\n\n"
         "## Model\n\nDogs bark.\n\n"
         "> prefill 812 tok/s · decode 41.3 tok/s · TTFT 35 ms · 12 tokens · cache paged — "
-        "reused 30 tokens, recomputed 4, diverged at 30\n\n"
+        "reused 30 tokens, computed 4 (new)\n\n"
         "## You\n\nMore?\n\n"
         "## Model\n\n_(empty)_\n"
     )

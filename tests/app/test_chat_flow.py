@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from app_helpers import choose_overflow, close_window, open_window, wait_reply
+from app_helpers import choose_overflow, close_window, open_window, use_lossy, wait_reply
 from PySide6.QtCore import Qt
 
 from engine.config import SamplingConfig
@@ -53,10 +53,17 @@ def test_the_context_readout_follows_the_chat_on_screen(qtbot, data_dir, stories
     finally:
         close_window(w)
     w.close()
-    w = open_window(qtbot, data_dir, str(stories_path))  # after a restart: nothing cached, the chat counted
+    w = open_window(qtbot, data_dir, str(stories_path))  # after a restart: nothing cached, the same counts
     try:
         assert w.chat_id == first
-        expected = len(render_chat(stories.tokenizer, messages, for_reply=False))
+        recounted = len(render_chat(stories.tokenizer, messages, for_reply=False))
+        assert recounted != a  # the text counted again differs (the reply's end tokens): the saved record is shown
+        qtbot.waitUntil(lambda: _context(w) == f"Context: {a} of 512 tokens", timeout=10_000)
+        w.chat.system_prompt.setText("Be brief.")
+        w.conversation.set_system_prompt("Be brief.")  # the chat changed: its counts are counted anew
+        w.new_chat()
+        w.open_chat(first)
+        expected = len(render_chat(stories.tokenizer, w.conversation.engine_messages(), for_reply=False))
         qtbot.waitUntil(lambda: _context(w) == f"Context: {expected} of 512 tokens", timeout=10_000)
     finally:
         close_window(w)
@@ -150,6 +157,7 @@ def test_a_pinned_message_keeps_its_token_count_after_reopening(qtbot, data_dir,
         assert w.chat.bubbles[0].pinned
         assert w.chat.bubbles[0].stats_label.text() == off
         w.controls.policy.setCurrentIndex(w.controls.policy.findData("priority"))  # as the user does
+        use_lossy(qtbot, w)
         qtbot.waitUntil(lambda: w.cache.applied.policy == "priority", timeout=10_000)
         assert w.chat.bubbles[0].stats_label.text() == f"pinned · {tokens} tokens kept by Priority pinning"
         w.controls.policy.setCurrentIndex(w.controls.policy.findData("none"))
@@ -204,7 +212,7 @@ def test_a_message_that_leaves_no_room_asks_first(qtbot, data_dir, stories_path)
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
         assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()  # kept
         assert "Not sent yet" in w.chat.notice.text and "leaving" in w.chat.notice.text
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "Send anyway",
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest turns and send", "Send anyway",
                                                                      "New chat"]
         w.chat.notice.action_buttons[1].click()  # Send anyway
         assert w.generation_id and w.chat.input.toPlainText() == ""
@@ -227,7 +235,7 @@ def test_a_message_past_the_context_is_not_offered_send_anyway(qtbot, data_dir, 
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
         assert "more than the model's context of 512" in w.chat.notice.text
         assert "nothing set here drops tokens" in w.chat.notice.text
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "New chat"]
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest turns and send", "New chat"]
         assert w.history.messages(w.chat_id) == [] and w.chat.input.toPlainText() == text.strip()
     finally:
         close_window(w)

@@ -12,7 +12,8 @@ from engine.config import SamplingConfig
 
 MESSAGES = ("Once upon a time there was a little dog.", "What did the dog do next?",
             "Tell me about the cat in the garden.", "Where did they go after lunch?", "How did the story end?")
-DROPS = "Drop the oldest (rolling window): drops the oldest tokens to make room, the start of the chat"
+DROPS = ("Drop the oldest turns: drops the oldest whole messages to make room; the system prompt, pinned messages "
+         "and the latest message stay")
 
 
 def _type_and_send(qtbot, w, text: str):
@@ -29,7 +30,7 @@ def test_five_messages_at_default_settings_are_all_answered(qtbot, data_dir, sto
     (before: 2 of 5, message 3 refused as more than the context), the tokens dropped shown."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=None)
     try:
-        assert w.controls.overflow.currentText() == "Drop the oldest (rolling window)"
+        assert w.controls.overflow.currentText() == "Drop the oldest turns"
         assert w.sampling.sampling().max_new_tokens == 256
         for text in MESSAGES:
             result = _type_and_send(qtbot, w, text)
@@ -72,25 +73,25 @@ def test_a_message_that_does_not_fit_offers_drop_the_oldest_and_the_notice_follo
         assert _type_and_send(qtbot, w, text) is None
         assert "more than the model's context of 512" in w.chat.notice.text
         assert "nothing set here drops tokens" in w.chat.notice.text
-        assert _buttons(w) == ["Drop the oldest and send", "New chat"]
+        assert _buttons(w) == ["Drop the oldest turns and send", "New chat"]
 
         _choose_overflow(qtbot, w, "truncate_middle")  # a setting that drops tokens: the notice says so at once
         qtbot.waitUntil(lambda: "it can be sent" in w.chat.notice.text, timeout=5_000)
         assert "nothing set here drops tokens" not in w.chat.notice.text and _buttons(w) == ["Send", "New chat"]
         _choose_overflow(qtbot, w, "stop")  # and back
         qtbot.waitUntil(lambda: "nothing set here drops tokens" in w.chat.notice.text, timeout=5_000)
-        assert _buttons(w) == ["Drop the oldest and send", "New chat"]
+        assert _buttons(w) == ["Drop the oldest turns and send", "New chat"]
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("off"))  # nothing to drop from: not offered
         qtbot.waitUntil(lambda: w.cache.applied.mode == "off" and _buttons(w) == ["New chat"], timeout=5_000)
         assert 'choose an overflow policy that drops tokens (Paged under Cache, then' in w.chat.notice.text
         w.controls.mode.setCurrentIndex(w.controls.mode.findData("paged"))
-        qtbot.waitUntil(lambda: _buttons(w) == ["Drop the oldest and send", "New chat"], timeout=5_000)
+        qtbot.waitUntil(lambda: _buttons(w) == ["Drop the oldest turns and send", "New chat"], timeout=5_000)
 
         w.chat.notice.action_buttons[0].click()  # the one click: the setting changes, the message goes out
         gen, reason = wait_reply(qtbot, w)
         assert reason == "max_tokens" and w.chat.bubbles[-1].text.strip()
-        assert w.cache.applied.overflow == "rolling"
-        assert w.controls.overflow.currentText() == "Drop the oldest (rolling window)"
+        assert w.cache.applied.overflow == "turns"
+        assert w.controls.overflow.currentText() == "Drop the oldest turns"
         assert [m.role for m in w.history.messages(w.chat_id)] == ["user", "assistant"]
         assert not w.chat.notice.isVisible() and w.chat.input.toPlainText() == ""
     finally:

@@ -50,7 +50,7 @@ def test_streaming_copy_and_edit(qtbot):
     assert "<b>world</b>" in bubble.body.text()
     pane.finish_reply("Hello **world**", {"generated_tokens": 2, "decode_tokens_per_s": 12.5, "ttft_ms": 40,
                                            "reused_tokens": 3, "recomputed_tokens": 4, "first_divergence": 3})
-    assert bubble.cache_label.text() == "reused 3 tokens, recomputed 4, diverged at 3"
+    assert bubble.cache_label.text() == "reused 3 tokens, computed 4 (new)"  # a reply saved without its account
     assert "decode 12.5 tok/s" in bubble.stats_label.text() and "TTFT 40 ms" in bubble.stats_label.text()
     qtbot.mouseClick(bubble.copy_button, Qt.MouseButton.LeftButton)
     assert QGuiApplication.clipboard().text() == "Hello **world**"

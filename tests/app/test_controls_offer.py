@@ -26,11 +26,12 @@ def test_cache_off_greys_the_overflow_choices_that_drop_and_a_message_is_answere
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True))
     c = w.controls
     try:
-        assert c.overflow.currentText() == "Drop the oldest (rolling window)"  # the default
+        assert c.overflow.currentText() == "Drop the oldest turns"  # the default
         c.mode.setCurrentIndex(c.mode.findData("off"))  # as the user does
         assert c.overflow.currentText() == "Stop the reply"  # at once, before anything reaches the engine
         greyed = _greyed(c.overflow)
-        assert set(greyed) == {"Drop the middle", "Drop the oldest (rolling window)", "Let the eviction policy decide"}
+        assert set(greyed) == {"Drop the oldest turns", "Drop the middle", "Drop the oldest (rolling window)",
+                               "Let the eviction policy decide"}
         assert greyed["Drop the middle"].startswith(NEEDS_CACHE), greyed
         assert greyed["Drop the oldest (rolling window)"].startswith(NEEDS_CACHE), greyed
         assert greyed["Let the eviction policy decide"].startswith("Needs an eviction policy to decide"), greyed
@@ -48,8 +49,8 @@ def test_cache_off_greys_the_overflow_choices_that_drop_and_a_message_is_answere
         assert reason == "max_tokens" and "cache off" in w.chat.bubbles[-1].stats_label.text()
 
         c.mode.setCurrentIndex(c.mode.findData("paged"))  # the choice the mode ruled out comes back
-        assert c.overflow.currentText() == "Drop the oldest (rolling window)"
-        qtbot.waitUntil(lambda: (w.cache.applied.mode, w.cache.applied.overflow) == ("paged", "rolling"),
+        assert c.overflow.currentText() == "Drop the oldest turns"
+        qtbot.waitUntil(lambda: (w.cache.applied.mode, w.cache.applied.overflow) == ("paged", "turns"),
                         timeout=10_000)
         assert "Let the eviction policy decide" in _greyed(c.overflow) and not w.chat.notice.isVisible()
     finally:

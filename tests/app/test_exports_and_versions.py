@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from app_helpers import GREEDY, close_window, open_window, wait_reply
+from app_helpers import GREEDY, close_window, open_window, use_lossy, wait_reply
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog
 
@@ -113,6 +113,7 @@ def test_precision_and_policy_switches_mid_reply_are_in_the_footer(qtbot, data_d
         c.k_dtype.setCurrentIndex(c.k_dtype.findData("int8"))  # as the user does
         qtbot.waitUntil(lambda: w.cache.applied.k_dtype == "int8", timeout=10_000)
         c.policy.setCurrentIndex(c.policy.findData("h2o"))
+        assert "Heavy hitters (H2O) loses information" in use_lossy(qtbot, w)  # an eviction policy asks first
         qtbot.waitUntil(lambda: w.cache.applied.policy == "h2o", timeout=10_000)
         assert w.generation_id  # both landed mid-reply
         wait_reply(qtbot, w)

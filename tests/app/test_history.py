@@ -208,8 +208,8 @@ def test_an_old_read_only_history_reads_as_local_chats(tmp_path):
 
     db = hdb.open_read_only(path)
     try:
-        assert hdb.read_chats(db) == [(1, "old chat", "sys", 1.0, 2.0, "", "")]
-        assert hdb.salvage(db)[0] == [(1, "old chat", "sys", 1.0, 2.0, "", "")]
+        assert hdb.read_chats(db) == [(1, "old chat", "sys", 1.0, 2.0, "", "", "")]
+        assert hdb.salvage(db)[0] == [(1, "old chat", "sys", 1.0, 2.0, "", "", "")]
     finally:
         db.close()
 

@@ -47,7 +47,7 @@ def test_send_streams_tokens_and_every_panel_changes(qtbot, data_dir, stories_pa
         assert [m.role for m in msgs] == ["user", "assistant"]
         assert msgs[1].content == bubble.text and bubble.text
         assert "decode" in bubble.stats_label.text() and "TTFT" in bubble.stats_label.text()
-        assert bubble.cache_label.text().startswith("reused 0 tokens, recomputed")
+        assert bubble.cache_label.text().startswith("reused 0 tokens, computed ") and "(new)" in bubble.cache_label.text()
         assert "Context" in w.status.context.text() and "tokens/s" in w.status.speed.text()
         assert len(w.trace) >= 299
     finally:
@@ -75,7 +75,8 @@ def test_switch_mode_and_page_size_mid_reply(qtbot, data_dir, stories_path):
         assert w.chat.bubbles[-1].stats["generated_tokens"] == 440
         assert w.last_stats["mode"] == "paged → contiguous → paged"
         assert "8-token pages" in w.status.cache.text()
-        assert w.settings.get("cache/page_size") == 8  # persisted
+        assert json.loads(w.history.chat(w.chat_id).settings)["cache"]["page_size"] == 8  # kept with the chat
+        assert w.settings.get("cache/page_size") == 16  # new chats still start from the defaults
     finally:
         close_window(w)
 
@@ -117,8 +118,10 @@ def test_stop_regenerate_and_edit_reuse_the_prefix(qtbot, data_dir, stories_path
         stats = w.last_stats
         assert 0 < stats["reused_tokens"] < prompt_before and stats["first_divergence"] == stats["reused_tokens"]
         line = w.chat.bubbles[-1].cache_label.text()
-        assert line == (f"reused {stats['reused_tokens']} tokens, recomputed {stats['recomputed_tokens']}, "
-                        f"diverged at {stats['first_divergence']}")
+        again = sum(m["end"] - m["start"] for m in stats["cache"]["misses"] if m["reason"] != "new")
+        new = stats["recomputed_tokens"] - again
+        split = f"{again} recomputed, {new} new" if new else "recomputed"
+        assert again > 0 and line == f"reused {stats['reused_tokens']} tokens, computed {stats['recomputed_tokens']} ({split})"
     finally:
         close_window(w)
 
@@ -198,7 +201,7 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
         reply = w.history.messages(w.chat_id)[1].content
         assert md.startswith("# ") and "model stories260K" in md
         assert "## You\n\nExport me\n" in md and f"## Model\n\n{reply.rstrip()}\n" in md
-        assert "> prefill" in md and "reused 0 tokens, recomputed" in md
+        assert "> prefill" in md and "reused 0 tokens, computed " in md
     finally:
         close_window(w)
 

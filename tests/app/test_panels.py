@@ -83,7 +83,7 @@ def test_page_map_shows_prefix_cache_pages_as_cached_not_used(qtbot):
     qtbot.addWidget(panel)
     panel.show_snapshot(snap)
     cap = panel.caption.text()
-    assert "<b>5</b>/8 pages used" in cap and "2 cached" in cap
+    assert "<b>5</b>/8 pages used" in cap and "2 pages cached" in cap
     assert "page 6 · cached · 4/4 tokens" in panel.describe_page(6)
 
 

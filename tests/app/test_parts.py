@@ -213,13 +213,17 @@ def test_the_cache_line_says_where_reused_tokens_came_from():
     from app.chat.message_view import cache_line
 
     assert cache_line({"reused_tokens": 0, "recomputed_tokens": 7, "first_divergence": -1}) == \
-        "reused 0 tokens, recomputed 7, nothing cached before"
+        "reused 0 tokens, computed 7 (new)"
     assert cache_line({"reused_tokens": 16, "recomputed_tokens": 7, "first_divergence": -1, "shared_tokens": 16}) == \
-        "reused 16 tokens, recomputed 7, 16 from another chat's cache"
-    assert cache_line({"reused_tokens": 40, "recomputed_tokens": 3, "first_divergence": 40, "shared_tokens": 16}) == \
-        "reused 40 tokens, recomputed 3, 16 from another chat's cache, diverged at 40"
+        "reused 16 tokens, computed 7 (new); 16 from another chat's cache"
+    # the account's numbers when the reply has one: tokens read again apart from new ones, as the Why readout says
+    account = {"prompt": 43, "reused": 40, "recomputed": 3, "dropped": 0,
+               "misses": [{"start": 40, "end": 42, "reason": "diverged", "detail": "at token 40"},
+                          {"start": 42, "end": 43, "reason": "new", "detail": "not in the cache before"}]}
+    assert cache_line({"reused_tokens": 40, "recomputed_tokens": 3, "first_divergence": 40, "shared_tokens": 16,
+                       "cache": account}) == "reused 40 tokens, computed 3 (2 recomputed, 1 new); 16 from another chat's cache"
     assert cache_line({"reused_tokens": 1, "recomputed_tokens": 4033, "first_divergence": 1}) == \
-        "reused 1 token, recomputed 4,033, diverged at 1"  # not "reused 1 tokens"
+        "reused 1 token, computed 4,033 (new)"  # not "reused 1 tokens"
 
 
 def test_compare_says_how_a_reply_starts_as_the_reference_and_its_close_button_is_readable(qtbot):

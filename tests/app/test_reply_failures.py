@@ -131,7 +131,7 @@ def test_a_reply_that_cannot_start_says_why_and_the_chat_goes_on(qtbot, data_dir
         w.engine.worker.failed.connect(failures.append)
         w.send("the cat sat on the mat and " * 60)  # about 620 tokens
         qtbot.waitUntil(lambda: bool(w.chat.notice.action_buttons), timeout=10_000)
-        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest and send", "New chat"]
+        assert [b.text() for b in w.chat.notice.action_buttons] == ["Drop the oldest turns and send", "New chat"]
         w.conversation.send(w.chat.input.toPlainText(), checked=True)
         assert wait_reply(qtbot, w)[1] == "error"
         (failure,) = failures

@@ -77,8 +77,9 @@ def speed_of_status(w) -> str:
 
 
 def timing_numbers(caption: str) -> tuple[int, int, str]:
-    """'… TTFT 12 ms (8 prompt tokens) · 299 decode tokens at <b>144.3 tok/s</b>' → (8, 299, '144.3')."""
-    m = re.search(r"TTFT [\d,]+ ms \(([\d,]+) prompt tokens\) · ([\d,]+) decode tokens at <b>([\d.]+) tok/s", caption)
+    """'… TTFT 12 ms (8 of 8 prompt tokens computed) · 299 decode tokens at <b>144.3 tok/s</b>' → (8, 299, '144.3')."""
+    m = re.search(r"TTFT [\d,]+ ms \(([\d,]+) of [\d,]+ prompt tokens computed\) · ([\d,]+) decode tokens at "
+                  r"<b>([\d.]+) tok/s", caption)
     assert m, caption
     return int(m.group(1)), int(m.group(2)), m.group(3)
 

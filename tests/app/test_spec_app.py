@@ -29,8 +29,14 @@ def _window(qtbot, data_dir, stories_path):
 
 def _reply(qtbot, w, text: str = PROMPT) -> str:
     """A new chat's reply to ``text`` (sent now, or once its tokens were counted: the count of the chat left
-    behind may still stand when the new chat opens)."""
+    behind may still stand when the new chat opens), under the speculation chosen last: a new chat starts from the
+    defaults (each chat keeps its own), so it is chosen there again, as a user does."""
+    chosen = w.speculation.applied
     w.new_chat()
+    if w.speculation.applied != chosen or w.spec_controls.config() != chosen:
+        with qtbot.waitSignal(w.speculation.changed, timeout=60_000):
+            w.speculation.apply(chosen)
+        w.spec_controls.set_config(chosen)
     with qtbot.waitSignal(w.reply_finished, timeout=60_000):
         w.send(text)
     return w.chat.bubbles[-1].text
@@ -79,8 +85,8 @@ def test_prompt_lookup_mid_reply_same_tokens_footer_tint_and_saved(qtbot, data_d
     finally:
         close_window(w)
     saved = Settings.from_data_dir(data_dir)
-    assert (saved.get("spec/method"), saved.get("spec/tint")) == ("ngram", True)
-    w = _window(qtbot, data_dir, stories_path)  # the setting comes back, and works
+    assert saved.get("spec/tint") and saved.get("spec/method") == "off"  # the defaults for new chats: unchanged
+    w = _window(qtbot, data_dir, stories_path)  # the last chat's own setting comes back, and works
     try:
         assert w.spec_controls.method.currentData() == "ngram" and w.spec_controls.tint.isChecked()
         reopened = w.chat.bubbles[-1]  # the last chat's reply, read back: its draft tokens still tinted

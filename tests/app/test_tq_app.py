@@ -3,7 +3,7 @@ on the model card, and a chat under them whose Memory readout holds the engine's
 
 from __future__ import annotations
 
-from app_helpers import close_window, open_window, wait_reply
+from app_helpers import close_window, open_window, use_lossy, wait_reply
 
 from app.controls.cache_controls import TOOLTIP_ROLE
 from app.shell.format import human_bytes
@@ -34,6 +34,9 @@ def test_precision_lists_name_the_rotated_kinds_and_a_chat_shows_their_bytes(qtb
 
         c.k_dtype.setCurrentIndex(c.k_dtype.findData("tq3-qjl"))  # as the user does
         c.v_dtype.setCurrentIndex(c.v_dtype.findData("tq2"))
+        said = use_lossy(qtbot, w)  # below 8 bits: it says what it costs here first
+        assert said.startswith("Keys 3-bit rotated + QJL, values 2-bit rotated (tq2) loses information") and \
+            "Not measured on stories260K yet" in said
         qtbot.waitUntil(lambda: (w.cache.applied.k_dtype, w.cache.applied.v_dtype) == ("tq3-qjl", "tq2"),
                         timeout=10_000)
         w.send("Once upon a time")

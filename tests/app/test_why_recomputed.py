@@ -71,7 +71,8 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         _system_prompt(w, "You're a kind storyteller.")
         changed = _say(qtbot, w, "And a bird?")
         stats = w.last_stats
-        at, n = _first(stats, "diverged")["start"], stats["cache"]["recomputed"]
+        at = _first(stats, "diverged")["start"]
+        n = sum(m["end"] - m["start"] for m in stats["cache"]["misses"] if m["reason"] != "new")  # read again
         footer = changed.why_label.text()
         assert changed.why_label.isVisible()
         said = f"recomputed {n:,} tokens: the system prompt changed at token {at} (“are a” → “'re a”)"
@@ -86,7 +87,9 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         readout = w.why.text()
         assert f"prompt changed · tokens {at}–" in readout and "· the system prompt to reply 2" in readout
         assert f"the prompt differs from this chat's cache at token {at}: “are a” → “'re a”" in readout
-        assert f"<b>{n:,}</b> computed" in w.why.caption.text()
+        computed = stats["cache"]["recomputed"]  # the footer's numbers, in the readout's caption
+        assert f"<b>{computed:,}</b> computed ({n:,} recomputed, {computed - n:,} new)" in w.why.caption.text()
+        assert f"computed {computed:,} ({n:,} recomputed, {computed - n:,} new)" in changed.cache_label.text()
 
         _front(qtbot, w, "page_map")
         pm = w.page_map
@@ -103,7 +106,7 @@ def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readou
         wait_reply(qtbot, w)
         again = w.chat.bubbles[-1]
         assert not again.why_label.isVisible()
-        w.readouts.show_why()
+        w.show_why()
         qtbot.waitUntil(lambda: w.why.text() == ALL_REUSED)
         again.version_prev.click()  # the version before, as it was: its footer says why it was recomputed
         qtbot.waitUntil(lambda: w.chat.bubbles[-1].why_label.isVisible())
@@ -151,8 +154,8 @@ def test_checkpoints_of_a_recurrent_model_on_the_strip_the_memory_readout_and_th
         _system_prompt(w, "You're a kind storyteller.")  # the state goes back only to a checkpoint: the start
         changed = _say(qtbot, w, "And a bird?")
         at = _first(w.last_stats, "diverged")["start"]
-        assert changed.why_label.text().startswith(
-            f"recomputed {w.last_stats['cache']['recomputed']:,} tokens: the system prompt changed at token {at}")
+        again = sum(m["end"] - m["start"] for m in w.last_stats["cache"]["misses"] if m["reason"] != "new")
+        assert changed.why_label.text().startswith(f"recomputed {again:,} tokens: the system prompt changed at token {at}")
         assert "and 1 more reason" in changed.why_label.text()
         changed.why_label.linkActivated.emit("why")
         qtbot.waitUntil(lambda: "no state checkpoint" in w.why.text())

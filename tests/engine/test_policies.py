@@ -216,3 +216,62 @@ def test_streaming_says_it_keeps_its_sinks_not_the_prompt(stories):
     notes = " ".join(r.warnings)
     assert "keeps the first 4 tokens (attention sinks) and the most recent ones, 20 in all" in notes
     assert "protected prompt" not in notes and "raise the budget" not in notes
+
+
+def test_overflow_turns_drops_the_fewest_whole_messages_and_never_the_system_prompt_or_a_pin():
+    """"Drop the oldest turns" (#49 item 3): whole messages, oldest first, skipping the system prompt and pinned
+    messages and never the latest one; an overflow of a few tokens drops one message, not half the context."""
+    import numpy as np
+
+    from engine.policies import PINNED, PolicyState
+    from engine.policies.streaming import OverflowPolicy
+
+    # BOS, system [1, 11), user1 [11, 31), reply1 [31, 61), user2 pinned [61, 71), reply2 [71, 101), user3 [101, 111)
+    starts = (1, 11, 31, 61, 71, 101)
+    pri = np.full(120, 0, dtype=np.int64)
+    pri[1:11] = PINNED
+    pri[61:71] = PINNED
+    pos = np.arange(120)[None, :]
+    pol = OverflowPolicy.for_mode("turns", 112, 31)
+    state = PolicyState(positions=pos, protected=31, priorities=pri, turns=starts)
+    (drop,) = pol.select(state, 112)
+    assert drop.tolist() == list(range(11, 31))  # 8 over: user1 (20 tokens) goes, nothing else
+    (drop,) = pol.select(state, 60)
+    assert drop.tolist() == list(range(11, 61)) + list(range(71, 101))  # whole messages: 40 stay, not 60
+    assert not set(drop) & (set(range(1, 11)) | set(range(61, 71)) | {0} | set(range(101, 120)))
+
+
+def test_a_chat_past_the_context_drops_whole_turns_and_keeps_the_system_prompt_and_a_pin(stories):
+    """The app's default overflow on a real session: a chat of several turns goes past stories260K's 512 tokens;
+    the system prompt and the pinned message stay cached, what went are whole messages, and each overflow kept all
+    but an eighth of the context (rolling kept half)."""
+    import dataclasses
+
+    import numpy as np
+
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.core.session import ChatSession
+    from engine.model.chat import message_spans
+    from engine.snapshot import TOKEN_EVICTED
+
+    lm = dataclasses.replace(stories, arenas=None)
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=16, overflow="turns"))
+    msgs = [{"role": "system", "content": "You are a storyteller who writes about dogs."}]
+    story = "The little dog ran to the park and played with a big red ball in the sun. " * 3
+    for turn in range(6):
+        msgs.append({"role": "user", "content": f"{turn}: {story}", **({"pinned": True} if turn == 1 else {})})
+        s.start(msgs, SamplingConfig(temperature=0.0, max_new_tokens=60, ignore_eos=True))
+        while not (r := s.step()).done:
+            pass
+        msgs.append({"role": "assistant", "content": r.text})
+    snap = r.snapshot
+    assert snap.evicted_total > 0 and snap.seq_len > lm.info.context_length
+    spans = message_spans(lm.tokenizer, msgs[:-1])
+    state = np.asarray(snap.token_state)
+    kept = lambda a, b: not np.any(state[a:b] == TOKEN_EVICTED)  # noqa: E731
+    assert kept(*spans[0]) and kept(*spans[3])  # the system prompt, the pinned message
+    for a, b in spans[1:-1]:  # every other message is either all there or all gone: whole turns
+        gone = np.count_nonzero(state[a:b] == TOKEN_EVICTED)
+        assert gone in (0, b - a), (a, b, gone)
+    assert int(max(snap.tokens_per_layer)) >= lm.info.context_length // 2
+    s.close()
