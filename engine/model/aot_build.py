@@ -88,6 +88,10 @@ def _like_the_parent(model, job: dict) -> None:
     from engine.model.prepack import Plan, restructure
 
     linear_kernel.IN_GRAPH = bool(job.get("native_linear"))  # the blocked linears call the native product
+    if job.get("blocks"):  # a GGUF's kept blocks: the graph calls the block operators (engine.quant.modules)
+        from engine.quant.gguf_keep import restructure as blocks
+
+        blocks(model, job["blocks"])
     if job.get("attn") == DISPATCH_IMPL:
         use_attention(model, DISPATCH_IMPL)
     if job.get("prepack"):

@@ -58,13 +58,24 @@ def package_key(model, device_type: str, kind: str = "step") -> str:
     cfg = model.config.to_dict()
     for k in ("_attn_implementation", "_name_or_path", "transformers_version", "_commit_hash"):
         cfg.pop(k, None)
-    param = next(model.parameters())
+    param = _float_param(model)
     blob = json.dumps({"class": type(model).__name__, "config": cfg, "dtype": str(param.dtype), "device": device_type,
                        "torch": torch.__version__, "transformers": transformers.__version__, "step": STEP_VERSION,
                        "attn": _attn(model), "prepack": _prepack(model),
+                       **({"blocks": _blocks(model)} if _blocks(model) else {}),
                        **({"kind": kind} if kind != "step" else {}),
                        **({"native_linear": True} if _native_linear(model) else {})}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _float_param(model):
+    """The parameter whose dtype is the model's (a GGUF's kept blocks are uint8: the first float one)."""
+    return next((p for p in model.parameters() if p.is_floating_point()), next(model.parameters()))
+
+
+def _blocks(model) -> list | None:
+    """A GGUF model's block modules (``engine.quant.gguf_keep.block_plan``): the child builds the same ones."""
+    return getattr(model, "_kvscope_block_plan", None) or None
 
 
 def _attn(model) -> str:
@@ -105,12 +116,13 @@ def write_job(lm, out: Path, kind: str = "step") -> Path:
     build = out.with_suffix(".build")
     build.mkdir(parents=True, exist_ok=True)
     lm.model.config.save_pretrained(build)
-    param = next(lm.model.parameters())
+    param = _float_param(lm.model)
     shape = lm.kv_shape
     (build / "job.json").write_text(json.dumps({
         "kind": kind, "class": type(lm.model).__name__, "dtype": str(param.dtype).replace("torch.", ""),
         "device": lm.device.type, "out": str(out), "layers": shape.num_layers,
         "attn": _attn(lm.model), "prepack": _prepack(lm.model), "native_linear": _native_linear(lm.model),
+        "blocks": _blocks(lm.model),
         "k": list(shape.of("k")), "v": list(shape.of("v"))}))
     return build
 

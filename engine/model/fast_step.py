@@ -148,8 +148,6 @@ class FastStep:
             return f"the model's layers differ ({', '.join(sorted(kinds - {'full'}))}): the step reads one paged cache"
         if getattr(info, "quantization", "none") not in ("none", "", None):
             return "bitsandbytes weights (their kernels do not compile)"
-        if getattr(self.lm.model, "_kvscope_blocks", ""):
-            return "GGUF blocks (the step is built from the model's class, which holds no block layers)"
         return machine_refusal(self.lm.device)
 
     # -- per step --------------------------------------------------------------------------------------

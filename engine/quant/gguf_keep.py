@@ -281,4 +281,34 @@ def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=Non
         if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
             raise
         model = build(path, info.architecture, config, cls, dtype, device, "eager", progress, check)
+    model._kvscope_block_plan = block_plan(model)
     return model
+
+
+def block_plan(model) -> list[dict]:
+    """The model's block modules, by name (what a compiled step's child builds the same structure from: the
+    package's graph calls the block operators and the parent hands it its own mapped weights)."""
+    plan = []
+    for name, m in model.named_modules():
+        if isinstance(m, BlockLinear):
+            plan.append({"name": name, "kind": "linear", "type": m.ggml_type, "in": m.in_features,
+                         "shape": list(m.weight.shape), "bias": m.bias is not None, "map": m.out_map is not None,
+                         "road": m.road})
+        elif isinstance(m, BlockEmbedding):
+            plan.append({"name": name, "kind": "embedding", "type": m.ggml_type, "in": m.embedding_dim,
+                         "shape": list(m.weight.shape), "scale": m.scale, "padding": m.padding_idx})
+    return plan
+
+
+def restructure(model, plan: list[dict]) -> None:
+    """Replace ``plan``'s modules in a model built from the same config with block modules of throwaway weights
+    (zeros; an identity row order): the same parameter and buffer names and shapes as the parent's."""
+    for p in plan:
+        w = torch.zeros(p["shape"], dtype=torch.uint8)
+        if p["kind"] == "linear":
+            bias = torch.zeros(p["shape"][0]) if p["bias"] else None
+            order = torch.arange(p["shape"][0], dtype=torch.int32) if p["map"] else None
+            model.set_submodule(p["name"], BlockLinear(w, p["type"], p["in"], bias, order, p["road"]))
+        else:
+            model.set_submodule(p["name"], BlockEmbedding(w, p["type"], p["in"], torch.float32, p["padding"],
+                                                          p["scale"]))

@@ -34,6 +34,17 @@ def _(x2, w, ggml_type, n_in, bias, out_map, road):
     return x2.new_empty(x2.shape[0], w.shape[0])  # [m, n_out]
 
 
+@torch.library.custom_op("kvscope::gguf_rows", mutates_args=())
+def gguf_rows(w: torch.Tensor, ggml_type: int, dim: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the GGUF table w [rows, row_bytes] dequantized: [*ids.shape, dim] float32."""
+    return kernel.get_rows(w, ggml_type, dim, ids)
+
+
+@gguf_rows.register_fake
+def _(w, ggml_type, dim, ids):
+    return ids.new_empty((*ids.shape, dim), dtype=torch.float32)  # [*ids, dim]
+
+
 def _cuda_product(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, n_out: int) -> torch.Tensor:
     """transformers' GGUF product on a GPU: ggml's kernel where published and the rows are few, else the blocks
     dequantized a chunk at a time by torch and multiplied by cuBLAS (never the whole weight at once)."""
@@ -146,6 +157,8 @@ class BlockEmbedding(nn.Module):
             flat = ids.reshape(-1)
             out = hf.dequantize_blocks(self.weight, self.ggml_type, flat.numel(), self.embedding_dim, self.dtype,
                                        indices=flat).reshape(*ids.shape, self.embedding_dim)
+        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            out = torch.ops.kvscope.gguf_rows(self.weight, self.ggml_type, self.embedding_dim, ids)  # [*ids, dim]
         else:
             out = kernel.get_rows(self.weight, self.ggml_type, self.embedding_dim, ids.cpu())  # [*ids, dim]
         if self.scale is not None:

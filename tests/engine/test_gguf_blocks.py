@@ -140,3 +140,32 @@ def test_a_tensor_past_the_end_is_refused(files, tmp_path):
         f.truncate(cut.stat().st_size - 100)
     with pytest.raises(ValueError, match="past the end of the file"):
         gguf_keep.Table(cut)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_runs_on_blocks_and_gives_the_eager_tokens(files, monkeypatch):
+    """The compiled decode step's child builds the same block modules with throwaway weights (the package calls
+    the block operators, the parent hands it the mapped weights): its tokens are eager's. Float activations: with
+    8-bit ones the graph's other summation order (its fused norms) moves a value across a rounding step now and
+    then, and a random model's near-tied logits follow it."""
+    from engine.model.fast_step import FastStep, machine_refusal
+
+    if machine_refusal(torch.device("cpu")):
+        pytest.skip(machine_refusal(torch.device("cpu")))
+    monkeypatch.setenv("KVSCOPE_GGUF_ROAD", "float")
+    lm = load_model(ModelSpec(source=str(files["llama"])))
+    eager = engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4))
+    lm.runner.fast = FastStep(lm, mode="on")
+    lm.fast.start()
+    assert lm.fast.wait(600) and lm.fast.state == "on", lm.fast.describe()
+    s_paths = []
+    from engine.config import SamplingConfig
+    from engine.core.session import ChatSession
+
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
+    s.start_ids(PROMPT, SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    while not (r := s.step()).done:
+        if r.event is not None:
+            s_paths.append(r.event.path)
+    assert "compiled" in s_paths
+    assert s.generated_ids == eager
