@@ -22,11 +22,29 @@ from torch import nn
 from engine.quant import formats, kernel
 
 
+# a compiled step's calls of the operator: the kernel's descriptor of each weight, made once (by the addresses and
+# shapes the package hands it; the storages are kept, so an address is never reused while it is here)
+_DESCRIPTORS: dict[tuple, tuple] = {}
+
+
 @torch.library.custom_op("kvscope::gguf_linear", mutates_args=())
 def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
                 out_map: torch.Tensor | None, road: int) -> torch.Tensor:
     """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32."""
-    return kernel.matmul(x2, w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+    if w.device.type != "cpu":
+        return kernel.matmul(x2, w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+    key = (w.data_ptr(), tuple(w.shape), ggml_type, n_in, road, bias.data_ptr() if bias is not None else 0,
+           out_map.data_ptr() if out_map is not None else 0)
+    d = _DESCRIPTORS.get(key)
+    if d is None:
+        desc = kernel.weight(w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+        held = tuple(t.untyped_storage() for t in (w, bias, out_map) if t is not None)
+        d = _DESCRIPTORS[key] = (kernel.library().kq_linear, ctypes.addressof(desc), desc, held)
+    x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)  # [m, n_out]
+    if x2.shape[0] and d[0](d[1], x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads()) != 0:
+        raise RuntimeError("the GGUF block product refused its arguments or ran out of memory")
+    return y
 
 
 @gguf_linear.register_fake
