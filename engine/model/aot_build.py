@@ -88,10 +88,6 @@ def _like_the_parent(model, job: dict) -> None:
     from engine.model.prepack import Plan, restructure
 
     linear_kernel.IN_GRAPH = bool(job.get("native_linear"))  # the blocked linears call the native product
-    if job.get("blocks"):  # a GGUF's kept blocks: the graph calls the block operators (engine.quant.modules)
-        from engine.quant.gguf_keep import restructure as blocks
-
-        blocks(model, job["blocks"])
     if job.get("attn") == DISPATCH_IMPL:
         use_attention(model, DISPATCH_IMPL)
     if job.get("prepack"):
@@ -109,7 +105,12 @@ def _build(build: Path) -> None:
     config = transformers.AutoConfig.from_pretrained(build)
     cls = getattr(transformers, job["class"])
     dtype, dev = getattr(torch, job["dtype"]), torch.device(job["device"])
-    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    if job.get("blocks"):  # a GGUF's kept blocks: the graph calls the block operators (engine.quant.modules)
+        from engine.quant.gguf_keep import skeleton
+
+        model = skeleton(cls, config, dtype, job["blocks"]).to(dev)
+    else:
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     _like_the_parent(model, job)
     t0 = time.perf_counter()
     with torch.no_grad():

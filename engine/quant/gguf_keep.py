@@ -312,3 +312,19 @@ def restructure(model, plan: list[dict]) -> None:
         else:
             model.set_submodule(p["name"], BlockEmbedding(w, p["type"], p["in"], torch.float32, p["padding"],
                                                           p["scale"]))
+
+
+def skeleton(cls, config, dtype: torch.dtype, plan: list[dict], attn: str = "sdpa"):
+    """The model of ``config`` with ``plan``'s block modules and throwaway zeros elsewhere, never allocating the
+    dense weights the blocks replace (a compiled step's child: an 8B file's dense float32 model would be 32 GB)."""
+    import accelerate
+
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
+    restructure(model, plan)
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                                  requires_grad=False))
+    return model.eval()
