@@ -15,8 +15,10 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from app.compare.fidelity_task import LABEL_SUFFIX
+from app.controls.lossy import Measured
 
 _ids = itertools.count(1)
+WORTH_A_TINT = 5e-4  # nats: a token whose KL rounds to 0.000 (and whose top token agrees) is not tinted
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -112,6 +114,9 @@ class FidelityController(QObject):
         if check_id != self.check_id:
             return
         self.running, self.report = False, report
+        info = self.w.info
+        if info is not None and self.rows:  # what each setting costs on this model: said before a lossy one is used
+            Measured(self.w.settings).record(info.source, self.rows)
         if report is not None and report.get("setting"):
             self.w.memory.set_fidelity(summary(report) + ("" if reason == "done" else f" (stopped: {reason})"),
                                        running=False)
@@ -124,6 +129,8 @@ class FidelityController(QObject):
         """Tint the worst tokens of the user's setting in their bubbles, each bubble saying how many and the worst."""
         by_bubble: dict[int, list[dict]] = {}
         for w in report.get("worst", ()):
+            if w.get("agree", True) and float(w.get("kl", 0.0)) < WORTH_A_TINT:
+                continue  # the same top token, next to no divergence: nothing lost there (KL 0.000 was tinted red)
             m = w.get("message", -1)
             pos = self._positions[m] if 0 <= m < len(self._positions) else None
             if pos is not None and w.get("chars"):

@@ -13,6 +13,7 @@ from engine.snapshot import TOKEN_NOT_CACHED, TOKEN_PARTIAL, TOKEN_PINNED, TOKEN
 # (name, colour) bottom to top
 SEGMENTS = (
     ("full", "#4c9be8"),
+    ("window", "#43c5c9"),  # a sliding-window layer's tokens (it keeps only its window)
     ("quantized", "#a470ff"),
     ("pinned", "#ffd84a"),
     ("state", "#8a919c"),
@@ -32,7 +33,11 @@ def occupancy_stack(snap: CacheSnapshot) -> dict[str, np.ndarray]:
     pinned = np.minimum(held, n_pinned)
     quantized = np.minimum(held - pinned, n_quant)
     full = held - pinned - quantized
-    return {"full": full, "quantized": quantized, "pinned": pinned, "state": state_tokens(snap)}
+    sliding = np.array([k.startswith("sliding") for k in snap.layer_kinds], dtype=bool) \
+        if len(snap.layer_kinds) == len(held) else np.zeros(len(held), dtype=bool)
+    window = np.where(sliding, full, 0)
+    return {"full": full - window, "window": window, "quantized": quantized, "pinned": pinned,
+            "state": state_tokens(snap)}
 
 
 def state_tokens(snap: CacheSnapshot) -> np.ndarray:
@@ -48,9 +53,10 @@ def state_tokens(snap: CacheSnapshot) -> np.ndarray:
     if not kv:
         return out
     per_token = max(1, int(per_layer[kv[0]] // held[kv[0]]))
+    floor = max(1, int(held.max()) // 50)  # a state smaller than 2% of the tallest bar is drawn that tall: seen
     for i, k in enumerate(kinds):
         if k == "state":
-            out[i] = per_layer[i] // per_token
+            out[i] = max(per_layer[i] // per_token, floor)
     return out
 
 
@@ -78,9 +84,13 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
         text += f" · {partial} kept by some heads only"
     kinds = snap.layer_kinds
     if any(k.startswith("sliding") for k in kinds):
-        text += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window"
-    if any("state" in k for k in kinds):
-        text += f" · {sum('state' in k for k in kinds)} layers hold a fixed state (grey)"
+        text += f" · {sum(k.startswith('sliding') for k in kinds)} sliding layers keep only their window (teal)"
+    states_n = sum(k == "state" for k in kinds)
+    if states_n:
+        text += f" · {states_n} {'layer holds' if states_n == 1 else 'layers hold'} a fixed state (grey)"
+    both = sum(k.endswith("+state") for k in kinds)
+    if both:
+        text += f" · {both} {'layer keeps' if both == 1 else 'layers keep'} a fixed state beside its tokens"
     return text
 
 

@@ -309,8 +309,8 @@ class PageMapPanel(Panel):
         self.ticks.show(None, 1)
         self.reuse_legend.setVisible(False)
         self.readout = " "
-        if not self._hovering:
-            self.hover.setText(" ")
+        self._hovering = False  # another chat (or none): a line about a page of the one before is not true here
+        self.hover.setText(" ")
         self.caption.setText("Nothing cached for this chat yet: pages appear when you send a message.")
 
     def reset_view(self) -> None:

@@ -51,7 +51,7 @@ class ApiView(QObject):
             self.screen.show(OnScreen.API)  # nothing typed or asked in the pane reaches a chat now
         self._entered(session_id)
         self.pane.notice.clear()  # it spoke of the chat that left the screen
-        self.pane.set_chat(f"API #{session_id}", "")
+        self.pane.set_chat(f"API #{self.api_list.number(session_id)}", "")
         self.pane.set_messages([])
         self.pane.set_read_only(READ_ONLY)
 

@@ -40,6 +40,7 @@ class ApiList(QListWidget):
         super().__init__(parent)
         self.setObjectName("ApiList")
         self._filling = False
+        self._numbers: dict[int, int] = {}  # session id → the number shown (1, 2, … in the order they came)
         self.setUniformItemSizes(True)
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -53,7 +54,7 @@ class ApiList(QListWidget):
             state = "replying…" if row["running"] else f"{row['tokens']:,} tokens"
             steps = row.get("steps") or []
             last = f" · step {len(steps)}: {step_words(steps[-1])}" if steps else ""
-            item = QListWidgetItem(f"API #{row['session_id']} — {state}{last}")
+            item = QListWidgetItem(f"API #{self.number(row['session_id'])} — {state}{last}")
             item.setData(Qt.ItemDataRole.UserRole, row["session_id"])
             tip = "\n".join(f"step {i + 1}: {step_words(s)}" for i, s in enumerate(steps))
             item.setToolTip((tip + "\n\n" if tip else "") + row.get("text", ""))
@@ -63,6 +64,11 @@ class ApiList(QListWidget):
         self._filling = False
         if current and self.selected != current:  # its session was closed
             self.conversation_selected.emit(0)
+
+    def number(self, session_id: int) -> int:
+        """The conversation's number as shown: 1 for the first this list saw (the engine's session ids count every
+        session the app made, its chats' too: the first read "API #55")."""
+        return self._numbers.setdefault(session_id, len(self._numbers) + 1)
 
     def session_ids(self) -> list[int]:
         return [self.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.count())]

@@ -25,6 +25,8 @@ DOCKS = (  # key, title
     ("occupancy", "Layer occupancy"), ("page_map", "Page map"), ("timing", "Token timing"), ("memory", "Memory"),
     ("why", "Why recomputed?"),
 )
+SHORT_TITLES = {"occupancy": "Occupancy", "timing": "Timing", "why": "Why?", "controls": "Cache"}
+SHORT_TITLES_BELOW_PX = 1200  # a window narrower than this names its docks in short (their tabs are not cut)
 SCROLLED = ("controls", "speculation", "sampling")  # forms that scroll rather than force the window's height
 WIDE_PX = 1700  # from this width on, the panels sit side by side in a 2×2 grid
 REFIT_CHANGE = 1.15  # re-apply the default sizes when the window's size changed by this factor since then
@@ -196,7 +198,18 @@ class DockLayout:
             w.resizeDocks([d["chats"], d["occupancy"]], [left, panels], H)
             self._planned = {"chats": left, "occupancy": panels}
             w.resizeDocks([d["occupancy"], d["timing"]], [int(Hh * 0.5), int(Hh * 0.5)], V)
+        self.name_docks(short=not self.wide and W < SHORT_TITLES_BELOW_PX)
         self._fitted = w.size()
+
+    def name_docks(self, short: bool) -> None:
+        """Dock titles (their tabs' words) in full, or short where three tabs share a narrow column: at 1024×768
+        "Token timing · Memory · Why recomputed?" read "Token … · Me… · Why recom…"."""
+        for key, title in DOCKS:
+            name = SHORT_TITLES.get(key, title) if short else title
+            dock = self.docks[key]
+            if dock.windowTitle() != name:
+                dock.setWindowTitle(name)
+                dock.setToolTip(title if short else "")
 
     def window_resized(self) -> None:
         """Call from the window's resize event: a much larger or smaller window gets the default sizes

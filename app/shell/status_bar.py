@@ -200,6 +200,8 @@ def context_counts(snap) -> tuple[int, int]:
     cached) uses its whole chat."""
     held = max((int(x) for x in snap.tokens_per_layer), default=0)
     chat = int(snap.seq_len)
+    if snap.mode == "off":  # nothing cached: every step reads the whole chat (it said "chat 512 (511 dropped)")
+        return chat, chat
     if held == 0 and snap.layer_kinds and all("state" in k for k in snap.layer_kinds):
         return chat, chat
     pending = 1 if chat - held - int(snap.evicted_total) >= 1 else 0

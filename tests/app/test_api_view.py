@@ -48,7 +48,7 @@ def test_an_api_conversation_takes_the_chats_place_and_gives_it_back(qtbot, data
         assert api_tokens != chat_tokens
         # one conversation on screen: its transcript, its title, no chat highlighted, its panels
         qtbot.waitUntil(lambda: len(w.chat.bubbles) == 1 and w.chat.bubbles[0].role == "api", timeout=DEADLINE_MS)
-        assert w.chat.title.text() == f"API #{sid}"
+        assert w.chat.title.text() == "API #1"  # numbered from 1, not by the engine's session ids (it read "#55")
         assert "Ben found a shiny rock" in w.chat.bubbles[0].text
         assert w.chat.bubbles[0].stats_label.text().startswith(f"{api_tokens:,} tokens, as the model saw them")
         assert w.status.speed.text() == ""  # the chat's tok/s left with it
@@ -73,7 +73,7 @@ def test_an_api_conversation_takes_the_chats_place_and_gives_it_back(qtbot, data
         assert w.scheduler.frame.seq_len == chat_tokens and chat_on_screen(w, title, 2)
 
         w.api_list.setCurrentRow(0)
-        qtbot.waitUntil(lambda: w.chat.title.text() == f"API #{sid}", timeout=DEADLINE_MS)
+        qtbot.waitUntil(lambda: w.chat.title.text() == f"API #{w.api_list.number(sid)}", timeout=DEADLINE_MS)
         with qtbot.waitSignal(w.server.serving, timeout=DEADLINE_MS):
             w.menu_actions["serve_stop"].trigger()
         # Stop serving: the chat is back, nothing left in the message area, Send usable and saying so

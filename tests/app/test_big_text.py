@@ -25,6 +25,9 @@ def _send_big(qtbot, w, text: str):
     w.controls.overflow.setCurrentIndex(w.controls.overflow.findData("truncate_middle"))  # as the user does
     qtbot.waitUntil(lambda: w.cache.applied.overflow == "truncate_middle", timeout=10_000)
     w.send(text)
+    # longer than the context: it says first how much it drops unread, and goes on with one click
+    qtbot.waitUntil(lambda: "dropped unread" in w.chat.notice.text, timeout=30_000)
+    w.chat.notice.action_buttons[0].click()  # Send
     return next(b for b in w.chat.bubbles if b.role == "user" and b.text == text)
 
 

@@ -53,12 +53,15 @@ def test_check_fidelity_names_the_cost_and_tints_the_worst_tokens(qtbot, chatted
     worst = report["worst"]
     assert len(worst) == 10 and worst[0]["kl"] == max(s["kl"])
     placed = sum(len(b.fidelity_spans) for b in marked)
-    assert placed == sum(1 for x in worst if x["chars"])
+    from app.compare.fidelity import WORTH_A_TINT
+
+    worth = [x for x in worst if x["chars"] and (not x["agree"] or x["kl"] >= WORTH_A_TINT)]
+    assert placed == len(worth)  # a token that lost nothing (KL 0.000, the same top token) is not tinted
     top = max(marked, key=lambda b: max(x["kl"] for x in worst if x["chars"] in b.fidelity_spans))
     assert FIDELITY_TINT in top.body.text() and top.fidelity_label.isVisible()
     assert f"worst tokens here (tinted); the worst: {worst[0]['text'].strip()!r}, KL {worst[0]['kl']:.3f}" in \
         top.fidelity_label.text()
-    for x in worst:  # each tinted run is the token's own text in the bubble
+    for x in worth:  # each tinted run is the token's own text in the bubble
         if x["chars"]:
             b = next(b for b in marked if x["chars"] in b.fidelity_spans)
             assert b.text[x["chars"][0]:x["chars"][1]].strip() == x["text"].strip()

@@ -203,7 +203,8 @@ def test_state_layers_stand_as_a_constant_bar_and_pools_are_labelled(qtbot):
     panel.show_snapshot(snap)
     h = panel.bar_heights()
     np.testing.assert_array_equal(h["state"], [0, 5, 0])  # 320 B of state = 5 tokens' worth at 64 B/token
-    np.testing.assert_array_equal(h["full"], [10, 0, 10])
+    np.testing.assert_array_equal(h["full"], [10, 0, 0])
+    np.testing.assert_array_equal(h["window"], [0, 0, 10])  # a sliding layer in its own colour, in the legend
     assert "fixed state" in panel.caption.text() and "sliding layers keep only their window" in panel.caption.text()
     pages = PageMapPanel()
     qtbot.addWidget(pages)
