@@ -43,7 +43,7 @@ LIBRARIES = {"none": 135 * MiB, "int8": 170 * MiB, "nf4": 170 * MiB}
 RUNTIME = 70 * MiB
 # a prompt token's activations against the estimate's float formula: bitsandbytes' int8 product casts, quantizes
 # and widens its inputs (x4.2 measured at 512-token chunks), NF4 dequantizes (x1.6)
-ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}
+ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: the float formula; plan.format says)
 # bytes in flight while loading, per element of the largest tensor: a tensor read (2 B/weight for bf16) and
 # converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
 # the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
@@ -254,6 +254,10 @@ def activation_bytes(config: dict, elem_bytes: int, quantization: str = "none") 
     return int(per * ACTIVATION_FACTOR.get(quantization, 1.0))
 
 
+def _activation_kind(plan: WeightsPlan) -> str:
+    return "none" if plan.format == "Q8_0" else plan.quantization
+
+
 def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dtype: str,
              available: int | None = None, available_from: str = "") -> Fit:
     """The verdict for ``plan`` (see ``weights_for``) on ``device``; ``available`` None: measured now."""
@@ -262,11 +266,12 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
     elem = {"float32": 4, "float16": 2, "bfloat16": 2}[compute_dtype]
     gpu = device != "cpu"
     libraries = 0 if gpu else LIBRARIES.get(plan.quantization, LIBRARIES["none"])
+    factor = 4 if plan.format == "Q8_0" else LOAD_BYTES_PER_ELEMENT.get(plan.held, 8)  # a float copy, quantized in C
     loading = (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it dequantizes
-               else plan.largest * LOAD_BYTES_PER_ELEMENT.get(plan.held, 8))
+               else plan.largest * factor)
     from engine.model.chunks import prefill_chunk
 
-    act, chunk = activation_bytes(config, elem, plan.quantization), prefill_chunk(plan.params, device)
+    act, chunk = activation_bytes(config, elem, _activation_kind(plan)), prefill_chunk(plan.params, device)
     c = text_config(config)
     context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
     attn = attention_of(config)
@@ -364,7 +369,8 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
     config = check_folder(path, spec)  # the files and config.json's sizes, each problem in its own one line
     dtype = compute_dtype(spec, config, device)
     tensors, size = wp.folder_tensors(path)
-    return config, wp.plan_tensors(tensors, dtype, spec.quantization, size), dtype
+    blocks = spec.quantization == "int8" and wp.int8_blocks(device)
+    return config, wp.plan_tensors(tensors, dtype, spec.quantization, size, blocks=blocks), dtype
 
 
 def estimate_path(path: Path, spec, device: str, available: int | None = None, available_from: str = "",

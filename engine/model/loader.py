@@ -40,7 +40,7 @@ from engine.model.hf_load import choose_dtype as _choose_dtype
 from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
-from engine.model import fit, weights_read
+from engine.model import fit, q8_load, weights_read
 from engine.model import template_guard
 from engine.model.weight_index import check_index
 
@@ -308,7 +308,9 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
         output_loading_info=True,  # missing / unexpected / mis-shaped weights, checked below
         ignore_mismatched_sizes=True,  # so a wrong shape is reported there, by name, not raised as prose
     )
-    if spec.quantization != "none":
+    if spec.quantization == "int8" and q8_load.available(device):
+        kwargs["quantization_config"] = q8_load.config()  # Q8_0 blocks for the GGUF kernels, quantized as read
+    elif spec.quantization != "none":
         kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
     if spec.quantization != "none" or device != "cpu":
         kwargs["device_map"] = {"": device}  # each tensor to the device as it is read: never the model in RAM

@@ -112,25 +112,37 @@ def _torch_name(dtype: str) -> str:
 
 
 def quantized_bytes(t: Tensor, quantization: str) -> int:
-    """Bytes of a linear's weight as bitsandbytes holds it."""
+    """Bytes of a linear's weight as it is held quantized: Q8_0 blocks (``q8_0``: 34 bytes a block of 32), or as
+    bitsandbytes holds it (int8: a float32 scale per output row; NF4: a float32 scale per 64 and a codebook)."""
     rows = t.shape[0]
+    if quantization == "q8_0":
+        return t.numel // 32 * 34
     if quantization == "int8":
         return t.numel + 4 * rows  # int8 weights + a float32 scale per output row
     return (t.numel + 1) // 2 + 4 * math.ceil(t.numel / NF4_BLOCK) + NF4_CODEBOOK
 
 
+def int8_blocks(device: str) -> bool:
+    """Does ``--quantize int8`` hold Q8_0 blocks on ``device`` (``engine.model.q8_load``)?"""
+    from engine.model import q8_load
+
+    return q8_load.available(device)
+
+
 def plan_tensors(tensors: list[Tensor], compute_dtype: str, quantization: str, file_bytes: int,
-                 weights_type: str = "", dequantized: bool = False) -> WeightsPlan:
-    """The plan for ``tensors`` held with ``compute_dtype`` activations: quantized by bitsandbytes, else in the
-    compute dtype (``dequantized``: from a GGUF's blocks)."""
+                 weights_type: str = "", dequantized: bool = False, blocks: bool = False) -> WeightsPlan:
+    """The plan for ``tensors`` held with ``compute_dtype`` activations: quantized (``blocks``: int8 as Q8_0
+    blocks, the linears whose rows are whole blocks; else by bitsandbytes), else in the compute dtype
+    (``dequantized``: from a GGUF's blocks)."""
     elem = _ELEM[compute_dtype]
     stored = weights_type or stored_format(tensors)
     total = params = 0
     kinds: set[Held] = set()
+    q8 = quantization == "int8" and blocks
     for t in tensors:
         params += t.numel
-        if quantization != "none" and t.is_linear:
-            total += quantized_bytes(t, quantization)
+        if quantization != "none" and t.is_linear and (not q8 or t.shape[-1] % 32 == 0):
+            total += quantized_bytes(t, "q8_0" if q8 else quantization)
             kinds.add(Held.QUANTIZED)
         else:
             total += t.numel * elem
@@ -138,7 +150,7 @@ def plan_tensors(tensors: list[Tensor], compute_dtype: str, quantization: str, f
                       else Held.CONVERTED)
     largest = max((t.numel for t in tensors), default=0)
     if quantization != "none":
-        held, fmt = Held.QUANTIZED, "int8" if quantization == "int8" else "NF4"
+        held, fmt = Held.QUANTIZED, "Q8_0" if q8 else "int8" if quantization == "int8" else "NF4"
     else:
         held = next((h for h in (Held.DEQUANTIZED, Held.CONVERTED) if h in kinds), Held.READ)
         fmt = stored if held == Held.READ else _torch_name(compute_dtype)

@@ -1,0 +1,63 @@
+"""``--quantize int8`` on a CPU: Q8_0 blocks quantized as each weight is read (``engine.model.q8_load``, the C
+quantizer in engine/quant/csrc/kq_quantize.c) and multiplied by the GGUF block kernels. The blocks are bit for bit
+the ``gguf`` package's Q8_0 (llama.cpp's reference code); the loaded model's weights are what the fit verdict said;
+the paged cache's greedy tokens are HF ``generate``'s on the same quantized model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import CacheConfig, ModelSpec
+from engine.model import fit, q8_load
+from engine.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not q8_load.available("cpu"), reason="no GGUF block kernels on this machine")
+
+
+def test_blocks_are_llama_cpps_bit_for_bit():
+    import gguf
+
+    g = torch.Generator().manual_seed(0)
+    ties = torch.arange(-64, 64, dtype=torch.float32).reshape(4, 32) + 0.5  # exact halves after scaling
+    ties[:, 0] = 127.0
+    for w in (torch.randn(257, 4096, generator=g) * 0.02, torch.randn(3, 32, generator=g) * 7, ties,
+              torch.zeros(2, 64)):
+        for x in (w, w.to(torch.bfloat16)):
+            want = gguf.quants.quantize(x.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            np.testing.assert_array_equal(q8_load.quantize(x).numpy(), want)
+    strided = torch.randn(64, 96, generator=g)[:, :64]  # rows taken from a wider tensor
+    np.testing.assert_array_equal(q8_load.quantize(strided).numpy(), q8_load.quantize(strided.contiguous()).numpy())
+    with pytest.raises(ValueError, match="no whole blocks of 32"):
+        q8_load.quantize(torch.ones(4, 48))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, stories_path):
+    from test_fit import _folder  # tests/engine is on sys.path
+
+    return _folder(tmp_path_factory.mktemp("q8") / "llama-bf16", stories_path)
+
+
+def test_int8_holds_q8_0_blocks_and_decodes_as_hf_does(folder):
+    from test_exact import engine_greedy, hf_greedy
+
+    spec = ModelSpec(source=str(folder), quantization="int8", device="cpu")
+    verdict = fit.estimate_path(folder, spec, "cpu")
+    lm = load_model(spec)
+    kinds = [type(m).__name__ for m in lm.model.modules()]
+    assert kinds.count("BlockLinear") == 2 * 7 and "Linear8bitLt" not in kinds  # every layer linear; not lm_head
+    assert type(lm.model.lm_head).__name__ == "Linear"  # the output head stays in floats, as bitsandbytes keeps it
+    assert lm.info.weights_bytes == verdict.weights.bytes
+    assert (lm.info.weights_format, lm.info.weights_held) == ("Q8_0", "quantized")
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]
+    assert engine_greedy(lm, prompt, 12, CacheConfig()) == hf_greedy(lm, prompt, 12)
+
+
+def test_bitsandbytes_int8_on_request(folder, monkeypatch):
+    monkeypatch.setenv(q8_load.ENV, "bitsandbytes")
+    assert not q8_load.available("cpu")
+    lm = load_model(ModelSpec(source=str(folder), quantization="int8", device="cpu"))
+    assert "Linear8bitLt" in {type(m).__name__ for m in lm.model.modules()}
+    assert lm.info.weights_format == "int8"
