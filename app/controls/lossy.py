@@ -38,14 +38,19 @@ def lossy_parts(cfg: Any) -> list[str]:
 
 
 def added(old: Any, new: Any) -> list[str]:
-    """The lossy parts ``new`` has that ``old`` did not (a lower precision, a policy switched on or changed)."""
-    before = set(lossy_parts(old)) if old is not None else set()
-    changed_policy = old is None or (old.policy, old.policy_params) != (new.policy, new.policy_params)
+    """The lossy parts ``new`` has that ``old`` did not: fewer bits for keys or values than before (tq2 → tq4 loses
+    less, and is not asked about), or an eviction policy switched on or changed."""
     out = []
-    for part in lossy_parts(new):
-        is_policy = not part.startswith(("keys ", "values "))
-        if part not in before or (is_policy and changed_policy):
-            out.append(part)
+    if new.mode == "paged":
+        for role, name in (("keys", "k_dtype"), ("values", "v_dtype")):
+            dtype = getattr(new, name)
+            was = getattr(old, name) if old is not None and old.mode == "paged" else "auto"
+            if low_bits(dtype) and (BITS.get(dtype, 16) < BITS.get(was, 16) or (dtype != was and not low_bits(was))):
+                out.append(f"{role} {KV_DTYPES[dtype].name}" if dtype in KV_DTYPES else f"{role} {dtype}")
+    changed_policy = old is None or old.mode == "off" or (old.policy, old.policy_params) != (new.policy,
+                                                                                           new.policy_params)
+    if new.mode != "off" and new.policy != "none" and changed_policy:
+        out.append(POLICIES[new.policy].name if new.policy in POLICIES else new.policy)
     return out
 
 

@@ -90,6 +90,7 @@ def test_a_lossy_setting_never_comes_back_by_itself(qtbot):
     assert sent[-1].policy == "none"  # an eviction policy comes back only when chosen again
     assert lossy_parts(CacheConfig(k_dtype="int8")) == [] and added(CacheConfig(), CacheConfig(v_dtype="tq3")) == [
         "values 3-bit rotated (tq3)"]
+    assert added(CacheConfig(k_dtype="tq2"), CacheConfig(k_dtype="tq4")) == []  # more bits: nothing to ask
 
 
 def test_a_lossy_choice_says_its_measured_cost_first_and_is_marked_on_the_chat(qtbot, data_dir, stories_path):
