@@ -75,7 +75,7 @@ def _float_param(model):
 
 def _blocks(model) -> list | None:
     """A GGUF model's block modules (``engine.quant.gguf_keep.block_plan``): the child builds the same ones."""
-    return getattr(model, "_kvscope_block_plan", None) or None
+    return getattr(model, "kvscope_block_plan", None) or None
 
 
 def _attn(model) -> str:

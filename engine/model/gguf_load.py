@@ -115,7 +115,7 @@ def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, p
     except (OSError, ValueError, RuntimeError, IndexError) as e:
         raise ModelFormatError(f"cannot load the weights of {path.name}: {first_line(e)}") from None
     p = gguf_keep.plan(info, device, torch.empty((), dtype=dtype).element_size())
-    model._kvscope_blocks = f"GGUF {info.weights_type}, {p.bits:.2f} bits per weight, {p.where} ({p.road})"
+    model.kvscope_blocks = f"GGUF {info.weights_type}, {p.bits:.2f} bits per weight, {p.where} ({p.road})"
     return model
 
 

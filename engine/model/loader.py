@@ -457,7 +457,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
         raise UnsupportedModelError(f"{name}: the model failed on a three-token test run "
                                     f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
     weights_kernel = prepack.apply(model, watch.close(), device, spec.quantization)  # CPU: oneDNN-packed linears
-    blocks = getattr(model, "_kvscope_blocks", "")  # a GGUF's weights kept as blocks (engine.quant)
+    blocks = getattr(model, "kvscope_blocks", "")  # a GGUF's weights kept as blocks (engine.quant)
     weights_kernel = " · ".join(w for w in (blocks, weights_kernel) if w)
     stop = _stop_ids(model, tok)
     threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)

@@ -3,6 +3,6 @@
 (``build``, sources in ``csrc/``), their Python face (``kernel``), the modules a model holds them in
 (``modules``) and the loader that maps a GGUF file's tensors into them (``gguf_keep``).
 
-Qt-free; imports torch and ``engine.kv.quantized.native`` (the compiler runner and cache folder), never the core,
-the server or the model room.
+Qt-free; imports torch, transformers and the gguf package, no other room of the engine (the model room imports
+it).
 """

@@ -28,13 +28,12 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
-
-from engine.kv.quantized.native import cache_dir, compile_run, enabled
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
@@ -48,6 +47,36 @@ LEVELS = (
     ("avx2", ("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi2")),
     ("generic", (), ()),
 )
+
+
+def enabled() -> bool:
+    """``KVSCOPE_NATIVE=off`` turns every native kernel off (the same switch as the KV cache's kernels)."""
+    return os.environ.get("KVSCOPE_NATIVE", "on") != "off"
+
+
+def cache_dir() -> Path:
+    """The native kernels' cache folder (shared with the KV cache's: ``$XDG_CACHE_HOME/kvscope/native``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvscope" / "native"
+
+
+def compile_run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a compiler, its output captured; past ``timeout`` seconds the compiler and the programs it started
+    (``cc`` runs ``cc1`` and ``as`` as children) are stopped and ``subprocess.TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=os.name == "posix")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if os.name == "posix":
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def sources() -> tuple[Path, ...]:

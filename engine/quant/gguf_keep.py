@@ -215,10 +215,7 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
             return
     data = processor.process(weights=table.floats(gname), name=gname).weights
     value = torch.from_numpy(np.ascontiguousarray(data)).to(dtype).reshape(current.shape).to(device)
-    if leaf in owner._parameters:
-        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
-    else:
-        owner._buffers[leaf] = value
+    setattr(owner, leaf, nn.Parameter(value, requires_grad=False) if isinstance(current, nn.Parameter) else value)
 
 
 def _tie_head(model, config) -> None:
@@ -272,16 +269,16 @@ def plan(info, device: str, compute_bytes: int) -> Plan:
 def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None):
     """``build`` from the loader: the causal-LM class of ``config``, sdpa attention where the class has it (else
     eager: Gemma 2's softcapping). ValueError / RuntimeError name what does not fit."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     try:
         model = build(path, info.architecture, config, cls, dtype, device, "sdpa", progress, check)
     except ValueError as e:
         if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
             raise
         model = build(path, info.architecture, config, cls, dtype, device, "eager", progress, check)
-    model._kvscope_block_plan = block_plan(model)
+    model.kvscope_block_plan = block_plan(model)
     return model
 
 

@@ -41,8 +41,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kq_get_rows.argtypes = [i, p, i64, i64, i64, p, i64, p]  # type w rb n_rows n ids count out
     lib.kq_dequant.restype = i
     lib.kq_dequant.argtypes = [i, p, i64, i64, i64, i64, p]  # type w rb r0 r1 n out
-    lib.kq_quantize_act.restype = i
-    lib.kq_quantize_act.argtypes = [i, p, i64, i64, p, p, p, p]  # kind x m n qs d s bsums
     lib.kq_row_bytes_of.restype = i64
     lib.kq_row_bytes_of.argtypes = [i, i64]
     lib.kq_gemm_float_pairs.restype = i
@@ -167,19 +165,3 @@ def dequantize(w: torch.Tensor, ggml_type: int, n: int, rows: tuple[int, int] | 
     out = torch.empty(r1 - r0, n, dtype=torch.float32)  # [r1 - r0, n]
     lib.kq_dequant(ggml_type, w.data_ptr(), rb, r0, r1, n, out.data_ptr())
     return out
-
-
-def quantize_activations(x2: torch.Tensor, kind: int) -> tuple[torch.Tensor, ...]:
-    """The 8-bit rows the integer road makes of x2 [m, n] float32 (tests): kind 0 -> (qs, d, s) per 32, kind 1 ->
-    (qs, d, bsums) as ggml's Q8_K."""
-    lib = library()
-    x2 = x2.to(torch.float32).contiguous()
-    m, n = x2.shape
-    blk = 256 if kind == 1 else 32
-    qs = torch.empty(m, n, dtype=torch.int8)
-    d = torch.empty(m, n // blk, dtype=torch.float32)
-    extra = torch.empty(m, n // 16, dtype=torch.int16) if kind == 1 else torch.empty(m, n // 32, dtype=torch.float32)
-    if lib.kq_quantize_act(kind, x2.data_ptr(), m, n, qs.data_ptr(), d.data_ptr(),
-                           None if kind == 1 else extra.data_ptr(), extra.data_ptr() if kind == 1 else None) != 0:
-        raise ValueError(f"{n} is not a multiple of {blk}")
-    return qs, d, extra

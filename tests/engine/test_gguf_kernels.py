@@ -87,27 +87,19 @@ def test_bf16_rows_take_bfloat16_activations_on_the_default_road():
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-def _ggml_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's quantize_row_q8_K_ref in numpy: per 256, scale by the value of largest magnitude (signed)."""
+def ggml_q8(x: np.ndarray, kind: int) -> np.ndarray:
+    """x [m, n] as the integer road's activations, dequantized (float64): ggml's Q8_0 blocks (kind 0, the gguf
+    package's own quantizer: d = max|x| / 127 in half precision) or its Q8_K (kind 1: quantize_row_q8_K_ref in
+    numpy, scaled by the value of largest magnitude, sign kept, d a float)."""
+    if kind == 0:
+        q8 = gguf.quants.quantize(x.astype(np.float32), T.Q8_0).reshape(x.shape[0], -1, 34)
+        d = q8[:, :, :2].copy().view(np.float16).astype(np.float64)  # [m, n / 32, 1]
+        return (q8[:, :, 2:].view(np.int8) * d).reshape(x.shape)
     b = x.reshape(x.shape[0], -1, 256).astype(np.float32)
-    at = np.abs(b).argmax(-1)
-    mx = np.take_along_axis(b, at[..., None], -1)
+    mx = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
     iscale = np.float32(-127.0) / mx
-    q = np.minimum(127, np.rint(iscale * b)).astype(np.int8)
-    return q.reshape(x.shape), (1 / iscale)[..., 0], q.reshape(x.shape[0], -1, 16).astype(np.int32).sum(-1)
-
-
-def test_activations_are_ggml_blocks():
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
-    qs, d, s = kernel.quantize_activations(x, 0)  # Q8_0 with the sums
-    q8 = gguf.quants.quantize(x.numpy(), T.Q8_0).reshape(3, 16, 34)
-    assert np.array_equal(qs.numpy().reshape(3, 16, 32), q8[:, :, 2:].view(np.int8))
-    assert np.array_equal(d.numpy(), q8[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32))
-    assert np.allclose(s.numpy(), d.numpy() * qs.numpy().reshape(3, 16, 32).astype(np.float32).sum(-1))
-    qk, dk, bs = kernel.quantize_activations(x, 1)  # Q8_K
-    rq, rd, rbs = _ggml_q8_k(x.numpy())
-    assert np.array_equal(qk.numpy(), rq) and np.allclose(dk.numpy(), rd, rtol=1e-6)
-    assert np.array_equal(bs.numpy(), rbs)
+    q = np.minimum(127, np.rint(iscale * b))
+    return (q * (1 / iscale).astype(np.float64)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("name", QUANT)
@@ -122,10 +114,7 @@ def test_int8_road_is_exact_on_the_quantized_activations(name, blocks_odd, m):
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
     w = torch.from_numpy(raw)
     y = kernel.matmul(x, w, T[name].value, n, road="int8").numpy()
-    kind = 1 if name.endswith("_K") else 0
-    qs, d, _ = kernel.quantize_activations(x, kind)
-    xq = qs.double().numpy() * np.repeat(d.double().numpy(), 256 if kind else 32, axis=1)
-    ref = xq @ reference(raw, name).T
+    ref = ggml_q8(x.numpy(), 1 if name.endswith("_K") else 0) @ reference(raw, name).T
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
     one = np.stack([kernel.matmul(x[i:i + 1], w, T[name].value, n, road="int8").numpy()[0] for i in range(m)])
     if m < 16:

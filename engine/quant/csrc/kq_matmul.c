@@ -237,14 +237,6 @@ int kq_dequant(int type, const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, i
     return 0;
 }
 
-/* the 8-bit activation rows the integer road makes of x (tests compare them with ggml's): kind 0 ACT32, 1 ACTK */
-int kq_quantize_act(int kind, const float* x, int64_t m, int64_t n, int8_t* qs, float* d, float* s, int16_t* bs) {
-    if (n % (kind == 1 ? QKK : QK)) return -1;
-    kq_act a = {qs, d, s, bs, n};
-    quantize_rows(kind, 0, x, n, 0, m, &a);
-    return 0;
-}
-
 int kq_act_kind_of(int type) { return kq_act_kind(type); }
 int64_t kq_row_bytes_of(int type, int64_t n) { return kq_row_bytes(type, n); }
 const char* kq_isa_name(void) { return kq_isa(); }
