@@ -169,3 +169,32 @@ def test_the_compiled_step_runs_on_blocks_and_gives_the_eager_tokens(files, monk
             s_paths.append(r.event.path)
     assert "compiled" in s_paths
     assert s.generated_ids == eager
+
+
+def test_a_quantized_draft_model_speculates_for_a_quantized_target(files, tmp_path, stories_path, monkeypatch):
+    """Speculative decoding with a Q4_K GGUF draft model for a mixed-block GGUF target: the target's own greedy
+    tokens (the draft only proposes; float activations, so that a verification's rows and a decode's row are the
+    same sums)."""
+    from engine.config import SamplingConfig
+    from engine.core.session import ChatSession
+    from engine.speculation.draft_model import ModelDrafter
+    from engine.speculation.verify import SpecConfig
+
+    monkeypatch.setenv("KVSCOPE_GGUF_ROAD", "float")
+    target = load_model(ModelSpec(source=str(files["llama"])))
+    plain = engine_greedy(target, PROMPT, 24, CacheConfig(mode="paged", page_size=4))
+    model = _random("llama")
+    with torch.no_grad():
+        for p in model.parameters():  # another model: the draft is wrong now and then
+            p.mul_(1.1)
+    path = write_blocks(model, "llama", stories_path / "tokenizer.model", tmp_path / "draft-q4k.gguf",
+                        lambda name, shape: "Q4_K" if shape[-1] % 256 == 0 else "Q8_0")
+    draft = load_model(ModelSpec(source=str(path)))
+    assert any(isinstance(m, BlockLinear) and m.ggml_type == 12 for m in draft.model.modules())
+    s = ChatSession(target, CacheConfig(mode="paged", page_size=4))
+    s.speculate(SpecConfig(method="draft", draft_path=str(path), auto_off=False), ModelDrafter(draft, target))
+    s.start_ids(PROMPT, SamplingConfig(max_new_tokens=24, ignore_eos=True))
+    while not (r := s.step()).done:
+        pass
+    assert s.generated_ids == plain
+    assert r.stats.draft_tokens > 0
