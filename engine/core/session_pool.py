@@ -67,6 +67,10 @@ class SessionPool:
         self._sessions: OrderedDict[Hashable, ChatSession] = OrderedDict()  # least recently used first
         self.tenant_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its tenant
         self.active: Hashable | None = None  # the chat ``activate`` made current
+        # the one user of a server without API keys (its unsalted requests' tenant): nothing is hidden from it, so
+        # its prompts reuse another conversation to the token and the account says where they diverged (a changed
+        # word read as ``partial_page`` at the page's start); None: every tenant in whole pages
+        self.exact_tenant: bytes | None = None
 
     @property
     def grain(self) -> int:
@@ -139,26 +143,29 @@ class SessionPool:
             n = common_prefix(cached, ids)
             if n > shared:
                 best, key, shared, whole = s, k, n, n == len(cached)
+        exact = self.exact_tenant is not None and tenant == self.exact_tenant
         if not whole and best is not None:  # the last prompt token is always fed: whole pages before it
-            shared = best.cache.store.reusable(min(shared, len(ids) - 1) // self.grain * self.grain)
+            upto = min(shared, len(ids) - 1)
+            shared = best.cache.store.reusable(upto if exact else upto // self.grain * self.grain)
+        why = (MissReason.DIVERGED, f"the prompt differs from this conversation at token {shared}") if exact else (
+            MissReason.PARTIAL_PAGE, f"reused in whole pages of {self.grain} tokens only: this prompt does not go on "
+                                     "with the whole conversation")
         # a prompt that shares only a start (a chat template's header, a system prompt) with a conversation does
         # not take it over: cutting it back would lose that conversation's cache to an unrelated request (its
         # follow-up then found 8 of 111 tokens), and the new one gets the shared pages from the prefix cache anyway
         mostly = best is not None and 2 * shared >= best.index.intact
         if best is not None and shared >= self.min_shared and not whole and not mostly:
-            branch = self._branch(best, shared, tenant)
+            branch = self._branch(best, shared, tenant, why)
             return branch, (shared if branch.cached_tokens else 0)
         if best is not None and shared > 0 and (whole or (shared >= self.min_shared and mostly)):
             del self._sessions[key]
             if not whole:
-                best.cache.cut_back(shared, MissReason.PARTIAL_PAGE,  # past the last whole page is not reused
-                                    f"reused in whole pages of {self.grain} tokens only: this prompt does not go on "
-                                    "with the whole conversation")
+                best.cache.cut_back(shared, *why)  # past the last whole page (one user: the token) is not reused
             self.speculation.onto(best)
             return best, shared
         return self.new_session(tenant), 0
 
-    def _branch(self, best: ChatSession, shared: int, tenant: bytes) -> ChatSession:
+    def _branch(self, best: ChatSession, shared: int, tenant: bytes, why: tuple) -> ChatSession:
         """A new session going on from ``best``'s first ``shared`` tokens, ``best`` kept as it is: a branch of a
         conversation (another second message, an edit) reuses what it shares without taking the conversation's
         cache from it (paged pages are shared, copy-on-write). On a hybrid model ``shared`` is a checkpoint."""
@@ -166,8 +173,7 @@ class SessionPool:
             s = best.fork()  # a contiguous cache is copied: it may not fit
         except CacheCapacityError:
             return self.new_session(tenant)  # ``best`` is untouched; the request prefills as a new conversation
-        s.cache.cut_back(shared, MissReason.PARTIAL_PAGE, f"reused in whole pages of {self.grain} tokens only: this "
-                                                          "prompt does not go on with the whole conversation")
+        s.cache.cut_back(shared, *why)
         self.speculation.onto(s)
         self.tenant_of[s] = tenant
         return s

@@ -106,6 +106,10 @@ class KVServer:
         # ``core``: the app's engine core (the API's requests run beside its chats); None: one of its own
         self.scheduler = Scheduler(lm, self.cache, self.metrics, o.max_running, o.max_waiting, o.max_idle, core,
                                    o.limits, speculation=(o.speculative, o.draft_lm))
+        if not self.api_keys:  # one user: its accounts say where a prompt diverged, to the token (tenants: whole pages)
+            from engine.kv.paged.tenants import tenant_of
+
+            self.scheduler.idle.exact_tenant = tenant_of(None, None)
         self.last_gauges: dict[str, float] = {}
         check_cors(o.cors, self.api_key)
         self.kv_events = None

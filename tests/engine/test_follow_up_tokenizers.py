@@ -77,3 +77,20 @@ def test_a_follow_up_reuses_the_prompt_and_the_reply(served):
             was = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
             convo.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     assert min(reuse) >= 0.95, (name, reuse)
+
+
+def test_without_keys_a_changed_word_is_told_where_it_diverged(served):
+    """One user (no API keys): nothing is hidden from it, so a prompt that changes a word of the conversation is
+    reused up to that token and the account says ``diverged`` there (it read ``partial_page`` from the page's start)."""
+    name, url = served
+    first = [{"role": "user", "content": "Tell me a long story about a red fox who lived in a quiet forest by a river."}]
+    with httpx.Client(base_url=url, timeout=120) as c:
+        c.post("/v1/chat/completions", json={"model": name, "messages": first, "max_tokens": 8, "temperature": 0})
+        changed = [{"role": "user", "content": first[0]["content"].replace("quiet", "noisy")}]
+        body = c.post("/v1/chat/completions", json={"model": name, "messages": changed, "max_tokens": 1,
+                                                    "temperature": 0}).json()
+    misses = body["kvscope"]["cache"]["misses"]
+    assert misses[0]["reason"] == "diverged", misses
+    reused = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert misses[0]["start"] == reused and "partial_page" not in [m["reason"] for m in misses]
+    assert reused > 16  # to the changed word, past the first page
