@@ -124,7 +124,9 @@ def _load(a):
     from engine.config import ModelSpec
     from engine.model.loader import load_model
 
-    return load_model(ModelSpec(source=a.model, device=a.device, dtype=a.dtype))
+    from engine.model.notes import print_notes
+
+    return load_model(ModelSpec(source=a.model, device=a.device, dtype=a.dtype), print_notes)  # the memory verdict
 
 
 def _contexts(a) -> list[int]:

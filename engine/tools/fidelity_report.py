@@ -138,8 +138,9 @@ def run_fidelity(a, cache_config: Callable, model_spec: Callable) -> int:
     import torch
 
     from engine.model.loader import load_model
+    from engine.model.notes import print_notes
 
-    lm = load_model(model_spec(a))
+    lm = load_model(model_spec(a), print_notes)  # the memory verdict, on stderr
     torch.set_grad_enabled(False)
     chat = chat_text(lm, messages, text, a.scope)
     settings = [(describe(cfg), cfg)] + (grid_settings(cfg, len(chat.ids)) if a.grid else [])

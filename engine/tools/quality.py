@@ -195,8 +195,9 @@ def run_quality(a) -> int:
 
     from engine.config import ModelSpec
     from engine.model.loader import load_model
+    from engine.model.notes import print_notes
 
-    lm = load_model(ModelSpec(source=a.model, device=a.device))
+    lm = load_model(ModelSpec(source=a.model, device=a.device), print_notes)  # the memory verdict, on stderr
     if lm.tokenizer is None:
         raise ValueError("quality needs a model with a tokenizer")
     ids = [int(t) for t in lm.tokenizer(text)["input_ids"]]
