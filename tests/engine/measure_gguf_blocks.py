@@ -4,8 +4,10 @@ load, peak RSS, time to first token and decode speed, one fresh process per side
     python tests/engine/measure_gguf_blocks.py --llama-python /work/lc/bin/python FILE.gguf [FILE.gguf ...]
         [--threads 1,2] [--contexts 128,1024] [--new 32] [--rounds 2] [--json out.json]
 
-The prompt is token ids (no tokenizer: ``(7 i) % 500 + 3``, a BOS first), the same on both sides; decode feeds
-each side's own greedy tokens. llama.cpp runs through llama-cpp-python (``--llama-python``: a Python with
+The prompt is token ids (no tokenizer: ``(7 i) % 500 + 3``, a BOS first), the same on both sides; decode is one
+token's forward a step on both (the engine's greedy tokens, llama.cpp fed fixed ids as
+``/work/shared/bench/llamacpp/lc.py`` feeds them). The engine's compiled decode step is started as the app starts it (its package,
+built once per shape by a background child, loads from the cache; its first 32 steps are the 3:1 trial). llama.cpp runs through llama-cpp-python (``--llama-python``: a Python with
 ``llama_cpp``), memory-mapped as it loads by default, flash attention on; ``LC_NO_EXTRA_BUFTS=1`` turns off its
 repacked weight buffers (where they fault). Not in the default suite (minutes per file).
 """
@@ -43,18 +45,23 @@ def child_kvscope(path: str, threads: int, ctx: int, new: int) -> dict:
     load_s = time.perf_counter() - t0
     torch.set_num_threads(threads)
     rss_load = _rss_mb()
+    lm.fast.start()  # as the app does at load: a package already built for this shape loads in milliseconds
+    lm.fast.wait(60)
     s = ChatSession(lm, CacheConfig(mode="paged", page_size=16))
     t0 = time.perf_counter()
     s.start_ids(prompt(ctx), SamplingConfig(max_new_tokens=new, ignore_eos=True))
     r = s.step()
     ttft = time.perf_counter() - t0
+    paths: dict[str, int] = {}
     t1 = time.perf_counter()
     while not (r := s.step()).done:
-        pass
+        if r.event is not None:
+            paths[r.event.path] = paths.get(r.event.path, 0) + 1
     dec = time.perf_counter() - t1
     return dict(load_s=load_s, rss_load_mb=rss_load, ttft_s=ttft, decode_tok_s=(new - 1) / dec,
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, tokens=s.generated_ids[:8],
-                kernel=lm.info.weights_kernel)
+                kernel=lm.info.weights_kernel, steps=" ".join(f"{k} {v}" for k, v in sorted(paths.items())),
+                fast=lm.fast_step.describe() if lm.fast_step is not None else "")
 
 
 def child_llama(path: str, threads: int, ctx: int, new: int) -> dict:
@@ -79,14 +86,13 @@ def child_llama(path: str, threads: int, ctx: int, new: int) -> dict:
     rss_load = _rss_mb()
     t0 = time.perf_counter()
     llm.eval(prompt(ctx))
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
     ttft = time.perf_counter() - t0
-    toks = [tok]
+    tok, toks = 5, []  # fixed ids, as lc.py feeds them: one token's forward each, as the engine's greedy step
     t1 = time.perf_counter()
     for _ in range(new - 1):
         llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
         toks.append(tok)
+        tok = (tok * 13 + 7) % 500 + 3
     dec = time.perf_counter() - t1
     return dict(load_s=load_s, rss_load_mb=rss_load, ttft_s=ttft, decode_tok_s=(new - 1) / dec,
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, tokens=toks[:8])

@@ -49,10 +49,67 @@ static void store(float* y, int64_t ldy, int64_t r, int64_t o, const int32_t* ma
     y[r * ldy + (map ? map[o] : o)] = v + (bias ? bias[o] : 0.f);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* sixteen weights of a float type as float32, widened in registers */
+static inline __m512 load16(int type, const uint8_t* w, int64_t i) {
+    if (type == KQ_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(w + 2 * i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (type == KQ_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 2 * i)));
+    return _mm512_loadu_ps((const float*)w + i);
+}
+
+/* one weight row of a float type times R (1..4) activation rows, the weights widened once for all R (a decode
+   step's row: the weights stream from memory at 2 bytes a weight for BF16 / F16, no float32 copy of the row) */
+static inline __attribute__((always_inline)) void float_row(int type, const uint8_t* wr, int64_t n, const float* x,
+                                                           int64_t ldx, int R, float* out) {
+    __m512 a0[4], a1[4];
+    for (int r = 0; r < R; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 w0 = load16(type, wr, i), w1 = load16(type, wr, i + 16);
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + i), a0[r]);
+            a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + i + 16), a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+    if (i < n) {  /* a tail under 32: widened one at a time */
+        float t[32];
+        kq_dequant_row(type, wr + (type == KQ_F32 ? 4 : 2) * i, t, n - i);
+        for (int r = 0; r < R; r++)
+            for (int64_t k = 0; k < n - i; k++) out[r] += t[k] * x[r * ldx + i + k];
+    }
+}
+
+static void float_rows(int type, const uint8_t* wr, int64_t n, const float* x, int64_t ldx, int64_t m, float* out4,
+                       int64_t o, float* y, int64_t ldy, const float* bias, const int32_t* map) {
+    for (int64_t r = 0; r < m; r += 4) {
+        const int R = m - r < 4 ? (int)(m - r) : 4;
+        switch (R) {
+        case 4: float_row(type, wr, n, x + r * ldx, ldx, 4, out4); break;
+        case 3: float_row(type, wr, n, x + r * ldx, ldx, 3, out4); break;
+        case 2: float_row(type, wr, n, x + r * ldx, ldx, 2, out4); break;
+        default: float_row(type, wr, n, x + r * ldx, ldx, 1, out4); break;
+        }
+        for (int k = 0; k < R; k++) store(y, ldy, r + k, o, map, bias, out4[k]);
+    }
+}
+#endif
+
 /* weight rows [o0, o1) on the float road; buf holds one dequantized row (n floats) */
 static void rows_float(int type, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n, const float* x,
                        int64_t m, int64_t ldx, float* y, int64_t ldy, const float* bias, const int32_t* map,
                        float* buf) {
+#if defined(__AVX512F__)
+    if (is_float(type)) {
+        float out[4];
+        for (int64_t o = o0; o < o1; o++) float_rows(type, w + o * rb, n, x, ldx, m, out, o, y, ldy, bias, map);
+        return;
+    }
+#endif
     for (int64_t o = o0; o < o1; o++) {
         const float* wr = (const float*)(w + o * rb);
         if (type != KQ_F32) { kq_dequant_row(type, w + o * rb, buf, n); wr = buf; }
