@@ -162,9 +162,9 @@ def _keep(ggml_type: int, shape: tuple[int, ...], device: str) -> bool:
 def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device: str, attn: str,
           progress: Callable[[str, float], None] | None = None, check: Callable[[], None] = lambda: None):
     """The model of the GGUF file at ``path`` (``architecture`` its ``general.architecture``, ``config`` read from
-    it, ``cls`` its causal-LM class) with the
-    weights of kept types as blocks mapped from the file and everything else in ``dtype``; on ``device``. Raises
-    ValueError naming what does not fit (a tensor the model does not have, a parameter the file lacks)."""
+    it, ``cls`` its causal-LM class) with the weights of kept types as blocks mapped from the file and everything
+    else in ``dtype``, on ``device``. Raises ValueError naming what does not fit (a tensor the model does not have,
+    a parameter the file lacks)."""
     import accelerate
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
