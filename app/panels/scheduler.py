@@ -47,7 +47,8 @@ class PanelScheduler:
         snapshot is offered (an idle chat's, or an API conversation's, drawn at once), and a reply that ended is
         drawn whole."""
         self._screen = screen
-        screen.connect("chat", lambda _chat: self.clear())
+        # a remote chat's controller borrows the panels and draws them itself (``app.remote.panels``)
+        screen.connect("chat", lambda chat: None if isinstance(chat, tuple) and chat[0] == "remote" else self.clear())
         screen.connect("latest", self._on_latest)
         screen.connect("generation", lambda gen: gen or QTimer.singleShot(0, self.refresh_all))
 

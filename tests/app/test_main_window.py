@@ -214,7 +214,7 @@ def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path)
         field = w.status.context
         w.status.show_context(100, 512, w.cache.applied.overflow)
         # the default (#31 item 1): the chat goes on, the oldest dropped
-        assert field.text() == "Context: 100 of 512 tokens" and "the oldest tokens are dropped" in field.toolTip()
+        assert field.text() == "Context: 100 of 512 tokens" and "the oldest whole messages are dropped" in field.toolTip()
         assert field.level == "" and CONTEXT_FILLING not in field.styleSheet()
         w.status.show_context(400, 512, w.cache.applied.overflow)
         assert field.level == "filling" and CONTEXT_FILLING in field.styleSheet() and "78%" in field.toolTip()
