@@ -254,6 +254,15 @@ def activation_bytes(config: dict, elem_bytes: int, quantization: str = "none") 
     return int(per * ACTIVATION_FACTOR.get(quantization, 1.0))
 
 
+def _native_quantizer() -> bool:
+    """Are the block kernels' quantizers here (``engine.model.q8_load``, ``engine.model.nf4_quant``)?"""
+    try:
+        from engine.quant import kernel
+    except ImportError:
+        return False
+    return kernel.library() is not None
+
+
 def _activation_kind(plan: WeightsPlan) -> str:
     return "none" if plan.format == "Q8_0" else plan.quantization
 
@@ -266,7 +275,9 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
     elem = {"float32": 4, "float16": 2, "bfloat16": 2}[compute_dtype]
     gpu = device != "cpu"
     libraries = 0 if gpu else LIBRARIES.get(plan.quantization, LIBRARIES["none"])
-    factor = 4 if plan.format == "Q8_0" else LOAD_BYTES_PER_ELEMENT.get(plan.held, 8)  # a float copy, quantized in C
+    factor = LOAD_BYTES_PER_ELEMENT.get(plan.held, 8)
+    if plan.format == "Q8_0" or (plan.format == "NF4" and device == "cpu" and _native_quantizer()):
+        factor = 4 if plan.format == "Q8_0" else 8  # quantized in C: the float copy and the file's bytes in flight
     loading = (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it dequantizes
                else plan.largest * factor)
     from engine.model.chunks import prefill_chunk

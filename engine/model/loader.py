@@ -40,7 +40,7 @@ from engine.model.hf_load import choose_dtype as _choose_dtype
 from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
-from engine.model import fit, q8_load, weights_read
+from engine.model import fit, nf4_quant, q8_load, weights_read
 from engine.model import template_guard
 from engine.model.weight_index import check_index
 
@@ -312,6 +312,8 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
         kwargs["quantization_config"] = q8_load.config()  # Q8_0 blocks for the GGUF kernels, quantized as read
     elif spec.quantization != "none":
         kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
+        if spec.quantization == "nf4" and device == "cpu":
+            nf4_quant.install()  # bitsandbytes' 4-bit quantization in C: the same blocks, 25x faster
     if spec.quantization != "none" or device != "cpu":
         kwargs["device_map"] = {"": device}  # each tensor to the device as it is read: never the model in RAM
     if weights_read.readable(folder, spec.trust_remote_code):

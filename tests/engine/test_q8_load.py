@@ -1,7 +1,8 @@
 """``--quantize int8`` on a CPU: Q8_0 blocks quantized as each weight is read (``engine.model.q8_load``, the C
 quantizer in engine/quant/csrc/kq_quantize.c) and multiplied by the GGUF block kernels. The blocks are bit for bit
 the ``gguf`` package's Q8_0 (llama.cpp's reference code); the loaded model's weights are what the fit verdict said;
-the paged cache's greedy tokens are HF ``generate``'s on the same quantized model."""
+the paged cache's greedy tokens are HF ``generate``'s on the same quantized model. ``--quantize nf4``'s blocks, quantized
+by the same library's C (``engine.model.nf4_quant``), are bitsandbytes' own bit for bit."""
 
 from __future__ import annotations
 
@@ -61,3 +62,21 @@ def test_bitsandbytes_int8_on_request(folder, monkeypatch):
     lm = load_model(ModelSpec(source=str(folder), quantization="int8", device="cpu"))
     assert "Linear8bitLt" in {type(m).__name__ for m in lm.model.modules()}
     assert lm.info.weights_format == "int8"
+
+
+def test_nf4_blocks_are_bitsandbytes_bit_for_bit():
+    """``--quantize nf4`` on a CPU: bitsandbytes' own 4-bit quantization computed by C (``engine.model.nf4_quant``)
+    gives its torch code's codes and scales exactly, partial last blocks and odd counts included."""
+    pytest.importorskip("bitsandbytes")
+    from engine.model import nf4_quant
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(512, 256, generator=g) * 0.02, torch.randn(13, 7, generator=g), torch.zeros(2, 64),
+             torch.randn(5, 100, generator=g).to(torch.bfloat16), torch.randn(3, 64, generator=g) * 1e-30]
+    want = [nf4_quant._default(c, 64, "nf4", torch.uint8) for c in cases]  # bitsandbytes' torch code
+    assert nf4_quant.install()
+    for c, (codes, scales) in zip(cases, want):
+        got = torch.ops.bitsandbytes.quantize_4bit(c, 64, "nf4", torch.uint8)  # now the C kernel
+        assert torch.equal(got[0], codes) and torch.equal(got[1], scales)
+    fp4 = torch.ops.bitsandbytes.quantize_4bit(cases[1], 64, "fp4", torch.uint8)  # not ours: bitsandbytes' code
+    assert torch.equal(fp4[0], nf4_quant._default(cases[1], 64, "fp4", torch.uint8)[0])
