@@ -15,6 +15,10 @@ import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.panels.base import hover_tip, legend_row, styled_plot
+from app.shell.format import human_bytes
+
+LABEL_CHAR_PX = 7  # a label's character, about, at the chart's font: its box, to keep labels apart
+LABEL_LINE_PX = 15
 
 POLICY_COLOURS = {"none": "#c3c9d2", "streaming": "#ffb347", "h2o": "#4c9be8", "expected": "#43c59e",
                   "priority": "#b48ead"}
@@ -90,19 +94,26 @@ class FidelityPlot(QWidget):
         """Labels on the front's points, from the cheapest on, each only where it does not crowd the last one
         named (a twelfth of the chart's width and a tenth of its height apart); right of its point, or left of it
         in the chart's right third."""
-        (x0, x1), (y0, y1) = self.plot.getViewBox().viewRange()
-        named, used = [], 0
+        box = self.plot.getViewBox()
+        (x0, x1), (y0, y1) = box.viewRange()
+        per_px = ((x1 - x0) / max(box.width(), 1.0), (y1 - y0) / max(box.height(), 1.0))
+        taken: list[tuple[float, float, float, float]] = []  # the named labels' boxes in data units
+        used = 0
         for j in self.front:
-            if named and abs(xs[j] - xs[named[-1]]) < (x1 - x0) / 12 and abs(ys[j] - ys[named[-1]]) < (y1 - y0) / 10:
-                continue
             if used == len(self.labels):
                 break
+            text = self.rows[j]["label"]
+            left = xs[j] > x0 + (x1 - x0) * 2 / 3
+            w, h = len(text) * LABEL_CHAR_PX * per_px[0], LABEL_LINE_PX * per_px[1]
+            rect = (xs[j] - w if left else xs[j], ys[j], xs[j] if left else xs[j] + w, ys[j] + h)
+            if any(rect[0] < b[2] and b[0] < rect[2] and rect[1] < b[3] and b[1] < rect[3] for b in taken):
+                continue  # it would overlap a label already there (they overlapped: #49)
             label = self.labels[used]
-            label.setText(self.rows[j]["label"])
-            label.setAnchor((1, 1) if xs[j] > x0 + (x1 - x0) * 2 / 3 else (0, 1))
+            label.setText(text)
+            label.setAnchor((1, 1) if left else (0, 1))
             label.setPos(xs[j], ys[j])
             label.setVisible(True)
-            named.append(j)
+            taken.append(rect)
             used += 1
         for label in self.labels[used:]:
             label.setVisible(False)
@@ -128,7 +139,8 @@ class FidelityPlot(QWidget):
             return ""
         i = int(np.argmin([abs(r["bytes_per_token"] - x) for r in self.rows]))
         r = self.rows[i]
-        return html.escape(f"{r['label']}: {r['bytes_per_token']:.0f} B/token · top-1 {100 * r['top1_agreement']:.1f}% "
+        return html.escape(f"{r['label']}: {human_bytes(r['bytes_per_token'])} held per token · top-1 "
+                           f"{100 * r['top1_agreement']:.1f}% "
                            f"· KL {r['mean_kl']:.4f} · perplexity ×{r['perplexity_ratio']:.3f}")
 
     def points(self) -> list[tuple[float, float, str]]:

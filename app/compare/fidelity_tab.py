@@ -21,15 +21,19 @@ from PySide6.QtWidgets import (
 )
 
 from app.compare.fidelity_plot import FidelityPlot
+from app.shell.format import human_bytes
 from app.compare.fidelity_task import LABEL_SUFFIX
 
-COLUMNS = ("setting", "B / token", "top-1", "KL", "perplexity", "s")
+COLUMNS = ("setting", "KV held / token", "top-1", "KL", "perplexity", "s")
+HELD_TIP = ("What the cache held at the end of the check over the chat's tokens, formatted as the model card's 'KV per "
+            "token': the page being filled counts whole, so full precision reads a little above the card's figure "
+            "(which counts full pages only)")
 
 
 def row_cells(row: dict[str, Any]) -> list[str]:
     if row.get("error"):
         return [row["label"], "—", "—", "—", "—", "error: " + row["error"]]
-    return [row["label"], f"{row['bytes_per_token']:.0f}", f"{100 * row['top1_agreement']:.1f}%",
+    return [row["label"], human_bytes(row["bytes_per_token"]), f"{100 * row['top1_agreement']:.1f}%",
             f"{row['mean_kl']:.4f}", f"×{row['perplexity_ratio']:.3f}", f"{row['seconds']:.1f}"]
 
 
@@ -70,6 +74,7 @@ class FidelityTab(QWidget):
         self.progress.setTextVisible(False)
         self.plot = FidelityPlot(precisions)
         self.table = results_table(COLUMNS)
+        self.table.horizontalHeaderItem(1).setToolTip(HELD_TIP)
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self.plot)
         split.addWidget(self.table)
