@@ -3,8 +3,8 @@
 the formulas the cache itself uses), and the longest context that fits in the free RAM (CPU) or GPU memory.
 
 The loader refuses a model that does not fit (``WontFitError``, with the numbers) before reading a weight: a load
-the system would kill never starts. ``Fit`` is the type; the command line's words are ``describe`` / ``refusal``
-here, the app's are its own (``app.shell.format``).
+the system would kill never starts (``engine.model.fit_check``). ``Fit`` is the type; the command line's words are
+``fit_check``'s, the app's its own (``app.shell.format``).
 
 What the process will hold, beyond what it holds now (measured on the Llama-3.2-1B shape, AMD EPYC, 2026-12-06,
 ``tests/engine/measure_fit.py``):
@@ -18,14 +18,12 @@ machine simulated, for tests and for the user who wants the engine to keep withi
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError
-from engine.model.notes import LoadNote
 from engine.kv.paged import sizes
 from engine.model.weights_plan import Held, WeightsPlan
 
@@ -297,57 +295,6 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
                available_from, context, tuple(kv), attn)
 
 
-# -- words for the command line ---------------------------------------------------------------------------------
-def human_bytes(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def held_words(w: WeightsPlan) -> str:
-    """'Q4_K_M, 4.85 bits per weight, mapped from the file' / 'F32 (converted from BF16), 32.0 bits per weight'."""
-    how = {Held.MAPPED: "mapped from the file", Held.READ: "read as stored",
-           Held.CONVERTED: f"converted from {w.stored} as read",
-           Held.QUANTIZED: f"quantized from {w.stored} as read (bitsandbytes)",
-           Held.DEQUANTIZED: f"dequantized from {w.stored} as read"}[w.held]
-    return f"{w.format}, {w.bits_per_weight:.2f} bits per weight, {how}"
-
-
-def describe(fit: Fit) -> str:
-    """One line: the weights as held, what a token costs for each K/V precision and the longest context."""
-    kv = ", ".join(f"{_kind(fit, k)} {human_bytes(k.bytes_per_token)}" for k in fit.kv)
-    where = f"{human_bytes(fit.available)} of {fit.available_from}"
-    if all(k.longest_context >= fit.context for k in fit.kv) and fit.context:
-        room = f"its whole context ({fit.context:,} tokens) fits at every precision in {where}"
-    else:
-        room = f"longest context in {where}: " + ", ".join(f"{_kind(fit, k)} {k.longest_context:,}" for k in fit.kv)
-    return (f"{fit.name}: weights {human_bytes(fit.weights.bytes)} ({held_words(fit.weights)}), "
-            f"{human_bytes(fit.resident_bytes)} with the runtime; KV cache per token: {kv}; {room}")
-
-
-def _kind(fit: Fit, k: KVCost) -> str:
-    return fit.compute_dtype if k.kind == "auto" else k.kind
-
-
-def refusal(fit: Fit, alternatives: list[tuple[str, Fit]] = ()) -> str:
-    """Why ``fit`` does not fit, with the numbers, and the settings that would."""
-    if fit.load_bytes > fit.available:
-        why = (f"loading needs {human_bytes(fit.load_bytes)} (weights {human_bytes(fit.weights.bytes)} as "
-               f"{fit.weights.format}, {human_bytes(fit.libraries + fit.loading)} for the libraries and the "
-               f"tensor being read)")
-    else:
-        best = max(fit.kv, key=lambda k: k.longest_context)
-        why = (f"after its weights ({human_bytes(fit.resident_bytes)} with the runtime) the KV cache has room for "
-               f"{best.longest_context:,} tokens at most ({_kind(fit, best)}), fewer than {fit.min_context:,}")
-    others = [f"{flag} needs {human_bytes(f.load_bytes)}" for flag, f in alternatives if f.fits]
-    tip = f"; {'; '.join(others)}" if others else ""
-    return (f"{fit.name} will not fit: {why}, and {human_bytes(fit.available)} of {fit.available_from} "
-            f"is available{tip}")
-
-
 # -- a model's files -> the verdict -----------------------------------------------------------------------------
 def compute_dtype(spec, config: dict, device: str) -> str:
     """The dtype the loader computes in (``hf_load.choose_dtype``), by name."""
@@ -391,46 +338,3 @@ def estimate_path(path: Path, spec, device: str, available: int | None = None, a
     config, plan, dtype = weights_for(path, spec, device)
     return estimate(name or path.name, config, plan, device, dtype, available,
                     available_from or ("" if available is None else "the memory given"))
-
-
-class FitNote(LoadNote):
-    """The verdict said before the weights load (``describe``'s words; ``fit`` for whoever words it otherwise)."""
-
-    fit: Fit
-
-
-def check(path: Path, spec, device: str, progress=None, name: str = "", say: bool = True) -> Fit | None:
-    """Before a load reads a weight: ``WontFitError`` with the numbers (and the settings that would fit) when the
-    model will not fit; else the verdict, said through ``progress`` as a ``FitNote`` (unless ``say`` is False). None
-    when the files cannot be read here (the loader's own checks then say why, in their words)."""
-    try:
-        f = estimate_path(path, spec, device, name=name)
-    except Exception:  # noqa: BLE001 - unreadable files are the loader's checks' to name
-        return None
-    if not f.fits:
-        raise WontFitError(refusal(f, alternatives(path, spec, device, f)), f)
-    if progress is not None and say:
-        note = FitNote(describe(f))
-        note.fit = f
-        progress(note, 0.12)
-    return f
-
-
-def alternatives(path: Path, spec, device: str, fit: Fit) -> list[tuple[str, Fit]]:
-    """The smaller ways to hold these weights (``--dtype bfloat16`` where float32 was chosen, ``--quantize``),
-    each with its verdict in the same memory."""
-    import dataclasses
-
-    out = []
-    for flag, change in (("--dtype bfloat16", {"dtype": "bfloat16"}), ("--quantize int8", {"quantization": "int8"}),
-                         ("--quantize nf4", {"quantization": "nf4"})):
-        alt = dataclasses.replace(spec, **change)
-        if alt == spec:
-            continue
-        try:
-            g = estimate_path(path, alt, device, fit.available, fit.available_from, fit.name)
-        except Exception:  # noqa: BLE001
-            continue
-        if g.weights.bytes < fit.weights.bytes:
-            out.append((flag, g))
-    return out

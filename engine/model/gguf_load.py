@@ -72,7 +72,7 @@ def _legacy(info: GgufInfo) -> bool:
 
 
 def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
-              check: Callable[[], None]) -> tuple[Any, Any, Path, str]:
+              check: Callable[[], None], memory_note: LoadNote | None = None) -> tuple[Any, Any, Path, str]:
     """(model, tokenizer, path, name) of the GGUF file ``spec.source``; every refusal an ``EngineError`` with one
     line. ``name`` is the file's name, or for a file without the .gguf suffix (an Ollama blob, ``sha256-<hex>``)
     the model's own ``general.name``."""
@@ -93,6 +93,8 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     note = (kept_note(info, gguf_keep.plan(info, device, elem)) if keep
             else load_note(info, str(dtype).removeprefix("torch."), elem, spec.quantization))
     if progress:
+        if memory_note is not None:  # the memory verdict (engine.model.fit_check), once the file passed its checks
+            progress(memory_note, 0.1)
         progress(LoadNote(note), 0.1)
     check()
     model = _kept(path, info, config, dtype, device, progress, check) if keep else \

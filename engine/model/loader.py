@@ -35,12 +35,12 @@ from engine.model.model_files import (  # noqa: F401  (check_safetensors, check_
     check_tokenizer_fits,
 )
 from engine.snapshot import ModelInfo
-from engine.model.hf_load import bnb_config as _bnb_config
 from engine.model.hf_load import choose_dtype as _choose_dtype
 from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
-from engine.model import fit, nf4_quant, q8_load, weights_read
+from engine.model import fit_check, weights_read
+from engine.model.weights_held import held_info, weights_bytes
 from engine.model import template_guard
 from engine.model.weight_index import check_index
 
@@ -224,9 +224,10 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if looks_like_gguf(os.path.expanduser(spec.source)):  # a llama.cpp file: engine.model.gguf_load
         from engine.model.gguf_load import load_gguf
 
-        # before any weight; the GGUF loader says its own note of the memory its weights take
-        verdict = fit.check(Path(os.path.expanduser(spec.source)), spec, device, progress, say=False)
-        model, tok, path, name = load_gguf(spec, device, progress, check)
+        # refused before any weight; said by the GGUF loader once the file passed its own checks
+        verdict = fit_check.check(Path(os.path.expanduser(spec.source)), spec, device, progress, say=False)
+        model, tok, path, name = load_gguf(spec, device, progress, check,
+                                           fit_check.note(verdict) if verdict is not None else None)
     else:
         path = resolve_source(spec, progress)
         model, tok, verdict = _load_folder(path, spec, device, progress, check)
@@ -259,7 +260,7 @@ def _load_folder(folder: Path, spec: ModelSpec, device: str, progress: Progress 
     template_guard.trial(tok, folder.name)
     check()
     _check_against_model(folder, config, tok, spec)
-    verdict = fit.check(folder, spec, device, progress)  # WontFitError before a weight is read
+    verdict = fit_check.check(folder, spec, device, progress)  # WontFitError before a weight is read
     return _load_weights(folder, config, spec, device, progress, check), tok, verdict
 
 
@@ -297,7 +298,6 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
                   check: Callable[[], None]):
     """The model with its weights (per-tensor progress and cancel), refused unless they cover it."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
 
     dtype = _choose_dtype(spec, config, device)
     kwargs: dict[str, Any] = dict(
@@ -308,20 +308,8 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
         output_loading_info=True,  # missing / unexpected / mis-shaped weights, checked below
         ignore_mismatched_sizes=True,  # so a wrong shape is reported there, by name, not raised as prose
     )
-    if spec.quantization == "int8" and q8_load.available(device):
-        kwargs["quantization_config"] = q8_load.config()  # Q8_0 blocks for the GGUF kernels, quantized as read
-    elif spec.quantization != "none":
-        kwargs["quantization_config"] = _bnb_config(spec.quantization, dtype)
-        if spec.quantization == "nf4" and device == "cpu":
-            nf4_quant.install()  # bitsandbytes' 4-bit quantization in C: the same blocks, 25x faster
-    if spec.quantization != "none" or device != "cpu":
-        kwargs["device_map"] = {"": device}  # each tensor to the device as it is read: never the model in RAM
-    if weights_read.readable(folder, spec.trust_remote_code):
-        def read():  # tensor by tensor, each into a buffer freed once it is converted (engine.model.weights_read)
-            return weights_read.from_folder(folder, config, kwargs)
-    else:
-        def read():
-            return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    kwargs.update(weights_read.placement(spec, dtype, device))  # quantization, device_map
+    read = weights_read.reader(folder, config, kwargs, spec.trust_remote_code)
     try:
         with _weights_progress(folder.name, progress, check):
             try:
@@ -363,48 +351,6 @@ def _check_coverage(name: str, model, loading_info: dict) -> None:
     names = {n for n, _ in model.named_parameters()}  # a tied tensor once, under its first name
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
     check_loading_info(name, loading_info, names, tied)
-
-
-def weights_bytes(model) -> int:
-    """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once), with
-    what a quantized weight keeps beside it: bitsandbytes' int8 row scales (``SCB``) and 4-bit block scales and
-    codebook (``quant_state``: 58 MB of NF4 scales on the 1B shape, left out before)."""
-    seen: set[int] = set()
-    total = 0
-
-    def add(t) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-
-    for mod in model.modules():
-        add(getattr(getattr(mod, "state", None), "SCB", None))  # Linear8bitLt keeps its scales there once run
-        for p in mod.parameters(recurse=False):
-            add(p)
-            add(getattr(p, "SCB", None))
-            qs = getattr(p, "quant_state", None)
-            while qs is not None:
-                add(getattr(qs, "absmax", None))
-                add(getattr(qs, "code", None))
-                qs = getattr(qs, "state2", None)
-    return total
-
-
-def held_info(info: ModelInfo, plan, model) -> ModelInfo:
-    """``info`` with the weights' format as loaded (``engine.model.weights_plan``: "Q4_K_M, mapped from the file",
-    "F32 converted from BF16") and their bits per weight as held."""
-    import dataclasses
-
-    from engine.model.weights_plan import as_loaded
-
-    dtypes = {p.dtype for p in model.parameters()}
-    floats = all(d.is_floating_point for d in dtypes)
-    big = max(model.parameters(), key=lambda p: p.numel(), default=None)
-    fmt, held = as_loaded(plan, str(big.dtype).replace("torch.", "") if floats and big is not None else "")
-    params = plan.params or sum(p.numel() for p in model.parameters())
-    return dataclasses.replace(info, weights_format=fmt, weights_stored=plan.stored, weights_held=str(held),
-                               weights_bits=round(8 * info.weights_bytes / max(1, params), 2))
 
 
 def _stop_ids(model, tok) -> tuple[int, ...]:

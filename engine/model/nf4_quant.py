@@ -82,9 +82,14 @@ def install() -> bool:
         from bitsandbytes.backends.default import ops  # noqa: F401 - registers its default kernels
     except ImportError:
         return False
+    # (torch has no public question for "does this op have a CPU kernel already": bitsandbytes' own, where a
+    # version brings one, must stay the one that runs)
     if _library() is None or torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU"):
         return False
-    torch.library.register_kernel(OP, "cpu", quantize_4bit)
+    try:
+        torch.library.register_kernel(OP, "cpu", quantize_4bit)
+    except RuntimeError:  # bitsandbytes has a CPU kernel of its own for it: that one runs
+        return False
     _state["installed"] = True
     log.info("bitsandbytes' 4-bit quantization on the CPU: kq_quantize_4bit (C)")
     return True

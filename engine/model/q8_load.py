@@ -85,19 +85,25 @@ def _register() -> None:
     """Register ``Q8Config`` / ``Q8Quantizer`` with transformers' public registry (once per process)."""
     if _CLASSES:
         return
-    from transformers.core_model_loading import ConversionOps
-    from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-    from transformers.quantizers.quantizers_utils import get_module_from_name
+    from transformers.quantizers import register_quantization_config, register_quantizer
+
+    config_cls = register_quantization_config("kvscope_q8_0")(_config_class())
+    quantizer_cls = register_quantizer("kvscope_q8_0")(_quantizer_class())
+    _CLASSES.update(config=config_cls, quantizer=quantizer_cls)
+
+
+def _config_class():
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
-    from engine.quant.modules import BlockLinear
-
-    @register_quantization_config("kvscope_q8_0")
     class Q8Config(QuantizationConfigMixin):
         def __init__(self, **_kw) -> None:
             self.quant_method = "kvscope_q8_0"
 
-    class Q8Quantize(ConversionOps):
+    return Q8Config
+
+
+def _quantize_op(base):
+    class Q8Quantize(base):
         """One linear's float weight -> its Q8_0 blocks (transformers sets them into the ``BlockLinear``)."""
 
         def __init__(self, hf_quantizer) -> None:
@@ -110,7 +116,18 @@ def _register() -> None:
                 out[name] = quantize(value.detach())  # [out, in / 32 * 34] uint8; the float copy freed with it
             return out
 
-    @register_quantizer("kvscope_q8_0")
+    return Q8Quantize
+
+
+def _quantizer_class():
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers import HfQuantizer
+    from transformers.quantizers.quantizers_utils import get_module_from_name
+
+    from engine.quant.modules import BlockLinear
+
+    op = _quantize_op(ConversionOps)
+
     class Q8Quantizer(HfQuantizer):
         requires_calibration = False
 
@@ -122,25 +139,13 @@ def _register() -> None:
             return isinstance(module, BlockLinear) and name == "weight"
 
         def _process_model_before_weight_loading(self, model, **kwargs) -> None:
-            """Every eligible ``nn.Linear`` (on the meta device still) becomes a ``BlockLinear`` whose weight is
-            the meta tensor of its blocks, [out, in / 32 * 34] uint8."""
-            skip = _skip(model)
-            for name, mod in list(model.named_modules()):
-                if type(mod) is not nn.Linear or mod.in_features % BLOCK or name in skip:
-                    continue
-                w = torch.empty(mod.out_features, mod.in_features // BLOCK * (BLOCK + 2), dtype=torch.uint8,
-                                device="meta")
-                bias = torch.empty(mod.out_features, dtype=torch.float32, device="meta") \
-                    if mod.bias is not None else None
-                new = BlockLinear(w, Q8_0, mod.in_features, bias)
-                parent, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            _to_blocks(model)
 
         def _process_model_after_weight_loading(self, model, **kwargs):
             return model
 
         def get_quantize_ops(self):
-            return Q8Quantize(self)
+            return op(self)
 
         def is_serializable(self) -> bool:
             return False
@@ -149,4 +154,20 @@ def _register() -> None:
         def is_trainable(self) -> bool:
             return False
 
-    _CLASSES.update(config=Q8Config, quantizer=Q8Quantizer)
+    return Q8Quantizer
+
+
+def _to_blocks(model) -> None:
+    """Every eligible ``nn.Linear`` (on the meta device still) becomes a ``BlockLinear`` whose weight is the meta
+    tensor of its blocks, [out, in / 32 * 34] uint8: transformers then sets each quantized weight into it."""
+    from engine.quant.modules import BlockLinear
+
+    skip = _skip(model)
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or mod.in_features % BLOCK or name in skip:
+            continue
+        w = torch.empty(mod.out_features, mod.in_features // BLOCK * (BLOCK + 2), dtype=torch.uint8, device="meta")
+        bias = torch.empty(mod.out_features, dtype=torch.float32, device="meta") if mod.bias is not None else None
+        new = BlockLinear(w, Q8_0, mod.in_features, bias)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)

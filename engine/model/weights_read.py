@@ -58,11 +58,14 @@ def close(handles: list[Any]) -> None:
 
 def causal_lm_class(config):
     """The transformers class ``AutoModelForCausalLM`` builds for ``config`` (a state dict is loaded through the
-    concrete class: the auto class wants a path)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
+    concrete class: the auto class wants a path); of several, the one ``config.architectures`` names."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if isinstance(cls, (list, tuple)):
+        named = set(getattr(config, "architectures", None) or ())
+        cls = next((c for c in cls if c.__name__ in named), cls[0])
+    return cls
 
 
 def from_folder(folder: Path, config, kwargs: dict[str, Any]):
@@ -86,3 +89,32 @@ def from_folder(folder: Path, config, kwargs: dict[str, Any]):
     finally:
         close(handles)
         state.clear()
+
+
+def placement(spec, dtype, device: str) -> dict[str, Any]:
+    """``from_pretrained``'s quantization and placement for ``spec``: int8 on a CPU as Q8_0 blocks
+    (``engine.model.q8_load``), else bitsandbytes (its 4-bit quantization in C on a CPU: ``engine.model.nf4_quant``);
+    every tensor to the device as it is read (never the whole model in RAM first)."""
+    from engine.model import nf4_quant, q8_load
+    from engine.model.hf_load import bnb_config
+
+    out: dict[str, Any] = {}
+    if spec.quantization == "int8" and q8_load.available(device):
+        out["quantization_config"] = q8_load.config()  # Q8_0 blocks for the GGUF kernels, quantized as read
+    elif spec.quantization != "none":
+        out["quantization_config"] = bnb_config(spec.quantization, dtype)
+        if spec.quantization == "nf4" and device == "cpu":
+            nf4_quant.install()  # bitsandbytes' 4-bit quantization in C: the same blocks, 25x faster
+    if spec.quantization != "none" or device != "cpu":
+        out["device_map"] = {"": device}
+    return out
+
+
+def reader(folder: Path, config, kwargs: dict[str, Any], trust_remote_code: bool):
+    """The call that reads the folder's weights with ``kwargs`` (``(model, loading_info)``): tensor by tensor
+    (``from_folder``) where it can, else transformers' own reading (remote code, pickle checkpoints)."""
+    if readable(folder, trust_remote_code):
+        return lambda: from_folder(folder, config, kwargs)
+    from transformers import AutoModelForCausalLM
+
+    return lambda: AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)

@@ -46,6 +46,7 @@ def _row(found, spec, device: str, available: int, source: str) -> dict:
 def run_models(a: argparse.Namespace) -> int:
     from engine.config import ModelSpec
     from engine.model import catalog, fit
+    from engine.model.fit_check import human_bytes
     from engine.model.loader import choose_device
 
     spec = ModelSpec(source="models", quantization=a.quantize, device=a.device, dtype=a.dtype,
@@ -62,7 +63,7 @@ def run_models(a: argparse.Namespace) -> int:
         print(json.dumps({"device": device, "available_bytes": available, "available_from": source,
                           "models": rows, "notes": notes}))
         return 0
-    print(f"{len(rows)} models; {fit.human_bytes(available)} of {source} ({device})")
+    print(f"{len(rows)} models; {human_bytes(available)} of {source} ({device})")
     for r in rows:
         print(_line(r, a.kv_dtype))
     for note in notes:
@@ -71,7 +72,7 @@ def run_models(a: argparse.Namespace) -> int:
 
 
 def _line(r: dict, kind: str) -> str:
-    from engine.model.fit import human_bytes
+    from engine.model.fit_check import human_bytes
 
     head = f"{r['name']}  [{r['store']}]  {human_bytes(r['disk_bytes'])} on disk"
     if r["problem"]:

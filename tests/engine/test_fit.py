@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine.config import CacheConfig, ModelSpec
 from engine.model import fit, q8_load
+from engine.model.fit_check import human_bytes
 from engine.model.loader import load_model
 from engine.model.weights_plan import Held
 from engine.tools.cli import main
@@ -159,10 +160,10 @@ def test_a_model_that_cannot_fit_is_refused_with_its_numbers_before_a_weight_is_
     assert not e.value.fit.fits and e.value.fit.available == budget
     rc, out, err = _run(capsys, "generate", "--model", str(wide_folder), "--prompt", "Once", "--device", "cpu")
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert err.startswith(f"error: {wide_folder.name} will not fit: loading needs {fit.human_bytes(need.load_bytes)} "
-                          f"(weights {fit.human_bytes(need.weights.bytes)} as F32")
-    assert f"{fit.human_bytes(budget)} of {fit.ENV} is available" in err
-    assert f"--quantize nf4 needs {fit.human_bytes(small.load_bytes)}" in err
+    assert err.startswith(f"error: {wide_folder.name} will not fit: loading needs {human_bytes(need.load_bytes)} "
+                          f"(weights {human_bytes(need.weights.bytes)} as F32")
+    assert f"{human_bytes(budget)} of {fit.ENV} is available" in err
+    assert f"--quantize nf4 needs {human_bytes(small.load_bytes)}" in err
     assert "Traceback" not in err
 
 
