@@ -174,8 +174,8 @@ def _value_words(v: Any) -> str:
 
 def config_problem(cfg: Mapping[str, Any]) -> str:
     """What is wrong with the sizes in a parsed config.json (and its ``text_config``), in words ("" when
-    nothing): a string, a list, a fraction, infinity or a negative number where transformers needs a whole
-    number, or a non-finite epsilon / rope base — transformers raises a multi-line validation error for them."""
+    nothing): a string, a list, a fraction or infinity where transformers needs a whole number, or a non-finite
+    epsilon / rope base — transformers raises a multi-line validation error for them."""
     for part in (cfg, cfg.get("text_config")):
         if not isinstance(part, Mapping):
             continue
@@ -183,10 +183,8 @@ def config_problem(cfg: Mapping[str, Any]) -> str:
             v = part.get(key)
             if v is None:
                 continue
-            if type(v) is not int:
+            if type(v) is not int:  # a value below 1 is weight_index.check_config_sizes' to refuse
                 return f"{key} is {_value_words(v)}, not a whole number"
-            if v < 0:
-                return f"{key} is {v}: it cannot be negative"
         for key in _REAL_FIELDS:
             v = part.get(key)
             if v is None:
