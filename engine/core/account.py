@@ -86,13 +86,19 @@ def account(f: Facts) -> CacheAccount:
     return CacheAccount(n, r, n - r - f.dropped, f.dropped, tuple(misses))
 
 
-def with_dropped(a: CacheAccount, dropped: int) -> CacheAccount:
-    """``a`` after planning passed over ``dropped`` prompt tokens unread in all (to fit the context): they sit right
-    after the reused ones, so the misses start after them — what the reply's footer and the Why readout count
-    (they said "dropped 558 unread" and "814 computed" of one prompt)."""
-    start = min(a.reused + dropped, a.prompt)
-    misses = tuple(Miss(max(m.start, start), m.end, m.reason, m.detail) for m in a.misses if m.end > start)
-    return CacheAccount(a.prompt, a.reused, a.prompt - a.reused - dropped, dropped, misses)
+def with_dropped(a: CacheAccount, dropped: int, runs: Sequence[tuple[int, int]] = ()) -> CacheAccount:
+    """``a`` after planning passed over ``dropped`` prompt tokens unread in all (to fit the context), at ``runs``
+    (``[start, end)`` each; none given: right after the reused ones): they leave the misses, which count only what
+    was computed — what the reply's footer and the Why readout count (they said "dropped 558 unread" and "814
+    computed" of one prompt). Overflow "turns" passes over tokens after the system prompt, which is computed."""
+    runs = list(runs) or [(a.reused, min(a.reused + dropped, a.prompt))]
+    misses = []
+    for m in a.misses:
+        pieces = [(m.start, m.end)]
+        for lo, hi in runs:
+            pieces = [p for s, e in pieces for p in ((s, min(e, lo)), (max(s, hi), e)) if p[1] > p[0]]
+        misses += [Miss(s, e, m.reason, m.detail) for s, e in pieces]
+    return CacheAccount(a.prompt, a.reused, a.prompt - a.reused - dropped, dropped, tuple(misses))
 
 
 def _limit_detail(f: Facts) -> str:

@@ -9,7 +9,8 @@ Overflow without a policy (``CacheConfig.overflow``): ``stop`` raises ``ContextO
 ``truncate_middle`` and ``rolling`` evict like StreamingLLM with other sinks (``OverflowPolicy``) and
 re-rotate the kept keys, so positions restart below the context. A prompt longer than the whole context is
 not fed token by token into a cache that would evict it at once: the middle tokens are passed over (their
-positions count as evicted) and only the last ``context / 2`` are fed, one chunk per step.
+positions count as evicted) and only the last ``context / 2`` are fed, one chunk per step. ``turns`` passes over
+what its rule drops (older whole messages, then the latest message's oldest part) and keeps the system prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.kv.store.attention import Rerotator
 from engine.kv.store.rope import keyless_layers, shift_all
 from engine.policies.layer_kinds import layer_kind_summary
 from engine.kv.paged.positions import CacheIndex
-from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState
+from engine.policies import PINNED, EvictionPolicy, OverflowPolicy, PolicyState, turns
 from engine.core.vocab import Note, NoteKind
 from engine.core.expected import QueryStats
 
@@ -70,6 +71,7 @@ class EvictionPlan:
     dropped: int = 0
     notes: tuple[str, ...] = ()
     context: EvictionContext | None = None
+    runs: tuple[tuple[int, int], ...] = ()  # where the ``dropped`` tokens sit: ``[start, end)`` logical positions
 
     @property
     def all_notes(self) -> tuple[str, ...]:
@@ -169,13 +171,16 @@ class Evictor:
             if index.n >= policy.budget:
                 done += self._evict(store, index, policy, policy.budget - policy.slack(cx.page_size), policy.name, cx)
             chunk = max(1, min(chunk, policy.budget - index.n))
+        elif cx.overflow == "turns" and index.n + todo > ctx and (unread := self._unread(store, index, todo, cx)):
+            return unread
         elif todo > ctx and cx.overflow in OVERFLOW_EVICTS:
             skip, first = todo - ctx // 2, index.next_pos
             index.skip(skip)  # these would be evicted before the reply starts: never fed
             note = (f"{skip:,} tokens of the prompt (positions {first:,}–{first + skip - 1:,}) were dropped to "
                     f"fit the context of {ctx:,} tokens, unread; the {todo - skip:,} after them were read")
             rest = self.plan(store, index, policy, todo - skip, cx)
-            return dataclasses.replace(rest, dropped=rest.dropped + skip, notes=(note,) + rest.notes)
+            return dataclasses.replace(rest, dropped=rest.dropped + skip, notes=(note,) + rest.notes,
+                                       runs=((first, first + skip),) + rest.runs)
         if index.next_rope + chunk > ctx:
             if policy is None and cx.overflow not in OVERFLOW_EVICTS:
                 raise ContextOverflowError(f"the model's context of {ctx} tokens is full")
@@ -187,6 +192,29 @@ class Evictor:
         if not store.can_reserve(chunk):
             done += self._evict_for_pages(store, index, policy, cx)
         return EvictionPlan(chunk, tuple(done), context=cx)
+
+    def _unread(self, store, index: CacheIndex, todo: int, cx: EvictionContext) -> EvictionPlan | None:
+        """Overflow "turns" on a prompt the context cannot hold with the chat: the prompt's tokens the rule drops
+        (whole older messages, then the latest message's oldest part: ``engine.policies.turns``) are passed over
+        unread, the kept ones before them (the system prompt, a pin) fed first; the cached messages it drops go
+        now. None: dropping cached messages makes the room (evicted as the forwards need it)."""
+        first, ctx = index.next_pos, cx.context_length
+        cached, runs = turns.unread_runs(np.flatnonzero(index.held(first)), first, todo, cx.turns, cx.priorities,
+                                         self._overflow_target(None, cx))
+        if not runs:
+            return None
+        done = self._evict(store, index, None, index.n - cached, "turns", cx, force_rotate=True) if cached else []
+        a, b = runs[0]
+        if a > first:  # kept tokens first (never more than the context holds: the rule keeps less)
+            rest = self.plan(store, index, None, a - first, cx)
+            return dataclasses.replace(rest, evictions=tuple(done) + rest.evictions)
+        index.skip(b - a)  # never fed
+        note = (f"{b - a:,} tokens of the prompt (positions {a:,}–{b - 1:,}: {turns.run_words(a, b, cx.turns)}) "
+                f"were dropped to fit the context of {ctx:,} tokens, unread; the system prompt and pinned messages "
+                "were kept")
+        rest = self.plan(store, index, None, todo - (b - a), cx)
+        return dataclasses.replace(rest, evictions=tuple(done) + rest.evictions, dropped=rest.dropped + b - a,
+                                   notes=(note,) + rest.notes, runs=((a, b),) + rest.runs)
 
     def after_forward(self, store, index: CacheIndex, policy: EvictionPolicy | None,
                       cx: EvictionContext) -> list[Eviction]:

@@ -76,6 +76,7 @@ class TurnState:
     reused: int = 0
     recomputed: int = 0  # prompt tokens computed (fed) in this reply
     dropped: int = 0  # prompt tokens passed over unread to fit the context: neither reused nor computed
+    unread: list = field(default_factory=list)  # where planning passed over them: ``[start, end)`` each
     divergence: int = -1
     shared: int = 0  # reused tokens taken from the prefix cache (pages other sessions computed)
     disk: int = 0  # of them, tokens restored from the KV disk tier (``engine.kv.tier.disk``)
@@ -200,7 +201,8 @@ class Sequence:
         self.reply.recomputed -= plan.dropped
         self.reply.dropped += plan.dropped
         if plan.dropped and self.reply.account is not None:  # the account every surface shows says so too
-            self.reply.account = with_dropped(self.reply.account, self.reply.dropped)
+            self.reply.unread += plan.runs
+            self.reply.account = with_dropped(self.reply.account, self.reply.dropped, self.reply.unread)
 
     def take_notes(self) -> tuple[str, ...]:
         notes, self.notes = tuple(self.notes), []

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import OVERFLOW_EVICTS
-from engine.policies.base import PINNED, EvictionPolicy, PolicyState, param_field
+from engine.policies import turns
+from engine.policies.base import EvictionPolicy, PolicyState, param_field
 
 
 class StreamingPolicy(EvictionPolicy):
@@ -70,10 +71,9 @@ class OverflowPolicy(StreamingPolicy):
 
 class TurnsOverflow(OverflowPolicy):
     """Overflow "turns": drop the oldest whole messages until the cache fits, never the system prompt, a pinned
-    message (``PINNED`` priorities), the latest message (the one being answered, and the reply after it) or what
-    sits before the first message (BOS, a template's header). Only when that is not enough (one message longer than
-    the room) are the oldest tokens outside those dropped, then the oldest of any. Fewer than ``target`` may stay:
-    whole messages go."""
+    message, the latest message or what sits before the first message; only when that is not enough is the latest
+    message cut from its oldest token (``engine.policies.turns``). Fewer than ``target`` may stay: whole messages
+    go."""
 
     name = "overflow"
     listed = False
@@ -82,34 +82,5 @@ class TurnsOverflow(OverflowPolicy):
         return 0  # reads the messages' priorities: the pinned ones (and the system prompt) are ``PINNED``
 
     def select(self, state: PolicyState, target: int) -> list[np.ndarray]:
-        starts = sorted(set(int(a) for a in state.turns))
-        pri = state.priorities
-        last = starts[-1] if starts else 0
-        out = []
-        for pos in state.positions:
-            pos = np.asarray(pos)
-            need = len(pos) - max(1, target)
-            if need <= 0:
-                out.append(np.zeros(0, dtype=np.int64))
-                continue
-            dropped = np.zeros(len(pos), dtype=bool)
-            for a, b in zip(starts, starts[1:]):
-                if need <= 0:
-                    break
-                if pri is not None and a < len(pri) and pri[a] >= PINNED:
-                    continue  # the system prompt, a pinned message
-                inside = (pos >= a) & (pos < b) & ~dropped
-                dropped |= inside
-                need -= int(np.count_nonzero(inside))
-            if need > 0:  # no whole message is left to drop: the oldest tokens, kept ones last
-                kept = pos >= last
-                if pri is not None:
-                    kept |= pri[np.clip(pos, 0, len(pri) - 1)] >= PINNED
-                for group in (~dropped & ~kept, ~dropped):
-                    idx = np.flatnonzero(group[:-1])[:need]
-                    dropped[idx] = True
-                    need -= len(idx)
-                    if need <= 0:
-                        break
-            out.append(np.flatnonzero(dropped).astype(np.int64))
-        return out
+        return [np.flatnonzero(turns.dropped(pos, state.turns, state.priorities, len(pos) - max(1, target)))
+                .astype(np.int64) for pos in state.positions]
