@@ -166,8 +166,10 @@ INLINE void NAME##_r(const void* row, const kq_act* a, int64_t r0, int R, float*
             const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]); \
             for (int r = 0; r < R; r++) { \
                 const int8_t* q8 = ACT_Q(a, r0 + r) + b * QKK + 64 * j; \
-                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q8))); \
-                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q8 + 32)))); \
+                const __m256i ql8 = _mm256_loadu_si256((const __m256i*)q8); \
+                const __m256i qh8 = _mm256_loadu_si256((const __m256i*)(q8 + 32)); \
+                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, ql8)); \
+                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, qh8)); \
                 sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(pl, ph)); \
             } \
         } \
@@ -184,8 +186,9 @@ INLINE void NAME##_r(const void* row, const kq_act* a, int64_t r0, int R, float*
 #define HI_Q5_decl const __m256i hb = _mm256_loadu_si256((const __m256i*)x[b].qh);
 #define HI_Q5_add { \
         const __m256i ml = _mm256_set1_epi8((char)(1 << (2 * j))), mh = _mm256_set1_epi8((char)(2 << (2 * j))); \
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, ml), ml), _mm256_set1_epi8(16))); \
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, mh), mh), _mm256_set1_epi8(16))); \
+        const __m256i s16 = _mm256_set1_epi8(16); \
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, ml), ml), s16)); \
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, mh), mh), s16)); \
     }
 DOTK45(q4_K, blk_q4_K, HI_NONE)
 DOTK45(q5_K, blk_q5_K, HI_Q5)
@@ -210,7 +213,8 @@ INLINE void q6_K_r(const void* row, const kq_act* a, int64_t r0, int R, float* o
         const uint8_t* qh = x[b].qh;
         const int8_t* s = x[b].scales;
         for (int h = 0; h < 2; h++, ql += 64, qh += 32, s += 8) {
-            const __m256i l1 = _mm256_loadu_si256((const __m256i*)ql), l2 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i*)ql);
+            const __m256i l2 = _mm256_loadu_si256((const __m256i*)(ql + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i*)qh);
             __m256i u[4], sv[4];
             u[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));

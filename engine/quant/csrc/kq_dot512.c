@@ -100,7 +100,7 @@ INLINE void k45_512(const void* row, const kq_act* a, int64_t r0, int R, float* 
         const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
         __m512i l0 = _mm512_and_si512(z0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4);
         __m512i l1 = _mm512_and_si512(z1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4);
-        if (q5) {  /* bit 2j of qh[l]: element l of sub-block 2j (0 | 2 in l0, 1 | 3 in h0, ...); adding 16 to a nibble sets it */
+        if (q5) {  /* bit 2j of qh[l]: element l of sub-block 2j (0 | 2 in l0, 1 | 3 in h0, ...); +16 sets it */
             const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)((const blk_q5_K*)blk)->qh));
             l0 = _mm512_mask_add_epi8(l0, _mm512_test_epi8_mask(hb, B01), l0, sixteen);
             h0 = _mm512_mask_add_epi8(h0, _mm512_test_epi8_mask(hb, B23), h0, sixteen);
@@ -216,8 +216,9 @@ INLINE void b32_512(int T, const void* row, const kq_act* a, int64_t r0, int R, 
         const float n0 = min_of(T, x0, d0), n1 = min_of(T, x1, d1);
         __m512i u;
         if (nib) {
-            const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)qs_of(T, x0))),
-                                                      _mm_loadu_si128((const __m128i*)qs_of(T, x1)), 1);
+            const __m128i n0 = _mm_loadu_si128((const __m128i*)qs_of(T, x0));
+            const __m128i n1 = _mm_loadu_si128((const __m128i*)qs_of(T, x1));
+            const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(n0), n1, 1);
             u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1), m4);
             if (T == KQ_Q5_0 || T == KQ_Q5_1) {
                 const uint64_t a0 = qh_of(T, x0), a1 = qh_of(T, x1);
@@ -225,8 +226,9 @@ INLINE void b32_512(int T, const void* row, const kq_act* a, int64_t r0, int R, 
                 u = _mm512_mask_add_epi8(u, k, u, sixteen);
             }
         } else {
-            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)qs_of(T, x0))),
-                                                 _mm256_loadu_si256((const __m256i*)qs_of(T, x1)), 1);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i*)qs_of(T, x0));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i*)qs_of(T, x1));
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
             u = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
         }
         for (int r = 0; r < R; r++) {
@@ -259,8 +261,8 @@ INLINE void b32_512(int T, const void* row, const kq_act* a, int64_t r0, int R, 
             __m256i s;
             if (nib) {
                 const __m128i t = _mm_loadu_si128((const __m128i*)qs_of(T, x0));
-                __m256i v = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1),
-                                             _mm256_set1_epi8(0xF));
+                const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+                __m256i v = _mm256_and_si256(both, _mm256_set1_epi8(0xF));
                 if (T == KQ_Q5_0 || T == KQ_Q5_1)
                     v = _mm256_mask_add_epi8(v, (__mmask32)qh_of(T, x0), v, _mm256_set1_epi8(16));
                 s = dot_us256(v, q);

@@ -44,7 +44,8 @@ static void unpack_row(int type, const uint8_t* row, int64_t n, uint8_t* u, floa
             o[b] = has_m ? kq_h2f(mh) : (five ? -16.f : -8.f) * d;
             const uint8_t* qs = row + 2 + 2 * has_m + 4 * five;
             const __m128i t = _mm_loadu_si128((const __m128i*)qs);
-            __m256i v = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), m4);
+            const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+            __m256i v = _mm256_and_si256(both, m4);
             if (five) {
                 uint32_t qh; memcpy(&qh, row + 2 + 2 * has_m, 4);
                 v = _mm256_mask_add_epi8(v, (__mmask32)qh, v, _mm256_set1_epi8(16));
@@ -102,14 +103,16 @@ static void unpack_row(int type, const uint8_t* row, int64_t n, uint8_t* u, floa
                 const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x->ql + 64 * h + 32));
                 const __m256i hb = _mm256_loadu_si256((const __m256i*)(x->qh + 32 * h));
                 uint8_t* uh = u + 128 * h;
-                _mm256_storeu_si256((__m256i*)uh, _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                                                   _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
-                _mm256_storeu_si256((__m256i*)(uh + 32), _mm256_or_si256(_mm256_and_si256(l2, m4),
-                                                                          _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
-                _mm256_storeu_si256((__m256i*)(uh + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                                                          _mm256_and_si256(hb, m30)));
-                _mm256_storeu_si256((__m256i*)(uh + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+                const __m256i h01 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);  /* bits 0-1 to 4-5 */
+                const __m256i h23 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
+                const __m256i h45 = _mm256_and_si256(hb, m30);
+                const __m256i h67 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
+                _mm256_storeu_si256((__m256i*)uh, _mm256_or_si256(_mm256_and_si256(l1, m4), h01));
+                _mm256_storeu_si256((__m256i*)(uh + 32), _mm256_or_si256(_mm256_and_si256(l2, m4), h23));
+                const __m256i n1 = _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4);
+                const __m256i n2 = _mm256_and_si256(_mm256_srli_epi16(l2, 4), m4);
+                _mm256_storeu_si256((__m256i*)(uh + 64), _mm256_or_si256(n1, h45));
+                _mm256_storeu_si256((__m256i*)(uh + 96), _mm256_or_si256(n2, h67));
             }
         }
         break;
@@ -228,7 +231,8 @@ void kq_gemm_pack_float(const float* x, int64_t ldx, int64_t n, int64_t r0, int6
             if (r < m)
                 for (int h = 0; h < 2; h++) {
                     uint32_t u; memcpy(&u, xr + 2 * k + h, 4);
-                    const uint32_t b = (u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40 : (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+                    const int nan = (u & 0x7fffffff) > 0x7f800000;  /* NaN stays NaN; else to nearest even */
+                    const uint32_t b = nan ? (u >> 16) | 0x40 : (u + 0x7fff + ((u >> 16) & 1)) >> 16;
                     pair |= (b & 0xffff) << (16 * h);
                 }
             t[k * LANES + lane] = pair;
