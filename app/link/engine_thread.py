@@ -59,6 +59,10 @@ class EngineThread(QObject):
         """Ask for a token count (answered by ``worker.measured``)."""
         self.call(self.worker.measure, request, messages, index)
 
+    def foresee(self, request: int, messages: list[dict], chat: Any, cache: CacheConfig) -> None:
+        """Ask what a reply would read and drop unread to fit the context (answered by ``worker.foreseen``)."""
+        self.call(self.worker.foresee, request, messages, chat, cache)
+
     def cancel(self, generation_id: int = 0) -> None:
         # Set the flag now (thread-safe) so Stop takes effect at the very next step boundary.
         self.worker.request_cancel(generation_id)

@@ -30,6 +30,8 @@ Signals (every reply event carries its ``generation_id``)::
     compare_finished(int, str)      comparison id, "done" | "cancelled" | why it failed
     described(object, object, int)  chat, its session's snapshot (None: nothing cached), its token count
     measured(int, int)              request id, token count (-1: no model, or it could not be counted)
+    foreseen(int, object)           request id, what a reply would read and pass over unread (``Foresight``; None:
+                                    no model, or it could not be foreseen)
     core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
                                     (None, None): no model
     waiting(int, str)               generation_id, what its reply waits for before its first step
@@ -101,6 +103,7 @@ class EngineWorker(QObject):
     compare_finished = Signal(int, str)
     described = Signal(object, object, int)
     measured = Signal(int, int)
+    foreseen = Signal(int, object)  # request id, an ``engine.core.foresee.Foresight`` (None: no model, or unknown)
     core_ready = Signal(object, object)
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
     waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.chat.reply_wait)
@@ -373,6 +376,26 @@ class EngineWorker(QObject):
         """Count tokens: the prompt a reply to ``messages`` would have (``index`` -1), or the tokens of the
         message at ``index`` as it sits in the rendered chat."""
         self.measured.emit(request, self._count(messages, index))
+
+    @Slot(int, object, object, object)
+    def foresee(self, request: int, messages: list[dict], chat: Any, cache: CacheConfig) -> None:
+        """What a reply to ``messages`` in ``chat`` would read and pass over unread to fit the context under
+        ``cache`` (the chat's own cache counts what it holds): answered by ``foreseen``."""
+        tokenizer = getattr(self._loaded, "tokenizer", None)
+        out = None
+        if tokenizer is not None and messages:
+            try:
+                from engine.core.foresee import foresee, foresee_new
+
+                pool = self._pool
+                session = (pool.get(chat) if chat is not None else None) if pool is not None else self._session
+                if session is not None and not session.closed:
+                    out = foresee(session, messages, cache)
+                else:
+                    out = foresee_new(tokenizer, messages, cache, self._loaded.info.context_length)
+            except BaseException:  # noqa: BLE001 - a forecast is a nicety: unknown, never a failure
+                traceback.print_exc()
+        self.foreseen.emit(request, out)
 
     def _count(self, messages: list[dict], index: int) -> int:
         """-1: the whole chat ready for a reply; -2: the chat as it is; n >= 0: message n's span."""
