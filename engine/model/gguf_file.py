@@ -137,16 +137,10 @@ def looks_like_gguf(path: str | os.PathLike) -> bool:
 
 def _kind(mode: int) -> str | None:
     """What a non-regular file is, in words; None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
+    for test, words in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return words
     return "not a regular file"
 
 
@@ -303,8 +297,11 @@ def _magic(h: _Header) -> None:
         raise ModelFormatError(f"{h.name} is a big-endian GGUF (made for IBM Z machines): open the usual "
                                "little-endian file")
     if head != b"GGUF":
+        text = head.decode("utf-8", "replace")  # said as text or hex, never Python's b'hell'
         what = ("a safetensors file" if len(head) == 4 and head[3:] == b"\x00" else
-                "a zip / PyTorch file" if head.startswith(b"PK") else f"it starts with {head!r}")
+                "a zip / PyTorch file" if head.startswith(b"PK") else
+                f'a text file: it starts with "{text}"' if text.isprintable() and "\ufffd" not in text else
+                f"it starts with the bytes {head.hex(' ')}")
         raise ModelFormatError(f"{h.name} is not a GGUF file ({what}, not the GGUF signature)")
     version = h.u32()
     if version not in (2, 3):

@@ -42,6 +42,8 @@ def store(tmp_path_factory, stories_path):
     (bad / "truncated.gguf").write_bytes(data[: len(data) // 2])
     (bad / "empty.gguf").write_bytes(b"")
     (bad / "wrong-magic.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    (bad / "hello.gguf").write_text("hello, this is a text file named like a model\n")
+    (bad / "image.gguf").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     (bad / "part-00001-of-00002.gguf").write_bytes(data)
     os.mkfifo(bad / "pipe.gguf")
     (bad / "folder.gguf").mkdir()
@@ -53,6 +55,8 @@ BAD_LINES = {
     "truncated.gguf": "truncated.gguf is truncated: ",
     "empty.gguf": "empty.gguf is empty (0 bytes)",
     "wrong-magic.gguf": "wrong-magic.gguf is not a GGUF file (a zip / PyTorch file",
+    "hello.gguf": 'hello.gguf is not a GGUF file (a text file: it starts with "hell", not the GGUF signature)',
+    "image.gguf": "image.gguf is not a GGUF file (it starts with the bytes 89 50 4e 47, not the GGUF signature)",
     "part-00001-of-00002.gguf": "part-00001-of-00002.gguf is one part of a model split in 2 files and 1 is missing",
     "pipe.gguf": "pipe.gguf is a pipe (FIFO), not a GGUF file",
     "folder.gguf": "folder.gguf is a directory, not a GGUF file",
@@ -78,7 +82,7 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
         dlg.resize(1024, 600)
         dlg.show()
         qtbot.waitUntil(lambda: dlg.scan_label.text().startswith("Found"), timeout=60_000)
-        assert dlg.scan_label.text() == "Found 2 models on this computer (6 cannot be opened: select one to see why)."  # folder.gguf is a directory: walked, not listed
+        assert dlg.scan_label.text() == "Found 2 models on this computer (8 cannot be opened: select one to see why)."  # folder.gguf is a directory: walked, not listed
         texts = _texts(dlg)
         lm_line = "LM Studio: kvscope/stories-GGUF/stories260K-Q8_0.gguf — llama · Q8_0 · "
         assert any(t.startswith(lm_line) and t.endswith(" · 512 tokens") for t in texts), texts
@@ -98,6 +102,7 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
         for name, line in BAD_LINES.items():
             assert dlg.open_file(str(store["bad"] / name)) is False
             assert line in dlg.message.text(), (name, dlg.message.text())
+            assert "b'" not in dlg.message.text()  # never Python's notation of bytes (it printed b'hell')
         assert dlg.list.count() == count
 
         # the LM Studio file: its weights as the GGUF loader will hold them, said with the format
