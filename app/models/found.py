@@ -48,12 +48,12 @@ def start_scan(folders: list[str], done: Callable[[object], None]) -> None:
 
 
 def item_text(m: FoundModel) -> str:
-    """'LM Studio: lmstudio-community/Qwen2.5-0.5B-GGUF/qwen2.5-0.5b-q8_0.gguf — qwen2 · Q8_0 · 531 MiB · 32,768
+    """'LM Studio: lmstudio-community/Qwen2.5-0.5B-GGUF/qwen2.5-0.5b-q8_0.gguf — qwen2 · Q8_0 · 531 MiB on disk · 32,768
     tokens'; a model that cannot be opened ends '— cannot be opened' (the reason is its tooltip and banner)."""
     head = f"{STORE_WORDS[m.store]}: {m.name}"
     if m.problem:
         return f"{head} — cannot be opened"
-    facts = [m.architecture, m.weights_type, human_bytes(m.size_bytes)]
+    facts = [m.architecture, m.weights_type, f"{human_bytes(m.size_bytes)} on disk"]  # the verdict says them held
     if m.context_length:
         facts.append(f"{m.context_length:,} tokens")
     return f"{head} — {' · '.join(f for f in facts if f)}"

@@ -85,7 +85,7 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
         assert dlg.scan_label.text() == "Found 2 models on this computer (8 cannot be opened: select one to see why)."  # folder.gguf is a directory: walked, not listed
         texts = _texts(dlg)
         lm_line = "LM Studio: kvscope/stories-GGUF/stories260K-Q8_0.gguf — llama · Q8_0 · "
-        assert any(t.startswith(lm_line) and t.endswith(" · 512 tokens") for t in texts), texts
+        assert any(t.startswith(lm_line) and t.endswith(" on disk · 512 tokens") for t in texts), texts
         assert any(t.startswith("Ollama: stories:260k — llama · Q8_0") for t in texts), texts
         assert texts.index(next(t for t in texts if t.startswith("Suggested"))) > texts.index(
             next(t for t in texts if t.startswith("Ollama")))  # found models come before the suggestions
