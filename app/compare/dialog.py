@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QDialog,
@@ -19,12 +18,11 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QTabWidget,
-    QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from app.compare.fidelity_tab import FidelityTab, results_table
+from app.compare.fidelity_tab import FidelityTab, put_row, results_table
 from app.shell.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
@@ -85,7 +83,7 @@ class CompareDialog(QDialog):
             "and its cache are not changed, and you can go on chatting meanwhile (the timings then share the "
             "machine with your chat).")
         intro.setWordWrap(True)
-        self.table = results_table(COLUMNS)
+        self.table = results_table(COLUMNS, words=(0, 4, 5))
         self.status = QLabel("Running…")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
@@ -129,11 +127,7 @@ class CompareDialog(QDialog):
         reference = self.rows[0].get("generated_tokens", 0)
         r = self.table.rowCount()
         self.table.insertRow(r)
-        for c, text in enumerate(row_cells(row, reference)):
-            item = QTableWidgetItem(text)
-            if c:
-                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            self.table.setItem(r, c, item)
+        put_row(self.table, r, row_cells(row, reference), bool(row.get("error")))
 
     def _on_progress(self, comparison_id: int, progress: tuple) -> None:
         """Progress bar and words: what runs now, how far, and about how long is left."""

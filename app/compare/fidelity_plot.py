@@ -92,8 +92,8 @@ class FidelityPlot(QWidget):
 
     def _name_front(self, xs: np.ndarray, ys: np.ndarray) -> None:
         """Labels on the front's points, from the cheapest on, each only where it does not crowd the last one
-        named (a twelfth of the chart's width and a tenth of its height apart); right of its point, or left of it
-        in the chart's right third."""
+        named; right of its point, or left of it where it would run off the chart's right edge; none that fits
+        neither way."""
         box = self.plot.getViewBox()
         (x0, x1), (y0, y1) = box.viewRange()
         per_px = ((x1 - x0) / max(box.width(), 1.0), (y1 - y0) / max(box.height(), 1.0))
@@ -103,9 +103,11 @@ class FidelityPlot(QWidget):
             if used == len(self.labels):
                 break
             text = self.rows[j]["label"]
-            left = xs[j] > x0 + (x1 - x0) * 2 / 3
             w, h = len(text) * LABEL_CHAR_PX * per_px[0], LABEL_LINE_PX * per_px[1]
+            left = xs[j] + w > x1
             rect = (xs[j] - w if left else xs[j], ys[j], xs[j] if left else xs[j] + w, ys[j] + h)
+            if rect[0] < x0 or rect[3] > y1:
+                continue  # it would run off the chart on either side (it was cut at the right edge)
             if any(rect[0] < b[2] and b[0] < rect[2] and rect[1] < b[3] and b[1] < rect[3] for b in taken):
                 continue  # it would overlap a label already there (they overlapped: #49)
             label = self.labels[used]

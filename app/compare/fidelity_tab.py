@@ -25,6 +25,7 @@ from app.shell.format import human_bytes
 from app.compare.fidelity_task import LABEL_SUFFIX
 
 COLUMNS = ("setting", "KV held / token", "top-1", "KL", "perplexity", "s")
+WORDS_MIN = 110  # px a column of words keeps however narrow the table (about 14 characters a line)
 HELD_TIP = ("What the cache held at the end of the check over the chat's tokens, formatted as the model card's 'KV per "
             "token': the page being filled counts whole, so full precision reads a little above the card's figure "
             "(which counts full pages only)")
@@ -38,16 +39,75 @@ def row_cells(row: dict[str, Any]) -> list[str]:
 
 
 
-def results_table(columns: tuple[str, ...]) -> QTableWidget:
-    """A read-only table of one row per setting under ``columns``: Compare's timings and its fidelity rows."""
-    table = QTableWidget(0, len(columns))
-    table.setHorizontalHeaderLabels(columns)
+class ResultsTable(QTableWidget):
+    """A results table that knows its columns of words (``words``: they share the width and wrap)."""
+
+    def __init__(self, columns: tuple[str, ...], words: tuple[int, ...]) -> None:
+        super().__init__(0, len(columns))
+        self.words = tuple(words)
+
+
+def results_table(columns: tuple[str, ...], words: tuple[int, ...] = (0,)) -> ResultsTable:
+    """A read-only table of one row per setting under ``columns``: Compare's timings and its fidelity rows. The
+    columns of words (``words``) share the width the numbers leave and wrap; the numbers fit their contents; no
+    column runs off the edge at any width (a long setting's label pushed 'stopped' out of Compare's 900 px)."""
+    table = ResultsTable(columns, words)
+    table.setHorizontalHeaderLabels([_two_lines(c) for c in columns])
     table.verticalHeader().setVisible(False)
+    table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
     table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    table.setWordWrap(True)
+    table.setTextElideMode(Qt.TextElideMode.ElideNone)
+    table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     header = table.horizontalHeader()
-    header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    header.setStretchLastSection(True)
+    header.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)  # the numbers' widths: ``fit_columns``
+    for c in words:
+        header.setSectionResizeMode(c, QHeaderView.ResizeMode.Stretch)
+    header.setStretchLastSection(False)
+    fit_columns(table)
     return table
+
+
+def fit_columns(table: ResultsTable) -> None:
+    """The number columns as wide as their header and cells (a failed row's error, across them, not counted: it
+    wraps), the table never narrower than those and ``WORDS_MIN`` px per column of words."""
+    fm, pad = table.fontMetrics(), 2 * table.style().pixelMetric(table.style().PixelMetric.PM_HeaderMargin) + 12
+    fixed = 0
+    for c in range(table.columnCount()):
+        if c in table.words:
+            continue
+        head = table.horizontalHeaderItem(c).text().split("\n")
+        cells = [table.item(r, c).text() for r in range(table.rowCount())
+                 if table.item(r, c) is not None and table.columnSpan(r, c) == 1]
+        width = max(fm.horizontalAdvance(t) for t in head + cells) + pad
+        table.setColumnWidth(c, width)
+        fixed += width
+    table.setMinimumWidth(fixed + WORDS_MIN * len(table.words) + 2 * table.frameWidth()
+                          + table.verticalScrollBar().sizeHint().width())
+
+
+def _two_lines(label: str) -> str:
+    """A header label over 12 characters on two lines (a header does not wrap by itself: it was cut)."""
+    if len(label) <= 12 or " " not in label:
+        return label
+    words = label.split(" ")
+    cut = min(range(1, len(words)), key=lambda i: abs(len(" ".join(words[:i])) - len(label) / 2))
+    return " ".join(words[:cut]) + "\n" + " ".join(words[cut:])
+
+
+def put_row(table: QTableWidget, r: int, cells: list[str], error: bool) -> None:
+    """Row ``r``'s cells, numbers to the right; a row that failed has its error across the columns after its label
+    (in one narrow column it was cut)."""
+    if error:
+        cells = [cells[0], cells[-1]]
+        table.setSpan(r, 1, 1, table.columnCount() - 1)
+    for c, text in enumerate(cells):
+        item = QTableWidgetItem(text)
+        if c and not error:
+            item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        table.setItem(r, c, item)
+    fit_columns(table)
+
 
 class FidelityTab(QWidget):
     """The button that measures every setting, its progress, the Pareto plot and the rows."""
@@ -120,12 +180,9 @@ class FidelityTab(QWidget):
         self.plot.set_rows(rows, mine)
         shown = [r for r in rows if r.get("label") != "reference"]
         self.table.setRowCount(len(shown))
+        self.table.clearSpans()
         for i, row in enumerate(shown):
-            for c, text in enumerate(row_cells(row)):
-                item = QTableWidgetItem(text)
-                if c:
-                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                self.table.setItem(i, c, item)
+            put_row(self.table, i, row_cells(row), bool(row.get("error")))
 
     def _on_progress(self, progress: tuple) -> None:
         fraction, left, doing = progress

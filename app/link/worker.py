@@ -430,8 +430,11 @@ class EngineWorker(QObject):
             inner = self._backend.make_comparison(self._loaded, messages, sampling)
             loaded, make = self._loaded, self._backend.make_session
             self._comparison = WarmedComparison(inner, lambda cfg: make(loaded, cfg))
-        except BaseException as exc:  # noqa: BLE001
-            self._fail_comparison(exc)
+        except BaseException as exc:  # noqa: BLE001 - one that cannot start says why (it sat at "Running…")
+            log(exc)
+            failure = Failure.from_exception(0, "compare", exc)
+            self.failed.emit(failure)
+            self.compare_finished.emit(comparison_id, failure.message)
             return
         # one step per round after the replies, alone: its rows time each setting by itself
         self._core.add_task(Task(self._comparison, self._on_compare_step, self._fail_comparison))

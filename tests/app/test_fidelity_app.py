@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+from table_checks import all_drawn, shoot
 
 from engine.config import CacheConfig, SamplingConfig
 
@@ -104,4 +106,14 @@ def test_compare_plots_every_precision_and_policy_on_this_chat(qtbot, chatted, m
     assert (float(mine[0][0]), float(mine[1][0])) == pytest.approx(
         (by["int4 (your setting)"]["bytes_per_token"], 100 * by["int4 (your setting)"]["top1_agreement"]))
     assert tab.table.rowCount() == len(rows) and tab.status.text().startswith(f"Done: {len(rows)} settings")
+    # the replies' comparison could not start on the two precisions patched in: it says why, it sat at "Running…"
+    qtbot.waitUntil(lambda: dlg.status.text().startswith("Could not compare: v_dtype: 'int8' is not one of"),
+                    timeout=10_000)
+    dlg.tabs.setCurrentWidget(tab)
+    for width, height in ((900, 520), (700, 480)):  # the default size, and narrower: no column clips (#49)
+        dlg.resize(width, height)
+        QApplication.processEvents()
+        all_drawn(tab.table)
+        shoot(dlg, f"compare-fidelity-{width}.png")
     dlg.close()
+

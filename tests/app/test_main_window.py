@@ -7,6 +7,8 @@ import time
 
 from app_helpers import GREEDY, close_window, open_window, wait_reply
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+from table_checks import all_drawn, shoot
 
 from engine.config import SamplingConfig
 
@@ -412,6 +414,11 @@ def test_compare_cache_settings_while_chatting(qtbot, data_dir, stories_path, st
         assert len({r["prompt_tokens"] for r in dlg.rows}) == 1  # every row answered the first message only
         assert "Done: 6 settings" in dlg.status.text() and dlg.progress.value() == dlg.progress.maximum()
         assert dlg.markdown().count("\n") == 8 and "| paged (reference) |" in dlg.markdown()
+        for width, height in ((900, 520), (700, 480)):  # the default size, and narrower: no column clips (#49)
+            dlg.resize(width, height)
+            QApplication.processEvents()
+            all_drawn(dlg.table)
+            shoot(dlg, f"compare-replies-{width}.png")
         dlg.close()
         assert w.open_compare() is not dlg  # a finished comparison makes way for a new one
     finally:
