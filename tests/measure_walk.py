@@ -7,7 +7,8 @@ another file, or a return to the caller's).
 Two chats on stories260K decoding together (one batched forward), their first rounds run untraced, then one round
 traced with ``sys.setprofile``: only frames of ``engine/`` count (torch's and transformers' own calls are inside
 the model's forward). ``files``: distinct engine files entered; ``crossings``: file-to-file transitions, calls and
-returns; ``calls``: engine functions called.
+returns; ``calls``: engine functions called. The coarse count takes each room but the core as one place (``kv``,
+``model``): the orchestration's walk, without the stores' per-layer calls.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ def trace_round(core) -> list[tuple[str, str, str]]:
     return events
 
 
-def walk(events: list[tuple[str, str, str]]) -> dict:
+def _coarse(f: str) -> str:
+    """A file of the core as itself; any other file as its room (``kv/...`` -> ``kv``): the orchestration's walk."""
+    return f if f.startswith("core/") else f.split("/")[0]
+
+
+def walk(events: list[tuple[str, str, str]], coarse: bool = False) -> dict:
     files, crossings, stack, prev = set(), 0, [], None
     for event, f, _ in events:
+        f = _coarse(f) if coarse else f
         if event == "call":
             stack.append(f)
             here = f
@@ -77,9 +84,10 @@ def main() -> None:
         core.add(Request(s, sink.append))
     for _ in range(4):  # prefills and the first decodes: the rounds after are the steady state
         core.round()
-    r = walk(trace_round(core))
+    events = trace_round(core)
+    r, c = walk(events), walk(events, coarse=True)
     print(f"one decode round of {a.sessions} chats: {r['files']} engine files, {r['crossings']} crossings, "
-          f"{r['calls']} calls")
+          f"{r['calls']} calls; the core's files and the other rooms: {c['files']} places, {c['crossings']} crossings")
     if a.list:
         print("\n".join(r["file_list"]))
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from engine.errors import EngineError
 from engine.snapshot import StepResult
+from engine.core.kv_manager import KVManager
 from engine.core.vocab import FinishReason, RequestStatus
 
 if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
@@ -52,8 +53,8 @@ class Steppable(Protocol):
 
     generating: bool  # a reply is in progress
     prefill_chunk: int
-    cache: Any  # its ``SeqCache`` (the pages it holds, for room and preemption)
-    lm: Any  # the ``LoadedModel`` it runs on (its runner batches forwards)
+    lm: Any  # the ``LoadedModel`` it runs on
+    runner: Any  # its model runner (requests of one runner may share a forward)
 
     def step(self) -> StepResult: ...
     def cancel(self) -> None: ...
@@ -62,6 +63,13 @@ class Steppable(Protocol):
     def prepare(self) -> Any: ...
     def finish(self, out: Any, written: tuple[int, ...] = ()) -> StepResult: ...
     def abort(self, exc: BaseException) -> BaseException: ...
+    # what the KV manager asks (``engine.core.kv_manager.Holder``) and a shared forward's pages
+    def next_need(self) -> int: ...
+    def room_for(self, n: int) -> bool: ...
+    def preemptible(self) -> bool: ...
+    def give_up_cache(self) -> None: ...
+    def pool_key(self) -> int | None: ...
+    def pages_for(self, work: Any) -> tuple[int, tuple[int, ...]] | None: ...
 
 
 @dataclass(eq=False)
@@ -117,7 +125,7 @@ class EngineCore:
         self.requests: list[Request] = []
         self.tasks: list[Task] = []
         self.sources: list[Source] = []
-        self.preemptions = 0
+        self.kv = KVManager(lambda: self.sources, lambda: (r for r in self.requests if not r.done))
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._lock = threading.Lock()
         self._woken = False  # ``wake`` was called: the next round lets sources admit what they queued
@@ -137,6 +145,11 @@ class EngineCore:
         """Something new to do (a source queued work): the driver runs a round soon."""
         self._woken = True
         self.waker()
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (their caches given up for a request that came first)."""
+        return self.kv.preemptions
 
     @property
     def busy(self) -> bool:
@@ -187,8 +200,10 @@ class EngineCore:
             chosen = self._schedule(live)
             for req in chosen:
                 req.status = RequestStatus.RUNNING
-            for req, res in zip(chosen, step_all([r.session for r in chosen], before=self._make_room)):
-                self._deliver(req, res)
+            by_session = {id(r.session): r for r in chosen}
+            for unit in forwards([r.session for r in chosen]):
+                results = run_forward(unit, lambda s: self.kv.make_room(s, by_session[id(s)].priority))
+                self._postprocess([(by_session[id(s)], results[id(s)]) for s in unit])
         self.requests = [r for r in self.requests if not r.done]
         for task in sorted(self.tasks, key=lambda t: t.priority):
             self._task_step(task)
@@ -217,17 +232,20 @@ class EngineCore:
                     budget -= min(pending, r.session.prefill_chunk)
         return chosen
 
-    def _deliver(self, req: Request, res: Any) -> None:
-        if isinstance(res, BaseException):
-            self.finish(req, FinishReason.ERROR)
-        elif res.done:
-            self.finish(req, FinishReason.parse(res.stop_reason, FinishReason.DONE))
-        try:
-            req.sink(res)
-        except Exception:  # noqa: BLE001 - a client's trouble never stops the core
-            import traceback
+    def _postprocess(self, done: list[tuple[Request, Any]]) -> None:
+        """The one place a forward's results are applied to their requests: each request's status (finished when
+        its reply ended, by why), then its result to its sink, in the order they were scheduled."""
+        for req, res in done:
+            if isinstance(res, BaseException):
+                self.finish(req, FinishReason.ERROR)
+            elif res.done:
+                self.finish(req, FinishReason.parse(res.stop_reason, FinishReason.DONE))
+            try:
+                req.sink(res)
+            except Exception:  # noqa: BLE001 - a client's trouble never stops the core
+                import traceback
 
-            traceback.print_exc()
+                traceback.print_exc()
 
     def _task_step(self, task: Task) -> None:
         try:
@@ -251,36 +269,6 @@ class EngineCore:
         for _, fut in calls:
             fut.cancel()
 
-    # -- room ----------------------------------------------------------------------------------------------
-    def _make_room(self, session) -> None:
-        """Before ``session``'s forward: if its cache cannot take the next chunk, idle caches give their pages
-        back first, then running requests of lower priority are preempted (recomputed later)."""
-        c = session.cache
-        if c.store is None or not session.generating:
-            return
-        need = min(max(1, session.pending_tokens()), session.prefill_chunk)
-        if c.can_reserve(need):
-            return
-        for source in self.sources:
-            if source.reclaim() and c.can_reserve(need):
-                return
-        mine = next((r.priority for r in self.requests if r.session is session), Priority.BACKGROUND)
-        for r in sorted(self.requests, key=lambda r: -r.priority):
-            if r.priority <= mine or r.session is session or c.can_reserve(need):
-                break
-            if self._preempt(r):
-                self.preemptions += 1
-
-    def _preempt(self, r: Request) -> bool:
-        """Give up ``r``'s cached K/V (its whole cache, kept intact by no policy): its next step re-prefills them."""
-        c = r.session.cache
-        if c.store is None or c.policy is not None or c.index.intact < c.index.n or c.n == 0:
-            return False
-        c.truncate(0)
-        r.preempted += 1
-        r.status = RequestStatus.PREEMPTED
-        return True
-
 
 def batchable(sessions: Sequence) -> list[list]:
     """The groups of ``sessions`` that would share a forward now, one per model runner: every session decoding
@@ -289,8 +277,8 @@ def batchable(sessions: Sequence) -> list[list]:
     groups: dict[int, tuple[list, list]] = {}
     for s in sessions:
         n = s.shares()
-        if n and not s.lm.runner.batch_refusal():
-            decodes, prefills = groups.setdefault(id(s.lm.runner), ([], []))
+        if n and not s.runner.batch_refusal():
+            decodes, prefills = groups.setdefault(id(s.runner), ([], []))
             (decodes if n == 1 else prefills).append(s)
     out = []
     for decodes, prefills in groups.values():
@@ -300,44 +288,43 @@ def batchable(sessions: Sequence) -> list[list]:
     return out
 
 
+def forwards(sessions: Sequence) -> list[list]:
+    """``sessions`` (in priority order) as the forwards they run in, in order: a batchable group when its first
+    member's turn comes (``batchable``), every other session alone."""
+    group_of = {id(s): g for g in batchable(sessions) for s in g}
+    out, seen = [], set()
+    for s in sessions:
+        if id(s) in seen:
+            continue
+        unit = group_of.get(id(s), [s])
+        seen.update(id(x) for x in unit)
+        out.append(unit)
+    return out
+
+
 def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) -> list[Any]:
     """Step every generating session once, in the given order (the core passes them by priority): those whose
-    next step is one token on a plain store decode together in one forward (``batchable``; the group runs when
-    its first member's turn comes), the rest alone. Each gets its ``StepResult`` or the exception that ended
-    its reply; a failed forward ends every reply it carried, each rolled back. ``before(session)``, if given,
-    runs before each session is prepared (room for it)."""
+    next step is one token on a plain store decode together in one forward (``forwards``), the rest alone. Each
+    gets its ``StepResult`` or the exception that ended its reply; a failed forward ends every reply it carried,
+    each rolled back. ``before(session)``, if given, runs before each session is prepared (room for it)."""
     results: dict[int, Any] = {}
-    group_of = {id(s): g for g in batchable(sessions) for s in g}
-    for s in sessions:
-        if id(s) in results:
-            continue
-        group = group_of.get(id(s))
-        if group is not None:
-            results.update(_step_group(group, before))
-        else:
-            results[id(s)] = _step_one(s, before)
+    for unit in forwards(sessions):
+        results.update(run_forward(unit, before))
     return [results[id(s)] for s in sessions]
 
 
-def _step_one(s, before) -> Any:
-    try:
-        if before is not None:
-            before(s)
-        return s.step()
-    except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
-        return e
-
-
-def _step_group(group: list, before) -> dict[int, Any]:
-    """Prepare each (room first), one forward for those that join, then each one's own finish."""
+def run_forward(unit: list, before: Callable[[Any], Any] | None = None) -> dict[int, Any]:
+    """One forward of ``unit`` (one session, or a batchable group): each prepared (room first: ``before``), one
+    runner call for those that need the model, then each one's own finish — a ``StepResult`` or the exception that
+    ended its reply, by ``id(session)``. The only place scheduled work reaches the model runner."""
     out: dict[int, Any] = {}
     joined, works = [], []
-    for s in group:
+    for s in unit:
         try:
             if before is not None:
                 before(s)
             w = s.prepare()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
             out[id(s)] = e
             continue
         if isinstance(w, StepResult):
@@ -348,26 +335,26 @@ def _step_group(group: list, before) -> dict[int, Any]:
     if not joined:
         return out
     try:
-        outs: list["Output"] = joined[0].lm.runner.run(works)
+        outs: list["Output"] = joined[0].runner.run(works)
     except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
         for s in joined:
             out[id(s)] = s.abort(e)
         return out
-    written = _written_together(joined, works, outs)
+    written = _written_together(joined, works, outs) if len(joined) > 1 else {}
     for s, o in zip(joined, outs):
         try:
-            out[id(s)] = s.finish(o, written.get(id(getattr(s.cache.store, "arena", None)), ()))
+            out[id(s)] = s.finish(o, written.get(s.pool_key(), ()))
         except BaseException as e:  # noqa: BLE001 - this session's reply ended, typed
             out[id(s)] = e
     return out
 
 
-def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict[int, tuple[int, ...]]:
+def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict[int | None, tuple[int, ...]]:
     """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
-    by_pool: dict[int, set[int]] = {}
+    by_pool: dict[int | None, set[int]] = {}
     for s, w, o in zip(sessions, works, outs):
         if o.path in ("batched", "compiled batch"):
-            pages = s.cache.reserved_pages(w.q)
+            pages = s.pages_for(w)
             if pages is not None:
                 by_pool.setdefault(pages[0], set()).update(pages[1])
     return {k: tuple(sorted(v)) for k, v in by_pool.items()}

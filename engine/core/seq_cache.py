@@ -318,6 +318,15 @@ class SeqCache(PrefixReuse):
         writer): notes on what it did and cost; a refusal (typed error) leaves it on its old setting."""
         return reconfigure.apply(self, seq, cfg, max_chunk)
 
+    def can_give_up(self) -> bool:
+        """Every cached token can be dropped and recomputed exactly (a plain cache: no policy, nothing evicted)."""
+        return self.store is not None and self.policy is None and self.index.intact >= self.index.n > 0
+
+    def pool_key(self) -> int | None:
+        """The arena its pages live in (None: no paged store)."""
+        arena = getattr(self.store, "arena", None)
+        return id(arena) if arena is not None else None
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
         self.store.truncate(n)

@@ -164,7 +164,10 @@ def check_fits(prompt: int, max_new: int, ctx: int) -> str:
 
 class Sequence:
     """One conversation's token ids (``ids``: every token so far, the reply's included), its turn and status,
-    the reply in progress (``reply``) and the notes the user must see with it. One writer: the session."""
+    the reply in progress (``reply``) and the notes the user must see with it. Its ``status`` is the conversation's
+    (between replies, replying, closed) and only its own methods change it; the scheduling of a reply is the engine
+    core's ``Request.status`` (``RequestStatus``), which only the core changes. One writer of the rest: the
+    session."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -180,6 +183,16 @@ class Sequence:
     @property
     def running(self) -> bool:
         return self.status is Status.RUNNING
+
+    def clear(self) -> None:
+        """Forget the conversation (its ids and turn); ready for a first reply again."""
+        self.ids, self.turn, self.status = [], -1, Status.IDLE
+
+    def close(self) -> None:
+        """Closed for good: a reply in progress ends ``cancelled``; no other starts."""
+        if self.running:
+            self.end("cancelled")
+        self.status = Status.CLOSED
 
     def copy(self) -> "Sequence":
         """The conversation (ids, turn, protection) without a reply in progress (a fork)."""

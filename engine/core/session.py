@@ -229,20 +229,18 @@ class ChatSession(Stepping):
     def reset(self) -> None:
         """Forget the conversation and free its cache (the session stays usable)."""
         self.cache.reset()
-        self.sequence.ids, self.sequence.turn, self.sequence.status = [], -1, Status.IDLE
+        self.sequence.clear()
 
     def close(self) -> None:
         """End any reply (cancelled), free the cache; the session is done (``SessionClosedError`` after)."""
         if self.closed:
             return
-        if self.generating:
-            self.sequence.end("cancelled")
         self._open, self._ready = None, []
         if self.spec is not None:
             self.spec.close()
             self.spec = None
         self.cache.free()
-        self.sequence.status = Status.CLOSED
+        self.sequence.close()
 
     def snapshot(self, phase: str = "decode", step_ms: float = 0.0) -> CacheSnapshot:
         """A frozen picture of the cache now (read-only numpy copies); a draft model's pool drawn after the model's."""

@@ -62,20 +62,52 @@ class Stepping:
             raise self.abort(e) from e
         return self.finish(out)
 
+    # -- what the core's scheduler and KV manager ask (``engine.core.scheduler``, ``engine.core.kv_manager``) -----
+    @property
+    def runner(self):
+        """The model runner its forwards run on (requests of one runner may share a forward)."""
+        return self.lm.runner
+
+    def next_need(self) -> int:
+        """Tokens its next forward needs room for in the pool: a prefill chunk or one decode token; 0 when it needs
+        none (no reply in progress, or no cache)."""
+        if not self.sequence.running or self.cache.store is None:
+            return 0
+        return min(max(1, self.pending_tokens()), self.prefill_chunk)
+
+    def room_for(self, n: int) -> bool:
+        return self.cache.store is None or self.cache.can_reserve(n)
+
+    def preemptible(self) -> bool:
+        """Its cache can be given up and recomputed exactly: it holds tokens, no policy decides what it keeps, and
+        none of them was evicted (the recomputation would not be the same)."""
+        return self.cache.can_give_up()
+
+    def give_up_cache(self) -> None:
+        self.cache.truncate(0)
+
+    def pool_key(self) -> int | None:
+        """Which page pool its cache writes (sessions of one pool see every page a shared forward wrote)."""
+        return self.cache.pool_key()
+
+    def pages_for(self, work: Work) -> tuple[int, tuple[int, ...]] | None:
+        """(pool, pages) the prepared ``work`` writes, on a plain paged store; else None."""
+        return self.cache.reserved_pages(work.q)
+
     def pending_tokens(self) -> int:
         """Tokens the reply's next forwards still have to feed before its next token (1 while decoding; 0 while
         a verification's tokens are still being handed out)."""
         if self._ready:
             return 0
-        return self.cache.pending(len(self.seq)) if self.generating else 1
+        return self.cache.pending(len(self.sequence.ids)) if self.sequence.running else 1
 
     def shares(self) -> int:
         """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
         of more; a speculating chat's one may become a verification of its drafts, which shares the forward
         too); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
-        ok = self.generating and not self.sequence.reply.cancel and self.cache.can_share(len(self.seq))
+        ok = self.sequence.running and not self.sequence.reply.cancel and self.cache.can_share(len(self.sequence.ids))
         ok = ok and not self._ready  # a verification's later tokens are handed out without a forward
-        return self.cache.pending(len(self.seq)) if ok else 0
+        return self.cache.pending(len(self.sequence.ids)) if ok else 0
 
     def prepare(self) -> Work | StepResult:
         """Plan and reserve the next forward: its ``Work``, or the reply's last ``StepResult`` when it ends without
@@ -83,7 +115,7 @@ class Stepping:
         self.check_open()
         if self._ready:  # a verification's later tokens: one per step, so every consumer sees one at a time
             return self._hand_out()
-        if not self.generating:
+        if not self.sequence.running:
             raise EngineError("no reply in progress: call start() first")
         q, c = self.sequence, self.cache
         if q.reply.cancel:

@@ -109,6 +109,12 @@ class SessionFake:
     def shares(self) -> int:
         return 0
 
+    def prepare(self):  # a fake needs no model forward: its step's result is what the core delivers
+        return self.step()
+
+    def next_need(self) -> int:
+        return 0
+
 
 class ScriptedSession(SessionFake):
     """``chunks`` token-less prefill steps, then ``tokens`` tokens. From step 2 every snapshot repeats the

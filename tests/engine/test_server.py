@@ -393,7 +393,7 @@ def test_more_bad_requests_and_the_server_goes_on(served, client):
     # a bug inside a step: 500 with one line, no traceback; the next request is served
     from engine.core.session import ChatSession
 
-    with mock.patch.object(ChatSession, "step", side_effect=RuntimeError("boom")):
+    with mock.patch.object(ChatSession, "prepare", side_effect=RuntimeError("boom")):
         assert "boom" not in assert_openai_error(_post(url, CHAT, {"model": MODEL, "messages": USER}), 500,
                                                   None, "internal_error")["message"]
     r = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, max_tokens=4)

@@ -1,0 +1,70 @@
+"""The engine core's KV manager: whether a request's next forward can get its pages, and when it cannot, where they
+come from — the one place one request's pages are given up for another's.
+
+Asked by the scheduler before each request is prepared (vLLM's ``KVCacheManager``, nano-vllm's ``BlockManager``:
+"can allocate?" before "allocate"), in priority order::
+
+    can_allocate(session)        the next chunk (or the one decode token) fits the pool now
+    make_room(session, ...)      idle caches give their pages back first (each source's ``reclaim``: swapped to
+                                 host memory or dropped), then running requests of lower priority are preempted
+                                 (their cache cut back to nothing and recomputed on their next step, as vLLM's
+                                 recompute preemption does) — never an error in the middle of a forward
+
+The pages themselves are taken by the session's cache when it is prepared (``SeqCache.reserve``: its one writer)
+and given back when a request is preempted (``preempt``) or its session closes. Bookkeeping only: plain ints and
+the sessions' own answers; no tensor is touched here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Protocol
+
+from engine.core.vocab import RequestStatus
+
+
+class Holder(Protocol):
+    """What the manager asks of a session (``engine.core.step.Stepping``)."""
+
+    def next_need(self) -> int: ...  # tokens its next forward needs room for (0: none, no cache or no reply)
+    def room_for(self, n: int) -> bool: ...  # its cache can take ``n`` more tokens now
+    def preemptible(self) -> bool: ...  # its whole cache can be given up and recomputed exactly
+    def give_up_cache(self) -> None: ...  # give every page back (recomputed on its next step)
+
+
+class KVManager:
+    """Room for the requests of one core. ``sources()`` are the core's sources (their ``reclaim``); ``running()``
+    its live requests, each with ``session``, ``priority`` and ``preempted``."""
+
+    def __init__(self, sources: Callable[[], Iterable[Any]], running: Callable[[], Iterable[Any]]) -> None:
+        self._sources, self._running = sources, running
+        self.preemptions = 0  # requests preempted so far (the scheduler panel's count)
+
+    def can_allocate(self, session: Holder) -> bool:
+        need = session.next_need()
+        return need == 0 or session.room_for(need)
+
+    def make_room(self, session: Holder, priority: int) -> bool:
+        """Room for ``session``'s next forward (it runs at ``priority``): from idle caches, then from running requests
+        of lower priority (a larger number), lowest first. True when it fits now (else its forward refuses, typed)."""
+        if self.can_allocate(session):
+            return True
+        for source in list(self._sources()):
+            if source.reclaim() and self.can_allocate(session):
+                return True
+        for r in sorted(self._running(), key=lambda r: -r.priority):
+            if r.priority <= priority or r.session is session:
+                break
+            if self.preempt(r) and self.can_allocate(session):
+                return True
+        return self.can_allocate(session)
+
+    def preempt(self, request: Any) -> bool:
+        """Give up ``request``'s cached K/V when it can be recomputed exactly (no policy has evicted from it, nothing
+        is lost): its next step re-prefills them. False when it cannot."""
+        if not request.session.preemptible():
+            return False
+        request.session.give_up_cache()
+        request.status = RequestStatus.PREEMPTED  # the core's manager: part of the one writer of a request's status
+        request.preempted += 1
+        self.preemptions += 1
+        return True
