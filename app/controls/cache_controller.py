@@ -1,9 +1,10 @@
 """The cache settings of the chat on screen: what the controls ask for, what the worker applied, what is saved and
 shown.
 
-Each chat keeps its own settings in its history row (``Chat.settings``); a new chat starts from the user's defaults
-(the ``cache/*`` settings: "Make default for new chats"), and opening a chat puts its own in force — a chat opened
-tomorrow runs on what it ran on, not on what was last chosen for another. A change goes from the controls to the
+Each chat keeps its own settings in its history row (``Chat.settings``); a new chat starts from the loaded model's
+own defaults where it has them ("Make default for this model": ``app.settings.model_defaults``), else from the
+user's defaults (the ``cache/*`` settings: "Make default for new chats"), and opening a chat puts its own in force —
+a chat opened tomorrow runs on what it ran on, not on what was last chosen for another. A change goes from the controls to the
 worker (applied between two decode steps, also mid-reply) for the chat on screen; only the worker's ``applied``
 makes it the setting in force, which is then saved with that chat. A refused change puts the controls back.
 
@@ -24,7 +25,8 @@ from PySide6.QtCore import QObject, Signal
 from app.chat.note_words import SHOW_AFTER_MS, plain_note, precision_note
 from app.controls import lossy
 from app.controls.cache_controls import CacheControls
-from app.settings.cache_settings import cache_from_settings, chat_cache, chat_settings_json, save_cache
+from app.settings.cache_settings import cache_from_settings, chat_cache, chat_settings_json, chat_spec, save_cache
+from app.settings.model_defaults import ModelDefaults
 from app.settings.store import Settings
 from app.shell.glossary import describe_cache
 from app.link.engine_thread import EngineThread
@@ -51,6 +53,7 @@ class CacheController(QObject):
         self.engine = engine
         self.history = history
         self.measured = lossy.Measured(settings)
+        self.model_defaults = ModelDefaults(settings)  # a model's own settings for its new chats
         self.defaults: CacheConfig = cache_from_settings(settings)  # what a new chat starts with
         self.applied: CacheConfig = self.defaults
         self.previous: CacheConfig = self.applied  # the setting before the last one applied
@@ -71,14 +74,32 @@ class CacheController(QObject):
 
     # -- the chat on screen -----------------------------------------------------------------------------------
     def own(self, chat_id: Any) -> CacheConfig:
-        """``chat_id``'s own settings (the defaults for a chat that has none saved)."""
+        """``chat_id``'s own settings (a new chat's start for one that has none saved)."""
         chat = self.history.chat(chat_id) if self.history is not None and isinstance(chat_id, int) else None
-        return chat_cache(chat.own_settings, self.defaults) if chat is not None else self.defaults
+        start = chat_cache(self._model_own(), self.defaults)
+        return chat_cache(chat.own_settings, start) if chat is not None else start
+
+    def _model_own(self) -> dict:
+        return self.model_defaults.get(ModelDefaults.name(self._info()))
 
     def new_chat_settings(self, spec=None) -> str:
-        """What a new chat's row starts with: the defaults (``spec``: speculation's, the other controller's)."""
-        own = json.loads(chat_settings_json({}, self.defaults))
-        return chat_settings_json(own, spec, "spec") if spec is not None else json.dumps(own, sort_keys=True)
+        """What a new chat's row starts with: the loaded model's own defaults, else the user's (``spec``:
+        speculation's defaults, the other controller's)."""
+        mine = self._model_own()
+        own = json.loads(chat_settings_json({}, chat_cache(mine, self.defaults)))
+        return chat_settings_json(own, chat_spec(mine, spec), "spec") if spec is not None else json.dumps(own, sort_keys=True)
+
+    def make_model_default(self, spec=None) -> None:
+        """The settings in force (``spec``: the chat's speculation) become what the loaded model's new chats start
+        with, before the defaults for new chats."""
+        info = self._info()
+        if info is None:
+            return
+        own = json.loads(chat_settings_json({}, self.applied))
+        self.model_defaults.save(ModelDefaults.name(info), chat_settings_json(own, spec, "spec") if spec is not None
+                                 else json.dumps(own))
+        self.controls.show_notes([f"New chats of {info.name} start with {describe_cache(self.applied)} (its own "
+                                  "defaults, before the defaults for new chats)"])
 
     def _on_chat(self, chat: Any) -> None:
         self.controls.show_notes([])
@@ -152,10 +173,14 @@ class CacheController(QObject):
         self.controls.set_config(self.applied)
 
     def make_default(self) -> None:
-        """The setting in force becomes what new chats start with."""
+        """The setting in force becomes what new chats start with; the loaded model's own defaults are forgotten
+        (the button pressed last says what its new chats get)."""
         self.defaults = self.applied
         save_cache(self.settings, self.applied)
-        self.controls.show_notes([f"New chats start with {describe_cache(self.applied)}"])
+        info = self._info()
+        mine = " (its own defaults for this model are forgotten)" if self.model_defaults.forget(
+            ModelDefaults.name(info)) else ""
+        self.controls.show_notes([f"New chats start with {describe_cache(self.applied)}{mine}"])
 
     def _forget(self, cfg: CacheConfig, chat: Any) -> None:
         if self._sent and self._sent[0][:2] == (chat, cfg):

@@ -231,10 +231,12 @@ class AskStrip(QFrame):
 
 class CacheControls(DebouncedForm, QWidget):
     """The cache-policy form. ``config()`` is the current ``CacheConfig``; ``set_config`` shows one.
-    ``default_requested``: "Make default for new chats" was pressed."""
+    ``default_requested``: "Make default for new chats" was pressed; ``model_default_requested``: "... for this
+    model"."""
 
     changed = Signal(object)
     default_requested = Signal()
+    model_default_requested = Signal()  # "Make default for this model"
 
     def __init__(self, config: CacheConfig | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -277,6 +279,10 @@ class CacheControls(DebouncedForm, QWidget):
         self.default_button.setToolTip("New chats start with these cache settings and this chat's speculative decoding "
                                        "(each chat keeps its own: opening a chat puts its settings back in force)")
         self.default_button.clicked.connect(self.default_requested)
+        self.model_default_button = QPushButton("Make default for this model")
+        self.model_default_button.setToolTip("New chats of the loaded model start with these settings, before the "
+                                             "defaults for new chats (\"Make default for new chats\" forgets them)")
+        self.model_default_button.clicked.connect(self.model_default_requested)
         self.lossy_line = QLabel("")
         self.lossy_line.setObjectName("noteLine")
         self.lossy_line.setWordWrap(True)
@@ -322,6 +328,7 @@ class CacheControls(DebouncedForm, QWidget):
         scope = QHBoxLayout()
         scope.addWidget(self.scope, 1)
         scope.addWidget(self.default_button)
+        scope.addWidget(self.model_default_button)
         layout.addLayout(scope)
         layout.addStretch(1)
 

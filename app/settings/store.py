@@ -65,6 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model/device", str, "auto"),
     Setting("model/context", int, 2048),
     Setting("model/folders", list, []),  # folders of models the Models dialog lists (engine.model.catalog)
+    Setting("model/defaults", dict, {}),  # a model's own settings for its new chats (app.settings.model_defaults)
     *dataclass_settings("cache", CacheConfig, CACHE_SKIP, CACHE_DEFAULTS),
     *dataclass_settings("sampling", SamplingConfig, SAMPLING_SKIP, SAMPLING_DEFAULTS),
     *dataclass_settings("spec", SpecConfig),  # speculative decoding (app.controls.spec_controller)

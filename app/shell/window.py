@@ -203,6 +203,7 @@ class MainWindow(QMainWindow):
         c.chat_opened.connect(r.on_chat_opened)
         self.sampling.changed.connect(self._save_sampling)
         self.controls.default_requested.connect(self.speculation.make_default)  # "Make default for new chats"
+        self.controls.model_default_requested.connect(lambda: self.cache.make_model_default(self.speculation.applied))
         self.chat.why_requested.connect(self.show_why)
         srv = self.server
         srv.serving.connect(self._on_serving)

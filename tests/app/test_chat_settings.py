@@ -12,7 +12,7 @@ from app_helpers import close_window, open_window, use_lossy, wait_reply
 from app.controls import cache_controller
 from app.controls.cache_controls import CacheControls
 from app.controls.lossy import Measured, added, lossy_parts
-from engine.config import CacheConfig, SamplingConfig
+from engine.config import CacheConfig, ModelSpec, SamplingConfig
 
 SHORT = SamplingConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
@@ -143,5 +143,43 @@ def test_a_switch_that_reads_many_tokens_again_says_how_many_first(qtbot, data_d
         assert held < fed and n == fed - 4  # all but the sinks, which were never evicted
         strip.yes.click()
         qtbot.waitUntil(lambda: w.cache.applied.policy == "h2o", timeout=10_000)
+    finally:
+        close_window(w)
+
+
+def test_a_model_keeps_its_own_defaults_for_new_chats_after_a_chat_s_own(qtbot, data_dir, stories_path):
+    """"Make default for this model": the loaded model's new chats start with its own settings, another model's with
+    the user's defaults; a chat opened keeps its own (restored first, whatever the model's defaults say since), after
+    a reload too; "Make default for new chats" forgets the model's own."""
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        defaults = w.cache.defaults
+        first = w.chat_id
+        w.send("Once upon a time")
+        wait_reply(qtbot, w)
+        w.new_chat()
+        _choose(qtbot, w, mode="contiguous")
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "contiguous", timeout=10_000)
+        w.controls.model_default_button.click()
+        assert "New chats of stories260K start with" in w.controls.notes.text()
+        assert w.cache.defaults == defaults and w.settings.get("cache/mode") == defaults.mode  # the user's: unchanged
+        w.new_chat()  # this model's own
+        third = w.chat_id
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "contiguous", timeout=10_000)
+        assert _row(w, third)["mode"] == "contiguous" and w.controls.config().mode == "contiguous"
+        w.open_chat(first)  # its own first
+        qtbot.waitUntil(lambda: w.cache.applied == defaults, timeout=10_000)
+        with qtbot.waitSignal(w.model_loaded, timeout=60_000):  # another model: the user's defaults
+            w.load_model(ModelSpec(source="demo"))
+        w.new_chat()
+        qtbot.waitUntil(lambda: w.cache.applied == defaults, timeout=10_000)
+        assert _row(w, w.chat_id)["mode"] == defaults.mode
+        with qtbot.waitSignal(w.model_loaded, timeout=60_000):  # back: its own again, kept in the settings
+            w.load_model(ModelSpec(source=str(stories_path)))
+        w.new_chat()
+        qtbot.waitUntil(lambda: w.cache.applied.mode == "contiguous", timeout=10_000)
+        w.controls.default_button.click()  # the button pressed last wins: the model's own are forgotten
+        assert "its own defaults for this model are forgotten" in w.controls.notes.text()
+        assert w.settings.get("model/defaults") == {} and w.cache.defaults.mode == "contiguous"
     finally:
         close_window(w)
