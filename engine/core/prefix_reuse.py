@@ -110,6 +110,17 @@ class PrefixReuse:
                 saved = self.shelf.get(P, name)
                 self.disk.save_states(P, store.states, name, saved, store.states.nbytes_of(saved))
 
+    def _cached_pages_of_host(self, ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Full pages of the swapped-out tokens still in the prefix cache (named by the same tokens from the
+        start, in this arena), and their names: swap-in takes them back instead of copying their K/V again."""
+        store = self.prefix_store()
+        if store is None or self.host is None:
+            return [], []
+        P = store.page_size
+        chain: list[bytes] = []
+        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P, self.root)
+        return cached_run(store.arena.pool, chain, 0), chain
+
     def reuse(self, cached_ids: Sequence[int], ids: list[int], owner: int) -> tuple[int, int, int]:
         """Cut the cache back to what a new prompt ``ids`` reuses — the common prefix with ``cached_ids``, then
         full pages of the prefix cache named by ``ids`` — and take those pages. Returns (reused tokens, tokens

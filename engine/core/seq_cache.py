@@ -27,7 +27,7 @@ from engine.errors import CacheCapacityError
 from engine.core.eviction import Eviction, EvictionContext, EvictionPlan, Evictor
 from engine.kv.hf_cache import KVCache
 from engine.kv.paged.positions import CacheIndex
-from engine.kv.paged.prefix import ROOT, cached_run, extend_chain
+from engine.kv.paged.prefix import ROOT
 from engine.kv.store.grouped import GroupedKV
 from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
@@ -318,14 +318,11 @@ class SeqCache(PrefixReuse):
         writer): notes on what it did and cost; a refusal (typed error) leaves it on its old setting."""
         return reconfigure.apply(self, seq, cfg, max_chunk)
 
-    def can_give_up(self) -> bool:
-        """Every cached token can be dropped and recomputed exactly (a plain cache: no policy, nothing evicted)."""
+    def can_give_up(self) -> bool:  # every cached token can be dropped and recomputed exactly: nothing evicted
         return self.store is not None and self.policy is None and self.index.intact >= self.index.n > 0
 
-    def pool_key(self) -> int | None:
-        """The arena its pages live in (None: no paged store)."""
-        arena = getattr(self.store, "arena", None)
-        return id(arena) if arena is not None else None
+    def pool_key(self) -> int | None:  # the arena its pages live in (None: no paged store)
+        return id(self.store.arena) if getattr(self.store, "arena", None) is not None else None
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` cached tokens (within the intact prefix): store, index and scores together."""
@@ -358,17 +355,6 @@ class SeqCache(PrefixReuse):
             self.store.from_host(self.host)
         self._swapped_in = len(adopt)  # the reuse that follows puts it in its record
         self.host = None
-
-    def _cached_pages_of_host(self, ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Full pages of the swapped-out tokens still in the prefix cache (named by the same tokens from the
-        start, in this arena), and their names: swap-in takes them back instead of copying their K/V again."""
-        store = self.prefix_store()
-        if store is None or self.host is None:
-            return [], []
-        P = store.page_size
-        chain: list[bytes] = []
-        extend_chain(chain, ids, P, min(self.host.n, self.index.intact) // P, self.root)
-        return cached_run(store.arena.pool, chain, 0), chain
 
     def fork(self, owner_id: int, owner: int) -> "SeqCache":
         """A copy for a new sequence: paged stores share full pages (copy-on-write), others copy."""
