@@ -215,6 +215,9 @@ class CacheSnapshot:
     checkpoint_bytes: int = 0  # all of them (states' copies + window pages held only by checkpoints; not in kv_bytes)
     checkpoint_pages: tuple[int, ...] = ()  # pages of the map held only by checkpoints (old windows of sliding groups)
     account: "CacheAccount | None" = None  # how this turn's prompt used the cache (``TurnStats.cache``)
+    # (start, end, kind, number) of each message in the conversation's tokens, where a viewer knows them (an API
+    # conversation's: ``engine.server.message_kinds``); kinds system / user / assistant / tool_call / tool_result / reply
+    messages: tuple[tuple[int, int, str, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen means frozen: every array is the snapshot's own read-only copy, so a panel (or a thread)

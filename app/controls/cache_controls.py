@@ -325,10 +325,11 @@ class CacheControls(DebouncedForm, QWidget):
         layout.addWidget(self.asking_strip)
         layout.addWidget(self.lossy_line)
         layout.addWidget(self.notes)
-        scope = QHBoxLayout()
-        scope.addWidget(self.scope, 1)
+        layout.addWidget(self.scope)
+        scope = QHBoxLayout()  # under the words: side by side they squeezed them to four lines at 1280 px
         scope.addWidget(self.default_button)
         scope.addWidget(self.model_default_button)
+        scope.addStretch(1)
         layout.addLayout(scope)
         layout.addStretch(1)
 

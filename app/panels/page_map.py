@@ -212,7 +212,8 @@ class PageMapPanel(Panel):
         self.strip = pg.ImageItem(axisOrder="row-major")
         self.strip_box.addItem(self.strip)
         self.ticks = CheckpointTicks(self.strip_box)  # where the cache can be cut back to (hybrid, sliding models)
-        self.strip_rows = 1  # 2 while this turn recomputed tokens for a reason (their reasons: the lower half)
+        self.strip_rows = 1  # +1 while this turn recomputed tokens for a reason (their reasons: the lower half), +1
+        # for an API conversation's messages by kind (the top row)
         self.grid_box = self.view.addViewBox(row=1, col=0, enableMouse=False, invertY=True, lockAspect=True)
         self.image = pg.ImageItem(axisOrder="row-major")
         self.grid_box.addItem(self.image)
@@ -275,6 +276,7 @@ class PageMapPanel(Panel):
         strip = token_colours(snap)
         self.strip.setImage(strip, autoLevels=False, levels=(0, 255))
         self.strip_rows = strip.shape[0]
+        self.strip_box.setMaximumHeight(16 if self.strip_rows <= 2 else 24)  # an API chat's kinds: a third row
         self.ticks.show(snap, self.strip_rows)
         legend = "" if self.remote else reuse_legend(snap)
         self.reuse_legend.setText(legend)

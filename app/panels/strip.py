@@ -18,8 +18,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor
 
-from app.shell.reuse_words import (REASONS, MissRow, checkpoint_words, explained, hover_words, misses_of,
-                                    reason_label)
+from app.shell.reuse_words import (KIND_NAMES, REASONS, MissRow, checkpoint_words, explained, hover_words,
+                                    kind_words, misses_of, reason_label)
 from app.panels.base import legend_html
 from engine import snapshot as S
 from engine.snapshot import CacheSnapshot
@@ -44,6 +44,16 @@ REASON_COLOURS = {  # MissReason value -> colour of its recomputed tokens (the s
     "state": "#ff6fcf",
     "disk": "#b07d48",
     "off": "#8a919c",
+}
+# An API conversation's messages by kind (the strip's top row, ``CacheSnapshot.messages``): an agent's calls and the
+# results it was given read apart from the user's words and the model's own
+KIND_COLOURS = {
+    "system": "#9aa4b2",
+    "user": "#5b8def",
+    "assistant": "#43c59e",
+    "tool_call": "#ffb347",
+    "tool_result": "#c38cf5",
+    "reply": "#2a7d64",
 }
 CHECKPOINT_COLOUR = "#ffffff"  # the strip's ticks
 CHECKPOINT_PAGE_COLOUR = "#d9c6f5"  # pages of the map that only checkpoints hold (a sliding group's old windows)
@@ -70,13 +80,27 @@ def token_colours(snap: CacheSnapshot) -> np.ndarray:
         row[:, :3] = table[np.clip(states, 0, len(table) - 1)].astype(np.uint8)
     else:
         row[0] = PAD
+    rows = [row]
     misses = recomputed(snap)
-    if not misses:
-        return row[None]
-    lower = row.copy()
-    for m in misses:
-        lower[m.start:m.end, :3] = _rgb(REASON_COLOURS.get(m.reason, "#ffffff")).astype(np.uint8)
-    return np.stack([lower, row])
+    if misses:
+        lower = row.copy()
+        for m in misses:
+            lower[m.start:m.end, :3] = _rgb(REASON_COLOURS.get(m.reason, "#ffffff")).astype(np.uint8)
+        rows.insert(0, lower)
+    if snap.messages:  # the messages' kinds on top
+        top = np.full_like(row, 255)
+        top[:, :3] = PAD[:3]
+        for a, b, kind, _n in snap.messages:
+            top[a:b, :3] = _rgb(KIND_COLOURS.get(kind, "#ffffff")).astype(np.uint8)
+        rows.append(top)
+    return np.stack(rows)
+
+
+def message_at(snap: CacheSnapshot, index: int) -> tuple[int, int, str, int] | None:
+    """The message (start, end, kind, number) token ``index`` belongs to, where the snapshot knows them."""
+    starts = [m[0] for m in snap.messages]
+    i = bisect.bisect_right(starts, index) - 1
+    return snap.messages[i] if i >= 0 and snap.messages[i][0] <= index < snap.messages[i][1] else None
 
 
 def miss_at(snap: CacheSnapshot, index: int) -> MissRow | None:
@@ -90,6 +114,10 @@ def token_words(snap: CacheSnapshot, index: int, name: str) -> str:
     """'token 37 of 120 · kept', and how this turn's prompt got it when it was recomputed for a reason (or
     computed new, in a turn that recomputed some)."""
     text = f"token {index} of {len(snap.token_state)} · {name}"
+    message = message_at(snap, index)
+    if message is not None:
+        a, b, kind, n = message
+        text += f" · {kind_words(kind, n)} (tokens {a:,}–{b - 1:,})"
     m = miss_at(snap, index)
     if m is not None and recomputed(snap):
         text += " · " + hover_words(m)
@@ -112,11 +140,15 @@ def checkpoint_text(snap: CacheSnapshot, i: int) -> str:
 
 
 def reuse_legend(snap: CacheSnapshot | None) -> str:
-    """The line under the strip's legend: the reasons this turn recomputed tokens for, and the checkpoints ("" when
-    neither)."""
+    """The line under the strip's legend: the messages' kinds (an API conversation's), the reasons this turn recomputed
+    tokens for, and the checkpoints ("" when none of them)."""
     if snap is None:
         return ""
     parts = []
+    kinds = list(dict.fromkeys(m[2] for m in snap.messages))
+    if kinds:
+        parts.append(legend_html([(KIND_COLOURS.get(k, "#ffffff"), KIND_NAMES.get(k, k)) for k in kinds],
+                                 prefix="messages (top row):"))
     reasons = list(dict.fromkeys(m.reason for m in recomputed(snap)))
     if reasons:
         parts.append(legend_html([(REASON_COLOURS.get(r, "#ffffff"), reason_label(r)) for r in reasons],

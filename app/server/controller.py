@@ -18,6 +18,7 @@ taken on the server's engine thread too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
@@ -144,7 +145,8 @@ def _describe(scheduler) -> list[dict]:
 
 
 def _snapshot(scheduler, session_id: int):
-    """That conversation's snapshot and its tokens as text (engine thread); None once its session is gone."""
+    """That conversation's snapshot, with where its messages sit and their kinds (tool calls and results among
+    them: the token strip colours them), and its tokens as text (engine thread); None once its session is gone."""
     for s, _running in scheduler.conversations():
         if s.session_id == session_id:
             tok = scheduler.lm.tokenizer
@@ -152,7 +154,9 @@ def _snapshot(scheduler, session_id: int):
                 text = tok.decode(list(s.seq)) if tok is not None else ""
             except Exception:  # noqa: BLE001 - the transcript says what it can
                 text = ""
-            return s.snapshot(), text, len(s.seq)
+            snap = s.snapshot()
+            spans = scheduler.kinds.spans(tok, session_id, len(snap.token_state))
+            return dataclasses.replace(snap, messages=tuple(m.as_tuple() for m in spans)), text, len(s.seq)
     return None
 
 

@@ -106,6 +106,18 @@ def reason_label(reason: str) -> str:
     return REASONS.get(reason, (reason, ""))[0]
 
 
+KIND_NAMES = {"system": "system prompt", "user": "user", "assistant": "assistant", "tool_call": "tool call",
+              "tool_result": "tool result", "reply": "the latest reply"}  # a message's kind, as legends name it
+
+
+def kind_words(kind: str, n: int) -> str:
+    """'tool result 3', 'user message 2', 'the system prompt', 'the latest reply': a message of an API
+    conversation by its kind and number."""
+    return {"system": "the system prompt", "user": f"user message {n}", "assistant": f"assistant message {n}",
+            "tool_call": f"tool call {n}", "tool_result": f"tool result {n}", "reply": "the latest reply"}.get(
+        kind, f"{kind} {n}")
+
+
 def where(pos: int, places: list[dict] | None) -> str:
     """'the system prompt', 'your message 2', 'reply 1', "the reply's header" or (not known) 'the prompt'."""
     place = next((p for p in places or () if p.get("at") == pos), None)

@@ -32,6 +32,7 @@ from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
 from engine.server.limits import StreamLimits
 from engine.server.prompts import Prepared, Tokenizing
+from engine.server.message_kinds import MessageKinds
 from engine.server.render import reply_text, session_messages
 from engine.server.tool_calls import as_message
 from engine.server.logprobs import TokenText
@@ -63,6 +64,7 @@ class Scheduler(Source):
                                 speculation=Speculation.draft_model(spec, draft_lm, lm, check=False))
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
+        self.kinds = MessageKinds()  # each conversation's messages, for a viewer (the app's token strip)
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
@@ -230,6 +232,7 @@ class Scheduler(Source):
                 raise
             self._start_turn(job)  # idle conversations gave their pages back (a swapped-in cache needed room)
         self._running.append(job)
+        self.kinds.note(job.session.session_id, req.messages if req.kind == "chat" else (), req.tools)
         job.request = self.core.add(Request(job.session, lambda r, job=job: self._guard(lambda j: self._emit(j, r), job),
                                             Priority.API, hold=lambda job=job: self._paused or self._held(job)))
         st = job.stats
