@@ -171,20 +171,18 @@ def show(result: dict, what: str) -> None:
 
 
 # -- PyInstaller ------------------------------------------------------------------------------------------
-def prebuild_quant_kernels(src: Path) -> list[str]:
-    """The GGUF block kernels (engine/quant/csrc) compiled for each x86 level into engine/quant/prebuilt, which the
-    spec bundles: a machine without a C compiler runs them (the engine picks the best level its CPU has). Without a
-    compiler here the bundle is built without them, said in one line: GGUF weights are then dequantized on load."""
+def prebuild_native_kernels(src: Path) -> list[str]:
+    """The native kernels (engine/native/csrc, engine/quant/csrc) compiled by ``python -m engine.native.prebuild``:
+    each C library for every x86 level, the C++ operators for this torch, into the prebuilt folders the spec bundles,
+    so a machine without a compiler runs them (the engine loads the best level its CPU has). What could not be built
+    is said in one line each; the bundle check then names what is missing (``--bundle-check``: ``native_kernels``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        log("GGUF block kernels: no prebuilt levels for this architecture (built at first use where a compiler is)")
-        return []
-    r = subprocess.run([sys.executable, "-m", "engine.quant.build", "--prebuild",
-                        str(src / "engine" / "quant" / "prebuilt")], cwd=src, capture_output=True, text=True)
-    if r.returncode != 0:
-        log(f"GGUF block kernels NOT prebuilt: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        return []
+        log("native kernels: no prebuilt levels for this architecture (built at first use where a compiler is)")
+    r = subprocess.run([sys.executable, "-m", "engine.native.prebuild"], cwd=src, capture_output=True, text=True)
+    for line in r.stderr.strip().splitlines():
+        log(f"native kernels NOT prebuilt: {line}")
     made = [Path(line).name for line in r.stdout.split()]
-    log(f"GGUF block kernels prebuilt: {', '.join(made)}")
+    log(f"native kernels prebuilt: {', '.join(made) or 'none'}")
     return made
 
 
@@ -480,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report["pyinstaller"] = ensure_pyinstaller(install=not args.no_install)
         report["env"] = check_build_env()
-        report["quant_kernels"] = prebuild_quant_kernels(src)
+        report["native_kernels"] = prebuild_native_kernels(src)
         log(f"freezing {src} with {report['env']} (PyInstaller, hooks-contrib {report['pyinstaller']})")
         extra = {k: v for k, v in os.environ.items() if k.startswith("KVSCOPE_")}
         report["build_seconds"] = round(pyinstaller(src, out, args.clean, extra), 1)

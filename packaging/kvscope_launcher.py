@@ -130,6 +130,63 @@ def _run_session(lm, prompt_ids=None, prompt: str | None = None, new_tokens: int
     return out[1]
 
 
+def _native_check() -> dict:
+    """The native kernels as a machine without a compiler has them (CC / CXX pointed at ``false``, an empty cache): on
+    x86-64 Linux each must load from the bundle's prebuilt levels (``engine.native.prebuild``), else this fails naming
+    what is missing. Runs before any model loads, so the checks after it run on these libraries."""
+    import platform
+    import tempfile
+
+    keep = {k: os.environ.get(k) for k in ("CC", "CXX", "XDG_CACHE_HOME")}
+    os.environ.update(CC="false", CXX="false", XDG_CACHE_HOME=tempfile.mkdtemp(prefix="kvscope-native-"))
+    try:
+        from engine.kv.quantized import native
+        from engine.model import linear_kernel, linear_op
+        from engine.native import build
+        from engine.quant import kernel
+
+        native.library(), linear_kernel.LINEAR.library(), linear_op.attach(), kernel.library()
+        found = {r["library"]: r["origin"] or f"missing ({r['why']})" for r in build.report()}
+    finally:
+        for k, v in keep.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    lost = sorted(k for k, v in found.items() if not v.startswith("prebuilt "))
+    if lost and sys.platform == "linux" and platform.machine() == "x86_64":
+        raise RuntimeError(f"native kernels not prebuilt in the bundle: {', '.join(lost)} ({found})")
+    return found
+
+
+def _native_speed() -> dict:
+    """Decode tokens/s of a SmolLM2-135M-shape float32 chat (random weights, 128-token prompt, 32 new tokens, one
+    thread) with the native kernels and with KVSCOPE_NATIVE=off, sides interleaved, median of three each."""
+    import statistics
+
+    import torch
+
+    from engine.config import CacheConfig, SamplingConfig
+    from engine.core.session import ChatSession
+    from engine.model.shapes import build_shape
+
+    torch.set_num_threads(1)
+    lm, runs = build_shape("smollm2-135m"), {"on": [], "off": []}
+    prompt = torch.randint(3, 40000, (128,), generator=torch.Generator().manual_seed(1)).tolist()
+    for i in range(6):
+        side = ("on", "off")[i % 2]
+        os.environ["KVSCOPE_NATIVE"] = side
+        for kv in ("auto", "tq4"):
+            s = ChatSession(lm, CacheConfig(mode="paged", page_size=16, k_dtype=kv, v_dtype=kv))
+            s.start_ids(prompt, SamplingConfig(max_new_tokens=33, ignore_eos=True))
+            s.step()
+            t = time.perf_counter()
+            while not s.step().done:
+                pass
+            runs[side].append((kv, 32 / (time.perf_counter() - t)))
+            s.close()
+    os.environ.pop("KVSCOPE_NATIVE")
+    return {f"{kv} {side}": round(statistics.median(r for k, r in runs[side] if k == kv), 2)
+            for side in runs for kv in ("auto", "tq4")}
+
+
 def bundle_check(argv: list[str]) -> int:
     import argparse
     import importlib.util
@@ -141,6 +198,7 @@ def bundle_check(argv: list[str]) -> int:
     p.add_argument("--gguf", default=None, help="a GGUF file to load through transformers' GGUF support")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     p.add_argument("--no-gui", action="store_true", help="skip the Qt/pyqtgraph check")
+    p.add_argument("--speed", action="store_true", help="also time decoding with the native kernels and without")
     args = p.parse_args(argv)
     results: dict = {"frozen": bool(getattr(sys, "frozen", False)), "root": bundle_root()}
     failures: list[str] = []
@@ -273,6 +331,9 @@ def bundle_check(argv: list[str]) -> int:
 
     check("resources", resources)
     check("torch", torch_check)
+    check("native_kernels", _native_check)
+    if args.speed:
+        check("native_speed", _native_speed)
     check("bitsandbytes", bnb_check)
     if not args.no_gui:
         check("gui", gui_check)

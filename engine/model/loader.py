@@ -245,6 +245,9 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         lm.info = held_info(lm.info, verdict.weights, model)
     if lm.info.unsupported:
         raise UnsupportedModelError(f"{name}: {lm.info.unsupported}")
+    if progress and str(device) == "cpu":  # no compiler and nothing prebuilt: which fast paths are missing, once
+        from engine.model.linear_op import say_missing
+        say_missing(progress)
     return lm
 
 

@@ -17,8 +17,9 @@ import os
 
 import torch
 
+from engine.native.build import Native
+from engine.native.libraries import KQ
 from engine.quant import formats
-from engine.quant.build import Kernels
 
 ROADS = ("int8", "float")
 
@@ -50,7 +51,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-KERNELS = Kernels(_declare)
+KERNELS = Native(KQ, _declare)  # engine/quant/csrc/*.c, built and found by the engine's one build path
 
 
 def library() -> ctypes.CDLL | None:

@@ -120,7 +120,13 @@ def _load(a):
         from engine.model.shapes import build_shape
 
         dtype = getattr(torch, a.dtype) if a.dtype != "auto" else torch.float32
-        return build_shape(a.shape, device=a.device, dtype=dtype)
+        lm = build_shape(a.shape, device=a.device, dtype=dtype)
+        if lm.info.device == "cpu":  # as a load says it: which native kernels are missing here, and what it costs
+            from engine.model.linear_op import say_missing
+            from engine.model.notes import print_notes
+
+            say_missing(print_notes)
+        return lm
     from engine.config import ModelSpec
     from engine.model.loader import load_model
 

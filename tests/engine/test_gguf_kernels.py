@@ -178,20 +178,3 @@ def test_the_gpu_product_dequantizes_chunks_as_the_file_says(name):
     got = _cuda_product(x, w, T[name].value, n, out)
     want = kernel.matmul(x, w, T[name].value, n, road="float")
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-def test_the_best_prebuilt_level_this_cpu_runs_is_taken(tmp_path, monkeypatch):
-    """Installers ship one library per x86 level (engine/quant/prebuilt): the best the CPU's flags allow wins."""
-    import platform
-
-    from engine.quant import build
-
-    for name, _, _ in build.LEVELS:
-        (tmp_path / f"kq-{name}.so").write_bytes(b"")
-    monkeypatch.setattr(build, "PREBUILT", tmp_path)
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c", "bmi2"}
-    for flags, want in ((avx512, "kq-avx512vnni.so"), ({"avx2", "fma", "f16c", "bmi2"}, "kq-avx2.so"),
-                        ({"sse4_2"}, "kq-generic.so")):
-        monkeypatch.setattr(build, "_cpu_flags", lambda f=flags: f)
-        assert build.prebuilt_for_cpu().name == want

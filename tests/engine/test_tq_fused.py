@@ -17,6 +17,8 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
 from engine.kv.quantized import native, tq_attend
 from engine.kv.quantized.schemes import scheme_for
+from engine.native import build as native_build
+from engine.native.libraries import ATTEND
 from engine.model.shapes import build_shape
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.why()}")
@@ -44,7 +46,7 @@ def _role(kind, role, heads, rows, tail, d, g):
 @pytest.mark.parametrize("d", [8, 16, 64, 128])
 @pytest.mark.parametrize("k_kind,v_kind", [(k, v) for k in KINDS + QJL for v in KINDS])
 def test_the_kernel_gives_sdpas_attention(build, d, k_kind, v_kind):
-    lib = native.library() if build == "this CPU" else native.load(())
+    lib = native.library() if build == "this CPU" else native.TQ.load(())
     g = torch.Generator().manual_seed(d)
     for heads, rep, rows, tail in ((2, 3, 48, 5), (1, 1, 32, 0), (3, 2, 0, 7)):
         kp, k = _role(k_kind, "k", heads, rows, tail, d, g)
@@ -107,23 +109,22 @@ def test_a_mask_that_hides_tokens_or_more_queries_take_the_torch_path():
 def test_no_compiler_leaves_the_torch_path_and_says_why_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(native, "TQ", native.Native("kernels", native.SOURCE, native._declare,
-                                                    "the fused tq attention"))
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
+    monkeypatch.setattr(native, "TQ", native_build.Native(ATTEND, native.TQ.declare))
+    with caplog.at_level(logging.INFO, logger=native_build.__name__):
         assert native.library() is None and native.library() is None
     assert native.why() == "false failed: exit status 1"
     assert [r.getMessage() for r in caplog.records] == [
-        "native kernels for the fused tq attention are off, the torch path runs instead (false failed: exit status 1)"]
+        f"the fused decode attention: off (false failed: exit status 1); {ATTEND.cost}"]
     assert not list(tmp_path.rglob("*.so"))
 
 
 def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cc = native._compiler()
-    target = native.cached_path(cc, ())
+    cc = native_build.compiler(cxx=False)
+    target = native_build.cached_path(ATTEND, cc, ())
     target.parent.mkdir(parents=True)
     target.write_bytes(b"not a shared library")  # cut short, or copied in from elsewhere
-    lib = native.load(())
+    lib = native.TQ.load(())
     g = torch.Generator().manual_seed(5)
     kp, k = _role("tq4", "k", 1, 16, 2, 64, g)
     vp, v = _role("int4", "v", 1, 16, 2, 64, g)
@@ -136,7 +137,7 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
 
 @pytest.mark.skipif(os.name != "posix", reason="an ASCII locale")
 def test_the_kernels_build_under_an_ascii_locale(tmp_path):
-    """The sources' comments hold UTF-8 (arrows, dashes): written in the locale's encoding they raised
+    """The sources' comments hold UTF-8 (arrows, dashes): read or written in the locale's encoding they raised
     UnicodeEncodeError under LC_ALL=C without Python's UTF-8 mode, a traceback instead of the kernels."""
     import subprocess
     import sys
@@ -156,7 +157,7 @@ def test_a_compiler_past_its_time_is_stopped_with_what_it_started(tmp_path):
     orphaned ``cc1`` slowing the machine for minutes)."""
     marker = tmp_path / "still-running"
     with pytest.raises(subprocess.TimeoutExpired):
-        native.compile_run(["sh", "-c", f"(sleep 2; touch {marker}) & sleep 30"], 0.5)
+        native_build.compile_run(["sh", "-c", f"(sleep 2; touch {marker}) & sleep 30"], 0.5)
     time.sleep(2.5)
     assert not marker.exists()
 

@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -182,6 +183,12 @@ def test_frozen_bundle_check(built):
     assert bc["model:float32"]["text"].strip()
     # the GGUF path works frozen: the same model from an F32 GGUF writes the same tokens
     assert bc["gguf:float32"]["ids"] == bc["model:float32"]["ids"]
+    # every native kernel runs from the bundle's prebuilt libraries with CC / CXX pointed at `false` (an installer's
+    # machine without a compiler): the x86 level this CPU runs, the operators for the bundled torch
+    if platform.machine() == "x86_64":
+        assert sorted(bc["native_kernels"]) == ["attend", "kq", "linear", "torch_ops"], bc["native_kernels"]
+        assert all(v.startswith("prebuilt ") for v in bc["native_kernels"].values()), bc["native_kernels"]
+        assert len(built["report"]["native_kernels"]) == 13  # 3 C libraries x 4 levels, the operators
 
 
 def test_bundle_layout_and_size_cuts(built):
