@@ -338,7 +338,10 @@ def run_forward(unit: list, before: Callable[[Any], Any] | None = None) -> dict[
         outs: list["Output"] = joined[0].runner.run(works)
     except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
         for s in joined:
-            out[id(s)] = s.abort(e)
+            typed = s.abort(e)
+            if typed is not e and typed.__cause__ is None:
+                typed.__cause__ = e  # the original, for KVSCOPE_DEBUG's traceback
+            out[id(s)] = typed
         return out
     written = _written_together(joined, works, outs) if len(joined) > 1 else {}
     for s, o in zip(joined, outs):

@@ -52,15 +52,15 @@ class Stepping:
     _ready: list  # tokens a verification gave beyond its first: (event, stop, text), one per step, no forward
 
     def step(self) -> StepResult:
-        """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token."""
-        work = self.prepare()
-        if isinstance(work, StepResult):
-            return work
-        try:
-            (out,) = self.lm.runner.run([work])
-        except BaseException as e:
-            raise self.abort(e) from e
-        return self.finish(out)
+        """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token. The
+        scheduler's own path (``engine.core.scheduler.run_forward``) for this session alone; what ended the reply
+        is raised, typed."""
+        from engine.core.scheduler import run_forward
+
+        result = run_forward([self])[id(self)]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     # -- what the core's scheduler and KV manager ask (``engine.core.scheduler``, ``engine.core.kv_manager``) -----
     @property
