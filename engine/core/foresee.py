@@ -23,15 +23,16 @@ from engine.policies import turns
 @dataclass(frozen=True)
 class Foresight:
     """A reply's prompt before it is sent: ``tokens`` in all, ``read`` of them fed now (computed, or taken from the
-    prefix cache), ``unread`` passed over
-    to fit the context — ``whole`` messages and ``part`` tokens of a message cut at its oldest end — and whether
-    the system prompt (if any) stays (``kept_system``)."""
+    prefix cache), ``unread`` passed over to fit the context — ``whole`` messages and ``part`` tokens of a message
+    cut at its oldest end — and the system prompt's tokens (``system``; 0: none) and whether they stay
+    (``kept_system``)."""
 
     tokens: int
     read: int
     unread: int = 0
     whole: int = 0
     part: int = 0
+    system: int = 0
     kept_system: bool = True
 
 
@@ -79,4 +80,4 @@ def plan(tokenizer, messages: list[dict], ids: Sequence[int], cfg: CacheConfig, 
     unread = int(gone.sum())
     system = [(a, b) for m, (a, b) in zip(messages, spans) if m["role"] == "system"]
     kept = not any(gone[a:b].any() for a, b in system)
-    return Foresight(n, todo - unread, unread, whole, unread - in_whole, kept)
+    return Foresight(n, todo - unread, unread, whole, unread - in_whole, sum(b - a for a, b in system), kept)
