@@ -25,6 +25,7 @@ from app.chat.note_words import plain_note, reply_notes
 from app.chat.replies import (Reply, against_own_prefill, edited_versions, mark_unfinished, pick_version,
                               versions_of)
 from app.chat.send_check import SendCheck
+from app.chat.tool_messages import engine_message
 from app.chat.spec_demo import RepeatDemo
 from app.settings.store import Settings
 from app.link.engine_thread import EngineThread
@@ -64,6 +65,7 @@ class Conversation(QObject):
         self._sampling = sampling
         self._cache = cache
         self._new_settings = new_settings  # a new chat's own settings: the user's defaults
+        self.tool_use: Callable[[list[dict]], Any] = lambda _messages: None  # the MCP tools a reply may call (app.agent)
         self.apply_cache = apply_cache or (lambda cfg: engine.apply_cache_config(cfg))
         self.ready = False  # a model is loaded
         self.chat_id: int | None = None
@@ -209,11 +211,9 @@ class Conversation(QObject):
         if chat is None:
             return []
         out = [{"role": "system", "content": chat.system_prompt.strip()}] if chat.system_prompt.strip() else []
-        for m in self.history.messages(chat_id):
-            if m.role == "user" or (m.role == "assistant" and m.content):
-                item = {"role": m.role, "content": m.content}
-                if m.stats.get("pinned"):
-                    item["pinned"] = True  # the priority policy never evicts it
+        for m in self.history.messages(chat_id):  # tool calls and their results too (``app.chat.tool_messages``)
+            item = engine_message(m.role, m.content, m.stats)
+            if item is not None:
                 out.append(item)
         return out
 
@@ -222,7 +222,7 @@ class Conversation(QObject):
         chat = self.history.chat(chat_id)
         index = 1 if chat is not None and chat.system_prompt.strip() else 0
         for m in self.history.messages(chat_id):
-            if m.role == "user" or (m.role == "assistant" and m.content):
+            if engine_message(m.role, m.content, m.stats) is not None:
                 if m.id == message_id:
                     return index
                 index += 1
@@ -345,7 +345,15 @@ class Conversation(QObject):
         self.pane.begin_reply(reply.position, len(reply.versions))
         self.pane.set_generating(True)
         self.reply_started.emit(reply.generation_id, reply.modes[0])
-        self.engine.submit(reply.generation_id, messages, sampling, self.chat_id)
+        self.engine.submit(reply.generation_id, messages, sampling, self.chat_id, self.tool_use(messages))
+
+    def continue_reply(self) -> bool:
+        """The model goes on after tool results were added (the agent loop: ``app.agent``); False when it cannot
+        now (no model, a reply running, no chat)."""
+        if not self.ready or self.generation_id or self.chat_id is None:
+            return False
+        self._request_reply()
+        return True
 
     # -- engine events --------------------------------------------------------------------------------------
     def _on_token(self, event: TokenEvent) -> None:

@@ -22,6 +22,7 @@ from app.chat.bubble_lines import cache_line, error_line, note_lines, pin_line, 
 from app.chat.draft_tint import add_span
 from app.chat.markdown import breakable
 from app.chat.message_body import MessageBody
+from app.chat.tool_messages import tool_title
 from app.shell.reuse_words import footer_line
 
 COPIED_MS = 1500  # how long "Copied" shows on the button
@@ -209,6 +210,9 @@ class MessageView(QFrame):
             self.body.show_text(self.text)
         else:  # an empty reply: "…" while it streams, "no text" once it ended (say, an error before a token)
             empty = "no text" if self.stats else html.escape(self.waiting, quote=False) or "…"
+            calls = self.stats.get("tool_calls")
+            if calls:  # a reply that only called tools: which (the results follow, each in its own message)
+                empty = "called " + ", ".join(html.escape(c["function"]["name"]) for c in calls)
             self.body.show_text(self.text, self.draft_spans, self.tint,
                                 f"<span style='color:#6d7480'>{empty}</span>")
         return True
@@ -236,8 +240,11 @@ class MessageView(QFrame):
         self.progress_label.setVisible(bool(text))
 
     def set_stats(self, stats: dict[str, Any]) -> None:
-        """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse."""
+        """The finished reply's lines: error (if one stopped it), notes, stats, cache reuse; a tool result's header
+        (which tool, its arguments, what became of the call)."""
         self.stats = dict(stats or {})
+        if self.role == "tool":
+            self.role_label.setText(tool_title(self.stats))
         if "stop_reason" in self.stats:  # a finished reply's record replaces what streaming collected
             self.draft_spans = [list(span) for span in self.stats.get("draft_spans", ())]
             self.set_progress("")

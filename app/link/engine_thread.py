@@ -45,8 +45,10 @@ class EngineThread(QObject):
             self.sent_cache = cache
         self.call(self.worker.load, spec, cache)
 
-    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
-        self.call(self.worker.submit, generation_id, messages, sampling, chat)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None,
+               tools: Any = None) -> None:
+        """A reply to ``messages`` in ``chat``; ``tools``: a ``ToolUse`` its reply may call (the chat's MCP tools)."""
+        self.call(self.worker.submit, generation_id, messages, sampling, chat, tools)
 
     def forget_chat(self, chat: Any) -> None:
         self.call(self.worker.forget_chat, chat)

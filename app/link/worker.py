@@ -32,6 +32,8 @@ Signals (every reply event carries its ``generation_id``)::
     measured(int, int)              request id, token count (-1: no model, or it could not be counted)
     foreseen(int, object)           request id, what a reply would read and pass over unread (``Foresight``; None:
                                     no model, or it could not be foreseen)
+    called(int, object)             generation_id, a reply with tools read for calls (``ToolTurn``), before
+                                    ``finished`` (whose text is then the reply's without the calls)
     core_ready(object, object)      the loaded model and its engine core, for the API server (``serve``);
                                     (None, None): no model
     waiting(int, str)               generation_id, what its reply waits for before its first step
@@ -55,6 +57,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.link.backend import EngineBackend, default_backend
+from app.link import tool_replies
 from app.link.places import miss_places
 from app.compare.fidelity_task import FidelityControl
 from app.compare.run import WarmedComparison
@@ -104,6 +107,7 @@ class EngineWorker(QObject):
     described = Signal(object, object, int)
     measured = Signal(int, int)
     foreseen = Signal(int, object)  # request id, an ``engine.core.foresee.Foresight`` (None: no model, or unknown)
+    called = Signal(int, object)  # generation_id, ``app.link.tool_replies.ToolTurn``: a reply with tools, read
     core_ready = Signal(object, object)
     fast_changed = Signal(str)  # the compiled decode step in words, after its setting changed
     waiting = Signal(int, str)  # generation_id, what its reply waits for before its first step (app.chat.reply_wait)
@@ -127,6 +131,7 @@ class EngineWorker(QObject):
         self.applied_chat: Any = None  # the chat the last ``applied`` notes describe (the GUI reads it)
         self._text = ""
         self._messages: list[dict] = []  # the chat that reply answers (where its recomputed tokens sit: ``placed``)
+        self._tool_reply: Any = None  # a reply with tools: how to read its calls (``app.link.tool_replies``)
         self._noted: set[str] = set()  # notes already sent for this reply
         self._comparison: Any = None
         self._comparison_id = 0
@@ -193,13 +198,17 @@ class EngineWorker(QObject):
         frac = next((float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)), -1.0)
         self.progress.emit(str(msg), frac)
 
-    @Slot(int, object, object, object)
-    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None) -> None:
-        """Start a reply in ``chat``'s session (each chat keeps its own cache; idle ones go to host memory)."""
+    @Slot(int, object, object, object, object)
+    def submit(self, generation_id: int, messages: list[dict], sampling: SamplingConfig, chat: Any = None,
+               tools: Any = None) -> None:
+        """Start a reply in ``chat``'s session (each chat keeps its own cache; idle ones go to host memory);
+        ``tools``: a ``ToolUse`` (the chat's MCP tools), its reply read for calls (``called``)."""
         self._abort_running()
         self._cancel_flag.clear()
         self._noted = set()
-        self._chat, self._messages = chat, messages
+        self._tool_reply = None
+        agent = tool_replies.needs_tools(messages, tools)
+        self._chat, self._messages = chat, ([] if agent else messages)  # places: plain chats
         self.started.emit(generation_id)
         if self._loaded is None:
             self._fail_reply(generation_id, "start", EngineError("No model is loaded yet."))
@@ -215,7 +224,11 @@ class EngineWorker(QObject):
             elif self._session is None:
                 self._session = self._backend.make_session(self._loaded, self._cache)
             stage = "start"
-            self._session.start(messages, sampling, generation_id)
+            if agent:
+                self._tool_reply = tool_replies.start(self._session, self._loaded, messages, sampling, generation_id,
+                                                      tools)
+            else:
+                self._session.start(messages, sampling, generation_id)
         except BaseException as exc:  # noqa: BLE001
             self._fail_reply(generation_id, stage, exc)
             return
@@ -585,6 +598,15 @@ class EngineWorker(QObject):
     def _end(self, gen: int, reason: str, stats: Any, text: str) -> None:
         self._gen_id = 0
         self._drop_request()
+        reader, self._tool_reply = self._tool_reply, None
+        if reader is not None and stats is not None and reason not in ("cancelled", "error"):
+            try:
+                turn = reader.read(self._session, self._loaded.stop_ids)
+            except BaseException:  # noqa: BLE001 - unread, the reply is its text
+                traceback.print_exc()
+            else:
+                self.called.emit(gen, turn)
+                text = turn.content
         places = miss_places(getattr(self._loaded, "tokenizer", None), self._messages, getattr(stats, "cache", None))
         if places:
             self.placed.emit(gen, places)

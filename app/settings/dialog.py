@@ -14,11 +14,12 @@ from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFormLayout
                                QPushButton, QSpinBox, QTabWidget, QVBoxLayout, QWidget)
 
 from app.settings.cache_settings import save_sampling
+from app.agent.tools_page import ToolsPage
 from app.settings.server_page import ServerPage
 from app.settings.store import SAMPLING_DEFAULTS
 from engine.config import SamplingConfig, SpecConfig
 
-PAGES = ("server", "speculation", "disk", "chats")
+PAGES = ("server", "speculation", "disk", "chats", "tools")
 
 
 class SpecPage(QWidget):
@@ -80,7 +81,8 @@ class ChatsPage(QWidget):
 
 
 class SettingsDialog(QDialog):
-    """Pages ``server``, ``speculation``, ``disk`` and ``chats`` of ``window`` (a ``MainWindow``); non-modal."""
+    """Pages ``server``, ``speculation``, ``disk``, ``chats`` and ``tools`` of ``window`` (a ``MainWindow``);
+    non-modal."""
 
     def __init__(self, window) -> None:
         super().__init__(window)
@@ -91,9 +93,10 @@ class SettingsDialog(QDialog):
         self.speculation = SpecPage()
         self.disk = window.disk.make_form()
         self.chats = ChatsPage(window)
+        self.tools = ToolsPage(window.agent)
         self.tabs = QTabWidget()
         for page, title in ((self.server, "Server"), (self.speculation, "Speculation"), (self.disk, "KV disk cache"),
-                            (self.chats, "New chats")):
+                            (self.chats, "New chats"), (self.tools, "Tools")):
             self.tabs.addTab(page, title)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Apply
                                    | QDialogButtonBox.StandardButton.Cancel)
@@ -114,6 +117,7 @@ class SettingsDialog(QDialog):
         self.disk.load(w.disk.cfg)
         w.disk.refresh()
         self.chats.load(w.settings)
+        self.tools.load(w.settings)
 
     def open_page(self, page: str = "server") -> "SettingsDialog":
         self.load()
@@ -127,12 +131,13 @@ class SettingsDialog(QDialog):
         """Hand each changed value to its owner; False (nothing applied) when the server's address cannot be
         used: the Server page shows why."""
         w = self.window_
-        problem = self.server.problem()
-        if problem:
-            self.tabs.setCurrentIndex(PAGES.index("server"))
-            self.server.problem_line.setText(problem)
-            self.server.problem_line.setVisible(True)
-            return False
+        for name, page in (("server", self.server), ("tools", self.tools)):
+            problem = page.problem()
+            if problem:
+                self.tabs.setCurrentIndex(PAGES.index(name))
+                page.problem_line.setText(problem)
+                page.problem_line.setVisible(True)
+                return False
         if self.server.address() != w.server.address or (w.server.running and
                                                          w.server.serving_at != self.server.address()):
             w.server.apply_address(self.server.address())
@@ -144,6 +149,8 @@ class SettingsDialog(QDialog):
             w.speculation.set_defaults(defaults)
         w.disk.apply_form()
         w.settings.set("chat/system_prompt", self.chats.system_prompt.text().strip())
+        if self.tools.save(w.settings):
+            w.agent.configure()  # the servers start again with what the page says
         w.settings.sync()
         self.server.load(self.server.address())  # the port line now says what runs
         return True

@@ -82,6 +82,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server/host", str, "0.0.0.0"),  # read only with server/remote
     Setting("server/api_keys", list, []),  # in plain text, as the CLI's --api-key is on its command line
     Setting("chat/system_prompt", str, ""),  # Settings ▸ New chats: each new chat starts with it
+    # Settings ▸ Tools (app.agent): MCP servers' tools in chats, off by default; each call asks first
+    Setting("mcp/enabled", bool, False),
+    Setting("mcp/servers", list, []),  # [{"name", "command", "on"}]: stdio servers, a command line each
+    Setting("mcp/tool_choice", str, "auto"),  # "first": the reply to each message of yours calls a tool
     # what the fidelity check measured per model and setting (app.controls.lossy): said before a lossy one is used
     Setting("fidelity/measured", dict, {}),
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)

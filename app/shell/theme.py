@@ -40,6 +40,7 @@ QFrame#notice[tone="info"] QLabel#noticeText {{ color: {TEXT}; }}
 QWidget#transcript {{ background: {BASE}; }}
 QFrame#bubble_user {{ background: #25324a; border-radius: 10px; }}
 QFrame#bubble_assistant, QFrame#bubble_api {{ background: {PANEL}; border-radius: 10px; }}
+QFrame#bubble_tool {{ background: #2a2436; border-radius: 10px; }}
 QPushButton#flatButton {{ background: transparent; border: 1px solid transparent; border-radius: 3px; color: {MUTED};
     padding: 0 3px; }}
 QPushButton#flatButton:hover {{ color: {TEXT}; }}

@@ -31,6 +31,7 @@ from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QWidget
 from app.shell import help as app_help
 from app.server.api_view import ApiView
 from app.controls.cache_controller import CacheController
+from app.agent.loop import AgentLoop
 from app.chat.chat_list import ChatList
 from app.chat.pane import ChatPane
 from app.chat.switch import ChatSwitch
@@ -157,6 +158,7 @@ class MainWindow(QMainWindow):
                                (pane.pin_requested, screen.pin), (pane.version_requested, screen.show_version),
                                (pane.system_prompt_changed, screen.set_system_prompt)):
             signal.connect(action)
+        self.agent = AgentLoop(self.settings, self.conversation, self.engine.worker, self)  # MCP tools (off by default)
         self.reply_wait = ReplyWait(self.chat, self.status, self)  # a reply's wait said, with how long
         self.reply_wait.connect(self.conversation, self.engine.worker)
         self.server = ServerController(self, self.engine, self.settings, self.status, self.models,
@@ -418,6 +420,7 @@ class MainWindow(QMainWindow):
         self._refresh.stop()
         self._db_timer.stop()
         self.server.stop()  # the API's requests end while the worker still runs rounds
+        self.agent.close()  # the MCP servers' processes end
         if getattr(self, "remote", None) is not None:  # File ▸ Connect to a server… made it
             self.remote.shutdown()  # remote replies stop, their threads and event subscribers end
         joined = self.engine.shutdown(timeout_ms)
