@@ -260,6 +260,8 @@ def _why(e: BaseException, spec: ServerSpec, err) -> str:
     except (OSError, ValueError):
         said = []
     inner = _first_line(e)
+    if isinstance(e, ImportError):
+        return 'the mcp package is not installed here (pip install "kvscope[mcp]")'
     if isinstance(e, FileNotFoundError) or "No such file" in inner:
         return f'could not start "{spec.command}": no such program'
     tail = f" (it said: {said[-1][:200]})" if said else ""
