@@ -275,14 +275,7 @@ class CacheControls(DebouncedForm, QWidget):
         self.scope = QLabel("These settings belong to this chat.")
         self.scope.setObjectName("hint")
         self.scope.setWordWrap(True)
-        self.default_button = QPushButton("Make default for new chats")
-        self.default_button.setToolTip("New chats start with these cache settings and this chat's speculative decoding "
-                                       "(each chat keeps its own: opening a chat puts its settings back in force)")
-        self.default_button.clicked.connect(self.default_requested)
-        self.model_default_button = QPushButton("Make default for this model")
-        self.model_default_button.setToolTip("New chats of the loaded model start with these settings, before the "
-                                             "defaults for new chats (\"Make default for new chats\" forgets them)")
-        self.model_default_button.clicked.connect(self.model_default_requested)
+        self.default_button, self.model_default_button = self._default_buttons()
         self.lossy_line = QLabel("")
         self.lossy_line.setObjectName("noteLine")
         self.lossy_line.setWordWrap(True)
@@ -300,6 +293,18 @@ class CacheControls(DebouncedForm, QWidget):
         self.refresh_policies()
         self.set_config(config or CacheConfig())
         self._connect()
+
+    def _default_buttons(self) -> tuple[QPushButton, QPushButton]:
+        """'Make default for new chats' and '... for this model'."""
+        everyone = QPushButton("Make default for new chats")
+        everyone.setToolTip("New chats start with these cache settings and this chat's speculative decoding (each "
+                            "chat keeps its own: opening a chat puts its settings back in force)")
+        everyone.clicked.connect(self.default_requested)
+        model = QPushButton("Make default for this model")
+        model.setToolTip("New chats of the loaded model start with these settings, before the defaults for new "
+                         "chats (\"Make default for new chats\" forgets them)")
+        model.clicked.connect(self.model_default_requested)
+        return everyone, model
 
     def _lay_out(self) -> None:
         layout = QVBoxLayout(self)

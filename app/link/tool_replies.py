@@ -8,6 +8,7 @@ see one behaviour. Runs on the worker's thread.
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -44,6 +45,17 @@ class ToolReply:
     specials: tuple[str, ...]
     tools: tuple[dict, ...]
     prompt: tuple[int, ...]
+
+    def read_end(self, session, stop_ids: Sequence[int], stats: Any, reason: str) -> ToolTurn | None:
+        """``read`` at the reply's end; None for a reply that did not end by itself (cancelled, failed) or that
+        cannot be read (its text then stands as it is)."""
+        if stats is None or reason in ("cancelled", "error"):
+            return None
+        try:
+            return self.read(session, stop_ids)
+        except Exception:  # noqa: BLE001 - unread, the reply is its text
+            traceback.print_exc()
+            return None
 
     def read(self, session, stop_ids: Sequence[int]) -> ToolTurn:
         """The reply's text and calls (its tokens decoded with the template's markers kept, stop tokens left out)."""

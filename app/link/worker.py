@@ -57,7 +57,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.link.backend import EngineBackend, default_backend
-from app.link import tool_replies
+from app.link import counts, tool_replies
 from app.link.places import miss_places
 from app.compare.fidelity_task import FidelityControl
 from app.compare.run import WarmedComparison
@@ -394,39 +394,12 @@ class EngineWorker(QObject):
     def foresee(self, request: int, messages: list[dict], chat: Any, cache: CacheConfig) -> None:
         """What a reply to ``messages`` in ``chat`` would read and pass over unread to fit the context under
         ``cache`` (the chat's own cache counts what it holds): answered by ``foreseen``."""
-        tokenizer = getattr(self._loaded, "tokenizer", None)
-        out = None
-        if tokenizer is not None and messages:
-            try:
-                from engine.core.foresee import foresee, foresee_new
-
-                pool = self._pool
-                session = (pool.get(chat) if chat is not None else None) if pool is not None else self._session
-                if session is not None and not session.closed:
-                    out = foresee(session, messages, cache)
-                else:
-                    out = foresee_new(tokenizer, messages, cache, self._loaded.info.context_length)
-            except BaseException:  # noqa: BLE001 - a forecast is a nicety: unknown, never a failure
-                traceback.print_exc()
-        self.foreseen.emit(request, out)
+        pool = self._pool
+        session = (pool.get(chat) if chat is not None else None) if pool is not None else self._session
+        self.foreseen.emit(request, counts.foresight(self._loaded, session, messages, cache))
 
     def _count(self, messages: list[dict], index: int) -> int:
-        """-1: the whole chat ready for a reply; -2: the chat as it is; n >= 0: message n's span."""
-        tokenizer = getattr(self._loaded, "tokenizer", None)
-        if tokenizer is None:
-            return -1
-        if not messages:
-            return 0
-        try:
-            from engine.model.chat import message_spans, render_chat
-
-            if index >= 0:
-                start, end = message_spans(tokenizer, messages)[index]
-                return end - start
-            return len(render_chat(tokenizer, messages, for_reply=index == -1))
-        except BaseException:  # noqa: BLE001 - a count is a nicety: unknown, never a failure
-            traceback.print_exc()
-            return -1
+        return counts.count(getattr(self._loaded, "tokenizer", None), messages, index)
 
     @Slot(int, object, object)
     def compare(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
@@ -599,14 +572,10 @@ class EngineWorker(QObject):
         self._gen_id = 0
         self._drop_request()
         reader, self._tool_reply = self._tool_reply, None
-        if reader is not None and stats is not None and reason not in ("cancelled", "error"):
-            try:
-                turn = reader.read(self._session, self._loaded.stop_ids)
-            except BaseException:  # noqa: BLE001 - unread, the reply is its text
-                traceback.print_exc()
-            else:
-                self.called.emit(gen, turn)
-                text = turn.content
+        turn = reader.read_end(self._session, self._loaded.stop_ids, stats, reason) if reader is not None else None
+        if turn is not None:
+            self.called.emit(gen, turn)
+            text = turn.content
         places = miss_places(getattr(self._loaded, "tokenizer", None), self._messages, getattr(stats, "cache", None))
         if places:
             self.placed.emit(gen, places)
