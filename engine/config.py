@@ -177,26 +177,6 @@ class CacheConfig:
         """Eviction may drop tokens, so it needs to know where each message starts (protected, pinned)."""
         return not self.bounded_by_context
 
-    @classmethod
-    def from_flags(cls, policy: str = "none", flags: dict[str, Any] | None = None, **fields: Any) -> "CacheConfig":
-        """A config from command-line values. ``flags`` maps policy flags (``sinks``, ``window``, ``budget``;
-        None: not given) to the ``Params`` field of ``policy`` that declares that flag, so ``--window`` is a
-        streaming window and an H2O or priority recent window alike. A flag the policy has no use for is a
-        ``ValueError`` (it would otherwise be silently ignored)."""
-        from engine.policies.base import get_policy_class  # numpy only: no torch, no import cycle
-
-        given = {k: v for k, v in (flags or {}).items() if v is not None}
-        params: dict[str, Any] = {}
-        if given:
-            policy_cls = get_policy_class(policy)
-            names = policy_cls.flag_names() if policy_cls is not None else {}
-            for flag, value in given.items():
-                if flag not in names:
-                    known = ", ".join(f"--{f}" for f in names) or "none"
-                    raise ValueError(f"--{flag.replace('_', '-')} does not apply to policy {policy} (its flags: {known})")
-                params[names[flag]] = value
-        return cls(policy=policy, policy_params=params, **fields)
-
     @property
     def quantized(self) -> bool:
         return self.k_dtype != "auto" or self.v_dtype != "auto"

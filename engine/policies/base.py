@@ -168,3 +168,23 @@ def param_field(default: Any, *, min: Any = None, max: Any = None, help: str = "
 def drop_in_order(order: np.ndarray, n: int, target: int) -> np.ndarray:
     """The first ``n - target`` indices of ``order`` (a preference order over all n slots), sorted."""
     return np.sort(order[:max(0, n - target)]).astype(np.int64)
+
+
+def config_from_flags(policy: str = "none", flags: dict[str, Any] | None = None, **fields: Any):
+    """A ``CacheConfig`` from command-line values. ``flags`` maps policy flags (``sinks``, ``window``, ``budget``;
+    None: not given) to the ``Params`` field of ``policy`` that declares that flag, so ``--window`` is a streaming
+    window and an H2O or priority recent window alike. A flag the policy has no use for is a ``ValueError`` (it
+    would otherwise be silently ignored)."""
+    from engine.config import CacheConfig
+
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    params: dict[str, Any] = {}
+    if given:
+        policy_cls = get_policy_class(policy)
+        names = policy_cls.flag_names() if policy_cls is not None else {}
+        for flag, value in given.items():
+            if flag not in names:
+                known = ", ".join(f"--{f}" for f in names) or "none"
+                raise ValueError(f"--{flag.replace('_', '-')} does not apply to policy {policy} (its flags: {known})")
+            params[names[flag]] = value
+    return CacheConfig(policy=policy, policy_params=params, **fields)

@@ -18,7 +18,7 @@ from engine.remote.client import ContextRefused, RemoteClient, RemoteError, Repl
 from engine.remote.subscriber import EndpointRefused, EventSubscriber
 from engine.remote.view import RemoteView, malformed_text, view_note
 from engine.remote.why import Before, account_dict, fates, message_change, remote_account
-from engine.tools.inputs import read_json
+from engine.inputs import read_json
 
 JOIN_S = 0.3  # a ZMQ subscriber misses what is published before its connection is up ("slow joiner")
 WATCH_MAX_S = 7 * 86400.0  # --watch and --events-timeout: a week at most (inf would sleep forever)

@@ -13,13 +13,13 @@ import os
 import stat
 from typing import Any
 
-from engine.tools.inputs import file_kind, read_json
+from engine.inputs import file_kind, read_json
 
 MESSAGES_HINT = "give a JSON list of {role, content}"
 
 
 def read_messages(path: str) -> list[dict]:
-    """``--messages FILE``: a chat, read through ``engine.tools.inputs`` (regular files only, 16 MiB, JSON
+    """``--messages FILE``: a chat, read through ``engine.inputs`` (regular files only, 16 MiB, JSON
     nested at most 64 deep) and checked as the API checks ``messages``."""
     from engine.model.chat import validate_messages
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.config import (CACHE_MODES, DEVICES, K_DTYPES, KV_DTYPES, OVERFLOWS, QUANTIZATIONS, CacheConfig, ModelSpec,
                            SamplingConfig, value_dtype)
+from engine.policies.base import config_from_flags
 from engine.errors import EngineError
 from engine.tools.arguments import check_disk_budget, check_output_path, read_messages
 
@@ -238,7 +239,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cache_config_from_args(a: argparse.Namespace) -> CacheConfig:
     """The ``CacheConfig`` of parsed cache flags (policy flags go where the policy's ``Params`` say)."""
-    return CacheConfig.from_flags(
+    return config_from_flags(
         policy=a.policy,
         flags=policy_flag_values(a),
         mode=getattr(a, "cache", "paged"),

@@ -120,7 +120,7 @@ def _read_chat(path: str) -> list[dict]:
     """``--chat FILE``: a saved chat, its replies included (checked as the API checks messages)."""
     from engine.model.chat import validate_messages
     from engine.tools.arguments import MESSAGES_HINT
-    from engine.tools.inputs import read_json
+    from engine.inputs import read_json
 
     return validate_messages(read_json(path, "chat file", hint=MESSAGES_HINT), for_reply=False)
 
@@ -129,7 +129,7 @@ def run_fidelity(a, cache_config: Callable, model_spec: Callable) -> int:
     """The ``fidelity`` command (``cache_config`` / ``model_spec``: the CLI's readers of its flags): every input
     checked before the model loads."""
     from engine.tools.arguments import check_output_path, write_json
-    from engine.tools.inputs import read_text
+    from engine.inputs import read_text
 
     check_output_path(a.json_file)
     cfg = cache_config(a)

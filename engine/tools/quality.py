@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, SamplingConfig, value_dtype
+from engine.policies.base import config_from_flags
 
 if TYPE_CHECKING:
     import torch  # imported where used: a refused flag or --text file exits in 0.2 s, not after torch's 1.7 s
@@ -176,7 +177,7 @@ def _one_setting(a) -> Setting | None:
         return None
     from engine.policies import policy_flags
 
-    cfg = CacheConfig.from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
+    cfg = config_from_flags(policy=a.policy, flags={f: getattr(a, f, None) for f in policy_flags()},
                                  page_size=a.page_size, k_dtype=a.k_dtype or a.kv_dtype or "auto",
                                  v_dtype=a.v_dtype or value_dtype(a.kv_dtype or "auto"))
     return Setting(cfg.k_dtype, cfg.v_dtype, cfg.policy, dict(cfg.policy_params), cfg.page_size)
@@ -184,7 +185,7 @@ def _one_setting(a) -> Setting | None:
 
 def run_quality(a) -> int:
     from engine.tools.arguments import write_json
-    from engine.tools.inputs import read_text
+    from engine.inputs import read_text
 
     # every flag and the text file before the model loads: --page-size 0 is generate's one-line refusal,
     # and --text /dev/zero (read whole, it grew to 23.9 GB) or a FIFO (blocked forever) one line, exit 2

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 
 from app.selftest.readouts import cut_captions
 from engine.config import CacheConfig, SamplingConfig
+from engine.policies.base import config_from_flags
 
 LONG_WORDS = "Supercalifragilisticexpialidocious-and-then-some-more-" * 2 + " "  # no place to break: 108 chars
 LONG_TEXT = "A sentence that goes on and on about a fox in a forest, " * 5  # stories260K's context is 512
@@ -126,7 +127,7 @@ def test_wide_screen_keeps_lines_short_and_docks_come_back_after_a_small_window(
 def test_no_panel_text_is_cut_at_common_screen_sizes(qtbot, data_dir, stories_path):
     """The longest captions (a second reply with the first as 'previous', evictions, int8 keys) are shown in full
     at four window sizes, each panel brought to the front in turn (at the smaller sizes some share a tab)."""
-    streaming = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged",
+    streaming = config_from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged",
                                        page_size=16)
     w = open_window(qtbot, data_dir, str(stories_path),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=80, ignore_eos=True))

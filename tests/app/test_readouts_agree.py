@@ -11,6 +11,8 @@ import pytest
 from app_helpers import close_window, open_window, wait_reply
 
 from engine.config import CacheConfig, SamplingConfig
+from engine.policies.base import config_from_flags
+
 
 POLICIES = {"h2o": {"budget": 96, "window": 32}, "streaming": {"sinks": 4, "window": 120}}
 
@@ -20,7 +22,7 @@ def test_context_used_is_what_the_cache_holds_and_the_chat_is_named_apart(qtbot,
     w = open_window(qtbot, data_dir, str(stories_path),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=560, ignore_eos=True))
     try:
-        cfg = CacheConfig.from_flags(policy=policy, flags=POLICIES[policy], mode="paged", page_size=16)
+        cfg = config_from_flags(policy=policy, flags=POLICIES[policy], mode="paged", page_size=16)
         with qtbot.waitSignal(w.engine.worker.applied, timeout=30_000):
             w.apply_cache_config(cfg)
         w.send("Once upon a time")

@@ -11,6 +11,8 @@ import re
 from app_helpers import close_window, open_window, wait_reply
 
 from engine.config import CacheConfig, SamplingConfig
+from engine.policies.base import config_from_flags
+
 
 LONG = SamplingConfig(temperature=0.0, max_new_tokens=560, ignore_eos=True)
 
@@ -32,7 +34,7 @@ def test_a_reopened_chat_says_at_most_its_context(qtbot, data_dir, stories_path)
     context readout is N of 512 with N <= 512 (it said 'Context: 581 of 512'), the chat's own count beside it."""
     w = open_window(qtbot, data_dir, str(stories_path), sampling=LONG)
     try:
-        apply(qtbot, w, CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 120},
+        apply(qtbot, w, config_from_flags(policy="streaming", flags={"sinks": 4, "window": 120},
                                                mode="paged", page_size=16))
         w.send("Once upon a time")
         wait_reply(qtbot, w, 120_000)

@@ -13,10 +13,11 @@ import numpy as np
 
 from app.panels.trace import CacheTrace, strip_from_runs, strip_runs
 from engine.config import CacheConfig, SamplingConfig
+from engine.policies.base import config_from_flags
 from engine.core.session import ChatSession
 from engine.snapshot import TOKEN_EVICTED, TOKEN_KEPT, TOKEN_SINK
 
-STREAMING = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged", page_size=16)
+STREAMING = config_from_flags(policy="streaming", flags={"sinks": 4, "window": 40}, mode="paged", page_size=16)
 
 
 def _snapshots(lm, tokens: int):

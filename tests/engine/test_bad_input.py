@@ -225,7 +225,7 @@ def test_cli_unreadable_messages_file(stories_path, tmp_path, capsys, monkeypatc
     path = tmp_path / "chat.json"
     path.write_text('[{"role": "user", "content": "hi"}]')
     path.chmod(0)
-    if os.geteuid() == 0:  # root reads anything: make os.open (engine.tools.inputs) answer as for anyone else
+    if os.geteuid() == 0:  # root reads anything: make os.open (engine.inputs) answer as for anyone else
         real_open = os.open
 
         def no_permission(file, *a, **kw):

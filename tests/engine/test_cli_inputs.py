@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from engine.tools.cli import build_parser
-from engine.tools.inputs import DEFAULT_LIMIT
+from engine.inputs import DEFAULT_LIMIT
 from engine.model.log_once import OncePerMessage
 
 HANG_GUARD_S = 120  # a refusal takes well under a second; this only stops a blocked read from hanging CI

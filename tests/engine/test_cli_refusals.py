@@ -21,7 +21,7 @@ from engine import errors
 from engine.tools.cli import main as cli_main
 from engine.config import ModelSpec
 from engine.model.loader import load_model
-from engine.tools.inputs import DEFAULT_LIMIT as MAX_MESSAGES_BYTES
+from engine.inputs import DEFAULT_LIMIT as MAX_MESSAGES_BYTES
 
 
 def _copy(stories_path, dst, **config):
@@ -90,7 +90,7 @@ def test_garbage_pickle_weights_are_one_line(tmp_path, stories_path, capsys, cas
 
 def test_messages_from_an_endless_file_are_refused_unread(stories_path):
     """``/dev/zero`` never ends: it is a device, refused before a byte is read and before the model loads
-    (engine.tools.inputs; tests/engine/test_cli_inputs.py has the other kinds of file)."""
+    (engine.inputs; tests/engine/test_cli_inputs.py has the other kinds of file)."""
     p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(stories_path), "--messages",
                         "/dev/zero"], capture_output=True, text=True, timeout=600)  # a hang guard only
     assert p.returncode == 2 and p.stdout == ""

@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 
 from engine.config import CacheConfig, SamplingConfig
+from engine.policies.base import config_from_flags
+
 from engine.core.session import ChatSession
 
-STREAMING = CacheConfig.from_flags(policy="streaming", flags={"sinks": 4, "window": 60}, mode="paged", page_size=16)
+STREAMING = config_from_flags(policy="streaming", flags={"sinks": 4, "window": 60}, mode="paged", page_size=16)
 
 
 def _run(session, tokens: int):

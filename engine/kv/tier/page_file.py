@@ -32,7 +32,7 @@ import struct
 
 import torch
 
-from engine.tools.inputs import json_depth
+from engine.inputs import json_depth
 
 MAGIC = b"KVSCOPE-PAGE-2\n"
 ALIGN = 64
