@@ -254,7 +254,7 @@ class SamplingConfig:
         return dataclasses.replace(self, **changes)
 
 
-SPEC_METHODS = ("off", "ngram", "draft")  # speculative decoding (engine.speculation.verify)
+SPEC_METHODS = ("off", "ngram", "draft")  # speculative decoding (engine.core.verify)
 MAX_DRAFT = 16  # a verification of 17 tokens costs ~1.3x a decode forward on the CPU; more rarely pays
 
 

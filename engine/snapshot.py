@@ -154,7 +154,7 @@ class TokenEvent:
     step_ms: float
     tokens_in_step: int  # tokens the forward pass processed (prompt length for prefill, 1 for decode)
     path: str = "eager"  # what ran the forward: eager | compiled (engine.model.fast_step) | batched | speculative
-    draft: bool = False  # a draft token the model's verification accepted (``engine.speculation.verify``)
+    draft: bool = False  # a draft token the model's verification accepted (``engine.core.verify``)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One draft model is loaded (on the worker's thread, by the backend that loads the chat's model) and shared by
 every chat's drafter; each chat gets its own ``engine.speculation.draft_model.ModelDrafter`` (its own draft cache)
-from the session pool when it becomes active, through the engine's one set-up path (``engine.speculation.setup``).
+from the session pool when it becomes active, through the engine's one set-up path (``engine.core.speculation_setup``).
 A draft model is checked against the chat's model before anything changes ("can I?" before "do it"): one with
 another tokenizer is refused with the reason, the setting stays. The draft model's pool in a chat's page map is
 the engine's snapshot's own (``engine.core.observe.with_draft_pool``).
@@ -39,12 +39,12 @@ class SpecDrafts:
 
     def drafters(self, cfg: SpecConfig, target: Any, like: ModelSpec | None) -> Callable[[], Any] | None:
         """A maker of drafters for ``cfg`` on ``target`` (None unless a draft model), the draft model loaded
-        and checked first (``engine.speculation.setup.Speculation.draft_model``)."""
+        and checked first (``engine.speculation.draft_model.speculation``)."""
         if cfg.method != "draft":
             return None
-        from engine.speculation.setup import Speculation
+        from engine.speculation.draft_model import speculation
 
-        return Speculation.draft_model(cfg, self._model(cfg.draft_path, target, like), target).make_drafter
+        return speculation(cfg, self._model(cfg.draft_path, target, like), target).make_drafter
 
     def _model(self, path: str, target: Any, like: ModelSpec | None) -> Any:
         """The draft model at ``path`` on ``target``'s device: the one loaded already, or loaded now."""

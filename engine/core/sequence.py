@@ -85,7 +85,7 @@ class TurnState:
     threads: int = 0
     waited_ms: float = -1.0  # waited before its first forward (other work, a compile): never TTFT; -1 not yet run
     forwards: int = 0  # forwards that gave tokens
-    spec: Any = None  # ``engine.speculation.verify.SpecStats`` while the chat speculates
+    spec: Any = None  # ``engine.core.verify.SpecStats`` while the chat speculates
     spec_label: str = ""
     account: Any = None  # ``engine.snapshot.CacheAccount`` of its prompt (``SeqCache.reuse``)
     reprefills: list = field(default_factory=list)  # ``Reprefill``s: tokens cache changes had it read again

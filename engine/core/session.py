@@ -32,8 +32,8 @@ from engine.core.sampling import Sampler
 from engine.core.seq_cache import SeqCache
 from engine.core.sequence import NullDecoder, Sequence, Status, TurnState, check_fits, prefill_chunk
 from engine.snapshot import TOKEN_EVICTED, CacheSnapshot, TurnStats
-from engine.speculation import setup as spec_setup
-from engine.speculation.verify import SpecConfig, Speculator
+from engine.core import speculation_setup as spec_setup
+from engine.core.verify import SpecConfig, Speculator
 from engine.core.step import Stepping
 from engine.model.threads import apply as apply_threads
 
@@ -200,7 +200,7 @@ class ChatSession(Stepping):
     def speculate(self, cfg: SpecConfig | None, drafter=None) -> str:
         """Turn speculative decoding on (``cfg``; a draft model's ``drafter`` from ``engine.speculation.draft_model``), change
         it or turn it off (None / method off); allowed between any two steps, also mid-reply. Returns a note. Built by
-        ``engine.speculation.setup`` (a pool of sessions goes through its ``Speculation.onto``)."""
+        ``engine.core.speculation_setup`` (a pool of sessions goes through its ``Speculation.onto``)."""
         self.check_open()
         self.spec = spec_setup.speculator(self.spec, cfg, drafter, self.lm.runner.spec_verdicts)
         reply = self.sequence.reply

@@ -25,7 +25,7 @@ request that does not go on with a whole idle conversation reuses it in whole pa
 matching one more token of a secret then changes nothing the client can see, as vLLM's block-granular prefix
 caching.
 
-Every session speculates as the pool's ``speculation`` says (``engine.speculation.setup``), put on it when it is
+Every session speculates as the pool's ``speculation`` says (``engine.core.speculation_setup``), put on it when it is
 made and whenever it is handed out (``activate``, ``take``). Runs on the engine thread only (no locks).
 """
 
@@ -42,7 +42,7 @@ from engine.core.sequence import common_prefix
 from engine.core.session import ChatSession
 from engine.kv.paged.prefix import salted_root
 from engine.model.loader import LoadedModel
-from engine.speculation.setup import Speculation
+from engine.core.speculation_setup import Speculation
 
 SWAP, CLOSE = "swap", "close"  # what idle sessions do to give their pages to a request that needs them
 

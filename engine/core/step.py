@@ -19,14 +19,14 @@ from engine.core import reprefill
 from engine.errors import ContextOverflowError, EngineError, as_engine_error
 from engine.model.runner import Output, Work
 from engine.snapshot import StepResult
-from engine.speculation.verify import verify
+from engine.core.verify import verify
 
 if TYPE_CHECKING:
     from engine.core.eviction import EvictionPlan
     from engine.model.loader import LoadedModel
     from engine.core.seq_cache import SeqCache
     from engine.core.sequence import Sequence
-    from engine.speculation.verify import Speculator
+    from engine.core.verify import Speculator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Stepping:
     cache: "SeqCache"
     prefill_chunk: int
     _open: OpenStep | None  # the prepared forward
-    spec: "Speculator | None"  # speculative decoding (``engine.speculation.verify``), None: off
+    spec: "Speculator | None"  # speculative decoding (``engine.core.verify``), None: off
     _ready: list  # tokens a verification gave beyond its first: (event, stop, text), one per step, no forward
 
     def step(self) -> StepResult:

@@ -91,7 +91,7 @@ class ModelRunner:
         self.fast = FastStep(lm)  # with its batched step (the setter)
         self.forwards = 0  # forwards run (tests check every forward of the engine came through here)
         self.batched_forwards = self.batched_tokens = 0  # forwards that decoded several sequences, their tokens
-        self.spec_verdicts: dict = {}  # drafter label -> engine.speculation.verify.Verdict: did speculation pay here
+        self.spec_verdicts: dict = {}  # drafter label -> engine.core.verify.Verdict: did speculation pay here
 
     @property
     def fast(self):

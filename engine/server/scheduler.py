@@ -26,7 +26,7 @@ from engine.core.scheduler import CoreThread, EngineCore, Priority, Request, Sou
 from engine.core.session_pool import CLOSE, SessionPool
 from engine.core.vocab import FinishReason
 from engine.snapshot import MissReason
-from engine.speculation.setup import Speculation
+from engine.speculation.draft_model import speculation as draft_speculation
 from engine.server.account import public, recomputed_by_reason
 from engine.server.errors import ApiError, bad_request, from_exception, one_line
 from engine.server.jobs import Backlog, Job, JobRecord
@@ -61,7 +61,7 @@ class Scheduler(Source):
         # draft model checked against the model when it loaded)
         spec, draft_lm = speculation
         self.idle = SessionPool(lm, cache, max_idle, evict=CLOSE, on_evict=self.metrics.session_evicted,
-                                speculation=Speculation.draft_model(spec, draft_lm, lm, check=False))
+                                speculation=draft_speculation(spec, draft_lm, lm, check=False))
         self.token_text = TokenText(lm.tokenizer) if lm.tokenizer is not None else None
         self.records: deque[JobRecord] = deque(maxlen=1024)
         self.kinds = MessageKinds()  # each conversation's messages, for a viewer (the app's token strip)

@@ -1,4 +1,5 @@
-"""Speculative decoding: drafts (prompt lookup, a draft model on its own cache), their verification against
-the model's own sampling (``verify``), adaptive draft length and auto-off. May import ``engine.core``'s
-sequence, cache and sampler, ``engine.model.loader``; never ``engine.server`` or ``engine.tools``.
+"""Speculative decoding's draft model: a smaller model on a cache of its own proposing tokens (``draft_model``).
+The verification of drafts against the model's own sampling, prompt lookup and the speculator the core steps live in
+the core (``engine.core.verify``, ``engine.core.speculation_setup``): the core never imports this room. May import
+``engine.core``'s sequence and cache, ``engine.model.loader``; never ``engine.server`` or ``engine.tools``.
 """

@@ -93,7 +93,7 @@ class ModelDrafter:
 
 
 def load_drafter(cfg, target_lm, like=None) -> ModelDrafter | None:
-    """The drafter ``cfg`` (``engine.speculation.verify.SpecConfig``) names for ``target_lm``: a draft model loaded from
+    """The drafter ``cfg`` (``engine.core.verify.SpecConfig``) names for ``target_lm``: a draft model loaded from
     ``cfg.draft_path`` on the target's device (trust settings and dtype as ``like``, a ``ModelSpec``), checked
     against its tokenizer; None for the other methods. Typed errors (``DraftMismatchError``, load errors)."""
     if cfg.method != "draft":
@@ -111,3 +111,19 @@ def load_drafter(cfg, target_lm, like=None) -> ModelDrafter | None:
         e.args = (f"draft model {cfg.draft_path}: {e}",) + e.args[1:]
         raise
     return ModelDrafter(lm, target_lm)
+
+
+def speculation(cfg, draft_lm, target_lm, check: bool = True):
+    """A pool's ``Speculation`` (``engine.core.speculation_setup``) for ``cfg`` drafting with ``draft_lm`` (loaded
+    once, shared by every drafter) for ``target_lm``. ``check``: a draft model with another tokenizer is refused
+    now (``DraftMismatchError``), not at the first chat. For a method other than draft, ``draft_lm`` is not used."""
+    from engine.config import SpecConfig
+    from engine.core.speculation_setup import Speculation
+
+    cfg = cfg or SpecConfig()
+    if cfg.method != "draft" or draft_lm is None:
+        return Speculation.of(cfg)
+    why = tokenizer_mismatch(draft_lm, target_lm) if check else ""
+    if why:
+        raise DraftMismatchError(f"draft model {draft_lm.info.name}: {why}")
+    return Speculation(cfg, lambda: ModelDrafter(draft_lm, target_lm, check=False))

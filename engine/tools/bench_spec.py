@@ -14,7 +14,7 @@ SUFFIX = "+spec"
 
 def setup(a, lm) -> None:
     """Parse ``--speculative`` and load a draft model once (``a.spec_cfg``, ``a.draft_lm``)."""
-    from engine.speculation.verify import SpecConfig
+    from engine.core.verify import SpecConfig
 
     a.spec_cfg = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))
     a.draft_lm = None

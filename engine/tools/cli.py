@@ -296,7 +296,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         check_text(a.prompt, "prompt")  # before the model loads
         if not a.prompt:  # the API's 400; stories260K 'completed' its BOS alone, the demo failed after loading
             raise ValueError("prompt: empty (nothing to complete)")
-    from engine.speculation.verify import SpecConfig
+    from engine.core.verify import SpecConfig
 
     spec_cfg = SpecConfig.parse(a.speculative, a.draft_tokens)  # a bad flag: exit 2 before the model loads
     from engine.kv.tier.disk import configure_flag

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import EngineError
-from engine.speculation.verify import SpecConfig
+from engine.core.verify import SpecConfig
 
 DEFAULT_SETTINGS: tuple[tuple, ...] = (
     ("paged (reference)", CacheConfig(mode="paged")),

@@ -178,7 +178,7 @@ def test_a_quantized_draft_model_speculates_for_a_quantized_target(files, tmp_pa
     from engine.config import SamplingConfig
     from engine.core.session import ChatSession
     from engine.speculation.draft_model import ModelDrafter
-    from engine.speculation.verify import SpecConfig
+    from engine.core.verify import SpecConfig
 
     monkeypatch.setenv("KVSCOPE_GGUF_ROAD", "float")
     target = load_model(ModelSpec(source=str(files["llama"])))

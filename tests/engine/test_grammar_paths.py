@@ -13,7 +13,7 @@ import pytest
 from engine.config import CacheConfig, SamplingConfig, SpecConfig
 from engine.core.grammar import compile_json_schema
 from engine.core.session import ChatSession
-from engine.speculation.verify import Speculator
+from engine.core.verify import Speculator
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -374,7 +374,7 @@ class ChatMachine(RuleBasedStateMachine):
 
     def _speculate(self, s: ChatSession, method: str, k: int) -> None:
         from engine.speculation.draft_model import ModelDrafter
-        from engine.speculation.verify import SpecConfig
+        from engine.core.verify import SpecConfig
 
         cfg = SpecConfig(method=method, draft_tokens=k, draft_path="stories260K" if method == "draft" else "")
         if method == "draft" and self.draft_lm is None:  # the model drafting for itself, on its own cache

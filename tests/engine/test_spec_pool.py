@@ -8,7 +8,7 @@ import pytest
 from engine.config import CacheConfig, SamplingConfig, SpecConfig
 from engine.model.loader import load_model
 from engine.core.session_pool import SessionPool
-from engine.speculation.draft_model import DraftMismatchError, ModelDrafter
+from engine.speculation.draft_model import DraftMismatchError, ModelDrafter, speculation
 
 MESSAGES = [{"role": "user", "content": "Once upon a time, there was a little girl named Lily. Once upon a time"}]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=60, ignore_eos=True)
@@ -71,24 +71,24 @@ def test_pool_draft_model_per_chat_and_refusal_leaves_the_setting(stories, stori
 
 def test_one_set_up_path_checks_the_draft_model_once_and_changes_only_what_differs(stories, stories_path,
                                                                                   demo_model):
-    """``engine.speculation.setup``: a draft model with another tokenizer is refused before any session changes;
+    """``engine.core.speculation_setup``: a draft model with another tokenizer is refused before any session changes;
     a session keeps its drafter for the same draft model; a refused change leaves the session as it was."""
     from engine.core.session import ChatSession
     from engine.errors import EngineError
-    from engine.speculation.setup import Speculation
+    from engine.core.speculation_setup import Speculation
 
     with pytest.raises(DraftMismatchError):
-        Speculation.draft_model(SpecConfig(method="draft", draft_path="demo"), demo_model, stories)
+        speculation(SpecConfig(method="draft", draft_path="demo"), demo_model, stories)
     with pytest.raises(ValueError):
         Speculation.of(SpecConfig(method="draft", draft_path="demo"))  # no draft model to draft with
     draft = load_model(str(stories_path))
     cfg = SpecConfig(method="draft", draft_path=str(stories_path), auto_off=False)
     s = ChatSession(stories, CacheConfig())
-    assert Speculation.draft_model(cfg, draft, stories).onto(s).startswith("speculative decoding: draft")
+    assert speculation(cfg, draft, stories).onto(s).startswith("speculative decoding: draft")
     drafter = s.spec.drafter
-    assert Speculation.draft_model(cfg, draft, stories).onto(s) == ""  # nothing differs: nothing made
+    assert speculation(cfg, draft, stories).onto(s) == ""  # nothing differs: nothing made
     k2 = SpecConfig(method="draft", draft_path=str(stories_path), draft_tokens=2, auto_off=False)
-    Speculation.draft_model(k2, draft, stories).onto(s)
+    speculation(k2, draft, stories).onto(s)
     assert s.spec.drafter is drafter and s.spec.cfg == k2  # the same draft model: its cache goes on
     with pytest.raises(EngineError):
         s.speculate(SpecConfig(method="draft", draft_path="elsewhere"))  # no drafter for another draft model

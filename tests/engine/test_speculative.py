@@ -12,7 +12,7 @@ import torch
 from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
 from engine.speculation.draft_model import DraftMismatchError, ModelDrafter
-from engine.speculation.verify import MAX_DRAFT, SpecConfig, Speculator, NgramDrafter, verify
+from engine.core.verify import MAX_DRAFT, SpecConfig, Speculator, NgramDrafter, verify
 from engine.core.sampling import Sampler
 
 # a story that repeats itself: prompt lookup finds what comes next
@@ -305,7 +305,7 @@ def test_the_ngram_index_proposes_what_a_full_scan_does():
     drafts are the full scan's."""
     import random
 
-    from engine.speculation.verify import NgramDrafter
+    from engine.core.verify import NgramDrafter
 
     rng = random.Random(7)
     d = NgramDrafter(3)
@@ -324,7 +324,7 @@ def test_paused_prompt_lookup_comes_back_where_the_reply_repeats():
     """Turned off by its judge, prompt lookup goes on guessing in the shadow: once its last 4 guesses would have
     paid (guesses of SHADOW_K = 8 all true, not of the k = 2 the misses shrank: 9 tokens a verification at 2 ms,
     under 0.75 x 1 ms a plain step per token), the reply speculates again, with k at what the guesses kept."""
-    from engine.speculation.verify import SHADOW_K, WINDOW
+    from engine.core.verify import SHADOW_K, WINDOW
 
     sp = Speculator(SpecConfig(method="ngram"), NgramDrafter())
     for _ in range(2):

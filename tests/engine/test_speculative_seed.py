@@ -10,7 +10,7 @@ import torch
 from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
 from engine.speculation.draft_model import ModelDrafter
-from engine.speculation.verify import SpecConfig, verify
+from engine.core.verify import SpecConfig, verify
 from engine.core.sampling import Sampler
 
 # a story that repeats itself: prompt lookup drafts often, and at temperature 0.8 some drafts stay, some do not

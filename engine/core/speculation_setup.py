@@ -3,7 +3,7 @@ session pool, the API server's conversations through theirs, a tool's single ses
 
 ``Speculation`` is what a set of sessions speculates with: a ``SpecConfig`` and, for a draft model, a maker of
 drafters. Each session gets its own drafter (its own draft cache in the draft model's arena); the draft model's
-weights are loaded once and shared. ``Speculation.draft_model`` checks the draft model against the chat's model
+weights are loaded once and shared. ``engine.speculation.draft_model.speculation`` checks the draft model against the chat's model
 once, before anything changes ("can I?" before "do it"), so making a drafter later cannot be refused.
 ``Speculation.onto(session)`` puts the setting on a session when it differs, making a drafter only when the
 session does not draft with that model already. ``speculator`` is the step under ``ChatSession.speculate``: the
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from engine.config import SpecConfig
 from engine.errors import EngineError
-from engine.speculation.verify import NgramDrafter, Speculator
+from engine.core.verify import NgramDrafter, Speculator
 
 NO_DRAFT_MODEL = "speculative decoding with a draft model needs the draft model loaded"
 
@@ -46,21 +46,6 @@ class Speculation:
     def of(cls, cfg: SpecConfig | None, make_drafter: Callable[[], Any] | None = None) -> "Speculation":
         """``cfg`` (None: off) with ``make_drafter`` where it drafts with a draft model."""
         return cls(cfg or SpecConfig(), make_drafter)
-
-    @classmethod
-    def draft_model(cls, cfg: SpecConfig | None, draft_lm: Any, target_lm: Any, check: bool = True) -> "Speculation":
-        """``cfg`` drafting with ``draft_lm`` (loaded once, shared by every drafter) for ``target_lm``. ``check``:
-        a draft model with another tokenizer is refused now (``DraftMismatchError``), not at the first chat.
-        For a method other than draft, ``draft_lm`` is not used."""
-        cfg = cfg or SpecConfig()
-        if cfg.method != "draft" or draft_lm is None:
-            return cls.of(cfg)
-        from engine.speculation.draft_model import DraftMismatchError, ModelDrafter, tokenizer_mismatch
-
-        why = tokenizer_mismatch(draft_lm, target_lm) if check else ""
-        if why:
-            raise DraftMismatchError(f"draft model {draft_lm.info.name}: {why}")
-        return cls(cfg, lambda: ModelDrafter(draft_lm, target_lm, check=False))
 
     def onto(self, session: Any) -> str:
         """``session`` speculating as this says: its note, or "" when it does already. The drafter is made
