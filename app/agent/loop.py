@@ -75,6 +75,11 @@ class AgentLoop(QObject):
         self.configure()
 
     @property
+    def busy(self) -> bool:
+        """Calls of a reply wait for the user's word or for their results."""
+        return bool(self._queue)
+
+    @property
     def enabled(self) -> bool:
         return bool(self.settings.get("mcp/enabled"))
 

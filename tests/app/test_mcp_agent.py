@@ -170,3 +170,66 @@ def test_the_tools_page_checks_the_servers_and_says_what_each_gives(qtbot, data_
         dlg.close()
     finally:
         close_window(w)
+
+
+@pytest.mark.slow
+def test_the_agent_loop_as_a_state_machine(qtbot, data_dir, qwen_folder, weather):
+    """Messages (a call forced or not), Run, Don't run, closing the question and a message sent while it waits, in
+    any order: nothing runs without Run (the server's log counts the calls that ran), the question shows exactly
+    while a call waits, every call in the chat has one result after it, and the chat stays one the model answers."""
+    from hypothesis import settings as hyp_settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+    command, log = weather
+    w = open_window(qtbot, data_dir, str(qwen_folder), sampling=SHORT)
+    _configure(qtbot, w, command)
+
+    def settled() -> bool:  # no reply runs; a call waits only for the user's word (its question shown)
+        return not w.generation_id and (not w.agent.busy or w.agent.dialog is not None)
+
+    class Loop(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            w.new_chat()
+            self.ran = len(log.read_text().splitlines()) if log.exists() else 0
+
+        @rule(forced=st.booleans())
+        def send(self, forced):
+            w.settings.set("mcp/tool_choice", "first" if forced else "auto")
+            w.send("What is the weather today?")
+            qtbot.waitUntil(settled, timeout=60_000)
+
+        @precondition(lambda self: w.agent.dialog is not None)
+        @rule(run=st.booleans())
+        def answer(self, run):
+            (w.agent.dialog.run_button if run else w.agent.dialog.skip_button).click()
+            self.ran += run
+            qtbot.waitUntil(lambda: not w.agent.busy, timeout=60_000)
+            qtbot.waitUntil(settled, timeout=60_000)
+
+        @precondition(lambda self: w.agent.dialog is not None)
+        @rule()
+        def close_question(self):
+            w.agent.dialog.close()
+            qtbot.waitUntil(settled, timeout=60_000)
+
+        @invariant()
+        def nothing_runs_unasked_and_every_call_has_its_result(self):
+            assert (len(log.read_text().splitlines()) if log.exists() else 0) == self.ran
+            shown = w.agent.dialog is not None and w.agent.dialog.isVisible()
+            assert shown == w.agent.busy
+            if w.agent.busy or w.chat_id is None:
+                return
+            rows, i = w.history.messages(w.chat_id), 0
+            while i < len(rows):
+                calls = rows[i].stats.get("tool_calls") or [] if rows[i].role == "assistant" else []
+                results = rows[i + 1:i + 1 + len(calls)]
+                assert [r.stats.get("tool_call_id") for r in results] == [c["id"] for c in calls], rows[i]
+                assert all(r.role == "tool" for r in results)
+                i += 1 + len(calls)
+
+    try:
+        run_state_machine_as_test(Loop, settings=hyp_settings(max_examples=3, stateful_step_count=6, deadline=None))
+    finally:
+        close_window(w)
