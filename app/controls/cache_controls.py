@@ -331,11 +331,13 @@ class CacheControls(DebouncedForm, QWidget):
         layout.addWidget(self.lossy_line)
         layout.addWidget(self.notes)
         layout.addWidget(self.scope)
-        scope = QHBoxLayout()  # under the words: side by side they squeezed them to four lines at 1280 px
-        scope.addWidget(self.default_button)
-        scope.addWidget(self.model_default_button)
-        scope.addStretch(1)
-        layout.addLayout(scope)
+        # under the words, one above the other: beside the words they squeezed them to four lines at 1280 px, side
+        # by side they widened the dock past the chat at 1024 px
+        for button in (self.default_button, self.model_default_button):
+            row = QHBoxLayout()
+            row.addWidget(button)
+            row.addStretch(1)
+            layout.addLayout(row)
         layout.addStretch(1)
 
     def _connect(self) -> None:
