@@ -16,6 +16,7 @@ from engine.config import SamplingConfig
 from engine.errors import EngineError
 
 FIELDS = ("role", "content", "tool_calls", "tool_call_id")  # what the API reads of a message (pins stay in the app)
+NO_TOOLS = "this model's chat template takes no tools: the reply went without the MCP servers' tools"
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,14 @@ def start(session, loaded, messages: Sequence[dict], sampling: SamplingConfig, g
     ``EngineError`` with its words (a tool's bad schema, a template without tool support)."""
     from engine.server.constrain import Constraint, constraint_of
     from engine.server.errors import ApiError
-    from engine.server.render import render_messages, session_messages, spans
+    from engine.server.render import render_messages, session_messages, spans, tool_format
     from engine.server.schemas import parse_chat
 
+    plain = not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if plain and tool_format(loaded.tokenizer) is None:  # a template that writes no tools: the chat goes on without
+        session.start(messages, sampling, generation_id)
+        session.sequence.add_notes([NO_TOOLS])
+        return ToolReply("", (), (), ())
     body: dict[str, Any] = {"model": loaded.info.name,
                             "messages": [{k: m[k] for k in FIELDS if k in m} for m in messages]}
     if use is not None and use.tools:

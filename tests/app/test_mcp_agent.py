@@ -233,3 +233,18 @@ def test_the_agent_loop_as_a_state_machine(qtbot, data_dir, qwen_folder, weather
         run_state_machine_as_test(Loop, settings=hyp_settings(max_examples=3, stateful_step_count=6, deadline=None))
     finally:
         close_window(w)
+
+
+def test_a_model_whose_template_takes_no_tools_answers_without_them_and_says_so(qtbot, data_dir, stories_path,
+                                                                               weather):
+    command, _log = weather
+    w = open_window(qtbot, data_dir, str(stories_path), sampling=SHORT)
+    try:
+        _configure(qtbot, w, command, choice="auto")
+        w.send("Once upon a time")
+        assert wait_reply(qtbot, w)[1] in ("max_tokens", "eos")
+        reply = w.history.messages(w.chat_id)[-1]
+        assert reply.content and "tool_calls" not in reply.stats
+        assert any("takes no tools" in n for n in reply.stats.get("notes", [])), reply.stats.get("notes")
+    finally:
+        close_window(w)
