@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
 
     from app.settings.store import default_data_dir
-    from app.shell.theme import apply_theme
+    from app.ground.theme import apply_theme
 
     apply_theme(app)
     from app.shell.resources import app_icon

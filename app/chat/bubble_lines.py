@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.chat.note_words import reprefill_footer
-from app.shell.format import count
-from app.shell.glossary import stop_mark
-from app.shell.reuse_words import Counts, computed_words, counts_of
+from app.ground.note_words import reprefill_footer
+from app.ground.format import count
+from app.ground.glossary import stop_mark
+from app.ground.reuse_words import Counts, computed_words, counts_of
 
 
 def stats_line(stats: dict[str, Any]) -> str:

@@ -17,11 +17,11 @@ from PySide6.QtCore import QObject, Signal
 
 from app.chat.chat_list import ChatList, title_from
 from app.chat.pane import ChatPane
-from app.shell.failure import Failure
-from app.shell.status_bar import context_counts
+from app.ground.failure import Failure
+from app.ground.status_bar import context_counts
 from app.history.store import HistoryStore
 from app.history.notice import HistoryNotices
-from app.chat.note_words import plain_note, reply_notes
+from app.ground.note_words import plain_note, reply_notes
 from app.chat.replies import (Reply, against_own_prefill, edited_versions, mark_unfinished, pick_version,
                               versions_of)
 from app.chat.send_check import SendCheck
@@ -181,7 +181,7 @@ class Conversation(QObject):
         else:
             self._refresh_list()
 
-    # the local chat's answers to the pane's requests (``app.shell.screen.ChatActions``), while it is on screen
+    # the local chat's answers to the pane's requests (``app.ground.screen.ChatActions``), while it is on screen
     def edit(self, position: int, text: str) -> None:
         self.edit_and_resend(position, text)
 

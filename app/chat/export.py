@@ -8,7 +8,7 @@ from typing import Iterable
 
 from app.history.store import Chat, Message
 from app.chat.message_view import cache_line, error_line, note_lines, stats_line
-from app.shell.reuse_words import footer_line
+from app.ground.reuse_words import footer_line
 
 ROLE_TITLES = {"user": "You", "assistant": "Model", "system": "System"}
 

@@ -18,8 +18,8 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QWidget
 
 from app.history.store import HistoryStore
 from app.settings.store import Settings
-from app.shell.docks import on_screen
-from app.shell.status_bar import StatusBar
+from app.ground.docks import on_screen
+from app.ground.status_bar import StatusBar
 from app.panels.trace import CacheTrace
 
 

@@ -23,7 +23,7 @@ from app.chat.draft_tint import add_span
 from app.chat.markdown import breakable
 from app.chat.message_body import MessageBody
 from app.chat.tool_messages import tool_title
-from app.shell.reuse_words import footer_line
+from app.ground.reuse_words import footer_line
 
 COPIED_MS = 1500  # how long "Copied" shows on the button
 FIDELITY_TINT = "#7a2f2f"  # a dark red the bubble's light text stays readable on: the fidelity check's worst tokens

@@ -2,7 +2,7 @@
 
 Enter sends, Shift+Enter inserts a new line, Esc stops. The pane only shows and asks; the window decides
 what a request means for the engine and the history store. The transcript holds only what is saved with
-the chat; anything else shows in the notice bar above it (``app.shell.notice``). Streaming text is buffered by
+the chat; anything else shows in the notice bar above it (``app.ground.notice``). Streaming text is buffered by
 the bubble and drawn by ``render()``, which the window calls from its ≤30 Hz refresh timer.
 """
 
@@ -25,10 +25,10 @@ from PySide6.QtWidgets import (
 
 from app.chat.message_view import MessageView
 from app.controls.lossy import lossy_parts
-from app.shell.screen import OnScreen
-from app.shell.notice import NoticeBar
+from app.ground.screen import OnScreen
+from app.ground.notice import NoticeBar
 from app.chat.transcript import Transcript
-from app.shell.widgets import WordLabel
+from app.ground.widgets import WordLabel
 
 MIN_CHAT_PX = 340  # the chat pane never gets narrower than a bubble's buttons (so bubbles wrap, never clip)
 PLACEHOLDER = "Message the model — Enter to send, Shift+Enter for a new line"
@@ -339,7 +339,7 @@ class ChatPane(QWidget):
             self.streaming.append(delta, draft)
 
     def watch(self, screen) -> None:
-        """Follow the cache setting applied to the chat on screen (``app.shell.screen.Screen``): pinned messages' lines
+        """Follow the cache setting applied to the chat on screen (``app.ground.screen.Screen``): pinned messages' lines
         say whether Priority pinning keeps them."""
         screen.connect("settings", lambda _cfg: self._on_settings(screen))
         screen.connect("kind", lambda _kind: self._on_settings(screen))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from app.chat.draft_tint import add_span
-from app.shell.failure import Failure
+from app.ground.failure import Failure
 
 INTERRUPTED = {"stop_reason": "interrupted"}  # a reply the app closed (or crashed) before it finished
 VERSION_KEYS = ("versions", "version")

@@ -2,7 +2,7 @@
 eviction off, the cache turned on), in the reply's bubble and the status bar — what, how many, how far, Stop.
 
 The engine tracks it (``engine.core.reprefill``; the worker's ``reprefilling`` carries each step's
-``engine.core.records.Reprefill``); this puts it into words (``app.chat.note_words``) when it is expected to take
+``engine.core.records.Reprefill``); this puts it into words (``app.ground.note_words``) when it is expected to take
 longer than ``note_words.SHOW_AFTER_MS`` at the model's measured prefill rate, or turns out to. Its time is never
 the reply's TTFT: the footer names it apart once the reply ends.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.chat import note_words
+from app.ground import note_words
 
 
 class ReprefillLine(QObject):

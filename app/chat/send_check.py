@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from PySide6.QtCore import QObject
 
 from app.chat.model_tie import ModelTie
-from app.shell.glossary import MODES, OVERFLOWS
+from app.ground.glossary import MODES, OVERFLOWS
 from engine.config import CacheConfig
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class SendCheck(QObject):
         return False
 
     def watch(self, screen) -> None:
-        """Read the chat on screen's tokens from the screen's record (``app.shell.screen.Screen``)."""
+        """Read the chat on screen's tokens from the screen's record (``app.ground.screen.Screen``)."""
         self.screen = screen
 
     @property

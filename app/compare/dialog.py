@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.compare.fidelity_tab import FidelityTab, put_row, results_table
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 
 _ids = itertools.count(1)  # comparison ids: rows of an earlier, replaced comparison never land here
 COLUMNS = ("cache setting", "TTFT ms", "decode tok/s", "KV held", "tokens as in the reference", "stopped")

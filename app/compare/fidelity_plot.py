@@ -15,7 +15,7 @@ import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.panels.base import hover_tip, legend_row, styled_plot
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 
 LABEL_CHAR_PX = 7  # a label's character, about, at the chart's font: its box, to keep labels apart
 LABEL_LINE_PX = 15

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.compare.fidelity_plot import FidelityPlot
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 from app.compare.fidelity_task import LABEL_SUFFIX
 
 COLUMNS = ("setting", "KV held / token", "top-1", "KL", "perplexity", "s")

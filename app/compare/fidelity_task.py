@@ -17,7 +17,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.shell.failure import Failure, log
+from app.ground.failure import Failure, log
 
 LABEL_SUFFIX = " (your setting)"
 

@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from app.chat.note_words import SHOW_AFTER_MS, plain_note, precision_note
+from app.ground.note_words import SHOW_AFTER_MS, plain_note, precision_note
 from app.controls import lossy
 from app.controls.cache_controls import CacheControls
 from app.settings.cache_settings import cache_from_settings, chat_cache, chat_settings_json, chat_spec, save_cache
 from app.settings.model_defaults import ModelDefaults
 from app.settings.store import Settings
-from app.shell.glossary import describe_cache
+from app.ground.glossary import describe_cache
 from app.link.engine_thread import EngineThread
 from app.link.worker import NEXT_MESSAGE
 from engine.config import CacheConfig
@@ -67,7 +67,7 @@ class CacheController(QObject):
         engine.worker.asked.connect(self._on_asked)
 
     def watch(self, screen) -> None:
-        """The controls follow the chat on screen (``app.shell.screen.Screen``): its own settings come into force, its
+        """The controls follow the chat on screen (``app.ground.screen.Screen``): its own settings come into force, its
         length (what cache off can take), and no notes about the chat that left."""
         screen.connect("context", lambda c: c is not None and self.controls.set_chat_length(c.chat, c.total))
         screen.connect("chat", self._on_chat)

@@ -27,11 +27,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.shell import glossary
+from app.ground import glossary
 from app.controls import policies
 from app.controls.lossy import lossy_parts
-from app.shell.glossary import CONTROLS, Term
-from app.shell.widgets import DebouncedForm
+from app.ground.glossary import CONTROLS, Term
+from app.ground.widgets import DebouncedForm
 from engine.config import CACHE_MODES, FALLBACK, K_DTYPES, KV_DTYPES, MAX_PAGE_SIZE, OVERFLOWS, CacheConfig
 
 TOOLTIP_ROLE = 3  # Qt.ItemDataRole.ToolTipRole

@@ -1,4 +1,4 @@
-"""Settings ▸ KV disk cache: the form (a page of the Settings dialog, ``app.settings.dialog``), and
+"""Settings ▸ KV disk cache: the form (a page of the Settings dialog, ``app.shell.settings_dialog``), and
 ``DiskController``, which keeps the setting, sends it to the worker (``app.controls.disk_tier.DiskTierControl``)
 and shows the tier's size in the status bar and on the form."""
 
@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFileDialog, QFormLayo
                                QMessageBox, QPushButton, QWidget)
 
 from app.controls.disk_tier import DiskConfig, DiskState, disk_from_settings, resolve, save_disk
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 from app.settings.store import Settings
 
 POLL_MS = 1000  # the writer thread writes after a reply ends: the readout follows it without being told

@@ -16,7 +16,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.shell.failure import describe, log
+from app.ground.failure import describe, log
 from app.settings.store import Settings
 
 # engine.kv.tier's page and state file suffixes, repeated: importing the engine's modules here would import torch

@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from app.shell.glossary import KV_DTYPES, POLICIES
+from app.ground.glossary import KV_DTYPES, POLICIES
 
 BITS = {"auto": 16, "int8": 8, "int4": 4, "tq4": 4, "tq3": 3, "tq2": 2, "tq4-qjl": 4, "tq3-qjl": 3, "tq2-qjl": 2}
 KEPT_MODELS = 16  # models whose measurements are kept (the least recently measured go)

@@ -74,7 +74,7 @@ def policy_doc(name: str) -> str:
 
 def policy_tip(name: str) -> str:
     """What the policy does to memory, speed and quality (the glossary's words, else its own label)."""
-    from app.shell.glossary import POLICIES
+    from app.ground.glossary import POLICIES
 
     term = POLICIES.get(name)
     return term.tip if term else policy_doc(name) or name

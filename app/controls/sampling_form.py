@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QSpinBox, QWidget
 
-from app.shell.glossary import CONTROLS
+from app.ground.glossary import CONTROLS
 from engine.config import SamplingConfig
 
 

@@ -13,7 +13,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.settings.cache_settings import _load, _save, chat_settings_json, chat_spec
 from app.link.engine_thread import EngineThread
-from app.shell.glossary import describe_spec
+from app.ground.glossary import describe_spec
 from app.settings.store import Settings
 from app.controls.spec_controls import SpecControls
 from engine.config import SpecConfig

@@ -24,10 +24,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.shell import glossary
+from app.ground import glossary
 from app.controls.cache_controls import fill_combo
-from app.shell.glossary import CONTROLS
-from app.shell.widgets import DebouncedForm
+from app.ground.glossary import CONTROLS
+from app.ground.widgets import DebouncedForm
 from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig
 
 NO_DRAFT = "no draft model chosen"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from app.shell.failure import Failure
+from app.ground.failure import Failure
 from app.history.store import HistoryStore
 
 
@@ -26,7 +26,7 @@ class HistoryNotices:
 
     def clear_notice(self) -> None:
         """Close the chat notice when another chat comes on screen; problems (the history file's among them) stay
-        until dismissed (``app.shell.notice``)."""
+        until dismissed (``app.ground.notice``)."""
         self.pane.notice.clear()
 
     def changed(self) -> None:

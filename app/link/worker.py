@@ -20,7 +20,7 @@ Signals (every reply event carries its ``generation_id``)::
     snapshot(CacheSnapshot)
     noted(int, list[str])           generation_id, notes the user must see (each once per reply)
     finished(int, str, object, str) generation_id, stop_reason, TurnStats | None, full text
-    failed(Failure)                 what raised, at which stage (see ``app.shell.failure``)
+    failed(Failure)                 what raised, at which stage (see ``app.ground.failure``)
     applied(object, object)         CacheConfig, list of notes
     asked(object, object, int, float)  CacheConfig, chat, tokens, ms: that change would read this many tokens
                                     again (about ms): not applied until asked again without a limit
@@ -62,7 +62,7 @@ from app.link.places import miss_places
 from app.compare.fidelity_task import FidelityControl
 from app.compare.run import WarmedComparison
 from app.controls.disk_tier import DiskTierControl
-from app.shell.failure import Failure, describe, log
+from app.ground.failure import Failure, describe, log
 from app.controls.spec_drafts import SpecDrafts
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled

@@ -15,9 +15,9 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMenu, QWidget
 
 from app.settings.cache_settings import model_spec, weights_choice
-from app.shell.failure import Failure
+from app.ground.failure import Failure
 from app.settings.store import Settings
-from app.shell.status_bar import StatusBar
+from app.ground.status_bar import StatusBar
 from app.link.engine_thread import EngineThread
 from engine.model.builtin import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, is_builtin
 from engine.config import CacheConfig, ModelSpec

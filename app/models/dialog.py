@@ -35,8 +35,8 @@ from app.settings.cache_settings import spec_for
 from app.models.download import Downloader, HubDownload, folder_problem
 from app.models.estimate import available, verdict, verdict_demo, weights
 from app.models.found import item_text, item_tip, start_scan
-from app.shell.format import fit_html, wont_fit_words
-from app.shell.glossary import CONTROLS
+from app.ground.format import fit_html, wont_fit_words
+from app.ground.glossary import CONTROLS
 from app.settings.store import Settings
 from engine.model.builtin import BUILTIN_LABEL, BUILTIN_MODEL, DEMO_LABEL, builtin_model_dir, is_builtin
 from engine.config import ModelSpec

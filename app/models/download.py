@@ -10,7 +10,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 
 
 def describe_download_error(exc: BaseException, repo_id: str) -> str:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 from engine.model.catalog import FoundModel, Store
 
 STORE_WORDS = {Store.HF_CACHE: "HF cache", Store.LM_STUDIO: "LM Studio", Store.OLLAMA: "Ollama",

@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.shell.docks import on_screen
-from app.shell.format import human_bytes
+from app.ground.docks import on_screen
+from app.ground.format import human_bytes
 
 BACKGROUND = "#16191f"
 FOREGROUND = "#c3c9d2"

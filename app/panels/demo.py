@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import app  # noqa: F401 - PySide6 fix
     from app.panels import MemoryPanel, OccupancyPanel, PageMapPanel, TimingPanel
-    from app.shell.theme import apply_theme
+    from app.ground.theme import apply_theme
 
     qa = QApplication.instance() or QApplication(sys.argv[:1])
     apply_theme(qa)

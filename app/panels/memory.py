@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
-from app.shell.format import human_bytes, info_weights_words
+from app.ground.format import human_bytes, info_weights_words
 from app.panels.base import Panel, StickyRange, decade_ticks, hover_tip, kv_words, legend_row, styled_plot
 from engine.snapshot import CacheSnapshot
 

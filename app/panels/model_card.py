@@ -10,9 +10,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import QSize
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea
 
-from app.shell.format import human_bytes, human_count, info_weights_words
+from app.ground.format import human_bytes, human_count, info_weights_words
 from app.panels.base import Panel, styled_plot
-from app.shell.reuse_words import reuse_cost
+from app.ground.reuse_words import reuse_cost
 from engine.kv.paged import sizes
 from engine.model.builtin import is_builtin
 from engine.snapshot import ModelInfo

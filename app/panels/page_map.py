@@ -19,8 +19,8 @@ from PySide6.QtWidgets import QSizePolicy, QToolTip
 from app.panels.base import Panel, legend_html, legend_row
 from app.panels.strip import (CHECKPOINT_PAGE_COLOUR, TOKEN_COLOURS, CheckpointTicks, checkpoint_near,
                               checkpoint_text, reuse_legend, token_colours, token_words)
-from app.shell.format import human_bytes
-from app.shell.widgets import WordLabel
+from app.ground.format import human_bytes
+from app.ground.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
 

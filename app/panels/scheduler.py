@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from PySide6.QtCore import QTimer
 
-from app.shell.docks import on_screen
+from app.ground.docks import on_screen
 from app.panels.base import Panel
 from engine.snapshot import CacheSnapshot
 
@@ -43,7 +43,7 @@ class PanelScheduler:
         self._screen = None  # the record it draws (``watch``)
 
     def watch(self, screen) -> None:
-        """Draw the screen's record (``app.shell.screen.Screen``): another chat on screen starts over, its newest
+        """Draw the screen's record (``app.ground.screen.Screen``): another chat on screen starts over, its newest
         snapshot is offered (an idle chat's, or an API conversation's, drawn at once), and a reply that ended is
         drawn whole."""
         self._screen = screen

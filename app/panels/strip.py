@@ -18,7 +18,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor
 
-from app.shell.reuse_words import (KIND_NAMES, REASONS, MissRow, checkpoint_words, explained, hover_words,
+from app.ground.reuse_words import (KIND_NAMES, REASONS, MissRow, checkpoint_words, explained, hover_words,
                                     kind_words, misses_of, reason_label)
 from app.panels.base import legend_html
 from engine import snapshot as S

@@ -225,7 +225,7 @@ class TimingPanel(Panel):
 
     # data in ------------------------------------------------------------------------------------------
     def watch(self, screen) -> None:
-        """Follow the screen's record (``app.shell.screen.Screen``): the reply it shows for the chat on screen — one
+        """Follow the screen's record (``app.ground.screen.Screen``): the reply it shows for the chat on screen — one
         beginning, one running (its label follows cache switches), one finished with the figures saved with it, or
         the chat's last reply from an earlier run (its saved figures only: its tokens' times were not kept)."""
         screen.connect("reply", self._on_reply)

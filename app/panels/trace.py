@@ -60,7 +60,7 @@ class CacheTrace:
         self._kept: OrderedDict[Any, tuple] = OrderedDict()  # other chats' traces, least recently shown first
 
     def watch(self, screen) -> None:
-        """Record what the screen's record (``app.shell.screen.Screen``) says of the chat on screen: which chat it is,
+        """Record what the screen's record (``app.ground.screen.Screen``) says of the chat on screen: which chat it is,
         its replies as they begin, every snapshot of them, and the engine's notes."""
         screen.connect("chat", self.open)
         screen.connect("reply", lambda view: view.running and self.begin(view.generation_id))

@@ -1,6 +1,6 @@
 """Why recomputed?: the misses of the chat on screen's last prompt — which prompt tokens were computed instead of
 read from the cache, and why (``engine.snapshot.CacheAccount`` from the snapshot; the words are
-``app.shell.reuse_words``'). Each range gets its reason's colour (the page map's token strip uses the same ones),
+``app.ground.reuse_words``'). Each range gets its reason's colour (the page map's token strip uses the same ones),
 where it sits in the chat when the reply knows (``set_places``), and the engine's one-line detail."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QLabel, QScrollArea
 
 from app.panels.base import Panel
 from app.panels.strip import REASON_COLOURS
-from app.shell.reuse_words import (ALL_REUSED, NO_ACCOUNT, NO_TURN, MissRow, computed_words, counts_of, detail_words,
+from app.ground.reuse_words import (ALL_REUSED, NO_ACCOUNT, NO_TURN, MissRow, computed_words, counts_of, detail_words,
                                    explained, misses_of, reason_label, recomputed_of, where)
 from engine.snapshot import CacheSnapshot
 
@@ -83,7 +83,7 @@ class WhyPanel(Panel):
         return QSize(320, 220)
 
     def watch(self, screen) -> None:
-        """Show the account the screen's record (``app.shell.screen.Screen``) holds for the chat on screen: its last
+        """Show the account the screen's record (``app.ground.screen.Screen``) holds for the chat on screen: its last
         prompt's, live while a reply reads it, as saved with the reply after (the footer's numbers, after a restart
         too)."""
         screen.connect("account", self.show_account)

@@ -32,7 +32,7 @@ from app.remote.worker import RemoteLink
 from app.chat.replies import pick_version, versions_of, with_version
 from engine.remote.why import Before
 from engine.snapshot import TokenEvent
-from app.shell.screen import OnScreen, ReplyView
+from app.ground.screen import OnScreen, ReplyView
 from engine.core.vocab import FinishReason
 
 POLL_MS = 1000  # /metrics once a second (occupancy, hit rate, preemptions)

@@ -17,8 +17,8 @@ from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu, QWidget
 
 from app.chat.chat_list import REPLYING
-from app.shell.glossary import CONTROLS
-from app.shell.reuse_words import footer_line
+from app.ground.glossary import CONTROLS
+from app.ground.reuse_words import footer_line
 from engine.remote.why import account_dict, account_line
 
 MARK = "⇄"  # a chat whose replies come from a server

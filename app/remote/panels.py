@@ -15,7 +15,7 @@ import html
 import numpy as np
 from PySide6.QtWidgets import QLabel, QWidget
 
-from app.shell.docks import on_screen
+from app.ground.docks import on_screen
 from app.remote.chat_list import MARK, measured_speed
 from engine import snapshot as S
 from engine.remote.view import SLOT_CHAT, SLOT_EVICTED, SLOT_FREE, SLOT_OTHER, malformed_text

@@ -14,7 +14,7 @@ from typing import Callable
 
 from PySide6.QtWidgets import QLabel
 
-from app.shell.status_bar import context_counts
+from app.ground.status_bar import context_counts
 
 Wait = Callable[[Callable[[], bool], float], bool]  # app.selftest.run.wait_until (passed in: no import cycle)
 SIZES = ((1280, 720), (1920, 1080))
@@ -22,7 +22,7 @@ SIZES = ((1280, 720), (1920, 1080))
 
 def cut_captions(window) -> list[str]:
     """Every shown panel label whose text does not fit it (wrapped: taller than its box; not wrapped: wider)."""
-    from app.shell.docks import on_screen
+    from app.ground.docks import on_screen
 
     out = []
     for panel in window.panels:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from PySide6.QtCore import QObject
 
-from app.shell.screen import OnScreen, Screen
+from app.ground.screen import OnScreen, Screen
 
 READ_ONLY = ("An API conversation is on screen: its messages come from the API's client. Select a chat "
              "(or New chat) to type here.")

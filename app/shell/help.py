@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QScrollArea, QVBoxLayout, QWidget
 
 from app.panels import memory, occupancy, page_map, strip, timing
-from app.shell.reuse_words import REASONS
+from app.ground.reuse_words import REASONS
 from engine import snapshot as S
 
 

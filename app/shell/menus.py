@@ -8,7 +8,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMenu
 
 from app.remote.chat import open_connect
-from app.settings.dialog import open_settings
+from app.shell.settings_dialog import open_settings
 
 
 def _action(window, text: str, slot, shortcut: Any = None, tip: str = "", **kw) -> QAction:

@@ -1,5 +1,5 @@
 """``ScreenWriter``: the news about the chat on screen, written into the one record of what the screen shows
-(``app.shell.screen.Screen``) — the worker's snapshots and descriptions, the conversation's replies, the cache
+(``app.ground.screen.Screen``) — the worker's snapshots and descriptions, the conversation's replies, the cache
 controller's settings, the API server's snapshots.
 
 It writes fields, never widgets: the status bar, the panels' scheduler, the trace, the timing panel, the Why dock,
@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject
 
-from app.shell.glossary import describe_switches
-from app.shell.screen import Context, OnScreen, ReplyView, Screen
-from app.shell.status_bar import context_counts
+from app.ground.glossary import describe_switches
+from app.ground.screen import Context, OnScreen, ReplyView, Screen
+from app.ground.status_bar import context_counts
 from engine.config import CacheConfig
 from engine.snapshot import CacheSnapshot
 

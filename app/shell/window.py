@@ -7,12 +7,12 @@ wiring between the parts that do the work:
 ``CacheController``    the cache settings in force (``app.controls.cache_controller``)
 ``SpecController``     speculative decoding's setting in force and the tint of its tokens (``app.controls.spec_controller``)
 ``PanelScheduler``     which snapshot the live panels draw, and when (``app.panels.scheduler``)
-``Screen``             what the screen shows of the chat on screen, one evented record (``app.shell.screen``)
+``Screen``             what the screen shows of the chat on screen, one evented record (``app.ground.screen``)
 ``ScreenWriter``       the worker's, conversation's, cache's and server's news → that record (``app.shell.readouts``)
-``StatusBar``          the status bar in words (``app.shell.status_bar``)
+``StatusBar``          the status bar in words (``app.ground.status_bar``)
 ``ServerController``   Server ▸ Start / Stop serving: the API server as a client of the worker's engine core (``app.server.controller``)
 ``Exporter``           File ▸ Export (``app.chat.exports``)
-``DockLayout``         docks, default arrangements and sizes (``app.shell.docks``)
+``DockLayout``         docks, default arrangements and sizes (``app.ground.docks``)
 =====================  ==================================================================================
 
 Snapshots of any reply but the one on screen are dropped (``app.shell.readouts``), so panels, captions and the
@@ -41,9 +41,9 @@ from app.settings.cache_settings import sampling_from_settings, save_sampling
 from app.controls.cache_controls import CacheControls
 from app.chat.conversation import Conversation
 from app.controls.disk_dialog import DiskController
-from app.shell.docks import DockLayout, focus_unseen, initial_size
+from app.ground.docks import DockLayout, focus_unseen, initial_size
 from app.chat.exports import Exporter
-from app.shell.failure import Failure
+from app.ground.failure import Failure
 from app.shell.gc_guard import MainThreadGC
 from app.history.store import HistoryStore
 from app.shell.menus import build_menus
@@ -52,14 +52,14 @@ from app.panels.scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel, WhyPanel
 from app.remote.chat import restore as restore_remote
 from app.shell.readouts import ScreenWriter
-from app.shell.screen import OnScreen, Screen
+from app.ground.screen import OnScreen, Screen
 from app.chat.reply_wait import ReplyWait
 from app.controls.sampling_form import SamplingForm
 from app.server.controller import ApiList, ChatsBox, ServerController
 from app.settings.store import Settings
 from app.controls.spec_controller import SpecController
 from app.controls.spec_controls import SpecControls
-from app.shell.status_bar import StatusBar
+from app.ground.status_bar import StatusBar
 from app.panels.trace import CacheTrace
 from app.link.engine_thread import EngineThread
 from app.link.worker import EngineBackend

@@ -28,7 +28,7 @@ def data_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _theme(qapp):
-    from app.shell.theme import apply_theme
+    from app.ground.theme import apply_theme
 
     apply_theme(qapp)
     yield

@@ -41,7 +41,7 @@ def main() -> None:
     from app.selftest.quiet import LatencyProbe, QuietOffscreen
     from app.selftest.run import wait_until
     from app.settings.store import Settings
-    from app.shell.theme import apply_theme
+    from app.ground.theme import apply_theme
     from app.shell.window import MainWindow
     from engine.config import CacheConfig, SamplingConfig
 

@@ -8,8 +8,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QTabBar
 
-from app.shell.docks import on_screen
-from app.shell.format import human_bytes
+from app.ground.docks import on_screen
+from app.ground.format import human_bytes
 
 
 def test_a_new_chat_starts_clean_and_the_memory_history_stays(qtbot, data_dir, stories_path):

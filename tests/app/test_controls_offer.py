@@ -7,7 +7,7 @@ from __future__ import annotations
 from app_helpers import close_window, open_window, wait_reply
 
 from app.controls.cache_controls import TOOLTIP_ROLE, CacheControls
-from app.shell.widgets import DEBOUNCE_MS
+from app.ground.widgets import DEBOUNCE_MS
 from engine.config import CacheConfig, SamplingConfig
 
 ENGINE_WORDS = ("'rolling'", "truncate_middle", "overflow '", "evicts from a cache", "contiguous or paged")

@@ -10,7 +10,7 @@ from app_helpers import GREEDY, close_window, open_window, use_lossy, wait_reply
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog
 
-from app.shell.docks import on_screen
+from app.ground.docks import on_screen
 
 from engine.config import SamplingConfig
 

@@ -43,7 +43,7 @@ def _settle(qtbot, w, size: tuple[int, int]) -> None:
 
 
 def _shown(widget: QWidget) -> bool:
-    from app.shell.docks import on_screen
+    from app.ground.docks import on_screen
 
     return on_screen(widget)
 
@@ -187,7 +187,7 @@ def test_the_wheel_over_a_chart_never_zooms_and_fit_resets(qtbot):
 
 
 def test_every_control_says_what_it_does(qtbot):
-    from app.shell import glossary
+    from app.ground import glossary
     from app.controls.cache_controls import CacheControls
     from app.controls.sampling_form import SamplingForm
 

@@ -209,7 +209,7 @@ def test_export_trace_and_panels(qtbot, data_dir, stories_path, tmp_path):
 
 
 def test_context_field_warns_as_the_context_fills(qtbot, data_dir, stories_path):
-    from app.shell.status_bar import CONTEXT_FILLING, CONTEXT_FULL
+    from app.ground.status_bar import CONTEXT_FILLING, CONTEXT_FULL
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:

@@ -150,7 +150,7 @@ def test_dont_run_runs_nothing_tells_the_model_and_stops_the_loop(qtbot, data_di
 
 
 def test_the_tools_page_checks_the_servers_and_says_what_each_gives(qtbot, data_dir, qwen_folder, weather):
-    from app.settings.dialog import open_settings
+    from app.shell.settings_dialog import open_settings
 
     command, _log = weather
     w = open_window(qtbot, data_dir, str(qwen_folder), sampling=SHORT)

@@ -76,7 +76,7 @@ def test_a_reprefill_in_words_live_and_as_saved():
     the dict a saved reply holds), in the controls' words, shown from half a second on."""
     from dataclasses import asdict
 
-    from app.chat import note_words as nw
+    from app.ground import note_words as nw
     from engine.core.records import Reprefill
 
     streaming = CacheConfig(policy="streaming", policy_params={"sinks": 4, "window": 64})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from app_helpers import close_window, wait_reply
 
-from app.shell.notice import MAX_PROBLEMS, NoticeBar
+from app.ground.notice import MAX_PROBLEMS, NoticeBar
 
 
 def test_problems_stay_behind_chat_notices_until_dismissed(qtbot):

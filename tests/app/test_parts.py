@@ -84,7 +84,7 @@ def test_memory_chart_draws_idle_time_flat(qtbot):
 def test_status_bar_speaks_in_words_and_never_cuts_a_word(qtbot):
     from PySide6.QtWidgets import QStatusBar
 
-    from app.shell.status_bar import StatusBar
+    from app.ground.status_bar import StatusBar
 
     bar = QStatusBar()
     qtbot.addWidget(bar)

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from app_helpers import close_window, open_window, wait_reply
 
-from app.shell.docks import on_screen
+from app.ground.docks import on_screen
 from app.remote.chat import QUEUED
-from app.shell.screen import OnScreen
+from app.ground.screen import OnScreen
 
 from engine import snapshot as S
 from engine.config import SamplingConfig

@@ -9,7 +9,7 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtWidgets import QStatusBar, QWidget
 from test_remote_app import Server, connect, send
 
-from app.shell.status_bar import LOCAL_FIELDS
+from app.ground.status_bar import LOCAL_FIELDS
 from engine.config import SamplingConfig
 
 LOCAL_TOKEN_WORDS = ("sink", "quantized", "pinned", "evicted")  # strip states a remote chat's strip never has
@@ -132,7 +132,7 @@ def test_remote_readouts_say_the_servers_words_and_give_the_local_ones_back(qtbo
 def test_local_news_while_a_remote_chat_is_shown_is_what_comes_back(qtbot):
     """Local updates while remote fields are shown leave them on screen and are what ``show_local`` gives back:
     texts, tooltips, the context field's colour and warning level, visibility."""
-    from app.shell.status_bar import CONTEXT_FULL, StatusBar
+    from app.ground.status_bar import CONTEXT_FULL, StatusBar
 
     bar = QStatusBar()
     qtbot.addWidget(bar)

@@ -9,7 +9,7 @@ import pytest
 from app_helpers import close_window, open_window
 from test_remote_app import connect, send, shot
 
-from app.shell.docks import on_screen
+from app.ground.docks import on_screen
 from engine.config import CacheConfig, SamplingConfig
 from engine.remote.client import RemoteClient
 from engine.remote.why import common_prefix
@@ -34,7 +34,7 @@ def small_server(stories_path):
 
 
 def footer(w) -> str:
-    """The last reply's footer line on recomputed tokens (``app.shell.reuse_words.footer_line``)."""
+    """The last reply's footer line on recomputed tokens (``app.ground.reuse_words.footer_line``)."""
     return w.chat.bubbles[-1].why_label.text()
 
 

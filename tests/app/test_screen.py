@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from app.shell.screen import OnScreen, Screen
+from app.ground.screen import OnScreen, Screen
 
 ACTIONS = {"send": ("hi",), "stop": (), "regenerate": (), "edit": (0, "x"), "pin": (1, True),
            "show_version": (1, 0), "set_system_prompt": ("be brief",)}

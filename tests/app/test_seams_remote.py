@@ -9,7 +9,7 @@ from app_helpers import close_window, open_window, wait_reply
 from test_remote_app import connect, send, server  # noqa: F401 - the fixture
 
 from app.remote.panels import OTHER_PANELS
-from app.shell.screen import OnScreen
+from app.ground.screen import OnScreen
 from engine.config import SamplingConfig
 
 LOCAL_ONLY = ("Compiled decode step", "KV on disk", "Model: stories260K", "of 512")

@@ -35,7 +35,7 @@ def test_a_narrow_timing_panel_keeps_its_curves_readable(qtbot):
 
 
 def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, monkeypatch):
-    from app.shell import docks
+    from app.ground import docks
 
     class Screen:
         def availableGeometry(self):  # noqa: N802 - Qt name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.shell.status_bar import fallback_note
+from app.ground.status_bar import fallback_note
 
 
 def test_fallback_reason_is_in_view():

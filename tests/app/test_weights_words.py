@@ -1,5 +1,5 @@
 """The model card and the memory panel name the weights' format as loaded ("Q4_K_M, 4.81 bits per weight, mapped from
-the file"), from ``ModelInfo`` — one set of words (``app.shell.format``) for the loaded model and the Models dialog's
+the file"), from ``ModelInfo`` — one set of words (``app.ground.format``) for the loaded model and the Models dialog's
 verdict before it loads."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from app_helpers import make_info
 
 from app.panels import MemoryPanel, ModelCardPanel
-from app.shell.format import info_weights_words, weights_words
+from app.ground.format import info_weights_words, weights_words
 
 
 def test_the_format_as_loaded_in_words():
@@ -39,7 +39,7 @@ def test_one_number_for_the_weights_in_the_models_dialog_the_card_and_the_memory
     from app_helpers import close_window, open_window, wait_reply
 
     from app.models.dialog import ModelsDialog
-    from app.shell.format import human_bytes
+    from app.ground.format import human_bytes
 
     w = open_window(qtbot, data_dir, str(stories_path))
     try:

@@ -18,9 +18,9 @@ from test_hover_axes import _hover
 from test_layout import _settle
 
 from app.panels.strip import CHECKPOINT_PAGE_COLOUR, REASON_COLOURS
-from app.shell.docks import on_screen
-from app.shell.format import human_bytes
-from app.shell.reuse_words import ALL_REUSED, NO_TURN
+from app.ground.docks import on_screen
+from app.ground.format import human_bytes
+from app.ground.reuse_words import ALL_REUSED, NO_TURN
 from engine.config import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # arch_zoo and its configs
@@ -203,7 +203,7 @@ def test_the_readout_of_a_chat_without_an_account_and_of_a_prompt_computed_new(q
     from app_helpers import make_snapshot
 
     from app.panels.why import WhyPanel
-    from app.shell.reuse_words import NO_ACCOUNT
+    from app.ground.reuse_words import NO_ACCOUNT
     from engine.snapshot import CacheAccount, Miss, MissReason
 
     panel = WhyPanel()

@@ -136,7 +136,7 @@ class RaisingSession(SessionFake):
 
 
 def test_raising_engine_becomes_failed_then_finished(qtbot):
-    from app.shell.failure import Failure
+    from app.ground.failure import Failure
 
     sessions = []
     backend = EngineBackend(load=lambda spec, progress, cancel: type("L", (), {"info": None})(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from app_helpers import ScriptedSession
 
-from app.shell.failure import Failure
+from app.ground.failure import Failure
 from app.link.engine_thread import EngineThread
 from app.link.worker import EngineBackend
 from engine.config import CacheConfig, ModelSpec, SamplingConfig

@@ -190,7 +190,7 @@ def test_the_window_draws_vllms_cache_for_its_chat(qtbot, tmp_path, stories_path
         assert acc.reused == rc.reply.cached_tokens and acc.misses[0].start == acc.reused
         assert acc.misses[0].reason in (MissReason.PARTIAL_PAGE, MissReason.NEW), acc
         bubble = w.chat.bubbles[-1]
-        if acc.misses[0].reason is MissReason.PARTIAL_PAGE:  # the footer's words (app.shell.reuse_words)
+        if acc.misses[0].reason is MissReason.PARTIAL_PAGE:  # the footer's words (app.ground.reuse_words)
             assert "sat in a partly filled one" in bubble.why_label.text()
         else:  # new tokens the footer does not mention: the remote note names the block
             assert f"from token {acc.reused} — new: " in bubble.notes_label.text()

@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from app.shell.evented import Evented
+from app.ground.evented import Evented
 
 
 class OnScreen(enum.Enum):
@@ -58,7 +58,7 @@ class NoActions:
 
 @dataclass(frozen=True)
 class Context:
-    """The chat on screen's context: ``used`` of the model's ``total`` positions (``app.shell.status_bar.
+    """The chat on screen's context: ``used`` of the model's ``total`` positions (``app.ground.status_bar.
     context_counts``), every token of the ``chat`` so far (dropped ones too), under the overflow setting named."""
 
     used: int = 0

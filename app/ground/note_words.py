@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from app.shell.format import count
-from app.shell.glossary import KV_DTYPES, OVERFLOWS, PARAMS, POLICIES, describe_cache
+from app.ground.format import count
+from app.ground.glossary import KV_DTYPES, OVERFLOWS, PARAMS, POLICIES, describe_cache
 from engine.kv.paged import sizes
 from engine.core.vocab import Note, NoteKind
 

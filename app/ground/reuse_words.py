@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from app.shell.format import human_bytes
+from app.ground.format import human_bytes
 
 REASONS: dict[str, tuple[str, str]] = {  # MissReason value -> (label, what it means, for legends and tooltips)
     "new": ("new", "not in the cache before"),

@@ -9,7 +9,7 @@ from PySide6.QtWidgets import (QCheckBox, QFormLayout, QHBoxLayout, QLabel, QLin
 from app.server.address import (PortState, ServerAddress, check, describe_port, free_port, parse_keys, port_state,
                                 url_for)
 
-WARN, BAD = "#ffb347", "#ff8080"  # the theme's warning orange and error red (app.shell.theme)
+WARN, BAD = "#ffb347", "#ff8080"  # the theme's warning orange and error red (app.ground.theme)
 REMOTE_WARNING = ("Anyone who can reach this address and has a key can use the model. The server speaks plain HTTP "
                   "(keys and text travel unencrypted) and the keys are kept in plain text in settings.ini: use it on "
                   "networks you trust.")

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFormLayout
 
 from app.settings.cache_settings import save_sampling
 from app.agent.tools_page import ToolsPage
-from app.settings.server_page import ServerPage
+from app.server.settings_page import ServerPage
 from app.settings.store import SAMPLING_DEFAULTS
 from engine.config import SamplingConfig, SpecConfig
 

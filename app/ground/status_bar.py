@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QProgressBar, QStatusBar, QToolButton
 
-from app.shell.format import human_bytes
-from app.shell.glossary import OVERFLOWS, describe_cache
-from app.shell.widgets import WordLabel
+from app.ground.format import human_bytes
+from app.ground.glossary import OVERFLOWS, describe_cache
+from app.ground.widgets import WordLabel
 from engine.config import CacheConfig
 
 CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
@@ -55,7 +55,7 @@ class StatusBar:
         self._local: dict[str, dict] | None = None  # while a remote chat is shown: the local fields to give back
 
     def watch(self, screen) -> None:
-        """Show what the screen's record (``app.shell.screen.Screen``) says of the chat on screen: its context, the
+        """Show what the screen's record (``app.ground.screen.Screen``) says of the chat on screen: its context, the
         cache setting it runs under, its decode speed, and what the engine just said of it."""
         screen.connect("context", self._on_context)
         screen.connect("shown_settings", lambda cfg: cfg is not None and self.show_cache(cfg))
