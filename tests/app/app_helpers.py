@@ -94,6 +94,14 @@ def wait_reply(qtbot, window, timeout_ms: int = 60_000):
     return tuple(blocker.args)
 
 
+def send_and_wait(qtbot, window, text: str, timeout_ms: int = 60_000):
+    """Send ``text`` and wait for its reply: (generation_id, stop_reason). A chat that may be nearly full is sent
+    only after the worker counted its tokens (``app.chat.send_check``), so the reply starts after ``send`` returns."""
+    with qtbot.waitSignal(window.reply_finished, timeout=timeout_ms) as blocker:
+        window.send(text)
+    return tuple(blocker.args)
+
+
 class SessionFake:
     """What the engine core asks of a session (``engine.core.scheduler.Steppable``), for the fakes: a token a step,
     alone (never batched), no pages to make room for."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-from app_helpers import ScriptedSession, close_window, make_info, open_window, wait_reply
+from app_helpers import ScriptedSession, close_window, make_info, open_window, send_and_wait
 from history_files import (
     corrupt_index,
     make_read_only,
@@ -35,8 +35,7 @@ def _open(qtbot, data_dir):
 
 
 def _send(qtbot, w, text: str) -> None:
-    w.send(text)
-    assert wait_reply(qtbot, w)[1] == "max_tokens"
+    assert send_and_wait(qtbot, w, text)[1] == "max_tokens"  # a recovered chat is counted before it is sent
 
 
 def _contents(path) -> list[str]:
