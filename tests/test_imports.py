@@ -81,6 +81,24 @@ def test_no_import_cycles(package):
     assert not cycles, "import cycles: " + "; ".join(" ↔ ".join(sorted(c)) for c in cycles)
 
 
+def room_of(module: str) -> str:
+    """``engine.kv.paged.pool`` -> ``engine.kv``; a package's top modules (``engine.config``, ``app.main``) are rooms
+    of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("package", contract()["acyclic-rooms"])
+def test_no_room_cycles(package):
+    """Rooms, not only modules: ``app.link`` importing ``app.controls`` while ``app.controls`` imports ``app.link``
+    is a cycle even where no two modules import each other."""
+    mods = modules(package)
+    graph: dict[str, set[str]] = {room_of(m): set() for m in mods}
+    for m, p in mods.items():
+        graph[room_of(m)] |= {room_of(i) for i in imports_of(m, p, set(mods)) & set(mods)} - {room_of(m)}
+    cycles = _cycles(graph)
+    assert not cycles, "room cycles: " + "; ".join(" ↔ ".join(sorted(c)) for c in cycles)
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -141,3 +159,18 @@ def test_the_checker_sees_a_lazy_cycle(tmp_path, monkeypatch):
     mods = modules("pkg")
     graph = {m: imports_of(m, p, set(mods)) & set(mods) - {m} for m, p in mods.items()}
     assert [sorted(c) for c in _cycles(graph)] == [["pkg.a", "pkg.b"]]
+
+
+def test_the_checker_sees_a_room_cycle(tmp_path, monkeypatch):
+    """The room check itself: two rooms whose modules import each other's other modules form a cycle."""
+    for room in ("a", "b"):
+        (tmp_path / "pkg" / room).mkdir(parents=True)
+        (tmp_path / "pkg" / room / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a" / "x.py").write_text("from pkg.b import y\n")
+    (tmp_path / "pkg" / "b" / "y.py").write_text("")
+    (tmp_path / "pkg" / "b" / "z.py").write_text("def f():\n    import pkg.a.w\n")
+    (tmp_path / "pkg" / "a" / "w.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="room cycles: pkg.a ↔ pkg.b"):
+        test_no_room_cycles("pkg")

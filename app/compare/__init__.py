@@ -1,5 +1,5 @@
-"""Tools ▸ Compare: the chat's reply under each cache setting (lossless ones must match), its dialog and its
-run on the worker (a background task of the engine core); and fidelity on the chat (Memory's "Check fidelity",
-Compare's bytes-against-quality front: ``fidelity``, ``fidelity_task``, ``fidelity_plot``, ``fidelity_tab``).
-May import ``app.link`` and ``app.shell``'s parts.
+"""Tools ▸ Compare: the chat's reply under each cache setting (lossless ones must match) and its dialog; and fidelity
+on the chat (Memory's "Check fidelity", Compare's bytes-against-quality front: ``fidelity``, ``fidelity_plot``,
+``fidelity_tab``). Their runs on the engine's thread are the link's (``app.link.comparison``,
+``app.link.fidelity_task``). May import ``app.link``, ``app.controls`` and the ground.
 """

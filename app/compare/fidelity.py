@@ -14,7 +14,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from app.compare.fidelity_task import LABEL_SUFFIX
+from app.link.fidelity_task import LABEL_SUFFIX
 from app.controls.lossy import Measured
 
 _ids = itertools.count(1)

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 
 from app.compare.fidelity_plot import FidelityPlot
 from app.ground.format import human_bytes
-from app.compare.fidelity_task import LABEL_SUFFIX
+from app.link.fidelity_task import LABEL_SUFFIX
 
 COLUMNS = ("setting", "KV held / token", "top-1", "KL", "perplexity", "s")
 WORDS_MIN = 110  # px a column of words keeps however narrow the table (about 14 characters a line)

@@ -1,5 +1,5 @@
 """Settings ▸ KV disk cache: the form (a page of the Settings dialog, ``app.shell.settings_dialog``), and
-``DiskController``, which keeps the setting, sends it to the worker (``app.controls.disk_tier.DiskTierControl``)
+``DiskController``, which keeps the setting, sends it to the worker (``app.link.disk_tier.DiskTierControl``)
 and shows the tier's size in the status bar and on the form."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QMessageBox, QPushButton, QWidget)
 
-from app.controls.disk_tier import DiskConfig, DiskState, disk_from_settings, resolve, save_disk
+from app.link.disk_tier import DiskConfig, DiskState, disk_from_settings, resolve, save_disk
 from app.ground.format import human_bytes
 from app.settings.store import Settings
 

@@ -97,7 +97,7 @@ class EngineThread(QObject):
         self.call(self.worker.serve)
 
     def configure_disk(self, cfg: Any, folder: str) -> None:
-        """The KV disk tier's setting (``app.controls.disk_tier.DiskConfig``) at ``folder``; answered by ``worker.disk.changed``."""
+        """The KV disk tier's setting (``app.link.disk_tier.DiskConfig``) at ``folder``; answered by ``worker.disk.changed``."""
         self.call(self.worker.disk.configure, cfg, folder)
 
     def clear_disk(self) -> None:

@@ -56,14 +56,14 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
-from app.link.backend import EngineBackend, default_backend
-from app.link import counts, tool_replies
-from app.link.places import miss_places
-from app.compare.fidelity_task import FidelityControl
-from app.compare.run import WarmedComparison
-from app.controls.disk_tier import DiskTierControl
 from app.ground.failure import Failure, describe, log
-from app.controls.spec_drafts import SpecDrafts
+from app.link import counts, tool_replies
+from app.link.backend import EngineBackend, default_backend
+from app.link.comparison import WarmedComparison
+from app.link.disk_tier import DiskTierControl
+from app.link.fidelity_task import FidelityControl
+from app.link.places import miss_places
+from app.link.spec_drafts import SpecDrafts
 from engine.config import CacheConfig, ModelSpec, SamplingConfig, SpecConfig
 from engine.errors import EngineError, LoadCancelled
 from engine.core.reprefill import running as running_reprefill

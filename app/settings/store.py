@@ -89,7 +89,7 @@ SETTINGS: tuple[Setting, ...] = (
     # what the fidelity check measured per model and setting (app.controls.lossy): said before a lossy one is used
     Setting("fidelity/measured", dict, {}),
     Setting("export/folder", str, ""),  # where the last export went (empty: Documents)
-    # Settings ▸ KV disk cache (app.controls.disk_tier): full pages kept on disk, so a reopened chat is not read again
+    # Settings ▸ KV disk cache (app.link.disk_tier): full pages kept on disk, so a reopened chat is not read again
     Setting("kv_disk/enabled", bool, True),
     Setting("kv_disk/folder", str, ""),  # empty: the data folder's kv/
     Setting("kv_disk/budget_gib", float, 4.0),

@@ -14,7 +14,7 @@ from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app.controls.disk_tier import DiskConfig, disk_from_settings
+from app.link.disk_tier import DiskConfig, disk_from_settings
 from app.panels.page_map import RESTORED_COLOUR, _rgb
 
 SHOTS = Path(os.environ.get("KVSCOPE_SHOTS", "/tmp/h7shots"))

@@ -195,7 +195,7 @@ class _Inner:
 
 
 def test_every_setting_is_warmed_before_any_row_is_timed():
-    from app.compare.run import WarmedComparison
+    from app.link.comparison import WarmedComparison
 
     log: list = []
     c = WarmedComparison(_Inner(log), lambda cfg: _Session(log, cfg))
