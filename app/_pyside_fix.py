@@ -13,15 +13,17 @@ import ctypes
 import sys
 
 _BOOST = 1 << 40
+_protected = False  # the singletons' counts raised once in this process
 
 
 def protect_singletons() -> bool:
     """Make None/True/False effectively immortal on CPython < 3.12. Returns True if it changed anything."""
     if sys.version_info >= (3, 12) or sys.implementation.name != "cpython":
         return False
-    if getattr(protect_singletons, "_done", False):
+    global _protected
+    if _protected:
         return False
     for obj in (None, True, False):
         ctypes.c_ssize_t.from_address(id(obj)).value += _BOOST  # ob_refcnt is the first field of PyObject
-    protect_singletons._done = True  # type: ignore[attr-defined]
+    _protected = True
     return True

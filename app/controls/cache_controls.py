@@ -222,6 +222,11 @@ class AskStrip(QFrame):
         self._actions = (None, None)
         self.setVisible(False)
 
+    @property
+    def holding(self) -> bool:
+        """A question is open (its answer not given yet), shown or not."""
+        return self._actions[0] is not None
+
     def _answer(self, which: int) -> None:
         action = self._actions[which]
         self.clear()
@@ -405,7 +410,7 @@ class CacheControls(DebouncedForm, QWidget):
     # -- a question about the change chosen (``app.controls.cache_controller``) --------------------------------
     @property
     def asking(self) -> bool:
-        return self.asking_strip.isVisibleTo(self) or self.asking_strip._actions[0] is not None
+        return self.asking_strip.isVisibleTo(self) or self.asking_strip.holding
 
     def ask(self, text: str, yes: str, on_yes, on_no) -> None:
         """Hold the change shown: ``text`` and a button ``yes`` (``on_yes``) or Cancel (``on_no``)."""

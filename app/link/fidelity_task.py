@@ -45,8 +45,8 @@ class FidelityControl(QObject):
         × policy too."""
         self.close("cancelled")
         w = self.worker
-        loaded, core = getattr(w, "_loaded", None), getattr(w, "_core", None)
-        if loaded is None or core is None:
+        loaded = w.model
+        if loaded is None:
             self.finished.emit(check_id, "no model is loaded", None)
             return
         self.check_id = check_id
@@ -54,7 +54,7 @@ class FidelityControl(QObject):
             from engine.core.scheduler import Task
             from engine.tools.fidelity import FidelityCheck, chat_text, describe, grid_settings
 
-            cfg = cfg if cfg is not None else w._cache
+            cfg = cfg if cfg is not None else w.cache_config
             chat = chat_text(loaded, messages, scope="last-turn")
             settings = [(describe(cfg) + LABEL_SUFFIX, cfg)]
             if grid:  # the grid's point of the user's own setting is that one
@@ -66,8 +66,7 @@ class FidelityControl(QObject):
             self._fail(exc)
             return
         self._messages, self._t0 = list(messages), time.perf_counter()
-        core.add_task(Task(self.check, self._on_step, self._fail))
-        w._kick()
+        w.run_task(Task(self.check, self._on_step, self._fail))
 
     @Slot(int)
     def cancel(self, check_id: int = 0) -> None:
@@ -98,15 +97,13 @@ class FidelityControl(QObject):
         check, self.check = self.check, None
         if check is None:
             return
-        core = getattr(self.worker, "_core", None)
-        if core is not None:
-            core.remove_task(check)
+        self.worker.drop_task(check)
         report = None
         try:
             check.close()
             from engine.tools.fidelity_report import report as make_report
 
-            report = make_report(self.worker._loaded, check, self._messages, "last-turn",
+            report = make_report(self.worker.model, check, self._messages, "last-turn",
                                  time.perf_counter() - self._t0)
         except BaseException as exc:  # noqa: BLE001 - a report that cannot be written is said, not raised
             log(exc)

@@ -459,6 +459,27 @@ class EngineWorker(QObject):
         self.disk.detach()  # pages queued for the disk are written: the next launch restores them
         QThread.currentThread().quit()
 
+    # -- for the jobs it runs on its thread (the fidelity check): the model, the chats' setting, the core's tasks ----
+    @property
+    def model(self) -> Any:
+        """The loaded model (the backend's ``Loaded``); None until a model and its core are made."""
+        return self._loaded if self._core is not None else None
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The cache setting the chats use now."""
+        return self._cache
+
+    def run_task(self, task: Task) -> None:
+        """Run ``task`` as a background task of the core, a step per round from the next one (a model is loaded)."""
+        self._core.add_task(task)
+        self._kick()
+
+    def drop_task(self, job: Any) -> None:
+        """Stop stepping ``job``'s task (none runs: nothing to do)."""
+        if self._core is not None:
+            self._core.remove_task(job)
+
     # -- the round pump ---------------------------------------------------------------------------------
     @Slot()
     def _kick(self) -> None:

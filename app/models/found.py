@@ -5,7 +5,6 @@ place the catalog's types become text."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -61,7 +60,3 @@ def item_text(m: FoundModel) -> str:
 
 def item_tip(m: FoundModel) -> str:
     return f"{m.source}\n{m.problem}" if m.problem else m.source
-
-
-def source_name(source: str) -> str:
-    return Path(source).name or source

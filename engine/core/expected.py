@@ -58,6 +58,11 @@ class QueryStats:
             found = rope_layout_or_reason(self.model, keyless)
             self._specs = [] if isinstance(found, str) else list(found)
 
+    @property
+    def specs(self) -> "list[LayerRope | None] | None":
+        """Each model layer's RoPE layout, read once (None before; [] where positions cannot be read)."""
+        return self._specs
+
     def clear(self) -> None:
         self.q, self.pos, self.head = [None] * self.num_rows, [None] * self.num_rows, [0] * self.num_rows
         self.scale = [None] * self.num_rows
@@ -67,7 +72,7 @@ class QueryStats:
         self.q = [t.clone() if t is not None else None for t in other.q]
         self.pos = [t.clone() if t is not None else None for t in other.pos]
         self.head, self.to_model, self.scale = list(other.head), list(other.to_model), list(other.scale)
-        self.window, self.sinks, self._specs, self.seen = other.window, other.sinks, other._specs, other.seen
+        self.window, self.sinks, self._specs, self.seen = other.window, other.sinks, other.specs, other.seen
 
     def begin(self, start: int, q: int, score: bool) -> None:
         """Before a forward that feeds ``q`` tokens from RoPE position ``start``; ``score``: the evictor trims

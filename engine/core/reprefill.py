@@ -100,7 +100,3 @@ def feed(reply: "TurnState", at: int, fed: int, ms: float) -> tuple[Reprefill | 
     r = dataclasses.replace(r, done=done, ms=r.ms + share)
     reply.reprefills[-1] = r
     return r, share
-
-
-def total_ms(reply: "TurnState") -> float:
-    return sum(r.ms for r in reply.reprefills)

@@ -52,7 +52,6 @@ MIN_VERIFY, WINDOW, PROBE_STEPS, PAYS = 2, 4, 2, 0.97
 # as plain steps between verifications run slower (above) and the copy scenario resumed into losses at PAYS.
 RESUMES = 0.75
 SHADOW_K = 2 * START_K  # a paused prompt lookup's guesses: longer ones take as many plain steps to be decided
-RETRY_EVERY = 4  # kept for callers: every reply tries now (a verdict no longer turns replies off from the start)
 
 
 @dataclass

@@ -67,13 +67,6 @@ _FROM_OPENAI = {"stop": FinishReason.EOS, "length": FinishReason.MAX_TOKENS, "ab
                 "cancelled": FinishReason.CANCELLED, "error": FinishReason.ERROR}
 
 
-class Phase(StrEnum):
-    """What a forward was for: the prompt (its first token) or one more token."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
 class StepPath(StrEnum):
     """What ran a forward (``ModelRunner`` chooses)."""
 

@@ -20,7 +20,6 @@ import torch
 from engine.native.build import Native
 from engine.native.libraries import LINEAR as LIBRARY
 
-GROUP = 8  # rows a block's weights are read for at once (registers: eight accumulators and the weights' vector)
 BLOCK = 16
 # Set once ``engine.model.linear_op`` has loaded the operator's C++ kernel: it shares a product's blocks among
 # torch's threads, so ``product`` calls it on several threads (on one, the library straight: no dispatch).

@@ -79,17 +79,26 @@ class GuardedH11(H11Protocol):
 
     def _evict_one(self) -> bool:
         """Close the connection that has gone longest without a request in flight; False if every one has one."""
-        idle = [c for c in self.connections if isinstance(c, GuardedH11) and c._idle()]
+        idle = [c for c in self.connections if isinstance(c, GuardedH11) and c.idle()]
         if not idle:
             return False
-        oldest = min(idle, key=lambda c: c._since)
-        oldest._count("evicted")
-        oldest._disarm()
-        oldest.transport.close()
+        oldest = min(idle, key=lambda c: c.idle_since)
+        oldest.evict()
         self.connections.discard(oldest)  # its slot is this connection's now (uvicorn drops it again on close)
         return True
 
-    def _idle(self) -> bool:
+    @property
+    def idle_since(self) -> float:
+        """Loop time this connection last had no request in flight."""
+        return self._since
+
+    def evict(self) -> None:
+        """Close this idle connection to make room for a new one (counted as evicted)."""
+        self._count("evicted")
+        self._disarm()
+        self.transport.close()
+
+    def idle(self) -> bool:
         """No request in flight: waiting for a head, or between keep-alive requests."""
         if self.transport is None or self.transport.is_closing():
             return False

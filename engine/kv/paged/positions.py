@@ -59,6 +59,11 @@ class CacheIndex:
         return self._split
 
     @property
+    def moved(self) -> bool:
+        """Have keys this index does not describe moved (``positions_moved``): nothing intact until a restart?"""
+        return self._moved
+
+    @property
     def layer_log(self) -> np.ndarray:
         """``[L, n]`` logical positions per layer; only while the heads agree (``split`` False)."""
         if self.split:
@@ -159,11 +164,15 @@ class CacheIndex:
 
     def copy(self) -> "CacheIndex":
         other = CacheIndex(self.num_layers, self._log.shape[2], self.heads)
-        other._log[:, :, :self.n] = self._log[:, :, :self.n]
-        other._rope[:, :, :self.n] = self._rope[:, :, :self.n]
-        other.n, other.next_pos, other.next_rope, other.intact = self.n, self.next_pos, self.next_rope, self.intact
-        other._moved, other._split = self._moved, self._split
+        other.copy_from(self)
         return other
+
+    def copy_from(self, src: "CacheIndex") -> None:
+        """Become a copy of ``src`` (its positions read through its views; this index's room is at least its)."""
+        self._log[:, :, :src.n] = src.log
+        self._rope[:, :, :src.n] = src.rope
+        self.n, self.next_pos, self.next_rope, self.intact = src.n, src.next_pos, src.next_rope, src.intact
+        self._moved, self._split = src.moved, src.split
 
     def _recount(self) -> None:
         if self._moved:

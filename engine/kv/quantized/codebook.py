@@ -22,11 +22,6 @@ GRID = 1 << 17  # cells over [-1, 1]: a step of 1.5e-5, ~1/600 of a coordinate's
 ITERATIONS = 400
 
 
-def paper_bound(bits: int) -> float:
-    """TurboQuant's upper bound on D_mse = E||x - x̂||² / ||x||² at ``bits`` bits a coordinate (Theorem 1)."""
-    return float(np.sqrt(3.0) * np.pi / 2.0 / 4.0 ** bits)
-
-
 def _density(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Cell midpoints t [GRID] and their probabilities w [GRID] (midpoints: no cell sits on the D = 2 poles)."""
     t = (np.arange(GRID, dtype=np.float64) + 0.5) * (2.0 / GRID) - 1.0

@@ -96,10 +96,11 @@ class Int8ChannelKeys(Scheme):
         torch.mul(q.codes, q.scale.float(), out=out4).add_(q.zero.float())  # × [H, N, 1, D] + zero
 
 
+_INT4_TABLES: dict = {}  # by device: the levels and the byte table the int4 layouts share
+
+
 class _Int4(Scheme):
     """What the int4 layouts share: the fused decode kernel reads their nibbles as codes 0..15."""
-
-    _tables: dict = {}
 
     def fusable(self, device) -> bool:
         return self.head_dim % 2 == 0 and self.head_dim % self._group() == 0
@@ -110,11 +111,11 @@ class _Int4(Scheme):
     def _codes(self, device) -> tuple[Tensor, Tensor]:
         """The levels 0..15 and the byte table ``[256, 2]`` (low nibble, high nibble)."""
         key = torch.device(device)
-        if key not in _Int4._tables:
+        if key not in _INT4_TABLES:
             b = torch.arange(256, device=key)
-            _Int4._tables[key] = (torch.arange(16, dtype=torch.float32, device=key),
+            _INT4_TABLES[key] = (torch.arange(16, dtype=torch.float32, device=key),
                                   torch.stack([b & 15, b >> 4], 1).float().contiguous())
-        return _Int4._tables[key]
+        return _INT4_TABLES[key]
 
 
 class Int4Keys(_Int4):

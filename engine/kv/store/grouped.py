@@ -75,17 +75,17 @@ class GroupedKV(GroupedPrefix, KVStore):
         self.num_layers = len(layout.kinds)
         any_store = full if full is not None else next(iter(windows.values())).inner
         self.shape, self.dtype, self.device = any_store.shape, any_store.dtype, any_store.device
-        self._fed = 0  # logical tokens fed (what the states and windows have seen)
+        self.fed = 0  # logical tokens fed (what the states and windows have seen); written by this store only
         self._q = 0
 
     # -- facts -----------------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return self.full.num_tokens if self.full is not None else self._fed
+        return self.full.num_tokens if self.full is not None else self.fed
 
     @property
     def past_len(self) -> int:
-        return self.full.past_len if self.full is not None else self._fed
+        return self.full.past_len if self.full is not None else self.fed
 
     def layer_seq_length(self, layer: int) -> int:
         route = self.routes[layer]
@@ -131,17 +131,17 @@ class GroupedKV(GroupedPrefix, KVStore):
     def reusable(self, k: int) -> int:
         """The longest prefix ``<= k`` every part can be cut back to: where the states and the windows are now
         (states: all they saw; windows: a position whose window they still hold), else a checkpoint's."""
-        k = min(k, self._fed)
+        k = min(k, self.fed)
         return k if self._live(k) else self.checkpoints.best(k)
 
     def _live(self, k: int) -> bool:
         """Can the live states and windows go back to ``k`` by themselves?"""
-        return (not self.states or k == self._fed) and all(w.reusable(k) == k for w in self.windows.values())
+        return (not self.states or k == self.fed) and all(w.reusable(k) == k for w in self.windows.values())
 
     def limit(self, k: int) -> str:
         """Why ``reusable(k)`` is less than ``k`` (``k <=`` tokens fed): "state" (the recurrent layers were not
         checkpointed there), "window" (a sliding layer no longer holds its window), or "" (it is not less)."""
-        k = min(k, self._fed)
+        k = min(k, self.fed)
         if self.reusable(k) == k:
             return ""
         return "state" if self.states and all(w.reusable(k) == k for w in self.windows.values()) else "window"
@@ -153,11 +153,11 @@ class GroupedKV(GroupedPrefix, KVStore):
         return bool(self.states) or bool(self.windows)
 
     def checkpoint(self) -> None:
-        """Keep where the cache is now (``_fed`` tokens) as a position a later prompt may cut back to."""
-        if not self.stateful or self._fed <= 0 or self._fed in self.checkpoints or self.checkpoints.limit == 0:
+        """Keep where the cache is now (``fed`` tokens) as a position a later prompt may cut back to."""
+        if not self.stateful or self.fed <= 0 or self.fed in self.checkpoints or self.checkpoints.limit == 0:
             return
         saved = self.states.snapshot() if self.states else None
-        self.checkpoints.add(Checkpoint(self._fed, saved, self.states.nbytes_of(saved) if saved else 0,
+        self.checkpoints.add(Checkpoint(self.fed, saved, self.states.nbytes_of(saved) if saved else 0,
                                         {w: win.keep() for w, win in self.windows.items()}))
 
     def checkpoint_bytes(self) -> tuple[int, int]:
@@ -225,7 +225,7 @@ class GroupedKV(GroupedPrefix, KVStore):
         ``slide()``, so the prefix cache can name them first (``SeqCache.commit``)."""
         for part in self._parts():
             part.inner.commit() if isinstance(part, WindowKV) and not slide else part.commit()
-        self._fed += self._q
+        self.fed += self._q
         self._q = 0
 
     def slide(self) -> None:
@@ -251,9 +251,9 @@ class GroupedKV(GroupedPrefix, KVStore):
             self.full.truncate(n)
         for w, win in self.windows.items():
             win.go_back(cp.windows[w]) if cp is not None else win.truncate(n)
-        if self.states and n != self._fed:
+        if self.states and n != self.fed:
             self.states.restore(cp.states) if cp is not None else self.states.reset()
-        self._fed = n
+        self.fed = n
         self.checkpoints.drop_after(n)
 
     def free(self) -> None:
@@ -261,7 +261,7 @@ class GroupedKV(GroupedPrefix, KVStore):
             part.free()
         if self.states:
             self.states.reset()
-        self._fed = 0
+        self.fed = 0
         self.checkpoints.clear()
 
     def compact(self, keep, rotate=None, start=0) -> list[int]:
@@ -285,8 +285,8 @@ class GroupedKV(GroupedPrefix, KVStore):
             other.slide()  # at the new page size, whole pages may now lie before the window
         if self.states:
             dst.states.restore(self.states.snapshot())  # dst's own objects: the source is freed next
-        dst._fed = self._fed
-        dst.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: dst._moved_window(w, kept),
+        dst.fed = self.fed
+        dst.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: dst.window_from(w, kept),
                                                  limit=dst.checkpoints.limit, skip=(CacheCapacityError,))
         return self.num_tokens
 
@@ -299,11 +299,11 @@ class GroupedKV(GroupedPrefix, KVStore):
         if self.states:
             states.restore(self.states.snapshot())
         other = GroupedKV(self.layout, full, {w: win.fork(session_id) for w, win in self.windows.items()}, states)
-        other._fed = self._fed
+        other.fed = self.fed
         other.checkpoints = self.checkpoints.moved(lambda st: st, lambda w, kept: kept.fork(session_id))
         return other
 
-    def _moved_window(self, w: int, kept) -> WindowKV:
+    def window_from(self, w: int, kept) -> WindowKV:
         """A checkpoint's window of another store (another page size or precision) in this store's arena."""
         other = WindowKV(self.windows[w].arena, w, self.windows[w].inner.table.session_id)
         other.base = kept.base
@@ -314,7 +314,7 @@ class GroupedKV(GroupedPrefix, KVStore):
     def to_host(self, pin: bool = False) -> HostKV:
         parts = {"full": self.full.to_host(pin) if self.full is not None else None,
                  "windows": {w: win.to_host(pin) for w, win in self.windows.items()},
-                 "states": self.states.snapshot("cpu") if self.states else None, "fed": self._fed,
+                 "states": self.states.snapshot("cpu") if self.states else None, "fed": self.fed,
                  "checkpoints": self.checkpoints.moved(lambda st: self.states.moved(st, "cpu"),
                                                        lambda w, kept: kept.to_host(pin))}
         nbytes = (parts["full"].nbytes if parts["full"] else 0) + sum(h.nbytes for _, h in parts["windows"].values())
@@ -334,7 +334,7 @@ class GroupedKV(GroupedPrefix, KVStore):
             self.windows[w].from_host(h)
         if self.states and parts["states"] is not None:
             self.states.restore(parts["states"])
-        self._fed = parts["fed"]
+        self.fed = parts["fed"]
         self.checkpoints = parts["checkpoints"].moved(lambda st: self.states.moved(st, None), self._window_from_host,
                                                       skip=(CacheCapacityError,))
 

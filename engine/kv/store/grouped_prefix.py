@@ -21,7 +21,7 @@ from engine.kv.store.storage import PagedKV
 
 
 class GroupedPrefix:
-    """Mixin of ``GroupedKV``: its full part ``full``, sliding groups ``windows``, states ``states``, ``_fed``."""
+    """Mixin of ``GroupedKV``: its full part ``full``, sliding groups ``windows``, states ``states``, ``fed``."""
 
     def prefix_parts(self) -> list[tuple[object, PagedKV, int]]:
         """(window or None, paged part, logical page of its first page) of every part the prefix cache names: the
@@ -81,7 +81,7 @@ class GroupedPrefix:
 
     def take_prefix(self, chain: list[bytes], j: int, let_go, shelf, owner: int = -1) -> bool:
         """Hold the first ``j`` full pages' prefix (``available``) instead of whatever this cache held; ``let_go()``
-        lets go of this cache's tokens (its caller's index with them). Nothing of this store is kept; ``_fed`` is
+        lets go of this cache's tokens (its caller's index with them). Nothing of this store is kept; ``fed`` is
         ``j * P`` after. The pages are found by name and held before ``let_go``: it drops this cache's checkpoints,
         and a window page given back then may trim its arena, which forgets the named free pages above the pages
         still in use — a page list found before would point at pages that no longer hold the prefix. False (and
@@ -105,17 +105,17 @@ class GroupedPrefix:
                 win.base = self.window_pages_at(win, chain, j)[0] * win.arena.page_size
             if self.states:
                 self.states.restore(shelf.get(self.prefix_page_size, chain[j - 1]))
-            self._fed = j * self.prefix_page_size
+            self.fed = j * self.prefix_page_size
             return True
         finally:
             for pin in pins:  # the parts hold them now (or nobody asked for them)
                 pin.truncate(0)
 
     def share_states(self, chain: list[bytes], shelf) -> bool:
-        """Keep the states at ``_fed`` (a page boundary named by ``chain``) on the model's shelf."""
+        """Keep the states at ``fed`` (a page boundary named by ``chain``) on the model's shelf."""
         P = self.prefix_page_size
-        j = self._fed // P
-        if not self.states or shelf is None or self._fed % P or not 0 < j <= len(chain):
+        j = self.fed // P
+        if not self.states or shelf is None or self.fed % P or not 0 < j <= len(chain):
             return False
         if (P, chain[j - 1]) in shelf:
             shelf.get(P, chain[j - 1])
