@@ -279,7 +279,7 @@ def bundle_check(argv: list[str]) -> int:
         from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
         from engine.config import ModelSpec
-        from engine.model.loader import wrap_model
+        from engine.model.loaded import wrap_model
 
         cfg = _tiny_config(arch)
         with torch.random.fork_rng(devices=[]):

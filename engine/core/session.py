@@ -27,7 +27,7 @@ from engine.model.chat import (StreamDecoder, encode_prompt, last_message_at, me
                                validate_messages)
 from engine.config import CacheConfig, SamplingConfig
 from engine.errors import EngineError, SessionClosedError
-from engine.model.loader import LoadedModel
+from engine.model.loaded import LoadedModel
 from engine.core.sampling import Sampler
 from engine.core.seq_cache import SeqCache
 from engine.core.sequence import NullDecoder, Sequence, Status, TurnState, check_fits, prefill_chunk

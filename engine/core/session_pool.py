@@ -41,7 +41,7 @@ from engine.config import CacheConfig, SpecConfig
 from engine.core.sequence import common_prefix
 from engine.core.session import ChatSession
 from engine.kv.paged.prefix import salted_root
-from engine.model.loader import LoadedModel
+from engine.model.loaded import LoadedModel
 from engine.core.speculation_setup import Speculation
 
 SWAP, CLOSE = "swap", "close"  # what idle sessions do to give their pages to a request that needs them

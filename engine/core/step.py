@@ -23,7 +23,7 @@ from engine.core.verify import verify
 
 if TYPE_CHECKING:
     from engine.core.eviction import EvictionPlan
-    from engine.model.loader import LoadedModel
+    from engine.model.loaded import LoadedModel
     from engine.core.seq_cache import SeqCache
     from engine.core.sequence import Sequence
     from engine.core.verify import Speculator

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelSpec
-from engine.model.loader import LoadedModel, choose_device, wrap_model
+from engine.model.loaded import LoadedModel, wrap_model
+from engine.model.loader import choose_device
 
 SHAPES: dict[str, dict] = {
     # HuggingFaceTB/SmolLM2-135M: Llama, GQA 9/3, head_dim 64

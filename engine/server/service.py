@@ -239,8 +239,9 @@ def _say_ready(server: KVServer, url: str) -> None:
         print(server.kv_events.describe(), flush=True)
 
 
-def serve(a, cache: CacheConfig, spec) -> int:
-    """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
+def _options_from(a) -> ServerOptions:
+    """The server's options from ``serve``'s flags, each refusal (a bind without a key, CORS, KV events' reach)
+    raised before anything is loaded."""
     keys = tuple(a.api_key or ()) or tuple(k for k in [os.environ.get(API_KEY_ENV)] if k)
     api_key = keys[0] if keys else None
     for key in keys or (None,):
@@ -260,6 +261,12 @@ def serve(a, cache: CacheConfig, spec) -> int:
         if events.on:
             check_reach(events, options.kv_events_allow_remote)  # before anything is loaded
         options = dataclasses.replace(options, kv_events=events)
+    return options
+
+
+def serve(a, cache: CacheConfig, spec) -> int:
+    """``python -m engine serve``: load, listen, print the URL, serve until Ctrl+C."""
+    options = _options_from(a)
     from engine.config import SpecConfig
 
     speculative = SpecConfig.parse(getattr(a, "speculative", "off"), getattr(a, "draft_tokens", 0))

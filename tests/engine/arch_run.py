@@ -22,7 +22,7 @@ import torch
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError
-from engine.model.loader import wrap_model
+from engine.model.loaded import wrap_model
 from engine.core.session import ChatSession
 from test_layer_kinds import hf_greedy, run  # tests/engine is on sys.path (pytest, arch_report)
 

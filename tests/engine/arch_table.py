@@ -13,7 +13,7 @@ NOTES = """\
 `arch_report.py --save DIR TYPE` then `python -m engine generate --model DIR/TYPE --prompt hi --offline
 --device cpu`):**
 
-1. **No attention at all** (mamba, mamba2, falcon_mamba, rwkv, xlstm): `wrap_model` (engine/model/loader.py) reads
+1. **No attention at all** (mamba, mamba2, falcon_mamba, rwkv, xlstm): `wrap_model` (engine/model/loaded.py) reads
    `num_attention_heads` before asking the model what it caches, so loading raises a bare `AttributeError`
    (CLI: `error: internal AttributeError ...`, exit 1) instead of a one-line `UnsupportedModelError` (exit 2).
 2. **Per-layer heads** (dots3_note_text, heterogeneous MLA): the same read raises transformers'

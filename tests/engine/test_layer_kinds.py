@@ -11,7 +11,7 @@ import torch
 
 from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.errors import EngineError, UnsupportedModelError
-from engine.model.loader import wrap_model
+from engine.model.loaded import wrap_model
 from engine.core.session import ChatSession
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -21,7 +21,7 @@ from engine.config import CacheConfig, ModelSpec, SamplingConfig
 from engine.core import eviction
 from engine.core.session import ChatSession
 from engine.kv.store.rope import Rerotator, keyless_layers, rerotation_refusal, rope_layout_or_reason
-from engine.model.loader import wrap_model
+from engine.model.loaded import wrap_model
 
 SLIDING = ["gemma2", "gemma3_text", "gpt_oss", "exaone4", "cohere2"]
 STATES = ["lfm2", "falcon_h1", "qwen3_next"]

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.core.scheduler import drive
 from engine.core.session import ChatSession
 from engine.config import ModelSpec
-from engine.model.loader import wrap_model
+from engine.model.loaded import wrap_model
 from arch_zoo import tiny_model
 from test_layer_kinds import CONFIGS, hf_greedy, tiny
 

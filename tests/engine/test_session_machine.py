@@ -563,7 +563,7 @@ def tiny_model(model_type: str, layer_types: list[str]):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from engine.config import ModelSpec
-        from engine.model.loader import wrap_model
+        from engine.model.loaded import wrap_model
 
         cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
