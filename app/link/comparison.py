@@ -13,8 +13,13 @@ reply still goes on between them. The worker submits it to its engine core as a 
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import replace
 from typing import Any, Callable
+
+from app.ground.failure import Failure, log
+from engine.config import SamplingConfig
+from engine.core.scheduler import Task
 
 
 class WarmedComparison:
@@ -102,3 +107,74 @@ class WarmedComparison:
         left = elapsed / fraction * (1.0 - fraction) if fraction > 0.02 else None
         label = self._settings[min(self._rows_seen, n - 1)][0] if self._settings else ""
         return fraction, left, f"timing {label} ({self._rows_seen + 1} of {n})"
+
+
+class Comparisons:
+    """The worker's comparison, one at a time, on its thread: a ``WarmedComparison`` stepped as a background task
+    of the worker's core, its rows, progress and end sent through the worker's ``compared``,
+    ``compare_progress`` and ``compare_finished`` (a failure through ``failed`` too)."""
+
+    def __init__(self, worker: Any, backend: Any) -> None:
+        self.worker, self.backend = worker, backend
+        self.comparison: WarmedComparison | None = None
+        self.comparison_id = 0
+        self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
+
+    def start(self, comparison_id: int, messages: list[dict], sampling: SamplingConfig) -> None:
+        """A new comparison of the chat's next reply (one still running is cancelled)."""
+        w = self.worker
+        self.close("cancelled")
+        loaded = w.model
+        if loaded is None or self.backend.make_comparison is None:
+            reason = "no model is loaded" if loaded is None else "comparing is not available"
+            w.compare_finished.emit(comparison_id, reason)
+            return
+        self.comparison_id = comparison_id
+        try:
+            inner = self.backend.make_comparison(loaded, messages, sampling)
+            make = self.backend.make_session
+            self.comparison = WarmedComparison(inner, lambda cfg: make(loaded, cfg))
+        except BaseException as exc:  # noqa: BLE001 - one that cannot start says why (it sat at "Running…")
+            log(exc)
+            failure = Failure.from_exception(0, "compare", exc)
+            w.failed.emit(failure)
+            w.compare_finished.emit(comparison_id, failure.message)
+            return
+        # one step per round after the replies, alone: its rows time each setting by itself
+        w.run_task(Task(self.comparison, self._on_step, self._fail))
+
+    def cancel(self, comparison_id: int = 0) -> None:
+        """Stop comparison ``comparison_id`` (0: whichever runs) after its current step; its rows so far stay."""
+        if self.comparison is not None and comparison_id in (0, self.comparison_id):
+            self.comparison.cancel()
+
+    def _on_step(self, row: Any) -> None:
+        comparison = self.comparison
+        if comparison is None:
+            return
+        if row is not None:
+            self.worker.compared.emit(self.comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
+        now = time.monotonic()
+        if now - self._progress_sent > 0.25 or row is not None:  # a few times a second is enough for a bar
+            self._progress_sent = now
+            self.worker.compare_progress.emit(self.comparison_id, comparison.progress())
+        if comparison.done:
+            self.close("cancelled" if comparison.cancelled else "done")
+
+    def _fail(self, exc: BaseException) -> None:
+        log(exc)
+        failure = Failure.from_exception(0, "compare", exc)
+        self.worker.failed.emit(failure)
+        self.close(failure.message)
+
+    def close(self, reason: str) -> None:
+        """End the comparison in flight (if any) with ``reason``, said with ``compare_finished``."""
+        comparison, self.comparison = self.comparison, None
+        if comparison is None:
+            return
+        self.worker.drop_task(comparison)
+        try:
+            comparison.close()
+        except BaseException:  # noqa: BLE001 - closing frees memory; a failure there changes no result
+            traceback.print_exc()
+        self.worker.compare_finished.emit(self.comparison_id, reason)

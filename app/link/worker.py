@@ -1,6 +1,10 @@
 """The engine's thread: ``EngineWorker``, a QObject living on a QThread (``app.link.engine_thread.EngineThread`` owns
 both).
 
+Over 400 lines on purpose: its slots are the GUI's commands, and each reads and writes the same few fields (the
+model, the pool, the active session, the core, the reply in flight); the jobs it runs (a comparison, the fidelity
+check, the disk tier, draft models, token counts) already live in modules of their own.
+
 The worker owns the loaded model, its engine core (``engine.core.scheduler.EngineCore``), the chats' sessions and at
 most one cache-settings comparison; the GUI thread never runs torch. Work runs as rounds of the core from one
 zero-delay timer: each turn of the worker's event loop runs one ``core.round()`` — one step of the chat's reply
@@ -50,7 +54,6 @@ For one reply the order is strict: ``started``, then ``token``/``snapshot``/``no
 from __future__ import annotations
 
 import threading
-import time
 import traceback
 from typing import Any, Callable
 
@@ -59,7 +62,7 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 from app.ground.failure import Failure, describe, log
 from app.link import counts, tool_replies
 from app.link.backend import EngineBackend, default_backend
-from app.link.comparison import WarmedComparison
+from app.link.comparison import Comparisons
 from app.link.disk_tier import DiskTierControl
 from app.link.fidelity_task import FidelityControl
 from app.link.places import miss_places
@@ -133,9 +136,6 @@ class EngineWorker(QObject):
         self._messages: list[dict] = []  # the chat that reply answers (where its recomputed tokens sit: ``placed``)
         self._tool_reply: Any = None  # a reply with tools: how to read its calls (``app.link.tool_replies``)
         self._noted: set[str] = set()  # notes already sent for this reply
-        self._comparison: Any = None
-        self._comparison_id = 0
-        self._progress_sent = 0.0  # when compare_progress was last sent (monotonic seconds)
         self._cancel_flag = threading.Event()  # set from any thread; checked between steps
         self._cancel_gen = 0  # the reply that flag is for (0: whichever runs), written with it
         self._core: EngineCore | None = None  # the loaded model's engine core (made with the model)
@@ -147,6 +147,7 @@ class EngineWorker(QObject):
         self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
         self.disk = DiskTierControl(self)  # the KV disk tier (a child: it moves to this thread with the worker)
         self.fidelity = FidelityControl(self)  # the fidelity check on the user's chat (a background task of the core)
+        self.comparisons = Comparisons(self, self._backend)  # Tools ▸ Compare's run (a background task of the core)
 
     # -- commands (queued slots) ------------------------------------------------------------------------
     @Slot(object, object)
@@ -169,7 +170,7 @@ class EngineWorker(QObject):
                 session, _ = pool.activate(0)  # chat 0: the session shown before any chat is active
             else:
                 pool, session = None, self._backend.make_session(loaded, self._cache)
-            self._close_comparison("cancelled")  # it ran on the model being replaced
+            self.comparisons.close("cancelled")  # it ran on the model being replaced
             self.fidelity.close("cancelled")  # likewise
             self._loaded, self._pool, self._session, self._model_spec = loaded, pool, session, spec
             self._speculate_new_model()
@@ -406,31 +407,12 @@ class EngineWorker(QObject):
         """Generate the chat's next reply once per cache setting, in fresh sessions (the chats' own sessions
         and caches are untouched), one step per event-loop turn next to the chat's reply; rows arrive one by
         one through ``compared``. A new comparison replaces one still running."""
-        self._close_comparison("cancelled")
-        if self._loaded is None or self._backend.make_comparison is None:
-            reason = "no model is loaded" if self._loaded is None else "comparing is not available"
-            self.compare_finished.emit(comparison_id, reason)
-            return
-        self._comparison_id = comparison_id
-        try:
-            inner = self._backend.make_comparison(self._loaded, messages, sampling)
-            loaded, make = self._loaded, self._backend.make_session
-            self._comparison = WarmedComparison(inner, lambda cfg: make(loaded, cfg))
-        except BaseException as exc:  # noqa: BLE001 - one that cannot start says why (it sat at "Running…")
-            log(exc)
-            failure = Failure.from_exception(0, "compare", exc)
-            self.failed.emit(failure)
-            self.compare_finished.emit(comparison_id, failure.message)
-            return
-        # one step per round after the replies, alone: its rows time each setting by itself
-        self._core.add_task(Task(self._comparison, self._on_compare_step, self._fail_comparison))
-        self._kick()
+        self.comparisons.start(comparison_id, messages, sampling)
 
     @Slot(int)
     def cancel_compare(self, comparison_id: int = 0) -> None:
         """Stop comparison ``comparison_id`` (0: whichever runs) after its current step; its rows so far stay."""
-        if self._comparison is not None and comparison_id in (0, self._comparison_id):
-            self._comparison.cancel()
+        self.comparisons.cancel(comparison_id)
 
     @Slot()
     def serve(self) -> None:
@@ -451,7 +433,7 @@ class EngineWorker(QObject):
         timer is stopped by its own thread)."""
         self._timer.stop()
         self._gen_id = 0
-        self._close_comparison("cancelled")
+        self.comparisons.close("cancelled")
         self.fidelity.close("cancelled")
         fast = getattr(self._loaded, "fast_step", None)
         if fast is not None:
@@ -459,7 +441,7 @@ class EngineWorker(QObject):
         self.disk.detach()  # pages queued for the disk are written: the next launch restores them
         QThread.currentThread().quit()
 
-    # -- for the jobs it runs on its thread (the fidelity check): the model, the chats' setting, the core's tasks ----
+    # -- for the jobs it runs on its thread (a comparison, the fidelity check): the model, the chats' setting, the core's tasks ----
     @property
     def model(self) -> Any:
         """The loaded model (the backend's ``Loaded``); None until a model and its core are made."""
@@ -543,37 +525,6 @@ class EngineWorker(QObject):
                 session.close()
         except BaseException:  # noqa: BLE001 - it is being thrown away
             traceback.print_exc()
-
-    def _on_compare_step(self, row: Any) -> None:
-        comparison = self._comparison
-        if comparison is None:
-            return
-        if row is not None:
-            self.compared.emit(self._comparison_id, row.as_dict() if hasattr(row, "as_dict") else dict(row))
-        now = time.monotonic()
-        if now - self._progress_sent > 0.25 or row is not None:  # a few times a second is enough for a bar
-            self._progress_sent = now
-            self.compare_progress.emit(self._comparison_id, comparison.progress())
-        if comparison.done:
-            self._close_comparison("cancelled" if comparison.cancelled else "done")
-
-    def _fail_comparison(self, exc: BaseException) -> None:
-        log(exc)
-        failure = Failure.from_exception(0, "compare", exc)
-        self.failed.emit(failure)
-        self._close_comparison(failure.message)
-
-    def _close_comparison(self, reason: str) -> None:
-        comparison, self._comparison = self._comparison, None
-        if comparison is None:
-            return
-        if self._core is not None:
-            self._core.remove_task(comparison)
-        try:
-            comparison.close()
-        except BaseException:  # noqa: BLE001 - closing frees memory; a failure there changes no result
-            traceback.print_exc()
-        self.compare_finished.emit(self._comparison_id, reason)
 
     def _abort_running(self) -> None:
         """End the running reply (if any) as cancelled, so the session is free for the next command."""
