@@ -29,6 +29,23 @@ _MIN_VOCAB_SHARE = 2  # a tokenizer must name at least 1/2 of the embedding rows
 _FIX = "re-download it or convert it again with llama.cpp"
 
 
+# general.architecture values that name no text-generation model
+NOT_GENERATIVE = {"t5": "an encoder-decoder model", "umt5": "an encoder-decoder model",
+                  "t5encoder": "an encoder", "general": "", "tokenizer": ""}
+
+
+def check_named(info: GgufInfo) -> None:
+    """Refuse a file that names no architecture, or one that is not a text-generation model (transformers' own
+    list of the ones it reads is ``engine.model.gguf_load.check_architecture``'s, which imports it)."""
+    name, arch = Path(info.path).name, info.architecture
+    if not arch:
+        raise ModelFormatError(f"{name} names no architecture (general.architecture is missing): not a model file")
+    if NOT_GENERATIVE.get(arch):
+        from engine.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{name} holds {NOT_GENERATIVE[arch]} ({arch}), not a text-generation model")
+
+
 def _fail(info: GgufInfo, what: str) -> ModelFormatError:
     return ModelFormatError(f"{Path(info.path).name}: {what} ({_FIX})")
 

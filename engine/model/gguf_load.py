@@ -22,7 +22,7 @@ import torch
 from engine.config import ModelSpec
 from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError, first_line
 from engine.model import template_guard
-from engine.model.gguf_checks import check_model
+from engine.model.gguf_checks import NOT_GENERATIVE, check_model, check_named
 from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
@@ -30,10 +30,6 @@ from engine.quant import gguf_keep
 
 # llama.cpp's spelling of an architecture → transformers' model type, where they differ
 _SPELLINGS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
-_NOT_GENERATIVE = {"t5": "an encoder-decoder model", "umt5": "an encoder-decoder model",
-                   "t5encoder": "an encoder", "general": "", "tokenizer": ""}
-
-
 def readable_architectures() -> tuple[str, ...]:
     """The GGUF architectures (``general.architecture``, llama.cpp's spelling) transformers can read into a
     text-generation model: its legacy table (dequantized through the gguf package) and its newer per-architecture
@@ -46,16 +42,13 @@ def readable_architectures() -> tuple[str, ...]:
         GGUF_ARCHS = {}
     back = {v: k for k, v in _SPELLINGS.items()}
     names = {back.get(a, a) for a in (*GGUF_SUPPORTED_ARCHITECTURES, *GGUF_ARCHS)}
-    return tuple(sorted(n for n in names if n not in _NOT_GENERATIVE))
+    return tuple(sorted(n for n in names if n not in NOT_GENERATIVE))
 
 
 def check_architecture(info: GgufInfo) -> None:
     """Refuse a file whose architecture transformers cannot read from GGUF, naming those it can."""
+    check_named(info)
     name, arch = Path(info.path).name, info.architecture
-    if not arch:
-        raise ModelFormatError(f"{name} names no architecture (general.architecture is missing): not a model file")
-    if _NOT_GENERATIVE.get(arch):
-        raise UnsupportedModelError(f"{name} holds {_NOT_GENERATIVE[arch]} ({arch}), not a text-generation model")
     readable = readable_architectures()
     if arch not in readable:
         raise UnsupportedModelError(

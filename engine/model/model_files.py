@@ -299,3 +299,21 @@ def check_tokenizer_fits(name: str, tokenizer: Any, rows: int | None) -> None:
             f"{name}: the tokenizer has token ids up to {top} but the model has {rows} embedding rows; "
             "use the tokenizer that came with these weights"
         )
+
+
+def preflight(spec: ModelSpec) -> None:
+    """A local model's files checked from their headers alone, before torch and transformers are imported (their
+    import is 2-7 s of a command's start on a busy 2-core machine): a bad file's one line comes at once. The loader
+    checks the same again (and more: transformers' readable architectures, the memory verdict)."""
+    from engine.model.gguf_file import looks_like_gguf
+
+    source = os.path.expanduser(spec.source)
+    if looks_like_gguf(source):
+        from engine.model.gguf_checks import check_model, check_named
+        from engine.model.gguf_file import read_gguf
+
+        info = read_gguf(source)
+        check_named(info)
+        check_model(info)
+    elif os.path.isdir(source) and os.path.lexists(os.path.join(source, "config.json")):
+        check_folder(Path(source), spec)

@@ -232,6 +232,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued {a.max_queued} must be at least 0")
     cache = cache_config_from_args(a)
     spec = _model_spec(a)
+    from engine.model.model_files import preflight
+
+    preflight(spec)  # a bad model file's one line before torch is imported
     from engine.server.service import serve
 
     return serve(a, cache, spec)
@@ -290,6 +293,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     )
     spec = _model_spec(a)
     messages = read_messages(a.messages) if a.messages is not None else None  # before torch is imported
+    from engine.model.model_files import preflight
+
+    preflight(spec)  # a bad model file's one line before torch is imported too
     if a.prompt is not None:
         from engine.model.chat import check_text
 

@@ -59,6 +59,25 @@ def test_one_line_exit_2_bounded(cases, name, capsys):
     assert seconds < _S and grew < _MB, (name, seconds, grew)
 
 
+@pytest.mark.parametrize("name", ["split-count-1e9", "block-count-1e6", "vocab-1e6", "t5-no-tensors", "config-list"])
+def test_a_bad_header_is_said_before_torch_is_imported(cases, name, tmp_path):
+    """A file's header checks run before the command imports torch and transformers (seconds of a busy machine's
+    start): with a torch that cannot be imported on the path, the file's own line is what the command says."""
+    import subprocess
+    import sys
+
+    poisoned = tmp_path / "torch"
+    poisoned.mkdir()
+    (poisoned / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    found, _, _ = cases
+    case = found[name]
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).resolve().parents[2]}"}
+    p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(case.path), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert (p.returncode, p.stderr.count("\n")) == (2, 1), p.stderr
+    assert case.expect in p.stderr and "torch was imported" not in p.stderr, p.stderr
+
+
 def test_catalog_lists_the_good_beside_every_bad(cases, monkeypatch):
     """The Models dialog's scan over a folder holding all the cases and a good model: every GGUF and folder listed,
     the good ones openable, each bad one with its own reason — none of them stops the scan."""
