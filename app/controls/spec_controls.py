@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.ground import glossary
-from app.controls.cache_controls import fill_combo
+from app.controls.cache_parts import fill_combo
 from app.ground.glossary import CONTROLS
 from app.ground.widgets import DebouncedForm
 from engine.config import MAX_DRAFT, SPEC_METHODS, SpecConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from app_helpers import close_window, open_window, wait_reply
 
-from app.controls.cache_controls import TOOLTIP_ROLE
+from app.controls.cache_parts import TOOLTIP_ROLE
 from engine.config import SamplingConfig
 
 MESSAGES = ("Once upon a time there was a little dog.", "What did the dog do next?",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from app_helpers import close_window, open_window, wait_reply
 
-from app.controls.cache_controls import TOOLTIP_ROLE, CacheControls
+from app.controls.cache_controls import CacheControls
+from app.controls.cache_parts import TOOLTIP_ROLE
 from app.ground.widgets import DEBOUNCE_MS
 from engine.config import CacheConfig, SamplingConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from app_helpers import close_window, open_window, use_lossy, wait_reply
 
-from app.controls.cache_controls import TOOLTIP_ROLE
+from app.controls.cache_parts import TOOLTIP_ROLE
 from app.ground.format import human_bytes
 from engine.config import K_DTYPES, KV_DTYPES, SamplingConfig
 from engine.kv.paged import sizes
