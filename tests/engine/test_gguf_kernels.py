@@ -72,19 +72,24 @@ def test_float_road_is_the_dequantized_product(name, m):
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-def test_bf16_rows_take_bfloat16_activations_on_the_default_road():
-    """BF16 weights, 16 rows and more, default road: activations rounded to bfloat16 (as llama.cpp rounds them for
-    its bf16 products), sums in float32; fewer rows: float32 activations."""
-    n, out = 512, 19
+@pytest.mark.parametrize("m", [1, 3, 37])
+def test_bf16_rows_take_bfloat16_activations_on_the_default_road(m):
+    """BF16 weights, default road: activations rounded to bfloat16 (as llama.cpp rounds them for its bf16
+    products), sums in float32 — a decode row (vdpbf16ps a row, 530 = 16 pairs short of a whole vector: the tail
+    masked) as a prompt's sixteen and more (the GEMM); without AVX512_BF16, float32 activations."""
+    n, out = 530, 19
     raw = blocks("BF16", out, n)
     w = torch.from_numpy(raw)
-    x = torch.randn(37, n, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(2))
     y = kernel.matmul(x, w, T.BF16.value, n).numpy()
     wd = reference(raw, "BF16")
     pairs = kernel.library().kq_gemm_float_pairs(T.BF16.value, 0)  # AVX512_BF16 here
     xr = x.to(torch.bfloat16).double().numpy() if pairs else x.double().numpy()
     ref = xr @ wd.T
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    if m < 16:  # a row's sums do not depend on the rows beside it
+        one = np.stack([kernel.matmul(x[i:i + 1], w, T.BF16.value, n).numpy()[0] for i in range(m)])
+        assert np.array_equal(one, y)
 
 
 def ggml_q8(x: np.ndarray, kind: int) -> np.ndarray:
@@ -121,6 +126,63 @@ def test_int8_road_is_exact_on_the_quantized_activations(name, blocks_odd, m):
         assert np.array_equal(one, y)  # a row's sums do not depend on the rows beside it
     else:  # the GEMM sums in another order than a row alone: float rounding apart, the same
         assert np.abs(one - y).max() <= 2e-6 * np.abs(ref).max()
+
+
+PACKED = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+
+
+def packed_or_skip(w: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    p = kernel.pack(w, T[name].value, n)
+    if p is None:
+        pytest.skip("no packed product in this build (AVX-512 VNNI)")
+    return p
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_rows_read_back_as_the_file_stores_them(name):
+    """Sixteen rows a group, the last group short (21 rows: 16 + 5, padded with zero rows); an odd last block of
+    the 32-block types (17 blocks: half a step of two)."""
+    n = 512 if name.endswith("_K") else 544
+    raw = blocks(name, 21, n, seed=7)
+    p = packed_or_skip(torch.from_numpy(raw), name, n)
+    assert p.numel() == kernel.library().kq_pack_bytes(T[name].value, 21, n) and p.data_ptr() % 64 == 0
+    for o in range(21):
+        assert np.array_equal(kernel.unpack_row(p, T[name].value, 21, n, o).numpy(), raw[o])
+
+
+@pytest.mark.parametrize("name", PACKED)
+@pytest.mark.parametrize("m", [1, 7, 37])
+def test_packed_product_is_exact_on_the_quantized_activations(name, m):
+    """The packed product: ggml's integer sums on the same 8-bit activations as the row products (within float
+    rounding of each), and every row summed alike whatever rows are beside it (one row alone = the same row of
+    37: bit for bit)."""
+    n = 512 if name.endswith("_K") else 544
+    raw = blocks(name, 21, n, seed=8)
+    w = torch.from_numpy(raw)
+    p = packed_or_skip(w, name, n)
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(8))
+    bias = torch.randn(21)
+    y = kernel.matmul(x, w, T[name].value, n, bias=bias, road="int8", packed=p).numpy()
+    ref = ggml_q8(x.numpy(), 1 if name.endswith("_K") else 0) @ reference(raw, name).T + bias.double().numpy()
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+    rows = kernel.matmul(x, w, T[name].value, n, bias=bias, road="int8").numpy()  # the file's layout
+    assert np.abs(rows - y).max() <= 2e-6 * np.abs(ref).max()
+    one = np.stack([kernel.matmul(x[i:i + 1], w, T[name].value, n, bias=bias, packed=p).numpy()[0]
+                    for i in range(m)])
+    assert np.array_equal(one, y)
+
+
+def test_packed_product_takes_the_row_order_and_threads():
+    n, out = 256, 40
+    w = torch.from_numpy(blocks("Q4_K", out, n, seed=9))
+    p = packed_or_skip(w, "Q4_K", n)
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(9))
+    perm = torch.randperm(out, generator=torch.Generator().manual_seed(9)).to(torch.int32)
+    plain = kernel.matmul(x, w, T.Q4_K.value, n, packed=p, threads=1)
+    moved = kernel.matmul(x, w, T.Q4_K.value, n, out_map=perm, packed=p, threads=2)
+    assert torch.equal(moved[:, perm.long()], plain)
+    with pytest.raises(ValueError, match="packed"):
+        kernel.matmul(x, w[:32], T.Q4_K.value, n, packed=p)  # another weight's packing refused, never read
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "BF16"])

@@ -118,6 +118,15 @@ int kq_gemm_float_pairs(int type, int road);
 void kq_gemm_pack_float(const float* x, int64_t ldx, int64_t n, int64_t r0, int64_t m, int pairs, void* xt);
 int kq_gemm_float_rows(int type, int pairs, const uint8_t* w, int64_t rb, int64_t o0, int64_t o1, int64_t n,
                        const void* xt, int64_t m, float* y, int64_t ldy, const float* bias, const int32_t* map);
+/* weights repacked sixteen rows a group for AVX-512 VNNI (kq_pack.c, kq_packed.c): the bytes a packed weight
+   takes (0: no packed layout for the type in this build), the packing, and the product (any number of rows) */
+int64_t kq_pack_bytes(int type, int64_t n_out, int64_t n);
+int kq_pack(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, uint8_t* out, int threads);
+int kq_packed_matmul(int type, const uint8_t* p, int64_t n_out, int64_t n, const float* x, int64_t m, int64_t ldx,
+                     float* y, int64_t ldy, const float* bias, const int32_t* map, int threads);
+/* BF16 weights times fewer than sixteen rows by bfloat16 pairs (kq_bf16.c; -1 where not built for AVX512_BF16) */
+int kq_bf16_rows(const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, const float* x, int64_t m, int64_t ldx,
+                 float* y, int64_t ldy, const float* bias, const int32_t* map, int threads);
 /* which instruction set the integer products were built for, in words */
 const char* kq_isa(void);
 

@@ -197,6 +197,8 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
     if (threads < 1) threads = 1;
     if (is_float(type) || road == 1 || kq_act_kind(type) < 0) {
         if (!is_float(type) && kq_act_kind(type) < 0) return -1;
+        if (type == KQ_BF16 && m < GEMM_MIN_ROWS && kq_gemm_float_pairs(type, road))
+            return kq_bf16_rows(w, rb, n_out, n, x, m, ldx, y, ldy, bias, map, threads);
         if (m >= GEMM_MIN_ROWS && kq_gemm_float() && (n % 2 == 0 || !kq_gemm_float_pairs(type, road)))
             return float_gemm(type, w, rb, n_out, n, x, m, ldx, y, ldy, bias, map, road, threads);
         int fail = 0;
@@ -261,17 +263,21 @@ int kq_matmul(int type, const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, 
 }
 
 /* A weight as the model's linears hold it (built once per linear, so a call passes five arguments: ctypes
-   converts each one, ~0.5 us apiece) */
+   converts each one, ~0.5 us apiece); `packed`: the same weight repacked sixteen rows a group (kq_pack.c), which
+   the integer road multiplies instead of w where it is set */
 typedef struct {
     int32_t type, road;
     const uint8_t* w;
     int64_t rb, n_out, n;
     const float* bias;
     const int32_t* map;
+    const uint8_t* packed;
 } kq_weight;
 
 /* y [m, n_out] = x [m, n] times the weight (rows contiguous) */
 int kq_linear(const kq_weight* W, const float* x, int64_t m, float* y, int threads) {
+    if (W->packed && W->road == 0)
+        return kq_packed_matmul(W->type, W->packed, W->n_out, W->n, x, m, W->n, y, W->n_out, W->bias, W->map, threads);
     return kq_matmul(W->type, W->w, W->rb, W->n_out, W->n, x, m, W->n, y, W->n_out, W->bias, W->map, W->road,
                      threads);
 }
