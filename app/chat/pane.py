@@ -11,18 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent, QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
-    QPlainTextEdit,
     QPushButton,
     QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
 
+from app.chat.chat_input import ChatInput
 from app.chat.message_view import MessageView
 from app.controls.lossy import lossy_parts
 from app.ground.screen import OnScreen
@@ -39,25 +39,6 @@ REPEAT_STARTER = ("Tom has a big red ball. Tom has a big red ball. Tom has a big
                   "ball.")
 SUGGESTIONS = ("Once upon a time, a little fox", "Tell me a story about a dragon", "What is a KV cache?",
                REPEAT_STARTER)
-
-
-class ChatInput(QPlainTextEdit):
-    """Multi-line input: Enter (or Ctrl+Enter) submits, Shift+Enter inserts a newline, Tab moves the focus
-    on (to Send and the controls) instead of typing a tab."""
-
-    submitted = Signal()
-    escape_pressed = Signal()
-
-    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt name
-        if event.key() == Qt.Key.Key_Escape:
-            self.escape_pressed.emit()
-            return
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
-        ):
-            self.submitted.emit()
-            return
-        super().keyPressEvent(event)
 
 
 class ChatPane(QWidget):

@@ -130,7 +130,7 @@ def test_timing_curves_and_previous_overlay(qtbot):
 
 
 def test_rolling_tps_window():
-    from app.panels.timing import TokenSeries
+    from app.panels.token_series import TokenSeries
 
     s = TokenSeries(capacity=2)  # grows past its capacity
     for i in range(40):

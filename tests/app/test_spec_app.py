@@ -151,7 +151,7 @@ def test_timing_panel_and_page_map_show_what_speculation_did(qtbot, data_dir, st
     from test_layout import _settle
 
     from app.panels.page_map import VERIFY_COLOUR, _rgb
-    from app.panels.timing import BARS
+    from app.panels.token_series import BARS
 
     w = _window(qtbot, data_dir, stories_path)
     try:

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from engine.tools.cli import build_parser
+from engine.tools.cli_flags import build_parser
 from engine.inputs import DEFAULT_LIMIT
 from engine.model.log_once import OncePerMessage
 
