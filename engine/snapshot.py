@@ -76,8 +76,8 @@ class ModelInfo:
     cpu_features: str = ""  # the CPU's vector level and native bf16 (``engine.model.threads.cpu_features``), CPU only
     weights_kernel: str = ""  # how the linears' weights are held for the CPU's kernels (``engine.model.prepack``)
     # the weights as loaded (``engine.model.weights_plan``): their format ("Q4_K_M", "BF16", "F32", "int8", "NF4"),
-    # the file's where they differ, how they are held ("mapped", "read", "converted", "quantized", "dequantized")
-    # and bits per weight as held (``weights_bytes`` x 8 / parameters)
+    # the file's where they differ, how they are held ("mapped", "repacked", "read", "converted", "quantized",
+    # "dequantized") and bits per weight as held (``weights_bytes`` x 8 / parameters)
     weights_format: str = ""
     weights_stored: str = ""
     weights_held: str = ""

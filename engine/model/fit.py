@@ -46,7 +46,7 @@ ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: the float
 # converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
 # the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
 # (a GGUF kept as blocks: its largest tensor copied out of the file, a norm or a type with no block kernel)
-LOAD_BYTES_PER_ELEMENT = {Held.CONVERTED: 8, Held.READ: 4, Held.QUANTIZED: 14, Held.MAPPED: 4}
+LOAD_BYTES_PER_ELEMENT = {Held.CONVERTED: 8, Held.READ: 4, Held.QUANTIZED: 14, Held.MAPPED: 4, Held.REPACKED: 4}
 
 
 class WontFitError(EngineError):

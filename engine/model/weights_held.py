@@ -14,15 +14,24 @@ def weights_bytes(model) -> int:
     """Bytes of the parameters as stored (int8 / packed 4-bit for bitsandbytes layers; tied weights once), with
     what a quantized weight keeps beside it: bitsandbytes' int8 row scales (``SCB``) and 4-bit block scales and
     codebook (``quant_state``: 58 MB of NF4 scales on the 1B shape, left out before)."""
-    seen: set[int] = set()
+    seen: set[tuple] = set()
     total = 0
+
+    def key(t) -> tuple:  # one storage's bytes once, whichever tensor objects view them (a GGUF's tied head)
+        return (t.data_ptr(), t.numel(), t.dtype) if t.data_ptr() else (id(t),)
 
     def add(t) -> None:
         nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
+        if isinstance(t, torch.Tensor) and key(t) not in seen:
+            seen.add(key(t))
             total += t.numel() * t.element_size()
 
+    # a GGUF linear repacked for the integer road holds its packed copy; the file's pages it was read from are let
+    # go (a tied embedding's too: its looked-up rows are read from the file again)
+    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    seen.update(key(m.weight) for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor))
+    for t in packed:
+        add(t)
     for mod in model.modules():
         add(getattr(getattr(mod, "state", None), "SCB", None))  # Linear8bitLt keeps its scales there once run
         for p in mod.parameters(recurse=False):

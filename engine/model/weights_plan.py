@@ -37,6 +37,7 @@ class Held(enum.StrEnum):
     """How the weights sit in memory once loaded."""
 
     MAPPED = "mapped"  # as the file stores them, memory-mapped: the file's pages are the weights
+    REPACKED = "repacked"  # the file's blocks rearranged for this CPU's vectors as they are read (GGUF, AVX-512)
     READ = "read"  # as the file stores them, read into memory
     CONVERTED = "converted"  # to another float type as they are read (bfloat16 -> float32)
     QUANTIZED = "quantized"  # quantized as they are read (--quantize int8 / nf4)
@@ -168,7 +169,7 @@ def plan_gguf(info, device: str, compute_dtype: str, quantization: str) -> Weigh
 
     p = gguf_keep.plan(info, device, _ELEM[compute_dtype])
     params = sum(t.numel for t in tensors)
-    held = Held.DEQUANTIZED if p.lost and not p.mapped else Held.MAPPED
+    held = Held.DEQUANTIZED if p.lost and not (p.mapped or p.packed) else Held.REPACKED if p.packed else Held.MAPPED
     copied = max((t.numel for t in tensors if t.dtype in p.lost or len(t.shape) < 2), default=0)
     return WeightsPlan(info.weights_type, info.weights_type, held, params, p.mapped + p.copied, info.size_bytes,
                        copied, quantization)
@@ -207,7 +208,7 @@ def as_loaded(plan: WeightsPlan, weights_dtype: str) -> tuple[str, Held]:
     """(format, how held) of weights loaded by ``plan``, read off what the loader made: ``weights_dtype`` is the
     float dtype every weight ended in ("float32"), or "" where some are kept in blocks (integer tensors). A file
     the plan would map but the loader dequantized says so."""
-    if plan.held != Held.MAPPED or not weights_dtype:
+    if plan.held not in (Held.MAPPED, Held.REPACKED) or not weights_dtype:
         return plan.format, plan.held
     name = _torch_name(weights_dtype)
     if name == plan.stored:

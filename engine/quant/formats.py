@@ -7,7 +7,9 @@ the compute dtype: 1-D tensors (norms, biases: a few KiB a layer), and weights o
 multiply (Q2_K, Q3_K, the IQ types, ...), dequantized on load. ``EMBEDDING_AS_BLOCKS``: the token embedding is
 kept as blocks too and its rows dequantized as they are looked up (an untied output head is a kept linear).
 Where the block kernels are missing (no compiler and no prebuilt library) nothing is kept: the whole model is
-dequantized, as ``held_bytes(..., kept=False)`` counts.
+dequantized, as ``held_bytes(..., kept=False)`` counts. On AVX-512 VNNI the integer road's Q4_0, Q8_0, Q4_K and
+Q6_K linears are held repacked sixteen rows a group (``packed_bytes``: in memory of their own, the file's pages let
+go), an embedding's rows still read from the file.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ TYPES = {
 KEPT = frozenset((0, 1, 30, 2, 3, 6, 7, 8, 12, 13, 14))
 QUANTIZED = KEPT - {0, 1, 30}
 EMBEDDING_AS_BLOCKS = True
+# the integer road's packed layout on AVX-512 VNNI (engine/quant/csrc/kq_pack.c): per sixteen rows, steps of
+# (elements, bytes); Q4_K takes 2.8% more than the file (its 6-bit scales unpacked), Q6_K 1% (scales padded)
+PACKED_STEPS = {2: (64, 576), 8: (64, 1088), 12: (256, 2368), 14: (256, 3392)}
 # llama.cpp's architecture names whose GGUF weights load kept as blocks (their tensors map one to one onto the
 # model's linears; llama's query / key rows are reordered by the product, not copied). Others are dequantized.
 ARCHITECTURES = frozenset(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
@@ -81,12 +86,25 @@ def held_bytes(ggml_type: int, shape: tuple[int, ...], compute_bytes: int = 4, k
     return prod(shape) * compute_bytes
 
 
+def packed_bytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    """Bytes a weight (torch order ``[rows, n]``) takes repacked for the integer road (``kq_pack_bytes``); 0 for a
+    type without a packed layout."""
+    if ggml_type not in PACKED_STEPS or len(shape) != 2:
+        return 0
+    elems, size = PACKED_STEPS[ggml_type]
+    return -(-shape[0] // 16) * -(-shape[1] // elems) * size
+
+
 def model_bytes(tensors: Iterable[tuple[int, tuple[int, ...]]], compute_bytes: int = 4,
-                kept: bool = True) -> tuple[int, int]:
-    """(bytes mapped from the file, bytes copied into the process) for a model's ``(ggml_type, shape)`` tensors."""
+                kept: bool = True, packed: Iterable[int] = ()) -> tuple[int, int]:
+    """(bytes mapped from the file, bytes copied into the process) for a model's ``(ggml_type, shape)`` tensors;
+    the tensors whose indices are in ``packed`` are held repacked (``packed_bytes``, copied)."""
     mapped = copied = 0
-    for t, shape in tensors:
-        if kept and is_kept(t, shape):
+    packed = set(packed)
+    for i, (t, shape) in enumerate(tensors):
+        if kept and i in packed and packed_bytes(t, shape):
+            copied += packed_bytes(t, shape)
+        elif kept and is_kept(t, shape):
             mapped += file_bytes(t, shape)
         else:
             copied += prod(shape) * compute_bytes

@@ -13,7 +13,10 @@ order, stay in it and the product writes each output where the model wants it (`
 
 Peak memory: the model is built with its parameters on the meta device (``accelerate.init_empty_weights``,
 buffers real), so nothing is allocated for a weight that stays in the file; the mapping's pages count in the
-process's RSS as the products first read them (as llama.cpp's mmap does).
+process's RSS as the products first read them (as llama.cpp's mmap does). On AVX-512 VNNI the integer road's
+linears are repacked as they are placed (``BlockLinear.pack``: sixteen rows a group, llama.cpp's repacked buffers
+for 512-bit vectors) and the file pages they were read from are let go at once (``Table.release``), so a load
+holds the weights once plus one tensor's pages, never the file and its copy.
 """
 
 from __future__ import annotations
@@ -103,6 +106,21 @@ class Table:
             return pos
         raise struct.error(f"value type {vt}")
 
+    def base(self) -> int:
+        """The mapping's address (a tensor view's ``data_ptr() - base()`` is its offset in the file)."""
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def release(self, name: str) -> None:
+        """Let the process's pages of a tensor's bytes go (``madvise(MADV_DONTNEED)`` on the whole pages inside it:
+        a neighbour's bytes on a shared page stay): its bytes were copied elsewhere. The mapping is private and
+        never written, so reading the tensor again reads the file again."""
+        if not hasattr(self.map, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        _, _, start, nbytes = self.entries[name]
+        a, e = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if e > a:
+            self.map.madvise(mmap.MADV_DONTNEED, a, e - a)
+
     def blocks(self, name: str) -> torch.Tensor:
         """The tensor's bytes as uint8 [rows, row_bytes], a view of the mapping (no copy)."""
         t, shape, start, nbytes = self.entries[name]
@@ -185,7 +203,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
         if hf is None:
             continue  # llama.cpp's extras the model has no place for (rope_freqs): transformers skips them too
         _place(model, table, processor, gname, hf, t, shape, dtype, device)
-    _tie_head(model, config)
+    _tie_head(model, config, table)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
@@ -206,6 +224,8 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
             new = BlockLinear(table.blocks(gname).to(device), t, shape[1], bias if bias is not None else None,
                               _row_order(processor, gname, shape[0]))
             model.set_submodule(owner_name, new)
+            if device == "cpu" and new.pack():
+                table.release(gname)  # the products read the packed copy: the file's pages are not needed
             return
         if isinstance(owner, nn.Embedding):
             scale = getattr(owner, "embed_scale", None)
@@ -218,16 +238,21 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
     setattr(owner, leaf, nn.Parameter(value, requires_grad=False) if isinstance(current, nn.Parameter) else value)
 
 
-def _tie_head(model, config) -> None:
-    """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy."""
+def _tie_head(model, config, table: Table) -> None:
+    """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy (a packed
+    copy for the integer road's product, as llama.cpp's repacked output head; the lookups read the file's rows)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None or not weight.is_meta:
         return
     if isinstance(embed, BlockEmbedding):
         name = next(n for n, m in model.named_modules() if m is head)
-        model.set_submodule(name, BlockLinear(embed.weight.data, embed.ggml_type, embed.embedding_dim,
-                                              head.bias if head.bias is not None and not head.bias.is_meta else None))
+        new = BlockLinear(embed.weight.data, embed.ggml_type, embed.embedding_dim,
+                          head.bias if head.bias is not None and not head.bias.is_meta else None)
+        model.set_submodule(name, new)
+        gname = next((g for g, e in table.entries.items() if e[2] == embed.weight.data_ptr() - table.base()), None)
+        if new.weight.device.type == "cpu" and new.pack() and gname is not None:
+            table.release(gname)
     else:
         head.weight = embed.weight
 
@@ -250,20 +275,35 @@ class Plan:
     lost: tuple[str, ...]
     device: str
     road: str  # "int8 activations, AVX-512 + VNNI"
+    packed: bool = False  # the integer road's linears repacked sixteen rows a group (the file's pages let go)
 
     @property
     def where(self) -> str:
-        return "mapped from the file" if self.device == "cpu" else f"copied to {self.device} layer by layer"
+        if self.device != "cpu":
+            return f"copied to {self.device} layer by layer"
+        return "repacked for AVX-512 from the file" if self.packed else "mapped from the file"
+
+
+def _packed(info, device: str) -> list[int]:
+    """Indices of ``info``'s tensors the loader holds repacked: the linears of a packed type (not the token
+    embedding, whose rows are looked up in the file, but its packed copy where it is also the output head)."""
+    if device != "cpu" or kernel.default_road() != "int8" or not kernel.packs():
+        return []
+    names = [t.name for t in info.tensors]
+    tied = "output.weight" not in names
+    return [i for i, (t, s) in enumerate(tensor_types(info))
+            if formats.packed_bytes(t, s) and (names[i] != "token_embd.weight" or tied)]
 
 
 def plan(info, device: str, compute_bytes: int) -> Plan:
     """The ``Plan`` of a ``GgufInfo`` loaded kept on ``device`` in a compute dtype of ``compute_bytes``."""
     types = [(t if len(s) != 2 or _keep(t, s, device) else -1, s) for t, s in tensor_types(info)]
-    mapped, copied = formats.model_bytes([(t if t >= 0 else 99, s) for t, s in types], compute_bytes)
+    packed = _packed(info, device)
+    mapped, copied = formats.model_bytes([(t if t >= 0 else 99, s) for t, s in types], compute_bytes, packed=packed)
     lost = tuple(sorted({formats.name(t) for t, s in tensor_types(info) if len(s) == 2 and not _keep(t, s, device)}))
     road = (f"{kernel.default_road()} activations, {kernel.isa()}" if device == "cpu"
             else "ggml's kernels or cuBLAS on dequantized chunks")
-    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road)
+    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed))
 
 
 def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None):

@@ -15,6 +15,7 @@ multiplied by ggml's published kernels through transformers (``mul_mat_vec``, up
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from engine.quant import formats, kernel
 # a compiled step's calls of the operator: the kernel's descriptor of each weight, made once (by the addresses and
 # shapes the package hands it; the storages are kept, so an address is never reused while it is here)
 _DESCRIPTORS: dict[tuple, tuple] = {}
+# the packed linears by their weight's address: the operator is handed the weight (the package's constant) and
+# multiplies the module's packed copy instead (weak: a model let go takes its packed copies with it)
+_PACKED: "weakref.WeakValueDictionary[int, BlockLinear]" = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("kvscope::gguf_linear", mutates_args=())
@@ -33,6 +37,9 @@ def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bi
     """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32."""
     if w.device.type != "cpu":
         return kernel.matmul(x2, w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+    owner = _PACKED.get(w.data_ptr())
+    if owner is not None and owner.serves(w, ggml_type, n_in, bias, out_map, kernel.ROADS[road]):
+        return owner.forward(x2)
     key = (w.data_ptr(), tuple(w.shape), ggml_type, n_in, road, bias.data_ptr() if bias is not None else 0,
            out_map.data_ptr() if out_map is not None else 0)
     d = _DESCRIPTORS.get(key)
@@ -95,20 +102,52 @@ class BlockLinear(nn.Module):
         self.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False) if bias is not None else None
         self.register_buffer("out_map", out_map, persistent=False)
         self.road = road or kernel.default_road()
+        self.packed = None  # the weight repacked for the integer road (``pack``): not a parameter, never saved
         self._desc = None  # the kernel's descriptor (``kernel.weight``), made at the first product
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("weight", "bias", "out_map", "road"):
+        if name in ("weight", "bias", "out_map", "road", "packed"):
             self.__dict__["_desc"] = None  # it points into the tensors being replaced
+        if name == "weight":
+            self.__dict__["packed"] = None  # a copy of the weight replaced
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):
         self.__dict__["_desc"] = None  # .to(), .float(): new tensors
-        return super()._apply(fn, recurse)
+        before = (self.weight.data_ptr(), self.weight.device)
+        out = super()._apply(fn, recurse)
+        if (self.weight.data_ptr(), self.weight.device) != before:
+            self.__dict__["packed"] = None  # the weight moved: its packed copy is another's
+        return out
+
+    def pack(self, threads: int | None = None) -> bool:
+        """Repack the weight sixteen rows a group for the integer road's product (``kernel.pack``): from now on
+        the CPU product reads the packed copy only, so the caller may let the weight's file pages go (they are
+        read again from the file if the weight itself is). False where there is none: not the CPU, the float
+        road, a type or CPU without a packed product."""
+        if self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta:
+            return False
+        packed = kernel.pack(self.weight.detach(), self.ggml_type, self.in_features, threads)
+        if packed is None:
+            return False
+        self.packed = packed
+        _PACKED[self.weight.data_ptr()] = self
+        return True
+
+    def serves(self, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
+               out_map: torch.Tensor | None, road: str) -> bool:
+        """Is the operator's call (a compiled step's: its constants are this module's tensors) this module's
+        product, so it can take the packed copy?"""
+        def same(a, b):
+            return (a is None and b is None) or (a is not None and b is not None and a.data_ptr() == b.data_ptr())
+        return (self.packed is not None and self.weight.data_ptr() == w.data_ptr() and ggml_type == self.ggml_type
+                and n_in == self.in_features and road == self.road and same(bias, self.bias)
+                and same(out_map, self.out_map))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {formats.name(self.ggml_type)} blocks, "
-                f"{self.road} activations" + (", rows reordered" if self.out_map is not None else ""))
+                f"{self.road} activations" + (", rows reordered" if self.out_map is not None else "")
+                + (", packed sixteen rows a group" if self.packed is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step calls this ~110 times (1B shape): every microsecond here is 0.1 ms a token, so the common
@@ -137,10 +176,11 @@ class BlockLinear(nn.Module):
                                               self.bias, self.out_map, kernel.ROADS.index(self.road))
         elif self.weight.device.type == "cpu":
             bias = self.bias.detach() if self.bias is not None else None
-            desc = kernel.weight(self.weight.detach(), self.ggml_type, self.in_features, bias, self.out_map, self.road)
+            desc = kernel.weight(self.weight.detach(), self.ggml_type, self.in_features, bias, self.out_map, self.road,
+                                 self.packed)
             # (the library's function, the descriptor's address, the descriptor and the storages it points into:
             # kept alive with it, so a tensor whose .data someone replaces never leaves it pointing at freed memory)
-            held = tuple(t.untyped_storage() for t in (self.weight, bias, self.out_map) if t is not None)
+            held = tuple(t.untyped_storage() for t in (self.weight, bias, self.out_map, self.packed) if t is not None)
             self.__dict__["_desc"] = (kernel.library().kq_linear, ctypes.addressof(desc), desc, held)
             return self.forward(x)
         else:

@@ -104,6 +104,37 @@ def test_weights_are_the_files_mapping(files):
     assert all(any(lo <= w.data_ptr() < hi for lo, hi in spans) for w in blocks)  # in place: no copy
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_repacked_weights_give_the_file_layouts_logits(files, arch):
+    """On AVX-512 VNNI the integer road's Q4_0 / Q8_0 / Q4_K / Q6_K linears are repacked sixteen rows a group as
+    they are placed (qwen2's tied head: the embedding's blocks, its pages let go, its rows looked up from the
+    file): the same integer sums as the file's layout, the float steps in another order (within float32
+    rounding), the same greedy tokens."""
+    from engine.quant import formats
+
+    lm = load_model(ModelSpec(source=str(files[arch])))
+    linears = [m for m in lm.model.modules() if isinstance(m, BlockLinear)]
+    packed = [m for m in linears if m.packed is not None]
+    if not kernel.packs():
+        assert not packed and "mapped from the file" in lm.info.weights_kernel
+        pytest.skip("no packed product in this build (AVX-512 VNNI)")
+    assert "repacked for AVX-512 from the file" in lm.info.weights_kernel
+    want = {formats.name(m.ggml_type) for m in linears} & {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert want and {formats.name(m.ggml_type) for m in packed} == want
+    if arch == "qwen2":
+        assert lm.model.get_output_embeddings() in packed
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        got = lm.model(ids).logits
+    tokens = engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4))
+    for m in packed:
+        m.packed = None  # the file's layout, the row products
+    with torch.inference_mode():
+        want_logits = lm.model(ids).logits
+    assert (got - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    assert tokens == engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4))
+
+
 def test_two_threads_give_the_same_tokens(files):
     lm = load_model(ModelSpec(source=str(files["qwen2"])))
     one = torch.get_num_threads()
