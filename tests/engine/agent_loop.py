@@ -51,51 +51,112 @@ class Step:
     cached_tokens: int
     previous_fed: int  # what the previous step fed the server: its prompt and its reply
     completion_tokens: int
-    ttft_ms: float
+    ttft_ms: float  # the chunk ``ttft_chunk`` names: the first one sent after the first token was computed
     total_ms: float
     call: str
+    chunk0_ms: float = 0.0  # the role chunk's arrival
+    chunk1_ms: float = 0.0  # the next chunk's
+    metrics: dict | None = None  # the server's /metrics counters' growth over this step (``metrics_url``)
 
     @property
     def reuse_of_previous(self) -> float:
         return self.cached_tokens / self.previous_fed if self.previous_fed else 0.0
 
 
-def run(base_url: str, model: str, n_tools: int = 20, steps: int = 10, api_key: str = "unused",
-        max_tokens: int = 64, result_chars: int = 160, tag: str = "") -> list[Step]:
-    """One agent conversation of ``steps`` steps against ``base_url`` (``.../v1``)."""
-    import openai
+# vLLM's counters read around each step where its usage has no cached_tokens (and to check it where it has)
+VLLM_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                 "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    ts = tools(n_tools)
-    msgs = [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"The tests fail after the last commit{tag}: find out why and fix it."}]
-    out, fed = [], 0
-    for k in range(steps):
+
+def read_counters(url: str, names=VLLM_COUNTERS) -> dict[str, float]:
+    """The sums of ``names`` (over their labels) on a Prometheus text page."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Conversation:
+    """One agent conversation against ``base_url`` (``.../v1``), a step at a time (sides of a measure alternate).
+
+    ``ttft_chunk``: which streamed chunk marks the first token: 1 where the server sends the role chunk as the
+    request arrives (this server), 0 where it sends it with the first token (vLLM). ``metrics_url``: a /metrics
+    page read before and after each step (``Step.metrics``; its prefix-cache hits stand in for a missing
+    ``cached_tokens``)."""
+
+    def __init__(self, base_url: str, model: str, n_tools: int = 20, api_key: str = "unused",
+                 max_tokens: int = 64, result_chars: int = 160, tag: str = "", ttft_chunk: int = 1,
+                 metrics_url: str | None = None):
+        import openai
+
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=1200)
+        self.model, self.max_tokens, self.result_chars = model, max_tokens, result_chars
+        self.ttft_chunk, self.metrics_url = ttft_chunk, metrics_url
+        self.tools = tools(n_tools)
+        self.msgs = [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": f"The tests fail after the last commit{tag}: find out why and fix it."}]
+        self.steps: list[Step] = []
+        self.fed = 0
+
+    def step(self) -> Step:
+        k = len(self.steps)
+        before = read_counters(self.metrics_url) if self.metrics_url else None
         t0 = time.perf_counter()
-        first, calls, usage = None, {}, None
-        stream = client.chat.completions.create(model=model, messages=msgs, tools=ts, tool_choice="required",
-                                                max_tokens=max_tokens, temperature=0, stream=True,
-                                                parallel_tool_calls=False, stream_options={"include_usage": True})
-        for n, chunk in enumerate(stream):
-            if n == 1 and first is None:
-                first = time.perf_counter()
+        arrived, calls, usage = [], {}, None
+        stream = self.client.chat.completions.create(
+            model=self.model, messages=self.msgs, tools=self.tools, tool_choice="required",
+            max_tokens=self.max_tokens, temperature=0, stream=True, parallel_tool_calls=False,
+            stream_options={"include_usage": True})
+        for chunk in stream:
+            if len(arrived) < 2:
+                arrived.append(time.perf_counter())
             usage = chunk.usage or usage
             for ch in chunk.choices:
                 for d in ch.delta.tool_calls or []:
                     got = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                    got["id"] = got["id"] or d.id
+                    got["name"] = got["name"] or d.function.name
                     got["arguments"] += d.function.arguments or ""
         end = time.perf_counter()
-        cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
-        call = calls.get(0) or {"id": f"call_{k}", "name": ts[0]["function"]["name"], "arguments": "{}"}
-        out.append(Step(k, usage.prompt_tokens, cached, fed, usage.completion_tokens,
-                        1000 * ((first or end) - t0), 1000 * (end - t0), f"{call['name']}({call['arguments']})"))
-        fed = usage.prompt_tokens + usage.completion_tokens
-        msgs += [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function",
+        arrived += [end] * (2 - len(arrived))
+        grew = None
+        if before is not None:
+            after = read_counters(self.metrics_url)
+            grew = {n.split(":", 1)[1]: after[n] - before[n] for n in before}
+        details = usage.prompt_tokens_details
+        if details is not None and details.cached_tokens is not None:
+            cached = details.cached_tokens
+        elif grew is not None:
+            cached = int(grew["prefix_cache_hits_total"])
+        else:
+            cached = 0
+        call = calls.get(0) or {"id": f"call_{k}", "name": self.tools[0]["function"]["name"], "arguments": "{}"}
+        ms = [1000 * (t - t0) for t in arrived]
+        s = Step(k, usage.prompt_tokens, cached, self.fed, usage.completion_tokens, ms[self.ttft_chunk],
+                 1000 * (end - t0), f"{call['name']}({call['arguments']})", ms[0], ms[1], grew)
+        self.steps.append(s)
+        self.fed = usage.prompt_tokens + usage.completion_tokens
+        self.msgs += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"] or f"call_{k}", "type": "function",
              "function": {"name": call["name"], "arguments": call["arguments"]}}]},
-            {"role": "tool", "tool_call_id": call["id"],
-             "content": (f"step {k}: " + "ok, 3 files match; " * 20)[:result_chars]}]
-    return out
+            {"role": "tool", "tool_call_id": call["id"] or f"call_{k}",
+             "content": (f"step {k}: " + "ok, 3 files match; " * 20)[:self.result_chars]}]
+        return s
+
+
+def run(base_url: str, model: str, n_tools: int = 20, steps: int = 10, api_key: str = "unused",
+        max_tokens: int = 64, result_chars: int = 160, tag: str = "", **kw) -> list[Step]:
+    """One agent conversation of ``steps`` steps against ``base_url`` (``.../v1``)."""
+    conv = Conversation(base_url, model, n_tools, api_key, max_tokens, result_chars, tag, **kw)
+    for _ in range(steps):
+        conv.step()
+    return conv.steps
 
 
 def table(runs: dict[str, list[Step]]) -> str:
