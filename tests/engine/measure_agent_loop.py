@@ -11,6 +11,12 @@ Models: ``smollm2`` — the SmolLM2-135M shape (30 layers, hidden 576) over Qwen
 random weights; ``stories`` — the shipped stories260K with Qwen2.5's template over its own 512-token vocabulary (about
 a token a character: four tools make ~3,000 tokens), its context taken past the 512 positions it was trained at
 (the cache's work is the same; the text is noise either way). Calls are forced (``tool_choice`` required), greedy.
+
+vLLM CPU (its own venv, ``tests/remote/vllm_env.py``) serves the same folder with ``--dtype float32 --block-size 32
+--max-model-len 8192 --enable-prefix-caching --enable-prompt-tokens-details --enable-auto-tool-choice
+--tool-call-parser hermes`` (a forced call is refused without a parser), OMP_NUM_THREADS=1
+VLLM_CPU_OMP_THREADS_BIND=nobind as this process's threads. It cannot serve stories260K: its CPU attention takes
+head sizes 32 to 512, stories260K's is 8 (the first request fails: "Unsupported CPU attention configuration").
 """
 
 from __future__ import annotations
