@@ -17,7 +17,8 @@ from engine.config import CacheConfig
 from engine.errors import CacheCapacityError, ContextOverflowError, UnsupportedModelError
 from engine.kv.quantized.quant import int8_key_layout
 from engine.kv.store.grouped import GroupedKV, Layout
-from engine.kv.store.storage import ContiguousKV, KVStore, PagedKV, copy_kv
+from engine.kv.store.contiguous import ContiguousKV
+from engine.kv.store.storage import KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 from engine.policies import EvictionPolicy, get_policy
 from engine.snapshot import MissReason

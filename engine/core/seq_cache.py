@@ -29,7 +29,8 @@ from engine.kv.hf_cache import KVCache
 from engine.kv.paged.positions import CacheIndex
 from engine.kv.paged.prefix import ROOT
 from engine.kv.store.grouped import GroupedKV
-from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
+from engine.kv.store.contiguous import ContiguousKV
+from engine.kv.store.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.model.runner import Output, Work
 from engine.core.vocab import StepPath
 

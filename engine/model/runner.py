@@ -122,7 +122,8 @@ class ModelRunner:
     def can_batch(self, work: Work) -> bool:
         """May ``work`` join a batched forward? Tokens (one to decode, a prefill chunk, or a verification's token
         and drafts) on a plain store, no score sink."""
-        from engine.kv.store.storage import ContiguousKV, PagedKV
+        from engine.kv.store.contiguous import ContiguousKV
+        from engine.kv.store.storage import PagedKV
 
         return work.kv is not None and not work.scores and type(work.kv.store) in (PagedKV, ContiguousKV)
 

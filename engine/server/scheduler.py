@@ -377,7 +377,7 @@ class Scheduler(Source):
         arenas = list(self.lm.arenas) if self.lm.arenas is not None else []
         paged = sum(a.pool.num_used * a.page_bytes for a in arenas)
         from engine.kv.tier.disk import gauges as disk_gauges
-        from engine.kv.store.storage import ContiguousKV
+        from engine.kv.store.contiguous import ContiguousKV
 
         contiguous = sum(sum(s.store.bytes_per_layer()) for s in sessions
                          if not s.closed and isinstance(s.store, ContiguousKV))

@@ -14,7 +14,8 @@ from engine.kv.paged.positions import CacheIndex
 from engine.kv.quantized.roles import KVShape
 from engine.kv.store.arena import PageArena
 from engine.kv.store.rope import Rerotator
-from engine.kv.store.storage import ContiguousKV, PagedKV, take_slots
+from engine.kv.store.contiguous import ContiguousKV
+from engine.kv.store.storage import PagedKV, take_slots
 from engine.policies import get_policy
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from engine.errors import CacheCapacityError
 from engine.kv.store.checkpoints import Checkpoint, Checkpoints
 from engine.kv.store.grouped_prefix import GroupedPrefix
-from engine.kv.store.storage import ContiguousKV, HostKV, KVStore, PagedKV, copy_kv
+from engine.kv.store.contiguous import ContiguousKV
+from engine.kv.store.storage import HostKV, KVStore, PagedKV, copy_kv
 from engine.kv.store.window import WindowKV
 
 
