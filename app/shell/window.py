@@ -1,5 +1,6 @@
 """The main window: the chat in the centre, panels and controls in docks, the status bar below — and the
-wiring between the parts that do the work:
+wiring between the parts that do the work (over 400 lines on purpose: it is the one place that wires them, and
+each part's logic lives in its own room):
 
 =====================  ==================================================================================
 ``Conversation``       chats and replies: history store ↔ chat pane ↔ engine worker (``app.chat.conversation``)

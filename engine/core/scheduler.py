@@ -1,5 +1,8 @@
 """The engine core: one scheduler for everything that runs on a model — app chats, comparisons and API requests.
 
+Over 400 lines on purpose: the round (admit, schedule, form the batches, run them, postprocess) is one loop read
+top to bottom; the KV manager it asks for room (``kv_manager``) and the sessions it prepares live beside it.
+
 ``EngineCore.round()`` is one scheduling step, on the engine thread (the app's worker thread, or
 ``CoreThread`` for ``python -m engine serve``)::
 

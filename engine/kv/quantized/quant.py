@@ -1,5 +1,8 @@
 """KV-cache quantization for pages: int8 (per token per head absmax) and int4 (KIVI-style).
 
+Over 400 lines on purpose: each layout's quantize, dequantize, allocation and bytes per token sit side by side,
+so a change to one format's packing is read next to every function that must agree with it.
+
 Pure torch functions, no engine state. Every function works on ``[..., T, D]``: the last dim is
 ``head_dim`` (D), the one before it the tokens of ONE page (T, normally ``page_size``), and any leading
 dims are free. So the same call quantizes one page ``[H, T, D]``, many pages ``[N, H, P, D]``, or a whole
