@@ -4,7 +4,7 @@ PySide6 6.12 returns ``None`` from void C++ methods without taking a reference (
 where ``None`` is immortal). On Python 3.11 every such call (``QTimer.start``, ``QLabel.setText``,
 ``processEvents`` …) drops ``None``'s refcount by one, and a long session dies with
 "Fatal Python error: none_dealloc". We give ``None``/``True``/``False`` a huge refcount once, which makes
-them effectively immortal, as they are on newer Pythons. Measured in tests/app/test_pyside_fix.py.
+them effectively immortal, as they are on newer Pythons.
 """
 
 from __future__ import annotations

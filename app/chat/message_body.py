@@ -1,8 +1,8 @@
 """A bubble's text on screen: its pieces (``app.chat.pieces``) as labels, laid out a frame's budget at a time,
 and a long text collapsed to its first piece until the user presses "Show all".
 
-A 100 KB paste in one label froze the window 2–6 s here and kept re-laying out beside the reply (issue
-#31: decode 36.5 tok/s with it on screen against 556 without). Now each call lays out at most
+A 100 KB paste in one label froze the window 2–6 s here and kept re-laying out beside the reply
+(decode 36.5 tok/s with it on screen against 556 without). Now each call lays out at most
 ``FRAME_CHARS`` characters: a label whose piece did not change is left alone, the rest waits for the next
 turn of the event loop (``_more``), so a streaming reply re-renders only its last piece and a long text
 is built a few pieces a turn. ``laid_out_chars`` counts the characters put into labels, for the tests.

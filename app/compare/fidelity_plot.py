@@ -109,7 +109,7 @@ class FidelityPlot(QWidget):
             if rect[0] < x0 or rect[3] > y1:
                 continue  # it would run off the chart on either side (it was cut at the right edge)
             if any(rect[0] < b[2] and b[0] < rect[2] and rect[1] < b[3] and b[1] < rect[3] for b in taken):
-                continue  # it would overlap a label already there (they overlapped: #49)
+                continue  # it would overlap a label already there (drawn anyway, labels sat on each other)
             label = self.labels[used]
             label.setText(text)
             label.setAnchor((1, 1) if left else (0, 1))

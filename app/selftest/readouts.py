@@ -1,4 +1,4 @@
-"""The self-test's checks of what a new user reads (#19 items 4, 7, 9; item 6, the notice, is in ``app.selftest.run``):
+"""The self-test's checks of what a new user reads (the notice's check is in ``app.selftest.run``):
 
 - a reply that waits says what for, in its bubble and the status bar, with Stop as the way out, and the wait is
   never in TTFT (the footer's TTFT is the timing panel's);

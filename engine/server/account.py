@@ -1,4 +1,4 @@
-"""A request's cache account as the API shows it: ``"kvscope": {"cache": {...}}`` (#35 item 3).
+"""A request's cache account as the API shows it: ``"kvscope": {"cache": {...}}``.
 
 The engine's ``CacheAccount`` (``engine.snapshot``) of the request's own session: tokens reused, recomputed and
 dropped (``reused + recomputed + dropped == usage.prompt_tokens``) and the misses as ranges with a reason. The

@@ -1,4 +1,4 @@
-"""The ids the server fed through each reply, so a follow-up that sends the reply back reuses it (#35 item 2).
+"""The ids the server fed through each reply, so a follow-up that sends the reply back reuses it.
 
 An OpenAI client sends the whole conversation every time, the reply it got as an assistant message's text. The
 chat template renders that text again and the tokenizer reads it afresh, which seldom gives the ids the model

@@ -1,4 +1,4 @@
-"""``python -m engine generate|bench|quality|fidelity|serve|attach|models`` (DESIGN.md §3).
+"""``python -m engine generate|bench|quality|fidelity|serve|attach|models``: the commands.
 
 A bad input exits non-zero with a one-line reason on stderr and no traceback (set KVSCOPE_DEBUG=1 to see
 one).

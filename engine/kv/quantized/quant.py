@@ -9,7 +9,7 @@ dims are free. So the same call quantizes one page ``[H, T, D]``, many pages ``[
 layer stored as ``[H, num_slots, D]`` viewed as ``[H, N, P, D]`` (page p = slots [p*P, (p+1)*P)); results
 are bit-identical to quantizing each page alone, and dequantizing a layer's pages is one call.
 
-Schemes (see ``kv-cache-reference.md`` §6)
+Schemes
 
 int8, symmetric, per token (values always; keys when pages are short, see below): per (…, token) one
     scale = absmax over head_dim / 127. ``x ≈ codes * scale``; ``codes`` int8 in [-127, 127]

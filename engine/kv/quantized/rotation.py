@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-SEED = 0x7A51_33  # issue 33: any fixed number; changing it changes every rotation (pages are never kept across)
+SEED = 0x7A51_33  # any fixed number; changing it changes every rotation (pages are never kept across)
 ROLE_INDEX = {"k": 0, "v": 1}
 ROTATION, QJL = 0, 1
 
