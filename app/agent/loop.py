@@ -71,6 +71,7 @@ class AgentLoop(QObject):
         worker.called.connect(lambda gen, turn: self._turns.__setitem__(gen, turn))
         conversation.reply_finished.connect(self._on_finished)
         conversation.reply_started.connect(self._on_started)
+        conversation.user_sending.connect(self._on_user_sending)
         conversation.tool_use = self.tool_use
         self.configure()
 
@@ -118,11 +119,18 @@ class AgentLoop(QObject):
         first = self.settings.get("mcp/tool_choice") == "first" and from_user
         return ToolUse(tuple(t.openai() for t in self.tools), "required" if first else "auto")
 
-    def _on_started(self, _generation_id: int, _mode: str) -> None:
-        """A new reply began (the user sent a message meanwhile): a call still waiting for the user's word belongs
-        to an earlier turn — declined, so the chat keeps a result for every call."""
-        if self._queue and not self._continuing:
+    def _on_user_sending(self) -> None:
+        """The user's message comes while a call waits for their word: the call is declined first, so its result
+        sits right after it and the message after that (the template renders a call's result after the call)."""
+        if self._queue:
             self._decline_all()
+
+    def _on_started(self, _generation_id: int, _mode: str) -> None:
+        """A new reply began that is not the loop's own (a regenerated or edited message): a call still waiting for
+        the user's word belongs to an earlier turn — declined, so the chat keeps a result for every call (a call
+        whose message the new reply replaced gets none: nothing in the chat would stand before it)."""
+        if self._queue and not self._continuing:
+            self._decline_all(still_in_chat=True)
 
     def _on_finished(self, generation_id: int, _reason: str) -> None:
         turn = self._turns.pop(generation_id, None)
@@ -175,14 +183,20 @@ class AgentLoop(QObject):
         self._add_result(p, result.text, "failed" if result.error else "done")
         self._next()
 
-    def _decline_all(self) -> None:
-        """The user declined a call: it and the rest of the reply's calls get 'declined' results; the loop stops."""
+    def _decline_all(self, still_in_chat: bool = False) -> None:
+        """The user declined a call: it and the rest of the reply's calls get 'declined' results (``still_in_chat``:
+        only calls whose message is still in their chat); the loop stops."""
         queue, self._queue = self._queue, []
         if self.dialog is not None:
             self.dialog.close()
             self.dialog = None
         for p in queue:
-            self._add_result(p, DECLINED, "declined")
+            if not still_in_chat or self._in_chat(p):
+                self._add_result(p, DECLINED, "declined")
+
+    def _in_chat(self, p: Pending) -> bool:
+        return any(c.get("id") == p.call["id"] for m in self.conv.history.messages(p.chat_id)
+                   if m.role == "assistant" for c in (m.stats.get("tool_calls") or []))
 
     def _add_result(self, p: Pending, text: str, status: str) -> None:
         fn = p.call["function"]

@@ -45,6 +45,7 @@ class Conversation(QObject):
     """
 
     reply_started = Signal(int, str)
+    user_sending = Signal()  # a user's message is about to join the chat (whatever waits on the last reply ends)
     token = Signal(object)
     noted = Signal(object)
     reply_finished = Signal(int, str)
@@ -266,6 +267,7 @@ class Conversation(QObject):
         if self.chat_id is None:
             self.chat_id = self.history.create_chat(system_prompt=self.settings.get("chat/system_prompt"),
                                             settings=self._new_settings()).id
+        self.user_sending.emit()
         msg = self.history.add_message(self.chat_id, "user", text)
         if sum(m.role == "user" for m in self.history.messages(self.chat_id)) == 1:
             self._retitle("", text)

@@ -208,6 +208,12 @@ def test_the_agent_loop_as_a_state_machine(qtbot, data_dir, qwen_folder, weather
             qtbot.waitUntil(lambda: not w.agent.busy, timeout=60_000)
             qtbot.waitUntil(settled, timeout=60_000)
 
+        @precondition(lambda self: w.chat_id is not None)
+        @rule()
+        def regenerate(self):  # the last reply asked again (a waiting call's message replaced with it)
+            w.on_screen.regenerate()  # what the chat's Regenerate button asks
+            qtbot.waitUntil(settled, timeout=60_000)
+
         @precondition(lambda self: w.agent.dialog is not None)
         @rule()
         def close_question(self):
@@ -223,6 +229,7 @@ def test_the_agent_loop_as_a_state_machine(qtbot, data_dir, qwen_folder, weather
                 return
             rows, i = w.history.messages(w.chat_id), 0
             while i < len(rows):
+                assert rows[i].role != "tool", rows[i]  # a result stands after its call, never alone
                 calls = rows[i].stats.get("tool_calls") or [] if rows[i].role == "assistant" else []
                 results = rows[i + 1:i + 1 + len(calls)]
                 assert [r.stats.get("tool_call_id") for r in results] == [c["id"] for c in calls], rows[i]
@@ -230,7 +237,7 @@ def test_the_agent_loop_as_a_state_machine(qtbot, data_dir, qwen_folder, weather
                 i += 1 + len(calls)
 
     try:
-        run_state_machine_as_test(Loop, settings=hyp_settings(max_examples=3, stateful_step_count=6, deadline=None))
+        run_state_machine_as_test(Loop, settings=hyp_settings(max_examples=4, stateful_step_count=6, deadline=None))
     finally:
         close_window(w)
 
