@@ -295,12 +295,6 @@ class CacheAccount:
         return {"reused": self.reused, "recomputed": self.recomputed, "dropped": self.dropped,
                 "misses": [m.to_dict() for m in self.misses]}
 
-    def by_reason(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self.misses:
-            out[m.reason.value] = out.get(m.reason.value, 0) + m.tokens
-        return out
-
 
 @dataclass(frozen=True)
 class TurnStats:

@@ -71,9 +71,6 @@ class FidelityPlot(QWidget):
         self._tip = hover_tip(self.view, [(self.plot, self.value_at)])
         self.set_rows([])
 
-    def set_precisions(self, precisions: tuple[str, ...]) -> None:
-        self.precisions = tuple(precisions)
-
     def set_rows(self, rows: list[dict[str, Any]], mine: str = "") -> None:
         """The settings measured so far (``FidelityRow.as_dict``; rows with an error and the reference left out);
         ``mine``: the label of the user's own setting (ringed)."""

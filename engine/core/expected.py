@@ -21,7 +21,7 @@ import torch
 
 from engine.kv.store.rope import LayerRope, keyless_layers, rope_layout_or_reason, rotate
 
-FUTURE = 512  # RoPE averaged over this many coming positions (``engine.policies.expected.FUTURE_POSITIONS``)
+FUTURE = 512  # RoPE averaged over this many coming positions (kvpress's n_future_positions)
 
 
 class QueryStats:

@@ -44,8 +44,6 @@ import numpy as np
 
 from engine.policies.base import EvictionPolicy, PolicyState, drop_in_order, param_field
 
-FUTURE_POSITIONS = 512  # RoPE averaged over this many coming positions (kvpress's n_future_positions)
-
 
 class ExpectedAttentionPolicy(EvictionPolicy):
     name = "expected"
