@@ -7,6 +7,10 @@ not to the screen: opening another chat lets it finish in the background (the ch
 and its text and stats are saved either way. The worker runs one reply at a time, so a message sent in
 another chat stops a background reply — and that reply says so under it. Streamed text reaches SQLite in
 batches (``flush``), never as a rewrite of the chat.
+
+Over 400 lines on purpose: it is the one writer of the chat on screen and its reply in flight, so the store,
+the pane and the worker are kept in step in one place; what stands alone is beside it (``replies``,
+``send_check``, ``tool_messages``, ``chat_list``).
 """
 
 from __future__ import annotations
