@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -212,6 +213,18 @@ class AskStrip(QFrame):
         self.yes.setText(yes)
         self._actions = (on_yes, on_no)
         self.setVisible(True)
+        QTimer.singleShot(0, self._scroll_into_view)
+
+    def _scroll_into_view(self) -> None:
+        """The question sits under the controls' form, below a short dock's fold (1280×720 with a policy's parameters
+        shown), where the user who just chose the change did not see it: scrolled into view."""
+        area = self.parentWidget()
+        while area is not None and not isinstance(area, QScrollArea):
+            area = area.parentWidget()
+        if area is not None and self.isVisible():
+            if area.widget().layout() is not None:
+                area.widget().layout().activate()  # the strip was hidden: its place is known once the layout has run
+            area.ensureWidgetVisible(self, 0, 6)
 
     def clear(self) -> None:
         self._actions = (None, None)

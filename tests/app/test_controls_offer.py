@@ -82,3 +82,25 @@ def test_precision_needs_pages_and_the_policy_overflow_needs_a_policy(qtbot):
     c.policy.setCurrentIndex(c.policy.findData("none"))  # "Keep everything": nothing decides, the reply stops
     assert sent[-1].overflow == "stop" and c.overflow.currentText() == "Stop the reply"
     assert all(cfg == cfg.fitted() for cfg in sent)  # nothing the engine would refuse was sent
+
+
+def test_a_question_below_a_short_dock_s_fold_is_scrolled_into_view(qtbot):
+    """StreamingLLM's two parameters push the strip that asks before a lossy change under a 1280×720 dock's fold (it was
+    asked there, unseen): asking scrolls the controls to it."""
+    from app.ground.docks import scrolled
+
+    c = CacheControls(CacheConfig(policy="streaming", policy_params={"sinks": 4, "window": 256}))
+    area = scrolled(c)
+    qtbot.addWidget(area)
+    area.resize(380, 380)
+    area.show()
+    qtbot.waitExposed(area)
+    assert area.verticalScrollBar().value() == 0
+    c.ask("Keys 4-bit (int4, KIVI) loses information: replies may change.", "Use it", lambda: None, lambda: None)
+
+    def in_view() -> bool:
+        top = c.asking_strip.mapTo(area.viewport(), c.asking_strip.rect().topLeft()).y()
+        return top >= 0 and top + c.asking_strip.height() <= area.viewport().height()
+
+    qtbot.waitUntil(in_view, timeout=2000)
+    assert area.verticalScrollBar().value() > 0
