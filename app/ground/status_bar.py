@@ -15,6 +15,7 @@ from app.ground.widgets import WordLabel
 from engine.config import CacheConfig
 
 CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
+KEEPS_MODEL_PX, KEEPS_DEVICE_PX = 180, 120  # the most of their text's width these fields keep when the bar is narrow
 LOCAL_FIELDS = ("model", "device", "cache", "context", "speed", "disk")  # what a remote chat on screen describes
 
 
@@ -47,6 +48,10 @@ class StatusBar:
             field.setObjectName("statusField")
             bar.addPermanentWidget(field, stretch)
         self.context.setMinimumWidth(self.context.fontMetrics().horizontalAdvance("Context: 99,999 of 99,999 tokens"))
+        # The model's name and its device keep their words up to these widths: at 1024 px a context field with its
+        # dropped tokens ("· chat 435 (174 dropped)", ~150 px more) squeezed them to "Model…" and "on…", while
+        # the cache settings, the longest field, are the ones to give way.
+        self.model.keeps_px, self.device.keeps_px = KEEPS_MODEL_PX, KEEPS_DEVICE_PX
         self.set_loading(False)
         self.server.setVisible(False)
         self.wait.setStyleSheet(f"color: {CONTEXT_FILLING}")
@@ -183,6 +188,9 @@ def _apply(label: WordLabel, state: dict) -> None:
     every redraw, and a style sheet set again re-polishes the label)."""
     if "text" in state and label.text() != state["text"]:
         label.setText(state["text"])
+        keeps = getattr(label, "keeps_px", 0)
+        if keeps:
+            label.setMinimumWidth(min(label.sizeHint().width(), keeps))  # the whole text and the theme's padding
     if "tip" in state and label.explicit_tip != state["tip"]:
         label.set_tip(state["tip"])
     if "style" in state and label.styleSheet() != state["style"]:

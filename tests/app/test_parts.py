@@ -242,3 +242,27 @@ def test_compare_says_how_a_reply_starts_as_the_reference_and_its_close_button_i
     qtbot.addWidget(box)
     assert box.style().styleHint(QStyle.StyleHint.SH_DialogButtonBox_ButtonsHaveIcons) == 0
     assert box.button(QDialogButtonBox.StandardButton.Close).icon().isNull()
+
+
+def test_a_narrow_status_bar_keeps_the_model_and_device_whole_when_the_context_says_what_was_dropped(qtbot):
+    """At 1024 px, 'Context: 261 of 512 tokens · chat 435 (174 dropped)' squeezed the model's name to 'Model…' and
+    its device to 'on…'; the cache settings, the longest field, give way instead."""
+    from PySide6.QtWidgets import QStatusBar
+
+    from app.ground.status_bar import StatusBar
+
+    bar = QStatusBar()  # in the theme (conftest): its fields' 8 px padding counted
+    qtbot.addWidget(bar)
+    status = StatusBar(bar)
+    status.show_model("stories260K", device="cpu")
+    status.show_cache(CacheConfig(page_size=16, k_dtype="int4", policy="streaming"))
+    status.show_context(261, 512, "turns", chat=435)
+    status.show_speed(117.0)
+    status.show_disk(561_540)
+    bar.resize(1024, 24)
+    bar.show()
+    qtbot.waitExposed(bar)
+    qtbot.wait(50)
+    assert status.model.shown_text() == "Model: stories260K" and status.device.shown_text() == "on CPU"
+    assert status.context.shown_text() == "Context: 261 of 512 tokens · chat 435 (174 dropped)"
+    assert status.cache.shown_text().endswith("…")  # the one that gives way
