@@ -287,9 +287,11 @@ class TimingPanel(Panel):
         text = (f"<b>{cur.label or 'reply'}</b> · {step_text(cur.paths, cur.n)} · TTFT "
                 f"{cur.ttft_ms or cur.prefill_ms:.0f} ms ({computed:,} of {prompt:,} prompt tokens computed) · "
                 f"{cur.n} decode tokens at <b>{series_speed(cur):.1f} tok/s</b>")
-        if cur.policy_prefill_ms or cur.policy_decode_ms:  # what the eviction policy's scoring costs (H2O, expected)
-            text += (f" · eviction scoring {cur.policy_decode_ms / max(1, cur.n):.2f} ms a token, "
-                     f"{cur.policy_prefill_ms:.0f} ms in the prefill")
+        per_token = cur.policy_decode_ms / max(1, cur.n)
+        # what the eviction policy's scoring costs (H2O, expected); StreamingLLM's bookkeeping (under 0.005 ms a token)
+        # read "eviction scoring 0.00 ms a token, 0 ms in the prefill": a figure that rounds to nothing is not said
+        if round(per_token, 2) or round(cur.policy_prefill_ms):
+            text += f" · eviction scoring {per_token:.2f} ms a token, {cur.policy_prefill_ms:.0f} ms in the prefill"
         if prev is not None and prev.n:
             text += (f" · <span style='color:{PREVIOUS}'>previous ({prev.label}): {series_speed(prev):.1f} "
                      "tok/s</span>")

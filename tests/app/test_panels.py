@@ -255,3 +255,20 @@ def test_turn_colours_are_blues_unlike_cached_quantized_and_other_chats():
             assert np.abs(_rgb(colour) - _rgb(other)).sum() > 100, (colour, other)
     for a, b in zip(TURN_COLOURS, TURN_COLOURS[1:] + TURN_COLOURS[:1]):  # one turn to the next is told apart
         assert np.abs(_rgb(a) - _rgb(b)).sum() > 90, (a, b)
+
+
+def test_the_timing_caption_says_an_eviction_policy_s_cost_only_when_it_is_a_figure(qtbot):
+    """StreamingLLM's bookkeeping read 'eviction scoring 0.00 ms a token, 0 ms in the prefill' (at 1280×720 a sixth
+    caption line that cut the charts' axis labels); H2O's scoring is still said."""
+    panel = TimingPanel()
+    qtbot.addWidget(panel)
+    panel.begin_reply(1, "cache paged")
+    panel.add_token(_event(0, 50.0, "prefill", n=20))
+    for i in range(1, 41):
+        panel.add_token(_event(i, 10.0))
+    panel.show_caption(make_snapshot(generation_id=1, ttft_ms=50.0, prefill_ms=50.0, policy_prefill_ms=0.02,
+                                     policy_decode_ms=0.05))
+    assert "eviction scoring" not in panel.caption.text() and "TTFT 50 ms" in panel.caption.text()
+    panel.show_caption(make_snapshot(generation_id=1, ttft_ms=50.0, prefill_ms=50.0, policy_prefill_ms=26.0,
+                                     policy_decode_ms=31.2))
+    assert "eviction scoring 0.78 ms a token, 26 ms in the prefill" in panel.caption.text()
