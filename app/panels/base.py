@@ -149,8 +149,9 @@ class Caption(QLabel):
     re-lay out the plot below on every token, and a long caption (a narrow dock, a reply with a previous one)
     is never cut off after two lines."""
 
-    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+    def __init__(self, text: str = "", parent: QWidget | None = None, min_lines: int = 2) -> None:
         super().__init__(text, parent)
+        self.min_lines = min_lines
         self.setObjectName("panelCaption")
         self.setWordWrap(True)
         self.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
@@ -177,7 +178,7 @@ class Caption(QLabel):
             self._fit(event.size().width())
 
     def _fit(self, width: int) -> None:
-        floor = 2 * self.fontMetrics().lineSpacing() + 4
+        floor = self.min_lines * self.fontMetrics().lineSpacing() + 4
         needed = max(floor, self.needed_height(width) if width > 0 else floor)
         if self.minimumHeight() != needed or self.maximumHeight() != needed:
             self.setFixedHeight(needed)
@@ -301,8 +302,9 @@ def legend_html(chips: list[tuple[str, str]], prefix: str = "") -> str:
 
 
 def legend_row(chips: list[tuple[str, str]], prefix: str = "") -> QLabel:
-    """One line of colour chips: [(colour, text), ...], after an optional plain ``prefix``."""
-    label = QLabel(legend_html(chips, prefix))
+    """One line of colour chips: [(colour, text), ...], after an optional plain ``prefix``; wrapped in full, never
+    cut (a ``Caption`` of one line or more): a plain wrapped label in a short dock was squeezed under its text's
+    height (the page map's legend at 1024×768 lost its last line, 'verified (frame) · restored from disk')."""
+    label = Caption(legend_html(chips, prefix), min_lines=1)
     label.setObjectName("legendChip")
-    label.setWordWrap(True)
     return label
