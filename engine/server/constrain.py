@@ -21,7 +21,12 @@ class Constraint:
 
 
 def marker_ids(tok):
-    """``text -> id`` for a marker the vocabulary holds as one token (None when it does not)."""
+    """``text -> id`` for a marker the vocabulary holds as one token (None when it does not). A fast tokenizer is
+    asked per marker (its added tokens first, as ``get_vocab`` holds them): building the whole vocabulary as a dict
+    took 130 ms of every forced call's first token (Qwen2.5's 151,646 pieces), for the two markers a call needs."""
+    backend = getattr(tok, "_tokenizer", None)
+    if callable(getattr(backend, "token_to_id", None)):
+        return backend.token_to_id  # int, or None for a text that is not one token
     vocab = tok.get_vocab()
 
     def find(text: str):

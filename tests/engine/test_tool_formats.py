@@ -167,3 +167,12 @@ def test_gemma_arguments_are_read_into_json():
     for bad in ('{city:<|"|>Paris}', "[1, 2]", "{city: Paris}"):
         with pytest.raises(ValueError):
             gemma_args(bad)
+
+
+def test_marker_ids_are_the_vocabularys_ids(tok):
+    """The markers are asked of the tokenizer one by one (not its whole vocabulary built per request): the same
+    ids ``get_vocab`` holds, added tokens included, None for a text that is not one token."""
+    find, vocab = marker_ids(tok), tok.get_vocab()
+    for text in ("<tool_call>", "</tool_call>", "<|im_end|>", "[TOOL_CALLS]", "[ARGS]", "Ġthe", "not one token"):
+        assert find(text) == vocab.get(text)
+    assert find("<tool_call>") is not None and find("not one token") is None
