@@ -66,5 +66,10 @@ def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, mon
             chat, left, panels = w.chat.width(), w.docks["controls"].width(), w.docks["occupancy"].width()
             assert chat >= left and chat > panels and chat >= 0.38 * size.width(), (size, chat, left, panels)
             assert w.timing.latency_plot.width() > 200 and cut_captions(w) == []
+        w.docks["page_map"].raise_()  # its legends at 1024 px: the 'pages:' one lost its last line (85 of 94 px)
+        w.resize(1024, 740)
+        qtbot.waitUntil(lambda: w.layout_docks.settled, timeout=5000)
+        qtbot.wait(50)
+        assert w.page_map.legend.isVisible() and cut_captions(w) == []
     finally:
         close_window(w)
