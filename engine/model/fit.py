@@ -4,7 +4,7 @@ the formulas the cache itself uses), and the longest context that fits in the fr
 
 The loader refuses a model that does not fit (``WontFitError``, with the numbers) before reading a weight: a load
 the system would kill never starts (``engine.model.fit_check``). ``Fit`` is the type; the command line's words are
-``fit_check``'s, the app's its own (``app.shell.format``).
+``fit_check``'s, the app's its own (``app.ground.format``).
 
 What the process will hold, beyond what it holds now (measured on the Llama-3.2-1B shape, AMD EPYC, 2026-12-06,
 ``tests/engine/measure_fit.py``):

@@ -1,6 +1,6 @@
 """The memory verdict before a load (``check``: ``engine.model.fit``'s estimate, the refusal of a model that will not
 fit, the note said before the weights are read) and the command line's words for it. (The app words the same types
-in ``app.shell.format``.)"""
+in ``app.ground.format``.)"""
 
 from __future__ import annotations
 
