@@ -9,12 +9,14 @@ import html
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QFontMetrics
 from PySide6.QtWidgets import QLabel
 
 from app.panels.base import Panel, StickyRange, hover_tip, styled_plot
 from app.panels.token_series import ROLLING, TokenSeries, p98, saved_text, series_speed, step_text
 from engine.snapshot import TokenEvent
 
+LATENCY_LABEL = "ms / token"  # the latency chart's side ("ms" on a chart shorter than these words)
 NARROW_PX = 340  # a panel narrower than this gives the prefill bars' room to the curves (the caption says the TTFT)
 KEPT_REPLIES = 4  # replies whose tokens are kept for ``show_reply`` (their chats may be off screen)
 CURRENT = "#4c9be8"
@@ -40,9 +42,11 @@ class TimingPanel(Panel):
         self.ttft_text = pg.TextItem("", color=PREFILL, anchor=(0.5, 1.0))
         self.prefill_plot.addItem(self.ttft_text)
 
-        self.latency_plot = styled_plot(self.view.addPlot(row=0, col=1), left="ms / token")
+        self.latency_plot = styled_plot(self.view.addPlot(row=0, col=1), left=LATENCY_LABEL)
         self.prev_latency = self.latency_plot.plot(pen=pg.mkPen(PREVIOUS, width=1, style=Qt.PenStyle.DashLine))
         self.latency = self.latency_plot.plot(pen=pg.mkPen(CURRENT, width=1.5))
+        self.latency_label = LATENCY_LABEL
+        self.latency_plot.geometryChanged.connect(self._fit_latency_label)
         self.tps_plot = styled_plot(self.view.addPlot(row=1, col=1), left="tok/s", bottom="token in reply")
         self.tps_plot.setXLink(self.latency_plot)
         self.prev_tps = self.tps_plot.plot(pen=pg.mkPen(PREVIOUS, width=1, style=Qt.PenStyle.DashLine))
@@ -92,6 +96,16 @@ class TimingPanel(Panel):
             else:
                 self.view.ci.addItem(self.prefill_plot, row=0, col=0, rowspan=2)
             self.prefill_plot.setVisible(not narrow)
+
+    def _fit_latency_label(self) -> None:
+        """'ms / token' up the latency chart's side, or 'ms' where the chart is shorter than those words (1280×720
+        with a six-line caption: ~45 px, drawn as 'ms / toker')."""
+        axis = self.latency_plot.getAxis("left")
+        needed = QFontMetrics(axis.label.font()).horizontalAdvance(LATENCY_LABEL) + 6
+        label = LATENCY_LABEL if self.latency_plot.getViewBox().height() >= needed else "ms"
+        if label != self.latency_label:
+            self.latency_label = label
+            self.latency_plot.setLabel("left", label)
 
     # data in ------------------------------------------------------------------------------------------
     def watch(self, screen) -> None:

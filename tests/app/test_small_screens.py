@@ -73,3 +73,21 @@ def test_a_small_screen_gets_the_whole_window(qtbot, data_dir, stories_path, mon
         assert w.page_map.legend.isVisible() and cut_captions(w) == []
     finally:
         close_window(w)
+
+
+def test_a_short_latency_chart_says_ms_where_ms_per_token_would_be_cut(qtbot):
+    """At 1280×720 a six-line timing caption left the latency chart ~45 px tall and its side read 'ms / toker'."""
+    from PySide6.QtGui import QFontMetrics
+
+    from app.panels.timing import LATENCY_LABEL
+
+    panel = TimingPanel()
+    qtbot.addWidget(panel)
+    panel.show()
+    axis = panel.latency_plot.getAxis("left")
+    words = QFontMetrics(axis.label.font()).horizontalAdvance(LATENCY_LABEL)
+    for height, said in ((180, "ms"), (600, LATENCY_LABEL)):
+        panel.resize(NARROW_PX + 100, height)
+        qtbot.waitUntil(lambda: panel.latency_label == said, timeout=3000)
+        room = panel.latency_plot.getViewBox().height()
+        assert (room < words + 6) == (said == "ms") and axis.labelText == said, (height, room, words)
