@@ -142,7 +142,8 @@ class CacheController(QObject):
         info = self._info()
         name = info.name if info is not None else "this model"
         cost = lossy.cost_words(name, self.measured.cost(info.source, cfg) if info is not None else [])
-        self.controls.ask(f"{_first_up(', '.join(parts))} loses information: replies may change. {cost}",
+        verb = "loses" if len(parts) == 1 else "lose"  # "Keys 4-bit (int4, KIVI), StreamingLLM lose information"
+        self.controls.ask(f"{_first_up(', '.join(parts))} {verb} information: replies may change. {cost}",
                           "Use it", lambda: self.apply(cfg, lossy_ok=True), self.cancel)
 
     def _on_asked(self, cfg: CacheConfig, chat: Any, tokens: int, ms: float) -> None:
