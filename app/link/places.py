@@ -18,21 +18,14 @@ MAX_MISSES = 16  # a readout lists a handful; an account with more names the fir
 def message_at(tokenizer, messages: Sequence[dict], pos: int, ends: dict[int, int]) -> int:
     """Index of the message token ``pos`` of the rendered chat falls in (``len(messages)``: after all of them);
     ``ends`` caches the rendered length of each prefix ``messages[:i + 1]``."""
-    from engine.model.chat import render_chat
+    from engine.model.chat import message_at as bisect_messages, render_chat
 
     def end(i: int) -> int:
         if i not in ends:
             ends[i] = len(render_chat(tokenizer, messages[: i + 1], for_reply=False))
         return ends[i]
 
-    lo, hi = 0, len(messages)  # the first message whose end is past pos
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if end(mid) > pos:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return bisect_messages(end, len(messages), pos)
 
 
 def miss_places(tokenizer, messages: Sequence[dict], account: Any) -> list[dict]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 ROLES = ("system", "user", "assistant")
 _PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -80,6 +80,20 @@ def render_chat(tokenizer, messages: Sequence[dict[str, Any]], for_reply: bool =
     text = plain_prompt(messages) if for_reply else "".join(
         f"{_PLAIN_NAMES[m['role']]}: {m['content'].strip()}\n\n" for m in messages)
     return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def message_at(end: Callable[[int], int], count: int, pos: int) -> int:
+    """Index of the message token ``pos`` of a rendered chat falls in, by bisecting its rendered prefixes (a few
+    renders, not one per message): ``end(i)`` is the rendered length of ``messages[:i + 1]`` (the caller's render,
+    cached as it likes); ``count`` (after all ``count`` messages): the reply's header."""
+    lo, hi = 0, count  # the first message whose end is past pos
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end(mid) > pos:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def last_message_at(tokenizer, messages: Sequence[dict[str, Any]], n: int, fresh_n: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from engine.model.chat import message_at
 from engine.server.render import kind_of, render_messages
 
 MAX_PLACED = 8  # misses placed per reply (an account with more names the first ones)
@@ -22,14 +23,7 @@ def _message_at(tok, messages: Sequence[dict], tools, pos: int, ends: dict[int, 
             ends[i] = len(render_messages(tok, messages[: i + 1], tools, for_reply=False))
         return ends[i]
 
-    lo, hi = 0, len(messages)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if end(mid) > pos:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return message_at(end, len(messages), pos)
 
 
 def place_misses(tok, messages: Sequence[dict], tools, account: dict) -> dict:
