@@ -18,6 +18,8 @@ def weights_bytes(model) -> int:
     total = 0
 
     def key(t) -> tuple:  # one storage's bytes once, whichever tensor objects view them (a GGUF's tied head)
+        if t.layout != torch.strided:  # oneDNN's packed weights (torch._mkldnn) have no storage to point at
+            return (id(t),)
         return (t.data_ptr(), t.numel(), t.dtype) if t.data_ptr() else (id(t),)
 
     def add(t) -> None:
