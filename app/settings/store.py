@@ -6,6 +6,7 @@ Add a setting by adding one ``Setting`` line to ``SETTINGS``; reading or writing
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -151,8 +152,11 @@ class Settings:
         return self._q.fileName()
 
     def get(self, key: str) -> Any:
+        """The value saved under ``key``, else its declared default — a copy where it is a list or a dict: a caller
+        that edits what it got (``ModelDefaults.save``) must not change the default every later store hands out."""
         setting = _BY_KEY[key]  # KeyError for undeclared keys, on purpose
-        return _decode(setting, self._q.value(key))
+        value = _decode(setting, self._q.value(key))
+        return copy.deepcopy(value) if value is setting.default and isinstance(value, (list, dict)) else value
 
     def set(self, key: str, value: Any) -> None:
         setting = _BY_KEY[key]

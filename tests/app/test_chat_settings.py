@@ -183,3 +183,14 @@ def test_a_model_keeps_its_own_defaults_for_new_chats_after_a_chat_s_own(qtbot, 
         assert w.settings.get("model/defaults") == {} and w.cache.defaults.mode == "contiguous"
     finally:
         close_window(w)
+
+
+def test_a_model_s_own_defaults_stay_in_its_settings_file(tmp_path):
+    """A store's declared default is never edited through what ``get`` hands out: a model's own defaults saved in
+    one settings file are not the next file's (every later window's new chats started contiguous)."""
+    from app.settings.model_defaults import ModelDefaults
+    from app.settings.store import Settings
+
+    ModelDefaults(Settings.from_file(tmp_path / "a.ini")).save("stories260K", '{"cache": {"mode": "contiguous"}}')
+    fresh = Settings.from_file(tmp_path / "b.ini")
+    assert fresh.get("model/defaults") == {} and ModelDefaults(fresh).get("stories260K") == {}

@@ -28,7 +28,7 @@ def test_notes_use_the_controls_words_and_speak_of_the_chat_on_screen(qtbot, dat
 
         w.new_chat()  # an empty chat: the worker's cache is the other chat's
         assert w.controls.notes.text() == ""  # the last change's notes were about the other chat
-        qtbot.waitUntil(lambda: w.cache.applied == w.cache.defaults, timeout=10_000)  # its own settings, back quietly
+        qtbot.waitUntil(lambda: w.cache.applied == w.cache.defaults, timeout=60_000)  # its own settings, back quietly
         assert w.controls.notes.text() == ""
         notes = apply(qtbot, w, CacheConfig(page_size=4, k_dtype="int8", policy="h2o",
                                             policy_params={"budget": 20, "recent": 4}))

@@ -41,7 +41,7 @@ def settled(qtbot, w) -> dict:
         seen.append(fields(w.status))
         return seen[-1] == seen[-2]
 
-    qtbot.waitUntil(same, timeout=10_000)
+    qtbot.waitUntil(same, timeout=60_000)
     return seen[-1]
 
 
@@ -74,10 +74,10 @@ def check_remote_readouts(qtbot, w, rc, port: int) -> None:
         return said
 
     # engine serve says its pool's size once a request made it (vLLM allocates it at start)
-    qtbot.waitUntil(cache_said("server cache: block size 16 · prefix caching on"), timeout=5000)
+    qtbot.waitUntil(cache_said("server cache: block size 16 · prefix caching on"), timeout=60_000)
     assert s.context.text() == "Context: —" and s.speed.text() == ""  # no reply yet: nothing of the local chat's
     assert send(qtbot, w, "Once upon a time") == "max_tokens"
-    qtbot.waitUntil(cache_said("server cache: block size 16 · 2,048 blocks · prefix caching on"), timeout=5000)
+    qtbot.waitUntil(cache_said("server cache: block size 16 · 2,048 blocks · prefix caching on"), timeout=60_000)
     n = len(rc.reply.prompt_ids) + len(rc.reply.token_ids)
     assert n == len(rc.ids) == rc.reply.usage["total_tokens"]
     assert s.context.text() == f"Context: {n:,} tokens" and "of 512" not in s.context.text()
@@ -90,7 +90,7 @@ def check_remote_readouts(qtbot, w, rc, port: int) -> None:
         w.remote.draw(force=True)
         return w.page_map.describe_page(0).startswith("block 0 · this chat · 16 tokens")
 
-    qtbot.waitUntil(drawn_as_this_chat, timeout=10_000)
+    qtbot.waitUntil(drawn_as_this_chat, timeout=60_000)
     assert w.page_map.describe_token(0).endswith("in its cached blocks")
 
 

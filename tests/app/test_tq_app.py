@@ -35,7 +35,7 @@ def test_precision_lists_name_the_rotated_kinds_and_a_chat_shows_their_bytes(qtb
         c.k_dtype.setCurrentIndex(c.k_dtype.findData("tq3-qjl"))  # as the user does
         c.v_dtype.setCurrentIndex(c.v_dtype.findData("tq2"))
         said = use_lossy(qtbot, w)  # below 8 bits: it says what it costs here first
-        assert said.startswith("Keys 3-bit rotated + QJL, values 2-bit rotated (tq2) loses information") and \
+        assert said.startswith("Keys 3-bit rotated + QJL, values 2-bit rotated (tq2) lose information") and \
             "Not measured on stories260K yet" in said
         qtbot.waitUntil(lambda: (w.cache.applied.k_dtype, w.cache.applied.v_dtype) == ("tq3-qjl", "tq2"),
                         timeout=10_000)
