@@ -6,6 +6,7 @@ cannot be written is a notice, never a crash. Real stories260K, real files; no m
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from PySide6.QtWidgets import QApplication, QMessageBox
 from app.link.disk_tier import DiskConfig, disk_from_settings
 from app.panels.page_map import RESTORED_COLOUR, _rgb
 
-SHOTS = Path(os.environ.get("KVSCOPE_SHOTS", "/tmp/h7shots"))
+SHOTS = Path(os.environ.get("KVSCOPE_SHOTS") or Path(tempfile.gettempdir()) / "kvscope-shots")
 # ~90 tokens: several full pages of 16 in the prompt, written to disk while the first window reads it
 LONG = ("Once upon a time there was a little girl named Lily who loved to play in the park with her big red ball. "
         "One day she saw a dog and a cat and a bird sitting under a tree, and she asked them to play with her.")

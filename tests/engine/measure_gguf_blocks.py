@@ -1,12 +1,12 @@
 """GGUF files with their blocks kept (``engine.quant``) against llama.cpp on the same files: load time, RSS after
 load, peak RSS, time to first token and decode speed, one fresh process per side and round, sides interleaved.
 
-    python tests/engine/measure_gguf_blocks.py --llama-python /work/lc/bin/python FILE.gguf [FILE.gguf ...]
+    python tests/engine/measure_gguf_blocks.py --llama-python PYTHON_WITH_LLAMA_CPP FILE.gguf [FILE.gguf ...]
         [--threads 1,2] [--contexts 128,1024] [--new 32] [--rounds 2] [--json out.json]
 
 The prompt is token ids (no tokenizer: ``(7 i) % 500 + 3``, a BOS first), the same on both sides; decode is one
-token's forward a step on both (the engine's greedy tokens, llama.cpp fed fixed ids as
-``/work/shared/bench/llamacpp/lc.py`` feeds them). The engine's compiled decode step is started as the app starts it (its package,
+token's forward a step on both (the engine's greedy tokens, llama.cpp fed fixed ids through
+``Llama.eval``). The engine's compiled decode step is started as the app starts it (its package,
 built once per shape by a background child, loads from the cache; its first 32 steps are the 3:1 trial). llama.cpp runs through llama-cpp-python (``--llama-python``: a Python with
 ``llama_cpp``), memory-mapped as it loads by default, flash attention on; ``LC_NO_EXTRA_BUFTS=1`` turns off its
 repacked weight buffers (where they fault). Not in the default suite (minutes per file).

@@ -2,7 +2,7 @@
 package dequantizes from the file (transformers' ``from_pretrained(dir, gguf_file=...)``) and llama.cpp's logits
 on the same file; and whether the greedy tokens agree.
 
-    python tests/engine/measure_gguf_logits.py --llama-python /work/lc/bin/python FILE.gguf [FILE.gguf ...]
+    python tests/engine/measure_gguf_logits.py --llama-python PYTHON_WITH_LLAMA_CPP FILE.gguf [FILE.gguf ...]
         [--prompt 64] [--new 16]
 
 For each file: max relative error (max |a - b| / max |b| over the prompt's logits) of the engine's model with

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,7 +85,7 @@ def _gemma_vocab(folder: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvscope" / "llama-cpp-python")
-    p.add_argument("--dir", type=Path, default=Path("/tmp/kvscope-llamacpp-gguf"))
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "kvscope-llamacpp-gguf")
     a = p.parse_args()
     conv = converter(a.cache)
     if conv is None:
