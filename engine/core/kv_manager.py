@@ -4,8 +4,8 @@ come from — the one place one request's pages are given up for another's.
 Asked by the scheduler before each request is prepared (vLLM's ``KVCacheManager``, nano-vllm's ``BlockManager``:
 "can allocate?" before "allocate"), in priority order::
 
-    can_allocate(session)        the next chunk (or the one decode token) fits the pool now
-    make_room(session, ...)      idle caches give their pages back first (each source's ``reclaim``: swapped to
+    can_allocate(session, n)     the ``n`` tokens its next forward was granted fit the pool now
+    make_room(session, n, ...)   idle caches give their pages back first (each source's ``reclaim``: swapped to
                                  host memory or dropped), then running requests of lower priority are preempted
                                  (their cache cut back to nothing and recomputed on their next step, as vLLM's
                                  recompute preemption does) — never an error in the middle of a forward
@@ -25,8 +25,7 @@ from engine.core.vocab import RequestStatus
 class Holder(Protocol):
     """What the manager asks of a session (``engine.core.step.Stepping``)."""
 
-    def next_need(self) -> int: ...  # tokens its next forward needs room for (0: none, no cache or no reply)
-    def room_for(self, n: int) -> bool: ...  # its cache can take ``n`` more tokens now
+    def room_for(self, n: int) -> bool: ...  # its cache can take ``n`` more tokens now (True: it needs none)
     def preemptible(self) -> bool: ...  # its whole cache can be given up and recomputed exactly
     def give_up_cache(self) -> None: ...  # give every page back (recomputed on its next step)
 
@@ -39,24 +38,24 @@ class KVManager:
         self._sources, self._running = sources, running
         self.preemptions = 0  # requests preempted so far (the scheduler panel's count)
 
-    def can_allocate(self, session: Holder) -> bool:
-        need = session.next_need()
-        return need == 0 or session.room_for(need)
+    def can_allocate(self, session: Holder, n: int) -> bool:
+        return n <= 0 or session.room_for(n)
 
-    def make_room(self, session: Holder, priority: int) -> bool:
-        """Room for ``session``'s next forward (it runs at ``priority``): from idle caches, then from running requests
-        of lower priority (a larger number), lowest first. True when it fits now (else its forward refuses, typed)."""
-        if self.can_allocate(session):
+    def make_room(self, session: Holder, n: int, priority: int) -> bool:
+        """Room for the ``n`` tokens of ``session``'s next forward (it runs at ``priority``): from idle caches, then
+        from running requests of lower priority (a larger number), lowest first. True when they fit now (else its
+        forward refuses, typed)."""
+        if self.can_allocate(session, n):
             return True
         for source in list(self._sources()):
-            if source.reclaim() and self.can_allocate(session):
+            if source.reclaim() and self.can_allocate(session, n):
                 return True
         for r in sorted(self._running(), key=lambda r: -r.priority):
             if r.priority <= priority or r.session is session:
                 break
-            if self.preempt(r) and self.can_allocate(session):
+            if self.preempt(r) and self.can_allocate(session, n):
                 return True
-        return self.can_allocate(session)
+        return self.can_allocate(session, n)
 
     def preempt(self, request: Any) -> bool:
         """Give up ``request``'s cached K/V when it can be recomputed exactly (no policy has evicted from it, nothing

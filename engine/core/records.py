@@ -1,6 +1,6 @@
 """Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache, and ``ReuseRecord``,
 one per prompt's reuse of it; and ``Reprefill``, tokens a cache change left to read again during a reply (its only
-writer: ``engine.core.reprefill``).
+writer: ``engine.core.reprefill``); and ``Demand``, what a reply asks of the scheduler's next round.
 
 ``SeqCache`` (``engine.core.seq_cache``) is the first two's only writer: each forward's commit returns one and keeps it as
 ``SeqCache.last`` until the next; ``engine.core.observe`` builds the step's ``CacheSnapshot`` from it. Nothing
@@ -10,7 +10,7 @@ else writes what a forward did, so the page map, the timing panel and the server
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.vocab import StepPath
 from engine.snapshot import CacheAccount
@@ -73,3 +73,19 @@ class Reprefill:
     @property
     def running(self) -> bool:
         return self.done < self.tokens
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a reply asks of the next round (``Stepping.demand``), asked once a round by the scheduler, which grants
+    its tokens (``tokens`` while the round's prefill budget lasts) and forms the shared forwards from it."""
+
+    pending: int  # tokens to feed before its next token (1 decoding; 0 handing out a verification's tokens)
+    limit: int  # most tokens one forward of it feeds: the model's prefill chunk (a share of it while re-reading)
+    shares: int  # tokens it would feed in a forward shared with others (0: it runs alone)
+    runner: Any  # the model runner its forward runs on (requests of one runner may share a forward)
+
+    @property
+    def tokens(self) -> int:
+        """The tokens one forward of it feeds: a prefill chunk, or the one decode token."""
+        return min(max(1, self.pending), self.limit)

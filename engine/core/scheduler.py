@@ -7,8 +7,12 @@ top to bottom; the KV manager it asks for room (``kv_manager``) and the sessions
 ``CoreThread`` for ``python -m engine serve``)::
 
     calls, admissions          what other threads asked for (``call``), what sources let in (``Source.admit``)
-    schedule                   requests by priority (the chat on screen first); prefill tokens within a budget
-    run                        one batched forward for the one-token decodes, the rest alone (``step_all``)
+    schedule                   requests by priority (the chat on screen first): each asked once what its next
+                               forward needs (``Demand``); decode rows, and prefill chunks granted within a budget
+    batch                      the decode rows (and the first prefill chunk) of one runner in one forward, the rest
+                               alone (``forwards``)
+    run                        room for each granted forward (the KV manager), each prepared with its grant, one
+                               runner call a forward (``run_forward``)
     postprocess                each request's result to its sink; finished requests leave
     tasks                      one step of each background task (a comparison), alone, so its timing is its own
 
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 from engine.errors import EngineError
 from engine.snapshot import StepResult
 from engine.core.kv_manager import KVManager
+from engine.core.records import Demand
 from engine.core.vocab import FinishReason, RequestStatus
 
 if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
@@ -55,19 +60,16 @@ class Steppable(Protocol):
     """What the core steps: a ``ChatSession`` (``engine.core.session``) or anything with its step interface."""
 
     generating: bool  # a reply is in progress
-    prefill_chunk: int
     lm: Any  # the ``LoadedModel`` it runs on
     runner: Any  # its model runner (requests of one runner may share a forward)
 
     def step(self) -> StepResult: ...
     def cancel(self) -> None: ...
-    def pending_tokens(self) -> int: ...
-    def shares(self) -> int: ...
-    def prepare(self) -> Any: ...
+    def demand(self) -> Demand: ...  # what its next forward asks of the round (asked once a round)
+    def prepare(self, tokens: int | None = None) -> Any: ...  # at most ``tokens`` fed: the round's grant
     def finish(self, out: Any, written: tuple[int, ...] = ()) -> StepResult: ...
     def abort(self, exc: BaseException) -> BaseException: ...
     # what the KV manager asks (``engine.core.kv_manager.Holder``) and a shared forward's pages
-    def next_need(self) -> int: ...
     def room_for(self, n: int) -> bool: ...
     def preemptible(self) -> bool: ...
     def give_up_cache(self) -> None: ...
@@ -96,6 +98,16 @@ class Request:
     def cancel(self) -> None:
         """Stop the reply at its next step (engine thread, or any thread: only a flag is set)."""
         self.session.cancel()
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request's part of a round: what it asked (``demand``) and the tokens it was granted (a prefill chunk,
+    or the one decode token)."""
+
+    request: Request
+    demand: Demand
+    tokens: int
 
 
 class Source(Protocol):
@@ -200,13 +212,8 @@ class EngineCore:
                 self.finish(r, FinishReason.DONE)  # its session ended the reply itself (closed, reset): it leaves
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:
-            chosen = self._schedule(live)
-            for req in chosen:
-                req.status = RequestStatus.RUNNING
-            by_session = {id(r.session): r for r in chosen}
-            for unit in forwards([r.session for r in chosen]):
-                results = run_forward(unit, lambda s: self.kv.make_room(s, by_session[id(s)].priority))
-                self._postprocess([(by_session[id(s)], results[id(s)]) for s in unit])
+            for unit in _units(self._schedule(live), lambda x: x.demand):
+                self._postprocess(unit, self._run(unit))
         self.requests = [r for r in self.requests if not r.done]
         for task in sorted(self.tasks, key=lambda t: t.priority):
             self._task_step(task)
@@ -223,22 +230,38 @@ class EngineCore:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
 
-    def _schedule(self, live: list[Request]) -> list[Request]:
-        """Every decoding request, and prefilling ones while the round's prefill budget lasts (the first
-        always: the highest-priority one goes first)."""
+    def _schedule(self, live: list[Request]) -> list[Scheduled]:
+        """The round's work, in priority order: every decoding request (its one token), and prefilling ones a
+        chunk each while the round's prefill budget lasts (the first always: the highest-priority one goes
+        first). Each request is asked once (``demand``)."""
         chosen, budget = [], self.prefill_budget
         for r in live:
-            pending = r.session.pending_tokens()
-            if pending <= 1 or not chosen or budget > 0:
-                chosen.append(r)
-                if pending > 1:
-                    budget -= min(pending, r.session.prefill_chunk)
+            d = r.session.demand()
+            if d.pending <= 1 or not chosen or budget > 0:
+                r.status = RequestStatus.RUNNING
+                chosen.append(Scheduled(r, d, d.tokens))
+                if d.pending > 1:
+                    budget -= d.tokens
         return chosen
 
-    def _postprocess(self, done: list[tuple[Request, Any]]) -> None:
+    def _run(self, unit: list[Scheduled]) -> dict[int, Any]:
+        """One forward of ``unit``: room for each granted forward first (the KV manager, in priority order), then
+        ``run_forward``. A request preempted earlier in this round for one that came first is granted again (its
+        cache was given up: a prefill chunk now, not its one decode token)."""
+        def room(session: Steppable, tokens: int) -> int:
+            x = by_session[id(session)]
+            if x.request.status is RequestStatus.PREEMPTED:
+                x.request.status, tokens = RequestStatus.RUNNING, session.demand().tokens
+            self.kv.make_room(session, tokens, x.request.priority)
+            return tokens
+
+        by_session = {id(x.request.session): x for x in unit}
+        return run_forward([(x.request.session, x.tokens) for x in unit], room)
+
+    def _postprocess(self, unit: list[Scheduled], results: dict[int, Any]) -> None:
         """The one place a forward's results are applied to their requests: each request's status (finished when
         its reply ended, by why), then its result to its sink, in the order they were scheduled."""
-        for req, res in done:
+        for req, res in ((x.request, results[id(x.request.session)]) for x in unit):
             if isinstance(res, BaseException):
                 self.finish(req, FinishReason.ERROR)
             elif res.done:
@@ -274,33 +297,45 @@ class EngineCore:
 
 
 def batchable(sessions: Sequence) -> list[list]:
-    """The groups of ``sessions`` that would share a forward now, one per model runner: every session decoding
-    one token, plus the first (the highest-priority) one with a prefill chunk to feed, as vLLM's chunked prefill
-    mixes them; at least one decode and two sessions a group, at most ``MAX_BATCH``."""
+    """The groups of ``sessions`` that would share a forward now (``_groups``), each asked for its ``demand``."""
+    return _groups(list(sessions), lambda s: s.demand())
+
+
+def forwards(sessions: Sequence) -> list[list]:
+    """``sessions`` (in priority order) as the forwards they run in, in order (``_units``)."""
+    return _units(list(sessions), lambda s: s.demand())
+
+
+def _groups(items: list, demand_of: Callable[[Any], Demand]) -> list[list]:
+    """The groups of ``items`` (sessions, or a round's ``Scheduled``) that would share a forward now, one per model
+    runner: every one decoding one token, plus the first (the highest-priority) one with a prefill chunk to feed,
+    as vLLM's chunked prefill mixes them; at least one decode and two members a group, at most ``MAX_BATCH``."""
     groups: dict[int, tuple[list, list]] = {}
-    for s in sessions:
-        n = s.shares()
-        if n and not s.runner.batch_refusal():
-            decodes, prefills = groups.setdefault(id(s.runner), ([], []))
-            (decodes if n == 1 else prefills).append(s)
+    for x in items:
+        d = demand_of(x)
+        if d.shares and not d.runner.batch_refusal():
+            decodes, prefills = groups.setdefault(id(d.runner), ([], []))
+            (decodes if d.shares == 1 else prefills).append(x)
+    order = {id(x): i for i, x in enumerate(items)}
     out = []
     for decodes, prefills in groups.values():
         group = prefills[:1] + decodes if decodes else []
         if len(group) > 1:
-            out.append(sorted(group[:MAX_BATCH], key=list(sessions).index))
+            out.append(sorted(group[:MAX_BATCH], key=lambda x: order[id(x)]))
     return out
 
 
-def forwards(sessions: Sequence) -> list[list]:
-    """``sessions`` (in priority order) as the forwards they run in, in order: a batchable group when its first
-    member's turn comes (``batchable``), every other session alone."""
-    group_of = {id(s): g for g in batchable(sessions) for s in g}
+def _units(items: list, demand_of: Callable[[Any], Demand]) -> list[list]:
+    """``items`` (in priority order) as the forwards they run in, in order: a batchable group when its first
+    member's turn comes (``_groups``), every other one alone."""
+    demands = {id(x): demand_of(x) for x in items}  # asked once each
+    group_of = {id(x): g for g in _groups(items, lambda x: demands[id(x)]) for x in g}
     out, seen = [], set()
-    for s in sessions:
-        if id(s) in seen:
+    for x in items:
+        if id(x) in seen:
             continue
-        unit = group_of.get(id(s), [s])
-        seen.update(id(x) for x in unit)
+        unit = group_of.get(id(x), [x])
+        seen.update(id(y) for y in unit)
         out.append(unit)
     return out
 
@@ -310,23 +345,28 @@ def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) ->
     next step is one token on a plain store decode together in one forward (``forwards``), the rest alone. Each
     gets its ``StepResult`` or the exception that ended its reply; a failed forward ends every reply it carried,
     each rolled back. ``before(session)``, if given, runs before each session is prepared (room for it)."""
+    def room(s: Any, tokens: int | None) -> int | None:
+        before(s)
+        return tokens
+
     results: dict[int, Any] = {}
     for unit in forwards(sessions):
-        results.update(run_forward(unit, before))
+        results.update(run_forward([(s, None) for s in unit], room if before is not None else None))
     return [results[id(s)] for s in sessions]
 
 
-def run_forward(unit: list, before: Callable[[Any], Any] | None = None) -> dict[int, Any]:
-    """One forward of ``unit`` (one session, or a batchable group): each prepared (room first: ``before``), one
-    runner call for those that need the model, then each one's own finish — a ``StepResult`` or the exception that
-    ended its reply, by ``id(session)``. The only place scheduled work reaches the model runner."""
+def run_forward(unit: list[tuple[Any, int | None]], room: Callable[[Any, Any], Any] | None = None) -> dict[int, Any]:
+    """One forward of ``unit`` (one session, or a batchable group, each with the tokens granted it: None, its own
+    demand's): each prepared (room first: ``room(session, tokens)`` gives the grant it runs with), one runner call
+    for those that need the model, then each one's own finish — a ``StepResult`` or the exception that ended its
+    reply, by ``id(session)``. The only place scheduled work reaches the model runner."""
     out: dict[int, Any] = {}
     joined, works = [], []
-    for s in unit:
+    for s, tokens in unit:
         try:
-            if before is not None:
-                before(s)
-            w = s.prepare()
+            if room is not None:
+                tokens = room(s, tokens)
+            w = s.prepare(tokens)
         except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
             out[id(s)] = e
             continue

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core import reprefill
+from engine.core.records import Demand
 from engine.errors import ContextOverflowError, EngineError, as_engine_error
 from engine.model.runner import Output, Work
 from engine.snapshot import StepResult
@@ -57,7 +58,7 @@ class Stepping:
         is raised, typed."""
         from engine.core.scheduler import run_forward
 
-        result = run_forward([self])[id(self)]
+        result = run_forward([(self, None)])[id(self)]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -68,15 +69,15 @@ class Stepping:
         """The model runner its forwards run on (requests of one runner may share a forward)."""
         return self.lm.runner
 
-    def next_need(self) -> int:
-        """Tokens its next forward needs room for in the pool: a prefill chunk or one decode token; 0 when it needs
-        none (no reply in progress, or no cache)."""
-        if not self.sequence.running or self.cache.store is None:
-            return 0
-        return min(max(1, self.pending_tokens()), self.prefill_chunk)
+    def demand(self) -> Demand:
+        """What its next forward asks of a round (the scheduler grants its tokens from it, once a round)."""
+        pending = self.pending_tokens()
+        limit = reprefill.chunk(self.prefill_chunk) if reprefill.running(self.sequence.reply) else self.prefill_chunk
+        return Demand(pending, limit, self.shares(), self.runner)
 
     def room_for(self, n: int) -> bool:
-        return self.cache.store is None or self.cache.can_reserve(n)
+        """Its cache can take ``n`` more tokens now (True when it needs none: no reply in progress, no cache)."""
+        return not self.sequence.running or self.cache.store is None or self.cache.can_reserve(n)
 
     def preemptible(self) -> bool:
         """Its cache can be given up and recomputed exactly: it holds tokens, no policy decides what it keeps, and
@@ -109,9 +110,10 @@ class Stepping:
         ok = ok and not self._ready  # a verification's later tokens are handed out without a forward
         return self.cache.pending(len(self.sequence.ids)) if ok else 0
 
-    def prepare(self) -> Work | StepResult:
-        """Plan and reserve the next forward: its ``Work``, or the reply's last ``StepResult`` when it ends without
-        one (cancelled, context full). A typed error ends the reply (nothing reserved)."""
+    def prepare(self, tokens: int | None = None) -> Work | StepResult:
+        """Plan and reserve the next forward, feeding at most ``tokens`` (the scheduler's grant; None: its own
+        ``demand``'s): its ``Work``, or the reply's last ``StepResult`` when it ends without one (cancelled,
+        context full). A typed error ends the reply (nothing reserved)."""
         self.check_open()
         if self._ready:  # a verification's later tokens: one per step, so every consumer sees one at a time
             return self._hand_out()
@@ -132,9 +134,9 @@ class Stepping:
                 raise self._fail(e) from e
             self._open = OpenStep(t0, len(drafts) + 1, work, None, drafts)
             return work
-        chunk = reprefill.chunk(self.prefill_chunk) if reprefill.running(q.reply) else self.prefill_chunk
+        chunk = tokens if tokens is not None else self.demand().tokens
         try:
-            work, plan = c.next_forward(q.ids, q.protected, q.priorities, chunk, q.turn)
+            work, plan = c.next_forward(q.ids, q.protected, q.priorities, max(1, chunk), q.turn)
         except ContextOverflowError as e:
             q.add_notes([str(e)])
             return self._finish("context_full", None)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import SamplingConfig
+from engine.core.records import Demand
 from engine.errors import ContextOverflowError, InternalError, SessionClosedError
 from engine.snapshot import CacheSnapshot, ModelInfo, StepResult, TokenEvent
 
@@ -107,21 +108,17 @@ class SessionFake:
     alone (never batched), no pages to make room for."""
 
     generating = True
-    prefill_chunk = 512
     cache = types.SimpleNamespace(store=None)
-    lm = None
+    lm = runner = None
 
-    def pending_tokens(self) -> int:
-        return 1
+    def demand(self) -> Demand:  # one token a forward, never shared
+        return Demand(pending=1, limit=512, shares=0, runner=None)
 
-    def shares(self) -> int:
-        return 0
-
-    def prepare(self):  # a fake needs no model forward: its step's result is what the core delivers
+    def prepare(self, tokens=None):  # a fake needs no model forward: its step's result is what the core delivers
         return self.step()
 
-    def next_need(self) -> int:
-        return 0
+    def room_for(self, n: int) -> bool:
+        return True
 
 
 class ScriptedSession(SessionFake):
