@@ -177,7 +177,10 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
+    from engine.quant.modules import packing_held
+
+    with packing_held():  # its three-token test run leaves a GGUF's repacking to the first reply
+        lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
     if verdict is not None:
         lm.info = held_info(lm.info, verdict.weights, model)
     if lm.info.unsupported:

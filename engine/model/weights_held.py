@@ -28,12 +28,11 @@ def weights_bytes(model) -> int:
             seen.add(key(t))
             total += t.numel() * t.element_size()
 
-    # a GGUF linear repacked for the integer road holds its packed copy; the file's pages it was read from are let
-    # go (a tied embedding's too: its looked-up rows are read from the file again)
-    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
-    seen.update(key(m.weight) for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor))
-    for t in packed:
-        add(t)
+    # a GGUF linear repacked for the integer road holds its packed copy (or will, at its first product); the file's
+    # pages it was read from are let go (a tied embedding's too: its looked-up rows are read from the file again)
+    repacked = [m for m in model.modules() if getattr(m, "held_bytes", None) is not None and m.held_bytes()]
+    seen.update(key(m.weight) for m in repacked)
+    total += sum(m.held_bytes() for m in repacked)
     for mod in model.modules():
         add(getattr(getattr(mod, "state", None), "SCB", None))  # Linear8bitLt keeps its scales there once run
         for p in mod.parameters(recurse=False):

@@ -14,9 +14,12 @@ order, stay in it and the product writes each output where the model wants it (`
 Peak memory: the model is built with its parameters on the meta device (``accelerate.init_empty_weights``,
 buffers real), so nothing is allocated for a weight that stays in the file; the mapping's pages count in the
 process's RSS as the products first read them (as llama.cpp's mmap does). On AVX-512 VNNI the integer road's
-linears are repacked as they are placed (``BlockLinear.pack``: sixteen rows a group, llama.cpp's repacked buffers
-for 512-bit vectors) and the file pages they were read from are let go at once (``Table.release``), so a load
-holds the weights once plus one tensor's pages, never the file and its copy.
+linears are repacked at their first product (``BlockLinear.defer_pack``: sixteen rows a group, llama.cpp's
+repacked buffers for 512-bit vectors) and the file pages they were read from are let go at once
+(``Table.release``), so the weights are held once plus one tensor's pages, never the file and its copy. At the
+first product, not on load: the repacking is most of a load's time (the 1B shape's Q4_K_M, one thread: ~0.45 s of
+~1 s; llama.cpp's whole load ~0.55 s), and a first reply's prefill, which pays it instead, stays faster than
+llama.cpp's (which reads its mapped pages then).
 """
 
 from __future__ import annotations
@@ -162,6 +165,17 @@ def _cached_name_map():
         gguf.get_tensor_name_map = original
 
 
+@contextmanager
+def _empty():
+    """A model built with its parameters on the meta device (buffers real) and none of them initialised: transformers
+    draws every meta weight's random values anyway (``init_weights``: 0.08-0.1 s of a 1B-shape load)."""
+    import accelerate
+    from transformers.initialization import no_init_weights
+
+    with accelerate.init_empty_weights(include_buffers=False), no_init_weights():
+        yield
+
+
 def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor | None:
     """Where each stored row goes in the model's weight (llama's query / key rows), or None: the same order."""
     if type(processor).__name__ != "LlamaTensorProcessor" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
@@ -183,18 +197,17 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     it, ``cls`` its causal-LM class) with the weights of kept types as blocks mapped from the file and everything
     else in ``dtype``, on ``device``. Raises ValueError naming what does not fit (a tensor the model does not have,
     a parameter the file lacks)."""
-    import accelerate
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     table = Table(path)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     if type(processor).__name__ not in _SIMPLE:
         raise ValueError(f"{architecture}: its GGUF tensors are reshaped on load, so they cannot stay as blocks")
-    with accelerate.init_empty_weights(include_buffers=False):
+    with _empty():
         model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
     with _cached_name_map():
         names = get_gguf_hf_weights_map(model, processor)
-    total = max(len(table.entries), 1)
+    total, group = max(len(table.entries), 1), []  # the linears packed together at the first product
     for i, (gname, (t, shape, _, _)) in enumerate(table.entries.items()):
         check()
         if progress and i % max(1, total // 50) == 0:
@@ -202,8 +215,8 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
         hf = names.get(gname)
         if hf is None:
             continue  # llama.cpp's extras the model has no place for (rope_freqs): transformers skips them too
-        _place(model, table, processor, gname, hf, t, shape, dtype, device)
-    _tie_head(model, config, table)
+        _place(model, table, processor, gname, hf, t, shape, dtype, device, group)
+    _tie_head(model, config, table, group)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
@@ -212,7 +225,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
 
 
 def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: tuple[int, ...],
-           dtype: torch.dtype, device: str) -> None:
+           dtype: torch.dtype, device: str, group: list) -> None:
     """Put the file's tensor ``gname`` where the model's ``hf`` is: a kept weight replaces its module, anything
     else is dequantized (and processed as transformers would) into the parameter."""
     owner_name, leaf = hf.rsplit(".", 1)
@@ -224,8 +237,8 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
             new = BlockLinear(table.blocks(gname).to(device), t, shape[1], bias if bias is not None else None,
                               _row_order(processor, gname, shape[0]))
             model.set_submodule(owner_name, new)
-            if device == "cpu" and new.pack():
-                table.release(gname)  # the products read the packed copy: the file's pages are not needed
+            if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
+                new.defer_pack(functools.partial(table.release, gname), group)
             return
         if isinstance(owner, nn.Embedding):
             scale = getattr(owner, "embed_scale", None)
@@ -238,7 +251,7 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
     setattr(owner, leaf, nn.Parameter(value, requires_grad=False) if isinstance(current, nn.Parameter) else value)
 
 
-def _tie_head(model, config, table: Table) -> None:
+def _tie_head(model, config, table: Table, group: list) -> None:
     """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy (a packed
     copy for the integer road's product, as llama.cpp's repacked output head; the lookups read the file's rows)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
@@ -251,8 +264,8 @@ def _tie_head(model, config, table: Table) -> None:
                           head.bias if head.bias is not None and not head.bias.is_meta else None)
         model.set_submodule(name, new)
         gname = next((g for g, e in table.entries.items() if e[2] == embed.weight.data_ptr() - table.base()), None)
-        if new.weight.device.type == "cpu" and new.pack() and gname is not None:
-            table.release(gname)
+        if new.weight.device.type == "cpu" and gname is not None:
+            new.defer_pack(functools.partial(table.release, gname), group)
     else:
         head.weight = embed.weight
 
@@ -354,9 +367,7 @@ def restructure(model, plan: list[dict]) -> None:
 def skeleton(cls, config, dtype: torch.dtype, plan: list[dict], attn: str = "sdpa"):
     """The model of ``config`` with ``plan``'s block modules and throwaway zeros elsewhere, never allocating the
     dense weights the blocks replace (a compiled step's child: an 8B file's dense float32 model would be 32 GB)."""
-    import accelerate
-
-    with accelerate.init_empty_weights(include_buffers=False):
+    with _empty():
         model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
     restructure(model, plan)
     for name, p in list(model.named_parameters()):

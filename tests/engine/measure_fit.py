@@ -5,7 +5,9 @@
     python tests/engine/measure_fit.py --make DIR   # the Llama-3.2-1B shape, random bf16 weights, stories260K's
                                                     # 512-token vocabulary (hidden 2048, 16 layers, 32/8 heads)
 
-Each load runs in a fresh process: the process's RSS once torch and the engine are imported (idle), the fit verdict
+Each load runs in a fresh process: the imports first, timed apart from the load (torch, the engine and transformers'
+model code for the source's architecture; llama.cpp's side: ``import llama_cpp``, which loads its libraries), the
+process's RSS once they are imported (idle), the fit verdict
 (``engine.model.fit``, computed in that process before the load), then the load (its wall time, the RSS after it and
 the peak while loading, VmHWM), then a prompt of ``--context`` tokens and 16 decoded tokens (time to first token,
 decode tokens/s, the RSS and the peak after). The verdict's numbers beside them:
@@ -49,7 +51,26 @@ def _prompt(n: int) -> list[int]:
 
 
 # -- the children ---------------------------------------------------------------------------------------------
+def _model_code(source: str) -> None:
+    """Import transformers' model code for the source's architecture (what a first load in a process imports: ~1.5 s
+    here, the import of the library that runs it, as ``import llama_cpp`` is llama.cpp's)."""
+    import importlib
+
+    if source.lower().endswith(".gguf"):
+        from engine.model.gguf_file import read_gguf
+
+        kind = read_gguf(source).architecture
+    else:
+        kind = json.loads((Path(source) / "config.json").read_text())["model_type"]
+    importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    try:
+        importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        importlib.import_module("transformers.modeling_utils")
+
+
 def child_engine(source: str, case: str, context: int, threads: int) -> dict:
+    t0 = time.perf_counter()
     import torch
 
     torch.set_num_threads(threads)
@@ -57,7 +78,9 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     from engine.model import fit
     from engine.model.loader import load_model
 
-    idle = _status("VmRSS")  # torch and the engine's loader imported: the idle engine the verdict adds to
+    idle = _status("VmRSS")  # torch and the engine imported (transformers' model code counts above it, as before)
+    _model_code(source)
+    import_s = time.perf_counter() - t0  # torch and the engine's loader imported: the idle engine the verdict adds to
     quant = case if case in ("int8", "nf4") else "none"
     spec = ModelSpec(source=source, device="cpu", quantization=quant, dtype="bfloat16" if case == "bfloat16" else "auto")
     f = fit.estimate_path(Path(source), spec, "cpu")
@@ -75,7 +98,7 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     ttft = stamps[0] - t if stamps else 0.0
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
     label = Path(source).name if source.lower().endswith(".gguf") else case
-    return dict(side="kvscope", case=label, idle=idle, load_s=load_s, after=after, load_peak=load_peak,
+    return dict(side="kvscope", case=label, idle=idle, import_s=import_s, load_s=load_s, after=after, load_peak=load_peak,
                 running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode,
                 weights=lm.info.weights_bytes, format=f"{lm.info.weights_format} {lm.info.weights_held}",
                 est_load_peak=idle + f.load_bytes, est_after=idle + f.libraries + f.weights.bytes,
@@ -84,8 +107,11 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
 
 
 def child_llamacpp(path: str, context: int, threads: int) -> dict:
+    t0 = time.perf_counter()
     import llama_cpp
     import llama_cpp.llama as ll
+
+    import_s = time.perf_counter() - t0
 
     if os.environ.get("LC_NO_EXTRA_BUFTS"):  # AMX / repack buffers off where they fault (the bench README)
         default = llama_cpp.llama_model_default_params
@@ -109,7 +135,7 @@ def child_llamacpp(path: str, context: int, threads: int) -> dict:
         llm.eval([tok])
         tok = (tok * 13 + 7) % 500 + 3
     decode = DECODE / (time.perf_counter() - t)
-    return dict(side="llama.cpp", case=Path(path).name, idle=idle, load_s=load_s, after=after, load_peak=load_peak,
+    return dict(side="llama.cpp", case=Path(path).name, idle=idle, import_s=import_s, load_s=load_s, after=after, load_peak=load_peak,
                 running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode)
 
 
@@ -168,7 +194,7 @@ def _mib(b: float) -> str:
 
 def report(rows: list[dict]) -> None:
     print("\nside       case              idle  load peak (est, ratio)   after load (est, ratio)  running (est, ratio)"
-          "     peak   load s  TTFT s  decode tok/s  weights as held")
+          "     peak  import s  load s  TTFT s  decode tok/s  weights as held")
     for r in rows:
         if "error" in r:
             print(f"error: {r['args']}: {r['error']}")
@@ -180,7 +206,7 @@ def report(rows: list[dict]) -> None:
         else:
             est = [_mib(r[k]) for k in ("load_peak", "after", "running")]
         print(f"{r['side']:10} {r['case']:16} {_mib(r['idle']):>5}  {est[0]:24} {est[1]:24} {est[2]:24} "
-              f"{_mib(r['peak']):>6}  {r['load_s']:6.1f}  {r['ttft_s']:6.2f}  {r['decode_tps']:8.2f}  "
+              f"{_mib(r['peak']):>6}  {r.get('import_s', 0):8.2f}  {r['load_s']:6.2f}  {r['ttft_s']:6.2f}  {r['decode_tps']:8.2f}  "
               f"{r.get('format', '')}")
 
 

@@ -106,26 +106,29 @@ def test_weights_are_the_files_mapping(files):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_repacked_weights_give_the_file_layouts_logits(files, arch):
-    """On AVX-512 VNNI the integer road's Q4_0 / Q8_0 / Q4_K / Q6_K linears are repacked sixteen rows a group as
-    they are placed (qwen2's tied head: the embedding's blocks, its pages let go, its rows looked up from the
-    file): the same integer sums as the file's layout, the float steps in another order (within float32
-    rounding), the same greedy tokens."""
+    """On AVX-512 VNNI the integer road's Q4_0 / Q8_0 / Q4_K / Q6_K linears are repacked sixteen rows a group at
+    their first product after the load (the load's own test run leaves them; qwen2's tied head: the embedding's
+    blocks, its pages let go, its rows looked up from the file): the same integer sums as the file's layout, the
+    float steps in another order (within float32 rounding), the same greedy tokens."""
     from engine.quant import formats
 
     lm = load_model(ModelSpec(source=str(files[arch])))
     linears = [m for m in lm.model.modules() if isinstance(m, BlockLinear)]
-    packed = [m for m in linears if m.packed is not None]
+    pending = [m for m in linears if m.pending()]
+    assert not [m for m in linears if m.packed is not None]  # the load packed nothing
     if not kernel.packs():
-        assert not packed and "mapped from the file" in lm.info.weights_kernel
+        assert not pending and "mapped from the file" in lm.info.weights_kernel
         pytest.skip("no packed product in this build (AVX-512 VNNI)")
     assert "repacked for AVX-512 from the file" in lm.info.weights_kernel
     want = {formats.name(m.ggml_type) for m in linears} & {"Q4_0", "Q8_0", "Q4_K", "Q6_K"}
-    assert want and {formats.name(m.ggml_type) for m in packed} == want
-    if arch == "qwen2":
-        assert lm.model.get_output_embeddings() in packed
+    assert want and {formats.name(m.ggml_type) for m in pending} == want
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         got = lm.model(ids).logits
+    packed = [m for m in linears if m.packed is not None]
+    assert packed == pending and not [m for m in linears if m.pending()]
+    if arch == "qwen2":
+        assert lm.model.get_output_embeddings() in packed
     tokens = engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4))
     for m in packed:
         m.packed = None  # the file's layout, the row products
