@@ -177,9 +177,9 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    from engine.quant.modules import packing_held
+    from engine.quant.modules import shapes_only
 
-    with packing_held():  # its three-token test run leaves a GGUF's repacking to the first reply
+    with shapes_only():  # its three-token test run asks the shapes: a GGUF's blocks are read at the first reply
         lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
     if verdict is not None:
         lm.info = held_info(lm.info, verdict.weights, model)

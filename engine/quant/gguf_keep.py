@@ -17,9 +17,9 @@ process's RSS as the products first read them (as llama.cpp's mmap does). On AVX
 linears are repacked at their first product (``BlockLinear.defer_pack``: sixteen rows a group, llama.cpp's
 repacked buffers for 512-bit vectors) and the file pages they were read from are let go at once
 (``Table.release``), so the weights are held once plus one tensor's pages, never the file and its copy. At the
-first product, not on load: the repacking is most of a load's time (the 1B shape's Q4_K_M, one thread: ~0.45 s of
-~1 s; llama.cpp's whole load ~0.55 s), and a first reply's prefill, which pays it instead, stays faster than
-llama.cpp's (which reads its mapped pages then).
+first product, not on load: the repacking (with the pages it reads and makes) was most of a load's time (the 1B
+shape, one thread: Q4_K_M ~0.45 s, Q8_0 ~0.85 s of loads of ~0.6 / ~1 s; llama.cpp's whole loads 0.6-0.85 /
+0.1-0.2 s); a first reply's prefill pays it instead.
 """
 
 from __future__ import annotations
