@@ -16,10 +16,10 @@ QUANT = HERE.parent / "quant"  # the GGUF block kernels' sources live beside the
 C_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno")
 
 ATTEND = Library(
-    "attend", CSRC, ("kv_tq.c", "kv_plain.c"), C_FLAGS, PREBUILT, "KVSCOPE_ATTEND_LIB",
+    "attend", CSRC, ("kv_tq.c", "kv_plain.c", "kv_prefill.c"), C_FLAGS, PREBUILT, "KVSCOPE_ATTEND_LIB",
     what="the fused decode attention",
     cost="each decode step gathers the cached K/V into new tensors for torch's attention (quantized pages "
-         "dequantized whole)")
+         "dequantized whole), and a few new tokens over many cached ones run torch's attention (~1.5x slower)")
 LINEAR = Library(
     "linear", CSRC, ("blocked_linear.c",), C_FLAGS, PREBUILT, "KVSCOPE_LINEAR_LIB",
     what="the blocked linears' product",

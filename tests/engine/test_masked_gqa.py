@@ -12,7 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.config import CacheConfig, SamplingConfig
 from engine.core.session import ChatSession
-from engine.kv.store import attention
+from engine.kv.store import attention, prefill_attend
 
 
 class _Layer(torch.nn.Module):
@@ -42,7 +42,11 @@ def test_masked_gqa_gives_transformers_sdpa_bits(dt, additive, hq, hk, q, n):
     assert out.shape == ref.shape == (1, q, hq, 64)
     assert torch.equal(out, ref)
     if dt == torch.float32:  # (a few reduced-precision queries run in float32 there: another path)
-        assert torch.equal(attention.sdpa(layer, query, key, value, mask, scaling=0.125)[0], ref)
+        got = attention.sdpa(layer, query, key, value, mask, scaling=0.125)[0]
+        if prefill_attend.attend(layer, query, key, value, mask, {"scaling": 0.125}) is None:
+            assert torch.equal(got, ref)
+        else:  # the native kernel (one thread, enough keys): float32 summation order
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_masked_gqa_leaves_what_it_does_not_cover_to_transformers():

@@ -35,6 +35,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.restype = i
     # h0 h1 rep n dk dv bf16 kp k_head vp v_head slots q nk nv scale out
     fn.argtypes = [i, i, i, i64, i, i, i, p, i64, p, i64, p, p, p, p, ctypes.c_float, p]
+    fn = lib.kvs_prefill_attend
+    fn.restype = i
+    # h0 h1 rep nq n d dv q q_sh q_sr k k_sh k_sr v v_sh v_sr scale causal out o_sr
+    fn.argtypes = [i, i, i, i, i64, i, i, p, i64, i64, p, i64, i64, p, i64, i64, ctypes.c_float, i64, p, i64]
+    lib.kvs_prefill_width.restype = i
+    lib.kvs_prefill_width.argtypes = []
     return lib
 
 

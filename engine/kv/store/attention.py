@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine.kv.quantized import tq_attend
 from engine.kv.quantized.basis import KEY as BASIS_KEY
-from engine.kv.store import paged_decode
+from engine.kv.store import paged_decode, prefill_attend
 from engine.kv.store.rope import Rerotator, rerotation_refusal  # noqa: F401 - re-exported
 
 SCORES_IMPL = "kvscope_scores"
@@ -91,7 +91,9 @@ def sdpa(module, query, key, value, attention_mask, **kwargs):
             mask = mask.float()  # an additive mask in the model's dtype
         out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kwargs)
         return out.to(query.dtype), w  # [1, q, Hq, Dv]
-    out = _masked_gqa(module, query, key, value, attention_mask, kwargs)
+    out = prefill_attend.attend(module, query, key, value, attention_mask, kwargs)  # a few float32 rows over many keys
+    if out is None:
+        out = _masked_gqa(module, query, key, value, attention_mask, kwargs)
     if out is not None:
         return out, None  # [B, q, Hq, Dv]
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
