@@ -31,7 +31,7 @@ def count(n: int, word: str = "token", plural: str = "") -> str:
 
 
 # -- a model's weights and memory (the engine's types: ``engine.model.fit`` / ``weights_plan``, ``ModelInfo``) ------
-HELD_WORDS = {"mapped": "mapped from the file", "repacked": "repacked for AVX-512 from the file",
+HELD_WORDS = {"mapped": "mapped from the file", "repacked": "repacked from the file",
               "read": "read as stored", "converted": "converted from {stored}",
               "quantized": "quantized from {stored} as loaded", "dequantized": "dequantized from {stored}"}
 

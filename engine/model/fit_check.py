@@ -23,7 +23,7 @@ def human_bytes(n: float) -> str:
 def held_words(w: WeightsPlan) -> str:
     """'Q4_K_M, 4.85 bits per weight, mapped from the file' / 'F32 (converted from BF16), 32.0 bits per weight'."""
     how = {Held.MAPPED: "mapped from the file", Held.READ: "read as stored",
-           Held.REPACKED: "repacked for AVX-512 from the file",
+           Held.REPACKED: "repacked from the file",
            Held.CONVERTED: f"converted from {w.stored} as read",
            Held.QUANTIZED: f"quantized from {w.stored} as read (bitsandbytes)",
            Held.DEQUANTIZED: f"dequantized from {w.stored} as read"}[w.held]

@@ -294,7 +294,7 @@ class Plan:
     def where(self) -> str:
         if self.device != "cpu":
             return f"copied to {self.device} layer by layer"
-        return "repacked for AVX-512 from the file" if self.packed else "mapped from the file"
+        return "repacked from the file" if self.packed else "mapped from the file"
 
 
 def _packed(info, device: str) -> list[int]:
@@ -305,7 +305,7 @@ def _packed(info, device: str) -> list[int]:
     names = [t.name for t in info.tensors]
     tied = "output.weight" not in names
     return [i for i, (t, s) in enumerate(tensor_types(info))
-            if formats.packed_bytes(t, s) and (names[i] != "token_embd.weight" or tied)]
+            if formats.packed_bytes(t, s) and kernel.packs(t) and (names[i] != "token_embd.weight" or tied)]
 
 
 def plan(info, device: str, compute_bytes: int) -> Plan:

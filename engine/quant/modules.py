@@ -164,8 +164,8 @@ class BlockLinear(nn.Module):
         to the first reply's prefill. ``group`` (a list this appends to): the modules packed together at the first
         product of any of them, before a layer's activations are made (packed one by one within the prefill, the
         weights and the activations shared the heap: +70-130 MB of peak). False where ``pack`` gives no copy."""
-        if (self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta or not kernel.packs()
-                or not formats.packed_bytes(self.ggml_type, (self.out_features, self.in_features))):
+        if (self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta
+                or not kernel.packs(self.ggml_type)):
             return False
         self.__dict__["_desc"] = None  # the next product comes back for the packing
         self.__dict__["_after_pack"] = after

@@ -109,7 +109,7 @@ def test_models_dialog_on_the_real_window(qtbot, data_dir, store, monkeypatch):
         dlg.list.setCurrentRow(next(i for i, t in enumerate(texts) if t.startswith(lm_line)))
         assert dlg.message.text() == ""  # the banner of the bad file is gone
         est = dlg.estimate()
-        held = {"mapped": "mapped from the file", "repacked": "repacked for AVX-512 from the file"}.get(
+        held = {"mapped": "mapped from the file", "repacked": "repacked from the file"}.get(
             est.weights.held, "dequantized from Q8_0")
         assert f"(Q8_0, {est.weights.bits_per_weight:.2f} bits per weight, {held})" in dlg.estimate_label.text() \
             or f"(F32, 32.00 bits per weight, {held})" in dlg.estimate_label.text()

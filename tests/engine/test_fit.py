@@ -220,7 +220,7 @@ def test_models_lists_folders_and_gguf_files_with_their_memory(tmp_path, stories
     assert (folder["format"], folder["stored_format"], folder["held"]) == ("F32", "BF16", "converted")
     assert folder["memory_bytes"] == 2 * sum(p.stat().st_size for p in (root / "llama-bf16").glob("*.safetensors")) \
         - 2 * _header_bytes(root / "llama-bf16")
-    held = "repacked" if kernel.packs() else "mapped"  # sixteen rows a group for AVX-512 VNNI, else the file's
+    held = "repacked" if kernel.packs(8) else "mapped"  # sixteen rows a group for AVX-512 VNNI, else the file's
     assert (q8["format"], q8["held"], q8["fits"]) == ("Q8_0", held, True)
     assert q8["kv"]["auto"]["bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # 2 layers, K and V, 2 heads of 32, float32
     assert q8["kv"]["int8"]["longest_context"] == 1024

@@ -117,7 +117,7 @@ def test_generate_says_the_weights_memory_before_loading(files, capsys):
     assert main(["generate", "--model", str(path), "--prompt", "Once upon a time", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr()
     note = next(line for line in out.err.splitlines() if "stories-Q8_0.gguf: Q8_0 weights" in line)
-    where = "repacked for AVX-512" if kernel.packs() else "mapped"  # the integer road's layout on this CPU
+    where = "repacked" if kernel.packs(8) else "mapped"  # the integer road's layout on this CPU
     assert re.fullmatch(r"note: stories-Q8_0\.gguf: Q8_0 weights \(444\.0 KiB on disk, \d+\.\d\d bits per weight\) "
                         rf"stay as the file stores them, {where} from the file: \d+\.\d KiB of weights in memory "
                         r"\(int8 activations, [^)]+\)", note), note

@@ -172,6 +172,48 @@ def test_packed_product_is_exact_on_the_quantized_activations(name, m):
     assert np.array_equal(one, y)
 
 
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernels built for the installers' AVX2 level (x86-64-v3: no AVX-512), loaded beside this build's."""
+    import ctypes
+
+    from engine.native import build
+    from engine.native.libraries import KQ
+
+    flags, need = next((f, need) for name, f, need in build.LEVELS if name == "avx2")
+    cc = build.compiler(False)
+    if cc is None or not all(f in build.cpu_flags() for f in need):
+        pytest.skip("no C compiler, or this CPU does not run AVX2")
+    out = tmp_path_factory.mktemp("kq-avx2") / "kq-avx2.so"
+    build.compile_library(KQ, cc, flags, out)
+    return kernel._declare(ctypes.CDLL(str(out)))
+
+
+@pytest.mark.slow  # builds the library for the AVX2 level (~10-30 s here)
+@pytest.mark.parametrize("name", PACKED)
+def test_the_avx2_build_packs_and_sums_as_avx512_does(avx2_build, name):
+    """An AVX2-only machine multiplies Q4_0, Q4_K and Q6_K repacked (maddubs for vpdpbusd: the same integer sums,
+    the same result bit for bit as the AVX-512 build's), Q8_0 in the file's layout (packed it ran no faster)."""
+    lib, t, n, rows = avx2_build, T[name].value, 512 if name.endswith("_K") else 544, 21
+    assert lib.kq_isa_name() == b"AVX2"
+    nbytes = lib.kq_pack_bytes(t, rows, n)
+    if name == "Q8_0":
+        assert nbytes == 0
+        return
+    raw = blocks(name, rows, n, seed=11)
+    w = torch.from_numpy(raw)
+    p = torch.empty(nbytes, dtype=torch.uint8)
+    assert lib.kq_pack(t, w.data_ptr(), w.stride(0), rows, n, p.data_ptr(), 1) == 0
+    x = torch.randn(7, n, generator=torch.Generator().manual_seed(11))
+    y = torch.empty(7, rows)
+    assert lib.kq_packed_matmul(t, p.data_ptr(), rows, n, x.data_ptr(), 7, n, y.data_ptr(), rows, None, None, 1) == 0
+    ref = ggml_q8(x.numpy(), 1 if name.endswith("_K") else 0) @ reference(raw, name).T
+    assert np.abs(y.numpy() - ref).max() <= 2e-6 * np.abs(ref).max()
+    here = kernel.pack(w, t, n)
+    if here is not None and kernel.isa() == "AVX-512 + VNNI":
+        assert torch.equal(kernel.matmul(x, w, t, n, road="int8", packed=here), y)
+
+
 def test_packed_product_takes_the_row_order_and_threads():
     n, out = 256, 40
     w = torch.from_numpy(blocks("Q4_K", out, n, seed=9))

@@ -50,8 +50,7 @@ def refs(lm):
     """Each prompt's greedy tokens from the forward without a cache (its first product packs the weights)."""
     out = [engine_greedy(lm, p, N, CacheConfig(mode="off")) for p in PROMPTS]
     linears = [m for m in lm.model.modules() if isinstance(m, BlockLinear)]
-    if kernel.packs():
-        assert all(m.packed is not None for m in linears)  # every linear here is of a repacked type
+    assert [m.packed is not None for m in linears] == [kernel.packs(m.ggml_type) for m in linears]
     return out
 
 

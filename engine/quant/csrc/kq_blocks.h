@@ -127,6 +127,18 @@ int kq_packed_matmul(int type, const uint8_t* p, int64_t n_out, int64_t n, const
 /* BF16 weights times fewer than sixteen rows by bfloat16 pairs (kq_bf16.c; -1 where not built for AVX512_BF16) */
 int kq_bf16_rows(const uint8_t* w, int64_t rb, int64_t n_out, int64_t n, const float* x, int64_t m, int64_t ldx,
                  float* y, int64_t ldy, const float* bias, const int32_t* map, int threads);
+/* the packed products' builds (kq_pack.c's layout): AVX-512 VNNI (kq_packed.c), else AVX2 with FMA and F16C
+   (kq_packed_avx2.c); neither: the row products read the file's layout */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KQ_PACKED_512 1
+#else
+#define KQ_PACKED_512 0
+#endif
+#if !KQ_PACKED_512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_PACKED_AVX2 1
+#else
+#define KQ_PACKED_AVX2 0
+#endif
 /* which instruction set the integer products were built for, in words */
 const char* kq_isa(void);
 
