@@ -1,5 +1,5 @@
 """The engine core: ``EngineCore`` (every request of a loaded model, its rounds, admission, room and
-preemption; the only writer of a request's status), ``ChatSession`` and its step (``prepare`` / forward /
+preemption; a request's one lifecycle is ``RequestStatus``, held by its reply's record), ``ChatSession`` and its step (``prepare`` / forward /
 ``finish``), ``Sequence`` (a conversation's ids and turn), ``SeqCache`` (a sequence's cache, its one writer:
 each forward's ``StepRecord``), eviction, reconfiguring a cache mid-chat, ``observe`` (snapshots from
 records), sampling, the session pool, teacher forcing.

@@ -60,6 +60,7 @@ class Steppable(Protocol):
     """What the core steps: a ``ChatSession`` (``engine.core.session``) or anything with its step interface."""
 
     generating: bool  # a reply is in progress
+    turn_state: Any  # its reply's record (``engine.core.sequence.TurnState``): the request's status lives there
     lm: Any  # the ``LoadedModel`` it runs on
     runner: Any  # its model runner (requests of one runner may share a forward)
 
@@ -81,15 +82,28 @@ class Steppable(Protocol):
 class Request:
     """One reply in progress: a started session and where its results go (``sink(result)``, called on the engine
     thread with a ``StepResult`` or the exception that ended the reply; the last call is a done result or an
-    exception). ``status`` and ``finish_reason`` are the core's to change (``EngineCore.finish`` / ``abort``)."""
+    exception). Its ``status`` is its reply's (the session's ``turn_state``: one lifecycle, read by both, moved
+    through ``RequestStatus.to``); ``finish_reason`` is the core's to write (``EngineCore.finish`` / ``abort``)."""
 
     session: Steppable
     sink: Callable[[Any], None]
     priority: Priority = Priority.API
     hold: Callable[[], bool] = lambda: False  # True: not stepped this round (its source paused it)
-    status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     preempted: int = 0  # times its cache was given up for a request that came first (recomputed since)
+    reply: Any = field(init=False, repr=False)  # the reply's record, whose ``status`` this request's is
+
+    def __post_init__(self) -> None:
+        self.reply = self.session.turn_state  # this reply's, not a later one's: a session starts a new record
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.reply.status
+
+    @status.setter
+    def status(self, new: RequestStatus) -> None:
+        if new is not self.reply.status:
+            self.reply.status = self.reply.status.to(new)
 
     @property
     def done(self) -> bool:
@@ -173,14 +187,15 @@ class EngineCore:
 
     # -- the engine thread ---------------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
-        """Run ``request`` (its session started) from the next round on."""
-        request.status = RequestStatus.WAITING
+        """Run ``request`` (its session started: its reply waiting, or running where another core stepped it)
+        from the next round on."""
         self.requests.append(request)
         return request
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """``request`` is over (its reply ended, or its owner gave it up): it leaves at the end of this round."""
-        if request.status is not RequestStatus.FINISHED:
+        """``request`` is over (its reply ended, or its owner gave it up): it leaves at the end of this round. The
+        first reason given is its ``finish_reason``."""
+        if request.finish_reason is None:
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason(reason)
 
     def abort(self, request: Request) -> StepResult | None:
@@ -208,7 +223,7 @@ class EngineCore:
         for source in list(self.sources):
             source.admit(self)
         for r in self.requests:
-            if not r.done and not r.session.generating:
+            if r.finish_reason is None and not r.session.generating:
                 self.finish(r, FinishReason.DONE)  # its session ended the reply itself (closed, reset): it leaves
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:

@@ -9,7 +9,6 @@ The sequence's cache is ``engine.core.seq_cache.SeqCache``; ``engine.core.sessio
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
@@ -23,15 +22,8 @@ from engine.core.account import with_dropped
 from engine.core.sampling import Sampler
 from engine.snapshot import TokenEvent, TurnStats
 from engine.core.token_ids import interned
+from engine.core.vocab import RequestStatus
 from engine.model.chunks import CHUNK_FLOPS_CPU, CHUNK_FLOPS_GPU, MAX_CHUNK, MIN_CHUNK, prefill_chunk  # noqa: F401
-
-
-class Status(enum.Enum):
-    """Where a sequence is: between replies, replying, or closed for good."""
-
-    IDLE = "idle"
-    RUNNING = "running"
-    CLOSED = "closed"
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -57,8 +49,10 @@ class NullDecoder:
 
 @dataclass
 class TurnState:
-    """One reply's sampling, text and timings (replaced at every ``start``)."""
+    """One reply's sampling, text and timings, and where it is in its lifecycle (``status``: the one status of the
+    request, which the engine core's ``Request`` reads too; replaced at every ``start``)."""
 
+    status: RequestStatus = RequestStatus.WAITING  # changed only through ``RequestStatus.to``
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sampler: Sampler | None = None
     decoder: Any = None
@@ -163,18 +157,17 @@ def check_fits(prompt: int, max_new: int, ctx: int) -> str:
     return ""
 
 class Sequence:
-    """One conversation's token ids (``ids``: every token so far, the reply's included), its turn and status,
-    the reply in progress (``reply``) and the notes the user must see with it. Its ``status`` is the conversation's
-    (between replies, replying, closed) and only its own methods change it; the scheduling of a reply is the engine
-    core's ``Request.status`` (``RequestStatus``), which only the core changes. One writer of the rest: the
-    session."""
+    """One conversation's token ids (``ids``: every token so far, the reply's included), its turn, whether it is
+    closed for good, its last or current reply (``reply``, whose ``status`` is the request's one lifecycle:
+    replying while it is live) and the notes the user must see with it. One writer: the session (the engine core
+    moves a reply's status between waiting, running and preempted, through ``RequestStatus.to``)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.turn = -1
-        self.status = Status.IDLE
+        self.closed = False
         self.generation_id = 0
-        self.reply = TurnState()
+        self.reply = TurnState(status=RequestStatus.FINISHED)  # no reply yet
         self.notes: list[str] = []  # for the user, handed out with the reply's last step
         self.protected = 0  # logical [0, protected): system prompt + first message
         self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
@@ -182,17 +175,19 @@ class Sequence:
 
     @property
     def running(self) -> bool:
-        return self.status is Status.RUNNING
+        """A reply is in progress (its request waiting, running or preempted)."""
+        return self.reply.status is not RequestStatus.FINISHED
 
     def clear(self) -> None:
-        """Forget the conversation (its ids and turn); ready for a first reply again."""
-        self.ids, self.turn, self.status = [], -1, Status.IDLE
+        """Forget the conversation (its ids and turn; a reply in progress is over); ready for a first reply again."""
+        self.ids, self.turn = [], -1
+        self.reply.status = self.reply.status.to(RequestStatus.FINISHED)
 
     def close(self) -> None:
         """Closed for good: a reply in progress ends ``cancelled``; no other starts."""
         if self.running:
             self.end("cancelled")
-        self.status = Status.CLOSED
+        self.closed = True
 
     def copy(self) -> "Sequence":
         """The conversation (ids, turn, protection) without a reply in progress (a fork)."""
@@ -228,8 +223,9 @@ class Sequence:
         self.turn += 1
         self.protected, self.priorities = protection(messages, spans, len(ids))
         self.generation_id = generation_id
+        if reply.status is not RequestStatus.WAITING:
+            raise ValueError(f"a new reply starts waiting, not {reply.status.value}")
         self.reply = reply
-        self.status = Status.RUNNING
 
     def accept(self, token: int, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
         """Append a sampled token; its event and the stop reason it causes ("" to go on; the context is checked
@@ -279,7 +275,7 @@ class Sequence:
 
     def end(self, reason: str) -> TurnStats:
         """The reply ends with ``reason``: its stats (kept as ``last_stats``)."""
-        self.status = Status.IDLE if self.status is not Status.CLOSED else Status.CLOSED
+        self.reply.status = self.reply.status.to(RequestStatus.FINISHED)
         self.reply.cancel = False
         self.last_stats = self.reply.stats(reason)
         return self.last_stats

@@ -30,7 +30,7 @@ from engine.errors import EngineError, SessionClosedError
 from engine.model.loaded import LoadedModel
 from engine.core.sampling import Sampler
 from engine.core.seq_cache import SeqCache
-from engine.core.sequence import NullDecoder, Sequence, Status, TurnState, check_fits, prefill_chunk
+from engine.core.sequence import NullDecoder, Sequence, TurnState, check_fits, prefill_chunk
 from engine.snapshot import TOKEN_EVICTED, CacheSnapshot, TurnStats
 from engine.core import speculation_setup as spec_setup
 from engine.core.verify import SpecConfig, Speculator
@@ -69,7 +69,7 @@ class ChatSession(Stepping):
     cached_tokens = _via("cache", "n", "tokens per layer in the cache now")
 
     generating = property(lambda self: self.sequence.running, doc="a reply is in progress")
-    closed = property(lambda self: self.sequence.status is Status.CLOSED)
+    closed = property(lambda self: self.sequence.closed)
     offloaded = property(lambda self: self.cache.host is not None, doc="the K/V are in host memory (swapped)")
     context_length = property(lambda self: self.info.context_length)
     generated_ids = property(lambda self: list(self.sequence.reply.generated), doc="the reply's tokens so far")

@@ -29,12 +29,32 @@ class StrEnum(str, enum.Enum):
 
 
 class RequestStatus(enum.Enum):
-    """A request of the engine core; only the core changes it."""
+    """The one lifecycle of a request — a chat's reply or an API request's alike — held by the reply's record
+    (``engine.core.sequence.TurnState.status``), so the conversation and the engine core's ``Request`` read the
+    same value. Every change goes through ``to``, which refuses a move the lifecycle does not have::
 
-    WAITING = "waiting"  # added, not stepped yet (or held by its source)
+        WAITING -> RUNNING <-> PREEMPTED        a reply starts waiting; the core runs it, may preempt it
+            \--------\-----------\--> FINISHED  it ends (its stop, an error, cancelled, its owner gave it up)
+
+    Writers: the reply starts (``Sequence.begin``: WAITING) and ends itself (``Sequence.end``: FINISHED); the core
+    schedules (RUNNING), preempts (PREEMPTED) and finishes what its owner gave up (``EngineCore.finish``)."""
+
+    WAITING = "waiting"  # its reply started, not stepped by a core yet (or held by its source)
     RUNNING = "running"
     PREEMPTED = "preempted"  # its cache was given up for a request that came first: recomputed on its next step
     FINISHED = "finished"
+
+    def to(self, new: "RequestStatus") -> "RequestStatus":
+        """``new``, where the lifecycle moves from here to there (staying is always allowed); else ``ValueError``."""
+        if new is not self and new not in _MOVES[self]:
+            raise ValueError(f"a request cannot go from {self.value} to {new.value}")
+        return new
+
+
+_MOVES = {RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.FINISHED}),
+          RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, RequestStatus.FINISHED}),
+          RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+          RequestStatus.FINISHED: frozenset()}
 
 
 class FinishReason(StrEnum):

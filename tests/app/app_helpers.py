@@ -11,6 +11,8 @@ import numpy as np
 
 from engine.config import SamplingConfig
 from engine.core.records import Demand
+from engine.core.sequence import TurnState
+from engine.core.vocab import RequestStatus
 from engine.errors import ContextOverflowError, InternalError, SessionClosedError
 from engine.snapshot import CacheSnapshot, ModelInfo, StepResult, TokenEvent
 
@@ -119,6 +121,14 @@ class SessionFake:
 
     def room_for(self, n: int) -> bool:
         return True
+
+    @property
+    def turn_state(self) -> TurnState:
+        """Its reply's record (a new one once the last reply finished, as a real session's ``start`` makes)."""
+        t = self.__dict__.get("_turn")
+        if t is None or t.status is RequestStatus.FINISHED:
+            t = self.__dict__["_turn"] = TurnState()
+        return t
 
 
 class ScriptedSession(SessionFake):

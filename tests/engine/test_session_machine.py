@@ -806,6 +806,13 @@ class CoreMachine(ChatMachine):
         assert self.hooked[0] - self.hf_calls == ours - compiled, (self.hooked[0], self.hf_calls, ours, compiled)
 
     @invariant()
+    def one_lifecycle(self):
+        """A request's status is its reply's: its session replies exactly while the request is not finished."""
+        for request in [r.request for r in self.api] + list(self.on_core.values()):
+            if request.reply is request.session.turn_state:
+                assert request.done == (not request.session.generating), (request.status, request.session.closed)
+
+    @invariant()
     def pages_are_conserved(self):
         extra = [r.session for r in self.api]
         if self.comparison is not None and self.comparison._session is not None:
