@@ -127,16 +127,6 @@ def pack(w: torch.Tensor, ggml_type: int, n_in: int, threads: int | None = None)
     return out
 
 
-def unpack_row(packed: torch.Tensor, ggml_type: int, n_out: int, n_in: int, o: int) -> torch.Tensor:
-    """Row ``o`` of a packed weight in the file's bytes (uint8 [row_bytes])."""
-    lib = library()
-    if not 0 <= o < n_out or packed.numel() != lib.kq_pack_bytes(ggml_type, n_out, n_in):
-        raise IndexError(f"row {o} of a packed [{n_out}, {n_in}] {formats.name(ggml_type)} weight")
-    row = torch.empty(formats.row_bytes(ggml_type, n_in), dtype=torch.uint8)
-    lib.kq_unpack_row(ggml_type, packed.data_ptr(), n_out, n_in, o, row.data_ptr())
-    return row
-
-
 def weight(w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None, out_map: torch.Tensor | None,
            road: str, packed: torch.Tensor | None = None) -> Weight:
     """The descriptor ``linear`` takes, checked once (the caller keeps ``w``, ``bias``, ``out_map`` and ``packed``
