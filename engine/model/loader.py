@@ -177,10 +177,11 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
     model.eval()
-    from engine.quant.modules import shapes_only
+    from engine.quant.modules import pack_soon, shapes_only
 
     with shapes_only():  # its three-token test run asks the shapes: a GGUF's blocks are read at the first reply
         lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
+    pack_soon(model.__dict__.pop("kvscope_pack_group", None) or [])  # a GGUF's repacking, off the load's path
     if verdict is not None:
         lm.info = held_info(lm.info, verdict.weights, model)
     if lm.info.unsupported:

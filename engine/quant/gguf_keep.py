@@ -16,10 +16,11 @@ buffers real), so nothing is allocated for a weight that stays in the file; the 
 process's RSS as the products first read them (as llama.cpp's mmap does). On AVX-512 VNNI the integer road's
 linears are repacked at their first product (``BlockLinear.defer_pack``: sixteen rows a group, llama.cpp's
 repacked buffers for 512-bit vectors) and the file pages they were read from are let go at once
-(``Table.release``), so the weights are held once plus one tensor's pages, never the file and its copy. At the
-first product, not on load: the repacking (with the pages it reads and makes) was most of a load's time (the 1B
-shape, one thread: Q4_K_M ~0.45 s, Q8_0 ~0.85 s of loads of ~0.6 / ~1 s; llama.cpp's whole loads 0.6-0.85 /
-0.1-0.2 s); a first reply's prefill pays it instead.
+(``Table.release``), so the weights are held once plus one tensor's pages, never the file and its copy. Not
+within the load: the repacking (with the pages it reads and makes) was most of a load's time (the 1B shape, one
+thread: Q4_K_M ~0.45 s, Q8_0 ~0.85 s of loads of ~0.6 / ~1 s; llama.cpp's whole loads 0.55-0.85 / 0.1-0.2 s). A
+thread starts it as the load ends (``modules.pack_soon``) and the first product waits for what is left: nothing when the
+user types for a second, all of it when a prompt follows at once (then the first token pays it).
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     if missing:
         raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
     model.eval()
+    model.kvscope_pack_group = group  # packed on a thread once the load has probed the model (``pack_soon``)
     return model
 
 

@@ -179,12 +179,17 @@ class BlockLinear(nn.Module):
         return self._after_pack is not None
 
     def pack_pending(self) -> None:
-        """Do the packing ``defer_pack`` put off, for its whole group (once, whichever thread asks first)."""
+        """Do the packing ``defer_pack`` put off, for its whole group (once, whichever thread asks first: a product
+        asking meanwhile waits for it). Each module stays pending until its packed copy is in place, so a product on
+        another thread never keeps a descriptor of the file's layout."""
         with _PACKING:
             for m in self.__dict__.get("_group") or (self,):
+                if m._after_pack is None:
+                    continue
+                packed = m.pack()
                 after = m._after_pack
                 m.__dict__["_after_pack"], m.__dict__["_group"] = None, None
-                if after is not None and m.pack():
+                if packed:
                     after()
 
     def held_bytes(self) -> int:
@@ -250,6 +255,17 @@ class BlockLinear(nn.Module):
             raise RuntimeError(f"GGUF blocks are multiplied on the CPU and CUDA, not {self.weight.device.type}")
         y = y.reshape(*x.shape[:-1], self.out_features)  # [..., out]
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def pack_soon(group: list) -> threading.Thread | None:
+    """Start packing ``group`` (``BlockLinear.defer_pack``'s) on a thread of its own: a load returns without
+    waiting for it, and the first reply's product waits only for what is left (nothing, when the user took a
+    second to type). None when there is nothing to pack."""
+    if not group:
+        return None
+    t = threading.Thread(target=group[0].pack_pending, name="kvscope-gguf-pack", daemon=True)
+    t.start()
+    return t
 
 
 class BlockEmbedding(nn.Module):
