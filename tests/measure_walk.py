@@ -1,14 +1,16 @@
 """The walk of one decode round through the engine's files, traced: which files a round of the engine core enters
 between ``EngineCore.round`` and the sinks, and how often control crosses from one file to another (a call into
-another file, or a return to the caller's).
+another file, or a return to the caller's). With ``--app``, also the app's walk of a chat message: the worker
+(``app.link.worker.EngineWorker``, on this thread) from ``submit`` to its ``finished`` signal.
 
-    python tests/measure_walk.py [--sessions 2] [--list]
+    python tests/measure_walk.py [--root CHECKOUT] [--sessions 2] [--app] [--list]
 
 Two chats on stories260K decoding together (one batched forward), their first rounds run untraced, then one round
-traced with ``sys.setprofile``: only frames of ``engine/`` count (torch's and transformers' own calls are inside
-the model's forward). ``files``: distinct engine files entered; ``crossings``: file-to-file transitions, calls and
-returns; ``calls``: engine functions called. The coarse count takes each room but the core as one place (``kv``,
-``model``): the orchestration's walk, without the stores' per-layer calls.
+traced with ``sys.setprofile``: only frames of the checkout's ``engine/`` (and ``app/``) count (torch's and
+transformers' own calls are inside the model's forward). ``files``: distinct files entered; ``crossings``:
+file-to-file transitions, calls and returns; ``calls``: our functions called. The coarse count takes each room but
+the core as one place (``kv``, ``model``): the orchestration's walk, without the stores' per-layer calls.
+``--root`` measures another checkout (say, a worktree of an older commit) with this script.
 """
 
 from __future__ import annotations
@@ -18,30 +20,38 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = str(ROOT / "engine")
 
 
-def trace_round(core) -> list[tuple[str, str, str]]:
-    """(event, file, function) of every engine frame's call and return during one ``core.round()``."""
+def trace(fn, root: Path, rooms: tuple[str, ...] = ("engine",)) -> list[tuple[str, str, str]]:
+    """(event, file, function) of every call and return of a frame in ``root``'s ``rooms`` during ``fn()``; the
+    file relative to its room (``core/scheduler.py``), an ``app/`` file with its room's name (``app/link/...``)."""
     events: list[tuple[str, str, str]] = []
+    tops = {str(root / r) + "/": r for r in rooms}
 
     def prof(frame, event, arg):
         if event in ("call", "return"):
             f = frame.f_code.co_filename
-            if f.startswith(ENGINE):
-                events.append((event, f[len(ENGINE) + 1:], frame.f_code.co_name))
+            for top, room in tops.items():
+                if f.startswith(top):
+                    rel = f[len(top):]
+                    events.append((event, rel if room == "engine" else f"{room}/{rel}", frame.f_code.co_name))
+                    break
 
     sys.setprofile(prof)
     try:
-        core.round()
+        fn()
     finally:
         sys.setprofile(None)
     return events
 
 
 def _coarse(f: str) -> str:
-    """A file of the core as itself; any other file as its room (``kv/...`` -> ``kv``): the orchestration's walk."""
-    return f if f.startswith("core/") else f.split("/")[0]
+    """A file of the core (or the app's link) as itself; any other file as its room (``kv/...`` -> ``kv``,
+    ``app/chat/...`` -> ``app/chat``): the orchestration's walk."""
+    if f.startswith(("core/", "app/link/")):
+        return f
+    parts = f.split("/")
+    return "/".join(parts[:2]) if parts[0] == "app" else parts[0]
 
 
 def walk(events: list[tuple[str, str, str]], coarse: bool = False) -> dict:
@@ -62,34 +72,75 @@ def walk(events: list[tuple[str, str, str]], coarse: bool = False) -> dict:
             "file_list": sorted(files)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--sessions", type=int, default=2)
-    p.add_argument("--list", action="store_true")
-    a = p.parse_args()
-    sys.path.insert(0, str(ROOT))
+def engine_walk(root: Path, sessions: int) -> list[tuple[str, str, str]]:
     from engine.config import CacheConfig, SamplingConfig
     from engine.core.scheduler import EngineCore, Request
     from engine.core.session import ChatSession
     from engine.model.loader import load_model
 
-    lm = load_model(str(ROOT / "resources/models/stories260K"))
+    lm = load_model(str(root / "resources/models/stories260K"))
     core = EngineCore(lm)
     sink: list = []
-    for i in range(a.sessions):
+    for i in range(sessions):
         s = ChatSession(lm, CacheConfig(mode="paged", page_size=16))
-        s.start([{"role": "user", "content": f"Once upon a time {i}"}],
-                SamplingConfig(max_new_tokens=64, ignore_eos=True) if "ignore_eos" in SamplingConfig.__dataclass_fields__
-                else SamplingConfig(max_new_tokens=64))
+        s.start([{"role": "user", "content": f"Once upon a time {i}"}], SamplingConfig(max_new_tokens=64, ignore_eos=True))
         core.add(Request(s, sink.append))
     for _ in range(4):  # prefills and the first decodes: the rounds after are the steady state
         core.round()
-    events = trace_round(core)
+    return trace(core.round, root)
+
+
+def app_walk(root: Path, new_tokens: int = 4) -> list[tuple[str, str, str]]:
+    """A chat message of ``new_tokens`` tokens through the app's worker, on this thread: ``submit``, then the
+    rounds its timer would run (``_pump``), until ``finished``. The model is loaded and one message answered first
+    (untraced), so the walk is a message's, not the first one's."""
+    from PySide6.QtCore import QCoreApplication
+
+    from app.link.worker import EngineWorker
+    from engine.config import CacheConfig, ModelSpec, SamplingConfig
+
+    app = QCoreApplication.instance() or QCoreApplication([])  # noqa: F841 - signals need one
+    w = EngineWorker()
+    ended: list = []
+    w.finished.connect(lambda *a: ended.append(a))
+    w.load(ModelSpec(source=str(root / "resources/models/stories260K")), CacheConfig(mode="paged", page_size=16))
+    sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+
+    def message(gen: int, text: str) -> None:
+        w.submit(gen, [{"role": "user", "content": text}], sampling, "chat")
+        while len(ended) < gen:
+            w._pump()  # what the worker's timer runs each event-loop turn
+
+    message(1, "Once upon a time")
+    events = trace(lambda: message(2, "Once upon a time there was"), root, ("engine", "app"))
+    w.stop()
+    return events
+
+
+def _say(label: str, events: list, listed: bool) -> None:
     r, c = walk(events), walk(events, coarse=True)
-    print(f"one decode round of {a.sessions} chats: {r['files']} engine files, {r['crossings']} crossings, "
-          f"{r['calls']} calls; the core's files and the other rooms: {c['files']} places, {c['crossings']} crossings")
-    if a.list:
-        print("\n".join(r["file_list"]))
+    print(f"{label}: {r['files']} files, {r['crossings']} crossings, {r['calls']} calls; the core's (link's) files "
+          f"and the other rooms: {c['files']} places, {c['crossings']} crossings")
+    if listed:
+        print("\n".join("  " + f for f in r["file_list"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
+    p.add_argument("--sessions", type=int, default=2)
+    p.add_argument("--app", action="store_true", help="also the app's walk of a chat message")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args()
+    root = a.root.resolve()
+    sys.path.insert(0, str(root))
+    import engine
+
+    if not engine.__file__.startswith(str(root)):
+        raise SystemExit(f"engine imported from {engine.__file__}, not {root}: run from {root}")
+    _say(f"one decode round of {a.sessions} chats (engine)", engine_walk(root, a.sessions), a.list)
+    if a.app:
+        _say("a chat message of 4 tokens (app worker, submit to finished)", app_walk(root), a.list)
 
 
 if __name__ == "__main__":

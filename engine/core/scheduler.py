@@ -107,7 +107,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.reply.status is RequestStatus.FINISHED
 
     def cancel(self) -> None:
         """Stop the reply at its next step (engine thread, or any thread: only a flag is set)."""
@@ -227,7 +227,8 @@ class EngineCore:
                 self.finish(r, FinishReason.DONE)  # its session ended the reply itself (closed, reset): it leaves
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:
-            for unit in _units(self._schedule(live), lambda x: x.demand):
+            chosen = self._schedule(live)
+            for unit in _units(chosen, [x.demand for x in chosen]):
                 self._postprocess(unit, self._run(unit))
         self.requests = [r for r in self.requests if not r.done]
         for task in sorted(self.tasks, key=lambda t: t.priority):
@@ -276,7 +277,8 @@ class EngineCore:
     def _postprocess(self, unit: list[Scheduled], results: dict[int, Any]) -> None:
         """The one place a forward's results are applied to their requests: each request's status (finished when
         its reply ended, by why), then its result to its sink, in the order they were scheduled."""
-        for req, res in ((x.request, results[id(x.request.session)]) for x in unit):
+        for x in unit:
+            req, res = x.request, results[id(x.request.session)]
             if isinstance(res, BaseException):
                 self.finish(req, FinishReason.ERROR)
             elif res.done:
@@ -313,21 +315,21 @@ class EngineCore:
 
 def batchable(sessions: Sequence) -> list[list]:
     """The groups of ``sessions`` that would share a forward now (``_groups``), each asked for its ``demand``."""
-    return _groups(list(sessions), lambda s: s.demand())
+    return _groups(list(sessions), [s.demand() for s in sessions])
 
 
 def forwards(sessions: Sequence) -> list[list]:
     """``sessions`` (in priority order) as the forwards they run in, in order (``_units``)."""
-    return _units(list(sessions), lambda s: s.demand())
+    return _units(list(sessions), [s.demand() for s in sessions])
 
 
-def _groups(items: list, demand_of: Callable[[Any], Demand]) -> list[list]:
+def _groups(items: list, demands: list[Demand]) -> list[list]:
     """The groups of ``items`` (sessions, or a round's ``Scheduled``) that would share a forward now, one per model
     runner: every one decoding one token, plus the first (the highest-priority) one with a prefill chunk to feed,
-    as vLLM's chunked prefill mixes them; at least one decode and two members a group, at most ``MAX_BATCH``."""
+    as vLLM's chunked prefill mixes them; at least one decode and two members a group, at most ``MAX_BATCH``.
+    ``demands``: each item's ``Demand``, in order."""
     groups: dict[int, tuple[list, list]] = {}
-    for x in items:
-        d = demand_of(x)
+    for x, d in zip(items, demands):
         if d.shares and not d.runner.batch_refusal():
             decodes, prefills = groups.setdefault(id(d.runner), ([], []))
             (decodes if d.shares == 1 else prefills).append(x)
@@ -340,11 +342,10 @@ def _groups(items: list, demand_of: Callable[[Any], Demand]) -> list[list]:
     return out
 
 
-def _units(items: list, demand_of: Callable[[Any], Demand]) -> list[list]:
-    """``items`` (in priority order) as the forwards they run in, in order: a batchable group when its first
-    member's turn comes (``_groups``), every other one alone."""
-    demands = {id(x): demand_of(x) for x in items}  # asked once each
-    group_of = {id(x): g for g in _groups(items, lambda x: demands[id(x)]) for x in g}
+def _units(items: list, demands: list[Demand]) -> list[list]:
+    """``items`` (in priority order; ``demands``: each one's ``Demand``) as the forwards they run in, in order: a
+    batchable group when its first member's turn comes (``_groups``), every other one alone."""
+    group_of = {id(x): g for g in _groups(items, demands) for x in g}
     out, seen = [], set()
     for x in items:
         if id(x) in seen:
