@@ -181,7 +181,8 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
 
     with shapes_only():  # its three-token test run asks the shapes: a GGUF's blocks are read at the first reply
         lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
-    pack_soon(model.__dict__.pop("kvscope_pack_group", None) or [])  # a GGUF's repacking, off the load's path
+    # a GGUF's repacking and the pages of its weights multiplied in place, off the load's path
+    pack_soon(model.__dict__.pop("kvscope_pack_group", None) or [], model.__dict__.pop("kvscope_map_pages", None))
     if verdict is not None:
         lm.info = held_info(lm.info, verdict.weights, model)
     if lm.info.unsupported:

@@ -257,13 +257,20 @@ class BlockLinear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def pack_soon(group: list) -> threading.Thread | None:
-    """Start packing ``group`` (``BlockLinear.defer_pack``'s) on a thread of its own: a load returns without
-    waiting for it, and the first reply's product waits only for what is left (nothing, when the user took a
-    second to type). None when there is nothing to pack."""
-    if not group:
+def pack_soon(group: list, then: Callable[[], None] | None = None) -> threading.Thread | None:
+    """Start packing ``group`` (``BlockLinear.defer_pack``'s), then ``then`` (the loader maps the pages of the
+    weights multiplied in place), on a thread of its own: a load returns without waiting for it, and the first
+    reply's product waits only for the packing left (nothing, when the user took a second to type). None when
+    there is nothing to do."""
+    if not group and then is None:
         return None
-    t = threading.Thread(target=group[0].pack_pending, name="kvscope-gguf-pack", daemon=True)
+
+    def run() -> None:
+        if group:
+            group[0].pack_pending()
+        if then is not None:
+            then()
+    t = threading.Thread(target=run, name="kvscope-gguf-pack", daemon=True)
     t.start()
     return t
 
