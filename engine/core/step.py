@@ -54,9 +54,9 @@ class Stepping:
 
     def step(self) -> StepResult:
         """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token. The
-        scheduler's own path (``engine.core.forward.run_forward``) for this session alone; what ended the reply
+        scheduler's own path (``engine.core.scheduler.run_forward``) for this session alone; what ended the reply
         is raised, typed."""
-        from engine.core.forward import run_forward
+        from engine.core.scheduler import run_forward
 
         result = run_forward([(self, None)])[id(self)]
         if isinstance(result, BaseException):
