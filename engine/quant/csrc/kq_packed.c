@@ -12,11 +12,6 @@
    not depend on how many rows are multiplied at once. */
 #include <stdlib.h>
 #include "kq_blocks.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-int64_t kq_x16_group_bytes(int type, int64_t n);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -180,16 +175,17 @@ INLINE void q80(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
 }
 
 #define KERNEL(NAME, FN) \
-static void NAME(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, int R, __m512* out) { \
+static void NAME(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, int R, float (*o16)[PR]) { \
+    __m512 out[4]; \
     switch (R) { \
     case 4: FN(grp, n, A, r0, 4, out); break; \
     case 3: FN(grp, n, A, r0, 3, out); break; \
     case 2: FN(grp, n, A, r0, 2, out); break; \
     default: FN(grp, n, A, r0, 1, out); break; \
     } \
+    for (int k = 0; k < R; k++) _mm512_storeu_ps(o16[k], out[k]); \
 }
 KERNEL(k_q4k, q4k) KERNEL(k_q6k, q6k) KERNEL(k_q40, q40) KERNEL(k_q80, q80)
-typedef void (*kfn)(const uint8_t*, int64_t, const pact*, int64_t, int, __m512*);
 
 static kfn kernel_for(int type) {
     switch (type) {
@@ -205,53 +201,7 @@ static kfn kernel_for(int type) {
    0 done; -1 bad arguments; -2 no memory */
 int kq_packed_matmul(int type, const uint8_t* p, int64_t n_out, int64_t n, const float* x, int64_t m, int64_t ldx,
                      float* y, int64_t ldy, const float* bias, const int32_t* map, int threads) {
-    kfn fn = kernel_for(type);
-    if (!fn || kq_pack_bytes(type, n_out, n) == 0 || m < 1 || ldx < n) return -1;
-    if (threads < 1) threads = 1;
-    const int64_t nb = n / (kq_act_kind(type) == 1 ? QKK : QK), gb = kq_x16_group_bytes(type, n);
-    const int64_t groups = (n_out + PR - 1) / PR;
-    pact A = {0};
-    A.n = n;
-    A.qs = malloc((size_t)(m * n));
-    A.d = malloc((size_t)(m * nb) * sizeof(float));
-    A.o = malloc((size_t)(m * (n / 16)) * sizeof(int32_t));
-    A.b2 = malloc((size_t)(m * (n / 32)) * sizeof(int16_t));
-    int16_t* bs = malloc((size_t)(m * (n / 16)) * sizeof(int32_t));  /* Q8_K's sums of 16, or Q8_0's s */
-    int rc = 0;
-    if (!A.qs || !A.d || !A.o || !A.b2 || !bs) rc = -2;
-    else {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-        {
-            int t = 0, nt = 1;
-#ifdef _OPENMP
-            t = omp_get_thread_num(); nt = omp_get_num_threads();
-#endif
-            int64_t b0, b1;
-            share(m, t, nt, &b0, &b1);
-            quantize(type, x, ldx, b0, b1, &A, bs);
-#pragma omp barrier
-            share(groups, t, nt, &b0, &b1);
-            __m512 out[4];
-            float o16[4][PR];
-            int64_t g = b0;
-            for (; g < b1; g++) {
-                const uint8_t* grp = p + g * gb;
-                const int rows = n_out - g * PR < PR ? (int)(n_out - g * PR) : PR;
-                for (int64_t r = 0; r < m; r += 4) {
-                    const int R = m - r < 4 ? (int)(m - r) : 4;
-                    fn(grp, n, &A, r, R, out);
-                    for (int k = 0; k < R; k++) _mm512_storeu_ps(o16[k], out[k]);
-                    for (int k = 0; k < R; k++)
-                        for (int i = 0; i < rows; i++) {
-                            const int64_t o = g * PR + i;
-                            y[(r + k) * ldy + (map ? map[o] : o)] = o16[k][i] + (bias ? bias[o] : 0.f);
-                        }
-                }
-            }
-        }
-    }
-    free(A.qs); free(A.d); free(A.o); free(A.b2); free(bs);
-    return rc;
+    return packed_matmul(kernel_for(type), type, p, n_out, n, x, m, ldx, y, ldy, bias, map, threads);
 }
 #elif !KQ_PACKED_AVX2  /* kq_packed_avx2.c's where it is built for AVX2 */
 int kq_packed_matmul(int type, const uint8_t* p, int64_t n_out, int64_t n, const float* x, int64_t m, int64_t ldx,
