@@ -29,17 +29,8 @@ static void plain_softmax(float *s, int rep, int64_t len, int64_t ls, float *sum
     for (int r = 0; r < rep; r++) {
         float *x = s + r * ls;
         for (int64_t i = len; i < ls; i++) x[i] = -INFINITY;
-        v16 m = *(const v16u *)x, sum = {0};
-        for (int64_t i = 16; i < ls; i += 16) {
-            v16 v = *(const v16u *)(x + i);
-            kvs_i16 gt = v > m, vi, mi;
-            memcpy(&vi, &v, 64);
-            memcpy(&mi, &m, 64);
-            mi = (gt & vi) | (~gt & mi);
-            memcpy(&m, &mi, 64);
-        }
-        float mx = m[0];
-        for (int l = 1; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
+        const float mx = max16(x, ls);
+        v16 sum = {0};
         /* the padding's exp is e^-87 (fast_exp's floor), 15 of them below a float32 ulp of the sum (>= 1) */
         for (int64_t i = 0; i < ls; i += 16) {
             v16 e = fast_exp16(*(const v16u *)(x + i) - mx);

@@ -167,22 +167,6 @@ static inline void pf_values(const float *p, int lds, int rows, const float *vb,
 
 #endif
 
-/* the largest of n floats (n a multiple of 16): sixteen lanes (a scalar running maximum waits ~3 cycles a score) */
-static inline float pf_max(const float *x, int n) {
-    v16 m = *(const v16u *)x;
-    for (int j = 16; j < n; j += 16) {
-        const v16 y = *(const v16u *)(x + j);
-        kvs_i16 gt = y > m, yi, mi;
-        memcpy(&yi, &y, 64);
-        memcpy(&mi, &m, 64);
-        mi = (gt & yi) | (~gt & mi);
-        memcpy(&m, &mi, 64);
-    }
-    float mx = m[0];
-    for (int l = 1; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
-    return mx;
-}
-
 /* exp(x - m) over n floats in place (n a multiple of 16), their sum returned */
 static inline float pf_exp_sum(float *x, int n, float m) {
     v16 sum = {0};
@@ -253,7 +237,7 @@ static void prefill_head(int h, int rep, int nq, int64_t n, int d, int dv, const
                 }
                 const int vp = (vis[t] + 15) / 16 * 16;
                 for (int j = vis[t]; j < vp; j++) st[j] = -INFINITY;
-                const float mx = pf_max(st, vp), mn = mx > w->m[m] ? mx : w->m[m];
+                const float mx = max16(st, vp), mn = mx > w->m[m] ? mx : w->m[m];
                 float sum = pf_exp_sum(st, vp, mn);
                 for (int j = vis[t]; j < mostp; j++) {  /* masked and padding: no weight (fast_exp's floor is not 0) */
                     if (j < vp) sum -= st[j];
