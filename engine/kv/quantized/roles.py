@@ -16,6 +16,8 @@ per session, and quantizes it once full (KIVI's residual; per-channel keys need 
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,24 @@ class KVShape:
 
 
 # -------------------------------------------------------------------------------------- full precision
+LAZY_BYTES = 1 << 20  # page tensors this large, on the CPU, get a mapping of their own (``page_zeros``)
+
+
+def page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    """``torch.zeros(shape)``, where a large CPU tensor is an anonymous mapping of its own: the OS hands out zero
+    pages as they are first written, so the pages no token reached take no memory. An arena's first pages are
+    sized for 2,048 tokens (a 1B model's float32 K/V: 128 MiB), and zeroing them all made a 190-token chat hold
+    them all (+116 MiB resident against its 12). Marked for 4 KiB pages: under THP "always" one written token
+    would bring in 2 MiB, four heads' rows (the decode reads a few KiB a head and page, no TLB wall)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    anon = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, nbytes, flags=anon) if anon else mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 class FullRole:
@@ -95,7 +115,7 @@ class FullRole:
 
     def allocate(self, num_pages: int) -> list[Tensor]:
         s = self.shape
-        return [torch.zeros((self.heads, num_pages * self.page_size, self.dim), dtype=s.dtype, device=s.device)
+        return [page_zeros((self.heads, num_pages * self.page_size, self.dim), s.dtype, s.device)  # [H, n*P, D]
                 for _ in range(s.num_layers)]
 
     def install(self, new: list[Tensor], keep_pages: int) -> None:

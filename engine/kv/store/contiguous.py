@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.errors import OutOfMemoryError, is_oom
-from engine.kv.quantized.roles import KVShape
+from engine.kv.quantized.roles import KVShape, page_zeros
 from engine.kv.store.storage import HostKV, KVStore, host_copy, take_slots
 
 
@@ -32,8 +32,8 @@ class ContiguousKV(KVStore):
         """All layers' new buffers first, then the copy: a failed allocation changes nothing."""
         (hk, dk), (hv, dv) = self.shape.of("k"), self.shape.of("v")
         try:
-            new_k = [torch.zeros((hk, cap, dk), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            new_v = [torch.zeros((hv, cap, dv), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_k = [page_zeros((hk, cap, dk), self.dtype, self.device) for _ in range(self.num_layers)]  # [Hk, cap, Dk]
+            new_v = [page_zeros((hv, cap, dv), self.dtype, self.device) for _ in range(self.num_layers)]  # [Hv, cap, Dv]
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
