@@ -78,14 +78,17 @@ class Reprefill:
 @dataclass(frozen=True)
 class Demand:
     """What a reply asks of the next round (``Stepping.demand``), asked once a round by the scheduler, which grants
-    its tokens (``tokens`` while the round's prefill budget lasts) and forms the shared forwards from it."""
+    its tokens (``tokens`` while the round's prefill budget lasts; a verification's when the pool has room for them,
+    else its one token) and forms the shared forwards from it."""
 
     pending: int  # tokens to feed before its next token (1 decoding; 0 handing out a verification's tokens)
     limit: int  # most tokens one forward of it feeds: the model's prefill chunk (a share of it while re-reading)
     shares: int  # tokens it would feed in a forward shared with others (0: it runs alone)
     runner: Any  # the model runner its forward runs on (requests of one runner may share a forward)
+    drafts: tuple[int, ...] = ()  # a decode step's speculative drafts, proposed once: verified with its token
 
     @property
     def tokens(self) -> int:
-        """The tokens one forward of it feeds: a prefill chunk, or the one decode token."""
-        return min(max(1, self.pending), self.limit)
+        """The tokens one forward of it feeds: a prefill chunk, the one decode token, a verification's token and
+        drafts; 0 while a verification's tokens are handed out (no forward)."""
+        return len(self.drafts) + 1 if self.drafts else min(self.pending, self.limit)

@@ -8,7 +8,8 @@ top to bottom; the KV manager it asks for room (``kv_manager``) and the sessions
 
     calls, admissions          what other threads asked for (``call``), what sources let in (``Source.admit``)
     schedule                   requests by priority (the chat on screen first): each asked once what its next
-                               forward needs (``Demand``); decode rows, and prefill chunks granted within a budget
+                               forward needs (``Demand``: a speculating chat's drafts proposed there); decode rows
+                               and verifications granted, prefill chunks within a budget
     batch                      the decode rows (and the first prefill chunk) of one runner in one forward, the rest
                                alone (``forwards``)
     run                        room for each granted forward (the KV manager), each prepared with its grant, one
@@ -67,7 +68,7 @@ class Steppable(Protocol):
     def step(self) -> StepResult: ...
     def cancel(self) -> None: ...
     def demand(self) -> Demand: ...  # what its next forward asks of the round (asked once a round)
-    def prepare(self, tokens: int | None = None) -> Any: ...  # at most ``tokens`` fed: the round's grant
+    def prepare(self, tokens: int | None = None) -> Any: ...  # lays out the round's grant (at most ``tokens``)
     def finish(self, out: Any, written: tuple[int, ...] = ()) -> StepResult: ...
     def abort(self, exc: BaseException) -> BaseException: ...
     # what the KV manager asks (``engine.core.kv_manager.Holder``) and a shared forward's pages
@@ -268,6 +269,8 @@ class EngineCore:
             x = by_session[id(session)]
             if x.request.status is RequestStatus.PREEMPTED:
                 x.request.status, tokens = RequestStatus.RUNNING, session.demand().tokens
+            elif x.demand.drafts and not self.kv.can_allocate(session, tokens):
+                tokens = 1  # drafts never cost another request's pages: this step decodes its one token
             self.kv.make_room(session, tokens, x.request.priority)
             return tokens
 

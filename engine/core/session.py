@@ -59,6 +59,7 @@ class ChatSession(Stepping):
         self._open = None  # the prepared forward (``engine.core.step.OpenStep``)
         self.spec: Speculator | None = None  # speculative decoding (``speculate``)
         self._ready: list = []  # a verification's tokens still to hand out (``engine.core.step``)
+        self._proposal = None  # the next forward's drafts, proposed once (``engine.core.step``)
 
     seq = _via("sequence", "ids", "every token of the conversation so far")
     turn, generation_id, turn_state = _via("sequence", "turn"), _via("sequence", "generation_id"), _via("sequence", "reply")
@@ -165,7 +166,7 @@ class ChatSession(Stepping):
         if continued:
             q.add_notes([f"went on from the cache the policy left: {keep - continued} tokens kept, "
                          f"{continued} evicted earlier stay evicted, only the {len(ids) - keep} new ones computed"])
-        self._ready = []
+        self._ready, self._proposal = [], None
         if self.spec is not None:
             note = self.spec.new_reply()
             reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
@@ -235,7 +236,7 @@ class ChatSession(Stepping):
         """End any reply (cancelled), free the cache; the session is done (``SessionClosedError`` after)."""
         if self.closed:
             return
-        self._open, self._ready = None, []
+        self._open, self._ready, self._proposal = None, [], None
         if self.spec is not None:
             self.spec.close()
             self.spec = None

@@ -51,6 +51,7 @@ class Stepping:
     _open: OpenStep | None  # the prepared forward
     spec: "Speculator | None"  # speculative decoding (``engine.core.verify``), None: off
     _ready: list  # tokens a verification gave beyond its first: (event, stop, text), one per step, no forward
+    _proposal: tuple | None  # the next forward's drafts, once proposed: (reply, its length, drafts, seconds)
 
     def step(self) -> StepResult:
         """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token. The
@@ -70,10 +71,12 @@ class Stepping:
         return self.lm.runner
 
     def demand(self) -> Demand:
-        """What its next forward asks of a round (the scheduler grants its tokens from it, once a round)."""
+        """What its next forward asks of a round (the scheduler grants its tokens from it, once a round). A decoding
+        reply that speculates proposes its drafts here (``_propose``): the grant, and the room the KV manager finds,
+        are its verification's ``len(drafts) + 1`` tokens."""
         pending = self.pending_tokens()
         limit = reprefill.chunk(self.prefill_chunk) if reprefill.running(self.sequence.reply) else self.prefill_chunk
-        return Demand(pending, limit, self.shares(), self.runner)
+        return Demand(pending, limit, self.shares(), self.runner, self._propose() if pending == 1 else ())
 
     def room_for(self, n: int) -> bool:
         """Its cache can take ``n`` more tokens now (True when it needs none: no reply in progress, no cache)."""
@@ -104,8 +107,8 @@ class Stepping:
 
     def shares(self) -> int:
         """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
-        of more; a speculating chat's one may become a verification of its drafts, which shares the forward
-        too); 0 when it cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
+        of more; a decode step granted its drafts' verification shares the forward as a decode row too); 0 when it
+        cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
         ok = self.sequence.running and not self.sequence.reply.cancel and self.cache.can_share(len(self.sequence.ids))
         ok = ok and not self._ready  # a verification's later tokens are handed out without a forward
         return self.cache.pending(len(self.sequence.ids)) if ok else 0
@@ -122,19 +125,19 @@ class Stepping:
         q, c = self.sequence, self.cache
         if q.reply.cancel:
             return self._finish("cancelled", None)
+        chunk = tokens if tokens is not None else self.demand().tokens  # alone: its own demand's (drafts proposed)
         t0 = time.perf_counter()
         if q.reply.waited_ms < 0:  # the first forward: what came before it was waiting, not the model's work
             q.reply.waited_ms = (t0 - q.reply.t_start) * 1000.0
         c.begin_step()
-        drafts = self._drafts()
+        drafts, draft_s = self._granted(chunk)
         if drafts:
             try:
                 work = c.next_verify(q.ids, drafts, owner=q.turn)
             except BaseException as e:
                 raise self._fail(e) from e
-            self._open = OpenStep(t0, len(drafts) + 1, work, None, drafts)
+            self._open = OpenStep(t0 - draft_s, len(drafts) + 1, work, None, list(drafts))  # drafting is its cost
             return work
-        chunk = tokens if tokens is not None else self.demand().tokens
         try:
             work, plan = c.next_forward(q.ids, q.protected, q.priorities, max(1, chunk), q.turn)
         except ContextOverflowError as e:
@@ -147,16 +150,34 @@ class Stepping:
         self._open = OpenStep(t0, n_in, work, plan, None)
         return work
 
-    def _drafts(self) -> list[int]:
-        """Draft tokens for a verification now ([]: a plain step). Only while decoding, within the reply's
-        remaining tokens and the room the cache can cut back exactly (``SeqCache.draft_room``)."""
+    def _propose(self) -> tuple[int, ...]:
+        """The drafts its next forward would verify (() : a plain step), proposed once for that forward (asked again
+        before it runs, the same ones: a drafter's proposal moves its state, a draft model runs forwards). Only
+        while decoding, within the reply's remaining tokens, the room the cache can cut back exactly
+        (``SeqCache.draft_room``) and the pages it can take now."""
         q, c, spec = self.sequence, self.cache, self.spec
-        t = q.reply
+        t, p = q.reply, self._proposal
+        if p is not None and p[0] is t and p[1] == len(q.ids):
+            return p[2]
+        self._proposal = None
         if spec is None or not t.generated or t.cancel or t.sampling.logprobs is not None:
-            return []  # log-probabilities are the sampler's of each token it picks: decoded one by one
+            return ()  # log-probabilities are the sampler's of each token it picks: decoded one by one
+        t0 = time.perf_counter()
         room = min(c.draft_room(len(q.ids)), t.sampling.max_new_tokens - len(t.generated) - 1)
-        drafts = t.sampler.valid_drafts(spec.propose(q.ids, room, t.sampler)) if room > 0 else []
-        return drafts if drafts and c.can_reserve(len(drafts) + 1) else []
+        drafts = tuple(t.sampler.valid_drafts(spec.propose(q.ids, room, t.sampler)) if room > 0 else ())
+        drafts = drafts if drafts and c.can_reserve(len(drafts) + 1) else ()
+        self._proposal = (t, len(q.ids), drafts, time.perf_counter() - t0)
+        return drafts
+
+    def _granted(self, tokens: int) -> tuple[tuple[int, ...], float]:
+        """The proposed drafts and the seconds proposing took, when ``tokens`` (the grant) is their verification's
+        and the cache can take them; else ((), 0.0): a plain step. The proposal is used up either way."""
+        p, self._proposal = self._proposal, None
+        q = self.sequence
+        if p is None or not p[2] or p[0] is not q.reply or p[1] != len(q.ids) or tokens != len(p[2]) + 1:
+            return (), 0.0
+        c, n = self.cache, len(p[2])
+        return (p[2], p[3]) if c.draft_room(len(q.ids)) >= n and c.can_reserve(tokens) else ((), 0.0)
 
     def abort(self, exc: BaseException) -> BaseException:
         """The prepared forward failed: roll it back, end the reply; the typed error to report."""
@@ -246,7 +267,7 @@ class Stepping:
 
     def _fail(self, exc: BaseException) -> BaseException:
         """End the turn after ``exc`` (its forward rolled back): the typed error."""
-        self._open, self._ready = None, []
+        self._open, self._ready, self._proposal = None, [], None
         self.sequence.end("error")
         return as_engine_error(exc)
 

@@ -308,6 +308,39 @@ def test_speculating_chats_verify_in_the_forward_of_the_others_and_stay_exact(lm
     assert sum(s.spec.stats.accepted for s in (sessions[0], sessions[2])) > 0
 
 
+def test_the_round_grants_a_verification_its_drafts_and_the_kv_manager_room_for_exactly_them(lm):
+    """Speculation is scheduled: a speculating chat's drafts are proposed once a forward, in the demand the round
+    asks (however often it is asked), the round grants its verification's tokens (its token and drafts) and the
+    KV manager is asked room for exactly those; handing out a verification's later tokens asks for none. The
+    reply is HF's greedy one."""
+    from engine.config import SpecConfig
+    from engine.core.scheduler import EngineCore, Request
+
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
+             "big dog. Once upon a time, there was a little girl named Lily. She loved")
+    ids, n = lm.tokenizer(story)["input_ids"], 40
+    s = ChatSession(lm, CacheConfig(page_size=8))
+    s.speculate(SpecConfig(method="ngram", draft_tokens=4, auto_off=False))
+    proposed, propose = [], s.spec.drafter.propose
+    s.spec.drafter.propose = lambda ids, k, sampler=None: proposed.append(propose(ids, k, sampler)) or proposed[-1]
+    core, asked, results = EngineCore(lm), [], []
+    make_room = core.kv.make_room
+    core.kv.make_room = lambda session, tokens, priority: asked.append(tokens) or make_room(session, tokens, priority)
+    s.start_ids(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    core.add(Request(s, results.append))
+    while core.requests:
+        for _ in range(3):
+            s.demand()  # asked again before its forward runs: the same drafts, no second proposal
+        core.round()
+    fed = [r.event.tokens_in_step for r in results if r.event is not None and r.event.tokens_in_step]
+    assert [a for a in asked if a] == fed and fed[0] == len(ids)  # the prompt, then each forward's grant
+    verifications = [f for f in fed[1:] if f > 1]
+    assert verifications and len(proposed) <= len(fed) - 1  # one proposal at most a forward
+    assert sorted(verifications) == sorted(len(d) + 1 for d in proposed if d)  # each proposal verified, once
+    assert s.generated_ids == hf_greedy(lm, ids, n)
+    s.close()
+
+
 def test_speculating_chats_on_quantized_pages_get_in_a_batch_what_they_get_alone(lm):
     """int4 and tq3 pages under speculation, beside an int8 chat decoding plainly: a verification in the shared
     forward reads its pages as it does alone (drafts never complete a quantized page), so each reply is the one
