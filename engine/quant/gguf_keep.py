@@ -265,7 +265,7 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
                               _row_order(processor, gname, shape[0]))
             model.set_submodule(owner_name, new)
             if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
-                new.defer_pack(functools.partial(table.release, gname), group)
+                new.defer_pack(functools.partial(table.release, gname), group, mapped=True)
             return
         if isinstance(owner, nn.Embedding):
             scale = getattr(owner, "embed_scale", None)
@@ -292,7 +292,7 @@ def _tie_head(model, config, table: Table, group: list) -> None:
         model.set_submodule(name, new)
         gname = next((g for g, e in table.entries.items() if e[2] == embed.weight.data_ptr() - table.base()), None)
         if new.weight.device.type == "cpu" and gname is not None:
-            new.defer_pack(functools.partial(table.release, gname), group)
+            new.defer_pack(functools.partial(table.release, gname), group, mapped=True)
     else:
         head.weight = embed.weight
 

@@ -54,6 +54,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kq_pack_bytes.argtypes = [i, i64, i64]  # type n_out n
     lib.kq_pack.restype = i
     lib.kq_pack.argtypes = [i, p, i64, i64, i64, p, i]  # type w rb n_out n out threads
+    lib.kq_pack_mapped.restype = i
+    lib.kq_pack_mapped.argtypes = [i, p, i64, i64, i64, p, i]  # type w rb n_out n out threads
     lib.kq_packed_matmul.restype = i
     # type packed n_out n x m ldx y ldy bias map threads
     lib.kq_packed_matmul.argtypes = [i, p, i64, i64, p, i64, i64, p, i64, p, p, i]
@@ -107,10 +109,13 @@ def check_rows(w: torch.Tensor, ggml_type: int, n_in: int) -> int:
     return int(w.stride(0))
 
 
-def pack(w: torch.Tensor, ggml_type: int, n_in: int, threads: int | None = None) -> torch.Tensor | None:
+def pack(w: torch.Tensor, ggml_type: int, n_in: int, threads: int | None = None,
+         mapped: bool = False) -> torch.Tensor | None:
     """The weight w [rows, row_bytes] repacked sixteen rows a group for the integer road's product (uint8 in memory
     of its own, the file's bytes rearranged: Q4_K +2.8%, Q6_K +1%), or None where this build or type has no packed
-    product (the row products read ``w`` as it is)."""
+    product (the row products read ``w`` as it is). ``mapped``: ``w`` lies in a private file mapping never written,
+    whose pages are let go ~16 MiB at a time as they are packed (they would come back as zeros from any other
+    memory)."""
     lib = library()
     if lib is None:
         return None
@@ -122,7 +127,8 @@ def pack(w: torch.Tensor, ggml_type: int, n_in: int, threads: int | None = None)
     # activations' freed chunks and kept the heap from shrinking (+23 MB anonymous memory, 1B-shape Q4_K_M); pages
     # are aligned, so every step of a group starts on a 64-byte line
     out = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-    if lib.kq_pack(ggml_type, w.data_ptr(), rb, w.shape[0], n_in, out.data_ptr(), threads or torch.get_num_threads()):
+    fn = lib.kq_pack_mapped if mapped else lib.kq_pack
+    if fn(ggml_type, w.data_ptr(), rb, w.shape[0], n_in, out.data_ptr(), threads or torch.get_num_threads()):
         raise ValueError(f"{formats.name(ggml_type)} weight: cannot be packed")
     return out
 

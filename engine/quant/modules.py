@@ -144,31 +144,34 @@ class BlockLinear(nn.Module):
             self.__dict__["_after_pack"] = None
         return out
 
-    def pack(self, threads: int | None = None) -> bool:
+    def pack(self, threads: int | None = None, mapped: bool = False) -> bool:
         """Repack the weight sixteen rows a group for the integer road's product (``kernel.pack``): from now on
         the CPU product reads the packed copy only, so the caller may let the weight's file pages go (they are
         read again from the file if the weight itself is). False where there is none: not the CPU, the float
-        road, a type or CPU without a packed product."""
+        road, a type or CPU without a packed product. ``mapped``: the weight is a view of a private file mapping
+        (``kernel.pack``: its pages are let go as they are packed)."""
         if self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta:
             return False
-        packed = kernel.pack(self.weight.detach(), self.ggml_type, self.in_features, threads)
+        packed = kernel.pack(self.weight.detach(), self.ggml_type, self.in_features, threads, mapped)
         if packed is None:
             return False
         self.packed = packed
         _PACKED[self.weight.data_ptr()] = self
         return True
 
-    def defer_pack(self, after: Callable[[], None], group: list | None = None) -> bool:
+    def defer_pack(self, after: Callable[[], None], group: list | None = None, mapped: bool = False) -> bool:
         """Pack at the first product instead of now (``pack``), then call ``after`` (a loader lets the file's pages
         go): the repacking's time (the 1B shape's Q4_K_M: ~0.45 s of a ~1 s load, one thread) moves from the load
         to the first reply's prefill. ``group`` (a list this appends to): the modules packed together at the first
         product of any of them, before a layer's activations are made (packed one by one within the prefill, the
-        weights and the activations shared the heap: +70-130 MB of peak). False where ``pack`` gives no copy."""
+        weights and the activations shared the heap: +70-130 MB of peak). ``mapped``: the weight is a view of a
+        private file mapping, let go chunk by chunk as it is packed (``pack``). False where ``pack`` gives no copy."""
         if (self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta
                 or not kernel.packs(self.ggml_type)):
             return False
         self.__dict__["_desc"] = None  # the next product comes back for the packing
         self.__dict__["_after_pack"] = after
+        self.__dict__["_mapped"] = mapped
         self.__dict__["_group"] = group if group is not None else []
         self._group.append(self)
         _PACKED[self.weight.data_ptr()] = self  # a compiled step's operator finds it and packs it first
@@ -186,7 +189,7 @@ class BlockLinear(nn.Module):
             for m in self.__dict__.get("_group") or (self,):
                 if m._after_pack is None:
                     continue
-                packed = m.pack()
+                packed = m.pack(mapped=m.__dict__.get("_mapped", False))
                 after = m._after_pack
                 m.__dict__["_after_pack"], m.__dict__["_group"] = None, None
                 if packed:

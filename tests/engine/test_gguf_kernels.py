@@ -284,3 +284,37 @@ def test_the_gpu_product_dequantizes_chunks_as_the_file_says(name):
     got = _cuda_product(x, w, T[name].value, n, out)
     want = kernel.matmul(x, w, T[name].value, n, road="float")
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def _mapping_rss_kb(path) -> int:
+    """The process's resident KiB of its mappings of ``path`` (/proc/self/smaps)."""
+    kb, mine = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and not line.startswith(("Rss", "Size")) and ":" not in head[0]:
+            mine = head[-1] == str(path)
+        elif mine and line.startswith("Rss:"):
+            kb += int(head[1])
+    return kb
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED") or not __import__("os").path.exists(
+    "/proc/self/smaps"), reason="Linux: a mapping's resident pages are read from /proc")
+def test_a_weight_packed_from_its_file_lets_its_pages_go_and_packs_the_same(tmp_path):
+    """A weight multiplied from a GGUF mapping is packed ~16 MiB at a time and each chunk's file pages let go once
+    packed (an 8B model's 431 MB output head is never held twice): the packed bytes are those of the same rows packed
+    from memory, and the file's pages are not resident after."""
+    import mmap
+
+    n, rows = 4096, 16 * 300 + 5  # Q8_0: 4,352 bytes a row, ~21 MB: two chunks and a short last group
+    raw = blocks("Q8_0", rows, n, seed=13)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + raw.tobytes())  # not page-aligned, as a tensor in a GGUF
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    w = torch.frombuffer(m, dtype=torch.uint8, offset=100, count=raw.size).view(rows, -1)
+    heap = packed_or_skip(torch.from_numpy(raw.copy()), "Q8_0", n)
+    mapped = kernel.pack(w, T.Q8_0.value, n, mapped=True)
+    assert torch.equal(mapped, heap)
+    assert _mapping_rss_kb(path) <= 3 * 4  # at most the pages at the chunks' seams, none of the ~21 MB
+    assert torch.equal(w[rows - 1], torch.from_numpy(raw[rows - 1]))  # read again from the file
