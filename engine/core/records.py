@@ -1,6 +1,7 @@
 """Frozen records of what the core did: ``StepRecord``, one per forward of a sequence's cache, and ``ReuseRecord``,
 one per prompt's reuse of it; and ``Reprefill``, tokens a cache change left to read again during a reply (its only
-writer: ``engine.core.reprefill``); and ``Demand``, what a reply asks of the scheduler's next round.
+writer: ``engine.core.reprefill``); and ``Demand``, what a reply asks of the scheduler's next round, with the
+round's arithmetic over demands: the tokens it grants (``grants``) and the forwards they share (``forward_units``).
 
 ``SeqCache`` (``engine.core.seq_cache``) is the first two's only writer: each forward's commit returns one and keeps it as
 ``SeqCache.last`` until the next; ``engine.core.observe`` builds the step's ``CacheSnapshot`` from it. Nothing
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.vocab import StepPath
 from engine.snapshot import CacheAccount
+
+MAX_BATCH = 16  # sequences per batched forward: past this the attention loop, not the weights, dominates a step
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig
@@ -92,3 +95,49 @@ class Demand:
         """The tokens one forward of it feeds: a prefill chunk, the one decode token, a verification's token and
         drafts; 0 while a verification's tokens are handed out (no forward)."""
         return len(self.drafts) + 1 if self.drafts else min(self.pending, self.limit)
+
+
+def grants(demands: list[Demand], budget: int) -> list[int | None]:
+    """Each demand's tokens this round, in priority order (None: not this round): every decoding one its token (or
+    its verification's), and prefilling ones a chunk each while ``budget`` prefill tokens last (the first always:
+    the highest-priority one goes first)."""
+    out: list[int | None] = []
+    for d in demands:
+        first = len(out) == out.count(None)  # nothing granted yet
+        out.append(d.tokens if d.pending <= 1 or first or budget > 0 else None)
+        if d.pending > 1 and out[-1] is not None:
+            budget -= out[-1]
+    return out
+
+
+def share_groups(items: list, demands: list[Demand]) -> list[list]:
+    """The groups of ``items`` (sessions, or a round's ``Scheduled``) that would share a forward now, one per model
+    runner: every one decoding one token, plus the first (the highest-priority) one with a prefill chunk to feed,
+    as vLLM's chunked prefill mixes them; at least one decode and two members a group, at most ``MAX_BATCH``.
+    ``demands``: each item's ``Demand``, in order."""
+    groups: dict[int, tuple[list, list]] = {}
+    for x, d in zip(items, demands):
+        if d.shares and not d.runner.batch_refusal():
+            decodes, prefills = groups.setdefault(id(d.runner), ([], []))
+            (decodes if d.shares == 1 else prefills).append(x)
+    order = {id(x): i for i, x in enumerate(items)}
+    out = []
+    for decodes, prefills in groups.values():
+        group = prefills[:1] + decodes if decodes else []
+        if len(group) > 1:
+            out.append(sorted(group[:MAX_BATCH], key=lambda x: order[id(x)]))
+    return out
+
+
+def forward_units(items: list, demands: list[Demand]) -> list[list]:
+    """``items`` (in priority order; ``demands``: each one's ``Demand``) as the forwards they run in, in order: a
+    batchable group when its first member's turn comes (``share_groups``), every other one alone."""
+    group_of = {id(x): g for g in share_groups(items, demands) for x in g}
+    out, seen = [], set()
+    for x in items:
+        if id(x) in seen:
+            continue
+        unit = group_of.get(id(x), [x])
+        seen.update(id(y) for y in unit)
+        out.append(unit)
+    return out

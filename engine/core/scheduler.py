@@ -1,8 +1,5 @@
 """The engine core: one scheduler for everything that runs on a model — app chats, comparisons and API requests.
 
-Over 400 lines on purpose: the round (admit, schedule, form the batches, run them, postprocess) is one loop read
-top to bottom; the KV manager it asks for room (``kv_manager``) and the sessions it prepares live beside it.
-
 ``EngineCore.round()`` is one scheduling step, on the engine thread (the app's worker thread, or
 ``CoreThread`` for ``python -m engine serve``)::
 
@@ -11,9 +8,9 @@ top to bottom; the KV manager it asks for room (``kv_manager``) and the sessions
                                forward needs (``Demand``: a speculating chat's drafts proposed there); decode rows
                                and verifications granted, prefill chunks within a budget
     batch                      the decode rows (and the first prefill chunk) of one runner in one forward, the rest
-                               alone (``forwards``)
+                               alone (``records.grants`` and ``records.forward_units``: arithmetic over demands)
     run                        room for each granted forward (the KV manager), each prepared with its grant, one
-                               runner call a forward (``run_forward``)
+                               runner call a forward (``engine.core.step.run_forward``)
     postprocess                each request's result to its sink; finished requests leave
     tasks                      one step of each background task (a comparison), alone, so its timing is its own
 
@@ -29,36 +26,23 @@ stores, the model — is touched on the engine thread only.
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from engine.errors import EngineError
 from engine.snapshot import StepResult
-from engine.core.kv_manager import KVManager
-from engine.core.records import Demand
-from engine.core.vocab import FinishReason, RequestStatus
-
-if TYPE_CHECKING:  # the core itself needs no torch: the GUI side imports it before torch loads
-    from engine.model.runner import Output
-
-MAX_BATCH = 16  # sequences per batched forward: past this the attention loop, not the weights, dominates a step
+from engine.core.kv_manager import Holder, KVManager
+from engine.core.records import Demand, forward_units, grants, share_groups
+from engine.core.vocab import FinishReason, Priority, RequestStatus
 
 PREFILL_BUDGET = 2048  # prefill tokens per round beyond the first chunk: a new message waits at most one round
 
 
-class Priority(enum.IntEnum):
-    """Lower runs first."""
-
-    FOREGROUND = 0  # the chat the user is looking at
-    API = 1  # requests to the OpenAI server
-    BACKGROUND = 2  # other chats' replies, comparisons
-
-
-class Steppable(Protocol):
-    """What the core steps: a ``ChatSession`` (``engine.core.session``) or anything with its step interface."""
+class Steppable(Holder, Protocol):
+    """What the core steps: a ``ChatSession`` (``engine.core.session``) or anything with its step interface: what
+    the round and a forward ask (``engine.core.step.run_forward``), and what the KV manager asks (``Holder``)."""
 
     generating: bool  # a reply is in progress
     turn_state: Any  # its reply's record (``engine.core.sequence.TurnState``): the request's status lives there
@@ -71,11 +55,7 @@ class Steppable(Protocol):
     def prepare(self, tokens: int | None = None) -> Any: ...  # lays out the round's grant (at most ``tokens``)
     def finish(self, out: Any, written: tuple[int, ...] = ()) -> StepResult: ...
     def abort(self, exc: BaseException) -> BaseException: ...
-    # what the KV manager asks (``engine.core.kv_manager.Holder``) and a shared forward's pages
-    def room_for(self, n: int) -> bool: ...
-    def preemptible(self) -> bool: ...
-    def give_up_cache(self) -> None: ...
-    def pool_key(self) -> int | None: ...
+    def pool_key(self) -> int | None: ...  # a shared forward's pages: which pool, which pages
     def pages_for(self, work: Any) -> tuple[int, tuple[int, ...]] | None: ...
 
 
@@ -156,6 +136,9 @@ class EngineCore:
         self.tasks: list[Task] = []
         self.sources: list[Source] = []
         self.kv = KVManager(lambda: self.sources, lambda: (r for r in self.requests if not r.done))
+        from engine.core.step import run_forward  # torch's side: a core runs with a model loaded
+
+        self._forward = run_forward
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._lock = threading.Lock()
         self._woken = False  # ``wake`` was called: the next round lets sources admit what they queued
@@ -229,7 +212,7 @@ class EngineCore:
         live = sorted((r for r in self.requests if not r.done and not r.hold()), key=lambda r: r.priority)
         if live:
             chosen = self._schedule(live)
-            for unit in _units(chosen, [x.demand for x in chosen]):
+            for unit in forward_units(chosen, [x.demand for x in chosen]):
                 self._postprocess(unit, self._run(unit))
         self.requests = [r for r in self.requests if not r.done]
         for task in sorted(self.tasks, key=lambda t: t.priority):
@@ -248,17 +231,14 @@ class EngineCore:
                     fut.set_exception(e)
 
     def _schedule(self, live: list[Request]) -> list[Scheduled]:
-        """The round's work, in priority order: every decoding request (its one token), and prefilling ones a
-        chunk each while the round's prefill budget lasts (the first always: the highest-priority one goes
-        first). Each request is asked once (``demand``)."""
-        chosen, budget = [], self.prefill_budget
-        for r in live:
-            d = r.session.demand()
-            if d.pending <= 1 or not chosen or budget > 0:
+        """The round's work, in priority order: each request asked once (``demand``), granted its tokens within the
+        round's prefill budget (``records.grants``)."""
+        demands = [r.session.demand() for r in live]
+        chosen = []
+        for r, d, tokens in zip(live, demands, grants(demands, self.prefill_budget)):
+            if tokens is not None:
                 r.status = RequestStatus.RUNNING
-                chosen.append(Scheduled(r, d, d.tokens))
-                if d.pending > 1:
-                    budget -= d.tokens
+                chosen.append(Scheduled(r, d, tokens))
         return chosen
 
     def _run(self, unit: list[Scheduled]) -> dict[int, Any]:
@@ -275,7 +255,7 @@ class EngineCore:
             return tokens
 
         by_session = {id(x.request.session): x for x in unit}
-        return run_forward([(x.request.session, x.tokens) for x in unit], room)
+        return self._forward([(x.request.session, x.tokens) for x in unit], room)
 
     def _postprocess(self, unit: list[Scheduled], results: dict[int, Any]) -> None:
         """The one place a forward's results are applied to their requests: each request's status (finished when
@@ -317,46 +297,13 @@ class EngineCore:
 
 
 def batchable(sessions: Sequence) -> list[list]:
-    """The groups of ``sessions`` that would share a forward now (``_groups``), each asked for its ``demand``."""
-    return _groups(list(sessions), [s.demand() for s in sessions])
+    """The groups of ``sessions`` that would share a forward now (``share_groups``), each asked for its ``demand``."""
+    return share_groups(list(sessions), [s.demand() for s in sessions])
 
 
 def forwards(sessions: Sequence) -> list[list]:
-    """``sessions`` (in priority order) as the forwards they run in, in order (``_units``)."""
-    return _units(list(sessions), [s.demand() for s in sessions])
-
-
-def _groups(items: list, demands: list[Demand]) -> list[list]:
-    """The groups of ``items`` (sessions, or a round's ``Scheduled``) that would share a forward now, one per model
-    runner: every one decoding one token, plus the first (the highest-priority) one with a prefill chunk to feed,
-    as vLLM's chunked prefill mixes them; at least one decode and two members a group, at most ``MAX_BATCH``.
-    ``demands``: each item's ``Demand``, in order."""
-    groups: dict[int, tuple[list, list]] = {}
-    for x, d in zip(items, demands):
-        if d.shares and not d.runner.batch_refusal():
-            decodes, prefills = groups.setdefault(id(d.runner), ([], []))
-            (decodes if d.shares == 1 else prefills).append(x)
-    order = {id(x): i for i, x in enumerate(items)}
-    out = []
-    for decodes, prefills in groups.values():
-        group = prefills[:1] + decodes if decodes else []
-        if len(group) > 1:
-            out.append(sorted(group[:MAX_BATCH], key=lambda x: order[id(x)]))
-    return out
-
-
-def _units(items: list, demands: list[Demand]) -> list[list]:
-    """``items`` (in priority order; ``demands``: each one's ``Demand``) as the forwards they run in, in order: a
-    batchable group when its first member's turn comes (``_groups``), every other one alone."""
-    group_of = {id(x): g for g in _groups(items, demands) for x in g}
-    out, seen = [], set()
-    for x in items:
-        if id(x) in seen:
-            continue
-        unit = group_of.get(id(x), [x])
-        seen.update(id(y) for y in unit)
-        out.append(unit)
-    return out
+    """``sessions`` (in priority order) as the forwards they run in, in order (``forward_units``)."""
+    return forward_units(list(sessions), [s.demand() for s in sessions])
 
 
 def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) -> list[Any]:
@@ -368,61 +315,12 @@ def step_all(sessions: Sequence, before: Callable[[Any], None] | None = None) ->
         before(s)
         return tokens
 
+    from engine.core.step import run_forward
+
     results: dict[int, Any] = {}
     for unit in forwards(sessions):
         results.update(run_forward([(s, None) for s in unit], room if before is not None else None))
     return [results[id(s)] for s in sessions]
-
-
-def run_forward(unit: list[tuple[Any, int | None]], room: Callable[[Any, Any], Any] | None = None) -> dict[int, Any]:
-    """One forward of ``unit`` (one session, or a batchable group, each with the tokens granted it: None, its own
-    demand's): each prepared (room first: ``room(session, tokens)`` gives the grant it runs with), one runner call
-    for those that need the model, then each one's own finish — a ``StepResult`` or the exception that ended its
-    reply, by ``id(session)``. The only place scheduled work reaches the model runner."""
-    out: dict[int, Any] = {}
-    joined, works = [], []
-    for s, tokens in unit:
-        try:
-            if room is not None:
-                tokens = room(s, tokens)
-            w = s.prepare(tokens)
-        except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
-            out[id(s)] = e
-            continue
-        if isinstance(w, StepResult):
-            out[id(s)] = w
-        else:
-            joined.append(s)
-            works.append(w)
-    if not joined:
-        return out
-    try:
-        outs: list["Output"] = joined[0].runner.run(works)
-    except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
-        for s in joined:
-            typed = s.abort(e)
-            if typed is not e and typed.__cause__ is None:
-                typed.__cause__ = e  # the original, for KVSCOPE_DEBUG's traceback
-            out[id(s)] = typed
-        return out
-    written = _written_together(joined, works, outs) if len(joined) > 1 else {}
-    for s, o in zip(joined, outs):
-        try:
-            out[id(s)] = s.finish(o, written.get(s.pool_key(), ()))
-        except BaseException as e:  # noqa: BLE001 - this session's reply ended, typed
-            out[id(s)] = e
-    return out
-
-
-def _written_together(sessions: list, works: list, outs: list["Output"]) -> dict[int | None, tuple[int, ...]]:
-    """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
-    by_pool: dict[int | None, set[int]] = {}
-    for s, w, o in zip(sessions, works, outs):
-        if o.path in ("batched", "compiled batch"):
-            pages = s.pages_for(w)
-            if pages is not None:
-                by_pool.setdefault(pages[0], set()).update(pages[1])
-    return {k: tuple(sorted(v)) for k, v in by_pool.items()}
 
 
 def drive(session: Steppable, priority: Priority = Priority.FOREGROUND) -> Iterator[StepResult]:

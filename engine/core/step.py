@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -55,10 +55,7 @@ class Stepping:
 
     def step(self) -> StepResult:
         """One model forward: a chunk of a long prefill (``event`` None), or the forward that gives a token. The
-        scheduler's own path (``engine.core.scheduler.run_forward``) for this session alone; what ended the reply
-        is raised, typed."""
-        from engine.core.scheduler import run_forward
-
+        scheduler's own path (``run_forward``) for this session alone; what ended the reply is raised, typed."""
         result = run_forward([(self, None)])[id(self)]
         if isinstance(result, BaseException):
             raise result
@@ -281,3 +278,54 @@ class Stepping:
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
                           stats=stats, warnings=self.sequence.take_notes(), reprefill=moved)
 
+
+def run_forward(unit: list[tuple[Any, int | None]], room: Callable[[Any, Any], Any] | None = None) -> dict[int, Any]:
+    """One forward of ``unit`` (one session, or a batchable group, each with the tokens granted it: None, its own
+    demand's): each prepared (room first: ``room(session, tokens)`` gives the grant it runs with), one runner call
+    for those that need the model, then each one's own finish — a ``StepResult`` or the exception that ended its
+    reply, by ``id(session)``. The only place scheduled work reaches the model runner (the core's round runs each
+    of its forwards here; ``Stepping.step``, a session alone)."""
+    out: dict[int, Any] = {}
+    joined, works = [], []
+    for s, tokens in unit:
+        try:
+            if room is not None:
+                tokens = room(s, tokens)
+            w = s.prepare(tokens)
+        except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
+            out[id(s)] = e
+            continue
+        if isinstance(w, StepResult):
+            out[id(s)] = w
+        else:
+            joined.append(s)
+            works.append(w)
+    if not joined:
+        return out
+    try:
+        outs: list[Output] = joined[0].runner.run(works)
+    except BaseException as e:  # noqa: BLE001 - every session of the forward ends with it
+        for s in joined:
+            typed = s.abort(e)
+            if typed is not e and typed.__cause__ is None:
+                typed.__cause__ = e  # the original, for KVSCOPE_DEBUG's traceback
+            out[id(s)] = typed
+        return out
+    written = _written_together(joined, works, outs) if len(joined) > 1 else {}
+    for s, o in zip(joined, outs):
+        try:
+            out[id(s)] = s.finish(o, written.get(s.pool_key(), ()))
+        except BaseException as e:  # noqa: BLE001 - this session's reply ended, typed
+            out[id(s)] = e
+    return out
+
+
+def _written_together(sessions: list, works: list, outs: list[Output]) -> dict[int | None, tuple[int, ...]]:
+    """Each pool's pages a batched forward wrote (every session's snapshot shows them all)."""
+    by_pool: dict[int | None, set[int]] = {}
+    for s, w, o in zip(sessions, works, outs):
+        if o.path in ("batched", "compiled batch"):
+            pages = s.pages_for(w)
+            if pages is not None:
+                by_pool.setdefault(pages[0], set()).update(pages[1])
+    return {k: tuple(sorted(v)) for k, v in by_pool.items()}

@@ -1,6 +1,6 @@
-"""The engine's typed vocabulary: what a request is doing, why a reply ended, which path ran a forward, where a
-failure happened. Every surface (the app, the OpenAI server, ``engine attach``, the CLI) reads these values and
-puts them into its own words; none of them parses engine text.
+"""The engine's typed vocabulary: what a request is doing, which runs first, why a reply ended, which path ran a
+forward, where a failure happened. Every surface (the app, the OpenAI server, ``engine attach``, the CLI) reads
+these values and puts them into its own words; none of them parses engine text.
 
 The string-valued enums compare equal to their values (``FinishReason.EOS == "eos"``) and serialise as them
 (JSON, SQLite), so records written before they existed read back unchanged.
@@ -55,6 +55,14 @@ _MOVES = {RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus
           RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED, RequestStatus.FINISHED}),
           RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
           RequestStatus.FINISHED: frozenset()}
+
+
+class Priority(enum.IntEnum):
+    """Which request the engine core runs first (lower first) and which one gives its pages up last."""
+
+    FOREGROUND = 0  # the chat the user is looking at
+    API = 1  # requests to the OpenAI server
+    BACKGROUND = 2  # other chats' replies, comparisons
 
 
 class FinishReason(StrEnum):

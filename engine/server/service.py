@@ -38,7 +38,7 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()  # more keys: each one a tenant of its own (prefix caches are not shared)
     cors: tuple[str, ...] = field(default_factory=tuple)
     max_body: int = DEFAULT_MAX_BODY  # bytes of a request body (413 beyond)
-    # requests stepped in turn: as many as one batched forward carries (``engine.core.scheduler.MAX_BATCH``); at 8,
+    # requests stepped in turn: as many as one batched forward carries (``engine.core.records.MAX_BATCH``); at 8,
     # 16 clients of the SmolLM2 shape waited for the first 8 to finish: median TTFT 14.7 s, 45 tok/s; at 16: 6.2 s, 56
     max_running: int = 16
     max_waiting: int = 32  # requests queued beyond those (429 beyond)
