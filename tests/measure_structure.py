@@ -9,6 +9,8 @@
   defined in our own code (a library's private name is counted apart);
 - dead definitions (a module-level function, class or constant no other file names) and test-only ones (only
   tests name it);
+- reaches through a part in ``engine/core``: ``self.a.b.c``, an object reaching through its part ``a`` to a third
+  object's member (also through a local name for ``self.a`` or ``self.a.b``); reads of frozen records count too;
 - lines of C / C++ held in Python strings.
 
 Name-based (a definition counts as used where its name appears as a word in another file): a lower bound for dead
@@ -25,6 +27,37 @@ from pathlib import Path
 
 ROOMS = ("app", "engine")  # packages measured
 _C_HINTS = re.compile(r"#include|__m256|__m512|static inline|\bint64_t\b|#define ")
+
+
+def part_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, chain) of each reach through a part to a third object's member in ``tree``'s functions (see the
+    module doc): a chain's third step counted once, whatever follows it."""
+    out = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        nodes = [n for b in (fn.body if isinstance(fn.body, list) else [fn.body]) for n in ast.walk(b)]
+        depth: dict[str, int] = {}  # local names for ``self``'s parts: how far from ``self`` each stands
+
+        def steps(e) -> int | None:
+            if isinstance(e, ast.Name):
+                return 0 if e.id == "self" else depth.get(e.id)
+            if isinstance(e, ast.Attribute):
+                d = steps(e.value)
+                return None if d is None else d + 1
+            return None
+
+        for n in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+            for t in n.targets:
+                pairs = [(t, n.value)] if isinstance(t, ast.Name) else list(zip(t.elts, n.value.elts)) \
+                    if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple) and len(t.elts) == len(n.value.elts) \
+                    else []
+                for name, value in pairs:
+                    d = steps(value)
+                    if isinstance(name, ast.Name) and name.id != "self" and d:
+                        depth[name.id] = d
+        out |= {(n.lineno, ast.unparse(n)) for n in nodes if isinstance(n, ast.Attribute) and steps(n) == 3}
+    return sorted(out)
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -146,9 +179,12 @@ def measure(root: Path) -> dict:
                     continue
                 (test_only if name in test_words else dead).append(f"{m}.{name}")
     cycles = _cycles({k: set(v) for k, v in rooms.items()})
+    reaches = [f"{m}:{line} {chain}" for m, t in trees.items() if m.startswith("engine.core.")
+               for line, chain in part_reaches(t)]
     return {"files_over_400": long_files, "functions_over_60": long_funcs, "room_pairs_importing_each_other": mutual,
             "room_cycles": cycles, "private_reach_ins": reach, "library_private_uses": library, "dead": dead,
-            "test_only": test_only, "c_lines_in_python_strings": sum(_c_lines(t) for t in trees.values())}
+            "test_only": test_only, "part_reaches_core": reaches,
+            "c_lines_in_python_strings": sum(_c_lines(t) for t in trees.values())}
 
 
 def main() -> None:

@@ -90,6 +90,21 @@ class Evictor:
         self._rerotator: Rerotator | None = None
         self.select_ms = 0.0  # the policy's choice at the evictions since ``take_ms`` (ranking and selecting)
 
+    def forget(self) -> None:
+        """The cache was emptied or given back: no scores tracked, no recent queries."""
+        self.scores.stop()
+        self.queries.clear()
+
+    def cut_back(self, n: int) -> None:
+        """The cache was cut back to ``n`` tokens: their scores kept (where tracked)."""
+        self.scores.truncate(n)
+
+    def copy_from(self, other: "Evictor") -> None:
+        """What ``other`` tracked (a fork of its cache): its scores and recent queries."""
+        if other.scores.tracking:
+            self.scores.t = [s.clone() for s in other.scores.t]
+        self.queries.copy_from(other.queries)
+
     # -- planning a forward ----------------------------------------------------------------------------
     def plan(self, store, index: CacheIndex, policy: EvictionPolicy | None, todo: int,
              cx: EvictionContext) -> EvictionPlan:

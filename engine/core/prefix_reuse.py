@@ -36,6 +36,15 @@ class PrefixReuse:
         """The model's KV disk tier (``engine.kv.tier.disk``), or None."""
         return getattr(getattr(self.lm, "arenas", None), "disk", None)
 
+    def disk_writer_notes(self) -> tuple[str, ...]:
+        """What the disk tier's writer found since it was last asked (a full disk)."""
+        disk = self.disk
+        return tuple(disk.take_notes()) if disk is not None else ()
+
+    def fed_ids(self, ids: Sequence[int]) -> list[int]:
+        """The ids of ``ids`` (the conversation) this cache was fed, in order."""
+        return list(ids[:self.index.next_pos]) if self.store is not None else []
+
     def disk_notes(self) -> list[str]:
         """What the disk tier has to tell: the last reuse's restore (against what computing those tokens again takes
         at this model's measured prefill rate), files dropped, writes stopped."""

@@ -125,10 +125,6 @@ class SeqCache(PrefixReuse):
         self.after_forward(plan.context)
         return self.index.next_pos >= len(ids)
 
-    def notes(self) -> tuple[str, ...]:
-        """What the last forward's evictions have to tell the user."""
-        return tuple(n for e in self.last.evictions for n in e.notes)
-
     # -- a speculative verification ----------------------------------------------------------------------
     def draft_room(self, seq_len: int) -> int:
         """How many draft tokens a verification may add after the one unfed token (0: decode plainly). Only where
@@ -177,12 +173,13 @@ class SeqCache(PrefixReuse):
         c = self.cache_config
         return self.store is not None and self.store.stateful and c.checkpoints > 0 and c.prefix_reuse
 
-    def fills_context(self, seq_len: int) -> bool:
-        """Does the token just taken use the context's last position (and nothing can evict to go on)?"""
+    def fills_context(self, seq_len: int, ahead: int = 0) -> bool:
+        """Does the token just taken use the context's last position (and nothing can evict to go on)? ``ahead``: a
+        verification's token that many places after the fed one (not yet written)."""
         ctx = self.lm.info.context_length
         if self.store is None:
             return seq_len >= ctx
-        return self.index.next_rope + 1 >= ctx and not self.can_overflow()
+        return self.index.next_rope + 1 + ahead >= ctx and not self.can_overflow()
 
     def plan(self, todo: int, cx: EvictionContext) -> EvictionPlan:
         """How many of the ``todo`` unfed tokens the next forward takes (evicting first where a policy says so).
@@ -277,7 +274,7 @@ class SeqCache(PrefixReuse):
         self.store.rollback()
         if self.store.num_tokens != self.index.n:  # the store could not undo it (a recurrent state): start over
             self.index.truncate(0)
-        self.evictor.scores.truncate(self.index.n)
+        self.evictor.cut_back(self.index.n)
 
     def commit(self, q: int, ids: Sequence[int], path: str, batch: int = 1, written: tuple[int, ...] = ()) -> None:
         """The forward (``path``, with ``batch`` sequences) wrote ``q`` tokens' K/V: count them as cached."""
@@ -368,9 +365,7 @@ class SeqCache(PrefixReuse):
             other.set_store(store)
         other.cache_config, other.policy, other.root = self.cache_config, self.policy, self.root
         other.index = self.index.copy()
-        if self.evictor.scores.tracking:
-            other.evictor.scores.t = [s.clone() for s in self.evictor.scores.t]
-        other.evictor.queries.copy_from(self.evictor.queries)
+        other.evictor.copy_from(self.evictor)
         return other
 
     def reset(self) -> None:
@@ -379,8 +374,7 @@ class SeqCache(PrefixReuse):
             self.store.truncate(0)
         self.host = None
         self.index.reset()
-        self.evictor.scores.stop()
-        self.evictor.queries.clear()
+        self.evictor.forget()
         self.chain, self._planned, self.last = [], [], IDLE
 
     def free(self) -> None:
@@ -389,7 +383,7 @@ class SeqCache(PrefixReuse):
             self.store.free()
         self.host = None
         self.index.reset()
-        self.evictor.scores.stop()
+        self.evictor.forget()
 
 
 def _index_heads(lm) -> int:

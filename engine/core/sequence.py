@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 import numpy as np
+import torch
 
 from engine.config import SamplingConfig
 from engine.errors import ContextOverflowError
@@ -22,6 +23,7 @@ from engine.core.account import with_dropped
 from engine.core.sampling import Sampler
 from engine.snapshot import TokenEvent, TurnStats
 from engine.core.token_ids import interned
+from engine.core.verify import verify
 from engine.core.vocab import RequestStatus
 from engine.model.chunks import CHUNK_FLOPS_CPU, CHUNK_FLOPS_GPU, MAX_CHUNK, MIN_CHUNK, prefill_chunk  # noqa: F401
 
@@ -58,7 +60,6 @@ class TurnState:
     decoder: Any = None
     generated: list[int] = field(default_factory=list)
     stop_from: int = 0  # characters of the text stop strings are not looked for in: the first min_new_tokens'
-    cancel: bool = False
     step: int = 0
     t_start: float = 0.0
     prefill_ms: float = 0.0  # every chunk of the prefill and the forward that gave the first token
@@ -166,12 +167,27 @@ class Sequence:
         self.ids: list[int] = []
         self.turn = -1
         self.closed = False
+        self.cancelled = False  # the reply in progress was asked to stop (``cancel``); its next step ends it
         self.generation_id = 0
         self.reply = TurnState(status=RequestStatus.FINISHED)  # no reply yet
         self.notes: list[str] = []  # for the user, handed out with the reply's last step
         self.protected = 0  # logical [0, protected): system prompt + first message
         self.priorities: np.ndarray | None = None  # [T] per logical position, -1: the policy's default
         self.last_stats: TurnStats | None = None
+
+    def cancel(self) -> None:
+        """Ask the reply in progress to stop at its next step (any thread: only a flag is set)."""
+        self.cancelled = True
+
+    def speculating(self, stats, label: str = "") -> None:
+        """The reply's speculation counts from now on (``engine.core.verify.SpecStats``; None: it stopped)."""
+        self.reply.spec = stats
+        if stats is not None:
+            self.reply.spec_label = label
+
+    def generated(self) -> list[int]:
+        """The reply's tokens so far (a copy)."""
+        return list(self.reply.generated)
 
     @property
     def running(self) -> bool:
@@ -199,10 +215,13 @@ class Sequence:
     def add_notes(self, notes: Seq[str]) -> None:
         self.notes += [n for n in notes if n not in self.notes]
 
-    def planned(self, plan) -> None:
-        """A forward was planned (``plan``: its ``engine.core.eviction.EvictionPlan``, None with the cache off): its
-        notes for the user, and prompt tokens it dropped unread, which move from "to compute" to "dropped" so the
-        prefill rate counts only tokens the model read."""
+    def planned(self, plan, t0: float) -> None:
+        """A forward was planned (``plan``: its ``engine.core.eviction.EvictionPlan``, None with the cache off),
+        prepared from ``t0`` on: the reply's first forward ends its wait (what came before it was waiting, not the
+        model's work); its notes for the user, and prompt tokens it dropped unread, which move from "to compute" to
+        "dropped" so the prefill rate counts only tokens the model read."""
+        if self.reply.waited_ms < 0:
+            self.reply.waited_ms = (t0 - self.reply.t_start) * 1000.0
         if plan is None:
             return
         self.add_notes(plan.all_notes)
@@ -211,6 +230,52 @@ class Sequence:
         if plan.dropped and self.reply.account is not None:  # the account every surface shows says so too
             self.reply.unread += plan.runs
             self.reply.account = with_dropped(self.reply.account, self.reply.dropped, self.reply.unread)
+
+    def forward_done(self, record) -> None:
+        """A forward of the reply ran (``record``: its cache's ``engine.core.records.StepRecord``): the eviction
+        policy's time to the prefill's or the decode's count, its evictions' notes for the user."""
+        t = self.reply
+        if t.generated:
+            t.policy_decode_ms += record.policy_ms
+        else:
+            t.policy_prefill_ms += record.policy_ms
+        self.add_notes([n for e in record.evictions for n in e.notes])
+
+    def chunk_done(self, ms: float) -> None:
+        """A chunk of the prompt's prefill took ``ms`` (its share of a cache change's re-prefill not counted)."""
+        self.reply.prefill_ms += ms
+
+    def next_token(self, logits, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
+        """The forward that read every token gave ``logits`` (``[vocab]``): the reply's sampler picks the next
+        token (the chat's ids for its penalties), which is accepted (``accept``); one more forward that gave tokens."""
+        t = self.reply
+        ctx_ids = torch.tensor(self.ids, dtype=torch.long) if t.sampling.repetition_penalty != 1.0 else None
+        out = self.accept(t.sampler(logits, ctx_ids), t0, n_in, path, stop_ids)
+        t.forwards += 1
+        return out
+
+    def verified(self, logits, drafts: Seq[int]) -> list[int]:
+        """The tokens a verification of ``drafts`` yields (``engine.core.verify.verify``, with the reply's sampler)."""
+        return verify(self.reply.sampler, logits, drafts, self.ids)
+
+    def verification_done(self, note: str) -> None:
+        """A verification's tokens were accepted: one more forward that gave tokens; ``note``, if any, for the user."""
+        self.reply.forwards += 1
+        self.add_notes([note] if note else [])
+
+    def draft_budget(self) -> int:
+        """How many draft tokens the reply may verify after its next token (0: decode plainly): only while decoding,
+        not cancelled, without log-probabilities (the sampler's of each token it picks: decoded one by one)."""
+        t = self.reply
+        if not t.generated or self.cancelled or t.sampling.logprobs is not None:
+            return 0
+        return t.sampling.max_new_tokens - len(t.generated) - 1
+
+    def propose(self, spec, room: int) -> list[int]:
+        """Up to ``room`` drafts from ``spec`` (``engine.core.verify.Speculator``), cut to what the reply's grammar
+        takes."""
+        sampler = self.reply.sampler
+        return sampler.valid_drafts(spec.propose(self.ids, room, sampler))
 
     def take_notes(self) -> tuple[str, ...]:
         notes, self.notes = tuple(self.notes), []
@@ -225,7 +290,7 @@ class Sequence:
         self.generation_id = generation_id
         if reply.status is not RequestStatus.WAITING:
             raise ValueError(f"a new reply starts waiting, not {reply.status.value}")
-        self.reply = reply
+        self.reply, self.cancelled = reply, False
 
     def accept(self, token: int, t0: float, n_in: int, path: str, stop_ids: Seq[int]) -> tuple[TokenEvent, str]:
         """Append a sampled token; its event and the stop reason it causes ("" to go on; the context is checked
@@ -276,6 +341,6 @@ class Sequence:
     def end(self, reason: str) -> TurnStats:
         """The reply ends with ``reason``: its stats (kept as ``last_stats``)."""
         self.reply.status = self.reply.status.to(RequestStatus.FINISHED)
-        self.reply.cancel = False
+        self.cancelled = False
         self.last_stats = self.reply.stats(reason)
         return self.last_stats

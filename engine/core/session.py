@@ -73,7 +73,7 @@ class ChatSession(Stepping):
     closed = property(lambda self: self.sequence.closed)
     offloaded = property(lambda self: self.cache.host is not None, doc="the K/V are in host memory (swapped)")
     context_length = property(lambda self: self.info.context_length)
-    generated_ids = property(lambda self: list(self.sequence.reply.generated), doc="the reply's tokens so far")
+    generated_ids = property(lambda self: self.sequence.generated(), doc="the reply's tokens so far")
 
     @property
     def evicted_total(self) -> int:
@@ -95,18 +95,18 @@ class ChatSession(Stepping):
         messages = validate_messages(messages)
         fresh = render_chat(self.tokenizer, messages, model=self.info.name)
         ids = self.with_fed_ids(fresh)
-        spans = message_spans(self.tokenizer, messages) if self.cache.cache_config.needs_spans else []
+        spans = message_spans(self.tokenizer, messages) if self.cache_config.needs_spans else []
         mark = last_message_at(self.tokenizer, messages, len(ids), len(fresh)) if self.cache.wants_mark() else -1
         return self._begin(ids, sampling or SamplingConfig(), generation_id, messages, spans, mark)
 
     def fed_ids(self) -> list[int]:
         """The ids this chat's cache was fed, in order (its last reply's included, but the last token)."""
-        return list(self.sequence.ids[:self.cache.index.next_pos]) if self.cache.store is not None else []
+        return self.cache.fed_ids(self.sequence.ids)
 
     def with_fed_ids(self, ids: list[int]) -> list[int]:
         """``ids`` (the chat rendered afresh) holding the ids this chat's cache was fed wherever they spell the
         same text (``engine.model.splice``): a follow-up then reuses the reply, not only the prompt before it."""
-        if not self.cache.cache_config.prefix_reuse:
+        if not self.cache_config.prefix_reuse:
             return ids
         return splice(self.tokenizer, self.fed_ids(), ids).ids
 
@@ -169,13 +169,13 @@ class ChatSession(Stepping):
         self._ready, self._proposal = [], None
         if self.spec is not None:
             note = self.spec.new_reply()
-            reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
+            reply.spec, reply.spec_label = self.spec.stats, self.spec.label
             q.add_notes([note] if note else [])
-        return q.reply.stats("")
+        return reply.stats("")
 
     def cancel(self) -> None:
         """Ask the reply to stop; the next ``step()`` ends it with stop_reason ``cancelled``."""
-        self.sequence.reply.cancel = True
+        self.sequence.cancel()
 
     def teacher_force(self, ids: Seq[int], prefill: int = 0) -> Iterator[torch.Tensor]:
         """Logits predicting each next token of ``ids`` fed through this cache (``engine.core.teacher``)."""
@@ -203,12 +203,11 @@ class ChatSession(Stepping):
         it or turn it off (None / method off); allowed between any two steps, also mid-reply. Returns a note. Built by
         ``engine.core.speculation_setup`` (a pool of sessions goes through its ``Speculation.onto``)."""
         self.check_open()
-        self.spec = spec_setup.speculator(self.spec, cfg, drafter, self.lm.runner.spec_verdicts)
-        reply = self.sequence.reply
+        self.spec = spec_setup.speculator(self.spec, cfg, drafter, self.runner.spec_verdicts)
         if self.spec is None:
-            reply.spec = None
+            self.sequence.speculating(None)
         elif self.generating:  # mid-reply: the counts start now
-            reply.spec, reply.spec_label = self.spec.stats, self.spec.cfg.label
+            self.sequence.speculating(self.spec.stats, self.spec.label)
         return spec_setup.describe(cfg)
 
     def swap_out(self) -> int:

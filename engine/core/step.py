@@ -13,14 +13,12 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
 
 from engine.core import reprefill
 from engine.core.records import Demand
 from engine.errors import ContextOverflowError, EngineError, as_engine_error
 from engine.model.runner import Output, Work
 from engine.snapshot import StepResult
-from engine.core.verify import verify
 
 if TYPE_CHECKING:
     from engine.core.eviction import EvictionPlan
@@ -106,7 +104,7 @@ class Stepping:
         """Tokens the next step would feed in a forward shared with other sessions (one decode token, or a prefill
         of more; a decode step granted its drafts' verification shares the forward as a decode row too); 0 when it
         cannot share one (cancelled, cache off or swapped, a score-reading policy)."""
-        ok = self.sequence.running and not self.sequence.reply.cancel and self.cache.can_share(len(self.sequence.ids))
+        ok = self.sequence.running and not self.sequence.cancelled and self.cache.can_share(len(self.sequence.ids))
         ok = ok and not self._ready  # a verification's later tokens are handed out without a forward
         return self.cache.pending(len(self.sequence.ids)) if ok else 0
 
@@ -120,12 +118,10 @@ class Stepping:
         if not self.sequence.running:
             raise EngineError("no reply in progress: call start() first")
         q, c = self.sequence, self.cache
-        if q.reply.cancel:
+        if q.cancelled:
             return self._finish("cancelled", None)
         chunk = tokens if tokens is not None else self.demand().tokens  # alone: its own demand's (drafts proposed)
         t0 = time.perf_counter()
-        if q.reply.waited_ms < 0:  # the first forward: what came before it was waiting, not the model's work
-            q.reply.waited_ms = (t0 - q.reply.t_start) * 1000.0
         c.begin_step()
         drafts, draft_s = self._granted(chunk)
         if drafts:
@@ -142,7 +138,7 @@ class Stepping:
             return self._finish("context_full", None)
         except BaseException as e:
             raise self._fail(e) from e
-        q.planned(plan)  # its notes; prompt tokens it dropped unread are not counted as computed
+        q.planned(plan, t0)  # its notes; prompt tokens it dropped unread are not counted as computed
         n_in = c.pending(len(q.ids))  # after planning: without the tokens dropped to fit the context
         self._open = OpenStep(t0, n_in, work, plan, None)
         return work
@@ -157,11 +153,12 @@ class Stepping:
         if p is not None and p[0] is t and p[1] == len(q.ids):
             return p[2]
         self._proposal = None
-        if spec is None or not t.generated or t.cancel or t.sampling.logprobs is not None:
-            return ()  # log-probabilities are the sampler's of each token it picks: decoded one by one
+        budget = q.draft_budget() if spec is not None else 0
+        if budget <= 0:
+            return ()
         t0 = time.perf_counter()
-        room = min(c.draft_room(len(q.ids)), t.sampling.max_new_tokens - len(t.generated) - 1)
-        drafts = tuple(t.sampler.valid_drafts(spec.propose(q.ids, room, t.sampler)) if room > 0 else ())
+        room = min(c.draft_room(len(q.ids)), budget)
+        drafts = tuple(q.propose(spec, room) if room > 0 else ())
         drafts = drafts if drafts and c.can_reserve(len(drafts) + 1) else ()
         self._proposal = (t, len(q.ids), drafts, time.perf_counter() - t0)
         return drafts
@@ -189,57 +186,48 @@ class Stepping:
         t0, n_in, work, plan, drafts = opened.t0, opened.n_in, opened.work, opened.plan, opened.drafts
         if drafts:
             return self._finish_verify(t0, work, drafts, out)
-        q, c, t = self.sequence, self.cache, self.sequence.reply
-        at = c.index.next_pos if c.store is not None else 0  # where this forward's tokens start
+        q, c = self.sequence, self.cache
+        at = len(q.ids) - n_in  # where this forward's tokens start (0 with the cache off: every token fed)
         try:
             fed = c.forward_done(work, out, plan, q.ids, written)
-            if t.generated:
-                t.policy_decode_ms += c.last.policy_ms
-            else:
-                t.policy_prefill_ms += c.last.policy_ms
-            q.add_notes(c.notes())
+            q.forward_done(c.last)
             ms = (time.perf_counter() - t0) * 1000.0
             if out.batch == 1:  # alone: its time is its own (the model's prefill rate)
                 reprefill.record(self.lm, work.q, ms, work.scores)
-            moved, again_ms = reprefill.feed(t, at, work.q, ms)  # the share of a cache change's re-prefill
+            moved, again_ms = reprefill.feed(q.reply, at, work.q, ms)  # the share of a cache change's re-prefill
             if not fed:  # a chunk of a longer prefill: Stop can act before the next
-                t.prefill_ms += ms - again_ms
+                q.chunk_done(ms - again_ms)
                 return StepResult(event=None, snapshot=self.snapshot("prefill", ms - again_ms), done=False,
-                                  text=t.decoder.text, reprefill=moved)
+                                  text=q.text, reprefill=moved)
             t0 += again_ms / 1000.0  # the token's time (TTFT, decode) starts after it
-            ctx_ids = torch.tensor(q.ids, dtype=torch.long) if t.sampling.repetition_penalty != 1.0 else None
-            token = t.sampler(out.logits, ctx_ids)
+            event, stop = q.next_token(out.logits, t0, n_in, out.path, self.lm.stop_ids)
         except BaseException as e:
             raise self._fail(e) from e
-        decoding = bool(t.generated)
-        event, stop = q.accept(token, t0, n_in, out.path, self.lm.stop_ids)
-        t.forwards += 1
-        if decoding and self.spec is not None:
+        if event.phase == "decode" and self.spec is not None:
             self.spec.record_plain(event.step_ms)
         stop = stop or ("context_full" if c.fills_context(len(q.ids)) else "")
         if stop:
             return self._finish(stop, event, moved)
         return StepResult(event=event, snapshot=self.snapshot(event.phase, event.step_ms), done=False,
-                          text=t.decoder.text, reprefill=moved)
+                          text=q.text, reprefill=moved)
 
     def _finish_verify(self, t0: float, work: Work, drafts: list[int], out: Output) -> StepResult:
         """After a verification: the tokens it yields (drafts that stay, then the model's own), each accepted
         with its stop checks; the cache cut back to the kept slots; the first token now, the rest queued."""
-        q, c, t, spec = self.sequence, self.cache, self.sequence.reply, self.spec
+        q, c, spec = self.sequence, self.cache, self.spec
         try:
-            tokens = verify(t.sampler, out.logits, drafts, q.ids)
+            tokens = q.verified(out.logits, drafts)
         except BaseException as e:
             c.rollback()
             raise self._fail(e) from e
-        r0, ctx, overflow = c.index.next_rope, self.lm.info.context_length, c.can_overflow()
         ready, clock = [], t0
         for j, token in enumerate(tokens):
             event, stop = q.accept(token, clock, work.q if j == 0 else 0, out.path, self.lm.stop_ids)
             clock = time.perf_counter()  # the forward's time goes to the first token; the rest cost ~0
             event = dataclasses.replace(event, draft=j < len(tokens) - 1)
-            # token j sits at RoPE r0 + j + 1: the context is full when the one after it would not fit
-            stop = stop or ("context_full" if r0 + j + 2 >= ctx and not overflow else "")
-            ready.append((event, stop, t.decoder.text))
+            # token j is written j + 1 places after the fed one: the context is full when the one after it would not fit
+            stop = stop or ("context_full" if c.fills_context(len(q.ids), ahead=j + 1) else "")
+            ready.append((event, stop, q.text))
             if stop:
                 break
         kept = len(ready) - 1  # drafts that stay (a stop can end the reply on an accepted draft)
@@ -247,10 +235,8 @@ class Stepping:
             c.commit_verify(work, len(ready), q.ids, out.batch)
         except BaseException as e:
             raise self._fail(e) from e
-        t.forwards += 1
         ms = (time.perf_counter() - t0) * 1000.0
-        note = spec.record_verify(len(drafts), kept, len(ready), ms) if spec is not None else ""
-        q.add_notes([note] if note else [])
+        q.verification_done(spec.record_verify(len(drafts), kept, len(ready), ms) if spec is not None else "")
         self._ready_snapshot = self.snapshot("decode", ms)
         self._ready = ready
         return self._hand_out()
@@ -273,8 +259,7 @@ class Stepping:
         event, stats = self.sequence.end_reply(reason, event)
         snapshot = self.snapshot(event.phase if event is not None else "decode", event.step_ms if event else 0.0)
         self.cache.settle()  # an idle chat's picture shows no page being written
-        disk = self.cache.disk  # what its writer found since the reply began (a full disk): said with this reply
-        self.sequence.add_notes(disk.take_notes() if disk is not None else ())
+        self.sequence.add_notes(self.cache.disk_writer_notes())  # a full disk since the reply began: said with it
         return StepResult(event=event, snapshot=snapshot, done=True, stop_reason=reason, text=self.sequence.text,
                           stats=stats, warnings=self.sequence.take_notes(), reprefill=moved)
 

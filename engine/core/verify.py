@@ -184,6 +184,11 @@ class Speculator:
         return ""
 
     @property
+    def label(self) -> str:
+        """Its drafter as the reply's stats name it (``SpecConfig.label``)."""
+        return self.cfg.label
+
+    @property
     def active(self) -> bool:
         return not self.stats.off_reason
 

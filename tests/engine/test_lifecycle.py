@@ -78,3 +78,22 @@ def test_a_preempted_request_runs_again_and_gives_the_same_tokens(stories):
     finally:
         back.close()
         front.close()
+
+
+def test_a_cancel_stops_the_reply_it_was_asked_of_and_no_later_one(stories):
+    """``cancel`` asks the reply in progress to stop (its next step ends it, ``cancelled``); asked between two
+    replies, it stops none: the next reply runs to its own end."""
+    s = ChatSession(stories, CacheConfig(mode="paged", page_size=4, prefix_reuse=False))
+    try:
+        s.start_ids(PROMPT, SamplingConfig(max_new_tokens=6, ignore_eos=True))
+        assert not s.step().done
+        s.cancel()
+        last = s.step()
+        assert last.done and last.stop_reason == "cancelled" and len(s.generated_ids) == 1
+        s.cancel()  # no reply in progress
+        s.start_ids(PROMPT, SamplingConfig(max_new_tokens=3, ignore_eos=True))
+        while not (r := s.step()).done:
+            pass
+        assert r.stop_reason == "max_tokens" and len(s.generated_ids) == 3
+    finally:
+        s.close()
