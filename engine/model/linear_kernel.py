@@ -33,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [i, i, i64, i64, p, p, p, p, i64]  # rows n_in b0 b1 x wb bias y ldy
     lib.kvs_bf16_pairs.restype = i
     lib.kvs_bf16_pairs.argtypes = []
+    lib.kvs_block16.restype = i
+    lib.kvs_block16.argtypes = [p, i64, i64, i64, i, p]  # src rows cols ld elem dst
     return lib
 
 
@@ -40,6 +42,16 @@ LINEAR = Native(LIBRARY, _declare)
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def block_into(w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Write w [rows, in] (rows a multiple of 16, rows contiguous) blocked into out [rows/16, in, 16] (contiguous,
+    same dtype) by the library (~4x torch's transposing copy). False where it cannot: the caller copies."""
+    lib = LINEAR.library()
+    if (lib is None or w.device.type != "cpu" or w.dtype not in DTYPES or out.dtype != w.dtype or w.dim() != 2
+            or w.stride(1) != 1 or not out.is_contiguous() or tuple(out.shape) != (w.shape[0] // 16, w.shape[1], 16)):
+        return False
+    return lib.kvs_block16(w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.element_size(), out.data_ptr()) == 0
 
 
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:

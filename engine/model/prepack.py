@@ -167,18 +167,23 @@ def restructure(model, p: Plan, packed: bool = True) -> None:
     step's child: same structure and parameter names, its own throwaway weights, blocked where the plan says)."""
     for i, names in enumerate(p.groups):
         mods = [model.get_submodule(n) for n in names]
+        kind = p.kind(i)
         with torch.no_grad():
-            w = mods[0].weight.detach() if len(mods) == 1 else torch.cat([m.weight.detach() for m in mods])
+            ws = [m.weight.detach() for m in mods]
+            if kind == "blocked" and all(x.shape[0] % BLOCK == 0 and x.stride(1) == 1 for x in ws):
+                w = block(ws)  # [out/16, in, 16], the members blocked side by side (no concatenated copy first)
+            else:
+                w = ws[0] if len(ws) == 1 else torch.cat(ws)
+                w = block(w) if kind == "blocked" else w
+            del ws
             b = None
             if mods[0].bias is not None:
                 b = mods[0].bias.detach() if len(mods) == 1 else torch.cat([m.bias.detach() for m in mods])
         splits = tuple(m.out_features for m in mods)
         for m in mods:  # drop the plain weights before packing: the merged copy is then the only one
             m.weight = None
-        kind, n_in = p.kind(i), int(w.shape[1])
-        if kind == "blocked":
-            w = block(w)  # [out/16, in, 16]
-        elif packed:
+        n_in = int(w.shape[1])  # [out/16, in, 16] blocked, [out, in] else
+        if kind != "blocked" and packed:
             w = torch.ops.mkldnn._reorder_linear_weight(w, None)  # [out, in] in oneDNN's blocked layout
         owner = PackedLinear(w, b, splits, kind, n_in)
         del w

@@ -177,3 +177,17 @@ def test_batched_chats_on_blocked_weights_run_through_it_with_hf_tokens(stories,
                                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert s.generated_ids == want
         s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layout_is_made_by_the_library_as_torch_makes_it(dtype, monkeypatch):
+    """A merged group's members (q/k/v: 2 x 64 + 32 rows, a width off the library's 64 columns) blocked side by side
+    by the library, large enough for a mapping of its own, equal the concatenation blocked by torch's copy."""
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(rows, 1100, generator=g).to(dtype) for rows in (512, 512, 256)]
+    ref = torch.cat(parts).reshape(-1, 16, 1100).transpose(1, 2).contiguous()  # [out/16, in, 16]
+    got = block(parts)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+    assert torch.equal(unblock(got), torch.cat(parts))
+    monkeypatch.setattr(linear_kernel, "block_into", lambda w, out: False)  # no library: torch's copy
+    assert torch.equal(block(parts), ref)

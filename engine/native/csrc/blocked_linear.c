@@ -253,3 +253,27 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
 #endif
     return 0;
 }
+
+/* The layout itself: w [rows, cols] (row stride ld elements, elem 2 or 4 bytes) -> wb [rows/16, cols, 16], rows a
+   multiple of 16. Sixteen rows' streams read side by side, 64 columns at a time, the blocks written in order: a
+   1B model's 2 GB of bfloat16 linears at ~4 GB/s, where torch's transposing copy read ~1 GB/s (2 s of a 5 s load).
+   0 done, -1 bad arguments. */
+#define BLOCK16(T) \
+    for (int64_t g = 0; g < rows / 16; g++) { \
+        const T* s = (const T*)src + g * 16 * ld; \
+        T* d = (T*)dst + g * cols * 16; \
+        for (int64_t c0 = 0; c0 < cols; c0 += 64) { \
+            const int64_t c1 = c0 + 64 < cols ? c0 + 64 : cols; \
+            for (int k = 0; k < 16; k++) \
+                for (int64_t c = c0; c < c1; c++) d[c * 16 + k] = s[k * ld + c]; \
+        } \
+    }
+
+int kvs_block16(const void* src, int64_t rows, int64_t cols, int64_t ld, int elem, void* dst)
+{
+    if (rows < 0 || rows % 16 || cols < 1 || ld < cols) return -1;
+    if (elem == 2) { BLOCK16(uint16_t) }
+    else if (elem == 4) { BLOCK16(uint32_t) }
+    else return -1;
+    return 0;
+}
