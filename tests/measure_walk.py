@@ -1,9 +1,11 @@
 """The walk of one decode round through the engine's files, traced: which files a round of the engine core enters
 between ``EngineCore.round`` and the sinks, and how often control crosses from one file to another (a call into
 another file, or a return to the caller's). With ``--app``, also the app's walk of a chat message: the worker
-(``app.link.worker.EngineWorker``, on this thread) from ``submit`` to its ``finished`` signal.
+(``app.link.worker.EngineWorker``, on this thread) from ``submit`` to its ``finished`` signal. With ``--api``, an
+API request's: ``POST /v1/chat/completions`` to the server (``engine serve``'s ``KVServer`` on its threads: HTTP,
+tokenizing, the engine) until its response is read, every thread traced (crossings counted within each thread).
 
-    python tests/measure_walk.py [--root CHECKOUT] [--sessions 2] [--app] [--list]
+    python tests/measure_walk.py [--root CHECKOUT] [--sessions 2] [--app] [--api] [--list]
 
 Two chats on stories260K decoding together (one batched forward), their first rounds run untraced, then one round
 traced with ``sys.setprofile``: only frames of the checkout's ``engine/`` (and ``app/``) count (torch's and
@@ -117,8 +119,69 @@ def app_walk(root: Path, new_tokens: int = 4) -> list[tuple[str, str, str]]:
     return events
 
 
-def _say(label: str, events: list, listed: bool) -> None:
-    r, c = walk(events), walk(events, coarse=True)
+def api_walk(root: Path, new_tokens: int = 4) -> dict[int, list[tuple[str, str, str]]]:
+    """An API request of ``new_tokens`` tokens (greedy, not streamed) through the server on its threads, from the
+    request sent (``http.client``, this thread) to its response read; one request answered first (untraced). Each
+    thread's events apart (by thread id): a call on one thread and a return on another are no crossing."""
+    import http.client
+    import json
+    import threading
+    import time
+
+    from engine.config import CacheConfig
+    from engine.model.loader import load_model
+    from engine.server.service import KVServer, ServerOptions, ServerThread
+
+    top, tracing, events = str(root / "engine") + "/", [False], {}
+
+    def prof(frame, event, arg):
+        if tracing[0] and event in ("call", "return") and frame.f_code.co_filename.startswith(top):
+            events.setdefault(threading.get_ident(), []).append(
+                (event, frame.f_code.co_filename[len(top):], frame.f_code.co_name))
+
+    threading.setprofile(prof)  # the server's threads start below, each with the hook (idle until ``tracing``)
+    try:
+        lm = load_model(str(root / "resources/models/stories260K"))
+        served = ServerThread(KVServer(lm, CacheConfig(mode="paged", page_size=16), ServerOptions()))
+        host, port = served.url.split("//")[1].split(":")
+
+        def ask(text: str) -> None:
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            body = {"model": lm.info.name, "messages": [{"role": "user", "content": text}], "max_tokens": new_tokens,
+                    "temperature": 0.0}
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            assert reply.status == 200, reply.read()
+            reply.read()
+            conn.close()
+
+        served.start()
+        ask("Once upon a time")
+        time.sleep(0.2)  # the first request's round ends
+        tracing[0] = True
+        sys.setprofile(prof)
+        ask("Once upon a time there was")
+        sys.setprofile(None)
+        tracing[0] = False
+        served.stop()
+    finally:
+        threading.setprofile(None)
+    return events
+
+
+def _threads(by_thread: dict, coarse: bool = False) -> dict:
+    """``walk`` of each thread's events, summed (files: those of any thread)."""
+    rs = [walk(ev, coarse) for ev in by_thread.values()]
+    files = sorted({f for r in rs for f in r["file_list"]})
+    return {"files": len(files), "crossings": sum(r["crossings"] for r in rs), "calls": sum(r["calls"] for r in rs),
+            "file_list": files}
+
+
+def _say(label: str, events, listed: bool) -> None:
+    if isinstance(events, dict):  # by thread
+        r, c = _threads(events), _threads(events, coarse=True)
+    else:
+        r, c = walk(events), walk(events, coarse=True)
     print(f"{label}: {r['files']} files, {r['crossings']} crossings, {r['calls']} calls; the core's (link's) files "
           f"and the other rooms: {c['files']} places, {c['crossings']} crossings")
     if listed:
@@ -130,6 +193,7 @@ def main() -> None:
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
     p.add_argument("--sessions", type=int, default=2)
     p.add_argument("--app", action="store_true", help="also the app's walk of a chat message")
+    p.add_argument("--api", action="store_true", help="also the walk of an API request (the server's threads)")
     p.add_argument("--list", action="store_true")
     a = p.parse_args()
     root = a.root.resolve()
@@ -141,6 +205,9 @@ def main() -> None:
     _say(f"one decode round of {a.sessions} chats (engine)", engine_walk(root, a.sessions), a.list)
     if a.app:
         _say("a chat message of 4 tokens (app worker, submit to finished)", app_walk(root), a.list)
+    if a.api:
+        _say("an API request of 4 tokens (HTTP, tokenizing and engine threads, sent to response read)",
+             api_walk(root), a.list)
 
 
 if __name__ == "__main__":
