@@ -341,6 +341,57 @@ def test_the_round_grants_a_verification_its_drafts_and_the_kv_manager_room_for_
     s.close()
 
 
+@pytest.mark.parametrize("pages", [29, 32])
+def test_drafts_never_cost_another_requests_pages(lm, pages):
+    """A pool too small for three chats (4-token pages): when pages an earlier request of the round took leave no
+    room for a speculating request's drafts, its grant falls back to its one decode token; a verification's grant
+    never preempts a request (without the fallback, these pools each preempt one for drafts). Each reply ends by
+    its own stop (the tokens it gives alone) or with the full pool's typed error."""
+    from engine.config import SpecConfig
+    from engine.core.scheduler import EngineCore, Priority, Request
+
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw a "
+             "big dog. Once upon a time, there was a little girl named Lily. She loved")
+    ids = lm.tokenizer(story)["input_ids"]
+    cfg = CacheConfig(page_size=4, max_pages=pages, prefix_reuse=False)
+    runs = [(ids[:20], 30, Priority.BACKGROUND), (ids[:9], 40, Priority.FOREGROUND), (ids, 30, Priority.API)]
+    sessions = [ChatSession(lm, cfg) for _ in runs]
+    spec = sessions[2]
+    spec.speculate(SpecConfig(method="ngram", draft_tokens=4, auto_off=False))
+    core, grants, asked = EngineCore(lm), [], []
+    make_room, demand = core.kv.make_room, spec.demand
+
+    def room(session, tokens, priority):
+        before = core.preemptions
+        ok = make_room(session, tokens, priority)
+        if session is spec and asked[-1]:
+            grants.append((tokens, len(asked[-1]) + 1, core.preemptions - before))
+        return ok
+
+    core.kv.make_room = room
+    spec.demand = lambda: asked.append((d := demand()).drafts) or d
+    ends = {}
+    try:
+        for i, (prompt, n, priority) in enumerate(runs):
+            sessions[i].start_ids(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+            core.add(Request(sessions[i], lambda r, i=i: ends.setdefault(i, r) if isinstance(r, BaseException)
+                             or r.done else None, priority))
+            if i == 0:
+                core.round(), core.round()  # the background chat holds its pages first
+        while core.requests:
+            core.round()
+        assert any(t == 1 for t, _, _ in grants)  # drafts dropped for room: the step decoded its one token
+        assert all(p == 0 for t, _, p in grants if t > 1)  # no verification's grant preempted anyone
+        for i, (prompt, n, _) in enumerate(runs):  # each ends by its stop or with the full pool's typed error
+            if isinstance(ends[i], BaseException):
+                assert isinstance(ends[i], CacheCapacityError), ends[i]
+            else:
+                assert sessions[i].generated_ids == hf_greedy(lm, prompt, n), i
+    finally:
+        for s in sessions:
+            s.close()
+
+
 def test_speculating_chats_on_quantized_pages_get_in_a_batch_what_they_get_alone(lm):
     """int4 and tq3 pages under speculation, beside an int8 chat decoding plainly: a verification in the shared
     forward reads its pages as it does alone (drafts never complete a quantized page), so each reply is the one
