@@ -13,14 +13,12 @@ order, stay in it and the product writes each output where the model wants it (`
 
 Peak memory: the model is built with its parameters on the meta device (``accelerate.init_empty_weights``,
 buffers real), so nothing is allocated for a weight that stays in the file; the mapping's pages count in the
-process's RSS as the products first read them (as llama.cpp's mmap does). On AVX-512 VNNI the integer road's
-linears are repacked at their first product (``BlockLinear.defer_pack``: sixteen rows a group, llama.cpp's
-repacked buffers for 512-bit vectors) and the file pages they were read from are let go at once
-(``Table.release``), so the weights are held once plus one tensor's pages, never the file and its copy. Not
-within the load: the repacking (with the pages it reads and makes) was most of a load's time (the 1B shape, one
-thread: Q4_K_M ~0.45 s, Q8_0 ~0.85 s of loads of ~0.6 / ~1 s; llama.cpp's whole loads 0.55-0.85 / 0.1-0.2 s). A
-thread starts it as the load ends (``modules.pack_soon``) and the first product waits for what is left: nothing when the
-user types for a second, all of it when a prompt follows at once (then the first token pays it).
+process's RSS as the products first read them (as llama.cpp's mmap does). On AVX-512 VNNI and AVX2 the integer
+road's linears are repacked (``BlockLinear.defer_pack``: sixteen rows a group, llama.cpp's repacked buffers for wide
+vectors), the file's pages let go as each ~16 MiB is packed (``kernel.pack``'s ``mapped``, then ``Table.release``):
+the weights are held once, never the file beside its copy. The repacking was most of a load's time (1B shape, one
+thread: Q4_K_M ~0.45 of ~0.6 s; llama.cpp's 0.55-0.85 s), so a thread starts it as the load ends
+(``modules.pack_soon``) and the first product waits for what is left.
 """
 
 from __future__ import annotations
@@ -245,8 +243,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
 
 def _kept_linears(model, table: Table) -> list[tuple[str, BlockLinear]]:
     """(file tensor name, module) of each linear multiplied from the file's mapping."""
-    at = {e[2]: g for g, e in table.entries.items()}
-    base = table.base()
+    at, base = {e[2]: g for g, e in table.entries.items()}, table.base()
     return [(at[m.weight.data_ptr() - base], m) for m in model.modules()
             if isinstance(m, BlockLinear) and m.weight.device.type == "cpu" and m.weight.data_ptr() - base in at]
 
@@ -260,16 +257,14 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
     current = getattr(owner, leaf)
     if leaf == "weight" and _keep(t, shape, device) and tuple(current.shape) == shape:
         if type(owner) is nn.Linear:
-            bias = owner.bias
-            new = BlockLinear(table.blocks(gname).to(device), t, shape[1], bias if bias is not None else None,
-                              _row_order(processor, gname, shape[0]))
+            new = BlockLinear(table.blocks(gname).to(device), t, shape[1], owner.bias, _row_order(processor, gname,
+                                                                                                   shape[0]))
             model.set_submodule(owner_name, new)
             if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
                 new.defer_pack(functools.partial(table.release, gname), group, mapped=True)
             return
         if isinstance(owner, nn.Embedding):
-            scale = getattr(owner, "embed_scale", None)
-            scale = float(scale) if scale is not None else None
+            scale = None if getattr(owner, "embed_scale", None) is None else float(owner.embed_scale)
             new = BlockEmbedding(table.blocks(gname).to(device), t, shape[1], dtype, owner.padding_idx, scale)
             model.set_submodule(owner_name, new)
             return
