@@ -8,10 +8,10 @@
 Each load runs in a fresh process: the imports first, timed apart from the load (torch, the engine and transformers'
 model code for the source's architecture; llama.cpp's side: ``import llama_cpp``, which loads its libraries), the
 process's RSS once they are imported (idle), the fit verdict
-(``engine.model.fit``, computed in that process before the load), then the load (its wall time, the RSS after it and
-the peak while loading, VmHWM), then (the engine's compiled decode step started and waited for, as the app starts it after a load, timed apart)
-a prompt of ``--context`` tokens and 64 decoded tokens (time to first token,
-decode tokens/s, the RSS and the peak after). The verdict's numbers beside them:
+(``engine.model.fit``, computed in that process before the load), then the load (its wall time; the RSS after it and
+the peak while loading, VmHWM, read once a GGUF's repacking, on a thread after the load, is done), then (the
+engine's compiled decode step started and waited for, as the app starts it after a load, timed apart) a prompt of
+``--context`` tokens and 64 decoded tokens (time to first token, decode tokens/s, the RSS and the peak after). The verdict's numbers beside them:
 
     load peak    idle + fit.load_bytes
     after load   idle + libraries + weights as held
@@ -70,6 +70,15 @@ def _model_code(source: str) -> None:
         importlib.import_module("transformers.modeling_utils")
 
 
+def _packed(model, timeout: float = 600.0) -> None:
+    """Wait for the repacking a GGUF load leaves to a thread (``engine.quant.modules.pack_soon``)."""
+    from engine.quant.modules import BlockLinear
+
+    end = time.perf_counter() + timeout
+    while any(isinstance(m, BlockLinear) and m.pending() for m in model.modules()) and time.perf_counter() < end:
+        time.sleep(0.02)
+
+
 def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     t0 = time.perf_counter()
     import torch
@@ -88,6 +97,7 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     t = time.perf_counter()
     lm = load_model(spec)
     load_s = time.perf_counter() - t
+    _packed(lm.model)  # a GGUF's repacking runs on a thread after the load: its memory is the load's
     after, load_peak = _status("VmRSS"), _status("VmHWM")
     from engine.core.scheduler import drive
     from engine.core.session import ChatSession
