@@ -82,7 +82,8 @@ def bnb_config(kind: str, compute_dtype: torch.dtype):
 
 def fix_bnb_4bit_cpu(model) -> None:
     """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
-    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead."""
+    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead; the others get its layout now
+    (``nf4_quant.cpu_layout``)."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
@@ -90,3 +91,6 @@ def fix_bnb_4bit_cpu(model) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
             mod.support_avx512bf16_for_cpu = False
+    from engine.model import nf4_quant
+
+    nf4_quant.cpu_layout(model)  # the kernel's layout made now, in C (bitsandbytes' torch code at first forward)

@@ -36,6 +36,8 @@ def _library():
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int]  # x n blocksize bounds packed absmax threads
+        lib.kq_nf4_cpu_layout.restype = ctypes.c_int
+        lib.kq_nf4_cpu_layout.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -93,3 +95,49 @@ def install() -> bool:
     _state["installed"] = True
     log.info("bitsandbytes' 4-bit quantization on the CPU: kq_quantize_4bit (C)")
     return True
+
+
+# the bitsandbytes releases whose CPU layout ``cpu_layout`` makes (tests/engine/test_quant.py compares it with theirs)
+LAYOUT_VERSIONS = ("0.50.",)
+
+
+def cpu_layout(model) -> int:
+    """Put the model's 4-bit linears that bitsandbytes' AVX512-BF16 CPU kernel multiplies in that kernel's layout now,
+    by C (``kq_nf4_cpu_layout``), with the state its ``_convert_weight_packed_for_cpu`` leaves: bitsandbytes makes it
+    in torch at each layer's first forward (a 1B model: 5.4 s of a 14.5 s load, in the loader's test run). The same
+    bytes and state as bitsandbytes' (tested); left to it on other releases. Returns how many were laid out."""
+    try:
+        import bitsandbytes
+        from bitsandbytes.functional import dequantize_blockwise
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return 0
+    lib = _library()
+    if lib is None or not bitsandbytes.__version__.startswith(LAYOUT_VERSIONS):
+        return 0
+    done = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if (not isinstance(mod, Linear4bit) or qs is None or w.device.type != "cpu" or mod.training
+                or not getattr(mod, "support_avx512bf16_for_cpu", False) or getattr(qs, "packing_format_for_cpu", False)
+                or len(qs.shape) != 2 or qs.shape[0] % 32 or qs.shape[1] % qs.blocksize or qs.blocksize % 2):
+            continue
+        q = w.data if w.data.dtype == torch.uint8 else w.data.view(torch.uint8)
+        if w.data.dtype != torch.uint8:
+            qs.original_storage_type = w.data.dtype
+        n_out, n_in = int(qs.shape[0]), int(qs.shape[1])
+        out = torch.empty(n_out, n_in // 2, dtype=torch.uint8)  # [N, K/2] in the kernel's order
+        if lib.kq_nf4_cpu_layout(q.contiguous().data_ptr(), n_out, n_in, out.data_ptr()) != 0:
+            continue
+        qs.original_dtype, qs.original_nested, qs.original_qshape = qs.dtype, qs.nested, q.shape
+        if qs.nested:
+            absmax = dequantize_blockwise(qs.absmax, qs.state2)
+            absmax += qs.offset
+            qs.absmax, qs.nested = absmax.float(), False
+            delattr(qs, "state2")
+        qs.absmax = qs.absmax.reshape(n_out, n_in // qs.blocksize).T.to(torch.bfloat16).contiguous()  # [K/bs, N]
+        qs.dtype, qs.packing_format_for_cpu = torch.bfloat16, True
+        w.data = out
+        done += 1
+    return done

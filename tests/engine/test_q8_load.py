@@ -80,3 +80,42 @@ def test_nf4_blocks_are_bitsandbytes_bit_for_bit():
         assert torch.equal(got[0], codes) and torch.equal(got[1], scales)
     fp4 = torch.ops.bitsandbytes.quantize_4bit(cases[1], 64, "fp4", torch.uint8)  # not ours: bitsandbytes' code
     assert torch.equal(fp4[0], nf4_quant._default(cases[1], 64, "fp4", torch.uint8)[0])
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_nf4_cpu_layout_is_bitsandbytes_own(nested):
+    """The layout bitsandbytes' AVX512-BF16 kernel reads, made at load by C (``nf4_quant.cpu_layout``), is the one
+    its ``_convert_weight_packed_for_cpu`` makes at a first forward: the same bytes, scales and state, and the same
+    outputs; a layer its kernel refuses (out % 32) is left to it."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import copy
+
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+    from bitsandbytes.nn import Linear4bit
+
+    from engine.model import nf4_quant
+
+    if not bnb.__version__.startswith(nf4_quant.LAYOUT_VERSIONS):
+        pytest.skip(f"bitsandbytes {bnb.__version__}: its own conversion runs")
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(*[Linear4bit(n_in, n_out, bias=False, compress_statistics=nested, quant_type="nf4")
+                                  for n_in, n_out in ((256, 96), (128, 256), (64, 40))])
+    for m in model:
+        m.weight.data = (torch.randn(m.out_features, m.in_features, generator=g) * 0.05)
+    model = model.to("cpu").eval()  # quantized as it moves (bitsandbytes' Params4bit)
+    for m in model:
+        m.support_avx512bf16_for_cpu = m.out_features % 32 == 0 and m.in_features % 64 == 0  # as the loader sets
+    theirs = copy.deepcopy(model)
+    for m in theirs:
+        if m.support_avx512bf16_for_cpu:
+            m.weight.data, m.weight.quant_state = _convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
+    assert nf4_quant.cpu_layout(model) == 2
+    for ours, ref in zip(model, theirs):
+        a, b = ours.weight.quant_state, ref.weight.quant_state
+        assert torch.equal(ours.weight.data, ref.weight.data)
+        assert torch.equal(a.absmax, b.absmax) and a.absmax.dtype == b.absmax.dtype
+        for key in ("dtype", "nested", "original_dtype", "original_nested", "original_qshape", "packing_format_for_cpu"):
+            assert getattr(a, key, None) == getattr(b, key, None), key
+    x = torch.randn(3, 256, generator=g)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), theirs[0](x))
