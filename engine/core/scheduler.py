@@ -214,6 +214,7 @@ class EngineCore:
             chosen = self._schedule(live)
             for unit in forward_units(chosen, [x.demand for x in chosen]):
                 self._postprocess(unit, self._run(unit))
+        self.kv.ended([r.session for r in self.requests if r.done])  # their idle caches: still within its reach
         self.requests = [r for r in self.requests if not r.done]
         for task in sorted(self.tasks, key=lambda t: t.priority):
             self._task_step(task)

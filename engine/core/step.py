@@ -85,6 +85,14 @@ class Stepping:
     def give_up_cache(self) -> None:
         self.cache.truncate(0)
 
+    def swap_idle(self) -> bool:
+        """Between replies: its pages given back, its K/V moved to host memory (its next reply brings them back, as
+        an idle chat of the app's pool). False when it has none to give (replying, closed, swapped, no pages)."""
+        q, c = self.sequence, self.cache
+        if q.running or q.closed or c.host is not None or c.pool_key() is None or not c.n:
+            return False
+        return c.swap_out() > 0
+
     def pool_key(self) -> int | None:
         """Which page pool its cache writes (sessions of one pool see every page a shared forward wrote)."""
         return self.cache.pool_key()

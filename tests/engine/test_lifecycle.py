@@ -97,3 +97,58 @@ def test_a_cancel_stops_the_reply_it_was_asked_of_and_no_later_one(stories):
         assert r.stop_reason == "max_tokens" and len(s.generated_ids) == 3
     finally:
         s.close()
+
+
+def test_the_chat_on_screen_never_fails_for_pages_an_ended_reply_holds(stories):
+    """A background chat (20-token prompt, 60 tokens: 20 pages of 4) and the chat on screen (9, 100: 28 pages) on
+    one core, its pool 30-50 pages, both chats left open when their replies end (no source of the core holds
+    them). The chat on screen fits any of these pools alone: it always gets HF's greedy reply, whether the
+    pages it needs are the running background request's (preempted) or an ended reply's (swapped to host memory,
+    brought back by that chat's next message). Before, with the background chat's reply ended (by its stop, or
+    failed), its idle cache stayed put and the chat on screen ended with "KV cache full" on pools of 30-46 pages.
+    The background chat ends by its stop with its own tokens or, where the chat on screen holds what it needs,
+    with the pool's typed error."""
+    import dataclasses
+
+    from engine.errors import CacheCapacityError
+    from test_exact import hf_greedy
+
+    story = stories.tokenizer("Once upon a time, there was a little girl named Lily. She loved to play outside.")
+    ids = story["input_ids"]
+    back_prompt, front_prompt = ids[:20], ids[:9]
+    want_back, want_front = hf_greedy(stories, back_prompt, 60), hf_greedy(stories, front_prompt, 100)
+    outcomes = {}
+    for pages in range(30, 51):
+        lm = dataclasses.replace(stories, arenas=None, model_runner=None)  # a pool of its own
+        cfg = CacheConfig(mode="paged", page_size=4, prefix_reuse=False, max_pages=pages)
+        back, front = ChatSession(lm, cfg), ChatSession(lm, cfg)
+        ends = {}
+        try:
+            core = EngineCore(lm)
+            for s, prompt, n, priority in ((back, back_prompt, 60, Priority.BACKGROUND),
+                                           (front, front_prompt, 100, Priority.FOREGROUND)):
+                s.start_ids(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+                core.add(Request(s, lambda r, s=s: ends.setdefault(id(s), r)
+                                 if isinstance(r, BaseException) or r.done else None, priority))
+                core.round(), core.round()  # the background chat holds its pages first
+            while core.requests:
+                core.round()
+            last = ends[id(front)]
+            assert not isinstance(last, BaseException), (pages, last)
+            assert last.stop_reason == "max_tokens" and front.generated_ids == want_front, pages
+            b = ends[id(back)]
+            if isinstance(b, BaseException):
+                assert isinstance(b, CacheCapacityError), (pages, b)
+            else:
+                assert b.stop_reason == "max_tokens" and back.generated_ids == want_back, pages
+            outcomes[pages] = ("full" if isinstance(b, BaseException) else "done", back.offloaded)
+            if back.offloaded and not isinstance(b, BaseException):  # swapped, not lost: its next message goes on
+                front.close()
+                more = back.seq + [back.seq[-1]]
+                back.start_ids(more, SamplingConfig(max_new_tokens=2, ignore_eos=True))
+                while not back.step().done:
+                    pass
+                assert not back.offloaded and back.generated_ids == hf_greedy(lm, more, 2), pages
+        finally:
+            back.close(), front.close()
+    assert any(o == ("done", True) for o in outcomes.values())  # an ended reply's cache gave its pages, kept

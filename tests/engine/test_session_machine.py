@@ -695,10 +695,10 @@ class CoreMachine(ChatMachine):
     @precondition(lambda self: len(self.api) < 4)
     @rule(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=30), n=st.integers(1, 24),
           priority=st.sampled_from([0, 1, 2]), spec=st.sampled_from(["off", "off", "ngram", "draft"]))
-    def api_request(self, words, n, priority, spec):
+    def api_request(self, words, n, priority, spec, cfg: CacheConfig | None = None):
         from engine.core.scheduler import Priority, Request
 
-        s = ChatSession(self.lm, CacheConfig())
+        s = ChatSession(self.lm, cfg or CacheConfig())
         if spec != "off":
             self._speculate(s, spec, 0)
         ids = self.lm.tokenizer(" ".join(words))["input_ids"]
@@ -710,6 +710,41 @@ class CoreMachine(ChatMachine):
         req = ApiReq(s, None, ids, n)
         req.request = self.core.add(Request(s, req.results.append, Priority(priority)))
         self.api.append(req)
+
+    @precondition(lambda self: len(self.api) < 4)
+    @rule(i=st.integers(0, 99), words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=30),
+          n=st.integers(1, 24), priority=st.sampled_from([0, 1, 2]))
+    def api_request_in_a_chats_pool(self, i, words, n, priority):
+        """An API request (lossless) on a chat's page pool, its page cap too: where the chat's reply ended on the
+        core and holds the pages the request needs, the KV manager swaps them to host memory (the chat's next
+        message brings them back); the invariants check both."""
+        c = self._chat(i).session.cache_config
+        paged = c.mode == "paged"
+        self.api_request(words, n, priority, "off", CacheConfig(page_size=c.page_size, max_pages=c.max_pages)
+                         if paged else CacheConfig())
+
+    @precondition(lambda self: len(self.api) < 4)
+    @rule(pages=st.integers(12, 40), words=st.lists(st.sampled_from(WORDS), min_size=4, max_size=30),
+          n=st.integers(8, 40), priority=st.sampled_from([0, 1, 2]))
+    def api_request_beside_an_ended_chat(self, pages, words, n, priority):
+        """A chat on a small pool (4-token pages, ``pages`` of them) replies on the core and its reply ends (the
+        chat kept open); then an API request on that pool: the pages it needs come from the ended chat's idle cache
+        (swapped to host memory) before a "KV cache full" — it fails only when it cannot fit the pool alone."""
+        cfg = CacheConfig(page_size=4, max_pages=pages, prefix_reuse=False)
+        self.chats.append(Chat(ChatSession(self.lm, cfg)))
+        i = len(self.chats) - 1
+        self.start(i, "new", words, n, False, False, True)
+        self.chat_on_core(i, 2)
+        while self.chats[i].session.generating:
+            self._round()
+        self.api_request(words[::-1], n, priority, "off", cfg)
+        req = self.api[-1] if self.api and self.api[-1].session.cache_config == cfg else None
+        key = req.session.pool_key() if req is not None else None
+        while req is not None and req in self.api:
+            self._round()
+        held = any(c.session.generating and c.session.pool_key() == key for c in self.chats)  # replies going on
+        if req is not None and isinstance(req.results[-1], CacheCapacityError) and not held:
+            assert len(req.prompt) + req.n > pages * 4 - 4, (len(req.prompt), req.n, pages)  # it alone did not fit
 
     @rule(i=st.integers(0, 99), priority=st.sampled_from([0, 1, 2]))
     def chat_on_core(self, i, priority):
