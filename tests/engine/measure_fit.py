@@ -38,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DECODE = 64  # the compiled step's 3:1 trial (its first 32 steps) included, as a chat decodes it
+TRIAL = 33  # the first token and the trial's 32 steps (``steady_tps``: the decode after them)
 SHAPE_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=512)
 
 
@@ -112,9 +113,11 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     stamps = [time.perf_counter() for r in drive(session) if r.event is not None]
     ttft = stamps[0] - t if stamps else 0.0
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    late = stamps[TRIAL:]  # after the compiled step's trial (its eager steps slow the mean at two threads)
+    steady = (len(late) - 1) / (late[-1] - late[0]) if len(late) > 1 else 0.0
     label = Path(source).name if source.lower().endswith(".gguf") else case
     return dict(side="kvscope", case=label, idle=idle, import_s=import_s, load_s=load_s, fast_s=fast_s, fast=fast, after=after, load_peak=load_peak,
-                running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode,
+                running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode, steady_tps=steady,
                 weights=lm.info.weights_bytes, format=f"{lm.info.weights_format} {lm.info.weights_held}",
                 est_load_peak=idle + f.load_bytes, est_after=idle + f.libraries + f.weights.bytes,
                 est_running=idle + f.total_at(context + DECODE),
@@ -145,13 +148,16 @@ def child_llamacpp(path: str, context: int, threads: int) -> dict:
     t = time.perf_counter()
     llm.eval(_prompt(context))
     ttft = time.perf_counter() - t
-    t, tok = time.perf_counter(), 5
+    stamps, tok = [time.perf_counter()], 5
     for _ in range(DECODE):
         llm.eval([tok])
         tok = (tok * 13 + 7) % 500 + 3
-    decode = DECODE / (time.perf_counter() - t)
+        stamps.append(time.perf_counter())
+    decode = DECODE / (stamps[-1] - stamps[0])
+    late = stamps[TRIAL:]  # the same tokens as the engine's steady decode
+    steady = (len(late) - 1) / (late[-1] - late[0])
     return dict(side="llama.cpp", case=Path(path).name, idle=idle, import_s=import_s, load_s=load_s, after=after, load_peak=load_peak,
-                running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode)
+                running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode, steady_tps=steady)
 
 
 def _run_child(python: str, args: list[str], threads: int) -> dict:
@@ -209,7 +215,7 @@ def _mib(b: float) -> str:
 
 def report(rows: list[dict]) -> None:
     print("\nside       case              idle  load peak (est, ratio)   after load (est, ratio)  running (est, ratio)"
-          "     peak  import s  load s  TTFT s  decode tok/s  weights as held")
+          "     peak  import s  load s  TTFT s  decode tok/s (after the trial)  weights as held")
     for r in rows:
         if "error" in r:
             print(f"error: {r['args']}: {r['error']}")
@@ -221,7 +227,7 @@ def report(rows: list[dict]) -> None:
         else:
             est = [_mib(r[k]) for k in ("load_peak", "after", "running")]
         print(f"{r['side']:10} {r['case']:16} {_mib(r['idle']):>5}  {est[0]:24} {est[1]:24} {est[2]:24} "
-              f"{_mib(r['peak']):>6}  {r.get('import_s', 0):8.2f}  {r['load_s']:6.2f}  {r['ttft_s']:6.2f}  {r['decode_tps']:8.2f}  "
+              f"{_mib(r['peak']):>6}  {r.get('import_s', 0):8.2f}  {r['load_s']:6.2f}  {r['ttft_s']:6.2f}  {r['decode_tps']:8.2f} ({r.get('steady_tps', 0):6.2f})  "
               f"{r.get('format', '')}")
 
 
