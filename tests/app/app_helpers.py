@@ -110,6 +110,7 @@ class SessionFake:
     alone (never batched), no pages to make room for."""
 
     generating = True
+    closed = False  # its owner has not closed it (the core's KV manager asks, of ended replies)
     cache = types.SimpleNamespace(store=None)
     lm = runner = None
 
