@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from engine.errors import EngineError
 from engine.snapshot import StepResult
-from engine.core.kv_manager import Holder, KVManager
+from engine.core.kv_manager import SIT_OUT, Holder, KVManager
 from engine.core.records import Demand, forward_units, grants, share_groups
 from engine.core.vocab import FinishReason, Priority, RequestStatus
 
@@ -135,7 +135,7 @@ class EngineCore:
         self.requests: list[Request] = []
         self.tasks: list[Task] = []
         self.sources: list[Source] = []
-        self.kv = KVManager(lambda: self.sources, lambda: (r for r in self.requests if not r.done))
+        self.kv = KVManager(lambda: self.sources, lambda: self.requests)
         from engine.core.step import run_forward  # torch's side: a core runs with a model loaded
 
         self._forward = run_forward
@@ -238,22 +238,23 @@ class EngineCore:
         chosen = []
         for r, d, tokens in zip(live, demands, grants(demands, self.prefill_budget)):
             if tokens is not None:
-                r.status = RequestStatus.RUNNING
+                if r.status is not RequestStatus.PREEMPTED:  # a preempted one runs again once it has room (``_run``)
+                    r.status = RequestStatus.RUNNING
                 chosen.append(Scheduled(r, d, tokens))
         return chosen
 
     def _run(self, unit: list[Scheduled]) -> dict[int, Any]:
         """One forward of ``unit``: room for each granted forward first (the KV manager, in priority order), then
-        ``run_forward``. A request preempted earlier in this round for one that came first is granted again (its
-        cache was given up: a prefill chunk now, not its one decode token)."""
+        ``run_forward``. A request preempted since it was asked is granted again (its cache was given up: a prefill
+        chunk now, not its one decode token). One that finds no room sits the round out while requests before it
+        hold its pool's pages (``KVManager.sit_out``)."""
         def room(session: Steppable, tokens: int) -> int:
             x = by_session[id(session)]
             if x.request.status is RequestStatus.PREEMPTED:
                 x.request.status, tokens = RequestStatus.RUNNING, session.demand().tokens
             elif x.demand.drafts and not self.kv.can_allocate(session, tokens):
                 tokens = 1  # drafts never cost another request's pages: this step decodes its one token
-            self.kv.make_room(session, tokens, x.request.priority)
-            return tokens
+            return tokens if self.kv.room(x.request, tokens) else SIT_OUT
 
         by_session = {id(x.request.session): x for x in unit}
         return self._forward([(x.request.session, x.tokens) for x in unit], room)
@@ -262,7 +263,9 @@ class EngineCore:
         """The one place a forward's results are applied to their requests: each request's status (finished when
         its reply ended, by why), then its result to its sink, in the order they were scheduled."""
         for x in unit:
-            req, res = x.request, results[id(x.request.session)]
+            req, res = x.request, results.get(id(x.request.session))
+            if res is None:
+                continue  # it sat the round out, waiting for room
             if isinstance(res, BaseException):
                 self.finish(req, FinishReason.ERROR)
             elif res.done:

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 
-from engine.core import reprefill
+from engine.core import observe, reprefill
+from engine.core.kv_manager import SIT_OUT
 from engine.core.records import Demand
 from engine.errors import ContextOverflowError, EngineError, as_engine_error
 from engine.model.runner import Output, Work
@@ -92,6 +93,15 @@ class Stepping:
         if q.running or q.closed or c.host is not None or c.pool_key() is None or not c.n:
             return False
         return c.swap_out() > 0
+
+    def can_wait(self, n: int) -> bool:
+        """It may wait for room for ``n`` more tokens (``KVManager.sit_out``): a plain paged store whose cache can
+        be given up and recomputed exactly (or holds nothing), its sequence and ``n`` more tokens within its pool's
+        page cap with nothing else in it (else no wait could give it room)."""
+        c = self.cache
+        if c.reserved_pages(0) is None or not (c.n == 0 or c.can_give_up()):
+            return False
+        return max(c.n + n, len(self.sequence.ids)) <= observe.capacity(c)
 
     def pool_key(self) -> int | None:
         """Which page pool its cache writes (sessions of one pool see every page a shared forward wrote)."""
@@ -274,16 +284,19 @@ class Stepping:
 
 def run_forward(unit: list[tuple[Any, int | None]], room: Callable[[Any, Any], Any] | None = None) -> dict[int, Any]:
     """One forward of ``unit`` (one session, or a batchable group, each with the tokens granted it: None, its own
-    demand's): each prepared (room first: ``room(session, tokens)`` gives the grant it runs with), one runner call
-    for those that need the model, then each one's own finish — a ``StepResult`` or the exception that ended its
-    reply, by ``id(session)``. The only place scheduled work reaches the model runner (the core's round runs each
-    of its forwards here; ``Stepping.step``, a session alone)."""
+    demand's): each prepared (room first: ``room(session, tokens)`` gives the grant it runs with, or ``SIT_OUT``:
+    not this forward, no result for it), one runner call for those that need the model, then each one's own finish
+    — a ``StepResult`` or the exception that ended its reply, by ``id(session)``. The only place scheduled work
+    reaches the model runner (the core's round runs each of its forwards here; ``Stepping.step``, a session
+    alone)."""
     out: dict[int, Any] = {}
     joined, works = [], []
     for s, tokens in unit:
         try:
             if room is not None:
                 tokens = room(s, tokens)
+                if tokens == SIT_OUT:
+                    continue
             w = s.prepare(tokens)
         except BaseException as e:  # noqa: BLE001 - typed by the session, which ended the reply
             out[id(s)] = e

@@ -344,9 +344,10 @@ def test_the_round_grants_a_verification_its_drafts_and_the_kv_manager_room_for_
 @pytest.mark.parametrize("pages", [29, 32])
 def test_drafts_never_cost_another_requests_pages(lm, pages):
     """A pool too small for three chats (4-token pages): when pages an earlier request of the round took leave no
-    room for a speculating request's drafts, its grant falls back to its one decode token; a verification's grant
-    never preempts a request (without the fallback, these pools each preempt one for drafts). Each reply ends by
-    its own stop (the tokens it gives alone) or with the full pool's typed error."""
+    room for a speculating request's drafts, its grant falls back to its one decode token (on 32 pages; on 29 the
+    background chat waits for the pages while the others hold them); a verification's grant never preempts a
+    request (without the fallback, these pools each preempt one for drafts). Each reply ends by its own stop, with
+    the tokens it gives alone (a request that waits for room is never failed for it)."""
     from engine.config import SpecConfig
     from engine.core.scheduler import EngineCore, Priority, Request
 
@@ -380,13 +381,11 @@ def test_drafts_never_cost_another_requests_pages(lm, pages):
                 core.round(), core.round()  # the background chat holds its pages first
         while core.requests:
             core.round()
-        assert any(t == 1 for t, _, _ in grants)  # drafts dropped for room: the step decoded its one token
+        assert any(t == 1 for t, _, _ in grants) == (pages == 32)  # drafts dropped for room: one decode token
         assert all(p == 0 for t, _, p in grants if t > 1)  # no verification's grant preempted anyone
-        for i, (prompt, n, _) in enumerate(runs):  # each ends by its stop or with the full pool's typed error
-            if isinstance(ends[i], BaseException):
-                assert isinstance(ends[i], CacheCapacityError), ends[i]
-            else:
-                assert sessions[i].generated_ids == hf_greedy(lm, prompt, n), i
+        for i, (prompt, n, _) in enumerate(runs):  # each ends by its stop
+            assert not isinstance(ends[i], BaseException), ends[i]
+            assert sessions[i].generated_ids == hf_greedy(lm, prompt, n), i
     finally:
         for s in sessions:
             s.close()

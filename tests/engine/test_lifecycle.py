@@ -101,16 +101,16 @@ def test_a_cancel_stops_the_reply_it_was_asked_of_and_no_later_one(stories):
 
 def test_the_chat_on_screen_never_fails_for_pages_an_ended_reply_holds(stories):
     """A background chat (20-token prompt, 60 tokens: 20 pages of 4) and the chat on screen (9, 100: 28 pages) on
-    one core, its pool 30-50 pages, both chats left open when their replies end (no source of the core holds
+    one core, its pool 28-50 pages, both chats left open when their replies end (no source of the core holds
     them). The chat on screen fits any of these pools alone: it always gets HF's greedy reply, whether the
     pages it needs are the running background request's (preempted) or an ended reply's (swapped to host memory,
     brought back by that chat's next message). Before, with the background chat's reply ended (by its stop, or
     failed), its idle cache stayed put and the chat on screen ended with "KV cache full" on pools of 30-46 pages.
-    The background chat ends by its stop with its own tokens or, where the chat on screen holds what it needs,
-    with the pool's typed error."""
+    The background chat fits alone too: where the chat on screen holds what it needs it waits (preempted, its
+    pages given up) and goes on once they are free, to HF's greedy reply; before, it ended with "KV cache full"
+    on pools of 30-36 pages."""
     import dataclasses
 
-    from engine.errors import CacheCapacityError
     from test_exact import hf_greedy
 
     story = stories.tokenizer("Once upon a time, there was a little girl named Lily. She loved to play outside.")
@@ -118,31 +118,28 @@ def test_the_chat_on_screen_never_fails_for_pages_an_ended_reply_holds(stories):
     back_prompt, front_prompt = ids[:20], ids[:9]
     want_back, want_front = hf_greedy(stories, back_prompt, 60), hf_greedy(stories, front_prompt, 100)
     outcomes = {}
-    for pages in range(30, 51):
+    for pages in range(28, 51):
         lm = dataclasses.replace(stories, arenas=None, model_runner=None)  # a pool of its own
         cfg = CacheConfig(mode="paged", page_size=4, prefix_reuse=False, max_pages=pages)
         back, front = ChatSession(lm, cfg), ChatSession(lm, cfg)
-        ends = {}
+        ends, seen = {}, set()
         try:
-            core = EngineCore(lm)
+            core, requests = EngineCore(lm), []
             for s, prompt, n, priority in ((back, back_prompt, 60, Priority.BACKGROUND),
                                            (front, front_prompt, 100, Priority.FOREGROUND)):
                 s.start_ids(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True))
-                core.add(Request(s, lambda r, s=s: ends.setdefault(id(s), r)
-                                 if isinstance(r, BaseException) or r.done else None, priority))
+                requests.append(core.add(Request(s, lambda r, s=s: ends.setdefault(id(s), r)
+                                                 if isinstance(r, BaseException) or r.done else None, priority)))
                 core.round(), core.round()  # the background chat holds its pages first
             while core.requests:
                 core.round()
-            last = ends[id(front)]
-            assert not isinstance(last, BaseException), (pages, last)
-            assert last.stop_reason == "max_tokens" and front.generated_ids == want_front, pages
-            b = ends[id(back)]
-            if isinstance(b, BaseException):
-                assert isinstance(b, CacheCapacityError), (pages, b)
-            else:
-                assert b.stop_reason == "max_tokens" and back.generated_ids == want_back, pages
-            outcomes[pages] = ("full" if isinstance(b, BaseException) else "done", back.offloaded)
-            if back.offloaded and not isinstance(b, BaseException):  # swapped, not lost: its next message goes on
+                seen.add(requests[0].status)
+            for s, want in ((front, want_front), (back, want_back)):
+                last = ends[id(s)]
+                assert not isinstance(last, BaseException), (pages, last)
+                assert last.stop_reason == "max_tokens" and s.generated_ids == want, pages
+            outcomes[pages] = (S.PREEMPTED in seen, back.offloaded)
+            if back.offloaded:  # swapped, not lost: its next message goes on
                 front.close()
                 more = back.seq + [back.seq[-1]]
                 back.start_ids(more, SamplingConfig(max_new_tokens=2, ignore_eos=True))
@@ -151,4 +148,42 @@ def test_the_chat_on_screen_never_fails_for_pages_an_ended_reply_holds(stories):
                 assert not back.offloaded and back.generated_ids == hf_greedy(lm, more, 2), pages
         finally:
             back.close(), front.close()
-    assert any(o == ("done", True) for o in outcomes.values())  # an ended reply's cache gave its pages, kept
+    assert any(o[1] for o in outcomes.values())  # an ended reply's cache gave its pages, kept
+    assert outcomes[30][0] and outcomes[36][0] and not outcomes[50][0], outcomes  # it waited where it had to
+
+
+def test_a_request_larger_than_its_whole_pool_fails_at_once_and_never_waits(stories):
+    """Waiting cannot give a request more than its pool holds (12 pages of 4: 48 slots), beside a chat on screen
+    holding pages there: a 60-token prompt ends with the typed error when its prefill's 49th token would not fit,
+    never preempted to wait; a 9-token prompt asked for 41 tokens waits while the chat on screen needs the pages,
+    then ends with it when its 49th slot would not fit the pool alone (its 40 tokens given). The chat on screen
+    goes on, each time."""
+    import dataclasses
+
+    from engine.errors import CacheCapacityError
+
+    long = stories.tokenizer("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 4)
+    assert len(long["input_ids"][:60]) == 60
+    for prompt, n, waits, given in ((long["input_ids"][:60], 4, False, 0), (PROMPT[:9], 41, True, 40)):
+        lm = dataclasses.replace(stories, arenas=None, model_runner=None)
+        cfg = CacheConfig(mode="paged", page_size=4, prefix_reuse=False, max_pages=12)
+        big, front = ChatSession(lm, cfg), ChatSession(lm, cfg)
+        try:
+            core, ends, seen = EngineCore(lm), {}, set()
+            for s, ids, k, priority in ((front, PROMPT[:9], 20, Priority.FOREGROUND),
+                                        (big, prompt, n, Priority.BACKGROUND)):
+                s.start_ids(ids, SamplingConfig(max_new_tokens=k, ignore_eos=True))
+                request = core.add(Request(s, lambda r, s=s: ends.setdefault(id(s), r)
+                                           if isinstance(r, BaseException) or r.done else None, priority))
+            while id(big) not in ends:
+                core.round()
+                seen.add(request.status)
+            err = ends[id(big)]
+            assert isinstance(err, CacheCapacityError) and "KV cache full" in str(err), err
+            assert (S.PREEMPTED in seen) == waits and len(big.generated_ids) == given, (seen, len(big.generated_ids))
+            assert big.cached_tokens <= 48
+            while core.requests:
+                core.round()
+            assert ends[id(front)].stop_reason == "max_tokens" and len(front.generated_ids) == 20
+        finally:
+            big.close(), front.close()

@@ -30,6 +30,7 @@ from engine.kv.paged.prefix import extend_chain
 from engine.errors import CacheCapacityError, ContextOverflowError, EngineError, InternalError, SessionClosedError
 from engine.model.fast_step import machine_refusal
 from engine.core.session import ChatSession
+from engine.core.vocab import RequestStatus
 
 WORDS = ("once upon a time there was a little girl named lily she loved to play outside in the sun one day "
          "saw big red ball park tim dog max ran fast happy").split()
@@ -740,11 +741,51 @@ class CoreMachine(ChatMachine):
         self.api_request(words[::-1], n, priority, "off", cfg)
         req = self.api[-1] if self.api and self.api[-1].session.cache_config == cfg else None
         key = req.session.pool_key() if req is not None else None
-        while req is not None and req in self.api:
+        for _ in range(400):  # the chat's reply and the request's each end within their tokens' rounds
+            if req is None or req not in self.api:
+                break
             self._round()
+        assert req is None or req not in self.api, "a request waited forever"
         held = any(c.session.generating and c.session.pool_key() == key for c in self.chats)  # replies going on
         if req is not None and isinstance(req.results[-1], CacheCapacityError) and not held:
             assert len(req.prompt) + req.n > pages * 4 - 4, (len(req.prompt), req.n, pages)  # it alone did not fit
+
+    @precondition(lambda self: len(self.api) < 4)
+    @rule(pages=st.integers(49, 60), words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=12),
+          n=st.integers(8, 40), priority=st.sampled_from([0, 1, 2]), first=st.booleans())
+    def api_request_beside_the_chat_on_screen(self, pages, words, n, priority, first):
+        """The chat on screen (on the core, its reply filling its pool but 4 slots: ``pages`` pages of 2 tokens, a
+        pool of this rule's own) and an API request there that fits the pool alone, started before the chat
+        (``first``: it holds pages first) or after it: the one that comes second (a lower priority, or as high
+        and younger) waits while the other holds the pages it needs (preempted, holding none) and goes on once
+        they are free. Neither fails, both end by their own stop, the request's tokens HF's greedy ones; no
+        livelock (as high a priority: the older goes first)."""
+        from engine.core.scheduler import Priority, Request
+
+        cfg = CacheConfig(page_size=2, max_pages=pages, prefix_reuse=False)
+        front, ends, ids = ChatSession(self.lm, cfg), [], self.lm.tokenizer(" ".join(words))["input_ids"]
+        try:
+            for turn in ("api", "chat") if first else ("chat", "api"):
+                if turn == "api":
+                    self.api_request(words[::-1], n, priority, "off", cfg)
+                    req = self.api[-1]
+                else:
+                    front.start_ids(ids, SamplingConfig(max_new_tokens=pages * 2 - len(ids) - 3, ignore_eos=True))
+                    self.core.add(Request(front, ends.append, Priority.FOREGROUND))
+                self._round(), self._round()
+            for _ in range(4 * pages):
+                if req not in self.api and not front.generating:
+                    break
+                if req in self.api and req.request.status is RequestStatus.PREEMPTED:
+                    assert req.session.cached_tokens == 0  # a waiting request holds no page
+                self._round()
+            assert req not in self.api and not front.generating, "two requests waited on each other"
+            last = req.results[-1]
+            assert not isinstance(last, BaseException) and last.stop_reason == "max_tokens", last
+            assert [r.event.token_id for r in req.results if r.event is not None] == self._hf(req.prompt, n)
+            assert not isinstance(ends[-1], BaseException) and ends[-1].stop_reason == "max_tokens", ends[-1]
+        finally:
+            front.close()
 
     @rule(i=st.integers(0, 99), priority=st.sampled_from([0, 1, 2]))
     def chat_on_core(self, i, priority):
@@ -846,6 +887,13 @@ class CoreMachine(ChatMachine):
         for request in [r.request for r in self.api] + list(self.on_core.values()):
             if request.reply is request.session.turn_state:
                 assert request.done == (not request.session.generating), (request.status, request.session.closed)
+
+    @invariant()
+    def a_waiting_request_holds_no_page(self):
+        """A preempted request (waiting for room) gave its pages up: the requests before it have them."""
+        for req in self.api:
+            if req.request.status is RequestStatus.PREEMPTED:
+                assert req.session.cached_tokens == 0, req.session.cached_tokens
 
     @invariant()
     def pages_are_conserved(self):
