@@ -45,6 +45,7 @@ class Steppable(Holder, Protocol):
     the round and a forward ask (``engine.core.step.run_forward``), and what the KV manager asks (``Holder``)."""
 
     generating: bool  # a reply is in progress
+    closed: bool  # its owner closed it (the KV manager takes ended replies' caches only while it is open)
     turn_state: Any  # its reply's record (``engine.core.sequence.TurnState``): the request's status lives there
     lm: Any  # the ``LoadedModel`` it runs on
     runner: Any  # its model runner (requests of one runner may share a forward)
