@@ -123,12 +123,14 @@ def cpu_layout(model) -> int:
                 or not getattr(mod, "support_avx512bf16_for_cpu", False) or getattr(qs, "packing_format_for_cpu", False)
                 or len(qs.shape) != 2 or qs.shape[0] % 32 or qs.shape[1] % qs.blocksize or qs.blocksize % 2):
             continue
-        q = w.data if w.data.dtype == torch.uint8 else w.data.view(torch.uint8)
+        q = (w.data if w.data.dtype == torch.uint8 else w.data.view(torch.uint8)).contiguous()  # kept for the call
         if w.data.dtype != torch.uint8:
             qs.original_storage_type = w.data.dtype
         n_out, n_in = int(qs.shape[0]), int(qs.shape[1])
+        if q.numel() != n_out * n_in // 2:  # codes not of its shape: left to bitsandbytes (never read past them)
+            continue
         out = torch.empty(n_out, n_in // 2, dtype=torch.uint8)  # [N, K/2] in the kernel's order
-        if lib.kq_nf4_cpu_layout(q.contiguous().data_ptr(), n_out, n_in, out.data_ptr()) != 0:
+        if lib.kq_nf4_cpu_layout(q.data_ptr(), n_out, n_in, out.data_ptr()) != 0:
             continue
         qs.original_dtype, qs.original_nested, qs.original_qshape = qs.dtype, qs.nested, q.shape
         if qs.nested:
