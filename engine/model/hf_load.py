@@ -81,16 +81,19 @@ def bnb_config(kind: str, compute_dtype: torch.dtype):
 
 
 def fix_bnb_4bit_cpu(model) -> None:
-    """bitsandbytes' AVX512-BF16 4-bit kernel rejects layers whose out_features % 32 or in_features % 64
-    is not 0 (stories260K's 172-wide MLP). Those layers use the generic path instead; the others get its layout now
-    (``nf4_quant.cpu_layout``)."""
+    """The 4-bit linears on a CPU: multiplied by the block kernels (``nf4_quant.to_blocks``: the same NF4 codes,
+    ~4x bitsandbytes' CPU kernel) unless ``KVSCOPE_NF4=bitsandbytes``. Those left to bitsandbytes: its AVX512-BF16
+    kernel rejects layers whose out_features % 32 or in_features % 64 is not 0 (stories260K's 172-wide MLP), which
+    use its generic path instead; the others get its layout now (``nf4_quant.cpu_layout``)."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
         return
+    from engine.model import nf4_quant
+
+    if nf4_quant.available("cpu"):
+        nf4_quant.to_blocks(model)
     for mod in model.modules():
         if isinstance(mod, Linear4bit) and (mod.out_features % 32 or mod.in_features % 64):
             mod.support_avx512bf16_for_cpu = False
-    from engine.model import nf4_quant
-
     nf4_quant.cpu_layout(model)  # the kernel's layout made now, in C (bitsandbytes' torch code at first forward)

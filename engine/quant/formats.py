@@ -28,6 +28,10 @@ TYPES = {
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
+# ours, no ggml type (ggml's ids run to 39; a GGUF file never holds it): what ``--quantize nf4`` holds on a CPU,
+# bitsandbytes' NF4 codes in Q4_0's layout with a half-precision scale and an int8 table (csrc/kq_blocks.h)
+NF4 = 100
+TYPES[NF4] = ("NF4", 32, 18)
 # the types whose weights stay as stored and are multiplied by the block kernels (every type in llama.cpp's
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K_M / Q4_K_S, Q5_K_M / Q5_K_S, Q6_K, F16, BF16 and F32 files, with the 32-block
 # types its quantizer falls back to when a row is no multiple of 256: Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K)
@@ -36,7 +40,7 @@ QUANTIZED = KEPT - {0, 1, 30}
 EMBEDDING_AS_BLOCKS = True
 # the integer road's packed layout on AVX-512 VNNI (engine/quant/csrc/kq_pack.c): per sixteen rows, steps of
 # (elements, bytes); Q4_K takes 2.8% more than the file (its 6-bit scales unpacked), Q6_K 1% (scales padded)
-PACKED_STEPS = {2: (64, 576), 8: (64, 1088), 12: (256, 2368), 14: (256, 3392)}
+PACKED_STEPS = {2: (64, 576), 8: (64, 1088), 12: (256, 2368), 14: (256, 3392), NF4: (64, 576)}
 # llama.cpp's architecture names whose GGUF weights load kept as blocks (their tensors map one to one onto the
 # model's linears; llama's query / key rows are reordered by the product, not copied). Others are dequantized.
 ARCHITECTURES = frozenset(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",

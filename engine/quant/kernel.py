@@ -133,6 +133,17 @@ def pack(w: torch.Tensor, ggml_type: int, n_in: int, threads: int | None = None,
     return out
 
 
+def unpack(packed: torch.Tensor, ggml_type: int, n_out: int, n_in: int) -> torch.Tensor:
+    """A packed weight (``pack``'s) back in the file's layout, [n_out, row_bytes] uint8."""
+    lib = library()
+    if lib is None or packed.numel() != lib.kq_pack_bytes(ggml_type, n_out, n_in) or not packed.is_contiguous():
+        raise ValueError(f"{formats.name(ggml_type)}: not a packed weight of {n_out}x{n_in}")
+    out = torch.empty(n_out, formats.row_bytes(ggml_type, n_in), dtype=torch.uint8)  # [n_out, row_bytes]
+    for o in range(n_out):
+        lib.kq_unpack_row(ggml_type, packed.data_ptr(), n_out, n_in, o, out[o].data_ptr())
+    return out
+
+
 def weight(w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None, out_map: torch.Tensor | None,
            road: str, packed: torch.Tensor | None = None) -> Weight:
     """The descriptor ``linear`` takes, checked once (the caller keeps ``w``, ``bias``, ``out_map`` and ``packed``

@@ -124,6 +124,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("out_map", out_map, persistent=False)
         self.road = road or kernel.default_road()
         self.packed = None  # the weight repacked for the integer road (``pack``): not a parameter, never saved
+        self.rows_packed = False  # ``hold_packed_only``: the weight is a view of ``packed``, its rows let go
         self._desc = None  # the kernel's descriptor (``kernel.weight``), made at the first product
         self._after_pack: Callable[[], None] | None = None  # ``defer_pack``'s: packing waits for the first product
 
@@ -133,9 +134,14 @@ class BlockLinear(nn.Module):
         if name == "weight":
             self.__dict__["packed"] = None  # a copy of the weight replaced
             self.__dict__["_after_pack"] = None
+            self.__dict__["rows_packed"] = False
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):
+        if self.__dict__.get("rows_packed"):
+            probe = self.weight.detach()[:0]
+            if fn(probe) is not probe:  # moved or converted: the rows' layout back first (the packed bytes are not it)
+                self.weight = nn.Parameter(self.rows(), requires_grad=False)
         self.__dict__["_desc"] = None  # .to(), .float(): new tensors
         before = (self.weight.data_ptr(), self.weight.device)
         out = super()._apply(fn, recurse)
@@ -150,6 +156,8 @@ class BlockLinear(nn.Module):
         read again from the file if the weight itself is). False where there is none: not the CPU, the float
         road, a type or CPU without a packed product. ``mapped``: the weight is a view of a private file mapping
         (``kernel.pack``: its pages are let go as they are packed)."""
+        if self.__dict__.get("rows_packed"):
+            return True  # packed already, and the weight is that copy
         if self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta:
             return False
         packed = kernel.pack(self.weight.detach(), self.ggml_type, self.in_features, threads, mapped)
@@ -158,6 +166,31 @@ class BlockLinear(nn.Module):
         self.packed = packed
         _PACKED[self.weight.data_ptr()] = self
         return True
+
+    def hold_packed_only(self) -> bool:
+        """``pack``, then let the rows' layout go: the packed copy becomes the weight's only bytes, ``weight`` a view
+        of them in its shape ([out, row_bytes] uint8, ``rows_packed``; ``rows`` reads the rows back). For weights in
+        the process's own memory (quantized at load), held twice otherwise: a GGUF's rows are the file's pages,
+        which its packing lets go. Moved or converted (``.to``), the rows are unpacked first. False where ``pack``
+        gives no copy (the rows kept)."""
+        if self.__dict__.get("rows_packed"):
+            return True
+        if not self.pack():
+            return False
+        rb = formats.row_bytes(self.ggml_type, self.in_features)
+        view = self.packed[:self.out_features * rb].view(self.out_features, rb)  # the packed bytes, the rows' shape
+        self._parameters["weight"] = nn.Parameter(view, requires_grad=False)  # (not __setattr__: it drops the copy)
+        self.__dict__["rows_packed"] = True
+        self.__dict__["_desc"] = None
+        _PACKED[view.data_ptr()] = self
+        return True
+
+    def rows(self) -> torch.Tensor:
+        """The weight in the file's layout, [out, row_bytes] uint8 (read back from the packed copy where the rows
+        were let go: ``hold_packed_only``)."""
+        if not self.__dict__.get("rows_packed"):
+            return self.weight.detach()
+        return kernel.unpack(self.packed, self.ggml_type, self.out_features, self.in_features)
 
     def defer_pack(self, after: Callable[[], None], group: list | None = None, mapped: bool = False) -> bool:
         """Pack at the first product instead of now (``pack``), then call ``after`` (a loader lets the file's pages
@@ -214,7 +247,8 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {formats.name(self.ggml_type)} blocks, "
                 f"{self.road} activations" + (", rows reordered" if self.out_map is not None else "")
-                + (", packed sixteen rows a group" if self.packed is not None else ""))
+                + (", packed sixteen rows a group" if self.packed is not None else "")
+                + (" (its only copy)" if self.rows_packed else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step calls this ~110 times (1B shape): every microsecond here is 0.1 ms a token, so the common

@@ -14,7 +14,8 @@
 
 enum {
     KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q5_0 = 6, KQ_Q5_1 = 7, KQ_Q8_0 = 8,
-    KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14, KQ_BF16 = 30
+    KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14, KQ_BF16 = 30,
+    KQ_NF4 = 100  /* ours, no ggml type (ggml's run to 39): bitsandbytes' NF4 codes in Q4_0's layout (below) */
 };
 
 #define QK 32    /* elements of a 32-block (Q4_0 .. Q8_0) */
@@ -28,6 +29,13 @@ typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;                       /*
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;              /* 144 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K; /* 176 */
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_K;     /* 210 */
+
+/* KQ_NF4: a block of 32 of bitsandbytes' NF4 weights (value NF4[code] * absmax) as Q4_0 lays it out: qs[j]'s low
+   nibble is element j's code, its high nibble element j + 16's; d = absmax / 127 in half precision. The value is
+   kq_nf4_i8[code] * d: the codebook times 127 rounded to int8 (llama.cpp's IQ4_NL reads a 16-entry int8 table the
+   same way), off NF4's float levels by at most 0.5 / 127 of the block's absmax. The codes stay bitsandbytes'. */
+typedef blk_q4_0 blk_nf4;
+static const int8_t kq_nf4_i8[16] = {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127};
 
 _Static_assert(sizeof(blk_q4_0) == 18 && sizeof(blk_q4_1) == 20 && sizeof(blk_q5_0) == 22, "block size");
 _Static_assert(sizeof(blk_q5_1) == 24 && sizeof(blk_q8_0) == 34, "block size");

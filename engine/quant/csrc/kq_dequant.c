@@ -10,7 +10,7 @@ int64_t kq_row_bytes(int type, int64_t n) {
     switch (type) {
     case KQ_F32: return 4 * n;
     case KQ_F16: case KQ_BF16: return 2 * n;
-    case KQ_Q4_0: return n % QK ? 0 : n / QK * 18;
+    case KQ_Q4_0: case KQ_NF4: return n % QK ? 0 : n / QK * 18;
     case KQ_Q4_1: return n % QK ? 0 : n / QK * 20;
     case KQ_Q5_0: return n % QK ? 0 : n / QK * 22;
     case KQ_Q5_1: return n % QK ? 0 : n / QK * 24;
@@ -24,9 +24,19 @@ int64_t kq_row_bytes(int type, int64_t n) {
 
 int kq_act_kind(int type) {
     switch (type) {
-    case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_Q8_0: return 0;
+    case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_Q8_0: case KQ_NF4: return 0;
     case KQ_Q4_K: case KQ_Q5_K: case KQ_Q6_K: return 1;
     default: return -1;
+    }
+}
+
+static void dq_nf4(const blk_nf4* x, float* y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = kq_h2f(x[i].d);
+        for (int j = 0; j < 16; j++) {
+            y[j] = kq_nf4_i8[x[i].qs[j] & 0xF] * d;
+            y[j + 16] = kq_nf4_i8[x[i].qs[j] >> 4] * d;
+        }
     }
 }
 
@@ -143,6 +153,7 @@ void kq_dequant_row(int type, const void* row, float* y, int64_t n) {
     case KQ_F16: { const uint16_t* h = row; for (int64_t i = 0; i < n; i++) y[i] = kq_h2f(h[i]); break; }
     case KQ_BF16: { const uint16_t* h = row; for (int64_t i = 0; i < n; i++) y[i] = kq_bf2f(h[i]); break; }
     case KQ_Q4_0: dq_q4_0(row, y, n / QK); break;
+    case KQ_NF4: dq_nf4(row, y, n / QK); break;
     case KQ_Q4_1: dq_q4_1(row, y, n / QK); break;
     case KQ_Q5_0: dq_q5_0(row, y, n / QK); break;
     case KQ_Q5_1: dq_q5_1(row, y, n / QK); break;

@@ -87,16 +87,26 @@ DOT32(q5_0, blk_q5_0, _mm256_or_si256(nibbles32(x[b].qs), _mm256_and_si256(bits3
 DOT32(q5_1, blk_q5_1, _mm256_or_si256(nibbles32(x[b].qs), _mm256_and_si256(bits32(x[b].qh), _mm256_set1_epi8(0x10))),
       kq_h2f(x[b].m), 1.f)
 
-/* Q8_0: signed weights. With VNNI, w + 128 (a flipped sign bit) and the offset 128; without, ggml's sign trick
+/* The signed-byte types: Q8_0's weights as stored, NF4's looked up in its int8 table (one vpshufb for 32 nibbles,
+   llama.cpp's IQ4_NL). With VNNI, w + 128 (a flipped sign bit) and the offset 128; without, ggml's sign trick
    (|w| times q with w's sign), whose pairs stay within 16 bits. */
-INLINE void q8_0_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) {
-    const blk_q8_0* x = row;
+INLINE __m256i signed32(int type, const uint8_t* blk) {
+    if (type == KQ_NF4)
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kq_nf4_i8)),
+                                   nibbles32(((const blk_nf4*)blk)->qs));
+    return _mm256_loadu_si256((const __m256i*)((const blk_q8_0*)blk)->qs);
+}
+
+INLINE void s8_r(int type, const void* row, const kq_act* a, int64_t r0, int R, float* out) {
+    const size_t bsz = type == KQ_NF4 ? sizeof(blk_nf4) : sizeof(blk_q8_0);
     const int64_t nb = a->n / QK;
     __m256 acc[4]; float off[4];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0; }
     for (int64_t b = 0; b < nb; b++) {
-        const float dw = kq_h2f(x[b].d);
-        const __m256i w = _mm256_loadu_si256((const __m256i*)x[b].qs);
+        const uint8_t* blk = (const uint8_t*)row + b * bsz;
+        uint16_t h; memcpy(&h, blk, 2);
+        const float dw = kq_h2f(h);
+        const __m256i w = signed32(type, blk);
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
         const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
         for (int r = 0; r < R; r++) {
@@ -120,6 +130,8 @@ INLINE void q8_0_r(const void* row, const kq_act* a, int64_t r0, int R, float* o
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - 128.f * off[r];
 }
+INLINE void q8_0_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) { s8_r(KQ_Q8_0, row, a, r0, R, out); }
+INLINE void nf4_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) { s8_r(KQ_NF4, row, a, r0, R, out); }
 
 /* the eight 6-bit scales (bytes 0-7) and mins (8-15) of a Q4_K / Q5_K block (ggml's utmp shuffle) */
 INLINE void scales_k4(const uint8_t* s12, uint8_t* sc, uint8_t* mn) {
@@ -293,21 +305,33 @@ DOT32(q4_1, KQ_Q4_1, blk_q4_1, kq_h2f(x[b].m), 1.f)
 DOT32(q5_0, KQ_Q5_0, blk_q5_0, dw, -16.f)
 DOT32(q5_1, KQ_Q5_1, blk_q5_1, kq_h2f(x[b].m), 1.f)
 
-INLINE void q8_0_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) {
-    const blk_q8_0* x = row;
+/* the signed-byte types: Q8_0 as stored, NF4 through its int8 table */
+INLINE void s8_r(int type, const void* row, const kq_act* a, int64_t r0, int R, float* out) {
+    const size_t bsz = type == KQ_NF4 ? sizeof(blk_nf4) : sizeof(blk_q8_0);
     const int64_t nb = a->n / QK;
     float acc[4] = {0};
+    int8_t w[32];
     for (int64_t b = 0; b < nb; b++) {
-        const float dw = kq_h2f(x[b].d);
+        const uint8_t* blk = (const uint8_t*)row + b * bsz;
+        uint16_t h; memcpy(&h, blk, 2);
+        const float dw = kq_h2f(h);
+        if (type == KQ_NF4)
+            for (int j = 0; j < 16; j++) {
+                w[j] = kq_nf4_i8[blk[2 + j] & 0xF];
+                w[j + 16] = kq_nf4_i8[blk[2 + j] >> 4];
+            }
+        else memcpy(w, blk + 2, 32);
         for (int r = 0; r < R; r++) {
             const int8_t* q = ACT_Q(a, r0 + r) + b * QK;
             int s = 0;
-            for (int j = 0; j < 32; j++) s += x[b].qs[j] * q[j];
+            for (int j = 0; j < 32; j++) s += w[j] * q[j];
             acc[r] += dw * ACT_D32(a, r0 + r)[b] * (float)s;
         }
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
+INLINE void q8_0_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) { s8_r(KQ_Q8_0, row, a, r0, R, out); }
+INLINE void nf4_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) { s8_r(KQ_NF4, row, a, r0, R, out); }
 
 #define DOTK45(NAME, BT, Q5) \
 INLINE void NAME##_r(const void* row, const kq_act* a, int64_t r0, int R, float* out) { \
@@ -388,7 +412,7 @@ static void NAME(const void* row, const kq_act* a, int64_t r0, int R, float* out
     default: NAME##_r(row, a, r0, 1, out); break; \
     } \
 }
-ENTRY(q4_0) ENTRY(q4_1) ENTRY(q5_0) ENTRY(q5_1) ENTRY(q8_0) ENTRY(q4_K) ENTRY(q5_K) ENTRY(q6_K)
+ENTRY(q4_0) ENTRY(q4_1) ENTRY(q5_0) ENTRY(q5_1) ENTRY(q8_0) ENTRY(q4_K) ENTRY(q5_K) ENTRY(q6_K) ENTRY(nf4)
 
 kq_dot_fn kq_dot_for(int type) {
     if (kq_dot512_for(type)) return kq_dot512_for(type);
@@ -398,6 +422,7 @@ kq_dot_fn kq_dot_for(int type) {
     case KQ_Q5_0: return q5_0;
     case KQ_Q5_1: return q5_1;
     case KQ_Q8_0: return q8_0;
+    case KQ_NF4: return nf4;
     case KQ_Q4_K: return q4_K;
     case KQ_Q5_K: return q5_K;
     case KQ_Q6_K: return q6_K;

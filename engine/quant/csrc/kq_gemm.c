@@ -23,7 +23,8 @@
 
 int kq_gemm_group(int type) {
     switch (type) {
-    case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_Q8_0: case KQ_Q4_K: case KQ_Q5_K: return 32;
+    case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_Q8_0: case KQ_NF4: case KQ_Q4_K: case KQ_Q5_K:
+        return 32;
     case KQ_Q6_K: return 16;
     default: return 0;
     }
@@ -63,6 +64,18 @@ static void unpack_row(int type, const uint8_t* row, int64_t n, uint8_t* u, floa
                                                               _mm256_set1_epi8((char)0x80)));
         }
         break;
+    case KQ_NF4: {  /* the int8 table + 128 (one vpshufb for 32 nibbles), offset 128 as Q8_0's */
+        const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kq_nf4_i8));
+        for (int64_t b = 0; b < n / QK; b++, row += 18, u += QK) {
+            uint16_t h; memcpy(&h, row, 2);
+            s[b] = kq_h2f(h);
+            o[b] = -128.f * s[b];
+            const __m128i t = _mm_loadu_si128((const __m128i*)(row + 2));
+            const __m256i c = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), m4);
+            _mm256_storeu_si256((__m256i*)u, _mm256_xor_si256(_mm256_shuffle_epi8(tbl, c), _mm256_set1_epi8((char)0x80)));
+        }
+        break;
+    }
     case KQ_Q4_K: case KQ_Q5_K: {
         const int q5 = type == KQ_Q5_K;
         const size_t bsz = q5 ? 176 : 144;

@@ -17,6 +17,7 @@
            product reads them: ql[64h + 4l..], ql[64h + 32 + 4l..], qh[32h + 4l..] for h = 0, 1 and l = 0..7
                                                                                         3,392 B (file: 3,360)
      Q4_0  two blocks (64):  d[2][16] (64 B), then each block's 4 chunks: chunk c = qs[4c..4c+3]   576 B (576)
+           (NF4 the same: its codes are looked up in its table by the product; AVX-512 VNNI only)
      Q8_0  two blocks (64):  d[2][16] (64 B), then each block's 8 chunks of qs[4c..4c+3] + 128 (stored unsigned,
            w ^ 0x80)                                                                    1,088 B (1,088)
    A row whose block count is odd (32-block types) ends in half a step, the other half zeros; a last group of
@@ -34,7 +35,7 @@ int kq_x16_shape(int type, int* se, int* sb) {
     switch (type) {
     case KQ_Q4_K: *se = QKK; *sb = 2368; return 1;
     case KQ_Q6_K: *se = QKK; *sb = 3392; return 1;
-    case KQ_Q4_0: *se = 2 * QK; *sb = 576; return 1;
+    case KQ_Q4_0: case KQ_NF4: *se = 2 * QK; *sb = 576; return 1;
     case KQ_Q8_0: *se = 2 * QK; *sb = 1088; return 1;
     default: return 0;
     }
@@ -52,7 +53,7 @@ int64_t kq_pack_bytes(int type, int64_t n_out, int64_t n) {
 #if KQ_PACKED_AVX2
     /* AVX2: Q8_0 packed ran no faster than its row products (the 1B shape's linears of a token, one thread: 57-78
        ms against 51-68; each product's sign trick costs what the shared activation loads save) */
-    if (type == KQ_Q8_0) return 0;
+    if (type == KQ_Q8_0 || type == KQ_NF4) return 0;  /* NF4's table values are signed bytes as Q8_0's */
 #endif
     if (n_out < 1 || kq_row_bytes(type, n) == 0 || kq_x16_group_bytes(type, n) == 0) return 0;
     return (n_out + PR - 1) / PR * kq_x16_group_bytes(type, n);
@@ -98,7 +99,7 @@ static uint8_t* block_meta(int type, uint8_t* grp, int64_t b) {
     switch (type) {
     case KQ_Q4_K: return grp + 2368 * b;
     case KQ_Q6_K: return grp + 3392 * b;
-    case KQ_Q4_0: return grp + 576 * (b / 2) + 32 * (b % 2);
+    case KQ_Q4_0: case KQ_NF4: return grp + 576 * (b / 2) + 32 * (b % 2);
     default: return grp + 1088 * (b / 2) + 32 * (b % 2);
     }
 }
@@ -107,7 +108,7 @@ static uint8_t* block_quants(int type, uint8_t* grp, int64_t b) {
     switch (type) {
     case KQ_Q4_K: return grp + 2368 * b + 320;
     case KQ_Q6_K: return grp + 3392 * b + 320;
-    case KQ_Q4_0: return grp + 576 * (b / 2) + 64 + 256 * (b % 2);
+    case KQ_Q4_0: case KQ_NF4: return grp + 576 * (b / 2) + 64 + 256 * (b % 2);
     default: return grp + 1088 * (b / 2) + 64 + 512 * (b % 2);
     }
 }
@@ -118,7 +119,7 @@ static void pack_row(int type, const uint8_t* row, int r, int64_t nb, uint8_t* g
         uint8_t* M = block_meta(type, grp, b);
         uint8_t* Q = block_quants(type, grp, b);
         switch (type) {
-        case KQ_Q4_0: {
+        case KQ_Q4_0: case KQ_NF4: {
             const blk_q4_0* x = (const blk_q4_0*)row + b;
             memcpy(M + 2 * r, &x->d, 2);
             for (int c = 0; c < 4; c++) put4(Q + 64 * c, r, x->qs + 4 * c);
@@ -227,7 +228,7 @@ int kq_unpack_row(int type, const uint8_t* p, int64_t n_out, int64_t n, int64_t 
         const uint8_t* M = block_meta(type, grp, b);
         const uint8_t* Q = block_quants(type, grp, b);
         switch (type) {
-        case KQ_Q4_0: {
+        case KQ_Q4_0: case KQ_NF4: {
             blk_q4_0* x = (blk_q4_0*)row + b;
             memcpy(&x->d, M + 2 * r, 2);
             for (int c = 0; c < 4; c++) memcpy(x->qs + 4 * c, Q + 64 * c + 4 * r, 4);

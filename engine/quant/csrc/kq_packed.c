@@ -148,6 +148,40 @@ INLINE void q40(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
+/* NF4: Q4_0's steps; each code looked up in the int8 table + 128 (unsigned 1..255: one vpshufb within each 128-bit
+   lane), the offset 128 sum(q) taken out as Q8_0's */
+INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i tb = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kq_nf4_i8),
+                                                            _mm_set1_epi8((char)0x80)));
+    const int64_t nb = n / QK;
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* S = grp + 576 * (b / 2);
+        const uint8_t* Q = S + 64 + 256 * (b % 2);
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i w = ld(Q + 64 * c);
+            lo[c] = _mm512_shuffle_epi8(tb, _mm512_and_si512(w, m0f));
+            hi[c] = _mm512_shuffle_epi8(tb, _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f));
+        }
+        const __m512 dv = halves16(S + 32 * (b % 2));
+        for (int r = 0; r < R; r++) {
+            const int8_t* q = A->qs + (r0 + r) * n + QK * b;
+            __m512i al = _mm512_setzero_si512(), ah = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                al = _mm512_dpbusd_epi32(al, lo[c], bc32(q + 4 * c));
+                ah = _mm512_dpbusd_epi32(ah, hi[c], bc32(q + 16 + 4 * c));
+            }
+            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(al, ah), bc32(A->o + (r0 + r) * nb + b));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(A->d[(r0 + r) * nb + b])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
 /* Q8_0: steps of two blocks; eight chunks a block, stored as w + 128, offset 128 sum(q) */
 INLINE void q80(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
     const int64_t nb = n / QK;
@@ -185,7 +219,7 @@ static void NAME(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, int R
     } \
     for (int k = 0; k < R; k++) _mm512_storeu_ps(o16[k], out[k]); \
 }
-KERNEL(k_q4k, q4k) KERNEL(k_q6k, q6k) KERNEL(k_q40, q40) KERNEL(k_q80, q80)
+KERNEL(k_q4k, q4k) KERNEL(k_q6k, q6k) KERNEL(k_q40, q40) KERNEL(k_q80, q80) KERNEL(k_nf4, nf4)
 
 static kfn kernel_for(int type) {
     switch (type) {
@@ -193,6 +227,7 @@ static kfn kernel_for(int type) {
     case KQ_Q6_K: return k_q6k;
     case KQ_Q4_0: return k_q40;
     case KQ_Q8_0: return k_q80;
+    case KQ_NF4: return k_nf4;
     default: return 0;
     }
 }

@@ -222,3 +222,28 @@ int kq_nf4_cpu_layout(const uint8_t* q, int64_t n_out, int64_t n_in, uint8_t* ou
     }
     return 0;
 }
+
+/* bitsandbytes' 4-bit NF4 codes (as above: row-major [n_out, n_in], the even element in the high nibble) and their
+   float32 scales (one per `blocksize` weights) as KQ_NF4 rows of 32-blocks (kq_blocks.h): the codes regrouped in
+   Q4_0's nibble order (qs[j] = element j low, j + 16 high), d = absmax / 127 in half precision (to nearest even:
+   within 2^-11 of it, for absmax >= 127 * 2^-14). Every 32-block lies in one of bitsandbytes' blocks
+   (blocksize % 32 == 0). 0 done, -1 bad arguments. */
+int kq_nf4_blocks(const uint8_t* q, const float* absmax, int64_t blocksize, int64_t n_out, int64_t n_in,
+                  uint8_t* out, int threads) {
+    if (n_out < 1 || n_in < QK || n_in % QK || blocksize < QK || blocksize % QK) return -1;
+    const int64_t nb = n_in / QK;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (threads > 1 && n_out > 64)
+    for (int64_t o = 0; o < n_out; o++) {
+        blk_nf4* y = (blk_nf4*)(out + o * nb * sizeof(blk_nf4));
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t e0 = o * n_in + QK * b;  /* even: its codes start on a byte */
+            const uint8_t* src = q + e0 / 2;
+            y[b].d = kq_f2h(absmax[e0 / blocksize] / 127.0f);
+            for (int j = 0; j < 16; j++) {
+                const int lo = src[j / 2] >> (j % 2 ? 0 : 4) & 0xF, hi = src[8 + j / 2] >> (j % 2 ? 0 : 4) & 0xF;
+                y[b].qs[j] = (uint8_t)(lo | hi << 4);
+            }
+        }
+    }
+    return 0;
+}
