@@ -18,6 +18,7 @@ machine simulated, for tests and for the user who wants the engine to keep withi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -328,7 +329,10 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
     dtype = compute_dtype(spec, config, device)
     tensors, size = wp.folder_tensors(path)
     blocks = spec.quantization == "int8" and wp.int8_blocks(device)
-    return config, wp.plan_tensors(tensors, dtype, spec.quantization, size, blocks=blocks), dtype
+    plan = wp.plan_tensors(tensors, dtype, spec.quantization, size, blocks=blocks)
+    if plan.held == Held.READ and wp.mapped_folder(path, str(config.get("model_type", "")), spec, dtype, device):
+        plan = dataclasses.replace(plan, held=Held.MAPPED)  # the same bytes, the files' pages
+    return config, plan, dtype
 
 
 def estimate_path(path: Path, spec, device: str, available: int | None = None, available_from: str = "",

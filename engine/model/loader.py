@@ -245,6 +245,9 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
     from safetensors import SafetensorError
 
     dtype = _choose_dtype(spec, config, device)
+    mapped = _mapped(folder, config, spec, dtype, device, progress, check)
+    if mapped is not None:
+        return mapped
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         attn_implementation="sdpa",
@@ -274,6 +277,22 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
         raise ModelFormatError(f"cannot load the weights of {folder.name}: {str(e).splitlines()[0][:300]}") from None
     _check_coverage(folder.name, model, loading_info)
     return model
+
+
+def _mapped(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: str, progress: Progress | None,
+            check: Callable[[], None]):
+    """The model with its bf16 weights multiplied from the files' mappings (``engine.quant.folder_keep``), or None
+    where that does not apply (the folder is read as before)."""
+    from engine.quant import folder_keep
+
+    if not folder_keep.applies(folder, config.model_type, spec, str(dtype).removeprefix("torch."), device):
+        return None
+    try:
+        return folder_keep.load(folder, config, dtype, progress, check)
+    except LoadCancelled:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelFormatError(f"cannot load the weights of {folder.name}: {first_line(e)}") from None
 
 
 def _check_against_model(folder: Path, config, tok, spec: ModelSpec) -> None:

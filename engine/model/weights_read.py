@@ -71,17 +71,11 @@ def causal_lm_class(config):
 def from_folder(folder: Path, config, kwargs: dict[str, Any]):
     """``(model, loading_info)`` as ``AutoModelForCausalLM.from_pretrained(folder, **kwargs)`` returns them, the
     weights read tensor by tensor (module doc). ``kwargs`` carries ``output_loading_info=True``."""
-    from transformers import GenerationConfig
-
     from engine.model import heap
 
     cls = causal_lm_class(config)
     kw = {k: v for k, v in kwargs.items() if k not in ("use_safetensors", "trust_remote_code")}
-    try:  # what from_pretrained reads beside the weights from a path, as it reads it
-        kw["generation_config"] = GenerationConfig.from_pretrained(str(folder))
-    except OSError:
-        kw["generation_config"] = GenerationConfig.from_pretrained(str(folder), config_file_name="config.json",
-                                                                   _from_model_config=True)
+    kw["generation_config"] = generation_config(folder)
     state, handles = lazy_state(folder)
     try:
         with heap.while_loading():
@@ -89,6 +83,17 @@ def from_folder(folder: Path, config, kwargs: dict[str, Any]):
     finally:
         close(handles)
         state.clear()
+
+
+def generation_config(folder: Path):
+    """What ``from_pretrained`` reads beside the weights from a path, as it reads it: generation_config.json, else
+    the generation settings of config.json."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(folder))
+    except OSError:
+        return GenerationConfig.from_pretrained(str(folder), config_file_name="config.json", _from_model_config=True)
 
 
 def placement(spec, dtype, device: str) -> dict[str, Any]:

@@ -24,7 +24,6 @@ thread: Q4_K_M ~0.45 of ~0.6 s; llama.cpp's 0.55-0.85 s), so a thread starts it 
 from __future__ import annotations
 
 import functools
-import mmap
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.quant import formats, kernel
+from engine.quant.mapped import Mapping
 from engine.quant.modules import BlockEmbedding, BlockLinear
 
 _SIMPLE = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
@@ -44,14 +44,12 @@ _CUDA_TYPES = frozenset((2, 3, 8, 12, 13, 14))
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
 
-class Table:
-    """Where each tensor's bytes are in the mapped file: ``entries[name] = (ggml_type, torch_shape, start, nbytes)``."""
+class Table(Mapping):
+    """Where each tensor's bytes are in the mapped GGUF file: ``entries[name] = (ggml_type, torch_shape, start,
+    nbytes)``."""
 
     def __init__(self, path: Path) -> None:
-        with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
-        self.size = len(self.map)
-        self.entries: dict[str, tuple[int, tuple[int, ...], int, int]] = {}
+        super().__init__(path)
         try:
             self._parse(path.name)
         except struct.error:
@@ -80,7 +78,7 @@ class Table:
         for tname, ggml_type, shape, offset in raw:
             nbytes = formats.file_bytes(ggml_type, shape) if ggml_type in formats.TYPES else -1
             start = data + offset
-            if nbytes < 0 or start + nbytes > self.size:
+            if nbytes < 0 or not self.inside(start, nbytes):
                 raise ValueError(f"{name}: tensor {tname!r} lies past the end of the file or has an unknown type")
             self.entries[tname] = (ggml_type, shape, start, nbytes)
 
@@ -107,42 +105,6 @@ class Table:
                     raise struct.error("array past the end")
             return pos
         raise struct.error(f"value type {vt}")
-
-    def base(self) -> int:
-        """The mapping's address (a tensor view's ``data_ptr() - base()`` is its offset in the file)."""
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
-
-    def release(self, name: str) -> None:
-        """Let the process's pages of a tensor's bytes go (``madvise(MADV_DONTNEED)`` on the whole pages inside it:
-        a neighbour's bytes on a shared page stay): its bytes were copied elsewhere. The mapping is private and
-        never written, so reading the tensor again reads the file again."""
-        if not hasattr(self.map, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        _, _, start, nbytes = self.entries[name]
-        a, e = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if e > a:
-            self.map.madvise(mmap.MADV_DONTNEED, a, e - a)
-
-    def map_pages(self, names: list[str]) -> None:
-        """Map the process's pages of these tensors now (``MADV_POPULATE_READ``, Linux 5.14+; elsewhere nothing):
-        weights multiplied in place from the file, whose pages a first product would otherwise fault in 4 KiB at
-        a time (a BF16 1B model: 2 GiB of them in its first token)."""
-        if not hasattr(self.map, "madvise"):
-            return
-        for name in names:
-            _, _, start, nbytes = self.entries[name]
-            a = start // mmap.PAGESIZE * mmap.PAGESIZE
-            try:
-                self.map.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), a, start + nbytes - a)
-            except OSError:  # an older kernel: the products fault the pages in
-                return
-
-    def blocks(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as uint8 [rows, row_bytes], a view of the mapping (no copy)."""
-        t, shape, start, nbytes = self.entries[name]
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=start)
-        return flat.view(rows, nbytes // rows)  # [rows, row_bytes]
 
     def floats(self, name: str) -> np.ndarray:
         """The tensor dequantized by the gguf package to float32, in torch order (a copy)."""
@@ -179,7 +141,7 @@ def _cached_name_map():
 
 
 @contextmanager
-def _empty():
+def empty():
     """A model built with its parameters on the meta device (buffers real) and none of them initialised: transformers
     draws every meta weight's random values anyway (``init_weights``: 0.08-0.1 s of a 1B-shape load)."""
     import accelerate
@@ -216,7 +178,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     if type(processor).__name__ not in _SIMPLE:
         raise ValueError(f"{architecture}: its GGUF tensors are reshaped on load, so they cannot stay as blocks")
-    with _empty():
+    with empty():
         model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
     with _cached_name_map():
         names = get_gguf_hf_weights_map(model, processor)
@@ -229,23 +191,45 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
         if hf is None:
             continue  # llama.cpp's extras the model has no place for (rope_freqs): transformers skips them too
         _place(model, table, processor, gname, hf, t, shape, dtype, device, group)
-    _tie_head(model, config, table, group)
+    tie_head(model, table, group)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
     model.eval()
     model.kvscope_pack_group = group  # packed on a thread once the load has probed the model (``pack_soon``)
     packed = {id(m) for m in group}
-    in_place = [g for g, m in _kept_linears(model, table) if id(m) not in packed]
+    in_place = [g for g, m in kept_linears(model, table) if id(m) not in packed]
     model.kvscope_map_pages = functools.partial(table.map_pages, in_place)  # then their pages mapped
     return model
 
 
-def _kept_linears(model, table: Table) -> list[tuple[str, BlockLinear]]:
+def kept_linears(model, table: Mapping) -> list[tuple[str, BlockLinear]]:
     """(file tensor name, module) of each linear multiplied from the file's mapping."""
-    at, base = {e[2]: g for g, e in table.entries.items()}, table.base()
-    return [(at[m.weight.data_ptr() - base], m) for m in model.modules()
-            if isinstance(m, BlockLinear) and m.weight.device.type == "cpu" and m.weight.data_ptr() - base in at]
+    found = [(table.name_at(m.weight.data_ptr()), m) for m in model.modules()
+             if isinstance(m, BlockLinear) and m.weight.device.type == "cpu"]
+    return [(g, m) for g, m in found if g is not None]
+
+
+def keep_module(model, owner_name: str, blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype, device: str,
+                group: list, release: Callable[[], None], order: torch.Tensor | None = None) -> bool:
+    """Replace the model's ``nn.Linear`` or ``nn.Embedding`` at ``owner_name`` by its block module over ``blocks``
+    (the weight as the file stores it, ``[rows, row_bytes]``): a linear's packing deferred to the first product
+    (``defer_pack``, then ``release``: the file's pages let go), an embedding's rows looked up in the file. False
+    (nothing done) for any other module."""
+    owner = model.get_submodule(owner_name)
+    n_in = owner.weight.shape[1]
+    if type(owner) is nn.Linear:
+        new = BlockLinear(blocks.to(device), ggml_type, n_in, owner.bias, order)
+        model.set_submodule(owner_name, new)
+        if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
+            new.defer_pack(release, group, mapped=True)
+        return True
+    if isinstance(owner, nn.Embedding):
+        scale = None if getattr(owner, "embed_scale", None) is None else float(owner.embed_scale)
+        model.set_submodule(owner_name, BlockEmbedding(blocks.to(device), ggml_type, n_in, dtype, owner.padding_idx,
+                                                       scale))
+        return True
+    return False
 
 
 def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: tuple[int, ...],
@@ -255,25 +239,16 @@ def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: t
     owner_name, leaf = hf.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
     current = getattr(owner, leaf)
-    if leaf == "weight" and _keep(t, shape, device) and tuple(current.shape) == shape:
-        if type(owner) is nn.Linear:
-            new = BlockLinear(table.blocks(gname).to(device), t, shape[1], owner.bias, _row_order(processor, gname,
-                                                                                                   shape[0]))
-            model.set_submodule(owner_name, new)
-            if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
-                new.defer_pack(functools.partial(table.release, gname), group, mapped=True)
-            return
-        if isinstance(owner, nn.Embedding):
-            scale = None if getattr(owner, "embed_scale", None) is None else float(owner.embed_scale)
-            new = BlockEmbedding(table.blocks(gname).to(device), t, shape[1], dtype, owner.padding_idx, scale)
-            model.set_submodule(owner_name, new)
-            return
+    if (leaf == "weight" and _keep(t, shape, device) and tuple(current.shape) == shape
+            and keep_module(model, owner_name, table.blocks(gname), t, dtype, device, group,
+                            functools.partial(table.release, gname), _row_order(processor, gname, shape[0]))):
+        return
     data = processor.process(weights=table.floats(gname), name=gname).weights
     value = torch.from_numpy(np.ascontiguousarray(data)).to(dtype).reshape(current.shape).to(device)
     setattr(owner, leaf, nn.Parameter(value, requires_grad=False) if isinstance(current, nn.Parameter) else value)
 
 
-def _tie_head(model, config, table: Table, group: list) -> None:
+def tie_head(model, table: Mapping, group: list) -> None:
     """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy (a packed
     copy for the integer road's product, as llama.cpp's repacked output head; the lookups read the file's rows)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
@@ -285,7 +260,7 @@ def _tie_head(model, config, table: Table, group: list) -> None:
         new = BlockLinear(embed.weight.data, embed.ggml_type, embed.embedding_dim,
                           head.bias if head.bias is not None and not head.bias.is_meta else None)
         model.set_submodule(name, new)
-        gname = next((g for g, e in table.entries.items() if e[2] == embed.weight.data_ptr() - table.base()), None)
+        gname = table.name_at(embed.weight.data_ptr())
         if new.weight.device.type == "cpu" and gname is not None:
             new.defer_pack(functools.partial(table.release, gname), group, mapped=True)
     else:
@@ -347,13 +322,21 @@ def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=Non
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return with_attention(lambda attn: build(path, info.architecture, config, cls, dtype, device, attn, progress,
+                                             check))
+
+
+def with_attention(build_as: Callable[[str], nn.Module | None]):
+    """``build_as("sdpa")``, else ``build_as("eager")`` where the class has no sdpa (Gemma 2's softcapping), its
+    ``block_plan`` kept on it (None: ``build_as`` gave none)."""
     try:
-        model = build(path, info.architecture, config, cls, dtype, device, "sdpa", progress, check)
+        model = build_as("sdpa")
     except ValueError as e:
         if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
             raise
-        model = build(path, info.architecture, config, cls, dtype, device, "eager", progress, check)
-    model.kvscope_block_plan = block_plan(model)
+        model = build_as("eager")
+    if model is not None:
+        model.kvscope_block_plan = block_plan(model)
     return model
 
 
@@ -389,7 +372,7 @@ def restructure(model, plan: list[dict]) -> None:
 def skeleton(cls, config, dtype: torch.dtype, plan: list[dict], attn: str = "sdpa"):
     """The model of ``config`` with ``plan``'s block modules and throwaway zeros elsewhere, never allocating the
     dense weights the blocks replace (a compiled step's child: an 8B file's dense float32 model would be 32 GB)."""
-    with _empty():
+    with empty():
         model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
     restructure(model, plan)
     for name, p in list(model.named_parameters()):

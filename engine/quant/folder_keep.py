@@ -1,0 +1,172 @@
+"""A Hugging Face folder's bf16 weights multiplied from the files' mappings, as a BF16 GGUF's are
+(``engine.quant.gguf_keep``): on a CPU, ``--dtype bfloat16``, a llama-family model (``MODEL_TYPES``) of safetensors
+files. A safetensors BF16 tensor is byte for byte a GGUF BF16 one (ggml type 30, row-major), so each file is mapped
+once and each linear's weight is a ``BlockLinear`` view of the mapping (the rows in the file's order: no
+permutation), the embedding a ``BlockEmbedding`` whose looked-up rows are widened, a tied head the embedding's
+blocks; norms are copied into the compute dtype. Nothing is read at load but the headers and the norms: the pages
+are mapped on a thread once the load returns (``modules.pack_soon``), as a BF16 GGUF's.
+
+Why: read tensor by tensor (``engine.model.weights_read``) and blocked for the native product (``kvs_block16``),
+the Llama-3.2-1B shape's folder loaded in 4.4-4.8 s (2.7 s of reading, 1.3 s of blocking) where llama.cpp maps
+the same weights as a BF16 GGUF in 0.1-0.6 s. The product is the BF16 GGUF's: activations rounded to bfloat16,
+sums in float32 (AVX512_BF16's ``vdpbf16ps``), as torch's bfloat16 linear computes it.
+
+Anything else keeps the folder path: float32 (the default), ``--quantize``, a GPU, other architectures, linears
+with biases, tensors of other dtypes than BF16 / F16 / F32, remote code, files whose names do not map one to one
+onto the model's parameters (transformers' renaming then applies). ``KVSCOPE_MAP_FOLDERS=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engine.quant import gguf_keep, kernel
+from engine.quant.mapped import Mapping
+
+DTYPES = {"BF16": 30, "F16": 1, "F32": 0}  # safetensors' dtype -> the ggml type of the same bytes
+_TORCH = {30: torch.bfloat16, 1: torch.float16, 0: torch.float32}
+# transformers' model types whose safetensors names are the model's parameters and whose linears are plain
+# ``nn.Linear`` without biases (checked against HF's greedy tokens in tests/engine/test_folder_keep.py)
+MODEL_TYPES = frozenset(("llama", "mistral", "qwen3", "granite", "olmo2"))
+ENV = "KVSCOPE_MAP_FOLDERS"
+
+
+class SafetensorsTable(Mapping):
+    """A .safetensors file mapped once; ``entries`` as ``Mapping``'s, each declared span checked against the
+    mapping itself (the file is checked whole by ``model_files.check_safetensors`` first)."""
+
+    def __init__(self, path: Path) -> None:
+        from engine.model.model_files import check_safetensors
+
+        tensors = check_safetensors(path)  # every entry well formed, the tensors tiling the data: one line each
+        super().__init__(path)
+        if self.size < 8:
+            raise ValueError(f"{path.name} is cut short ({self.size} bytes)")
+        (n,) = struct.unpack_from("<Q", self.map, 0)
+        for name, meta in tensors.items():
+            t, shape = DTYPES.get(meta["dtype"]), tuple(int(d) for d in meta["shape"])
+            start, end = (int(x) for x in meta["data_offsets"])
+            if t is None:
+                raise ValueError(f"{path.name}: tensor {name!r} is {meta['dtype']}, not one of "
+                                 f"{', '.join(DTYPES)}")
+            if not self.inside(8 + n + start, end - start) or end - start != _numel(shape) * _TORCH[t].itemsize:
+                raise ValueError(f"{path.name}: tensor {name!r} lies past the end of the file or does not hold "
+                                 "its shape")
+            self.entries[name] = (t, shape, 8 + n + start, end - start)
+
+    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in ``dtype``, copied out of the mapping."""
+        t, shape, start, nbytes = self.entries[name]
+        raw = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=start) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        return raw.view(_TORCH[t]).reshape(shape).to(dtype, copy=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Files:
+    """A folder's tables as one (``gguf_keep.tie_head`` / ``kept_linears`` ask ``name_at``)."""
+
+    def __init__(self, tables: list[SafetensorsTable]) -> None:
+        self.tables = tables
+        self.owner = {name: t for t in tables for name in t.entries}
+
+    def name_at(self, address: int) -> str | None:
+        return next((n for n in (t.name_at(address) for t in self.tables) if n is not None), None)
+
+    def release(self, name: str) -> None:
+        self.owner[name].release(name)
+
+    def map_pages(self, names: list[str]) -> None:
+        for t in self.tables:
+            t.map_pages([n for n in names if n in t.entries])
+
+
+def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -> bool:
+    """Are this folder's weights loaded from its files' mappings (module doc)? Headers only (no weight read)."""
+    from engine.model.model_files import read_header, weight_files
+
+    if (os.environ.get(ENV, "").strip().lower() in ("off", "0", "no") or device != "cpu"
+            or spec.quantization != "none" or dtype_name != "bfloat16" or spec.trust_remote_code
+            or model_type not in MODEL_TYPES or kernel.library() is None):
+        return False
+    files = weight_files(folder)
+    if not files:
+        return False
+    for path in files:
+        header, _ = read_header(path)
+        if any(not isinstance(m, dict) or m.get("dtype") not in DTYPES or name.endswith(".bias")
+               for name, m in header.items()):
+            return False
+    return True
+
+
+def load(folder: Path, config, dtype: torch.dtype, progress: Callable[[str, float], None] | None = None,
+         check: Callable[[], None] = lambda: None):
+    """``build`` with sdpa attention where the class has it (else eager)."""
+    return gguf_keep.with_attention(lambda attn: build(folder, config, dtype, attn, progress, check))
+
+
+def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callable[[str, float], None] | None = None,
+          check: Callable[[], None] = lambda: None):
+    """The model of ``folder`` with its BF16 linears and embedding as blocks mapped from the files, everything else
+    copied in ``dtype``; None where the files' names are not the model's parameters one to one (the caller reads
+    the folder as before). ValueError names a file that does not hold what its header says."""
+    from engine.model.model_files import weight_files
+    from engine.model.weights_read import causal_lm_class, generation_config
+
+    files = Files([SafetensorsTable(p) for p in weight_files(folder)])
+    with gguf_keep.empty():
+        model = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=attn)
+    params = dict(model.named_parameters())
+    head = next((f"{n}.weight" for n, m in model.named_modules() if m is model.get_output_embeddings()), "")
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        params.pop(head, None)  # the embedding's blocks (``tie_head``); a file's own copy: transformers' reading
+    if set(files.owner) != set(params) or any(tuple(p.shape) != files.owner[n].entries[n][1]
+                                              for n, p in params.items()):
+        return None
+    group: list = []  # BF16 has no packed layout: nothing is packed, the pages are mapped after the load
+    total = max(len(files.owner), 1)
+    for i, (name, table) in enumerate(files.owner.items()):
+        check()
+        if progress and i % max(1, total // 50) == 0:
+            progress(f"mapping {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
+        _place(model, table, name, dtype, group)
+    gguf_keep.tie_head(model, files, group)
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{folder.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
+    model.eval()
+    model.generation_config = generation_config(folder)
+    model.kvscope_pack_group = group
+    packed = {id(m) for m in group}
+    in_place = [g for g, m in gguf_keep.kept_linears(model, files) if id(m) not in packed]
+    model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
+    model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, mapped from the files ({kernel.isa()})"
+    return model
+
+
+def _place(model, table: SafetensorsTable, name: str, dtype: torch.dtype, group: list) -> None:
+    """A BF16 weight of a linear or the embedding becomes its block module over the mapping; any other tensor is
+    copied into its parameter in the parameter's dtype."""
+    t, shape, _, _ = table.entries[name]
+    owner_name, _, leaf = name.rpartition(".")
+    current = getattr(model.get_submodule(owner_name), leaf)
+    if (leaf == "weight" and t == 30 and len(shape) == 2
+            and gguf_keep.keep_module(model, owner_name, table.blocks(name), t, dtype, "cpu", group,
+                                      functools.partial(table.release, name))):
+        return
+    value = table.tensor(name, current.dtype)
+    setattr(model.get_submodule(owner_name), leaf, nn.Parameter(value, requires_grad=False))
