@@ -72,12 +72,18 @@ def _model_code(source: str) -> None:
 
 
 def _packed(model, timeout: float = 600.0) -> None:
-    """Wait for the repacking a GGUF load leaves to a thread (``engine.quant.modules.pack_soon``)."""
+    """Wait for the repacking a GGUF load leaves to a thread, and the mapping of the pages of the weights multiplied
+    in place after it (``engine.quant.modules.pack_soon``: a BF16 file's or folder's whole weights)."""
+    import threading
+
     from engine.quant.modules import BlockLinear
 
     end = time.perf_counter() + timeout
     while any(isinstance(m, BlockLinear) and m.pending() for m in model.modules()) and time.perf_counter() < end:
         time.sleep(0.02)
+    for t in threading.enumerate():
+        if t.name == "kvscope-gguf-pack":
+            t.join(max(0.0, end - time.perf_counter()))
 
 
 def child_engine(source: str, case: str, context: int, threads: int) -> dict:
