@@ -220,6 +220,7 @@ def to_blocks(model) -> int:
         new = BlockLinear(rows, formats.NF4, mod.in_features, bias)
         new.hold_packed_only()
         model.set_submodule(name, new)
+        mod._parameters.clear()  # its Params4bit points back at it (.module): freed now, not at a collection
         del mod, rows
         done += 1
     if done:
