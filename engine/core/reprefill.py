@@ -55,7 +55,8 @@ def estimate_ms(lm, tokens: int, scores: bool) -> float:
     measured = rate(lm, scores)
     if measured > 0:
         return tokens / measured * 1000.0
-    params = sum(p.numel() for p in lm.model.parameters())
+    from engine.quant.modules import parameter_count
+    params = parameter_count(lm.model)
     flops = FALLBACK_FLOPS["cpu" if lm.device.type == "cpu" else "other"]
     return 2.0 * params * tokens / flops * 1000.0
 

@@ -36,6 +36,7 @@ from engine.core import speculation_setup as spec_setup
 from engine.core.verify import SpecConfig, Speculator
 from engine.core.step import Stepping
 from engine.model.threads import apply as apply_threads
+from engine.quant.modules import parameter_count
 
 _session_ids = itertools.count(1)
 _generation_ids = itertools.count(1)
@@ -55,7 +56,7 @@ class ChatSession(Stepping):
         self.session_id = next(_session_ids)
         self.cache = SeqCache(loaded, cache or CacheConfig(), self.session_id)
         self.sequence = Sequence()
-        self.prefill_chunk = prefill_chunk(sum(p.numel() for p in self.model.parameters()), loaded.device.type)
+        self.prefill_chunk = prefill_chunk(parameter_count(self.model), loaded.device.type)
         self._open = None  # the prepared forward (``engine.core.step.OpenStep``)
         self.spec: Speculator | None = None  # speculative decoding (``speculate``)
         self._ready: list = []  # a verification's tokens still to hand out (``engine.core.step``)

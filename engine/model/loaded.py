@@ -170,8 +170,9 @@ def _set_threads(model, device: str) -> tuple[int, str]:
     """The threads this model runs on (``engine.model.threads``) set, with the CPU's memory and kernel set-up."""
     from engine.model.threads import apply as apply_threads
     from engine.model.threads import choose as choose_threads
+    from engine.quant.modules import parameter_count
 
-    threads, threads_reason = choose_threads(sum(p.numel() for p in model.parameters()), device)
+    threads, threads_reason = choose_threads(parameter_count(model), device)
     apply_threads(threads)
     if str(device) == "cpu":
         from engine.model import heap

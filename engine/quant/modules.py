@@ -345,3 +345,21 @@ class BlockEmbedding(nn.Module):
         if self.scale is not None:
             out = out * self.scale
         return out.to(self.dtype)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The weights ``model`` computes with, whatever holds them: a block linear's or embedding's parameter is the
+    file's bytes (a Q4_K row of 2,048 weights is 1,152 bytes), bitsandbytes' 4-bit parameter its packed bytes, so
+    ``numel`` would size a prefill chunk (``engine.model.chunks``) or a thread count by the format, not the model
+    (1B-shape Q8_0: 512-token chunks where the estimate before the load said 256, +80 MB of peak)."""
+    logical: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            logical[id(m.weight)] = m.in_features * m.out_features
+        elif isinstance(m, BlockEmbedding):
+            logical[id(m.weight)] = m.num_embeddings * m.embedding_dim
+    total = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)  # bitsandbytes' Params4bit
+        total += logical.get(id(p), int(torch.Size(shape).numel()) if shape is not None else p.numel())
+    return total

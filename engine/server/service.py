@@ -224,7 +224,8 @@ def server_threads(lm) -> None:
     the app's (idle cores at load), applied and kept in the model's info (startup line, ``/metrics``)."""
     from engine.model.threads import apply, for_server
 
-    n, why = for_server(sum(p.numel() for p in lm.model.parameters()), lm.device.type)
+    from engine.quant.modules import parameter_count
+    n, why = for_server(parameter_count(lm.model), lm.device.type)
     apply(n)
     lm.info = dataclasses.replace(lm.info, threads=n, threads_reason=why)
 

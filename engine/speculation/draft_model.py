@@ -15,6 +15,7 @@ import torch
 from engine.config import CacheConfig
 from engine.errors import EngineError
 from engine.core.sequence import common_prefix, prefill_chunk
+from engine.quant.modules import parameter_count
 
 _owners = itertools.count(1_000_000)  # draft caches' owner ids: apart from chats' session ids
 
@@ -54,7 +55,7 @@ class ModelDrafter:
         self.lm = draft_lm
         self.cache = SeqCache(draft_lm, CacheConfig(mode="paged", page_size=16, prefix_reuse=False), next(_owners))
         self.fed: list[int] = []  # the tokens whose K/V the draft cache holds, in order
-        self.chunk = prefill_chunk(sum(p.numel() for p in draft_lm.model.parameters()), draft_lm.device.type)
+        self.chunk = prefill_chunk(parameter_count(draft_lm.model), draft_lm.device.type)
         self.forwards = 0
 
     def propose(self, ids, k: int, sampler=None) -> list[int]:

@@ -74,6 +74,10 @@ def test_8bit_and_4bit_load_and_generate_on_cpu(stories_path, stories, quant):
     assert lm.info.quantization == quant
     # the quantized linear layers hold fewer bytes than float32 (embeddings stay float32)
     assert lm.info.weights_bytes < stories.info.weights_bytes
+    # the weights counted as weights, not as the bytes that hold them: a prefill chunk and the threads follow them
+    from engine.quant.modules import parameter_count
+
+    assert parameter_count(lm.model) == parameter_count(stories.model) == 260_032  # numel: 270,752 / 157,472
     ids, r = _generate(lm, 30)
     assert len(ids) == 30 and r.snapshot.weights_bytes == lm.info.weights_bytes
     assert r.snapshot.kv_bytes > 0

@@ -380,7 +380,8 @@ def configure(lm, folder: str | None, budget: int = DEFAULT_BUDGET) -> DiskTier 
         old.close()
     if folder is None:
         return None
-    params = sum(p.numel() for p in lm.model.parameters())
+    from engine.quant.modules import parameter_count
+    params = parameter_count(lm.model)
     tier = DiskTier(folder, model_fingerprint(lm), budget, 2.0 * params, lm.device.type)
     reg.disk = tier
     atexit.register(tier.close)  # a normal exit writes what is queued; a kill loses at most the file being written
