@@ -11,7 +11,11 @@ the Llama-3.2-1B shape's folder loaded in 4.4-4.8 s (2.7 s of reading, 1.3 s of 
 the same weights as a BF16 GGUF in 0.1-0.6 s. The product is the BF16 GGUF's: activations rounded to bfloat16,
 sums in float32 (AVX512_BF16's ``vdpbf16ps``), as torch's bfloat16 linear computes it.
 
-Anything else keeps the folder path: float32 (the default), ``--quantize``, a GPU, other architectures, linears
+``--quantize int8`` takes the same road: each linear's Q8_0 blocks (``engine.model.q8_load``) are quantized by C
+straight from the mapping, the tensor's file pages let go at once; what it holds is the folder path's bit for bit,
+without transformers' reading.
+
+Anything else keeps the folder path: float32 (the default), ``nf4``, a GPU, other architectures, linears
 with biases, tensors of other dtypes than BF16 / F16 / F32, remote code, files whose names do not map one to one
 onto the model's parameters (transformers' renaming then applies). ``KVSCOPE_MAP_FOLDERS=off`` turns it off.
 """
@@ -29,6 +33,7 @@ from torch import nn
 
 from engine.quant import gguf_keep, kernel
 from engine.quant.mapped import Mapping
+from engine.quant.modules import BlockLinear
 
 DTYPES = {"BF16": 30, "F16": 1, "F32": 0}  # safetensors' dtype -> the ggml type of the same bytes
 _TORCH = {30: torch.bfloat16, 1: torch.float16, 0: torch.float32}
@@ -98,9 +103,12 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
     """Are this folder's weights loaded from its files' mappings (module doc)? Headers only (no weight read)."""
     from engine.model.model_files import read_header, weight_files
 
-    if (os.environ.get(ENV, "").strip().lower() in ("off", "0", "no") or device != "cpu"
-            or spec.quantization != "none" or dtype_name != "bfloat16" or spec.trust_remote_code
-            or model_type not in MODEL_TYPES or kernel.library() is None):
+    from engine.model import q8_load
+
+    wanted = (spec.quantization == "none" and dtype_name == "bfloat16") or (spec.quantization == "int8"
+                                                                             and q8_load.available(device))
+    if (os.environ.get(ENV, "").strip().lower() in ("off", "0", "no") or device != "cpu" or not wanted
+            or spec.trust_remote_code or model_type not in MODEL_TYPES or kernel.library() is None):
         return False
     files = weight_files(folder)
     if not files:
@@ -114,16 +122,19 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
 
 
 def load(folder: Path, config, dtype: torch.dtype, progress: Callable[[str, float], None] | None = None,
-         check: Callable[[], None] = lambda: None):
+         check: Callable[[], None] = lambda: None, quantize: bool = False):
     """``build`` with sdpa attention where the class has it (else eager)."""
-    return gguf_keep.with_attention(lambda attn: build(folder, config, dtype, attn, progress, check))
+    return gguf_keep.with_attention(lambda attn: build(folder, config, dtype, attn, progress, check, quantize))
 
 
 def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callable[[str, float], None] | None = None,
-          check: Callable[[], None] = lambda: None):
+          check: Callable[[], None] = lambda: None, quantize: bool = False):
     """The model of ``folder`` with its BF16 linears and embedding as blocks mapped from the files, everything else
     copied in ``dtype``; None where the files' names are not the model's parameters one to one (the caller reads
-    the folder as before). ValueError names a file that does not hold what its header says."""
+    the folder as before). ValueError names a file that does not hold what its header says. ``quantize``
+    (``--quantize int8``): each linear but the output head quantized to Q8_0 blocks from the mapping instead
+    (``q8_load.quantize``, C, the linears' threads), every tensor's file pages let go once it is consumed, the
+    rest copied in ``dtype`` as the folder path holds it."""
     from engine.model.model_files import weight_files
     from engine.model.weights_read import causal_lm_class, generation_config
 
@@ -143,7 +154,10 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
         check()
         if progress and i % max(1, total // 50) == 0:
             progress(f"mapping {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
-        _place(model, table, name, dtype, group)
+        if quantize:
+            _quantized(model, table, name, head)
+        else:
+            _place(model, table, name, dtype, group)
     gguf_keep.tie_head(model, files, group)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
@@ -154,8 +168,25 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     packed = {id(m) for m in group}
     in_place = [g for g, m in gguf_keep.kept_linears(model, files) if id(m) not in packed]
     model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
-    model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, mapped from the files ({kernel.isa()})"
+    if not quantize:
+        model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, mapped from the files ({kernel.isa()})"
     return model
+
+
+def _quantized(model, table: SafetensorsTable, name: str, head: str) -> None:
+    """A linear's weight (not the output head's; rows of whole blocks) quantized to Q8_0 blocks from the mapping
+    into a ``BlockLinear``, any other tensor copied into its parameter; then the tensor's file pages let go."""
+    from engine.model import q8_load
+
+    t, shape, _, _ = table.entries[name]
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if leaf == "weight" and type(owner) is nn.Linear and name != head and shape[1] % q8_load.BLOCK == 0:
+        w = table.blocks(name).view(torch.bfloat16) if t == 30 else table.tensor(name, torch.float32)  # [out, in]
+        model.set_submodule(owner_name, BlockLinear(q8_load.quantize(w), q8_load.Q8_0, shape[1], owner.bias))
+    else:
+        setattr(owner, leaf, nn.Parameter(table.tensor(name, getattr(owner, leaf).dtype), requires_grad=False))
+    table.release(name)
 
 
 def _place(model, table: SafetensorsTable, name: str, dtype: torch.dtype, group: list) -> None:

@@ -121,3 +121,27 @@ def test_a_folder_whose_header_lies_is_refused_in_one_line(tmp_path, stories_pat
     with pytest.raises(ModelFormatError) as e:
         load_model(ModelSpec(source=str(folder), dtype="bfloat16", device="cpu"))
     assert "truncated" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_blocks_quantized_from_the_mapping_are_the_folder_paths(tied, tmp_path, stories_path, monkeypatch):
+    """``--quantize int8``: each linear's Q8_0 blocks quantized from the mapped file are the folder path's bit for
+    bit (the output head and embedding in floats, as there), its greedy tokens HF ``generate``'s on the loaded
+    model, the weights what the verdict said; no page of the file is held once loaded."""
+    from test_exact import engine_greedy, hf_greedy
+    from test_fit import _folder
+
+    folder = _folder(tmp_path / "llama", stories_path, tie_word_embeddings=tied)
+    spec = ModelSpec(source=str(folder), quantization="int8", device="cpu")
+    verdict = fit.estimate_path(folder, spec, "cpu")
+    lm = load_model(spec)
+    assert [type(m).__name__ for m in lm.model.modules()].count("BlockLinear") == 2 * 7
+    assert (lm.info.weights_format, lm.info.weights_bytes) == ("Q8_0", verdict.weights.bytes)
+    assert not _mapped(list(folder.glob("*.safetensors")))
+    got = engine_greedy(lm, PROMPT, 12, CacheConfig())
+    assert got == hf_greedy(lm, PROMPT, 12)
+    monkeypatch.setenv(folder_keep.ENV, "off")
+    before = load_model(spec)
+    a, b = lm.model.state_dict(), before.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert engine_greedy(before, PROMPT, 12, CacheConfig()) == got
