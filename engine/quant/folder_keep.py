@@ -16,7 +16,7 @@ straight from the mapping, the tensor's file pages let go at once; what it holds
 without transformers' reading.
 
 Anything else keeps the folder path: float32 (the default), ``nf4``, a GPU, other architectures, linears
-with biases, tensors of other dtypes than BF16 / F16 / F32, remote code, files whose names do not map one to one
+with biases, weights stored in other types than BF16 (norms may be F16 / F32), remote code, files whose names do not map one to one
 onto the model's parameters (transformers' renaming then applies). ``KVSCOPE_MAP_FOLDERS=off`` turns it off.
 """
 
@@ -116,8 +116,8 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
     for path in files:
         header, _ = read_header(path)
         if any(not isinstance(m, dict) or m.get("dtype") not in DTYPES or name.endswith(".bias")
-               for name, m in header.items()):
-            return False
+               or (len(m.get("shape") or ()) >= 2 and m["dtype"] != "BF16") for name, m in header.items()):
+            return False  # a bias, another type, a float32 / float16 weight (converted as read: the folder path)
     return True
 
 

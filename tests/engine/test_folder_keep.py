@@ -79,12 +79,14 @@ def test_greedy_tokens_are_hf_generates_and_the_folder_paths(arch, tied, tmp_pat
 
 
 def test_other_loads_keep_the_folder_path(tmp_path, stories_path):
-    """float32 (a CPU's default), a linear with a bias and a file the model's names do not cover are read as
-    before."""
+    """float32 (a CPU's default), float32 weights asked in bfloat16 (stories260K's: converted as read), a linear
+    with a bias are read as before."""
     from test_fit import _folder
 
     folder = _folder(tmp_path / "llama", stories_path)
     assert "BlockLinear" not in {type(m).__name__ for m in load_model(str(folder)).model.modules()}
+    stories = ModelSpec(source=str(stories_path), dtype="bfloat16", device="cpu")
+    assert not folder_keep.applies(stories_path, "llama", stories, "bfloat16", "cpu")
     biased = _folder(tmp_path / "biased", stories_path, attention_bias=True)
     spec = ModelSpec(source=str(biased), dtype="bfloat16", device="cpu")
     assert not folder_keep.applies(biased, "llama", spec, "bfloat16", "cpu")
