@@ -3,10 +3,12 @@ estimate before a load (``engine.model.fit``) sizes a chunk's activations by it.
 
 from __future__ import annotations
 
-# A chunk is ~1e12 FLOPs: ~5 s of prefill on this 2-core CPU (~200 GFLOP/s), ~1 s on an 8-core laptop. Smaller
-# chunks cost TTFT: a 4,096-token prompt of a Gemma-3-1B shape took x1.39 of one forward in 128-token chunks
-# (every chunk attends through an explicit mask); 512-token chunks keep Stop within seconds.
-CHUNK_FLOPS_CPU = 1.2e12
+# A chunk is ~6e11 FLOPs: ~1.5 s of prefill on this 2-core CPU with the GGUF block kernels (~400 GFLOP/s), well
+# under a second on an 8-core laptop. Smaller chunks cost TTFT: a 4,096-token prompt of a Gemma-3-1B shape took
+# x1.39 of one forward in 128-token chunks (every chunk attends through an explicit mask). A chunk's activations
+# are the prefill's memory beside the weights and the cache: a Llama-3.2-1B shape's 1,024-token prompt peaked
+# 70-100 MB lower in 256-token chunks than in 512 (1,485 against 1,553-1,589 MB as Q8_0, one thread).
+CHUNK_FLOPS_CPU = 6e11
 CHUNK_FLOPS_GPU = 2e13  # the same wait on a consumer GPU
 MIN_CHUNK, MAX_CHUNK = 64, 2048
 

@@ -256,7 +256,7 @@ def test_prefill_chunks_are_sized_per_model_and_stop_acts_between_them(stories, 
     from engine.core.sequence import prefill_chunk
     from test_exact import hf_greedy
 
-    assert [prefill_chunk(n, "cpu") for n in (260_000, 135_000_000, 1_000_000_000, 8_000_000_000)] == [2048, 2048, 512, 64]
+    assert [prefill_chunk(n, "cpu") for n in (260_000, 135_000_000, 1_000_000_000, 8_000_000_000)] == [2048, 2048, 256, 64]
     assert prefill_chunk(8_000_000_000, "cuda") == 1024
     ids = stories.tokenizer("Once upon a time, there was a little girl named Lily. " * 20)["input_ids"][:300]
     ref = hf_greedy(stories, ids, 20)
