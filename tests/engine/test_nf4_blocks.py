@@ -67,7 +67,7 @@ def reference(m, tab: np.ndarray) -> np.ndarray:
     """The weight as the kernels' table values it, float64, from bitsandbytes' codes and scales directly."""
     qs = m.weight.quant_state
     c = codes(m.weight.data.view(torch.uint8).numpy().reshape(-1)).reshape(qs.shape)
-    absmax = nf4_quant._absmax(qs).numpy().repeat(qs.blocksize).reshape(qs.shape)
+    absmax = nf4_quant._absmax(qs).numpy().repeat(qs.blocksize)[:c.size].reshape(qs.shape)  # a short last block
     d = (absmax / 127).astype(np.float16).astype(np.float64)
     return tab[c] * d
 
@@ -166,6 +166,46 @@ def test_packed_only_holds_one_copy_and_reads_its_rows_back():
     assert b.rows_packed
     c = b.to("meta")  # moved: the rows' layout back first
     assert not c.rows_packed and c.weight.is_meta and tuple(c.weight.shape) == tuple(rows.shape)
+
+
+@pytest.fixture(scope="module", params=["avx2", "portable"])
+def other_build(request, tmp_path_factory):
+    """The kernels built for the installers' AVX2 level (x86-64-v3) or for no vector extension at all (x86-64:
+    the portable C), loaded beside this build's."""
+    import ctypes
+
+    from engine.native import build
+    from engine.native.libraries import KQ
+
+    if request.param == "avx2":
+        flags, need = next((f, need) for name, f, need in build.LEVELS if name == "avx2")
+    else:
+        flags, need = ("-march=x86-64",), ()
+    cc = build.compiler(False)
+    if cc is None or not all(f in build.cpu_flags() for f in need) or "x86_64" not in __import__("platform").machine():
+        pytest.skip("no C compiler, or not an x86-64 CPU that runs the level")
+    out = tmp_path_factory.mktemp("kq-" + request.param) / f"kq-{request.param}.so"
+    build.compile_library(KQ, cc, flags, out)
+    return request.param, kernel._declare(ctypes.CDLL(str(out)))
+
+
+@pytest.mark.slow  # builds the library twice (~10-30 s each here)
+def test_avx2_and_portable_builds_sum_alike(other_build):
+    """An AVX2-only machine (maddubs with ggml's sign trick: the table's bytes are signed) and a CPU without vector
+    extensions (the portable C, the table by index) multiply NF4 rows with the same integer sums; AVX2 keeps the
+    rows' layout (as Q8_0's signed bytes: packed, no faster)."""
+    level, lib = other_build
+    assert lib.kq_isa_name() == (b"AVX2" if level == "avx2" else b"portable C")
+    assert lib.kq_pack_bytes(NF4, 32, 512) == 0
+    m = linear4bit(21, 544, seed=9, bias=True)
+    rows = nf4_quant.blocks_of(m)
+    x = torch.randn(7, 544, generator=torch.Generator().manual_seed(9))
+    bias = m.bias.detach().float().contiguous()
+    y = torch.empty(7, 21)
+    assert lib.kq_matmul(NF4, rows.data_ptr(), rows.stride(0), 21, 544, x.data_ptr(), 7, 544, y.data_ptr(), 21,
+                         bias.data_ptr(), None, 0, 1) == 0
+    ref = q8(x.numpy()) @ reference(m, table()).T + bias.double().numpy()
+    assert np.abs(y.numpy() - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 @pytest.fixture(scope="module")
