@@ -148,14 +148,14 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     if set(files.owner) != set(params) or any(tuple(p.shape) != files.owner[n].entries[n][1]
                                               for n, p in params.items()):
         return None
-    group: list = []  # BF16 has no packed layout: nothing is packed, the pages are mapped after the load
+    group: list = []  # BF16 has no packed layout: its pages are mapped after the load; Q8_0 is repacked then
     total = max(len(files.owner), 1)
     for i, (name, table) in enumerate(files.owner.items()):
         check()
         if progress and i % max(1, total // 50) == 0:
             progress(f"mapping {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
         if quantize:
-            _quantized(model, table, name, head)
+            _quantized(model, table, name, head, group)
         else:
             _place(model, table, name, dtype, group)
     gguf_keep.tie_head(model, files, group)
@@ -167,15 +167,17 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     model.kvscope_pack_group = group
     packed = {id(m) for m in group}
     in_place = [g for g, m in gguf_keep.kept_linears(model, files) if id(m) not in packed]
-    model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
+    if in_place:  # (int8 holds none: the mappings go with this function)
+        model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
     if not quantize:
         model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, mapped from the files ({kernel.isa()})"
     return model
 
 
-def _quantized(model, table: SafetensorsTable, name: str, head: str) -> None:
+def _quantized(model, table: SafetensorsTable, name: str, head: str, group: list) -> None:
     """A linear's weight (not the output head's; rows of whole blocks) quantized to Q8_0 blocks from the mapping
-    into a ``BlockLinear``, any other tensor copied into its parameter; then the tensor's file pages let go."""
+    into a ``BlockLinear`` (its repacking for the integer road deferred, as a Q8_0 GGUF's, the rows then let go:
+    ``hold_packed_only``), any other tensor copied into its parameter; then the tensor's file pages let go."""
     from engine.model import q8_load
 
     t, shape, _, _ = table.entries[name]
@@ -183,7 +185,9 @@ def _quantized(model, table: SafetensorsTable, name: str, head: str) -> None:
     owner = model.get_submodule(owner_name)
     if leaf == "weight" and type(owner) is nn.Linear and name != head and shape[1] % q8_load.BLOCK == 0:
         w = table.blocks(name).view(torch.bfloat16) if t == 30 else table.tensor(name, torch.float32)  # [out, in]
-        model.set_submodule(owner_name, BlockLinear(q8_load.quantize(w), q8_load.Q8_0, shape[1], owner.bias))
+        new = BlockLinear(q8_load.quantize(w), q8_load.Q8_0, shape[1], owner.bias)
+        model.set_submodule(owner_name, new)
+        new.defer_pack(new.hold_packed_only, group)  # repacked on the pack thread after the load, the rows let go
     else:
         setattr(owner, leaf, nn.Parameter(table.tensor(name, getattr(owner, leaf).dtype), requires_grad=False))
     table.release(name)

@@ -175,7 +175,7 @@ class BlockLinear(nn.Module):
         gives no copy (the rows kept)."""
         if self.__dict__.get("rows_packed"):
             return True
-        if not self.pack():
+        if self.packed is None and not self.pack():  # (packed already: a deferred packing's ``after``)
             return False
         rb = formats.row_bytes(self.ggml_type, self.in_features)
         view = self.packed[:self.out_features * rb].view(self.out_features, rb)  # the packed bytes, the rows' shape

@@ -18,6 +18,7 @@ from engine.errors import ModelFormatError
 from engine.model import fit
 from engine.model.loader import load_model
 from engine.quant import folder_keep, kernel
+from engine.quant.modules import BlockLinear
 
 pytestmark = pytest.mark.skipif(kernel.library() is None, reason="no GGUF block kernels on this machine")
 PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]
@@ -128,8 +129,9 @@ def test_a_folder_whose_header_lies_is_refused_in_one_line(tmp_path, stories_pat
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_blocks_quantized_from_the_mapping_are_the_folder_paths(tied, tmp_path, stories_path, monkeypatch):
     """``--quantize int8``: each linear's Q8_0 blocks quantized from the mapped file are the folder path's bit for
-    bit (the output head and embedding in floats, as there), its greedy tokens HF ``generate``'s on the loaded
-    model, the weights what the verdict said; no page of the file is held once loaded."""
+    bit (the output head and embedding in floats, as there; repacked at the first product, the rows read back),
+    its greedy tokens HF ``generate``'s on the loaded model, the weights what the verdict said; no page of the file
+    is held once loaded."""
     from test_exact import engine_greedy, hf_greedy
     from test_fit import _folder
 
@@ -145,5 +147,7 @@ def test_int8_blocks_quantized_from_the_mapping_are_the_folder_paths(tied, tmp_p
     monkeypatch.setenv(folder_keep.ENV, "off")
     before = load_model(spec)
     a, b = lm.model.state_dict(), before.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    blocks = {f"{n}.weight": m for n, m in lm.model.named_modules() if isinstance(m, BlockLinear)}
+    assert all(m.rows_packed for m in blocks.values()) == kernel.packs(8)  # repacked, the rows let go
+    assert a.keys() == b.keys() and all(torch.equal(blocks[k].rows() if k in blocks else a[k], b[k]) for k in a)
     assert engine_greedy(before, PROMPT, 12, CacheConfig()) == got
