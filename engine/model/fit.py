@@ -330,9 +330,18 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
     tensors, size = wp.folder_tensors(path)
     blocks = spec.quantization == "int8" and wp.int8_blocks(device)
     plan = wp.plan_tensors(tensors, dtype, spec.quantization, size, blocks=blocks)
-    if plan.held == Held.READ and wp.mapped_folder(path, str(config.get("model_type", "")), spec, dtype, device):
+    if plan.held == Held.READ and _mapped_folder(path, str(config.get("model_type", "")), spec, dtype, device):
         plan = dataclasses.replace(plan, held=Held.MAPPED)  # the same bytes, the files' pages
     return config, plan, dtype
+
+
+def _mapped_folder(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:
+    """Are a folder's bf16 weights multiplied from its files' mappings (``engine.model.folder_keep``)?"""
+    try:
+        from engine.model import folder_keep
+    except ImportError:  # an engine without the block kernels' package
+        return False
+    return folder_keep.applies(folder, model_type, spec, compute_dtype, device)
 
 
 def estimate_path(path: Path, spec, device: str, available: int | None = None, available_from: str = "",

@@ -123,8 +123,12 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
 
 def load(folder: Path, config, dtype: torch.dtype, progress: Callable[[str, float], None] | None = None,
          check: Callable[[], None] = lambda: None, quantize: bool = False):
-    """``build`` with sdpa attention where the class has it (else eager)."""
-    return gguf_keep.with_attention(lambda attn: build(folder, config, dtype, attn, progress, check, quantize))
+    """``build`` with sdpa attention where the class has it (else eager), under the heap's loading rules
+    (``heap.while_loading``: int8's rows, freed once repacked, go back to the system)."""
+    from engine.model import heap
+
+    with heap.while_loading():
+        return gguf_keep.with_attention(lambda attn: build(folder, config, dtype, attn, progress, check, quantize))
 
 
 def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callable[[str, float], None] | None = None,

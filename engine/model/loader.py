@@ -281,9 +281,9 @@ def _load_weights(folder: Path, config, spec: ModelSpec, device: str, progress: 
 
 def _mapped(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: str, progress: Progress | None,
             check: Callable[[], None]):
-    """The model with its bf16 weights multiplied from the files' mappings (``engine.quant.folder_keep``), or None
+    """The model with its bf16 weights multiplied from the files' mappings (``engine.model.folder_keep``), or None
     where that does not apply (the folder is read as before)."""
-    from engine.quant import folder_keep
+    from engine.model import folder_keep
 
     if not folder_keep.applies(folder, config.model_type, spec, str(dtype).removeprefix("torch."), device):
         return None

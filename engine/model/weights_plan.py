@@ -7,7 +7,7 @@ The rules are the loaders' own:
 
 - a Hugging Face folder is read tensor by tensor (``engine.model.weights_read``); its weights are held in the
   compute dtype (``hf_load.choose_dtype``: float32 on a CPU unless ``--dtype`` says otherwise); a llama-family
-  folder's bf16 weights with ``--dtype bfloat16`` on a CPU are the files' pages (``mapped_folder``);
+  folder's bf16 weights with ``--dtype bfloat16`` on a CPU are the files' pages (``engine.model.folder_keep``);
 - ``--quantize int8`` (bitsandbytes' LLM.int8): every linear's weight in int8 plus one float32 scale per output
   row; ``nf4``: two weights a byte plus a float32 scale per 64 weights (bitsandbytes' default block, no double
   quantization) and a 16-entry codebook per layer. Embeddings, the output head, norms and biases stay in the
@@ -183,16 +183,6 @@ def _gguf_refusal(architecture: str, device: str) -> str:
     except ImportError:  # an engine without the block kernels' package
         return "no GGUF block kernels"
     return gguf_keep.refusal(architecture, device)
-
-
-def mapped_folder(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:
-    """Are a folder's bf16 weights multiplied from its files' mappings (``engine.quant.folder_keep``)? Then they
-    are held as the files store them, the files' pages (``Held.MAPPED``)."""
-    try:
-        from engine.quant import folder_keep
-    except ImportError:  # an engine without the block kernels' package
-        return False
-    return folder_keep.applies(folder, model_type, spec, compute_dtype, device)
 
 
 def folder_tensors(folder: Path) -> tuple[list[Tensor], int]:

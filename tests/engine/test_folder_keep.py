@@ -1,4 +1,4 @@
-"""A llama-family folder's bf16 weights multiplied from the files' mappings (``engine.quant.folder_keep``): on a CPU
+"""A llama-family folder's bf16 weights multiplied from the files' mappings (``engine.model.folder_keep``): on a CPU
 with ``--dtype bfloat16`` each linear is a BF16 ``BlockLinear`` viewing the mapped file (its bytes the file's, no
 copy), the embedding a ``BlockEmbedding``, a tied head the embedding's blocks. The greedy tokens are HF ``generate``'s
 on the bf16 model transformers loads from the same folder, and the folder path's (``KVSCOPE_MAP_FOLDERS=off``). A
@@ -17,7 +17,8 @@ from engine.config import CacheConfig, ModelSpec
 from engine.errors import ModelFormatError
 from engine.model import fit
 from engine.model.loader import load_model
-from engine.quant import folder_keep, kernel
+from engine.model import folder_keep
+from engine.quant import kernel
 from engine.quant.modules import BlockLinear
 
 pytestmark = pytest.mark.skipif(kernel.library() is None, reason="no GGUF block kernels on this machine")
