@@ -23,6 +23,7 @@ from engine.config import ModelSpec
 from engine.errors import EngineError, LoadCancelled, ModelFormatError, UnsupportedModelError, first_line
 from engine.model import template_guard
 from engine.model.gguf_checks import NOT_GENERATIVE, check_model, check_named
+from engine.model.gguf_fields import from_header
 from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
@@ -77,9 +78,9 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
         raise UnsupportedModelError(f"{path.name}: 8-bit/4-bit re-quantization of a {info.architecture} GGUF is not "
                                     "available; load it without --quantize")
     quiet_transformers()
-    config = _config(path)
+    config = _config(path, info)
     dtype = choose_dtype(spec, config, device)
-    tok = _tokenizer(path)
+    tok = _tokenizer(path, info)
     template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
     keep = spec.quantization not in ("int8", "nf4") and not gguf_keep.refusal(info.architecture, device)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -128,20 +129,22 @@ def kept_note(info: GgufInfo, p) -> str:
     return note
 
 
-def _config(path: Path):
+def _config(path: Path, info: GgufInfo):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
+        with from_header(info):  # the settings from the header read already, not a second pass of GGUFReader
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001 - transformers' reader raises many kinds; all mean one thing here
         raise ModelFormatError(f"cannot read the model's settings from {path.name}: {first_line(e)}") from None
 
 
-def _tokenizer(path: Path):
+def _tokenizer(path: Path, info: GgufInfo):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
+        with from_header(info):  # its model's settings read again: from the header too
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001
         raise ModelFormatError(f"no usable tokenizer in {path.name}: {first_line(e)}") from None
     if tok is None or not hasattr(tok, "decode"):

@@ -1,0 +1,116 @@
+"""transformers' GGUF settings read from the header this engine already parsed, not by ``gguf.GGUFReader`` again.
+
+Why: transformers 5.24 reads a llama-family file's settings with its legacy ``load_gguf_checkpoint``, which builds a
+``GGUFReader`` (a numpy object per array element of the whole header), and reads them again for the tokenizer's
+config: a Llama-3 vocabulary (128,256 tokens, 280,147 merges) took 16.6 s for ``AutoConfig`` and 14.1 s for
+``AutoTokenizer`` here, where llama.cpp opens the file in under a second. ``engine.model.gguf_file`` has the header
+already (scalars, strings, short arrays; ~0.8 s for that vocabulary), so while transformers reads the settings its
+``GGUFReader`` is this module's ``HeaderReader``: the same ``fields`` / ``tensors`` for everything but the long
+arrays (tokens, merges, scores), which no setting is made of. The tokenizer still reads its vocabulary with
+transformers' own fast reader. Where the header lacks what the legacy reader would take from a long array (the
+vocabulary's size where ``{arch}.vocab_size`` is missing), or anything here raises, transformers' reader runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from engine.model.gguf_file import GgufInfo
+
+# GGUFValueType: the widest of each kind (``_gguf_parse_value`` reads any integer, float or bool type alike)
+_BOOL, _INT, _FLOAT, _STRING, _ARRAY = 7, 11, 12, 8, 9
+_TOKENS = "tokenizer.ggml.tokens"
+_lock = threading.Lock()  # one swap of gguf.GGUFReader at a time (loads run one at a time; this makes it sure)
+
+
+def _scalar(v: Any) -> tuple[int, np.ndarray] | None:
+    if isinstance(v, bool):
+        return _BOOL, np.array([v], dtype=np.bool_)
+    if isinstance(v, int):
+        return _INT, np.array([v], dtype=object)  # object: a uint64 above int64's range stays exact
+    if isinstance(v, float):
+        return _FLOAT, np.array([v], dtype=np.float64)
+    if isinstance(v, str):
+        return _STRING, np.frombuffer(v.encode("utf-8"), dtype=np.uint8)
+    return None
+
+
+def _field(name: str, v: Any) -> SimpleNamespace | None:
+    """A ``gguf.ReaderField`` as transformers reads it (``parts[i] for i in data``, parsed by ``types``); None for
+    what the header kept only as a count (a long array) or nested arrays."""
+    one = _scalar(v)
+    if one is not None:
+        return SimpleNamespace(name=name, parts=[one[1]], data=[0], types=[one[0]])
+    if not isinstance(v, list):
+        return None
+    items = [_scalar(x) for x in v]
+    if any(i is None or i[0] == _STRING for i in items) or len({i[0] for i in items}) > 1:
+        return None
+    kind = items[0][0] if items else _INT
+    return SimpleNamespace(name=name, parts=[i[1] for i in items], data=list(range(len(items))), types=[_ARRAY, kind])
+
+
+class _Same:
+    """``parts`` of a counted array: every index the same empty string (only the count is read of it)."""
+
+    def __init__(self, part: np.ndarray) -> None:
+        self.part = part
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.part
+
+
+def _counted(name: str, v: dict) -> SimpleNamespace | None:
+    """The vocabulary, kept by the header as a count: n empty strings (the legacy reader takes a missing
+    ``{arch}.vocab_size`` from its length; ~0.1 s for 150,000 where reading the tokens took seconds)."""
+    if name != _TOKENS or v.get("type") != "STRING" or not isinstance(v.get("count"), int):
+        return None
+    return SimpleNamespace(name=name, parts=_Same(np.zeros(0, dtype=np.uint8)), data=range(v["count"]),
+                           types=[_ARRAY, _STRING])
+
+
+class HeaderReader:
+    """What ``load_gguf_checkpoint(..., return_tensors=False)`` reads of a ``GGUFReader``, from ``info``."""
+
+    def __init__(self, info: GgufInfo) -> None:
+        self.fields = {k: f for k, v in info.metadata.items()
+                       if (f := _counted(k, v) if isinstance(v, dict) else _field(k, v)) is not None}
+        self.tensors = [SimpleNamespace(name=t.name) for t in info.tensors]
+
+
+def covers(info: GgufInfo) -> bool:
+    """Can the settings come from the header? (The legacy reader counts the vocabulary for a missing
+    ``{arch}.vocab_size``: the header has the count, where the vocabulary is a plain list of strings.)"""
+    tokens = info.metadata.get(_TOKENS)
+    return f"{info.architecture}.vocab_size" in info.metadata or (
+        isinstance(tokens, dict) and tokens.get("type") == "STRING")
+
+
+@contextlib.contextmanager
+def from_header(info: GgufInfo):
+    """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc); any other
+    file is read by ``gguf.GGUFReader`` as before."""
+    import gguf
+
+    if not covers(info):
+        yield
+        return
+    real, path = gguf.GGUFReader, os.path.realpath(info.path)
+
+    def reader(p, *args, **kwargs):
+        if not args and not kwargs and os.path.realpath(p) == path:
+            return HeaderReader(info)
+        return real(p, *args, **kwargs)
+
+    with _lock:
+        gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real

@@ -1,0 +1,60 @@
+"""A GGUF's transformers settings read from the header the engine parsed (``engine.model.gguf_fields``): the same
+config as transformers' own ``GGUFReader`` pass, the same tokenizer, without that pass."""
+
+import gzip
+from pathlib import Path
+
+import gguf
+import pytest
+
+from engine.model import gguf_fields, gguf_load
+from engine.model.gguf_file import read_gguf
+
+VOCAB = Path(__file__).resolve().parents[1] / "data" / "vocab"
+
+
+@pytest.fixture(scope="module", params=["phi-3", "llama-spm"])
+def vocab(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fields") / f"ggml-vocab-{request.param}.gguf"
+    with gzip.open(VOCAB / f"ggml-vocab-{request.param}.gguf.gz") as src, open(path, "wb") as dst:
+        dst.write(src.read())
+    return path
+
+
+def _counting(monkeypatch) -> list:
+    calls, real = [], gguf.GGUFReader
+
+    def counted(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    return calls
+
+
+def test_settings_and_tokenizer_are_transformers_own_without_its_reader(vocab, monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    info = read_gguf(vocab)
+    assert gguf_fields.covers(info)
+    calls = _counting(monkeypatch)
+    config, tok = gguf_load._config(vocab, info), gguf_load._tokenizer(vocab, info)
+    assert calls == []  # neither read the header again
+    real_config = AutoConfig.from_pretrained(str(vocab.parent), gguf_file=str(vocab))
+    real_tok = AutoTokenizer.from_pretrained(str(vocab.parent), gguf_file=str(vocab))
+    assert len(calls) >= 1  # the real pass ran through the counter: the check above can fail
+    assert config.to_dict() == real_config.to_dict()
+    text = "Once upon a time, ünïcode and  spaces\n<|user|>"
+    assert tok(text)["input_ids"] == real_tok(text)["input_ids"] and len(tok) == len(real_tok)
+    assert gguf.GGUFReader is not gguf_fields.HeaderReader  # put back
+
+
+def test_a_vocabulary_kept_as_a_count_gives_its_size(vocab):
+    info = read_gguf(vocab)
+    reader = gguf_fields.HeaderReader(info)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == info.metadata["tokenizer.ggml.tokens"]["count"] > 30_000
+    arch = info.architecture
+    if f"{arch}.context_length" in info.metadata:
+        from transformers.modeling_gguf_pytorch_utils import read_field
+
+        assert read_field(reader, f"{arch}.context_length") == [info.metadata[f"{arch}.context_length"]]
