@@ -92,25 +92,39 @@ def covers(info: GgufInfo) -> bool:
         isinstance(tokens, dict) and tokens.get("type") == "STRING")
 
 
+def _read_once(real):
+    """transformers' ``read_gguf_metadata`` answering a second call for the same file and arrays from the first
+    (its tokenizer reads the vocabulary twice: ~0.6 s each for Llama-3's); each caller gets its own lists."""
+    seen: dict[tuple, tuple[dict, tuple]] = {}
+
+    def read(path, string_arrays=()):
+        key = (os.path.realpath(path), tuple(sorted(string_arrays)))
+        if key not in seen:
+            seen[key] = real(path, string_arrays)
+        metadata, names = seen[key]
+        return {k: list(v) if isinstance(v, list) else v for k, v in metadata.items()}, names
+    return read
+
+
 @contextlib.contextmanager
 def from_header(info: GgufInfo):
-    """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc); any other
-    file is read by ``gguf.GGUFReader`` as before."""
+    """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc), and its fast
+    reader reads the file once; any other file is read by ``gguf.GGUFReader`` as before."""
     import gguf
+    from transformers.integrations import gguf as package
+    from transformers.integrations.gguf import reader as fast
 
-    if not covers(info):
-        yield
-        return
-    real, path = gguf.GGUFReader, os.path.realpath(info.path)
+    real, real_fast, path = gguf.GGUFReader, fast.read_gguf_metadata, os.path.realpath(info.path)
+    whole, once = covers(info), _read_once(real_fast)
 
     def reader(p, *args, **kwargs):
-        if not args and not kwargs and os.path.realpath(p) == path:
+        if whole and not args and not kwargs and os.path.realpath(p) == path:
             return HeaderReader(info)
         return real(p, *args, **kwargs)
 
     with _lock:
-        gguf.GGUFReader = reader
+        gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = reader, once, once
         try:
             yield
         finally:
-            gguf.GGUFReader = real
+            gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = real, real_fast, real_fast

@@ -78,9 +78,9 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
         raise UnsupportedModelError(f"{path.name}: 8-bit/4-bit re-quantization of a {info.architecture} GGUF is not "
                                     "available; load it without --quantize")
     quiet_transformers()
-    config = _config(path, info)
+    with from_header(info):  # transformers reads the settings from the header parsed above, the vocabulary once
+        config, tok = _config(path), _tokenizer(path)
     dtype = choose_dtype(spec, config, device)
-    tok = _tokenizer(path, info)
     template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
     keep = spec.quantization not in ("int8", "nf4") and not gguf_keep.refusal(info.architecture, device)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -129,22 +129,20 @@ def kept_note(info: GgufInfo, p) -> str:
     return note
 
 
-def _config(path: Path, info: GgufInfo):
+def _config(path: Path):
     from transformers import AutoConfig
 
     try:
-        with from_header(info):  # the settings from the header read already, not a second pass of GGUFReader
-            return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001 - transformers' reader raises many kinds; all mean one thing here
         raise ModelFormatError(f"cannot read the model's settings from {path.name}: {first_line(e)}") from None
 
 
-def _tokenizer(path: Path, info: GgufInfo):
+def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        with from_header(info):  # its model's settings read again: from the header too
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
     except Exception as e:  # noqa: BLE001
         raise ModelFormatError(f"no usable tokenizer in {path.name}: {first_line(e)}") from None
     if tok is None or not hasattr(tok, "decode"):

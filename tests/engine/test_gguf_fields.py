@@ -37,8 +37,18 @@ def test_settings_and_tokenizer_are_transformers_own_without_its_reader(vocab, m
     info = read_gguf(vocab)
     assert gguf_fields.covers(info)
     calls = _counting(monkeypatch)
-    config, tok = gguf_load._config(vocab, info), gguf_load._tokenizer(vocab, info)
-    assert calls == []  # neither read the header again
+    from transformers.integrations import gguf as package
+    from transformers.integrations.gguf import reader
+
+    reads, real = [], reader.read_gguf_metadata
+    counted = lambda *a: reads.append(tuple(map(str, a))) or real(*a)  # noqa: E731
+    monkeypatch.setattr(reader, "read_gguf_metadata", counted)
+    monkeypatch.setattr(package, "read_gguf_metadata", counted)
+    with gguf_fields.from_header(info):
+        config, tok = gguf_load._config(vocab), gguf_load._tokenizer(vocab)
+    assert calls == []  # neither read the header with GGUFReader again
+    assert len(reads) == len(set(reads))  # each way of reading it once (the vocabulary twice without ``from_header``)
+    assert reader.read_gguf_metadata is counted and package.read_gguf_metadata is counted  # put back
     real_config = AutoConfig.from_pretrained(str(vocab.parent), gguf_file=str(vocab))
     real_tok = AutoTokenizer.from_pretrained(str(vocab.parent), gguf_file=str(vocab))
     assert len(calls) >= 1  # the real pass ran through the counter: the check above can fail
