@@ -114,8 +114,11 @@ def from_header(info: GgufInfo):
     from transformers.integrations import gguf as package
     from transformers.integrations.gguf import reader as fast
 
-    real, real_fast, path = gguf.GGUFReader, fast.read_gguf_metadata, os.path.realpath(info.path)
-    whole, once = covers(info), _read_once(real_fast)
+    real, real_fast, real_map = gguf.GGUFReader, fast.read_gguf_metadata, fast._mapped
+    path, whole, once = os.path.realpath(info.path), covers(info), _read_once(real_fast)
+
+    def mapped(p):  # a plain array over the same mapping: numpy's memmap slices through Python code
+        return real_map(p).view(np.ndarray)  # ~2.5 us a string of 408,451 (Llama-3's): 1.04 -> 0.43 s
 
     def reader(p, *args, **kwargs):
         if whole and not args and not kwargs and os.path.realpath(p) == path:
@@ -123,8 +126,9 @@ def from_header(info: GgufInfo):
         return real(p, *args, **kwargs)
 
     with _lock:
-        gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = reader, once, once
+        gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata, fast._mapped = reader, once, once, mapped
         try:
             yield
         finally:
             gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = real, real_fast, real_fast
+            fast._mapped = real_map
