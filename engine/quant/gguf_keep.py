@@ -351,7 +351,8 @@ def block_plan(model) -> list[dict]:
                          "road": m.road})
         elif isinstance(m, BlockEmbedding):
             plan.append({"name": name, "kind": "embedding", "type": m.ggml_type, "in": m.embedding_dim,
-                         "shape": list(m.weight.shape), "scale": m.scale, "padding": m.padding_idx})
+                         "shape": list(m.weight.shape), "scale": m.scale, "padding": m.padding_idx,
+                         **({"dtype": str(m.dtype).removeprefix("torch.")} if m.dtype != torch.float32 else {})})
     return plan
 
 
@@ -365,8 +366,8 @@ def restructure(model, plan: list[dict]) -> None:
             order = torch.arange(p["shape"][0], dtype=torch.int32) if p["map"] else None
             model.set_submodule(p["name"], BlockLinear(w, p["type"], p["in"], bias, order, p["road"]))
         else:
-            model.set_submodule(p["name"], BlockEmbedding(w, p["type"], p["in"], torch.float32, p["padding"],
-                                                          p["scale"]))
+            rows = getattr(torch, p.get("dtype", "float32"))  # a bf16 folder's embedding gives bf16 rows
+            model.set_submodule(p["name"], BlockEmbedding(w, p["type"], p["in"], rows, p["padding"], p["scale"]))
 
 
 def skeleton(cls, config, dtype: torch.dtype, plan: list[dict], attn: str = "sdpa"):

@@ -72,6 +72,10 @@ def test_greedy_tokens_are_hf_generates_and_the_folder_paths(arch, tied, tmp_pat
     assert lm.info.weights_bytes == verdict.weights.bytes and verdict.weights.held == "mapped"
     if tied:
         assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
+    from engine.quant.gguf_keep import skeleton  # what a compiled step's child builds: bf16 rows, as the parent's
+
+    child = skeleton(type(lm.model), lm.model.config, torch.bfloat16, lm.model.kvscope_block_plan)
+    assert child.model.embed_tokens.dtype == torch.bfloat16
     got = engine_greedy(lm, PROMPT, 16, CacheConfig())
     _hf_agrees(folder, lm.model, got)
     monkeypatch.setenv(folder_keep.ENV, "off")
