@@ -336,7 +336,11 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
 
 
 def _mapped_folder(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:
-    """Are a folder's bf16 weights multiplied from its files' mappings (``engine.model.folder_keep``)?"""
+    """Are a folder's bf16 weights multiplied from its files' mappings (``engine.model.folder_keep``)? (torch
+    imported only where the load could be: a CPU, bfloat16 or int8)"""
+    wanted = spec.quantization == "int8" or (spec.quantization == "none" and compute_dtype == "bfloat16")
+    if device != "cpu" or not wanted:
+        return False
     try:
         from engine.model import folder_keep
     except ImportError:  # an engine without the block kernels' package
