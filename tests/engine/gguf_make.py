@@ -71,16 +71,33 @@ def _hyperparameters(writer, arch: str, cfg, n_ctx: int) -> None:
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
-def write_gguf(model, arch: str, tokenizer_model: Path, path: Path, qtype: str = "F32",
-               chat_template: str | None = CHAT_TEMPLATE) -> Path:
+def _bpe(writer, tokens: list[str], merges: list[str], control: int) -> None:
+    """A byte-level BPE vocabulary (llama.cpp's "gpt2" model, as Llama-3's and Qwen2's files): ``tokens`` in the
+    byte alphabet, the last ``control`` of them control tokens (the first two: BOS, EOS)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - control) + [3] * control)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - control)
+    writer.add_eos_token_id(len(tokens) - control + 1)
+
+
+def write_gguf(model, arch: str, tokenizer_model: Path | None, path: Path, qtype: str = "F32",
+               chat_template: str | None = CHAT_TEMPLATE, bpe: tuple[list[str], list[str], int] | None = None) -> Path:
     """Write ``model`` (a float32 transformers causal LM of type ``arch``) with the vocabulary of ``tokenizer_model``
-    to ``path`` as GGUF; ``qtype`` "F32" or "Q8_0". Returns ``path``."""
+    (or ``bpe``: byte-level tokens, merges and how many control tokens end the list) to ``path`` as GGUF; ``qtype``
+    "F32" or "Q8_0". Returns ``path``."""
     import gguf
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, arch, cfg, int(cfg.max_position_embeddings))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+    if bpe is not None:
+        _bpe(writer, *bpe)
+        _weights(writer, model, arch, qtype)
+        return path
     pieces, scores, types = _vocab(tokenizer_model)
     bos, eos, unk = 1, 2, 0
     if arch == "gemma2":  # Gemma's special pieces where its vocabulary has them (its tokenizer adds any missing)
@@ -98,7 +115,15 @@ def write_gguf(model, arch: str, tokenizer_model: Path, path: Path, qtype: str =
     writer.add_add_bos_token(True)
     if chat_template:
         writer.add_chat_template(chat_template)
+    _weights(writer, model, arch, qtype)
+    return path
 
+
+def _weights(writer, model, arch: str, qtype: str) -> None:
+    """The model's tensors under llama.cpp's names, then the file written and closed."""
+    import gguf
+
+    cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
@@ -118,4 +143,3 @@ def write_gguf(model, arch: str, tokenizer_model: Path, path: Path, qtype: str =
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path

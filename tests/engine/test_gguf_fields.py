@@ -68,3 +68,27 @@ def test_a_vocabulary_kept_as_a_count_gives_its_size(vocab):
         from transformers.modeling_gguf_pytorch_utils import read_field
 
         assert read_field(reader, f"{arch}.context_length") == [info.metadata[f"{arch}.context_length"]]
+
+
+def test_a_byte_level_file_without_endoftext_loads_with_its_own_vocabulary(tmp_path):
+    """transformers' byte-level builder adds GPT-2's ``<|endoftext|>`` past a vocabulary without it (Llama-3's):
+    the file loads, the tokenizer is as long as the embedding, and typing the text gives no id past it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from engine.config import ModelSpec
+    from engine.model.loader import load_model
+    from gguf_make import write_gguf
+
+    alphabet = list(bytes_to_unicode().values())  # 256 symbols
+    tokens = alphabet + ["Ġt", "he", "<|begin_of_text|>", "<|end_of_text|>"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    path = write_gguf(model, "llama", None, tmp_path / "bpe.gguf", bpe=(tokens, ["Ġ t", "h e"], 2))
+    lm = load_model(ModelSpec(source=str(path), device="cpu"))
+    assert len(lm.tokenizer) == len(tokens) == lm.model.get_input_embeddings().num_embeddings
+    ids = lm.tokenizer("the <|endoftext|> <|end_of_text|>")["input_ids"]
+    assert max(ids) < len(tokens) and len(tokens) - 1 in ids  # the file's control token whole, the other as bytes
