@@ -14,6 +14,7 @@ vocabulary's size where ``{arch}.vocab_size`` is missing), or anything here rais
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from types import SimpleNamespace
@@ -108,10 +109,12 @@ def _read_once(real):
 
 @contextlib.contextmanager
 def from_header(info: GgufInfo):
-    """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc), and its fast
-    reader reads the file once; any other file is read by ``gguf.GGUFReader`` as before."""
+    """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc), its fast
+    reader reads the file once, and a byte-level vocabulary gets no token the file lacks (``_no_defaults``); any
+    other file is read by ``gguf.GGUFReader`` as before."""
     import gguf
     from transformers.integrations import gguf as package
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as builders
     from transformers.integrations.gguf import reader as fast
 
     real, real_fast, real_map = gguf.GGUFReader, fast.read_gguf_metadata, fast._mapped
@@ -127,8 +130,17 @@ def from_header(info: GgufInfo):
 
     with _lock:
         gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata, fast._mapped = reader, once, once, mapped
+        gpt2, builders.GPT2Tokenizer = builders.GPT2Tokenizer, _no_defaults(builders.GPT2Tokenizer)
         try:
             yield
         finally:
             gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = real, real_fast, real_fast
-            fast._mapped = real_map
+            fast._mapped, builders.GPT2Tokenizer = real_map, gpt2
+
+
+def _no_defaults(gpt2):
+    """The byte-level vocabulary's builder (GPT-2's tokenizer) without GPT-2's special tokens: its default
+    ``<|endoftext|>`` was added past a vocabulary without it (Llama-3's: id 128,256 of 128,256 embedding rows;
+    DeepSeek's: 102,402 of 102,400 + 2). The file's own BOS / EOS / UNK are set from its ids after the build, as
+    before; tokenizers of the files that have the token (GPT-2, Qwen2, StarCoder, Falcon) come out the same."""
+    return functools.partial(gpt2, unk_token=None, bos_token=None, eos_token=None)

@@ -245,11 +245,32 @@ class _Header:
         if item in self._SCALARS:  # a long array of numbers (token scores, types): skipped, counted
             self.f.seek(n * width, os.SEEK_CUR)
             return {"count": n, "type": v(item).name}
-        for _ in range(n):  # strings (tokens, merges) or arrays: each read past, none kept
-            self.value(item, depth + 1) if item == v.ARRAY else self.f.seek(self.count("a string", 1), os.SEEK_CUR)
+        if item == v.STRING:
+            self.skip_strings(n)  # tokens, merges: read past, none kept
+        for _ in range(n if item == v.ARRAY else 0):
+            self.value(item, depth + 1)
         if self.f.tell() > self.size:
             raise self.truncated()
         return {"count": n, "type": v(item).name}
+
+    def skip_strings(self, n: int) -> None:
+        """Walk past ``n`` length-prefixed strings, reading the file a MiB at a time (a read and a seek per string
+        took ~0.4 s of Llama-3's 408,451 tokens and merges); each length bounded by what is left of the file."""
+        at, buf, off = self.f.tell(), b"", 0  # at: the file offset of buf[0]
+        for _ in range(n):
+            if len(buf) - off < 8:
+                if off > len(buf):  # the last string ran past the buffer: go to its end
+                    self.f.seek(at + off)
+                at += off
+                buf, off = buf[off:] + self.f.read(1 << 20), 0
+                if len(buf) < 8:
+                    raise self.truncated()
+            (length,) = struct.unpack_from("<Q", buf, off)
+            if length > self.size - (at + off + 8):
+                raise ModelFormatError(f"{self.name} is corrupt or truncated: a string of {length:,} in a "
+                                       f"{self.size:,}-byte file ({_FIX})")
+            off += 8 + length
+        self.f.seek(at + off)
 
 
 def _tensor(h: _Header) -> tuple[str, tuple[int, ...], int, int]:

@@ -92,3 +92,39 @@ def test_a_byte_level_file_without_endoftext_loads_with_its_own_vocabulary(tmp_p
     assert len(lm.tokenizer) == len(tokens) == lm.model.get_input_embeddings().num_embeddings
     ids = lm.tokenizer("the <|endoftext|> <|end_of_text|>")["input_ids"]
     assert max(ids) < len(tokens) and len(tokens) - 1 in ids  # the file's control token whole, the other as bytes
+
+
+@pytest.mark.parametrize("case", ["long-strings", "length-past-the-end", "cut-in-a-length"])
+def test_the_header_walks_a_vocabulary_in_chunks_and_bounds_each_length(tmp_path, stories_path, case):
+    """Strings longer than the reader's 1 MiB chunk, a length past the end of the file, a file cut inside a
+    length: the same count as each string read alone, or one line naming the file."""
+    import struct
+
+    import gguf_raw as raw
+    from engine.errors import ModelFormatError
+    from gguf_make import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    base = write_gguf(model, "llama", stories_path / "tokenizer.model", tmp_path / "base.gguf")
+    g = raw.read(base)
+    if case == "long-strings":  # 3 MiB strings among short ones: each crosses the chunk
+        items = [b"a" * (3 << 20) if i % 100 == 7 else f"t{i}".encode() for i in range(512)]
+        g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(items))
+        info = read_gguf(g.write(tmp_path / "long.gguf"))
+        assert info.metadata["tokenizer.ggml.merges"] == {"count": 512, "type": "STRING"}
+        assert info.tensors and info.metadata["tokenizer.ggml.tokens"]["count"] == 512
+        return
+    blob = raw.strings(f"t{i}" for i in range(5000))
+    if case == "length-past-the-end":
+        at = 12 + sum(8 + len(f"t{i}") for i in range(4000))  # the 4,001st string's length
+        blob = blob[:at] + struct.pack("<Q", 1 << 40) + blob[at + 8:]
+        path = g.set_raw("tokenizer.ggml.merges", raw.ARR, blob).write(tmp_path / "bad.gguf")
+    else:
+        path = g.set_raw("tokenizer.ggml.merges", raw.ARR, blob).write(tmp_path / "cut.gguf")
+        data = path.read_bytes()
+        path.write_bytes(data[:data.index(b"t4321") - 4])
+    with pytest.raises(ModelFormatError) as e:
+        read_gguf(path)
+    assert path.name in str(e.value) and ("corrupt" in str(e.value) or "truncated" in str(e.value))
