@@ -177,6 +177,8 @@ class BlockLinear(nn.Module):
             return True
         if self.packed is None and not self.pack():  # (packed already: a deferred packing's ``after``)
             return False
+        if _PACKED.get(self.weight.data_ptr()) is self:
+            del _PACKED[self.weight.data_ptr()]  # the rows' address, freed below: another weight's to take
         rb = formats.row_bytes(self.ggml_type, self.in_features)
         view = self.packed[:self.out_features * rb].view(self.out_features, rb)  # the packed bytes, the rows' shape
         self._parameters["weight"] = nn.Parameter(view, requires_grad=False)  # (not __setattr__: it drops the copy)
