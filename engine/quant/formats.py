@@ -9,7 +9,8 @@ kept as blocks too and its rows dequantized as they are looked up (an untied out
 Where the block kernels are missing (no compiler and no prebuilt library) nothing is kept: the whole model is
 dequantized, as ``held_bytes(..., kept=False)`` counts. On AVX-512 VNNI the integer road's Q4_0, Q8_0, Q4_K and
 Q6_K linears are held repacked sixteen rows a group (``packed_bytes``: in memory of their own, the file's pages let
-go), an embedding's rows still read from the file.
+go), an embedding's rows still read from the file; ``--quantize nf4``'s NF4 rows (``NF4``, ours) likewise, in Q4_0's
+packed layout.
 """
 
 from __future__ import annotations
