@@ -80,8 +80,10 @@ class HeaderReader:
     """What ``load_gguf_checkpoint(..., return_tensors=False)`` reads of a ``GGUFReader``, from ``info``."""
 
     def __init__(self, info: GgufInfo) -> None:
+        counted = f"{info.architecture}.vocab_size" not in info.metadata  # else no setting needs the vocabulary
         self.fields = {k: f for k, v in info.metadata.items()
-                       if (f := _counted(k, v) if isinstance(v, dict) else _field(k, v)) is not None}
+                       if (f := (_counted(k, v) if counted else None) if isinstance(v, dict) else _field(k, v))
+                       is not None}
         self.tensors = [SimpleNamespace(name=t.name) for t in info.tensors]
 
 

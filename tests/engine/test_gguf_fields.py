@@ -59,11 +59,18 @@ def test_settings_and_tokenizer_are_transformers_own_without_its_reader(vocab, m
 
 
 def test_a_vocabulary_kept_as_a_count_gives_its_size(vocab):
+    """Without ``{arch}.vocab_size`` the legacy reader counts the vocabulary: the count is there; with it, the
+    vocabulary is not read at all."""
+    import dataclasses
+
     info = read_gguf(vocab)
-    reader = gguf_fields.HeaderReader(info)
+    arch = info.architecture
+    sized = dict(info.metadata, **{f"{arch}.vocab_size": 32_000})
+    assert "tokenizer.ggml.tokens" not in gguf_fields.HeaderReader(dataclasses.replace(info, metadata=sized)).fields
+    unsized = {k: v for k, v in info.metadata.items() if k != f"{arch}.vocab_size"}
+    reader = gguf_fields.HeaderReader(dataclasses.replace(info, metadata=unsized))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == info.metadata["tokenizer.ggml.tokens"]["count"] > 30_000
-    arch = info.architecture
     if f"{arch}.context_length" in info.metadata:
         from transformers.modeling_gguf_pytorch_utils import read_field
 
