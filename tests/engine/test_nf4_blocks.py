@@ -132,7 +132,8 @@ def test_products_are_exact_on_the_quantized_activations(m_rows):
 def test_the_module_is_bitsandbytes_product_within_the_integer_road():
     """The ``BlockLinear`` that replaces a ``Linear4bit`` against bitsandbytes' own float product (its dequantized
     weight times the float activations): the 8-bit activations and the rounded table cost ~1% of the output's
-    scale (the Q4_0 GGUF rows' integer road against their float road errs as much), never more than 3%."""
+    largest value (0.7% and 1.1% here; bitsandbytes' own CPU kernel, bfloat16 activations and scales, 0.3% and
+    0.6%)."""
     model = torch.nn.Sequential(linear4bit(64, 512, seed=4, bias=True), linear4bit(96, 64, nested=True, seed=5))
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -145,7 +146,7 @@ def test_the_module_is_bitsandbytes_product_within_the_integer_road():
         got.append(model[1](got[0]))
     for g, w in zip(got, want):
         rel = ((g - w).abs().max() / w.abs().max()).item()
-        assert rel <= 0.03, rel
+        assert rel <= 0.02, rel
 
 
 def test_packed_only_holds_one_copy_and_reads_its_rows_back():
