@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.quant import gguf_keep, kernel
 from engine.quant.mapped import Mapping
+from engine.model.packed_linear import BF16_BLOCKED
 from engine.quant.modules import BlockLinear
 
 DTYPES = {"BF16": 30, "F16": 1, "F32": 0}  # safetensors' dtype -> the ggml type of the same bytes
@@ -152,7 +153,7 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     if set(files.owner) != set(params) or any(tuple(p.shape) != files.owner[n].entries[n][1]
                                               for n, p in params.items()):
         return None
-    group: list = []  # BF16 has no packed layout: its pages are mapped after the load; Q8_0 is repacked then
+    group: list = []  # BF16 blocked (bfloat16 compute) and Q8_0 repacked after the load; else pages mapped then
     total = max(len(files.owner), 1)
     for i, (name, table) in enumerate(files.owner.items()):
         check()
@@ -205,7 +206,7 @@ def _place(model, table: SafetensorsTable, name: str, dtype: torch.dtype, group:
     current = getattr(model.get_submodule(owner_name), leaf)
     if (leaf == "weight" and t == 30 and len(shape) == 2
             and gguf_keep.keep_module(model, owner_name, table.blocks(name), t, dtype, "cpu", group,
-                                      functools.partial(table.release, name))):
+                                      functools.partial(table.release, name), layout=BF16_BLOCKED)):
         return
     value = table.tensor(name, current.dtype)
     setattr(model.get_submodule(owner_name), leaf, nn.Parameter(value, requires_grad=False))

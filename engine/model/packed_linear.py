@@ -177,3 +177,28 @@ class MergedPart(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.owner.part(self.j, x)
+
+
+class _BF16Blocked:
+    """A BF16 block linear's weight (``engine.quant.modules.BlockLinear``: a safetensors file's rows, mapped) held
+    blocked for the native product, as ``PackedLinear`` holds a bfloat16 model's: ``BlockLinear.layout``. Why: the
+    rows' own product (``kq_bf16_rows``: four rows against the activations, each a stream) read the 1B shape's
+    weights at 78 ms a token against the blocked product's 99 -> 78 (one thread, the same machine); the blocking
+    (``kvs_block16``) runs on the pack thread after the load and each weight's file pages go as it is blocked.
+    For bfloat16 compute only: the blocked product rounds its sums to bfloat16, as the bfloat16 model does."""
+
+    def takes(self, ggml_type: int, n_out: int, dtype: torch.dtype) -> bool:
+        return (ggml_type == 30 and dtype == torch.bfloat16 and n_out % BLOCK == 0
+                and linear_kernel.LINEAR.library() is not None and native_max_rows(torch.bfloat16) > 0)
+
+    def pack(self, rows: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
+        return block(rows.view(torch.bfloat16).view(n_out, n_in))  # [out/B, in, B]
+
+    def product(self, x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _blocked(x2.to(torch.bfloat16), wb, bias.to(torch.bfloat16) if bias is not None else None)  # [m, out]
+
+    def bytes(self, n_out: int, n_in: int) -> int:
+        return n_out * n_in * 2
+
+
+BF16_BLOCKED = _BF16Blocked()

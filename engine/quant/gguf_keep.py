@@ -218,15 +218,18 @@ def kept_linears(model, table: Mapping) -> list[tuple[str, BlockLinear]]:
 
 
 def keep_module(model, owner_name: str, blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype, device: str,
-                group: list, release: Callable[[], None], order: torch.Tensor | None = None) -> bool:
+                group: list, release: Callable[[], None], order: torch.Tensor | None = None, layout=None) -> bool:
     """Replace the model's ``nn.Linear`` or ``nn.Embedding`` at ``owner_name`` by its block module over ``blocks``
     (the weight as the file stores it, ``[rows, row_bytes]``): a linear's packing deferred to the first product
-    (``defer_pack``, then ``release``: the file's pages let go), an embedding's rows looked up in the file. False
-    (nothing done) for any other module."""
+    (``defer_pack``, then ``release``: the file's pages let go; ``layout``: a float layout the loader hands the
+    module, ``BlockLinear.layout``), an embedding's rows looked up in the file. False (nothing done) for any other
+    module."""
     owner = model.get_submodule(owner_name)
     n_in = owner.weight.shape[1]
     if type(owner) is nn.Linear:
         new = BlockLinear(blocks.to(device), ggml_type, n_in, owner.bias, order)
+        if layout is not None and device == "cpu" and layout.takes(ggml_type, new.out_features, dtype):
+            new.layout = layout
         model.set_submodule(owner_name, new)
         if device == "cpu":  # the products will read the packed copy: the file's pages are let go then
             new.defer_pack(release, group, mapped=True)

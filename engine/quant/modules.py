@@ -125,11 +125,16 @@ class BlockLinear(nn.Module):
         self.road = road or kernel.default_road()
         self.packed = None  # the weight repacked for the integer road (``pack``): not a parameter, never saved
         self.rows_packed = False  # ``hold_packed_only``: the weight is a view of ``packed``, its rows let go
+        # a float layout a loader hands in (``engine.model.packed_linear.BF16_BLOCKED``: BF16 rows held sixteen
+        # outputs side by side for the native blocked product, 1.25x the rows' product): ``pack`` / ``defer_pack``
+        # make it, the CPU product reads it (``layout.pack(rows, out, in)``, ``layout.product(x2, packed, bias)``,
+        # ``layout.bytes(out, in)``)
+        self.layout = None
         self._desc = None  # the kernel's descriptor (``kernel.weight``), made at the first product
         self._after_pack: Callable[[], None] | None = None  # ``defer_pack``'s: packing waits for the first product
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("weight", "bias", "out_map", "road", "packed"):
+        if name in ("weight", "bias", "out_map", "road", "packed", "layout"):
             self.__dict__["_desc"] = None  # it points into the tensors being replaced
         if name == "weight":
             self.__dict__["packed"] = None  # a copy of the weight replaced
@@ -158,6 +163,14 @@ class BlockLinear(nn.Module):
         (``kernel.pack``: its pages are let go as they are packed)."""
         if self.__dict__.get("rows_packed"):
             return True  # packed already, and the weight is that copy
+        layout = self.__dict__.get("layout")
+        if layout is not None and self.weight.device.type == "cpu" and not self.weight.is_meta:
+            packed = layout.pack(self.weight.detach(), self.out_features, self.in_features)
+            if packed is None:
+                return False
+            self.packed = packed
+            _PACKED[self.weight.data_ptr()] = self
+            return True
         if self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta:
             return False
         packed = kernel.pack(self.weight.detach(), self.ggml_type, self.in_features, threads, mapped)
@@ -201,8 +214,8 @@ class BlockLinear(nn.Module):
         product of any of them, before a layer's activations are made (packed one by one within the prefill, the
         weights and the activations shared the heap: +70-130 MB of peak). ``mapped``: the weight is a view of a
         private file mapping, let go chunk by chunk as it is packed (``pack``). False where ``pack`` gives no copy."""
-        if (self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta
-                or not kernel.packs(self.ggml_type)):
+        own = self.__dict__.get("layout") is not None or (self.road == "int8" and kernel.packs(self.ggml_type))
+        if self.weight.device.type != "cpu" or self.weight.is_meta or not own:
             return False
         self.__dict__["_desc"] = None  # the next product comes back for the packing
         self.__dict__["_after_pack"] = after
@@ -233,7 +246,9 @@ class BlockLinear(nn.Module):
     def held_bytes(self) -> int:
         """Bytes its packed copy takes or will take (0: the weight as the file stores it)."""
         if self.packed is not None:
-            return self.packed.numel()
+            return self.packed.numel() * self.packed.element_size()
+        if self.pending() and self.__dict__.get("layout") is not None:
+            return self.layout.bytes(self.out_features, self.in_features)
         return formats.packed_bytes(self.ggml_type, (self.out_features, self.in_features)) if self.pending() else 0
 
     def serves(self, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
@@ -256,6 +271,10 @@ class BlockLinear(nn.Module):
         # a decode step calls this ~110 times (1B shape): every microsecond here is 0.1 ms a token, so the common
         # case (float32, contiguous, CPU, eager) goes straight to the library with the descriptor made once
         d = self._desc
+        if d is None and self.packed is not None and self.layout is not None and self.out_map is None and \
+                not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            y = self.layout.product(x.reshape(-1, self.in_features), self.packed, self.bias)  # [m, out]
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if d is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return self._general(x)
         if x.dtype is not torch.float32 or not x.is_contiguous():
@@ -283,6 +302,11 @@ class BlockLinear(nn.Module):
                 return x.new_zeros(*x.shape[:-1], self.out_features)  # [..., out]
             if self.pending():
                 self.pack_pending()
+            if self.packed is not None and self.__dict__.get("layout") is not None:
+                y = self.layout.product(x2, self.packed, bias)  # [m, out]
+                if self.out_map is not None:
+                    y = torch.empty_like(y).index_copy_(1, self.out_map.long(), y)
+                return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             desc = kernel.weight(self.weight.detach(), self.ggml_type, self.in_features, bias, self.out_map, self.road,
                                  self.packed)
             # (the library's function, the descriptor's address, the descriptor and the storages it points into:

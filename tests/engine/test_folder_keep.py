@@ -77,6 +77,9 @@ def test_greedy_tokens_are_hf_generates_and_the_folder_paths(arch, tied, tmp_pat
     child = skeleton(type(lm.model), lm.model.config, torch.bfloat16, lm.model.kvscope_block_plan)
     assert child.model.embed_tokens.dtype == torch.bfloat16
     got = engine_greedy(lm, PROMPT, 16, CacheConfig())
+    blocked = [m for m in lm.model.modules() if type(m).__name__ == "BlockLinear" and m.layout is not None]
+    assert len(blocked) == 2 * 7 + 1 - tied  # bfloat16 compute: the native blocked product's layout, made then
+    assert all(m.packed is not None and m.packed.dim() == 3 for m in blocked)  # [out/16, in, 16]
     _hf_agrees(folder, lm.model, got)
     monkeypatch.setenv(folder_keep.ENV, "off")
     before = load_model(spec)
