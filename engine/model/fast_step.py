@@ -147,7 +147,10 @@ class FastStep:
         if kinds - {"full"}:
             return f"the model's layers differ ({', '.join(sorted(kinds - {'full'}))}): the step reads one paged cache"
         if getattr(info, "quantization", "none") not in ("none", "", None):
-            return "bitsandbytes weights (their kernels do not compile)"
+            if any(type(m).__module__.startswith("bitsandbytes") for m in self.lm.model.modules()):
+                return "bitsandbytes weights (their kernels do not compile)"
+            if not getattr(self.lm.model, "kvscope_block_plan", None):
+                return "the quantized weights have no block plan for the step's build"
         return machine_refusal(self.lm.device)
 
     # -- per step --------------------------------------------------------------------------------------

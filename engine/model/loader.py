@@ -176,6 +176,11 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
         model.to(device)
     if spec.quantization == "nf4" and device == "cpu":
         _fix_bnb_4bit_cpu(model)
+    if spec.quantization != "none" and device == "cpu" and not getattr(model, "kvscope_block_plan", None):
+        from engine.quant.gguf_keep import block_plan
+
+        # int8 / NF4 held as block linears (Q8_0, NF4 blocks): a compiled step's child builds the same modules
+        model.kvscope_block_plan = block_plan(model) or None
     model.eval()
     from engine.quant.modules import pack_soon, shapes_only
 

@@ -247,6 +247,15 @@ def test_nf4_load_holds_blocks_and_decodes_as_its_no_cache_forward(folder):
     assert engine_greedy(lm, prompt, 12, CacheConfig()) == no_cache_greedy(lm, prompt, 12)
 
 
+def test_a_model_with_bitsandbytes_linears_never_compiles(stories_path):
+    """stories260K's MLP width (172) fits no NF4 block: those linears stay bitsandbytes', so the step stays eager."""
+    from engine.model.loader import load_model
+
+    lm = load_model(ModelSpec(source=str(stories_path), quantization="nf4", device="cpu"))
+    assert "Linear4bit" in {type(m).__name__ for m in lm.model.modules()}
+    assert "bitsandbytes" in lm.fast.model_refusal()
+
+
 def test_bitsandbytes_nf4_on_request(folder, monkeypatch):
     monkeypatch.setenv(nf4_quant.ENV, "bitsandbytes")
     assert not nf4_quant.available("cpu")
@@ -255,3 +264,31 @@ def test_bitsandbytes_nf4_on_request(folder, monkeypatch):
     lm = load_model(ModelSpec(source=str(folder), quantization="nf4", device="cpu"))
     kinds = {type(m).__name__ for m in lm.model.modules()}
     assert "Linear4bit" in kinds and "BlockLinear" not in kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_quantized_block_linears_take_the_compiled_step(folder, quant):
+    """int8 (Q8_0) and NF4 held as block linears compile like a GGUF's (their block plan built by the child): the
+    compiled step's tokens are the eager forward's."""
+    from test_exact import engine_greedy
+
+    from engine.config import SamplingConfig
+    from engine.core.scheduler import drive
+    from engine.core.session import ChatSession
+    from engine.model.fast_step import FastStep, machine_refusal
+    from engine.model.loader import load_model
+
+    if machine_refusal(torch.device("cpu")):
+        pytest.skip(machine_refusal(torch.device("cpu")))
+    lm = load_model(ModelSpec(source=str(folder), quantization=quant, device="cpu"))
+    assert lm.model.kvscope_block_plan and lm.fast.model_refusal() == ""
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]
+    eager = engine_greedy(lm, prompt, 12, CacheConfig())
+    lm.runner.fast = FastStep(lm, mode="on")
+    lm.fast.start()
+    assert lm.fast.wait(600) and lm.fast.state == "on", lm.fast.reason
+    s = ChatSession(lm, CacheConfig())
+    s.start_ids(prompt, SamplingConfig(max_new_tokens=12, ignore_eos=True))
+    assert "compiled" in {r.event.path for r in drive(s) if r.event is not None}
+    assert s.generated_ids == eager
