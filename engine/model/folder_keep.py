@@ -106,8 +106,11 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
 
     from engine.model import q8_load
 
-    wanted = (spec.quantization == "none" and dtype_name == "bfloat16") or (spec.quantization == "int8"
-                                                                             and q8_load.available(device))
+    from engine.model import nf4_quant
+
+    wanted = ((spec.quantization == "none" and dtype_name == "bfloat16")
+              or (spec.quantization == "int8" and q8_load.available(device))
+              or (spec.quantization == "nf4" and nf4_quant.available(device)))
     if (os.environ.get(ENV, "").strip().lower() in ("off", "0", "no") or device != "cpu" or not wanted
             or spec.trust_remote_code or model_type not in MODEL_TYPES or kernel.library() is None):
         return False
@@ -123,7 +126,7 @@ def applies(folder: Path, model_type: str, spec, dtype_name: str, device: str) -
 
 
 def load(folder: Path, config, dtype: torch.dtype, progress: Callable[[str, float], None] | None = None,
-         check: Callable[[], None] = lambda: None, quantize: bool = False):
+         check: Callable[[], None] = lambda: None, quantize: str = ""):
     """``build`` with sdpa attention where the class has it (else eager), under the heap's loading rules
     (``heap.while_loading``: int8's rows, freed once repacked, go back to the system)."""
     from engine.model import heap
@@ -133,12 +136,12 @@ def load(folder: Path, config, dtype: torch.dtype, progress: Callable[[str, floa
 
 
 def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callable[[str, float], None] | None = None,
-          check: Callable[[], None] = lambda: None, quantize: bool = False):
+          check: Callable[[], None] = lambda: None, quantize: str = ""):
     """The model of ``folder`` with its BF16 linears and embedding as blocks mapped from the files, everything else
     copied in ``dtype``; None where the files' names are not the model's parameters one to one (the caller reads
     the folder as before). ValueError names a file that does not hold what its header says. ``quantize``
-    (``--quantize int8``): each linear but the output head quantized to Q8_0 blocks from the mapping instead
-    (``q8_load.quantize``, C, the linears' threads), every tensor's file pages let go once it is consumed, the
+    ("int8" / "nf4", ``--quantize``): each linear but the output head quantized to Q8_0 / NF4 blocks from the
+    mapping instead (C, the linears' threads), every tensor's file pages let go once it is consumed, the
     rest copied in ``dtype`` as the folder path holds it."""
     from engine.model.model_files import weight_files
     from engine.model.weights_read import causal_lm_class, generation_config
@@ -160,7 +163,7 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
         if progress and i % max(1, total // 50) == 0:
             progress(f"mapping {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
         if quantize:
-            _quantized(model, table, name, head, group)
+            _quantized(model, table, name, head, group, quantize)
         else:
             _place(model, table, name, dtype, group)
     gguf_keep.tie_head(model, files, group)
@@ -179,10 +182,11 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     return model
 
 
-def _quantized(model, table: SafetensorsTable, name: str, head: str, group: list) -> None:
-    """A linear's weight (not the output head's; rows of whole blocks) quantized to Q8_0 blocks from the mapping
-    into a ``BlockLinear`` (its repacking for the integer road deferred, as a Q8_0 GGUF's, the rows then let go:
-    ``hold_packed_only``), any other tensor copied into its parameter; then the tensor's file pages let go."""
+def _quantized(model, table: SafetensorsTable, name: str, head: str, group: list, kind: str = "int8") -> None:
+    """A linear's weight (not the output head's; rows of whole blocks) quantized to Q8_0 (``kind`` "int8") or NF4
+    blocks from the mapping into a ``BlockLinear`` (its repacking for the integer road deferred, as a Q8_0 GGUF's,
+    the rows then let go: ``hold_packed_only``), any other tensor copied into its parameter; then the tensor's
+    file pages let go."""
     from engine.model import q8_load
 
     t, shape, _, _ = table.entries[name]
@@ -190,7 +194,8 @@ def _quantized(model, table: SafetensorsTable, name: str, head: str, group: list
     owner = model.get_submodule(owner_name)
     if leaf == "weight" and type(owner) is nn.Linear and name != head and shape[1] % q8_load.BLOCK == 0:
         w = table.blocks(name).view(torch.bfloat16) if t == 30 else table.tensor(name, torch.float32)  # [out, in]
-        new = BlockLinear(q8_load.quantize(w), q8_load.Q8_0, shape[1], owner.bias)
+        rows, t_new = (q8_load.quantize(w), q8_load.Q8_0) if kind == "int8" else _nf4_rows(w)
+        new = BlockLinear(rows, t_new, shape[1], owner.bias)
         model.set_submodule(owner_name, new)
         new.defer_pack(new.hold_packed_only, group)  # repacked on the pack thread after the load, the rows let go
     else:
@@ -210,3 +215,22 @@ def _place(model, table: SafetensorsTable, name: str, dtype: torch.dtype, group:
         return
     value = table.tensor(name, current.dtype)
     setattr(model.get_submodule(owner_name), leaf, nn.Parameter(value, requires_grad=False))
+
+
+def _nf4_rows(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """w [out, in] as the kernels' NF4 rows: bitsandbytes' codes and scales (blocks of 64, ``nf4_quant``'s C
+    quantizer, bit for bit its own) rearranged into 32-blocks (``kq_nf4_blocks``), as a bitsandbytes load's
+    ``Linear4bit`` becomes (``nf4_quant.to_blocks``) without the module, its float32 weight or its buffers."""
+    from engine.model import nf4_quant
+    from engine.quant import formats
+
+    n_out, n_in = w.shape
+    codes, absmax = nf4_quant.quantize_4bit(w, BNB_BLOCK, "nf4", torch.uint8)  # [out * in / 2, 1], [blocks]
+    rows = torch.empty(n_out, n_in // 32 * 18, dtype=torch.uint8)  # [out, row_bytes]
+    if nf4_quant._library().kq_nf4_blocks(codes.data_ptr(), absmax.data_ptr(), BNB_BLOCK, n_out, n_in,
+                                          rows.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"NF4 blocks of a {n_out}x{n_in} weight: the kernels refused them")
+    return rows, formats.NF4
+
+
+BNB_BLOCK = 64  # bitsandbytes' 4-bit block (its BitsAndBytesConfig default, what the folder path stores)

@@ -86,6 +86,10 @@ def fix_bnb_4bit_cpu(model) -> None:
     ``KVSCOPE_NF4=bitsandbytes``. Those left to bitsandbytes: its AVX512-BF16
     kernel rejects layers whose out_features % 32 or in_features % 64 is not 0 (stories260K's 172-wide MLP), which
     use its generic path instead; the others get its layout now (``nf4_quant.cpu_layout``)."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        return  # nothing of it loaded: no 4-bit module to fix (a folder's mapped NF4 load), its import spared
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:

@@ -293,7 +293,8 @@ def _mapped(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: s
     if not folder_keep.applies(folder, config.model_type, spec, str(dtype).removeprefix("torch."), device):
         return None
     try:
-        return folder_keep.load(folder, config, dtype, progress, check, quantize=spec.quantization == "int8")
+        return folder_keep.load(folder, config, dtype, progress, check,
+                                quantize=spec.quantization if spec.quantization in ("int8", "nf4") else "")
     except LoadCancelled:
         raise
     except (OSError, ValueError, RuntimeError) as e:

@@ -46,6 +46,8 @@ def _library():
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int]  # x n blocksize bounds packed absmax threads
+        lib.kq_quantize_4bit_bf16.restype = ctypes.c_int
+        lib.kq_quantize_4bit_bf16.argtypes = fn.argtypes  # the same, x bfloat16
         lib.kq_nf4_cpu_layout.restype = ctypes.c_int
         lib.kq_nf4_cpu_layout.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.kq_nf4_blocks.restype = ctypes.c_int
@@ -54,9 +56,19 @@ def _library():
     return lib
 
 
+# bitsandbytes' NF4 codebook (its ``get_4bit_type("nf4")``), sorted: the quantizer's bounds are its midpoints
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
 @functools.cache
 def _bounds(quant_type: str) -> torch.Tensor:
-    """The codebook's 15 midpoints as bitsandbytes computes them (float32), for the codes' order NF4 has."""
+    """The codebook's 15 midpoints as bitsandbytes computes them (float32), for the codes' order NF4 has. NF4's
+    from its codebook here (a folder's mapped load never imports bitsandbytes: ~1.5 s and a warning of its own)."""
+    if quant_type == "nf4":
+        code = torch.tensor(NF4_CODE, dtype=torch.float32)
+        return ((code[:-1] + code[1:]) / 2).contiguous()  # bitsandbytes' arithmetic: float32 sums halved
     from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
 
     bounds, _ = _get_4bit_quantize_bounds(quant_type, torch.device("cpu"))
@@ -70,13 +82,17 @@ def quantize_4bit(a: torch.Tensor, blocksize: int, quant_type: str, quant_storag
     if lib is None or quant_type != "nf4" or quant_storage != torch.uint8 or a.device.type != "cpu" or blocksize % 2:
         return _default(a, blocksize, quant_type, quant_storage)
     x = a.reshape(-1)
-    x = x.float() if x.dtype != torch.float32 else x
-    x = x.contiguous()
     n = x.numel()
+    fn = lib.kq_quantize_4bit
+    if x.dtype == torch.bfloat16 and n % blocksize == 0 and blocksize <= 4096:
+        fn = lib.kq_quantize_4bit_bf16  # widened block by block in C: no float32 copy of the weight
+    elif x.dtype != torch.float32:
+        x = x.float()
+    x = x.contiguous()
     packed = torch.empty((n + 1) // 2, 1, dtype=torch.uint8)  # [ceil(n / 2), 1]
     absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)  # [blocks]
-    if lib.kq_quantize_4bit(x.data_ptr(), n, blocksize, _bounds(quant_type).data_ptr(), packed.data_ptr(),
-                            absmax.data_ptr(), torch.get_num_threads()) != 0:
+    if fn(x.data_ptr(), n, blocksize, _bounds(quant_type).data_ptr(), packed.data_ptr(), absmax.data_ptr(),
+          torch.get_num_threads()) != 0:
         raise ValueError(f"4-bit blocks of {blocksize}: not an even block size")
     return packed, absmax
 

@@ -14,6 +14,7 @@ multiplied by ggml's published kernels through transformers (``mul_mat_vec``, up
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import weakref
@@ -335,7 +336,21 @@ def pack_soon(group: list, then: Callable[[], None] | None = None) -> threading.
             then()
     t = threading.Thread(target=run, name="kvscope-gguf-pack", daemon=True)
     t.start()
+    if not _PACKERS:
+        atexit.register(_finish_packing)
+    _PACKERS.add(t)
     return t
+
+
+_PACKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def _finish_packing() -> None:
+    """At exit, let a packing still running end first (a command that exits right after a load: torch's threads
+    torn down under the packing thread's ops ended the process with "terminate called without an active
+    exception"); ~1 s at most for a 1B model."""
+    for t in list(_PACKERS):
+        t.join(timeout=60)
 
 
 class BlockEmbedding(nn.Module):

@@ -240,6 +240,7 @@ def test_nf4_load_holds_blocks_and_decodes_as_its_no_cache_forward(folder):
     blocks = [m for m in lm.model.modules() if type(m).__name__ == "BlockLinear"]
     assert {m.ggml_type for m in blocks} == {NF4}
     if kernel.packs(NF4):
+        blocks[0].pack_pending()  # (the folder's mapped load packs on a thread after the load: done now)
         assert all(m.rows_packed for m in blocks)  # one copy of the 4-bit weights
     assert (lm.info.weights_format, lm.info.weights_held) == ("NF4", "quantized")
     assert 0 <= verdict.weights.bytes - lm.info.weights_bytes <= 64 * 2 * 7  # bitsandbytes' codebook, per linear
@@ -292,3 +293,10 @@ def test_quantized_block_linears_take_the_compiled_step(folder, quant):
     s.start_ids(prompt, SamplingConfig(max_new_tokens=12, ignore_eos=True))
     assert "compiled" in {r.event.path for r in drive(s) if r.event is not None}
     assert s.generated_ids == eager
+
+
+def test_the_nf4_bounds_are_bitsandbytes_own():
+    from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
+
+    bounds, order = _get_4bit_quantize_bounds("nf4", torch.device("cpu"))
+    assert torch.equal(order, torch.arange(16)) and torch.equal(nf4_quant._bounds("nf4"), bounds.float())

@@ -72,7 +72,8 @@ def test_nf4_blocks_are_bitsandbytes_bit_for_bit():
 
     g = torch.Generator().manual_seed(0)
     cases = [torch.randn(512, 256, generator=g) * 0.02, torch.randn(13, 7, generator=g), torch.zeros(2, 64),
-             torch.randn(5, 100, generator=g).to(torch.bfloat16), torch.randn(3, 64, generator=g) * 1e-30]
+             torch.randn(5, 100, generator=g).to(torch.bfloat16), torch.randn(3, 64, generator=g) * 1e-30,
+             (torch.randn(64, 256, generator=g) * 0.02).to(torch.bfloat16)]  # whole blocks of bf16: widened in C
     want = [nf4_quant._default(c, 64, "nf4", torch.uint8) for c in cases]  # bitsandbytes' torch code
     assert nf4_quant.install()
     for c, (codes, scales) in zip(cases, want):
