@@ -262,8 +262,11 @@ def _native_quantizer() -> bool:
     return kernel.library() is not None
 
 
-def _activation_kind(plan: WeightsPlan) -> str:
-    return "none" if plan.format == "Q8_0" else plan.quantization
+def _blocks(plan: WeightsPlan, device: str) -> bool:
+    """Are ``--quantize int8 / nf4``'s weights the block kernels' (Q8_0 / NF4 blocks quantized in C, no
+    bitsandbytes module, its products or its import)?"""
+    return device == "cpu" and plan.format in ("Q8_0", "NF4") and plan.quantization in ("int8", "nf4") \
+        and _native_quantizer()
 
 
 def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dtype: str,
@@ -273,15 +276,19 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
         available, available_from = available_memory(device)
     elem = {"float32": 4, "float16": 2, "bfloat16": 2}[compute_dtype]
     gpu = device != "cpu"
-    libraries = 0 if gpu else LIBRARIES.get(plan.quantization, LIBRARIES["none"])
+    blocks = _blocks(plan, device)
+    # the block kernels' int8 / NF4: the engine's own libraries (bitsandbytes never imported: 1B shape, NF4 from
+    # the folder's mapping, running 926 MiB where bitsandbytes' ~100 MiB in the estimate said 1,053)
+    libraries = 0 if gpu else LIBRARIES["none"] if blocks else LIBRARIES.get(plan.quantization, LIBRARIES["none"])
     factor = LOAD_BYTES_PER_ELEMENT.get(plan.held, 8)
-    if plan.format == "Q8_0" or (plan.format == "NF4" and device == "cpu" and _native_quantizer()):
-        factor = 4 if plan.format == "Q8_0" else 8  # quantized in C: the float copy and the file's bytes in flight
+    if plan.format == "Q8_0" or blocks:
+        factor = 4  # quantized in C from the file's bytes (a folder's mapping: one tensor's in flight, +13-17 MB)
     loading = (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it dequantizes
                else plan.largest * factor)
     from engine.model.chunks import prefill_chunk
 
-    act, chunk = activation_bytes(config, elem, _activation_kind(plan)), prefill_chunk(plan.params, device)
+    kind = "none" if plan.format == "Q8_0" or blocks else plan.quantization  # the block products: the float formula
+    act, chunk = activation_bytes(config, elem, kind), prefill_chunk(plan.params, device)
     c = text_config(config)
     context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
     attn = attention_of(config)
