@@ -116,42 +116,13 @@ INLINE void q6k(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-/* Q4_0: steps of two blocks; four chunks a block (low nibbles elements 4c.., high 16 + 4c..), offset 8 sum(q) */
-INLINE void q40(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
+/* Q4_0 and NF4 (``lut``): steps of two blocks; four chunks a block (low nibbles elements 4c.., high 16 + 4c..).
+   Q4_0's nibbles are multiplied as stored (the high ones x16, the sum shifted back), offset 8 sum(q); NF4's codes
+   are looked up in the int8 table + 128 (unsigned 1..255: one vpshufb within each 128-bit lane), the offset 128
+   sum(q) taken out as Q8_0's. ``lut`` is a constant at each call: the compiler makes two loops. */
+INLINE void nibbles(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out,
+                    const int lut) {
     const __m512i m0f = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
-    const int64_t nb = n / QK;
-    __m512 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* S = grp + 576 * (b / 2);
-        const uint8_t* Q = S + 64 + 256 * (b % 2);
-        __m512i lo[4], hi[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i w = ld(Q + 64 * c);
-            lo[c] = _mm512_and_si512(w, m0f);
-            hi[c] = _mm512_and_si512(w, mf0);
-        }
-        const __m512 dv = halves16(S + 32 * (b % 2));
-        for (int r = 0; r < R; r++) {
-            const int8_t* q = A->qs + (r0 + r) * n + QK * b;
-            __m512i al = _mm512_setzero_si512(), ah = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                al = _mm512_dpbusd_epi32(al, lo[c], bc32(q + 4 * c));
-                ah = _mm512_dpbusd_epi32(ah, hi[c], bc32(q + 16 + 4 * c));
-            }
-            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(al, _mm512_srai_epi32(ah, 4)),
-                                                bc32(A->o + (r0 + r) * nb + b));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
-                                     _mm512_mul_ps(dv, _mm512_set1_ps(A->d[(r0 + r) * nb + b])), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
-
-/* NF4: Q4_0's steps; each code looked up in the int8 table + 128 (unsigned 1..255: one vpshufb within each 128-bit
-   lane), the offset 128 sum(q) taken out as Q8_0's */
-INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
-    const __m512i m0f = _mm512_set1_epi8(0x0F);
     const __m512i tb = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i*)kq_nf4_i8),
                                                             _mm_set1_epi8((char)0x80)));
     const int64_t nb = n / QK;
@@ -163,8 +134,9 @@ INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m512i w = ld(Q + 64 * c);
-            lo[c] = _mm512_shuffle_epi8(tb, _mm512_and_si512(w, m0f));
-            hi[c] = _mm512_shuffle_epi8(tb, _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f));
+            lo[c] = lut ? _mm512_shuffle_epi8(tb, _mm512_and_si512(w, m0f)) : _mm512_and_si512(w, m0f);
+            hi[c] = lut ? _mm512_shuffle_epi8(tb, _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f))
+                        : _mm512_and_si512(w, mf0);
         }
         const __m512 dv = halves16(S + 32 * (b % 2));
         for (int r = 0; r < R; r++) {
@@ -174,12 +146,21 @@ INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
                 al = _mm512_dpbusd_epi32(al, lo[c], bc32(q + 4 * c));
                 ah = _mm512_dpbusd_epi32(ah, hi[c], bc32(q + 16 + 4 * c));
             }
-            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(al, ah), bc32(A->o + (r0 + r) * nb + b));
+            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(al, lut ? ah : _mm512_srai_epi32(ah, 4)),
+                                                bc32(A->o + (r0 + r) * nb + b));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
                                      _mm512_mul_ps(dv, _mm512_set1_ps(A->d[(r0 + r) * nb + b])), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+INLINE void q40(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
+    nibbles(grp, n, A, r0, R, out, 0);
+}
+
+INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, __m512* out) {
+    nibbles(grp, n, A, r0, R, out, 1);
 }
 
 /* Q8_0: steps of two blocks; eight chunks a block, stored as w + 128, offset 128 sum(q) */
