@@ -178,7 +178,9 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     if in_place:  # (int8 holds none: the mappings go with this function)
         model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
     if not quantize:
-        model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, mapped from the files ({kernel.isa()})"
+        blocked = any(isinstance(m, BlockLinear) and m.layout is not None for m in model.modules())
+        where = "blocked from the files' mappings" if blocked else "mapped from the files"  # (blocked after the load)
+        model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, {where} ({kernel.isa()})"
     return model
 
 

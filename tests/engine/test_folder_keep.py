@@ -79,6 +79,7 @@ def test_greedy_tokens_are_hf_generates_and_the_folder_paths(arch, tied, tmp_pat
     got = engine_greedy(lm, PROMPT, 16, CacheConfig())
     blocked = [m for m in lm.model.modules() if type(m).__name__ == "BlockLinear" and m.layout is not None]
     assert len(blocked) == 2 * 7 + 1 - tied  # bfloat16 compute: the native blocked product's layout, made then
+    assert "blocked from the files' mappings" in lm.info.weights_kernel  # what the model card says of them
     assert all(m.packed is not None and m.packed.dim() == 3 for m in blocked)  # [out/16, in, 16]
     _hf_agrees(folder, lm.model, got)
     monkeypatch.setenv(folder_keep.ENV, "off")
