@@ -79,7 +79,7 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
                                     "available; load it without --quantize")
     quiet_transformers()
     with from_header(info):  # transformers reads the settings from the header parsed above, the vocabulary once
-        config, tok = _config(path), without_added_defaults(_tokenizer(path), info)
+        config, tok = _config(path), _tokenizer(path)
     dtype = choose_dtype(spec, config, device)
     template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
     keep = spec.quantization not in ("int8", "nf4") and not gguf_keep.refusal(info.architecture, device)
@@ -147,29 +147,6 @@ def _tokenizer(path: Path):
         raise ModelFormatError(f"no usable tokenizer in {path.name}: {first_line(e)}") from None
     if tok is None or not hasattr(tok, "decode"):
         raise ModelFormatError(f"no usable tokenizer in {path.name}")
-    return tok
-
-
-def without_added_defaults(tok, info: GgufInfo):
-    """``tok`` without the tokens transformers' conversion added that the file does not have: its byte-level BPE
-    builder is GPT-2's tokenizer, whose default ``<|endoftext|>`` lands past a vocabulary that lacks it (every
-    Llama-3 file: id 128,256 of 128,256 rows), so a chat that typed it would index past the embedding, and the
-    check that refuses such a tokenizer refused the file. The file's own tokens and added tokens stay."""
-    import json
-
-    tokens = info.metadata.get("tokenizer.ggml.tokens")  # kept by the header as {"count": n, "type": "STRING"}
-    count = tokens.get("count") if isinstance(tokens, dict) else len(tokens) if isinstance(tokens, list) else None
-    backend = getattr(tok, "backend_tokenizer", None)
-    if not isinstance(count, int) or backend is None or len(tok) <= count:
-        return tok
-    from tokenizers import Tokenizer
-
-    d = json.loads(backend.to_str())
-    kept = [a for a in d.get("added_tokens", ()) if a["id"] < count]
-    if len(kept) == len(d.get("added_tokens", ())):
-        return tok
-    d["added_tokens"] = kept
-    tok._tokenizer = Tokenizer.from_str(json.dumps(d))
     return tok
 
 

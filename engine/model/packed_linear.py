@@ -189,7 +189,7 @@ class _BF16Blocked:
 
     def takes(self, ggml_type: int, n_out: int, dtype: torch.dtype) -> bool:
         return (ggml_type == 30 and dtype == torch.bfloat16 and n_out % BLOCK == 0
-                and linear_kernel.LINEAR.library() is not None and native_max_rows(torch.bfloat16) > 0)
+                and linear_kernel.LINEAR.library() is not None)
 
     def pack(self, rows: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
         return block(rows.view(torch.bfloat16).view(n_out, n_in))  # [out/B, in, B]

@@ -346,13 +346,14 @@ def pack_soon(group: list, then: Callable[[], None] | None = None) -> threading.
             then()
     t = threading.Thread(target=run, name="kvscope-gguf-pack", daemon=True)
     t.start()
-    if not _PACKERS:
-        atexit.register(_finish_packing)
+    if not _PACKERS_WAITED:
+        _PACKERS_WAITED.append(atexit.register(_finish_packing))  # once a process
     _PACKERS.add(t)
     return t
 
 
 _PACKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_PACKERS_WAITED: list = []
 
 
 def _finish_packing() -> None:

@@ -55,7 +55,7 @@ def test_settings_and_tokenizer_are_transformers_own_without_its_reader(vocab, m
     assert config.to_dict() == real_config.to_dict()
     text = "Once upon a time, ünïcode and  spaces\n<|user|>"
     assert tok(text)["input_ids"] == real_tok(text)["input_ids"] and len(tok) == len(real_tok)
-    assert gguf.GGUFReader is not gguf_fields.HeaderReader  # put back
+    assert gguf.GGUFReader.__name__ == "counted"  # put back: the reader from before the load
 
 
 def test_a_vocabulary_kept_as_a_count_gives_its_size(vocab):
