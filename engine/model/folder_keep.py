@@ -8,14 +8,17 @@ are mapped on a thread once the load returns (``modules.pack_soon``), as a BF16 
 
 Why: read tensor by tensor (``engine.model.weights_read``) and blocked for the native product (``kvs_block16``),
 the Llama-3.2-1B shape's folder loaded in 4.4-4.8 s (2.7 s of reading, 1.3 s of blocking) where llama.cpp maps
-the same weights as a BF16 GGUF in 0.1-0.6 s. The product is the BF16 GGUF's: activations rounded to bfloat16,
-sums in float32 (AVX512_BF16's ``vdpbf16ps``), as torch's bfloat16 linear computes it.
+the same weights as a BF16 GGUF in 0.1-0.6 s. Once loaded, the pack thread blocks each linear for the native
+blocked product (``packed_linear.BF16_BLOCKED``: the rows' own product read them at 18 GB/s, the blocked one 23),
+each weight's file pages let go as it is blocked: bfloat16 activations, sums in float32, rounded to bfloat16 as
+torch's bfloat16 linear rounds them.
 
-``--quantize int8`` takes the same road: each linear's Q8_0 blocks (``engine.model.q8_load``) are quantized by C
-straight from the mapping, the tensor's file pages let go at once; what it holds is the folder path's bit for bit,
-without transformers' reading.
+``--quantize int8`` / ``nf4`` take the same road: each linear's Q8_0 blocks (``engine.model.q8_load``) or NF4
+blocks (bitsandbytes' codes and scales, ``_nf4_rows``) are quantized by C straight from the mapping, the tensor's
+file pages let go at once; what they hold is the folder path's bit for bit, without transformers' reading (nor
+bitsandbytes' import).
 
-Anything else keeps the folder path: float32 (the default), ``nf4``, a GPU, other architectures, linears
+Anything else keeps the folder path: float32 (the default), a GPU, other architectures, linears
 with biases, weights stored in other types than BF16 (norms may be F16 / F32), remote code, files whose names do not map one to one
 onto the model's parameters (transformers' renaming then applies). ``KVSCOPE_MAP_FOLDERS=off`` turns it off.
 """
