@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,11 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # The compiled decode step (engine.model.fast_step) compiles in the background on a model's first decode: ~25 s of
 # CPU for each model a test loads. Off unless a test turns it on (tests/engine/test_fast_step.py).
 os.environ.setdefault("KVSCOPE_FAST_STEP", "off")
+# ``--quantize`` loads of a folder keep a quantized copy (engine.model.quant_copies): in a folder of this run's own,
+# never the user's cache (tests/engine/test_quant_copies.py points it elsewhere where it needs to)
+if "KVSCOPE_QUANTIZED_CACHE" not in os.environ:
+    os.environ["KVSCOPE_QUANTIZED_CACHE"] = tempfile.mkdtemp(prefix="kvscope-quantized-")
+    atexit.register(shutil.rmtree, os.environ["KVSCOPE_QUANTIZED_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

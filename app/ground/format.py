@@ -33,7 +33,8 @@ def count(n: int, word: str = "token", plural: str = "") -> str:
 # -- a model's weights and memory (the engine's types: ``engine.model.fit`` / ``weights_plan``, ``ModelInfo``) ------
 HELD_WORDS = {"mapped": "mapped from the file", "repacked": "repacked from the file",
               "read": "read as stored", "converted": "converted from {stored}",
-              "quantized": "quantized from {stored} as loaded", "dequantized": "dequantized from {stored}"}
+              "quantized": "quantized from {stored} as loaded", "dequantized": "dequantized from {stored}",
+              "copied": "mapped from its copy quantized from {stored} at a first load"}
 
 
 def weights_words(fmt: str, held: str, stored: str, bits: float) -> str:

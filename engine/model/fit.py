@@ -47,7 +47,8 @@ ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: the float
 # converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
 # the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
 # (a GGUF kept as blocks: its largest tensor copied out of the file, a norm or a type with no block kernel)
-LOAD_BYTES_PER_ELEMENT = {Held.CONVERTED: 8, Held.READ: 4, Held.QUANTIZED: 14, Held.MAPPED: 4, Held.REPACKED: 4}
+LOAD_BYTES_PER_ELEMENT = {Held.CONVERTED: 8, Held.READ: 4, Held.QUANTIZED: 14, Held.MAPPED: 4, Held.REPACKED: 4,
+                          Held.COPIED: 4}
 
 
 class WontFitError(EngineError):
@@ -339,7 +340,23 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
     plan = wp.plan_tensors(tensors, dtype, spec.quantization, size, blocks=blocks)
     if plan.held == Held.READ and _mapped_folder(path, str(config.get("model_type", "")), spec, dtype, device):
         plan = dataclasses.replace(plan, held=Held.MAPPED)  # the same bytes, the files' pages
+    elif plan.held == Held.QUANTIZED and _copied(path, str(config.get("model_type", "")), spec, dtype, device):
+        plan = dataclasses.replace(plan, held=Held.COPIED)  # the blocks a first load quantized, mapped
     return config, plan, dtype
+
+
+def _copied(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:
+    """Will a ``--quantize`` load of the folder map the quantized copy a first load kept
+    (``engine.model.quant_copies``)? (A copy found broken then is quantized again: the model card says so.)"""
+    try:
+        from engine.model import folder_keep, quant_copies
+        from engine.model.model_files import weight_files
+    except ImportError:
+        return False
+    if not folder_keep.applies(folder, model_type, spec, compute_dtype, device):
+        return False
+    path = quant_copies.path_of(weight_files(folder), spec.quantization)
+    return path is not None and path.is_file()
 
 
 def _mapped_folder(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:

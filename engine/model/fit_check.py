@@ -25,7 +25,8 @@ def held_words(w: WeightsPlan) -> str:
     how = {Held.MAPPED: "mapped from the file", Held.READ: "read as stored",
            Held.REPACKED: "repacked from the file",
            Held.CONVERTED: f"converted from {w.stored} as read",
-           Held.QUANTIZED: f"quantized from {w.stored} as read (bitsandbytes)",
+           Held.QUANTIZED: f"quantized from {w.stored} as read" + (" (bitsandbytes)" if w.format == "int8" else ""),
+           Held.COPIED: f"mapped from its copy quantized from {w.stored} at a first load",
            Held.DEQUANTIZED: f"dequantized from {w.stored} as read"}[w.held]
     return f"{w.format}, {w.bits_per_weight:.2f} bits per weight, {how}"
 

@@ -160,15 +160,13 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
                                               for n, p in params.items()):
         return None
     group: list = []  # BF16 blocked (bfloat16 compute) and Q8_0 repacked after the load; else pages mapped then
-    total = max(len(files.owner), 1)
-    for i, (name, table) in enumerate(files.owner.items()):
-        check()
-        if progress and i % max(1, total // 50) == 0:
-            progress(f"mapping {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
-        if quantize:
-            _quantized(model, table, name, head, group, quantize)
-        else:
-            _place(model, table, name, dtype, group)
+    copies = _Copies(weight_files(folder), quantize, _plan(model, files, head, quantize)) if quantize else None
+    try:
+        _each(folder, model, files, head, group, dtype, copies, progress, check)
+    except BaseException:
+        if copies is not None and copies.writer is not None:
+            copies.writer.abort()
+        raise
     gguf_keep.tie_head(model, files, group)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
@@ -178,8 +176,15 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     model.kvscope_pack_group = group
     packed = {id(m) for m in group}
     in_place = [g for g, m in gguf_keep.kept_linears(model, files) if id(m) not in packed]
+    if copies is not None:  # the copy's blocks where no packed copy replaces them (Q8_0 / NF4 on AVX2)
+        copies.map_later([g for g, m in gguf_keep.kept_linears(model, copies.copy) if id(m) not in packed]
+                         if copies.copy is not None else [])
+        model.kvscope_blocks = copies.words()
+        model.kvscope_copied = copies.copy is not None  # (the model card's "mapped from its copy")
     if in_place:  # (int8 holds none: the mappings go with this function)
         model.kvscope_map_pages = functools.partial(files.map_pages, in_place)
+    elif copies is not None and copies.in_place:
+        model.kvscope_map_pages = functools.partial(copies.copy.map_pages, copies.in_place)
     if not quantize:
         blocked = any(isinstance(m, BlockLinear) and m.layout is not None for m in model.modules())
         where = "blocked from the files' mappings" if blocked else "mapped from the files"  # (blocked after the load)
@@ -187,19 +192,89 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     return model
 
 
-def _quantized(model, table: SafetensorsTable, name: str, head: str, group: list, kind: str = "int8") -> None:
-    """A linear's weight (not the output head's; rows of whole blocks) quantized to Q8_0 (``kind`` "int8") or NF4
-    blocks from the mapping into a ``BlockLinear`` (its repacking for the integer road deferred, as a Q8_0 GGUF's,
-    the rows then let go: ``hold_packed_only``), any other tensor copied into its parameter; then the tensor's
-    file pages let go."""
+def _each(folder: Path, model, files: Files, head: str, group: list, dtype: torch.dtype, copies: "_Copies | None",
+          progress: Callable[[str, float], None] | None, check: Callable[[], None]) -> None:
+    """Every tensor of the files into the model: ``_quantized`` (``copies`` given) or ``_place``."""
+    total = max(len(files.owner), 1)
+    verb = "mapping" if copies is None or copies.copy is not None else "quantizing"
+    for i, (name, table) in enumerate(files.owner.items()):
+        check()
+        if progress and i % max(1, total // 50) == 0:
+            progress(f"{verb} {folder.name}: tensor {i + 1} of {total}", 0.15 + 0.4 * i / total)
+        if copies is not None:
+            _quantized(model, table, name, copies, group, dtype)
+        else:
+            _place(model, table, name, dtype, group)
+    if copies is not None:
+        copies.finish()
+
+
+def _plan(model, files: Files, head: str, kind: str) -> dict[str, tuple[int, int, int]]:
+    """The linears ``--quantize`` quantizes (all but the output head, rows of whole blocks): name -> (the kernels'
+    block type, rows, inputs)."""
+    from engine.model import q8_load
+    from engine.quant import formats
+
+    t_new = q8_load.Q8_0 if kind == "int8" else formats.NF4
+    plan = {}
+    for name, table in files.owner.items():
+        owner_name, _, leaf = name.rpartition(".")
+        _, shape, _, _ = table.entries[name]
+        if leaf == "weight" and name != head and len(shape) == 2 and shape[1] % q8_load.BLOCK == 0 \
+                and type(model.get_submodule(owner_name)) is nn.Linear:
+            plan[name] = (t_new, shape[0], shape[1])
+    return plan
+
+
+class _Copies:
+    """A ``--quantize`` load's quantized copy (``engine.model.quant_copies``): the copy mapped where one is kept
+    (``copy``), else the writer of the one this load makes (``writer``, None where copies are off or out of room)."""
+
+    def __init__(self, paths: list[Path], kind: str, plan: dict[str, tuple[int, int, int]]) -> None:
+        from engine.model import quant_copies
+
+        self.kind, self.plan, self.in_place = kind, plan, []
+        self.copy, key = quant_copies.find(paths, kind, plan)
+        self.writer = quant_copies.open_writer(kind, key, plan) if self.copy is None else None
+        self.path = self.copy.path if self.copy is not None else self.writer.path if self.writer else None
+
+    def finish(self) -> None:
+        if self.writer is not None and self.writer.finish() is None:
+            self.path = None  # (a disk error dropped it: said in the log)
+
+    def map_later(self, names: list[str]) -> None:
+        self.in_place = names
+
+    def words(self) -> str:
+        """The model card's line: where the blocks came from."""
+        from engine.quant import formats
+
+        fmt = formats.name(next(iter(self.plan.values()))[0]) if self.plan else self.kind
+        if self.copy is not None:
+            return f"{fmt} blocks mapped from {self.path} ({kernel.isa()})"
+        kept = f"kept in {self.path} for the next load" if self.path else "no copy kept"
+        return f"{fmt} blocks quantized from the folder at load, {kept} ({kernel.isa()})"
+
+
+def _quantized(model, table: SafetensorsTable, name: str, copies: _Copies, group: list, dtype: torch.dtype) -> None:
+    """A planned linear's weight (``_plan``) as Q8_0 (int8) or NF4 blocks in a ``BlockLinear``: mapped from the
+    kept copy (packed from its pages after the load, as a GGUF's), else quantized from the mapping in C (its
+    repacking for the integer road deferred, the rows then let go: ``hold_packed_only``) and written to the copy
+    being made; any other tensor copied into its parameter. Then the tensor's file pages let go."""
     from engine.model import q8_load
 
-    t, shape, _, _ = table.entries[name]
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    if leaf == "weight" and type(owner) is nn.Linear and name != head and shape[1] % q8_load.BLOCK == 0:
+    if name in copies.plan and copies.copy is not None:
+        gguf_keep.keep_module(model, owner_name, copies.copy.blocks(name), copies.plan[name][0], dtype, "cpu", group,
+                              functools.partial(copies.copy.release, name))
+        return  # (the folder's pages of it never read)
+    if name in copies.plan:
+        t, shape, _, _ = table.entries[name]
         w = table.blocks(name).view(torch.bfloat16) if t == 30 else table.tensor(name, torch.float32)  # [out, in]
-        rows, t_new = (q8_load.quantize(w), q8_load.Q8_0) if kind == "int8" else _nf4_rows(w)
+        rows, t_new = (q8_load.quantize(w), q8_load.Q8_0) if copies.kind == "int8" else _nf4_rows(w)
+        if copies.writer is not None:
+            copies.writer.put(name, rows)
         new = BlockLinear(rows, t_new, shape[1], owner.bias)
         model.set_submodule(owner_name, new)
         new.defer_pack(new.hold_packed_only, group)  # repacked on the pack thread after the load, the rows let go

@@ -49,12 +49,15 @@ def weights_bytes(model) -> int:
 def held_info(info: ModelInfo, plan, model) -> ModelInfo:
     """``info`` with the weights' format as loaded (``engine.model.weights_plan``: "Q4_K_M, mapped from the file",
     "F32 converted from BF16") and their bits per weight as held."""
-    from engine.model.weights_plan import as_loaded
+    from engine.model.weights_plan import Held, as_loaded
 
     dtypes = {p.dtype for p in model.parameters()}
     floats = all(d.is_floating_point for d in dtypes)
     big = max(model.parameters(), key=lambda p: p.numel(), default=None)
     fmt, held = as_loaded(plan, str(big.dtype).replace("torch.", "") if floats and big is not None else "")
+    copied = getattr(model, "kvscope_copied", None)  # a --quantize folder load: its kept copy mapped, or not
+    if copied is not None and held in (Held.QUANTIZED, Held.COPIED):
+        held = Held.COPIED if copied else Held.QUANTIZED
     params = plan.params or sum(p.numel() for p in model.parameters())
     return dataclasses.replace(info, weights_format=fmt, weights_stored=plan.stored, weights_held=str(held),
                                weights_bits=round(8 * info.weights_bytes / max(1, params), 2))

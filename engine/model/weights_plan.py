@@ -42,6 +42,7 @@ class Held(enum.StrEnum):
     READ = "read"  # as the file stores them, read into memory
     CONVERTED = "converted"  # to another float type as they are read (bfloat16 -> float32)
     QUANTIZED = "quantized"  # quantized as they are read (--quantize int8 / nf4)
+    COPIED = "copied"  # mapped from the quantized copy a first load kept (engine.model.quant_copies)
     DEQUANTIZED = "dequantized"  # GGUF blocks dequantized to floats as they are read
 
 

@@ -14,6 +14,8 @@ def test_the_format_as_loaded_in_words():
     assert weights_words("Q4_K_M", "mapped", "Q4_K_M", 4.81) == "Q4_K_M, 4.81 bits per weight, mapped from the file"
     assert weights_words("F32", "converted", "BF16", 32.0) == "F32, 32.00 bits per weight, converted from BF16"
     assert weights_words("NF4", "quantized", "BF16", 4.72) == "NF4, 4.72 bits per weight, quantized from BF16 as loaded"
+    assert weights_words("Q8_0", "copied", "BF16", 8.5) == \
+        "Q8_0, 8.50 bits per weight, mapped from its copy quantized from BF16 at a first load"
     assert info_weights_words(make_info()) == "float32 · none"  # a model the loader said nothing more of: the demo
 
 
