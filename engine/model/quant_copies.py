@@ -296,3 +296,73 @@ def _evictable(copies: list, over: int) -> int:
             break
         freed += size
     return freed
+
+
+KINDS = ("int8", "nf4")  # the ``--quantize`` kinds a copy is made of: a copy's name starts with one of them
+
+
+def _ours(name: str) -> bool:
+    """A copy's name (``<kind>-<key>.safetensors``) or one being written (``….safetensors.<pid>.tmp``): nothing
+    else a user keeps in the folder is counted or removed."""
+    return name.startswith(tuple(k + "-" for k in KINDS)) and (name.endswith(SUFFIX) or
+                                                               (name.endswith(".tmp") and SUFFIX + "." in name))
+
+
+def _stale(name: str, mtime: float, now: float) -> bool:
+    """A temporary file no load is writing: older than ``STALE_S``, or its writer's process is gone."""
+    if now - mtime > STALE_S:
+        return True
+    try:
+        pid = int(name.rsplit(".", 2)[-2])
+    except ValueError:
+        return True
+    if pid == os.getpid() or os.name == "nt":  # (Windows' kill(pid, 0) is a Ctrl+C: the age alone says there)
+        return False  # this process writes it now (``Writer``)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # another user's live process
+    return False
+
+
+def held(where: Path | None = None) -> tuple[int, int]:
+    """(copies, bytes) in ``where`` (else ``root()``; (0, 0) where copies are off or the folder is missing): the
+    bytes count the temporary files of copies being written too, as they take the disk."""
+    where = root() if where is None else Path(where)
+    count = nbytes = 0
+    if where is None or not where.is_dir():
+        return 0, 0
+    for entry in os.scandir(where):
+        if _ours(entry.name) and entry.is_file(follow_symlinks=False):
+            try:
+                nbytes += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+            count += entry.name.endswith(SUFFIX)
+    return count, nbytes
+
+
+def clear(where: Path | None = None) -> int:
+    """Remove the copies in ``where`` (else ``root()``) and the temporary files no load is writing; nothing else
+    there. The copies being made durable are waited for first (else one would appear after the clear). A copy the
+    loaded model maps goes from the folder at once, its disk space when the model goes. Returns the bytes freed;
+    a file that cannot be removed is left (said in the log)."""
+    wait()
+    where = root() if where is None else Path(where)
+    if where is None or not where.is_dir():
+        return 0
+    freed, now = 0, time.time()
+    for entry in os.scandir(where):
+        if not (_ours(entry.name) and entry.is_file(follow_symlinks=False)):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if entry.name.endswith(".tmp") and not _stale(entry.name, st.st_mtime, now):
+                continue
+            os.unlink(entry.path)
+            freed += st.st_size
+        except OSError as e:
+            log.warning("a quantized copy could not be removed (%s): %s", entry.name, e.strerror or e)
+    return freed

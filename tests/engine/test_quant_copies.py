@@ -159,3 +159,27 @@ def test_the_copy_is_a_safetensors_file_of_the_blocks(folder, cache):
         assert len(list(f.keys())) == 2 * 7
         assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), q.rows())
     assert folder_keep.MODEL_TYPES  # (the folder path this rides on)
+
+
+def test_held_counts_the_copies_and_clear_removes_only_them(folder, cache):
+    """Settings ▸ Quantized copies shows ``held()`` and its Clear is ``clear()``: the copies and the temporary files no
+    load writes go; a user's own files there, and a copy this process is writing now, stay."""
+    _load(folder, "int8")
+    _load(folder, "nf4")
+    copies = sorted(cache.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in copies)
+    assert len(copies) == 2 and size > 0
+    dead = cache / f"{copies[0].name}.999999999.tmp"  # a load that died (no such process) a minute ago
+    dead.write_bytes(b"x" * 100)
+    live = cache / f"{copies[0].name}.{os.getpid()}.tmp"  # this process writes it now
+    live.write_bytes(b"y" * 10)
+    own = [cache / "notes.txt", cache / "int8-mine.bin", cache / "model.safetensors"]
+    for p in own:
+        p.write_bytes(b"z" * 7)
+    assert quant_copies.held() == (2, size + 110)
+    assert quant_copies.clear() == size + 100
+    assert quant_copies.held() == (0, 10) and live.exists() and not dead.exists()
+    assert all(p.read_bytes() == b"z" * 7 for p in own)
+    lm = _load(folder, "int8")  # cleared: quantized again, a new copy kept
+    assert "quantized from the folder at load" in lm.info.weights_kernel and quant_copies.held()[0] == 1
+    assert quant_copies.held(cache / "missing") == (0, 0) and quant_copies.clear(cache / "missing") == 0
