@@ -58,7 +58,8 @@ class GgufInfo:
     size_bytes: int  # on disk, every part of a split file together
     n_params: int
     type_counts: tuple[tuple[str, int], ...]  # tensors per GGML type, most first: (("Q8_0", 36), ("F32", 11))
-    metadata: dict[str, Any]  # scalars, strings and short arrays; a long array as {"count": n, "type": t}
+    metadata: dict[str, Any]  # scalars, strings and short arrays; a long array as {"count": n, "type": t,
+    # "at": the file offset of its first element} (no "at": an array of arrays)
     tensors: tuple[TensorEntry, ...]
     split_count: int = 1
 
@@ -242,16 +243,17 @@ class _Header:
         n = self.count("an array", width)
         if item in self._SCALARS and n <= _KEEP:
             return [self.value(item, depth + 1) for _ in range(n)]
+        at = self.f.tell()  # (where its first element lies: ``gguf_fields`` reads the vocabulary from there)
         if item in self._SCALARS:  # a long array of numbers (token scores, types): skipped, counted
             self.f.seek(n * width, os.SEEK_CUR)
-            return {"count": n, "type": v(item).name}
+            return {"count": n, "type": v(item).name, "at": at}
         if item == v.STRING:
             self.skip_strings(n)  # tokens, merges: read past, none kept
         for _ in range(n if item == v.ARRAY else 0):
             self.value(item, depth + 1)
         if self.f.tell() > self.size:
             raise self.truncated()
-        return {"count": n, "type": v(item).name}
+        return {"count": n, "type": v(item).name, **({"at": at} if item == v.STRING else {})}
 
     def skip_strings(self, n: int) -> None:
         """Walk past ``n`` length-prefixed strings, reading the file a MiB at a time (a read and a seek per string

@@ -58,6 +58,20 @@ def test_settings_and_tokenizer_are_transformers_own_without_its_reader(vocab, m
     assert gguf.GGUFReader.__name__ == "counted"  # put back: the reader from before the load
 
 
+@pytest.mark.parametrize("arrays", [(), ("tokenizer.ggml.tokens",), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")])
+def test_the_metadata_read_from_the_header_is_transformers_readers(vocab, arrays):
+    """transformers' ``read_gguf_metadata`` answered from the parsed header: the same keys, values and types
+    (the vocabulary's strings, its scores and types as lists, the arrays not asked for as counts), the same
+    tensor names, without its reader (``real`` is None: a call of it would fail)."""
+    from transformers.integrations.gguf import reader
+
+    info = read_gguf(vocab)
+    ours, theirs = gguf_fields._from_info(info, None)(str(vocab), arrays), reader.read_gguf_metadata(str(vocab), arrays)
+    assert ours == theirs
+    assert [type(v) for v in ours[0].values()] == [type(v) for v in theirs[0].values()]
+    assert all(isinstance(ours[0][a], list) and len(ours[0][a]) > 1000 for a in arrays if a in ours[0])
+
+
 def test_a_vocabulary_kept_as_a_count_gives_its_size(vocab):
     """Without ``{arch}.vocab_size`` the legacy reader counts the vocabulary: the count is there; with it, the
     vocabulary is not read at all."""
@@ -120,8 +134,14 @@ def test_the_header_walks_a_vocabulary_in_chunks_and_bounds_each_length(tmp_path
         items = [b"a" * (3 << 20) if i % 100 == 7 else f"t{i}".encode() for i in range(512)]
         g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(items))
         info = read_gguf(g.write(tmp_path / "long.gguf"))
-        assert info.metadata["tokenizer.ggml.merges"] == {"count": 512, "type": "STRING"}
+        assert {k: v for k, v in info.metadata["tokenizer.ggml.merges"].items() if k != "at"} == \
+            {"count": 512, "type": "STRING"}
         assert info.tensors and info.metadata["tokenizer.ggml.tokens"]["count"] == 512
+        from transformers.integrations.gguf import reader  # the long strings decoded from where the header found them
+
+        arrays = ("tokenizer.ggml.merges",)
+        ours = gguf_fields._from_info(info, None)(str(info.path), arrays)
+        assert ours == reader.read_gguf_metadata(str(info.path), arrays) and len(ours[0][arrays[0]][7]) == 3 << 20
         return
     blob = raw.strings(f"t{i}" for i in range(5000))
     if case == "length-past-the-end":
