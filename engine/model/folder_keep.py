@@ -16,7 +16,8 @@ torch's bfloat16 linear rounds them.
 ``--quantize int8`` / ``nf4`` take the same road: each linear's Q8_0 blocks (``engine.model.q8_load``) or NF4
 blocks (bitsandbytes' codes and scales, ``_nf4_rows``) are quantized by C straight from the mapping, the tensor's
 file pages let go at once; what they hold is the folder path's bit for bit, without transformers' reading (nor
-bitsandbytes' import).
+bitsandbytes' import). The blocks are written to a quantized copy as they are made (``engine.model.quant_copies``),
+and the next load of the same files maps that copy instead of quantizing again (``_Copies``).
 
 Anything else keeps the folder path: float32 (the default), a GPU, other architectures, linears
 with biases, weights stored in other types than BF16 (norms may be F16 / F32), remote code, files whose names do not map one to one

@@ -88,6 +88,9 @@ def _packed(model, timeout: float = 600.0) -> None:
 
 def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     t0 = time.perf_counter()
+    if case.endswith("-fresh"):  # int8-fresh / nf4-fresh: quantized at load, no copy kept or mapped
+        case = case.removesuffix("-fresh")
+        os.environ["KVSCOPE_QUANTIZED_CACHE"] = "off"
     import torch
 
     torch.set_num_threads(threads)
@@ -122,6 +125,7 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     late = stamps[TRIAL:]  # after the compiled step's trial (its eager steps slow the mean at two threads)
     steady = (len(late) - 1) / (late[-1] - late[0]) if len(late) > 1 else 0.0
     label = Path(source).name if source.lower().endswith(".gguf") else case
+    label += "-fresh" if os.environ.get("KVSCOPE_QUANTIZED_CACHE") == "off" and case in ("int8", "nf4") else ""
     return dict(side="kvscope", case=label, idle=idle, import_s=import_s, load_s=load_s, fast_s=fast_s, fast=fast, after=after, load_peak=load_peak,
                 running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode, steady_tps=steady,
                 weights=lm.info.weights_bytes, format=f"{lm.info.weights_format} {lm.info.weights_held}",
@@ -245,7 +249,8 @@ def main() -> int:
     ap.add_argument("--gguf", type=Path, action="append", default=[], help="a GGUF file of the same weights")
     ap.add_argument("--llamacpp", default="", help="a Python with llama_cpp installed (llama.cpp's side)")
     ap.add_argument("--cases", default="none,bfloat16,int8,nf4", help="the folder's loads: none (float32 on a CPU), "
-                    "bfloat16, int8, nf4")
+                    "bfloat16, int8, nf4 (mapped from the quantized copy once a first load kept one), "
+                    "int8-fresh, nf4-fresh (quantized at load: copies off)")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1)
