@@ -89,3 +89,22 @@ def wont_fit_words(fit) -> str:
     best = max(fit.kv, key=lambda k: k.longest_context)
     return (f"{fit.name} will not fit: beside its weights, {where} holds {best.longest_context:,} tokens of KV cache "
             f"at most ({kv_kind_words(fit, best.kind)}), fewer than {fit.min_context:,}")
+
+
+def copies_words(state, enabled: bool) -> str:
+    """Settings ▸ Quantized copies' "On disk" line from ``app.link.copies.CopiesState`` (None: not counted yet):
+    '1.2 GiB in 3 copies · budget 16.0 GiB', '0 B · budget 16.0 GiB', '1.2 GiB in 3 copies · off: loads neither
+    keep nor use copies'; ``enabled``: the setting's checkbox (the environment KV Scope started in can turn copies
+    off)."""
+    if state is None:
+        return "counting…"
+    held = human_bytes(state.nbytes)
+    if state.count:
+        held += f" in {count(state.count, 'copy', 'copies')}"
+    elif state.nbytes:
+        held += " in a copy being written"
+    if state.on:
+        return f"{held} · budget {human_bytes(state.budget)}"
+    if enabled:
+        return f"{held} · off (KVSCOPE_QUANTIZED_CACHE=off when KV Scope started)"
+    return f"{held} · off: loads neither keep nor use copies"

@@ -104,6 +104,18 @@ class EngineThread(QObject):
         """Delete the KV disk tier's files (answered by ``worker.disk.changed``)."""
         self.call(self.worker.disk.clear)
 
+    def configure_copies(self, cfg: Any) -> None:
+        """Quantized copies' setting (``app.link.copies.CopiesConfig``) for the loads sent after it."""
+        self.call(self.worker.copies.configure, cfg)
+
+    def measure_copies(self) -> None:
+        """Count the quantized copies (answered by ``worker.copies.changed``)."""
+        self.call(self.worker.copies.measure)
+
+    def clear_copies(self) -> None:
+        """Delete the quantized copies (answered by ``worker.copies.changed``)."""
+        self.call(self.worker.copies.clear)
+
     def cancel_load(self) -> None:
         """Stop a model load in progress (thread-safe, takes effect at its next stage or tensor). The model
         loaded before, if any, stays in use."""

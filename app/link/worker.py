@@ -63,6 +63,7 @@ from app.ground.failure import Failure, describe, log
 from app.link import counts, tool_replies
 from app.link.backend import EngineBackend, default_backend
 from app.link.comparison import Comparisons
+from app.link.copies import CopiesControl
 from app.link.disk_tier import DiskTierControl
 from app.link.fidelity_task import FidelityControl
 from app.link.places import miss_places
@@ -146,6 +147,7 @@ class EngineWorker(QObject):
         self._timer.timeout.connect(self._pump)
         self._woken.connect(self._kick, Qt.ConnectionType.QueuedConnection)  # runs on this worker's thread
         self.disk = DiskTierControl(self)  # the KV disk tier (a child: it moves to this thread with the worker)
+        self.copies = CopiesControl(self)  # quantized copies: their setting for the loads, their count, Clear
         self.fidelity = FidelityControl(self)  # the fidelity check on the user's chat (a background task of the core)
         self.comparisons = Comparisons(self, self._backend)  # Tools ▸ Compare's run (a background task of the core)
 
@@ -439,6 +441,7 @@ class EngineWorker(QObject):
         if fast is not None:
             fast.close()  # a build in flight stops with the app (the next launch builds it again)
         self.disk.detach()  # pages queued for the disk are written: the next launch restores them
+        self.copies.restore()  # the environment as it started (another window of this process starts from it)
         QThread.currentThread().quit()
 
     # -- for the jobs it runs on its thread (a comparison, the fidelity check): the model, the chats' setting, the core's tasks ----

@@ -94,6 +94,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kv_disk/enabled", bool, True),
     Setting("kv_disk/folder", str, ""),  # empty: the data folder's kv/
     Setting("kv_disk/budget_gib", float, 4.0),
+    # Settings ▸ Quantized copies (app.link.copies): a folder's 8-bit / 4-bit blocks kept, the next load maps them
+    Setting("quant_copies/enabled", bool, True),
+    Setting("quant_copies/folder", str, ""),  # empty: the engine's default ($XDG_CACHE_HOME/kvscope/quantized)
+    Setting("quant_copies/budget_gib", float, 16.0),
     Setting("meta/schema_version", int, SCHEMA_VERSION),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}

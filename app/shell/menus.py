@@ -93,12 +93,15 @@ def _tools_menu(window, bar, a: dict[str, Any]) -> None:
 def _settings_menu(window, bar, a: dict[str, Any]) -> None:
     settings = bar.addMenu("Se&ttings")
     a["settings"] = _action(window, "&Settings…", lambda: open_settings(window, "server"), "Ctrl+,",
-                            tip="The server's port, address and API keys, speculation's auto-off, the KV disk cache "
-                                "and what new chats start with")
+                            tip="The server's port, address and API keys, speculation's auto-off, the KV disk cache, "
+                                "quantized copies and what new chats start with")
     a["kv_disk"] = _action(window, "&KV disk cache…", lambda: open_settings(window, "disk"),
                            tip="Keep the chats' KV cache on disk (on/off, budget, location, Clear), so a chat reopened "
                                "after a restart is restored instead of read again")
-    settings.addActions([a["settings"], a["kv_disk"]])
+    a["quant_copies"] = _action(window, "&Quantized copies…", lambda: open_settings(window, "copies"),
+                                tip="Keep the 8-bit / 4-bit weights a model folder was quantized to at its first load "
+                                    "(on/off, budget, location, Clear), so the next load maps them instead")
+    settings.addActions([a["settings"], a["kv_disk"], a["quant_copies"]])
 
 
 def _server_menu(window, bar, a: dict[str, Any]) -> None:

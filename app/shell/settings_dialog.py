@@ -1,8 +1,9 @@
 """Settings ▸ Settings…: one dialog for what is not in the docks — the server's address and keys, speculation's
-auto-off, the KV disk cache, and what a new chat starts with.
+auto-off, the KV disk cache, quantized copies, and what a new chat starts with.
 
 Each page edits a copy; Apply (or OK) hands each changed value to its owner (``ServerController.apply_address``,
-``SpecController.apply``, ``DiskController.apply_form``, the settings store), which saves it and puts it in force.
+``SpecController.apply``, ``DiskController.apply_form``, ``CopiesController.apply_form``, the settings store), which
+saves it and puts it in force.
 A server address that cannot be used keeps the dialog open on the Server page with one line saying why.
 """
 
@@ -19,7 +20,7 @@ from app.server.settings_page import ServerPage
 from app.settings.store import SAMPLING_DEFAULTS
 from engine.config import SamplingConfig, SpecConfig
 
-PAGES = ("server", "speculation", "disk", "chats", "tools")
+PAGES = ("server", "speculation", "disk", "copies", "chats", "tools")
 
 
 class SpecPage(QWidget):
@@ -81,8 +82,8 @@ class ChatsPage(QWidget):
 
 
 class SettingsDialog(QDialog):
-    """Pages ``server``, ``speculation``, ``disk``, ``chats`` and ``tools`` of ``window`` (a ``MainWindow``);
-    non-modal."""
+    """Pages ``server``, ``speculation``, ``disk``, ``copies``, ``chats`` and ``tools`` of ``window`` (a
+    ``MainWindow``); non-modal."""
 
     def __init__(self, window) -> None:
         super().__init__(window)
@@ -92,11 +93,12 @@ class SettingsDialog(QDialog):
         self.server = ServerPage(window.server)
         self.speculation = SpecPage()
         self.disk = window.disk.make_form()
+        self.copies = window.copies.make_form()
         self.chats = ChatsPage(window)
         self.tools = ToolsPage(window.agent)
         self.tabs = QTabWidget()
         for page, title in ((self.server, "Server"), (self.speculation, "Speculation"), (self.disk, "KV disk cache"),
-                            (self.chats, "New chats"), (self.tools, "Tools")):
+                            (self.copies, "Quantized copies"), (self.chats, "New chats"), (self.tools, "Tools")):
             self.tabs.addTab(page, title)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Apply
                                    | QDialogButtonBox.StandardButton.Cancel)
@@ -116,6 +118,7 @@ class SettingsDialog(QDialog):
         self.speculation.load(w.speculation.applied)
         self.disk.load(w.disk.cfg)
         w.disk.refresh()
+        self.copies.load(w.copies.cfg)
         self.chats.load(w.settings)
         self.tools.load(w.settings)
 
@@ -148,6 +151,7 @@ class SettingsDialog(QDialog):
         if defaults != w.speculation.defaults:
             w.speculation.set_defaults(defaults)
         w.disk.apply_form()
+        w.copies.apply_form()
         w.settings.set("chat/system_prompt", self.chats.system_prompt.text().strip())
         if self.tools.save(w.settings):
             w.agent.configure()  # the servers start again with what the page says

@@ -41,6 +41,7 @@ from app.compare.fidelity import FidelityController
 from app.settings.cache_settings import sampling_from_settings, save_sampling
 from app.controls.cache_controls import CacheControls
 from app.chat.conversation import Conversation
+from app.controls.copies_dialog import CopiesController
 from app.controls.disk_dialog import DiskController
 from app.ground.docks import DockLayout, focus_unseen, initial_size
 from app.chat.exports import Exporter
@@ -141,6 +142,7 @@ class MainWindow(QMainWindow):
                                      history=self.history)  # each chat's own settings, kept in its row
         self.speculation = SpecController(self.settings, self.spec_controls, self.engine, self, history=self.history)
         self.disk = DiskController(self.settings, self.engine, self.status, self.show_error, self)  # KV disk tier
+        self.copies = CopiesController(self.settings, self.engine, self.show_error, self)  # quantized copies
         self.chat.set_tint(self.speculation.tint)
         self.models = ModelController(self, self.engine, self.settings, self.status, lambda: self.cache.applied,
                                       self.show_error)
