@@ -1,6 +1,7 @@
 """The compiled step's C++ operators from Python: CPU kernels of ``kvscope::blocked_linear`` (the native blocked
-product), ``kvscope::paged_decode`` / ``paged_decode_batch`` (one token's attention read in place from its pages) and
-``kvscope::write_slot`` (its new K/V written after the step), in ``engine/native/csrc/torch_ops.cpp``.
+product), ``kvscope::paged_decode`` / ``paged_decode_batch`` (one token's attention read in place from its pages),
+``kvscope::write_slot`` (its new K/V written after the step) and ``kvscope::gguf_linear`` (a GGUF weight's product,
+from the table ``engine.quant.gguf_op`` fills), in ``engine/native/csrc/torch_ops.cpp``.
 
 A compiled step's package calls the operators through torch's dispatcher (``engine.model.linear_kernel`` and
 ``engine.kv.store.paged_decode`` define them, with Python kernels): ~17 us a call of a Python kernel, ~2 us of the C++
@@ -27,6 +28,7 @@ from engine.model import linear_kernel
 from engine.model.notes import LoadNote
 from engine.native import build
 from engine.native.libraries import TORCH_OPS
+from engine.quant import gguf_op
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.kvs_tq_decode_parallel
     fn.restype = i
     fn.argtypes = [i, i, p, i64, i64, p, p, p, i64, i64]  # hk rep q n nt keys values out width dv
+    lib.kvs_gguf_bind.restype = None
+    lib.kvs_gguf_bind.argtypes = [p, p]  # kq_linear, the shapes-only count
+    lib.kvs_gguf_clear.restype = None
+    lib.kvs_gguf_clear.argtypes = []
+    lib.kvs_gguf_size.restype = i64
+    lib.kvs_gguf_size.argtypes = []
     return lib
 
 
@@ -72,6 +80,7 @@ def attach() -> bool:
         ops.kvs_ops_bind(_address(lib.kvs_blocked_mm), _address(lib.kvs_blocked_mm_h),
                          _address(attn.kvs_plain_decode), _address(attn.kvs_tq_decode_heads))
         native.PARALLEL_TQ = ops.kvs_tq_decode_parallel  # the quantized pages' attention: heads shared too
+        gguf_op.use(ops)  # the GGUF products' table (kq_linear bound at its first entry: the GGUF kernels loaded)
         linear_kernel.PARALLEL = True
         _state["loaded"] = True
         return True

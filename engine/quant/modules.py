@@ -6,7 +6,8 @@ per output), usually a view of the memory-mapped file: loading copies nothing, a
 file's page cache as the products first touch them.
 
 On the CPU the product is ``engine.quant.kernel.matmul`` (8-bit activations by default, float ones on the
-``float`` road). A compiled step calls it as the operator ``kvscope::gguf_linear``. On CUDA the blocks are
+``float`` road). A compiled step calls it as the operator ``kvscope::gguf_linear``: a C++ kernel answers the calls
+its table holds (``engine.quant.gguf_op``), the Python one below the rest. On CUDA the blocks are
 multiplied by ggml's published kernels through transformers (``mul_mat_vec``, up to its row limit) where the
 ``kernels`` package has them, else dequantized a chunk of rows at a time and multiplied by cuBLAS (transformers'
 ``GgufLinear`` does the same): the weights stay as blocks in the GPU's memory either way.
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.quant import formats, kernel
+from engine.quant import formats, gguf_op, kernel
 
 
 # a compiled step's calls of the operator: the kernel's descriptor of each weight, made once (by the addresses and
@@ -34,7 +35,7 @@ _DESCRIPTORS: dict[tuple, tuple] = {}
 # multiplies the module's packed copy instead (weak: a model let go takes its packed copies with it)
 _PACKED: "weakref.WeakValueDictionary[int, BlockLinear]" = weakref.WeakValueDictionary()
 _PACKING = threading.Lock()  # one deferred packing at a time (a weight is packed once, whichever thread asks first)
-_held = 0  # inside ``shapes_only``: the CPU's block products give zeros
+_HELD = gguf_op.HELD  # inside ``shapes_only`` (nonzero): the CPU's block products give zeros
 
 
 @contextmanager
@@ -43,25 +44,32 @@ def shapes_only():
     zeros of their shape, read no weight and pack none (its three tokens read every page of the file and
     multiplied every weight: 0.2-0.4 s of a 1B-shape load, one thread; the pages are read at the first reply
     instead, as a mapped file's are)."""
-    global _held
-    _held += 1
+    _HELD.value += 1
     try:
         yield
     finally:
-        _held -= 1
+        _HELD.value -= 1
 
 
 def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
                 out_map: torch.Tensor | None, road: int) -> torch.Tensor:
-    """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32: the kernel of the
-    operator ``kvscope::gguf_linear`` a compiled step calls (``_LIB`` below)."""
+    """x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32: the Python kernel of
+    the operator ``kvscope::gguf_linear`` a compiled step calls (``_LIB`` below), and of ``kvscope::gguf_linear_py``,
+    which the C++ kernel calls for what its table does not hold. A plain descriptor's product is offered to that
+    table (``gguf_op.offer``)."""
     if w.device.type != "cpu":
         return kernel.matmul(x2, w, ggml_type, n_in, bias, out_map, kernel.ROADS[road])
+    seen = gguf_op.generation()
     owner = _PACKED.get(w.data_ptr())
-    if owner is not None and owner.pending() and not _held:
+    if owner is not None and owner.pending() and not _HELD.value:
         owner.pack_pending()
+        seen = gguf_op.generation()  # (the packing emptied the table: what follows is read after it)
     if owner is not None and owner.serves(w, ggml_type, n_in, bias, out_map, kernel.ROADS[road]):
-        return owner.forward(x2)
+        y = owner.forward(x2)
+        d = owner._desc  # None: the float layout's product (the C++ kernel leaves it to this one)
+        if d is not None and gguf_op.on() and not owner.pending():
+            gguf_op.offer(seen, x2, w, ggml_type, n_in, bias, out_map, road, d, owner)
+        return y
     key = (w.data_ptr(), tuple(w.shape), ggml_type, n_in, road, bias.data_ptr() if bias is not None else 0,
            out_map.data_ptr() if out_map is not None else 0)
     d = _DESCRIPTORS.get(key)
@@ -73,22 +81,25 @@ def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bi
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)  # [m, n_out]
     if x2.shape[0] and d[0](d[1], x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads()) != 0:
         raise RuntimeError("the GGUF block product refused its arguments or ran out of memory")
+    if gguf_op.on() and (owner is None or not owner.pending()):
+        gguf_op.offer(seen, x2, w, ggml_type, n_in, bias, out_map, road, d, owner)
     return y
 
 
 # Defined without ``torch.library.custom_op``: its Python layer (argument checks, an aliasing check of the result)
 # cost ~15 us a call over the product's own ~8 (a 64x256 Q8_0 weight, one row), and a 1B-shape decode step calls it
 # 113 times: 1.7 ms a token, ~7% of a two-thread step; registered straight, ~3 us. The schema is custom_op's own,
-# so packages built before still call it.
+# so packages built before still call it. The C++ operators' library (``engine.model.linear_op``) takes its CPU
+# dispatch where loaded; ``gguf_linear_py`` is this kernel under a name of its own, which the C++ kernel calls.
 _LIB = torch.library.Library("kvscope", "FRAGMENT")
-_LIB.define("gguf_linear(Tensor x2, Tensor w, SymInt ggml_type, SymInt n_in, Tensor? bias, Tensor? out_map, "
-            "SymInt road) -> Tensor")
-_LIB.impl("gguf_linear", gguf_linear, "CompositeExplicitAutograd")
+for _name in ("gguf_linear", "gguf_linear_py"):
+    _LIB.define(f"{_name}(Tensor x2, Tensor w, SymInt ggml_type, SymInt n_in, Tensor? bias, Tensor? out_map, "
+                "SymInt road) -> Tensor")
+    _LIB.impl(_name, gguf_linear, "CompositeExplicitAutograd")
 
-
-@torch.library.register_fake("kvscope::gguf_linear", lib=_LIB)
-def _(x2, w, ggml_type, n_in, bias, out_map, road):
-    return x2.new_empty(x2.shape[0], w.shape[0])  # [m, n_out]
+    @torch.library.register_fake(f"kvscope::{_name}", lib=_LIB)
+    def _(x2, w, ggml_type, n_in, bias, out_map, road):
+        return x2.new_empty(x2.shape[0], w.shape[0])  # [m, n_out]
 
 
 @torch.library.custom_op("kvscope::gguf_rows", mutates_args=())
@@ -145,13 +156,16 @@ class BlockLinear(nn.Module):
         self._after_pack: Callable[[], None] | None = None  # ``defer_pack``'s: packing waits for the first product
 
     def __setattr__(self, name: str, value) -> None:
-        if name in ("weight", "bias", "out_map", "road", "packed", "layout"):
+        changes = name in ("weight", "bias", "out_map", "road", "packed", "layout")
+        if changes:
             self.__dict__["_desc"] = None  # it points into the tensors being replaced
         if name == "weight":
             self.__dict__["packed"] = None  # a copy of the weight replaced
             self.__dict__["_after_pack"] = None
             self.__dict__["rows_packed"] = False
         super().__setattr__(name, value)
+        if changes:
+            gguf_op.forget()  # the C++ kernel's table may hold this module's old descriptor
 
     def _apply(self, fn, recurse: bool = True):
         if self.__dict__.get("rows_packed"):
@@ -164,6 +178,7 @@ class BlockLinear(nn.Module):
         if (self.weight.data_ptr(), self.weight.device) != before:
             self.__dict__["packed"] = None  # the weight moved: its packed copy is another's
             self.__dict__["_after_pack"] = None
+        gguf_op.forget()
         return out
 
     def pack(self, threads: int | None = None, mapped: bool = False) -> bool:
@@ -181,6 +196,7 @@ class BlockLinear(nn.Module):
                 return False
             self.packed = packed
             _PACKED[self.weight.data_ptr()] = self
+            gguf_op.forget()  # (after: a call that found no owner offers nothing from now on)
             return True
         if self.weight.device.type != "cpu" or self.road != "int8" or self.weight.is_meta:
             return False
@@ -189,6 +205,7 @@ class BlockLinear(nn.Module):
             return False
         self.packed = packed
         _PACKED[self.weight.data_ptr()] = self
+        gguf_op.forget()
         return True
 
     def hold_packed_only(self) -> bool:
@@ -209,6 +226,7 @@ class BlockLinear(nn.Module):
         self.__dict__["rows_packed"] = True
         self.__dict__["_desc"] = None
         _PACKED[view.data_ptr()] = self
+        gguf_op.forget()
         return True
 
     def rows(self) -> torch.Tensor:
@@ -234,6 +252,7 @@ class BlockLinear(nn.Module):
         self.__dict__["_group"] = group if group is not None else []
         self._group.append(self)
         _PACKED[self.weight.data_ptr()] = self  # a compiled step's operator finds it and packs it first
+        gguf_op.forget()  # the C++ kernel's table may hold the weight's rows: the next call comes to Python
         return True
 
     def pending(self) -> bool:
@@ -309,7 +328,7 @@ class BlockLinear(nn.Module):
                                               self.bias, self.out_map, kernel.ROADS.index(self.road))
         elif self.weight.device.type == "cpu":
             bias = self.bias.detach() if self.bias is not None else None
-            if _held:  # a loader's test run for the shapes (``shapes_only``): no descriptor kept, nothing read
+            if _HELD.value:  # a loader's test run for the shapes (``shapes_only``): no descriptor kept, nothing read
                 return x.new_zeros(*x.shape[:-1], self.out_features)  # [..., out]
             if self.pending():
                 self.pack_pending()

@@ -21,9 +21,10 @@ from test_gguf_blocks import PROMPT, _random  # noqa: E402
 from engine.config import CacheConfig, ModelSpec, SamplingConfig  # noqa: E402
 from engine.core import scheduler as batch  # noqa: E402
 from engine.core.session import ChatSession  # noqa: E402
+from engine.model import linear_op  # noqa: E402
 from engine.model.fast_step import FastStep, machine_refusal  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from engine.quant import kernel  # noqa: E402
+from engine.quant import gguf_op, kernel  # noqa: E402
 from engine.quant.modules import BlockLinear  # noqa: E402
 
 NO_COMPILE = machine_refusal(torch.device("cpu"))
@@ -68,12 +69,16 @@ def _paths(lm, prompt, cache):
 
 
 def test_the_compiled_step_gives_the_no_cache_tokens(lm, refs):
+    """... and where the C++ operators load, the step's block products are answered by the C++ kernel from its
+    table (an entry for each block linear the step calls: its packed copy's descriptor)."""
     lm.fast.start()
     assert lm.fast.wait(600) and lm.fast.state == "on", lm.fast.describe()
     for cache in (CacheConfig(mode="paged", page_size=4), CacheConfig(mode="paged", page_size=16)):
         ids, paths = _paths(lm, PROMPTS[0], cache)
         assert "compiled" in paths, paths
         assert ids == refs[0], cache
+    if linear_op.loaded():
+        assert gguf_op.size() == sum(isinstance(m, BlockLinear) for m in lm.model.modules())
 
 
 def test_the_compiled_batch_gives_each_chat_its_no_cache_tokens(lm, refs):

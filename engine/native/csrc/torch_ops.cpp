@@ -1,20 +1,25 @@
 // CPU kernels in C++ for the compiled step's operators: kvscope::blocked_linear (the native blocked product),
-// kvscope::paged_decode / paged_decode_batch (one token's attention read in place from its pages) and
-// kvscope::write_slot (its new K/V written after the step), plus kvs_tq_decode_parallel (the quantized pages' fused
+// kvscope::paged_decode / paged_decode_batch (one token's attention read in place from its pages),
+// kvscope::write_slot (its new K/V written after the step) and kvscope::gguf_linear (a GGUF weight's product, from a
+// table of the weights Python has described), plus kvs_tq_decode_parallel (the quantized pages' fused
 // attention, its KV heads shared among torch's threads; called through ctypes).
 //
-// A compiled step's package calls the operators through torch's dispatcher (engine/model/linear_kernel.py and
-// engine/kv/store/paged_decode.py define them, with Python kernels). Each call of a Python kernel from the package
-// costs ~10 us of dispatch plus ~7 us of Python around the native code: ~2 ms of a SmolLM2-shape step's 121 linears,
-// a seventh of a bfloat16 step. Loaded (engine/model/linear_op.py), this library takes the operators' CPU dispatch
+// A compiled step's package calls the operators through torch's dispatcher (engine/model/linear_kernel.py,
+// engine/kv/store/paged_decode.py and engine/quant/modules.py define them, with Python kernels). Each call of a
+// Python kernel from the package costs ~10 us of dispatch plus ~7 us of Python around the native code: ~2 ms of a
+// SmolLM2-shape step's 121 linears, a seventh of a bfloat16 step. Loaded (engine/model/linear_op.py), this library takes the operators' CPU dispatch
 // from the Python kernels at ~2 us a call, calling the same C functions; without it the Python kernels answer, the
 // results the same. Built against torch's headers: one build per torch version.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 #include <cstdint>
 
@@ -194,9 +199,149 @@ extern "C" int kvs_tq_decode_parallel(int hk, int rep, const float* q, int64_t n
     return rc;
 }
 
+// ---- kvscope::gguf_linear: a GGUF weight's product (engine/quant/modules.py defines the operator) ----
+// A compiled decode step calls it ~113 times (1B shape): its Python kernel (find the weight's packed owner or
+// descriptor, then kq_linear through ctypes) cost ~12 us a call, ~1.4 ms a token. Here a table maps a call's
+// arguments to the descriptor Python made for them, and the same C function runs; a call the table does not hold
+// (a first call, a packing still pending, a float layout's owner, a loader's shapes-only run) goes to the Python
+// kernel, kvscope::gguf_linear_py, which fills the table once its answer is a plain descriptor's product.
+
+// engine/quant/csrc/kq_matmul.c's descriptor (engine.quant.kernel.Weight), copied into the table's entry
+struct kq_weight {
+    int32_t type, road;
+    const uint8_t* w;
+    int64_t rb, n_out, n;
+    const float* bias;
+    const int32_t* map;
+    const uint8_t* packed;
+};
+typedef int (*kq_linear_fn)(const kq_weight* W, const float* x, int64_t m, float* y, int threads);
+static std::atomic<kq_linear_fn> bound_kq{nullptr};
+static std::atomic<const int*> bound_held{nullptr};  // engine.quant.modules' shapes-only count: nonzero, no table
+
+// a call's arguments: the weight's address, rows, row bytes and row stride, its type, inputs and road, bias and
+// row map (the Python kernel's descriptors are keyed by the same, less the stride)
+struct GgufKey {
+    const void *w, *bias, *map;
+    int64_t rows, row_bytes, rb, type, n_in, road;
+    bool operator==(const GgufKey& o) const {
+        return w == o.w && bias == o.bias && map == o.map && rows == o.rows && row_bytes == o.row_bytes
+            && rb == o.rb && type == o.type && n_in == o.n_in && road == o.road;
+    }
+};
+struct GgufKeyHash {
+    size_t operator()(const GgufKey& k) const {
+        size_t h = std::hash<const void*>()(k.w);
+        for (int64_t v : {(int64_t)(uintptr_t)k.bias, (int64_t)(uintptr_t)k.map, k.rows, k.row_bytes, k.rb, k.type,
+                          k.n_in, k.road})
+            h = h * 1000003u ^ std::hash<int64_t>()(v);
+        return h;
+    }
+};
+// the descriptor and the storages it points into: an entry holds them, so no address in it is freed (and so
+// reused by another weight) while the table has it; a call in flight holds its entry
+struct GgufEntry {
+    kq_weight desc;
+    std::vector<c10::Storage> held;
+};
+static std::mutex gguf_mu;
+static std::unordered_map<GgufKey, std::shared_ptr<const GgufEntry>, GgufKeyHash> gguf_table;
+
+static GgufKey gguf_key(const at::Tensor& w, int64_t type, int64_t n_in, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& out_map, int64_t road) {
+    return GgufKey{w.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
+                   out_map.has_value() ? out_map->data_ptr() : nullptr, w.size(0), w.size(1), w.stride(0), type, n_in,
+                   road};
+}
+
+static at::Tensor gguf_linear_py(const at::Tensor& x2, const at::Tensor& w, c10::SymInt type, c10::SymInt n_in,
+                                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_map,
+                                 c10::SymInt road) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kvscope::gguf_linear_py", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt,
+                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, c10::SymInt)>();
+    return op.call(x2, w, std::move(type), std::move(n_in), bias, out_map, std::move(road));
+}
+
+// x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32, as the Python kernel
+static at::Tensor gguf_linear(const at::Tensor& x2, const at::Tensor& w, c10::SymInt type, c10::SymInt n_in,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_map,
+                              c10::SymInt road) {
+    const kq_linear_fn kq_linear = bound_kq.load();
+    const int* held = bound_held.load();
+    std::shared_ptr<const GgufEntry> e;
+    const int64_t n = n_in.expect_int();
+    if (kq_linear && held && __atomic_load_n(held, __ATOMIC_ACQUIRE) == 0 && x2.scalar_type() == at::kFloat
+            && x2.dim() == 2 && x2.size(1) == n && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1) {
+        const GgufKey k = gguf_key(w, type.expect_int(), n, bias, out_map, road.expect_int());
+        std::lock_guard<std::mutex> g(gguf_mu);
+        auto it = gguf_table.find(k);
+        if (it != gguf_table.end()) e = it->second;
+    }
+    if (!e) return gguf_linear_py(x2, w, std::move(type), std::move(n_in), bias, out_map, std::move(road));
+    const at::Tensor x = x2.contiguous();
+    const int64_t m = x.size(0);
+    at::Tensor y = at::empty({m, w.size(0)}, x.options());  // [m, n_out]
+    if (m && kq_linear(&e->desc, x.data_ptr<float>(), m, y.data_ptr<float>(), at::get_num_threads()) != 0)
+        TORCH_CHECK(false, "the GGUF block product refused its arguments or ran out of memory");
+    return y;
+}
+
+// kvscope::gguf_table_put: the descriptor at `desc` (engine.quant.kernel.Weight) answers the calls with these
+// arguments from now on; `held`: the tensors it points into (refused unless every address in it lies in one)
+static void gguf_table_put(const at::Tensor& w, int64_t type, int64_t n_in, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& out_map, int64_t road, at::TensorList held,
+                           int64_t desc) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1, "gguf_table_put: not a GGUF weight");
+    auto e = std::make_shared<GgufEntry>();
+    std::memcpy(&e->desc, (const void*)(uintptr_t)desc, sizeof(kq_weight));
+    for (const at::Tensor& t : held)
+        if (t.defined() && t.has_storage()) e->held.push_back(t.storage());
+    auto inside = [&](const void* p) {
+        if (!p) return true;
+        for (const c10::Storage& s : e->held) {
+            const char* b = (const char*)s.data();
+            if ((const char*)p >= b && (const char*)p < b + s.nbytes()) return true;
+        }
+        return false;
+    };
+    const kq_weight& d = e->desc;
+    TORCH_CHECK(d.w == w.data_ptr() && d.n == n_in && d.n_out == w.size(0) && d.type == type && d.road == road
+                && d.bias == (bias.has_value() ? bias->data_ptr() : nullptr)
+                && d.map == (out_map.has_value() ? out_map->data_ptr() : nullptr)
+                && inside(d.w) && inside(d.bias) && inside(d.map) && inside(d.packed),
+                "gguf_table_put: the descriptor is not these arguments' or points outside the tensors held");
+    const GgufKey k = gguf_key(w, type, n_in, bias, out_map, road);
+    std::lock_guard<std::mutex> g(gguf_mu);
+    gguf_table[k] = std::move(e);
+}
+
+// kq_linear's address (engine/quant/csrc, loaded by ctypes) and the shapes-only count's: the table answers once both
+// are bound
+extern "C" void kvs_gguf_bind(void* kq_linear, const int* held) {
+    bound_kq = (kq_linear_fn)kq_linear;
+    bound_held = held;
+}
+
+// Empty the table (its storages let go): a weight's module changed, packed or was collected.
+extern "C" void kvs_gguf_clear() {
+    std::unordered_map<GgufKey, std::shared_ptr<const GgufEntry>, GgufKeyHash> old;
+    {
+        std::lock_guard<std::mutex> g(gguf_mu);
+        old.swap(gguf_table);
+    }  // the storages are let go outside the lock
+}
+
+extern "C" int64_t kvs_gguf_size() {
+    std::lock_guard<std::mutex> g(gguf_mu);
+    return (int64_t)gguf_table.size();
+}
+
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
     m.impl("write_slot", &write_slot);
     m.impl("blocked_linear", &blocked_linear);
     m.impl("paged_decode", &paged_decode);
     m.impl("paged_decode_batch", &paged_decode_batch);
+    m.impl("gguf_linear", &gguf_linear);
+    m.impl("gguf_table_put", &gguf_table_put);
 }

@@ -1,0 +1,89 @@
+"""The table the C++ kernel of ``kvscope::gguf_linear`` answers from (``engine/native/csrc/torch_ops.cpp``), filled
+and emptied from Python.
+
+A compiled decode step calls the operator ~113 times (1B shape). Its Python kernel (``engine.quant.modules``) finds
+the weight's packed owner or descriptor and calls ``kq_linear`` through ctypes: ~12 us a call over the product,
+~1.4 ms a token. Once the C++ operators are loaded (``engine.model.linear_op.attach`` hands their library here), the
+Python kernel ``offer``s each call that was a plain descriptor's product (no packing pending, no float layout, not
+inside ``shapes_only``): the C++ kernel then answers the same arguments with the same C function and descriptor, and
+sends every other call to the Python kernel (``kvscope::gguf_linear_py``).
+
+An entry holds the storages its descriptor points into, so no address in the table is freed and reused while it is
+there. The table is emptied (``forget``) whenever a block linear changes (a weight, bias, row map, road, packed copy
+or layout set, moved, packed, deferred) or an owner it served is collected: an entry never answers for a module in
+another state than the one it was offered in. A ``forget`` between a call's start and its offer voids the offer
+(``generation``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+
+import torch
+
+# ``engine.quant.modules.shapes_only``'s count: while it is nonzero the C++ kernel sends every call to Python
+HELD = ctypes.c_int(0)
+# an offer and a forget one at a time (an offer is checked against the generation it saw); reentrant: a collection
+# inside an offer runs a collected owner's forget on the same thread
+_lock = threading.RLock()
+_state = {"ops": None, "bound": False, "generation": 0}
+
+# the C++ kernel's registration (its only kernel is C++'s): ``held``, the storages the descriptor points into
+_LIB = torch.library.Library("kvscope", "FRAGMENT")
+_LIB.define("gguf_table_put(Tensor w, int ggml_type, int n_in, Tensor? bias, Tensor? out_map, int road, "
+            "Tensor[] held, int desc) -> ()")
+
+
+def use(ops: ctypes.CDLL) -> None:
+    """The C++ operators' library, loaded and declared (``engine.model.linear_op``): the table is filled from now on."""
+    with _lock:
+        _state["ops"] = ops
+
+
+def generation() -> int:
+    """How many times the table was emptied: a call reads it before it looks at a module, ``offer`` after."""
+    return _state["generation"]
+
+
+def on() -> bool:
+    """Is there a C++ kernel to offer descriptors to?"""
+    return _state["ops"] is not None
+
+
+def offer(seen: int, x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
+          out_map: torch.Tensor | None, road: int, desc, owner=None) -> None:
+    """The descriptor ``desc`` (``(kq_linear, address, kernel.Weight, storages)``, as ``engine.quant.modules`` keeps
+    them) answers the calls with these arguments from now on, unless the table was emptied since ``seen``
+    (``generation``) or ``shapes_only`` is running. ``owner``: the block linear whose descriptor it is (its
+    collection empties the table). Calls the C++ kernel would send back (activations not float32 [m, n_in]) are not
+    offered: each would be offered again."""
+    ops = _state["ops"]
+    if ops is None or HELD.value or x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in:
+        return
+    held = [torch.empty(0, dtype=torch.uint8).set_(s) for s in desc[3]]  # the storages, as tensors
+    with _lock:
+        if seen != _state["generation"] or HELD.value:
+            return
+        if not _state["bound"]:
+            ops.kvs_gguf_bind(ctypes.cast(desc[0], ctypes.c_void_p).value, ctypes.addressof(HELD))
+            _state["bound"] = True
+        torch.ops.kvscope.gguf_table_put(w, ggml_type, n_in, bias, out_map, road, held, desc[1])
+        if owner is not None and not owner.__dict__.get("_tabled"):
+            owner.__dict__["_tabled"] = True
+            weakref.finalize(owner, forget).atexit = False
+
+
+def forget() -> None:
+    """Empty the table (its storages let go): a block linear changed or was collected. Cheap where it is empty."""
+    with _lock:
+        _state["generation"] += 1
+        if _state["ops"] is not None:
+            _state["ops"].kvs_gguf_clear()
+
+
+def size() -> int:
+    """Entries in the table (0 without the C++ kernel)."""
+    ops = _state["ops"]
+    return int(ops.kvs_gguf_size()) if ops is not None else 0
