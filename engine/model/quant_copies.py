@@ -10,9 +10,9 @@ quantized, bit for bit.
 A copy is a safetensors file (``<kind>-<key>.safetensors``: uint8 tensors ``[rows, row_bytes]`` named as the
 folder's weights, what each holds in ``__metadata__``) under ``$KVSCOPE_QUANTIZED_CACHE``, else
 ``$XDG_CACHE_HOME/kvscope/quantized``; ``KVSCOPE_QUANTIZED_CACHE=off`` turns copies off. Its key covers each weight
-file's size, modification time and header (the tensors' names, types, shapes and offsets), the quantization, the
-blocks' types and shapes, and ``VERSION`` (bumped when a quantizer's output changes): a folder edited, replaced or
-re-downloaded gets a new copy. The copies together stay within ``budget()`` (``KVSCOPE_QUANTIZED_CACHE_GIB``,
+file's path, size, modification time and header (the tensors' names, types, shapes and offsets), the quantization
+and ``VERSION`` (bumped when a quantizer's output changes): a folder edited, replaced, moved or re-downloaded gets a
+new copy, two folders never share one; the blocks' types and shapes are checked against the model's (``Copy``). The copies together stay within ``budget()`` (``KVSCOPE_QUANTIZED_CACHE_GIB``,
 16 GiB by default: an 8B model's Q8_0 linears are ~7 GiB), the least recently loaded removed first, and a copy is
 written only where ``FREE_MARGIN`` of the disk stays free after it. A copy is written beside the load (a 1B
 model's Q8_0: ~1 GB, ~0.3 s into the page cache) under a temporary name, made durable and renamed on a thread
@@ -78,7 +78,7 @@ def key(files: list[Path], kind: str) -> str:
     h = hashlib.sha256(f"{VERSION}\0{kind}\0".encode())
     for path in files:
         st = path.stat()
-        h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             h.update(f.read(min(n, MAX_HEADER)))  # (the folder's header was checked whole before this)
