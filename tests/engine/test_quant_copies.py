@@ -80,15 +80,17 @@ def test_the_second_load_maps_the_first_loads_blocks(kind, folder, cache):
 def test_a_changed_folder_gets_a_new_copy(folder, cache, tmp_path):
     import shutil
 
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)  # (times kept: the same names, sizes, times and headers as ``folder``'s)
     _load(folder, "int8")
-    moved = tmp_path / "edited"
-    shutil.copytree(folder, moved)
-    weights = next(moved.glob("*.safetensors"))
+    assert "quantized from the folder at load" in _load(edited, "int8").info.weights_kernel  # another place
+    weights = next(edited.glob("*.safetensors"))
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the same bytes, touched: another copy
-    lm = _load(moved, "int8")
+    lm = _load(edited, "int8")
     assert "quantized from the folder at load" in lm.info.weights_kernel
-    assert len(list(cache.glob("int8-*.safetensors"))) == 2
+    assert len(list(cache.glob("int8-*.safetensors"))) == 3
+    assert "blocks mapped from" in _load(edited, "int8").info.weights_kernel
 
 
 @pytest.mark.parametrize("damage", ["cut", "not json", "other tensors", "empty"])
