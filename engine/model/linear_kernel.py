@@ -9,6 +9,10 @@ in the background) shares the blocks among them (``PARALLEL``) — until then fl
 bfloat16 runs here on one thread. A compiled step calls it as the operator ``kvscope::blocked_linear`` (below). Built
 by the engine's one build path (``engine.native.build``: prebuilt for this CPU, else compiled at first use); without
 it the torch path runs. Results differ from torch's only in summation order.
+
+Float32 rows may meet bfloat16 weights (``float_product``: a BF16 GGUF's linears in float32 compute), the outputs
+float32: the weights widened in registers, or the rows rounded to bfloat16 once and multiplied by pairs where the
+GGUF road rounds them so (``rounded``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ BLOCK = 16
 # Set once ``engine.model.linear_op`` has loaded the operator's C++ kernel: it shares a product's blocks among
 # torch's threads, so ``product`` calls it on several threads (on one, the library straight: no dispatch).
 PARALLEL = False
+# ``engine.model.linear_op``'s ctypes entry sharing a float32-rows product's blocks among torch's threads (None: not
+# loaded, or a library prebuilt without it: one thread)
+PARALLEL_XH = None
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -31,6 +38,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.kvs_blocked_mm, lib.kvs_blocked_mm_h):
         fn.restype = i
         fn.argtypes = [i, i, i64, i64, p, p, p, p, i64]  # rows n_in b0 b1 x wb bias y ldy
+    if hasattr(lib, "kvs_blocked_mm_xh"):  # (a library prebuilt before it has no float32-rows product)
+        lib.kvs_blocked_mm_xh.restype = i
+        lib.kvs_blocked_mm_xh.argtypes = [i, i, i64, i64, p, p, p, p, p, i64]  # rows n_in b0 b1 xf xb wb bias y ldy
     lib.kvs_bf16_pairs.restype = i
     lib.kvs_bf16_pairs.argtypes = []
     lib.kvs_block16.restype = i
@@ -55,11 +65,12 @@ def block_into(w: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
-    """Can ``product`` take these (float32 or bfloat16 weights on the CPU, one row or more, float32 on one torch
-    thread, eager: not inside a trace)?"""
+    """Can ``product`` take these (float32 or bfloat16 weights on the CPU, rows of their dtype or float32 rows with
+    bfloat16 weights, one row or more, float32 weights on one torch thread, eager: not inside a trace)?"""
+    mixed = x2.dtype == torch.float32 and wb.dtype == torch.bfloat16  # ``float_product``'s pair
     return (not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # first: no guard on rows
             and type(x2) is torch.Tensor  # not a tracer's fake: no data to read
-            and x2.shape[0] >= 1 and wb.dtype in DTYPES and x2.dtype == wb.dtype
+            and x2.shape[0] >= 1 and wb.dtype in DTYPES and (x2.dtype == wb.dtype or (mixed and takes_float()))
             # float32 on several threads only when the operator's C++ kernel shares the blocks among them
             # (``PARALLEL``), else MKL's bmm does; bfloat16 always (torch's per-block bfloat16 product reads 5 GB/s)
             and (torch.get_num_threads() == 1 or PARALLEL or wb.dtype == torch.bfloat16)
@@ -68,9 +79,11 @@ def usable(x2: torch.Tensor, wb: torch.Tensor) -> bool:
 
 def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out] in their dtype (``usable``
-    first). bfloat16's sums are float32 (by pairs of inputs where the CPU has AVX512_BF16, ``bf16_pairs``, else
+    first; float32 rows and bfloat16 weights: ``float_product``, float32). bfloat16's sums are float32 (by pairs of inputs where the CPU has AVX512_BF16, ``bf16_pairs``, else
     widened in registers), rounded once at the end. Nothing else
     runs around the call (a decode step makes 121 of them: each microsecond here is 0.1 ms a token)."""
+    if x2.dtype != wb.dtype:
+        return float_product(x2, wb, bias)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     rows, n_in = x2.shape
@@ -83,6 +96,36 @@ def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> to
     fn = lib.kvs_blocked_mm if wb.dtype == torch.float32 else lib.kvs_blocked_mm_h
     fn(rows, n_in, 0, nb, x2.data_ptr(), wb.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
        nb * BLOCK)
+    return y
+
+
+def takes_float() -> bool:
+    """Has the library the float32-rows product (``float_product``; not in one prebuilt before it)?"""
+    lib = LINEAR.library()
+    return lib is not None and hasattr(lib, "kvs_blocked_mm_xh")
+
+
+def float_product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, rounded: bool = False
+                  ) -> torch.Tensor:
+    """x2 [rows, in] float32 times blocked bfloat16 wb [out/16, in, 16] (+ float32 bias [out]) -> [rows, out]
+    float32 (``takes_float`` first): the weights widened in registers, the sums float32 (the float32 model the gguf
+    package dequantizes, in another order); ``rounded``: the rows rounded to bfloat16 first (to nearest even, once a
+    call) and multiplied by pairs where the CPU has AVX512_BF16 (a BF16 GGUF's default road there: twice the
+    products a cycle for a prompt's rows). On several threads the blocks are shared among them (``PARALLEL_XH``)."""
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows, nb = x2.shape[0], wb.shape[0]
+    y = torch.empty(rows, nb * BLOCK, dtype=torch.float32)  # [rows, out]
+    xb = x2.to(torch.bfloat16) if rounded else None  # [rows, in]
+    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    args = (x2.data_ptr(), xb.data_ptr() if xb is not None else None, wb.data_ptr(),
+            b.data_ptr() if b is not None else None, y.data_ptr(), nb * BLOCK)
+    if PARALLEL_XH is not None and torch.get_num_threads() > 1:
+        rc = PARALLEL_XH(rows, x2.shape[1], nb, *args)
+    else:
+        rc = LINEAR.library().kvs_blocked_mm_xh(rows, x2.shape[1], 0, nb, *args)
+    if rc != 0:
+        raise RuntimeError("the blocked product refused its arguments")
     return y
 
 
@@ -109,7 +152,7 @@ _PAIRS: dict[int, bool] = {}
 def torch_product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The same with torch's ops: one small matrix product per block (MKL's ``bmm``)."""
     rows = x2.shape[0]
-    y = torch.matmul(x2, wb).transpose(0, 1).reshape(rows, -1)  # [out/B, rows, B] -> [rows, out]
+    y = torch.matmul(x2, wb.to(x2.dtype)).transpose(0, 1).reshape(rows, -1)  # [out/B, rows, B] -> [rows, out]
     return y + bias if bias is not None else y
 
 

@@ -45,6 +45,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.kvs_tq_decode_parallel
     fn.restype = i
     fn.argtypes = [i, i, p, i64, i64, p, p, p, i64, i64]  # hk rep q n nt keys values out width dv
+    if hasattr(lib, "kvs_ops_bind_xh"):  # float32 rows x bfloat16 weights (a library prebuilt before: none)
+        lib.kvs_ops_bind_xh.restype = None
+        lib.kvs_ops_bind_xh.argtypes = [p]  # kvs_blocked_mm_xh
+        fn = lib.kvs_blocked_xh_parallel
+        fn.restype = i
+        fn.argtypes = [i, i, i64, p, p, p, p, p, i64]  # rows n_in nb xf xb wb bias y ldy
     lib.kvs_gguf_bind.restype = None
     lib.kvs_gguf_bind.argtypes = [p, p]  # kq_linear, the shapes-only count
     lib.kvs_gguf_clear.restype = None
@@ -80,6 +86,9 @@ def attach() -> bool:
         ops.kvs_ops_bind(_address(lib.kvs_blocked_mm), _address(lib.kvs_blocked_mm_h),
                          _address(attn.kvs_plain_decode), _address(attn.kvs_tq_decode_heads))
         native.PARALLEL_TQ = ops.kvs_tq_decode_parallel  # the quantized pages' attention: heads shared too
+        if linear_kernel.takes_float() and hasattr(ops, "kvs_ops_bind_xh"):  # (both built with it)
+            ops.kvs_ops_bind_xh(_address(lib.kvs_blocked_mm_xh))
+            linear_kernel.PARALLEL_XH = ops.kvs_blocked_xh_parallel  # float32 rows x bfloat16: blocks shared
         gguf_op.use(ops)  # the GGUF products' table (kq_linear bound at its first entry: the GGUF kernels loaded)
         linear_kernel.PARALLEL = True
         _state["loaded"] = True

@@ -180,21 +180,32 @@ class MergedPart(nn.Module):
 
 
 class _BF16Blocked:
-    """A BF16 block linear's weight (``engine.quant.modules.BlockLinear``: a safetensors file's rows, mapped) held
-    blocked for the native product, as ``PackedLinear`` holds a bfloat16 model's: ``BlockLinear.layout``. Why: the
-    rows' own product (``kq_bf16_rows``: four rows against the activations, each a stream) read the 1B shape's
-    weights at 78 ms a token against the blocked product's 99 -> 78 (one thread, the same machine); the blocking
-    (``kvs_block16``) runs on the pack thread after the load and each weight's file pages go as it is blocked.
-    For bfloat16 compute only: the blocked product rounds its sums to bfloat16, as the bfloat16 model does."""
+    """A BF16 block linear's weight (``engine.quant.modules.BlockLinear``: a safetensors file's or a BF16 GGUF's
+    rows, mapped) held blocked for the native product, as ``PackedLinear`` holds a bfloat16 model's:
+    ``BlockLinear.layout``. Why: the rows' own product (``kq_bf16_rows``: four rows against the activations, each a
+    stream) read the 1B shape's weights at 78 ms a token against the blocked product's 99 -> 78 (one thread, the same
+    machine); the blocking (``kvs_block16``) runs on the pack thread after the load and each weight's file pages go
+    as it is blocked. ``compute``: the activations it serves. bfloat16 (a bf16 folder, ``BF16_BLOCKED``): the product
+    rounds its sums to bfloat16, as the bfloat16 model does. float32 (a BF16 GGUF, ``BF16_BLOCKED_F32``): float32
+    rows times the widened weights, float32 sums and outputs, the numerics of the rows' float product
+    (``linear_kernel.float_product``: 8192x2048, one row, 28 GB/s against the rows' 20); ``rounded``
+    (``BF16_BLOCKED_F32_ROUNDED``): the rows rounded to bfloat16 first and multiplied by pairs, as the GGUF default
+    road rounds them on a CPU with AVX512_BF16 (256 rows of 2048x2048: 9.8 ms against the rows' GEMM's 12)."""
+
+    def __init__(self, compute: torch.dtype = torch.bfloat16, rounded: bool = False) -> None:
+        self.compute, self.rounded = compute, rounded
 
     def takes(self, ggml_type: int, n_out: int, dtype: torch.dtype) -> bool:
-        return (ggml_type == 30 and dtype == torch.bfloat16 and n_out % BLOCK == 0
-                and linear_kernel.LINEAR.library() is not None)
+        native = linear_kernel.LINEAR.library() is not None if self.compute == torch.bfloat16 else \
+            linear_kernel.takes_float()
+        return ggml_type == 30 and dtype == self.compute and n_out % BLOCK == 0 and native
 
     def pack(self, rows: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
         return block(rows.view(torch.bfloat16).view(n_out, n_in))  # [out/B, in, B]
 
     def product(self, x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.compute == torch.float32:
+            return linear_kernel.float_product(x2.to(torch.float32), wb, bias, self.rounded)  # [m, out] float32
         return _blocked(x2.to(torch.bfloat16), wb, bias.to(torch.bfloat16) if bias is not None else None)  # [m, out]
 
     def bytes(self, n_out: int, n_in: int) -> int:
@@ -202,3 +213,5 @@ class _BF16Blocked:
 
 
 BF16_BLOCKED = _BF16Blocked()
+BF16_BLOCKED_F32 = _BF16Blocked(torch.float32)
+BF16_BLOCKED_F32_ROUNDED = _BF16Blocked(torch.float32, rounded=True)

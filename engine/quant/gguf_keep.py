@@ -190,6 +190,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     with _cached_name_map():
         names = get_gguf_hf_weights_map(model, processor)
     total, group = max(len(table.entries), 1), []  # the linears packed together at the first product
+    layout = bf16_layout(dtype, device)
     for i, (gname, (t, shape, _, _)) in enumerate(table.entries.items()):
         check()
         if progress and i % max(1, total // 50) == 0:
@@ -197,8 +198,8 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
         hf = names.get(gname)
         if hf is None:
             continue  # llama.cpp's extras the model has no place for (rope_freqs): transformers skips them too
-        _place(model, table, processor, gname, hf, t, shape, dtype, device, group)
-    tie_head(model, table, group)
+        _place(model, table, processor, gname, hf, t, shape, dtype, device, group, layout)
+    tie_head(model, table, group, layout)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{path.name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])})")
@@ -242,25 +243,44 @@ def keep_module(model, owner_name: str, blocks: torch.Tensor, ggml_type: int, dt
     return False
 
 
+def bf16_layout(dtype: torch.dtype, device: str):
+    """The float layout BF16 linears take (``BlockLinear.layout``; None: the rows' product): on the CPU in float32
+    compute, blocked on the pack thread for the native product (``packed_linear.BF16_BLOCKED_F32``: ~1.2-1.4x the
+    rows' at a decode row), each file's pages let go once blocked; its activations rounded to bfloat16 where the
+    rows' product rounds them (the default road on AVX512_BF16), else float32: the numerics unchanged."""
+    lib = kernel.library()
+    if device != "cpu" or dtype != torch.float32 or lib is None:
+        return None
+    from engine.model import linear_kernel, packed_linear
+
+    if not linear_kernel.takes_float():
+        return None
+    rounded = kernel.default_road() == "int8" and bool(lib.kq_gemm_float_pairs(30, 0))  # kq_matmul's own test
+    return packed_linear.BF16_BLOCKED_F32_ROUNDED if rounded else packed_linear.BF16_BLOCKED_F32
+
+
 def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: tuple[int, ...],
-           dtype: torch.dtype, device: str, group: list) -> None:
-    """Put the file's tensor ``gname`` where the model's ``hf`` is: a kept weight replaces its module, anything
-    else is dequantized (and processed as transformers would) into the parameter."""
+           dtype: torch.dtype, device: str, group: list, layout=None) -> None:
+    """Put the file's tensor ``gname`` where the model's ``hf`` is: a kept weight replaces its module (``layout``:
+    the float layout a BF16 linear takes, ``bf16_layout``), anything else is dequantized (and processed as
+    transformers would) into the parameter."""
     owner_name, leaf = hf.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
     current = getattr(owner, leaf)
     if (leaf == "weight" and _keep(t, shape, device) and tuple(current.shape) == shape
             and keep_module(model, owner_name, table.blocks(gname), t, dtype, device, group,
-                            functools.partial(table.release, gname), _row_order(processor, gname, shape[0]))):
+                            functools.partial(table.release, gname), _row_order(processor, gname, shape[0]),
+                            layout)):
         return
     data = processor.process(weights=table.floats(gname), name=gname).weights
     value = torch.from_numpy(np.ascontiguousarray(data)).to(dtype).reshape(current.shape).to(device)
     setattr(owner, leaf, nn.Parameter(value, requires_grad=False) if isinstance(current, nn.Parameter) else value)
 
 
-def tie_head(model, table: Mapping, group: list) -> None:
+def tie_head(model, table: Mapping, group: list, layout=None) -> None:
     """An output head the file has no tensor for reads the embedding (tied): the same blocks, no copy (a packed
-    copy for the integer road's product, as llama.cpp's repacked output head; the lookups read the file's rows)."""
+    copy for the integer road's product, as llama.cpp's repacked output head, or ``layout``'s where it takes them;
+    the lookups read the file's rows)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None or not weight.is_meta:
@@ -269,6 +289,8 @@ def tie_head(model, table: Mapping, group: list) -> None:
         name = next(n for n, m in model.named_modules() if m is head)
         new = BlockLinear(embed.weight.data, embed.ggml_type, embed.embedding_dim,
                           head.bias if head.bias is not None and not head.bias.is_meta else None)
+        if layout is not None and layout.takes(new.ggml_type, new.out_features, embed.dtype):
+            new.layout = layout
         model.set_submodule(name, new)
         gname = table.name_at(embed.weight.data_ptr())
         if new.weight.device.type == "cpu" and gname is not None:
@@ -296,23 +318,39 @@ class Plan:
     device: str
     road: str  # "int8 activations, AVX-512 + VNNI"
     packed: bool = False  # the integer road's linears repacked sixteen rows a group (the file's pages let go)
+    blocked: bool = False  # every linear BF16, blocked for the native product (``bf16_layout``: the pages let go)
 
     @property
     def where(self) -> str:
         if self.device != "cpu":
             return f"copied to {self.device} layer by layer"
-        return "repacked from the file" if self.packed else "mapped from the file"
+        return "repacked from the file" if self.packed else "blocked from the file" if self.blocked else \
+            "mapped from the file"
+
+
+def _linears(info) -> list[int]:
+    """Indices of ``info``'s 2-D tensors multiplied as linears (not the token embedding, whose rows are looked up in
+    the file, unless it is also the output head)."""
+    names = [t.name for t in info.tensors]
+    tied = "output.weight" not in names
+    return [i for i, (_, s) in enumerate(tensor_types(info))
+            if len(s) == 2 and (names[i] != "token_embd.weight" or tied)]
 
 
 def _packed(info, device: str) -> list[int]:
-    """Indices of ``info``'s tensors the loader holds repacked: the linears of a packed type (not the token
-    embedding, whose rows are looked up in the file, but its packed copy where it is also the output head)."""
+    """Indices of ``info``'s linears the loader holds repacked (a packed type's)."""
     if device != "cpu" or kernel.default_road() != "int8" or not kernel.packs():
         return []
-    names = [t.name for t in info.tensors]
-    tied = "output.weight" not in names
-    return [i for i, (t, s) in enumerate(tensor_types(info))
-            if formats.packed_bytes(t, s) and kernel.packs(t) and (names[i] != "token_embd.weight" or tied)]
+    types = tensor_types(info)
+    return [i for i in _linears(info) if formats.packed_bytes(*types[i]) and kernel.packs(types[i][0])]
+
+
+def _blocked(info, device: str, compute_bytes: int) -> list[int]:
+    """Indices of ``info``'s BF16 linears the loader holds blocked (``bf16_layout``: float32 compute on the CPU)."""
+    if compute_bytes != 4 or bf16_layout(torch.float32, device) is None:
+        return []
+    types = tensor_types(info)
+    return [i for i in _linears(info) if types[i][0] == 30 and types[i][1][0] % 16 == 0]
 
 
 def plan(info, device: str, compute_bytes: int) -> Plan:
@@ -320,10 +358,14 @@ def plan(info, device: str, compute_bytes: int) -> Plan:
     types = [(t if len(s) != 2 or _keep(t, s, device) else -1, s) for t, s in tensor_types(info)]
     packed = _packed(info, device)
     mapped, copied = formats.model_bytes([(t if t >= 0 else 99, s) for t, s in types], compute_bytes, packed=packed)
+    blocked = _blocked(info, device, compute_bytes)
+    moved = sum(formats.file_bytes(*types[i]) for i in blocked)  # a blocked copy where the file's pages were
+    mapped, copied = mapped - moved, copied + moved
     lost = tuple(sorted({formats.name(t) for t, s in tensor_types(info) if len(s) == 2 and not _keep(t, s, device)}))
     road = (f"{kernel.default_road()} activations, {kernel.isa()}" if device == "cpu"
             else "ggml's kernels or cuBLAS on dequantized chunks")
-    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed))
+    every = bool(blocked) and set(blocked) == {i for i in _linears(info) if types[i][0] >= 0}  # none left mapped
+    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed), every)
 
 
 def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None):

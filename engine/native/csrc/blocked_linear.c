@@ -40,10 +40,11 @@ static inline void sth(uint16_t* y, v16 o) {
 
 /* y[r0 + r, b*16 + j] = sum_i x[r0 + r, i] * wb[b, i, j] (+ bias[b*16 + j]) for R rows of block b: the block's
    weights are read once for the R rows. x: [rows, n_in] rows n_in apart; y: rows ldy apart. T: the weights' (and
-   rows') type, LD their vector loader; X the rows' scalar loader; LB / ST the bias's loader and the output's store. */
+   weights' type, LD their vector loader; X the rows' scalar loader (the rows' type is x's own: float32 rows may
+   meet bfloat16 weights); LB / ST the bias's loader and the output's store. */
 #define KVS_GROUP(R, T, LD, X, LB, ST) { \
         const T* w = wb + b * (int64_t)n_in * 16; \
-        const T* xr = x + (int64_t)r0 * n_in; \
+        const __typeof__(*x)* xr = x + (int64_t)r0 * n_in; \
         v16 acc[R]; \
         for (int r = 0; r < R; r++) acc[r] = (v16){0}; \
         for (int i = 0; i < n_in; i++) { \
@@ -103,8 +104,9 @@ static inline void sth(uint16_t* y, v16 o) {
    are 64 adjacent bytes (two rows of sixteen); one permute interleaves them into the pairs the instruction reads.
    The products are exact in float32 and the sums float32 (denormal inputs read as zero). SmolLM2 shape's linears,
    one thread: 1 row 8.0 ms (26 GB/s) against 10.6 widened, 4 rows 9.0 against 18.2, 128 rows 149 ms against 218
-   for oneDNN on the plain layout. An odd last input is widened as above. */
-#define KVS_PAIRS(R) { \
+   for oneDNN on the plain layout. An odd last input is widened as above. LB / ST: the bias's loader and the
+   output's store (bfloat16, or float32 for kvs_blocked_mm_xh). */
+#define KVS_PAIRS(R, LB, ST) { \
         const uint16_t* w = wb + b * (int64_t)n_in * 16; \
         const uint16_t* xr = x + (int64_t)r0 * n_in; \
         __m512 acc[R]; \
@@ -120,11 +122,15 @@ static inline void sth(uint16_t* y, v16 o) {
         for (int r = 0; r < R; r++) { \
             v16 o; memcpy(&o, &acc[r], 64); \
             if (i < n_in) o += xbf(xr + (int64_t)r * n_in + i) * ldh(w + (int64_t)i * 16); \
-            if (bias) o += ldh(bias + b * 16); \
-            sth(y + (int64_t)(r0 + r) * ldy + b * 16, o); \
+            if (bias) o += LB(bias + b * 16); \
+            ST(y + (int64_t)(r0 + r) * ldy + b * 16, o); \
         } \
     }
-#define KVS_PAIRS_OF(R, ...) KVS_PAIRS(R)
+/* the pairs' order: input i's output j, then input i+1's */
+#define KVS_PAIRS_ORDER \
+    short order[32]; \
+    for (int j = 0; j < 16; j++) { order[2 * j] = (short)j; order[2 * j + 1] = (short)(16 + j); } \
+    const __m512i pairs = _mm512_loadu_si512(order);
 int kvs_bf16_pairs(void) { return 1; }
 #else
 int kvs_bf16_pairs(void) { return 0; }
@@ -234,10 +240,8 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
 {
     if (rows < 1) return -1;
 #ifdef __AVX512BF16__
-    short order[32];  /* the pairs' order: input i's output j, then input i+1's */
-    for (int j = 0; j < 16; j++) { order[2 * j] = (short)j; order[2 * j + 1] = (short)(16 + j); }
-    const __m512i pairs = _mm512_loadu_si512(order);
-    KVS_MANY(KVS_PAIRS_OF, 0)
+    KVS_PAIRS_ORDER
+    KVS_MANY(KVS_PAIRS, ldh, sth)
 #elif defined(KVS_AVX2)
     if (rows == 1) { A2_ONE(uint16_t, w8h, joinh, xbf, ldh, sth) }
     else {
@@ -251,6 +255,52 @@ int kvs_blocked_mm_h(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t*
     if (rows == 1) { KVS_ONE(uint16_t, ldh, xbf, ldh, sth) }
     else { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ldh, sth) }
 #endif
+    return 0;
+}
+
+/* Float32 rows times bfloat16 weights -> float32 (bias float32): a BF16 GGUF's linears computed in float32
+   (engine/model/packed_linear.py, BF16_BLOCKED_F32), whose rows' product (engine/quant/csrc) this replaces with
+   the same numerics. ``xb`` null: the float32 rows ``xf`` times the weights widened in registers as above (exact: a
+   bfloat16 is the top half of a float32), the sums float32 — the float32 model the gguf package dequantizes, in
+   another order (the GGUF float road, and every road on a CPU without AVX512_BF16). ``xb`` given: the same rows
+   rounded to bfloat16 by the caller (once, not per thread's share), multiplied by pairs where the CPU has
+   AVX512_BF16, else widened — the GGUF default road's numerics on such a CPU (kq_bf16_rows and its GEMM round the
+   activations so). 8192x2048, one row, one thread, weights from memory: 28 GB/s either way (the rows' product 20
+   float, 23 rounded); 256 rows of 2048x2048: 19.4 ms widened, 9.8 by pairs (rows: 22 / 12). */
+int kvs_blocked_mm_xh(int rows, int n_in, int64_t b0, int64_t b1, const float* xf, const uint16_t* xb,
+                      const uint16_t* wb, const float* bias, float* y, int64_t ldy)
+{
+    if (rows < 1) return -1;
+    if (!xb) {
+        const float* x = xf;
+#ifdef KVS_AVX2
+        const float* xs = x;
+        if (rows == 1) { A2_ONE(uint16_t, w8h, joinh, xf32, ld, st) }
+        else { A2_MANY(uint16_t, w8h, joinh, xf32, ld, st) }
+#else
+        if (rows == 1) { KVS_ONE(uint16_t, ldh, xf32, ld, st) }
+        else { KVS_MANY(KVS_GROUP, uint16_t, ldh, xf32, ld, st) }
+#endif
+        return 0;
+    }
+    const uint16_t* x = xb;
+#ifdef __AVX512BF16__
+    KVS_PAIRS_ORDER
+    KVS_MANY(KVS_PAIRS, ld, st)
+#elif defined(KVS_AVX2)
+    if (rows == 1) { A2_ONE(uint16_t, w8h, joinh, xbf, ld, st) }
+    else {
+        float* xs = (float*)malloc((size_t)rows * n_in * sizeof(float));
+        if (!xs) { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ld, st) return 0; }  /* slower, same sums */
+        for (int64_t k = 0; k < (int64_t)rows * n_in; k++) xs[k] = bf(x[k]);
+        A2_MANY(uint16_t, w8h, joinh, xbf, ld, st)
+        free(xs);
+    }
+#else
+    if (rows == 1) { KVS_ONE(uint16_t, ldh, xbf, ld, st) }
+    else { KVS_MANY(KVS_GROUP, uint16_t, ldh, xbf, ld, st) }
+#endif
+    (void)xf;
     return 0;
 }
 

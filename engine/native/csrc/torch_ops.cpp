@@ -32,6 +32,8 @@ typedef int (*kvs_mm_fn)(int rows, int n_in, int64_t b0, int64_t b1, const float
                          const float* bias, float* y, int64_t ldy);
 typedef int (*kvs_mm_h_fn)(int rows, int n_in, int64_t b0, int64_t b1, const uint16_t* x, const uint16_t* wb,
                            const uint16_t* bias, uint16_t* y, int64_t ldy);
+typedef int (*kvs_mm_xh_fn)(int rows, int n_in, int64_t b0, int64_t b1, const float* xf, const uint16_t* xb,
+                            const uint16_t* wb, const float* bias, float* y, int64_t ldy);
 typedef int (*kvs_plain_fn)(int h0, int h1, int rep, int64_t n, int dk, int dv, int bf16, const void* kp,
                             int64_t k_head, const void* vp, int64_t v_head, const int64_t* slots, const void* q,
                             const void* nk, const void* nv, float scale, void* out);
@@ -39,6 +41,7 @@ typedef int (*kvs_tq_heads_fn)(int h0, int h1, int rep, const float* q, int64_t 
                                const void* v, float* out);
 static std::atomic<kvs_mm_fn> bound_mm{nullptr};
 static std::atomic<kvs_mm_h_fn> bound_mm_h{nullptr};
+static std::atomic<kvs_mm_xh_fn> bound_mm_xh{nullptr};
 static std::atomic<kvs_plain_fn> bound_plain{nullptr};
 static std::atomic<kvs_tq_heads_fn> bound_tq_heads{nullptr};
 
@@ -50,6 +53,25 @@ extern "C" void kvs_ops_bind(void* mm, void* mm_h, void* plain, void* tq_heads) 
     bound_tq_heads = (kvs_tq_heads_fn)tq_heads;
 }
 
+// kvs_blocked_mm_xh's address (float32 rows, bfloat16 weights): bound apart from the others, so a Python that finds
+// this symbol missing (a library prebuilt before it) keeps calling kvs_ops_bind as before
+extern "C" void kvs_ops_bind_xh(void* mm_xh) { bound_mm_xh = (kvs_mm_xh_fn)mm_xh; }
+
+// float32 rows x [rows, n_in] (xb: the same rounded to bfloat16 by the caller, or null) times blocked bfloat16 wb
+// [nb, n_in, 16] (+ float32 bias) -> y [rows, ldy] float32, the blocks shared among torch's threads: called through
+// ctypes (linear_kernel.float_product) and by blocked_linear below. 0 done; -1 unbound or refused.
+extern "C" int kvs_blocked_xh_parallel(int rows, int n_in, int64_t nb, const float* x, const uint16_t* xb,
+                                       const uint16_t* wb, const float* bias, float* y, int64_t ldy) {
+    const kvs_mm_xh_fn mm = bound_mm_xh.load();
+    if (!mm || rows < 1) return -1;
+    const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, (int64_t)rows * n_in * 16));
+    std::atomic<int> rc{0};
+    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+        if (mm(rows, n_in, b0, b1, x, xb, wb, bias, y, ldy)) rc = -1;
+    });
+    return rc;
+}
+
 // x2 [rows, in] times blocked wb [out/16, in, 16] (+ bias [out]) -> [rows, out], as linear_kernel.blocked_product:
 // the native product, its blocks shared among torch's threads (at::parallel_for: torch's own pool, no second one);
 // torch's per-block product for other dtypes (and without the kernel).
@@ -58,8 +80,21 @@ static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, con
     const kvs_mm_h_fn kvs_blocked_mm_h = bound_mm_h.load();
     const bool f32 = wb.scalar_type() == at::kFloat && kvs_blocked_mm,
                bf16 = wb.scalar_type() == at::kBFloat16 && kvs_blocked_mm_h;
+    const bool mixed = x2.scalar_type() == at::kFloat && wb.scalar_type() == at::kBFloat16;
+    if (mixed && bound_mm_xh.load() && x2.size(0) >= 1) {  // float32 rows, bfloat16 weights: float32 out
+        const at::Tensor x = x2.contiguous(), w = wb.contiguous();
+        const int64_t rows = x.size(0), nb = w.size(0);
+        at::Tensor y = at::empty({rows, nb * 16}, x.options());
+        at::Tensor b;
+        if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+        if (kvs_blocked_xh_parallel((int)rows, (int)x.size(1), nb, x.data_ptr<float>(), nullptr,
+                                    (const uint16_t*)w.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                    y.data_ptr<float>(), nb * 16))
+            TORCH_CHECK(false, "blocked_linear: the float32-rows product refused its arguments");
+        return y;
+    }
     if (!(f32 || bf16) || x2.scalar_type() != wb.scalar_type() || x2.size(0) < 1) {
-        at::Tensor y = at::matmul(x2, wb).transpose(0, 1).reshape({x2.size(0), -1});
+        at::Tensor y = at::matmul(x2, wb.to(x2.scalar_type())).transpose(0, 1).reshape({x2.size(0), -1});
         return bias.has_value() ? y + *bias : y;
     }
     const at::Tensor x = x2.contiguous(), w = wb.contiguous();
