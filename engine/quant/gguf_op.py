@@ -4,9 +4,11 @@ and emptied from Python.
 A compiled decode step calls the operator ~113 times (1B shape). Its Python kernel (``engine.quant.modules``) finds
 the weight's packed owner or descriptor and calls ``kq_linear`` through ctypes: ~12 us a call over the product,
 ~1.4 ms a token. Once the C++ operators are loaded (``engine.model.linear_op.attach`` hands their library here), the
-Python kernel ``offer``s each call that was a plain descriptor's product (no packing pending, no float layout, not
-inside ``shapes_only``): the C++ kernel then answers the same arguments with the same C function and descriptor, and
-sends every other call to the Python kernel (``kvscope::gguf_linear_py``).
+Python kernel ``offer``s each call that was a plain descriptor's product (no packing pending, not inside
+``shapes_only``): the C++ kernel then answers the same arguments with the same C function and descriptor, and sends
+every other call to the Python kernel (``kvscope::gguf_linear_py``). A float layout's owner whose product is the
+float32-rows blocked one (a BF16 GGUF's, ``packed_linear.BF16_BLOCKED_F32``) is offered as its blocked copy
+(``offer_blocked``): the C++ kernel calls that product (``kvs_blocked_xh_parallel``) as its Python product does.
 
 An entry holds the storages its descriptor points into, so no address in the table is freed and reused while it is
 there. The table is emptied (``forget``) whenever a block linear changes (a weight, bias, row map, road, packed copy
@@ -17,6 +19,7 @@ another state than the one it was offered in. A ``forget`` between a call's star
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import weakref
@@ -34,11 +37,15 @@ _state = {"ops": None, "bound": False, "generation": 0}
 _LIB = torch.library.Library("kvscope", "FRAGMENT")
 _LIB.define("gguf_table_put(Tensor w, int ggml_type, int n_in, Tensor? bias, Tensor? out_map, int road, "
             "Tensor[] held, int desc) -> ()")
+_LIB.define("gguf_table_put_blocked(Tensor w, int ggml_type, int n_in, Tensor? bias, Tensor? out_map, int road, "
+            "Tensor wb, bool rounded) -> ()")
 
 
 def use(ops: ctypes.CDLL) -> None:
     """The C++ operators' library, loaded and declared (``engine.model.linear_op``): the table is filled from now on."""
     with _lock:
+        if _state["ops"] is None:  # emptied while Python runs: an entry left to the library's exit would let its
+            atexit.register(forget)  # storages go after Python is gone (a numpy or mapping storage: a crash)
         _state["ops"] = ops
 
 
@@ -63,13 +70,39 @@ def offer(seen: int, x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: in
     if ops is None or HELD.value or x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in:
         return
     held = [torch.empty(0, dtype=torch.uint8).set_(s) for s in desc[3]]  # the storages, as tensors
+    _put(seen, desc[0], owner, torch.ops.kvscope.gguf_table_put, w, ggml_type, n_in, bias, out_map, road, held,
+         desc[1])
+
+
+def offer_blocked(seen: int, x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bias: torch.Tensor | None,
+                  out_map: torch.Tensor | None, road: int, owner) -> None:
+    """``offer`` for a float layout's owner (``owner.layout``, ``owner.packed``): where its product is the float32-rows
+    blocked one (``linear_kernel.float_product`` of its blocked copy, bias and rounding) and the C++ operators have
+    it (``linear_kernel.PARALLEL_XH``), the C++ kernel answers these arguments with that product from now on."""
+    from engine.model import linear_kernel
+
+    layout, wb = owner.layout, owner.packed
+    if (_state["ops"] is None or HELD.value or linear_kernel.PARALLEL_XH is None
+            or getattr(layout, "compute", None) != torch.float32 or wb is None or wb.dtype != torch.bfloat16
+            or not wb.is_contiguous() or x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return
+    from engine.quant import kernel
+
+    _put(seen, kernel.library().kq_linear, owner, torch.ops.kvscope.gguf_table_put_blocked, w, ggml_type, n_in,
+         bias, out_map, road, wb, bool(layout.rounded))
+
+
+def _put(seen: int, kq_linear, owner, put, *args) -> None:
+    """``put(*args)`` unless the table was emptied since ``seen`` (the C++ kernel bound to ``kq_linear`` and the
+    shapes-only count at the first); ``owner``'s collection empties the table."""
     with _lock:
         if seen != _state["generation"] or HELD.value:
             return
         if not _state["bound"]:
-            ops.kvs_gguf_bind(ctypes.cast(desc[0], ctypes.c_void_p).value, ctypes.addressof(HELD))
+            _state["ops"].kvs_gguf_bind(ctypes.cast(kq_linear, ctypes.c_void_p).value, ctypes.addressof(HELD))
             _state["bound"] = True
-        torch.ops.kvscope.gguf_table_put(w, ggml_type, n_in, bias, out_map, road, held, desc[1])
+        put(*args)
         if owner is not None and not owner.__dict__.get("_tabled"):
             owner.__dict__["_tabled"] = True
             weakref.finalize(owner, forget).atexit = False

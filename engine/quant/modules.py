@@ -66,9 +66,12 @@ def gguf_linear(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, bi
         seen = gguf_op.generation()  # (the packing emptied the table: what follows is read after it)
     if owner is not None and owner.serves(w, ggml_type, n_in, bias, out_map, kernel.ROADS[road]):
         y = owner.forward(x2)
-        d = owner._desc  # None: the float layout's product (the C++ kernel leaves it to this one)
-        if d is not None and gguf_op.on() and not owner.pending():
-            gguf_op.offer(seen, x2, w, ggml_type, n_in, bias, out_map, road, d, owner)
+        d = owner._desc  # None: the float layout's product (offered as its blocked copy where the C++ kernel has it)
+        if gguf_op.on() and not owner.pending():
+            if d is not None:
+                gguf_op.offer(seen, x2, w, ggml_type, n_in, bias, out_map, road, d, owner)
+            elif owner.layout is not None:
+                gguf_op.offer_blocked(seen, x2, w, ggml_type, n_in, bias, out_map, road, owner)
         return y
     key = (w.data_ptr(), tuple(w.shape), ggml_type, n_in, road, bias.data_ptr() if bias is not None else 0,
            out_map.data_ptr() if out_map is not None else 0)

@@ -8,6 +8,9 @@ dequantized float32 model's logits and HF's greedy tokens on the float road, and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +20,10 @@ pytest.importorskip("gguf")
 
 from gguf_blocks import write_blocks  # noqa: E402  (tests/engine is on sys.path)
 from test_exact import engine_greedy, hf_greedy  # noqa: E402
+from test_gguf_op import cpp  # noqa: E402,F401  (the C++ kernel attached, the Python kernel's calls counted)
 
-from engine.config import CacheConfig, ModelSpec  # noqa: E402
+from engine.config import CacheConfig, ModelSpec, SamplingConfig  # noqa: E402
+from engine.core.session import ChatSession  # noqa: E402
 from engine.model import linear_kernel, packed_linear  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.packed_linear import block  # noqa: E402
@@ -201,3 +206,99 @@ def test_the_plan_counts_the_blocked_copy_not_the_mapping(files, monkeypatch):
     assert not mapped.blocked and mapped.where == "mapped from the file"
     assert blocked.mapped + blocked.copied == mapped.mapped + mapped.copied
     assert blocked.copied - mapped.copied == 2 * 256 * (2 * (256 + 128 + 128 + 256 + 3 * 512) + 512)  # linears, head
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_the_compiled_steps_operator_answers_a_blocked_owner_in_cpp(cpp, rounded):
+    """``kvscope::gguf_linear`` on a blocked owner's weight: the first call is Python's (the owner's product), which
+    offers its blocked copy; from then on the C++ kernel answers (no Python call) with the same bits — a bias, a row
+    map (llama's query rows), one row and many, one thread and two; a module changed goes back to Python."""
+    from test_gguf_kernels import blocks
+
+    from engine.quant import gguf_op
+
+    if linear_kernel.PARALLEL_XH is None:
+        pytest.skip("the C++ operators have no float32-rows product")
+    n, out = 96, 64
+    g = torch.Generator().manual_seed(5)
+    order = torch.randperm(out, generator=g).to(torch.int32)
+    lin = BlockLinear(torch.from_numpy(blocks("BF16", out, n)), 30, n, torch.randn(out, generator=g), order)
+    lin.layout = packed_linear.BF16_BLOCKED_F32_ROUNDED if rounded else packed_linear.BF16_BLOCKED_F32
+    assert lin.pack()
+    op = torch.ops.kvscope.gguf_linear
+    threads, start = torch.get_num_threads(), cpp[0]
+    try:
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, n, generator=g)
+            torch.set_num_threads(1)
+            want = lin(x)
+            assert torch.equal(op(x, lin.weight, 30, n, lin.bias, lin.out_map, 0), want) and gguf_op.size() == 1
+            for th in (1, 2):
+                torch.set_num_threads(th)
+                assert torch.equal(op(x, lin.weight, 30, n, lin.bias, lin.out_map, 0), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpp[0] == start + 1  # Python's first call only: the table holds the owner whatever the rows
+    lin.bias = torch.nn.Parameter(torch.zeros(out), requires_grad=False)
+    assert gguf_op.size() == 0
+    before = cpp[0]
+    assert torch.equal(op(x, lin.weight, 30, n, lin.bias, lin.out_map, 0), lin(x))
+    assert cpp[0] == before + 1
+
+
+@pytest.mark.slow
+def test_the_compiled_step_on_blocked_linears_gives_the_no_cache_tokens(files):
+    """A compiled decode step (its package built in a child, ~20-40 s) on the blocked BF16 linears gives the tokens
+    of the forward without a cache; where the C++ operators load, every block linear's product is answered from
+    their table (the blocked owners' copies, no Python call a product)."""
+    from engine.model import linear_op
+    from engine.model.fast_step import FastStep, machine_refusal
+    from engine.quant import gguf_op
+
+    if machine_refusal(torch.device("cpu")):
+        pytest.skip(f"cannot compile here: {machine_refusal(torch.device('cpu'))}")
+    lm = load_model(ModelSpec(source=str(files["llama"])))
+    ref = engine_greedy(lm, PROMPT, N, CacheConfig(mode="off"))
+    lm.runner.fast = FastStep(lm, mode="on")
+    lm.fast.start()
+    assert lm.fast.wait(600) and lm.fast.state == "on", lm.fast.describe()
+    gguf_op.forget()
+    s = ChatSession(lm, CacheConfig(mode="paged", page_size=4))
+    s.start_ids(PROMPT, SamplingConfig(max_new_tokens=N, ignore_eos=True))
+    paths = []
+    while not (r := s.step()).done:
+        if r.event is not None:
+            paths.append(r.event.path)
+    s.close()
+    assert "compiled" in paths and s.generated_ids == ref
+    if linear_op.loaded() and linear_kernel.PARALLEL_XH is not None:
+        assert gguf_op.size() == sum(isinstance(m, BlockLinear) for m in lm.model.modules())
+
+
+def test_a_process_exits_cleanly_with_the_table_full():
+    """The table's entries hold their weights' storages (numpy's, a file mapping's: Python objects); left to the C++
+    library's exit they were let go after Python was gone (a segmentation fault at the end of every such process):
+    emptied at Python's exit instead."""
+    from engine.model import linear_op
+
+    if not linear_op.attach():
+        pytest.skip(f"no C++ operators here: {linear_op.why()}")
+    code = """if True:
+        import torch
+        from test_gguf_kernels import blocks
+        from engine.model import linear_op, packed_linear
+        from engine.quant import gguf_op
+        from engine.quant.modules import BlockLinear
+        assert linear_op.attach()
+        lin = BlockLinear(torch.from_numpy(blocks("BF16", 32, 64)), 30, 64)  # the rows: numpy's storage
+        lin.layout = packed_linear.BF16_BLOCKED_F32
+        assert lin.pack()
+        x = torch.randn(1, 64)
+        for _ in range(2):
+            torch.ops.kvscope.gguf_linear(x, lin.weight, 30, 64, None, None, 0)
+        print("entries", gguf_op.size())
+        """
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{here.parents[1]}:{here}"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "entries 1" in r.stdout, (r.returncode, r.stderr[-2000:])
