@@ -132,14 +132,34 @@ def _long(mm, v: dict, keep: bool):
         return np.frombuffer(mm[at:at + n * width], dtype=_NUMPY[v["type"]]).tolist()
     if not keep:
         return n
-    out, size, unpack = [], len(mm), struct.Struct("<Q").unpack_from
-    for _ in range(n):
+    starts, size, unpack, first = [], len(mm), struct.Struct("<Q").unpack_from, at
+    for _ in range(n):  # the lengths walked (each bounded by the mapping), then every string decoded at once
+        if at + 8 > size:
+            raise ValueError("a GGUF metadata string's length runs past the end of the file")
         (length,) = unpack(mm, at)
         if length > size - at - 8:
             raise ValueError("a GGUF metadata string runs past the end of the file")
-        out.append(str(mm[at + 8:at + 8 + length], "utf-8"))
+        starts.append(at)
         at += 8 + length
-    return out
+    return _decoded(mm, first, at, starts)
+
+
+def _decoded(mm, first: int, end: int, starts: list[int]) -> list[str]:
+    """The strings whose 8-byte lengths lie at ``starts`` (bytes ``first``..``end`` of the file), decoded as
+    transformers' reader decodes each (UTF-8, strict): each length's first byte made a NUL, its other seven dropped,
+    the whole decoded once and split at the NULs (0.7 -> ~0.1 us a string); strings holding a NUL themselves are
+    decoded one by one."""
+    if not starts:
+        return []
+    raw = np.frombuffer(mm[first:end], dtype=np.uint8).copy()  # [bytes]
+    at = np.asarray(starts, dtype=np.int64) - first  # [n] where each length lies
+    content = np.ones(raw.shape[0], dtype=bool)
+    content[(at[:, None] + np.arange(8)).ravel()] = False  # [n * 8] the lengths' bytes
+    if np.count_nonzero(raw[content] == 0):  # a NUL inside a string: the split would cut it
+        return [str(mm[a + 8:b], "utf-8") for a, b in zip(starts, starts[1:] + [end])]
+    content[at] = True
+    raw[at] = 0
+    return raw[content].tobytes().decode("utf-8").split("\0")[1:]
 
 
 def _read_once(real):

@@ -155,3 +155,19 @@ def test_the_header_walks_a_vocabulary_in_chunks_and_bounds_each_length(tmp_path
     with pytest.raises(ModelFormatError) as e:
         read_gguf(path)
     assert path.name in str(e.value) and ("corrupt" in str(e.value) or "truncated" in str(e.value))
+
+
+@pytest.mark.parametrize("strings", [["a", "", "ü" * 128, "x" * 256, "日本"], ["a\0b", "c", ""], []])
+def test_the_vocabulary_is_decoded_at_once_as_string_by_string(strings):
+    """The strings of a metadata array decoded in one pass are those decoded one by one: an empty one, a length
+    whose low byte is zero (256), a NUL inside a string (decoded one by one then)."""
+    import mmap
+    import struct
+
+    blob = b"pad" + b"".join(struct.pack("<Q", len(s.encode())) + s.encode() for s in strings)
+    mm = mmap.mmap(-1, len(blob))
+    mm.write(blob)
+    v = {"count": len(strings), "type": "STRING", "at": 3}
+    assert gguf_fields._long(mm, v, True) == strings and gguf_fields._long(mm, v, False) == len(strings)
+    with pytest.raises(ValueError):  # a length past the end
+        gguf_fields._long(mm, dict(v, count=len(strings) + 1), True)
