@@ -81,10 +81,11 @@ def _to_fill(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < 1 << 20 or not anon:
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=anon)
-    try:
-        buf.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
-    except (OSError, AttributeError):  # no transparent huge pages here: 4 KiB pages
-        pass
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux's)
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # no transparent huge pages here: 4 KiB pages
+            pass
     try:
         buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
     except (OSError, AttributeError):  # an older kernel: the pages fault in as they are written
