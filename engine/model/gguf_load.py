@@ -27,6 +27,7 @@ from engine.model.gguf_fields import from_header
 from engine.model.gguf_file import GgufInfo, read_gguf
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
+from engine.model.packed_linear import gguf_float_layout
 from engine.quant import gguf_keep
 
 # llama.cpp's spelling of an architecture → transformers' model type, where they differ
@@ -84,7 +85,7 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     template_guard.trial(tok, path.name)  # a template past its bounds refused before a weight is read
     keep = spec.quantization not in ("int8", "nf4") and not gguf_keep.refusal(info.architecture, device)
     elem = torch.empty((), dtype=dtype).element_size()
-    note = (kept_note(info, gguf_keep.plan(info, device, elem)) if keep
+    note = (kept_note(info, gguf_keep.plan(info, device, elem, gguf_float_layout(dtype, device))) if keep
             else load_note(info, str(dtype).removeprefix("torch."), elem, spec.quantization))
     if progress:
         if memory_note is not None:  # the memory verdict (engine.model.fit_check), once the file passed its checks
@@ -101,7 +102,7 @@ def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, p
           check: Callable[[], None]):
     """The model with the file's weights kept as blocks, mapped from it (``engine.quant.gguf_keep``)."""
     try:
-        model = gguf_keep.load(path, info, config, dtype, device, progress, check)
+        model = gguf_keep.load(path, info, config, dtype, device, progress, check, gguf_float_layout(dtype, device))
     except LoadCancelled:
         raise
     except KeyError:
@@ -110,7 +111,7 @@ def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, p
         raise EngineError(f"out of memory loading {path.name} on {device}") from None
     except (OSError, ValueError, RuntimeError, IndexError) as e:
         raise ModelFormatError(f"cannot load the weights of {path.name}: {first_line(e)}") from None
-    p = gguf_keep.plan(info, device, torch.empty((), dtype=dtype).element_size())
+    p = gguf_keep.plan(info, device, torch.empty((), dtype=dtype).element_size(), gguf_float_layout(dtype, device))
     model.kvscope_blocks = f"GGUF {info.weights_type}, {p.bits:.2f} bits per weight, {p.where} ({p.road})"
     return model
 

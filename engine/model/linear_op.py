@@ -89,7 +89,7 @@ def attach() -> bool:
         if linear_kernel.takes_float() and hasattr(ops, "kvs_ops_bind_xh"):  # (both built with it)
             ops.kvs_ops_bind_xh(_address(lib.kvs_blocked_mm_xh))
             linear_kernel.PARALLEL_XH = ops.kvs_blocked_xh_parallel  # float32 rows x bfloat16: blocks shared
-        gguf_op.use(ops)  # the GGUF products' table (kq_linear bound at its first entry: the GGUF kernels loaded)
+        gguf_op.use(ops, linear_kernel.PARALLEL_XH is not None)  # the GGUF products' table (kq_linear bound at its first entry: the GGUF kernels loaded)
         linear_kernel.PARALLEL = True
         _state["loaded"] = True
         return True

@@ -223,3 +223,18 @@ class _BF16Blocked:
 BF16_BLOCKED = _BF16Blocked()
 BF16_BLOCKED_F32 = _BF16Blocked(torch.float32)
 BF16_BLOCKED_F32_ROUNDED = _BF16Blocked(torch.float32, rounded=True)
+
+
+def gguf_float_layout(dtype: torch.dtype, device: str):
+    """The float layout a GGUF's BF16 linears take (``BlockLinear.layout``, handed to ``engine.quant.gguf_keep``'s
+    ``build`` / ``plan``; None: the rows' product): on the CPU in float32 compute, blocked on the pack thread for the
+    native product (``BF16_BLOCKED_F32``: ~1.2-1.4x the rows' at a decode row), each file's pages let go once
+    blocked; its activations rounded to bfloat16 where the rows' product rounds them (the default road on
+    AVX512_BF16), else float32: the numerics unchanged."""
+    from engine.quant import kernel
+
+    lib = kernel.library()
+    if device != "cpu" or dtype != torch.float32 or lib is None or not linear_kernel.takes_float():
+        return None
+    rounded = kernel.default_road() == "int8" and bool(lib.kq_gemm_float_pairs(30, 0))  # kq_matmul's own test
+    return BF16_BLOCKED_F32_ROUNDED if rounded else BF16_BLOCKED_F32

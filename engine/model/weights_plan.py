@@ -167,9 +167,13 @@ def plan_gguf(info, device: str, compute_dtype: str, quantization: str) -> Weigh
     keep = quantization == "none" and not _gguf_refusal(info.architecture, device)
     if not keep:
         return plan_tensors(tensors, compute_dtype, quantization, info.size_bytes, info.weights_type, True)
+    import torch
+
+    from engine.model.packed_linear import gguf_float_layout
     from engine.quant import gguf_keep
 
-    p = gguf_keep.plan(info, device, _ELEM[compute_dtype])
+    layout = gguf_float_layout(torch.float32 if _ELEM[compute_dtype] == 4 else torch.bfloat16, device)
+    p = gguf_keep.plan(info, device, _ELEM[compute_dtype], layout)
     params = sum(t.numel for t in tensors)
     held = Held.DEQUANTIZED if p.lost and not (p.mapped or p.packed) else Held.REPACKED if p.packed else Held.MAPPED
     copied = max((t.numel for t in tensors if t.dtype in p.lost or len(t.shape) < 2), default=0)

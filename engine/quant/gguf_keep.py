@@ -174,11 +174,13 @@ def _keep(ggml_type: int, shape: tuple[int, ...], device: str) -> bool:
 
 
 def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device: str, attn: str,
-          progress: Callable[[str, float], None] | None = None, check: Callable[[], None] = lambda: None):
+          progress: Callable[[str, float], None] | None = None, check: Callable[[], None] = lambda: None,
+          layout=None):
     """The model of the GGUF file at ``path`` (``architecture`` its ``general.architecture``, ``config`` read from
     it, ``cls`` its causal-LM class) with the weights of kept types as blocks mapped from the file and everything
     else in ``dtype``, on ``device``. Raises ValueError naming what does not fit (a tensor the model does not have,
-    a parameter the file lacks)."""
+    a parameter the file lacks). ``layout``: the float layout BF16 linears take (the model room's
+    ``engine.model.packed_linear.gguf_float_layout``; None: the rows' product)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     table = Table(path)
@@ -190,7 +192,6 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     with _cached_name_map():
         names = get_gguf_hf_weights_map(model, processor)
     total, group = max(len(table.entries), 1), []  # the linears packed together at the first product
-    layout = bf16_layout(dtype, device)
     for i, (gname, (t, shape, _, _)) in enumerate(table.entries.items()):
         check()
         if progress and i % max(1, total // 50) == 0:
@@ -243,26 +244,10 @@ def keep_module(model, owner_name: str, blocks: torch.Tensor, ggml_type: int, dt
     return False
 
 
-def bf16_layout(dtype: torch.dtype, device: str):
-    """The float layout BF16 linears take (``BlockLinear.layout``; None: the rows' product): on the CPU in float32
-    compute, blocked on the pack thread for the native product (``packed_linear.BF16_BLOCKED_F32``: ~1.2-1.4x the
-    rows' at a decode row), each file's pages let go once blocked; its activations rounded to bfloat16 where the
-    rows' product rounds them (the default road on AVX512_BF16), else float32: the numerics unchanged."""
-    lib = kernel.library()
-    if device != "cpu" or dtype != torch.float32 or lib is None:
-        return None
-    from engine.model import linear_kernel, packed_linear
-
-    if not linear_kernel.takes_float():
-        return None
-    rounded = kernel.default_road() == "int8" and bool(lib.kq_gemm_float_pairs(30, 0))  # kq_matmul's own test
-    return packed_linear.BF16_BLOCKED_F32_ROUNDED if rounded else packed_linear.BF16_BLOCKED_F32
-
-
 def _place(model, table: Table, processor, gname: str, hf: str, t: int, shape: tuple[int, ...],
            dtype: torch.dtype, device: str, group: list, layout=None) -> None:
     """Put the file's tensor ``gname`` where the model's ``hf`` is: a kept weight replaces its module (``layout``:
-    the float layout a BF16 linear takes, ``bf16_layout``), anything else is dequantized (and processed as
+    the float layout a BF16 linear takes, ``build``'s), anything else is dequantized (and processed as
     transformers would) into the parameter."""
     owner_name, leaf = hf.rsplit(".", 1)
     owner = model.get_submodule(owner_name)
@@ -318,7 +303,7 @@ class Plan:
     device: str
     road: str  # "int8 activations, AVX-512 + VNNI"
     packed: bool = False  # the integer road's linears repacked sixteen rows a group (the file's pages let go)
-    blocked: bool = False  # every linear BF16, blocked for the native product (``bf16_layout``: the pages let go)
+    blocked: bool = False  # every linear BF16, blocked for the native product (a float layout: the pages let go)
 
     @property
     def where(self) -> str:
@@ -345,20 +330,22 @@ def _packed(info, device: str) -> list[int]:
     return [i for i in _linears(info) if formats.packed_bytes(*types[i]) and kernel.packs(types[i][0])]
 
 
-def _blocked(info, device: str, compute_bytes: int) -> list[int]:
-    """Indices of ``info``'s BF16 linears the loader holds blocked (``bf16_layout``: float32 compute on the CPU)."""
-    if compute_bytes != 4 or bf16_layout(torch.float32, device) is None:
+def _blocked(info, compute_bytes: int, layout) -> list[int]:
+    """Indices of ``info``'s BF16 linears the loader holds blocked (``layout``, ``build``'s: float32 compute on the
+    CPU)."""
+    if compute_bytes != 4 or layout is None:
         return []
     types = tensor_types(info)
     return [i for i in _linears(info) if types[i][0] == 30 and types[i][1][0] % 16 == 0]
 
 
-def plan(info, device: str, compute_bytes: int) -> Plan:
-    """The ``Plan`` of a ``GgufInfo`` loaded kept on ``device`` in a compute dtype of ``compute_bytes``."""
+def plan(info, device: str, compute_bytes: int, layout=None) -> Plan:
+    """The ``Plan`` of a ``GgufInfo`` loaded kept on ``device`` in a compute dtype of ``compute_bytes`` (``layout``:
+    the float layout its BF16 linears take, as ``build``'s)."""
     types = [(t if len(s) != 2 or _keep(t, s, device) else -1, s) for t, s in tensor_types(info)]
     packed = _packed(info, device)
     mapped, copied = formats.model_bytes([(t if t >= 0 else 99, s) for t, s in types], compute_bytes, packed=packed)
-    blocked = _blocked(info, device, compute_bytes)
+    blocked = _blocked(info, compute_bytes, layout)
     moved = sum(formats.file_bytes(*types[i]) for i in blocked)  # a blocked copy where the file's pages were
     mapped, copied = mapped - moved, copied + moved
     lost = tuple(sorted({formats.name(t) for t, s in tensor_types(info) if len(s) == 2 and not _keep(t, s, device)}))
@@ -368,14 +355,14 @@ def plan(info, device: str, compute_bytes: int) -> Plan:
     return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed), every)
 
 
-def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None):
+def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None, layout=None):
     """``build`` from the loader: the causal-LM class of ``config``, sdpa attention where the class has it (else
     eager: Gemma 2's softcapping). ValueError / RuntimeError name what does not fit."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     return with_attention(lambda attn: build(path, info.architecture, config, cls, dtype, device, attn, progress,
-                                             check))
+                                             check, layout))
 
 
 def with_attention(build_as: Callable[[str], nn.Module | None]):

@@ -41,9 +41,11 @@ _LIB.define("gguf_table_put_blocked(Tensor w, int ggml_type, int n_in, Tensor? b
             "Tensor wb, bool rounded) -> ()")
 
 
-def use(ops: ctypes.CDLL) -> None:
-    """The C++ operators' library, loaded and declared (``engine.model.linear_op``): the table is filled from now on."""
+def use(ops: ctypes.CDLL, blocked: bool = False) -> None:
+    """The C++ operators' library, loaded and declared (``engine.model.linear_op``): the table is filled from now on;
+    ``blocked``: it shares a float32-rows blocked product's blocks among torch's threads (``offer_blocked``)."""
     with _lock:
+        _state["blocked"] = blocked
         if _state["ops"] is None:  # emptied while Python runs: an entry left to the library's exit would let its
             atexit.register(forget)  # storages go after Python is gone (a numpy or mapping storage: a crash)
         _state["ops"] = ops
@@ -78,11 +80,9 @@ def offer_blocked(seen: int, x2: torch.Tensor, w: torch.Tensor, ggml_type: int, 
                   out_map: torch.Tensor | None, road: int, owner) -> None:
     """``offer`` for a float layout's owner (``owner.layout``, ``owner.packed``): where its product is the float32-rows
     blocked one (``linear_kernel.float_product`` of its blocked copy, bias and rounding) and the C++ operators have
-    it (``linear_kernel.PARALLEL_XH``), the C++ kernel answers these arguments with that product from now on."""
-    from engine.model import linear_kernel
-
+    it (``use(..., blocked=True)``), the C++ kernel answers these arguments with that product from now on."""
     layout, wb = owner.layout, owner.packed
-    if (_state["ops"] is None or HELD.value or linear_kernel.PARALLEL_XH is None
+    if (_state["ops"] is None or HELD.value or not _state.get("blocked")
             or getattr(layout, "compute", None) != torch.float32 or wb is None or wb.dtype != torch.bfloat16
             or not wb.is_contiguous() or x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):

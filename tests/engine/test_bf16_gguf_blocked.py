@@ -198,11 +198,14 @@ def test_the_plan_counts_the_blocked_copy_not_the_mapping(files, monkeypatch):
     not mapped; without the float32-rows product, mapped."""
     from engine.model.gguf_file import read_gguf
 
+    from engine.model.packed_linear import gguf_float_layout
+
     info = read_gguf(files["qwen2"])
-    blocked = gguf_keep.plan(info, "cpu", 4)
+    blocked = gguf_keep.plan(info, "cpu", 4, gguf_float_layout(torch.float32, "cpu"))  # as the loader asks
     assert blocked.blocked and blocked.where == "blocked from the file"
     monkeypatch.setattr(linear_kernel, "takes_float", lambda: False)
-    mapped = gguf_keep.plan(info, "cpu", 4)
+    assert gguf_float_layout(torch.float32, "cpu") is None
+    mapped = gguf_keep.plan(info, "cpu", 4, gguf_float_layout(torch.float32, "cpu"))
     assert not mapped.blocked and mapped.where == "mapped from the file"
     assert blocked.mapped + blocked.copied == mapped.mapped + mapped.copied
     assert blocked.copied - mapped.copied == 2 * 256 * (2 * (256 + 128 + 128 + 256 + 3 * 512) + 512)  # linears, head
