@@ -266,6 +266,8 @@ def _make_room(where: Path, need: int) -> bool:
     cap = budget()
     copies, now = [], time.time()
     for p in where.iterdir():
+        if not _ours(p.name):  # a user's own files in the folder are never counted or removed
+            continue
         try:
             st = p.stat()
         except OSError:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, ModelSpec
-from engine.model import fit, folder_keep, q8_load, quant_copies
+from engine.model import fit, q8_load, quant_copies
 from engine.model.weights_plan import Held
 from engine.model.loader import load_model
 from engine.quant import kernel
@@ -125,6 +125,10 @@ def test_the_budget_keeps_the_latest_copies_and_refuses_a_copy_larger_than_itsel
     _load(folder, "int8")
     (first,) = cache.glob("int8-*.safetensors")
     size = first.stat().st_size
+    mine = [cache / "model.safetensors", cache / "notes.tmp"]  # a user's own files in the folder chosen
+    for f in mine:
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1, 1))  # older than any copy and than a stale temporary file
     monkeypatch.setenv(quant_copies.BUDGET_ENV, str(1.5 * size / (1 << 30)))  # room for one copy, not two
     _load(other, "int8")
     (kept,) = cache.glob("int8-*.safetensors")  # the least recently loaded went
@@ -132,7 +136,8 @@ def test_the_budget_keeps_the_latest_copies_and_refuses_a_copy_larger_than_itsel
     monkeypatch.setenv(quant_copies.BUDGET_ENV, str(size / 4 / (1 << 30)))
     lm = _load(folder, "int8")
     assert "no copy kept" in lm.info.weights_kernel
-    assert list(cache.glob("int8-*.safetensors")) == [kept] and not list(cache.glob("*.tmp"))
+    assert list(cache.glob("int8-*.safetensors")) == [kept] and not list(cache.glob("int8-*.tmp"))
+    assert all(f.read_bytes() == b"x" * 100 for f in mine)  # evicting copies never touched them
 
 
 def test_copies_off_writes_nothing(folder, cache, monkeypatch):
@@ -160,7 +165,6 @@ def test_the_copy_is_a_safetensors_file_of_the_blocks(folder, cache):
     with safe_open(str(path), "pt") as f:
         assert len(list(f.keys())) == 2 * 7
         assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), q.rows())
-    assert folder_keep.MODEL_TYPES  # (the folder path this rides on)
 
 
 def test_held_counts_the_copies_and_clear_removes_only_them(folder, cache):
