@@ -15,7 +15,7 @@ and ``VERSION`` (bumped when a quantizer's output changes): a folder edited, rep
 new copy, two folders never share one; the blocks' types and shapes are checked against the model's (``Copy``). The copies together stay within ``budget()`` (``KVSCOPE_QUANTIZED_CACHE_GIB``,
 16 GiB by default: an 8B model's Q8_0 linears are ~7 GiB), the least recently loaded removed first, and a copy is
 written only where ``FREE_MARGIN`` of the disk stays free after it. A copy is written beside the load (a 1B
-model's Q8_0: ~1 GB, ~0.3 s into the page cache) under a temporary name, made durable and renamed on a thread
+model's Q8_0: ~1 GB, on a thread beside the quantizing) under a temporary name, made durable and renamed on a thread
 (``finish``): a crash never leaves a copy with missing bytes under its final name.
 
 A copy that does not hold what its key promises (cut short, another layout, a header that is not JSON) is removed
@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import struct
 import threading
@@ -133,7 +134,13 @@ def _layout(plan: dict[str, tuple[int, int, int]], key_: str) -> tuple[bytes, di
 
 class Writer:
     """A copy being written: ``put`` each tensor's rows as they are made, then ``finish`` (durable and renamed on a
-    thread) or ``abort``. Made by ``open_writer`` only where the budget and the disk have room for it."""
+    thread) or ``abort``. Made by ``open_writer`` only where the budget and the disk have room for it.
+
+    The bytes go to the file on the writer's own thread, beside the quantizing (a 1B model's Q8_0 copy, ~1 GB, took
+    ~1.0 s of a ~1.0 s load written on the load thread). At most ``QUEUED`` tensors wait (then the load waits: a
+    slow disk slows it, never grows its memory); they are the model's own rows until packed: no bytes added."""
+
+    QUEUED = 4
 
     def __init__(self, path: Path, plan: dict[str, tuple[int, int, int]], key_: str) -> None:
         self.path, self.tmp = path, path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -141,11 +148,16 @@ class Writer:
         self.data_at = 8 + len(blob)
         self.fd = os.open(self.tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         self.written: set[str] = set()
+        self.failed: BaseException | None = None  # the first error of the disk (the copy is then dropped)
+        self._queue, self._thread = queue.Queue(maxsize=self.QUEUED), None
         try:
             self._write(struct.pack("<Q", len(blob)) + blob, 0)
         except OSError:
             self.abort()
             raise
+        # a daemon: a process that dies mid-load leaves a temporary file, removed as stale by a later load
+        self._thread = threading.Thread(target=self._drain, name="kvscope-quantized-copy-write", daemon=True)
+        self._thread.start()
 
     def _write(self, data, at: int) -> None:
         view = memoryview(data).cast("B")
@@ -153,25 +165,43 @@ class Writer:
             n = os.pwrite(self.fd, view, at)
             view, at = view[n:], at + n
 
+    def _drain(self) -> None:
+        """The writer's thread: each queued tensor's bytes at their offset, until ``_stop``'s None."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            name, rows, at = item
+            if self.failed is None:
+                try:
+                    self._write(rows.numpy(), at)
+                    self.written.add(name)
+                except Exception as e:  # noqa: BLE001 (any error drops the copy, never the load)
+                    self.failed = e
+
+    def _stop(self) -> None:  # the writes queued waited for, the writer's thread ended
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
     def put(self, name: str, rows: torch.Tensor) -> None:
-        """Write a tensor's rows ([rows, row_bytes] uint8, as the plan says); an error of the disk drops the copy
-        (the load goes on without it)."""
-        if self.fd < 0:
+        """Queue a tensor's rows ([rows, row_bytes] uint8, as the plan says) for the writer's thread; an error of
+        the disk drops the copy (the load goes on without it)."""
+        if self.fd < 0 or self.failed is not None:
             return
         start, nbytes = self.offsets[name]
         if rows.numel() != nbytes or rows.dtype != torch.uint8:
             raise ValueError(f"{name}: {rows.numel()} bytes, the copy's plan says {nbytes}")
-        try:
-            self._write(rows.contiguous().numpy(), self.data_at + start)
-            self.written.add(name)
-        except OSError as e:
-            log.warning("the quantized copy of this folder is not kept: %s", e.strerror or e)
-            self.abort()
+        self._queue.put((name, rows.contiguous(), self.data_at + start))
 
     def finish(self) -> threading.Thread | None:
         """Made durable (fsync) and renamed to its final name on a thread of its own (a 1 GB copy's flush waits for
         the disk, not the load); None where the copy was dropped or not every tensor was written."""
-        if self.fd < 0 or self.written != set(self.offsets):
+        self._stop()
+        if self.failed is not None or self.fd < 0 or self.written != set(self.offsets):
+            if self.failed is not None:
+                log.warning("the quantized copy of this folder is not kept: %s", self.failed)
             self.abort()
             return None
         fd, self.fd = self.fd, -1
@@ -192,6 +222,7 @@ class Writer:
         return t
 
     def abort(self) -> None:
+        self._stop()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -146,6 +146,30 @@ def test_copies_off_writes_nothing(folder, cache, monkeypatch):
     assert "no copy kept" in lm.info.weights_kernel and not cache.exists()
 
 
+def test_a_disk_that_fails_mid_copy_drops_the_copy_and_keeps_the_load(folder, cache):
+    """Writes past 64 KiB fail as on a full disk (RLIMIT_FSIZE: EFBIG, in a child so that the limit is its own):
+    the copy's header fits, its first tensor does not. The load goes on, says no copy is kept, leaves no file."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))\n"
+        "from engine.config import ModelSpec\n"
+        "from engine.model import quant_copies\n"
+        "from engine.model.loader import load_model\n"
+        "lm = load_model(ModelSpec(source=sys.argv[1], quantization='int8', device='cpu'))\n"
+        "quant_copies.wait()\n"
+        "print(lm.info.weights_kernel)\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "no copy kept" in r.stdout
+    assert "the quantized copy of this folder is not kept" in r.stderr  # the log's one line: why
+    assert not cache.exists() or not list(cache.iterdir())  # no copy, no temporary file
+
+
 def test_a_stale_temporary_file_is_removed(folder, cache):
     cache.mkdir(parents=True)
     stale = cache / "int8-0123.safetensors.999.tmp"
