@@ -91,7 +91,7 @@ def _tools_menu(window, bar, a: dict[str, Any]) -> None:
 
 
 def _settings_menu(window, bar, a: dict[str, Any]) -> None:
-    settings = bar.addMenu("Se&ttings")
+    settings = bar.addMenu("S&ettings")
     a["settings"] = _action(window, "&Settings…", lambda: open_settings(window, "server"), "Ctrl+,",
                             tip="The server's port, address and API keys, speculation's auto-off, the KV disk cache, "
                                 "quantized copies and what new chats start with")

@@ -306,9 +306,17 @@ def test_a_killed_app_reopens_with_its_history(qtbot, data_dir, stories_path):
         close_window(w)
 
 
+def _mnemonics_unique(actions, where: str) -> None:
+    keys = [a.text().split("&", 1)[1][:1].lower() for a in actions if "&" in a.text().replace("&&", "")]
+    assert len(keys) == len(set(keys)), f"{where}: {sorted(a.text() for a in actions)}"
+
+
 def test_recent_models_menu(qtbot, data_dir, stories_path):
     w = open_window(qtbot, data_dir, str(stories_path))
     try:
+        _mnemonics_unique(w.menuBar().actions(), "the menu bar")  # Alt+<letter> opens one menu, never two
+        for menu in (a.menu() for a in w.menuBar().actions()):
+            _mnemonics_unique(menu.actions(), menu.title())
         recent = w.menu_actions["recent"]
         w.models.fill_recent_menu(recent)
         texts = [a.text() for a in recent.actions()]
