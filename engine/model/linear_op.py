@@ -1,7 +1,7 @@
 """The compiled step's C++ operators from Python: CPU kernels of ``kvscope::blocked_linear`` (the native blocked
 product), ``kvscope::paged_decode`` / ``paged_decode_batch`` (one token's attention read in place from its pages),
 ``kvscope::write_slot`` (its new K/V written after the step) and ``kvscope::gguf_linear`` (a GGUF weight's product,
-from the table ``engine.quant.gguf_op`` fills), in ``engine/native/csrc/torch_ops.cpp``.
+from the table ``engine.quant.gguf_op`` fills), in ``engine/native/csrc/torch_ops.cpp`` and ``gguf_ops.cpp``.
 
 A compiled step's package calls the operators through torch's dispatcher (``engine.model.linear_kernel`` and
 ``engine.kv.store.paged_decode`` define them, with Python kernels): ~17 us a call of a Python kernel, ~2 us of the C++

@@ -29,8 +29,8 @@ KQ = Library(
     what="the GGUF block kernels", cost="quantized GGUF weights are dequantized on load (up to 7x the file's size in memory)",
     openmp=True)
 TORCH_OPS = Library(
-    "torch_ops", CSRC, ("torch_ops.cpp",), ("-O2", "-shared", "-fPIC", "-std=c++20", "-w", "-fopenmp"), PREBUILT,
-    "KVSCOPE_TORCH_OPS_LIB",
+    "torch_ops", CSRC, ("torch_ops.cpp", "gguf_ops.cpp"), ("-O2", "-shared", "-fPIC", "-std=c++20", "-w", "-fopenmp"),
+    PREBUILT, "KVSCOPE_TORCH_OPS_LIB",
     what="the compiled step's C++ operators",
     cost="a compiled step calls Python kernels (~17 us a call where these take ~2) and a product on several threads "
          "is not shared among them",

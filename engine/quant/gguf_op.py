@@ -1,4 +1,4 @@
-"""The table the C++ kernel of ``kvscope::gguf_linear`` answers from (``engine/native/csrc/torch_ops.cpp``), filled
+"""The table the C++ kernel of ``kvscope::gguf_linear`` answers from (``engine/native/csrc/gguf_ops.cpp``), filled
 and emptied from Python.
 
 A compiled decode step calls the operator ~113 times (1B shape). Its Python kernel (``engine.quant.modules``) finds

@@ -1,4 +1,4 @@
-"""The C++ kernel of ``kvscope::gguf_linear`` (``engine/native/csrc/torch_ops.cpp``, its table filled by
+"""The C++ kernel of ``kvscope::gguf_linear`` (``engine/native/csrc/gguf_ops.cpp``, its table filled by
 ``engine.quant.gguf_op``): once the Python kernel has answered a call with a plain descriptor's product, the C++ one
 answers the same arguments with the same C function, bit for bit, without Python; whatever else (a packing still
 pending, a float layout's owner, a loader's shapes-only run, a module changed or collected) goes to the Python
