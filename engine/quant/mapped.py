@@ -1,5 +1,5 @@
 """A weights file mapped once, and where each tensor's bytes lie in the mapping: what a GGUF file
-(``engine.quant.gguf_keep.Table``) and a folder's safetensors files (``engine.model.folder_keep``) share. A
+(``engine.quant.gguf_table.Table``) and a folder's safetensors files (``engine.model.folder_keep``) share. A
 tensor kept as the file stores it is a view of the mapping (``blocks``: no copy); its pages count in the process's
 RSS as the products first read them (as llama.cpp's mmap does), and go again once a packed copy replaces them
 (``release``).
