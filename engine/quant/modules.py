@@ -1,5 +1,5 @@
 """The modules a model holds GGUF weights in, as the file stores them: ``BlockLinear`` (an ``nn.Linear``) and
-``BlockEmbedding`` (an ``nn.Embedding``).
+``BlockEmbedding`` (an ``nn.Embedding``, defined with its operator in ``engine.quant.block_embedding``).
 
 The weight is transformers' ``GgufLinear`` layout, ``[out_features, bytes_per_row]`` uint8 (one GGUF row of blocks
 per output), usually a view of the memory-mapped file: loading copies nothing, and the pages are read from the
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.quant import formats, gguf_op, kernel
+from engine.quant.block_embedding import BlockEmbedding
 
 
 # a compiled step's calls of the operator: the kernel's descriptor of each weight, made once (by the addresses and
@@ -103,17 +104,6 @@ for _name in ("gguf_linear", "gguf_linear_py"):
     @torch.library.register_fake(f"kvscope::{_name}", lib=_LIB)
     def _(x2, w, ggml_type, n_in, bias, out_map, road):
         return x2.new_empty(x2.shape[0], w.shape[0])  # [m, n_out]
-
-
-@torch.library.custom_op("kvscope::gguf_rows", mutates_args=())
-def gguf_rows(w: torch.Tensor, ggml_type: int, dim: int, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the GGUF table w [rows, row_bytes] dequantized: [*ids.shape, dim] float32."""
-    return kernel.get_rows(w, ggml_type, dim, ids)
-
-
-@gguf_rows.register_fake
-def _(w, ggml_type, dim, ids):
-    return ids.new_empty((*ids.shape, dim), dtype=torch.float32)  # [*ids, dim]
 
 
 def _cuda_product(x2: torch.Tensor, w: torch.Tensor, ggml_type: int, n_in: int, n_out: int) -> torch.Tensor:
@@ -384,41 +374,6 @@ def _finish_packing() -> None:
     exception"); ~1 s at most for a 1B model."""
     for t in list(_PACKERS):
         t.join(timeout=60)
-
-
-class BlockEmbedding(nn.Module):
-    """An embedding table kept as GGUF blocks: the rows looked up are dequantized (to ``dtype``), nothing else.
-    ``scale`` multiplies them (Gemma 3's scaled embedding)."""
-
-    maps_file = True
-
-    def __init__(self, weight: torch.Tensor, ggml_type: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
-                 padding_idx: int | None = None, scale: float | None = None) -> None:
-        super().__init__()
-        if weight.device.type == "cpu":
-            kernel.check_rows(weight, ggml_type, embedding_dim)
-        self.ggml_type, self.embedding_dim = int(ggml_type), int(embedding_dim)
-        self.num_embeddings = int(weight.shape[0])
-        self.padding_idx, self.scale, self.dtype = padding_idx, scale, dtype
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {formats.name(self.ggml_type)} blocks"
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.device.type == "cuda":
-            from transformers.integrations.gguf import kernels as hf
-
-            flat = ids.reshape(-1)
-            out = hf.dequantize_blocks(self.weight, self.ggml_type, flat.numel(), self.embedding_dim, self.dtype,
-                                       indices=flat).reshape(*ids.shape, self.embedding_dim)
-        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            out = torch.ops.kvscope.gguf_rows(self.weight, self.ggml_type, self.embedding_dim, ids)  # [*ids, dim]
-        else:
-            out = kernel.get_rows(self.weight, self.ggml_type, self.embedding_dim, ids.cpu())  # [*ids, dim]
-        if self.scale is not None:
-            out = out * self.scale
-        return out.to(self.dtype)
 
 
 def parameter_count(model: nn.Module) -> int:
