@@ -1,6 +1,6 @@
 """The main window: the chat in the centre, panels and controls in docks, the status bar below — and the
-wiring between the parts that do the work (over 400 lines on purpose: it is the one place that wires them, and
-each part's logic lives in its own room):
+wiring between the parts that do the work (the one place that wires them; each part's logic lives in its own room,
+and what callers ask of the window is ``app.shell.window_requests``'):
 
 =====================  ==================================================================================
 ``Conversation``       chats and replies: history store ↔ chat pane ↔ engine worker (``app.chat.conversation``)
@@ -27,7 +27,7 @@ from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent
-from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QWidget
+from PySide6.QtWidgets import QApplication, QMainWindow, QWidget
 
 from app.shell import help as app_help
 from app.server.api_view import ApiView
@@ -36,7 +36,6 @@ from app.agent.loop import AgentLoop
 from app.chat.chat_list import ChatList
 from app.chat.pane import ChatPane
 from app.chat.switch import ChatSwitch
-from app.compare.dialog import open_compare
 from app.compare.fidelity import FidelityController
 from app.settings.cache_settings import sampling_from_settings, save_sampling
 from app.controls.cache_controls import CacheControls
@@ -54,6 +53,7 @@ from app.panels.scheduler import PanelScheduler
 from app.panels import MemoryPanel, ModelCardPanel, OccupancyPanel, PageMapPanel, TimingPanel, WhyPanel
 from app.remote.chat import restore as restore_remote
 from app.shell.readouts import ScreenWriter
+from app.shell.window_requests import WindowRequests
 from app.ground.screen import OnScreen, Screen
 from app.chat.reply_wait import ReplyWait
 from app.controls.sampling_form import SamplingForm
@@ -66,14 +66,14 @@ from app.panels.trace import CacheTrace
 from app.link.engine_thread import EngineThread
 from app.link.worker import EngineBackend
 from engine.model.builtin import BUILTIN_MODEL
-from engine.config import CacheConfig, ModelSpec, SamplingConfig
+from engine.config import SamplingConfig
 from engine.snapshot import ModelInfo
 
 REFRESH_MS = 40  # streaming text at 25 Hz; the scheduler decides when a panel may draw
 DB_FLUSH_MS = 250  # streamed text reaches SQLite in batches
 
 
-class MainWindow(QMainWindow):
+class MainWindow(WindowRequests, QMainWindow):
     """KV Scope's window. ``start()`` (after ``show()``) begins loading the model on the worker."""
 
     model_loaded = Signal(object)  # ModelInfo
@@ -264,75 +264,6 @@ class MainWindow(QMainWindow):
 
     def panels_by_name(self) -> dict[str, Any]:
         return {p.objectName(): p for p in self.panels}
-
-    # -- requests -------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Begin loading the model (call after the window is shown: torch loads on the worker)."""
-        self.models.start(self.model_source)
-
-    def load_model(self, spec: ModelSpec) -> None:
-        self.models.load(spec)
-
-    def send(self, text: str) -> None:
-        self.on_screen.send(text)
-
-    def stop(self) -> None:
-        self.on_screen.stop()
-
-    def new_chat(self) -> None:
-        self.conversation.new_chat()
-
-    def open_chat(self, chat_id: int) -> None:
-        self.conversation.open_chat(chat_id)
-
-    def apply_cache_config(self, cfg: CacheConfig) -> None:
-        """``cfg`` for the chat on screen, as chosen (Compare, the self-test, tests): nothing asked first."""
-        self.cache.apply(cfg, confirmed=True)
-
-    def set_fast_step(self, on: bool) -> None:
-        """Tools ▸ Compiled decode step: compile the model's decode step in the background and use it where it
-        measures faster (on), or always run eager (off)."""
-        self.settings.set("engine/fast_step", bool(on))
-        self.engine.set_fast_step("auto" if on else "off")
-
-    def set_panels_enabled(self, on: bool) -> None:
-        self.scheduler.set_enabled(on)
-        self.settings.set("panels/enabled", bool(on))
-
-    def export_panels(self, folder) -> list:
-        return self.exporter.export_panels(folder)
-
-    def export_chat_markdown(self, path):
-        return self.exporter.export_chat_markdown(path)
-
-    def open_compare(self) -> Any:
-        """Generate this chat's next reply once per cache setting, side by side, in a non-modal dialog."""
-        self._compare_dialog = open_compare(
-            self, self.engine, self._compare_dialog, self.info is not None and not self.models.loading,
-            self.conversation.engine_messages(), lambda: self.sampling_override or self.sampling.sampling(),
-            self.show_error)
-        return self._compare_dialog
-
-    def show_help(self) -> None:
-        app_help.show_all_help(self)
-
-    def show_shortcuts(self) -> None:
-        app_help.show_shortcuts(self)
-
-    def about(self) -> None:
-        QMessageBox.about(self, "About KV Scope",
-                          "<b>KV Scope</b><br>Chat with a local model and watch its KV cache work: per-layer "
-                          "occupancy, the page map, per-token timing and memory, with cache policies you can "
-                          "change while it talks.")
-
-    def show_error(self, message: str, notice: bool = True, actions=()) -> None:
-        """Every failure ends here: the status bar, and (``notice``) the message area above the transcript, with
-        a button per (label, action) in ``actions``, kept there until the user dismisses it. Nothing here is saved;
-        a reply's own failure is shown and saved with the reply."""
-        if notice:
-            self.chat.notice.add_problem(message, actions)
-        self.status.message(message.splitlines()[0], 8000)
-        self.error_shown.emit(message)
 
     # -- events ---------------------------------------------------------------------------------------------
     def _on_loaded(self, info: ModelInfo) -> None:
