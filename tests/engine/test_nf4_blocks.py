@@ -193,11 +193,10 @@ def other_build(request, tmp_path_factory):
 @pytest.mark.slow  # builds the library twice (~10-30 s each here)
 def test_avx2_and_portable_builds_sum_alike(other_build):
     """An AVX2-only machine (maddubs with ggml's sign trick: the table's bytes are signed) and a CPU without vector
-    extensions (the portable C, the table by index) multiply NF4 rows with the same integer sums; AVX2 keeps the
-    rows' layout (as Q8_0's signed bytes: packed, no faster)."""
+    extensions (the portable C, the table by index) multiply NF4 rows with the same integer sums; AVX2 multiplies
+    them repacked too (as Q4_0's sixteen rows a group), the same sums."""
     level, lib = other_build
     assert lib.kq_isa_name() == (b"AVX2" if level == "avx2" else b"portable C")
-    assert lib.kq_pack_bytes(NF4, 32, 512) == 0
     m = linear4bit(21, 544, seed=9, bias=True)
     rows = nf4_quant.blocks_of(m)
     x = torch.randn(7, 544, generator=torch.Generator().manual_seed(9))
@@ -207,6 +206,15 @@ def test_avx2_and_portable_builds_sum_alike(other_build):
                          bias.data_ptr(), None, 0, 1) == 0
     ref = q8(x.numpy()) @ reference(m, table()).T + bias.double().numpy()
     assert np.abs(y.numpy() - ref).max() <= 2e-6 * np.abs(ref).max()
+    nbytes = lib.kq_pack_bytes(NF4, 21, 544)
+    assert (nbytes > 0) == (level == "avx2")
+    if nbytes:
+        p = torch.empty(nbytes, dtype=torch.uint8)
+        assert lib.kq_pack(NF4, rows.data_ptr(), rows.stride(0), 21, 544, p.data_ptr(), 1) == 0
+        yp = torch.empty(7, 21)
+        assert lib.kq_packed_matmul(NF4, p.data_ptr(), 21, 544, x.data_ptr(), 7, 544, yp.data_ptr(), 21,
+                                    bias.data_ptr(), None, 1) == 0
+        assert np.abs(yp.numpy() - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 @pytest.fixture(scope="module")

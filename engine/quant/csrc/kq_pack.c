@@ -53,7 +53,7 @@ int64_t kq_pack_bytes(int type, int64_t n_out, int64_t n) {
 #if KQ_PACKED_AVX2
     /* AVX2: Q8_0 packed ran no faster than its row products (the 1B shape's linears of a token, one thread: 57-78
        ms against 51-68; each product's sign trick costs what the shared activation loads save) */
-    if (type == KQ_Q8_0 || type == KQ_NF4) return 0;  /* NF4's table values are signed bytes as Q8_0's */
+    if (type == KQ_Q8_0) return 0;
 #endif
     if (n_out < 1 || kq_row_bytes(type, n) == 0 || kq_x16_group_bytes(type, n) == 0) return 0;
     return (n_out + PR - 1) / PR * kq_x16_group_bytes(type, n);
