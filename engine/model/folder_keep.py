@@ -177,7 +177,7 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     model.kvscope_pack_group = group
     packed = {id(m) for m in group}
     in_place = [g for g, m in gguf_keep.kept_linears(model, files) if id(m) not in packed]
-    if copies is not None:  # the copy's blocks where no packed copy replaces them (Q8_0 on AVX2)
+    if copies is not None:  # the copy's blocks where no packed copy replaces them (a build without packing)
         copies.map_later([g for g, m in gguf_keep.kept_linears(model, copies.copy) if id(m) not in packed]
                          if copies.copy is not None else [])
         model.kvscope_blocks = copies.words()

@@ -88,7 +88,7 @@ def isa() -> str:
 
 def packs(ggml_type: int = 12) -> bool:
     """Does this build hold the integer road's weights of ``ggml_type`` (Q4_K by default) packed (AVX-512 VNNI:
-    Q4_0, Q8_0, Q4_K, Q6_K, NF4; AVX2: Q4_0, Q4_K, Q6_K, NF4), so that ``pack`` gives a packed copy?"""
+    Q4_0, Q8_0, Q4_K, Q6_K, NF4; AVX2 the same), so that ``pack`` gives a packed copy?"""
     lib = library()
     return lib is not None and ggml_type in formats.PACKED_STEPS and \
         lib.kq_pack_bytes(ggml_type, 16, formats.PACKED_STEPS[ggml_type][0]) > 0

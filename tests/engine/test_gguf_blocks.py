@@ -106,7 +106,7 @@ def test_weights_are_the_files_mapping(files):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_repacked_weights_give_the_file_layouts_logits(files, arch):
-    """On AVX-512 VNNI the integer road's Q4_0 / Q8_0 / Q4_K / Q6_K linears (AVX2: but Q8_0) are repacked sixteen
+    """On AVX-512 VNNI the integer road's Q4_0 / Q8_0 / Q4_K / Q6_K linears (AVX2 too) are repacked sixteen
     rows a group on a thread the load starts, the first product waiting for it (qwen2's tied head: the embedding's
     blocks, its pages let go, its rows looked up from the file): the same integer sums as the file's layout, the
     float steps in another order (within float32 rounding), the same greedy tokens."""
@@ -120,7 +120,7 @@ def test_repacked_weights_give_the_file_layouts_logits(files, arch):
         assert not pending and "mapped from the file" in lm.info.weights_kernel
         pytest.skip("no packed product in this build (AVX-512 VNNI)")
     assert "repacked from the file" in lm.info.weights_kernel
-    want = {formats.name(m.ggml_type) for m in linears if kernel.packs(m.ggml_type)}  # AVX2: Q8_0 not packed
+    want = {formats.name(m.ggml_type) for m in linears if kernel.packs(m.ggml_type)}
     assert want and {formats.name(m.ggml_type) for m in pending} == want
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():

@@ -1,5 +1,5 @@
 /* GGUF weights repacked sixteen rows at a time for the AVX-512 VNNI products (kq_packed.c; kq_packed_avx2.c on AVX2
-   machines, Q8_0 excepted, with the same layout: a 64-byte chunk as two 256-bit halves): llama.cpp's idea
+   machines with the same layout: a 64-byte chunk as two 256-bit halves): llama.cpp's idea
    (ggml-cpu's repack.cpp interleaves 4 or 8 rows so that one activation block meets several rows' blocks per
    load), laid out here for 512-bit vectors. In a group of sixteen weight rows, each block's quants are stored as
    64-byte chunks of four bytes per row, row r at bytes 4r..4r+3: one load is the same four byte positions of
@@ -50,11 +50,6 @@ int64_t kq_x16_group_bytes(int type, int64_t n) {
 /* bytes the packed weight takes (0: this type, or this build, has no packed product: keep the file's layout) */
 int64_t kq_pack_bytes(int type, int64_t n_out, int64_t n) {
 #if KQ_PACKED_512 || KQ_PACKED_AVX2
-#if KQ_PACKED_AVX2
-    /* AVX2: Q8_0 packed ran no faster than its row products (the 1B shape's linears of a token, one thread: 57-78
-       ms against 51-68; each product's sign trick costs what the shared activation loads save) */
-    if (type == KQ_Q8_0) return 0;
-#endif
     if (n_out < 1 || kq_row_bytes(type, n) == 0 || kq_x16_group_bytes(type, n) == 0) return 0;
     return (n_out + PR - 1) / PR * kq_x16_group_bytes(type, n);
 #else
