@@ -5,9 +5,10 @@
 
    maddubs saturates past 32,767, so no pair may exceed it: the 4-bit quants are taken as 0..15 (the high nibbles
    shifted down, their sixteen put back in 32 bits), Q6_K's are 0..63 (63 * 127 * 2 = 16,002), NF4's signed table
-   values and Q8_0's signed bytes take ggml's sign trick (nf4, q80 below). Every sum is the one kq_packed.c makes, so the two builds give the same results bit for bit. The 1B shape's linears of one
-   decode token, one thread, AVX2 build on the project's EPYC (shared, load ~4.6; min of 12): Q4_K_M 33-40 ms
-   against 52-78 in the file's layout, Q4_0 27 against 45. */
+   values and Q8_0's signed bytes take ggml's sign trick (nf4, q80 below). Every sum is the one kq_packed.c makes,
+   so the two builds give the same results bit for bit. The 1B shape's linears of one decode token, one thread,
+   AVX2 build on the project's EPYC (shared, load ~4.6; min of 12): Q4_K_M 33-40 ms against 52-78 in the file's
+   layout, Q4_0 27 against 45. */
 #include "kq_blocks.h"
 
 #if KQ_PACKED_AVX2
