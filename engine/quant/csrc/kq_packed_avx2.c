@@ -199,49 +199,25 @@ INLINE v16i dps(v16i acc, v16i aw, v16i w, __m256i a) {  /* acc + each lane's fo
 INLINE v16i lut_(__m256i tb, v16i i) { return (v16i){_mm256_shuffle_epi8(tb, i.l), _mm256_shuffle_epi8(tb, i.h)}; }
 INLINE v16i abs_(v16i a) { return (v16i){_mm256_abs_epi8(a.l), _mm256_abs_epi8(a.h)}; }
 
-INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out) {
-    const __m256i m0f = _mm256_set1_epi8(0x0F);
+/* NF4 and Q8_0 (``q8`` a constant at each call: the compiler makes two loops). A chunk c of 0..7 is four quants of
+   sixteen rows for activation bytes 4c..4c+3: Q8_0's eighth chunk of a block, or NF4's low nibbles of its chunk c
+   (c < 4) and high nibbles of chunk c - 4 (activations 16 + 4 (c - 4) = 4c). */
+INLINE void signed_bytes(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out,
+                         const int q8) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), x80 = _mm256_set1_epi8((char)0x80);
     const __m256i tb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kq_nf4_i8));
-    const int64_t nb = n / QK;
+    const int64_t nb = n / QK, step = q8 ? 1088 : 576;
     v16f acc[4];
     for (int r = 0; r < R; r++) acc[r] = zf();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* S = grp + 576 * (b / 2);
-        const uint8_t* Q = S + 64 + 256 * (b % 2);
-        v16i is[4];
-        for (int r = 0; r < R; r++) is[r] = zi();
-        for (int c = 0; c < 4; c++) {
-            const v16i w = ld(Q + 64 * c);
-            const v16i lo = lut_(tb, and_(w, m0f)), hi = lut_(tb, and_(srl16(w, 4), m0f));
-            const v16i alo = abs_(lo), ahi = abs_(hi);
-            for (int r = 0; r < R; r++) {
-                const int8_t* q = A->qs + (r0 + r) * n + QK * b;
-                is[r] = dps(dps(is[r], alo, lo, bc32(q + 4 * c)), ahi, hi, bc32(q + 16 + 4 * c));
-            }
-        }
-        const v16f dv = halves16(S + 32 * (b % 2));
-        for (int r = 0; r < R; r++) acc[r] = fma_(is[r], dv, A->d[(r0 + r) * nb + b], acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
-
-/* Q8_0 (kq_packed.c's q80: the same sums): stored as w + 128, the sign bit flipped back, then as NF4's. The 1B
-   shape's linears (16 layers), one thread, this EPYC beside a test run, min of 10 interleaved: a decode token
-   78 ms packed against 91 in the file's layout, four rows 99 against 143, a 128-token prompt 2.4 s against 4.4
-   (the row products convert and scale each block's sum per row; here sixteen rows' sums at once). */
-INLINE void q80(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out) {
-    const __m256i x80 = _mm256_set1_epi8((char)0x80);
-    const int64_t nb = n / QK;
-    v16f acc[4];
-    for (int r = 0; r < R; r++) acc[r] = zf();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* S = grp + 1088 * (b / 2);
-        const uint8_t* Q = S + 64 + 512 * (b % 2);
+        const uint8_t* S = grp + step * (b / 2);
+        const uint8_t* Q = S + 64 + (step - 64) / 2 * (b % 2);
         v16i is[4];
         for (int r = 0; r < R; r++) is[r] = zi();
         for (int c = 0; c < 8; c++) {
-            const v16i u = ld(Q + 64 * c);
-            const v16i w = {_mm256_xor_si256(u.l, x80), _mm256_xor_si256(u.h, x80)};
+            const v16i u = ld(Q + 64 * (q8 ? c : c % 4));
+            const v16i w = q8 ? (v16i){_mm256_xor_si256(u.l, x80), _mm256_xor_si256(u.h, x80)}
+                              : lut_(tb, and_(c < 4 ? u : srl16(u, 4), m0f));
             const v16i aw = abs_(w);
             for (int r = 0; r < R; r++) is[r] = dps(is[r], aw, w, bc32(A->qs + (r0 + r) * n + QK * b + 4 * c));
         }
@@ -249,6 +225,18 @@ INLINE void q80(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
         for (int r = 0; r < R; r++) acc[r] = fma_(is[r], dv, A->d[(r0 + r) * nb + b], acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+INLINE void nf4(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out) {
+    signed_bytes(grp, n, A, r0, R, out, 0);
+}
+
+/* Q8_0 (kq_packed.c's q80: the same sums): stored as w + 128, the sign bit flipped back, then as NF4's. The 1B
+   shape's linears (16 layers), one thread, this EPYC beside a test run, min of 10 interleaved: a decode token
+   78 ms packed against 91 in the file's layout, four rows 99 against 143, a 128-token prompt 2.4 s against 4.4
+   (the row products convert and scale each block's sum per row; here sixteen rows' sums at once). */
+INLINE void q80(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out) {
+    signed_bytes(grp, n, A, r0, R, out, 1);
 }
 
 #define KERNEL(NAME, FN) \
