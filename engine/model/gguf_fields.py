@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.model.gguf_file import GgufInfo
+from engine.model.gguf_file import GgufInfo, string_starts
 
 # GGUFValueType: the widest of each kind (``_gguf_parse_value`` reads any integer, float or bool type alike)
 _BOOL, _INT, _FLOAT, _STRING, _ARRAY = 7, 11, 12, 8, 9
@@ -114,16 +114,18 @@ def _from_info(info: GgufInfo, real):
     def read(path, string_arrays=()):
         if not answerable or os.path.realpath(path) != os.path.realpath(info.path):
             return real(path, string_arrays)
+        walked = string_starts(info)  # the header's walk: where each string starts, not walked again
         with open(info.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            metadata = {k: _long(mm, v, k in string_arrays) if isinstance(v, dict) else v
+            metadata = {k: _long(mm, v, k in string_arrays, walked.get(v.get("at"))) if isinstance(v, dict) else v
                         for k, v in info.metadata.items()}
         return metadata, tuple(t.name for t in info.tensors)
     return read
 
 
-def _long(mm, v: dict, keep: bool):
+def _long(mm, v: dict, keep: bool, walked: tuple | None = None):
     """A long array as transformers' reader gives it: a list of numbers; a list of strings (``keep``) or their
-    count. Each length bounded by the mapping (a file cut inside one: ValueError, as its reader)."""
+    count. Each length bounded by the mapping (a file cut inside one: ValueError, as its reader). ``walked``: the
+    strings' starts and end as the header's walk found them in this file (``gguf_file.string_starts``)."""
     n, at = v["count"], v["at"]
     if v["type"] != "STRING":
         width = np.dtype(_NUMPY[v["type"]]).itemsize
@@ -132,6 +134,8 @@ def _long(mm, v: dict, keep: bool):
         return np.frombuffer(mm[at:at + n * width], dtype=_NUMPY[v["type"]]).tolist()
     if not keep:
         return n
+    if walked is not None and len(walked[0]) == n and walked[1] <= len(mm):
+        return _decoded(mm, at, walked[1], walked[0])
     starts, size, unpack, first = [], len(mm), struct.Struct("<Q").unpack_from, at
     for _ in range(n):  # the lengths walked (each bounded by the mapping), then every string decoded at once
         if at + 8 > size:
@@ -144,19 +148,19 @@ def _long(mm, v: dict, keep: bool):
     return _decoded(mm, first, at, starts)
 
 
-def _decoded(mm, first: int, end: int, starts: list[int]) -> list[str]:
+def _decoded(mm, first: int, end: int, starts) -> list[str]:
     """The strings whose 8-byte lengths lie at ``starts`` (bytes ``first``..``end`` of the file), decoded as
     transformers' reader decodes each (UTF-8, strict): each length's first byte made a NUL, its other seven dropped,
     the whole decoded once and split at the NULs (0.7 -> ~0.1 us a string); strings holding a NUL themselves are
     decoded one by one."""
-    if not starts:
+    if not len(starts):
         return []
     raw = np.frombuffer(mm[first:end], dtype=np.uint8).copy()  # [bytes]
-    at = np.asarray(starts, dtype=np.int64) - first  # [n] where each length lies
+    at = np.asarray(starts, dtype=np.int64) - first  # [n] where each length lies (a list or an array('q'))
     content = np.ones(raw.shape[0], dtype=bool)
     content[(at[:, None] + np.arange(8)).ravel()] = False  # [n * 8] the lengths' bytes
     if np.count_nonzero(raw[content] == 0):  # a NUL inside a string: the split would cut it
-        return [str(mm[a + 8:b], "utf-8") for a, b in zip(starts, starts[1:] + [end])]
+        return [str(mm[a + 8:b], "utf-8") for a, b in zip(starts, [*starts[1:], end])]
     content[at] = True
     raw[at] = 0
     return raw[content].tobytes().decode("utf-8").split("\0")[1:]

@@ -15,6 +15,7 @@ the header is bounded by the bytes left in the file before anything is allocated
 
 from __future__ import annotations
 
+import array
 import errno
 import math
 import os
@@ -59,7 +60,7 @@ class GgufInfo:
     n_params: int
     type_counts: tuple[tuple[str, int], ...]  # tensors per GGML type, most first: (("Q8_0", 36), ("F32", 11))
     metadata: dict[str, Any]  # scalars, strings and short arrays; a long array as {"count": n, "type": t,
-    # "at": the file offset of its first element} (no "at": an array of arrays)
+    # "at": the file offset of its first element, "end" past a string array's last} (no "at": an array of arrays)
     tensors: tuple[TensorEntry, ...]
     split_count: int = 1
 
@@ -189,6 +190,7 @@ class _Header:
         import gguf
 
         self.f, self.size, self.name, self.gguf = f, size, name, gguf
+        self.starts: dict[int, tuple[array.array, int]] = {}  # a string array's first offset -> (starts, end)
         if not _Header._SCALARS:
             v = gguf.GGUFValueType
             _Header._SCALARS.update({v.UINT8: "<B", v.INT8: "<b", v.UINT16: "<H", v.INT16: "<h", v.UINT32: "<I",
@@ -253,12 +255,15 @@ class _Header:
             self.value(item, depth + 1)
         if self.f.tell() > self.size:
             raise self.truncated()
-        return {"count": n, "type": v(item).name, **({"at": at} if item == v.STRING else {})}
+        return {"count": n, "type": v(item).name, **({"at": at, "end": self.f.tell()} if item == v.STRING else {})}
 
     def skip_strings(self, n: int) -> None:
         """Walk past ``n`` length-prefixed strings, reading the file a MiB at a time (a read and a seek per string
-        took ~0.4 s of Llama-3's 408,451 tokens and merges); each length bounded by what is left of the file."""
+        took ~0.4 s of Llama-3's 408,451 tokens and merges); each length bounded by what is left of the file. Where
+        each string starts is kept (``starts``, by the array's first offset): the vocabulary's reader and the
+        tensor table take them instead of walking the strings again (~0.1 s a walk of Llama-3's)."""
         at, buf, off = self.f.tell(), b"", 0  # at: the file offset of buf[0]
+        first, starts = at, array.array("q")
         for _ in range(n):
             if len(buf) - off < 8:
                 if off > len(buf):  # the last string ran past the buffer: go to its end
@@ -271,8 +276,10 @@ class _Header:
             if length > self.size - (at + off + 8):
                 raise ModelFormatError(f"{self.name} is corrupt or truncated: a string of {length:,} in a "
                                        f"{self.size:,}-byte file ({_FIX})")
+            starts.append(at + off)
             off += 8 + length
         self.f.seek(at + off)
+        self.starts[first] = (starts, at + off)
 
 
 def _tensor(h: _Header) -> tuple[str, tuple[int, ...], int, int]:
@@ -332,7 +339,7 @@ def _magic(h: _Header) -> None:
                                "(re-convert it with a current llama.cpp)")
 
 
-def _parse(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
+def _parse(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry], dict[int, tuple[array.array, int]]]:
     with _open(path) as f:
         h = _Header(f, size, path.name)
         _magic(h)
@@ -354,7 +361,7 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
     if end > size:
         raise ModelFormatError(f"{path.name} is truncated: {size:,} bytes on disk, its tensors need {end:,} "
                                f"({_FIX})")
-    return meta, entries
+    return meta, entries, h.starts
 
 
 def split_count(path: Path, meta: dict[str, Any]) -> int:
@@ -389,10 +396,10 @@ def missing_parts(path: Path, count: int, show: int = 3) -> tuple[int, list[str]
     return missing, names
 
 
-_last: dict[tuple, tuple[dict[str, Any], list[TensorEntry]]] = {}  # the last header parsed (one entry)
+_last: dict[tuple, tuple[dict[str, Any], list[TensorEntry], dict]] = {}  # the last header parsed (one entry)
 
 
-def _parsed(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
+def _parsed(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry], dict]:
     """``_parse``, once per version of a file: a load reads the header for the memory verdict and again to load
     (a Llama-3 vocabulary's header ~0.15 s each); a file written since (size, time or inode changed) is read again."""
     st = os.stat(path)
@@ -405,6 +412,19 @@ def _parsed(path: Path, size: int) -> tuple[dict[str, Any], list[TensorEntry]]:
     return parsed
 
 
+def string_starts(info: GgufInfo) -> dict[int, tuple[array.array, int]]:
+    """Where each string of ``info``'s long string arrays starts, by the array's first offset (its metadata's
+    ``"at"``), with the offset just past its last string: as the header's walk found them, while that header is the
+    last one parsed and the file has not changed since ({} otherwise: the caller walks the strings itself)."""
+    path = Path(info.path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    parsed = _last.get((os.path.realpath(path), info.size_bytes, st.st_mtime_ns, st.st_ino))
+    return parsed[2] if parsed is not None else {}
+
+
 def read_gguf(path: str | os.PathLike) -> GgufInfo:
     """The header facts of the GGUF file at ``path`` (never its weights). Raises ``ModelFormatError`` with one line
     for anything that is not a whole, readable, single-file GGUF: not a regular file (a directory, a FIFO, a
@@ -413,7 +433,7 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
     that stopped early), a split model with parts missing — or with all of them (transformers reads one file)."""
     path = Path(os.path.expanduser(str(path)))
     size = check_path(path)
-    meta, entries = _parsed(path, size)
+    meta, entries, _ = _parsed(path, size)
     count = split_count(path, meta)
     if count > 1:
         missing, names = missing_parts(path, count)

@@ -96,7 +96,7 @@ def _keep(ggml_type: int, shape: tuple[int, ...], device: str) -> bool:
 
 def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device: str, attn: str,
           progress: Callable[[str, float], None] | None = None, check: Callable[[], None] = lambda: None,
-          layout=None):
+          layout=None, ends: dict[int, int] | None = None):
     """The model of the GGUF file at ``path`` (``architecture`` its ``general.architecture``, ``config`` read from
     it, ``cls`` its causal-LM class) with the weights of kept types as blocks mapped from the file and everything
     else in ``dtype``, on ``device``. Raises ValueError naming what does not fit (a tensor the model does not have,
@@ -104,7 +104,7 @@ def build(path: Path, architecture: str, config, cls, dtype: torch.dtype, device
     ``engine.model.packed_linear.gguf_float_layout``; None: the rows' product)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    table = Table(path)
+    table = Table(path, ends)  # (``ends``: the header's string arrays, as ``load``'s caller walked them)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     if type(processor).__name__ not in _SIMPLE:
         raise ValueError(f"{architecture}: its GGUF tensors are reshaped on load, so they cannot stay as blocks")
@@ -282,8 +282,9 @@ def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=Non
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    ends = {v["at"]: v["end"] for v in info.metadata.values() if isinstance(v, dict) and "end" in v}
     return with_attention(lambda attn: build(path, info.architecture, config, cls, dtype, device, attn, progress,
-                                             check, layout))
+                                             check, layout, ends))
 
 
 def with_attention(build_as: Callable[[str], nn.Module | None]):

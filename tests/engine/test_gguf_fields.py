@@ -134,7 +134,7 @@ def test_the_header_walks_a_vocabulary_in_chunks_and_bounds_each_length(tmp_path
         items = [b"a" * (3 << 20) if i % 100 == 7 else f"t{i}".encode() for i in range(512)]
         g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(items))
         info = read_gguf(g.write(tmp_path / "long.gguf"))
-        assert {k: v for k, v in info.metadata["tokenizer.ggml.merges"].items() if k != "at"} == \
+        assert {k: v for k, v in info.metadata["tokenizer.ggml.merges"].items() if k not in ("at", "end")} == \
             {"count": 512, "type": "STRING"}
         assert info.tensors and info.metadata["tokenizer.ggml.tokens"]["count"] == 512
         from transformers.integrations.gguf import reader  # the long strings decoded from where the header found them
@@ -161,6 +161,7 @@ def test_the_header_walks_a_vocabulary_in_chunks_and_bounds_each_length(tmp_path
 def test_the_vocabulary_is_decoded_at_once_as_string_by_string(strings):
     """The strings of a metadata array decoded in one pass are those decoded one by one: an empty one, a length
     whose low byte is zero (256), a NUL inside a string (decoded one by one then)."""
+    import array
     import mmap
     import struct
 
@@ -169,5 +170,40 @@ def test_the_vocabulary_is_decoded_at_once_as_string_by_string(strings):
     mm.write(blob)
     v = {"count": len(strings), "type": "STRING", "at": 3}
     assert gguf_fields._long(mm, v, True) == strings and gguf_fields._long(mm, v, False) == len(strings)
+    starts = array.array("q", [3 + sum(8 + len(t.encode()) for t in strings[:i]) for i in range(len(strings))])
+    assert gguf_fields._long(mm, v, True, (starts, len(blob))) == strings  # where a header's walk found them
     with pytest.raises(ValueError):  # a length past the end
         gguf_fields._long(mm, dict(v, count=len(strings) + 1), True)
+
+
+def test_the_headers_walk_serves_the_table_and_the_reader_until_the_file_changes(tmp_path, stories_path):
+    """A vocabulary's strings are walked once, by the header: the tensor table and the metadata reader take where
+    they start and end from that walk (the same entries and strings as their own walks), until the file is written
+    again (then none is taken: an offset of the old file never reads the new one's bytes); an end past the file is
+    not taken either."""
+    import mmap
+
+    import gguf_raw as raw
+    from engine.model import gguf_file
+    from engine.quant.gguf_table import Table
+    from gguf_make import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    g = raw.read(write_gguf(model, "llama", stories_path / "tokenizer.model", tmp_path / "base.gguf"))
+    merges = [f"t{i} u{i}" for i in range(5000)]
+    path = g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(merges)).write(tmp_path / "m.gguf")
+    info = read_gguf(path)
+    v = info.metadata["tokenizer.ggml.merges"]
+    walked = gguf_file.string_starts(info)
+    assert set(walked) == {v["at"], info.metadata["tokenizer.ggml.tokens"]["at"]}
+    assert walked[v["at"]][1] == v["end"] and len(walked[v["at"]][0]) == 5000
+    ends = {m["at"]: m["end"] for m in info.metadata.values() if isinstance(m, dict) and "end" in m}
+    assert Table(path, ends).entries == Table(path).entries == Table(path, {a: 1 << 40 for a in ends}).entries
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert gguf_fields._long(mm, v, True, walked[v["at"]]) == gguf_fields._long(mm, v, True) == merges
+    g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(merges[:4000])).write(path)  # written again
+    assert gguf_file.string_starts(info) == {}
+    assert gguf_fields._from_info(read_gguf(path), None)(str(path), ("tokenizer.ggml.merges",))[0][
+        "tokenizer.ggml.merges"] == merges[:4000]
