@@ -60,7 +60,8 @@ class GgufInfo:
     n_params: int
     type_counts: tuple[tuple[str, int], ...]  # tensors per GGML type, most first: (("Q8_0", 36), ("F32", 11))
     metadata: dict[str, Any]  # scalars, strings and short arrays; a long array as {"count": n, "type": t,
-    # "at": the file offset of its first element, "end" past a string array's last} (no "at": an array of arrays)
+    # "at": the file offset of its first element} (no "at": an array of arrays; ``string_starts``: where its
+    # strings start and end)
     tensors: tuple[TensorEntry, ...]
     split_count: int = 1
 
@@ -255,7 +256,7 @@ class _Header:
             self.value(item, depth + 1)
         if self.f.tell() > self.size:
             raise self.truncated()
-        return {"count": n, "type": v(item).name, **({"at": at, "end": self.f.tell()} if item == v.STRING else {})}
+        return {"count": n, "type": v(item).name, **({"at": at} if item == v.STRING else {})}
 
     def skip_strings(self, n: int) -> None:
         """Walk past ``n`` length-prefixed strings, reading the file a MiB at a time (a read and a seek per string

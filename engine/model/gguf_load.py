@@ -24,7 +24,7 @@ from engine.errors import EngineError, LoadCancelled, ModelFormatError, Unsuppor
 from engine.model import template_guard
 from engine.model.gguf_checks import NOT_GENERATIVE, check_model, check_named
 from engine.model.gguf_fields import from_header
-from engine.model.gguf_file import GgufInfo, read_gguf
+from engine.model.gguf_file import GgufInfo, read_gguf, string_starts
 from engine.model.hf_load import LoadNote, Progress, bnb_config, choose_dtype, quiet_transformers, weights_progress
 from engine.model.model_files import check_loading_info, check_tokenizer_fits
 from engine.model.packed_linear import gguf_float_layout
@@ -102,7 +102,11 @@ def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, p
           check: Callable[[], None]):
     """The model with the file's weights kept as blocks, mapped from it (``engine.quant.gguf_keep``)."""
     try:
-        model = gguf_keep.load(path, info, config, dtype, device, progress, check, gguf_float_layout(dtype, device))
+        # where the header's string arrays end, while the file is the version its walk read ({} else: an offset
+        # into a file rewritten since the memory verdict never reads the new one's bytes; the table walks them)
+        ends = {at: end for at, (_, end) in string_starts(info).items()}
+        model = gguf_keep.load(path, info, config, dtype, device, progress, check, gguf_float_layout(dtype, device),
+                               ends)
     except LoadCancelled:
         raise
     except KeyError:

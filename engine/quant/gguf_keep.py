@@ -276,13 +276,14 @@ def plan(info, device: str, compute_bytes: int, layout=None) -> Plan:
     return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed), every)
 
 
-def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None, layout=None):
+def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None, layout=None,
+         ends: dict[int, int] | None = None):
     """``build`` from the loader: the causal-LM class of ``config``, sdpa attention where the class has it (else
-    eager: Gemma 2's softcapping). ValueError / RuntimeError name what does not fit."""
+    eager: Gemma 2's softcapping). ``ends``: ``Table``'s, from the header's walk of this version of the file.
+    ValueError / RuntimeError name what does not fit."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    ends = {v["at"]: v["end"] for v in info.metadata.values() if isinstance(v, dict) and "end" in v}
     return with_attention(lambda attn: build(path, info.architecture, config, cls, dtype, device, attn, progress,
                                              check, layout, ends))
 
