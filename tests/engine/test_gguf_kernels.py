@@ -174,6 +174,33 @@ def test_packed_product_is_exact_on_the_quantized_activations(name, m):
     assert np.array_equal(one, y)
 
 
+# the bytes of a block that hold its quants (and Q4_K's / Q6_K's sub-block scales), by type: (block bytes, spans)
+EXTREME = {"Q4_0": (18, ((2, 18, 0xFF),)), "Q8_0": (34, ((2, 34, 0x80),)),
+           "Q4_K": (144, ((4, 144, 0xFF),)), "Q6_K": (210, ((0, 192, 0xFF), (192, 208, 0x80)))}
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_product_holds_the_largest_sums(name):
+    """Every quant and scale at its largest magnitude (4-bit 15, Q6_K's 63 with scales -128, Q8_0's -128) against
+    activations all at +-127: the kernels' sums of products kept in 16 bits (AVX2: maddubs pairs added before one
+    madd) stay in range and equal ggml's integer sums."""
+    n = 512 if name.endswith("_K") else 544
+    raw = blocks(name, 21, n, seed=5)
+    size, spans = EXTREME[name]
+    flat = raw.reshape(-1, size)  # [blocks, block bytes]
+    for a, b, v in spans:
+        flat[:, a:b] = v
+    w = torch.from_numpy(raw)
+    p = packed_or_skip(w, name, n)
+    x = torch.ones(4, n)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3, :n // 2] = -3  # the other half quantized to -+42
+    y = kernel.matmul(x, w, T[name].value, n, road="int8", packed=p).numpy()
+    ref = ggml_q8(x.numpy(), 1 if name.endswith("_K") else 0) @ reference(raw, name).T
+    assert np.abs(ref).max() > 0 and np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
 @pytest.fixture(scope="module")
 def avx2_build(tmp_path_factory):
     """The kernels built for the installers' AVX2 level (x86-64-v3: no AVX-512), loaded beside this build's."""
