@@ -94,7 +94,9 @@ def load_gguf(spec: ModelSpec, device: str, progress: Progress | None,
     check()
     model = _kept(path, info, config, dtype, device, progress, check) if keep else \
         _weights(path, config, spec, dtype, device, progress, check)
-    check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None))
+    tokens = info.metadata.get("tokenizer.ggml.tokens")  # (check_model: present, no more of them than rows)
+    check_tokenizer_fits(path.name, tok, getattr(model.get_input_embeddings(), "num_embeddings", None),
+                         tokens["count"] if isinstance(tokens, dict) else len(tokens))
     return model, tok, path, path.name if path.name.lower().endswith(".gguf") else info.name
 
 

@@ -284,14 +284,19 @@ def check_loading_info(name: str, info: Mapping[str, Any], canonical: set[str], 
     raise ModelFormatError(f"{name}: the weights do not match the model: {'; '.join(parts)}; {hint}")
 
 
-def check_tokenizer_fits(name: str, tokenizer: Any, rows: int | None) -> None:
+def check_tokenizer_fits(name: str, tokenizer: Any, rows: int | None, dense: int | None = None) -> None:
     """Refuse a tokenizer that can produce ids the embedding has no row for: the first such token in a
-    chat would crash the model mid-reply."""
+    chat would crash the model mid-reply. ``dense``: the vocabulary's ids are ``0..dense - 1`` by construction (a
+    GGUF's token array, positions as ids): only the added tokens are looked at (listing Llama-3's vocabulary for its
+    largest id took 0.1 s of a 1.1 s load)."""
     if rows is None or not hasattr(tokenizer, "get_vocab"):
         return
     try:
-        ids: Iterable[int] = tokenizer.get_vocab().values()
-        top = max(ids, default=-1)
+        if dense is not None:
+            top = max([dense - 1, *getattr(tokenizer, "added_tokens_decoder", {})])
+        else:
+            ids: Iterable[int] = tokenizer.get_vocab().values()
+            top = max(ids, default=-1)
     except Exception:  # a tokenizer that cannot list its vocabulary: nothing to compare
         return
     if top >= rows:

@@ -242,3 +242,19 @@ def test_tied_head_and_stale_buffers_are_not_reported(tmp_path, stories_path, st
     lm = _load(folder)
     x = torch.tensor([stories.tokenizer("Once upon a time")["input_ids"]])
     assert torch.equal(lm.model(x).logits, stories.model(x).logits)
+
+
+def test_a_gguf_tokenizers_ids_are_checked_by_its_token_count_and_added_tokens(stories_path):
+    """A GGUF-built tokenizer's ids are its token array's positions: the rows check takes the file's token count and
+    the added tokens' ids (not the whole vocabulary listed), and refuses an added token past the rows as a folder's."""
+    from transformers import AutoTokenizer
+
+    from engine.model.model_files import check_tokenizer_fits
+
+    tok = AutoTokenizer.from_pretrained(str(stories_path))
+    check_tokenizer_fits("m.gguf", tok, 512, dense=512)
+    with pytest.raises(errors.ModelFormatError, match="token ids up to 512 but the model has 512 embedding rows"):
+        check_tokenizer_fits("m.gguf", tok, 512, dense=513)
+    tok.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # id 512, past the 512 rows
+    with pytest.raises(errors.ModelFormatError, match="m.gguf: the tokenizer has token ids up to 512 but"):
+        check_tokenizer_fits("m.gguf", tok, 512, dense=512)
