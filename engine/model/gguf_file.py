@@ -30,6 +30,7 @@ from engine.errors import ModelFormatError, ModelNotFoundError
 
 SUFFIX = ".gguf"
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_U64 = struct.Struct("<Q")  # a string's length
 _MAX_KEY = 65_536  # bytes of a metadata key (llama.cpp's longest are ~60)
 _MAX_STRING = 64 << 20  # a chat template is tens of KiB; 64 MiB is a broken length, not text
 _KEEP = 4_096  # arrays of at most this many numbers are kept (per-layer lists); longer ones (a vocabulary) counted
@@ -265,20 +266,23 @@ class _Header:
         tensor table take them instead of walking the strings again (~0.1 s a walk of Llama-3's)."""
         at, buf, off = self.f.tell(), b"", 0  # at: the file offset of buf[0]
         first, starts = at, array.array("q")
-        for _ in range(n):
-            if len(buf) - off < 8:
-                if off > len(buf):  # the last string ran past the buffer: go to its end
-                    self.f.seek(at + off)
-                at += off
-                buf, off = buf[off:] + self.f.read(1 << 20), 0
-                if len(buf) < 8:
-                    raise self.truncated()
-            (length,) = struct.unpack_from("<Q", buf, off)
-            if length > self.size - (at + off + 8):
-                raise ModelFormatError(f"{self.name} is corrupt or truncated: a string of {length:,} in a "
-                                       f"{self.size:,}-byte file ({_FIX})")
-            starts.append(at + off)
-            off += 8 + length
+        unpack, keep, left = _U64.unpack_from, starts.append, n
+        while left:  # each pass: the strings whose lengths lie whole in the buffer, then the next MiB read
+            if off > len(buf):  # the last string ran past the buffer: go to its end
+                self.f.seek(at + off)
+            at += off
+            buf, off = buf[off:] + self.f.read(1 << 20), 0
+            if len(buf) < 8:
+                raise self.truncated()
+            last, room = len(buf) - 8, self.size - at - 8  # a length at off may be at most room - off
+            while left and off <= last:
+                (length,) = unpack(buf, off)
+                if length > room - off:
+                    raise ModelFormatError(f"{self.name} is corrupt or truncated: a string of {length:,} in a "
+                                           f"{self.size:,}-byte file ({_FIX})")
+                keep(at + off)
+                off += 8 + length
+                left -= 1
         self.f.seek(at + off)
         self.starts[first] = (starts, at + off)
 

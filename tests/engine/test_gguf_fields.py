@@ -207,3 +207,40 @@ def test_the_headers_walk_serves_the_table_and_the_reader_until_the_file_changes
     assert gguf_file.string_starts(info) == {}
     assert gguf_fields._from_info(read_gguf(path), None)(str(path), ("tokenizer.ggml.merges",))[0][
         "tokenizer.ggml.merges"] == merges[:4000]
+
+
+def test_the_headers_string_walk_across_its_reads_and_in_cut_files(tmp_path, stories_path):
+    """The header's walk of a long string array (read a MiB at a time) finds every string's start, strings of any
+    length crossing the reads; a file cut anywhere in the array, or a length past the file, is one line, never a
+    read past the end."""
+    import gguf_raw as raw
+    from engine.errors import ModelFormatError
+    from engine.model import gguf_file
+    from gguf_make import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    g = raw.read(write_gguf(model, "llama", stories_path / "tokenizer.model", tmp_path / "base.gguf"))
+    merges = [("m" * (i % 61)) + f" {i}" if i % 5000 else "w" * (i % 7 * 300_000) for i in range(120_000)]
+    path = g.set_raw("tokenizer.ggml.merges", raw.ARR, raw.strings(merges)).write(tmp_path / "m.gguf")
+    info = read_gguf(path)
+    at = info.metadata["tokenizer.ggml.merges"]["at"]
+    lengths = [len(m.encode()) for m in merges]
+    want = [at]
+    for n in lengths[:-1]:
+        want.append(want[-1] + 8 + n)
+    starts, end = gguf_file.string_starts(info)[at]
+    assert list(starts) == want and end == want[-1] + 8 + lengths[-1]
+    data = path.read_bytes()
+    for cut in (at + 3, want[7] + 8 + 2, want[5000] + 9, want[60_000] + 4, end - 1):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelFormatError) as e:
+            read_gguf(bad)
+        assert "truncated" in str(e.value) and "\n" not in str(e.value)
+    bad = bytearray(data)
+    bad[want[70_000]:want[70_000] + 8] = (len(data)).to_bytes(8, "little")  # a length past the file
+    (tmp_path / "long.gguf").write_bytes(bad)
+    with pytest.raises(ModelFormatError, match=f"a string of {len(data):,} in a {len(data):,}-byte file"):
+        read_gguf(tmp_path / "long.gguf")
