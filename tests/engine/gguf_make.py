@@ -19,6 +19,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['conte
                  "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 
 
+def random_model(arch: str, **config):
+    """A float32 causal LM of ``arch`` with ``config``, random weights from seed 0 (the global generator left as it
+    was), eager attention: the model the GGUF tests write and compare against."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary layout for a q/k projection of ``n_head`` heads: (rows, in) → same shape, the two rotary
     halves of each head interleaved."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_make import write_gguf  # tests/engine is on sys.path
+from gguf_make import random_model, write_gguf  # tests/engine is on sys.path
 from test_exact import engine_greedy, hf_greedy
 
 from engine.config import CacheConfig, ModelSpec
@@ -35,13 +35,7 @@ PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 79, 63, 115, 151]
 
 
 def _random(arch: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(arch, **{**BASE, **SHAPES[arch]})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return random_model(arch, **{**BASE, **SHAPES[arch]})
 
 
 @pytest.fixture(scope="module")

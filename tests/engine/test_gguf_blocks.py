@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("gguf")
 
 from gguf_blocks import ALL, cycle, write_blocks  # noqa: E402  (tests/engine is on sys.path)
+from gguf_make import random_model  # noqa: E402
 from test_exact import engine_greedy, hf_greedy  # noqa: E402
 
 from engine.config import CacheConfig, ModelSpec  # noqa: E402
@@ -37,13 +38,7 @@ PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 79, 63, 115, 151]
 
 
 def _random(arch: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(arch, **{**BASE, **SHAPES[arch]})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return random_model(arch, **{**BASE, **SHAPES[arch]})
 
 
 @pytest.fixture(scope="module")
