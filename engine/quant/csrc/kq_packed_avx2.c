@@ -82,10 +82,11 @@ INLINE v16i pair16(v16i v) {  /* int32 lanes within int16's range as two int16 h
 }
 
 /* Q4_K (kq_packed.c's q4k): low nibbles sub-block 2k, high 2k + 1 (shifted down; times 16 in the scales). A half's
-   eight chunks are summed in 16 bits and multiplied by the sub-block's scale in one madd; the low and high halves
-   are two passes over the same 512 bytes (L1), so a pass's four rows' sums stay in registers. */
+   eight chunks are summed in 16 bits and multiplied by the sub-block's scale in one madd; for three or four rows the
+   low and high halves are two passes over the same 512 bytes (L1), so a pass's rows' sums stay in registers. */
 INLINE void q4k(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const int R, v16f* out) {
     const __m256i m0f = _mm256_set1_epi8(0x0F);
+    const int H = R <= 2 ? 2 : 1;  /* halves a pass: both for one or two rows (their sums fit the registers) */
     v16f acc[4];
     for (int r = 0; r < R; r++) acc[r] = zf();
     for (int64_t b = 0; b < n / QKK; b++) {
@@ -94,17 +95,23 @@ INLINE void q4k(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
         v16i is[4], im[4];
         for (int r = 0; r < R; r++) is[r] = im[r] = zi();
         for (int k = 0; k < 4; k++) {
-            for (int h = 0; h < 2; h++) {
-                const v16i sc = pair16(sll32(u8x16(M + 64 + 16 * h + 32 * k), 4));
-                v16i a[4];
-                for (int r = 0; r < R; r++) a[r] = zi();
+            for (int h0 = 0; h0 < 2; h0 += H) {
+                v16i a[2][4];
+                for (int hh = 0; hh < H; hh++)
+                    for (int r = 0; r < R; r++) a[hh][r] = zi();
                 for (int l = 0; l < 8; l++) {
                     const v16i w = ld(Q + 64 * (8 * k + l));
-                    const v16i x = and_(h ? srl16(w, 4) : w, m0f);
-                    for (int r = 0; r < R; r++)
-                        a[r] = dpb(a[r], x, bc32(A->qs + (r0 + r) * n + QKK * b + 64 * k + 32 * h + 4 * l));
+                    for (int hh = 0; hh < H; hh++) {
+                        const int h = h0 + hh;
+                        const v16i x = and_(h ? srl16(w, 4) : w, m0f);
+                        for (int r = 0; r < R; r++)
+                            a[hh][r] = dpb(a[hh][r], x, bc32(A->qs + (r0 + r) * n + QKK * b + 64 * k + 32 * h + 4 * l));
+                    }
                 }
-                for (int r = 0; r < R; r++) is[r] = add(is[r], madd_(a[r], sc));
+                for (int hh = 0; hh < H; hh++) {
+                    const v16i sc = pair16(sll32(u8x16(M + 64 + 16 * (h0 + hh) + 32 * k), 4));
+                    for (int r = 0; r < R; r++) is[r] = add(is[r], madd_(a[hh][r], sc));
+                }
             }
         }
         for (int p = 0; p < 4; p++) {
@@ -145,6 +152,7 @@ INLINE void q6k(const uint8_t* grp, int64_t n, const pact* A, int64_t r0, const 
         for (int r = 0; r < R; r++) is[r] = zi();
         for (int h = 0; h < 2; h++) {
             for (int s = 0; s < 2; s++) {
+#pragma GCC unroll 4  /* c a constant in each copy: q6u's choices made at compile time (R = 1 ran 1.5x slower) */
                 for (int c = 0; c < 4; c++) {
                     const int g = 8 * h + 2 * c + s;
                     const v16i sc = s8x16(M + 32 + 16 * g), sc16 = pair16(sc);
