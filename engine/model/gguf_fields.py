@@ -183,8 +183,9 @@ def _read_once(real):
 @contextlib.contextmanager
 def from_header(info: GgufInfo):
     """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc), its fast
-    reader reads the file once, and a byte-level vocabulary gets no token the file lacks (``_no_defaults``); any
-    other file is read by ``gguf.GGUFReader`` as before."""
+    reader reads the file once, and a byte-level vocabulary gets no token the file lacks (``_no_defaults``) and is
+    built on the short roads where they give the same tokenizer (``_byte_level``, ``_specials``); any other file is
+    read by ``gguf.GGUFReader`` as before."""
     import gguf
     from transformers.integrations import gguf as package
     from transformers.integrations.gguf import gguf_tokenizer_mapping as builders
@@ -204,11 +205,18 @@ def from_header(info: GgufInfo):
     with _lock:
         gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata, fast._mapped = reader, once, once, mapped
         gpt2, builders.GPT2Tokenizer = builders.GPT2Tokenizer, _no_defaults(builders.GPT2Tokenizer)
+        specials, byte_level = builders.add_gguf_special_tokens, builders.GGUF_TOKENIZER_TYPES.get("gpt2")
+        builders.add_gguf_special_tokens = _specials(specials)
+        if byte_level is not None:
+            builders.GGUF_TOKENIZER_TYPES["gpt2"] = _byte_level(builders, byte_level)
         try:
             yield
         finally:
             gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = real, real_fast, real_fast
             fast._mapped, builders.GPT2Tokenizer = real_map, gpt2
+            builders.add_gguf_special_tokens = specials
+            if byte_level is not None:
+                builders.GGUF_TOKENIZER_TYPES["gpt2"] = byte_level
 
 
 def _no_defaults(gpt2):
@@ -217,3 +225,36 @@ def _no_defaults(gpt2):
     DeepSeek's: 102,402 of 102,400 + 2). The file's own BOS / EOS / UNK are set from its ids after the build, as
     before; tokenizers of the files that have the token (GPT-2, Qwen2, StarCoder, Falcon) come out the same."""
     return functools.partial(gpt2, unk_token=None, bos_token=None, eos_token=None)
+
+
+def _byte_level(builders, real):
+    """transformers' byte-level builder, its vocabulary made in one ``dict(zip(...))`` when every token is already
+    spelled in the byte alphabet (one set of all their characters and one ``dict``: 53 ms for Llama-3's 128,256
+    tokens, where its per-token respelling check took 155); a vocabulary with any other character: transformers'
+    own (it respells those tokens)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = frozenset(bytes_to_unicode().values())
+
+    def build(tokenizer_dict):
+        tokens = tokenizer_dict["tokens"]
+        if not set("".join(tokens)) <= alphabet:
+            return real(tokenizer_dict)
+        return builders.GPT2Tokenizer(vocab=dict(zip(tokens, range(len(tokens)))),
+                                      merges=builders.get_merges(tokenizer_dict))
+    return build
+
+
+def _specials(real):
+    """transformers' ``add_gguf_special_tokens``, which reads the whole vocabulary (``get_vocab``: 0.1 s for
+    Llama-3's) only to look up the tokens the file marks user-defined (type 4): a file with none gets an empty one
+    for that call, the same tokens added."""
+    def add(tokenizer, tokenizer_dict):
+        if 4 in (tokenizer_dict.get("token_type") or ()):
+            return real(tokenizer, tokenizer_dict)
+        tokenizer.get_vocab = dict  # this call's lookup only: every one is for a type-4 token
+        try:
+            return real(tokenizer, tokenizer_dict)
+        finally:
+            del tokenizer.get_vocab
+    return add

@@ -244,3 +244,61 @@ def test_the_headers_string_walk_across_its_reads_and_in_cut_files(tmp_path, sto
     (tmp_path / "long.gguf").write_bytes(bad)
     with pytest.raises(ModelFormatError, match=f"a string of {len(data):,} in a {len(data):,}-byte file"):
         read_gguf(tmp_path / "long.gguf")
+
+
+def _qwen_vocab(path: Path, user_defined: bool, outside: bool) -> Path:
+    """A vocabulary-only GGUF of Qwen2.5's byte-level vocabulary and merges (``data/qwen25_tokenizer.json.xz``), its
+    added tokens control (3), or the non-special ones user-defined (4) as llama.cpp's converter marks them;
+    ``outside``: one added token spelled outside the byte alphabet ("中文", which transformers respells)."""
+    import json
+    import lzma
+
+    doc = json.loads(lzma.decompress((Path(__file__).parent / "data" / "qwen25_tokenizer.json.xz").read_bytes()))
+    tokens = sorted(doc["model"]["vocab"], key=doc["model"]["vocab"].get)
+    types = [1] * len(tokens)
+    for added in doc["added_tokens"]:
+        tokens.append("中文" if outside and added["content"] == "<|file_sep|>" else added["content"])
+        types.append(3 if added["special"] or not user_defined else 4)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(m) for m in doc["model"]["merges"]])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("user_defined,outside", [(False, False), (True, False), (False, True)])
+def test_a_byte_level_vocabulary_builds_the_same_tokenizer_on_its_short_roads(tmp_path, monkeypatch, user_defined,
+                                                                                outside):
+    """Qwen2.5's vocabulary built with the byte-level builder's one-dict vocabulary and without the whole-vocabulary
+    lookup for a file with no user-defined token: the same tokenizer (its serialization, its ids for a text) as
+    transformers' own builders give under the same header; each short road taken only where it applies."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    path = _qwen_vocab(tmp_path / "qwen.gguf", user_defined, outside)
+    info = read_gguf(path)
+    respelled, lookups, real_get_vocab = [], [], TokenizersBackend.get_vocab
+    monkeypatch.setattr(TokenizersBackend, "get_vocab", lambda self: lookups.append(1) or real_get_vocab(self))
+    byte_level, specials = gguf_fields._byte_level, gguf_fields._specials
+
+    def build(short_roads: bool):
+        lookups.clear()
+        counted = lambda b, real: byte_level(b, lambda d: respelled.append(1) or real(d))  # noqa: E731
+        monkeypatch.setattr(gguf_fields, "_byte_level", counted if short_roads else (lambda b, real: real))
+        monkeypatch.setattr(gguf_fields, "_specials", specials if short_roads else (lambda real: real))
+        with gguf_fields.from_header(info):
+            tok = gguf_load._tokenizer(path)
+        return tok, len(lookups)
+
+    (fast, fast_lookups), (slow, slow_lookups) = build(True), build(False)
+    assert fast.backend_tokenizer.to_str() == slow.backend_tokenizer.to_str()
+    text = "Hello  wörld <tool_call>{\"a\": 1}</tool_call><|im_end|> 中文 12345"
+    assert fast(text)["input_ids"] == slow(text)["input_ids"] and len(fast) == len(slow)
+    assert fast.convert_ids_to_tokens(151657) == "<tool_call>" and 151657 in fast(text)["input_ids"]
+    assert respelled == ([1] if outside else [])  # the builder's own respelling only for the token outside
+    assert fast_lookups == slow_lookups - (0 if user_defined else 1)  # the lookup skipped only without type 4
