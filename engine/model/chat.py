@@ -132,13 +132,30 @@ def byte_tokens(tokenizer) -> dict[int, int]:
         return _BYTE_TOKENS[tokenizer]
     except (KeyError, TypeError):
         pass
-    ids = {i: int(t[3:5], 16) for t, i in tokenizer.get_vocab().items()
-           if len(t) == 6 and t.startswith("<0x") and t[5] == ">" and all(c in "0123456789ABCDEFabcdef" for c in t[3:5])}
+    ids = {} if _no_byte_fallback(tokenizer) else {
+        i: int(t[3:5], 16) for t, i in tokenizer.get_vocab().items()
+        if len(t) == 6 and t.startswith("<0x") and t[5] == ">" and all(c in "0123456789ABCDEFabcdef" for c in t[3:5])}
     try:
         _BYTE_TOKENS[tokenizer] = ids
     except TypeError:
         pass
     return ids
+
+
+def _no_byte_fallback(tokenizer) -> bool:
+    """True when the tokenizer's decoder (``tokenizers``') turns no ``<0x41>`` token into its byte — a byte-level
+    vocabulary's, which spells every token in bytes — so no token is held as a byte: its serialized decoder read
+    (~0.1 ms) instead of the whole vocabulary (``get_vocab``: 0.1-0.25 s for Llama-3's 128,256 at a first reply)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # not a tokenizers tokenizer: its vocabulary is read
+        return False
+    if backend.decoder is None:
+        return True  # no decoder: tokens are joined as they are spelled
+    try:
+        state = backend.decoder.__getstate__()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return isinstance(state, bytes) and b"ByteFallback" not in state
 
 
 CONTEXT_IDS = 5  # prompt ids a reply's first tokens are decoded after (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)

@@ -54,3 +54,20 @@ def test_a_tokenizer_that_does_not_decode_piecewise_gets_whole_starts():
     seq = [5, 6, 7, 8, 9]
     text_of = splice._starts(Joined(), seq, 2)
     assert [text_of(m) for m in range(2, 6)] == ["5 6", "5 6 7", "5 6 7 8", "5 6 7 8 9"]
+
+
+def test_byte_tokens_are_the_vocabularys_byte_pieces_read_only_where_the_decoder_makes_bytes(tok, monkeypatch):
+    """The ids held as bytes while streaming: a SentencePiece vocabulary's 256 ``<0x..>`` pieces (its decoder's
+    ByteFallback turns them into bytes); none for a byte-level one (Qwen2.5's), known from its decoder without
+    reading the whole vocabulary."""
+    from engine.model import chat
+
+    hexdigits = "0123456789ABCDEFabcdef"
+    scan = {i: int(t[3:5], 16) for t, i in tok.get_vocab().items()
+            if len(t) == 6 and t.startswith("<0x") and t[5] == ">" and all(c in hexdigits for c in t[3:5])}
+    fallback = "ByteFallback" in tok.backend_tokenizer.decoder.__getstate__().decode()
+    reads, real = [], type(tok).get_vocab
+    monkeypatch.setattr(type(tok), "get_vocab", lambda self: reads.append(1) or real(self))
+    chat._BYTE_TOKENS.pop(tok, None)
+    assert chat.byte_tokens(tok) == scan and len(scan) == (256 if fallback else 0)
+    assert bool(reads) == fallback
