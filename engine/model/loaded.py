@@ -103,9 +103,10 @@ def _config_int(config, name: str) -> int:
 
 
 def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str, path: str | None,
-               is_demo: bool) -> LoadedModel:
+               is_demo: bool, since=None) -> LoadedModel:
     """Describe a loaded torch model (``ModelInfo``, with what each layer caches from ``engine.model.arch.probe``) and
-    bundle it with its tokenizer (None: ids only)."""
+    bundle it with its tokenizer (None: ids only). ``since``: ``engine.model.threads.sample()`` at the load's start,
+    the window the threads' choice measures other programs' work over."""
     from engine.model import prepack
     from engine.model.arch import attention_impl, info_fields, probe
     from engine.model.threads import cpu_features
@@ -126,7 +127,7 @@ def wrap_model(model, tok, spec: ModelSpec, device: str, reason: str, name: str,
     blocks = getattr(model, "kvscope_blocks", "")  # a GGUF's weights kept as blocks (engine.quant)
     weights_kernel = " · ".join(w for w in (blocks, weights_kernel) if w)
     stop = _stop_ids(model, tok)
-    threads, threads_reason = _set_threads(model, device)
+    threads, threads_reason = _set_threads(model, device, since)
     info = ModelInfo(
         name=name,
         source=spec.source,
@@ -166,13 +167,13 @@ def _kv_dtype(model, spec: ModelSpec) -> torch.dtype:
     return kv_dtype
 
 
-def _set_threads(model, device: str) -> tuple[int, str]:
+def _set_threads(model, device: str, since=None) -> tuple[int, str]:
     """The threads this model runs on (``engine.model.threads``) set, with the CPU's memory and kernel set-up."""
     from engine.model.threads import apply as apply_threads
     from engine.model.threads import choose as choose_threads
     from engine.quant.modules import parameter_count
 
-    threads, threads_reason = choose_threads(parameter_count(model), device)
+    threads, threads_reason = choose_threads(parameter_count(model), device, since)
     apply_threads(threads)
     if str(device) == "cpu":
         from engine.model import heap

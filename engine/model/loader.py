@@ -38,6 +38,7 @@ from engine.model.hf_load import fix_bnb_4bit_cpu as _fix_bnb_4bit_cpu
 from engine.model.hf_load import quiet_transformers
 from engine.model.hf_load import weights_progress as _weights_progress
 from engine.model import fit_check, weights_read
+from engine.model import threads as cpu_threads
 from engine.model.weights_held import held_info
 from engine.model import template_guard
 from engine.model.loaded import LoadedModel, wrap_model
@@ -148,6 +149,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
             raise LoadCancelled(f"loading {spec.source} was cancelled")
 
     check()
+    since = cpu_threads.sample()  # other programs' CPU work is measured from here to the threads' choice
     device, reason = choose_device(spec.device)
     if spec.source == "demo":
         from engine.model.demo import build_demo
@@ -185,7 +187,7 @@ def load_model(spec: ModelSpec | str, progress: Progress | None = None,
     from engine.quant.modules import pack_soon, shapes_only
 
     with shapes_only():  # its three-token test run asks the shapes: a GGUF's blocks are read at the first reply
-        lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False)
+        lm = wrap_model(model, tok, spec, device, reason, name=name, path=str(path), is_demo=False, since=since)
     # a GGUF's repacking and the pages of its weights multiplied in place, off the load's path
     pack_soon(model.__dict__.pop("kvscope_pack_group", None) or [], model.__dict__.pop("kvscope_map_pages", None))
     if verdict is not None:
