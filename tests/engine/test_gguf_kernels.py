@@ -258,16 +258,17 @@ def test_packed_product_takes_the_row_order_and_threads():
 def test_packed_groups_shared_among_threads_are_each_done_once(name):
     """The packed product shares its sixteen-row groups among the threads: any number of threads (more than the
     cores too, more than divide the groups evenly) writes every output once, the same bits, a ragged last group
-    included."""
+    included; fewer activation rows than threads (a decode step's one) or more, the same."""
     n, out = 256, 16 * 37 + 8
     w = torch.from_numpy(blocks(name, out, n, seed=11))
     p = packed_or_skip(w, name, n)
-    x = torch.randn(6, n, generator=torch.Generator().manual_seed(11))
-    rows = kernel.matmul(x, w, T[name].value, n, road="int8", threads=1)  # the rows' layout: no packed copy read
-    one = kernel.matmul(x, w, T[name].value, n, packed=p, threads=1)
-    assert torch.allclose(one, rows, rtol=0, atol=2e-6 * rows.abs().max().item())
-    for threads in (2, 3, 7):
-        assert torch.equal(kernel.matmul(x, w, T[name].value, n, packed=p, threads=threads), one), threads
+    for m in (1, 2, 6):
+        x = torch.randn(m, n, generator=torch.Generator().manual_seed(11 + m))
+        rows = kernel.matmul(x, w, T[name].value, n, road="int8", threads=1)  # the rows' layout: no packed copy read
+        one = kernel.matmul(x, w, T[name].value, n, packed=p, threads=1)
+        assert torch.allclose(one, rows, rtol=0, atol=2e-6 * rows.abs().max().item())
+        for threads in (2, 3, 7):
+            assert torch.equal(kernel.matmul(x, w, T[name].value, n, packed=p, threads=threads), one), (m, threads)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "BF16"])
