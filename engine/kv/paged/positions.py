@@ -80,8 +80,9 @@ class CacheIndex:
     def held(self, upto: int) -> np.ndarray:
         """``[upto]`` bool: logical positions ``< upto`` that at least one layer and head holds."""
         out = np.zeros(upto, dtype=bool)
-        log = self._log[:, :, :self.n]
-        out[log[log < upto]] = True
+        out[:min(self.intact, upto)] = True  # every layer and head holds the intact prefix's positions
+        log = self._log[:, :, self.intact:self.n]  # the rest read from the log (none in a plain decode: it ran
+        out[log[log < upto]] = True  # over all [L, H, n], 0.14 ms a token at 16 x 8 x 300)
         return out
 
     def held_by_all(self, upto: int) -> np.ndarray:
