@@ -40,6 +40,13 @@ LIBRARIES = {"none": 135 * MiB, "int8": 170 * MiB, "nf4": 170 * MiB}
 # what a first reply adds beyond its activations and cache: the sessions' modules, the compiled decode step
 # (measured 66-78 MB on the 1B shape, from two context lengths)
 RUNTIME = 70 * MiB
+# a GGUF's tokenizer, built from its vocabulary's arrays (transformers' converter, then tokenizers' BPE), per merge
+# (per token where a SentencePiece vocabulary has none): (held once loaded, more in flight while it is built).
+# Measured on 4-layer models with real vocabularies, 2026-12-07: GPT-2's 50,000 merges, Qwen2's 151,387, Llama-3's
+# 280,147 held +8 / +33 / +64 MiB after the load and +13 / +18 / +34 more at its peak; Phi-3's 32,064 SentencePiece
+# tokens +17 and +8. (A folder's tokenizer.json is read by tokenizers itself: within the libraries' measure.)
+TOKENIZER_BYTES = {"merge": (235, 130), "token": (556, 260)}
+VOCAB_KEY = "kvscope_vocabulary"  # a GGUF's config (``weights_for``): {"tokens": n, "merges": m} of its header
 # a prompt token's activations against the estimate's float formula: bitsandbytes' int8 product casts, quantizes
 # and widens its inputs (x4.2 measured at 512-token chunks), NF4 dequantizes (x1.6)
 ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: the float formula; plan.format says)
@@ -145,6 +152,7 @@ class Fit:
     context: int  # the model's own context length
     kv: tuple[KVCost, ...]
     attention: Attention
+    tokenizer: int = 0  # what the tokenizer built at load holds (a GGUF's, from its vocabulary: ``tokenizer_bytes``)
 
     @property
     def elem_bytes(self) -> int:
@@ -157,17 +165,18 @@ class Fit:
     @property
     def load_bytes(self) -> int:
         """The peak while loading, beyond what the process holds now."""
-        return self.libraries + self.weights.bytes + self.loading
+        return self.libraries + self.tokenizer + self.weights.bytes + self.loading
 
     @property
     def resident_bytes(self) -> int:
         """Held once loaded and running, before any KV."""
-        return self.libraries + self.runtime + self.weights.bytes + self.compute_at(self.context or self.chunk)
+        return (self.libraries + self.tokenizer + self.runtime + self.weights.bytes
+                + self.compute_at(self.context or self.chunk))
 
     def total_at(self, tokens: int, kind: str = "auto") -> int:
         """All the process will hold beyond what it holds now, running a chat of ``tokens`` tokens with ``kind``
         K/V: libraries, runtime, weights, a prefill's activations, the cache and its working buffer."""
-        return int(self.libraries + self.runtime + self.weights.bytes + self.compute_at(tokens)
+        return int(self.libraries + self.tokenizer + self.runtime + self.weights.bytes + self.compute_at(tokens)
                    + self.kv_bytes(kind, tokens) + self.attention.working_bytes(kind, self.elem_bytes, tokens))
 
     def compute_at(self, tokens: int) -> int:
@@ -245,13 +254,24 @@ def attention_of(config: dict) -> Attention:
 
 
 def activation_bytes(config: dict, elem_bytes: int, quantization: str = "none") -> int:
-    """A prompt token's activations in a prefill forward (hidden states, the MLP's products, the logits) in the
-    compute dtype (``ACTIVATION_FACTOR`` more for bitsandbytes' products)."""
+    """A prompt token's activations in a prefill forward (hidden states, the MLP's products) in the compute dtype
+    (``ACTIVATION_FACTOR`` more for bitsandbytes' products). Not the logits: a prefill keeps the last token's only
+    (``logits_to_keep=1``), and counting a vocabulary's row per prompt token put a Llama-3 vocabulary's 192-token
+    chat at +98 MiB (0.84 of the estimate measured)."""
     c = text_config(config)
     hidden = _int(c, "hidden_size", "n_embd")
     inter = _int(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    per = (6 * hidden + 4 * inter + _int(c, "vocab_size")) * elem_bytes
+    per = (6 * hidden + 4 * inter) * elem_bytes
     return int(per * ACTIVATION_FACTOR.get(quantization, 1.0))
+
+
+def tokenizer_bytes(config: dict) -> tuple[int, int]:
+    """(held, in flight while built) by the tokenizer a GGUF's vocabulary makes (``TOKENIZER_BYTES``); (0, 0)
+    for a folder's."""
+    vocab = config.get(VOCAB_KEY) or {}
+    merges, tokens = int(vocab.get("merges", 0) or 0), int(vocab.get("tokens", 0) or 0)
+    per, n = (TOKENIZER_BYTES["merge"], merges) if merges else (TOKENIZER_BYTES["token"], tokens)
+    return per[0] * n, per[1] * n
 
 
 def _native_quantizer() -> bool:
@@ -284,8 +304,9 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
     factor = LOAD_BYTES_PER_ELEMENT.get(plan.held, 8)
     if plan.format == "Q8_0" or blocks:
         factor = 4  # quantized in C from the file's bytes (a folder's mapping: one tensor's in flight, +13-17 MB)
-    loading = (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it dequantizes
-               else plan.largest * factor)
+    tokenizer, building = tokenizer_bytes(config)
+    loading = building + (plan.file_bytes if plan.held == Held.DEQUANTIZED  # transformers maps the file while it
+                          else plan.largest * factor)  # dequantizes
     from engine.model.chunks import prefill_chunk
 
     kind = "none" if plan.format == "Q8_0" or blocks else plan.quantization  # the block products: the float formula
@@ -294,14 +315,14 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
     context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
     attn = attention_of(config)
     runtime = RUNTIME
-    budget = available - (libraries + runtime + plan.bytes)
+    budget = available - (libraries + tokenizer + runtime + plan.bytes)
     cap = context or (1 << 20)
     kv = []
     for kind in KV_KINDS:
         per_token = attn.bytes_at(1, attn.per_token(kind, elem))
         kv.append(KVCost(kind, per_token, attn.longest(kind, elem, budget, cap, lambda n: act * min(n, chunk))))
     return Fit(name, device, compute_dtype, plan, libraries, runtime, int(loading), act, chunk, int(available),
-               available_from, context, tuple(kv), attn)
+               available_from, context, tuple(kv), attn, tokenizer)
 
 
 # -- a model's files -> the verdict -----------------------------------------------------------------------------
@@ -329,6 +350,7 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
         check_architecture(info)  # a bad header gets its own one line, and no estimate
         check_model(info)
         config = info.config()
+        config[VOCAB_KEY] = {k: _array_count(info.metadata.get(f"tokenizer.ggml.{k}")) for k in ("tokens", "merges")}
         dtype = compute_dtype(spec, config, device)
         return config, wp.plan_gguf(info, device, dtype, spec.quantization), dtype
     from engine.model.model_files import check_folder
@@ -343,6 +365,13 @@ def weights_for(path: Path, spec, device: str) -> tuple[dict, WeightsPlan, str]:
     elif plan.held == Held.QUANTIZED and _copied(path, str(config.get("model_type", "")), spec, dtype, device):
         plan = dataclasses.replace(plan, held=Held.COPIED)  # the blocks a first load quantized, mapped
     return config, plan, dtype
+
+
+def _array_count(value) -> int:
+    """How many items a header's array holds (a long one is kept as {"count": n, ...}, a short one as a list)."""
+    if isinstance(value, dict):
+        return int(value.get("count", 0) or 0)
+    return len(value) if isinstance(value, list) else 0
 
 
 def _copied(folder: Path, model_type: str, spec, compute_dtype: str, device: str) -> bool:

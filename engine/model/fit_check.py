@@ -51,8 +51,8 @@ def refusal(fit: Fit, alternatives: list[tuple[str, Fit]] = ()) -> str:
     """Why ``fit`` does not fit, with the numbers, and the settings that would."""
     if fit.load_bytes > fit.available:
         why = (f"loading needs {human_bytes(fit.load_bytes)} (weights {human_bytes(fit.weights.bytes)} as "
-               f"{fit.weights.format}, {human_bytes(fit.libraries + fit.loading)} for the libraries and the "
-               f"tensor being read)")
+               f"{fit.weights.format}, {human_bytes(fit.libraries + fit.tokenizer + fit.loading)} for the "
+               f"libraries, the tokenizer and the tensor being read)")
     else:
         best = max(fit.kv, key=lambda k: k.longest_context)
         why = (f"after its weights ({human_bytes(fit.resident_bytes)} with the runtime) the KV cache has room for "

@@ -129,7 +129,7 @@ def child_engine(source: str, case: str, context: int, threads: int) -> dict:
     return dict(side="kvscope", case=label, idle=idle, import_s=import_s, load_s=load_s, fast_s=fast_s, fast=fast, after=after, load_peak=load_peak,
                 running=_status("VmRSS"), peak=_status("VmHWM"), ttft_s=ttft, decode_tps=decode, steady_tps=steady,
                 weights=lm.info.weights_bytes, format=f"{lm.info.weights_format} {lm.info.weights_held}",
-                est_load_peak=idle + f.load_bytes, est_after=idle + f.libraries + f.weights.bytes,
+                est_load_peak=idle + f.load_bytes, est_after=idle + f.libraries + f.tokenizer + f.weights.bytes,
                 est_running=idle + f.total_at(context + DECODE),
                 est_weights=f.weights.bytes)
 
