@@ -15,7 +15,7 @@ back and are written to each sequence's slot after it.
 
 It is built only once several sequences decode together (a chat alone never pays for it), and never while the
 single step's child is building (two builds on a small machine each take twice as long). The trial compares
-the time per sequence of compiled and eager batched rounds (3 : 1, ``fast_step.TRIAL_STEPS``), again each time
+the time per sequence of compiled and eager batched rounds (3 : 1, ``fast_step.TRIAL_STEPS``, fewer where plain), again each time
 the longest context doubles. ``KVSCOPE_FAST_BATCH=off`` keeps the batches eager (the single step unchanged).
 """
 

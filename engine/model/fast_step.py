@@ -51,6 +51,12 @@ from engine.model import aot_step, linear_op
 
 MODES = ("auto", "on", "off")  # auto: compile and keep it where it measures faster; on: keep it regardless
 TRIAL_STEPS = 32  # eligible steps of the trial: 24 compiled, 8 eager
+# ... or fewer where the answer is plain: from EARLY_STEPS on (6 compiled, 2 eager) the trial ends once the compiled
+# steps' median is under CLEAR x the fastest eager step. Each eager step of a trial is a slower token of the chat
+# (1B-shape Q4_K_M, two threads: 23.7 ms against 15.7), and a trial runs at a chat's start and each time its context
+# doubles: six fewer of them, ~50 ms a trial there (the first 64 tokens ~5% faster).
+EARLY_STEPS = 8
+CLEAR = 0.8
 BUILD_TIMEOUT_S = 1800.0  # a build still running after this (a hung compiler) is stopped: eager, with the reason
 MIN_PAST = aot_step.MIN_LEN  # tokens cached before the step (the package's dynamic lengths start there)
 
@@ -103,6 +109,7 @@ class FastStep:
         self.calls = {"compiled": 0, "eager": 0}
         self._times: dict[str, list[float]] = {"compiled": [], "eager": []}
         self._trial_at = 0  # context length (tokens) when the last trial began
+        self.trial_steps = 0  # eligible steps the last trial ended after (EARLY_STEPS..TRIAL_STEPS)
         self._fn = None
         self._proc: subprocess.Popen | None = None
         self._t_start = 0.0
@@ -191,14 +198,19 @@ class FastStep:
         self._times = {"compiled": [], "eager": []}
 
     def record(self, path: str, ms: float) -> None:
-        """The time of an eligible step's forward; the trial ends after ``TRIAL_STEPS`` of them."""
+        """The time of an eligible step's forward; the trial ends after ``TRIAL_STEPS`` of them, or from
+        ``EARLY_STEPS`` on where compiled is plainly faster (``CLEAR``)."""
         self.calls[path] = self.calls.get(path, 0) + 1
         if self.state != "trial":
             return
         self._times[path].append(ms)
         c, e = self._times["compiled"], self._times["eager"]
-        if len(c) + len(e) < TRIAL_STEPS or not c or not e:
+        n = len(c) + len(e)
+        if n < EARLY_STEPS or not c or not e:
             return
+        if n < TRIAL_STEPS and not statistics.median(c) < CLEAR * min(e):
+            return
+        self.trial_steps = n
         mc, me = statistics.median(c), statistics.median(e)
         if mc < me:
             self.state, self.reason = "on", f"compiled {mc:.1f} ms vs eager {me:.1f} ms {self.per} (measured)"

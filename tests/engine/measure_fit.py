@@ -37,8 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-DECODE = 64  # the compiled step's 3:1 trial (its first 32 steps) included, as a chat decodes it
-TRIAL = 33  # the first token and the trial's 32 steps (``steady_tps``: the decode after them)
+DECODE = 64  # the compiled step's 3:1 trial (its first 8-32 steps) included, as a chat decodes it
+TRIAL = 33  # the first token and the longest trial's 32 steps (``steady_tps``: the decode after them)
 SHAPE_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=512)
 
 

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, SamplingConfig
 from engine.core import scheduler as batch
 from engine.core.session import ChatSession
 from engine.kv.store.attention import padded_attention
-from engine.model.fast_step import TRIAL_STEPS, FastStep, machine_refusal
+from engine.model.fast_step import EARLY_STEPS, TRIAL_STEPS, FastStep, machine_refusal
 from test_exact import hf_greedy
 
 NO_COMPILE = machine_refusal(torch.device("cpu"))
@@ -154,12 +154,14 @@ def test_auto_mode_measures_the_batch_both_ways_then_keeps_one(lm, built):
     try:
         assert built.state == "trial"
         got, paths = _run(lm, [CacheConfig(page_size=16)] * 3, [TRIAL_STEPS + 20] * 3)
-        trial = paths[0][1:TRIAL_STEPS + 1]
-        assert trial.count("batched") == TRIAL_STEPS // 4  # one round in four runs eager while measuring
+        n = built.trial_steps  # TRIAL_STEPS, or from EARLY_STEPS on where compiled is plainly faster
+        assert EARLY_STEPS <= n <= TRIAL_STEPS, n
+        trial = paths[0][1:n + 1]
+        assert abs(trial.count("batched") - n / 4) < 1  # one round in four runs eager while measuring
         assert built.state in ("on", "slower"), built.describe()
         assert "compiled" in built.reason and "ms a sequence" in built.reason  # rounds of any size, per sequence
         kept = "compiled batch" if built.state == "on" else "batched"
-        assert set(paths[0][TRIAL_STEPS + 1:]) == {kept}
+        assert set(paths[0][n + 1:]) == {kept}
         for ids, prompt in zip(got, PROMPTS):
             assert ids == hf_greedy(lm, lm.tokenizer(prompt)["input_ids"], TRIAL_STEPS + 20)
     finally:

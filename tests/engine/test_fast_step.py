@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, SamplingConfig
-from engine.model.fast_step import TRIAL_STEPS, FastStep, machine_refusal
+from engine.model.fast_step import EARLY_STEPS, TRIAL_STEPS, FastStep, machine_refusal
 from engine.core.session import ChatSession
 
 NO_COMPILE = machine_refusal(torch.device("cpu"))
@@ -197,12 +197,14 @@ def test_auto_mode_measures_both_paths_then_keeps_one(lm):
     try:
         assert lm.fast.state == "trial"
         got, paths = _reply(lm, _prompt(lm), TRIAL_STEPS + 20)
-        trial = paths[1:TRIAL_STEPS + 1]
-        assert trial.count("eager") == TRIAL_STEPS // 4  # one step in four runs eager while measuring
+        n = lm.fast.trial_steps  # TRIAL_STEPS, or from EARLY_STEPS on where compiled is plainly faster
+        assert EARLY_STEPS <= n <= TRIAL_STEPS, n
+        trial = paths[1:n + 1]
+        assert abs(trial.count("eager") - n / 4) < 1  # one step in four runs eager while measuring
         assert lm.fast.state in ("on", "slower"), lm.fast.describe()
         assert "compiled" in lm.fast.reason and "eager" in lm.fast.reason and "ms" in lm.fast.reason
         kept = "compiled" if lm.fast.state == "on" else "eager"
-        assert set(paths[TRIAL_STEPS + 1:]) == {kept}
+        assert set(paths[n + 1:]) == {kept}
         assert got == _hf_greedy(lm, _prompt(lm), TRIAL_STEPS + 20)
     finally:
         lm.fast.set_mode("on")
