@@ -189,7 +189,7 @@ def build(folder: Path, config, dtype: torch.dtype, attn: str, progress: Callabl
     if not quantize:
         blocked = any(isinstance(m, BlockLinear) and m.layout is not None for m in model.modules())
         where = "blocked from the files' mappings" if blocked else "mapped from the files"  # (blocked after the load)
-        model.kvscope_blocks = f"BF16 safetensors, 16.00 bits per weight, {where} ({kernel.isa()})"
+        model.kvscope_blocks = f"BF16 safetensors, {where} ({kernel.isa()})"  # (the bits: the weights row's)
     return model
 
 

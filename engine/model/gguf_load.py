@@ -118,7 +118,8 @@ def _kept(path: Path, info: GgufInfo, config, dtype: torch.dtype, device: str, p
     except (OSError, ValueError, RuntimeError, IndexError) as e:
         raise ModelFormatError(f"cannot load the weights of {path.name}: {first_line(e)}") from None
     p = gguf_keep.plan(info, device, torch.empty((), dtype=dtype).element_size(), gguf_float_layout(dtype, device))
-    model.kvscope_blocks = f"GGUF {info.weights_type}, {p.bits:.2f} bits per weight, {p.where} ({p.road})"
+    # the kernel's line on the model card: the bits per weight are the weights row's (as held, one number there)
+    model.kvscope_blocks = f"GGUF {info.weights_type}, {p.where} ({p.road})"
     return model
 
 

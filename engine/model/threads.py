@@ -91,7 +91,8 @@ def choose(num_params: int, device_type: str, since: Sample | None = None) -> tu
         idle = max(1, min(n, int(n - load + 0.5)))
         return idle, f"{idle} of {n} cores (load {load:.1f})"
     idle = max(1, min(n, int(n - busy + 0.5)))
-    return idle, f"{idle} of {n} cores ({busy:.1f} busy with other programs)"
+    others = f"{busy:.1f} cores busy with other programs" if busy >= 0.05 else "none busy with other programs"
+    return idle, f"{idle} of {n} cores ({others} as it loaded)"
 
 
 def physical_cores() -> int:

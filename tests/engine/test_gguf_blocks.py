@@ -67,7 +67,8 @@ def test_float_road_gives_hf_greedy_on_the_dequantized_model(files, arch, monkey
     lm = load_model(ModelSpec(source=str(files[arch])))
     kinds = {type(m) for m in lm.model.modules()}
     assert BlockLinear in kinds and BlockEmbedding in kinds
-    assert "bits per weight, mapped from the file (float activations" in lm.info.weights_kernel
+    assert f"GGUF {lm.info.weights_format}, mapped from the file (float activations" in lm.info.weights_kernel
+    assert "bits per weight" not in lm.info.weights_kernel  # said once on the card: the weights row, as held
     ref = hf_greedy(_Wrap(_hf_dequantized(files[arch])), PROMPT, N)
     assert engine_greedy(lm, PROMPT, N, CacheConfig(mode="paged", page_size=4)) == ref
     with torch.inference_mode():  # the logits themselves: float tolerance

@@ -28,11 +28,11 @@ def test_large_models_take_the_idle_cores(monkeypatch):
     monkeypatch.delenv("KVSCOPE_THREADS", raising=False)
     monkeypatch.setattr(threads, "cores", lambda: 8)
     monkeypatch.setattr(threads, "busy_elsewhere", lambda since=None: 2.6)
-    assert threads.choose(135_000_000, "cpu") == (5, "5 of 8 cores (2.6 busy with other programs)")
+    assert threads.choose(135_000_000, "cpu") == (5, "5 of 8 cores (2.6 cores busy with other programs as it loaded)")
     monkeypatch.setattr(threads, "busy_elsewhere", lambda since=None: 30.0)
     assert threads.choose(135_000_000, "cpu")[0] == 1  # a saturated machine: one thread, never zero
     monkeypatch.setattr(threads, "busy_elsewhere", lambda since=None: 0.0)
-    assert threads.choose(135_000_000, "cpu")[0] == 8
+    assert threads.choose(135_000_000, "cpu") == (8, "8 of 8 cores (none busy with other programs as it loaded)")
     # no CPU counters: the load average, said as such
     monkeypatch.setattr(threads, "busy_elsewhere", lambda since=None: None)
     monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 0.0, 0.0))
