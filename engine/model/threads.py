@@ -57,13 +57,16 @@ def sample() -> Sample | None:
 
 def busy_elsewhere(since: Sample | None = None, window: float = 0.1) -> float | None:
     """Cores busy with other programs' normal-priority work since ``since`` (a load's start), or over ``window``
-    seconds from now; None where the counters cannot be read. The counters tick every 10 ms: over a 0.1 s load
-    on two cores the figure is good to ~0.1 core."""
+    seconds from now; None where the counters cannot be read. The counters tick every 10 ms, so a window is at
+    least ``window`` long: one tick of another program over a 20 ms load would read as half a core busy, over
+    0.1 s it is 0.1 core. A load shorter than that waits out the rest (a 1B Q4_K_M maps in ~0.1 s here)."""
     if since is None:
         since = sample()
         if since is None:
             return None
-        time.sleep(window)
+    short = window - (time.monotonic() - since.at)
+    if short > 0:
+        time.sleep(short)
     now = sample()
     if now is None or now.at - since.at <= 0:
         return None

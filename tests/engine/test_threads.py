@@ -71,6 +71,21 @@ def test_other_programs_count_and_this_process_does_not():
 
     assert other(0) >= base + 0.4  # another program on a core of its own
     assert other(15) < base + 0.4  # a niced one: it yields to the model's threads
+
+
+def test_a_short_load_is_read_over_a_tenth_of_a_second():
+    """The counters tick every 10 ms: a load over in 20 ms would read one tick of another program as half a core
+    busy. The window is stretched to 0.1 s before it is read, and the figure is over the whole of it."""
+    since = threads.sample()
+    start = time.monotonic()
+    assert threads.busy_elsewhere(since) is not None
+    assert time.monotonic() - since.at >= 0.1 and time.monotonic() - start >= 0.09
+    _spin(0.15)  # a load longer than the window waits no more
+    start = time.monotonic()
+    threads.busy_elsewhere(since)
+    assert time.monotonic() - start < 0.08
+
+
 def test_the_users_variable_wins(monkeypatch):
     monkeypatch.setenv("KVSCOPE_THREADS", "3")
     assert threads.choose(260_032, "cpu") == (3, "3 (KVSCOPE_THREADS)")
