@@ -37,9 +37,10 @@ MiB = 1 << 20
 # what a load imports beyond an idle engine (transformers' model and tokenizer code; bitsandbytes): measured
 # +133 MB (none) and +170 MB (int8 / nf4) over the idle process on the 1B shape
 LIBRARIES = {"none": 135 * MiB, "int8": 170 * MiB, "nf4": 170 * MiB}
-# what a first reply adds beyond its activations and cache: the sessions' modules, the compiled decode step
-# (measured 66-78 MB on the 1B shape, from two context lengths)
-RUNTIME = 70 * MiB
+# what a first reply adds beyond its activations and cache: the compiled decode step's code (4-11 MB), the
+# sessions' modules (2 MB), a first chat's state (0-8 MB); measured on the 1B shape and 4-layer models. (Was 70 MB,
+# fitted on the 1B when the activations' measured 1.6x was not counted: a 4-layer model's running estimate 13% high.)
+RUNTIME = 16 * MiB
 # a GGUF's tokenizer, built from its vocabulary's arrays (transformers' converter, then tokenizers' BPE), per merge
 # (per token where a SentencePiece vocabulary has none): (held once loaded, more in flight while it is built).
 # Measured on 4-layer models with real vocabularies, 2026-12-07: GPT-2's 50,000 merges, Qwen2's 151,387, Llama-3's
@@ -48,8 +49,10 @@ RUNTIME = 70 * MiB
 TOKENIZER_BYTES = {"merge": (235, 130), "token": (556, 260)}
 VOCAB_KEY = "kvscope_vocabulary"  # a GGUF's config (``weights_for``): {"tokens": n, "merges": m} of its header
 # a prompt token's activations against the estimate's float formula: bitsandbytes' int8 product casts, quantizes
-# and widens its inputs (x4.2 measured at 512-token chunks), NF4 dequantizes (x1.6)
-ACTIVATION_FACTOR = {"int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: the float formula; plan.format says)
+# and widens its inputs (x4.2 measured at 512-token chunks), NF4 dequantizes (x1.6); float and block products
+# x1.6 (the MLP's gate, up and their product live at once, the blocks' 8-bit rows, the allocator's free lists:
+# 1B shape, +48 / +74 MB for 133 / 256+ prompt tokens against a formula of 28 / 44)
+ACTIVATION_FACTOR = {"none": 1.6, "int8": 4.2, "nf4": 1.6}  # (int8 as Q8_0 blocks: "none"; plan.format says)
 # bytes in flight while loading, per element of the largest tensor: a tensor read (2 B/weight for bf16) and
 # converted by four reader threads (float32: +130 MB for 16.8M-weight tensors), or quantized (int8 +185 MB:
 # the float copy, its absolute values and rounding; nf4 +224 MB), or the packed copy of a merged gate/up (+65 MB)
