@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import struct
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.model import spm_merges
 from engine.model.gguf_file import GgufInfo, string_starts
 
 # GGUFValueType: the widest of each kind (``_gguf_parse_value`` reads any integer, float or bool type alike)
@@ -184,7 +186,8 @@ def _read_once(real):
 def from_header(info: GgufInfo):
     """While this runs, transformers' GGUF settings for ``info.path`` come from ``info`` (module doc), its fast
     reader reads the file once, and a byte-level vocabulary gets no token the file lacks (``_no_defaults``) and is
-    built on the short roads where they give the same tokenizer (``_byte_level``, ``_specials``); any other file is
+    built on the short roads where they give the same tokenizer (``_byte_level``, ``_specials``, a SentencePiece
+    vocabulary's merges by ``spm_merges``), the garbage collector paused (``_no_collection``); any other file is
     read by ``gguf.GGUFReader`` as before."""
     import gguf
     from transformers.integrations import gguf as package
@@ -202,8 +205,9 @@ def from_header(info: GgufInfo):
             return HeaderReader(info)
         return real(p, *args, **kwargs)
 
-    with _lock:
+    with _lock, _no_collection():
         gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata, fast._mapped = reader, once, once, mapped
+        merges, builders.generate_merges = builders.generate_merges, spm_merges.generate_merges
         gpt2, builders.GPT2Tokenizer = builders.GPT2Tokenizer, _no_defaults(builders.GPT2Tokenizer)
         specials, byte_level = builders.add_gguf_special_tokens, builders.GGUF_TOKENIZER_TYPES.get("gpt2")
         builders.add_gguf_special_tokens = _specials(specials)
@@ -213,10 +217,25 @@ def from_header(info: GgufInfo):
             yield
         finally:
             gguf.GGUFReader, fast.read_gguf_metadata, package.read_gguf_metadata = real, real_fast, real_fast
-            fast._mapped, builders.GPT2Tokenizer = real_map, gpt2
+            fast._mapped, builders.GPT2Tokenizer, builders.generate_merges = real_map, gpt2, merges
             builders.add_gguf_special_tokens = specials
             if byte_level is not None:
                 builders.GGUF_TOKENIZER_TYPES["gpt2"] = byte_level
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Python's cyclic garbage collector paused while a vocabulary is built: the build makes ~0.7M strings and
+    tuples (Llama-3's), none in a cycle, and each of the collections their count sets off walks every one of them
+    again (Llama-3's load 0.465 -> 0.405 s). Reference counting still frees everything as before; what was paused
+    before stays paused."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _no_defaults(gpt2):

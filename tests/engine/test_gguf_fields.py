@@ -302,3 +302,23 @@ def test_a_byte_level_vocabulary_builds_the_same_tokenizer_on_its_short_roads(tm
     assert fast.convert_ids_to_tokens(151657) == "<tool_call>" and 151657 in fast(text)["input_ids"]
     assert respelled == ([1] if outside else [])  # the builder's own respelling only for the token outside
     assert fast_lookups == slow_lookups - (0 if user_defined else 1)  # the lookup skipped only without type 4
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_a_sentencepiece_vocabularys_merges_are_transformers_own(vocab, scored):
+    """The merges a vocabulary without any implies (``spm_merges``): transformers' list, pair for pair and in its
+    order — by the file's scores, best first (``get_merges``), and by the ids where no scores are given."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    from engine.model import spm_merges
+
+    info = read_gguf(vocab)
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores")
+    metadata, _ = gguf_fields._from_info(info, None)(str(vocab), arrays)
+    tokens, scores = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.scores"]
+    ids = {t: i for i, t in enumerate(tokens)}
+    by = dict(zip(tokens, scores)) if scored else None
+    ours, theirs = spm_merges.generate_merges(ids, by), generate_merges(ids, by)
+    assert len(theirs) > 10_000 and ours == theirs
+    assert spm_merges.generate_merges({"a": 0, "b": 1, "ab": 2}, {"ab": 1.0, "a": 0.0, "b": 0.0}) == [("a", "b")]
+    assert spm_merges.generate_merges({}, None) == []
