@@ -43,12 +43,6 @@ from engine.model.weights_held import held_info
 from engine.model import template_guard
 from engine.model.loaded import LoadedModel, wrap_model
 from engine.model.weight_index import check_index
-# the GGUF road's modules and transformers' tokenizer builders imported with the loader (the app: on its worker
-# thread as its first model loads), not inside the first GGUF load: their import and torch's op registrations took
-# 0.08-0.14 s of it (a Phi-3 vocabulary's load 0.29 s the first time in a process, 0.15-0.19 after)
-from engine.model import gguf_load as _gguf_load  # noqa: E402,F401
-import transformers.models.auto.tokenization_auto  # noqa: E402,F401
-import transformers.integrations.gguf.gguf_tokenizer_mapping  # noqa: E402,F401
 
 Progress = Callable[[str, float], None]  # (message, fraction 0..1 or -1 when unknown)
 
