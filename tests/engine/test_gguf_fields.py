@@ -322,3 +322,22 @@ def test_a_sentencepiece_vocabularys_merges_are_transformers_own(vocab, scored):
     assert len(theirs) > 10_000 and ours == theirs
     assert spm_merges.generate_merges({"a": 0, "b": 1, "ab": 2}, {"ab": 1.0, "a": 0.0, "b": 0.0}) == [("a", "b")]
     assert spm_merges.generate_merges({}, None) == []
+
+
+def test_a_files_long_tokens_cost_no_more_than_their_lengths(monkeypatch):
+    """A vocabulary's one 8M-character token is cut only where a token that long and one as long as its rest can
+    meet (none here: no pair, in well under a second, where cutting it everywhere copies 10^13 characters); tokens
+    made to make the cuts quadratic are refused in one line past ``MAX_CUT_CHARACTERS``."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    from engine.model import spm_merges
+
+    small = {t: i for i, t in enumerate(["a", "b", "c", "ab", "bc", "abc", "ca", "cab"])}
+    scores = {t: -float(i) for t, i in small.items()}
+    long = dict(small, **{"ab" * 4_000_000 + "z": len(small)})
+    merges = spm_merges.generate_merges(long, dict(scores, **{"ab" * 4_000_000 + "z": -99.0}))
+    assert merges == generate_merges(small, scores) and ("a", "b") in merges
+    monkeypatch.setattr(spm_merges, "MAX_CUT_CHARACTERS", 10_000)
+    stairs = {"a" * n: n for n in range(1, 300)}
+    with pytest.raises(ValueError, match="too long to derive merges"):
+        spm_merges.generate_merges(stairs, {t: 0.0 for t in stairs})
