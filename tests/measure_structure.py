@@ -91,36 +91,11 @@ def _imports(module: str, tree: ast.AST, known: set[str]) -> set[str]:
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one node (Tarjan)."""
-    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+    """Strongly connected components of more than one node (the import test's Tarjan), each sorted."""
+    from test_imports import _cycles as components  # (tests/ is this script's own directory on sys.path)
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = n[0]
-        n[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for v in list(graph):
-        if v not in index:
-            visit(v)
-    return out
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    return [sorted(c) for c in components(graph)]
 
 
 def _c_lines(tree: ast.AST) -> int:

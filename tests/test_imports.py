@@ -100,7 +100,8 @@ def test_no_room_cycles(package):
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+    """Strongly connected components of more than one module (Tarjan); an edge to a module with no entry of its
+    own leads nowhere (``tests/measure_structure.py`` finds the rooms' cycles with it too)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -111,7 +112,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])

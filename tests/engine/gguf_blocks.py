@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from gguf_make import CHAT_TEMPLATE, _hyperparameters, _permute, _vocab
+from gguf_make import CHAT_TEMPLATE, _hyperparameters, _vocab, close, gguf_tensors
 
 ALL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 # d = std / a, dmin = b * d; where the half-precision d (and dmin) sit in a block
@@ -86,27 +86,11 @@ def write_blocks(model, arch: str, tokenizer_model: Path, path: Path,
     writer.add_add_bos_token(True)
     if chat_template:
         writer.add_chat_template(chat_template)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
-    for hf_name, t in model.state_dict().items():
-        if hf_name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
-            continue
-        data = t.detach().float().numpy()
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"no GGUF name for {hf_name}")
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
-            data = _permute(data, cfg.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
-            data = _permute(data, cfg.num_key_value_heads)
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
-            data = data + 1.0
+    for name, hf_name, data in gguf_tensors(model, arch):
         qtype = types(hf_name, data.shape) if data.ndim == 2 else None
         array, raw = encode(data, qtype or "F32", rng)
         writer.add_tensor(name, array, raw_dtype=raw) if raw is not None else writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
     return path
 
 

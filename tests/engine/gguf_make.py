@@ -132,8 +132,9 @@ def write_gguf(model, arch: str, tokenizer_model: Path | None, path: Path, qtype
     return path
 
 
-def _weights(writer, model, arch: str, qtype: str) -> None:
-    """The model's tensors under llama.cpp's names, then the file written and closed."""
+def gguf_tensors(model, arch: str):
+    """(llama.cpp's name, the Hugging Face name, float32 array as llama.cpp's converter writes it) for each of the
+    model's tensors: Llama's Q / K rows permuted, Gemma 2's norms +1, a tied output head left out."""
     import gguf
 
     cfg = model.config
@@ -151,8 +152,19 @@ def _weights(writer, model, arch: str, qtype: str) -> None:
             data = _permute(data, cfg.num_key_value_heads)
         if arch == "gemma2" and hf_name.endswith("norm.weight"):
             data = data + 1.0
-        _tensor(writer, name, data, qtype)
+        yield name, hf_name, data
+
+
+def close(writer) -> None:
+    """The header, settings and tensors written, the file closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _weights(writer, model, arch: str, qtype: str) -> None:
+    """The model's tensors under llama.cpp's names, then the file written and closed."""
+    for name, _, data in gguf_tensors(model, arch):
+        _tensor(writer, name, data, qtype)
+    close(writer)
