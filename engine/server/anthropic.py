@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from engine.kv.paged.tenants import tenant_of
 from engine.server.anthropic_request import openai_body, parse_messages
-from engine.server.app import ClientGone, _check_key, _next, _read_body, _wait_disconnect, log
+from engine.server.app import _check_key, _read_body, log, whole_reply
 from engine.server.errors import ApiError, from_exception
 from engine.server.schemas import check_model, parse_body, parse_chat
 
@@ -97,22 +97,7 @@ async def messages(request: Request) -> Response:
     job = server.scheduler.submit(req, asyncio.get_running_loop(), prepared, msg_id, tenant)
     if req.stream:
         return EventSourceResponse(_events(job, msg_id, server.model_id), sep="\n", ping=15)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        kind = ""
-        while kind != "done":
-            kind, data = await _next(job, gone)
-            if kind == "error":
-                raise data
-        return JSONResponse(whole(msg_id, server.model_id, data))
-    except ClientGone:
-        job.cancel()
-        return Response(status_code=499)
-    except BaseException:
-        job.cancel()
-        raise
-    finally:
-        gone.cancel()
+    return await whole_reply(request, job, lambda data: whole(msg_id, server.model_id, data))
 
 
 def _event(kind: str, **fields) -> dict:

@@ -16,7 +16,7 @@ import ipaddress
 import json
 import logging
 import socket
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -213,6 +213,12 @@ async def _generate(request: Request, parse) -> Response:
     shape.prompt_ids = prepared.ids if req.return_token_ids else None
     if req.stream:  # the role chunk at once, queued or not; a later failure comes as the stream's last event
         return EventSourceResponse(_events(job, shape, req.include_usage), sep="\n", ping=15)
+    return await whole_reply(request, job, shape.whole)
+
+
+async def whole_reply(request: Request, job, body: Callable[[Any], dict]) -> Response:
+    """A reply that is not streamed: ``body`` of the job's last event, once it is done (its error raised); a client
+    that goes first cancels the job (499, nothing sent)."""
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         kind = ""
@@ -220,7 +226,7 @@ async def _generate(request: Request, parse) -> Response:
             kind, data = await _next(job, gone)
             if kind == "error":
                 raise data
-        return JSONResponse(shape.whole(data))
+        return JSONResponse(body(data))
     except ClientGone:
         job.cancel()
         return Response(status_code=499)
