@@ -7,8 +7,9 @@ the weight's packed owner or descriptor and calls ``kq_linear`` through ctypes: 
 Python kernel ``offer``s each call that was a plain descriptor's product (no packing pending, not inside
 ``shapes_only``): the C++ kernel then answers the same arguments with the same C function and descriptor, and sends
 every other call to the Python kernel (``kvscope::gguf_linear_py``). A float layout's owner whose product is the
-float32-rows blocked one (a BF16 GGUF's, ``packed_linear.BF16_BLOCKED_F32``) is offered as its blocked copy
-(``offer_blocked``): the C++ kernel calls that product (``kvs_blocked_xh_parallel``) as its Python product does.
+float32-rows blocked one (a BF16 GGUF's, ``packed_linear.BF16_BLOCKED_F32``) or the bfloat16 one (a bf16 folder's,
+``packed_linear.BF16_BLOCKED``) is offered as its blocked copy (``offer_blocked``): the C++ kernel calls that product
+(``kvs_blocked_xh_parallel`` / ``kvs_blocked_h_parallel``) as its Python product does.
 
 An entry holds the storages its descriptor points into, so no address in the table is freed and reused while it is
 there. The table is emptied (``forget``) whenever a block linear changes (a weight, bias, row map, road, packed copy
@@ -38,7 +39,7 @@ _LIB = torch.library.Library("kvscope", "FRAGMENT")
 _LIB.define("gguf_table_put(Tensor w, int ggml_type, int n_in, Tensor? bias, Tensor? out_map, int road, "
             "Tensor[] held, int desc) -> ()")
 _LIB.define("gguf_table_put_blocked(Tensor w, int ggml_type, int n_in, Tensor? bias, Tensor? out_map, int road, "
-            "Tensor wb, bool rounded) -> ()")
+            "Tensor wb, bool rounded, bool half=False) -> ()")
 
 
 def use(ops: ctypes.CDLL, blocked: bool = False) -> None:
@@ -80,17 +81,21 @@ def offer_blocked(seen: int, x2: torch.Tensor, w: torch.Tensor, ggml_type: int, 
                   out_map: torch.Tensor | None, road: int, owner) -> None:
     """``offer`` for a float layout's owner (``owner.layout``, ``owner.packed``): where its product is the float32-rows
     blocked one (``linear_kernel.float_product`` of its blocked copy, bias and rounding) and the C++ operators have
-    it (``use(..., blocked=True)``), the C++ kernel answers these arguments with that product from now on."""
+    it (``use(..., blocked=True)``), or the bfloat16 one (a bf16 folder's linears, no bias: the rows rounded to
+    bfloat16, ``linear_kernel.product``, the outputs widened), the C++ kernel answers these arguments with that
+    product from now on (the bfloat16 one up to 16 rows: beyond, the layout's product may be oneDNN's)."""
     layout, wb = owner.layout, owner.packed
-    if (_state["ops"] is None or HELD.value or not _state.get("blocked")
-            or getattr(layout, "compute", None) != torch.float32 or wb is None or wb.dtype != torch.bfloat16
-            or not wb.is_contiguous() or x2.dtype != torch.float32 or x2.dim() != 2 or x2.shape[1] != n_in
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    compute = getattr(layout, "compute", None)
+    half = compute == torch.bfloat16 and bias is None and not layout.rounded
+    if (_state["ops"] is None or HELD.value or wb is None or wb.dtype != torch.bfloat16 or not wb.is_contiguous()
+            or x2.dim() != 2 or x2.shape[1] != n_in or x2.dtype != torch.float32
+            or not (half or (compute == torch.float32 and _state.get("blocked")
+                             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))))):
         return
     from engine.quant import kernel
 
     _put(seen, kernel.library().kq_linear, owner, torch.ops.kvscope.gguf_table_put_blocked, w, ggml_type, n_in,
-         bias, out_map, road, wb, bool(layout.rounded))
+         bias, out_map, road, wb, bool(layout.rounded), half)
 
 
 def _put(seen: int, kq_linear, owner, put, *args) -> None:

@@ -160,3 +160,36 @@ def test_int8_blocks_quantized_from_the_mapping_are_the_folder_paths(tied, tmp_p
     assert all(m.rows_packed for m in blocks.values()) == kernel.packs(8)  # repacked, the rows let go
     assert a.keys() == b.keys() and all(torch.equal(blocks[k].rows() if k in blocks else a[k], b[k]) for k in a)
     assert engine_greedy(before, PROMPT, 12, CacheConfig()) == got
+
+
+@pytest.mark.slow
+def test_the_compiled_step_answers_the_blocked_linears_in_cpp(tmp_path, stories_path, monkeypatch):
+    """A bf16 folder's compiled decode step (its package built in a child, ~20-40 s): once each linear's first call
+    went through Python, the C++ operators answer every one from their table (through Python the 1B shape's 113
+    calls took ~14 ms of a ~70 ms two-thread step), and the tokens are those of the same step with every call
+    Python's."""
+    from test_exact import engine_greedy
+    from test_fit import _folder
+
+    from engine.model import linear_op
+    from engine.model.fast_step import FastStep, machine_refusal
+    from engine.quant import gguf_op
+
+    if machine_refusal(torch.device("cpu")):
+        pytest.skip(f"cannot compile here: {machine_refusal(torch.device('cpu'))}")
+    folder = _folder(tmp_path / "llama", stories_path, "llama")
+    lm = load_model(ModelSpec(source=str(folder), dtype="bfloat16", device="cpu"))
+    lm.runner.fast = FastStep(lm, mode="on")
+    lm.fast.start()
+    assert lm.fast.wait(600) and lm.fast.state == "on", lm.fast.describe()
+    if not linear_op.loaded():
+        pytest.skip(f"no C++ operators here: {linear_op.why()}")
+    with monkeypatch.context() as m:
+        m.setattr(gguf_op, "offer_blocked", lambda *a, **k: None)  # every product Python's
+        gguf_op.forget()
+        python = engine_greedy(lm, PROMPT, 12, CacheConfig(mode="paged", page_size=4))
+        assert gguf_op.size() == 0
+    assert lm.fast.calls.get("compiled", 0) >= 11
+    gguf_op.forget()
+    assert engine_greedy(lm, PROMPT, 12, CacheConfig(mode="paged", page_size=4)) == python
+    assert gguf_op.size() == sum(isinstance(m, BlockLinear) for m in lm.model.modules())

@@ -1,8 +1,8 @@
 """The C++ kernel of ``kvscope::gguf_linear`` (``engine/native/csrc/gguf_ops.cpp``, its table filled by
 ``engine.quant.gguf_op``): once the Python kernel has answered a call with a plain descriptor's product, the C++ one
-answers the same arguments with the same C function, bit for bit, without Python; whatever else (a packing still
-pending, a float layout's owner, a loader's shapes-only run, a module changed or collected) goes to the Python
-kernel, which stays the answer.
+answers the same arguments with the same C function, bit for bit, without Python (a bf16 folder's blocked owner:
+its bfloat16 product); whatever else (a packing still pending, a loader's shapes-only run, a module changed or
+collected) goes to the Python kernel, which stays the answer.
 
 Weights are random valid blocks (``test_gguf_kernels.blocks``); the Python kernel's calls are counted where it looks up
 the weight's packed owner (its first step), so a test sees which kernel answered.
@@ -146,9 +146,11 @@ def test_inside_shapes_only_every_call_is_pythons_and_nothing_is_tabled(cpp):
     assert cpp[0] == before and gguf_op.size() == 1
 
 
-def test_a_bf16_blocked_owner_is_left_to_python(cpp):
-    """A BF16 weight held blocked (``packed_linear.BF16_BLOCKED``): its product is the layout's, which the table
-    never serves; every call is Python's and gives the module's product."""
+def test_a_bf16_blocked_owner_is_answered_in_cpp_up_to_16_rows(cpp):
+    """A bf16 folder's weight held blocked (``packed_linear.BF16_BLOCKED``: bfloat16 compute): after Python's first
+    call the C++ kernel answers it, bit for bit the module's product (the rows rounded to bfloat16, the blocked
+    bfloat16 product, widened), on one thread and two; from 17 rows (where the layout's product may be oneDNN's)
+    and with a bias every call stays Python's."""
     from engine.model import packed_linear
 
     n, out = 256, 32
@@ -156,9 +158,28 @@ def test_a_bf16_blocked_owner_is_left_to_python(cpp):
     lin.layout = packed_linear.BF16_BLOCKED
     if not lin.pack():
         pytest.skip("no blocked product here")
-    x = torch.randn(2, n)
+    threads, g = torch.get_num_threads(), torch.Generator().manual_seed(3)
+    x = torch.randn(2, n, generator=g)
+    first = cpp[0]
+    try:
+        for rows in (1, 2, 16):
+            x = torch.randn(rows, n, generator=g)
+            want = lin(x)
+            assert want.dtype == torch.float32
+            for th in (1, 2):
+                torch.set_num_threads(th)
+                assert torch.equal(OP(x, lin.weight, 30, n, None, None, 0), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpp[0] == first + 1 and gguf_op.size() == 1  # Python's first call only
+    x = torch.randn(17, n, generator=g)
     before = cpp[0]
-    ys = [OP(x, lin.weight, 30, n, None, None, 0) for _ in range(3)]
+    assert torch.equal(OP(x, lin.weight, 30, n, None, None, 0), lin(x)) and cpp[0] == before + 1
+    lin.bias = torch.nn.Parameter(torch.randn(out, generator=g).to(torch.bfloat16), requires_grad=False)
+    assert gguf_op.size() == 0
+    x = torch.randn(1, n, generator=g)
+    before = cpp[0]
+    ys = [OP(x, lin.weight, 30, n, lin.bias, None, 0) for _ in range(3)]
     assert cpp[0] == before + 3 and gguf_op.size() == 0
     assert all(torch.equal(y, lin(x)) for y in ys)
 

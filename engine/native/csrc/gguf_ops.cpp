@@ -1,14 +1,16 @@
 // kvscope::gguf_linear in C++: a GGUF weight's product (engine/quant/modules.py defines the operator, with its
 // Python kernel), part of the torch operators' library (engine/native/libraries.py: TORCH_OPS, built with
-// torch_ops.cpp). Its blocked road calls torch_ops.cpp's float32-rows product (torch_ops.h).
+// torch_ops.cpp). Its blocked road calls torch_ops.cpp's blocked products (torch_ops.h).
 //
 // A compiled decode step calls it ~113 times (1B shape): its Python kernel (find the weight's packed owner or
 // descriptor, then kq_linear through ctypes) cost ~12 us a call, ~1.4 ms a token. Here a table maps a call's
 // arguments to the descriptor Python made for them, and the same C function runs; a call the table does not hold
-// (a first call, a packing still pending, a bfloat16-compute layout's owner, a loader's shapes-only run) goes to the
-// Python kernel, kvscope::gguf_linear_py, which fills the table once its answer is a plain descriptor's product or
-// a float32-rows blocked owner's (a BF16 GGUF's: its blocked copy's product, 5.8 us a call of a 64x256 weight
-// against 31 through Python).
+// (a first call, a packing still pending, a loader's shapes-only run) goes to the Python kernel,
+// kvscope::gguf_linear_py, which fills the table once its answer is a plain descriptor's product or a blocked
+// owner's: a BF16 GGUF's (float32 rows; its blocked copy's product, 5.8 us a call of a 64x256 weight against 31
+// through Python) or a bf16 folder's (its rows rounded to bfloat16 and its outputs widened, as its layout's product
+// does them: through Python the 113 calls of a 1B-shape two-thread step took ~14 ms of its ~70, each call back into
+// Python running cold after the weights streamed by).
 
 // (the tensor and the two operators it calls, not all of ATen.h: each file of the library parses torch's headers
 // again, 13.3 s of compiling this one with ATen.h, 10.6 with these)
@@ -70,6 +72,7 @@ struct GgufEntry {
     const uint16_t* wb = nullptr;
     int64_t nb = 0;
     bool rounded = false;
+    bool half = false;  // the blocked copy's bfloat16 product answers (a bf16 folder's linears: no bias, rows <= 16)
     at::Tensor map;
 };
 static std::mutex gguf_mu;
@@ -91,6 +94,10 @@ static at::Tensor gguf_linear_py(const at::Tensor& x2, const at::Tensor& w, c10:
     return op.call(x2, w, std::move(type), std::move(n_in), bias, out_map, std::move(road));
 }
 
+// rows a bf16 folder's owner is answered here for at most: up to 16 its Python product is the blocked one on every CPU
+// (packed_linear.native_max_rows; beyond, where the CPU lacks AVX512_BF16, oneDNN's), so the answer is its own
+static const int64_t HALF_MAX_ROWS = 16;
+
 // x2 [m, n_in] float32 times the GGUF weight w [n_out, row_bytes] -> [m, n_out] float32, as the Python kernel
 static at::Tensor gguf_linear(const at::Tensor& x2, const at::Tensor& w, c10::SymInt type, c10::SymInt n_in,
                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_map,
@@ -106,10 +113,19 @@ static at::Tensor gguf_linear(const at::Tensor& x2, const at::Tensor& w, c10::Sy
         auto it = gguf_table.find(k);
         if (it != gguf_table.end()) e = it->second;
     }
-    if (!e || (!e->wb && !kq_linear))
+    if (!e || (!e->wb && !kq_linear) || (e->half && x2.size(0) > HALF_MAX_ROWS))
         return gguf_linear_py(x2, w, std::move(type), std::move(n_in), bias, out_map, std::move(road));
     const at::Tensor x = x2.contiguous();
     const int64_t m = x.size(0);
+    if (e->half) {  // the rows rounded to bfloat16, the blocked copy's bfloat16 product (linear_kernel.product), widened
+        const at::Tensor xh = x.to(at::kBFloat16);  // [m, n]
+        at::Tensor yh = at::empty({m, e->nb * 16}, xh.options());  // [m, n_out] bfloat16
+        if (m && kvs_blocked_h_parallel((int)m, (int)n, e->nb, (const uint16_t*)xh.data_ptr(), e->wb, nullptr,
+                                        (uint16_t*)yh.data_ptr(), e->nb * 16))
+            TORCH_CHECK(false, "the blocked product refused its arguments");
+        const at::Tensor y = yh.to(at::kFloat);
+        return e->map.defined() ? at::empty_like(y).index_copy_(1, e->map, y) : y;
+    }
     if (e->wb) {  // the blocked copy's product, as the layout's (linear_kernel.float_product) and its row map
         at::Tensor y = at::empty({m, e->nb * 16}, x.options());  // [m, n_out]
         const at::Tensor xb = e->rounded ? x.to(at::kBFloat16) : at::Tensor();  // [m, n]
@@ -156,11 +172,13 @@ static void gguf_table_put(const at::Tensor& w, int64_t type, int64_t n_in, cons
 
 // kvscope::gguf_table_put_blocked: the calls with these arguments are answered from now on by the blocked copy wb
 // [n_out / 16, n_in, 16] bfloat16 of a float layout's owner (its bias float32, contiguous; `rounded`: its rows
-// rounded to bfloat16), as its Python product answers them; refused without the float32-rows product bound
+// rounded to bfloat16), as its Python product answers them; `half`: the owner computes in bfloat16 (no bias): the
+// rows rounded to bfloat16, the bfloat16 product, its outputs widened. Refused without the product it needs bound.
 static void gguf_table_put_blocked(const at::Tensor& w, int64_t type, int64_t n_in,
                                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_map,
-                                   int64_t road, const at::Tensor& wb, bool rounded) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && kvs_xh_bound()
+                                   int64_t road, const at::Tensor& wb, bool rounded, bool half) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1
+                && (half ? kvs_h_bound() && !bias.has_value() && !rounded : kvs_xh_bound())
                 && wb.dim() == 3 && wb.scalar_type() == at::kBFloat16 && wb.is_contiguous() && wb.size(1) == n_in
                 && wb.size(2) == 16 && wb.size(0) * 16 == w.size(0)
                 && (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()
@@ -173,6 +191,7 @@ static void gguf_table_put_blocked(const at::Tensor& w, int64_t type, int64_t n_
     e->wb = (const uint16_t*)wb.data_ptr();
     e->nb = wb.size(0);
     e->rounded = rounded;
+    e->half = half;
     for (const at::Tensor* t : {&w, &wb})
         e->held.push_back(t->storage());
     if (bias.has_value()) e->held.push_back(bias->storage());

@@ -57,6 +57,7 @@ extern "C" void kvs_ops_bind(void* mm, void* mm_h, void* plain, void* tq_heads) 
 extern "C" void kvs_ops_bind_xh(void* mm_xh) { bound_mm_xh = (kvs_mm_xh_fn)mm_xh; }
 
 bool kvs_xh_bound() { return bound_mm_xh.load() != nullptr; }
+bool kvs_h_bound() { return bound_mm_h.load() != nullptr; }
 
 // float32 rows x [rows, n_in] (xb: the same rounded to bfloat16 by the caller, or null) times blocked bfloat16 wb
 // [nb, n_in, 16] (+ float32 bias) -> y [rows, ldy] float32, the blocks shared among torch's threads: called through
@@ -69,6 +70,21 @@ extern "C" int kvs_blocked_xh_parallel(int rows, int n_in, int64_t nb, const flo
     std::atomic<int> rc{0};
     at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
         if (mm(rows, n_in, b0, b1, x, xb, wb, bias, y, ldy)) rc = -1;
+    });
+    return rc;
+}
+
+// bfloat16 rows x [rows, n_in] times blocked bfloat16 wb [nb, n_in, 16] (+ bfloat16 bias) -> y [rows, ldy] bfloat16
+// (sums in float32, rounded once), the blocks shared among torch's threads: blocked_linear's bfloat16 product, and
+// gguf_ops.cpp's for a bf16 folder's linears. 0 done; -1 unbound or refused.
+extern "C" int kvs_blocked_h_parallel(int rows, int n_in, int64_t nb, const uint16_t* x, const uint16_t* wb,
+                                      const uint16_t* bias, uint16_t* y, int64_t ldy) {
+    const kvs_mm_h_fn mm = bound_mm_h.load();
+    if (!mm || rows < 1) return -1;
+    const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, (int64_t)rows * n_in * 16));
+    std::atomic<int> rc{0};
+    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+        if (mm(rows, n_in, b0, b1, x, wb, bias, y, ldy)) rc = -1;
     });
     return rc;
 }
@@ -103,17 +119,17 @@ static at::Tensor blocked_linear(const at::Tensor& x2, const at::Tensor& wb, con
     at::Tensor y = at::empty({rows, out}, x.options());
     at::Tensor b;
     if (bias.has_value()) b = bias->to(x.scalar_type()).contiguous();
+    if (bf16) {
+        kvs_blocked_h_parallel((int)rows, (int)n_in, nb, (const uint16_t*)x.data_ptr(), (const uint16_t*)w.data_ptr(),
+                               b.defined() ? (const uint16_t*)b.data_ptr() : nullptr, (uint16_t*)y.data_ptr(), out);
+        return y;
+    }
     // a thread's share is at least GRAIN multiply-adds (a fork and join costs a few microseconds: a share must
     // take far longer), so small linears and one thread run inline
     const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, rows * n_in * 16));
     at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
-        if (f32)
-            kvs_blocked_mm((int)rows, (int)n_in, b0, b1, x.data_ptr<float>(), w.data_ptr<float>(),
-                           b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), out);
-        else
-            kvs_blocked_mm_h((int)rows, (int)n_in, b0, b1, (const uint16_t*)x.data_ptr(),
-                             (const uint16_t*)w.data_ptr(), b.defined() ? (const uint16_t*)b.data_ptr() : nullptr,
-                             (uint16_t*)y.data_ptr(), out);
+        kvs_blocked_mm((int)rows, (int)n_in, b0, b1, x.data_ptr<float>(), w.data_ptr<float>(),
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), out);
     });
     return y;
 }
