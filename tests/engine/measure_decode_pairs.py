@@ -179,7 +179,8 @@ def main() -> int:
     for ours, theirs in matches:
         r = pairs(ours, theirs, a)
         out.append(r)
-        print(f"{Path(r['ours']).name:>16} vs {r['theirs']:<16} {a.threads}t ctx {a.context}: median x{r['median']:.2f} "
+        print(f"{Path(r['ours']).name:>16} vs {r['theirs']:<16} {a.threads}t ctx {a.context}: "
+              f"median x{r['median']:.2f} "
               f"(pairs x{r['low']:.2f}-x{r['high']:.2f}; ours {statistics.median(o for o, _ in r['turns']):.1f}, "
               f"llama.cpp {statistics.median(t for _, t in r['turns']):.1f} tok/s)", flush=True)
     if a.json:

@@ -117,7 +117,7 @@ static at::Tensor gguf_linear(const at::Tensor& x2, const at::Tensor& w, c10::Sy
         return gguf_linear_py(x2, w, std::move(type), std::move(n_in), bias, out_map, std::move(road));
     const at::Tensor x = x2.contiguous();
     const int64_t m = x.size(0);
-    if (e->half) {  // the rows rounded to bfloat16, the blocked copy's bfloat16 product (linear_kernel.product), widened
+    if (e->half) {  // the rows rounded to bfloat16, the blocked bfloat16 product (linear_kernel.product), widened
         const at::Tensor xh = x.to(at::kBFloat16);  // [m, n]
         at::Tensor yh = at::empty({m, e->nb * 16}, xh.options());  // [m, n_out] bfloat16
         if (m && kvs_blocked_h_parallel((int)m, (int)n, e->nb, (const uint16_t*)xh.data_ptr(), e->wb, nullptr,
