@@ -167,6 +167,11 @@ def main() -> int:
         return 0
     if not a.llamacpp:
         ap.error("--llamacpp PYTHON (a Python with llama_cpp installed) is needed")
+    for p in [*a.gguf, *([a.folder] if a.folder else []), Path(a.llamacpp)]:
+        if not p.exists():
+            ap.error(f"{p}: no such file or folder")
+    if a.pairs < 1 or a.new < 2 or a.context < 1 or a.threads < 1:
+        ap.error("--pairs, --context and --threads must be at least 1, --new at least 2")
     mf._compiled()
     common = [str(a.context), str(a.threads), str(a.new)]
     matches = [(["engine", str(g), "none", *common], ["llamacpp", str(g), "-", *common]) for g in a.gguf]
@@ -177,7 +182,11 @@ def main() -> int:
         matches.append((["engine", str(a.folder), case, *common], ["llamacpp", str(g), "-", *common]))
     out = []
     for ours, theirs in matches:
-        r = pairs(ours, theirs, a)
+        try:
+            r = pairs(ours, theirs, a)
+        except RuntimeError as e:  # a side could not load its file or died: its own error is above, on stderr
+            print(f"{Path(ours[1]).name}: {e}", file=sys.stderr)
+            return 1
         out.append(r)
         print(f"{Path(r['ours']).name:>16} vs {r['theirs']:<16} {a.threads}t ctx {a.context}: "
               f"median x{r['median']:.2f} "
