@@ -43,6 +43,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.kvs_blocked_mm_xh.argtypes = [i, i, i64, i64, p, p, p, p, p, i64]  # rows n_in b0 b1 xf xb wb bias y ldy
     lib.kvs_bf16_pairs.restype = i
     lib.kvs_bf16_pairs.argtypes = []
+    if hasattr(lib, "kvs_argmax"):  # (a library prebuilt before it has no greedy pick)
+        lib.kvs_argmax.restype = i64
+        lib.kvs_argmax.argtypes = [p, i64, p]  # x n &top
     lib.kvs_block16.restype = i
     lib.kvs_block16.argtypes = [p, i64, i64, i64, i, p]  # src rows cols ld elem dst
     return lib
@@ -97,6 +100,19 @@ def product(x2: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None) -> to
     fn(rows, n_in, 0, nb, x2.data_ptr(), wb.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
        nb * BLOCK)
     return y
+
+
+def argmax(logits: torch.Tensor) -> tuple[int, float] | None:
+    """(the first index of the largest, the largest) of ``logits`` [vocab] float32 on the CPU, contiguous: torch's
+    ``argmax`` and ``max`` in one pass (argmax.c; NaN anywhere: the first NaN's index and NaN). None where the library
+    cannot: the caller asks torch."""
+    lib = LINEAR.library()
+    if (lib is None or not hasattr(lib, "kvs_argmax") or logits.dtype != torch.float32 or logits.dim() != 1
+            or logits.device.type != "cpu" or not logits.is_contiguous() or type(logits) is not torch.Tensor):
+        return None
+    top = ctypes.c_float()
+    i = lib.kvs_argmax(logits.data_ptr(), logits.shape[0], ctypes.byref(top))
+    return (int(i), top.value) if i >= 0 else None
 
 
 def takes_float() -> bool:

@@ -342,7 +342,7 @@ def missing() -> list[Native]:
 
 def missing_note() -> str:
     """One line naming each fast path missing here that no earlier note named, and what it costs ('' when none)."""
-    new = [n for n in missing() if n.lib.name not in _said]
+    new = sorted((n for n in missing() if n.lib.name not in _said), key=lambda n: n.lib.name)  # not import order
     if not new:
         return ""
     _said.update(n.lib.name for n in new)
