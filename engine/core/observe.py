@@ -45,7 +45,7 @@ def page_map(cache: "SeqCache") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
 
 def _one_pool(cache: "SeqCache", store, host) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     pool = store.arena.pool
-    state = np.asarray(pool.page_states(), dtype=np.int8)
+    state = pool.page_states()  # [num_pages] int8, this snapshot's own
     freed = {p for e in cache.last.evictions for p in e.freed_pages}
     for p in freed:
         if p < len(state) and state[p] == snap.PAGE_FREE:

@@ -9,7 +9,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.errors import CacheCapacityError
 from engine.kv.paged.block_table import BlockTable
-from engine.kv.paged.pool import PagePool
+from engine.kv.paged.pool import (FLAG_OFFLOADED, FLAG_PINNED, FLAG_QUANTIZED, PAGE_ACTIVE, PAGE_CACHED, PAGE_FREE,
+                                  PAGE_OFFLOADED, PAGE_PINNED, PAGE_QUANTIZED, PAGE_SHARED, PagePool)
+
+
+def page_state(pool: PagePool, p: int) -> int:
+    """One page's code by the rules, page by page (``page_states`` computes them over whole arrays)."""
+    ref, flags = pool.ref[p], pool.flags[p]
+    if ref == 0:
+        return PAGE_FREE if pool.hash[p] is None else PAGE_CACHED
+    for flag, code in ((FLAG_OFFLOADED, PAGE_OFFLOADED), (FLAG_PINNED, PAGE_PINNED), (FLAG_QUANTIZED, PAGE_QUANTIZED)):
+        if flags & flag:
+            return code
+    return PAGE_SHARED if ref > 1 else PAGE_ACTIVE
 
 
 def test_allocate_lowest_ids_first_and_reuse_freed_in_order():
@@ -130,10 +142,27 @@ class PoolMachine(RuleBasedStateMachine):
         t = self.tables.pop(i % len(self.tables))
         t.free()
 
+    @precondition(lambda self: self.tables)
+    @rule(i=st.integers(0, 1000), flag=st.sampled_from([FLAG_PINNED, FLAG_QUANTIZED, FLAG_OFFLOADED]), on=st.booleans())
+    def flag(self, i, flag, on):
+        t = self.tables[i % len(self.tables)]
+        if t.pages:
+            self.pool.set_flag(t.pages[i % len(t.pages)], flag, on)
+
+    @precondition(lambda self: self.tables)
+    @rule(i=st.integers(0, 1000))
+    def name(self, i):  # a full page named for the prefix cache: kept (cached) once its tables let it go
+        t = self.tables[i % len(self.tables)]
+        full = t.num_tokens // self.pool.page_size
+        if full:
+            self.pool.register(t.pages[i % full], f"page-{i}".encode())
+
     @invariant()
     def invariants(self):
         pool = self.pool
         pool.check()
+        states = pool.page_states()
+        assert states.dtype.name == "int8" and states.tolist() == [page_state(pool, p) for p in range(pool.num_pages)]
         # ref counts equal the number of block-table entries that point at each page
         counts = [0] * pool.num_pages
         for t in self.tables:

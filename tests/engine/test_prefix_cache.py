@@ -46,7 +46,7 @@ def test_pool_keeps_unheld_hashed_pages_cached_and_evicts_lru_after_free_pages()
         pool.decref(p)
     assert pool.num_free == 6 and pool.num_cached == 3 and pool.num_used == 0
     assert pool.cached_pages() == [2, 1, 0]
-    assert pool.page_states()[:4] == [PAGE_CACHED, PAGE_CACHED, PAGE_CACHED, PAGE_FREE]
+    assert pool.page_states()[:4].tolist() == [PAGE_CACHED, PAGE_CACHED, PAGE_CACHED, PAGE_FREE]
     pool.check()
     # a prompt takes page 0 back (by its name): it leaves the LRU, held with ref 1
     assert pool.lookup(b"a") == 0

@@ -63,7 +63,7 @@ class KVShape:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # (a snapshot reads it a few times a token: no tensor made to ask)
 
     def of(self, role: str) -> tuple[int, int]:
         """(heads, width) of ``role`` "k" or "v"."""
