@@ -57,6 +57,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvs_gguf_clear.argtypes = []
     lib.kvs_gguf_size.restype = i64
     lib.kvs_gguf_size.argtypes = []
+    lib.kvs_gguf_bind_rows.restype = None
+    lib.kvs_gguf_bind_rows.argtypes = [p, p]  # kq_get_rows, kq_row_bytes_of
     return lib
 
 

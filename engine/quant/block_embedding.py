@@ -9,18 +9,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.quant import formats, kernel
+from engine.quant import formats, gguf_op, kernel
 
 
-@torch.library.custom_op("kvscope::gguf_rows", mutates_args=())
 def gguf_rows(w: torch.Tensor, ggml_type: int, dim: int, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the GGUF table w [rows, row_bytes] dequantized: [*ids.shape, dim] float32."""
+    """Rows ``ids`` of the GGUF table w [rows, row_bytes] dequantized: [*ids.shape, dim] float32 — the Python kernel
+    of the operator a compiled step calls, which binds the lookup to the C++ operators' kernel where they are loaded
+    (``gguf_op.bind_rows``: it answers from then on)."""
+    if w.device.type == "cpu":
+        gguf_op.bind_rows(kernel.library())
     return kernel.get_rows(w, ggml_type, dim, ids)
 
 
-@gguf_rows.register_fake
-def _(w, ggml_type, dim, ids):
-    return ids.new_empty((*ids.shape, dim), dtype=torch.float32)  # [*ids, dim]
+# Defined as ``gguf_linear`` is (engine.quant.modules): custom_op's schema, without its Python layer; the C++
+# operators' library takes the CPU dispatch of ``gguf_rows`` where loaded, and calls ``gguf_rows_py`` (this kernel)
+# for what it does not take.
+_LIB = torch.library.Library("kvscope", "FRAGMENT")
+for _name in ("gguf_rows", "gguf_rows_py"):
+    _LIB.define(f"{_name}(Tensor w, SymInt ggml_type, SymInt dim, Tensor ids) -> Tensor")
+    _LIB.impl(_name, gguf_rows, "CompositeExplicitAutograd")
+
+    @torch.library.register_fake(f"kvscope::{_name}", lib=_LIB)
+    def _(w, ggml_type, dim, ids):
+        return ids.new_empty((*ids.shape, dim), dtype=torch.float32)  # [*ids, dim]
 
 
 class BlockEmbedding(nn.Module):

@@ -49,6 +49,8 @@ def use(ops: ctypes.CDLL, blocked: bool = False) -> None:
         _state["blocked"] = blocked
         if _state["ops"] is None:  # emptied while Python runs: an entry left to the library's exit would let its
             atexit.register(forget)  # storages go after Python is gone (a numpy or mapping storage: a crash)
+        if _state["ops"] is not ops:
+            _state["rows"] = False  # (``bind_rows``: this library's lookup not bound yet)
         _state["ops"] = ops
 
 
@@ -111,6 +113,18 @@ def _put(seen: int, kq_linear, owner, put, *args) -> None:
         if owner is not None and not owner.__dict__.get("_tabled"):
             owner.__dict__["_tabled"] = True
             weakref.finalize(owner, forget).atexit = False
+
+
+def bind_rows(kq) -> None:
+    """The C++ kernel of ``kvscope::gguf_rows`` looks rows up from now on (``kq``: the GGUF kernels' library, whose
+    ``kq_get_rows`` it calls), where the C++ operators are loaded. Once; cheap after."""
+    ops = _state["ops"]
+    if ops is None or _state.get("rows") or kq is None or not hasattr(ops, "kvs_gguf_bind_rows"):
+        return
+    with _lock:
+        addr = ctypes.cast(kq.kq_get_rows, ctypes.c_void_p).value
+        ops.kvs_gguf_bind_rows(addr, ctypes.cast(kq.kq_row_bytes_of, ctypes.c_void_p).value)
+        _state["rows"] = True
 
 
 def forget() -> None:

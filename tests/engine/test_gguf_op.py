@@ -218,3 +218,28 @@ def test_a_descriptor_not_of_its_arguments_is_refused(cpp):
     with pytest.raises(RuntimeError, match="points outside"):
         entry(held, ctypes.addressof(desc))
     assert gguf_op.size() == 0
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "F16"])
+def test_an_embedding_row_is_looked_up_in_cpp_once_bound(cpp, monkeypatch, name):
+    """``kvscope::gguf_rows`` (a compiled step's token row): the Python kernel answers its first call and binds the
+    lookup; from then the C++ kernel answers — the same rows bit for bit, any shape of ids — without Python; an id
+    outside the table is one IndexError there too; ids that are not integers stay Python's."""
+    rows, n = 40, 256
+    w = _weight(name, rows, n, seed=3)
+    ids = torch.tensor([[0, 39, 7], [7, 1, 2]])
+    ROWS = torch.ops.kvscope.gguf_rows
+    want = kernel.get_rows(w, T[name].value, n, ids)
+    assert torch.equal(ROWS(w, T[name].value, n, ids), want)  # (the first: Python's, binding the lookup)
+    asked = [0]
+    real = kernel.get_rows
+    monkeypatch.setattr(kernel, "get_rows", lambda *a: (asked.__setitem__(0, asked[0] + 1), real(*a))[1])
+    got = ROWS(w, T[name].value, n, ids)
+    assert asked[0] == 0 and got.shape == (2, 3, n) and torch.equal(got, want)
+    assert torch.equal(ROWS(w, T[name].value, n, torch.tensor(39)), want[0, 1]) and asked[0] == 0
+    assert ROWS(w, T[name].value, n, torch.tensor([], dtype=torch.int32)).shape == (0, n)
+    for bad in (40, -1):
+        with pytest.raises(IndexError, match="outside the table's 40 rows"):
+            ROWS(w, T[name].value, n, torch.tensor([1, bad]))
+    assert asked[0] == 0
+    assert torch.equal(ROWS(w, T[name].value, n, torch.tensor([7.0])), want[1, :1]) and asked[0] == 1  # Python's

@@ -42,6 +42,12 @@ struct kq_weight {
 typedef int (*kq_linear_fn)(const kq_weight* W, const float* x, int64_t m, float* y, int threads);
 static std::atomic<kq_linear_fn> bound_kq{nullptr};
 static std::atomic<const int*> bound_held{nullptr};  // engine.quant.modules' shapes-only count: nonzero, no table
+// kq_matmul.c's embedding lookup and row width (kvscope::gguf_rows below)
+typedef int (*kq_get_rows_fn)(int type, const uint8_t* w, int64_t rb, int64_t n_rows, int64_t n, const int64_t* ids,
+                              int64_t count, float* out);
+typedef int64_t (*kq_row_bytes_fn)(int type, int64_t n);
+static std::atomic<kq_get_rows_fn> bound_rows{nullptr};
+static std::atomic<kq_row_bytes_fn> bound_row_bytes{nullptr};
 
 // a call's arguments: the weight's address, rows, row bytes and row stride, its type, inputs and road, bias and
 // row map (the Python kernel's descriptors are keyed by the same, less the stride)
@@ -141,6 +147,34 @@ static at::Tensor gguf_linear(const at::Tensor& x2, const at::Tensor& w, c10::Sy
     return y;
 }
 
+static at::Tensor gguf_rows_py(const at::Tensor& w, c10::SymInt type, c10::SymInt dim, const at::Tensor& ids) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kvscope::gguf_rows_py", "")
+        .typed<at::Tensor(const at::Tensor&, c10::SymInt, c10::SymInt, const at::Tensor&)>();
+    return op.call(w, std::move(type), std::move(dim), ids);
+}
+
+// kvscope::gguf_rows: rows `ids` (any shape, integers) of the GGUF table w [rows, row_bytes] dequantized -> [*ids, dim]
+// float32, as its Python kernel (engine/quant/block_embedding.py), which answers until it has bound the lookup here
+// and whatever this does not take (another device, ids not integers). A compiled step looks its token's row up once
+// a step: through Python ~40 us warm, here ~2.
+static at::Tensor gguf_rows(const at::Tensor& w, c10::SymInt type, c10::SymInt dim, const at::Tensor& ids) {
+    const kq_get_rows_fn get = bound_rows.load();
+    const kq_row_bytes_fn row_bytes = bound_row_bytes.load();
+    const int64_t t = type.expect_int(), n = dim.expect_int();
+    if (!get || !row_bytes || w.dim() != 2 || w.scalar_type() != at::kByte || w.stride(1) != 1 || !w.device().is_cpu()
+            || !ids.device().is_cpu() || !at::isIntegralType(ids.scalar_type(), false) || n < 1
+            || t != (int)t || row_bytes((int)t, n) == 0 || w.size(1) != row_bytes((int)t, n))
+        return gguf_rows_py(w, std::move(type), std::move(dim), ids);
+    const at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();  // [count]
+    at::Tensor out = at::empty({flat.numel(), n}, w.options().dtype(at::kFloat));  // [count, dim]
+    if (flat.numel() && get((int)t, (const uint8_t*)w.data_ptr(), w.stride(0), w.size(0), n,
+                            flat.data_ptr<int64_t>(), flat.numel(), out.data_ptr<float>()) != 0)
+        TORCH_CHECK_INDEX(false, "an id outside the table's ", w.size(0), " rows");
+    std::vector<int64_t> shape = ids.sizes().vec();
+    shape.push_back(n);
+    return out.reshape(shape);
+}
+
 // kvscope::gguf_table_put: the descriptor at `desc` (engine.quant.kernel.Weight) answers the calls with these
 // arguments from now on; `held`: the tensors it points into (refused unless every address in it lies in one)
 static void gguf_table_put(const at::Tensor& w, int64_t type, int64_t n_in, const std::optional<at::Tensor>& bias,
@@ -208,6 +242,13 @@ extern "C" void kvs_gguf_bind(void* kq_linear, const int* held) {
     bound_held = held;
 }
 
+// kq_get_rows' and kq_row_bytes_of's addresses (engine/quant/csrc, loaded by ctypes): kvscope::gguf_rows answers here
+// once they are bound
+extern "C" void kvs_gguf_bind_rows(void* get_rows, void* row_bytes) {
+    bound_row_bytes = (kq_row_bytes_fn)row_bytes;
+    bound_rows = (kq_get_rows_fn)get_rows;
+}
+
 // Empty the table (its storages let go): a weight's module changed, packed or was collected.
 extern "C" void kvs_gguf_clear() {
     std::unordered_map<GgufKey, std::shared_ptr<const GgufEntry>, GgufKeyHash> old;
@@ -224,6 +265,7 @@ extern "C" int64_t kvs_gguf_size() {
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
     m.impl("gguf_linear", &gguf_linear);
+    m.impl("gguf_rows", &gguf_rows);
     m.impl("gguf_table_put", &gguf_table_put);
     m.impl("gguf_table_put_blocked", &gguf_table_put_blocked);
 }
