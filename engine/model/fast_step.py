@@ -111,6 +111,7 @@ class FastStep:
         self._trial_at = 0  # context length (tokens) when the last trial began
         self.trial_steps = 0  # eligible steps the last trial ended after (EARLY_STEPS..TRIAL_STEPS)
         self._fn = None
+        self._slot_key, self._slot_t = None, None  # the last step's pages and their slots (``_slots``)
         self._proc: subprocess.Popen | None = None
         self._t_start = 0.0
         self._built = threading.Event()  # the package is open, or will not be (set by the watcher thread)
@@ -223,8 +224,7 @@ class FastStep:
         dev = self.lm.device
         arena, n = store.arena, store.past_len
         P, pages = arena.page_size, store.table.pages
-        page_t = torch.tensor(pages[:-(-n // P)], dtype=torch.long, device=dev)  # [n_pages]
-        slots = (page_t[:, None] * P + torch.arange(P, device=dev)).reshape(-1)[:n]  # [n] slot of each token
+        slots = self._slots(tuple(pages[:-(-n // P)]), P, dev)[:n]  # [n] slot of each token
         ids = torch.tensor([[token]], dtype=torch.long, device=dev)  # [1, 1]
         pos = torch.tensor([[rope]], dtype=torch.long, device=dev)  # [1, 1]
         ks, vs = arena.roles["k"].layers, arena.roles["v"].layers
@@ -237,6 +237,16 @@ class FastStep:
                 for t, x in zip(ks + vs, nk + nv):
                     t[:, slot].copy_(x[0, :, 0])  # [H, D] into the token's slot
         return logits
+
+    def _slots(self, pages: tuple[int, ...], P: int, dev) -> torch.Tensor:
+        """[len(pages) * P] the slots of these pages' tokens, in order: made again only when the pages differ from the
+        last step's (a new page every P tokens, another chat, a table rewritten), not each token (~20 us of tensors)."""
+        key = (pages, P, dev)
+        if self._slot_key != key:
+            page_t = torch.tensor(pages, dtype=torch.long, device=dev)  # [n_pages]
+            self._slot_t = (page_t[:, None] * P + torch.arange(P, device=dev)).reshape(-1)  # [n_pages * P]
+            self._slot_key = key
+        return self._slot_t
 
     def fail(self, exc: BaseException) -> None:
         """A compiled call failed: eager from now on, with the reason."""
