@@ -17,7 +17,19 @@ from __future__ import annotations
 
 from PySide6.QtCore import QByteArray, QEvent, QObject, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QApplication, QDockWidget, QMainWindow, QScrollArea, QTabBar, QTabWidget, QWidget
+from PySide6.QtWidgets import (
+    QAbstractSlider,
+    QAbstractSpinBox,
+    QApplication,
+    QComboBox,
+    QDockWidget,
+    QMainWindow,
+    QScrollArea,
+    QScrollBar,
+    QTabBar,
+    QTabWidget,
+    QWidget,
+)
 
 DOCKS = (  # key, title
     ("chats", "Chats"), ("controls", "Cache policy"), ("speculation", "Speculation"), ("sampling", "Sampling"),
@@ -50,9 +62,38 @@ def initial_size(window: QWidget) -> QSize:
     return QSize(min(int(free.width() * share), 2200), min(int(free.height() * share), 1300))
 
 
+class _WheelGuard(QObject):
+    """The wheel over a spin box, combo box or slider of a scrolled panel (``scrolled``) scrolls the panel unless that
+    field has the keyboard focus: turning the wheel to scroll the Cache panel changed "First tokens kept (sinks)"
+    from 4 to 0 as the pointer passed over it, with no click. One filter on the application, installed once."""
+
+    FIELDS = (QAbstractSpinBox, QComboBox, QAbstractSlider)
+
+    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt name
+        if (event.type() != QEvent.Type.Wheel or not isinstance(obj, self.FIELDS) or isinstance(obj, QScrollBar)
+                or obj.hasFocus()):  # (a scroll bar takes the wheel: the panel's own is where it is sent)
+            return False
+        area = obj.parentWidget()
+        while area is not None and not isinstance(area, QScrollArea):
+            area = area.parentWidget()
+        if area is None or not area.property("wheelScrolls"):
+            return False
+        QApplication.sendEvent(area.verticalScrollBar(), event)  # the panel scrolls; the field keeps its value
+        return True
+
+
+_wheel_guard: _WheelGuard | None = None
+
+
 def scrolled(widget: QWidget) -> QScrollArea:
-    """``widget`` in a scroll area that scrolls vertically and gives it its full width."""
+    """``widget`` in a scroll area that scrolls vertically and gives it its full width; the wheel over its fields
+    scrolls it unless a field has the focus (``_WheelGuard``)."""
+    global _wheel_guard
+    if _wheel_guard is None and QApplication.instance() is not None:
+        _wheel_guard = _WheelGuard(QApplication.instance())
+        QApplication.instance().installEventFilter(_wheel_guard)
     area = QScrollArea()
+    area.setProperty("wheelScrolls", True)
     area.setWidgetResizable(True)
     area.setFrameShape(QScrollArea.Shape.NoFrame)
     area.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # a Tab stop on the area itself would show nothing: its form's fields are the stops

@@ -250,3 +250,49 @@ def test_tab_leaves_the_message_box_and_help_lists_the_shortcuts(qtbot, data_dir
             assert texts and PANEL_HELP[panel.objectName()].text[:40] in texts[-1]
     finally:
         close_window(w)
+
+
+def test_the_wheel_over_a_scrolled_panels_field_scrolls_the_panel_and_changes_nothing(qtbot):
+    """Scrolling the Cache panel with the wheel: the pointer passing over a spin box or a combo box changes neither
+    (it changed "First tokens kept (sinks)" from 4 to 0); the panel scrolls instead. A field the user clicked into
+    (it has the focus) still takes the wheel."""
+    from PySide6.QtWidgets import QFormLayout, QSpinBox
+
+    from app.ground.docks import scrolled
+
+    form = QWidget()
+    rows = QFormLayout(form)
+    spins = [QSpinBox() for _ in range(30)]
+    for spin in spins:
+        spin.setRange(0, 100)
+        spin.setValue(4)
+        rows.addRow("a field", spin)
+    combo = QComboBox()
+    combo.addItems(["one", "two", "three"])
+    rows.addRow("a choice", combo)
+    area = scrolled(form)
+    qtbot.addWidget(area)
+    area.resize(300, 200)
+    area.show()
+    qtbot.waitExposed(area)
+    bar = area.verticalScrollBar()
+    assert bar.maximum() > 0 and bar.value() == 0
+    for field in (spins[1], combo):
+        _wheel_field(field)
+    assert [s.value() for s in spins] == [4] * 30 and combo.currentIndex() == 0
+    assert bar.value() > 0  # the panel moved
+    spins[1].setFocus()
+    qtbot.waitUntil(spins[1].hasFocus)
+    _wheel_field(spins[1])
+    assert spins[1].value() != 4
+
+
+def _wheel_field(field, steps: int = 3) -> None:
+    """The wheel turned down over ``field``'s middle, as it reaches the field (a spin box's line edit passes a real
+    one up to it; a sent event is not passed up)."""
+    at = QPointF(field.width() / 2, field.height() / 2)
+    for _ in range(steps):
+        event = QWheelEvent(at, QPointF(field.mapToGlobal(at.toPoint())), QPoint(0, 0), QPoint(0, -120),
+                            Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase,
+                            False)
+        QApplication.sendEvent(field, event)
