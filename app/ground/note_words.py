@@ -35,10 +35,22 @@ def _policy_name(name: str) -> str:
     return term.name if term else "the overflow setting"
 
 
+def _params_words(params: dict) -> str:
+    """{budget: 260, recent: 32} → 'tokens kept per layer 260, recent tokens always kept 32'."""
+    return ", ".join(f"{PARAMS[k][0].lower()} {v}" if k in PARAMS else f"{k} {v}" for k, v in params.items())
+
+
 def policy_words(name: str, params: dict) -> str:
     """'h2o', {budget: 260, recent: 32} → 'Heavy hitters (H2O) (tokens kept per layer 260, recent …)'."""
-    said = ", ".join(f"{PARAMS[k][0].lower()} {v}" if k in PARAMS else f"{k} {v}" for k, v in params.items())
+    said = _params_words(params)
     return _policy_name(name) + (f" ({said})" if said else "")
+
+
+def _policy_on(n: Note) -> str:
+    """'Heavy hitters (H2O) on: tokens kept per layer 256, recent tokens always kept 64' (it read '… (H2O) (tokens
+    kept per layer 256, …) on', the "on" left dangling after two brackets)."""
+    said = _params_words(n.fields["params"])
+    return f"{_policy_name(n.fields['policy'])} on" + (f": {said}" if said else "")
 
 
 def _switch(n: Note) -> str:
@@ -49,7 +61,7 @@ def _switch(n: Note) -> str:
 
 _WORDS: dict[NoteKind, Callable[[Note], str]] = {
     NoteKind.CACHE_SWITCH: _switch,
-    NoteKind.POLICY_ON: lambda n: f"{policy_words(n.fields['policy'], n.fields['params'])} on",
+    NoteKind.POLICY_ON: _policy_on,
     NoteKind.POLICY_EVICTED: lambda n: f"{policy_words(n.fields['policy'], n.fields['params'])}: {n.fields['rest']}",
     NoteKind.POLICY_SAYS: lambda n: f"{_policy_name(n.fields['policy'])}: {n.fields['rest']}",
     NoteKind.INT8_KEYS: lambda n: f"{KV_DTYPES['int8'].short} keys: {n.fields['rest']}",

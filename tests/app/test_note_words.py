@@ -95,3 +95,15 @@ def test_a_reprefill_in_words_live_and_as_saved():
     cut = Reprefill(tokens=916, start=4, done=120, ms=150.0, old=CacheConfig(), new=CacheConfig(k_dtype="int8"))
     assert nw.reprefill_footer([cut]) == ("re-prefilled 120 of 916 tokens in 0.1 s after switching to paged cache, "
                                           "16-token pages, keys 8-bit, not in TTFT")
+
+
+def test_a_policy_turned_on_says_so_before_its_settings():
+    """'Heavy hitters (H2O) on: tokens kept per layer 256, …' — it read '… (H2O) (tokens kept per layer 256, …) on',
+    the "on" left at the end of a line after two brackets."""
+    from app.ground.note_words import plain_note
+    from engine.core.vocab import Note, NoteKind
+
+    note = Note("h2o on", NoteKind.POLICY_ON, policy="h2o", params={"budget": 256, "recent": 64})
+    assert plain_note(note) == "Heavy hitters (H2O) on: tokens kept per layer 256, recent tokens always kept 64"
+    assert plain_note(Note("s on", NoteKind.POLICY_ON, policy="streaming", params={})) == \
+        "Attention sinks + recent window (StreamingLLM) on"
