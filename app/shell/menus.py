@@ -7,6 +7,7 @@ from typing import Any
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMenu
 
+from app.ground.docks import DOCKS
 from app.remote.chat import open_connect
 from app.shell.settings_dialog import open_settings
 
@@ -62,12 +63,13 @@ def _file_menu(window, bar, a: dict[str, Any]) -> None:
 
 def _view_menu(window, bar, a: dict[str, Any]) -> None:
     view = bar.addMenu("&View")
-    for dock in window.docks.values():
-        view.addAction(dock.toggleViewAction())
-    view.addSeparator()
-    a["why"] = _action(window, "Why were tokens recomputed?", window.show_why,
+    # one entry a panel, named as its title; "Why recomputed?" shows its readout in front (it sits tabbed behind
+    # Timing, where its dock's own show / hide entry did nothing visible; the menu listed it twice, under two names)
+    a["why"] = _action(window, dict(DOCKS)["why"], window.show_why,
                        tip="The last prompt of this chat: which tokens were computed instead of reused, and why")
-    view.addAction(a["why"])
+    for key, dock in window.docks.items():
+        view.addAction(a["why"] if key == "why" else dock.toggleViewAction())
+    view.addSeparator()
     a["panels"] = _action(window, "Live panels", window.set_panels_enabled, checkable=True,
                           checked=window.scheduler.enabled,
                           tip="Redraw the panels while the model talks (off: they pause and say so)")

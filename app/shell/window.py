@@ -291,7 +291,7 @@ class MainWindow(WindowRequests, QMainWindow):
             self.api_snapshot_shown.emit(session_id, snap)
 
     def show_why(self) -> None:
-        """A reply footer's "Why?" (or View ▸ Why were tokens recomputed?): the readout in front."""
+        """A reply footer's "Why?" (or View ▸ Why recomputed?): the readout in front."""
         dock = self.docks["why"]
         dock.show()
         dock.raise_()

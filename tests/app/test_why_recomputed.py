@@ -14,6 +14,7 @@ import pytest
 from app_helpers import close_window, open_window, wait_reply
 from PySide6.QtCore import QPointF
 from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QMenu
 from test_hover_axes import _hover
 from test_layout import _settle
 
@@ -60,7 +61,10 @@ def _first(stats: dict, reason: str) -> dict:
 def test_a_changed_system_prompt_is_named_in_the_footer_the_strip_and_the_readout(qtbot, data_dir, stories_path):
     w = open_window(qtbot, data_dir, str(stories_path), sampling=SAMPLING)
     try:
-        w.menu_actions["why"].trigger()  # View ▸ Why were tokens recomputed?
+        view = next(m for m in w.menuBar().findChildren(QMenu) if m.title() == "&View")
+        names = [a.text() for a in view.actions() if a.text()]
+        assert len(names) == len(set(names)) and names.count("Why recomputed?") == 1, names  # one entry a panel
+        w.menu_actions["why"].trigger()  # View ▸ Why recomputed?
         qtbot.waitUntil(lambda: on_screen(w.why))
         assert w.why.text() == NO_TURN
         _system_prompt(w, "You are a kind storyteller.")
