@@ -21,6 +21,7 @@ KV_COLOUR = "#43c59e"
 DEVICE_COLOUR = "#ffb347"
 IDLE_GAP_S = 1.0  # a longer pause between snapshots is idle time (drawn flat)
 HISTORY = 4096  # points kept (ring)
+EDGE_DECADES = 0.15  # the y range past its end decades, so their labels fit inside the plot (~8 px at 2 decades)
 
 
 class SplitBar(QWidget):
@@ -100,7 +101,7 @@ class MemoryPanel(Panel):
         self.ranges = [self.x_range]
         self._decades: tuple[int, int] | None = None
         self.x_range.fit(10)
-        self.plot.setYRange(-3, 1, padding=0)
+        self.plot.setYRange(-3 - EDGE_DECADES, 1 + EDGE_DECADES, padding=0)
         self.plot.getAxis("left").setTicks(decade_ticks(-3, 1))
         self.caption.setText("Weights and KV cache bytes over time.")
         self.weights = self.plot.plot(pen=pg.mkPen(WEIGHTS_COLOUR, width=1.5))
@@ -206,7 +207,9 @@ class MemoryPanel(Panel):
         if decades != self._decades:  # y is log10(MiB): whole decades, so the axis rarely changes
             self._decades = decades
             top = max(decades[1], decades[0] + 1)
-            self.plot.setYRange(decades[0], top, padding=0)
+            # a little past the end decades: their labels are half outside the plot at its very edges, where the
+            # axis drops them ("0.1" and "10" went, the axis said only "1")
+            self.plot.setYRange(decades[0] - EDGE_DECADES, top + EDGE_DECADES, padding=0)
             self.plot.getAxis("left").setTicks(decade_ticks(decades[0], top))
         self._has_device = self._has_device or bool(snap.device_bytes)
         self.device.setData(self.t[:n], self.dev[:n]) if self._has_device else None

@@ -151,6 +151,26 @@ def test_memory_series(qtbot):
     assert (panel.split.weights, panel.split.kv) == (8 << 20, 2 << 20)
 
 
+def test_memory_axis_labels_both_end_decades(qtbot):
+    """A model of ~1 MiB and a cache of ~0.3 MiB: the log axis spans 0.1 to 10 MiB and says all three (at the plot's
+    very edges "0.1" and "10" were dropped, the axis said only "1")."""
+    from PySide6.QtGui import QImage, QPainter
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.resize(600, 500)
+    panel.show()
+    for t, kv in ((0.0, 280 << 10), (0.5, 300 << 10)):
+        snap = make_snapshot(weights_bytes=1015 << 10, kv_bytes=kv, bytes_per_layer=np.array([kv // 3] * 3))
+        panel.show_snapshot(snap, now=100 + t)
+    qtbot.wait(20)
+    image = QImage(600, 500, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    specs = panel.plot.getAxis("left").generateDrawSpecs(painter)
+    painter.end()
+    assert [text for *_, text in specs[2]] == ["0.1", "1", "10"]
+
+
 @pytest.mark.parametrize("kv_heads,kind", [(8, "MHA"), (2, "GQA"), (1, "MQA")])
 def test_model_card(qtbot, kv_heads, kind):
     per_token = 2 * 4 * kv_heads * 16 * 4
