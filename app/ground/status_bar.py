@@ -7,12 +7,14 @@ one that warns.
 
 from __future__ import annotations
 
+import numpy as np
 from PySide6.QtWidgets import QProgressBar, QStatusBar, QToolButton
 
 from app.ground.format import human_bytes
 from app.ground.glossary import OVERFLOWS, describe_cache
 from app.ground.widgets import WordLabel
 from engine.config import CacheConfig
+from engine.snapshot import TOKEN_NOT_CACHED
 
 CONTEXT_FILLING, CONTEXT_FULL = "#ffb347", "#ff6b6b"  # the context field from 75% and from 90% used
 KEEPS_MODEL_PX, KEEPS_DEVICE_PX = 180, 120  # the most of their text's width these fields keep when the bar is narrow
@@ -214,6 +216,19 @@ def context_counts(snap) -> tuple[int, int]:
         return chat, chat
     pending = 1 if chat - held - int(snap.evicted_total) >= 1 else 0
     return min(held + pending, chat), chat
+
+
+def evicted_counts(snap) -> tuple[int, int]:
+    """(evicted from the fullest layer, evicted from every layer) of one snapshot: the chat's fed tokens the layer
+    holding most no longer holds — the status bar's "dropped" less the token just generated — and those no layer
+    holds (the token strip's red, ``evicted_total``). They differ where each layer evicts its own tokens (H2O scores
+    each layer's attention): Layer occupancy said "118 evicted" beside the status bar's "176 dropped"."""
+    held = max((int(x) for x in snap.tokens_per_layer), default=0)
+    everywhere = int(snap.evicted_total)
+    if snap.mode == "off" or (held == 0 and snap.layer_kinds and all("state" in k for k in snap.layer_kinds)):
+        return everywhere, everywhere  # nothing cached, or fixed states only: no layer's count to go by
+    waiting = int(np.count_nonzero(np.asarray(snap.token_state) == TOKEN_NOT_CACHED))  # not fed yet
+    return max(int(snap.seq_len) - held - waiting, everywhere), everywhere
 
 
 def fallback_note(reason: str) -> str:

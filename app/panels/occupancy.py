@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 
+from app.ground.status_bar import evicted_counts
 from app.panels.base import Panel, StickyRange, hover_tip, kv_words, legend_row, styled_plot
 from engine.snapshot import TOKEN_NOT_CACHED, TOKEN_PARTIAL, TOKEN_PINNED, TOKEN_QUANTIZED, CacheSnapshot
 
@@ -71,6 +72,9 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
     partial = int(np.count_nonzero(states == TOKEN_PARTIAL))  # a per-head eviction: held by some heads only
     waiting = snap.seq_len - held - snap.evicted_total if not partial else int(np.count_nonzero(
         states == TOKEN_NOT_CACHED))
+    evicted, everywhere = evicted_counts(snap) if not partial else (snap.evicted_total, snap.evicted_total)
+    if evicted != everywhere:  # each layer evicted its own tokens: the just-generated one is told apart as ever
+        waiting = int(np.count_nonzero(states == TOKEN_NOT_CACHED))
     text = f"<b>{snap.mode}</b> · {held} tokens cached"
     if waiting == 1:  # the token just generated is fed (and cached) by the next step: not a lost token
         text += " (+1 just generated)"
@@ -78,8 +82,8 @@ def occupancy_caption(snap: CacheSnapshot, stack: dict[str, np.ndarray]) -> str:
     total_q = int(stack["quantized"].sum())
     if total_q:
         text += f" · {total_q // layers} quantized per layer"
-    if snap.evicted_total:
-        text += f" · {snap.evicted_total} evicted"
+    if evicted:  # the status bar's "dropped" (the fullest layer's); those no layer holds apart, where fewer
+        text += f" · {evicted} evicted" + (f" ({everywhere} from every layer)" if everywhere != evicted else "")
     if partial:
         text += f" · {partial} kept by some heads only"
     kinds = snap.layer_kinds

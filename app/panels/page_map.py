@@ -20,6 +20,7 @@ from app.panels.base import Panel, legend_html, legend_row
 from app.panels.strip import (CHECKPOINT_PAGE_COLOUR, TOKEN_COLOURS, CheckpointTicks, checkpoint_near,
                               checkpoint_text, reuse_legend, token_colours, token_words)
 from app.ground.format import human_bytes
+from app.ground.status_bar import evicted_counts
 from app.ground.widgets import WordLabel
 from engine import snapshot as S
 from engine.snapshot import PAGE_STATE_NAMES, TOKEN_STATE_NAMES, CacheSnapshot
@@ -188,7 +189,9 @@ def page_caption(snap: CacheSnapshot) -> str:
     if counts[S.PAGE_EVICTED] or snap.evicted_total:  # pages freed just now; tokens dropped over the whole chat
         pages = int(counts[S.PAGE_EVICTED])
         said = f"{pages} {'page' if pages == 1 else 'pages'} evicted this step · " if pages else ""
-        parts.append(f"{said}{snap.evicted_total:,} tokens evicted in all")
+        per_layer, everywhere = evicted_counts(snap)  # (Layer occupancy's count, the strip's red)
+        parts.append(f"{said}{everywhere:,} tokens evicted in all" if per_layer == everywhere else
+                     f"{said}{everywhere:,} tokens evicted from every layer ({per_layer:,} from the fullest)")
     if snap.checkpoints:  # a hybrid / sliding-window model's: where a later prompt can cut the cache back to
         parts.append(f"{len(snap.checkpoints)} checkpoint{'s' if len(snap.checkpoints) != 1 else ''} "
                      f"({human_bytes(snap.checkpoint_bytes)})")

@@ -38,6 +38,15 @@ def test_context_used_is_what_the_cache_holds_and_the_chat_is_named_apart(qtbot,
         chat = int(re.search(r"chat ([\d,]+)", status).group(1).replace(",", ""))
         dropped = int(re.search(r"\(([\d,]+) dropped\)", status).group(1).replace(",", ""))
         assert chat == snap.seq_len > total and dropped == chat - used
+        # the occupancy's evicted are the status bar's dropped (H2O evicts each layer's own tokens: it said 118
+        # evicted beside 176 dropped); those no layer holds, the strip's red, are named apart where fewer
+        caption = w.occupancy.caption.text()
+        evicted = int(re.search(r"· ([\d,]+) evicted", caption).group(1).replace(",", ""))
+        assert evicted == dropped, (caption, status)
+        everywhere = re.search(r"\(([\d,]+) from every layer\)", caption)
+        assert int(everywhere.group(1).replace(",", "")) == snap.evicted_total < evicted if everywhere else \
+            snap.evicted_total == evicted
+        assert f"{snap.evicted_total:,} tokens evicted" in w.page_map.caption.text()
         tip = w.status.context.toolTip()
         assert "Context used" in tip and "Tokens in the chat" in tip and "tokens cached" in tip
     finally:
