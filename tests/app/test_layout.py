@@ -256,7 +256,7 @@ def test_the_wheel_over_a_scrolled_panels_field_scrolls_the_panel_and_changes_no
     """Scrolling the Cache panel with the wheel: the pointer passing over a spin box or a combo box changes neither
     (it changed "First tokens kept (sinks)" from 4 to 0); the panel scrolls instead. A field the user clicked into
     (it has the focus) still takes the wheel."""
-    from PySide6.QtWidgets import QFormLayout, QSpinBox
+    from PySide6.QtWidgets import QFormLayout, QGroupBox, QSpinBox, QVBoxLayout
 
     from app.ground.docks import scrolled
 
@@ -275,11 +275,17 @@ def test_the_wheel_over_a_scrolled_panels_field_scrolls_the_panel_and_changes_no
     area.resize(300, 200)
     area.show()
     qtbot.waitExposed(area)
+    box = QGroupBox("a policy's parameters")  # added once the panel is up, nested (a policy chosen later)
+    late = QSpinBox(box)
+    late.setValue(4)
+    QVBoxLayout(box).addWidget(late)
+    rows.insertRow(0, box)
+    qtbot.wait(10)
     bar = area.verticalScrollBar()
     assert bar.maximum() > 0 and bar.value() == 0
-    for field in (spins[1], combo):
+    for field in (spins[1], combo, late):
         _wheel_field(field)
-    assert [s.value() for s in spins] == [4] * 30 and combo.currentIndex() == 0
+    assert [s.value() for s in spins] == [4] * 30 and combo.currentIndex() == 0 and late.value() == 4
     assert bar.value() > 0  # the panel moved
     spins[1].setFocus()
     qtbot.waitUntil(spins[1].hasFocus)
