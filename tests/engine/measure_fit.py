@@ -179,6 +179,20 @@ def _compiled() -> None:
     compileall.compile_dir(str(ROOT / "engine"), quiet=1)
 
 
+def drop_pages(source: str) -> None:
+    """Ask the kernel to let go of the cached pages of ``source`` (a file, or a folder's files): the next load reads
+    them from the disk, whichever side loads first. Without it the first side of a round pays the cold read and the
+    second finds the file in memory. Pages of a file still mapped by a live process stay (none here: each load is a
+    child that has exited)."""
+    root = Path(source)
+    for f in ([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _run_child(python: str, args: list[str], threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # the compiled modules read, as on a user's machine (``_compiled``)
@@ -264,6 +278,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--cold", action="store_true", help="drop the source's pages from the page cache before each "
+                    "load (both sides read it from the disk)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     if a.child:
@@ -285,6 +301,8 @@ def main() -> int:
     for rnd in range(a.rounds):
         for kind, source, case in (jobs if rnd % 2 == 0 else jobs[::-1]):  # sides interleaved, order alternated
             python = a.llamacpp if kind == "llamacpp" else sys.executable
+            if a.cold:
+                drop_pages(source)
             row = _run_child(python, [kind, source, case, str(a.context), str(a.threads)], a.threads)
             rows.append(row)
             print(json.dumps(row), flush=True)
