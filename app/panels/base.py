@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pyqtgraph as pg
 from PySide6.QtCore import QSize, Qt, Signal
@@ -143,6 +144,17 @@ class Panel(QWidget):
                 b.show()
 
 
+# a number and its unit, and "CPU threads", stay on one line when a caption wraps: at 1024×768 the dock's captions
+# broke as "KV 360.0 | KiB" and "1 CPU | thread"
+_TAG = re.compile(r"(<[^>]*>)")
+_GLUE = re.compile(r"(?<=\d) (?=(?:[KMGT]i)?B\b|CPU\b|tok/s|tokens?\b|ms\b|s\b)|(?<=CPU) (?=threads?\b)")
+
+
+def glued(text: str) -> str:
+    """``text`` with no-break spaces between a number and its unit, outside tags (a tag's attributes untouched)."""
+    return "".join(part if part.startswith("<") else _GLUE.sub("\u00a0", part) for part in _TAG.split(text))
+
+
 class Caption(QLabel):
     """A panel's caption: wrapped in full, never cut. Its height is fixed to what the text needs (at least two
     lines) and changes only when the number of lines does, so a number that changes every token does not
@@ -150,22 +162,28 @@ class Caption(QLabel):
     is never cut off after two lines."""
 
     def __init__(self, text: str = "", parent: QWidget | None = None, min_lines: int = 2) -> None:
-        super().__init__(text, parent)
+        super().__init__(glued(text), parent)
+        self._source = text  # ``text()``: what was set, the display's no-break spaces aside
         self.min_lines = min_lines
         self.setObjectName("panelCaption")
         self.setWordWrap(True)
         self.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
         # A hidden twin measures the text: a label's own heightForWidth is clamped to its fixed height.
-        self._probe = QLabel(text, self)
+        self._probe = QLabel(glued(text), self)
         self._probe.setWordWrap(True)
         self._probe.hide()
         self._fit(self.width())
 
     def setText(self, text: str) -> None:  # noqa: N802 - Qt name
-        if text != self.text():
-            super().setText(text)
-            self._probe.setText(text)
+        if text != self._source:
+            self._source = text
+            shown = glued(text)
+            super().setText(shown)
+            self._probe.setText(shown)
             self._fit(self.width())
+
+    def text(self) -> str:
+        return self._source
 
     def needed_height(self, width: int | None = None) -> int:
         """Pixels the whole text takes at ``width`` (the caption's own by default): more than ``height()``
@@ -296,8 +314,10 @@ def kv_words(snap, bold: bool = False) -> str:
 
 def legend_html(chips: list[tuple[str, str]], prefix: str = "") -> str:
     """The rich text of one line of colour chips (``legend_row``'s, or a label's new legend)."""
+    # each chip on one line where it fits (at 1024×768 the page map's legend broke "verified | (frame)")
     return (prefix + " &nbsp; " if prefix else "") + " &nbsp; ".join(
-        f'<span style="color:{c}; font-size:13px">■</span>&nbsp;{t}' for c, t in chips
+        f'<span style="white-space:nowrap"><span style="color:{c}; font-size:13px">■</span>&nbsp;{t}</span>'
+        for c, t in chips
     )
 
 

@@ -292,3 +292,41 @@ def test_the_timing_caption_says_an_eviction_policy_s_cost_only_when_it_is_a_fig
     panel.show_caption(make_snapshot(generation_id=1, ttft_ms=50.0, prefill_ms=50.0, policy_prefill_ms=26.0,
                                      policy_decode_ms=31.2))
     assert "eviction scoring 0.78 ms a token, 26 ms in the prefill" in panel.caption.text()
+
+
+def _lines(html: str, width: int) -> list[str]:
+    """The lines Qt's rich-text layout breaks ``html`` into at ``width`` pixels, no-break spaces as spaces."""
+    from PySide6.QtGui import QTextDocument
+
+    doc = QTextDocument()
+    doc.setHtml(html)
+    doc.setTextWidth(width)
+    doc.documentLayout()  # laid out at that width (the blocks have no lines before)
+    out, block = [], doc.begin()
+    while block.isValid():
+        lay = block.layout()
+        for i in range(lay.lineCount()):
+            line = lay.lineAt(i)
+            out.append(block.text()[line.textStart():line.textStart() + line.textLength()].replace("\xa0", " ").strip())
+        block = block.next()
+    return out
+
+
+def test_narrow_captions_keep_numbers_with_units_and_chips_whole(qtbot):
+    from app.panels.base import Caption, legend_html
+
+    text = "weights <b>1015.8 KiB</b> · KV <b>400.6 KiB</b> (28.3%) · 855 B per token · 1 CPU thread"
+    caption = Caption(text)
+    qtbot.addWidget(caption)
+    assert caption.text() == text  # what was set; only the painting glues
+    for width in range(100, 300, 7):  # wider than "1015.8 KiB": narrower, Qt breaks inside it anyway
+        lines = _lines(caption._probe.text(), width)
+        assert lines and "".join(lines).replace(" ", "") == "weights1015.8KiB·KV400.6KiB(28.3%)·855Bpertoken·1CPUthread"
+        assert not any(line.endswith(("1015.8", "400.6", "855", "1", "1 CPU")) for line in lines), (width, lines)
+        assert not any(line.startswith(("KiB", "B per", "CPU", "thread")) for line in lines), (width, lines)
+    chips = [("#fff", "active (by turn)"), ("#000", "other chats"), ("#f00", "verified (frame)"),
+             ("#0f0", "kept by some heads")]
+    lines = _lines(legend_html(chips, prefix="pages:"), 150)
+    assert len(lines) > 2
+    for _, chip in chips:  # each chip on one line of its own or shared, never broken
+        assert any(chip in line for line in lines), (chip, lines)
