@@ -118,8 +118,11 @@ class StatusBar:
     def show_disk(self, nbytes: int, folder: str = "") -> None:
         """'KV on disk 12.3 MiB' (negative: the tier is off, the field hidden)."""
         self._set("disk", text=f"KV on disk {human_bytes(nbytes)}" if nbytes >= 0 else "",
-                  tip=f"KV disk cache in {folder}: a chat reopened after a restart is restored from these pages "
-                      "(Settings ▸ KV disk cache)" if nbytes >= 0 else "", visible=nbytes >= 0)
+                  tip=f"KV disk cache in {folder}: a chat reopened after a restart is restored from these pages. "
+                      "Only full pages of chats at the model's own K/V precision and with no eviction are written "
+                      "(the prefix cache's pages): a chat with quantized keys or values or an eviction policy adds "
+                      "nothing here and is read again when reopened (Settings ▸ KV disk cache)"
+                  if nbytes >= 0 else "", visible=nbytes >= 0)
 
     def show_speed(self, tokens_per_s: float) -> None:
         self._set("speed", text=f"{tokens_per_s:.1f} tokens/s" if tokens_per_s else "",

@@ -264,5 +264,7 @@ def test_a_narrow_status_bar_keeps_the_model_and_device_whole_when_the_context_s
     qtbot.waitExposed(bar)
     qtbot.wait(50)
     assert status.model.shown_text() == "Model: stories260K" and status.device.shown_text() == "on CPU"
+    # the tier does not grow under int4 keys and StreamingLLM: the tooltip says which chats it keeps
+    assert "no eviction" in status.disk.toolTip() and "quantized keys" in status.disk.toolTip()
     assert status.context.shown_text() == "Context: 261 of 512 tokens · chat 435 (174 dropped)"
     assert status.cache.shown_text().endswith("…")  # the one that gives way
