@@ -152,14 +152,15 @@ class Fit:
     @property
     def resident_bytes(self) -> int:
         """Held once loaded and running, before any KV."""
-        return (self.libraries + self.tokenizer + self.runtime + self.weights.bytes
+        return (self.libraries + self.tokenizer + self.runtime + self.weights.bytes + self.weights.looked_up
                 + self.compute_at(self.context or self.chunk))
 
     def total_at(self, tokens: int, kind: str = "auto") -> int:
         """All the process will hold beyond what it holds now, running a chat of ``tokens`` tokens with ``kind``
         K/V: libraries, runtime, weights, a prefill's activations, the cache and its working buffer."""
-        return int(self.libraries + self.tokenizer + self.runtime + self.weights.bytes + self.compute_at(tokens)
-                   + self.kv_bytes(kind, tokens) + self.attention.working_bytes(kind, self.elem_bytes, tokens))
+        return int(self.libraries + self.tokenizer + self.runtime + self.weights.bytes + self.weights.looked_up
+                   + self.compute_at(tokens) + self.kv_bytes(kind, tokens)
+                   + self.attention.working_bytes(kind, self.elem_bytes, tokens))
 
     def compute_at(self, tokens: int) -> int:
         """A prefill forward's activations for a prompt of ``tokens`` tokens."""
@@ -264,7 +265,7 @@ def estimate(name: str, config: dict, plan: WeightsPlan, device: str, compute_dt
     context = _int(c, "max_position_embeddings", "n_positions", "seq_length")
     attn = attention_of(config)
     runtime = RUNTIME
-    budget = available - (libraries + tokenizer + runtime + plan.bytes)
+    budget = available - (libraries + tokenizer + runtime + plan.bytes + plan.looked_up)
     cap = context or (1 << 20)
     kv = []
     for kind in KV_KINDS:

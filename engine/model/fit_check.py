@@ -39,7 +39,9 @@ def describe(fit: Fit) -> str:
         room = f"its whole context ({fit.context:,} tokens) fits at every precision in {where}"
     else:
         room = f"longest context in {where}: " + ", ".join(f"{_kind(fit, k)} {k.longest_context:,}" for k in fit.kv)
-    return (f"{fit.name}: weights {human_bytes(fit.weights.bytes)} ({held_words(fit.weights)}), "
+    looked = fit.weights.looked_up
+    pages = f" and {human_bytes(looked)} of the file's embedding its lookups map as a chat goes" if looked else ""
+    return (f"{fit.name}: weights {human_bytes(fit.weights.bytes)} ({held_words(fit.weights)}){pages}, "
             f"{human_bytes(fit.resident_bytes)} with the runtime; KV cache per token: {kv}; {room}")
 
 

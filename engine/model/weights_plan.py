@@ -82,6 +82,7 @@ class WeightsPlan:
     file_bytes: int
     largest: int
     quantization: str = "none"
+    looked_up: int = 0  # held once a chat runs, beyond ``bytes``: a tied GGUF table's pages its lookups map
 
     @property
     def bits_per_weight(self) -> float:
@@ -178,7 +179,7 @@ def plan_gguf(info, device: str, compute_dtype: str, quantization: str) -> Weigh
     held = Held.DEQUANTIZED if p.lost and not (p.mapped or p.packed) else Held.REPACKED if p.packed else Held.MAPPED
     copied = max((t.numel for t in tensors if t.dtype in p.lost or len(t.shape) < 2), default=0)
     return WeightsPlan(info.weights_type, info.weights_type, held, params, p.mapped + p.copied, info.size_bytes,
-                       copied, quantization)
+                       copied, quantization, p.looked_up)
 
 
 def _gguf_refusal(architecture: str, device: str) -> str:

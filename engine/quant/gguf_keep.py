@@ -225,6 +225,7 @@ class Plan:
     road: str  # "int8 activations, AVX-512 + VNNI"
     packed: bool = False  # the integer road's linears repacked sixteen rows a group (the file's pages let go)
     blocked: bool = False  # every linear BF16, blocked for the native product (a float layout: the pages let go)
+    looked_up: int = 0  # a tied table's file pages its lookups map again while a chat runs (``_tied_pages``)
 
     @property
     def where(self) -> str:
@@ -260,6 +261,18 @@ def _blocked(info, compute_bytes: int, layout) -> list[int]:
     return [i for i in _linears(info) if types[i][0] == 30 and types[i][1][0] % 16 == 0]
 
 
+def _tied_pages(info, types, copies: set[int]) -> int:
+    """The file's bytes of a tied embedding whose head is held as a copy (repacked or blocked): the copy's product
+    lets the file's pages go, but the lookups map them again as a chat goes, and this kernel maps a whole large folio
+    per row (1.5-2 MiB a looked-up row here: a Llama-3-vocabulary 1B's Q6_K table +95 MiB after 192 lookups, up to
+    its 205 MiB), so the table is held twice once a chat runs: counted in full there (not in the load's peak, nor after it)."""
+    names = [t.name for t in info.tensors]
+    if "output.weight" in names or "token_embd.weight" not in names:
+        return 0
+    i = names.index("token_embd.weight")
+    return formats.file_bytes(*types[i]) if i in copies and types[i][0] >= 0 else 0
+
+
 def plan(info, device: str, compute_bytes: int, layout=None) -> Plan:
     """The ``Plan`` of a ``GgufInfo`` loaded kept on ``device`` in a compute dtype of ``compute_bytes`` (``layout``:
     the float layout its BF16 linears take, as ``build``'s)."""
@@ -273,7 +286,8 @@ def plan(info, device: str, compute_bytes: int, layout=None) -> Plan:
     road = (f"{kernel.default_road()} activations, {kernel.isa()}" if device == "cpu"
             else "ggml's kernels or cuBLAS on dequantized chunks")
     every = bool(blocked) and set(blocked) == {i for i in _linears(info) if types[i][0] >= 0}  # none left mapped
-    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed), every)
+    return Plan(mapped, copied, formats.bits_per_weight(tensor_types(info)), lost, device, road, bool(packed), every,
+                _tied_pages(info, types, set(packed) | set(blocked)) if device == "cpu" else 0)
 
 
 def load(path: Path, info, config, dtype: torch.dtype, device: str, progress=None, check=lambda: None, layout=None,
