@@ -144,10 +144,11 @@ class Panel(QWidget):
                 b.show()
 
 
-# a number and its unit, and "CPU threads", stay on one line when a caption wraps: at 1024×768 the dock's captions
-# broke as "KV 360.0 | KiB" and "1 CPU | thread"
+# a number and its unit, "CPU threads" and "page size 16" stay on one line when a caption wraps: at 1024×768 the
+# dock's captions broke as "KV 360.0 | KiB", "1 CPU | thread" and "page size | 16"
 _TAG = re.compile(r"(<[^>]*>)")
-_GLUE = re.compile(r"(?<=\d) (?=(?:[KMGT]i)?B\b|CPU\b|tok/s|tokens?\b|ms\b|s\b)|(?<=CPU) (?=threads?\b)")
+_GLUE = re.compile(r"(?<=\d) (?=(?:[KMGT]i)?B\b|CPU\b|tok/s|tokens?\b|ms\b|s\b)|(?<=CPU) (?=threads?\b)"
+                   r"|(?<=page) (?=size)|(?<=size) (?=\d)")
 
 
 def glued(text: str) -> str:

@@ -238,10 +238,15 @@ class Plan:
 def _linears(info) -> list[int]:
     """Indices of ``info``'s 2-D tensors multiplied as linears (not the token embedding, whose rows are looked up in
     the file, unless it is also the output head)."""
-    names = [t.name for t in info.tensors]
-    tied = "output.weight" not in names
+    names, tied = [t.name for t in info.tensors], _tied_table(info)
     return [i for i, (_, s) in enumerate(tensor_types(info))
-            if len(s) == 2 and (names[i] != "token_embd.weight" or tied)]
+            if len(s) == 2 and (names[i] != "token_embd.weight" or i == tied)]
+
+
+def _tied_table(info) -> int | None:
+    """The index of ``info``'s token embedding where it is also the output head (no ``output.weight``), else None."""
+    names = [t.name for t in info.tensors]
+    return names.index("token_embd.weight") if "token_embd.weight" in names and "output.weight" not in names else None
 
 
 def _packed(info, device: str) -> list[int]:
@@ -264,13 +269,11 @@ def _blocked(info, compute_bytes: int, layout) -> list[int]:
 def _tied_pages(info, types, copies: set[int]) -> int:
     """The file's bytes of a tied embedding whose head is held as a copy (repacked or blocked): the copy's product
     lets the file's pages go, but the lookups map them again as a chat goes, and this kernel maps a whole large folio
-    per row (1.5-2 MiB a looked-up row here: a Llama-3-vocabulary 1B's Q6_K table +95 MiB after 192 lookups, up to
-    its 205 MiB), so the table is held twice once a chat runs: counted in full there (not in the load's peak, nor after it)."""
-    names = [t.name for t in info.tensors]
-    if "output.weight" in names or "token_embd.weight" not in names:
-        return 0
-    i = names.index("token_embd.weight")
-    return formats.file_bytes(*types[i]) if i in copies and types[i][0] >= 0 else 0
+    per row (1.5-2 MiB a looked-up row here: a Llama-3-vocabulary 1B's Q6_K table +95 MiB after 192 lookups, all
+    its 205 MiB after 640; its BF16 file's 501 MiB table 233 MiB after 640), so the table is held twice once a chat
+    runs: counted in full there (not in the load's peak, nor after it)."""
+    i = _tied_table(info)
+    return formats.file_bytes(*types[i]) if i is not None and i in copies and types[i][0] >= 0 else 0
 
 
 def plan(info, device: str, compute_bytes: int, layout=None) -> Plan:

@@ -315,15 +315,18 @@ def _lines(html: str, width: int) -> list[str]:
 def test_narrow_captions_keep_numbers_with_units_and_chips_whole(qtbot):
     from app.panels.base import Caption, legend_html
 
-    text = "weights <b>1015.8 KiB</b> · KV <b>400.6 KiB</b> (28.3%) · 855 B per token · 1 CPU thread"
+    text = ("weights <b>1015.8 KiB</b> · KV <b>400.6 KiB</b> (28.3%) · 855 B per token · 1 CPU thread · "
+            "<b>4</b>/32 pages used · page size 16")
     caption = Caption(text)
     qtbot.addWidget(caption)
     assert caption.text() == text  # what was set; only the painting glues
     for width in range(100, 300, 7):  # wider than "1015.8 KiB": narrower, Qt breaks inside it anyway
         lines = _lines(caption._probe.text(), width)
-        assert lines and "".join(lines).replace(" ", "") == "weights1015.8KiB·KV400.6KiB(28.3%)·855Bpertoken·1CPUthread"
+        assert lines and "".join(lines).replace(" ", "") == ("weights1015.8KiB·KV400.6KiB(28.3%)·855Bpertoken·"
+                                                             "1CPUthread·4/32pagesused·pagesize16")
         assert not any(line.endswith(("1015.8", "400.6", "855", "1", "1 CPU")) for line in lines), (width, lines)
-        assert not any(line.startswith(("KiB", "B per", "CPU", "thread")) for line in lines), (width, lines)
+        assert not any(line.startswith(("KiB", "B per", "CPU", "thread", "16", "size")) for line in lines), (width, lines)
+        assert not any(line.endswith(("page", "page size")) for line in lines), (width, lines)
     chips = [("#fff", "active (by turn)"), ("#000", "other chats"), ("#f00", "verified (frame)"),
              ("#0f0", "kept by some heads")]
     lines = _lines(legend_html(chips, prefix="pages:"), 150)

@@ -183,7 +183,8 @@ def drop_pages(source: str) -> None:
     """Ask the kernel to let go of the cached pages of ``source`` (a file, or a folder's files): the next load reads
     them from the disk, whichever side loads first. Without it the first side of a round pays the cold read and the
     second finds the file in memory. Pages of a file still mapped by a live process stay (none here: each load is a
-    child that has exited)."""
+    child that has exited). A folder's quantized copy (``--quantize``'s, kept in the data folder) is not dropped: its
+    cases are measured warm either way."""
     root = Path(source)
     for f in ([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())):
         fd = os.open(f, os.O_RDONLY)
